@@ -1,0 +1,114 @@
+//! The crate's one error type. Every variant carries what a user needs to act on it; driver
+//! failures carry the call that failed and the source location of the user call that issued it.
+
+use std::panic::Location;
+
+use crate::memory::PoolId;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in cudagraph.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `libcuda` could not be loaded or initialised (no NVIDIA driver on this machine).
+    #[error("no CUDA driver available: {detail}; install the NVIDIA driver or run on a machine with a GPU")]
+    NoDriver { detail: String },
+
+    /// The driver loaded but the requested device ordinal does not exist.
+    #[error("CUDA device {ordinal} does not exist: the driver reports {count} device(s)")]
+    NoDevice { ordinal: usize, count: usize },
+
+    /// A CUDA driver call returned an error.
+    #[error("{call} failed: {name} ({code}): {description} (called at {at})")]
+    Driver {
+        call: &'static str,
+        code: u32,
+        name: String,
+        description: String,
+        at: &'static Location<'static>,
+    },
+
+    /// NVRTC is missing or rejected a kernel's source.
+    #[error("could not compile CUDA module `{module}`: {log}")]
+    Compile { module: String, log: String },
+
+    /// A compiled module does not contain the requested kernel.
+    #[error("module `{module}` has no kernel named `{kernel}`; check the `extern \"C\"` name")]
+    MissingKernel { module: String, kernel: String },
+
+    /// A pool with a byte limit could not grow by `requested` bytes.
+    #[error("pool {pool} is limited to {limit} bytes, holds {reserved} bytes and needs {requested} more; raise the limit, drop graphs that use the pool, or capture into another pool")]
+    PoolLimitExceeded {
+        pool: PoolId,
+        limit: usize,
+        reserved: usize,
+        requested: usize,
+    },
+
+    /// The device has no memory left for a new segment, even after freeing cached segments.
+    #[error("out of device memory: needed a {requested}-byte segment while {reserved} bytes are reserved by cudagraph; free buffers or graphs, or call Device::empty_cache")]
+    OutOfMemory { requested: usize, reserved: usize },
+
+    /// Two sizes that must agree do not.
+    #[error("size mismatch in {what}: expected {expected}, got {got}")]
+    SizeMismatch {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+
+    /// A range lies outside a buffer.
+    #[error("{what}: range {start}..{end} is outside a buffer of {len} elements")]
+    OutOfRange {
+        what: &'static str,
+        start: usize,
+        end: usize,
+        len: usize,
+    },
+
+    /// A launch configuration the device cannot run.
+    #[error("invalid launch of `{kernel}`: {problem}")]
+    InvalidLaunch { kernel: String, problem: String },
+
+    /// Objects from two different devices were mixed.
+    #[error("{what} belongs to device {got}, but was used with device {expected}")]
+    WrongDevice {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+
+    /// The closure passed to a capture failed; the capture was ended and discarded.
+    #[error("capture started at {at} failed and was discarded (the stream and pool are usable again): {source}")]
+    CaptureFailed {
+        at: &'static Location<'static>,
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// The driver invalidated a capture (an unsafe call from this or another thread, or a
+    /// dependency on work outside the capture). The capture was ended and discarded.
+    #[error("capture started at {at} was invalidated by the driver (a synchronising or unsafe CUDA call happened while it was open; use CaptureMode::ThreadLocal or Relaxed if another thread must keep working): {detail}")]
+    CaptureInvalidated {
+        at: &'static Location<'static>,
+        detail: String,
+    },
+
+    /// A graph that was built or updated by hand failed validation.
+    #[error("invalid graph: {problem}")]
+    InvalidGraph { problem: String },
+}
+
+impl Error {
+    /// True when this error (or the error it wraps) is the driver's "out of memory".
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::OutOfMemory { .. } => true,
+            Error::Driver { code, .. } => *code == 2,
+            Error::CaptureFailed { source, .. } => source.is_out_of_memory(),
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Explicit graph building (seed 003): kernel, copy and memset nodes with explicit
+//! dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works, validated before the driver
+//! sees them.
+//!
+//! Dependencies can only name nodes added earlier, so a built graph is acyclic by
+//! construction; a dependency on a node that does not exist is a typed error.
+
+use std::sync::Arc;
+
+use super::{Graph, GraphMemory};
+use crate::device::{check_device, check_range, Device};
+use crate::error::{Error, Result};
+use crate::memory::{BlockRef, DeviceBuffer, Elem};
+use crate::runtime::driver::{self, Dims, ParamSlot, RawGraph, RawNode};
+use crate::runtime::{Arg, Function, LaunchConfig};
+
+/// A node added to a [`GraphBuilder`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NodeId(usize);
+
+enum Node {
+    Kernel {
+        f: Function,
+        dims: Dims,
+        params: Vec<ParamSlot>,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    Memset {
+        dst: u64,
+        value: u32,
+        words: usize,
+    },
+}
+
+/// Builds a graph node by node.
+///
+/// ```no_run
+/// # use cudagraph::*;
+/// # fn main() -> Result<()> {
+/// # let dev = Device::open(0)?;
+/// # let stream = dev.new_stream()?;
+/// # let m = dev.compile("fb", "extern \"C\" __global__ void fwd(float* d){} extern \"C\" __global__ void bwd(float* d){}")?;
+/// # let (fwd, bwd) = (m.function("fwd")?, m.function("bwd")?);
+/// let data = stream.alloc_zeroed::<f32>(1024)?;
+/// let mut b = GraphBuilder::new(&dev);
+/// let f = b.kernel(&fwd, LaunchConfig::linear(1, 1024), args![&data], &[])?;
+/// b.kernel(&bwd, LaunchConfig::linear(1, 1024), args![&data], &[f])?; // bwd after fwd
+/// let graph = b.build()?;
+/// graph.replay(&stream)?;
+/// # Ok(()) }
+/// ```
+pub struct GraphBuilder {
+    device: Device,
+    nodes: Vec<(Node, Vec<usize>)>,
+    held: Vec<Arc<BlockRef>>,
+}
+
+impl std::fmt::Debug for GraphBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GraphBuilder({} nodes)", self.nodes.len())
+    }
+}
+
+impl GraphBuilder {
+    pub fn new(device: &Device) -> Self {
+        Self {
+            device: device.clone(),
+            nodes: Vec::new(),
+            held: Vec::new(),
+        }
+    }
+
+    /// Number of nodes added so far.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    fn deps(&self, deps: &[NodeId]) -> Result<Vec<usize>> {
+        deps.iter()
+            .map(|d| {
+                if d.0 < self.nodes.len() {
+                    Ok(d.0)
+                } else {
+                    Err(Error::InvalidGraph {
+                        problem: format!(
+                            "dependency on node {} but the builder has {} nodes",
+                            d.0,
+                            self.nodes.len()
+                        ),
+                    })
+                }
+            })
+            .collect()
+    }
+
+    fn push(&mut self, node: Node, deps: Vec<usize>) -> NodeId {
+        self.nodes.push((node, deps));
+        NodeId(self.nodes.len() - 1)
+    }
+
+    /// Adds a kernel launch that runs after `deps`.
+    pub fn kernel(
+        &mut self,
+        f: &Function,
+        cfg: LaunchConfig,
+        args: &[Arg<'_>],
+        deps: &[NodeId],
+    ) -> Result<NodeId> {
+        let deps = self.deps(deps)?;
+        let dims = f.check(cfg)?;
+        if cfg.grid.0 > self.device.info().max_grid_x {
+            return Err(Error::InvalidLaunch {
+                kernel: f.name().to_string(),
+                problem: format!(
+                    "grid x {} exceeds the device limit {}",
+                    cfg.grid.0,
+                    self.device.info().max_grid_x
+                ),
+            });
+        }
+        for a in args {
+            if let Arg::Ptr {
+                holder: Some(b), ..
+            } = a
+            {
+                check_device(&self.device, b)?;
+                self.held.push((*b).clone());
+            }
+        }
+        let params = args.iter().map(Arg::slot).collect();
+        Ok(self.push(
+            Node::Kernel {
+                f: f.clone(),
+                dims,
+                params,
+            },
+            deps,
+        ))
+    }
+
+    /// Adds a device-to-device copy of all of `src` into `dst` (equal lengths).
+    pub fn copy<T: Elem>(
+        &mut self,
+        src: &DeviceBuffer<T>,
+        dst: &DeviceBuffer<T>,
+        deps: &[NodeId],
+    ) -> Result<NodeId> {
+        let deps = self.deps(deps)?;
+        if src.len() != dst.len() {
+            return Err(Error::SizeMismatch {
+                what: "copy node",
+                expected: dst.len(),
+                got: src.len(),
+            });
+        }
+        check_device(&self.device, src.block())?;
+        check_device(&self.device, dst.block())?;
+        self.held.push(src.block().clone());
+        self.held.push(dst.block().clone());
+        Ok(self.push(
+            Node::Copy {
+                dst: dst.addr(),
+                src: src.addr(),
+                bytes: src.bytes(),
+            },
+            deps,
+        ))
+    }
+
+    /// Adds a node setting `len` 32-bit elements of `dst` from `offset` to `value`.
+    pub fn fill32<T: Elem>(
+        &mut self,
+        dst: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+        value: T,
+        deps: &[NodeId],
+    ) -> Result<NodeId> {
+        let deps = self.deps(deps)?;
+        if std::mem::size_of::<T>() != 4 {
+            return Err(Error::SizeMismatch {
+                what: "fill32 element size",
+                expected: 4,
+                got: std::mem::size_of::<T>(),
+            });
+        }
+        check_range("fill node", offset, len, dst.len())?;
+        check_device(&self.device, dst.block())?;
+        self.held.push(dst.block().clone());
+        let b = T::as_bytes(std::slice::from_ref(&value));
+        Ok(self.push(
+            Node::Memset {
+                dst: dst.addr() + (offset * 4) as u64,
+                value: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                words: len,
+            },
+            deps,
+        ))
+    }
+
+    /// Creates the CUDA graph, adds every node with its edges, and instantiates it.
+    #[track_caller]
+    pub fn build(mut self) -> Result<Graph> {
+        if self.nodes.is_empty() {
+            return Err(Error::InvalidGraph {
+                problem: "a graph needs at least one node".into(),
+            });
+        }
+        self.device.context().bind()?;
+        let t0 = std::time::Instant::now();
+        let g = driver::graph_create()?;
+        let guard = DestroyOnError(Some(g));
+        let ctx = self.device.context().handle.raw;
+        let mut raw: Vec<RawNode> = Vec::with_capacity(self.nodes.len());
+        for (node, deps) in &self.nodes {
+            let d: Vec<RawNode> = deps.iter().map(|&i| raw[i]).collect();
+            let n = match node {
+                Node::Kernel { f, dims, params } => {
+                    driver::graph_add_kernel_node(g, &d, f.raw, *dims, params)?
+                }
+                Node::Copy { dst, src, bytes } => {
+                    driver::graph_add_memcpy_dtod_node(g, &d, *dst, *src, *bytes, ctx)?
+                }
+                Node::Memset { dst, value, words } => {
+                    driver::graph_add_memset_node(g, &d, *dst, *value, *words, ctx)?
+                }
+            };
+            raw.push(n);
+        }
+        let g = guard.defuse();
+        self.held.sort_by_key(|b| b.addr());
+        self.held.dedup_by_key(|b| b.addr());
+        let memory = GraphMemory {
+            external_held: self.held.iter().map(|b| b.size()).sum(),
+            ..Default::default()
+        };
+        Graph::instantiate(
+            &self.device,
+            g,
+            None,
+            std::mem::take(&mut self.held),
+            Vec::new(),
+            t0.elapsed(),
+            memory,
+        )
+    }
+}
+
+struct DestroyOnError(Option<RawGraph>);
+
+impl DestroyOnError {
+    fn defuse(mut self) -> RawGraph {
+        self.0.take().expect("set at creation")
+    }
+}
+
+impl Drop for DestroyOnError {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.take() {
+            driver::graph_destroy(g);
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Static inputs and outputs (seed 002's pattern as an API): the graph owns device input and
+//! output buffers plus page-locked host staging, and the host-to-device and device-to-host
+//! copies are nodes of the graph itself, so one run is: write the host staging, one graph
+//! launch, one stream synchronisation.
+
+use std::sync::Arc;
+
+use super::{CaptureOptions, CaptureStream, Graph, GraphInfo};
+use crate::device::{Queue, Stream};
+use crate::error::{Error, Result};
+use crate::memory::{DeviceBuffer, Elem};
+use crate::runtime::driver::{self, PinnedAlloc};
+
+/// A graph with static inputs and outputs and host staging captured into it.
+///
+/// [`StaticGraph::run`] returns the outputs as a borrow of the graph that ends at the next
+/// run, so reading a stale or overwritten output is a compile error:
+///
+/// ```compile_fail
+/// # use cudagraph::*;
+/// # fn f(g: &mut StaticGraph<f32, f32>, s: &Stream) -> Result<()> {
+/// let first = g.run(s, &[&[1.0]])?;
+/// let second = g.run(s, &[&[2.0]])?; // error: `*g` is still borrowed by `first`
+/// println!("{:?}", first.get(0));
+/// # Ok(()) }
+/// ```
+pub struct StaticGraph<I: Elem, O: Elem> {
+    graph: Graph,
+    inputs: Vec<DeviceBuffer<I>>,
+    outputs: Vec<DeviceBuffer<O>>,
+    host_in: Vec<Arc<PinnedAlloc>>,
+    host_out: Vec<Arc<PinnedAlloc>>,
+}
+
+impl<I: Elem, O: Elem> std::fmt::Debug for StaticGraph<I, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "StaticGraph(inputs {:?}, outputs {:?}, {:?})",
+            self.input_lens(),
+            self.output_lens(),
+            self.graph
+        )
+    }
+}
+
+/// Outputs of one [`StaticGraph::run`], borrowed until the next run.
+#[derive(Debug)]
+pub struct Outputs<'a, O: Elem> {
+    host: &'a [Arc<PinnedAlloc>],
+    lens: Vec<usize>,
+    _o: std::marker::PhantomData<O>,
+}
+
+impl<'a, O: Elem> Outputs<'a, O> {
+    /// Output `i` as a host slice.
+    pub fn get(&self, i: usize) -> &'a [O] {
+        self.host[i].typed(self.lens[i])
+    }
+
+    pub fn len(&self) -> usize {
+        self.lens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lens.is_empty()
+    }
+
+    /// Owned copies of every output.
+    pub fn to_vecs(&self) -> Vec<Vec<O>> {
+        (0..self.len()).map(|i| self.get(i).to_vec()).collect()
+    }
+}
+
+impl<I: Elem, O: Elem> StaticGraph<I, O> {
+    /// Allocates device inputs of `input_lens` elements (default pool, before the capture),
+    /// then captures: host-to-device copies into them, `f(cs, inputs)`, and device-to-host
+    /// copies of the output buffers `f` returns.
+    #[track_caller]
+    pub fn capture<F>(
+        stream: &mut Stream,
+        opts: CaptureOptions,
+        input_lens: &[usize],
+        f: F,
+    ) -> Result<Self>
+    where
+        F: FnOnce(&CaptureStream<'_>, &[DeviceBuffer<I>]) -> Result<Vec<DeviceBuffer<O>>>,
+    {
+        let ctx = stream.device().context().handle.raw;
+        let inputs = input_lens
+            .iter()
+            .map(|&n| stream.alloc_zeroed::<I>(n))
+            .collect::<Result<Vec<_>>>()?;
+        stream.synchronize()?;
+        let host_in = input_lens
+            .iter()
+            .map(|&n| PinnedAlloc::new(n * std::mem::size_of::<I>(), ctx).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let (graph, (outputs, host_out)) = Graph::capture(stream, opts, |cs| {
+            for (h, d) in host_in.iter().zip(&inputs) {
+                upload_pinned(cs, h, d)?;
+            }
+            let outputs = f(cs, &inputs)?;
+            let mut host_out = Vec::with_capacity(outputs.len());
+            for o in &outputs {
+                let h = Arc::new(PinnedAlloc::new(o.bytes(), ctx)?);
+                download_pinned(cs, o, &h)?;
+                host_out.push(h);
+            }
+            Ok((outputs, host_out))
+        })?;
+        Ok(Self {
+            graph,
+            inputs,
+            outputs,
+            host_in,
+            host_out,
+        })
+    }
+
+    pub fn input_lens(&self) -> Vec<usize> {
+        self.inputs.iter().map(|b| b.len()).collect()
+    }
+
+    pub fn output_lens(&self) -> Vec<usize> {
+        self.outputs.iter().map(|b| b.len()).collect()
+    }
+
+    /// The device input buffers (for device-side producers).
+    pub fn inputs(&self) -> &[DeviceBuffer<I>] {
+        &self.inputs
+    }
+
+    /// The device output buffers (valid after a run, until the next).
+    pub fn outputs(&self) -> &[DeviceBuffer<O>] {
+        &self.outputs
+    }
+
+    pub fn info(&self) -> &GraphInfo {
+        self.graph.info()
+    }
+
+    pub fn graph_debug(&self) -> String {
+        format!("{:?}", self.graph)
+    }
+
+    /// Copies `inputs` in, replays once, waits, and returns the outputs (borrowed until the
+    /// next run). Each input slice must have its static input's length.
+    #[track_caller]
+    pub fn run(&mut self, stream: &Stream, inputs: &[&[I]]) -> Result<Outputs<'_, O>> {
+        if inputs.len() != self.inputs.len() {
+            return Err(Error::SizeMismatch {
+                what: "number of static inputs",
+                expected: self.inputs.len(),
+                got: inputs.len(),
+            });
+        }
+        for (i, src) in inputs.iter().enumerate() {
+            let want = self.inputs[i].len();
+            if src.len() != want {
+                return Err(Error::SizeMismatch {
+                    what: "static input length",
+                    expected: want,
+                    got: src.len(),
+                });
+            }
+            // SAFETY: input staging is never handed out as a slice, and only this method
+            // launches the graph, synchronising before it returns; `&mut self` rules out a
+            // concurrent run. So no reference to it is alive and no copy from it is in flight.
+            unsafe { self.host_in[i].write_from(I::as_bytes(src)) };
+        }
+        self.graph.replay(stream)?;
+        stream.synchronize()?;
+        Ok(Outputs {
+            host: &self.host_out,
+            lens: self.output_lens(),
+            _o: std::marker::PhantomData,
+        })
+    }
+
+    /// [`Self::run`] returning owned copies of the outputs.
+    #[track_caller]
+    pub fn run_to_vecs(&mut self, stream: &Stream, inputs: &[&[I]]) -> Result<Vec<Vec<O>>> {
+        Ok(self.run(stream, inputs)?.to_vecs())
+    }
+}
+
+/// Captures a copy from pinned host memory into `dst`; the graph keeps `src` alive.
+#[track_caller]
+fn upload_pinned<T: Elem>(
+    cs: &CaptureStream<'_>,
+    src: &Arc<PinnedAlloc>,
+    dst: &DeviceBuffer<T>,
+) -> Result<()> {
+    cs.hold(dst.block());
+    cs.pinned.borrow_mut().push(src.clone());
+    cs.device().context().bind()?;
+    // SAFETY: the graph keeps `src` alive (pushed above) for as long as it can be replayed,
+    // and `StaticGraph::run` only writes it between synchronised replays.
+    unsafe { driver::memcpy_htod_pinned_async(dst.addr(), src, dst.bytes(), cs.raw()) }
+}
+
+/// Captures a copy of `src` into pinned host memory; the graph keeps `dst` alive.
+#[track_caller]
+fn download_pinned<T: Elem>(
+    cs: &CaptureStream<'_>,
+    src: &DeviceBuffer<T>,
+    dst: &Arc<PinnedAlloc>,
+) -> Result<()> {
+    cs.hold(src.block());
+    cs.pinned.borrow_mut().push(dst.clone());
+    cs.device().context().bind()?;
+    // SAFETY: as in `upload_pinned`; `Outputs` reads `dst` only after `run` synchronised.
+    unsafe { driver::memcpy_dtoh_pinned_async(dst, src.addr(), src.bytes(), cs.raw()) }
+}

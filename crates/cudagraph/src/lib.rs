@@ -1,0 +1,46 @@
+//! # cudagraph
+//!
+//! CUDA Graphs for Rust, made practical and safe: capture a fixed stream of GPU work once and
+//! replay it with one launch; feed it through static buffers; keep graph memory in private or
+//! shared, optionally size-bounded pools; observe memory per pool, per graph and per device.
+//!
+//! Layers (see ARCHITECTURE.md): [`runtime`] (context, streams, kernels; all FFI) →
+//! [`memory`] (caching allocator, pools, stats) → [`graph`] (capture, replay, static I/O).
+//!
+//! ```no_run
+//! use cudagraph::*;
+//! # fn main() -> Result<()> {
+//! let dev = Device::open(0)?;
+//! let mut stream = dev.new_stream()?;
+//! let add = dev
+//!     .compile("add", r#"extern "C" __global__ void add_one(float* x, int n) {
+//!         int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.0f; }"#)?
+//!     .function("add_one")?;
+//! let x = stream.alloc_from_host(&vec![0.0f32; 256])?;
+//! let (graph, ()) = Graph::capture(&mut stream, CaptureOptions::new(), |cs| {
+//!     for _ in 0..10 {
+//!         cs.launch(&add, LaunchConfig::for_elements(256, 256), args![&x, 256i32])?;
+//!     }
+//!     Ok(())
+//! })?;
+//! graph.replay(&stream)?; // ten kernels, one launch
+//! assert_eq!(stream.to_vec(&x)?[0], 10.0);
+//! println!("{}", cudagraph::memory::format_memory_line(&dev.memory_stats()));
+//! # Ok(()) }
+//! ```
+
+pub mod device;
+pub mod error;
+pub mod graph;
+pub mod memory;
+pub mod runtime;
+pub mod testing;
+
+pub use device::{Device, Queue, Stream};
+pub use error::{Error, Result};
+pub use graph::{
+    warmup, CaptureMode, CaptureOptions, CaptureStream, Graph, GraphBuilder, GraphInfo,
+    GraphMemory, NodeCounts, NodeId, Outputs, StaticGraph,
+};
+pub use memory::{DeviceBuffer, Elem, MemoryStats, Pool, PoolId};
+pub use runtime::{Arg, DeviceInfo, Event, Function, LaunchConfig, Module};

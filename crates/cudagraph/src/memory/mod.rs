@@ -1,0 +1,373 @@
+//! Device memory: the caching allocator, graph pools, buffers and statistics.
+//!
+//! Every device buffer the library hands out comes from one [`Allocator`] per device. The
+//! bookkeeping lives in [`caching`] and is tested on the CPU against real host memory
+//! ([`HostSource`]); on a GPU the same code runs over `cuMemAlloc` ([`source::DeviceSource`]).
+//! Streams and kernel launches are one layer down ([`crate::runtime`]); capture is one layer up
+//! ([`crate::graph`]).
+
+pub mod caching;
+mod host;
+pub(crate) mod source;
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub use caching::{Allocation, AllocatorCore, MemoryStats, PoolId, SegmentSource, WindowStats};
+pub use host::HostSource;
+
+use crate::error::Result;
+use crate::runtime::Arg;
+
+/// The thread-safe allocator shared by a device, its pools and its buffers.
+pub struct Allocator {
+    core: Mutex<AllocatorCore>,
+    ordinal: usize,
+}
+
+impl fmt::Debug for Allocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Allocator(device {}, {:?})", self.ordinal, self.lock())
+    }
+}
+
+impl Allocator {
+    /// An allocator over any segment source (`HostSource` in CPU tests).
+    pub fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
+        Arc::new(Self {
+            core: Mutex::new(AllocatorCore::new(source)),
+            ordinal,
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, AllocatorCore> {
+        // A panic while holding the lock cannot leave the bookkeeping half-updated in a way
+        // that matters more than losing all device memory would, so keep going.
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Device ordinal this allocator serves.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Allocates `bytes` from `pool`, stream-ordered on `stream`; freed when the block drops.
+    pub fn allocate(
+        self: &Arc<Self>,
+        bytes: usize,
+        pool: PoolId,
+        stream: u64,
+        capture: u64,
+    ) -> Result<Arc<BlockRef>> {
+        let a = self.lock().allocate(bytes, pool, stream)?;
+        Ok(Arc::new(BlockRef {
+            addr: a.addr,
+            size: a.size,
+            pool: a.pool,
+            capture,
+            alloc: self.clone(),
+        }))
+    }
+
+    /// Stats of one pool.
+    pub fn pool_stats(&self, pool: PoolId) -> MemoryStats {
+        self.lock().pool_stats(pool)
+    }
+
+    /// Stats of the whole device (every pool).
+    pub fn stats(&self) -> MemoryStats {
+        self.lock().device_stats()
+    }
+
+    /// Resets all peak counters.
+    pub fn reset_peak(&self) {
+        self.lock().reset_peak()
+    }
+
+    /// Returns cached, unused segments to the driver (never those of pools with live graphs).
+    /// Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<usize> {
+        self.lock().release_free_segments(None)
+    }
+
+    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
+    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
+        let id = self.lock().create_pool(limit);
+        Pool {
+            inner: Arc::new(PoolInner {
+                id,
+                alloc: self.clone(),
+            }),
+        }
+    }
+}
+
+struct PoolInner {
+    id: PoolId,
+    alloc: Arc<Allocator>,
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        self.alloc.lock().close_pool(self.id);
+    }
+}
+
+/// A graph memory pool (PyTorch's `graph_pool_handle()`): captures that name the same pool
+/// allocate from the same memory.
+///
+/// **The pool contract.** A block freed inside one capture may be handed out again to a later
+/// capture into the same pool. That is only correct if graphs sharing a pool replay in the
+/// order they were captured, and never concurrently (the usual case: one graph per batch size,
+/// one replay at a time). Graphs in different pools never share memory.
+///
+/// A pool's memory stays mapped while its handle or any graph captured into it is alive, and is
+/// returned to the driver when the last of them is dropped.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<PoolInner>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Pool({}, {:?})", self.inner.id, self.stats())
+    }
+}
+
+impl Pool {
+    pub fn id(&self) -> PoolId {
+        self.inner.id
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        self.inner.alloc.pool_stats(self.inner.id)
+    }
+
+    /// The byte limit on this pool's reserved memory, if any.
+    pub fn limit(&self) -> Option<usize> {
+        self.inner.alloc.lock().limit(self.inner.id)
+    }
+
+    /// Sets or clears the limit. Memory already reserved is not given back by this call.
+    pub fn set_limit(&self, limit: Option<usize>) {
+        self.inner.alloc.lock().set_limit(self.inner.id, limit)
+    }
+
+    pub(crate) fn allocator(&self) -> &Arc<Allocator> {
+        &self.inner.alloc
+    }
+
+    /// Registers a graph that replays from this pool; the guard unregisters it on drop.
+    pub(crate) fn pin(&self) -> PoolPin {
+        self.inner.alloc.lock().add_graph(self.inner.id);
+        PoolPin { pool: self.clone() }
+    }
+}
+
+/// Keeps a pool's segments mapped for as long as a graph can replay from them.
+pub(crate) struct PoolPin {
+    pool: Pool,
+}
+
+impl PoolPin {
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.pool
+    }
+}
+
+impl Drop for PoolPin {
+    fn drop(&mut self) {
+        self.pool
+            .inner
+            .alloc
+            .lock()
+            .remove_graph(self.pool.inner.id);
+    }
+}
+
+/// One allocated block. Shared (`Arc`) between the buffer that owns it and any graph that
+/// baked its address in; the block returns to its pool when the last holder drops.
+pub struct BlockRef {
+    addr: u64,
+    size: usize,
+    pool: PoolId,
+    capture: u64,
+    alloc: Arc<Allocator>,
+}
+
+impl fmt::Debug for BlockRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Block({:#x}, {} B, {})", self.addr, self.size, self.pool)
+    }
+}
+
+impl BlockRef {
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    pub fn pool(&self) -> PoolId {
+        self.pool
+    }
+    /// Id of the capture that allocated the block (0 for eager allocations).
+    pub fn capture_id(&self) -> u64 {
+        self.capture
+    }
+    pub(crate) fn device_ordinal(&self) -> usize {
+        self.alloc.ordinal
+    }
+}
+
+impl Drop for BlockRef {
+    fn drop(&mut self) {
+        self.alloc.lock().free(self.addr);
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Element types a device buffer can hold: plain numbers, every bit pattern valid.
+pub trait Elem: sealed::Sealed + Copy + Default + Send + Sync + fmt::Debug + 'static {
+    /// Bytes as they are laid out in memory.
+    fn as_bytes(v: &[Self]) -> &[u8];
+    /// Mutable bytes of a slice.
+    fn as_bytes_mut(v: &mut [Self]) -> &mut [u8];
+}
+
+macro_rules! elem {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Elem for $t {
+            fn as_bytes(v: &[Self]) -> &[u8] {
+                // Plain numbers: reading their bytes is always defined.
+                let n = std::mem::size_of_val(v);
+                bytes_of(v.as_ptr() as *const u8, n)
+            }
+            fn as_bytes_mut(v: &mut [Self]) -> &mut [u8] {
+                let n = std::mem::size_of_val(v);
+                bytes_of_mut(v.as_mut_ptr() as *mut u8, n)
+            }
+        }
+    )*};
+}
+elem!(f32, f64, i8, u8, i16, u16, i32, u32, i64, u64);
+
+use host::{bytes_of, bytes_of_mut};
+
+/// A typed device buffer: `len` elements of `T` in a block from the caching allocator.
+///
+/// Dropping it returns the block to its pool — unless a graph baked its address in, in which
+/// case the graph keeps it until the graph is dropped.
+pub struct DeviceBuffer<T: Elem> {
+    block: Arc<BlockRef>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T: Elem> fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "DeviceBuffer<{}>[{}] @ {:#x} ({})",
+            std::any::type_name::<T>(),
+            self.len,
+            self.block.addr,
+            self.block.pool
+        )
+    }
+}
+
+impl<T: Elem> DeviceBuffer<T> {
+    pub(crate) fn from_block(block: Arc<BlockRef>, len: usize) -> Self {
+        Self {
+            block,
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes of the elements (not of the rounded block).
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// Device address of element 0.
+    pub fn addr(&self) -> u64 {
+        self.block.addr
+    }
+
+    /// The pool the block came from.
+    pub fn pool(&self) -> PoolId {
+        self.block.pool
+    }
+
+    /// The shared block, for graph keep-alive and for CUDA libraries called on raw pointers.
+    pub fn block(&self) -> &Arc<BlockRef> {
+        &self.block
+    }
+
+    /// A kernel argument pointing at element `offset`.
+    pub fn arg_at(&self, offset: usize) -> Arg<'_> {
+        Arg::Ptr {
+            addr: self.block.addr + (offset.min(self.len) * std::mem::size_of::<T>()) as u64,
+            holder: Some(&self.block),
+        }
+    }
+}
+
+impl<'a, T: Elem> From<&'a DeviceBuffer<T>> for Arg<'a> {
+    fn from(b: &'a DeviceBuffer<T>) -> Self {
+        Arg::Ptr {
+            addr: b.block.addr,
+            holder: Some(&b.block),
+        }
+    }
+}
+
+impl<'a, T: Elem> From<&'a mut DeviceBuffer<T>> for Arg<'a> {
+    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
+        Arg::from(&*b)
+    }
+}
+
+const MB: f64 = 1024.0 * 1024.0;
+
+/// Seed-000 style one-line log: `memory allocated 315.6 MB, cached 3292.0 MB`.
+pub fn format_memory_line(s: &MemoryStats) -> String {
+    format!(
+        "memory allocated {:.1} MB, cached {:.1} MB",
+        s.allocated as f64 / MB,
+        s.reserved as f64 / MB
+    )
+}
+
+/// Seed-000 style full line with peaks:
+/// `memory_allocated 315.6 MB, max_memory_allocated 2892.0 MB, memory_cached 3292.0 MB, max_memory_cached 3292.0 MB`.
+pub fn format_memory_full(s: &MemoryStats) -> String {
+    format!(
+        "memory_allocated {:.1} MB, max_memory_allocated {:.1} MB, memory_cached {:.1} MB, max_memory_cached {:.1} MB",
+        s.allocated as f64 / MB,
+        s.peak_allocated as f64 / MB,
+        s.reserved as f64 / MB,
+        s.peak_reserved as f64 / MB
+    )
+}
+
+impl fmt::Display for MemoryStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&format_memory_full(self))
+    }
+}

@@ -1,0 +1,37 @@
+//! Device segments from `cuMemAlloc`, for the device's allocator.
+
+use std::sync::Arc;
+
+use super::caching::SegmentSource;
+use crate::error::{Error, Result};
+use crate::runtime::{driver, ContextHandle};
+
+pub(crate) struct DeviceSource {
+    pub(crate) ctx: Arc<ContextHandle>,
+}
+
+impl SegmentSource for DeviceSource {
+    fn allocate(&self, bytes: usize) -> Result<u64> {
+        self.ctx.bind()?;
+        driver::mem_alloc(bytes).map_err(|e| {
+            if e.is_out_of_memory() {
+                Error::OutOfMemory {
+                    requested: bytes,
+                    reserved: 0,
+                }
+            } else {
+                e
+            }
+        })
+    }
+
+    fn release(&self, addr: u64, _bytes: usize) -> Result<()> {
+        self.ctx.bind()?;
+        driver::mem_free(addr)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        driver::ctx_synchronize()
+    }
+}

@@ -1,0 +1,43 @@
+//! The one gate every GPU test starts with.
+//!
+//! [`gpu_or_skip`] returns the device, or prints `skipped: no CUDA device` and returns `None`
+//! so the test can return early. With `CUDAGRAPH_REQUIRE_GPU=1` (set by the GPU test runner) a
+//! missing device is a failure instead: a GPU test that skipped is not a GPU test that passed.
+
+use crate::Device;
+
+/// Name of the variable that turns a missing GPU into a test failure.
+pub const REQUIRE_GPU_VAR: &str = "CUDAGRAPH_REQUIRE_GPU";
+
+/// Whether a missing GPU must fail the test.
+pub fn gpu_required() -> bool {
+    std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+}
+
+/// Device 0, or `None` (after printing why) when there is none and the GPU is not required.
+///
+/// # Panics
+/// When no device can be opened and `CUDAGRAPH_REQUIRE_GPU=1`.
+pub fn gpu_or_skip() -> Option<Device> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(e) if gpu_required() => {
+            panic!("{REQUIRE_GPU_VAR}=1 but no CUDA device could be opened: {e}")
+        }
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// Runs `f` with the gate: `let Some(dev) = gpu_or_skip() else { return };` in one call.
+#[macro_export]
+macro_rules! gpu_test_device {
+    () => {
+        match $crate::testing::gpu_or_skip() {
+            Some(d) => d,
+            None => return,
+        }
+    };
+}
