@@ -61,7 +61,7 @@ fn small_requests_round_to_512_and_share_a_2mib_segment() {
 #[test]
 fn blocks_never_overlap_in_real_memory() {
     let (mut c, src) = core();
-    let sizes = [100, 4 * KB, 700 * KB, 3 * MB, 12 * MB, 512, 1 * MB];
+    let sizes = [100, 4 * KB, 700 * KB, 3 * MB, 12 * MB, 512, MB];
     let blocks: Vec<_> = sizes
         .iter()
         .map(|&s| c.allocate(s, PoolId::DEFAULT, 1).unwrap())

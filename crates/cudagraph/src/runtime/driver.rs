@@ -416,11 +416,17 @@ impl PinnedAlloc {
     pub(crate) fn new(bytes: usize, ctx: RawContext) -> Result<Self> {
         ctx_bind(ctx)?;
         let mut p = ptr::null_mut();
-        // SAFETY: writes one host pointer to `bytes.max(1)` bytes of page-locked memory.
-        check(
-            unsafe { sys::cuMemAllocHost_v2(&mut p, bytes.max(1)) },
-            "cuMemAllocHost",
-        )?;
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: writes one host pointer to `bytes.max(1)` bytes of page-locked memory. Relaxed
+        // capture mode around it (restored right after), as for cuMemAlloc: static outputs get
+        // their staging while their capture is open.
+        let status = unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode);
+            let status = sys::cuMemAllocHost_v2(&mut p, bytes.max(1));
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode);
+            status
+        };
+        check(status, "cuMemAllocHost")?;
         // SAFETY: the allocation is at least `bytes` long; zero it so reads are defined.
         unsafe { ptr::write_bytes(p as *mut u8, 0, bytes) };
         Ok(Self {
@@ -461,9 +467,13 @@ impl PinnedAlloc {
 impl Drop for PinnedAlloc {
     fn drop(&mut self) {
         if ctx_bind(self.ctx).is_ok() {
-            // SAFETY: ptr came from cuMemAllocHost and is freed once, here.
+            let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+            // SAFETY: ptr came from cuMemAllocHost and is freed once, here (relaxed capture
+            // mode as in `new`, restored right after).
             unsafe {
+                sys::cuThreadExchangeStreamCaptureMode(&mut mode);
                 sys::cuMemFreeHost(self.ptr as *mut c_void);
+                sys::cuThreadExchangeStreamCaptureMode(&mut mode);
             }
         }
     }

@@ -353,6 +353,12 @@ pub struct Module {
     inner: Arc<ModuleInner>,
 }
 
+impl fmt::Debug for Module {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Module({})", self.inner.name)
+    }
+}
+
 impl Module {
     /// Looks up an `extern "C" __global__` function.
     #[track_caller]

@@ -1,0 +1,4 @@
+//! Benchmark commands. Each one measures eager and graph execution of the same work in one
+//! process on one device, and prints a table (or JSON).
+
+pub mod chain;

@@ -1,0 +1,78 @@
+//! `cudagraph info` and shared output helpers.
+
+use cudagraph::{Device, Result};
+use serde::Serialize;
+
+#[derive(Serialize)]
+pub struct DeviceReport {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: String,
+    pub multiprocessors: u32,
+    pub total_memory_mib: f64,
+    pub free_memory_mib: f64,
+    pub driver_cuda_version: String,
+}
+
+pub fn device_report(dev: &Device) -> Result<DeviceReport> {
+    let i = dev.info();
+    let (free, total) = dev.context().mem_get_info()?;
+    Ok(DeviceReport {
+        ordinal: i.ordinal,
+        name: i.name.clone(),
+        compute_capability: format!("{}.{}", i.compute_capability.0, i.compute_capability.1),
+        multiprocessors: i.multiprocessors,
+        total_memory_mib: total as f64 / 1048576.0,
+        free_memory_mib: free as f64 / 1048576.0,
+        driver_cuda_version: i.cuda_version_string(),
+    })
+}
+
+pub fn info(ordinal: usize, json: bool) -> Result<()> {
+    let dev = Device::open(ordinal)?;
+    let r = device_report(&dev)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r).expect("serialisable")
+        );
+    } else {
+        println!("device {}: {}", r.ordinal, r.name);
+        println!(
+            "  compute capability {}, {} SMs",
+            r.compute_capability, r.multiprocessors
+        );
+        println!(
+            "  memory {:.0} MiB total, {:.0} MiB free",
+            r.total_memory_mib, r.free_memory_mib
+        );
+        println!("  driver supports CUDA {}", r.driver_cuda_version);
+        println!(
+            "  {}",
+            cudagraph::memory::format_memory_line(&dev.memory_stats())
+        );
+    }
+    Ok(())
+}
+
+/// Median of a non-empty sample.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn median_of_odd_and_even_samples() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+}
