@@ -149,8 +149,13 @@ pub trait Queue {
     /// Call it for buffers passed to CUDA libraries by raw address.
     fn hold(&self, block: &Arc<BlockRef>);
 
+    /// The id of the capture recording this queue's work, `None` when eager.
+    fn capture_id(&self) -> Option<u64>;
+
     /// Whether work on this queue is being recorded into a graph rather than run.
-    fn is_capturing(&self) -> bool;
+    fn is_capturing(&self) -> bool {
+        self.capture_id().is_some()
+    }
 
     /// Launches a kernel.
     #[track_caller]
@@ -412,7 +417,7 @@ impl Queue for Stream {
 
     fn hold(&self, _block: &Arc<BlockRef>) {}
 
-    fn is_capturing(&self) -> bool {
-        false
+    fn capture_id(&self) -> Option<u64> {
+        None
     }
 }

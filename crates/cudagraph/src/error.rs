@@ -96,6 +96,10 @@ pub enum Error {
         detail: String,
     },
 
+    /// An error from code layered on cudagraph (a model inside a capture closure, say).
+    #[error("{0}")]
+    External(Box<dyn std::error::Error + Send + Sync + 'static>),
+
     /// A graph that was built or updated by hand failed validation.
     #[error("invalid graph: {problem}")]
     InvalidGraph { problem: String },

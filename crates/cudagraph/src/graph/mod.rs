@@ -155,8 +155,8 @@ impl Queue for CaptureStream<'_> {
         }
     }
 
-    fn is_capturing(&self) -> bool {
-        true
+    fn capture_id(&self) -> Option<u64> {
+        Some(self.id)
     }
 }
 

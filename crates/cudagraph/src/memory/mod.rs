@@ -319,6 +319,13 @@ impl<T: Elem> DeviceBuffer<T> {
         &self.block
     }
 
+    /// Another handle to the same device memory (it stays allocated while any handle, or a
+    /// graph that uses it, is alive). Device memory is not Rust memory, so aliasing is sound;
+    /// ordering reads and writes is up to the stream, as for every device buffer.
+    pub fn alias(&self) -> DeviceBuffer<T> {
+        Self::from_block(self.block.clone(), self.len)
+    }
+
     /// A kernel argument pointing at element `offset`.
     pub fn arg_at(&self, offset: usize) -> Arg<'_> {
         Arg::Ptr {

@@ -331,6 +331,18 @@ pub(crate) fn mem_alloc(bytes: usize) -> Result<u64> {
     Ok(dptr)
 }
 
+/// Runs `f` with this thread's stream-capture mode set to relaxed, then restores it. For
+/// library calls that allocate (cuBLAS handle creation) and must work while a capture is open.
+pub fn with_relaxed_capture<R>(f: impl FnOnce() -> R) -> R {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: writes the previous mode into `mode`; the second call restores it.
+    unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    let r = f();
+    // SAFETY: as above.
+    unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    r
+}
+
 #[track_caller]
 pub(crate) fn mem_free(dptr: u64) -> Result<()> {
     let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 
 use crate::error::{Error, Result};
+pub use driver::with_relaxed_capture;
 pub(crate) use driver::{Dims, ParamSlot, RawContext, RawEvent, RawFunction, RawStream};
 
 /// Facts about a device, read once when it is opened.

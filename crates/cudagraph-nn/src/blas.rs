@@ -1,0 +1,212 @@
+//! cuBLAS, the only FFI in this crate. One handle per device; its workspace is a buffer from
+//! our own allocator (one per stream, in the default pool), so cuBLAS never allocates during a
+//! capture and graph pools do not grow by a workspace per capture.
+//!
+//! Workspace contract: graphs captured on a stream use that stream's workspace. Like graphs
+//! sharing a pool, they must not replay concurrently with each other or with eager GEMMs on
+//! that stream (replay them on the stream they were captured on, or in order).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudagraph::memory::{BlockRef, PoolId};
+use cudagraph::runtime::with_relaxed_capture;
+use cudagraph::{Device, DeviceBuffer};
+use cudarc::cublas::sys;
+
+use crate::error::{NnError, Result};
+use crate::exec::Exec;
+
+/// Workspace bytes per stream (cuBLAS's recommendation for Hopper is up to 32 MiB; SGEMM at
+/// these sizes uses far less).
+pub const WORKSPACE_BYTES: usize = 4 << 20;
+
+struct Handle(sys::cublasHandle_t);
+
+// SAFETY: a cuBLAS handle may be used from any thread, one call at a time; every use below
+// holds the `Blas` mutex.
+unsafe impl Send for Handle {}
+
+struct State {
+    handle: Handle,
+    workspaces: HashMap<u64, Arc<BlockRef>>,
+}
+
+/// A cuBLAS handle bound to one device.
+pub struct Blas {
+    state: Mutex<State>,
+    device: Device,
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if self.device.context().bind().is_ok() {
+            // SAFETY: the handle was created by cublasCreate and is destroyed once, here.
+            unsafe {
+                sys::cublasDestroy_v2(st.handle.0);
+            }
+        }
+    }
+}
+
+fn check(status: sys::cublasStatus_t, call: &'static str) -> Result<()> {
+    if status == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(NnError::Cublas {
+            call,
+            status: format!("{status:?}"),
+        })
+    }
+}
+
+/// `N` (as stored) or `T` (transposed) for a row-major operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trans {
+    N,
+    T,
+}
+
+impl Trans {
+    fn op(self) -> sys::cublasOperation_t {
+        match self {
+            Trans::N => sys::cublasOperation_t::CUBLAS_OP_N,
+            Trans::T => sys::cublasOperation_t::CUBLAS_OP_T,
+        }
+    }
+}
+
+impl Blas {
+    /// Creates the handle (works inside a capture too: relaxed mode around creation).
+    pub fn new(device: &Device) -> Result<Self> {
+        // SAFETY: only tries to dlopen libcublas.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(NnError::Cublas {
+                call: "dlopen",
+                status: "libcublas could not be loaded; install CUDA's cuBLAS library".into(),
+            });
+        }
+        device.context().bind()?;
+        let mut h = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check(
+            with_relaxed_capture(|| unsafe { sys::cublasCreate_v2(&mut h) }),
+            "cublasCreate",
+        )?;
+        // Full fp32 (no TF32), to match PyTorch with TF32 off and our CPU references.
+        // SAFETY: h is a live handle.
+        check(
+            unsafe { sys::cublasSetMathMode(h, sys::cublasMath_t::CUBLAS_DEFAULT_MATH) },
+            "cublasSetMathMode",
+        )?;
+        Ok(Self {
+            state: Mutex::new(State {
+                handle: Handle(h),
+                workspaces: HashMap::new(),
+            }),
+            device: device.clone(),
+        })
+    }
+
+    /// Row-major `C[m×n] = alpha · op(A) · op(B) + beta · C`, where op(A) is m×k and op(B) k×n.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        q: &dyn Exec,
+        ta: Trans,
+        tb: Trans,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: &DeviceBuffer<f32>,
+        b: &DeviceBuffer<f32>,
+        beta: f32,
+        c: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        let need = |what: &'static str, buf: &DeviceBuffer<f32>, len: usize| {
+            if buf.len() < len {
+                Err(NnError::Core(cudagraph::Error::SizeMismatch {
+                    what,
+                    expected: len,
+                    got: buf.len(),
+                }))
+            } else {
+                Ok(())
+            }
+        };
+        need("gemm A", a, m * k)?;
+        need("gemm B", b, k * n)?;
+        need("gemm C", c, m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let to_i32 = |v: usize| {
+            i32::try_from(v).map_err(|_| NnError::Shape(format!("gemm dimension {v} exceeds i32")))
+        };
+        let (mi, ni, ki) = (to_i32(m)?, to_i32(n)?, to_i32(k)?);
+        // Column-major view: Cᵀ (n×m) = op(B)ᵀ · op(A)ᵀ, so B goes first.
+        let lda = if ta == Trans::N { ki } else { mi };
+        let ldb = if tb == Trans::N { ni } else { ki };
+        q.hold(a.block());
+        q.hold(b.block());
+        q.hold(c.block());
+        self.device.context().bind()?;
+        let stream = q.stream();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let ws = match st.workspaces.get(&stream.id()) {
+            Some(w) => w.clone(),
+            None => {
+                let w = self.device.allocator().allocate(
+                    WORKSPACE_BYTES,
+                    PoolId::DEFAULT,
+                    stream.id(),
+                    0,
+                )?;
+                st.workspaces.insert(stream.id(), w.clone());
+                w
+            }
+        };
+        q.hold(&ws);
+        let h = st.handle.0;
+        // SAFETY: h is live; the stream and workspace are live device objects (the workspace is
+        // kept by `self` and, inside a capture, by the graph); pointers are device addresses of
+        // buffers whose sizes were checked above; alpha/beta are read before the call returns.
+        unsafe {
+            check(
+                sys::cublasSetStream_v2(h, stream.raw_stream() as sys::cudaStream_t),
+                "cublasSetStream",
+            )?;
+            check(
+                sys::cublasSetWorkspace_v2(h, ws.addr() as *mut _, WORKSPACE_BYTES),
+                "cublasSetWorkspace",
+            )?;
+            check(
+                sys::cublasSgemm_v2(
+                    h,
+                    tb.op(),
+                    ta.op(),
+                    ni,
+                    mi,
+                    ki,
+                    &alpha,
+                    b.addr() as *const f32,
+                    ldb,
+                    a.addr() as *const f32,
+                    lda,
+                    &beta,
+                    c.addr() as *mut f32,
+                    ni,
+                ),
+                "cublasSgemm",
+            )
+        }
+    }
+
+    /// Streams that have a workspace, and the bytes held for workspaces.
+    pub fn workspace_bytes(&self) -> usize {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.workspaces.len() * WORKSPACE_BYTES
+    }
+}

@@ -1,0 +1,34 @@
+//! Errors of the NN layer: shape problems, cuBLAS failures, and everything from the core.
+
+/// Result alias for the NN layer.
+pub type Result<T, E = NnError> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NnError {
+    /// An error from the core (driver, allocator, capture).
+    #[error(transparent)]
+    Core(#[from] cudagraph::Error),
+    /// Tensor shapes that an operation cannot combine.
+    #[error("shape error: {0}")]
+    Shape(String),
+    /// A cuBLAS call failed.
+    #[error("{call} failed: {status}")]
+    Cublas { call: &'static str, status: String },
+    /// `backward` was called on something that is not a scalar.
+    #[error("backward() needs a scalar (one-element) tensor, got shape {0:?}")]
+    NotScalar(Vec<usize>),
+    /// A data file could not be read or parsed.
+    #[error("dataset: {0}")]
+    Data(String),
+}
+
+/// Lets NN code run inside `Graph::capture` closures with `?`.
+impl From<NnError> for cudagraph::Error {
+    fn from(e: NnError) -> Self {
+        match e {
+            NnError::Core(e) => e,
+            other => cudagraph::Error::External(Box::new(other)),
+        }
+    }
+}

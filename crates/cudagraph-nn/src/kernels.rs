@@ -1,0 +1,309 @@
+//! The NN layer's own CUDA kernels (elementwise, reductions, losses, optimizers, conv, pooling),
+//! compiled once per device with NVRTC (and cached on disk by the core), plus the per-device
+//! context [`Nn`] that holds them with the cuBLAS handle.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudagraph::{Device, Function};
+
+use crate::blas::Blas;
+use crate::error::Result;
+
+pub const SOURCE: &str = r#"
+#define IDX (blockIdx.x * blockDim.x + threadIdx.x)
+
+// Block-wide sum (blockDim.x a power of two, at most 1024).
+__device__ float block_sum(float v) {
+    __shared__ float s[1024];
+    s[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) s[threadIdx.x] += s[threadIdx.x + o];
+        __syncthreads();
+    }
+    float r = s[0];
+    __syncthreads();
+    return r;
+}
+
+extern "C" __global__ void bias_act(float* y, const float* b, int rows, int cols, int relu) {
+    long i = IDX;
+    if (i < (long)rows * cols) {
+        float v = y[i] + b[i % cols];
+        y[i] = relu ? fmaxf(v, 0.0f) : v;
+    }
+}
+
+extern "C" __global__ void relu_fwd(const float* x, float* y, long n) {
+    long i = IDX;
+    if (i < n) y[i] = fmaxf(x[i], 0.0f);
+}
+
+// dx = dy where y > 0 (y is the ReLU output).
+extern "C" __global__ void relu_bwd(const float* dy, const float* y, float* dx, long n) {
+    long i = IDX;
+    if (i < n) dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+extern "C" __global__ void add_inplace(float* a, const float* b, long n) {
+    long i = IDX;
+    if (i < n) a[i] += b[i];
+}
+
+// db[c] = sum_r dy[r, c]: one block per column.
+extern "C" __global__ void col_sum(const float* dy, float* db, int rows, int cols) {
+    int c = blockIdx.x;
+    float acc = 0.0f;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) acc += dy[(long)r * cols + c];
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) db[c] = acc;
+}
+
+// db[c] = sum over n, h, w of dy[n, c, h, w]: one block per channel.
+extern "C" __global__ void channel_sum(const float* dy, float* db, int n, int c, int hw) {
+    int ch = blockIdx.x;
+    float acc = 0.0f;
+    long total = (long)n * hw;
+    for (long i = threadIdx.x; i < total; i += blockDim.x) {
+        long b = i / hw, p = i % hw;
+        acc += dy[(b * c + ch) * hw + p];
+    }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) db[ch] = acc;
+}
+
+// loss[0] = scale * sum (p - t)^2, one block.
+extern "C" __global__ void mse_fwd(const float* p, const float* t, float* loss, long n, float scale) {
+    float acc = 0.0f;
+    for (long i = threadIdx.x; i < n; i += blockDim.x) { float d = p[i] - t[i]; acc += d * d; }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) loss[0] = scale * acc;
+}
+
+extern "C" __global__ void mse_bwd(const float* p, const float* t, const float* dloss, float* dp, long n, float scale) {
+    long i = IDX;
+    if (i < n) dp[i] = 2.0f * scale * (p[i] - t[i]) * dloss[0];
+}
+
+// Softmax cross-entropy, mean over rows; probs saved for backward. One block.
+extern "C" __global__ void ce_fwd(const float* logits, const int* tgt, float* probs, float* loss, int rows, int cols) {
+    float acc = 0.0f;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const float* z = logits + (long)r * cols;
+        float m = z[0];
+        for (int c = 1; c < cols; c++) m = fmaxf(m, z[c]);
+        float s = 0.0f;
+        for (int c = 0; c < cols; c++) s += expf(z[c] - m);
+        for (int c = 0; c < cols; c++) probs[(long)r * cols + c] = expf(z[c] - m) / s;
+        acc += logf(s) + m - z[tgt[r]];
+    }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) loss[0] = acc / rows;
+}
+
+extern "C" __global__ void ce_bwd(const float* probs, const int* tgt, const float* dloss, float* dz, int rows, int cols) {
+    long i = IDX;
+    if (i < (long)rows * cols) {
+        int r = i / cols, c = i % cols;
+        dz[i] = (probs[i] - (c == tgt[r] ? 1.0f : 0.0f)) * dloss[0] / rows;
+    }
+}
+
+// SGD with momentum and weight decay (PyTorch's update; the momentum buffer starts at zero,
+// which equals PyTorch's first-step copy when dampening is 0).
+extern "C" __global__ void sgd_step(float* w, const float* g, float* buf, long n, float lr, float momentum, float wd) {
+    long i = IDX;
+    if (i < n) {
+        float d = g[i] + wd * w[i];
+        if (momentum != 0.0f) { buf[i] = momentum * buf[i] + d; d = buf[i]; }
+        w[i] -= lr * d;
+    }
+}
+
+extern "C" __global__ void step_inc(float* step) { step[0] += 1.0f; }
+
+// Adam / AdamW with the step count on the device (PyTorch's capturable=True).
+extern "C" __global__ void adam_step(float* w, const float* g, float* m, float* v, const float* step, long n,
+                                     float lr, float b1, float b2, float eps, float wd, int decoupled) {
+    long i = IDX;
+    if (i < n) {
+        float t = step[0];
+        float gi = g[i];
+        if (decoupled) w[i] -= lr * wd * w[i]; else gi += wd * w[i];
+        m[i] = b1 * m[i] + (1.0f - b1) * gi;
+        v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+        float mh = m[i] / (1.0f - powf(b1, t));
+        float vh = v[i] / (1.0f - powf(b2, t));
+        w[i] -= lr * mh / (sqrtf(vh) + eps);
+    }
+}
+
+// Direct convolution, NCHW, one thread per output element.
+extern "C" __global__ void conv2d_fwd(const float* x, const float* w, const float* b, float* y,
+        int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad) {
+    long i = IDX;
+    long total = (long)N * OC * OH * OW;
+    if (i >= total) return;
+    int ow = i % OW; long t = i / OW;
+    int oh = t % OH; t /= OH;
+    int oc = t % OC; int n = t / OC;
+    float acc = b ? b[oc] : 0.0f;
+    for (int c = 0; c < C; c++)
+        for (int kh = 0; kh < KH; kh++) {
+            int ih = oh * stride - pad + kh;
+            if (ih < 0 || ih >= H) continue;
+            for (int kw = 0; kw < KW; kw++) {
+                int iw = ow * stride - pad + kw;
+                if (iw < 0 || iw >= W) continue;
+                acc += x[(((long)n * C + c) * H + ih) * W + iw] * w[((oc * C + c) * KH + kh) * KW + kw];
+            }
+        }
+    y[i] = acc;
+}
+
+// dx: one thread per input element, gathering from the outputs it touched.
+extern "C" __global__ void conv2d_bwd_input(const float* dy, const float* w, float* dx,
+        int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad) {
+    long i = IDX;
+    long total = (long)N * C * H * W;
+    if (i >= total) return;
+    int iw = i % W; long t = i / W;
+    int ih = t % H; t /= H;
+    int c = t % C; int n = t / C;
+    float acc = 0.0f;
+    for (int oc = 0; oc < OC; oc++)
+        for (int kh = 0; kh < KH; kh++) {
+            int a = ih + pad - kh;
+            if (a < 0 || a % stride) continue;
+            int oh = a / stride;
+            if (oh >= OH) continue;
+            for (int kw = 0; kw < KW; kw++) {
+                int bq = iw + pad - kw;
+                if (bq < 0 || bq % stride) continue;
+                int ow = bq / stride;
+                if (ow >= OW) continue;
+                acc += dy[(((long)n * OC + oc) * OH + oh) * OW + ow] * w[((oc * C + c) * KH + kh) * KW + kw];
+            }
+        }
+    dx[i] = acc;
+}
+
+// dw: one block per weight element, reducing over N * OH * OW.
+extern "C" __global__ void conv2d_bwd_weight(const float* dy, const float* x, float* dw,
+        int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad) {
+    int widx = blockIdx.x;
+    int kw = widx % KW; int t = widx / KW;
+    int kh = t % KH; t /= KH;
+    int c = t % C; int oc = t / C;
+    float acc = 0.0f;
+    long total = (long)N * OH * OW;
+    for (long j = threadIdx.x; j < total; j += blockDim.x) {
+        int ow = j % OW; long u = j / OW;
+        int oh = u % OH; int n = u / OH;
+        int ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
+        if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+        acc += dy[(((long)n * OC + oc) * OH + oh) * OW + ow] * x[(((long)n * C + c) * H + ih) * W + iw];
+    }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) dw[widx] = acc;
+}
+
+// Max pooling over planes (N*C of them), window K, stride S; idx keeps the argmax.
+extern "C" __global__ void maxpool_fwd(const float* x, float* y, int* idx, int planes, int H, int W, int K, int S, int OH, int OW) {
+    long i = IDX;
+    if (i >= (long)planes * OH * OW) return;
+    int ow = i % OW; long t = i / OW;
+    int oh = t % OH; int p = t / OH;
+    float best = -3.402823466e38f; int arg = 0;
+    for (int a = 0; a < K; a++)
+        for (int b = 0; b < K; b++) {
+            int h = oh * S + a, w = ow * S + b;
+            if (h < H && w < W) {
+                int j = (p * H + h) * W + w;
+                if (x[j] > best) { best = x[j]; arg = j; }
+            }
+        }
+    y[i] = best; idx[i] = arg;
+}
+
+extern "C" __global__ void maxpool_bwd(const float* dy, const int* idx, float* dx, long n) {
+    long i = IDX;
+    if (i < n) atomicAdd(&dx[idx[i]], dy[i]);
+}
+"#;
+
+/// The NN kernels of one device.
+pub struct Kernels {
+    pub bias_act: Function,
+    pub relu_fwd: Function,
+    pub relu_bwd: Function,
+    pub add_inplace: Function,
+    pub col_sum: Function,
+    pub channel_sum: Function,
+    pub mse_fwd: Function,
+    pub mse_bwd: Function,
+    pub ce_fwd: Function,
+    pub ce_bwd: Function,
+    pub sgd_step: Function,
+    pub step_inc: Function,
+    pub adam_step: Function,
+    pub conv2d_fwd: Function,
+    pub conv2d_bwd_input: Function,
+    pub conv2d_bwd_weight: Function,
+    pub maxpool_fwd: Function,
+    pub maxpool_bwd: Function,
+}
+
+/// Per-device NN context: kernels and the cuBLAS handle. Created on first use.
+pub struct Nn {
+    pub k: Kernels,
+    pub blas: Blas,
+}
+
+type Registry = Mutex<HashMap<usize, (Device, Arc<Nn>)>>;
+
+fn registry() -> &'static Registry {
+    static R: OnceLock<Registry> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl Nn {
+    /// The context of `device` (keyed by its allocator, so each `Device::open` gets its own).
+    pub fn get(device: &Device) -> Result<Arc<Nn>> {
+        let key = Arc::as_ptr(device.allocator()) as usize;
+        let mut r = registry().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, nn)) = r.get(&key) {
+            return Ok(nn.clone());
+        }
+        let m = device.compile("cudagraph_nn", SOURCE)?;
+        let f = |name: &str| m.function(name);
+        let k = Kernels {
+            bias_act: f("bias_act")?,
+            relu_fwd: f("relu_fwd")?,
+            relu_bwd: f("relu_bwd")?,
+            add_inplace: f("add_inplace")?,
+            col_sum: f("col_sum")?,
+            channel_sum: f("channel_sum")?,
+            mse_fwd: f("mse_fwd")?,
+            mse_bwd: f("mse_bwd")?,
+            ce_fwd: f("ce_fwd")?,
+            ce_bwd: f("ce_bwd")?,
+            sgd_step: f("sgd_step")?,
+            step_inc: f("step_inc")?,
+            adam_step: f("adam_step")?,
+            conv2d_fwd: f("conv2d_fwd")?,
+            conv2d_bwd_input: f("conv2d_bwd_input")?,
+            conv2d_bwd_weight: f("conv2d_bwd_weight")?,
+            maxpool_fwd: f("maxpool_fwd")?,
+            maxpool_bwd: f("maxpool_bwd")?,
+        };
+        let nn = Arc::new(Nn {
+            k,
+            blas: Blas::new(device)?,
+        });
+        // The registry holds a Device clone so the key (allocator address) stays unique.
+        r.insert(key, (device.clone(), nn.clone()));
+        Ok(nn)
+    }
+}

@@ -1,0 +1,215 @@
+//! Layers (`Linear`, `Conv2d`, `ReLU`, `MaxPool2d`, `Flatten`) and `Sequential`, with
+//! PyTorch's default initialisation drawn from a seeded generator.
+
+use crate::error::Result;
+use crate::exec::Exec;
+use crate::ops;
+use crate::tensor::{Parameter, Tensor};
+use cudagraph::Stream;
+
+/// A small deterministic generator (SplitMix64) for weights and synthetic data.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Uniform in [-bound, bound).
+    pub fn symmetric(&mut self, bound: f32) -> f32 {
+        (self.uniform() * 2.0 - 1.0) * bound
+    }
+
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f32 {
+        let u1 = self.uniform().max(1e-7);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+    }
+
+    pub fn vec_normal(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.normal()).collect()
+    }
+
+    pub fn vec_symmetric(&mut self, n: usize, bound: f32) -> Vec<f32> {
+        (0..n).map(|_| self.symmetric(bound)).collect()
+    }
+}
+
+/// Something with a forward pass and parameters.
+pub trait Module {
+    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor>;
+    fn parameters(&self) -> Vec<Parameter>;
+}
+
+/// `y = x wᵀ + b` (PyTorch's `nn.Linear`).
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: Parameter,
+    pub bias: Parameter,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+impl Linear {
+    /// PyTorch's default init: weights and bias uniform in ±1/√in_features.
+    pub fn new(s: &Stream, in_features: usize, out_features: usize, rng: &mut Rng) -> Result<Self> {
+        let bound = 1.0 / (in_features as f32).sqrt();
+        let w = rng.vec_symmetric(in_features * out_features, bound);
+        let b = rng.vec_symmetric(out_features, bound);
+        Self::from_host(s, &w, &b, in_features, out_features)
+    }
+
+    /// A layer with the given weights (`[out, in]` row-major) and bias.
+    pub fn from_host(
+        s: &Stream,
+        w: &[f32],
+        b: &[f32],
+        in_features: usize,
+        out_features: usize,
+    ) -> Result<Self> {
+        Ok(Self {
+            weight: Parameter::from_host(s, "weight", w, &[out_features, in_features])?,
+            bias: Parameter::from_host(s, "bias", b, &[out_features])?,
+            in_features,
+            out_features,
+        })
+    }
+
+    pub fn forward_act(&self, q: &dyn Exec, x: &Tensor, relu: bool) -> Result<Tensor> {
+        ops::linear(q, x, &self.weight.tensor(), Some(&self.bias.tensor()), relu)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor> {
+        self.forward_act(q, x, false)
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+}
+
+/// 2-D convolution (PyTorch's `nn.Conv2d`, square kernel).
+#[derive(Clone, Debug)]
+pub struct Conv2d {
+    pub weight: Parameter,
+    pub bias: Parameter,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl Conv2d {
+    pub fn new(
+        s: &Stream,
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        let fan_in = in_channels * kernel * kernel;
+        let bound = 1.0 / (fan_in as f32).sqrt();
+        let w = rng.vec_symmetric(out_channels * fan_in, bound);
+        let b = rng.vec_symmetric(out_channels, bound);
+        Ok(Self {
+            weight: Parameter::from_host(
+                s,
+                "weight",
+                &w,
+                &[out_channels, in_channels, kernel, kernel],
+            )?,
+            bias: Parameter::from_host(s, "bias", &b, &[out_channels])?,
+            stride,
+            padding,
+        })
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor> {
+        ops::conv2d(
+            q,
+            x,
+            &self.weight.tensor(),
+            Some(&self.bias.tensor()),
+            self.stride,
+            self.padding,
+        )
+    }
+    fn parameters(&self) -> Vec<Parameter> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+}
+
+/// One layer of a [`Sequential`].
+#[derive(Clone, Debug)]
+pub enum Layer {
+    Linear(Linear),
+    Conv2d(Conv2d),
+    ReLU,
+    MaxPool2d { kernel: usize, stride: usize },
+    Flatten,
+}
+
+/// Layers applied in order. A `Linear` followed by `ReLU` runs as one fused kernel.
+#[derive(Clone, Debug, Default)]
+pub struct Sequential {
+    pub layers: Vec<Layer>,
+}
+
+impl Sequential {
+    pub fn new(layers: Vec<Layer>) -> Self {
+        Self { layers }
+    }
+}
+
+impl Module for Sequential {
+    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor> {
+        let mut h = x.clone();
+        let mut i = 0;
+        while i < self.layers.len() {
+            let fuse_relu = matches!(self.layers.get(i + 1), Some(Layer::ReLU));
+            h = match &self.layers[i] {
+                Layer::Linear(l) => {
+                    if fuse_relu {
+                        i += 1;
+                    }
+                    l.forward_act(q, &h, fuse_relu)?
+                }
+                Layer::Conv2d(c) => c.forward(q, &h)?,
+                Layer::ReLU => ops::relu(q, &h)?,
+                Layer::MaxPool2d { kernel, stride } => ops::max_pool2d(q, &h, *kernel, *stride)?,
+                Layer::Flatten => ops::flatten(&h)?,
+            };
+            i += 1;
+        }
+        Ok(h)
+    }
+
+    fn parameters(&self) -> Vec<Parameter> {
+        self.layers
+            .iter()
+            .flat_map(|l| match l {
+                Layer::Linear(l) => l.parameters(),
+                Layer::Conv2d(c) => c.parameters(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+}

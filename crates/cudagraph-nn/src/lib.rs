@@ -1,0 +1,49 @@
+//! # cudagraph-nn
+//!
+//! A small GPU tensor and neural-network layer built for CUDA Graph capture: every buffer comes
+//! from cudagraph's allocator (so a whole forward/backward/optimizer step allocates from the
+//! graph's pool when captured), kernels are compiled at run time with NVRTC, GEMMs go through
+//! cuBLAS with a workspace from our own pool, and every op works on an eager `Stream` or a
+//! `CaptureStream` alike (through [`Exec`]).
+//!
+//! ```no_run
+//! use cudagraph::{CaptureOptions, Device, Graph};
+//! use cudagraph_nn::*;
+//! # fn main() -> Result<()> {
+//! let dev = Device::open(0)?;
+//! let mut s = dev.new_stream()?;
+//! let mut rng = Rng::new(0);
+//! let model = Linear::new(&s, 1024, 1024, &mut rng)?;
+//! let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;
+//! let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+//! let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+//! // The whole training step in one graph.
+//! let (step, loss) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+//!     opt.zero_grad(cs, true)?;
+//!     let loss = mse_loss(cs, &model.forward(cs, &x)?, &y, Reduction::Sum)?;
+//!     loss.backward(cs)?;
+//!     opt.step(cs)?;
+//!     Ok(loss)
+//! }).map_err(NnError::from)?;
+//! for _ in 0..100 { step.replay(&s)?; }
+//! println!("loss {}", loss.to_vec(&s)?[0]);
+//! # Ok(()) }
+//! ```
+
+pub mod blas;
+pub mod cpu;
+pub mod error;
+pub mod exec;
+pub mod kernels;
+pub mod layers;
+pub mod ops;
+pub mod optim;
+pub mod tensor;
+
+pub use error::{NnError, Result};
+pub use exec::Exec;
+pub use kernels::Nn;
+pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
+pub use ops::{conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction};
+pub use optim::{Adam, Optimizer, Sgd};
+pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

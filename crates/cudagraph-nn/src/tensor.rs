@@ -1,0 +1,370 @@
+//! Tensors (f32, contiguous, row-major) and reverse-mode autograd.
+//!
+//! Every operation that has an input needing a gradient records a node (its inputs and a
+//! backward closure) on its output, as PyTorch does. [`Tensor::backward`] walks the nodes from a
+//! scalar loss in reverse topological order and frees them as it goes. Gradients of parameters
+//! follow PyTorch's `zero_grad(set_to_none=True)`: a parameter whose gradient is "none" adopts
+//! the first gradient computed for it (no copy, no memset); later ones are added in place. So a
+//! captured training step needs no gradient reset kernel at all, and replays stay correct.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::rc::Rc;
+
+use cudagraph::{DeviceBuffer, LaunchConfig, Stream};
+
+use crate::error::{NnError, Result};
+use crate::exec::Exec;
+use crate::kernels::Nn;
+
+thread_local! {
+    static GRAD_ENABLED: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+}
+
+/// Runs `f` without recording autograd nodes (PyTorch's `torch.no_grad()`): inference keeps no
+/// activations alive, so a captured forward pass frees its temporaries inside the capture.
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    let prev = GRAD_ENABLED.with(|g| g.replace(false));
+    let r = f();
+    GRAD_ENABLED.with(|g| g.set(prev));
+    r
+}
+
+/// Whether operations currently record autograd nodes.
+pub fn grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+type BackwardFn = Box<dyn Fn(&dyn Exec, &Nn, &Tensor) -> Result<Vec<Option<Tensor>>>>;
+
+/// How a tensor was computed: its inputs and how to turn its gradient into theirs.
+pub(crate) struct Node {
+    pub(crate) inputs: Vec<Tensor>,
+    pub(crate) backward: BackwardFn,
+    pub(crate) name: &'static str,
+}
+
+struct Inner {
+    data: Rc<DeviceBuffer<f32>>,
+    shape: Vec<usize>,
+    requires_grad: bool,
+    node: RefCell<Option<Node>>,
+    param: Option<Parameter>,
+}
+
+/// A device tensor. Cloning shares the data (like a PyTorch tensor handle).
+#[derive(Clone)]
+pub struct Tensor(Rc<Inner>);
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let op = self.0.node.borrow().as_ref().map(|n| n.name);
+        write!(
+            f,
+            "Tensor{:?}{}{}",
+            self.0.shape,
+            if self.0.requires_grad {
+                " requires_grad"
+            } else {
+                ""
+            },
+            op.map(|o| format!(" grad_fn={o}")).unwrap_or_default()
+        )
+    }
+}
+
+pub(crate) fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    /// Wraps a device buffer (no gradient). The buffer's length must match the shape.
+    pub fn from_buffer(data: Rc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+        if data.len() != numel(shape) {
+            return Err(NnError::Shape(format!(
+                "a buffer of {} elements cannot have shape {shape:?}",
+                data.len()
+            )));
+        }
+        Ok(Self::leaf(data, shape.to_vec(), false, None))
+    }
+
+    fn leaf(
+        data: Rc<DeviceBuffer<f32>>,
+        shape: Vec<usize>,
+        requires_grad: bool,
+        param: Option<Parameter>,
+    ) -> Self {
+        Tensor(Rc::new(Inner {
+            data,
+            shape,
+            requires_grad,
+            node: RefCell::new(None),
+            param,
+        }))
+    }
+
+    /// A new tensor computed by an operation; records `node` when any input needs a gradient.
+    pub(crate) fn from_op(data: DeviceBuffer<f32>, shape: Vec<usize>, node: Option<Node>) -> Self {
+        Self::from_op_shared(Rc::new(data), shape, node)
+    }
+
+    /// As [`Self::from_op`], for an output the backward closure also keeps.
+    pub(crate) fn from_op_shared(
+        data: Rc<DeviceBuffer<f32>>,
+        shape: Vec<usize>,
+        node: Option<Node>,
+    ) -> Self {
+        let node = node.filter(|n| grad_enabled() && n.inputs.iter().any(|t| t.requires_grad()));
+        Tensor(Rc::new(Inner {
+            data,
+            requires_grad: node.is_some(),
+            shape,
+            node: RefCell::new(node),
+            param: None,
+        }))
+    }
+
+    /// Same data, another shape (a view; gradients flow through unchanged).
+    pub fn reshape(&self, shape: &[usize]) -> Result<Self> {
+        if numel(shape) != self.numel() {
+            return Err(NnError::Shape(format!(
+                "cannot reshape {:?} into {shape:?}",
+                self.0.shape
+            )));
+        }
+        let node = Node {
+            inputs: vec![self.clone()],
+            name: "reshape",
+            backward: {
+                let shape = self.0.shape.clone();
+                Box::new(move |_q, _nn, g| Ok(vec![Some(g.reshape(&shape)?)]))
+            },
+        };
+        let node = Some(node).filter(|_| grad_enabled() && self.requires_grad());
+        Ok(Tensor(Rc::new(Inner {
+            data: self.0.data.clone(),
+            shape: shape.to_vec(),
+            requires_grad: node.is_some(),
+            node: RefCell::new(node),
+            param: None,
+        })))
+    }
+
+    /// Copies host data into a new tensor (eager).
+    pub fn from_host(s: &Stream, data: &[f32], shape: &[usize]) -> Result<Self> {
+        let buf = s.alloc_from_host(data)?;
+        Self::from_buffer(Rc::new(buf), shape)
+    }
+
+    /// A zero-filled tensor.
+    pub fn zeros(q: &dyn Exec, shape: &[usize]) -> Result<Self> {
+        let b = q.alloc_f32(numel(shape))?;
+        q.zero(&b)?;
+        Self::from_buffer(Rc::new(b), shape)
+    }
+
+    /// A tensor filled with `v`.
+    pub fn full(q: &dyn Exec, shape: &[usize], v: f32) -> Result<Self> {
+        let b = q.alloc_f32(numel(shape))?;
+        q.fill(&b, v)?;
+        Self::from_buffer(Rc::new(b), shape)
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+
+    pub fn numel(&self) -> usize {
+        numel(&self.0.shape)
+    }
+
+    pub fn data(&self) -> &DeviceBuffer<f32> {
+        &self.0.data
+    }
+
+    pub fn data_rc(&self) -> &Rc<DeviceBuffer<f32>> {
+        &self.0.data
+    }
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad
+    }
+
+    /// Waits for the stream and returns the values.
+    pub fn to_vec(&self, s: &Stream) -> Result<Vec<f32>> {
+        Ok(s.to_vec(&self.0.data)?)
+    }
+
+    fn key(&self) -> usize {
+        Rc::as_ptr(&self.0) as usize
+    }
+
+    /// Reverse-mode autograd from this scalar: fills the gradients of every parameter it
+    /// depends on, and frees the recorded graph (activations go back to the pool).
+    pub fn backward(&self, q: &dyn Exec) -> Result<()> {
+        if self.numel() != 1 {
+            return Err(NnError::NotScalar(self.0.shape.clone()));
+        }
+        let nn = Nn::get(q.device())?;
+        // Topological order by depth-first search (iterative: deep models do not overflow).
+        let mut order: Vec<Tensor> = Vec::new();
+        let mut seen: HashSet<usize> = HashSet::new();
+        let mut stack: Vec<(Tensor, bool)> = vec![(self.clone(), false)];
+        while let Some((t, expanded)) = stack.pop() {
+            if expanded {
+                order.push(t);
+                continue;
+            }
+            if !seen.insert(t.key()) {
+                continue;
+            }
+            stack.push((t.clone(), true));
+            if let Some(n) = t.0.node.borrow().as_ref() {
+                for i in &n.inputs {
+                    if i.requires_grad() && !seen.contains(&i.key()) {
+                        stack.push((i.clone(), false));
+                    }
+                }
+            }
+        }
+        let mut grads: HashMap<usize, Tensor> = HashMap::new();
+        grads.insert(self.key(), Tensor::full(q, &[1], 1.0)?);
+        for t in order.iter().rev() {
+            let Some(g) = grads.remove(&t.key()) else {
+                continue;
+            };
+            if let Some(p) = &t.0.param {
+                p.accumulate(q, &nn, g)?;
+                continue;
+            }
+            let node = t.0.node.borrow_mut().take();
+            let Some(node) = node else { continue };
+            let input_grads = (node.backward)(q, &nn, &g)?;
+            for (inp, ig) in node.inputs.iter().zip(input_grads) {
+                let Some(ig) = ig else { continue };
+                if !inp.requires_grad() {
+                    continue;
+                }
+                match grads.get(&inp.key()) {
+                    Some(acc) => add_inplace(q, &nn, acc.data(), ig.data())?,
+                    None => {
+                        grads.insert(inp.key(), ig);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn add_inplace(
+    q: &dyn Exec,
+    nn: &Nn,
+    acc: &DeviceBuffer<f32>,
+    x: &DeviceBuffer<f32>,
+) -> Result<()> {
+    let n = acc.len();
+    q.launch(
+        &nn.k.add_inplace,
+        LaunchConfig::for_elements(n, 256),
+        cudagraph::args![acc, x, n as i64],
+    )
+}
+
+struct ParamInner {
+    name: String,
+    data: Rc<DeviceBuffer<f32>>,
+    shape: Vec<usize>,
+    grad: RefCell<Option<Rc<DeviceBuffer<f32>>>>,
+}
+
+/// A trainable tensor with a persistent data buffer and a gradient slot.
+#[derive(Clone)]
+pub struct Parameter(Rc<ParamInner>);
+
+impl fmt::Debug for Parameter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Parameter({} {:?})", self.0.name, self.0.shape)
+    }
+}
+
+impl Parameter {
+    /// A parameter initialised from host values.
+    pub fn from_host(s: &Stream, name: &str, data: &[f32], shape: &[usize]) -> Result<Self> {
+        if data.len() != numel(shape) {
+            return Err(NnError::Shape(format!(
+                "parameter {name}: {} values for shape {shape:?}",
+                data.len()
+            )));
+        }
+        Ok(Parameter(Rc::new(ParamInner {
+            name: name.to_string(),
+            data: Rc::new(s.alloc_from_host(data)?),
+            shape: shape.to_vec(),
+            grad: RefCell::new(None),
+        })))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+
+    pub fn numel(&self) -> usize {
+        numel(&self.0.shape)
+    }
+
+    /// The parameter as a tensor that records gradients.
+    pub fn tensor(&self) -> Tensor {
+        Tensor::leaf(
+            self.0.data.clone(),
+            self.0.shape.clone(),
+            true,
+            Some(self.clone()),
+        )
+    }
+
+    pub fn data(&self) -> &DeviceBuffer<f32> {
+        &self.0.data
+    }
+
+    /// The current gradient buffer (`None` after `zero_grad(true)` until the next backward).
+    pub fn grad(&self) -> Option<Rc<DeviceBuffer<f32>>> {
+        self.0.grad.borrow().clone()
+    }
+
+    /// PyTorch's `zero_grad`: `set_to_none` drops the gradient (the next backward writes it
+    /// fresh, with no memset); otherwise it is zeroed in place on `q`.
+    pub fn zero_grad(&self, q: &dyn Exec, set_to_none: bool) -> Result<()> {
+        if set_to_none {
+            *self.0.grad.borrow_mut() = None;
+        } else if let Some(g) = self.0.grad.borrow().as_ref() {
+            q.zero(g)?;
+        }
+        Ok(())
+    }
+
+    fn accumulate(&self, q: &dyn Exec, nn: &Nn, g: Tensor) -> Result<()> {
+        let mut slot = self.0.grad.borrow_mut();
+        match slot.as_ref() {
+            Some(acc) => add_inplace(q, nn, acc, g.data()),
+            None => {
+                let buf = g.0.data.clone();
+                // Adopt the buffer unless something else can still write to it.
+                *slot = Some(if Rc::strong_count(&buf) <= 2 {
+                    buf
+                } else {
+                    let own = q.alloc_f32(buf.len())?;
+                    q.copy(&buf, &own)?;
+                    Rc::new(own)
+                });
+                Ok(())
+            }
+        }
+    }
+}
