@@ -32,10 +32,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Benchmarks: eager vs graph.
+    /// Benchmarks, eager vs graph. Without a subcommand: the seed workloads (MLP inference,
+    /// Linear training with SGD and Adam, two models in one bounded pool, nine batch sizes in
+    /// one pool).
+    #[command(args_conflicts_with_subcommands = true)]
     Bench {
         #[command(subcommand)]
-        which: BenchCommand,
+        which: Option<BenchCommand>,
+        #[command(flatten)]
+        workloads: bench::workloads::WorkloadArgs,
     },
 }
 
@@ -43,14 +48,20 @@ enum Command {
 enum BenchCommand {
     /// A chain of k tiny kernels: launch overhead eager vs one graph launch.
     Chain(bench::chain::ChainArgs),
+    /// The seed workloads (the default).
+    Workloads(bench::workloads::WorkloadArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Info { json } => report::info(cli.device, json),
-        Command::Bench { which } => match which {
-            BenchCommand::Chain(args) => bench::chain::run(cli.device, &args),
+    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
+        Command::Info { json } => report::info(cli.device, json).map_err(Into::into),
+        Command::Bench { which, workloads } => match which {
+            Some(BenchCommand::Chain(args)) => {
+                bench::chain::run(cli.device, &args).map_err(Into::into)
+            }
+            Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
+            None => bench::workloads::run(cli.device, &workloads),
         },
     };
     match result {

@@ -316,7 +316,8 @@ fn train_linear(
     let mut opt: Box<dyn Optimizer> = if adam {
         Box::new(Adam::new(&s, model.parameters(), 1e-3, 0.0, false).unwrap())
     } else {
-        Box::new(Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0).unwrap())
+        // The seed's lr 1e-3 diverges with a summed loss (in PyTorch too); 1e-4 converges.
+        Box::new(Sgd::new(&s, model.parameters(), 1e-4, 0.0, 0.0).unwrap())
     };
     let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024]).unwrap();
     let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024]).unwrap();
@@ -363,7 +364,7 @@ fn graphed_training_matches_eager_for_100_steps() {
         );
         assert!(rel_err(&bg, &to_f64(&be)) < 1e-6, "adam={adam} bias");
         assert!(
-            (lg - le).abs() <= 1e-6 * le.abs(),
+            le.is_finite() && (lg - le).abs() <= 1e-6 * le.abs(),
             "adam={adam} loss {lg} vs {le}"
         );
         // And training did something: the loss after 100 steps is below the first step's.

@@ -2,3 +2,4 @@
 //! process on one device, and prints a table (or JSON).
 
 pub mod chain;
+pub mod workloads;

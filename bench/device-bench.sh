@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the GPU machine: `cudagraph bench` and the PyTorch baseline in one run, side-by-side table
+# into $OUT (or bench/results/). Needs .gpu-bin/bin/cudagraph (../shared/tools/gpu-bundle).
+set -uo pipefail
+out=${OUT:-bench/results}
+mkdir -p "$out"
+stamp=$(date -u +%Y-%m-%d)
+ours=".gpu-bin/bin/cudagraph bench --json --svg $out/bench-$stamp.svg"
+$ours > "$out/bench-ours.json" || exit 1
+PYTHONUNBUFFERED=1 python3 bench/pytorch_baseline.py > "$out/bench-pytorch.json" || exit 1
+{
+  echo "# cudagraph bench vs PyTorch — $stamp"
+  echo
+  python3 bench/compare.py "$out/bench-ours.json" "$out/bench-pytorch.json" "$ours; python3 bench/pytorch_baseline.py"
+} > "$out/bench-$stamp.md"
+cat "$out/bench-$stamp.md"

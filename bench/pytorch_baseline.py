@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""PyTorch doing the work of `cudagraph bench`, measured the same way (see
+crates/cudagraph-cli/src/bench/workloads.rs): fp32 with TF32 off, the same shapes, the same
+iteration counts, the median of the same number of samples, wall time over back-to-back
+iterations ending in one synchronisation.
+
+- mlp: one request = host->device copy (pinned host buffer), forward, device->host copy (pinned),
+  synchronise. Eager: model(x_host.cuda(non_blocking)) ...; graph: static_input.copy_, replay,
+  out_host.copy_(static_output), as in seed 002 but with pinned staging (PyTorch's best case).
+- train: Linear(1024, 1024), MSE sum, N=64, SGD lr 1e-3 and Adam(capturable=True); whole step in
+  one graph after a 3-step warm-up on a side stream (seed 001).
+- pool: Linear(1000, 500) bs 32 and Conv2d(3, 64, 3) on 16x3x224x224 in one graph pool.
+- mlp-pool: the seed MLP captured at nine batch sizes into one pool, largest first, with one
+  warm-up side stream (the right way) and with a fresh side stream per warm-up (the naive way).
+
+usage: python3 bench/pytorch_baseline.py [--iters 500] [--repeats 5] > pytorch.json
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+p = argparse.ArgumentParser()
+p.add_argument("--iters", type=int, default=500)
+p.add_argument("--repeats", type=int, default=5)
+p.add_argument("--batch-sizes", default="1,4,8,16,32,256")
+args = p.parse_args()
+dev = torch.device("cuda")
+torch.manual_seed(0)
+
+
+def time_us(body, iters=args.iters):
+    for _ in range(3):
+        body()
+    samples = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            body()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t) * 1e6 / iters)
+    return statistics.median(samples)
+
+
+def seed_mlp():
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 512), torch.nn.ReLU(),
+        torch.nn.Linear(512, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 10)).to(dev)
+
+
+rows, notes = [], []
+
+
+def row(workload, config, eager, graph, eager_peak=0, pool_reserved=0, graph_peak=0, capture_ms=0.0):
+    rows.append(dict(workload=workload, config=config, eager_us=eager, graph_us=graph,
+                     speedup=eager / graph if graph else float("nan"), eager_peak_bytes=eager_peak,
+                     graph_pool_reserved=pool_reserved, graph_peak_bytes=graph_peak, capture_ms=capture_ms))
+
+
+# 1. MLP inference
+model = seed_mlp().eval()
+with torch.no_grad():
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        x_host = torch.randn(bs, 1024).pin_memory()
+        out_host = torch.empty(bs, 10).pin_memory()
+
+        def eager():
+            out_host.copy_(model(x_host.to(dev, non_blocking=True)), non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        e = time_us(eager)
+        eager_peak = torch.cuda.max_memory_allocated() - base
+        static_in = torch.zeros(bs, 1024, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                model(static_in)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g):
+            static_out = model(static_in)
+        cap = (time.perf_counter() - t0) * 1e3
+        reserved = torch.cuda.memory_reserved() - before
+
+        def graphed():
+            static_in.copy_(x_host, non_blocking=True)
+            g.replay()
+            out_host.copy_(static_out, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+
+        gr = time_us(graphed)
+        row("mlp-inference", f"bs={bs}", e, gr, eager_peak, reserved, 0, cap)
+
+# 2. Training steps
+for opt_name in ["sgd", "adam"]:
+    lin = torch.nn.Linear(1024, 1024).to(dev)
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.Adam(lin.parameters(), lr=1e-3, capturable=True)
+    x = torch.randn(64, 1024, device=dev)
+    y = torch.randn(64, 1024, device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = (lin(x) - y).pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    e = time_us(step)
+    eager_peak = torch.cuda.max_memory_allocated() - base
+    g = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    with torch.cuda.graph(g):
+        static_loss = step()
+    cap = (time.perf_counter() - t0) * 1e3
+    gr = time_us(g.replay)
+    row("linear-train", opt_name, e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
+
+# 3. Two models in one pool
+with torch.no_grad():
+    pool = torch.cuda.graph_pool_handle()
+    lin = torch.nn.Linear(1000, 500).to(dev)
+    conv = torch.nn.Conv2d(3, 64, 3).to(dev)
+    x1 = torch.randn(32, 1000, device=dev)
+    x2 = torch.randn(16, 3, 224, 224, device=dev)
+    keep = []
+    before_all = torch.cuda.memory_reserved()
+    for name, m, x in [("linear-1000x500-bs32", lin, x1), ("conv2d-3x64-16x3x224x224", conv, x2)]:
+        m(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        e = time_us(lambda: m(x), min(args.iters, 200))
+        eager_peak = torch.cuda.max_memory_allocated() - base
+        g = torch.cuda.CUDAGraph()
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g, pool=pool):
+            out = m(x)
+        cap = (time.perf_counter() - t0) * 1e3
+        gr = time_us(g.replay, min(args.iters, 200))
+        keep.append((g, out))
+        row("shared-pool", name, e, gr, eager_peak, torch.cuda.memory_reserved() - before_all, 0, cap)
+    notes.append(f"shared pool with both models: reserved delta {(torch.cuda.memory_reserved() - before_all) / 2**20:.1f} MB")
+    del keep
+
+# 4. Nine batch sizes in one pool (largest first)
+def nine_sizes(fresh_side_stream):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    m = seed_mlp()
+    sizes = [256, 192, 128, 64, 32, 16, 8, 4, 1]
+    pool = torch.cuda.graph_pool_handle()
+    keep = []
+    side = torch.cuda.Stream()
+    before = torch.cuda.memory_reserved()
+    for bs in sizes:
+        x = torch.randn(bs, 1024, device=dev)
+        s = torch.cuda.Stream() if fresh_side_stream else side
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                m(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            y = m(x)
+        keep.append((g, x, y))
+    return torch.cuda.memory_reserved() - before
+
+
+with torch.no_grad():
+    right = nine_sizes(False)
+    naive = nine_sizes(True)
+row("mlp-9-sizes-shared-pool", "bs=256..1", float("nan"), float("nan"), 0, right, 0, 0.0)
+notes.append(f"seed MLP at nine batch sizes in one pool: reserved delta {right / 2**20:.2f} MB "
+             f"(one warm-up side stream); {naive / 2**20:.2f} MB with a fresh side stream per warm-up")
+
+print(json.dumps(dict(benchmark="workloads-pytorch", torch=torch.__version__,
+                      device=torch.cuda.get_device_name(), iters=args.iters, repeats=args.repeats,
+                      rows=rows, notes=notes), indent=1, allow_nan=True))

@@ -1,0 +1,444 @@
+//! `cudagraph bench` (workloads): the seed workloads, eager vs graph, in one process.
+//!
+//! 1. `mlp`: seed 002's MLP 1024→512→256→10 inference at several batch sizes. One request is
+//!    copy-in from host memory, the forward pass, copy-out to host memory, and a stream sync;
+//!    graphed, that is one [`StaticGraph::run`] (the copies are graph nodes, staging is pinned).
+//! 2. `train`: seed 001's Linear(1024, 1024), MSE (sum), N = 64: forward + backward + optimizer
+//!    step (SGD lr 1e-3, and Adam), `steps` back to back then one sync, per step.
+//! 3. `pool`: seed 002/004's two models, Linear(1000, 500) at batch 32 and Conv2d(3, 64, 3) at
+//!    16×3×224×224, captured into one 1 GiB-bounded pool; replay time and the pool's memory.
+//! 4. `mlp-pool`: the seed MLP captured at nine batch sizes (256…1) into one shared pool,
+//!    largest first: the pool's memory vs the largest capture alone.
+//!
+//! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way.
+
+use std::rc::Rc;
+use std::time::Instant;
+
+use clap::Args;
+use cudagraph::{CaptureOptions, Device, Graph, StaticGraph, Stream};
+use cudagraph_nn::{
+    mse_loss, no_grad, Adam, Conv2d, Layer, Linear, Module, Optimizer, Reduction, Rng, Sequential,
+    Sgd, Tensor,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::report::{device_report, median, DeviceReport};
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Args, Debug)]
+pub struct WorkloadArgs {
+    /// Workloads to run (comma separated): mlp, train, pool, mlp-pool.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["mlp".to_string(), "train".to_string(), "pool".to_string(), "mlp-pool".to_string()])]
+    pub only: Vec<String>,
+    /// Batch sizes for the MLP inference workload.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 8, 16, 32, 256])]
+    pub batch_sizes: Vec<usize>,
+    /// Timed iterations per sample.
+    #[arg(long, default_value_t = 500)]
+    pub iters: usize,
+    /// Samples per measurement (median reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write a bar chart of eager vs graph time to this SVG file.
+    #[arg(long)]
+    pub svg: Option<std::path::PathBuf>,
+}
+
+/// One measured row: a workload at one configuration.
+#[derive(Serialize, Debug, Clone)]
+pub struct Row {
+    pub workload: String,
+    pub config: String,
+    pub eager_us: f64,
+    pub graph_us: f64,
+    pub speedup: f64,
+    /// Peak bytes allocated above the baseline during the eager runs.
+    pub eager_peak_bytes: usize,
+    /// Bytes the graph's pool reserves.
+    pub graph_pool_reserved: usize,
+    /// Peak bytes the capture allocated in its pool.
+    pub graph_peak_bytes: usize,
+    pub capture_ms: f64,
+    pub max_rel_diff: f64,
+}
+
+#[derive(Serialize)]
+pub struct Report {
+    pub benchmark: &'static str,
+    pub device: DeviceReport,
+    pub iters: usize,
+    pub repeats: usize,
+    pub rows: Vec<Row>,
+    pub notes: Vec<String>,
+}
+
+fn time_us(
+    s: &Stream,
+    iters: usize,
+    repeats: usize,
+    mut body: impl FnMut() -> AnyResult<()>,
+) -> AnyResult<f64> {
+    for _ in 0..3 {
+        body()?;
+    }
+    let mut v = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        s.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            body()?;
+        }
+        s.synchronize()?;
+        v.push(t.elapsed().as_secs_f64() * 1e6 / iters as f64);
+    }
+    Ok(median(v))
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y).abs() / y.abs().max(1e-3)) as f64)
+        .fold(0.0, f64::max)
+}
+
+pub fn seed_mlp(s: &Stream, rng: &mut Rng) -> cudagraph_nn::Result<Sequential> {
+    Ok(Sequential::new(vec![
+        Layer::Linear(Linear::new(s, 1024, 512, rng)?),
+        Layer::ReLU,
+        Layer::Linear(Linear::new(s, 512, 256, rng)?),
+        Layer::ReLU,
+        Layer::Linear(Linear::new(s, 256, 10, rng)?),
+    ]))
+}
+
+fn mlp(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) -> AnyResult<()> {
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(2);
+    let model = seed_mlp(&s, &mut rng)?;
+    for &bs in &a.batch_sizes {
+        pb.set_message(format!("mlp bs {bs}"));
+        let xh = rng.vec_normal(bs * 1024);
+        // Eager request: host → device, forward, device → host.
+        let eager_req = |s: &Stream| -> AnyResult<Vec<f32>> {
+            no_grad(|| {
+                let x = Tensor::from_host(s, &xh, &[bs, 1024])?;
+                Ok(model.forward(s, &x)?.to_vec(s)?)
+            })
+        };
+        let eager_out = eager_req(&s)?;
+        s.synchronize()?;
+        dev.reset_peak_memory_stats();
+        let base = dev.memory_stats().allocated;
+        let eager = time_us(&s, a.iters, a.repeats, || eager_req(&s).map(|_| ()))?;
+        let eager_peak = dev.memory_stats().peak_allocated - base;
+        let mut sg = StaticGraph::<f32, f32>::capture(
+            &mut s,
+            CaptureOptions::new().upload(true),
+            &[bs * 1024],
+            |cs, ins| {
+                no_grad(|| {
+                    let x = Tensor::from_buffer(Rc::new(ins[0].alias()), &[bs, 1024])?;
+                    Ok(vec![model.forward(cs, &x)?.data().alias()])
+                })
+            },
+        )?;
+        let graph_out = sg.run_to_vecs(&s, &[&xh])?.remove(0);
+        let graph = time_us(&s, a.iters, a.repeats, || {
+            sg.run(&s, &[&xh])?;
+            Ok(())
+        })?;
+        let info = *sg.info();
+        rows.push(Row {
+            workload: "mlp-inference".into(),
+            config: format!("bs={bs}"),
+            eager_us: eager,
+            graph_us: graph,
+            speedup: eager / graph,
+            eager_peak_bytes: eager_peak,
+            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
+            graph_peak_bytes: info.memory.peak_allocated,
+            capture_ms: info.capture_time.as_secs_f64() * 1e3,
+            max_rel_diff: max_rel(&graph_out, &eager_out),
+        });
+        pb.inc(1);
+    }
+    Ok(())
+}
+
+fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) -> AnyResult<()> {
+    for adam in [false, true] {
+        pb.set_message(if adam { "train adam" } else { "train sgd" });
+        let mut s = dev.new_stream()?;
+        let mut rng = Rng::new(1);
+        let model = Linear::new(&s, 1024, 1024, &mut rng)?;
+        let mut opt: Box<dyn Optimizer> = if adam {
+            Box::new(Adam::new(&s, model.parameters(), 1e-3, 0.0, false)?)
+        } else {
+            Box::new(Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?)
+        };
+        let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+        let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+        let step = |q: &dyn cudagraph_nn::Exec,
+                    opt: &mut Box<dyn Optimizer>|
+         -> cudagraph_nn::Result<Tensor> {
+            opt.zero_grad(q, true)?;
+            let loss = mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Sum)?;
+            loss.backward(q)?;
+            opt.step(q)?;
+            Ok(loss)
+        };
+        // Warm up on a side stream (seed 001), then eager steps.
+        let side = dev.new_stream()?;
+        cudagraph::warmup(&s, &side, 3, |q| {
+            step(q, &mut opt).map(|_| ()).map_err(Into::into)
+        })?;
+        s.synchronize()?;
+        dev.reset_peak_memory_stats();
+        let base = dev.memory_stats().allocated;
+        let eager = time_us(&s, a.iters, a.repeats, || {
+            step(&s, &mut opt).map(|_| ()).map_err(Into::into)
+        })?;
+        let eager_peak = dev.memory_stats().peak_allocated - base;
+        let (g, _loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
+            Ok(step(cs, &mut opt)?)
+        })?;
+        let graph = time_us(&s, a.iters, a.repeats, || g.replay(&s).map_err(Into::into))?;
+        // Same code, same data: one more eager step and one replay from equal weights agree.
+        let w0 = s.to_vec(model.weight.data())?;
+        step(&s, &mut opt)?;
+        let w_eager = s.to_vec(model.weight.data())?;
+        s.copy_from_host(&w0, model.weight.data())?;
+        g.replay(&s)?;
+        let w_graph = s.to_vec(model.weight.data())?;
+        let info = g.info();
+        rows.push(Row {
+            workload: "linear-train".into(),
+            config: if adam { "adam".into() } else { "sgd".into() },
+            eager_us: eager,
+            graph_us: graph,
+            speedup: eager / graph,
+            eager_peak_bytes: eager_peak,
+            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
+            graph_peak_bytes: info.memory.peak_allocated,
+            capture_ms: info.capture_time.as_secs_f64() * 1e3,
+            max_rel_diff: max_rel(&w_graph, &w_eager),
+        });
+        pb.inc(1);
+    }
+    Ok(())
+}
+
+fn pool(
+    dev: &Device,
+    a: &WorkloadArgs,
+    rows: &mut Vec<Row>,
+    pb: &ProgressBar,
+    notes: &mut Vec<String>,
+) -> AnyResult<()> {
+    pb.set_message("pool");
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(3);
+    let pool = dev.new_pool_with_limit(1 << 30);
+    let lin = Linear::new(&s, 1000, 500, &mut rng)?;
+    let conv = Conv2d::new(&s, 3, 64, 3, 1, 0, &mut rng)?;
+    let x1 = Tensor::from_host(&s, &rng.vec_normal(32 * 1000), &[32, 1000])?;
+    let x2 = Tensor::from_host(&s, &rng.vec_normal(16 * 3 * 224 * 224), &[16, 3, 224, 224])?;
+    let models: [(&str, &dyn Module, &Tensor); 2] = [
+        ("linear-1000x500-bs32", &lin, &x1),
+        ("conv2d-3x64-16x3x224x224", &conv, &x2),
+    ];
+    let mut keep = Vec::new(); // both graphs stay alive in the pool for the memory note below
+    for (name, m, x) in models {
+        let eager_out = no_grad(|| m.forward(&s, x))?.to_vec(&s)?;
+        dev.reset_peak_memory_stats();
+        let base = dev.memory_stats().allocated;
+        let eager = time_us(&s, a.iters.min(200), a.repeats, || {
+            no_grad(|| m.forward(&s, x))?;
+            Ok(())
+        })?;
+        let eager_peak = dev.memory_stats().peak_allocated - base;
+        let (g, y) = Graph::capture(
+            &mut s,
+            CaptureOptions::new().pool(&pool).upload(true),
+            |cs| Ok(no_grad(|| m.forward(cs, x))?),
+        )?;
+        let graph = time_us(&s, a.iters.min(200), a.repeats, || {
+            g.replay(&s).map_err(Into::into)
+        })?;
+        let info = *g.info();
+        rows.push(Row {
+            workload: "shared-pool".into(),
+            config: name.into(),
+            eager_us: eager,
+            graph_us: graph,
+            speedup: eager / graph,
+            eager_peak_bytes: eager_peak,
+            graph_pool_reserved: pool.stats().reserved,
+            graph_peak_bytes: info.memory.peak_allocated,
+            capture_ms: info.capture_time.as_secs_f64() * 1e3,
+            max_rel_diff: max_rel(&y.to_vec(&s)?, &eager_out),
+        });
+        keep.push((g, y));
+    }
+    let st = pool.stats();
+    notes.push(format!(
+        "shared 1 GiB pool with both models: allocated {:.1} MB, reserved {:.1} MB, peak {:.1} MB",
+        st.allocated as f64 / 1048576.0,
+        st.reserved as f64 / 1048576.0,
+        st.peak_allocated as f64 / 1048576.0
+    ));
+    drop(keep);
+    pb.inc(1);
+    Ok(())
+}
+
+fn mlp_pool(
+    dev: &Device,
+    rows: &mut Vec<Row>,
+    pb: &ProgressBar,
+    notes: &mut Vec<String>,
+) -> AnyResult<()> {
+    pb.set_message("mlp-pool");
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(4);
+    let model = seed_mlp(&s, &mut rng)?;
+    let sizes = [256usize, 192, 128, 64, 32, 16, 8, 4, 1];
+    let single = {
+        let x = Tensor::from_host(&s, &rng.vec_normal(256 * 1024), &[256, 1024])?;
+        let (g, _y) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+            Ok(no_grad(|| model.forward(cs, &x))?)
+        })?;
+        let p = g.pool().expect("captured graph has a pool").stats();
+        (p.reserved, g.info().memory.peak_allocated)
+    };
+    let pool = dev.graph_pool_handle();
+    let mut keep = Vec::new();
+    for &bs in &sizes {
+        let x = Tensor::from_host(&s, &rng.vec_normal(bs * 1024), &[bs, 1024])?;
+        let (g, y) = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
+            Ok(no_grad(|| model.forward(cs, &x))?)
+        })?;
+        keep.push((g, x, y));
+    }
+    let st = pool.stats();
+    rows.push(Row {
+        workload: "mlp-9-sizes-shared-pool".into(),
+        config: "bs=256..1".into(),
+        eager_us: f64::NAN,
+        graph_us: f64::NAN,
+        speedup: f64::NAN,
+        eager_peak_bytes: 0,
+        graph_pool_reserved: st.reserved,
+        graph_peak_bytes: st.peak_allocated,
+        capture_ms: keep
+            .iter()
+            .map(|(g, _, _)| g.info().capture_time.as_secs_f64() * 1e3)
+            .sum(),
+        max_rel_diff: 0.0,
+    });
+    notes.push(format!(
+        "seed MLP at nine batch sizes in one pool: reserved {:.2} MB, peak allocated {:.3} MB; largest capture alone: reserved {:.2} MB, peak {:.3} MB; ratio (peak) {:.3}",
+        st.reserved as f64 / 1048576.0,
+        st.peak_allocated as f64 / 1048576.0,
+        single.0 as f64 / 1048576.0,
+        single.1 as f64 / 1048576.0,
+        st.peak_allocated as f64 / single.1.max(1) as f64
+    ));
+    pb.inc(1);
+    Ok(())
+}
+
+pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
+    let dev = Device::open(ordinal)?;
+    let total = a
+        .only
+        .iter()
+        .map(|w| match w.as_str() {
+            "mlp" => a.batch_sizes.len(),
+            "train" => 2,
+            _ => 1,
+        })
+        .sum::<usize>();
+    let pb = ProgressBar::new(total as u64);
+    pb.set_style(
+        ProgressStyle::with_template("bench {bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
+    for w in &a.only {
+        match w.as_str() {
+            "mlp" => mlp(&dev, a, &mut rows, &pb)?,
+            "train" => train(&dev, a, &mut rows, &pb)?,
+            "pool" => pool(&dev, a, &mut rows, &pb, &mut notes)?,
+            "mlp-pool" => mlp_pool(&dev, &mut rows, &pb, &mut notes)?,
+            other => {
+                return Err(format!(
+                    "unknown workload `{other}`; expected mlp, train, pool or mlp-pool"
+                )
+                .into())
+            }
+        }
+    }
+    pb.finish_and_clear();
+    let report = Report {
+        benchmark: "workloads",
+        device: device_report(&dev)?,
+        iters: a.iters,
+        repeats: a.repeats,
+        rows,
+        notes,
+    };
+    if let Some(path) = &a.svg {
+        std::fs::write(
+            path,
+            crate::report::svg_chart(&report.rows, &report.device.name),
+        )?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "cudagraph workloads on {} (CUDA {}), median of {} samples x {} iterations",
+        report.device.name, report.device.driver_cuda_version, a.repeats, a.iters
+    );
+    println!(
+        "{:<24} {:<26} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>9} {:>9}",
+        "workload",
+        "config",
+        "eager us",
+        "graph us",
+        "speedup",
+        "eager peak",
+        "pool resv",
+        "graph peak",
+        "capt ms",
+        "max diff"
+    );
+    let mb = |b: usize| format!("{:.2} MB", b as f64 / 1048576.0);
+    for r in &report.rows {
+        println!(
+            "{:<24} {:<26} {:>10.2} {:>10.2} {:>7.2}x {:>12} {:>12} {:>12} {:>9.2} {:>9.1e}",
+            r.workload,
+            r.config,
+            r.eager_us,
+            r.graph_us,
+            r.speedup,
+            mb(r.eager_peak_bytes),
+            mb(r.graph_pool_reserved),
+            mb(r.graph_peak_bytes),
+            r.capture_ms,
+            r.max_rel_diff
+        );
+    }
+    for n in &report.notes {
+        println!("note: {n}");
+    }
+    Ok(())
+}
