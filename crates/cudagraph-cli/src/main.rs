@@ -5,6 +5,7 @@
 
 mod bench;
 mod report;
+mod train;
 
 use std::process::ExitCode;
 
@@ -42,6 +43,9 @@ enum Command {
         #[command(flatten)]
         workloads: bench::workloads::WorkloadArgs,
     },
+    /// Train a small CNN (or MLP) on the UCI handwritten digits, eager or graphed, with
+    /// per-phase memory logs.
+    Train(train::TrainArgs),
 }
 
 #[derive(Subcommand)]
@@ -63,6 +67,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
+        Command::Train(args) => train::run(cli.device, &args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -162,6 +162,42 @@ extern "C" __global__ void conv2d_fwd(const float* x, const float* w, const floa
     y[i] = acc;
 }
 
+// Fast path for C*KH*KW <= 32 (e.g. 3 channels, 3x3): one thread per output pixel keeps its
+// input patch in registers and produces every output channel; weights live in shared memory
+// (read as broadcasts), and each channel's writes are coalesced across the warp.
+extern "C" __global__ void conv2d_fwd_small(const float* x, const float* w, const float* b, float* y,
+        int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad) {
+    extern __shared__ float sw[];
+    int ckk = C * KH * KW;
+    for (int j = threadIdx.x; j < OC * ckk; j += blockDim.x) sw[j] = w[j];
+    __syncthreads();
+    long i = IDX;
+    if (i >= (long)N * OH * OW) return;
+    int ow = i % OW; long t = i / OW;
+    int oh = t % OH; int n = t / OH;
+    float xv[32];
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        float v = 0.0f;
+        if (j < ckk) {
+            int kw = j % KW; int r = j / KW;
+            int kh = r % KH; int c = r / KH;
+            int ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
+            if (ih >= 0 && ih < H && iw >= 0 && iw < W) v = x[(((long)n * C + c) * H + ih) * W + iw];
+        }
+        xv[j] = v;
+    }
+    long plane = (long)OH * OW;
+    long base = (long)n * OC * plane + (long)oh * OW + ow;
+    for (int oc = 0; oc < OC; oc++) {
+        float acc = b ? b[oc] : 0.0f;
+        const float* wr = sw + oc * ckk;
+#pragma unroll
+        for (int j = 0; j < 32; j++) if (j < ckk) acc += wr[j] * xv[j];
+        y[base + oc * plane] = acc;
+    }
+}
+
 // dx: one thread per input element, gathering from the outputs it touched.
 extern "C" __global__ void conv2d_bwd_input(const float* dy, const float* w, float* dx,
         int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad) {
@@ -249,6 +285,7 @@ pub struct Kernels {
     pub step_inc: Function,
     pub adam_step: Function,
     pub conv2d_fwd: Function,
+    pub conv2d_fwd_small: Function,
     pub conv2d_bwd_input: Function,
     pub conv2d_bwd_weight: Function,
     pub maxpool_fwd: Function,
@@ -293,6 +330,7 @@ impl Nn {
             step_inc: f("step_inc")?,
             adam_step: f("adam_step")?,
             conv2d_fwd: f("conv2d_fwd")?,
+            conv2d_fwd_small: f("conv2d_fwd_small")?,
             conv2d_bwd_input: f("conv2d_bwd_input")?,
             conv2d_bwd_weight: f("conv2d_bwd_weight")?,
             maxpool_fwd: f("maxpool_fwd")?,

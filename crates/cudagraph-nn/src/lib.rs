@@ -32,6 +32,7 @@
 
 pub mod blas;
 pub mod cpu;
+pub mod datasets;
 pub mod error;
 pub mod exec;
 pub mod kernels;

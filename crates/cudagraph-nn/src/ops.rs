@@ -346,9 +346,18 @@ pub fn conv2d(
         Some(b) => b.data().arg_at(0),
         None => cudagraph::Arg::U64(0),
     };
+    let ckk = g.c * g.kh * g.kw;
+    let weights_bytes = g.oc * ckk * 4;
+    let (kernel, cfg) = if ckk <= 32 && weights_bytes <= 48 * 1024 {
+        let mut cfg = LaunchConfig::for_elements(g.n * g.oh * g.ow, 128);
+        cfg.shared_mem_bytes = weights_bytes as u32;
+        (&nn.k.conv2d_fwd_small, cfg)
+    } else {
+        (&nn.k.conv2d_fwd, elems(total))
+    };
     q.launch(
-        &nn.k.conv2d_fwd,
-        elems(total),
+        kernel,
+        cfg,
         args![
             x.data(),
             w.data(),

@@ -152,6 +152,7 @@ fn conv2d_and_maxpool_match_cpu() {
             2usize, 3usize, 9usize, 7usize, 4usize, 3usize, 1usize, 1usize,
         ),
         (1, 2, 8, 8, 3, 3, 2, 0),
+        (2, 4, 6, 5, 3, 3, 1, 1),
     ] {
         let conv = Conv2d::new(&s, c, oc, k, stride, pad, &mut rng).unwrap();
         let xh = data(&mut rng, n * c * h * w);

@@ -1,8 +1,9 @@
 //! `cudagraph bench` (workloads): the seed workloads, eager vs graph, in one process.
 //!
-//! 1. `mlp`: seed 002's MLP 1024→512→256→10 inference at several batch sizes. One request is
-//!    copy-in from host memory, the forward pass, copy-out to host memory, and a stream sync;
-//!    graphed, that is one [`StaticGraph::run`] (the copies are graph nodes, staging is pinned).
+//! 1. `mlp`: seed 002's MLP 1024→512→256→10 inference at several batch sizes, the seed's way:
+//!    device-resident input, `copy_` into the static input, replay, `clone` of the output,
+//!    back to back. `mlp-host`: a serving request from host memory instead (copy in, forward,
+//!    copy out, sync); graphed, one [`StaticGraph::run`] with the copies as graph nodes.
 //! 2. `train`: seed 001's Linear(1024, 1024), MSE (sum), N = 64: forward + backward + optimizer
 //!    step (SGD lr 1e-3, and Adam), `steps` back to back then one sync, per step.
 //! 3. `pool`: seed 002/004's two models, Linear(1000, 500) at batch 32 and Conv2d(3, 64, 3) at
@@ -16,7 +17,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use clap::Args;
-use cudagraph::{CaptureOptions, Device, Graph, StaticGraph, Stream};
+use cudagraph::{CaptureOptions, Device, Graph, Queue, StaticGraph, Stream};
 use cudagraph_nn::{
     mse_loss, no_grad, Adam, Conv2d, Layer, Linear, Module, Optimizer, Reduction, Rng, Sequential,
     Sgd, Tensor,
@@ -30,8 +31,8 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Args, Debug)]
 pub struct WorkloadArgs {
-    /// Workloads to run (comma separated): mlp, train, pool, mlp-pool.
-    #[arg(long, value_delimiter = ',', default_values_t = vec!["mlp".to_string(), "train".to_string(), "pool".to_string(), "mlp-pool".to_string()])]
+    /// Workloads to run (comma separated): mlp, mlp-host, train, pool, mlp-pool.
+    #[arg(long, value_delimiter = ',', default_values_t = ["mlp", "mlp-host", "train", "pool", "mlp-pool"].map(String::from).to_vec())]
     pub only: Vec<String>,
     /// Batch sizes for the MLP inference workload.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 8, 16, 32, 256])]
@@ -117,7 +118,70 @@ pub fn seed_mlp(s: &Stream, rng: &mut Rng) -> cudagraph_nn::Result<Sequential> {
     ]))
 }
 
-fn mlp(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) -> AnyResult<()> {
+/// Seed 002's exact pattern: the input is already on the device; a graphed request is
+/// `static_input.copy_(x)`, `replay()`, `static_output.clone()`; eager is `model(x)`. Requests
+/// run back to back with one synchronisation at the end (throughput), as in the seed.
+fn mlp_device(
+    dev: &Device,
+    a: &WorkloadArgs,
+    rows: &mut Vec<Row>,
+    pb: &ProgressBar,
+) -> AnyResult<()> {
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(2);
+    let model = seed_mlp(&s, &mut rng)?;
+    for &bs in &a.batch_sizes {
+        pb.set_message(format!("mlp bs {bs}"));
+        let x = Tensor::from_host(&s, &rng.vec_normal(bs * 1024), &[bs, 1024])?;
+        let eager_out = no_grad(|| model.forward(&s, &x))?.to_vec(&s)?;
+        s.synchronize()?;
+        dev.reset_peak_memory_stats();
+        let base = dev.memory_stats().allocated;
+        let eager = time_us(&s, a.iters, a.repeats, || {
+            no_grad(|| model.forward(&s, &x))?;
+            Ok(())
+        })?;
+        let eager_peak = dev.memory_stats().peak_allocated - base;
+        let static_in = s.alloc_zeroed::<f32>(bs * 1024)?;
+        let sx = Tensor::from_buffer(Rc::new(static_in.alias()), &[bs, 1024])?;
+        let (g, static_out) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
+            Ok(no_grad(|| model.forward(cs, &sx))?)
+        })?;
+        let request = |s: &Stream| -> AnyResult<cudagraph::DeviceBuffer<f32>> {
+            s.copy(x.data(), &static_in)?;
+            g.replay(s)?;
+            let out = s.alloc::<f32>(bs * 10)?;
+            s.copy(static_out.data(), &out)?;
+            Ok(out)
+        };
+        let graph_out = s.to_vec(&request(&s)?)?;
+        let graph = time_us(&s, a.iters, a.repeats, || request(&s).map(|_| ()))?;
+        let info = *g.info();
+        rows.push(Row {
+            workload: "mlp-inference".into(),
+            config: format!("bs={bs}"),
+            eager_us: eager,
+            graph_us: graph,
+            speedup: eager / graph,
+            eager_peak_bytes: eager_peak,
+            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
+            graph_peak_bytes: info.memory.peak_allocated,
+            capture_ms: info.capture_time.as_secs_f64() * 1e3,
+            max_rel_diff: max_rel(&graph_out, &eager_out),
+        });
+        pb.inc(1);
+    }
+    Ok(())
+}
+
+/// A serving request from host memory: copy in, forward, copy out, synchronise (latency).
+/// Graphed with [`StaticGraph`]: the copies are graph nodes and staging is pinned.
+fn mlp_host(
+    dev: &Device,
+    a: &WorkloadArgs,
+    rows: &mut Vec<Row>,
+    pb: &ProgressBar,
+) -> AnyResult<()> {
     let mut s = dev.new_stream()?;
     let mut rng = Rng::new(2);
     let model = seed_mlp(&s, &mut rng)?;
@@ -155,7 +219,7 @@ fn mlp(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) ->
         })?;
         let info = *sg.info();
         rows.push(Row {
-            workload: "mlp-inference".into(),
+            workload: "mlp-host-roundtrip".into(),
             config: format!("bs={bs}"),
             eager_us: eager,
             graph_us: graph,
@@ -360,7 +424,7 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
         .only
         .iter()
         .map(|w| match w.as_str() {
-            "mlp" => a.batch_sizes.len(),
+            "mlp" | "mlp-host" => a.batch_sizes.len(),
             "train" => 2,
             _ => 1,
         })
@@ -373,13 +437,14 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
     let mut notes = Vec::new();
     for w in &a.only {
         match w.as_str() {
-            "mlp" => mlp(&dev, a, &mut rows, &pb)?,
+            "mlp" => mlp_device(&dev, a, &mut rows, &pb)?,
+            "mlp-host" => mlp_host(&dev, a, &mut rows, &pb)?,
             "train" => train(&dev, a, &mut rows, &pb)?,
             "pool" => pool(&dev, a, &mut rows, &pb, &mut notes)?,
             "mlp-pool" => mlp_pool(&dev, &mut rows, &pb, &mut notes)?,
             other => {
                 return Err(format!(
-                    "unknown workload `{other}`; expected mlp, train, pool or mlp-pool"
+                    "unknown workload `{other}`; expected mlp, mlp-host, train, pool or mlp-pool"
                 )
                 .into())
             }
