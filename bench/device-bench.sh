@@ -13,4 +13,7 @@ PYTHONUNBUFFERED=1 python3 bench/pytorch_baseline.py > "$out/bench-pytorch.json"
   echo
   python3 bench/compare.py "$out/bench-ours.json" "$out/bench-pytorch.json" "$ours; python3 bench/pytorch_baseline.py"
 } > "$out/bench-$stamp.md"
+echo
+echo "## The same with cuBLAS for every product (CUDAGRAPH_GEMM=cublas), for comparison"
+CUDAGRAPH_GEMM=cublas .gpu-bin/bin/cudagraph bench --only mlp,train 2>&1 | tee "$out/bench-cublas-$stamp.txt"
 cat "$out/bench-$stamp.md"

@@ -35,6 +35,7 @@ pub mod cpu;
 pub mod datasets;
 pub mod error;
 pub mod exec;
+pub mod gemm;
 pub mod kernels;
 pub mod layers;
 pub mod ops;

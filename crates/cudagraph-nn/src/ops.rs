@@ -8,6 +8,7 @@ use cudagraph::{args, DeviceBuffer, LaunchConfig};
 use crate::blas::Trans;
 use crate::error::{NnError, Result};
 use crate::exec::Exec;
+use crate::gemm::{engine_from_env, gemm};
 use crate::kernels::Nn;
 use crate::tensor::{Node, Tensor};
 
@@ -42,30 +43,24 @@ pub fn linear(
     }
     let nn = Nn::get(q.device())?;
     let y = q.alloc_f32(m * n)?;
-    nn.blas.gemm(
+    if relu && b.is_none() {
+        return shape_err("linear: a fused ReLU needs a bias".into());
+    }
+    let engine = engine_from_env();
+    gemm(
         q,
-        Trans::N,
-        Trans::T,
-        m,
-        n,
-        k,
+        &nn,
+        engine,
+        (Trans::N, Trans::T),
+        (m, n, k),
         1.0,
         x.data(),
         w.data(),
         0.0,
         &y,
+        b.map(|b| b.data()),
+        relu,
     )?;
-    if b.is_some() || relu {
-        let bias = match b {
-            Some(b) => b.data().arg_at(0),
-            None => return shape_err("linear: a fused ReLU needs a bias".into()),
-        };
-        q.launch(
-            &nn.k.bias_act,
-            elems(m * n),
-            args![&y, bias, m as i32, n as i32, relu as i32],
-        )?;
-    }
     let mut inputs = vec![x.clone(), w.clone()];
     if let Some(b) = b {
         inputs.push(b.clone());
@@ -97,16 +92,16 @@ pub fn linear(
             };
             let dx = if need_x {
                 let dx = q.alloc_f32(m * k)?;
-                nn.blas
-                    .gemm(q, Trans::N, Trans::N, m, k, n, 1.0, &dz, &wd, 0.0, &dx)?;
+                let (t, d) = ((Trans::N, Trans::N), (m, k, n));
+                gemm(q, nn, engine, t, d, 1.0, &dz, &wd, 0.0, &dx, None, false)?;
                 Some(Tensor::from_buffer(Rc::new(dx), &[m, k])?)
             } else {
                 None
             };
             let dw = if need_w {
                 let dw = q.alloc_f32(n * k)?;
-                nn.blas
-                    .gemm(q, Trans::T, Trans::N, n, k, m, 1.0, &dz, &xd, 0.0, &dw)?;
+                let (t, d) = ((Trans::T, Trans::N), (n, k, m));
+                gemm(q, nn, engine, t, d, 1.0, &dz, &xd, 0.0, &dw, None, false)?;
                 Some(Tensor::from_buffer(Rc::new(dw), &[n, k])?)
             } else {
                 None

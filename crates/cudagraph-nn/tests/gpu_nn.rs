@@ -504,3 +504,68 @@ fn gradients_accumulate_without_set_to_none() {
         Err(NnError::Shape(_))
     ));
 }
+
+#[test]
+fn gemm_engines_match_cpu_for_every_transpose() {
+    use cudagraph_nn::blas::Trans;
+    use cudagraph_nn::gemm::{gemm, Engine};
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(11);
+    for engine in [Engine::Cublas, Engine::Tiled] {
+        for (ta, tb) in [
+            (Trans::N, Trans::N),
+            (Trans::N, Trans::T),
+            (Trans::T, Trans::N),
+            (Trans::T, Trans::T),
+        ] {
+            for &(m, n, k) in &[
+                (1usize, 10usize, 256usize),
+                (33, 65, 70),
+                (64, 1024, 64),
+                (32, 512, 1024),
+            ] {
+                let (ah, bh, bias) = (
+                    data(&mut rng, m * k),
+                    data(&mut rng, k * n),
+                    data(&mut rng, n),
+                );
+                let a_at = |i: usize, p: usize| if ta == Trans::N { ah[i * k + p] } else { ah[p * m + i] } as f64;
+                let b_at = |p: usize, j: usize| if tb == Trans::N { bh[p * n + j] } else { bh[j * k + p] } as f64;
+                let c0 = data(&mut rng, m * n);
+                let want: Vec<f64> = (0..m * n)
+                    .map(|e| {
+                        let (i, j) = (e / n, e % n);
+                        let dot: f64 = (0..k).map(|p| a_at(i, p) * b_at(p, j)).sum();
+                        (0.5 * dot + 0.25 * c0[e] as f64 + bias[j] as f64).max(0.0)
+                    })
+                    .collect();
+                let (a, b, bb) = (
+                    s.alloc_from_host(&ah).unwrap(),
+                    s.alloc_from_host(&bh).unwrap(),
+                    s.alloc_from_host(&bias).unwrap(),
+                );
+                let c = s.alloc_from_host(&c0).unwrap();
+                gemm(
+                    &s,
+                    &nn,
+                    engine,
+                    (ta, tb),
+                    (m, n, k),
+                    0.5,
+                    &a,
+                    &b,
+                    0.25,
+                    &c,
+                    Some(&bb),
+                    true,
+                )
+                .unwrap();
+                let got = s.to_vec(&c).unwrap();
+                let err = rel_err(&got, &want);
+                assert!(err < 1e-5, "{engine:?} {ta:?}{tb:?} {m}x{n}x{k}: {err}");
+            }
+        }
+    }
+}

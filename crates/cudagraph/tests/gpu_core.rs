@@ -463,6 +463,12 @@ fn static_graph_matches_eager_and_runs_many_inputs() {
         let out = sg.run(&s, &[&a, &b]).unwrap();
         assert_eq!(out.get(0), &eager[..], "round {round}");
     }
+    // The zero-copy path: write straight into the pinned staging.
+    let (a, b) = (input(n, 60), input(n, 61));
+    let want = sg.run_to_vecs(&s, &[&a, &b]).unwrap();
+    sg.host_input_mut(0).copy_from_slice(&a);
+    sg.host_input_mut(1).copy_from_slice(&b);
+    assert_eq!(sg.run_staged(&s).unwrap().to_vecs(), want);
     let err = sg.run(&s, &[&[1.0]]).unwrap_err();
     assert!(matches!(err, Error::SizeMismatch { .. }), "{err}");
 }

@@ -178,6 +178,29 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
         })
     }
 
+    /// The page-locked host staging of input `i`. Write the next request here directly and
+    /// call [`Self::run_staged`]: no extra host copy (the zero-copy path for serving).
+    pub fn host_input_mut(&mut self, i: usize) -> &mut [I] {
+        let len = self.inputs[i].len();
+        // SAFETY: `&mut self` excludes a concurrent run and any other slice of this staging
+        // (input staging is only ever handed out here); only `run*` launch the graph and they
+        // synchronise before returning, so no copy from it is in flight.
+        unsafe { self.host_in[i].typed_mut_unchecked::<I>(len) }
+    }
+
+    /// Replays with the inputs already in the host staging ([`Self::host_input_mut`]), waits,
+    /// and returns the outputs (borrowed until the next run).
+    #[track_caller]
+    pub fn run_staged(&mut self, stream: &Stream) -> Result<Outputs<'_, O>> {
+        self.graph.replay(stream)?;
+        stream.synchronize()?;
+        Ok(Outputs {
+            host: &self.host_out,
+            lens: self.output_lens(),
+            _o: std::marker::PhantomData,
+        })
+    }
+
     /// [`Self::run`] returning owned copies of the outputs.
     #[track_caller]
     pub fn run_to_vecs(&mut self, stream: &Stream, inputs: &[&[I]]) -> Result<Vec<Vec<O>>> {

@@ -465,6 +465,20 @@ impl PinnedAlloc {
         unsafe { std::slice::from_raw_parts(self.ptr as *const T, len) }
     }
 
+    /// The first `len` elements as `T`, writable through a shared handle.
+    ///
+    /// # Safety
+    /// For the lifetime of the returned slice no other slice of this allocation may exist and no
+    /// device copy from or into it may be in flight.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn typed_mut_unchecked<T: crate::memory::Elem>(
+        &self,
+        len: usize,
+    ) -> &mut [T] {
+        assert!(len * std::mem::size_of::<T>() <= self.bytes);
+        std::slice::from_raw_parts_mut(self.ptr as *mut T, len)
+    }
+
     /// Copies `src` to the start of the allocation through a shared handle.
     ///
     /// # Safety

@@ -1,0 +1,126 @@
+//! Matrix products for the NN layer, with a choice of engine.
+//!
+//! Small products (the small-batch case this project is for) are latency-bound: cuBLAS SGEMM
+//! launches only a handful of blocks for, say, 32×512 outputs with K = 1024. Our tiled kernel
+//! (`sgemm_tiled`) fuses the bias and ReLU and runs there several times faster; cuBLAS takes the
+//! large products. `CUDAGRAPH_GEMM=cublas|tiled|auto` (default `auto`) overrides the choice.
+
+use std::sync::OnceLock;
+
+use cudagraph::{args, Arg, DeviceBuffer, LaunchConfig};
+
+use crate::blas::Trans;
+use crate::error::{NnError, Result};
+use crate::exec::Exec;
+use crate::kernels::Nn;
+
+/// Which implementation runs a product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    Cublas,
+    Tiled,
+    /// Tiled up to [`TILED_MAX_OUTPUTS`] outputs, cuBLAS above.
+    Auto,
+}
+
+/// Largest output (m·n) the `Auto` engine sends to the tiled kernel.
+pub const TILED_MAX_OUTPUTS: usize = 1 << 20;
+
+/// The engine chosen by `CUDAGRAPH_GEMM` (read once).
+pub fn engine_from_env() -> Engine {
+    static E: OnceLock<Engine> = OnceLock::new();
+    *E.get_or_init(|| match std::env::var("CUDAGRAPH_GEMM").as_deref() {
+        Ok("cublas") => Engine::Cublas,
+        Ok("tiled") => Engine::Tiled,
+        _ => Engine::Auto,
+    })
+}
+
+/// Row-major `C[m×n] = alpha·op(A)·op(B) + beta·C`, then `+ bias[j]` and ReLU if asked.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    q: &dyn Exec,
+    nn: &Nn,
+    engine: Engine,
+    (ta, tb): (Trans, Trans),
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: &DeviceBuffer<f32>,
+    b: &DeviceBuffer<f32>,
+    beta: f32,
+    c: &DeviceBuffer<f32>,
+    bias: Option<&DeviceBuffer<f32>>,
+    relu: bool,
+) -> Result<()> {
+    if let Some(bias) = bias {
+        if bias.len() < n {
+            return Err(NnError::Shape(format!(
+                "gemm bias has {} values for {n} columns",
+                bias.len()
+            )));
+        }
+    }
+    let tiled = match engine {
+        Engine::Cublas => false,
+        Engine::Tiled => true,
+        Engine::Auto => m * n <= TILED_MAX_OUTPUTS,
+    };
+    if !tiled {
+        nn.blas.gemm(q, ta, tb, m, n, k, alpha, a, b, beta, c)?;
+        if bias.is_some() || relu {
+            let Some(bias) = bias else {
+                return Err(NnError::Shape("a fused ReLU needs a bias".into()));
+            };
+            q.launch(
+                &nn.k.bias_act,
+                LaunchConfig::for_elements(m * n, 256),
+                args![c, bias, m as i32, n as i32, relu as i32],
+            )?;
+        }
+        return Ok(());
+    }
+    for (what, buf, len) in [
+        ("gemm A", a, m * k),
+        ("gemm B", b, k * n),
+        ("gemm C", c, m * n),
+    ] {
+        if buf.len() < len {
+            return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+                what,
+                expected: len,
+                got: buf.len(),
+            }));
+        }
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let lda = if ta == Trans::N { k } else { m };
+    let ldb = if tb == Trans::N { n } else { k };
+    let bias_arg = bias.map(|b| b.arg_at(0)).unwrap_or(Arg::U64(0));
+    let cfg = LaunchConfig {
+        grid: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, 1),
+        block: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    q.launch(
+        &nn.k.sgemm_tiled,
+        cfg,
+        args![
+            m as i32,
+            n as i32,
+            k as i32,
+            alpha,
+            a,
+            lda as i32,
+            (ta == Trans::T) as i32,
+            b,
+            ldb as i32,
+            (tb == Trans::T) as i32,
+            beta,
+            c,
+            bias_arg,
+            relu as i32
+        ],
+    )
+}
