@@ -52,6 +52,8 @@ enum Command {
 enum BenchCommand {
     /// A chain of k tiny kernels: launch overhead eager vs one graph launch.
     Chain(bench::chain::ChainArgs),
+    /// The workloads' matrix products: cuBLAS vs the tiled split-K kernel.
+    Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
     Workloads(bench::workloads::WorkloadArgs),
 }
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Chain(args)) => {
                 bench::chain::run(cli.device, &args).map_err(Into::into)
             }
+            Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },

@@ -98,8 +98,17 @@ pub fn gemm(
     let lda = if ta == Trans::N { k } else { m };
     let ldb = if tb == Trans::N { n } else { k };
     let bias_arg = bias.map(|b| b.arg_at(0)).unwrap_or(Arg::U64(0));
+    let splits = split_k(m, n, k);
+    let kc = k.div_ceil(splits).div_ceil(32) * 32;
+    let splits = k.div_ceil(kc).max(1);
+    let partial = if splits > 1 {
+        Some(q.alloc_f32(splits * m * n)?)
+    } else {
+        None
+    };
+    let partial_arg = partial.as_ref().map(|p| p.arg_at(0)).unwrap_or(Arg::U64(0));
     let cfg = LaunchConfig {
-        grid: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, 1),
+        grid: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, splits as u32),
         block: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -120,7 +129,50 @@ pub fn gemm(
             beta,
             c,
             bias_arg,
-            relu as i32
+            relu as i32,
+            kc.max(1) as i32,
+            partial_arg
         ],
-    )
+    )?;
+    if let Some(p) = &partial {
+        q.launch(
+            &nn.k.splitk_reduce,
+            LaunchConfig::for_elements(m * n, 256),
+            args![
+                p,
+                splits as i32,
+                c,
+                m as i32,
+                n as i32,
+                alpha,
+                beta,
+                bias_arg,
+                relu as i32
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// How many K splits give the device enough blocks (about two waves of 132 SMs) while each
+/// split keeps at least two 32-wide K tiles.
+pub fn split_k(m: usize, n: usize, k: usize) -> usize {
+    let blocks = m.div_ceil(32) * n.div_ceil(32);
+    let k_tiles = k.div_ceil(32);
+    let want = (264usize).div_ceil(blocks.max(1));
+    want.min(k_tiles / 2).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_k;
+
+    #[test]
+    fn split_k_fills_the_device_but_keeps_two_tiles_per_split() {
+        assert_eq!(split_k(32, 512, 1024), 16); // 16 blocks: 16 splits of 2 tiles
+        assert_eq!(split_k(1024, 1024, 64), 1); // 1024 blocks already
+        assert_eq!(split_k(64, 1024, 1024), 5);
+        assert_eq!(split_k(1, 10, 256), 4); // one block, 8 tiles: 4 splits of 2
+        assert_eq!(split_k(4, 4, 16), 1); // a single tile cannot split
+    }
 }

@@ -32,26 +32,31 @@ __device__ float block_sum(float v) {
 // op(A)(i, p) = ta ? A[p * lda + i] : A[i * lda + p]; op(B)(p, j) = tb ? B[j * ldb + p] : B[p * ldb + j].
 // 256 threads, 32 x 32 outputs per block (2 x 2 per thread), K in steps of 32 through shared
 // memory, loads coalesced along whichever dimension is contiguous. Sums run in a fixed order.
+// Split-K: blockIdx.z takes K range [z * kc, (z + 1) * kc); with `partial` set, raw sums go to
+// partial[z][i][j] and splitk_reduce applies the epilogue (a fixed summation order: results do
+// not depend on scheduling).
 extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
-        float beta, float* C, const float* bias, int relu) {
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
     __shared__ float As[32][33];
     __shared__ float Bs[32][33];
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
     float c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
-    for (int p0 = 0; p0 < k; p0 += 32) {
+    int kbeg = blockIdx.z * kc;
+    int kend = min(k, kbeg + kc);
+    for (int p0 = kbeg; p0 < kend; p0 += 32) {
         for (int e = threadIdx.x; e < 1024; e += 256) {
             int i, p;
             if (ta) { i = e % 32; p = e / 32; } else { p = e % 32; i = e / 32; }
             int gi = row0 + i, gp = p0 + p;
-            As[p][i] = (gi < m && gp < k) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+            As[p][i] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
         }
         for (int e = threadIdx.x; e < 1024; e += 256) {
             int j, p;
             if (tb) { p = e % 32; j = e / 32; } else { j = e % 32; p = e / 32; }
             int gj = col0 + j, gp = p0 + p;
-            Bs[p][j] = (gj < n && gp < k) ? (tb ? B[(long)gj * ldb + gp] : B[(long)gp * ldb + gj]) : 0.0f;
+            Bs[p][j] = (gj < n && gp < kend) ? (tb ? B[(long)gj * ldb + gp] : B[(long)gp * ldb + gj]) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -68,7 +73,9 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
 #pragma unroll
         for (int dj = 0; dj < 2; dj++) {
             int i = row0 + ty * 2 + di, j = col0 + tx * 2 + dj;
-            if (i < m && j < n) {
+            if (i < m && j < n && partial) {
+                partial[((long)blockIdx.z * m + i) * n + j] = acc[di][dj];
+            } else if (i < m && j < n) {
                 float v = alpha * acc[di][dj];
                 if (beta != 0.0f) v += beta * C[(long)i * n + j];
                 if (bias) v += bias[j];
@@ -76,6 +83,20 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
                 C[(long)i * n + j] = v;
             }
         }
+}
+
+extern "C" __global__ void splitk_reduce(const float* partial, int splits, float* C, int m, int n,
+        float alpha, float beta, const float* bias, int relu) {
+    long e = IDX;
+    long mn = (long)m * n;
+    if (e >= mn) return;
+    float s = 0.0f;
+    for (int z = 0; z < splits; z++) s += partial[z * mn + e];
+    float v = alpha * s;
+    if (beta != 0.0f) v += beta * C[e];
+    if (bias) v += bias[e % n];
+    if (relu) v = fmaxf(v, 0.0f);
+    C[e] = v;
 }
 
 extern "C" __global__ void bias_act(float* y, const float* b, int rows, int cols, int relu) {
@@ -323,6 +344,7 @@ extern "C" __global__ void maxpool_bwd(const float* dy, const int* idx, float* d
 /// The NN kernels of one device.
 pub struct Kernels {
     pub sgemm_tiled: Function,
+    pub splitk_reduce: Function,
     pub bias_act: Function,
     pub relu_fwd: Function,
     pub relu_bwd: Function,
@@ -369,6 +391,7 @@ impl Nn {
         let f = |name: &str| m.function(name);
         let k = Kernels {
             sgemm_tiled: f("sgemm_tiled")?,
+            splitk_reduce: f("splitk_reduce")?,
             bias_act: f("bias_act")?,
             relu_fwd: f("relu_fwd")?,
             relu_bwd: f("relu_bwd")?,

@@ -2,4 +2,5 @@
 //! process on one device, and prints a table (or JSON).
 
 pub mod chain;
+pub mod gemm;
 pub mod workloads;

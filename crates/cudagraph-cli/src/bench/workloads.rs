@@ -293,7 +293,13 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
             graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
             graph_peak_bytes: info.memory.peak_allocated,
             capture_ms: info.capture_time.as_secs_f64() * 1e3,
-            max_rel_diff: max_rel(&w_graph, &w_eager),
+            // Adam's moments and step count moved on during the timing, so only SGD (stateless
+            // here) can be compared this way; gpu_nn's 100-step test covers Adam.
+            max_rel_diff: if adam {
+                f64::NAN
+            } else {
+                max_rel(&w_graph, &w_eager)
+            },
         });
         pb.inc(1);
     }
