@@ -145,12 +145,21 @@ extern "C" __global__ void channel_sum(const float* dy, float* db, int n, int c,
     if (threadIdx.x == 0) db[ch] = acc;
 }
 
-// loss[0] = scale * sum (p - t)^2, one block.
-extern "C" __global__ void mse_fwd(const float* p, const float* t, float* loss, long n, float scale) {
+// Pass 1 of loss = scale * sum (p - t)^2: each block writes its partial sum (a one-block loop
+// over 64K elements is latency-bound; many blocks are not). Pass 2: sum_partials.
+extern "C" __global__ void mse_partial(const float* p, const float* t, float* partial, long n) {
     float acc = 0.0f;
-    for (long i = threadIdx.x; i < n; i += blockDim.x) { float d = p[i] - t[i]; acc += d * d; }
+    for (long i = IDX; i < n; i += (long)gridDim.x * blockDim.x) { float d = p[i] - t[i]; acc += d * d; }
     acc = block_sum(acc);
-    if (threadIdx.x == 0) loss[0] = scale * acc;
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// out[0] = scale * sum of `count` partials, one block, fixed order.
+extern "C" __global__ void sum_partials(const float* partial, int count, float* out, float scale) {
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) out[0] = scale * acc;
 }
 
 extern "C" __global__ void mse_bwd(const float* p, const float* t, const float* dloss, float* dp, long n, float scale) {
@@ -351,7 +360,8 @@ pub struct Kernels {
     pub add_inplace: Function,
     pub col_sum: Function,
     pub channel_sum: Function,
-    pub mse_fwd: Function,
+    pub mse_partial: Function,
+    pub sum_partials: Function,
     pub mse_bwd: Function,
     pub ce_fwd: Function,
     pub ce_bwd: Function,
@@ -398,7 +408,8 @@ impl Nn {
             add_inplace: f("add_inplace")?,
             col_sum: f("col_sum")?,
             channel_sum: f("channel_sum")?,
-            mse_fwd: f("mse_fwd")?,
+            mse_partial: f("mse_partial")?,
+            sum_partials: f("sum_partials")?,
             mse_bwd: f("mse_bwd")?,
             ce_fwd: f("ce_fwd")?,
             ce_bwd: f("ce_bwd")?,

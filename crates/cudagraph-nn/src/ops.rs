@@ -179,10 +179,18 @@ pub fn mse_loss(
         Reduction::Mean => 1.0 / n as f32,
     };
     let loss = q.alloc_f32(1)?;
+    // Two passes, deterministic: up to 256 blocks of partial sums, then one block adds them.
+    let blocks = n.div_ceil(1024).clamp(1, 256);
+    let partial = q.alloc_f32(blocks)?;
     q.launch(
-        &nn.k.mse_fwd,
-        LaunchConfig::linear(1, 1024),
-        args![pred.data(), target.data(), &loss, n as i64, scale],
+        &nn.k.mse_partial,
+        LaunchConfig::linear(blocks as u32, 256),
+        args![pred.data(), target.data(), &partial, n as i64],
+    )?;
+    q.launch(
+        &nn.k.sum_partials,
+        LaunchConfig::linear(1, 256),
+        args![&partial, blocks as i32, &loss, scale],
     )?;
     let (p, t) = (pred.data_rc().clone(), target.data_rc().clone());
     let shape = pred.shape().to_vec();
