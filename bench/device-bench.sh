@@ -14,6 +14,9 @@ PYTHONUNBUFFERED=1 python3 bench/pytorch_baseline.py > "$out/bench-pytorch.json"
   python3 bench/compare.py "$out/bench-ours.json" "$out/bench-pytorch.json" "$ours; python3 bench/pytorch_baseline.py"
 } > "$out/bench-$stamp.md"
 echo
+echo "## Graph cache at random batch sizes (cudagraph bench cache; PyTorch's dict-of-graphs is in the notes above)"
+.gpu-bin/bin/cudagraph bench cache 2>&1 | tee "$out/cache-$stamp.txt"
+echo
 echo "## The same with cuBLAS for every product (CUDAGRAPH_GEMM=cublas), for comparison"
 CUDAGRAPH_GEMM=cublas .gpu-bin/bin/cudagraph bench --only mlp,train 2>&1 | tee "$out/bench-cublas-$stamp.txt"
 cat "$out/bench-$stamp.md"

@@ -52,6 +52,8 @@ enum Command {
 enum BenchCommand {
     /// A chain of k tiny kernels: launch overhead eager vs one graph launch.
     Chain(bench::chain::ChainArgs),
+    /// The seed MLP at random batch sizes: eager vs a GraphCache (padding, buckets).
+    Cache(bench::cache::CacheArgs),
     /// The workloads' matrix products: cuBLAS vs the tiled split-K kernel.
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Chain(args)) => {
                 bench::chain::run(cli.device, &args).map_err(Into::into)
             }
+            Some(BenchCommand::Cache(args)) => bench::cache::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),

@@ -30,6 +30,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod batched;
 pub mod blas;
 pub mod cpu;
 pub mod datasets;
@@ -42,6 +43,7 @@ pub mod ops;
 pub mod optim;
 pub mod tensor;
 
+pub use batched::Batched;
 pub use error::{NnError, Result};
 pub use exec::Exec;
 pub use kernels::Nn;

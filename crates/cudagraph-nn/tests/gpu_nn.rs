@@ -569,3 +569,109 @@ fn gemm_engines_match_cpu_for_every_transpose() {
         }
     }
 }
+
+#[test]
+fn graph_cache_matches_eager_at_every_size_with_padding_and_fallback() {
+    use cudagraph::{BucketPolicy, CacheOptions, GraphCache, Served};
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(12);
+    let model = seed_mlp(&s, &mut rng);
+    let batched = Batched {
+        module: model.clone(),
+        row_shape: vec![1024],
+        output_row: 10,
+    };
+    let mut cache = GraphCache::new(
+        &mut s,
+        batched,
+        BucketPolicy::Sizes(vec![1, 4, 16, 32]),
+        CacheOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(cache.entries().len(), 4);
+    let x_all = s.alloc_from_host(&rng.vec_normal(40 * 1024)).unwrap();
+    for rows in 1..=40usize {
+        let (out, served) = cache.run(&mut s, &x_all, rows).unwrap();
+        let xh = s.to_vec(&x_all).unwrap();
+        let eager = no_grad(|| {
+            model.forward(
+                &s,
+                &Tensor::from_host(&s, &xh[..rows * 1024], &[rows, 1024]).unwrap(),
+            )
+        })
+        .unwrap()
+        .to_vec(&s)
+        .unwrap();
+        let got = s.to_vec(&out).unwrap();
+        assert!(
+            rel_err(&got, &to_f64(&eager)) < 1e-5,
+            "rows {rows} ({served:?}): {}",
+            rel_err(&got, &to_f64(&eager))
+        );
+        let want = match rows {
+            1 | 4 | 16 | 32 => Served::Exact { size: rows },
+            33.. => Served::Fallback,
+            _ => {
+                let size = [4, 16, 32].into_iter().find(|&b| b >= rows).unwrap();
+                Served::Padded {
+                    size,
+                    padded_rows: size - rows,
+                }
+            }
+        };
+        assert_eq!(served, want);
+    }
+    let st = *cache.stats();
+    assert_eq!((st.requests, st.exact, st.fallbacks), (40, 4, 8));
+    assert_eq!(st.padded, 28);
+    // All four graphs share one pool: its peak is close to the largest graph's working set.
+    let largest = cache.entries().iter().map(|e| e.peak_bytes).max().unwrap();
+    let pool_peak = cache.pool().stats().peak_allocated;
+    assert!(
+        pool_peak as f64 <= 1.1 * largest as f64,
+        "pool peak {pool_peak} vs largest entry {largest}"
+    );
+}
+
+#[test]
+fn lazy_graph_cache_captures_on_demand_and_evicts_over_budget() {
+    use cudagraph::{BucketPolicy, CacheOptions, GraphCache};
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(13);
+    let model = seed_mlp(&s, &mut rng);
+    let batched = Batched {
+        module: model.clone(),
+        row_shape: vec![1024],
+        output_row: 10,
+    };
+    let opts = CacheOptions {
+        lazy: true,
+        memory_budget: Some(1),
+        ..Default::default()
+    };
+    let mut cache =
+        GraphCache::new(&mut s, batched, BucketPolicy::PowersOfTwo { max: 64 }, opts).unwrap();
+    assert!(cache.entries().is_empty());
+    let x = s.alloc_from_host(&rng.vec_normal(64 * 1024)).unwrap();
+    for rows in [3usize, 50, 3, 7] {
+        let (out, _) = cache.run(&mut s, &x, rows).unwrap();
+        let xh = s.to_vec(&x).unwrap();
+        let eager = no_grad(|| {
+            model.forward(
+                &s,
+                &Tensor::from_host(&s, &xh[..rows * 1024], &[rows, 1024]).unwrap(),
+            )
+        })
+        .unwrap()
+        .to_vec(&s)
+        .unwrap();
+        assert!(rel_err(&s.to_vec(&out).unwrap(), &to_f64(&eager)) < 1e-5);
+    }
+    // A 1-byte budget keeps one graph: 4, then 64 (evicts 4), 4 again (evicts 64), 8.
+    let st = *cache.stats();
+    assert_eq!(st.captures, 4);
+    assert_eq!(st.evictions, 3);
+    assert_eq!(cache.entries().len(), 1);
+}

@@ -234,6 +234,30 @@ pub trait Queue {
         driver::memset_d8_async(buf.addr(), 0, buf.bytes(), self.stream_handle().raw)
     }
 
+    /// Sets the bytes of elements `offset..offset + len` to zero.
+    #[track_caller]
+    fn memset_zero_range<T: Elem>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range("memset", offset, len, buf.len())?;
+        check_device(self.device(), buf.block())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.hold(buf.block());
+        bind(self)?;
+        let sz = std::mem::size_of::<T>();
+        driver::memset_d8_async(
+            buf.addr() + (offset * sz) as u64,
+            0,
+            len * sz,
+            self.stream_handle().raw,
+        )
+    }
+
     /// Sets `len` 32-bit elements starting at `offset` to `value` (f32, i32 or u32 buffers).
     #[track_caller]
     fn fill32<T: Elem>(

@@ -39,8 +39,10 @@ pub mod testing;
 pub use device::{Device, Queue, Stream};
 pub use error::{Error, Result};
 pub use graph::{
-    warmup, CaptureMode, CaptureOptions, CaptureStream, Graph, GraphBuilder, GraphInfo,
-    GraphMemory, NodeCounts, NodeId, Outputs, StaticGraph,
+    bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
+    CaptureMode, CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache,
+    GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, Served, SizeHistogram,
+    StaticGraph,
 };
 pub use memory::{DeviceBuffer, Elem, MemoryStats, Pool, PoolId};
 pub use runtime::{Arg, DeviceInfo, Event, Function, LaunchConfig, Module};

@@ -1,6 +1,7 @@
 //! Benchmark commands. Each one measures eager and graph execution of the same work in one
 //! process on one device, and prints a table (or JSON).
 
+pub mod cache;
 pub mod chain;
 pub mod gemm;
 pub mod workloads;

@@ -12,6 +12,8 @@
 //!   invalidating it) is ended and discarded: the stream and the pool are usable afterwards.
 
 mod builder;
+pub mod cache;
+pub mod planner;
 mod static_io;
 
 use std::cell::RefCell;
@@ -24,6 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use builder::{GraphBuilder, NodeId};
+pub use cache::{
+    bucket_for, BatchModel, BucketPolicy, CacheOptions, CacheStats, EntryInfo, GraphCache, Served,
+};
+pub use planner::{plan_capture_sizes, CapturePlan, GraphCost, SizeHistogram};
 pub use static_io::{Outputs, StaticGraph};
 
 use crate::device::{Device, Queue, Stream};

@@ -326,6 +326,19 @@ impl<T: Elem> DeviceBuffer<T> {
         Self::from_block(self.block.clone(), self.len)
     }
 
+    /// A handle to the first `len` elements (`len` at most `self.len()`), sharing the memory.
+    pub fn prefix(&self, len: usize) -> crate::Result<DeviceBuffer<T>> {
+        if len > self.len {
+            return Err(crate::Error::OutOfRange {
+                what: "buffer prefix",
+                start: 0,
+                end: len,
+                len: self.len,
+            });
+        }
+        Ok(Self::from_block(self.block.clone(), len))
+    }
+
     /// A kernel argument pointing at element `offset`.
     pub fn arg_at(&self, offset: usize) -> Arg<'_> {
         Arg::Ptr {

@@ -1,0 +1,283 @@
+//! Choosing capture sizes: from a histogram of request sizes and a memory budget, the set of
+//! batch sizes to capture that minimises expected padding, exactly.
+//!
+//! A request of n rows runs on the smallest captured size b ≥ n and wastes b − n padded rows.
+//! Every optimal plan uses observed sizes only (moving a bucket down to the largest request
+//! it serves cuts both waste and memory), so the candidates are the distinct observed sizes,
+//! and the largest must be captured (no request falls back). Memory is modelled per graph:
+//! `bytes_per_graph + bytes_per_row × size`, calibrated from a capture (see
+//! [`crate::GraphCache::entries`]). A dynamic program over candidates keeps, for each possible
+//! largest-bucket-so-far, the Pareto frontier of (memory, waste) pairs; the answer is the least
+//! waste within the budget. Tested against brute force over all subsets.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Request sizes seen, with counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SizeHistogram {
+    counts: BTreeMap<usize, u64>,
+}
+
+impl SizeHistogram {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records one request of `rows` rows (0 is ignored).
+    pub fn record(&mut self, rows: usize) {
+        if rows > 0 {
+            *self.counts.entry(rows).or_default() += 1;
+        }
+    }
+
+    pub fn counts(&self) -> &BTreeMap<usize, u64> {
+        &self.counts
+    }
+
+    pub fn total(&self) -> u64 {
+        self.counts.values().sum()
+    }
+}
+
+impl FromIterator<usize> for SizeHistogram {
+    fn from_iter<I: IntoIterator<Item = usize>>(iter: I) -> Self {
+        let mut h = SizeHistogram::new();
+        for n in iter {
+            h.record(n);
+        }
+        h
+    }
+}
+
+/// The memory model of one captured graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphCost {
+    pub bytes_per_graph: usize,
+    pub bytes_per_row: usize,
+}
+
+impl GraphCost {
+    pub fn bytes(&self, size: usize) -> usize {
+        self.bytes_per_graph + self.bytes_per_row * size
+    }
+}
+
+/// A chosen set of capture sizes and what it costs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CapturePlan {
+    pub sizes: Vec<usize>,
+    /// Padded rows over all recorded requests.
+    pub padded_rows: u64,
+    /// Padded rows per request.
+    pub padding_per_request: f64,
+    /// Share of computed rows that are padding.
+    pub padding_fraction: f64,
+    pub memory_bytes: usize,
+}
+
+impl fmt::Display for CapturePlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "capture {} sizes {:?}: {:.2} padded rows per request ({:.1}% of computed rows), {:.2} MB",
+            self.sizes.len(),
+            self.sizes,
+            self.padding_per_request,
+            100.0 * self.padding_fraction,
+            self.memory_bytes as f64 / 1048576.0
+        )
+    }
+}
+
+/// Padded rows and computed rows when serving `hist` with `sizes` (sorted); `None` if a request
+/// is larger than every size.
+pub fn padding_of(hist: &SizeHistogram, sizes: &[usize]) -> Option<(u64, u64)> {
+    let (mut waste, mut computed) = (0u64, 0u64);
+    for (&n, &c) in &hist.counts {
+        let b = *sizes.iter().find(|&&s| s >= n)?;
+        waste += (b - n) as u64 * c;
+        computed += b as u64 * c;
+    }
+    Some((waste, computed))
+}
+
+/// The capture sizes with least padding whose modelled memory fits `budget` bytes.
+pub fn plan_capture_sizes(
+    hist: &SizeHistogram,
+    cost: GraphCost,
+    budget: usize,
+) -> Result<CapturePlan> {
+    let cand: Vec<usize> = hist.counts.keys().copied().collect();
+    if cand.is_empty() {
+        return Err(Error::InvalidGraph {
+            problem: "the request histogram is empty: record some requests first".into(),
+        });
+    }
+    let count: Vec<u64> = cand.iter().map(|n| hist.counts[n]).collect();
+    // waste(i, j): requests with sizes cand[i..=j] served by bucket cand[j].
+    let waste = |i: usize, j: usize| -> u64 {
+        (i..=j).map(|t| (cand[j] - cand[t]) as u64 * count[t]).sum()
+    };
+    // front[j]: Pareto frontier of (memory, waste, previous (j', index)) with cand[j] the largest
+    // bucket so far and every request ≤ cand[j] served.
+    type Point = (usize, u64, Option<(usize, usize)>);
+    let mut front: Vec<Vec<Point>> = Vec::with_capacity(cand.len());
+    for (j, &size_j) in cand.iter().enumerate() {
+        let mem_j = cost.bytes(size_j);
+        let mut pts: Vec<Point> = Vec::new();
+        if mem_j <= budget {
+            pts.push((mem_j, waste(0, j), None));
+            for (i, prev) in front.iter().enumerate().take(j) {
+                let w = waste(i + 1, j);
+                for (k, &(m, pw, _)) in prev.iter().enumerate() {
+                    if m + mem_j <= budget {
+                        pts.push((m + mem_j, pw + w, Some((i, k))));
+                    }
+                }
+            }
+        }
+        // Keep the non-dominated points: sorted by memory, strictly decreasing waste.
+        pts.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut kept: Vec<Point> = Vec::new();
+        for p in pts {
+            if kept.last().is_none_or(|l| p.1 < l.1) {
+                kept.push(p);
+            }
+        }
+        front.push(kept);
+    }
+    let last = cand.len() - 1;
+    let best = front[last]
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1 .1.cmp(&b.1 .1).then(a.1 .0.cmp(&b.1 .0)))
+        .map(|(k, _)| k)
+        .ok_or_else(|| Error::PoolLimitExceeded {
+            pool: crate::PoolId::DEFAULT,
+            limit: budget,
+            reserved: 0,
+            requested: cost.bytes(cand[last]),
+        })?;
+    let mut sizes = Vec::new();
+    let (mut j, mut k) = (last, best);
+    loop {
+        sizes.push(cand[j]);
+        match front[j][k].2 {
+            Some((pj, pk)) => {
+                j = pj;
+                k = pk;
+            }
+            None => break,
+        }
+    }
+    sizes.reverse();
+    let (padded, computed) = padding_of(hist, &sizes).expect("largest size covers all");
+    Ok(CapturePlan {
+        memory_bytes: sizes.iter().map(|&s| cost.bytes(s)).sum(),
+        padding_per_request: padded as f64 / hist.total() as f64,
+        padding_fraction: padded as f64 / computed.max(1) as f64,
+        padded_rows: padded,
+        sizes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn brute(hist: &SizeHistogram, cost: GraphCost, budget: usize) -> Option<u64> {
+        let cand: Vec<usize> = hist.counts().keys().copied().collect();
+        let last = *cand.last().unwrap();
+        let rest = &cand[..cand.len() - 1];
+        let mut best: Option<u64> = None;
+        for mask in 0u32..(1 << rest.len()) {
+            let mut sizes: Vec<usize> = (0..rest.len())
+                .filter(|b| mask & (1 << b) != 0)
+                .map(|b| rest[b])
+                .collect();
+            sizes.push(last);
+            let mem: usize = sizes.iter().map(|&s| cost.bytes(s)).sum();
+            if mem > budget {
+                continue;
+            }
+            let (w, _) = padding_of(hist, &sizes).unwrap();
+            best = Some(best.map_or(w, |b: u64| b.min(w)));
+        }
+        best
+    }
+
+    #[test]
+    fn planner_is_optimal_against_brute_force() {
+        let mut seed = 0x1234_5678_9abc_def0u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for case in 0..300 {
+            let distinct = 1 + (next() % 10) as usize;
+            let mut hist = SizeHistogram::new();
+            for _ in 0..distinct {
+                let size = 1 + (next() % 64) as usize;
+                for _ in 0..(1 + next() % 20) {
+                    hist.record(size);
+                }
+            }
+            let cost = GraphCost {
+                bytes_per_graph: (next() % 1000) as usize,
+                bytes_per_row: 1 + (next() % 100) as usize,
+            };
+            let max = *hist.counts().keys().last().unwrap();
+            let budget = cost.bytes(max) + (next() % 8000) as usize;
+            let want = brute(&hist, cost, budget);
+            let got = plan_capture_sizes(&hist, cost, budget).ok();
+            assert_eq!(
+                got.as_ref().map(|p| p.padded_rows),
+                want,
+                "case {case}: {hist:?} {cost:?} {budget}"
+            );
+            if let Some(p) = got {
+                assert!(p.memory_bytes <= budget);
+                assert_eq!(*p.sizes.last().unwrap(), max);
+            }
+        }
+    }
+
+    #[test]
+    fn unlimited_budget_captures_every_observed_size() {
+        let hist: SizeHistogram = [1, 3, 3, 7, 20].into_iter().collect();
+        let p = plan_capture_sizes(
+            &hist,
+            GraphCost {
+                bytes_per_graph: 1,
+                bytes_per_row: 1,
+            },
+            usize::MAX / 2,
+        )
+        .unwrap();
+        assert_eq!(p.sizes, vec![1, 3, 7, 20]);
+        assert_eq!(p.padded_rows, 0);
+    }
+
+    #[test]
+    fn tight_budget_keeps_only_the_largest() {
+        let hist: SizeHistogram = [1, 2, 8].into_iter().collect();
+        let cost = GraphCost {
+            bytes_per_graph: 0,
+            bytes_per_row: 10,
+        };
+        let p = plan_capture_sizes(&hist, cost, 80).unwrap();
+        assert_eq!(p.sizes, vec![8]);
+        assert_eq!(p.padded_rows, 7 + 6);
+        assert!(p.to_string().starts_with("capture 1 sizes [8]"));
+        assert!(matches!(
+            plan_capture_sizes(&hist, cost, 79),
+            Err(Error::PoolLimitExceeded { .. })
+        ));
+        assert!(plan_capture_sizes(&SizeHistogram::new(), cost, 100).is_err());
+    }
+}
