@@ -17,6 +17,9 @@ echo
 echo "## Graph cache at random batch sizes (cudagraph bench cache; PyTorch's dict-of-graphs is in the notes above)"
 .gpu-bin/bin/cudagraph bench cache 2>&1 | tee "$out/cache-$stamp.txt"
 echo
+echo "## Rebind vs copy-in vs re-capture (cudagraph bench rebind)"
+.gpu-bin/bin/cudagraph bench rebind 2>&1 | tee "$out/rebind-$stamp.txt"
+echo
 echo "## The same with cuBLAS for every product (CUDAGRAPH_GEMM=cublas), for comparison"
 CUDAGRAPH_GEMM=cublas .gpu-bin/bin/cudagraph bench --only mlp,train 2>&1 | tee "$out/bench-cublas-$stamp.txt"
 cat "$out/bench-$stamp.md"

@@ -4,6 +4,7 @@
 //! user would also need lives in the `cudagraph` crate.
 
 mod bench;
+mod inspect;
 mod report;
 mod train;
 
@@ -46,6 +47,8 @@ enum Command {
     /// Train a small CNN (or MLP) on the UCI handwritten digits, eager or graphed, with
     /// per-phase memory logs.
     Train(train::TrainArgs),
+    /// Capture a workload and show its graph: node counts, memory, times, DOT (and SVG).
+    Inspect(inspect::InspectArgs),
 }
 
 #[derive(Subcommand)]
@@ -54,6 +57,8 @@ enum BenchCommand {
     Chain(bench::chain::ChainArgs),
     /// The seed MLP at random batch sizes: eager vs a GraphCache (padding, buckets).
     Cache(bench::cache::CacheArgs),
+    /// New input buffer per request: copy-in vs rebind (exec update) vs re-capture.
+    Rebind(bench::rebind::RebindArgs),
     /// The workloads' matrix products: cuBLAS vs the tiled split-K kernel.
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
@@ -69,11 +74,13 @@ fn main() -> ExitCode {
                 bench::chain::run(cli.device, &args).map_err(Into::into)
             }
             Some(BenchCommand::Cache(args)) => bench::cache::run(cli.device, &args),
+            Some(BenchCommand::Rebind(args)) => bench::rebind::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),
+        Command::Inspect(args) => inspect::run(cli.device, &args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -41,8 +41,8 @@ pub use error::{Error, Result};
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
     CaptureMode, CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache,
-    GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, Served, SizeHistogram,
-    StaticGraph,
+    GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served,
+    SizeHistogram, StaticGraph,
 };
 pub use memory::{DeviceBuffer, Elem, MemoryStats, Pool, PoolId};
 pub use runtime::{Arg, DeviceInfo, Event, Function, LaunchConfig, Module};

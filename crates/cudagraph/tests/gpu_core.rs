@@ -673,3 +673,51 @@ fn eager_allocations_are_reused_without_new_segments() {
     let released = dev.empty_cache().unwrap();
     assert!(released > 0);
 }
+
+#[test]
+fn rebind_swaps_buffers_without_recapture() {
+    let dev = gpu_test_device!();
+    let k = kernels(&dev);
+    let mut s = dev.new_stream().unwrap();
+    let n = 1000;
+    let (x0, y0) = (input(n, 70), input(n, 71));
+    let x = s.alloc_from_host(&x0).unwrap();
+    let out = s.alloc_zeroed::<f32>(n).unwrap();
+    let (mut g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+        let t = cs.alloc::<f32>(n)?;
+        cs.launch(&k.scale_into, cfg(n), args![&x, &t, 3.0f32, n as i32])?;
+        cs.copy(&t, &out)
+    })
+    .unwrap();
+    let y = s.alloc_from_host(&y0).unwrap();
+    let out2 = s.alloc_zeroed::<f32>(n).unwrap();
+    let outcome = g.rebind_all(&[(&x, &y), (&out, &out2)]).unwrap();
+    assert!(
+        matches!(
+            outcome,
+            RebindOutcome::Updated { nodes: 2 } | RebindOutcome::Reinstantiated { nodes: 2 }
+        ),
+        "{outcome:?}"
+    );
+    g.replay(&s).unwrap();
+    let want: Vec<f64> = y0.iter().map(|&v| 3.0 * v as f64).collect();
+    assert!(
+        max_rel(&s.to_vec(&out2).unwrap(), &want) < 1e-6,
+        "graph now reads y and writes out2"
+    );
+    assert!(
+        s.to_vec(&out).unwrap().iter().all(|&v| v == 0.0),
+        "the old output is untouched"
+    );
+    assert_eq!(s.to_vec(&x).unwrap(), x0);
+    assert_eq!(g.rebind_counts().0, 1);
+    drop(y);
+    drop(out2);
+    g.replay(&s).unwrap(); // the graph holds the new buffers
+    s.synchronize().unwrap();
+    let short = s.alloc::<f32>(n - 1).unwrap();
+    assert!(matches!(
+        g.rebind(&x, &short),
+        Err(Error::SizeMismatch { .. })
+    ));
+}

@@ -4,4 +4,5 @@
 pub mod cache;
 pub mod chain;
 pub mod gemm;
+pub mod rebind;
 pub mod workloads;

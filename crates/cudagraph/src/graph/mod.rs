@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use builder::{GraphBuilder, NodeId};
+
 pub use cache::{
     bucket_for, BatchModel, BucketPolicy, CacheOptions, CacheStats, EntryInfo, GraphCache, Served,
 };
@@ -240,6 +241,17 @@ pub struct Graph {
     _pinned: Vec<Arc<PinnedAlloc>>,
     info: GraphInfo,
     replays: AtomicU64,
+    rebinds: u64,
+    reinstantiations: u64,
+}
+
+/// What [`Graph::rebind`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RebindOutcome {
+    /// The executable graph was updated in place (`nodes` nodes changed).
+    Updated { nodes: usize },
+    /// The driver refused the in-place update; the graph was re-instantiated.
+    Reinstantiated { nodes: usize },
 }
 
 impl fmt::Debug for Graph {
@@ -459,7 +471,77 @@ impl Graph {
                 memory,
             },
             replays: AtomicU64::new(0),
+            rebinds: 0,
+            reinstantiations: 0,
         })
+    }
+
+    /// Makes the graph use `new` wherever it used `old` (same length): kernel arguments, copy
+    /// and memset nodes are rewritten and the executable graph is updated in place, without a
+    /// capture or a copy into a static buffer. When the driver refuses the update, the graph
+    /// is re-instantiated instead (reported in the outcome and counted). The graph keeps `new`
+    /// alive from now on.
+    ///
+    /// Rebinding is for buffers the graph reads or writes as a whole (inputs, outputs,
+    /// weights). Pointers the graph computed from `old` at capture time but did not receive as
+    /// arguments cannot be seen and are not rewritten.
+    #[track_caller]
+    pub fn rebind<T: Elem>(
+        &mut self,
+        old: &DeviceBuffer<T>,
+        new: &DeviceBuffer<T>,
+    ) -> Result<RebindOutcome> {
+        self.rebind_all(&[(old, new)])
+    }
+
+    /// [`Self::rebind`] for several buffers at once.
+    #[track_caller]
+    pub fn rebind_all<T: Elem>(
+        &mut self,
+        pairs: &[(&DeviceBuffer<T>, &DeviceBuffer<T>)],
+    ) -> Result<RebindOutcome> {
+        let mut remaps = Vec::with_capacity(pairs.len());
+        for (old, new) in pairs {
+            if old.len() != new.len() {
+                return Err(Error::SizeMismatch {
+                    what: "rebind buffer length",
+                    expected: old.len(),
+                    got: new.len(),
+                });
+            }
+            crate::device::check_device(&self.device, new.block())?;
+            remaps.push(driver::Remap {
+                old: old.addr(),
+                len: old.bytes().max(1) as u64,
+                new: new.addr(),
+            });
+        }
+        self.device.context().bind()?;
+        let ctx = self.device.context().handle.raw;
+        let r = driver::graph_rebind(self.graph, self.exec, ctx, &remaps)?;
+        for (_, new) in pairs {
+            if !self._held.iter().any(|b| b.addr() == new.addr()) {
+                self._held.push(new.block().clone());
+            }
+        }
+        self.rebinds += 1;
+        if r.exec_updated {
+            return Ok(RebindOutcome::Updated {
+                nodes: r.nodes_changed,
+            });
+        }
+        let exec = driver::graph_instantiate(self.graph)?;
+        driver::graph_exec_destroy(self.exec);
+        self.exec = exec;
+        self.reinstantiations += 1;
+        Ok(RebindOutcome::Reinstantiated {
+            nodes: r.nodes_changed,
+        })
+    }
+
+    /// (rebinds, of which re-instantiations) so far.
+    pub fn rebind_counts(&self) -> (u64, u64) {
+        (self.rebinds, self.reinstantiations)
     }
 
     /// Launches the whole graph on `stream` (one driver call).

@@ -917,3 +917,228 @@ pub(crate) fn graph_add_memset_node(
     )?;
     Ok(RawNode(node))
 }
+
+/// A device-address remapping: addresses in `[old, old + len)` move to `new + (addr - old)`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Remap {
+    pub old: u64,
+    pub len: u64,
+    pub new: u64,
+}
+
+fn remap(addr: u64, remaps: &[Remap]) -> Option<u64> {
+    remaps
+        .iter()
+        .find(|r| addr >= r.old && addr < r.old + r.len)
+        .map(|r| r.new + (addr - r.old))
+}
+
+enum Edit {
+    Kernel {
+        node: sys::CUgraphNode,
+        params: sys::CUDA_KERNEL_NODE_PARAMS,
+        // Owned parameter values the `kernelParams` pointers point into.
+        _storage: Vec<Vec<u64>>,
+        _ptrs: Vec<*mut c_void>,
+    },
+    Memcpy {
+        node: sys::CUgraphNode,
+        params: sys::CUDA_MEMCPY3D,
+    },
+    Memset {
+        node: sys::CUgraphNode,
+        params: sys::CUDA_MEMSET_NODE_PARAMS,
+    },
+}
+
+/// What [`graph_rebind`] did.
+pub(crate) struct RebindResult {
+    pub nodes_changed: usize,
+    /// False when the driver refused to update the executable graph in place.
+    pub exec_updated: bool,
+}
+
+/// Rewrites every device address covered by `remaps` in the kernel parameters (every 8-byte
+/// aligned word of every parameter, so pointers inside struct parameters of library kernels
+/// are found too), copy and memset nodes of `g`, and applies the same edits to `exec`.
+/// Nothing is modified unless every node could be read.
+#[track_caller]
+pub(crate) fn graph_rebind(
+    g: RawGraph,
+    exec: RawGraphExec,
+    ctx: RawContext,
+    remaps: &[Remap],
+) -> Result<RebindResult> {
+    let mut n = 0usize;
+    // SAFETY: with a null array the driver only writes the count.
+    check(
+        unsafe { sys::cuGraphGetNodes(g.0, ptr::null_mut(), &mut n) },
+        "cuGraphGetNodes",
+    )?;
+    let mut nodes = vec![ptr::null_mut(); n];
+    // SAFETY: the array has room for `n` nodes.
+    check(
+        unsafe { sys::cuGraphGetNodes(g.0, nodes.as_mut_ptr(), &mut n) },
+        "cuGraphGetNodes",
+    )?;
+    nodes.truncate(n);
+    let mut edits = Vec::new();
+    for node in nodes {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: node belongs to g; writes one type.
+        check(
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) },
+            "cuGraphNodeGetType",
+        )?;
+        match t {
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
+                // SAFETY: zeroed is a valid empty parameter struct; the driver fills it.
+                let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                // SAFETY: node is a kernel node of g.
+                check(
+                    unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut p) },
+                    "cuGraphKernelNodeGetParams",
+                )?;
+                if p.func.is_null() && !p.kern.is_null() {
+                    // SAFETY: kern is the node's live kernel handle; writes one function.
+                    check(
+                        unsafe { sys::cuKernelGetFunction(&mut p.func, p.kern) },
+                        "cuKernelGetFunction",
+                    )?;
+                }
+                if p.kernelParams.is_null() || p.func.is_null() {
+                    return Err(Error::InvalidGraph {
+                        problem: "a kernel node passes its parameters in a form rebind cannot read; re-capture instead".into(),
+                    });
+                }
+                let mut storage = Vec::new();
+                let mut changed = false;
+                for i in 0..4096usize {
+                    let (mut off, mut size) = (0usize, 0usize);
+                    // SAFETY: writes two size_t; an index past the last parameter is an error.
+                    let st = unsafe { sys::cuFuncGetParamInfo(p.func, i, &mut off, &mut size) };
+                    if st != sys::CUresult::CUDA_SUCCESS {
+                        break;
+                    }
+                    let mut words = vec![0u64; size.div_ceil(8)];
+                    // SAFETY: kernelParams[i] points to `size` readable bytes owned by the graph
+                    // (the driver's copy of the launch arguments); `words` has room for them.
+                    unsafe {
+                        let src = *p.kernelParams.add(i) as *const u8;
+                        ptr::copy_nonoverlapping(src, words.as_mut_ptr() as *mut u8, size);
+                    }
+                    // Examine the 8-byte words that are 8-aligned in the parameter buffer.
+                    let bytes = size;
+                    let first = (8 - off % 8) % 8;
+                    let mut pos = first;
+                    while pos + 8 <= bytes {
+                        let mut w = [0u8; 8];
+                        // SAFETY: words holds at least `bytes` initialised bytes.
+                        let view = unsafe {
+                            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes)
+                        };
+                        w.copy_from_slice(&view[pos..pos + 8]);
+                        if let Some(nv) = remap(u64::from_le_bytes(w), remaps) {
+                            view[pos..pos + 8].copy_from_slice(&nv.to_le_bytes());
+                            changed = true;
+                        }
+                        pos += 8;
+                    }
+                    storage.push(words);
+                }
+                if changed {
+                    let mut ptrs: Vec<*mut c_void> = storage
+                        .iter_mut()
+                        .map(|w| w.as_mut_ptr() as *mut c_void)
+                        .collect();
+                    p.kernelParams = ptrs.as_mut_ptr();
+                    p.extra = ptr::null_mut();
+                    edits.push(Edit::Kernel {
+                        node,
+                        params: p,
+                        _storage: storage,
+                        _ptrs: ptrs,
+                    });
+                }
+            }
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => {
+                // SAFETY: zeroed is a valid empty struct; the driver fills it.
+                let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+                // SAFETY: node is a memcpy node of g.
+                check(
+                    unsafe { sys::cuGraphMemcpyNodeGetParams(node, &mut p) },
+                    "cuGraphMemcpyNodeGetParams",
+                )?;
+                let mut changed = false;
+                if p.srcMemoryType == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE {
+                    if let Some(v) = remap(p.srcDevice, remaps) {
+                        p.srcDevice = v;
+                        changed = true;
+                    }
+                }
+                if p.dstMemoryType == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE {
+                    if let Some(v) = remap(p.dstDevice, remaps) {
+                        p.dstDevice = v;
+                        changed = true;
+                    }
+                }
+                if changed {
+                    edits.push(Edit::Memcpy { node, params: p });
+                }
+            }
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => {
+                // SAFETY: zeroed is a valid empty struct; the driver fills it.
+                let mut p: sys::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                // SAFETY: node is a memset node of g.
+                check(
+                    unsafe { sys::cuGraphMemsetNodeGetParams(node, &mut p) },
+                    "cuGraphMemsetNodeGetParams",
+                )?;
+                if let Some(v) = remap(p.dst, remaps) {
+                    p.dst = v;
+                    edits.push(Edit::Memset { node, params: p });
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut exec_updated = true;
+    for e in &edits {
+        // SAFETY: every node belongs to g, which `exec` was instantiated from; parameter
+        // structs and the storage their pointers point into are alive (owned by `edits`).
+        unsafe {
+            match e {
+                Edit::Kernel { node, params, .. } => {
+                    check(
+                        sys::cuGraphKernelNodeSetParams_v2(*node, params),
+                        "cuGraphKernelNodeSetParams",
+                    )?;
+                    exec_updated &= sys::cuGraphExecKernelNodeSetParams_v2(exec.0, *node, params)
+                        == sys::CUresult::CUDA_SUCCESS;
+                }
+                Edit::Memcpy { node, params } => {
+                    check(
+                        sys::cuGraphMemcpyNodeSetParams(*node, params),
+                        "cuGraphMemcpyNodeSetParams",
+                    )?;
+                    exec_updated &=
+                        sys::cuGraphExecMemcpyNodeSetParams(exec.0, *node, params, ctx.0)
+                            == sys::CUresult::CUDA_SUCCESS;
+                }
+                Edit::Memset { node, params } => {
+                    check(
+                        sys::cuGraphMemsetNodeSetParams(*node, params),
+                        "cuGraphMemsetNodeSetParams",
+                    )?;
+                    exec_updated &=
+                        sys::cuGraphExecMemsetNodeSetParams(exec.0, *node, params, ctx.0)
+                            == sys::CUresult::CUDA_SUCCESS;
+                }
+            }
+        }
+    }
+    Ok(RebindResult {
+        nodes_changed: edits.len(),
+        exec_updated,
+    })
+}

@@ -1,0 +1,104 @@
+//! `cudagraph inspect`: captures one of the workloads and shows what is in the graph: node
+//! counts by kind, memory, capture and instantiate time, and a DOT file (plus SVG when
+//! Graphviz's `dot` is installed).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::rc::Rc;
+
+use clap::{Args, ValueEnum};
+use cudagraph::{CaptureOptions, Device, Graph, Queue};
+use cudagraph_nn::{mse_loss, no_grad, Linear, Module, Optimizer, Reduction, Rng, Sgd, Tensor};
+
+use crate::bench::workloads::seed_mlp;
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Which {
+    /// Seed 002's MLP inference at batch 32.
+    Mlp,
+    /// Seed 001's Linear(1024, 1024) training step with SGD.
+    Train,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    #[arg(value_enum, default_value_t = Which::Mlp)]
+    pub which: Which,
+    /// Where to write the DOT file (an SVG is written beside it when `dot` is available).
+    #[arg(long, default_value = "graph.dot")]
+    pub dot: PathBuf,
+}
+
+pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
+    let dev = Device::open(ordinal)?;
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(8);
+    let graph = match a.which {
+        Which::Mlp => {
+            let model = seed_mlp(&s, &mut rng)?;
+            let x = Tensor::from_buffer(Rc::new(s.alloc_zeroed::<f32>(32 * 1024)?), &[32, 1024])?;
+            Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                Ok(no_grad(|| model.forward(cs, &x))?)
+            })?
+            .0
+        }
+        Which::Train => {
+            let model = Linear::new(&s, 1024, 1024, &mut rng)?;
+            let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;
+            let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+            let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+            Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                opt.zero_grad(cs, true)?;
+                let loss = mse_loss(cs, &model.forward(cs, &x)?, &y, Reduction::Sum)?;
+                loss.backward(cs)?;
+                opt.step(cs)?;
+                Ok(())
+            })?
+            .0
+        }
+    };
+    let i = graph.info();
+    println!("{graph:?}");
+    println!(
+        "nodes: {} kernel, {} memcpy, {} memset, {} host, {} child, {} empty, {} other",
+        i.nodes.kernel,
+        i.nodes.memcpy,
+        i.nodes.memset,
+        i.nodes.host,
+        i.nodes.child_graph,
+        i.nodes.empty,
+        i.nodes.other
+    );
+    println!(
+        "memory: working set {:.3} MB in {}, outputs {:.3} MB, external buffers held {:.3} MB",
+        i.memory.peak_allocated as f64 / 1048576.0,
+        i.memory.pool,
+        i.memory.live_at_end as f64 / 1048576.0,
+        i.memory.external_held as f64 / 1048576.0
+    );
+    println!(
+        "capture {:.3} ms, instantiate {:.3} ms",
+        i.capture_time.as_secs_f64() * 1e3,
+        i.instantiate_time.as_secs_f64() * 1e3
+    );
+    graph.write_dot(&a.dot)?;
+    println!("DOT written to {}", a.dot.display());
+    let svg = a.dot.with_extension("svg");
+    match Command::new("dot")
+        .arg("-Tsvg")
+        .arg(&a.dot)
+        .arg("-o")
+        .arg(&svg)
+        .status()
+    {
+        Ok(st) if st.success() => println!("SVG written to {}", svg.display()),
+        _ => println!(
+            "(install Graphviz for an SVG: dot -Tsvg {} -o {})",
+            a.dot.display(),
+            svg.display()
+        ),
+    }
+    Ok(())
+}
