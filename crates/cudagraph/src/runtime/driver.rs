@@ -857,6 +857,38 @@ pub(crate) fn graph_add_kernel_node(
     Ok(RawNode(node))
 }
 
+/// A copy description with every field set (its memory-type enums have no zero value, so
+/// `mem::zeroed` would be invalid): device to device, nothing else filled in.
+fn memcpy3d_device_blank() -> sys::CUDA_MEMCPY3D {
+    sys::CUDA_MEMCPY3D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcZ: 0,
+        srcLOD: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: ptr::null(),
+        srcDevice: 0,
+        srcArray: ptr::null_mut(),
+        reserved0: ptr::null_mut(),
+        srcPitch: 0,
+        srcHeight: 0,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstZ: 0,
+        dstLOD: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: ptr::null_mut(),
+        dstDevice: 0,
+        dstArray: ptr::null_mut(),
+        reserved1: ptr::null_mut(),
+        dstPitch: 0,
+        dstHeight: 0,
+        WidthInBytes: 0,
+        Height: 0,
+        Depth: 0,
+    }
+}
+
 /// Adds a device-to-device 1-D copy node.
 #[track_caller]
 pub(crate) fn graph_add_memcpy_dtod_node(
@@ -867,8 +899,7 @@ pub(crate) fn graph_add_memcpy_dtod_node(
     bytes: usize,
     ctx: RawContext,
 ) -> Result<RawNode> {
-    // SAFETY: CUDA_MEMCPY3D is plain data; zeroed is a valid "unset" value for every field.
-    let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+    let mut p = memcpy3d_device_blank();
     p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
     p.srcDevice = src;
     p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
@@ -992,7 +1023,8 @@ pub(crate) fn graph_rebind(
         )?;
         match t {
             sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
-                // SAFETY: zeroed is a valid empty parameter struct; the driver fills it.
+                // SAFETY: the struct holds only pointers and integers (no enums), so all-zero
+                // is a valid value; the driver fills it.
                 let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
                 // SAFETY: node is a kernel node of g.
                 check(
@@ -1062,8 +1094,7 @@ pub(crate) fn graph_rebind(
                 }
             }
             sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => {
-                // SAFETY: zeroed is a valid empty struct; the driver fills it.
-                let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+                let mut p = memcpy3d_device_blank();
                 // SAFETY: node is a memcpy node of g.
                 check(
                     unsafe { sys::cuGraphMemcpyNodeGetParams(node, &mut p) },
@@ -1087,7 +1118,8 @@ pub(crate) fn graph_rebind(
                 }
             }
             sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => {
-                // SAFETY: zeroed is a valid empty struct; the driver fills it.
+                // SAFETY: the struct holds only integers (no enums), so all-zero is a valid
+                // value; the driver fills it.
                 let mut p: sys::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
                 // SAFETY: node is a memset node of g.
                 check(
