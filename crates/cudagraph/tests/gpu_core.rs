@@ -542,6 +542,24 @@ fn builder_graph_equals_captured_graph_equals_eager() {
         GraphBuilder::new(&dev).build().unwrap_err(),
         Error::InvalidGraph { .. }
     ));
+    // Fill, kernel and copy nodes in a chain: data = 1; forward (2·1 + 1 = 3); copy to out.
+    let data = s.alloc_zeroed::<f32>(1024).unwrap();
+    let out = s.alloc_zeroed::<f32>(1024).unwrap();
+    let mut b = GraphBuilder::new(&dev);
+    let fill = b.fill32(&data, 0, 1024, 1.0f32, &[]).unwrap();
+    let f = b.kernel(&fwd, one, args![&data], &[fill]).unwrap();
+    b.copy(&data, &out, &[f]).unwrap();
+    let g = b.build().unwrap();
+    assert_eq!(
+        (
+            g.info().nodes.memset,
+            g.info().nodes.kernel,
+            g.info().nodes.memcpy
+        ),
+        (1, 1, 1)
+    );
+    g.replay(&s).unwrap();
+    assert!(s.to_vec(&out).unwrap().iter().all(|&v| v == 3.0));
 }
 
 #[test]
