@@ -207,6 +207,20 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(NnError::NotScalar(self.0.shape.clone()));
         }
+        let seed = Tensor::full(q, &[1], 1.0)?;
+        self.backward_with(q, seed)
+    }
+
+    /// Reverse-mode autograd from this tensor with upstream gradient `grad` (same shape), as
+    /// PyTorch's `y.backward(grad)`.
+    pub fn backward_with(&self, q: &dyn Exec, grad: Tensor) -> Result<()> {
+        if grad.numel() != self.numel() {
+            return Err(NnError::Shape(format!(
+                "backward_with: gradient {:?} for a tensor {:?}",
+                grad.shape(),
+                self.shape()
+            )));
+        }
         let nn = Nn::get(q.device())?;
         // Topological order by depth-first search (iterative: deep models do not overflow).
         let mut order: Vec<Tensor> = Vec::new();
@@ -230,7 +244,7 @@ impl Tensor {
             }
         }
         let mut grads: HashMap<usize, Tensor> = HashMap::new();
-        grads.insert(self.key(), Tensor::full(q, &[1], 1.0)?);
+        grads.insert(self.key(), grad);
         for t in order.iter().rev() {
             let Some(g) = grads.remove(&t.key()) else {
                 continue;
@@ -331,6 +345,22 @@ impl Parameter {
 
     pub fn data(&self) -> &DeviceBuffer<f32> {
         &self.0.data
+    }
+
+    /// A parameter whose data is `data` (shared, not copied).
+    pub fn from_buffer(name: &str, data: Rc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+        if data.len() != numel(shape) {
+            return Err(NnError::Shape(format!(
+                "parameter {name}: {} values for shape {shape:?}",
+                data.len()
+            )));
+        }
+        Ok(Parameter(Rc::new(ParamInner {
+            name: name.to_string(),
+            data,
+            shape: shape.to_vec(),
+            grad: RefCell::new(None),
+        })))
     }
 
     /// The current gradient buffer (`None` after `zero_grad(true)` until the next backward).

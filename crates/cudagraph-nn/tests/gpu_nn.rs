@@ -712,3 +712,77 @@ fn rebind_gives_the_same_results_as_copy_in_with_cublas_and_tiled_kernels() {
         }
     }
 }
+
+#[test]
+fn graphed_module_trains_like_the_eager_module() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let build = |s: &Stream| {
+        let mut rng = Rng::new(15);
+        let pre = Linear::new(s, 12, 16, &mut rng).unwrap();
+        let mid = Sequential::new(vec![
+            Layer::Linear(Linear::new(s, 16, 32, &mut rng).unwrap()),
+            Layer::ReLU,
+            Layer::Linear(Linear::new(s, 32, 8, &mut rng).unwrap()),
+        ]);
+        let head = Linear::new(s, 8, 4, &mut rng).unwrap();
+        (pre, mid, head)
+    };
+    let mut data_rng = Rng::new(16);
+    let xs: Vec<Vec<f32>> = (0..10).map(|_| data_rng.vec_normal(5 * 12)).collect();
+    let t = Tensor::from_host(&s, &data_rng.vec_normal(5 * 4), &[5, 4]).unwrap();
+    // Eager reference.
+    let (pre_e, mid_e, head_e) = build(&s);
+    let mut params_e = pre_e.parameters();
+    params_e.extend(mid_e.parameters());
+    params_e.extend(head_e.parameters());
+    let mut opt_e = Sgd::new(&s, params_e.clone(), 0.05, 0.9, 0.0).unwrap();
+    // The middle block graphed.
+    let (pre_g, mid_g, head_g) = build(&s);
+    let mut params_g = pre_g.parameters();
+    params_g.extend(mid_g.parameters());
+    params_g.extend(head_g.parameters());
+    let mut opt_g = Sgd::new(&s, params_g.clone(), 0.05, 0.9, 0.0).unwrap();
+    let graphed = GraphedModule::new(&mut s, mid_g, &[5, 16], 3).unwrap();
+    let (f, b) = graphed.graphs();
+    assert!(f.node_count() > 0 && b.node_count() > 0);
+    for xh in &xs {
+        let x = Tensor::from_host(&s, xh, &[5, 12]).unwrap();
+        opt_e.zero_grad(&s, true).unwrap();
+        let h = pre_e.forward_act(&s, &x, true).unwrap();
+        let loss = mse_loss(
+            &s,
+            &head_e.forward(&s, &mid_e.forward(&s, &h).unwrap()).unwrap(),
+            &t,
+            Reduction::Mean,
+        )
+        .unwrap();
+        loss.backward(&s).unwrap();
+        opt_e.step(&s).unwrap();
+        opt_g.zero_grad(&s, true).unwrap();
+        let h = pre_g.forward_act(&s, &x, true).unwrap();
+        let loss = mse_loss(
+            &s,
+            &head_g
+                .forward(&s, &graphed.forward(&s, &h).unwrap())
+                .unwrap(),
+            &t,
+            Reduction::Mean,
+        )
+        .unwrap();
+        loss.backward(&s).unwrap();
+        opt_g.step(&s).unwrap();
+    }
+    for (pe, pg) in params_e.iter().zip(&params_g) {
+        let (we, wg) = (s.to_vec(pe.data()).unwrap(), s.to_vec(pg.data()).unwrap());
+        assert!(
+            rel_err(&wg, &to_f64(&we)) < 1e-5,
+            "{}: {}",
+            pe.name(),
+            rel_err(&wg, &to_f64(&we))
+        );
+    }
+    // The wrong input shape is a typed error.
+    let bad = Tensor::from_host(&s, &[0.0; 16], &[1, 16]).unwrap();
+    assert!(matches!(graphed.forward(&s, &bad), Err(NnError::Shape(_))));
+}

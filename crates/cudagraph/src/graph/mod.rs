@@ -560,6 +560,28 @@ impl Graph {
         Ok(())
     }
 
+    /// [`Self::replay`] on a bare stream handle (for layers that hold a
+    /// [`Queue::stream_handle`] rather than a [`Stream`]). Refuses a capturing stream.
+    #[track_caller]
+    pub fn replay_on(&self, handle: &StreamHandle) -> Result<()> {
+        if handle.context().ordinal() != self.device.ordinal() {
+            return Err(Error::WrongDevice {
+                what: "graph",
+                expected: handle.context().ordinal(),
+                got: self.device.ordinal(),
+            });
+        }
+        self.device.context().bind()?;
+        if driver::stream_is_capturing(handle.raw)? {
+            return Err(Error::InvalidGraph {
+                problem: "replay_on a capturing stream: replay graphs from eager streams".into(),
+            });
+        }
+        driver::graph_launch(self.exec, handle.raw)?;
+        self.replays.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Uploads the executable graph to the device ahead of its first replay.
     #[track_caller]
     pub fn upload(&self, stream: &Stream) -> Result<()> {
