@@ -281,6 +281,14 @@ struct ConvGeom {
 }
 
 impl ConvGeom {
+    /// Kernel arguments: the buffers, then the eleven geometry integers every conv kernel takes
+    /// in the same order.
+    fn launch_args<'a>(&self, bufs: &[cudagraph::Arg<'a>]) -> Vec<cudagraph::Arg<'a>> {
+        let mut v = bufs.to_vec();
+        v.extend(self.args().map(cudagraph::Arg::I32));
+        v
+    }
+
     fn args(&self) -> [i32; 11] {
         [
             self.n,
@@ -344,7 +352,6 @@ pub fn conv2d(
     let nn = Nn::get(q.device())?;
     let total = g.n * g.oc * g.oh * g.ow;
     let y = q.alloc_f32(total)?;
-    let a = g.args();
     let bias = match b {
         Some(b) => b.data().arg_at(0),
         None => cudagraph::Arg::U64(0),
@@ -361,23 +368,7 @@ pub fn conv2d(
     q.launch(
         kernel,
         cfg,
-        args![
-            x.data(),
-            w.data(),
-            bias,
-            &y,
-            a[0],
-            a[1],
-            a[2],
-            a[3],
-            a[4],
-            a[5],
-            a[6],
-            a[7],
-            a[8],
-            a[9],
-            a[10]
-        ],
+        &g.launch_args(&[x.data().into(), w.data().into(), bias, (&y).into()]),
     )?;
     let mut inputs = vec![x.clone(), w.clone()];
     if let Some(b) = b {
@@ -393,29 +384,13 @@ pub fn conv2d(
         inputs,
         name: "conv2d",
         backward: Box::new(move |q, nn, gy| {
-            let a = g.args();
             let dx = if need_x {
                 let n_in = g.n * g.c * g.h * g.w;
                 let dx = q.alloc_f32(n_in)?;
                 q.launch(
                     &nn.k.conv2d_bwd_input,
                     elems(n_in),
-                    args![
-                        gy.data(),
-                        wd.as_ref(),
-                        &dx,
-                        a[0],
-                        a[1],
-                        a[2],
-                        a[3],
-                        a[4],
-                        a[5],
-                        a[6],
-                        a[7],
-                        a[8],
-                        a[9],
-                        a[10]
-                    ],
+                    &g.launch_args(&[gy.data().into(), wd.as_ref().into(), (&dx).into()]),
                 )?;
                 Some(Tensor::from_buffer(Rc::new(dx), &[g.n, g.c, g.h, g.w])?)
             } else {
@@ -427,22 +402,7 @@ pub fn conv2d(
                 q.launch(
                     &nn.k.conv2d_bwd_weight,
                     LaunchConfig::linear(nw as u32, 256),
-                    args![
-                        gy.data(),
-                        xd.as_ref(),
-                        &dw,
-                        a[0],
-                        a[1],
-                        a[2],
-                        a[3],
-                        a[4],
-                        a[5],
-                        a[6],
-                        a[7],
-                        a[8],
-                        a[9],
-                        a[10]
-                    ],
+                    &g.launch_args(&[gy.data().into(), xd.as_ref().into(), (&dw).into()]),
                 )?;
                 Some(Tensor::from_buffer(Rc::new(dw), &[g.oc, g.c, g.kh, g.kw])?)
             } else {

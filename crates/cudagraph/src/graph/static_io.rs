@@ -169,13 +169,7 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
             // concurrent run. So no reference to it is alive and no copy from it is in flight.
             unsafe { self.host_in[i].write_from(I::as_bytes(src)) };
         }
-        self.graph.replay(stream)?;
-        stream.synchronize()?;
-        Ok(Outputs {
-            host: &self.host_out,
-            lens: self.output_lens(),
-            _o: std::marker::PhantomData,
-        })
+        self.replay_and_wait(stream)
     }
 
     /// The page-locked host staging of input `i`. Write the next request here directly and
@@ -192,6 +186,10 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
     /// and returns the outputs (borrowed until the next run).
     #[track_caller]
     pub fn run_staged(&mut self, stream: &Stream) -> Result<Outputs<'_, O>> {
+        self.replay_and_wait(stream)
+    }
+
+    fn replay_and_wait(&mut self, stream: &Stream) -> Result<Outputs<'_, O>> {
         self.graph.replay(stream)?;
         stream.synchronize()?;
         Ok(Outputs {
