@@ -739,3 +739,51 @@ fn rebind_swaps_buffers_without_recapture() {
         Err(Error::SizeMismatch { .. })
     ));
 }
+
+#[test]
+fn builder_host_and_child_graph_nodes() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let dev = gpu_test_device!();
+    let k = kernels(&dev);
+    let mut s = dev.new_stream().unwrap();
+    let n = 512;
+    let x0 = input(n, 80);
+    let x = s.alloc_from_host(&x0).unwrap();
+    // A captured graph (x <- chain(x)) becomes a child node of a built graph.
+    let (child, ()) =
+        Graph::capture(&mut s, CaptureOptions::new(), |cs| chain(cs, &k, &x, 3)).unwrap();
+    let out = s.alloc_zeroed::<f32>(n).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let mut b = GraphBuilder::new(&dev);
+    let c = b.child(&child, &[]).unwrap();
+    let h = b
+        .host_fn(
+            move || {
+                seen.fetch_add(1, Ordering::SeqCst);
+            },
+            &[c],
+        )
+        .unwrap();
+    b.copy(&x, &out, &[h]).unwrap();
+    // A panicking host callback is caught, not an abort.
+    b.host_fn(|| panic!("host node bug"), &[c]).unwrap();
+    let g = b.build().unwrap();
+    assert_eq!(
+        (
+            g.info().nodes.child_graph,
+            g.info().nodes.host,
+            g.info().nodes.memcpy
+        ),
+        (1, 2, 1)
+    );
+    drop(child); // the parent keeps what the child used
+    g.replay(&s).unwrap();
+    g.replay(&s).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let once = chain_ref(&x0, 3);
+    let twice = chain_ref(&once.iter().map(|&v| v as f32).collect::<Vec<_>>(), 3);
+    assert!(max_rel(&s.to_vec(&out).unwrap(), &twice) < 1e-5);
+}

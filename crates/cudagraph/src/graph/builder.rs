@@ -1,5 +1,5 @@
-//! Explicit graph building (seed 003): kernel, copy and memset nodes with explicit
-//! dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works, validated before the driver
+//! Explicit graph building (seed 003): kernel, copy, memset, host-function and child-graph
+//! nodes with explicit dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works, validated before the driver
 //! sees them.
 //!
 //! Dependencies can only name nodes added earlier, so a built graph is acyclic by
@@ -10,8 +10,9 @@ use std::sync::Arc;
 use super::{Graph, GraphMemory};
 use crate::device::{check_device, check_range, Device};
 use crate::error::{Error, Result};
+use crate::memory::Pool;
 use crate::memory::{BlockRef, DeviceBuffer, Elem};
-use crate::runtime::driver::{self, Dims, ParamSlot, RawGraph, RawNode};
+use crate::runtime::driver::{self, Dims, HostFn, ParamSlot, PinnedAlloc, RawGraph, RawNode};
 use crate::runtime::{Arg, Function, LaunchConfig};
 
 /// A node added to a [`GraphBuilder`].
@@ -34,6 +35,8 @@ enum Node {
         value: u32,
         words: usize,
     },
+    Host(Arc<HostFn>),
+    Child(RawGraph),
 }
 
 /// Builds a graph node by node.
@@ -57,6 +60,9 @@ pub struct GraphBuilder {
     device: Device,
     nodes: Vec<(Node, Vec<usize>)>,
     held: Vec<Arc<BlockRef>>,
+    pinned: Vec<Arc<PinnedAlloc>>,
+    extra: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    pools: Vec<Pool>,
 }
 
 impl std::fmt::Debug for GraphBuilder {
@@ -71,6 +77,9 @@ impl GraphBuilder {
             device: device.clone(),
             nodes: Vec::new(),
             held: Vec::new(),
+            pinned: Vec::new(),
+            extra: Vec::new(),
+            pools: Vec::new(),
         }
     }
 
@@ -206,6 +215,38 @@ impl GraphBuilder {
         ))
     }
 
+    /// Adds a node that calls `f` on a driver thread when the graph reaches it. `f` must not
+    /// call CUDA (the driver forbids it in host nodes); a panic in `f` is caught and reported.
+    pub fn host_fn(
+        &mut self,
+        f: impl Fn() + Send + Sync + 'static,
+        deps: &[NodeId],
+    ) -> Result<NodeId> {
+        let deps = self.deps(deps)?;
+        let f = Arc::new(HostFn(Box::new(f)));
+        self.extra.push(f.clone());
+        Ok(self.push(Node::Host(f), deps))
+    }
+
+    /// Embeds a copy of `child` (captured or built) as one node. The parent keeps everything
+    /// the child uses alive (buffers, pool, host callbacks).
+    pub fn child(&mut self, child: &Graph, deps: &[NodeId]) -> Result<NodeId> {
+        let deps = self.deps(deps)?;
+        if child.device().ordinal() != self.device.ordinal() {
+            return Err(Error::WrongDevice {
+                what: "child graph",
+                expected: self.device.ordinal(),
+                got: child.device().ordinal(),
+            });
+        }
+        let (held, pinned, extra, pool) = child.keepalive();
+        self.held.extend(held);
+        self.pinned.extend(pinned);
+        self.extra.extend(extra);
+        self.pools.extend(pool);
+        Ok(self.push(Node::Child(child.raw_graph()), deps))
+    }
+
     /// Creates the CUDA graph, adds every node with its edges, and instantiates it.
     #[track_caller]
     pub fn build(mut self) -> Result<Graph> {
@@ -232,6 +273,8 @@ impl GraphBuilder {
                 Node::Memset { dst, value, words } => {
                     driver::graph_add_memset_node(g, &d, *dst, *value, *words, ctx)?
                 }
+                Node::Host(f) => driver::graph_add_host_node(g, &d, f)?,
+                Node::Child(c) => driver::graph_add_child_node(g, &d, *c)?,
             };
             raw.push(n);
         }
@@ -242,15 +285,22 @@ impl GraphBuilder {
             external_held: self.held.iter().map(|b| b.size()).sum(),
             ..Default::default()
         };
-        Graph::instantiate(
+        let mut graph = Graph::instantiate(
             &self.device,
             g,
             None,
             std::mem::take(&mut self.held),
-            Vec::new(),
+            std::mem::take(&mut self.pinned),
             t0.elapsed(),
             memory,
-        )
+        )?;
+        for x in self.extra.drain(..) {
+            graph.keep(x);
+        }
+        for p in self.pools.drain(..) {
+            graph.keep(Arc::new(p.pin()));
+        }
+        Ok(graph)
     }
 }
 

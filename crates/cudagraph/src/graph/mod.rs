@@ -239,6 +239,8 @@ pub struct Graph {
     _pin: Option<PoolPin>,
     _held: Vec<Arc<BlockRef>>,
     _pinned: Vec<Arc<PinnedAlloc>>,
+    /// Host callbacks and pool pins of hand-built graphs (host nodes, child graphs).
+    _extra: Vec<Arc<dyn std::any::Any + Send + Sync>>,
     info: GraphInfo,
     replays: AtomicU64,
     rebinds: u64,
@@ -464,6 +466,7 @@ impl Graph {
             _pin: pin,
             _held: held,
             _pinned: pinned,
+            _extra: Vec::new(),
             info: GraphInfo {
                 nodes: NodeCounts::from_types(&types),
                 capture_time,
@@ -537,6 +540,32 @@ impl Graph {
         Ok(RebindOutcome::Reinstantiated {
             nodes: r.nodes_changed,
         })
+    }
+
+    /// Keeps `thing` alive as long as this graph (host callbacks, child graphs' pools).
+    pub(crate) fn keep(&mut self, thing: Arc<dyn std::any::Any + Send + Sync>) {
+        self._extra.push(thing);
+    }
+
+    /// Everything this graph keeps alive, for a parent graph that embeds it as a child.
+    pub(crate) fn keepalive(
+        &self,
+    ) -> (
+        Vec<Arc<BlockRef>>,
+        Vec<Arc<PinnedAlloc>>,
+        Vec<Arc<dyn std::any::Any + Send + Sync>>,
+        Option<Pool>,
+    ) {
+        (
+            self._held.clone(),
+            self._pinned.clone(),
+            self._extra.clone(),
+            self._pin.as_ref().map(|p| p.pool().clone()),
+        )
+    }
+
+    pub(crate) fn raw_graph(&self) -> RawGraph {
+        self.graph
     }
 
     /// (rebinds, of which re-instantiations) so far.

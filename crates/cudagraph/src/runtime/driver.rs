@@ -1174,3 +1174,66 @@ pub(crate) fn graph_rebind(
         exec_updated,
     })
 }
+
+/// A host callback a graph runs (a host-function node). Kept alive by the graph.
+pub(crate) struct HostFn(pub(crate) Box<dyn Fn() + Send + Sync + 'static>);
+
+/// Runs the callback; a panic is caught here (unwinding into the driver would abort) and
+/// reported on stderr.
+unsafe extern "C" fn host_trampoline(user: *mut c_void) {
+    // SAFETY: `user` is the address of a `HostFn` that the graph owning this node keeps alive
+    // (in an Arc) for as long as the graph can run; the driver passes it back unchanged.
+    let f = unsafe { &*(user as *const HostFn) };
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (f.0)())).is_err() {
+        eprintln!("cudagraph: a host-function node panicked; the panic was caught");
+    }
+}
+
+/// Adds a host-function node that calls `f`.
+///
+/// The caller must keep `f` alive (and at the same address) for as long as the graph, or any
+/// executable graph instantiated from it, can run; `GraphBuilder` stores it in the `Graph`.
+#[track_caller]
+pub(crate) fn graph_add_host_node(
+    g: RawGraph,
+    deps: &[RawNode],
+    f: &std::sync::Arc<HostFn>,
+) -> Result<RawNode> {
+    let p = sys::CUDA_HOST_NODE_PARAMS {
+        fn_: Some(host_trampoline),
+        userData: std::sync::Arc::as_ptr(f) as *mut c_void,
+    };
+    let deps_raw: Vec<sys::CUgraphNode> = deps.iter().map(|d| d.0).collect();
+    let mut node = ptr::null_mut();
+    // SAFETY: the parameters are copied by the driver; `userData` stays valid as documented.
+    check(
+        unsafe { sys::cuGraphAddHostNode(&mut node, g.0, deps_raw.as_ptr(), deps_raw.len(), &p) },
+        "cuGraphAddHostNode",
+    )?;
+    Ok(RawNode(node))
+}
+
+/// Adds a child-graph node (the driver clones `child` into `g`).
+#[track_caller]
+pub(crate) fn graph_add_child_node(
+    g: RawGraph,
+    deps: &[RawNode],
+    child: RawGraph,
+) -> Result<RawNode> {
+    let deps_raw: Vec<sys::CUgraphNode> = deps.iter().map(|d| d.0).collect();
+    let mut node = ptr::null_mut();
+    // SAFETY: the child graph is live; the driver clones it.
+    check(
+        unsafe {
+            sys::cuGraphAddChildGraphNode(
+                &mut node,
+                g.0,
+                deps_raw.as_ptr(),
+                deps_raw.len(),
+                child.0,
+            )
+        },
+        "cuGraphAddChildGraphNode",
+    )?;
+    Ok(RawNode(node))
+}
