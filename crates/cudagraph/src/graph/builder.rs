@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use super::{Graph, GraphMemory};
+use super::{Anchor, Graph, GraphMemory};
 use crate::device::{check_device, check_range, Device};
 use crate::error::{Error, Result};
 use crate::memory::Pool;
@@ -61,7 +61,7 @@ pub struct GraphBuilder {
     nodes: Vec<(Node, Vec<usize>)>,
     held: Vec<Arc<BlockRef>>,
     pinned: Vec<Arc<PinnedAlloc>>,
-    extra: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    extra: Vec<Anchor>,
     pools: Vec<Pool>,
 }
 
@@ -239,11 +239,11 @@ impl GraphBuilder {
                 got: child.device().ordinal(),
             });
         }
-        let (held, pinned, extra, pool) = child.keepalive();
-        self.held.extend(held);
-        self.pinned.extend(pinned);
-        self.extra.extend(extra);
-        self.pools.extend(pool);
+        let keep = child.keepalive();
+        self.held.extend(keep.held);
+        self.pinned.extend(keep.pinned);
+        self.extra.extend(keep.extra);
+        self.pools.extend(keep.pool);
         Ok(self.push(Node::Child(child.raw_graph()), deps))
     }
 

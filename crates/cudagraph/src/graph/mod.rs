@@ -240,7 +240,7 @@ pub struct Graph {
     _held: Vec<Arc<BlockRef>>,
     _pinned: Vec<Arc<PinnedAlloc>>,
     /// Host callbacks and pool pins of hand-built graphs (host nodes, child graphs).
-    _extra: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    _extra: Vec<Anchor>,
     info: GraphInfo,
     replays: AtomicU64,
     rebinds: u64,
@@ -284,6 +284,17 @@ impl Drop for Graph {
             driver::graph_destroy(self.graph);
         }
     }
+}
+
+/// Anything a graph keeps alive besides buffers (host callbacks, pool pins).
+pub(crate) type Anchor = Arc<dyn std::any::Any + Send + Sync>;
+
+/// What a graph keeps alive, handed to a parent graph that embeds it.
+pub(crate) struct KeepAlive {
+    pub(crate) held: Vec<Arc<BlockRef>>,
+    pub(crate) pinned: Vec<Arc<PinnedAlloc>>,
+    pub(crate) extra: Vec<Anchor>,
+    pub(crate) pool: Option<Pool>,
 }
 
 /// Ends a capture that is still open when it goes out of scope (error or panic in the closure).
@@ -543,25 +554,18 @@ impl Graph {
     }
 
     /// Keeps `thing` alive as long as this graph (host callbacks, child graphs' pools).
-    pub(crate) fn keep(&mut self, thing: Arc<dyn std::any::Any + Send + Sync>) {
+    pub(crate) fn keep(&mut self, thing: Anchor) {
         self._extra.push(thing);
     }
 
     /// Everything this graph keeps alive, for a parent graph that embeds it as a child.
-    pub(crate) fn keepalive(
-        &self,
-    ) -> (
-        Vec<Arc<BlockRef>>,
-        Vec<Arc<PinnedAlloc>>,
-        Vec<Arc<dyn std::any::Any + Send + Sync>>,
-        Option<Pool>,
-    ) {
-        (
-            self._held.clone(),
-            self._pinned.clone(),
-            self._extra.clone(),
-            self._pin.as_ref().map(|p| p.pool().clone()),
-        )
+    pub(crate) fn keepalive(&self) -> KeepAlive {
+        KeepAlive {
+            held: self._held.clone(),
+            pinned: self._pinned.clone(),
+            extra: self._extra.clone(),
+            pool: self._pin.as_ref().map(|p| p.pool().clone()),
+        }
     }
 
     pub(crate) fn raw_graph(&self) -> RawGraph {
