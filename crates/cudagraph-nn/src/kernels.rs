@@ -45,20 +45,42 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
     float c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
     int kbeg = blockIdx.z * kc;
     int kend = min(k, kbeg + kc);
+    // Software pipeline: the next K tile is loaded into registers while the current one is
+    // multiplied out of shared memory, so global-memory latency overlaps the arithmetic.
+    float ra[4], rb[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int e = threadIdx.x + r * 256;
+        int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
+        int gi = row0 + i, gp = kbeg + p;
+        ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+        int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
+        int gj = col0 + j, gq = kbeg + q;
+        rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
+    }
     for (int p0 = kbeg; p0 < kend; p0 += 32) {
-        for (int e = threadIdx.x; e < 1024; e += 256) {
-            int i, p;
-            if (ta) { i = e % 32; p = e / 32; } else { p = e % 32; i = e / 32; }
-            int gi = row0 + i, gp = p0 + p;
-            As[p][i] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
-        }
-        for (int e = threadIdx.x; e < 1024; e += 256) {
-            int j, p;
-            if (tb) { p = e % 32; j = e / 32; } else { j = e % 32; p = e / 32; }
-            int gj = col0 + j, gp = p0 + p;
-            Bs[p][j] = (gj < n && gp < kend) ? (tb ? B[(long)gj * ldb + gp] : B[(long)gp * ldb + gj]) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int e = threadIdx.x + r * 256;
+            int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
+            As[p][i] = ra[r];
+            int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
+            Bs[q][j] = rb[r];
         }
         __syncthreads();
+        int p1 = p0 + 32;
+        if (p1 < kend) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                int e = threadIdx.x + r * 256;
+                int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
+                int gi = row0 + i, gp = p1 + p;
+                ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+                int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
+                int gj = col0 + j, gq = p1 + q;
+                rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
+            }
+        }
 #pragma unroll
         for (int p = 0; p < 32; p++) {
             float a0 = As[p][ty * 2], a1 = As[p][ty * 2 + 1];
