@@ -786,3 +786,37 @@ fn graphed_module_trains_like_the_eager_module() {
     let bad = Tensor::from_host(&s, &[0.0; 16], &[1, 16]).unwrap();
     assert!(matches!(graphed.forward(&s, &bad), Err(NnError::Shape(_))));
 }
+
+#[test]
+fn relu_and_reshape_forward_and_backward_match_cpu() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(17);
+    // x is a parameter so its gradient is observable: loss = sum((relu(reshape(x)) - t)^2).
+    let xh = data(&mut rng, 6 * 10);
+    let p = Parameter::from_host(&s, "x", &xh, &[6, 10]).unwrap();
+    let th = data(&mut rng, 60);
+    let t = Tensor::from_host(&s, &th, &[3, 20]).unwrap();
+    let r = relu(&s, &p.tensor().reshape(&[3, 20]).unwrap()).unwrap();
+    assert_eq!(r.shape(), &[3, 20]);
+    let want = cpu::relu(&to_f64(&xh));
+    assert!(rel_err(&r.to_vec(&s).unwrap(), &want) < 1e-7);
+    mse_loss(&s, &r, &t, Reduction::Sum)
+        .unwrap()
+        .backward(&s)
+        .unwrap();
+    let dy = cpu::mse_grad(&want, &to_f64(&th), false);
+    let dx: Vec<f64> = dy
+        .iter()
+        .zip(&xh)
+        .map(|(g, &x)| if x > 0.0 { *g } else { 0.0 })
+        .collect();
+    assert!(rel_err(&grad(&p, &s), &dx) < 2e-6);
+    // flatten is a reshape: [2, 3, 2, 5] -> [2, 30].
+    let f = flatten(&Tensor::from_host(&s, &xh, &[2, 3, 2, 5]).unwrap()).unwrap();
+    assert_eq!(f.shape(), &[2, 30]);
+    assert!(matches!(
+        p.tensor().reshape(&[7, 7]),
+        Err(NnError::Shape(_))
+    ));
+}

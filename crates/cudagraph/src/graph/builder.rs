@@ -93,21 +93,7 @@ impl GraphBuilder {
     }
 
     fn deps(&self, deps: &[NodeId]) -> Result<Vec<usize>> {
-        deps.iter()
-            .map(|d| {
-                if d.0 < self.nodes.len() {
-                    Ok(d.0)
-                } else {
-                    Err(Error::InvalidGraph {
-                        problem: format!(
-                            "dependency on node {} but the builder has {} nodes",
-                            d.0,
-                            self.nodes.len()
-                        ),
-                    })
-                }
-            })
-            .collect()
+        check_deps(self.nodes.len(), deps)
     }
 
     fn push(&mut self, node: Node, deps: Vec<usize>) -> NodeId {
@@ -304,6 +290,29 @@ impl GraphBuilder {
     }
 }
 
+/// Validates dependencies of a node about to become node number `existing`: each must name an
+/// earlier node (so built graphs are acyclic by construction), and none may repeat.
+pub(crate) fn check_deps(existing: usize, deps: &[NodeId]) -> Result<Vec<usize>> {
+    let mut out = Vec::with_capacity(deps.len());
+    for d in deps {
+        if d.0 >= existing {
+            return Err(Error::InvalidGraph {
+                problem: format!(
+                    "dependency on node {} but the builder has {existing} nodes",
+                    d.0
+                ),
+            });
+        }
+        if out.contains(&d.0) {
+            return Err(Error::InvalidGraph {
+                problem: format!("node {} is listed twice as a dependency", d.0),
+            });
+        }
+        out.push(d.0);
+    }
+    Ok(out)
+}
+
 struct DestroyOnError(Option<RawGraph>);
 
 impl DestroyOnError {
@@ -317,5 +326,27 @@ impl Drop for DestroyOnError {
         if let Some(g) = self.0.take() {
             driver::graph_destroy(g);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dependencies_must_name_earlier_nodes_once() {
+        assert_eq!(check_deps(3, &[NodeId(0), NodeId(2)]).unwrap(), vec![0, 2]);
+        assert!(check_deps(0, &[]).unwrap().is_empty());
+        // A node cannot depend on itself or a later node: no cycle can be expressed.
+        assert!(matches!(
+            check_deps(2, &[NodeId(2)]),
+            Err(Error::InvalidGraph { .. })
+        ));
+        assert!(matches!(
+            check_deps(2, &[NodeId(7)]),
+            Err(Error::InvalidGraph { .. })
+        ));
+        let e = check_deps(4, &[NodeId(1), NodeId(1)]).unwrap_err();
+        assert!(e.to_string().contains("listed twice"), "{e}");
     }
 }
