@@ -79,13 +79,11 @@ fn input_shape(kind: ModelKind, b: usize) -> Vec<usize> {
 }
 
 fn accuracy(
-    dev: &Device,
     s: &cudagraph::Stream,
     model: &Sequential,
     kind: ModelKind,
     test: &Dataset,
 ) -> AnyResult<(usize, usize)> {
-    let _ = dev;
     let x = Tensor::from_host(s, &test.images, &input_shape(kind, test.len()))?;
     let logits = no_grad(|| model.forward(s, &x))?.to_vec(s)?;
     let correct = logits
@@ -244,7 +242,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
             last_loss = loss.to_vec(&s)?[0];
         }
     }
-    let (correct, n) = accuracy(&dev, &s, &model, a.model, &test)?;
+    let (correct, n) = accuracy(&s, &model, a.model, &test)?;
     println!(
         "{mode}: {total_steps} steps in {:.3} s ({:.1} us/step, data copies included), last logged loss {last_loss:.4}",
         secs,
