@@ -154,7 +154,7 @@ impl Queue for CaptureStream<'_> {
     fn hold(&self, block: &Arc<BlockRef>) {
         // Blocks of this capture's own pool live as long as the pool, which the graph holds;
         // anything else (weights, static inputs in the default pool) is kept by the graph.
-        if block.pool() == self.pool.id() {
+        if block.is_in(&self.pool) {
             return;
         }
         if self.held_addrs.borrow_mut().insert(block.addr()) {

@@ -219,6 +219,12 @@ impl BlockRef {
     pub(crate) fn device_ordinal(&self) -> usize {
         self.alloc.ordinal
     }
+
+    /// Whether the block belongs to `pool` (same allocator and same pool id: pool ids are only
+    /// unique within one allocator, and every `Device::open` has its own).
+    pub fn is_in(&self, pool: &Pool) -> bool {
+        self.pool == pool.id() && Arc::ptr_eq(&self.alloc, pool.allocator())
+    }
 }
 
 impl Drop for BlockRef {
