@@ -1,9 +1,10 @@
 //! Matrix products for the NN layer, with a choice of engine.
 //!
 //! Small products (the small-batch case this project is for) are latency-bound: cuBLAS SGEMM
-//! launches only a handful of blocks for, say, 32×512 outputs with K = 1024. Our tiled kernel
-//! (`sgemm_tiled`) splits K across blocks, fuses the bias and ReLU, and measured 1.0–2.7×
-//! faster than cuBLAS on the forward products of the workloads; cuBLAS keeps the rest. `CUDAGRAPH_GEMM=cublas|tiled|auto` (default `auto`) overrides the choice.
+//! launches only a handful of blocks for, say, 32×512 outputs with K = 1024. Two kernels of
+//! ours fuse the bias and ReLU: `sgemm_tiled` splits K across blocks (plus a reduce kernel) and
+//! wins at 8 ≤ m ≤ 64; `sgemm_nt_warpk` splits K across the warps of one block (no reduce
+//! node) and wins at 65 ≤ m ≤ 256. cuBLAS keeps the rest. See [`auto_engine`]. `CUDAGRAPH_GEMM=cublas|tiled|auto` (default `auto`) overrides the choice.
 
 use std::sync::OnceLock;
 
@@ -18,17 +19,27 @@ use crate::kernels::Nn;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Engine {
     Cublas,
+    /// The tiled split-K kernel (any layout).
     Tiled,
-    /// The faster of the two for the shape, from `cudagraph bench gemm` on an H100
-    /// (bench/results/gemm-2026-11-22.txt): tiled for the forward layout `x·wᵀ` with
-    /// 8 ≤ m ≤ 256, cuBLAS otherwise (its GEMV path wins at m = 1, and it wins the backward
-    /// layouts).
+    /// One kernel, K split across the warps of a block (forward layout `x·wᵀ`, alpha 1,
+    /// beta 0 only; other products fall back to `Tiled`).
+    WarpK,
+    /// The fastest for the shape, from `cudagraph bench gemm` on an H100
+    /// (bench/results/gemm-2026-11-22.txt): for the forward layout `x·wᵀ`, split-K tiled at
+    /// 8 ≤ m ≤ 64 and warp-K at 65 ≤ m ≤ 256; cuBLAS otherwise (its GEMV path wins at m = 1,
+    /// and it wins the backward layouts).
     Auto,
 }
 
-/// Whether `Auto` sends a product to the tiled kernel.
-pub fn auto_prefers_tiled(ta: Trans, tb: Trans, m: usize) -> bool {
-    ta == Trans::N && tb == Trans::T && (8..=256).contains(&m)
+/// The engine `Auto` picks for a product.
+pub fn auto_engine(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32) -> Engine {
+    let forward = ta == Trans::N && tb == Trans::T;
+    match m {
+        8..=64 if forward => Engine::Tiled,
+        65..=256 if forward && alpha == 1.0 && beta == 0.0 => Engine::WarpK,
+        65..=256 if forward => Engine::Tiled,
+        _ => Engine::Cublas,
+    }
 }
 
 /// The engine chosen by `CUDAGRAPH_GEMM` (read once).
@@ -65,11 +76,12 @@ pub fn gemm(
             )));
         }
     }
-    let tiled = match engine {
-        Engine::Cublas => false,
-        Engine::Tiled => true,
-        Engine::Auto => auto_prefers_tiled(ta, tb, m),
+    let warpk_ok = ta == Trans::N && tb == Trans::T && alpha == 1.0 && beta == 0.0;
+    let engine = match engine {
+        Engine::Auto => auto_engine(ta, tb, m, alpha, beta),
+        e => e,
     };
+    let tiled = engine != Engine::Cublas;
     if !tiled {
         nn.blas.gemm(q, ta, tb, m, n, k, alpha, a, b, beta, c)?;
         if bias.is_some() || relu {
@@ -99,6 +111,19 @@ pub fn gemm(
     }
     if m == 0 || n == 0 {
         return Ok(());
+    }
+    if engine == Engine::WarpK && warpk_ok {
+        let bias_arg = bias.map(|b| b.arg_at(0)).unwrap_or(Arg::U64(0));
+        let cfg = LaunchConfig {
+            grid: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, 1),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        return q.launch(
+            &nn.k.sgemm_nt_warpk,
+            cfg,
+            args![m as i32, n as i32, k as i32, a, b, c, bias_arg, relu as i32],
+        );
     }
     let lda = if ta == Trans::N { k } else { m };
     let ldb = if tb == Trans::N { n } else { k };
@@ -170,7 +195,20 @@ pub fn split_k(m: usize, n: usize, k: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::split_k;
+    use super::*;
+
+    #[test]
+    fn auto_follows_the_measured_table() {
+        let (n, t) = (Trans::N, Trans::T);
+        assert_eq!(auto_engine(n, t, 1, 1.0, 0.0), Engine::Cublas);
+        assert_eq!(auto_engine(n, t, 32, 1.0, 0.0), Engine::Tiled);
+        assert_eq!(auto_engine(n, t, 64, 1.0, 0.0), Engine::Tiled);
+        assert_eq!(auto_engine(n, t, 256, 1.0, 0.0), Engine::WarpK);
+        assert_eq!(auto_engine(n, t, 256, 0.5, 0.0), Engine::Tiled);
+        assert_eq!(auto_engine(n, t, 512, 1.0, 0.0), Engine::Cublas);
+        assert_eq!(auto_engine(t, n, 64, 1.0, 0.0), Engine::Cublas);
+        assert_eq!(auto_engine(n, n, 64, 1.0, 0.0), Engine::Cublas);
+    }
 
     #[test]
     fn split_k_fills_the_device_but_keeps_two_tiles_per_split() {

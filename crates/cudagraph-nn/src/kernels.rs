@@ -107,6 +107,93 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
         }
 }
 
+// The forward layout only: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major
+// with leading dimension k. One kernel, no reduce node: a block owns 32 x 32 outputs and its 8
+// warps split K; each warp streams 32-wide K chunks of its slice through private shared memory
+// (next chunk prefetched into registers), each lane keeps a 4 x 8 register tile, and the 8
+// partial tiles are summed in shared memory in a fixed order at the end.
+extern "C" __global__ void sgemm_nt_warpk(int m, int n, int k, const float* A, const float* B,
+        float* C, const float* bias, int relu) {
+    // Per warp: A and B chunks of [16 k][33] (one pad column against bank conflicts); the same
+    // memory then holds the 8 partial 32 x 32 tiles for the final sum.
+    __shared__ float smem[8 * 1056];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
+    float* As = smem + warp * 1056;
+    float* Bs = smem + warp * 1056 + 528;
+    // K slice of this warp, in chunks of 16.
+    int per = ((k + 7) / 8 + 15) / 16 * 16;
+    int kb = warp * per, ke = min(k, kb + per);
+    int ri = lane / 4, cj = lane % 4;      // rows ri*4..+3, cols cj*8..+7
+    float acc[4][8];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++) acc[a][b] = 0.0f;
+    // Each chunk: 16 k x 32 rows of A and 16 k x 32 cols of B = 512 + 512 floats, 16 + 16 per lane.
+    float ra[16], rb[16];
+#pragma unroll
+    for (int r = 0; r < 16; r++) {
+        int e = lane + 32 * r;             // 0..511: row = e / 16, kk = e % 16
+        int i = e / 16, kk = e % 16;
+        int gk = kb + kk;
+        ra[r] = (row0 + i < m && gk < ke) ? A[(long)(row0 + i) * k + gk] : 0.0f;
+        rb[r] = (col0 + i < n && gk < ke) ? B[(long)(col0 + i) * k + gk] : 0.0f;
+    }
+    for (int k0 = kb; k0 < ke; k0 += 16) {
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            int e = lane + 32 * r;
+            int i = e / 16, kk = e % 16;
+            As[kk * 33 + i] = ra[r];
+            Bs[kk * 33 + i] = rb[r];
+        }
+        __syncwarp();
+        int k1 = k0 + 16;
+        if (k1 < ke) {
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                int e = lane + 32 * r;
+                int i = e / 16, kk = e % 16;
+                int gk = k1 + kk;
+                ra[r] = (row0 + i < m && gk < ke) ? A[(long)(row0 + i) * k + gk] : 0.0f;
+                rb[r] = (col0 + i < n && gk < ke) ? B[(long)(col0 + i) * k + gk] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++) {
+            float av[4], bv[8];
+#pragma unroll
+            for (int a = 0; a < 4; a++) av[a] = As[kk * 33 + ri * 4 + a];
+#pragma unroll
+            for (int b = 0; b < 8; b++) bv[b] = Bs[kk * 33 + cj * 8 + b];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 8; b++) acc[a][b] += av[a] * bv[b];
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    // Partial tiles of the 8 warps, then a fixed-order sum.
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++) smem[warp * 1024 + (ri * 4 + a) * 32 + cj * 8 + b] = acc[a][b];
+    __syncthreads();
+    for (int o = threadIdx.x; o < 1024; o += 256) {
+        int i = row0 + o / 32, j = col0 + o % 32;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) v += smem[w * 1024 + o];
+        if (i < m && j < n) {
+            if (bias) v += bias[j];
+            if (relu) v = fmaxf(v, 0.0f);
+            C[(long)i * n + j] = v;
+        }
+    }
+}
+
 extern "C" __global__ void splitk_reduce(const float* partial, int splits, float* C, int m, int n,
         float alpha, float beta, const float* bias, int relu) {
     long e = IDX;
@@ -376,6 +463,7 @@ extern "C" __global__ void maxpool_bwd(const float* dy, const int* idx, float* d
 pub struct Kernels {
     pub sgemm_tiled: Function,
     pub splitk_reduce: Function,
+    pub sgemm_nt_warpk: Function,
     pub bias_act: Function,
     pub relu_fwd: Function,
     pub relu_bwd: Function,
@@ -424,6 +512,7 @@ impl Nn {
         let k = Kernels {
             sgemm_tiled: f("sgemm_tiled")?,
             splitk_reduce: f("splitk_reduce")?,
+            sgemm_nt_warpk: f("sgemm_nt_warpk")?,
             bias_act: f("bias_act")?,
             relu_fwd: f("relu_fwd")?,
             relu_bwd: f("relu_bwd")?,

@@ -513,7 +513,7 @@ fn gemm_engines_match_cpu_for_every_transpose() {
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
     let mut rng = Rng::new(11);
-    for engine in [Engine::Cublas, Engine::Tiled] {
+    for engine in [Engine::Cublas, Engine::Tiled, Engine::WarpK] {
         for (ta, tb) in [
             (Trans::N, Trans::N),
             (Trans::N, Trans::T),
@@ -819,4 +819,61 @@ fn relu_and_reshape_forward_and_backward_match_cpu() {
         p.tensor().reshape(&[7, 7]),
         Err(NnError::Shape(_))
     ));
+}
+
+#[test]
+fn warp_k_kernel_matches_cpu_on_the_forward_layout() {
+    use cudagraph_nn::blas::Trans;
+    use cudagraph_nn::gemm::{gemm, Engine};
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(18);
+    for &(m, n, k) in &[
+        (5usize, 7usize, 3usize),
+        (1, 10, 256),
+        (33, 65, 70),
+        (32, 512, 1024),
+        (64, 1024, 1024),
+        (256, 512, 1024),
+    ] {
+        let (xh, wh, bh) = (
+            data(&mut rng, m * k),
+            data(&mut rng, n * k),
+            data(&mut rng, n),
+        );
+        let want: Vec<f64> = (0..m * n)
+            .map(|e| {
+                let (i, j) = (e / n, e % n);
+                let dot: f64 = (0..k)
+                    .map(|p| xh[i * k + p] as f64 * wh[j * k + p] as f64)
+                    .sum();
+                (dot + bh[j] as f64).max(0.0)
+            })
+            .collect();
+        let (x, w, b) = (
+            s.alloc_from_host(&xh).unwrap(),
+            s.alloc_from_host(&wh).unwrap(),
+            s.alloc_from_host(&bh).unwrap(),
+        );
+        let c = s.alloc_from_host(&vec![f32::NAN; m * n]).unwrap(); // every output must be written
+        gemm(
+            &s,
+            &nn,
+            Engine::WarpK,
+            (Trans::N, Trans::T),
+            (m, n, k),
+            1.0,
+            &x,
+            &w,
+            0.0,
+            &c,
+            Some(&b),
+            true,
+        )
+        .unwrap();
+        let got = s.to_vec(&c).unwrap();
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-5, "{m}x{n}x{k}: {err}");
+    }
 }

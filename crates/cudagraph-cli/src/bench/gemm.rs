@@ -31,6 +31,7 @@ pub struct GemmRow {
     pub splits: usize,
     pub cublas_us: f64,
     pub tiled_us: f64,
+    pub warpk_us: f64,
 }
 
 const SHAPES: &[(usize, usize, usize, bool, bool, &str)] = &[
@@ -56,8 +57,11 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
         let b = s.alloc_from_host(&rng.vec_normal(k * n))?;
         let c = s.alloc_from_host(&vec![0.0f32; m * n])?;
         let t = |x: bool| if x { Trans::T } else { Trans::N };
-        let mut us = [0.0; 2];
-        for (slot, engine) in [Engine::Cublas, Engine::Tiled].into_iter().enumerate() {
+        let mut us = [0.0; 3];
+        for (slot, engine) in [Engine::Cublas, Engine::Tiled, Engine::WarpK]
+            .into_iter()
+            .enumerate()
+        {
             let (g, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
                 for _ in 0..20 {
                     gemm(
@@ -98,6 +102,7 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
             splits: split_k(m, n, k),
             cublas_us: us[0],
             tiled_us: us[1],
+            warpk_us: us[2],
         });
     }
     Ok(rows)
@@ -126,12 +131,12 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
         out.device.name
     );
     println!(
-        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10} {:>10} {:>8}",
-        "shape", "m", "n", "k", "splits", "cuBLAS", "tiled", "ratio"
+        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
+        "shape", "m", "n", "k", "splits", "cuBLAS", "tiled", "warp-K", "best/cuBLAS"
     );
     for r in &out.rows {
         println!(
-            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10.2} {:>10.2} {:>7.2}x",
+            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>7.2}x",
             r.shape,
             r.m,
             r.n,
@@ -139,7 +144,8 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
             r.splits,
             r.cublas_us,
             r.tiled_us,
-            r.cublas_us / r.tiled_us
+            r.warpk_us,
+            r.cublas_us / r.tiled_us.min(r.warpk_us)
         );
     }
     Ok(())
