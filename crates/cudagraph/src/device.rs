@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::memory::{
-    source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats, Pool, PoolId,
+    source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer,
+    PinnedScope, Pool, PoolId,
 };
 use crate::runtime::{
     driver, Arg, Context, DeviceInfo, Event, Function, LaunchConfig, Module, StreamHandle,
@@ -71,6 +72,13 @@ impl Device {
     #[track_caller]
     pub fn new_event(&self, timing: bool) -> Result<Event> {
         self.ctx.new_event(timing)
+    }
+
+    /// `len` elements of page-locked host memory, for fast asynchronous transfers
+    /// ([`Stream::pinned_scope`]).
+    #[track_caller]
+    pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+        PinnedBuffer::new(len, self.ctx.handle.raw)
     }
 
     /// A new, unbounded graph pool to share between captures (PyTorch's `graph_pool_handle()`).
@@ -408,6 +416,35 @@ impl Stream {
         let mut v = vec![T::default(); src.len()];
         self.copy_to_host(src, &mut v)?;
         Ok(v)
+    }
+
+    /// Runs `f` with a scope for asynchronous transfers between device buffers and
+    /// [`PinnedBuffer`]s on this stream, then waits for the stream. Buffers handed to the scope
+    /// stay borrowed until it ends, so the host cannot touch memory a transfer is using; the
+    /// stream is synchronised even when `f` fails or panics.
+    ///
+    /// ```no_run
+    /// # use cudagraph::*;
+    /// # fn main() -> Result<()> {
+    /// # let dev = Device::open(0)?;
+    /// let s = dev.new_stream()?;
+    /// let mut host_in = dev.alloc_pinned::<f32>(1024)?;
+    /// let mut host_out = dev.alloc_pinned::<f32>(1024)?;
+    /// host_in.as_mut_slice().fill(1.0);
+    /// let x = s.alloc::<f32>(1024)?;
+    /// s.pinned_scope(|sc| {
+    ///     sc.upload(&host_in, &x)?;
+    ///     // ... launch work on sc.stream() ...
+    ///     sc.download(&x, &mut host_out)
+    /// })?;
+    /// assert_eq!(host_out.as_slice()[0], 1.0);
+    /// # Ok(()) }
+    /// ```
+    pub fn pinned_scope<'s, R>(
+        &'s self,
+        f: impl for<'scope> FnOnce(&PinnedScope<'scope, 's>) -> Result<R>,
+    ) -> Result<R> {
+        crate::memory::pinned::scope(self, f)
     }
 
     /// Whether the driver reports a capture open on this stream (it never should be outside

@@ -44,5 +44,5 @@ pub use graph::{
     GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served,
     SizeHistogram, StaticGraph,
 };
-pub use memory::{DeviceBuffer, Elem, MemoryStats, Pool, PoolId};
+pub use memory::{DeviceBuffer, Elem, MemoryStats, PinnedBuffer, PinnedScope, Pool, PoolId};
 pub use runtime::{Arg, DeviceInfo, Event, Function, LaunchConfig, Module};

@@ -787,3 +787,33 @@ fn builder_host_and_child_graph_nodes() {
     let twice = chain_ref(&once.iter().map(|&v| v as f32).collect::<Vec<_>>(), 3);
     assert!(max_rel(&s.to_vec(&out).unwrap(), &twice) < 1e-5);
 }
+
+#[test]
+fn pinned_scope_transfers_round_trip_and_check_sizes() {
+    let dev = gpu_test_device!();
+    let k = kernels(&dev);
+    let s = dev.new_stream().unwrap();
+    let n = 4096;
+    let x0 = input(n, 90);
+    let mut host_in = dev.alloc_pinned::<f32>(n).unwrap();
+    let mut host_out = dev.alloc_pinned::<f32>(n).unwrap();
+    assert!(
+        host_out.as_slice().iter().all(|&v| v == 0.0),
+        "zeroed at allocation"
+    );
+    host_in.as_mut_slice().copy_from_slice(&x0);
+    let x = s.alloc::<f32>(n).unwrap();
+    let y = s.alloc::<f32>(n).unwrap();
+    s.pinned_scope(|sc| {
+        sc.upload(&host_in, &x)?;
+        sc.stream()
+            .launch(&k.scale_into, cfg(n), args![&x, &y, 2.0f32, n as i32])?;
+        sc.download(&y, &mut host_out)
+    })
+    .unwrap();
+    let want: Vec<f64> = x0.iter().map(|&v| 2.0 * v as f64).collect();
+    assert!(max_rel(host_out.as_slice(), &want) < 1e-7);
+    let short = dev.alloc_pinned::<f32>(n - 1).unwrap();
+    let err = s.pinned_scope(|sc| sc.upload(&short, &x)).unwrap_err();
+    assert!(matches!(err, Error::SizeMismatch { .. }), "{err}");
+}

@@ -188,18 +188,27 @@ fn mlp_host(
     for &bs in &a.batch_sizes {
         pb.set_message(format!("mlp bs {bs}"));
         let xh = rng.vec_normal(bs * 1024);
-        // Eager request: host → device, forward, device → host.
-        let eager_req = |s: &Stream| -> AnyResult<Vec<f32>> {
-            no_grad(|| {
-                let x = Tensor::from_host(s, &xh, &[bs, 1024])?;
-                Ok(model.forward(s, &x)?.to_vec(s)?)
-            })
+        // Eager request, like PyTorch's with a pinned host tensor prepared once: upload from
+        // pinned memory, forward, download into pinned memory, one synchronisation.
+        let mut x_pinned = dev.alloc_pinned::<f32>(bs * 1024)?;
+        x_pinned.as_mut_slice().copy_from_slice(&xh);
+        let mut out_pinned = dev.alloc_pinned::<f32>(bs * 10)?;
+        let eager_req = |s: &Stream, out: &mut cudagraph::PinnedBuffer<f32>| -> AnyResult<()> {
+            s.pinned_scope(|sc| {
+                let x = sc.stream().alloc::<f32>(bs * 1024)?;
+                sc.upload(&x_pinned, &x)?;
+                let y = no_grad(|| {
+                    model.forward(sc.stream(), &Tensor::from_buffer(Rc::new(x), &[bs, 1024])?)
+                })?;
+                sc.download(y.data(), out)
+            })?;
+            Ok(())
         };
-        let eager_out = eager_req(&s)?;
-        s.synchronize()?;
+        eager_req(&s, &mut out_pinned)?;
+        let eager_out = out_pinned.as_slice().to_vec();
         dev.reset_peak_memory_stats();
         let base = dev.memory_stats().allocated;
-        let eager = time_us(&s, a.iters, a.repeats, || eager_req(&s).map(|_| ()))?;
+        let eager = time_us(&s, a.iters, a.repeats, || eager_req(&s, &mut out_pinned))?;
         let eager_peak = dev.memory_stats().peak_allocated - base;
         let mut sg = StaticGraph::<f32, f32>::capture(
             &mut s,

@@ -8,6 +8,7 @@
 
 pub mod caching;
 mod host;
+pub mod pinned;
 pub(crate) mod source;
 
 use std::fmt;
@@ -16,6 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use caching::{Allocation, AllocatorCore, MemoryStats, PoolId, SegmentSource, WindowStats};
 pub use host::HostSource;
+pub use pinned::{PinnedBuffer, PinnedScope};
 
 use crate::error::Result;
 use crate::runtime::Arg;
