@@ -111,6 +111,31 @@ fn xml_escape(t: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// Median microseconds per iteration: `warmup` untimed calls, then `repeats` samples of
+/// `iters` back-to-back calls of `body` ending in one synchronisation of `s`.
+pub fn time_us<E: From<cudagraph::Error>>(
+    s: &cudagraph::Stream,
+    warmup: usize,
+    iters: usize,
+    repeats: usize,
+    mut body: impl FnMut() -> Result<(), E>,
+) -> Result<f64, E> {
+    for _ in 0..warmup {
+        body()?;
+    }
+    let mut samples = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        s.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters {
+            body()?;
+        }
+        s.synchronize()?;
+        samples.push(t.elapsed().as_secs_f64() * 1e6 / iters as f64);
+    }
+    Ok(median(samples))
+}
+
 /// Median of a non-empty sample.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));

@@ -5,16 +5,12 @@
 //! wall time over the iterations is one sample; the median of `--repeats` samples is reported.
 //! Everything is warmed up first (module load, first launch, graph upload).
 
-use std::time::Instant;
-
 use clap::Args;
-use cudagraph::{
-    args, CaptureOptions, Device, Function, Graph, LaunchConfig, Queue, Result, Stream,
-};
+use cudagraph::{args, CaptureOptions, Device, Function, Graph, LaunchConfig, Queue, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::report::{device_report, median, DeviceReport};
+use crate::report::{device_report, time_us, DeviceReport};
 
 /// The kernel is the one `bench/raw/chain.cu` launches, so the raw CUDA C++ numbers compare.
 pub const CHAIN_SRC: &str = r#"
@@ -77,26 +73,6 @@ fn launch_chain<Q: Queue>(
     Ok(())
 }
 
-/// Median microseconds per iteration of `body` run `iters` times then synchronised.
-fn time_us(
-    s: &Stream,
-    iters: usize,
-    repeats: usize,
-    mut body: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    let mut samples = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        s.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..iters {
-            body()?;
-        }
-        s.synchronize()?;
-        samples.push(t.elapsed().as_secs_f64() * 1e6 / iters as f64);
-    }
-    Ok(median(samples))
-}
-
 pub fn measure(dev: &Device, args: &ChainArgs, progress: &ProgressBar) -> Result<Vec<ChainRow>> {
     let f = dev
         .compile("bench_chain", CHAIN_SRC)?
@@ -109,12 +85,12 @@ pub fn measure(dev: &Device, args: &ChainArgs, progress: &ProgressBar) -> Result
         progress.set_message(format!("k={k}"));
         // Warm-up, then eager.
         launch_chain(&s, &f, &x, k)?;
-        let eager = time_us(&s, iters, args.repeats, || launch_chain(&s, &f, &x, k))?;
+        let eager = time_us(&s, 0, iters, args.repeats, || launch_chain(&s, &f, &x, k))?;
         let (graph, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
             launch_chain(cs, &f, &x, k)
         })?;
         graph.replay(&s)?;
-        let replay = time_us(&s, iters, args.repeats, || graph.replay(&s))?;
+        let replay = time_us(&s, 0, iters, args.repeats, || graph.replay(&s))?;
         let info = graph.info();
         rows.push(ChainRow {
             kernels: k,

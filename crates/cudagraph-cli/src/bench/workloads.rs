@@ -14,7 +14,6 @@
 //! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way.
 
 use std::rc::Rc;
-use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, StaticGraph, Stream};
@@ -25,7 +24,7 @@ use cudagraph_nn::{
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use crate::report::{device_report, median, DeviceReport};
+use crate::report::{self, device_report, DeviceReport};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -79,26 +78,14 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
+/// The workloads' timing: three warm-up calls, then [`report::time_us`].
 fn time_us(
     s: &Stream,
     iters: usize,
     repeats: usize,
-    mut body: impl FnMut() -> AnyResult<()>,
+    body: impl FnMut() -> AnyResult<()>,
 ) -> AnyResult<f64> {
-    for _ in 0..3 {
-        body()?;
-    }
-    let mut v = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        s.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..iters {
-            body()?;
-        }
-        s.synchronize()?;
-        v.push(t.elapsed().as_secs_f64() * 1e6 / iters as f64);
-    }
-    Ok(median(v))
+    report::time_us(s, 3, iters, repeats, body)
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {

@@ -770,9 +770,9 @@ pub(crate) fn graph_upload(e: RawGraphExec, s: RawStream) -> Result<()> {
     check(unsafe { sys::cuGraphUpload(e.0, s.0) }, "cuGraphUpload")
 }
 
-/// The type code of every node in `g` (see `CUgraphNodeType`).
+/// Every node of `g`.
 #[track_caller]
-pub(crate) fn graph_node_types(g: RawGraph) -> Result<Vec<u32>> {
+fn graph_nodes(g: RawGraph) -> Result<Vec<sys::CUgraphNode>> {
     let mut n = 0usize;
     // SAFETY: with a null array the driver only writes the count.
     check(
@@ -786,6 +786,13 @@ pub(crate) fn graph_node_types(g: RawGraph) -> Result<Vec<u32>> {
         "cuGraphGetNodes",
     )?;
     nodes.truncate(n);
+    Ok(nodes)
+}
+
+/// The type code of every node in `g` (see `CUgraphNodeType`).
+#[track_caller]
+pub(crate) fn graph_node_types(g: RawGraph) -> Result<Vec<u32>> {
+    let nodes = graph_nodes(g)?;
     nodes
         .into_iter()
         .map(|node| {
@@ -1000,19 +1007,7 @@ pub(crate) fn graph_rebind(
     ctx: RawContext,
     remaps: &[Remap],
 ) -> Result<RebindResult> {
-    let mut n = 0usize;
-    // SAFETY: with a null array the driver only writes the count.
-    check(
-        unsafe { sys::cuGraphGetNodes(g.0, ptr::null_mut(), &mut n) },
-        "cuGraphGetNodes",
-    )?;
-    let mut nodes = vec![ptr::null_mut(); n];
-    // SAFETY: the array has room for `n` nodes.
-    check(
-        unsafe { sys::cuGraphGetNodes(g.0, nodes.as_mut_ptr(), &mut n) },
-        "cuGraphGetNodes",
-    )?;
-    nodes.truncate(n);
+    let nodes = graph_nodes(g)?;
     let mut edits = Vec::new();
     for node in nodes {
         let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
