@@ -60,8 +60,8 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
         }
     };
     let i = graph.info();
-    println!("{graph:?}");
-    println!(
+    outln!("{graph:?}");
+    outln!(
         "nodes: {} kernel, {} memcpy, {} memset, {} host, {} child, {} empty, {} other",
         i.nodes.kernel,
         i.nodes.memcpy,
@@ -71,20 +71,20 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
         i.nodes.empty,
         i.nodes.other
     );
-    println!(
+    outln!(
         "memory: working set {:.3} MB in {}, outputs {:.3} MB, external buffers held {:.3} MB",
         i.memory.peak_allocated as f64 / 1048576.0,
         i.memory.pool,
         i.memory.live_at_end as f64 / 1048576.0,
         i.memory.external_held as f64 / 1048576.0
     );
-    println!(
+    outln!(
         "capture {:.3} ms, instantiate {:.3} ms",
         i.capture_time.as_secs_f64() * 1e3,
         i.instantiate_time.as_secs_f64() * 1e3
     );
     graph.write_dot(&a.dot)?;
-    println!("DOT written to {}", a.dot.display());
+    outln!("DOT written to {}", a.dot.display());
     let svg = a.dot.with_extension("svg");
     match Command::new("dot")
         .arg("-Tsvg")
@@ -93,8 +93,8 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
         .arg(&svg)
         .status()
     {
-        Ok(st) if st.success() => println!("SVG written to {}", svg.display()),
-        _ => println!(
+        Ok(st) if st.success() => outln!("SVG written to {}", svg.display()),
+        _ => outln!(
             "(install Graphviz for an SVG: dot -Tsvg {} -o {})",
             a.dot.display(),
             svg.display()

@@ -3,6 +3,19 @@
 //! The commands hold presentation only (argument parsing, tables, JSON); everything a library
 //! user would also need lives in the `cudagraph` crate.
 
+/// `println!` that ends the process quietly when stdout is closed (`cudagraph ... | head`)
+/// instead of panicking on the broken pipe.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+        }
+    }};
+}
+
 mod bench;
 mod inspect;
 mod report;

@@ -32,22 +32,24 @@ pub fn info(ordinal: usize, json: bool) -> Result<()> {
     let dev = Device::open(ordinal)?;
     let r = device_report(&dev)?;
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&r).expect("serialisable")
         );
     } else {
-        println!("device {}: {}", r.ordinal, r.name);
-        println!(
+        outln!("device {}: {}", r.ordinal, r.name);
+        outln!(
             "  compute capability {}, {} SMs",
-            r.compute_capability, r.multiprocessors
+            r.compute_capability,
+            r.multiprocessors
         );
-        println!(
+        outln!(
             "  memory {:.0} MiB total, {:.0} MiB free",
-            r.total_memory_mib, r.free_memory_mib
+            r.total_memory_mib,
+            r.free_memory_mib
         );
-        println!("  driver supports CUDA {}", r.driver_cuda_version);
-        println!(
+        outln!("  driver supports CUDA {}", r.driver_cuda_version);
+        outln!(
             "  {}",
             cudagraph::memory::format_memory_line(&dev.memory_stats())
         );

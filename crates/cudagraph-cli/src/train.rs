@@ -107,19 +107,21 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         return Err("--batch-size and --log-every must be at least 1".into());
     }
     let mode = if a.graph { "cudagraph" } else { "basic" };
-    println!(
+    outln!(
         "#### {mode} ({:?} on UCI digits, batch {}, Adam lr {})",
-        a.model, a.batch_size, a.lr
+        a.model,
+        a.batch_size,
+        a.lr
     );
     let data = digits()?;
     let (train, test) = data.split(0.2, a.seed);
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
-    println!("- dataloader {}", format_memory_line(&dev.memory_stats()));
+    outln!("- dataloader {}", format_memory_line(&dev.memory_stats()));
     let mut rng = Rng::new(a.seed + 1);
     let model = build(&s, a.model, &mut rng)?;
     let mut opt = Adam::new(&s, model.parameters(), a.lr, 0.0, false)?;
-    println!("- model ready {}", format_memory_line(&dev.memory_stats()));
+    outln!("- model ready {}", format_memory_line(&dev.memory_stats()));
     let b = a.batch_size;
     let steps_per_epoch = train.len() / b;
     if steps_per_epoch == 0 {
@@ -131,15 +133,15 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     }
     // Static input and target buffers: each step copies its batch into them.
     let before = dev.memory_stats().allocated;
-    println!(
+    outln!(
         "- before static input {}",
         format_memory_line(&dev.memory_stats())
     );
     let x_static = s.alloc_zeroed::<f32>(b * 64)?;
     let y_static = Rc::new(s.alloc_zeroed::<i32>(b)?);
     let x = Tensor::from_buffer(Rc::new(x_static.alias()), &input_shape(a.model, b))?;
-    println!("- static input {}", format_memory_line(&dev.memory_stats()));
-    println!(
+    outln!("- static input {}", format_memory_line(&dev.memory_stats()));
+    outln!(
         "- static input allocated delta {:.4} MB",
         (dev.memory_stats().allocated - before) as f64 / 1048576.0
     );
@@ -174,7 +176,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         step(q, &mut opt).map(|_| ()).map_err(Into::into)
     })?;
     s.synchronize()?;
-    println!("- warm-up done {}", format_memory_line(&dev.memory_stats()));
+    outln!("- warm-up done {}", format_memory_line(&dev.memory_stats()));
     let graph = if a.graph {
         let t = Instant::now();
         let mut loss_holder = None;
@@ -182,7 +184,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
             Ok(step(cs, &mut opt)?)
         })?;
         loss_holder.replace(loss);
-        println!(
+        outln!(
             "- **graph capture** done in {:.1} ms ({} nodes) {}",
             t.elapsed().as_secs_f64() * 1e3,
             g.node_count(),
@@ -192,7 +194,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     } else {
         None
     };
-    println!("- training {}", format_memory_full(&dev.memory_stats()));
+    outln!("- training {}", format_memory_full(&dev.memory_stats()));
 
     let total_steps = steps_per_epoch * a.epochs;
     let pb = ProgressBar::new(total_steps as u64);
@@ -236,19 +238,19 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     s.synchronize()?;
     let secs = t_train.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    println!("training {}", format_memory_full(&dev.memory_stats()));
+    outln!("training {}", format_memory_full(&dev.memory_stats()));
     if last_loss.is_nan() {
         if let Some((_, loss)) = &graph {
             last_loss = loss.to_vec(&s)?[0];
         }
     }
     let (correct, n) = accuracy(&s, &model, a.model, &test)?;
-    println!(
+    outln!(
         "{mode}: {total_steps} steps in {:.3} s ({:.1} us/step, data copies included), last logged loss {last_loss:.4}",
         secs,
         secs * 1e6 / total_steps as f64
     );
-    println!(
+    outln!(
         "test accuracy: {:.2}% ({correct}/{n})",
         100.0 * correct as f64 / n as f64
     );

@@ -156,23 +156,25 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         plan,
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "seed MLP at random batch sizes 1..=256 on {}, {} requests",
-        report.device.name, report.requests
+        report.device.name,
+        report.requests
     );
-    println!(
+    outln!(
         "  eager:       {:8.2} us/request",
         report.eager_us_per_request
     );
-    println!(
+    outln!(
         "  graph cache: {:8.2} us/request ({:.2}x)",
-        report.cache_us_per_request, report.speedup
+        report.cache_us_per_request,
+        report.speedup
     );
-    println!("  {}", report.cache_stats);
-    println!(
+    outln!("  {}", report.cache_stats);
+    outln!(
         "  {} graphs: pool reserved {:.2} MB, pool peak {:.2} MB, largest graph alone {:.2} MB, shared static input {:.2} MB",
         report.captured_sizes,
         report.pool_reserved_bytes as f64 / 1048576.0,
@@ -180,9 +182,10 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         report.largest_entry_peak_bytes as f64 / 1048576.0,
         report.static_input_bytes as f64 / 1048576.0
     );
-    println!(
+    outln!(
         "  planner, {} MiB budget: {}",
-        a.plan_budget_mib, report.plan
+        a.plan_budget_mib,
+        report.plan
     );
     Ok(())
 }

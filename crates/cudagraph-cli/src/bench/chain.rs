@@ -124,17 +124,19 @@ pub fn run(ordinal: usize, args: &ChainArgs) -> Result<()> {
         rows,
     };
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&report).expect("serialisable")
         );
         return Ok(());
     }
-    println!(
+    outln!(
         "chain of k tiny kernels on {} (CUDA {}), eager vs graph, median of {} samples",
-        report.device.name, report.device.driver_cuda_version, args.repeats
+        report.device.name,
+        report.device.driver_cuda_version,
+        args.repeats
     );
-    println!(
+    outln!(
         "{:>6} {:>8} {:>14} {:>14} {:>13} {:>13} {:>8} {:>10} {:>10}",
         "k",
         "iters",
@@ -147,7 +149,7 @@ pub fn run(ordinal: usize, args: &ChainArgs) -> Result<()> {
         "inst. ms"
     );
     for r in &report.rows {
-        println!(
+        outln!(
             "{:>6} {:>8} {:>14.2} {:>14.2} {:>13.3} {:>13.3} {:>7.2}x {:>10.3} {:>10.3}",
             r.kernels,
             r.iterations,

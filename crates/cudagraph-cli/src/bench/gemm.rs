@@ -123,19 +123,27 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
         rows,
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "fp32 products on {}, µs per product inside a graph",
         out.device.name
     );
-    println!(
+    outln!(
         "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
-        "shape", "m", "n", "k", "splits", "cuBLAS", "tiled", "warp-K", "best/cuBLAS"
+        "shape",
+        "m",
+        "n",
+        "k",
+        "splits",
+        "cuBLAS",
+        "tiled",
+        "warp-K",
+        "best/cuBLAS"
     );
     for r in &out.rows {
-        println!(
+        outln!(
             "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>7.2}x",
             r.shape,
             r.m,

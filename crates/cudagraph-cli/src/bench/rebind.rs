@@ -97,15 +97,15 @@ pub fn run(ordinal: usize, a: &RebindArgs) -> AnyResult<()> {
         samples.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
     }
     let recapture = median(samples);
-    println!(
+    outln!(
         "new input buffer per request, seed MLP batch {bs} on {}",
         dev.info().name
     );
-    println!("  copy into static input + replay: {copy_in:9.2} us/request");
-    println!(
+    outln!("  copy into static input + replay: {copy_in:9.2} us/request");
+    outln!(
         "  rebind (exec update) + replay:   {rebind:9.2} us/request  ({} updated in place, {} re-instantiated)",
         outcomes.0, outcomes.1
     );
-    println!("  capture + instantiate + replay:  {recapture:9.2} us/request");
+    outln!("  capture + instantiate + replay:  {recapture:9.2} us/request");
     Ok(())
 }

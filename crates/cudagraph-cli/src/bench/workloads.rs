@@ -478,14 +478,17 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
         )?;
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!(
+    outln!(
         "cudagraph workloads on {} (CUDA {}), median of {} samples x {} iterations",
-        report.device.name, report.device.driver_cuda_version, a.repeats, a.iters
+        report.device.name,
+        report.device.driver_cuda_version,
+        a.repeats,
+        a.iters
     );
-    println!(
+    outln!(
         "{:<24} {:<26} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>9} {:>9}",
         "workload",
         "config",
@@ -500,7 +503,7 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
     );
     let mb = |b: usize| format!("{:.2} MB", b as f64 / 1048576.0);
     for r in &report.rows {
-        println!(
+        outln!(
             "{:<24} {:<26} {:>10.2} {:>10.2} {:>7.2}x {:>12} {:>12} {:>12} {:>9.2} {:>9.1e}",
             r.workload,
             r.config,
@@ -515,7 +518,7 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
         );
     }
     for n in &report.notes {
-        println!("note: {n}");
+        outln!("note: {n}");
     }
     Ok(())
 }
