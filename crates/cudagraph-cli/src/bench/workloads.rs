@@ -68,6 +68,32 @@ pub struct Row {
     pub max_rel_diff: f64,
 }
 
+impl Row {
+    /// A row for a workload measured eager and graphed, with the graph's memory and capture
+    /// time from its `GraphInfo` (its pool's reserved bytes are read from the device).
+    fn measured(
+        workload: &str,
+        config: String,
+        (eager_us, graph_us, eager_peak_bytes): (f64, f64, usize),
+        dev: &Device,
+        info: &cudagraph::GraphInfo,
+        max_rel_diff: f64,
+    ) -> Self {
+        Row {
+            workload: workload.into(),
+            config,
+            eager_us,
+            graph_us,
+            speedup: eager_us / graph_us,
+            eager_peak_bytes,
+            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
+            graph_peak_bytes: info.memory.peak_allocated,
+            capture_ms: info.capture_time.as_secs_f64() * 1e3,
+            max_rel_diff,
+        }
+    }
+}
+
 #[derive(Serialize)]
 pub struct Report {
     pub benchmark: &'static str,
@@ -144,18 +170,14 @@ fn mlp_device(
         let graph_out = s.to_vec(&request(&s)?)?;
         let graph = time_us(&s, a.iters, a.repeats, || request(&s).map(|_| ()))?;
         let info = *g.info();
-        rows.push(Row {
-            workload: "mlp-inference".into(),
-            config: format!("bs={bs}"),
-            eager_us: eager,
-            graph_us: graph,
-            speedup: eager / graph,
-            eager_peak_bytes: eager_peak,
-            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
-            graph_peak_bytes: info.memory.peak_allocated,
-            capture_ms: info.capture_time.as_secs_f64() * 1e3,
-            max_rel_diff: max_rel(&graph_out, &eager_out),
-        });
+        rows.push(Row::measured(
+            "mlp-inference",
+            format!("bs={bs}"),
+            (eager, graph, eager_peak),
+            dev,
+            &info,
+            max_rel(&graph_out, &eager_out),
+        ));
         pb.inc(1);
     }
     Ok(())
@@ -216,18 +238,14 @@ fn mlp_host(
             Ok(())
         })?;
         let info = *sg.info();
-        rows.push(Row {
-            workload: "mlp-host-roundtrip".into(),
-            config: format!("bs={bs}"),
-            eager_us: eager,
-            graph_us: graph,
-            speedup: eager / graph,
-            eager_peak_bytes: eager_peak,
-            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
-            graph_peak_bytes: info.memory.peak_allocated,
-            capture_ms: info.capture_time.as_secs_f64() * 1e3,
-            max_rel_diff: max_rel(&graph_out, &eager_out),
-        });
+        rows.push(Row::measured(
+            "mlp-host-roundtrip",
+            format!("bs={bs}"),
+            (eager, graph, eager_peak),
+            dev,
+            &info,
+            max_rel(&graph_out, &eager_out),
+        ));
         pb.inc(1);
     }
     Ok(())
@@ -278,25 +296,21 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
         s.copy_from_host(&w0, model.weight.data())?;
         g.replay(&s)?;
         let w_graph = s.to_vec(model.weight.data())?;
-        let info = g.info();
-        rows.push(Row {
-            workload: "linear-train".into(),
-            config: if adam { "adam".into() } else { "sgd".into() },
-            eager_us: eager,
-            graph_us: graph,
-            speedup: eager / graph,
-            eager_peak_bytes: eager_peak,
-            graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
-            graph_peak_bytes: info.memory.peak_allocated,
-            capture_ms: info.capture_time.as_secs_f64() * 1e3,
-            // Adam's moments and step count moved on during the timing, so only SGD (stateless
-            // here) can be compared this way; gpu_nn's 100-step test covers Adam.
-            max_rel_diff: if adam {
+        let info = *g.info();
+        // Adam's moments and step count moved on during the timing, so only SGD (stateless
+        // here) can be compared this way; gpu_nn's 100-step test covers Adam.
+        rows.push(Row::measured(
+            "linear-train",
+            if adam { "adam".into() } else { "sgd".into() },
+            (eager, graph, eager_peak),
+            dev,
+            &info,
+            if adam {
                 f64::NAN
             } else {
                 max_rel(&w_graph, &w_eager)
             },
-        });
+        ));
         pb.inc(1);
     }
     Ok(())
@@ -340,18 +354,14 @@ fn pool(
             g.replay(&s).map_err(Into::into)
         })?;
         let info = *g.info();
-        rows.push(Row {
-            workload: "shared-pool".into(),
-            config: name.into(),
-            eager_us: eager,
-            graph_us: graph,
-            speedup: eager / graph,
-            eager_peak_bytes: eager_peak,
-            graph_pool_reserved: pool.stats().reserved,
-            graph_peak_bytes: info.memory.peak_allocated,
-            capture_ms: info.capture_time.as_secs_f64() * 1e3,
-            max_rel_diff: max_rel(&y.to_vec(&s)?, &eager_out),
-        });
+        rows.push(Row::measured(
+            "shared-pool",
+            name.into(),
+            (eager, graph, eager_peak),
+            dev,
+            &info,
+            max_rel(&y.to_vec(&s)?, &eager_out),
+        ));
         keep.push((g, y));
     }
     let st = pool.stats();
