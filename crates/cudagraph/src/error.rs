@@ -3,7 +3,7 @@
 
 use std::panic::Location;
 
-use crate::memory::PoolId;
+use crate::ids::PoolId;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -103,6 +103,47 @@ pub enum Error {
     /// A graph that was built or updated by hand failed validation.
     #[error("invalid graph: {problem}")]
     InvalidGraph { problem: String },
+
+    /// A count times an element size (or an offset) does not fit in the address space.
+    #[error("{what}: {count} elements of {elem_size} bytes do not fit in the address space; the request is too large")]
+    SizeOverflow {
+        what: &'static str,
+        count: usize,
+        elem_size: usize,
+    },
+
+    /// A kernel launch whose arguments do not match the kernel's parameter list (count or
+    /// byte sizes, as the driver reports them).
+    #[error("arguments do not match the signature of `{kernel}`: {problem}")]
+    ArgumentMismatch { kernel: String, problem: String },
+
+    /// The device hit a fault (illegal or misaligned address, illegal instruction, failed
+    /// launch). CUDA errors of this kind are sticky: the context is unusable from now on.
+    #[error("{call} reported {name}: the CUDA context of this device is lost and every later call on it fails; drop every object of the device and restart the process (called at {at})")]
+    ContextLost {
+        call: &'static str,
+        name: String,
+        at: &'static Location<'static>,
+    },
+
+    /// A capture recorded no work at all.
+    #[error("the capture started at {at} recorded no work (the closure issued no kernel, copy or memset on the capture stream), so there is no graph to replay")]
+    EmptyCapture { at: &'static Location<'static> },
+
+    /// A kernel of the library found an invalid value on the device (an index outside its
+    /// range, say). Graphs cannot return errors, so the kernel clamped the access, raised the
+    /// device's error flag, and the next synchronisation reports it here.
+    #[error("{check}: value {value} at position {position} is outside [0, {bound}); the result of that operation is wrong (the access was clamped, no memory outside the buffer was read)")]
+    DeviceCheck {
+        check: &'static str,
+        value: i64,
+        bound: i64,
+        position: u64,
+    },
+
+    /// A feature the installed driver or device does not offer.
+    #[error("{what} is not supported here: {detail}")]
+    NotSupported { what: &'static str, detail: String },
 }
 
 impl Error {
@@ -112,6 +153,15 @@ impl Error {
             Error::OutOfMemory { .. } => true,
             Error::Driver { code, .. } => *code == 2,
             Error::CaptureFailed { source, .. } => source.is_out_of_memory(),
+            _ => false,
+        }
+    }
+
+    /// True when the device's context is lost (see [`Error::ContextLost`]), also when wrapped.
+    pub fn is_context_lost(&self) -> bool {
+        match self {
+            Error::ContextLost { .. } => true,
+            Error::CaptureFailed { source, .. } => source.is_context_lost(),
             _ => false,
         }
     }

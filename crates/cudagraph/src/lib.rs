@@ -32,6 +32,7 @@
 pub mod device;
 pub mod error;
 pub mod graph;
+pub mod ids;
 pub mod memory;
 pub mod runtime;
 pub mod testing;

@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use crate::error::{Error, Result};
+pub use crate::ids::PoolId;
 
 pub(crate) const ROUND: usize = 512;
 pub(crate) const SMALL_MAX: usize = 1 << 20;
@@ -22,25 +23,6 @@ pub(crate) const SMALL_SEGMENT: usize = 2 << 20;
 pub(crate) const LARGE_SEGMENT: usize = 20 << 20;
 pub(crate) const LARGE_ROUND: usize = 2 << 20;
 pub(crate) const LARGE_SHARED_MAX: usize = 10 << 20;
-
-/// Identifies a memory pool: `PoolId::DEFAULT` for eager work, one id per graph pool.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PoolId(pub u64);
-
-impl PoolId {
-    /// The pool that eager (non-captured) allocations come from.
-    pub const DEFAULT: PoolId = PoolId(0);
-}
-
-impl fmt::Display for PoolId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if *self == PoolId::DEFAULT {
-            write!(f, "default pool")
-        } else {
-            write!(f, "graph pool #{}", self.0)
-        }
-    }
-}
 
 /// Where segments come from: the device (cuMemAlloc) or, in tests, host memory.
 pub trait SegmentSource: Send + Sync {
