@@ -4,10 +4,10 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
-use cudagraph::{CaptureOptions, Device, Graph, Queue};
+use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
 use cudagraph_nn::{mse_loss, no_grad, Linear, Module, Optimizer, Reduction, Rng, Sgd, Tensor};
 
 use crate::bench::workloads::seed_mlp;
@@ -38,7 +38,7 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
     let graph = match a.which {
         Which::Mlp => {
             let model = seed_mlp(&s, &mut rng)?;
-            let x = Tensor::from_buffer(Rc::new(s.alloc_zeroed::<f32>(32 * 1024)?), &[32, 1024])?;
+            let x = Tensor::from_buffer(Arc::new(s.alloc_zeroed::<f32>(32 * 1024)?), &[32, 1024])?;
             Graph::capture(&mut s, CaptureOptions::new(), |cs| {
                 Ok(no_grad(|| model.forward(cs, &x))?)
             })?

@@ -2,16 +2,15 @@
 //! digits shipped with cudagraph-nn), eager or with the whole step in one CUDA graph, logging
 //! memory per phase and every `--log-every` steps in the seed's format, with a progress bar.
 
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use cudagraph::memory::{format_memory_full, format_memory_line};
-use cudagraph::{CaptureOptions, Device, Graph, Queue};
+use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
 use cudagraph_nn::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::{
-    cross_entropy, no_grad, Adam, Conv2d, Exec, Layer, Linear, Module, Optimizer, Rng, Sequential,
-    Tensor,
+    cross_entropy, no_grad, Adam, Conv2d, Layer, Linear, Module, Optimizer, Rng, Sequential, Tensor,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -138,14 +137,14 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         format_memory_line(&dev.memory_stats())
     );
     let x_static = s.alloc_zeroed::<f32>(b * 64)?;
-    let y_static = Rc::new(s.alloc_zeroed::<i32>(b)?);
-    let x = Tensor::from_buffer(Rc::new(x_static.alias()), &input_shape(a.model, b))?;
+    let y_static = Arc::new(s.alloc_zeroed::<i32>(b)?);
+    let x = Tensor::from_buffer(Arc::new(x_static.alias()), &input_shape(a.model, b))?;
     outln!("- static input {}", format_memory_line(&dev.memory_stats()));
     outln!(
         "- static input allocated delta {:.4} MB",
         (dev.memory_stats().allocated - before) as f64 / 1048576.0
     );
-    let step = |q: &dyn Exec, opt: &mut Adam| -> cudagraph_nn::Result<Tensor> {
+    let step = |q: &dyn Queue, opt: &mut Adam| -> cudagraph_nn::Result<Tensor> {
         opt.zero_grad(q, true)?;
         let logits = model.forward(q, &x)?;
         let loss = cross_entropy(q, &logits, &y_static)?;
@@ -155,7 +154,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     };
     // Warm-up: three steps on the first batch, on a side stream (seed 001), in both modes, so
     // eager and graphed runs train along the same trajectory.
-    Queue::copy_range(
+    QueueExt::copy_range(
         &s,
         &s.alloc_from_host(&train.images[..b * 64])?,
         0,
@@ -163,7 +162,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         0,
         b * 64,
     )?;
-    Queue::copy_range(
+    QueueExt::copy_range(
         &s,
         &s.alloc_from_host(&train.labels[..b])?,
         0,
@@ -213,8 +212,8 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         let xs = s.alloc_from_host(&ep.images)?;
         let ys = s.alloc_from_host(&ep.labels)?;
         for i in 0..steps_per_epoch {
-            Queue::copy_range(&s, &xs, i * b * 64, &x_static, 0, b * 64)?;
-            Queue::copy_range(&s, &ys, i * b, &y_static, 0, b)?;
+            QueueExt::copy_range(&s, &xs, i * b * 64, &x_static, 0, b * 64)?;
+            QueueExt::copy_range(&s, &ys, i * b, &y_static, 0, b)?;
             let loss = match &graph {
                 Some((g, loss)) => {
                     g.replay(&s)?;

@@ -1,7 +1,7 @@
 //! [`Batched`]: any [`Module`] as a [`cudagraph::BatchModel`], so it can be served through a
 //! [`cudagraph::GraphCache`] (one graph per batch bucket, padding, eager fallback).
 
-use std::rc::Rc;
+use std::sync::Arc;
 
 use cudagraph::{BatchModel, DeviceBuffer, Queue};
 
@@ -28,16 +28,16 @@ impl<M: Module> BatchModel for Batched<M> {
         self.output_row
     }
 
-    fn forward<Q: Queue>(
+    fn forward(
         &self,
-        q: &Q,
+        q: &dyn Queue,
         input: &DeviceBuffer<f32>,
         rows: usize,
     ) -> cudagraph::Result<DeviceBuffer<f32>> {
         no_grad(|| {
             let mut shape = vec![rows];
             shape.extend(&self.row_shape);
-            let x = Tensor::from_buffer(Rc::new(input.alias()), &shape)?;
+            let x = Tensor::from_buffer(Arc::new(input.alias()), &shape)?;
             let y = self.module.forward(q, &x)?;
             Ok(y.data().alias())
         })

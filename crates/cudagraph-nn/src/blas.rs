@@ -9,13 +9,13 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudagraph::memory::{BlockRef, PoolId};
-use cudagraph::runtime::with_relaxed_capture;
-use cudagraph::{Device, DeviceBuffer};
+use cudagraph::memory::{Allocator, BlockRef, PoolId};
+use cudagraph::runtime::{with_relaxed_capture, Context};
+use cudagraph::{Device, DeviceBuffer, Queue};
 use cudarc::cublas::sys;
 
 use crate::error::{NnError, Result};
-use crate::exec::Exec;
+use crate::kernels::GemmDims;
 
 /// Workspace bytes per stream (cuBLAS's recommendation for Hopper is up to 32 MiB; SGEMM at
 /// these sizes uses far less).
@@ -32,16 +32,21 @@ struct State {
     workspaces: HashMap<u64, Arc<BlockRef>>,
 }
 
-/// A cuBLAS handle bound to one device.
+/// A cuBLAS handle bound to one device. Holds the device's context and allocator, not the
+/// `Device` (it lives inside the device as an extension).
 pub struct Blas {
     state: Mutex<State>,
-    device: Device,
+    ctx: Context,
+    alloc: Arc<Allocator>,
 }
 
 impl Drop for Blas {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        if self.device.context().bind().is_ok() {
+        // Workspaces go back to the allocator first; in-flight GEMMs are ordered before any
+        // reuse on their streams.
+        st.workspaces.clear();
+        if self.ctx.bind().is_ok() {
             // SAFETY: the handle was created by cublasCreate and is destroyed once, here.
             unsafe {
                 sys::cublasDestroy_v2(st.handle.0);
@@ -105,7 +110,8 @@ impl Blas {
                 handle: Handle(h),
                 workspaces: HashMap::new(),
             }),
-            device: device.clone(),
+            ctx: device.context().clone(),
+            alloc: device.allocator().clone(),
         })
     }
 
@@ -113,7 +119,7 @@ impl Blas {
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
-        q: &dyn Exec,
+        q: &dyn Queue,
         ta: Trans,
         tb: Trans,
         m: usize,
@@ -125,20 +131,14 @@ impl Blas {
         beta: f32,
         c: &DeviceBuffer<f32>,
     ) -> Result<()> {
-        let need = |what: &'static str, buf: &DeviceBuffer<f32>, len: usize| {
-            if buf.len() < len {
-                Err(NnError::Core(cudagraph::Error::SizeMismatch {
-                    what,
-                    expected: len,
-                    got: buf.len(),
-                }))
-            } else {
-                Ok(())
-            }
+        let dims = GemmDims {
+            m,
+            n,
+            k,
+            ta: ta == Trans::T,
+            tb: tb == Trans::T,
         };
-        need("gemm A", a, m * k)?;
-        need("gemm B", b, k * n)?;
-        need("gemm C", c, m * n)?;
+        dims.check_buffers(a, b, c, None)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -149,33 +149,31 @@ impl Blas {
         // Column-major view: Cᵀ (n×m) = op(B)ᵀ · op(A)ᵀ, so B goes first.
         let lda = if ta == Trans::N { ki } else { mi };
         let ldb = if tb == Trans::N { ni } else { ki };
-        q.hold(a.block());
-        q.hold(b.block());
-        q.hold(c.block());
-        self.device.context().bind()?;
-        let stream = q.stream();
+        q.use_block(a.block());
+        q.use_block(b.block());
+        q.use_block(c.block());
+        self.ctx.bind()?;
+        let stream = q.stream_handle();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let ws = match st.workspaces.get(&stream.id()) {
             Some(w) => w.clone(),
             None => {
-                let w = self.device.allocator().allocate(
-                    WORKSPACE_BYTES,
-                    PoolId::DEFAULT,
-                    stream.id(),
-                    0,
-                )?;
+                let w = self
+                    .alloc
+                    .allocate_block(WORKSPACE_BYTES, PoolId::DEFAULT, stream.id())?;
                 st.workspaces.insert(stream.id(), w.clone());
                 w
             }
         };
-        q.hold(&ws);
+        q.use_block(&ws);
         let h = st.handle.0;
         // SAFETY: h is live; the stream and workspace are live device objects (the workspace is
-        // kept by `self` and, inside a capture, by the graph); pointers are device addresses of
-        // buffers whose sizes were checked above; alpha/beta are read before the call returns.
+        // kept by `self` and, inside a capture, by the graph); A, B and C hold m·k, k·n and m·n
+        // elements (checked above), which with these leading dimensions is every element
+        // cuBLAS touches; alpha/beta are read before the call returns.
         unsafe {
             check(
-                sys::cublasSetStream_v2(h, stream.raw_stream() as sys::cudaStream_t),
+                sys::cublasSetStream_v2(h, stream.raw() as sys::cudaStream_t),
                 "cublasSetStream",
             )?;
             check(

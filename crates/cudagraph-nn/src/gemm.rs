@@ -8,12 +8,11 @@
 
 use std::sync::OnceLock;
 
-use cudagraph::{args, Arg, DeviceBuffer, LaunchConfig};
+use cudagraph::{DeviceBuffer, Queue};
 
 use crate::blas::Trans;
 use crate::error::{NnError, Result};
-use crate::exec::Exec;
-use crate::kernels::Nn;
+use crate::kernels::{GemmDims, Nn};
 
 /// Which implementation runs a product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +54,7 @@ pub fn engine_from_env() -> Engine {
 /// Row-major `C[m×n] = alpha·op(A)·op(B) + beta·C`, then `+ bias[j]` and ReLU if asked.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
-    q: &dyn Exec,
+    q: &dyn Queue,
     nn: &Nn,
     engine: Engine,
     (ta, tb): (Trans, Trans),
@@ -68,120 +67,32 @@ pub fn gemm(
     bias: Option<&DeviceBuffer<f32>>,
     relu: bool,
 ) -> Result<()> {
-    if let Some(bias) = bias {
-        if bias.len() < n {
-            return Err(NnError::Shape(format!(
-                "gemm bias has {} values for {n} columns",
-                bias.len()
-            )));
-        }
-    }
     let warpk_ok = ta == Trans::N && tb == Trans::T && alpha == 1.0 && beta == 0.0;
     let engine = match engine {
         Engine::Auto => auto_engine(ta, tb, m, alpha, beta),
         e => e,
     };
-    let tiled = engine != Engine::Cublas;
-    if !tiled {
-        nn.blas.gemm(q, ta, tb, m, n, k, alpha, a, b, beta, c)?;
-        if bias.is_some() || relu {
-            let Some(bias) = bias else {
-                return Err(NnError::Shape("a fused ReLU needs a bias".into()));
+    match engine {
+        Engine::Cublas => {
+            nn.blas.gemm(q, ta, tb, m, n, k, alpha, a, b, beta, c)?;
+            match (bias, relu) {
+                (Some(bias), relu) => nn.bias_act(q, c, bias, m, n, relu),
+                (None, true) => Err(NnError::Shape("a fused ReLU needs a bias".into())),
+                (None, false) => Ok(()),
+            }
+        }
+        Engine::WarpK if warpk_ok => nn.sgemm_nt_warpk(q, m, n, k, a, b, c, bias, relu),
+        _ => {
+            let dims = GemmDims {
+                m,
+                n,
+                k,
+                ta: ta == Trans::T,
+                tb: tb == Trans::T,
             };
-            q.launch(
-                &nn.k.bias_act,
-                LaunchConfig::for_elements(m * n, 256),
-                args![c, bias, m as i32, n as i32, relu as i32],
-            )?;
-        }
-        return Ok(());
-    }
-    for (what, buf, len) in [
-        ("gemm A", a, m * k),
-        ("gemm B", b, k * n),
-        ("gemm C", c, m * n),
-    ] {
-        if buf.len() < len {
-            return Err(NnError::Core(cudagraph::Error::SizeMismatch {
-                what,
-                expected: len,
-                got: buf.len(),
-            }));
+            nn.sgemm_tiled(q, dims, alpha, a, b, beta, c, bias, relu, split_k(m, n, k))
         }
     }
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if engine == Engine::WarpK && warpk_ok {
-        let bias_arg = bias.map(|b| b.arg_at(0)).unwrap_or(Arg::U64(0));
-        let cfg = LaunchConfig {
-            grid: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, 1),
-            block: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        return q.launch(
-            &nn.k.sgemm_nt_warpk,
-            cfg,
-            args![m as i32, n as i32, k as i32, a, b, c, bias_arg, relu as i32],
-        );
-    }
-    let lda = if ta == Trans::N { k } else { m };
-    let ldb = if tb == Trans::N { n } else { k };
-    let bias_arg = bias.map(|b| b.arg_at(0)).unwrap_or(Arg::U64(0));
-    let splits = split_k(m, n, k);
-    let kc = k.div_ceil(splits).div_ceil(32) * 32;
-    let splits = k.div_ceil(kc).max(1);
-    let partial = if splits > 1 {
-        Some(q.alloc_f32(splits * m * n)?)
-    } else {
-        None
-    };
-    let partial_arg = partial.as_ref().map(|p| p.arg_at(0)).unwrap_or(Arg::U64(0));
-    let cfg = LaunchConfig {
-        grid: (n.div_ceil(32) as u32, m.div_ceil(32) as u32, splits as u32),
-        block: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    q.launch(
-        &nn.k.sgemm_tiled,
-        cfg,
-        args![
-            m as i32,
-            n as i32,
-            k as i32,
-            alpha,
-            a,
-            lda as i32,
-            (ta == Trans::T) as i32,
-            b,
-            ldb as i32,
-            (tb == Trans::T) as i32,
-            beta,
-            c,
-            bias_arg,
-            relu as i32,
-            kc.max(1) as i32,
-            partial_arg
-        ],
-    )?;
-    if let Some(p) = &partial {
-        q.launch(
-            &nn.k.splitk_reduce,
-            LaunchConfig::for_elements(m * n, 256),
-            args![
-                p,
-                splits as i32,
-                c,
-                m as i32,
-                n as i32,
-                alpha,
-                beta,
-                bias_arg,
-                relu as i32
-            ],
-        )?;
-    }
-    Ok(())
 }
 
 /// How many K splits give the device enough blocks (about two waves of 132 SMs) while each

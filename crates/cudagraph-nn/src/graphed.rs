@@ -9,12 +9,11 @@
 //! calls alternate (each forward's backward runs before the next forward's replay overwrites
 //! the saved activations); backward runs on an eager stream.
 
-use std::rc::Rc;
+use std::sync::Arc;
 
-use cudagraph::{CaptureOptions, Graph, Queue, Stream};
+use cudagraph::{CaptureOptions, Graph, Queue, QueueExt, Stream};
 
 use crate::error::{NnError, Result};
-use crate::exec::Exec;
 use crate::layers::Module;
 use crate::tensor::{Node, Parameter, Tensor};
 
@@ -22,12 +21,12 @@ use crate::tensor::{Node, Parameter, Tensor};
 pub struct GraphedModule<M: Module> {
     module: M,
     fwd: Graph,
-    bwd: Rc<Graph>,
+    bwd: Arc<Graph>,
     input: Parameter,
     output: Tensor,
-    grad_output: Rc<cudagraph::DeviceBuffer<f32>>,
-    input_grad: Rc<cudagraph::DeviceBuffer<f32>>,
-    param_grads: Vec<Rc<cudagraph::DeviceBuffer<f32>>>,
+    grad_output: Arc<cudagraph::DeviceBuffer<f32>>,
+    input_grad: Arc<cudagraph::DeviceBuffer<f32>>,
+    param_grads: Vec<Arc<cudagraph::DeviceBuffer<f32>>>,
 }
 
 impl<M: Module> GraphedModule<M> {
@@ -41,7 +40,7 @@ impl<M: Module> GraphedModule<M> {
     ) -> Result<Self> {
         let dev = Queue::device(stream).clone();
         let n: usize = input_shape.iter().product();
-        let static_in = Rc::new(stream.alloc_zeroed::<f32>(n)?);
+        let static_in = Arc::new(stream.alloc_zeroed::<f32>(n)?);
         let input = Parameter::from_buffer("graphed input", static_in, input_shape)?;
         let params = module.parameters();
         // Warm-up on a side stream: lazy initialisation happens outside the capture.
@@ -60,13 +59,13 @@ impl<M: Module> GraphedModule<M> {
         let (fwd, output) = Graph::capture(stream, CaptureOptions::new().pool(&pool), |cs| {
             Ok(module.forward(cs, &input.tensor())?)
         })?;
-        let grad_output = Rc::new(stream.alloc_zeroed::<f32>(output.numel())?);
+        let grad_output = Arc::new(stream.alloc_zeroed::<f32>(output.numel())?);
         // Backward graph, same pool, captured (and always replayed) after the forward graph.
         let go = Tensor::from_buffer(grad_output.clone(), output.shape())?;
         let (bwd, ()) = Graph::capture(stream, CaptureOptions::new().pool(&pool), |cs| {
             Ok(output.backward_with(cs, go)?)
         })?;
-        let take = |p: &Parameter| -> Result<Rc<cudagraph::DeviceBuffer<f32>>> {
+        let take = |p: &Parameter| -> Result<Arc<cudagraph::DeviceBuffer<f32>>> {
             let g = p.grad().ok_or_else(|| {
                 NnError::Shape(format!(
                     "{} got no gradient in the captured backward pass",
@@ -79,11 +78,11 @@ impl<M: Module> GraphedModule<M> {
         let input_grad = take(&input)?;
         let param_grads = params.iter().map(take).collect::<Result<Vec<_>>>()?;
         // The output the caller sees is detached from the captured autograd nodes.
-        let output = Tensor::from_buffer(output.data_rc().clone(), output.shape())?;
+        let output = Tensor::from_buffer(output.data_arc().clone(), output.shape())?;
         Ok(Self {
             module,
             fwd,
-            bwd: Rc::new(bwd),
+            bwd: Arc::new(bwd),
             input,
             output,
             grad_output,
@@ -111,10 +110,10 @@ impl<M: Module> GraphedModule<M> {
                 x.shape()
             )));
         }
-        Queue::copy(s, x.data(), self.input.data())?;
+        QueueExt::copy(s, x.data(), self.input.data())?;
         self.fwd.replay(s)?;
         let out = s.alloc::<f32>(self.output.numel())?;
-        Queue::copy(s, self.output.data(), &out)?;
+        QueueExt::copy(s, self.output.data(), &out)?;
         let params = self.module.parameters();
         let mut inputs = vec![x.clone()];
         inputs.extend(params.iter().map(Parameter::tensor));
@@ -126,14 +125,14 @@ impl<M: Module> GraphedModule<M> {
         let node = Node {
             inputs,
             name: "graphed_module",
-            backward: Box::new(move |q: &dyn Exec, _nn, g| {
+            backward: Box::new(move |q: &dyn Queue, _nn, g| {
                 q.copy(g.data(), &gout)?;
-                bwd.replay_on(q.stream())?;
+                bwd.replay_on(q.stream_handle())?;
                 let copy =
                     |src: &cudagraph::DeviceBuffer<f32>, shape: &[usize]| -> Result<Tensor> {
-                        let b = q.alloc_f32(src.len())?;
+                        let b = q.alloc::<f32>(src.len())?;
                         q.copy(src, &b)?;
-                        Tensor::from_buffer(Rc::new(b), shape)
+                        Tensor::from_buffer(Arc::new(b), shape)
                     };
                 let mut grads = vec![Some(copy(&gin, &x_shape)?)];
                 for (pg, shape) in pgrads.iter().zip(&shapes) {

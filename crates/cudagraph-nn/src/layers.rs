@@ -1,8 +1,9 @@
 //! Layers (`Linear`, `Conv2d`, `ReLU`, `MaxPool2d`, `Flatten`) and `Sequential`, with
 //! PyTorch's default initialisation drawn from a seeded generator.
 
+use cudagraph::Queue;
+
 use crate::error::Result;
-use crate::exec::Exec;
 use crate::ops;
 use crate::tensor::{Parameter, Tensor};
 use cudagraph::Stream;
@@ -52,7 +53,7 @@ impl Rng {
 
 /// Something with a forward pass and parameters.
 pub trait Module {
-    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor>;
+    fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor>;
     fn parameters(&self) -> Vec<Parameter>;
 }
 
@@ -90,13 +91,13 @@ impl Linear {
         })
     }
 
-    pub fn forward_act(&self, q: &dyn Exec, x: &Tensor, relu: bool) -> Result<Tensor> {
+    pub fn forward_act(&self, q: &dyn Queue, x: &Tensor, relu: bool) -> Result<Tensor> {
         ops::linear(q, x, &self.weight.tensor(), Some(&self.bias.tensor()), relu)
     }
 }
 
 impl Module for Linear {
-    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         self.forward_act(q, x, false)
     }
     fn parameters(&self) -> Vec<Parameter> {
@@ -142,7 +143,7 @@ impl Conv2d {
 }
 
 impl Module for Conv2d {
-    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         ops::conv2d(
             q,
             x,
@@ -180,7 +181,7 @@ impl Sequential {
 }
 
 impl Module for Sequential {
-    fn forward(&self, q: &dyn Exec, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
         let mut i = 0;
         while i < self.layers.len() {

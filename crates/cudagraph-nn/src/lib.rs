@@ -4,7 +4,7 @@
 //! from cudagraph's allocator (so a whole forward/backward/optimizer step allocates from the
 //! graph's pool when captured), kernels are compiled at run time with NVRTC, GEMMs go through
 //! cuBLAS with a workspace from our own pool, and every op works on an eager `Stream` or a
-//! `CaptureStream` alike (through [`Exec`]).
+//! `CaptureStream` alike (model code takes `&dyn cudagraph::Queue`).
 //!
 //! ```no_run
 //! use cudagraph::{CaptureOptions, Device, Graph};
@@ -35,7 +35,6 @@ pub mod blas;
 pub mod cpu;
 pub mod datasets;
 pub mod error;
-pub mod exec;
 pub mod gemm;
 pub mod graphed;
 pub mod kernels;
@@ -46,10 +45,11 @@ pub mod tensor;
 
 pub use batched::Batched;
 pub use error::{NnError, Result};
-pub use exec::Exec;
 pub use graphed::GraphedModule;
 pub use kernels::Nn;
 pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
-pub use ops::{conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction};
+pub use ops::{
+    conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
+};
 pub use optim::{Adam, Optimizer, Sgd};
 pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

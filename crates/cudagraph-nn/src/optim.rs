@@ -1,29 +1,24 @@
 //! Optimizers whose whole `step()` is capturable: all state, including Adam's step count, lives
 //! on the device (PyTorch's `capturable=True`), and nothing is read back to the host.
 
-use cudagraph::{args, DeviceBuffer, LaunchConfig, Stream};
+use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
 use crate::error::Result;
-use crate::exec::Exec;
 use crate::kernels::Nn;
 use crate::tensor::Parameter;
 
 /// Common optimizer interface.
 pub trait Optimizer {
     /// PyTorch's `zero_grad(set_to_none)`.
-    fn zero_grad(&self, q: &dyn Exec, set_to_none: bool) -> Result<()> {
+    fn zero_grad(&self, q: &dyn Queue, set_to_none: bool) -> Result<()> {
         for p in self.params() {
             p.zero_grad(q, set_to_none)?;
         }
         Ok(())
     }
     /// One update of every parameter that has a gradient.
-    fn step(&mut self, q: &dyn Exec) -> Result<()>;
+    fn step(&mut self, q: &dyn Queue) -> Result<()>;
     fn params(&self) -> &[Parameter];
-}
-
-fn cfg(n: usize) -> LaunchConfig {
-    LaunchConfig::for_elements(n, 256)
 }
 
 /// SGD with optional momentum and weight decay.
@@ -66,30 +61,19 @@ impl Sgd {
     }
 }
 
-use cudagraph::Queue as _;
-
 impl Optimizer for Sgd {
-    fn step(&mut self, q: &dyn Exec) -> Result<()> {
+    fn step(&mut self, q: &dyn Queue) -> Result<()> {
         let nn = Nn::get(q.device())?;
         for (p, buf) in self.params.iter().zip(&self.bufs) {
             let Some(g) = p.grad() else { continue };
-            let n = p.numel();
-            let b = match buf {
-                Some(b) => b.arg_at(0),
-                None => p.data().arg_at(0), // unused when momentum is 0
-            };
-            q.launch(
-                &nn.k.sgd_step,
-                cfg(n),
-                args![
-                    p.data(),
-                    g.as_ref(),
-                    b,
-                    n as i64,
-                    self.lr,
-                    self.momentum,
-                    self.weight_decay
-                ],
+            nn.sgd_step(
+                q,
+                p.data(),
+                &g,
+                buf.as_ref(),
+                self.lr,
+                self.momentum,
+                self.weight_decay,
             )?;
         }
         Ok(())
@@ -143,34 +127,19 @@ impl Adam {
 }
 
 impl Optimizer for Adam {
-    fn step(&mut self, q: &dyn Exec) -> Result<()> {
+    fn step(&mut self, q: &dyn Queue) -> Result<()> {
         let nn = Nn::get(q.device())?;
-        q.launch(
-            &nn.k.step_inc,
-            LaunchConfig::linear(1, 1),
-            args![&self.step],
-        )?;
+        nn.step_inc(q, &self.step)?;
+        let hp = [
+            self.lr,
+            self.betas.0,
+            self.betas.1,
+            self.eps,
+            self.weight_decay,
+        ];
         for ((p, m), v) in self.params.iter().zip(&self.m).zip(&self.v) {
             let Some(g) = p.grad() else { continue };
-            let n = p.numel();
-            q.launch(
-                &nn.k.adam_step,
-                cfg(n),
-                args![
-                    p.data(),
-                    g.as_ref(),
-                    m,
-                    v,
-                    &self.step,
-                    n as i64,
-                    self.lr,
-                    self.betas.0,
-                    self.betas.1,
-                    self.eps,
-                    self.weight_decay,
-                    self.decoupled as i32
-                ],
-            )?;
+            nn.adam_step(q, p.data(), &g, m, v, &self.step, hp, self.decoupled)?;
         }
         Ok(())
     }

@@ -7,15 +7,13 @@
 //! the first gradient computed for it (no copy, no memset); later ones are added in place. So a
 //! captured training step needs no gradient reset kernel at all, and replays stay correct.
 
-use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudagraph::{DeviceBuffer, LaunchConfig, Stream};
+use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
 use crate::error::{NnError, Result};
-use crate::exec::Exec;
 use crate::kernels::Nn;
 
 thread_local! {
@@ -36,7 +34,13 @@ pub fn grad_enabled() -> bool {
     GRAD_ENABLED.with(|g| g.get())
 }
 
-type BackwardFn = Box<dyn Fn(&dyn Exec, &Nn, &Tensor) -> Result<Vec<Option<Tensor>>>>;
+type BackwardFn =
+    Box<dyn Fn(&dyn Queue, &Nn, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+
+/// Locks a mutex, recovering the data if a panic poisoned it (autograd state stays usable).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// How a tensor was computed: its inputs and how to turn its gradient into theirs.
 pub(crate) struct Node {
@@ -46,20 +50,21 @@ pub(crate) struct Node {
 }
 
 struct Inner {
-    data: Rc<DeviceBuffer<f32>>,
+    data: Arc<DeviceBuffer<f32>>,
     shape: Vec<usize>,
     requires_grad: bool,
-    node: RefCell<Option<Node>>,
+    node: Mutex<Option<Node>>,
     param: Option<Parameter>,
 }
 
-/// A device tensor. Cloning shares the data (like a PyTorch tensor handle).
+/// A device tensor. Cloning shares the data (like a PyTorch tensor handle). `Send + Sync`: a
+/// model's tensors can move to another thread (work is ordered by the queue it runs on).
 #[derive(Clone)]
-pub struct Tensor(Rc<Inner>);
+pub struct Tensor(Arc<Inner>);
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let op = self.0.node.borrow().as_ref().map(|n| n.name);
+        let op = lock(&self.0.node).as_ref().map(|n| n.name);
         write!(
             f,
             "Tensor{:?}{}{}",
@@ -74,13 +79,25 @@ impl fmt::Debug for Tensor {
     }
 }
 
+/// Elements of a shape (saturating: an impossible shape never matches a real buffer).
 pub(crate) fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .unwrap_or(usize::MAX)
+}
+
+/// Elements of a shape, or a shape error when the product overflows.
+pub(crate) fn numel_checked(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| NnError::Shape(format!("shape {shape:?} has too many elements")))
 }
 
 impl Tensor {
     /// Wraps a device buffer (no gradient). The buffer's length must match the shape.
-    pub fn from_buffer(data: Rc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+    pub fn from_buffer(data: Arc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
         if data.len() != numel(shape) {
             return Err(NnError::Shape(format!(
                 "a buffer of {} elements cannot have shape {shape:?}",
@@ -91,37 +108,37 @@ impl Tensor {
     }
 
     fn leaf(
-        data: Rc<DeviceBuffer<f32>>,
+        data: Arc<DeviceBuffer<f32>>,
         shape: Vec<usize>,
         requires_grad: bool,
         param: Option<Parameter>,
     ) -> Self {
-        Tensor(Rc::new(Inner {
+        Tensor(Arc::new(Inner {
             data,
             shape,
             requires_grad,
-            node: RefCell::new(None),
+            node: Mutex::new(None),
             param,
         }))
     }
 
     /// A new tensor computed by an operation; records `node` when any input needs a gradient.
     pub(crate) fn from_op(data: DeviceBuffer<f32>, shape: Vec<usize>, node: Option<Node>) -> Self {
-        Self::from_op_shared(Rc::new(data), shape, node)
+        Self::from_op_shared(Arc::new(data), shape, node)
     }
 
     /// As [`Self::from_op`], for an output the backward closure also keeps.
     pub(crate) fn from_op_shared(
-        data: Rc<DeviceBuffer<f32>>,
+        data: Arc<DeviceBuffer<f32>>,
         shape: Vec<usize>,
         node: Option<Node>,
     ) -> Self {
         let node = node.filter(|n| grad_enabled() && n.inputs.iter().any(|t| t.requires_grad()));
-        Tensor(Rc::new(Inner {
+        Tensor(Arc::new(Inner {
             data,
             requires_grad: node.is_some(),
             shape,
-            node: RefCell::new(node),
+            node: Mutex::new(node),
             param: None,
         }))
     }
@@ -143,11 +160,11 @@ impl Tensor {
             },
         };
         let node = Some(node).filter(|_| grad_enabled() && self.requires_grad());
-        Ok(Tensor(Rc::new(Inner {
+        Ok(Tensor(Arc::new(Inner {
             data: self.0.data.clone(),
             shape: shape.to_vec(),
             requires_grad: node.is_some(),
-            node: RefCell::new(node),
+            node: Mutex::new(node),
             param: None,
         })))
     }
@@ -155,21 +172,20 @@ impl Tensor {
     /// Copies host data into a new tensor (eager).
     pub fn from_host(s: &Stream, data: &[f32], shape: &[usize]) -> Result<Self> {
         let buf = s.alloc_from_host(data)?;
-        Self::from_buffer(Rc::new(buf), shape)
+        Self::from_buffer(Arc::new(buf), shape)
     }
 
     /// A zero-filled tensor.
-    pub fn zeros(q: &dyn Exec, shape: &[usize]) -> Result<Self> {
-        let b = q.alloc_f32(numel(shape))?;
-        q.zero(&b)?;
-        Self::from_buffer(Rc::new(b), shape)
+    pub fn zeros(q: &dyn Queue, shape: &[usize]) -> Result<Self> {
+        let b = q.alloc_zeroed::<f32>(numel_checked(shape)?)?;
+        Self::from_buffer(Arc::new(b), shape)
     }
 
     /// A tensor filled with `v`.
-    pub fn full(q: &dyn Exec, shape: &[usize], v: f32) -> Result<Self> {
-        let b = q.alloc_f32(numel(shape))?;
-        q.fill(&b, v)?;
-        Self::from_buffer(Rc::new(b), shape)
+    pub fn full(q: &dyn Queue, shape: &[usize], v: f32) -> Result<Self> {
+        let b = q.alloc::<f32>(numel_checked(shape)?)?;
+        q.fill32(&b, 0, b.len(), v)?;
+        Self::from_buffer(Arc::new(b), shape)
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -184,7 +200,7 @@ impl Tensor {
         &self.0.data
     }
 
-    pub fn data_rc(&self) -> &Rc<DeviceBuffer<f32>> {
+    pub fn data_arc(&self) -> &Arc<DeviceBuffer<f32>> {
         &self.0.data
     }
 
@@ -198,12 +214,12 @@ impl Tensor {
     }
 
     fn key(&self) -> usize {
-        Rc::as_ptr(&self.0) as usize
+        Arc::as_ptr(&self.0) as usize
     }
 
     /// Reverse-mode autograd from this scalar: fills the gradients of every parameter it
     /// depends on, and frees the recorded graph (activations go back to the pool).
-    pub fn backward(&self, q: &dyn Exec) -> Result<()> {
+    pub fn backward(&self, q: &dyn Queue) -> Result<()> {
         if self.numel() != 1 {
             return Err(NnError::NotScalar(self.0.shape.clone()));
         }
@@ -213,7 +229,7 @@ impl Tensor {
 
     /// Reverse-mode autograd from this tensor with upstream gradient `grad` (same shape), as
     /// PyTorch's `y.backward(grad)`.
-    pub fn backward_with(&self, q: &dyn Exec, grad: Tensor) -> Result<()> {
+    pub fn backward_with(&self, q: &dyn Queue, grad: Tensor) -> Result<()> {
         if grad.numel() != self.numel() {
             return Err(NnError::Shape(format!(
                 "backward_with: gradient {:?} for a tensor {:?}",
@@ -235,7 +251,7 @@ impl Tensor {
                 continue;
             }
             stack.push((t.clone(), true));
-            if let Some(n) = t.0.node.borrow().as_ref() {
+            if let Some(n) = lock(&t.0.node).as_ref() {
                 for i in &n.inputs {
                     if i.requires_grad() && !seen.contains(&i.key()) {
                         stack.push((i.clone(), false));
@@ -253,7 +269,7 @@ impl Tensor {
                 p.accumulate(q, &nn, g)?;
                 continue;
             }
-            let node = t.0.node.borrow_mut().take();
+            let node = lock(&t.0.node).take();
             let Some(node) = node else { continue };
             let input_grads = (node.backward)(q, &nn, &g)?;
             for (inp, ig) in node.inputs.iter().zip(input_grads) {
@@ -262,7 +278,7 @@ impl Tensor {
                     continue;
                 }
                 match grads.get(&inp.key()) {
-                    Some(acc) => add_inplace(q, &nn, acc.data(), ig.data())?,
+                    Some(acc) => nn.add_inplace(q, acc.data(), ig.data())?,
                     None => {
                         grads.insert(inp.key(), ig);
                     }
@@ -273,30 +289,16 @@ impl Tensor {
     }
 }
 
-pub(crate) fn add_inplace(
-    q: &dyn Exec,
-    nn: &Nn,
-    acc: &DeviceBuffer<f32>,
-    x: &DeviceBuffer<f32>,
-) -> Result<()> {
-    let n = acc.len();
-    q.launch(
-        &nn.k.add_inplace,
-        LaunchConfig::for_elements(n, 256),
-        cudagraph::args![acc, x, n as i64],
-    )
-}
-
 struct ParamInner {
     name: String,
-    data: Rc<DeviceBuffer<f32>>,
+    data: Arc<DeviceBuffer<f32>>,
     shape: Vec<usize>,
-    grad: RefCell<Option<Rc<DeviceBuffer<f32>>>>,
+    grad: Mutex<Option<Arc<DeviceBuffer<f32>>>>,
 }
 
 /// A trainable tensor with a persistent data buffer and a gradient slot.
 #[derive(Clone)]
-pub struct Parameter(Rc<ParamInner>);
+pub struct Parameter(Arc<ParamInner>);
 
 impl fmt::Debug for Parameter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -313,11 +315,11 @@ impl Parameter {
                 data.len()
             )));
         }
-        Ok(Parameter(Rc::new(ParamInner {
+        Ok(Parameter(Arc::new(ParamInner {
             name: name.to_string(),
-            data: Rc::new(s.alloc_from_host(data)?),
+            data: Arc::new(s.alloc_from_host(data)?),
             shape: shape.to_vec(),
-            grad: RefCell::new(None),
+            grad: Mutex::new(None),
         })))
     }
 
@@ -348,50 +350,50 @@ impl Parameter {
     }
 
     /// A parameter whose data is `data` (shared, not copied).
-    pub fn from_buffer(name: &str, data: Rc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+    pub fn from_buffer(name: &str, data: Arc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
         if data.len() != numel(shape) {
             return Err(NnError::Shape(format!(
                 "parameter {name}: {} values for shape {shape:?}",
                 data.len()
             )));
         }
-        Ok(Parameter(Rc::new(ParamInner {
+        Ok(Parameter(Arc::new(ParamInner {
             name: name.to_string(),
             data,
             shape: shape.to_vec(),
-            grad: RefCell::new(None),
+            grad: Mutex::new(None),
         })))
     }
 
     /// The current gradient buffer (`None` after `zero_grad(true)` until the next backward).
-    pub fn grad(&self) -> Option<Rc<DeviceBuffer<f32>>> {
-        self.0.grad.borrow().clone()
+    pub fn grad(&self) -> Option<Arc<DeviceBuffer<f32>>> {
+        lock(&self.0.grad).clone()
     }
 
     /// PyTorch's `zero_grad`: `set_to_none` drops the gradient (the next backward writes it
     /// fresh, with no memset); otherwise it is zeroed in place on `q`.
-    pub fn zero_grad(&self, q: &dyn Exec, set_to_none: bool) -> Result<()> {
+    pub fn zero_grad(&self, q: &dyn Queue, set_to_none: bool) -> Result<()> {
         if set_to_none {
-            *self.0.grad.borrow_mut() = None;
-        } else if let Some(g) = self.0.grad.borrow().as_ref() {
-            q.zero(g)?;
+            *lock(&self.0.grad) = None;
+        } else if let Some(g) = lock(&self.0.grad).as_ref() {
+            q.memset_zero(g)?;
         }
         Ok(())
     }
 
-    fn accumulate(&self, q: &dyn Exec, nn: &Nn, g: Tensor) -> Result<()> {
-        let mut slot = self.0.grad.borrow_mut();
+    fn accumulate(&self, q: &dyn Queue, nn: &Nn, g: Tensor) -> Result<()> {
+        let mut slot = lock(&self.0.grad);
         match slot.as_ref() {
-            Some(acc) => add_inplace(q, nn, acc, g.data()),
+            Some(acc) => nn.add_inplace(q, acc, g.data()),
             None => {
                 let buf = g.0.data.clone();
                 // Adopt the buffer unless something else can still write to it.
-                *slot = Some(if Rc::strong_count(&buf) <= 2 {
+                *slot = Some(if Arc::strong_count(&buf) <= 2 {
                     buf
                 } else {
-                    let own = q.alloc_f32(buf.len())?;
+                    let own = q.alloc::<f32>(buf.len())?;
                     q.copy(&buf, &own)?;
-                    Rc::new(own)
+                    Arc::new(own)
                 });
                 Ok(())
             }

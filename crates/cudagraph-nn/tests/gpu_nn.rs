@@ -7,9 +7,9 @@
 //! 224×224 images) and 2e-5 otherwise. Graph vs eager runs of the same kernels must agree to
 //! 1e-6 (they are expected to be bit-identical).
 
-use std::rc::Rc;
+use std::sync::Arc;
 
-use cudagraph::{gpu_test_device, CaptureOptions, Device, Graph, StaticGraph, Stream};
+use cudagraph::{gpu_test_device, CaptureOptions, Device, Graph, Queue, StaticGraph, Stream};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
 use cudagraph_nn::*;
 
@@ -128,7 +128,7 @@ fn cross_entropy_matches_cpu() {
     let xh = data(&mut rng, m * 4);
     let tgt: Vec<i32> = (0..m).map(|i| (i * 7 % c) as i32).collect();
     let x = Tensor::from_host(&s, &xh, &[m, 4]).unwrap();
-    let tg = Rc::new(s.alloc_from_host(&tgt).unwrap());
+    let tg = Arc::new(s.alloc_from_host(&tgt).unwrap());
     let z = l.forward(&s, &x).unwrap();
     let zh = to_f64(&z.to_vec(&s).unwrap());
     let loss = cross_entropy(&s, &z, &tg).unwrap();
@@ -322,7 +322,7 @@ fn train_linear(
     };
     let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024]).unwrap();
     let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024]).unwrap();
-    let step = |q: &dyn Exec, opt: &mut Box<dyn Optimizer>| -> Result<Tensor> {
+    let step = |q: &dyn Queue, opt: &mut Box<dyn Optimizer>| -> Result<Tensor> {
         opt.zero_grad(q, true)?;
         let loss = mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Sum)?;
         loss.backward(q)?;
@@ -400,7 +400,7 @@ fn mlp_static_graph_inference_matches_eager_and_cpu() {
             &[bs * 1024],
             |cs, ins| {
                 no_grad(|| {
-                    let x = Tensor::from_buffer(Rc::new(ins[0].alias()), &[bs, 1024])?;
+                    let x = Tensor::from_buffer(Arc::new(ins[0].alias()), &[bs, 1024])?;
                     let y = model.forward(cs, &x)?;
                     Ok(vec![y.data().alias()])
                 })
@@ -420,9 +420,9 @@ fn mlp_static_graph_inference_matches_eager_and_cpu() {
                 .to_vec(&s)
                 .unwrap();
             let out = sg.run(&s, &[&xh]).unwrap();
-            assert_eq!(out.get(0).len(), bs * 10);
+            assert_eq!(out.get(0).unwrap().len(), bs * 10);
             assert!(
-                rel_err(out.get(0), &to_f64(&eager)) < 1e-6,
+                rel_err(out.get(0).unwrap(), &to_f64(&eager)) < 1e-6,
                 "bs {bs} round {round}"
             );
         }
@@ -684,7 +684,7 @@ fn rebind_gives_the_same_results_as_copy_in_with_cublas_and_tiled_kernels() {
     let model = seed_mlp(&s, &mut rng);
     for bs in [4usize, 32] {
         // bs 4 runs cuBLAS kernels (pointers inside struct parameters), bs 32 our tiled kernel.
-        let static_in = Rc::new(cudagraph::Queue::alloc_zeroed::<f32>(&s, bs * 1024).unwrap());
+        let static_in = Arc::new(cudagraph::QueueExt::alloc_zeroed::<f32>(&s, bs * 1024).unwrap());
         let x = Tensor::from_buffer(static_in.clone(), &[bs, 1024]).unwrap();
         let (mut g, y) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
             Ok(no_grad(|| model.forward(cs, &x))?)

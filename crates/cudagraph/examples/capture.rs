@@ -17,11 +17,14 @@ fn main() -> Result<()> {
     let pool = dev.graph_pool_handle(); // or dev.new_pool_with_limit(1 << 30)
     let (graph, ()) = Graph::capture(&mut stream, CaptureOptions::new().pool(&pool), |cs| {
         for _ in 0..10 {
-            cs.launch(
-                &add,
-                LaunchConfig::for_elements(256, 256),
-                args![&x, 256i32],
-            )?;
+            // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+            unsafe {
+                cs.launch(
+                    &add,
+                    LaunchConfig::for_elements(256, 256),
+                    args![&x, 256i32],
+                )?
+            };
         }
         Ok(())
     })?;
@@ -34,14 +37,17 @@ fn main() -> Result<()> {
         StaticGraph::<f32, f32>::capture(&mut stream, CaptureOptions::new(), &[256], |cs, ins| {
             let out = cs.alloc::<f32>(256)?;
             cs.copy(&ins[0], &out)?;
-            cs.launch(
-                &add,
-                LaunchConfig::for_elements(256, 256),
-                args![&out, 256i32],
-            )?;
+            // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+            unsafe {
+                cs.launch(
+                    &add,
+                    LaunchConfig::for_elements(256, 256),
+                    args![&out, 256i32],
+                )?
+            };
             Ok(vec![out])
         })?;
     let out = sg.run(&stream, &[&[1.0; 256]])?; // borrowed until the next run
-    assert_eq!(out.get(0)[0], 2.0);
+    assert_eq!(out.get(0).expect("one output")[0], 2.0);
     Ok(())
 }

@@ -5,7 +5,9 @@
 //! shared, optionally size-bounded pools; observe memory per pool, per graph and per device.
 //!
 //! Layers (see ARCHITECTURE.md): [`runtime`] (context, streams, kernels; all FFI) →
-//! [`memory`] (caching allocator, pools, stats) → [`graph`] (capture, replay, static I/O).
+//! [`memory`] (caching allocator, pools, stats) → [`device`] (devices, streams, the `Queue`
+//! of work) → [`graph`] (capture, replay, static I/O). Kernel launches are `unsafe`: no
+//! signature says which memory a kernel touches (argument counts and kinds are checked).
 //!
 //! ```no_run
 //! use cudagraph::*;
@@ -19,7 +21,8 @@
 //! let x = stream.alloc_from_host(&vec![0.0f32; 256])?;
 //! let (graph, ()) = Graph::capture(&mut stream, CaptureOptions::new(), |cs| {
 //!     for _ in 0..10 {
-//!         cs.launch(&add, LaunchConfig::for_elements(256, 256), args![&x, 256i32])?;
+//!         // SAFETY: `add_one` touches x[0..n) with n = 256 = x.len().
+//!         unsafe { cs.launch(&add, LaunchConfig::for_elements(256, 256), args![&x, 256i32])? };
 //!     }
 //!     Ok(())
 //! })?;
@@ -37,13 +40,18 @@ pub mod memory;
 pub mod runtime;
 pub mod testing;
 
-pub use device::{Device, Queue, Stream};
+pub use device::{
+    register_check, Anchor, Arg, Device, PinnedScope, Queue, QueueExt, Stream, DEVICE_CHECK_CUDA,
+};
 pub use error::{Error, Result};
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
-    CaptureMode, CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache,
-    GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served,
-    SizeHistogram, StaticGraph,
+    CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache, GraphCost,
+    GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served, SizeHistogram,
+    StaticGraph,
 };
-pub use memory::{DeviceBuffer, Elem, MemoryStats, PinnedBuffer, PinnedScope, Pool, PoolId};
-pub use runtime::{Arg, DeviceInfo, Event, Function, LaunchConfig, Module};
+pub use ids::PoolId;
+pub use memory::{BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer, Pool};
+pub use runtime::{
+    CaptureMode, DeviceInfo, Event, Function, LaunchConfig, Module, StreamHandle, StreamRef,
+};

@@ -404,18 +404,3 @@ fn random_workload_keeps_every_invariant() {
     assert_eq!(c.device_stats().allocated, 0);
     assert_eq!(src.live_bytes(), 0);
 }
-
-#[test]
-fn pool_membership_needs_the_same_allocator() {
-    use cudagraph::memory::Allocator;
-    let a = Allocator::new(Box::new(HostSource::new()), 0);
-    let b = Allocator::new(Box::new(HostSource::new()), 0);
-    let (pa, pb) = (a.new_pool(None), b.new_pool(None));
-    assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
-    let block = a.allocate(1024, pa.id(), 0, 0).unwrap();
-    assert!(block.is_in(&pa));
-    assert!(
-        !block.is_in(&pb),
-        "same id, other allocator: not the same pool"
-    );
-}

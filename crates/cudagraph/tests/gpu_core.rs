@@ -54,7 +54,8 @@ fn input(n: usize, seed: u32) -> Vec<f32> {
 fn chain<Q: Queue>(q: &Q, k: &K, x: &DeviceBuffer<f32>, steps: usize) -> Result<()> {
     for s in 0..steps {
         let (a, b) = (1.0 + 0.01 * (s % 7) as f32, 0.001 * s as f32);
-        q.launch(&k.axpb, cfg(x.len()), args![x, a, b, x.len() as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { q.launch(&k.axpb, cfg(x.len()), args![x, a, b, x.len() as i32])? };
     }
     Ok(())
 }
@@ -128,16 +129,19 @@ fn two_graphs_sharing_a_pool_replay_correctly_in_order() {
     // Graph 1: tmp = 2x (temporary, freed inside the capture), y = tmp + x.
     let (g1, y) = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let tmp = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&x, &tmp, 2.0f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &tmp, 2.0f32, n as i32])? };
         let y = cs.alloc::<f32>(n)?;
-        cs.launch(&k.add, cfg(n), args![&tmp, &x, &y, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.add, cfg(n), args![&tmp, &x, &y, n as i32])? };
         Ok(y)
     })
     .unwrap();
     // Graph 2, same pool: reuses graph 1's freed temporary; z = 0.5 y.
     let (g2, z) = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let tmp = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&y, &tmp, 0.5f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&y, &tmp, 0.5f32, n as i32])? };
         let z = cs.alloc::<f32>(n)?;
         cs.copy(&tmp, &z)?;
         Ok(z)
@@ -173,7 +177,8 @@ fn memory_stats_add_up_after_capture_replay_and_drop() {
     let base = dev.memory_stats();
     let (g, out) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         let tmp = cs.alloc::<f32>(n)?; // 256 KiB, freed at the end of the closure
-        cs.launch(&k.scale_into, cfg(n), args![&x, &tmp, 3.0f32, n as i32])?;
+                                       // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &tmp, 3.0f32, n as i32])? };
         let out = cs.alloc::<f32>(n)?;
         cs.copy(&tmp, &out)?;
         Ok(out)
@@ -237,7 +242,8 @@ fn illegal_call_in_capture_is_a_typed_error_and_the_stream_recovers() {
     let before = pool.stats();
     let err = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let tmp = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&x, &tmp, 2.0f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &tmp, 2.0f32, n as i32])? };
         // Synchronising the device while a global-mode capture is open is illegal.
         dev.synchronize()?;
         Ok(())
@@ -271,7 +277,8 @@ fn illegal_call_in_capture_is_a_typed_error_and_the_stream_recovers() {
     // The same stream and pool capture and replay fine afterwards.
     let (g, y) = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let y = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&x, &y, 2.0f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &y, 2.0f32, n as i32])? };
         Ok(y)
     })
     .unwrap();
@@ -288,11 +295,14 @@ fn failing_closure_or_panic_discards_the_capture() {
     let x = s.alloc_from_host(&input(256, 5)).unwrap();
     // An invalid launch inside the capture: typed error, capture discarded.
     let err = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-        cs.launch(
-            &k.axpb,
-            LaunchConfig::linear(1, 4096),
-            args![&x, 1.0f32, 0.0f32, 256i32],
-        )
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe {
+            cs.launch(
+                &k.axpb,
+                LaunchConfig::linear(1, 4096),
+                args![&x, 1.0f32, 0.0f32, 256i32],
+            )
+        }
     })
     .unwrap_err();
     assert!(
@@ -324,8 +334,10 @@ fn graph_replays_after_every_user_handle_is_dropped() {
     let sink = s.alloc_zeroed::<f32>(n).unwrap();
     let (g, y) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         let y = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&x, &y, 4.0f32, n as i32])?;
-        cs.launch(&k.axpb, cfg(n), args![&y, 1.0f32, 1.0f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &y, 4.0f32, n as i32])? };
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.axpb, cfg(n), args![&y, 1.0f32, 1.0f32, n as i32])? };
         cs.copy(&y, &sink)?;
         Ok(y)
     })
@@ -369,9 +381,11 @@ fn graph_output_survives_dropping_inputs_and_reads_back_right() {
         StaticGraph::<f32, f32>::capture(&mut s, CaptureOptions::new(), &[n], |cs, ins| {
             // out = (in + x) * 1 + w : x and w are eager buffers the graph must keep alive.
             let t = cs.alloc::<f32>(n)?;
-            cs.launch(&k.add, cfg(n), args![&ins[0], &x, &t, n as i32])?;
+            // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+            unsafe { cs.launch(&k.add, cfg(n), args![&ins[0], &x, &t, n as i32])? };
             let out = cs.alloc::<f32>(n)?;
-            cs.launch(&k.add, cfg(n), args![&t, &w, &out, n as i32])?;
+            // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+            unsafe { cs.launch(&k.add, cfg(n), args![&t, &w, &out, n as i32])? };
             Ok(vec![out])
         })
         .unwrap();
@@ -387,7 +401,7 @@ fn graph_output_survives_dropping_inputs_and_reads_back_right() {
         .zip(&x0)
         .map(|(&a, &b)| a as f64 + b as f64 + 0.5)
         .collect();
-    assert!(max_rel(out.get(0), &want) < 1e-6);
+    assert!(max_rel(out.get(0).unwrap(), &want) < 1e-6);
 }
 
 #[test]
@@ -399,8 +413,10 @@ fn hundred_thousand_replays_keep_memory_flat() {
     let x = s.alloc_from_host(&vec![0.0f32; n]).unwrap();
     let (g, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
         let t = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&x, &t, 1.0f32, n as i32])?;
-        cs.launch(&k.axpb, cfg(n), args![&t, 1.0f32, 1.0f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &t, 1.0f32, n as i32])? };
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.axpb, cfg(n), args![&t, 1.0f32, 1.0f32, n as i32])? };
         cs.copy(&t, &x)?;
         Ok(())
     })
@@ -438,7 +454,8 @@ fn static_graph_matches_eager_and_runs_many_inputs() {
     let mut sg =
         StaticGraph::<f32, f32>::capture(&mut s, CaptureOptions::new(), &[n, n], |cs, ins| {
             let sum = cs.alloc::<f32>(n)?;
-            cs.launch(&k.add, cfg(n), args![&ins[0], &ins[1], &sum, n as i32])?;
+            // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+            unsafe { cs.launch(&k.add, cfg(n), args![&ins[0], &ins[1], &sum, n as i32])? };
             chain(cs, &k, &sum, 5)?;
             Ok(vec![sum])
         })
@@ -456,18 +473,22 @@ fn static_graph_matches_eager_and_runs_many_inputs() {
             s.alloc_from_host(&b).unwrap(),
         );
         let sum = s.alloc::<f32>(n).unwrap();
-        s.launch(&k.add, cfg(n), args![&da, &db, &sum, n as i32])
-            .unwrap();
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { s.launch(&k.add, cfg(n), args![&da, &db, &sum, n as i32]) }.unwrap();
         chain(&s, &k, &sum, 5).unwrap();
         let eager = s.to_vec(&sum).unwrap();
         let out = sg.run(&s, &[&a, &b]).unwrap();
-        assert_eq!(out.get(0), &eager[..], "round {round}");
+        assert_eq!(out.get(0), Some(&eager[..]), "round {round}");
     }
     // The zero-copy path: write straight into the pinned staging.
     let (a, b) = (input(n, 60), input(n, 61));
     let want = sg.run_to_vecs(&s, &[&a, &b]).unwrap();
-    sg.host_input_mut(0).copy_from_slice(&a);
-    sg.host_input_mut(1).copy_from_slice(&b);
+    sg.host_input_mut(0).unwrap().copy_from_slice(&a);
+    sg.host_input_mut(1).unwrap().copy_from_slice(&b);
+    assert!(matches!(
+        sg.host_input_mut(2),
+        Err(Error::OutOfRange { .. })
+    ));
     assert_eq!(sg.run_staged(&s).unwrap().to_vecs(), want);
     let err = sg.run(&s, &[&[1.0]]).unwrap_err();
     assert!(matches!(err, Error::SizeMismatch { .. }), "{err}");
@@ -497,22 +518,28 @@ fn builder_graph_equals_captured_graph_equals_eager() {
     let one = LaunchConfig::linear(1, 1024);
     // Eager.
     let de = s.alloc_from_host(&h).unwrap();
-    s.launch(&fwd, one, args![&de]).unwrap();
-    s.launch(&bwd, one, args![&de]).unwrap();
+    // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+    unsafe { s.launch(&fwd, one, args![&de]) }.unwrap();
+    // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+    unsafe { s.launch(&bwd, one, args![&de]) }.unwrap();
     let eager = s.to_vec(&de).unwrap();
     // Stream capture.
     let dc = s.alloc_from_host(&h).unwrap();
     let (gc, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-        cs.launch(&fwd, one, args![&dc])?;
-        cs.launch(&bwd, one, args![&dc])
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&fwd, one, args![&dc])? };
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&bwd, one, args![&dc]) }
     })
     .unwrap();
     gc.replay(&s).unwrap();
     // Explicit build: forward node, backward node depending on it.
     let db = s.alloc_from_host(&h).unwrap();
     let mut b = GraphBuilder::new(&dev);
-    let f = b.kernel(&fwd, one, args![&db], &[]).unwrap();
-    b.kernel(&bwd, one, args![&db], &[f]).unwrap();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    let f = unsafe { b.kernel(&fwd, one, args![&db], &[]) }.unwrap();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    unsafe { b.kernel(&bwd, one, args![&db], &[f]) }.unwrap();
     let gb = b.build().unwrap();
     assert_eq!(gb.info().nodes.kernel, 2);
     gb.replay(&s).unwrap();
@@ -526,17 +553,19 @@ fn builder_graph_equals_captured_graph_equals_eager() {
     assert!(max_rel(&eager, &want) < 1e-6);
     // Validation: unknown dependency, oversized block.
     let mut bad = GraphBuilder::new(&dev);
-    let first = bad.kernel(&fwd, one, args![&db], &[]).unwrap();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    let first = unsafe { bad.kernel(&fwd, one, args![&db], &[]) }.unwrap();
     let mut other = GraphBuilder::new(&dev);
-    other.kernel(&fwd, one, args![&db], &[]).unwrap();
-    let second = other.kernel(&fwd, one, args![&db], &[]).unwrap();
-    let err = bad
-        .kernel(&fwd, one, args![&db], &[first, second])
-        .unwrap_err();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    unsafe { other.kernel(&fwd, one, args![&db], &[]) }.unwrap();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    let second = unsafe { other.kernel(&fwd, one, args![&db], &[]) }.unwrap();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    let err = unsafe { bad.kernel(&fwd, one, args![&db], &[first, second]) }.unwrap_err();
     assert!(matches!(err, Error::InvalidGraph { .. }), "{err}");
-    let err = bad
-        .kernel(&fwd, LaunchConfig::linear(1, 2048), args![&db], &[])
-        .unwrap_err();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    let err =
+        unsafe { bad.kernel(&fwd, LaunchConfig::linear(1, 2048), args![&db], &[]) }.unwrap_err();
     assert!(matches!(err, Error::InvalidLaunch { .. }), "{err}");
     assert!(matches!(
         GraphBuilder::new(&dev).build().unwrap_err(),
@@ -547,7 +576,8 @@ fn builder_graph_equals_captured_graph_equals_eager() {
     let out = s.alloc_zeroed::<f32>(1024).unwrap();
     let mut b = GraphBuilder::new(&dev);
     let fill = b.fill32(&data, 0, 1024, 1.0f32, &[]).unwrap();
-    let f = b.kernel(&fwd, one, args![&data], &[fill]).unwrap();
+    // SAFETY: kernel_forward/backward touch only element threadIdx.x < 1024 of the buffer.
+    let f = unsafe { b.kernel(&fwd, one, args![&data], &[fill]) }.unwrap();
     b.copy(&data, &out, &[f]).unwrap();
     let g = b.build().unwrap();
     assert_eq!(
@@ -571,7 +601,8 @@ fn bounded_pool_overflow_fails_the_capture_cleanly() {
     let x = s.alloc_from_host(&input(1024, 11)).unwrap();
     let err = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let big = cs.alloc::<f32>(2 << 20)?; // 8 MiB > 4 MiB limit
-        cs.launch(&k.scale_into, cfg(1024), args![&x, &big, 1.0f32, 1024i32])?;
+                                             // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(1024), args![&x, &big, 1.0f32, 1024i32])? };
         Ok(big)
     })
     .unwrap_err();
@@ -583,7 +614,8 @@ fn bounded_pool_overflow_fails_the_capture_cleanly() {
     // Within the limit it works.
     let (g, y) = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let y = cs.alloc::<f32>(1024)?;
-        cs.launch(&k.scale_into, cfg(1024), args![&x, &y, 3.0f32, 1024i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(1024), args![&x, &y, 3.0f32, 1024i32])? };
         Ok(y)
     })
     .unwrap();
@@ -703,7 +735,8 @@ fn rebind_swaps_buffers_without_recapture() {
     let out = s.alloc_zeroed::<f32>(n).unwrap();
     let (mut g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         let t = cs.alloc::<f32>(n)?;
-        cs.launch(&k.scale_into, cfg(n), args![&x, &t, 3.0f32, n as i32])?;
+        // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+        unsafe { cs.launch(&k.scale_into, cfg(n), args![&x, &t, 3.0f32, n as i32])? };
         cs.copy(&t, &out)
     })
     .unwrap();
@@ -806,8 +839,11 @@ fn pinned_scope_transfers_round_trip_and_check_sizes() {
     let y = s.alloc::<f32>(n).unwrap();
     s.pinned_scope(|sc| {
         sc.upload(&host_in, &x)?;
-        sc.stream()
-            .launch(&k.scale_into, cfg(n), args![&x, &y, 2.0f32, n as i32])?;
+        // SAFETY: scale_into writes y[0..n) from x[0..n); both hold n elements.
+        unsafe {
+            sc.stream()
+                .launch(&k.scale_into, cfg(n), args![&x, &y, 2.0f32, n as i32])?
+        };
         sc.download(&y, &mut host_out)
     })
     .unwrap();

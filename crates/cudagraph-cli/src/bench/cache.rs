@@ -71,7 +71,8 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
     // Eager: the model on each request's rows, output kept as a new buffer.
     let eager_once = |rows: usize| -> AnyResult<()> {
         no_grad(|| {
-            let t = Tensor::from_buffer(std::rc::Rc::new(x.prefix(rows * 1024)?), &[rows, 1024])?;
+            let t =
+                Tensor::from_buffer(std::sync::Arc::new(x.prefix(rows * 1024)?), &[rows, 1024])?;
             model.forward(&s, &t)?;
             Ok::<_, cudagraph_nn::NnError>(())
         })?;

@@ -67,8 +67,17 @@ fn launch_chain<Q: Queue>(
     k: usize,
 ) -> Result<()> {
     let cfg = LaunchConfig::linear(1, N as u32);
+    if x.len() < N {
+        return Err(cudagraph::Error::SizeMismatch {
+            what: "chain buffer",
+            expected: N,
+            got: x.len(),
+        });
+    }
     for _ in 0..k {
-        q.launch(f, cfg, args![x, N as i32])?;
+        // SAFETY: the chain kernel touches x[threadIdx.x] for threadIdx.x < n = N, and x holds
+        // at least N elements (checked above).
+        unsafe { q.launch(f, cfg, args![x, N as i32])? };
     }
     Ok(())
 }

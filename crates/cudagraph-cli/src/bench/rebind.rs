@@ -2,11 +2,11 @@
 //! at batch 32: copy into the static input then replay; rebind the graph to the new buffer
 //! (executable-graph update, no copy) then replay; capture and instantiate a new graph.
 
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Args;
-use cudagraph::{CaptureOptions, Device, Graph, Queue};
+use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
 use cudagraph_nn::{no_grad, Module, Rng, Tensor};
 
 use crate::bench::workloads::seed_mlp;
@@ -31,7 +31,7 @@ pub fn run(ordinal: usize, a: &RebindArgs) -> AnyResult<()> {
     let inputs: Vec<_> = (0..2)
         .map(|_| s.alloc_from_host(&rng.vec_normal(bs * 1024)))
         .collect::<Result<_, _>>()?;
-    let static_in = Rc::new(s.alloc_zeroed::<f32>(bs * 1024)?);
+    let static_in = Arc::new(s.alloc_zeroed::<f32>(bs * 1024)?);
     let x = Tensor::from_buffer(static_in.clone(), &[bs, 1024])?;
     let (mut g, _y) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
         Ok(no_grad(|| model.forward(cs, &x))?)
@@ -78,7 +78,7 @@ pub fn run(ordinal: usize, a: &RebindArgs) -> AnyResult<()> {
     )?;
     let mut s2 = dev.new_stream()?;
     let recapture_once = |s2: &mut cudagraph::Stream, i: usize| -> AnyResult<()> {
-        let xi = Tensor::from_buffer(Rc::new(inputs[i % 2].alias()), &[bs, 1024])?;
+        let xi = Tensor::from_buffer(Arc::new(inputs[i % 2].alias()), &[bs, 1024])?;
         let (g2, _y2) = Graph::capture(s2, CaptureOptions::new(), |cs| {
             Ok(no_grad(|| model.forward(cs, &xi))?)
         })?;

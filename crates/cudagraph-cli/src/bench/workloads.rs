@@ -13,10 +13,10 @@
 //!
 //! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way.
 
-use std::rc::Rc;
+use std::sync::Arc;
 
 use clap::Args;
-use cudagraph::{CaptureOptions, Device, Graph, Queue, StaticGraph, Stream};
+use cudagraph::{CaptureOptions, Device, Graph, QueueExt, StaticGraph, Stream};
 use cudagraph_nn::{
     mse_loss, no_grad, Adam, Conv2d, Layer, Linear, Module, Optimizer, Reduction, Rng, Sequential,
     Sgd, Tensor,
@@ -156,7 +156,7 @@ fn mlp_device(
         })?;
         let eager_peak = dev.memory_stats().peak_allocated - base;
         let static_in = s.alloc_zeroed::<f32>(bs * 1024)?;
-        let sx = Tensor::from_buffer(Rc::new(static_in.alias()), &[bs, 1024])?;
+        let sx = Tensor::from_buffer(Arc::new(static_in.alias()), &[bs, 1024])?;
         let (g, static_out) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
             Ok(no_grad(|| model.forward(cs, &sx))?)
         })?;
@@ -207,7 +207,7 @@ fn mlp_host(
                 let x = sc.stream().alloc::<f32>(bs * 1024)?;
                 sc.upload(&x_pinned, &x)?;
                 let y = no_grad(|| {
-                    model.forward(sc.stream(), &Tensor::from_buffer(Rc::new(x), &[bs, 1024])?)
+                    model.forward(sc.stream(), &Tensor::from_buffer(Arc::new(x), &[bs, 1024])?)
                 })?;
                 sc.download(y.data(), out)
             })?;
@@ -225,14 +225,14 @@ fn mlp_host(
             &[bs * 1024],
             |cs, ins| {
                 no_grad(|| {
-                    let x = Tensor::from_buffer(Rc::new(ins[0].alias()), &[bs, 1024])?;
+                    let x = Tensor::from_buffer(Arc::new(ins[0].alias()), &[bs, 1024])?;
                     Ok(vec![model.forward(cs, &x)?.data().alias()])
                 })
             },
         )?;
         let graph_out = sg.run_to_vecs(&s, &[&xh])?.remove(0);
         // Like PyTorch's pinned host tensor prepared once: the request sits in pinned staging.
-        sg.host_input_mut(0).copy_from_slice(&xh);
+        sg.host_input_mut(0)?.copy_from_slice(&xh);
         let graph = time_us(&s, a.iters, a.repeats, || {
             sg.run_staged(&s)?;
             Ok(())
@@ -264,7 +264,7 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
         };
         let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
         let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
-        let step = |q: &dyn cudagraph_nn::Exec,
+        let step = |q: &dyn cudagraph::Queue,
                     opt: &mut Box<dyn Optimizer>|
          -> cudagraph_nn::Result<Tensor> {
             opt.zero_grad(q, true)?;

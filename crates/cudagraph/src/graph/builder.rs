@@ -7,13 +7,13 @@
 
 use std::sync::Arc;
 
-use super::{Anchor, Graph, GraphMemory};
-use crate::device::{check_device, check_range, Device};
+use super::{Graph, GraphMemory, Keep};
+use crate::device::{check_device, check_range, Arg, Device};
 use crate::error::{Error, Result};
-use crate::memory::Pool;
-use crate::memory::{BlockRef, DeviceBuffer, Elem};
-use crate::runtime::driver::{self, Dims, HostFn, ParamSlot, PinnedAlloc, RawGraph, RawNode};
-use crate::runtime::{Arg, Function, LaunchConfig};
+use crate::memory::{DeviceBuffer, Elem};
+use crate::runtime::graph::{GraphHandle, HostFn, RawNode};
+use crate::runtime::module::ParamValue;
+use crate::runtime::{Function, LaunchConfig};
 
 /// A node added to a [`GraphBuilder`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -22,8 +22,8 @@ pub struct NodeId(usize);
 enum Node {
     Kernel {
         f: Function,
-        dims: Dims,
-        params: Vec<ParamSlot>,
+        cfg: LaunchConfig,
+        params: Vec<ParamValue>,
     },
     Copy {
         dst: u64,
@@ -36,7 +36,8 @@ enum Node {
         words: usize,
     },
     Host(Arc<HostFn>),
-    Child(RawGraph),
+    /// The builder's own copy of the child graph (so the child may be dropped meanwhile).
+    Child(GraphHandle),
 }
 
 /// Builds a graph node by node.
@@ -50,8 +51,9 @@ enum Node {
 /// # let (fwd, bwd) = (m.function("fwd")?, m.function("bwd")?);
 /// let data = stream.alloc_zeroed::<f32>(1024)?;
 /// let mut b = GraphBuilder::new(&dev);
-/// let f = b.kernel(&fwd, LaunchConfig::linear(1, 1024), args![&data], &[])?;
-/// b.kernel(&bwd, LaunchConfig::linear(1, 1024), args![&data], &[f])?; // bwd after fwd
+/// // SAFETY: both kernels only touch data[0..1024), one thread per element.
+/// let f = unsafe { b.kernel(&fwd, LaunchConfig::linear(1, 1024), args![&data], &[])? };
+/// unsafe { b.kernel(&bwd, LaunchConfig::linear(1, 1024), args![&data], &[f])? }; // bwd after fwd
 /// let graph = b.build()?;
 /// graph.replay(&stream)?;
 /// # Ok(()) }
@@ -59,10 +61,7 @@ enum Node {
 pub struct GraphBuilder {
     device: Device,
     nodes: Vec<(Node, Vec<usize>)>,
-    held: Vec<Arc<BlockRef>>,
-    pinned: Vec<Arc<PinnedAlloc>>,
-    extra: Vec<Anchor>,
-    pools: Vec<Pool>,
+    keep: Keep,
 }
 
 impl std::fmt::Debug for GraphBuilder {
@@ -76,10 +75,7 @@ impl GraphBuilder {
         Self {
             device: device.clone(),
             nodes: Vec::new(),
-            held: Vec::new(),
-            pinned: Vec::new(),
-            extra: Vec::new(),
-            pools: Vec::new(),
+            keep: Keep::default(),
         }
     }
 
@@ -101,8 +97,13 @@ impl GraphBuilder {
         NodeId(self.nodes.len() - 1)
     }
 
-    /// Adds a kernel launch that runs after `deps`.
-    pub fn kernel(
+    /// Adds a kernel launch that runs after `deps`. Arguments are checked against the
+    /// kernel's declaration and the shape against its limits, as for [`crate::Queue::launch`].
+    ///
+    /// # Safety
+    /// The contract of [`crate::Queue::launch`]: the kernel touches only memory it reaches
+    /// through its pointer arguments, within those buffers, as the scalars describe.
+    pub unsafe fn kernel(
         &mut self,
         f: &Function,
         cfg: LaunchConfig,
@@ -110,31 +111,27 @@ impl GraphBuilder {
         deps: &[NodeId],
     ) -> Result<NodeId> {
         let deps = self.deps(deps)?;
-        let dims = f.check(cfg)?;
-        if cfg.grid.0 > self.device.info().max_grid_x {
-            return Err(Error::InvalidLaunch {
-                kernel: f.name().to_string(),
-                problem: format!(
-                    "grid x {} exceeds the device limit {}",
-                    cfg.grid.0,
-                    self.device.info().max_grid_x
-                ),
+        if f.ordinal() != self.device.ordinal() {
+            return Err(Error::WrongDevice {
+                what: "kernel",
+                expected: self.device.ordinal(),
+                got: f.ordinal(),
             });
         }
-        for a in args {
-            if let Arg::Ptr {
-                holder: Some(b), ..
-            } = a
-            {
-                check_device(&self.device, b)?;
-                self.held.push((*b).clone());
-            }
+        f.check(cfg, self.device.info().max_grid_x)?;
+        let params: Vec<ParamValue> = args.iter().map(Arg::value).collect();
+        f.check_args(&params)?;
+        for b in args.iter().filter_map(Arg::holder) {
+            check_device(&self.device, b)?;
         }
-        let params = args.iter().map(Arg::slot).collect();
+        for b in args.iter().filter_map(Arg::holder) {
+            self.keep.hold(b);
+        }
+        self.keep.hold_function(f);
         Ok(self.push(
             Node::Kernel {
                 f: f.clone(),
-                dims,
+                cfg,
                 params,
             },
             deps,
@@ -158,8 +155,8 @@ impl GraphBuilder {
         }
         check_device(&self.device, src.block())?;
         check_device(&self.device, dst.block())?;
-        self.held.push(src.block().clone());
-        self.held.push(dst.block().clone());
+        self.keep.hold(src.block());
+        self.keep.hold(dst.block());
         Ok(self.push(
             Node::Copy {
                 dst: dst.addr(),
@@ -189,11 +186,11 @@ impl GraphBuilder {
         }
         check_range("fill node", offset, len, dst.len())?;
         check_device(&self.device, dst.block())?;
-        self.held.push(dst.block().clone());
+        self.keep.hold(dst.block());
         let b = T::as_bytes(std::slice::from_ref(&value));
         Ok(self.push(
             Node::Memset {
-                dst: dst.addr() + (offset * 4) as u64,
+                dst: dst.addr_at(offset)?,
                 value: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
                 words: len,
             },
@@ -210,12 +207,13 @@ impl GraphBuilder {
     ) -> Result<NodeId> {
         let deps = self.deps(deps)?;
         let f = Arc::new(HostFn(Box::new(f)));
-        self.extra.push(f.clone());
+        self.keep.anchors.push(f.clone());
         Ok(self.push(Node::Host(f), deps))
     }
 
-    /// Embeds a copy of `child` (captured or built) as one node. The parent keeps everything
-    /// the child uses alive (buffers, pool, host callbacks).
+    /// Embeds a copy of `child` (captured or built) as one node. The builder takes its own copy
+    /// of the child's graph now, and the parent keeps everything the child uses alive (buffers,
+    /// pool, kernels, host callbacks), so `child` may be dropped before [`Self::build`].
     pub fn child(&mut self, child: &Graph, deps: &[NodeId]) -> Result<NodeId> {
         let deps = self.deps(deps)?;
         if child.device().ordinal() != self.device.ordinal() {
@@ -225,68 +223,57 @@ impl GraphBuilder {
                 got: child.device().ordinal(),
             });
         }
-        let keep = child.keepalive();
-        self.held.extend(keep.held);
-        self.pinned.extend(keep.pinned);
-        self.extra.extend(keep.extra);
-        self.pools.extend(keep.pool);
-        Ok(self.push(Node::Child(child.raw_graph()), deps))
+        let (copy, held, anchors) = child.share_for_child()?;
+        for b in &held {
+            self.keep.hold(b);
+        }
+        self.keep.anchors.extend(anchors);
+        Ok(self.push(Node::Child(copy), deps))
     }
 
     /// Creates the CUDA graph, adds every node with its edges, and instantiates it.
     #[track_caller]
-    pub fn build(mut self) -> Result<Graph> {
+    pub fn build(self) -> Result<Graph> {
         if self.nodes.is_empty() {
             return Err(Error::InvalidGraph {
                 problem: "a graph needs at least one node".into(),
             });
         }
-        self.device.context().bind()?;
         let t0 = std::time::Instant::now();
-        let g = driver::graph_create()?;
-        let guard = DestroyOnError(Some(g));
-        let ctx = self.device.context().handle.raw;
+        let g = GraphHandle::new(self.device.context())?;
         let mut raw: Vec<RawNode> = Vec::with_capacity(self.nodes.len());
         for (node, deps) in &self.nodes {
             let d: Vec<RawNode> = deps.iter().map(|&i| raw[i]).collect();
             let n = match node {
-                Node::Kernel { f, dims, params } => {
-                    driver::graph_add_kernel_node(g, &d, f.raw, *dims, params)?
+                Node::Kernel { f, cfg, params } => {
+                    let dims = f.check(*cfg, self.device.info().max_grid_x)?;
+                    // SAFETY: checked against `f` in `kernel`, whose caller promised the memory
+                    // contract; the graph holds every buffer and the module.
+                    unsafe { g.add_kernel(&d, f, dims, params)? }
                 }
-                Node::Copy { dst, src, bytes } => {
-                    driver::graph_add_memcpy_dtod_node(g, &d, *dst, *src, *bytes, ctx)?
-                }
-                Node::Memset { dst, value, words } => {
-                    driver::graph_add_memset_node(g, &d, *dst, *value, *words, ctx)?
-                }
-                Node::Host(f) => driver::graph_add_host_node(g, &d, f)?,
-                Node::Child(c) => driver::graph_add_child_node(g, &d, *c)?,
+                Node::Copy { dst, src, bytes } => g.add_memcpy_dtod(&d, *dst, *src, *bytes)?,
+                Node::Memset { dst, value, words } => g.add_memset32(&d, *dst, *value, *words)?,
+                // SAFETY: the callback is in `keep.anchors`, which the graph releases only
+                // after its last replay has finished.
+                Node::Host(f) => unsafe { g.add_host(&d, f)? },
+                Node::Child(c) => g.add_child(&d, c)?,
             };
             raw.push(n);
         }
-        let g = guard.defuse();
-        self.held.sort_by_key(|b| b.addr());
-        self.held.dedup_by_key(|b| b.addr());
+        let types = g.node_types()?;
         let memory = GraphMemory {
-            external_held: self.held.iter().map(|b| b.size()).sum(),
+            external_held: self.keep.held.iter().map(|b| b.size()).sum(),
             ..Default::default()
         };
-        let mut graph = Graph::instantiate(
+        Graph::instantiate(
             &self.device,
             g,
+            types,
             None,
-            std::mem::take(&mut self.held),
-            std::mem::take(&mut self.pinned),
+            self.keep,
             t0.elapsed(),
             memory,
-        )?;
-        for x in self.extra.drain(..) {
-            graph.keep(x);
-        }
-        for p in self.pools.drain(..) {
-            graph.keep(Arc::new(p.pin()));
-        }
-        Ok(graph)
+        )
     }
 }
 
@@ -311,22 +298,6 @@ pub(crate) fn check_deps(existing: usize, deps: &[NodeId]) -> Result<Vec<usize>>
         out.push(d.0);
     }
     Ok(out)
-}
-
-struct DestroyOnError(Option<RawGraph>);
-
-impl DestroyOnError {
-    fn defuse(mut self) -> RawGraph {
-        self.0.take().expect("set at creation")
-    }
-}
-
-impl Drop for DestroyOnError {
-    fn drop(&mut self) {
-        if let Some(g) = self.0.take() {
-            driver::graph_destroy(g);
-        }
-    }
 }
 
 #[cfg(test)]

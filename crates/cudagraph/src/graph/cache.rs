@@ -14,7 +14,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{CaptureMode, CaptureOptions, Graph};
-use crate::device::{Device, Queue, Stream};
+use crate::device::{Device, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem, Pool};
 
@@ -28,12 +28,21 @@ pub trait BatchModel {
     fn output_row(&self) -> usize;
     /// Runs on `input` (exactly `rows * input_row()` elements), returning
     /// `rows * output_row()` elements.
-    fn forward<Q: Queue>(
+    fn forward(
         &self,
-        q: &Q,
+        q: &dyn Queue,
         input: &DeviceBuffer<Self::In>,
         rows: usize,
     ) -> Result<DeviceBuffer<Self::Out>>;
+}
+
+/// `rows * row` elements, or the typed error when that does not fit.
+fn elems(what: &'static str, rows: usize, row: usize) -> Result<usize> {
+    rows.checked_mul(row).ok_or(Error::SizeOverflow {
+        what,
+        count: rows,
+        elem_size: row,
+    })
 }
 
 /// Which batch sizes to capture.
@@ -199,7 +208,8 @@ impl<M: BatchModel> GraphCache<M> {
             });
         };
         let device = stream.device().clone();
-        let input = stream.alloc_zeroed::<M::In>(max * model.input_row())?;
+        let input =
+            stream.alloc_zeroed::<M::In>(elems("graph cache input", max, model.input_row())?)?;
         let mut cache = Self {
             pool: device.graph_pool_handle(),
             device,
@@ -220,7 +230,9 @@ impl<M: BatchModel> GraphCache<M> {
     }
 
     fn capture(&mut self, stream: &mut Stream, size: usize) -> Result<()> {
-        let input = self.input.prefix(size * self.model.input_row())?;
+        let input = self
+            .input
+            .prefix(elems("graph cache input", size, self.model.input_row())?)?;
         let model = &self.model;
         let opts = CaptureOptions::new()
             .pool(&self.pool)
@@ -288,10 +300,12 @@ impl<M: BatchModel> GraphCache<M> {
         rows: usize,
     ) -> Result<(DeviceBuffer<M::Out>, Served)> {
         let (irow, orow) = (self.model.input_row(), self.model.output_row());
-        if input.len() < rows * irow {
+        let in_len = elems("graph cache request", rows, irow)?;
+        let out_len = elems("graph cache request", rows, orow)?;
+        if input.len() < in_len {
             return Err(Error::SizeMismatch {
                 what: "graph cache input",
-                expected: rows * irow,
+                expected: in_len,
                 got: input.len(),
             });
         }
@@ -299,25 +313,24 @@ impl<M: BatchModel> GraphCache<M> {
         self.stats.rows += rows as u64;
         let Some(size) = bucket_for(&self.sizes, rows) else {
             self.stats.fallbacks += 1;
-            let out = self
-                .model
-                .forward(&*stream, &input.prefix(rows * irow)?, rows)?;
+            let out = self.model.forward(&*stream, &input.prefix(in_len)?, rows)?;
             return Ok((out, Served::Fallback));
         };
         if !self.entries.contains_key(&size) {
             self.capture(stream, size)?;
         }
-        stream.copy_range(input, 0, &self.input, 0, rows * irow)?;
+        stream.copy_range(input, 0, &self.input, 0, in_len)?;
         if size > rows {
-            stream.memset_zero_range(&self.input, rows * irow, (size - rows) * irow)?;
+            // size * irow fits: the static input holds the largest bucket.
+            stream.memset_zero_range(&self.input, in_len, (size - rows) * irow)?;
         }
         self.clock += 1;
         let entry = self.entries.get_mut(&size).expect("captured above");
         entry.last_used = self.clock;
         entry.hits += 1;
         entry.graph.replay(stream)?;
-        let out = stream.alloc::<M::Out>(rows * orow)?;
-        stream.copy_range(&entry.output, 0, &out, 0, rows * orow)?;
+        let out = stream.alloc::<M::Out>(out_len)?;
+        stream.copy_range(&entry.output, 0, &out, 0, out_len)?;
         let served = if size == rows {
             self.stats.exact += 1;
             Served::Exact { size }

@@ -4,10 +4,16 @@
 //!
 //! Safety by construction:
 //! - the capture closure only gets a [`CaptureStream`], which has no synchronising or
-//!   device-to-host method (the stream itself is borrowed mutably for the whole capture);
+//!   device-to-host method, and whose library view ([`crate::StreamRef`]) cannot wait either
+//!   (the stream itself is borrowed mutably for the whole capture);
 //! - every allocation inside the closure comes from the graph's pool;
-//! - a graph holds its pool and every buffer from outside the capture that it uses, so dropping
-//!   user handles can never leave a dangling address in a graph;
+//! - a graph holds its pool and every buffer, kernel module and host callback it uses, so
+//!   dropping user handles can never leave a dangling address in a graph;
+//! - a graph never releases anything while a replay may still run: each replay records an
+//!   event, and dropping the graph (or rebinding away from a buffer) waits for it — or, where
+//!   waiting is not allowed (on a thread that is capturing), hands the resources to a
+//!   deferred-release list drained once the event has completed;
+//! - the driver's graph objects are not thread-safe, so a graph serialises its own calls;
 //! - a capture that fails for any reason (the closure's error, a panic, or the driver
 //!   invalidating it) is ended and discarded: the stream and the pool are usable afterwards.
 
@@ -16,13 +22,14 @@ pub mod cache;
 pub mod planner;
 mod static_io;
 
-use std::cell::RefCell;
+use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::fmt;
 use std::panic::Location;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub use builder::{GraphBuilder, NodeId};
@@ -33,34 +40,11 @@ pub use cache::{
 pub use planner::{plan_capture_sizes, CapturePlan, GraphCost, SizeHistogram};
 pub use static_io::{Outputs, StaticGraph};
 
-use crate::device::{Device, Queue, Stream};
+use crate::device::{check_device, Anchor, Device, Queue, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{BlockRef, DeviceBuffer, Elem, Pool, PoolId, PoolPin, WindowStats};
-use crate::runtime::driver::{self, PinnedAlloc, RawGraph, RawGraphExec, RawStream};
-use crate::runtime::StreamHandle;
-
-/// How strictly the driver polices other CUDA calls while a capture is open.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CaptureMode {
-    /// Any potentially unsafe call (synchronisation, cuMemAlloc, legacy-stream work) from any
-    /// thread invalidates the capture. The safest choice, and PyTorch's default.
-    #[default]
-    Global,
-    /// Only unsafe calls from the capturing thread invalidate it.
-    ThreadLocal,
-    /// No call is policed; you are responsible for not synchronising on captured work.
-    Relaxed,
-}
-
-impl CaptureMode {
-    fn raw(self) -> u32 {
-        match self {
-            CaptureMode::Global => 0,
-            CaptureMode::ThreadLocal => 1,
-            CaptureMode::Relaxed => 2,
-        }
-    }
-}
+use crate::runtime::graph::{self as raw, ExecHandle, GraphHandle, Remap};
+use crate::runtime::{CaptureMode, Event, Function, StreamHandle, StreamRef};
 
 /// Options for [`Graph::capture`].
 #[derive(Clone, Debug, Default)]
@@ -71,7 +55,7 @@ pub struct CaptureOptions {
 }
 
 impl CaptureOptions {
-    /// A private pool, global mode, no upload.
+    /// A private pool, thread-local mode, no upload.
     pub fn new() -> Self {
         Self::default()
     }
@@ -82,6 +66,7 @@ impl CaptureOptions {
         self
     }
 
+    /// How strictly the driver polices other calls during the capture (see [`CaptureMode`]).
     pub fn mode(mut self, mode: CaptureMode) -> Self {
         self.mode = mode;
         self
@@ -97,6 +82,38 @@ impl CaptureOptions {
 
 static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
 
+thread_local! {
+    /// Captures open on this thread: while any is, the thread must not wait on the device.
+    static OPEN_CAPTURES: Cell<usize> = const { Cell::new(0) };
+}
+
+fn capturing_here() -> bool {
+    OPEN_CAPTURES.with(|c| c.get() > 0)
+}
+
+/// What a graph keeps alive.
+#[derive(Default)]
+struct Keep {
+    held: Vec<Arc<BlockRef>>,
+    held_set: HashSet<usize>,
+    anchors: Vec<Anchor>,
+    functions: HashSet<usize>,
+}
+
+impl Keep {
+    fn hold(&mut self, block: &Arc<BlockRef>) {
+        if self.held_set.insert(Arc::as_ptr(block) as usize) {
+            self.held.push(block.clone());
+        }
+    }
+
+    fn hold_function(&mut self, f: &Function) {
+        if self.functions.insert(f.raw.0 as usize) {
+            self.anchors.push(Arc::new(f.clone()));
+        }
+    }
+}
+
 /// The stream handed to a capture closure. It implements [`Queue`] (allocate, launch, copy,
 /// fill) and nothing else: no synchronisation and no device-to-host reads, so those mistakes
 /// do not compile.
@@ -104,9 +121,7 @@ pub struct CaptureStream<'s> {
     stream: &'s Stream,
     pool: Pool,
     id: u64,
-    held: RefCell<Vec<Arc<BlockRef>>>,
-    held_addrs: RefCell<HashSet<u64>>,
-    pub(super) pinned: RefCell<Vec<Arc<PinnedAlloc>>>,
+    keep: RefCell<Keep>,
 }
 
 impl fmt::Debug for CaptureStream<'_> {
@@ -120,15 +135,6 @@ impl CaptureStream<'_> {
     pub fn pool(&self) -> &Pool {
         &self.pool
     }
-
-    /// This capture's id (blocks allocated in it carry it).
-    pub fn capture_id(&self) -> u64 {
-        self.id
-    }
-
-    pub(super) fn raw(&self) -> RawStream {
-        self.stream.handle.raw
-    }
 }
 
 impl Queue for CaptureStream<'_> {
@@ -136,34 +142,35 @@ impl Queue for CaptureStream<'_> {
         self.stream.device()
     }
 
-    fn stream_handle(&self) -> &StreamHandle {
-        &self.stream.handle
-    }
-
-    #[track_caller]
-    fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let block = self.pool.allocator().allocate(
-            len * std::mem::size_of::<T>(),
-            self.pool.id(),
-            0,
-            self.id,
-        )?;
-        Ok(DeviceBuffer::from_block(block, len))
-    }
-
-    fn hold(&self, block: &Arc<BlockRef>) {
-        // Blocks of this capture's own pool live as long as the pool, which the graph holds;
-        // anything else (weights, static inputs in the default pool) is kept by the graph.
-        if block.is_in(&self.pool) {
-            return;
-        }
-        if self.held_addrs.borrow_mut().insert(block.addr()) {
-            self.held.borrow_mut().push(block.clone());
-        }
+    fn stream_handle(&self) -> StreamRef<'_> {
+        self.stream.handle.as_ref()
     }
 
     fn capture_id(&self) -> Option<u64> {
         Some(self.id)
+    }
+
+    #[track_caller]
+    fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> {
+        let alloc = self.pool.allocator();
+        let a = alloc.allocate(bytes, self.pool.id(), 0)?;
+        Ok(BlockRef::from_allocation(alloc, a, 0, self.id))
+    }
+
+    fn use_block(&self, block: &Arc<BlockRef>) {
+        // Blocks of this capture's own pool live as long as the pool, which the graph holds;
+        // anything else (weights, static inputs in the default pool) is kept by the graph.
+        if !block.is_in(&self.pool) {
+            self.keep.borrow_mut().hold(block);
+        }
+    }
+
+    fn keep_alive(&self, anchor: Anchor) {
+        self.keep.borrow_mut().anchors.push(anchor);
+    }
+
+    fn hold_function(&self, f: &Function) {
+        self.keep.borrow_mut().hold_function(f);
     }
 }
 
@@ -231,16 +238,31 @@ pub struct GraphInfo {
     pub memory: GraphMemory,
 }
 
+/// The driver objects of a graph; every call on them goes through this mutex.
+struct Exec {
+    graph: GraphHandle,
+    exec: ExecHandle,
+}
+
+/// Everything a graph releases when it goes, in one value so it can be handed to the
+/// deferred-release list whole.
+struct Resources {
+    exec: Exec,
+    held: Vec<Arc<BlockRef>>,
+    anchors: Vec<Anchor>,
+    /// Keeps the pool's segments mapped while the graph exists.
+    _pin: Option<PoolPin>,
+}
+
 /// A captured (or built) and instantiated CUDA graph.
 pub struct Graph {
-    exec: RawGraphExec,
-    graph: RawGraph,
+    res: Option<Mutex<Resources>>,
+    /// Recorded after every replay: completes once the last replay (and, since launches of one
+    /// executable graph are ordered, every earlier one) has finished.
+    done: Event,
+    replayed: AtomicBool,
     device: Device,
-    _pin: Option<PoolPin>,
-    _held: Vec<Arc<BlockRef>>,
-    _pinned: Vec<Arc<PinnedAlloc>>,
-    /// Host callbacks and pool pins of hand-built graphs (host nodes, child graphs).
-    _extra: Vec<Anchor>,
+    pool: Option<Pool>,
     info: GraphInfo,
     replays: AtomicU64,
     rebinds: u64,
@@ -277,50 +299,93 @@ impl fmt::Debug for Graph {
     }
 }
 
+/// Resources waiting for a replay to finish before they may be released.
+struct Retired {
+    done: Event,
+    _what: Box<dyn Any + Send>,
+}
+
+static RETIRED: Mutex<Vec<Retired>> = Mutex::new(Vec::new());
+static RETIRED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Releases `what` once `done` has completed: now if it has, after waiting if this thread may
+/// wait, else later (see [`drain_retired`]).
+fn retire(done: &Event, what: Box<dyn Any + Send>) {
+    if done.query().unwrap_or(true) {
+        return;
+    }
+    if !capturing_here() {
+        // An error means the context is lost and nothing runs any more.
+        let _ = done.synchronize();
+        return;
+    }
+    let mut r = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
+    r.push(Retired {
+        done: done.clone(),
+        _what: what,
+    });
+    RETIRED_COUNT.store(r.len(), Ordering::Release);
+}
+
+/// Releases retired resources whose replays have finished. Cheap when there are none.
+pub(crate) fn drain_retired() {
+    if RETIRED_COUNT.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    let done: Vec<Retired> = {
+        let mut r = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
+        let (done, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut *r)
+            .into_iter()
+            .partition(|x| x.done.query().unwrap_or(true));
+        *r = keep;
+        RETIRED_COUNT.store(r.len(), Ordering::Release);
+        done
+    };
+    drop(done);
+}
+
 impl Drop for Graph {
     fn drop(&mut self) {
-        if self.device.context().bind().is_ok() {
-            driver::graph_exec_destroy(self.exec);
-            driver::graph_destroy(self.graph);
+        let Some(res) = self.res.take() else { return };
+        let res = res.into_inner().unwrap_or_else(|p| p.into_inner());
+        if self.replayed.load(Ordering::Acquire) {
+            retire(&self.done, Box::new(res));
         }
     }
 }
 
-/// Anything a graph keeps alive besides buffers (host callbacks, pool pins).
-pub(crate) type Anchor = Arc<dyn std::any::Any + Send + Sync>;
-
-/// What a graph keeps alive, handed to a parent graph that embeds it.
-pub(crate) struct KeepAlive {
-    pub(crate) held: Vec<Arc<BlockRef>>,
-    pub(crate) pinned: Vec<Arc<PinnedAlloc>>,
-    pub(crate) extra: Vec<Anchor>,
-    pub(crate) pool: Option<Pool>,
-}
-
-/// Ends a capture that is still open when it goes out of scope (error or panic in the closure).
-struct OpenCapture {
-    raw: RawStream,
+/// Ends a capture that is still open when it goes out of scope (error or panic in the closure),
+/// and closes the pool's capture window.
+struct OpenCapture<'a> {
+    stream: &'a StreamHandle,
     pool: Pool,
-    open: bool,
+    capturing: bool,
     window: Option<WindowStats>,
 }
 
-impl OpenCapture {
-    fn end(&mut self) -> Result<RawGraph> {
-        self.open = false;
-        let ended = driver::stream_end_capture(self.raw);
-        self.window = Some(self.pool.allocator().lock().close_window(self.pool.id()));
+impl OpenCapture<'_> {
+    fn end(&mut self) -> Result<GraphHandle> {
+        self.capturing = false;
+        let ended = self.stream.end_capture();
+        self.close_window();
         ended
+    }
+
+    fn close_window(&mut self) {
+        if self.window.is_none() {
+            self.window = Some(self.pool.allocator().close_window(self.pool.id()));
+            OPEN_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
+        }
     }
 }
 
-impl Drop for OpenCapture {
+impl Drop for OpenCapture<'_> {
     fn drop(&mut self) {
-        if self.open {
-            if let Ok(g) = self.end() {
-                driver::graph_destroy(g);
-            }
+        if self.capturing {
+            // Discard whatever was captured; the stream leaves capture mode either way.
+            let _ = self.end();
         }
+        self.close_window();
     }
 }
 
@@ -331,6 +396,7 @@ impl Graph {
     /// from inside `f`. Returns the graph and whatever `f` returned (typically output buffers,
     /// which live in the graph's pool). On any failure the capture is discarded and the stream
     /// and pool stay usable; the error names this call site and, inside it, the failing call.
+    /// A closure that issues no work gives [`Error::EmptyCapture`].
     ///
     /// ```no_run
     /// # use cudagraph::*;
@@ -342,7 +408,8 @@ impl Graph {
     ///     .function("scale")?;
     /// let x = stream.alloc_from_host(&[1.0f32; 1024])?;
     /// let (graph, ()) = Graph::capture(&mut stream, CaptureOptions::new(), |cs| {
-    ///     cs.launch(&k, LaunchConfig::for_elements(1024, 256), args![&x, 1024i32])
+    ///     // SAFETY: `scale` writes x[0..n) with n = x.len().
+    ///     unsafe { cs.launch(&k, LaunchConfig::for_elements(1024, 256), args![&x, 1024i32]) }
     /// })?;
     /// graph.replay(&stream)?;
     /// assert_eq!(stream.to_vec(&x)?[0], 2.0);
@@ -360,6 +427,7 @@ impl Graph {
             source: Box::new(e),
         };
         device.context().bind().map_err(wrap)?;
+        drain_retired();
         let pool = opts
             .pool
             .clone()
@@ -372,7 +440,7 @@ impl Graph {
             });
         }
         let reserved_before = pool.stats().reserved;
-        if !pool.allocator().lock().open_window(pool.id()) {
+        if !pool.allocator().open_window(pool.id()) {
             return Err(wrap(Error::InvalidGraph {
                 problem: format!(
                     "{} is already being captured into by another capture",
@@ -380,35 +448,26 @@ impl Graph {
                 ),
             }));
         }
-        let raw = stream.handle.raw;
+        OPEN_CAPTURES.with(|c| c.set(c.get() + 1));
         let mut open = OpenCapture {
-            raw,
+            stream: &stream.handle,
             pool: pool.clone(),
-            open: false,
+            capturing: false,
             window: None,
         };
         let t0 = Instant::now();
-        if let Err(e) = driver::stream_begin_capture(raw, opts.mode.raw()) {
-            pool.allocator().lock().close_window(pool.id());
-            return Err(wrap(e));
-        }
-        open.open = true;
+        stream.handle.begin_capture(opts.mode).map_err(wrap)?;
+        open.capturing = true;
         let cs = CaptureStream {
             stream,
             pool: pool.clone(),
             id: CAPTURE_IDS.fetch_add(1, Ordering::Relaxed),
-            held: RefCell::new(Vec::new()),
-            held_addrs: RefCell::new(HashSet::new()),
-            pinned: RefCell::new(Vec::new()),
+            keep: RefCell::new(Keep::default()),
         };
         let result = f(&cs);
         let ended = open.end();
-        let raw_graph = match (result, ended) {
-            (Err(e), Ok(g)) => {
-                driver::graph_destroy(g);
-                return Err(wrap(e));
-            }
-            (Err(e), Err(_)) => return Err(wrap(e)),
+        let (value, g) = match (result, ended) {
+            (Err(e), _) => return Err(wrap(e)),
             (Ok(_), Err(e)) => {
                 return Err(Error::CaptureInvalidated {
                     at,
@@ -417,67 +476,52 @@ impl Graph {
             }
             (Ok(t), Ok(g)) => (t, g),
         };
-        let (value, g) = raw_graph;
         let capture_time = t0.elapsed();
         let window = open.window.take().unwrap_or_default();
-        let held = cs.held.into_inner();
-        let pinned = cs.pinned.into_inner();
-        let external_held = held.iter().map(|b| b.size()).sum();
+        let keep = cs.keep.into_inner();
         let memory = GraphMemory {
             pool: pool.id(),
             peak_allocated: window.peak_allocated,
             live_at_end: window.live_at_end,
             reserved_growth: pool.stats().reserved.saturating_sub(reserved_before),
-            external_held,
+            external_held: keep.held.iter().map(|b| b.size()).sum(),
         };
-        let graph = Self::instantiate(
-            &device,
-            g,
-            Some(pool.pin()),
-            held,
-            pinned,
-            capture_time,
-            memory,
-        )?;
+        let types = g.node_types().map_err(wrap)?;
+        if types.is_empty() {
+            return Err(Error::EmptyCapture { at });
+        }
+        let graph = Self::instantiate(&device, g, types, Some(pool), keep, capture_time, memory)
+            .map_err(wrap)?;
         if opts.upload {
             graph.upload(stream)?;
         }
         Ok((graph, value))
     }
 
-    /// Instantiates a raw graph this value will own (and destroy).
-    pub(crate) fn instantiate(
+    /// Instantiates a raw graph this value will own.
+    fn instantiate(
         device: &Device,
-        g: RawGraph,
-        pin: Option<PoolPin>,
-        held: Vec<Arc<BlockRef>>,
-        pinned: Vec<Arc<PinnedAlloc>>,
+        g: GraphHandle,
+        types: Vec<u32>,
+        pool: Option<Pool>,
+        keep: Keep,
         capture_time: Duration,
         memory: GraphMemory,
     ) -> Result<Self> {
         let t1 = Instant::now();
-        let types = match driver::graph_node_types(g) {
-            Ok(t) => t,
-            Err(e) => {
-                driver::graph_destroy(g);
-                return Err(e);
-            }
-        };
-        let exec = match driver::graph_instantiate(g) {
-            Ok(e) => e,
-            Err(e) => {
-                driver::graph_destroy(g);
-                return Err(e);
-            }
-        };
+        let exec = g.instantiate()?;
+        let done = device.new_event(false)?;
         Ok(Graph {
-            exec,
-            graph: g,
+            res: Some(Mutex::new(Resources {
+                exec: Exec { graph: g, exec },
+                held: keep.held,
+                anchors: keep.anchors,
+                _pin: pool.as_ref().map(Pool::pin),
+            })),
+            done,
+            replayed: AtomicBool::new(false),
             device: device.clone(),
-            _pin: pin,
-            _held: held,
-            _pinned: pinned,
-            _extra: Vec::new(),
+            pool,
             info: GraphInfo {
                 nodes: NodeCounts::from_types(&types),
                 capture_time,
@@ -490,11 +534,21 @@ impl Graph {
         })
     }
 
+    fn lock(&self) -> MutexGuard<'_, Resources> {
+        self.res
+            .as_ref()
+            .expect("resources live until drop")
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Makes the graph use `new` wherever it used `old` (same length): kernel arguments, copy
     /// and memset nodes are rewritten and the executable graph is updated in place, without a
     /// capture or a copy into a static buffer. When the driver refuses the update, the graph
     /// is re-instantiated instead (reported in the outcome and counted). The graph keeps `new`
-    /// alive from now on.
+    /// alive from now on, and lets go of every buffer no node refers to any more (after the
+    /// last replay that may use it has finished), so rebinding to fresh buffers keeps memory
+    /// flat.
     ///
     /// Rebinding is for buffers the graph reads or writes as a whole (inputs, outputs,
     /// weights). Pointers the graph computed from `old` at capture time but did not receive as
@@ -523,53 +577,71 @@ impl Graph {
                     got: new.len(),
                 });
             }
-            crate::device::check_device(&self.device, new.block())?;
-            remaps.push(driver::Remap {
+            check_device(&self.device, new.block())?;
+            remaps.push(Remap {
                 old: old.addr(),
                 len: old.bytes().max(1) as u64,
                 new: new.addr(),
             });
         }
         self.device.context().bind()?;
-        let ctx = self.device.context().handle.raw;
-        let r = driver::graph_rebind(self.graph, self.exec, ctx, &remaps)?;
+        let done = self.done.clone();
+        let replayed = self.replayed.load(Ordering::Acquire);
+        let mut res = self.lock();
+        let r = raw::rebind(&res.exec.graph, &res.exec.exec, &remaps)?;
         for (_, new) in pairs {
-            if !self._held.iter().any(|b| b.addr() == new.addr()) {
-                self._held.push(new.block().clone());
+            if !res.held.iter().any(|b| Arc::ptr_eq(b, new.block())) && !self.in_own_pool(new) {
+                res.held.push(new.block().clone());
             }
         }
-        self.rebinds += 1;
-        if r.exec_updated {
-            return Ok(RebindOutcome::Updated {
-                nodes: r.nodes_changed,
+        // Let go of every held block no node refers to any more.
+        let (keep, released): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut res.held).into_iter().partition(|b| {
+                r.referenced
+                    .range(b.addr()..b.addr().saturating_add(b.size() as u64))
+                    .next()
+                    .is_some()
             });
+        res.held = keep;
+        let outcome = if r.exec_updated {
+            RebindOutcome::Updated {
+                nodes: r.nodes_changed,
+            }
+        } else {
+            let exec = res.exec.graph.instantiate()?;
+            let old = std::mem::replace(&mut res.exec.exec, exec);
+            if replayed {
+                retire(&done, Box::new(old));
+            }
+            RebindOutcome::Reinstantiated {
+                nodes: r.nodes_changed,
+            }
+        };
+        drop(res);
+        if matches!(outcome, RebindOutcome::Reinstantiated { .. }) {
+            self.reinstantiations += 1;
         }
-        let exec = driver::graph_instantiate(self.graph)?;
-        driver::graph_exec_destroy(self.exec);
-        self.exec = exec;
-        self.reinstantiations += 1;
-        Ok(RebindOutcome::Reinstantiated {
-            nodes: r.nodes_changed,
-        })
-    }
-
-    /// Keeps `thing` alive as long as this graph (host callbacks, child graphs' pools).
-    pub(crate) fn keep(&mut self, thing: Anchor) {
-        self._extra.push(thing);
-    }
-
-    /// Everything this graph keeps alive, for a parent graph that embeds it as a child.
-    pub(crate) fn keepalive(&self) -> KeepAlive {
-        KeepAlive {
-            held: self._held.clone(),
-            pinned: self._pinned.clone(),
-            extra: self._extra.clone(),
-            pool: self._pin.as_ref().map(|p| p.pool().clone()),
+        if replayed && !released.is_empty() {
+            retire(&done, Box::new(released));
         }
+        self.rebinds += 1;
+        Ok(outcome)
     }
 
-    pub(crate) fn raw_graph(&self) -> RawGraph {
-        self.graph
+    fn in_own_pool<T: Elem>(&self, b: &DeviceBuffer<T>) -> bool {
+        self.pool.as_ref().is_some_and(|p| b.block().is_in(p))
+    }
+
+    /// Everything this graph keeps alive, for a parent graph that embeds it as a child: a copy
+    /// of its `CUgraph` (the parent's builder owns it) and shared handles to its resources.
+    pub(crate) fn share_for_child(&self) -> Result<(GraphHandle, Vec<Arc<BlockRef>>, Vec<Anchor>)> {
+        let res = self.lock();
+        let copy = res.exec.graph.try_clone()?;
+        let mut anchors = res.anchors.clone();
+        if let Some(p) = &self.pool {
+            anchors.push(Arc::new(p.pin()));
+        }
+        Ok((copy, res.held.clone(), anchors))
     }
 
     /// (rebinds, of which re-instantiations) so far.
@@ -577,40 +649,47 @@ impl Graph {
         (self.rebinds, self.reinstantiations)
     }
 
-    /// Launches the whole graph on `stream` (one driver call).
+    /// Launches the whole graph on `stream` (one driver call, plus recording the completion
+    /// event this graph's drop waits for).
     #[track_caller]
     pub fn replay(&self, stream: &Stream) -> Result<()> {
-        if stream.device().ordinal() != self.device.ordinal() {
-            return Err(Error::WrongDevice {
-                what: "graph",
-                expected: stream.device().ordinal(),
-                got: self.device.ordinal(),
-            });
-        }
-        self.device.context().bind()?;
-        driver::graph_launch(self.exec, stream.handle.raw)?;
-        self.replays.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        self.replay_on(stream.handle.as_ref())
     }
 
-    /// [`Self::replay`] on a bare stream handle (for layers that hold a
+    /// [`Self::replay`], then waits for the stream and reports a failed device-side check
+    /// (see [`Device::check_errors`]).
+    #[track_caller]
+    pub fn replay_checked(&self, stream: &Stream) -> Result<()> {
+        self.replay(stream)?;
+        stream.synchronize()
+    }
+
+    /// [`Self::replay`] on a library's view of a stream (for layers that hold a
     /// [`Queue::stream_handle`] rather than a [`Stream`]). Refuses a capturing stream.
     #[track_caller]
-    pub fn replay_on(&self, handle: &StreamHandle) -> Result<()> {
-        if handle.context().ordinal() != self.device.ordinal() {
+    pub fn replay_on(&self, stream: StreamRef<'_>) -> Result<()> {
+        if stream.context().ordinal() != self.device.ordinal() {
             return Err(Error::WrongDevice {
                 what: "graph",
-                expected: handle.context().ordinal(),
+                expected: stream.context().ordinal(),
                 got: self.device.ordinal(),
             });
         }
         self.device.context().bind()?;
-        if driver::stream_is_capturing(handle.raw)? {
+        if stream.is_capturing()? {
             return Err(Error::InvalidGraph {
-                problem: "replay_on a capturing stream: replay graphs from eager streams".into(),
+                problem: "replay on a capturing stream: replay graphs from eager streams".into(),
             });
         }
-        driver::graph_launch(self.exec, handle.raw)?;
+        drain_retired();
+        let res = self.lock();
+        // SAFETY: the graph holds every buffer, module, host callback and pool it uses, and
+        // releases none of them before `done` (recorded right after, under the same lock) has
+        // completed.
+        unsafe { res.exec.exec.launch(stream.raw_handle()) }?;
+        stream.record(&self.done)?;
+        self.replayed.store(true, Ordering::Release);
+        drop(res);
         self.replays.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -619,7 +698,16 @@ impl Graph {
     #[track_caller]
     pub fn upload(&self, stream: &Stream) -> Result<()> {
         self.device.context().bind()?;
-        driver::graph_upload(self.exec, stream.handle.raw)
+        self.lock().exec.exec.upload(stream.handle.raw())
+    }
+
+    /// Waits until the last replay has finished.
+    #[track_caller]
+    pub fn synchronize(&self) -> Result<()> {
+        if self.replayed.load(Ordering::Acquire) {
+            self.done.synchronize()?;
+        }
+        Ok(())
     }
 
     pub fn info(&self) -> &GraphInfo {
@@ -638,7 +726,7 @@ impl Graph {
 
     /// The pool this graph's memory lives in (`None` for hand-built graphs).
     pub fn pool(&self) -> Option<&Pool> {
-        self._pin.as_ref().map(|p| p.pool())
+        self.pool.as_ref()
     }
 
     /// Bytes this graph accounts for: its peak working set in its pool plus the external
@@ -647,11 +735,15 @@ impl Graph {
         self.info.memory.peak_allocated + self.info.memory.external_held
     }
 
+    /// Buffers from outside its pool that the graph currently keeps alive.
+    pub fn held_buffers(&self) -> usize {
+        self.lock().held.len()
+    }
+
     /// Writes the graph in Graphviz DOT (with node parameters) to `path`.
     #[track_caller]
     pub fn write_dot(&self, path: &Path) -> Result<()> {
-        self.device.context().bind()?;
-        driver::graph_dot_print(self.graph, path)
+        self.lock().exec.graph.dot_print(path)
     }
 
     pub fn device(&self) -> &Device {

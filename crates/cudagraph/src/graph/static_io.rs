@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use super::{CaptureOptions, CaptureStream, Graph, GraphInfo};
-use crate::device::{Queue, Stream};
+use crate::device::{Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, Elem};
-use crate::runtime::driver::{self, PinnedAlloc};
+use crate::memory::pinned::{typed, typed_mut};
+use crate::memory::{bytes_for, DeviceBuffer, Elem};
+use crate::runtime::memory::{self as raw, PinnedAlloc};
 
 /// A graph with static inputs and outputs and host staging captured into it.
 ///
@@ -53,9 +54,9 @@ pub struct Outputs<'a, O: Elem> {
 }
 
 impl<'a, O: Elem> Outputs<'a, O> {
-    /// Output `i` as a host slice.
-    pub fn get(&self, i: usize) -> &'a [O] {
-        self.host[i].typed(self.lens[i])
+    /// Output `i` as a host slice (`None` past the last output).
+    pub fn get(&self, i: usize) -> Option<&'a [O]> {
+        Some(typed(self.host.get(i)?, *self.lens.get(i)?))
     }
 
     pub fn len(&self) -> usize {
@@ -68,7 +69,11 @@ impl<'a, O: Elem> Outputs<'a, O> {
 
     /// Owned copies of every output.
     pub fn to_vecs(&self) -> Vec<Vec<O>> {
-        (0..self.len()).map(|i| self.get(i).to_vec()).collect()
+        self.host
+            .iter()
+            .zip(&self.lens)
+            .map(|(h, &n)| typed(h, n).to_vec())
+            .collect()
     }
 }
 
@@ -94,7 +99,7 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
         stream.synchronize()?;
         let host_in = input_lens
             .iter()
-            .map(|&n| PinnedAlloc::new(n * std::mem::size_of::<I>(), ctx).map(Arc::new))
+            .map(|&n| PinnedAlloc::new(bytes_for::<I>("static input", n)?, ctx).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
         let (graph, (outputs, host_out)) = Graph::capture(stream, opts, |cs| {
             for (h, d) in host_in.iter().zip(&inputs) {
@@ -164,22 +169,30 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
                     got: src.len(),
                 });
             }
-            // SAFETY: input staging is never handed out as a slice, and only this method
-            // launches the graph, synchronising before it returns; `&mut self` rules out a
-            // concurrent run. So no reference to it is alive and no copy from it is in flight.
-            unsafe { self.host_in[i].write_from(I::as_bytes(src)) };
+            // SAFETY: `&mut self` rules out a concurrent run and any other slice of this
+            // staging (input staging is only ever handed out by `host_input_mut`, which also
+            // borrows `self` mutably); only `run*` launch the graph and they synchronise before
+            // returning, so no copy from it is in flight. Lengths are equal (checked above).
+            unsafe { typed_mut::<I>(&self.host_in[i], want).copy_from_slice(src) };
         }
         self.replay_and_wait(stream)
     }
 
     /// The page-locked host staging of input `i`. Write the next request here directly and
     /// call [`Self::run_staged`]: no extra host copy (the zero-copy path for serving).
-    pub fn host_input_mut(&mut self, i: usize) -> &mut [I] {
-        let len = self.inputs[i].len();
+    pub fn host_input_mut(&mut self, i: usize) -> Result<&mut [I]> {
+        let Some(len) = self.inputs.get(i).map(|b| b.len()) else {
+            return Err(Error::OutOfRange {
+                what: "static input index",
+                start: i,
+                end: i + 1,
+                len: self.inputs.len(),
+            });
+        };
         // SAFETY: `&mut self` excludes a concurrent run and any other slice of this staging
         // (input staging is only ever handed out here); only `run*` launch the graph and they
         // synchronise before returning, so no copy from it is in flight.
-        unsafe { self.host_in[i].typed_mut_unchecked::<I>(len) }
+        Ok(unsafe { typed_mut::<I>(&self.host_in[i], len) })
     }
 
     /// Replays with the inputs already in the host staging ([`Self::host_input_mut`]), waits,
@@ -213,12 +226,20 @@ fn upload_pinned<T: Elem>(
     src: &Arc<PinnedAlloc>,
     dst: &DeviceBuffer<T>,
 ) -> Result<()> {
-    cs.hold(dst.block());
-    cs.pinned.borrow_mut().push(src.clone());
+    cs.use_block(dst.block());
+    cs.keep_alive(src.clone());
     cs.device().context().bind()?;
-    // SAFETY: the graph keeps `src` alive (pushed above) for as long as it can be replayed,
-    // and `StaticGraph::run` only writes it between synchronised replays.
-    unsafe { driver::memcpy_htod_pinned_async(dst.addr(), src, dst.bytes(), cs.raw()) }
+    // SAFETY: the graph keeps `src` alive (above) until its last replay has finished, and
+    // `StaticGraph::run` only writes it between synchronised replays; `src` was sized from
+    // the same length as `dst`.
+    unsafe {
+        raw::memcpy_htod_pinned_async(
+            dst.addr(),
+            src,
+            dst.bytes(),
+            cs.stream_handle().raw_handle(),
+        )
+    }
 }
 
 /// Captures a copy of `src` into pinned host memory; the graph keeps `dst` alive.
@@ -228,9 +249,17 @@ fn download_pinned<T: Elem>(
     src: &DeviceBuffer<T>,
     dst: &Arc<PinnedAlloc>,
 ) -> Result<()> {
-    cs.hold(src.block());
-    cs.pinned.borrow_mut().push(dst.clone());
+    cs.use_block(src.block());
+    cs.keep_alive(dst.clone());
     cs.device().context().bind()?;
-    // SAFETY: as in `upload_pinned`; `Outputs` reads `dst` only after `run` synchronised.
-    unsafe { driver::memcpy_dtoh_pinned_async(dst, src.addr(), src.bytes(), cs.raw()) }
+    // SAFETY: as in `upload_pinned`; `Outputs` reads `dst` only after `run` synchronised;
+    // `dst` was sized from `src.bytes()`.
+    unsafe {
+        raw::memcpy_dtoh_pinned_async(
+            dst,
+            src.addr(),
+            src.bytes(),
+            cs.stream_handle().raw_handle(),
+        )
+    }
 }

@@ -3,105 +3,53 @@
 //! Every device buffer the library hands out comes from one [`Allocator`] per device. The
 //! bookkeeping lives in [`caching`] and is tested on the CPU against real host memory
 //! ([`HostSource`]); on a GPU the same code runs over `cuMemAlloc` ([`source::DeviceSource`]).
-//! Streams and kernel launches are one layer down ([`crate::runtime`]); capture is one layer up
-//! ([`crate::graph`]).
+//! Streams and kernel launches are one layer down ([`crate::runtime`]); queues and capture are
+//! above ([`crate::device`], [`crate::graph`]).
+//!
+//! **Stream-safe reuse.** A block remembers every stream other than its own that work using it
+//! was enqueued on ([`BlockRef::note_use`], called by the queues for every launch, copy, fill
+//! and library call). When such a block is freed, an event is recorded on each of those
+//! streams and the allocator does not hand the block out again until they have completed. The
+//! one-stream path costs one comparison per use and nothing at free.
 
+mod allocator;
 pub mod caching;
 mod host;
 pub mod pinned;
 pub(crate) mod source;
 
+use std::any::Any;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
-pub use caching::{Allocation, AllocatorCore, MemoryStats, PoolId, SegmentSource, WindowStats};
+pub use allocator::{Allocator, Fence};
+pub use caching::{Allocation, AllocatorCore, MemoryStats, SegmentSource, WindowStats};
 pub use host::HostSource;
-pub use pinned::{PinnedBuffer, PinnedScope};
+pub use pinned::PinnedBuffer;
 
-use crate::error::Result;
-use crate::runtime::Arg;
+use crate::error::{Error, Result};
+pub use crate::ids::PoolId;
+use crate::runtime::{Event, StreamHandle, StreamRef};
 
-/// The thread-safe allocator shared by a device, its pools and its buffers.
-pub struct Allocator {
-    core: Mutex<AllocatorCore>,
-    ordinal: usize,
-}
-
-impl fmt::Debug for Allocator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Allocator(device {}, {:?})", self.ordinal, self.lock())
+impl Fence for Event {
+    fn is_complete(&self) -> bool {
+        // An error (a lost context) means nothing will run any more: the block is idle.
+        self.query().unwrap_or(true)
     }
 }
 
 impl Allocator {
-    /// An allocator over any segment source (`HostSource` in CPU tests).
-    pub fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
-        Arc::new(Self {
-            core: Mutex::new(AllocatorCore::new(source)),
-            ordinal,
-        })
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, AllocatorCore> {
-        // A panic while holding the lock cannot leave the bookkeeping half-updated in a way
-        // that matters more than losing all device memory would, so keep going.
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Device ordinal this allocator serves.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    /// Allocates `bytes` from `pool`, stream-ordered on `stream`; freed when the block drops.
-    pub fn allocate(
+    /// A block of `bytes` bytes from `pool`, stream-ordered on stream `stream` (a
+    /// [`crate::StreamHandle::id`]): for library state such as per-stream workspaces.
+    pub fn allocate_block(
         self: &Arc<Self>,
         bytes: usize,
         pool: PoolId,
         stream: u64,
-        capture: u64,
     ) -> Result<Arc<BlockRef>> {
-        let a = self.lock().allocate(bytes, pool, stream)?;
-        Ok(Arc::new(BlockRef {
-            addr: a.addr,
-            size: a.size,
-            pool: a.pool,
-            capture,
-            alloc: self.clone(),
-        }))
-    }
-
-    /// Stats of one pool.
-    pub fn pool_stats(&self, pool: PoolId) -> MemoryStats {
-        self.lock().pool_stats(pool)
-    }
-
-    /// Stats of the whole device (every pool).
-    pub fn stats(&self) -> MemoryStats {
-        self.lock().device_stats()
-    }
-
-    /// Resets all peak counters.
-    pub fn reset_peak(&self) {
-        self.lock().reset_peak()
-    }
-
-    /// Returns cached, unused segments to the driver (never those of pools with live graphs).
-    /// Returns the bytes released.
-    pub fn empty_cache(&self) -> Result<usize> {
-        self.lock().release_free_segments(None)
-    }
-
-    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
-    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
-        let id = self.lock().create_pool(limit);
-        Pool {
-            inner: Arc::new(PoolInner {
-                id,
-                alloc: self.clone(),
-            }),
-        }
+        let a = self.allocate(bytes, pool, stream)?;
+        Ok(BlockRef::from_allocation(self, a, stream, 0))
     }
 }
 
@@ -112,7 +60,7 @@ struct PoolInner {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        self.alloc.lock().close_pool(self.id);
+        self.alloc.close_pool(self.id);
     }
 }
 
@@ -138,6 +86,16 @@ impl fmt::Debug for Pool {
 }
 
 impl Pool {
+    /// A new graph pool of `alloc`, optionally limited to `limit` reserved bytes.
+    pub fn new(alloc: &Arc<Allocator>, limit: Option<usize>) -> Pool {
+        Pool {
+            inner: Arc::new(PoolInner {
+                id: alloc.create_pool(limit),
+                alloc: alloc.clone(),
+            }),
+        }
+    }
+
     pub fn id(&self) -> PoolId {
         self.inner.id
     }
@@ -148,21 +106,21 @@ impl Pool {
 
     /// The byte limit on this pool's reserved memory, if any.
     pub fn limit(&self) -> Option<usize> {
-        self.inner.alloc.lock().limit(self.inner.id)
+        self.inner.alloc.limit(self.inner.id)
     }
 
     /// Sets or clears the limit. Memory already reserved is not given back by this call.
     pub fn set_limit(&self, limit: Option<usize>) {
-        self.inner.alloc.lock().set_limit(self.inner.id, limit)
+        self.inner.alloc.set_limit(self.inner.id, limit)
     }
 
-    pub(crate) fn allocator(&self) -> &Arc<Allocator> {
+    pub fn allocator(&self) -> &Arc<Allocator> {
         &self.inner.alloc
     }
 
     /// Registers a graph that replays from this pool; the guard unregisters it on drop.
     pub(crate) fn pin(&self) -> PoolPin {
-        self.inner.alloc.lock().add_graph(self.inner.id);
+        self.inner.alloc.add_graph(self.inner.id);
         PoolPin { pool: self.clone() }
     }
 }
@@ -172,30 +130,36 @@ pub(crate) struct PoolPin {
     pool: Pool,
 }
 
-impl PoolPin {
-    pub(crate) fn pool(&self) -> &Pool {
-        &self.pool
-    }
-}
-
 impl Drop for PoolPin {
     fn drop(&mut self) {
-        self.pool
-            .inner
-            .alloc
-            .lock()
-            .remove_graph(self.pool.inner.id);
+        self.pool.inner.alloc.remove_graph(self.pool.inner.id);
     }
 }
 
-/// One allocated block. Shared (`Arc`) between the buffer that owns it and any graph that
-/// baked its address in; the block returns to its pool when the last holder drops.
+/// Who gives a block's memory back.
+enum Owner {
+    /// A block of our caching allocator.
+    Allocator(Arc<Allocator>),
+    /// Memory allocated elsewhere (cudarc, another library); `keep` owns it.
+    External {
+        keep: Option<Box<dyn Any + Send + Sync>>,
+        ordinal: usize,
+    },
+}
+
+/// One block of device memory. Shared (`Arc`) between the buffers that view it and any graph
+/// that baked its address in; the block is given back when the last holder drops — and, if work
+/// on other streams used it, not before that work has finished.
 pub struct BlockRef {
     addr: u64,
     size: usize,
     pool: PoolId,
     capture: u64,
-    alloc: Arc<Allocator>,
+    /// Stream whose order governs reuse (0: none, for graph pools and external memory).
+    home: u64,
+    /// Other streams work using this block was enqueued on.
+    foreign: Mutex<Vec<StreamHandle>>,
+    owner: Owner,
 }
 
 impl fmt::Debug for BlockRef {
@@ -205,9 +169,56 @@ impl fmt::Debug for BlockRef {
 }
 
 impl BlockRef {
+    /// Wraps a block handed out by `alloc` (allocated on stream `home`, inside capture
+    /// `capture`, 0 when eager).
+    pub(crate) fn from_allocation(
+        alloc: &Arc<Allocator>,
+        a: Allocation,
+        home: u64,
+        capture: u64,
+    ) -> Arc<Self> {
+        Arc::new(BlockRef {
+            addr: a.addr,
+            size: a.size,
+            pool: a.pool,
+            capture,
+            home: if a.pool == PoolId::DEFAULT { home } else { 0 },
+            foreign: Mutex::new(Vec::new()),
+            owner: Owner::Allocator(alloc.clone()),
+        })
+    }
+
+    /// A block over memory someone else allocated.
+    ///
+    /// # Safety
+    /// `[addr, addr + size)` must be device memory of device `ordinal` that stays allocated,
+    /// and is used by nothing else in ways that conflict with this library's work, until
+    /// `keep` is dropped (which happens after the last holder of the block is gone and the
+    /// work on every stream that used it has finished).
+    pub unsafe fn external(
+        addr: u64,
+        size: usize,
+        ordinal: usize,
+        keep: Box<dyn Any + Send + Sync>,
+    ) -> Arc<Self> {
+        Arc::new(BlockRef {
+            addr,
+            size,
+            pool: PoolId::DEFAULT,
+            capture: 0,
+            home: 0,
+            foreign: Mutex::new(Vec::new()),
+            owner: Owner::External {
+                keep: Some(keep),
+                ordinal,
+            },
+        })
+    }
+
     pub fn addr(&self) -> u64 {
         self.addr
     }
+    /// Bytes of the block (its rounded size).
     pub fn size(&self) -> usize {
         self.size
     }
@@ -219,19 +230,69 @@ impl BlockRef {
         self.capture
     }
     pub(crate) fn device_ordinal(&self) -> usize {
-        self.alloc.ordinal
+        match &self.owner {
+            Owner::Allocator(a) => a.ordinal(),
+            Owner::External { ordinal, .. } => *ordinal,
+        }
     }
 
     /// Whether the block belongs to `pool` (same allocator and same pool id: pool ids are only
     /// unique within one allocator, and every `Device::open` has its own).
     pub fn is_in(&self, pool: &Pool) -> bool {
-        self.pool == pool.id() && Arc::ptr_eq(&self.alloc, pool.allocator())
+        match &self.owner {
+            Owner::Allocator(a) => self.pool == pool.id() && Arc::ptr_eq(a, pool.allocator()),
+            Owner::External { .. } => false,
+        }
+    }
+
+    /// Records that work using this block is being enqueued on `stream` (eagerly). Costs one
+    /// comparison when `stream` is the block's own.
+    pub fn note_use(&self, stream: StreamRef<'_>) {
+        if stream.id() == self.home {
+            return;
+        }
+        let mut f = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
+        if !f.iter().any(|s| s.id() == stream.id()) {
+            f.push(stream.handle());
+        }
+    }
+
+    /// Fences on every foreign stream; `None` if one could not be made (a lost context).
+    fn fences(&mut self) -> Option<Vec<Box<dyn Fence>>> {
+        let foreign = std::mem::take(self.foreign.get_mut().unwrap_or_else(|p| p.into_inner()));
+        foreign
+            .iter()
+            .map(|s| s.fence().ok().map(|e| Box::new(e) as Box<dyn Fence>))
+            .collect()
     }
 }
 
 impl Drop for BlockRef {
     fn drop(&mut self) {
-        self.alloc.lock().free(self.addr);
+        let used_elsewhere = !self
+            .foreign
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
+        let fences = if used_elsewhere {
+            self.fences()
+        } else {
+            Some(Vec::new())
+        };
+        match (&mut self.owner, fences) {
+            (Owner::Allocator(a), Some(f)) if f.is_empty() => a.free(self.addr),
+            (Owner::Allocator(a), Some(f)) => a.free_after(self.addr, f),
+            // No way to know when the other streams are done: never reuse the block.
+            (Owner::Allocator(_), None) => {}
+            (Owner::External { keep, .. }, fences) => {
+                for f in fences.unwrap_or_default() {
+                    while !f.is_complete() {
+                        std::thread::yield_now();
+                    }
+                }
+                drop(keep.take());
+            }
+        }
     }
 }
 
@@ -267,7 +328,20 @@ elem!(f32, f64, i8, u8, i16, u16, i32, u32, i64, u64);
 
 use host::{bytes_of, bytes_of_mut};
 
-/// A typed device buffer: `len` elements of `T` in a block from the caching allocator.
+/// Bytes of `len` elements of `T`, or the typed error for a count that does not fit.
+pub fn bytes_for<T>(what: &'static str, len: usize) -> Result<usize> {
+    len.checked_mul(std::mem::size_of::<T>())
+        .ok_or(Error::SizeOverflow {
+            what,
+            count: len,
+            elem_size: std::mem::size_of::<T>(),
+        })
+}
+
+/// A typed device buffer: `len` elements of `T` at the start of a block.
+///
+/// Invariant: `len * size_of::<T>()` fits in the block, so every byte offset inside the
+/// buffer is representable and inside memory the block owns.
 ///
 /// Dropping it returns the block to its pool — unless a graph baked its address in, in which
 /// case the graph keeps it until the graph is dropped.
@@ -291,12 +365,22 @@ impl<T: Elem> fmt::Debug for DeviceBuffer<T> {
 }
 
 impl<T: Elem> DeviceBuffer<T> {
-    pub(crate) fn from_block(block: Arc<BlockRef>, len: usize) -> Self {
-        Self {
+    /// A buffer of `len` elements over `block`; fails unless they fit in it.
+    pub fn from_block(block: Arc<BlockRef>, len: usize) -> Result<Self> {
+        let bytes = bytes_for::<T>("buffer view", len)?;
+        if bytes > block.size {
+            return Err(Error::OutOfRange {
+                what: "buffer view of a block",
+                start: 0,
+                end: bytes,
+                len: block.size,
+            });
+        }
+        Ok(Self {
             block,
             len,
             _t: PhantomData,
-        }
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -309,6 +393,7 @@ impl<T: Elem> DeviceBuffer<T> {
 
     /// Size in bytes of the elements (not of the rounded block).
     pub fn bytes(&self) -> usize {
+        // Cannot overflow: checked when the buffer was made (see the type's invariant).
         self.len * std::mem::size_of::<T>()
     }
 
@@ -329,45 +414,45 @@ impl<T: Elem> DeviceBuffer<T> {
 
     /// Another handle to the same device memory (it stays allocated while any handle, or a
     /// graph that uses it, is alive). Device memory is not Rust memory, so aliasing is sound;
-    /// ordering reads and writes is up to the stream, as for every device buffer.
+    /// ordering reads and writes is up to the streams, as for every device buffer.
     pub fn alias(&self) -> DeviceBuffer<T> {
-        Self::from_block(self.block.clone(), self.len)
+        Self {
+            block: self.block.clone(),
+            len: self.len,
+            _t: PhantomData,
+        }
     }
 
     /// A handle to the first `len` elements (`len` at most `self.len()`), sharing the memory.
-    pub fn prefix(&self, len: usize) -> crate::Result<DeviceBuffer<T>> {
+    pub fn prefix(&self, len: usize) -> Result<DeviceBuffer<T>> {
         if len > self.len {
-            return Err(crate::Error::OutOfRange {
+            return Err(Error::OutOfRange {
                 what: "buffer prefix",
                 start: 0,
                 end: len,
                 len: self.len,
             });
         }
-        Ok(Self::from_block(self.block.clone(), len))
+        Ok(Self {
+            block: self.block.clone(),
+            len,
+            _t: PhantomData,
+        })
     }
 
-    /// A kernel argument pointing at element `offset`.
-    pub fn arg_at(&self, offset: usize) -> Arg<'_> {
-        Arg::Ptr {
-            addr: self.block.addr + (offset.min(self.len) * std::mem::size_of::<T>()) as u64,
-            holder: Some(&self.block),
+    /// Device address of element `offset` (`offset` at most `len`: one past the end is allowed,
+    /// as for slices).
+    pub fn addr_at(&self, offset: usize) -> Result<u64> {
+        if offset > self.len {
+            return Err(Error::OutOfRange {
+                what: "buffer offset",
+                start: offset,
+                end: offset,
+                len: self.len,
+            });
         }
-    }
-}
-
-impl<'a, T: Elem> From<&'a DeviceBuffer<T>> for Arg<'a> {
-    fn from(b: &'a DeviceBuffer<T>) -> Self {
-        Arg::Ptr {
-            addr: b.block.addr,
-            holder: Some(&b.block),
-        }
-    }
-}
-
-impl<'a, T: Elem> From<&'a mut DeviceBuffer<T>> for Arg<'a> {
-    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
-        Arg::from(&*b)
+        // Cannot overflow: offset <= len and len * size fits (the type's invariant).
+        Ok(self.block.addr + (offset * std::mem::size_of::<T>()) as u64)
     }
 }
 
@@ -397,5 +482,84 @@ pub fn format_memory_full(s: &MemoryStats) -> String {
 impl fmt::Display for MemoryStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&format_memory_full(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host_allocator() -> Arc<Allocator> {
+        Allocator::new(Box::new(HostSource::new()), 0)
+    }
+
+    #[test]
+    fn pool_membership_needs_the_same_allocator() {
+        let (a, b) = (host_allocator(), host_allocator());
+        let (pa, pb) = (Pool::new(&a, None), Pool::new(&b, None));
+        assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
+        let block = BlockRef::from_allocation(&a, a.allocate(1024, pa.id(), 0).unwrap(), 0, 1);
+        assert!(block.is_in(&pa));
+        assert!(
+            !block.is_in(&pb),
+            "same id, other allocator: not the same pool"
+        );
+    }
+
+    #[test]
+    fn buffer_views_are_checked_against_the_block() {
+        let a = host_allocator();
+        let block =
+            BlockRef::from_allocation(&a, a.allocate(1000, PoolId::DEFAULT, 1).unwrap(), 1, 0);
+        assert_eq!(block.size(), 1024);
+        // 256 f32 fill the 1024-byte block; 257 do not.
+        let buf = DeviceBuffer::<f32>::from_block(block.clone(), 256).unwrap();
+        assert!(matches!(
+            DeviceBuffer::<f32>::from_block(block.clone(), 257),
+            Err(Error::OutOfRange { .. })
+        ));
+        // A count whose byte size overflows is a typed error, not a wrapped length.
+        assert!(matches!(
+            DeviceBuffer::<f32>::from_block(block.clone(), usize::MAX / 4 + 2),
+            Err(Error::SizeOverflow { .. })
+        ));
+        assert!(matches!(
+            bytes_for::<f64>("x", usize::MAX / 8 + 1),
+            Err(Error::SizeOverflow { count, elem_size: 8, .. }) if count == usize::MAX / 8 + 1
+        ));
+        assert_eq!(buf.addr_at(256).unwrap(), buf.addr() + 1024);
+        assert!(matches!(buf.addr_at(257), Err(Error::OutOfRange { .. })));
+        assert!(matches!(
+            buf.addr_at(usize::MAX),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(buf.prefix(257).is_err());
+        assert_eq!(buf.prefix(3).unwrap().bytes(), 12);
+    }
+
+    #[test]
+    fn a_block_used_on_another_stream_waits_for_its_fence() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        struct Flag(Arc<AtomicBool>);
+        impl Fence for Flag {
+            fn is_complete(&self) -> bool {
+                self.0.load(Ordering::SeqCst)
+            }
+        }
+        let a = host_allocator();
+        let first = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        a.free_after(first.addr, vec![Box::new(Flag(done.clone()))]);
+        let second = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
+        assert_ne!(
+            second.addr, first.addr,
+            "reissued while foreign work is pending"
+        );
+        done.store(true, Ordering::SeqCst);
+        let third = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
+        assert_eq!(third.addr, first.addr, "reusable once the fence completed");
+        a.free(second.addr);
+        a.free(third.addr);
+        a.check_invariants().unwrap();
     }
 }

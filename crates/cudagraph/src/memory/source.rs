@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use super::caching::SegmentSource;
 use crate::error::{Error, Result};
-use crate::runtime::{driver, ContextHandle};
+use crate::runtime::context::ContextHandle;
+use crate::runtime::memory;
 
 pub(crate) struct DeviceSource {
     pub(crate) ctx: Arc<ContextHandle>,
@@ -13,7 +14,7 @@ pub(crate) struct DeviceSource {
 impl SegmentSource for DeviceSource {
     fn allocate(&self, bytes: usize) -> Result<u64> {
         self.ctx.bind()?;
-        driver::mem_alloc(bytes).map_err(|e| {
+        memory::mem_alloc(bytes).map_err(|e| {
             if e.is_out_of_memory() {
                 Error::OutOfMemory {
                     requested: bytes,
@@ -27,11 +28,12 @@ impl SegmentSource for DeviceSource {
 
     fn release(&self, addr: u64, _bytes: usize) -> Result<()> {
         self.ctx.bind()?;
-        driver::mem_free(addr)
+        // SAFETY: the allocator releases a segment once, after `synchronize` returned and with
+        // no block of it handed out, so no work can still use it.
+        unsafe { memory::mem_free(addr) }
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.ctx.bind()?;
-        driver::ctx_synchronize()
+        self.ctx.synchronize()
     }
 }

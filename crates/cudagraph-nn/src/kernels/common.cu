@@ -1,0 +1,17 @@
+// Shared by every NN kernel (compiled as one module with the other .cu files of this folder).
+// IDX is 64-bit: grids of more than 2^32 threads index correctly.
+#define IDX ((long)blockIdx.x * blockDim.x + threadIdx.x)
+
+// Block-wide sum (blockDim.x a power of two, at most 1024).
+__device__ float block_sum(float v) {
+    __shared__ float s[1024];
+    s[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) s[threadIdx.x] += s[threadIdx.x + o];
+        __syncthreads();
+    }
+    float r = s[0];
+    __syncthreads();
+    return r;
+}

@@ -1,0 +1,180 @@
+// Tiled SGEMM for the small, latency-bound products of small-batch work (cuBLAS launches too
+// few blocks there): C[m x n] = alpha * op(A) op(B) + beta * C (+ bias[j]) (ReLU), row-major.
+// op(A)(i, p) = ta ? A[p * lda + i] : A[i * lda + p]; op(B)(p, j) = tb ? B[j * ldb + p] : B[p * ldb + j].
+// 256 threads, 32 x 32 outputs per block (2 x 2 per thread), K in steps of 32 through shared
+// memory, loads coalesced along whichever dimension is contiguous. Sums run in a fixed order.
+// Split-K: blockIdx.z takes K range [z * kc, (z + 1) * kc); with `partial` set, raw sums go to
+// partial[z][i][j] and splitk_reduce applies the epilogue (a fixed summation order: results do
+// not depend on scheduling).
+extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
+        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    __shared__ float As[32][33];
+    __shared__ float Bs[32][33];
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
+    float c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
+    int kbeg = blockIdx.z * kc;
+    int kend = min(k, kbeg + kc);
+    // Software pipeline: the next K tile is loaded into registers while the current one is
+    // multiplied out of shared memory, so global-memory latency overlaps the arithmetic.
+    float ra[4], rb[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int e = threadIdx.x + r * 256;
+        int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
+        int gi = row0 + i, gp = kbeg + p;
+        ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+        int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
+        int gj = col0 + j, gq = kbeg + q;
+        rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
+    }
+    for (int p0 = kbeg; p0 < kend; p0 += 32) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int e = threadIdx.x + r * 256;
+            int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
+            As[p][i] = ra[r];
+            int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
+            Bs[q][j] = rb[r];
+        }
+        __syncthreads();
+        int p1 = p0 + 32;
+        if (p1 < kend) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                int e = threadIdx.x + r * 256;
+                int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
+                int gi = row0 + i, gp = p1 + p;
+                ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+                int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
+                int gj = col0 + j, gq = p1 + q;
+                rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 32; p++) {
+            float a0 = As[p][ty * 2], a1 = As[p][ty * 2 + 1];
+            float b0 = Bs[p][tx * 2], b1 = Bs[p][tx * 2 + 1];
+            c00 += a0 * b0; c01 += a0 * b1; c10 += a1 * b0; c11 += a1 * b1;
+        }
+        __syncthreads();
+    }
+    float acc[2][2] = {{c00, c01}, {c10, c11}};
+#pragma unroll
+    for (int di = 0; di < 2; di++)
+#pragma unroll
+        for (int dj = 0; dj < 2; dj++) {
+            int i = row0 + ty * 2 + di, j = col0 + tx * 2 + dj;
+            if (i < m && j < n && partial) {
+                partial[((long)blockIdx.z * m + i) * n + j] = acc[di][dj];
+            } else if (i < m && j < n) {
+                float v = alpha * acc[di][dj];
+                if (beta != 0.0f) v += beta * C[(long)i * n + j];
+                if (bias) v += bias[j];
+                if (relu) v = fmaxf(v, 0.0f);
+                C[(long)i * n + j] = v;
+            }
+        }
+}
+
+// The forward layout only: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major
+// with leading dimension k. One kernel, no reduce node: a block owns 32 x 32 outputs and its 8
+// warps split K; each warp streams 32-wide K chunks of its slice through private shared memory
+// (next chunk prefetched into registers), each lane keeps a 4 x 8 register tile, and the 8
+// partial tiles are summed in shared memory in a fixed order at the end.
+extern "C" __global__ void sgemm_nt_warpk(int m, int n, int k, const float* A, const float* B,
+        float* C, const float* bias, int relu) {
+    // Per warp: A and B chunks of [16 k][33] (one pad column against bank conflicts); the same
+    // memory then holds the 8 partial 32 x 32 tiles for the final sum.
+    __shared__ float smem[8 * 1056];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
+    float* As = smem + warp * 1056;
+    float* Bs = smem + warp * 1056 + 528;
+    // K slice of this warp, in chunks of 16.
+    int per = ((k + 7) / 8 + 15) / 16 * 16;
+    int kb = warp * per, ke = min(k, kb + per);
+    int ri = lane / 4, cj = lane % 4;      // rows ri*4..+3, cols cj*8..+7
+    float acc[4][8];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++) acc[a][b] = 0.0f;
+    // Each chunk: 16 k x 32 rows of A and 16 k x 32 cols of B = 512 + 512 floats, 16 + 16 per lane.
+    float ra[16], rb[16];
+#pragma unroll
+    for (int r = 0; r < 16; r++) {
+        int e = lane + 32 * r;             // 0..511: row = e / 16, kk = e % 16
+        int i = e / 16, kk = e % 16;
+        int gk = kb + kk;
+        ra[r] = (row0 + i < m && gk < ke) ? A[(long)(row0 + i) * k + gk] : 0.0f;
+        rb[r] = (col0 + i < n && gk < ke) ? B[(long)(col0 + i) * k + gk] : 0.0f;
+    }
+    for (int k0 = kb; k0 < ke; k0 += 16) {
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            int e = lane + 32 * r;
+            int i = e / 16, kk = e % 16;
+            As[kk * 33 + i] = ra[r];
+            Bs[kk * 33 + i] = rb[r];
+        }
+        __syncwarp();
+        int k1 = k0 + 16;
+        if (k1 < ke) {
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                int e = lane + 32 * r;
+                int i = e / 16, kk = e % 16;
+                int gk = k1 + kk;
+                ra[r] = (row0 + i < m && gk < ke) ? A[(long)(row0 + i) * k + gk] : 0.0f;
+                rb[r] = (col0 + i < n && gk < ke) ? B[(long)(col0 + i) * k + gk] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 16; kk++) {
+            float av[4], bv[8];
+#pragma unroll
+            for (int a = 0; a < 4; a++) av[a] = As[kk * 33 + ri * 4 + a];
+#pragma unroll
+            for (int b = 0; b < 8; b++) bv[b] = Bs[kk * 33 + cj * 8 + b];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 8; b++) acc[a][b] += av[a] * bv[b];
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    // Partial tiles of the 8 warps, then a fixed-order sum.
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 8; b++) smem[warp * 1024 + (ri * 4 + a) * 32 + cj * 8 + b] = acc[a][b];
+    __syncthreads();
+    for (int o = threadIdx.x; o < 1024; o += 256) {
+        int i = row0 + o / 32, j = col0 + o % 32;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) v += smem[w * 1024 + o];
+        if (i < m && j < n) {
+            if (bias) v += bias[j];
+            if (relu) v = fmaxf(v, 0.0f);
+            C[(long)i * n + j] = v;
+        }
+    }
+}
+
+extern "C" __global__ void splitk_reduce(const float* partial, int splits, float* C, int m, int n,
+        float alpha, float beta, const float* bias, int relu) {
+    long e = IDX;
+    long mn = (long)m * n;
+    if (e >= mn) return;
+    float s = 0.0f;
+    for (int z = 0; z < splits; z++) s += partial[z * mn + e];
+    float v = alpha * s;
+    if (beta != 0.0f) v += beta * C[e];
+    if (bias) v += bias[e % n];
+    if (relu) v = fmaxf(v, 0.0f);
+    C[e] = v;
+}

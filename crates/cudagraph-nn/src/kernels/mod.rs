@@ -1,0 +1,909 @@
+//! The NN layer's own CUDA kernels (`*.cu` beside this file, compiled together with NVRTC once
+//! per device and cached on disk by the core), and [`Nn`], the per-device context that holds
+//! them with the cuBLAS handle.
+//!
+//! Every kernel is launched from one safe function here, after every buffer it indexes was
+//! checked against the extent the kernel will touch, computed from the same integers that go
+//! to the kernel (checked arithmetic; dimensions must fit the kernel's integer types). That is
+//! the only place this crate makes the promise of [`Queue::launch`]'s `# Safety` section.
+
+use std::sync::Arc;
+
+use cudagraph::{args, register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+
+use crate::blas::Blas;
+use crate::error::{NnError, Result};
+
+/// The CUDA source of every NN kernel (one NVRTC module).
+pub const SOURCE: &str = concat!(
+    include_str!("common.cu"),
+    include_str!("gemm.cu"),
+    include_str!("elementwise.cu"),
+    include_str!("reduce.cu"),
+    include_str!("loss.cu"),
+    include_str!("optim.cu"),
+    include_str!("conv.cu"),
+    include_str!("pool.cu"),
+);
+
+macro_rules! kernels {
+    ($($name:ident),* $(,)?) => {
+        /// The NN kernels of one device.
+        pub struct Kernels { $(pub(crate) $name: Function,)* }
+        impl Kernels {
+            fn load(device: &Device) -> Result<Self> {
+                let src = format!("{}{}", cudagraph::DEVICE_CHECK_CUDA, SOURCE);
+                let m = device.compile("cudagraph_nn", &src)?;
+                Ok(Self { $($name: m.function(stringify!($name))?,)* })
+            }
+        }
+    };
+}
+
+kernels!(
+    sgemm_tiled,
+    splitk_reduce,
+    sgemm_nt_warpk,
+    bias_act,
+    relu_fwd,
+    relu_bwd,
+    add_inplace,
+    col_sum,
+    channel_sum,
+    mse_partial,
+    sum_partials,
+    mse_bwd,
+    ce_fwd,
+    ce_bwd,
+    sgd_step,
+    step_inc,
+    adam_step,
+    conv2d_fwd,
+    conv2d_fwd_small,
+    conv2d_bwd_input,
+    conv2d_bwd_weight,
+    maxpool_fwd,
+    maxpool_bwd,
+);
+
+/// Per-device NN context: kernels and the cuBLAS handle. Lives as long as the device (a
+/// [`Device::extension`]), so dropping the last device handle destroys the cuBLAS handle and
+/// frees its workspaces.
+pub struct Nn {
+    pub k: Kernels,
+    pub blas: Blas,
+    /// Id of the "cross_entropy target" device-side check.
+    ce_check: u32,
+}
+
+impl Nn {
+    /// The context of `device`, created on first use.
+    pub fn get(device: &Device) -> Result<Arc<Nn>> {
+        device
+            .extension(|d| {
+                Ok(Nn {
+                    k: Kernels::load(d).map_err(cudagraph::Error::from)?,
+                    blas: Blas::new(d).map_err(cudagraph::Error::from)?,
+                    ce_check: register_check("cross_entropy target"),
+                })
+            })
+            .map_err(NnError::from)
+    }
+}
+
+type Buf = DeviceBuffer<f32>;
+
+/// `buf` must hold at least `need` elements.
+fn need<T: cudagraph::Elem>(what: &'static str, buf: &DeviceBuffer<T>, need: usize) -> Result<()> {
+    if buf.len() < need {
+        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+            what,
+            expected: need,
+            got: buf.len(),
+        }));
+    }
+    Ok(())
+}
+
+/// Product of `dims` (checked).
+fn prod(what: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter().try_fold(1usize, |acc, &d| {
+        acc.checked_mul(d)
+            .ok_or_else(|| NnError::Shape(format!("{what}: {dims:?} overflows")))
+    })
+}
+
+/// `v` as a kernel `int`.
+fn int(what: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
+}
+
+/// `v` as a kernel `long`.
+fn long(v: usize) -> Result<i64> {
+    i64::try_from(v).map_err(|_| NnError::Shape(format!("count {v} exceeds a 64-bit int")))
+}
+
+fn elems(n: usize) -> LaunchConfig {
+    LaunchConfig::for_elements(n, 256)
+}
+
+/// Launches one of this module's kernels.
+///
+/// # Safety
+/// The caller checked every buffer in `args` against the extent the kernel indexes with the
+/// scalar arguments given (see each kernel's comment in its `.cu` file).
+unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
+    Ok(q.launch(f, cfg, args)?)
+}
+
+/// Geometry of a 2-D convolution (NCHW input, OIHW weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvGeom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub oc: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl ConvGeom {
+    /// Output height and width; an error when the kernel does not fit the padded input.
+    pub fn out_hw(&self) -> Result<(usize, usize)> {
+        let ph = self.h.checked_add(2 * self.pad);
+        let pw = self.w.checked_add(2 * self.pad);
+        match (ph, pw) {
+            (Some(ph), Some(pw)) if self.stride > 0 && ph >= self.kh && pw >= self.kw => Ok((
+                (ph - self.kh) / self.stride + 1,
+                (pw - self.kw) / self.stride + 1,
+            )),
+            _ => Err(NnError::Shape(format!(
+                "conv2d: geometry {self:?} has no output"
+            ))),
+        }
+    }
+
+    pub fn input_len(&self) -> Result<usize> {
+        prod("conv2d input", &[self.n, self.c, self.h, self.w])
+    }
+
+    pub fn weight_len(&self) -> Result<usize> {
+        prod("conv2d weight", &[self.oc, self.c, self.kh, self.kw])
+    }
+
+    pub fn output_len(&self) -> Result<usize> {
+        let (oh, ow) = self.out_hw()?;
+        prod("conv2d output", &[self.n, self.oc, oh, ow])
+    }
+
+    /// The eleven integers every conv kernel takes, checked to fit (the weight index is
+    /// computed in 32 bits on the device, so the weight count must fit too).
+    fn ints(&self) -> Result<[i32; 11]> {
+        let (oh, ow) = self.out_hw()?;
+        int("conv2d weight count", self.weight_len()?)?;
+        Ok([
+            int("n", self.n)?,
+            int("c", self.c)?,
+            int("h", self.h)?,
+            int("w", self.w)?,
+            int("oc", self.oc)?,
+            int("kh", self.kh)?,
+            int("kw", self.kw)?,
+            int("oh", oh)?,
+            int("ow", ow)?,
+            int("stride", self.stride)?,
+            int("pad", self.pad)?,
+        ])
+    }
+}
+
+fn conv_args<'a>(bufs: &[Arg<'a>], ints: [i32; 11]) -> Vec<Arg<'a>> {
+    let mut v = bufs.to_vec();
+    v.extend(ints.map(Arg::I32));
+    v
+}
+
+/// A row-major product `C[m×n] = op(A)·op(B)`: op(A) is m×k (`ta`: A is stored k×m), op(B) is
+/// k×n (`tb`: B is stored n×k).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmDims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub ta: bool,
+    pub tb: bool,
+}
+
+impl GemmDims {
+    /// A, B and C (and the bias) hold the elements this product reads and writes.
+    pub fn check_buffers(&self, a: &Buf, b: &Buf, c: &Buf, bias: Option<&Buf>) -> Result<()> {
+        need("gemm A", a, prod("gemm A", &[self.m, self.k])?)?;
+        need("gemm B", b, prod("gemm B", &[self.k, self.n])?)?;
+        need("gemm C", c, prod("gemm C", &[self.m, self.n])?)?;
+        if let Some(bias) = bias {
+            need("gemm bias", bias, self.n)?;
+        }
+        Ok(())
+    }
+
+    fn tiles(&self) -> Result<(u32, u32)> {
+        let (gx, gy) = (self.n.div_ceil(32), self.m.div_ceil(32));
+        if gy > 65535 {
+            return Err(NnError::Shape(format!(
+                "gemm: {} rows exceed the tiled kernels' grid",
+                self.m
+            )));
+        }
+        Ok((u32::try_from(gx).unwrap_or(u32::MAX), gy as u32))
+    }
+}
+
+impl Nn {
+    /// The split-K tiled SGEMM with fused bias/ReLU: `C = act(alpha·op(A)·op(B) + beta·C + bias)`.
+    /// K is split into (about) `splits` ranges of whole 32-wide tiles; with more than one, the
+    /// partial products go to a scratch buffer (from `q`) and a reduce kernel applies the
+    /// epilogue in a fixed order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_tiled(
+        &self,
+        q: &dyn Queue,
+        d: GemmDims,
+        alpha: f32,
+        a: &Buf,
+        b: &Buf,
+        beta: f32,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        splits: usize,
+    ) -> Result<()> {
+        d.check_buffers(a, b, c, bias)?;
+        if d.m == 0 || d.n == 0 {
+            return Ok(());
+        }
+        let (gx, gy) = d.tiles()?;
+        let kc = d.k.div_ceil(splits.max(1)).div_ceil(32).max(1) * 32;
+        let splits = d.k.div_ceil(kc).max(1);
+        if splits > 65535 {
+            return Err(NnError::Shape(format!("gemm: {splits} K splits")));
+        }
+        let mn = prod("gemm C", &[d.m, d.n])?;
+        let partial = if splits > 1 {
+            Some(cudagraph::QueueExt::alloc::<f32>(
+                q,
+                prod("gemm split-K scratch", &[splits, mn])?,
+            )?)
+        } else {
+            None
+        };
+        let lda = if d.ta { d.m } else { d.k };
+        let ldb = if d.tb { d.k } else { d.n };
+        let cfg = LaunchConfig {
+            grid: (gx, gy, splits as u32),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (mi, ni, ki) = (int("m", d.m)?, int("n", d.n)?, int("k", d.k)?);
+        // SAFETY: blocks cover rows < m and columns < n (guarded in the kernel) and K ranges
+        // [z·kc, min(k, (z+1)·kc)); with lda/ldb derived from the layout, every read of A is
+        // below m·k and of B below k·n (both checked), writes go to C below m·n (checked) or,
+        // split, to partial below splits·m·n (allocated so); bias below n (checked).
+        unsafe {
+            launch(
+                q,
+                &self.k.sgemm_tiled,
+                cfg,
+                &[
+                    mi.into(),
+                    ni.into(),
+                    ki.into(),
+                    alpha.into(),
+                    a.into(),
+                    int("lda", lda)?.into(),
+                    (d.ta as i32).into(),
+                    b.into(),
+                    int("ldb", ldb)?.into(),
+                    (d.tb as i32).into(),
+                    beta.into(),
+                    c.into(),
+                    Arg::opt(bias),
+                    (relu as i32).into(),
+                    int("kc", kc)?.into(),
+                    Arg::opt(partial.as_ref()),
+                ],
+            )?;
+        }
+        if let Some(p) = &partial {
+            // SAFETY: e < m·n reads partial[z·m·n + e] for z < splits (its extent) and writes
+            // C[e] (checked); bias below n.
+            unsafe {
+                launch(
+                    q,
+                    &self.k.splitk_reduce,
+                    elems(mn),
+                    &[
+                        p.into(),
+                        (splits as i32).into(),
+                        c.into(),
+                        mi.into(),
+                        ni.into(),
+                        alpha.into(),
+                        beta.into(),
+                        Arg::opt(bias),
+                        (relu as i32).into(),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The warp-K kernel for the forward layout only: `C = act(A·Bᵀ + bias)`, A m×k, B n×k.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_nt_warpk(
+        &self,
+        q: &dyn Queue,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &Buf,
+        b: &Buf,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+    ) -> Result<()> {
+        let d = GemmDims {
+            m,
+            n,
+            k,
+            ta: false,
+            tb: true,
+        };
+        d.check_buffers(a, b, c, bias)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (gx, gy) = d.tiles()?;
+        let cfg = LaunchConfig {
+            grid: (gx, gy, 1),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads of A (row < m, col < k) and B (row < n, col < k) are guarded in the
+        // kernel and within m·k and n·k (checked); writes to C below m·n; bias below n.
+        unsafe {
+            launch(
+                q,
+                &self.k.sgemm_nt_warpk,
+                cfg,
+                &[
+                    int("m", m)?.into(),
+                    int("n", n)?.into(),
+                    int("k", k)?.into(),
+                    a.into(),
+                    b.into(),
+                    c.into(),
+                    Arg::opt(bias),
+                    (relu as i32).into(),
+                ],
+            )
+        }
+    }
+
+    /// `y[r, c] = act(y[r, c] + b[c])` over `rows × cols`.
+    pub fn bias_act(
+        &self,
+        q: &dyn Queue,
+        y: &Buf,
+        b: &Buf,
+        rows: usize,
+        cols: usize,
+        relu: bool,
+    ) -> Result<()> {
+        let n = prod("bias_act", &[rows, cols])?;
+        need("bias_act y", y, n)?;
+        need("bias_act bias", b, cols)?;
+        let (r, c) = (int("rows", rows)?, int("cols", cols)?);
+        long(n)?;
+        // SAFETY: y holds rows·cols elements and b holds cols: exactly what the kernel indexes.
+        unsafe {
+            launch(
+                q,
+                &self.k.bias_act,
+                elems(n),
+                args![y, b, r, c, relu as i32],
+            )
+        }
+    }
+
+    /// `y = max(x, 0)` over the first `n` elements.
+    pub fn relu_fwd(&self, q: &dyn Queue, x: &Buf, y: &Buf, n: usize) -> Result<()> {
+        need("relu x", x, n)?;
+        need("relu y", y, n)?;
+        // SAFETY: x and y hold n elements; the kernel touches i < n.
+        unsafe { launch(q, &self.k.relu_fwd, elems(n), args![x, y, long(n)?]) }
+    }
+
+    /// `dx = dy` where `y > 0`, else 0 (first `n` elements).
+    pub fn relu_bwd(&self, q: &dyn Queue, dy: &Buf, y: &Buf, dx: &Buf, n: usize) -> Result<()> {
+        need("relu dy", dy, n)?;
+        need("relu y", y, n)?;
+        need("relu dx", dx, n)?;
+        // SAFETY: all three hold n elements; the kernel touches i < n.
+        unsafe { launch(q, &self.k.relu_bwd, elems(n), args![dy, y, dx, long(n)?]) }
+    }
+
+    /// `a += b` over all of `a` (`b` at least as long).
+    pub fn add_inplace(&self, q: &dyn Queue, a: &Buf, b: &Buf) -> Result<()> {
+        let n = a.len();
+        need("add b", b, n)?;
+        // SAFETY: a and b hold n elements; the kernel touches i < n.
+        unsafe { launch(q, &self.k.add_inplace, elems(n), args![a, b, long(n)?]) }
+    }
+
+    /// `db[c] = Σ_r dy[r, c]`.
+    pub fn col_sum(
+        &self,
+        q: &dyn Queue,
+        dy: &Buf,
+        db: &Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        need("col_sum dy", dy, prod("col_sum", &[rows, cols])?)?;
+        need("col_sum db", db, cols)?;
+        if cols == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig::linear(u32::try_from(cols).unwrap_or(u32::MAX), 256);
+        // SAFETY: one block per column c < cols reading dy[r·cols + c] for r < rows, writing
+        // db[c]; both buffers were checked for those extents.
+        unsafe {
+            launch(
+                q,
+                &self.k.col_sum,
+                cfg,
+                args![dy, db, int("rows", rows)?, int("cols", cols)?],
+            )
+        }
+    }
+
+    /// `db[ch] = Σ_{n, p} dy[n, ch, p]` over `n × c × hw`.
+    pub fn channel_sum(
+        &self,
+        q: &dyn Queue,
+        dy: &Buf,
+        db: &Buf,
+        n: usize,
+        c: usize,
+        hw: usize,
+    ) -> Result<()> {
+        need("channel_sum dy", dy, prod("channel_sum", &[n, c, hw])?)?;
+        need("channel_sum db", db, c)?;
+        if c == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig::linear(u32::try_from(c).unwrap_or(u32::MAX), 256);
+        // SAFETY: one block per channel < c reading dy within n·c·hw, writing db[ch].
+        unsafe {
+            launch(
+                q,
+                &self.k.channel_sum,
+                cfg,
+                args![dy, db, int("n", n)?, int("c", c)?, int("hw", hw)?],
+            )
+        }
+    }
+
+    /// `loss[0] = scale · Σ (p − t)²` over `n` elements (two deterministic passes).
+    pub fn mse(
+        &self,
+        q: &dyn Queue,
+        p: &Buf,
+        t: &Buf,
+        loss: &Buf,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        need("mse pred", p, n)?;
+        need("mse target", t, n)?;
+        need("mse loss", loss, 1)?;
+        let blocks = n.div_ceil(1024).clamp(1, 256);
+        let partial = cudagraph::QueueExt::alloc::<f32>(q, blocks)?;
+        // SAFETY: `blocks` blocks each write partial[blockIdx.x] (partial holds `blocks`) and
+        // read p, t below n (both hold n).
+        unsafe {
+            launch(
+                q,
+                &self.k.mse_partial,
+                LaunchConfig::linear(blocks as u32, 256),
+                args![p, t, &partial, long(n)?],
+            )?;
+        }
+        // SAFETY: one block reads partial[0..blocks) and writes loss[0].
+        unsafe {
+            launch(
+                q,
+                &self.k.sum_partials,
+                LaunchConfig::linear(1, 256),
+                args![&partial, blocks as i32, loss, scale],
+            )
+        }
+    }
+
+    /// `dp = 2·scale·(p − t)·dloss[0]` over `n` elements.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mse_bwd(
+        &self,
+        q: &dyn Queue,
+        p: &Buf,
+        t: &Buf,
+        dloss: &Buf,
+        dp: &Buf,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        need("mse_bwd pred", p, n)?;
+        need("mse_bwd target", t, n)?;
+        need("mse_bwd dp", dp, n)?;
+        need("mse_bwd dloss", dloss, 1)?;
+        // SAFETY: p, t, dp hold n elements, dloss one; the kernel touches i < n and dloss[0].
+        unsafe {
+            launch(
+                q,
+                &self.k.mse_bwd,
+                elems(n),
+                args![p, t, dloss, dp, long(n)?, scale],
+            )
+        }
+    }
+
+    /// Softmax cross-entropy over `rows × cols` logits; probabilities into `probs`, the mean
+    /// loss into `loss[0]`. Targets outside `[0, cols)` are clamped and reported through the
+    /// device's error flag.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_fwd(
+        &self,
+        q: &dyn Queue,
+        logits: &Buf,
+        targets: &DeviceBuffer<i32>,
+        probs: &Buf,
+        loss: &Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Err(NnError::Shape(format!(
+                "cross_entropy over {rows} rows of {cols} classes"
+            )));
+        }
+        let n = prod("cross_entropy", &[rows, cols])?;
+        need("cross_entropy logits", logits, n)?;
+        need("cross_entropy probs", probs, n)?;
+        need("cross_entropy targets", targets, rows)?;
+        need("cross_entropy loss", loss, 1)?;
+        let flag = q.device().check_flag_arg();
+        // SAFETY: one block; rows r < rows read logits/write probs in [r·cols, (r+1)·cols)
+        // (both hold rows·cols), read targets[r] (holds rows), and the target is clamped
+        // into [0, cols) before it indexes; flag is the device's mapped error word.
+        unsafe {
+            launch(
+                q,
+                &self.k.ce_fwd,
+                LaunchConfig::linear(1, 256),
+                &[
+                    logits.into(),
+                    targets.into(),
+                    probs.into(),
+                    loss.into(),
+                    Arg::I32(int("rows", rows)?),
+                    Arg::I32(int("cols", cols)?),
+                    flag,
+                    Arg::U32(self.ce_check),
+                ],
+            )
+        }
+    }
+
+    /// Gradient of [`Nn::ce_fwd`] with respect to the logits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_bwd(
+        &self,
+        q: &dyn Queue,
+        probs: &Buf,
+        targets: &DeviceBuffer<i32>,
+        dloss: &Buf,
+        dz: &Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let n = prod("cross_entropy", &[rows, cols])?;
+        need("cross_entropy probs", probs, n)?;
+        need("cross_entropy dz", dz, n)?;
+        need("cross_entropy targets", targets, rows)?;
+        need("cross_entropy dloss", dloss, 1)?;
+        // SAFETY: i < rows·cols indexes probs/dz (both that long) and targets[i / cols] (< rows);
+        // targets are clamped before comparison only.
+        unsafe {
+            launch(
+                q,
+                &self.k.ce_bwd,
+                elems(n),
+                args![
+                    probs,
+                    targets,
+                    dloss,
+                    dz,
+                    int("rows", rows)?,
+                    int("cols", cols)?
+                ],
+            )
+        }
+    }
+
+    /// One SGD update of `w` (length `n`) from `g`; `buf` is the momentum buffer (required when
+    /// `momentum != 0`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgd_step(
+        &self,
+        q: &dyn Queue,
+        w: &Buf,
+        g: &Buf,
+        buf: Option<&Buf>,
+        lr: f32,
+        momentum: f32,
+        wd: f32,
+    ) -> Result<()> {
+        let n = w.len();
+        need("sgd grad", g, n)?;
+        match buf {
+            Some(b) => need("sgd momentum buffer", b, n)?,
+            None if momentum != 0.0 => {
+                return Err(NnError::Shape(
+                    "sgd: momentum needs a momentum buffer".into(),
+                ))
+            }
+            None => {}
+        }
+        // SAFETY: w, g (and buf, used only when momentum != 0, then checked) hold n elements.
+        unsafe {
+            launch(
+                q,
+                &self.k.sgd_step,
+                elems(n),
+                &[
+                    w.into(),
+                    g.into(),
+                    Arg::opt(buf),
+                    Arg::I64(long(n)?),
+                    lr.into(),
+                    momentum.into(),
+                    wd.into(),
+                ],
+            )
+        }
+    }
+
+    /// `step[0] += 1` (the device-side step count of Adam).
+    pub fn step_inc(&self, q: &dyn Queue, step: &Buf) -> Result<()> {
+        need("step counter", step, 1)?;
+        // SAFETY: one thread writes step[0].
+        unsafe { launch(q, &self.k.step_inc, LaunchConfig::linear(1, 1), args![step]) }
+    }
+
+    /// One Adam/AdamW update of `w` with state `m`, `v` and the device step count `step[0]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam_step(
+        &self,
+        q: &dyn Queue,
+        w: &Buf,
+        g: &Buf,
+        m: &Buf,
+        v: &Buf,
+        step: &Buf,
+        hp: [f32; 5],
+        decoupled: bool,
+    ) -> Result<()> {
+        let n = w.len();
+        need("adam grad", g, n)?;
+        need("adam m", m, n)?;
+        need("adam v", v, n)?;
+        need("adam step", step, 1)?;
+        let [lr, b1, b2, eps, wd] = hp;
+        // SAFETY: w, g, m, v hold n elements and step one; the kernel touches i < n, step[0].
+        unsafe {
+            launch(
+                q,
+                &self.k.adam_step,
+                elems(n),
+                args![
+                    w,
+                    g,
+                    m,
+                    v,
+                    step,
+                    long(n)?,
+                    lr,
+                    b1,
+                    b2,
+                    eps,
+                    wd,
+                    decoupled as i32
+                ],
+            )
+        }
+    }
+
+    /// Direct NCHW convolution `y = conv(x, w) + b`.
+    pub fn conv2d_fwd(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        x: &Buf,
+        w: &Buf,
+        b: Option<&Buf>,
+        y: &Buf,
+    ) -> Result<()> {
+        let ints = g.ints()?;
+        need("conv2d x", x, g.input_len()?)?;
+        need("conv2d w", w, g.weight_len()?)?;
+        need("conv2d y", y, g.output_len()?)?;
+        if let Some(b) = b {
+            need("conv2d bias", b, g.oc)?;
+        }
+        let (oh, ow) = g.out_hw()?;
+        let ckk = g.c * g.kh * g.kw;
+        let weights_bytes = g.weight_len()? * 4;
+        let bufs = [x.into(), w.into(), Arg::opt(b), y.into()];
+        if ckk <= 32 && weights_bytes <= 48 * 1024 {
+            let mut cfg = LaunchConfig::for_elements(prod("conv2d", &[g.n, oh, ow])?, 128);
+            cfg.shared_mem_bytes = weights_bytes as u32;
+            // SAFETY: one thread per (n, oh, ow) reads x inside [0, H)×[0, W) of its image,
+            // copies all oc·ckk weights (≤ 32 taps each, checked) into the shared memory sized
+            // for them, writes every channel of its pixel in y; extents checked above.
+            unsafe { launch(q, &self.k.conv2d_fwd_small, cfg, &conv_args(&bufs, ints)) }
+        } else {
+            // SAFETY: one thread per output element; reads of x are bounds-checked against H, W
+            // in the kernel; w, b and y were checked for the geometry's extents.
+            unsafe {
+                launch(
+                    q,
+                    &self.k.conv2d_fwd,
+                    elems(g.output_len()?),
+                    &conv_args(&bufs, ints),
+                )
+            }
+        }
+    }
+
+    /// `dx` of a convolution (gather form).
+    pub fn conv2d_bwd_input(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        dy: &Buf,
+        w: &Buf,
+        dx: &Buf,
+    ) -> Result<()> {
+        let ints = g.ints()?;
+        need("conv2d dy", dy, g.output_len()?)?;
+        need("conv2d w", w, g.weight_len()?)?;
+        need("conv2d dx", dx, g.input_len()?)?;
+        // SAFETY: one thread per input element; dy is read only at oh < OH, ow < OW (checked in
+        // the kernel); extents of dy, w, dx checked above.
+        unsafe {
+            launch(
+                q,
+                &self.k.conv2d_bwd_input,
+                elems(g.input_len()?),
+                &conv_args(&[dy.into(), w.into(), dx.into()], ints),
+            )
+        }
+    }
+
+    /// `dw` of a convolution (one block per weight).
+    pub fn conv2d_bwd_weight(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        dy: &Buf,
+        x: &Buf,
+        dw: &Buf,
+    ) -> Result<()> {
+        let ints = g.ints()?;
+        let nw = g.weight_len()?;
+        need("conv2d dy", dy, g.output_len()?)?;
+        need("conv2d x", x, g.input_len()?)?;
+        need("conv2d dw", dw, nw)?;
+        let cfg = LaunchConfig::linear(u32::try_from(nw).unwrap_or(u32::MAX), 256);
+        // SAFETY: block b < oc·c·kh·kw writes dw[b]; reads of x are bounds-checked in the
+        // kernel, dy below n·oc·oh·ow; extents checked above.
+        unsafe {
+            launch(
+                q,
+                &self.k.conv2d_bwd_weight,
+                cfg,
+                &conv_args(&[dy.into(), x.into(), dw.into()], ints),
+            )
+        }
+    }
+
+    /// Max pooling of `planes` planes of `h × w` with window `k`, stride `s`; `idx` keeps the
+    /// argmax of every output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn maxpool_fwd(
+        &self,
+        q: &dyn Queue,
+        x: &Buf,
+        y: &Buf,
+        idx: &DeviceBuffer<i32>,
+        planes: usize,
+        (h, w): (usize, usize),
+        k: usize,
+        s: usize,
+    ) -> Result<(usize, usize)> {
+        if k == 0 || s == 0 || h < k || w < k {
+            return Err(NnError::Shape(format!(
+                "max_pool2d: {h}×{w} input, window {k}, stride {s}"
+            )));
+        }
+        let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
+        let n_in = prod("max_pool2d input", &[planes, h, w])?;
+        let n_out = prod("max_pool2d output", &[planes, oh, ow])?;
+        int("max_pool2d input size", n_in)?;
+        need("max_pool2d x", x, n_in)?;
+        need("max_pool2d y", y, n_out)?;
+        need("max_pool2d idx", idx, n_out)?;
+        // SAFETY: one thread per output (< planes·oh·ow, the extent of y and idx) reads x at
+        // h < H, w < W of its plane (< planes·h·w, checked, and fits the kernel's int index).
+        unsafe {
+            launch(
+                q,
+                &self.k.maxpool_fwd,
+                elems(n_out),
+                args![
+                    x,
+                    y,
+                    idx,
+                    int("planes", planes)?,
+                    h as i32,
+                    w as i32,
+                    k as i32,
+                    s as i32,
+                    oh as i32,
+                    ow as i32
+                ],
+            )?;
+        }
+        Ok((oh, ow))
+    }
+
+    /// Scatters `dy` into `dx` at the argmax positions `idx` (clamped into `dx`).
+    pub fn maxpool_bwd(
+        &self,
+        q: &dyn Queue,
+        dy: &Buf,
+        idx: &DeviceBuffer<i32>,
+        dx: &Buf,
+        n_out: usize,
+    ) -> Result<()> {
+        need("max_pool2d dy", dy, n_out)?;
+        need("max_pool2d idx", idx, n_out)?;
+        if dx.is_empty() {
+            return Err(NnError::Shape("max_pool2d: empty input gradient".into()));
+        }
+        // SAFETY: i < n_out indexes dy and idx (checked); the write index is clamped into
+        // [0, dx.len()) in the kernel.
+        unsafe {
+            launch(
+                q,
+                &self.k.maxpool_bwd,
+                elems(n_out),
+                args![dy, idx, dx, long(n_out)?, long(dx.len())?],
+            )
+        }
+    }
+}

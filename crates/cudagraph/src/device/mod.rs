@@ -1,0 +1,377 @@
+//! The user's view of a GPU: a [`Device`] (context, caching allocator, device-side error flag),
+//! eager [`Stream`]s, and the [`Queue`] trait that eager streams and capture streams share, so
+//! the same model code runs eagerly or inside a capture.
+//!
+//! Threads: `Device`, `Stream`, `DeviceBuffer`, `PinnedBuffer` and `Graph` are `Send + Sync`.
+//! CUDA streams accept work from any thread, every driver call binds the device's context
+//! first, the allocator is behind a mutex, and graphs serialise their own driver calls.
+//! `CaptureStream` is neither (a capture belongs to the thread that runs its closure).
+
+mod checks;
+mod pinned_scope;
+mod queue;
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+pub use checks::{register_check, DEVICE_CHECK_CUDA};
+pub use pinned_scope::PinnedScope;
+pub(crate) use queue::{check_device, check_range};
+pub use queue::{Anchor, Arg, Queue, QueueExt};
+
+use crate::error::{Error, Result};
+use crate::memory::{
+    source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer, Pool,
+    PoolId,
+};
+use crate::runtime::memory::{self as raw, MappedWords};
+use crate::runtime::{Context, DeviceInfo, Event, Function, Module, StreamHandle, StreamRef};
+
+struct DeviceInner {
+    ctx: Context,
+    alloc: Arc<Allocator>,
+    /// Host-mapped words kernels raise on a failed device-side check (see [`checks`]).
+    flag: MappedWords,
+    /// Per-device state of libraries layered on top (kernels, library handles, tuning caches):
+    /// it lives exactly as long as the device, so dropping the last `Device` handle releases it.
+    extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // Library state first (it may free buffers and destroy handles that use the context).
+        self.extensions
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        // No stream or graph of this device is left (each holds the device), but work they
+        // queued may still run and write the flag: wait for it before the flag is freed.
+        let _ = self.ctx.synchronize();
+    }
+}
+
+/// One GPU: its CUDA context and the caching allocator every buffer comes from.
+/// Cheap to clone (all clones share the context and allocator).
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Device({} #{})", self.info().name, self.ordinal())
+    }
+}
+
+impl Device {
+    /// Opens CUDA device `ordinal`. Fails with [`Error::NoDriver`] on a machine without the
+    /// NVIDIA driver and [`Error::NoDevice`] for an ordinal the driver does not know.
+    #[track_caller]
+    pub fn open(ordinal: usize) -> Result<Self> {
+        let ctx = Context::open(ordinal)?;
+        let alloc = Allocator::new(
+            Box::new(DeviceSource {
+                ctx: ctx.handle.clone(),
+            }),
+            ordinal,
+        );
+        let flag = MappedWords::new(checks::WORDS, ctx.handle.raw)?;
+        Ok(Self {
+            inner: Arc::new(DeviceInner {
+                ctx,
+                alloc,
+                flag,
+                extensions: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        self.inner.ctx.info()
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.inner.ctx.ordinal()
+    }
+
+    pub fn allocator(&self) -> &Arc<Allocator> {
+        &self.inner.alloc
+    }
+
+    /// This device's instance of `T`, created by `init` on first use. For libraries layered on
+    /// cudagraph (the NN layer keeps its kernels and cuBLAS handle here): the value lives as
+    /// long as the device and is dropped with its last handle. `T` must not hold a `Device`
+    /// (that would keep the device alive forever); hold its `Context` and `allocator()`.
+    pub fn extension<T: Any + Send + Sync>(
+        &self,
+        init: impl FnOnce(&Device) -> Result<T>,
+    ) -> Result<Arc<T>> {
+        let key = TypeId::of::<T>();
+        let get = |m: &HashMap<TypeId, Arc<dyn Any + Send + Sync>>| {
+            m.get(&key).cloned().and_then(|v| v.downcast::<T>().ok())
+        };
+        if let Some(v) = get(&self
+            .inner
+            .extensions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()))
+        {
+            return Ok(v);
+        }
+        // Initialise without the lock (it may compile kernels for seconds); first one wins.
+        let fresh = Arc::new(init(self)?);
+        let mut m = self
+            .inner
+            .extensions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = get(&m) {
+            return Ok(v);
+        }
+        m.insert(key, fresh.clone());
+        Ok(fresh)
+    }
+
+    /// Whether `other` is a handle to this same `Device::open` (same allocator).
+    pub fn same_as(&self, other: &Device) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// A new non-blocking stream.
+    #[track_caller]
+    pub fn new_stream(&self) -> Result<Stream> {
+        Ok(Stream {
+            handle: StreamHandle::new(&self.inner.ctx)?,
+            device: self.clone(),
+        })
+    }
+
+    /// A new event (`timing` enables [`Event::elapsed_ms`]).
+    #[track_caller]
+    pub fn new_event(&self, timing: bool) -> Result<Event> {
+        Event::new(&self.inner.ctx, timing)
+    }
+
+    /// `len` elements of page-locked host memory, for fast asynchronous transfers
+    /// ([`Stream::pinned_scope`]).
+    #[track_caller]
+    pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+        PinnedBuffer::new(len, self.inner.ctx.handle.raw)
+    }
+
+    /// A new, unbounded graph pool to share between captures (PyTorch's `graph_pool_handle()`).
+    pub fn graph_pool_handle(&self) -> Pool {
+        Pool::new(&self.inner.alloc, None)
+    }
+
+    /// A new graph pool whose reserved memory may not exceed `limit` bytes.
+    pub fn new_pool_with_limit(&self, limit: usize) -> Pool {
+        Pool::new(&self.inner.alloc, Some(limit))
+    }
+
+    /// Device-wide memory counters (every pool).
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.inner.alloc.stats()
+    }
+
+    /// Counters of one pool (`PoolId::DEFAULT` for eager allocations).
+    pub fn pool_stats(&self, pool: PoolId) -> MemoryStats {
+        self.inner.alloc.pool_stats(pool)
+    }
+
+    /// Bytes currently handed out, device-wide (PyTorch's `memory_allocated()`).
+    pub fn memory_allocated(&self) -> usize {
+        self.inner.alloc.stats().allocated
+    }
+
+    /// Bytes held from the driver, device-wide (PyTorch's `memory_reserved()`).
+    pub fn memory_reserved(&self) -> usize {
+        self.inner.alloc.stats().reserved
+    }
+
+    /// Resets all peak counters to the current values.
+    pub fn reset_peak_memory_stats(&self) {
+        self.inner.alloc.reset_peak()
+    }
+
+    /// Returns unused cached segments to the driver (after waiting for the work that could
+    /// still use them). Segments of pools with live graphs are kept, and nothing is released
+    /// while a capture is open on this device. Returns the bytes released.
+    #[track_caller]
+    pub fn empty_cache(&self) -> Result<usize> {
+        self.inner.alloc.empty_cache()
+    }
+
+    /// Waits for all work on the device, then reports a failed device-side check, if any.
+    #[track_caller]
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.ctx.synchronize()?;
+        self.check_errors()
+    }
+
+    /// Reports (and clears) the first device-side check that failed since the last report
+    /// (an index out of range, say), as [`Error::DeviceCheck`]. Only work that has completed
+    /// can have raised it: call after a synchronisation.
+    pub fn check_errors(&self) -> Result<()> {
+        checks::take(&self.inner.flag)
+    }
+
+    /// The device address of the error flag, for kernels that use [`DEVICE_CHECK_CUDA`]
+    /// (the device keeps it mapped for as long as any graph or stream of it exists).
+    pub fn check_flag_arg(&self) -> Arg<'static> {
+        Arg::Ptr {
+            addr: self.inner.flag.device_addr(),
+            holder: None,
+        }
+    }
+
+    /// Compiles (or loads from cache) a CUDA C++ module with NVRTC.
+    #[track_caller]
+    pub fn compile(&self, name: &str, source: &str) -> Result<Module> {
+        self.inner.ctx.compile(name, source)
+    }
+}
+
+/// An eager stream: work runs as it is enqueued. Adds host transfers and synchronisation to
+/// the [`Queue`] operations. A capture borrows a stream mutably, so none of these methods can
+/// be called on the stream while it is capturing.
+pub struct Stream {
+    pub(crate) handle: StreamHandle,
+    device: Device,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} on {:?}", self.handle, self.device)
+    }
+}
+
+impl Stream {
+    /// Blocks until all work enqueued on this stream has finished, then reports a failed
+    /// device-side check, if any ([`Device::check_errors`]).
+    #[track_caller]
+    pub fn synchronize(&self) -> Result<()> {
+        self.handle.synchronize()?;
+        self.device.check_errors()
+    }
+
+    /// Makes later work on this stream wait for everything enqueued on `other` so far.
+    #[track_caller]
+    pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        self.handle.wait_for(&other.handle)
+    }
+
+    /// Records `event` here.
+    #[track_caller]
+    pub fn record(&self, event: &Event) -> Result<()> {
+        self.handle.record(event)
+    }
+
+    /// Makes later work here wait for `event`.
+    #[track_caller]
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.handle.wait_event(event)
+    }
+
+    /// The owned stream handle (ids, raw handle for libraries).
+    pub fn handle(&self) -> &StreamHandle {
+        &self.handle
+    }
+
+    /// Copies host data into `dst` (same length). `src` may be reused as soon as this returns.
+    #[track_caller]
+    pub fn copy_from_host<T: Elem>(&self, src: &[T], dst: &DeviceBuffer<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::SizeMismatch {
+                what: "host-to-device copy",
+                expected: dst.len(),
+                got: src.len(),
+            });
+        }
+        check_device(&self.device, dst.block())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.use_block(dst.block());
+        self.device.context().bind()?;
+        raw::memcpy_htod_pageable(dst.addr(), T::as_bytes(src), self.handle.raw())
+    }
+
+    /// Allocates a buffer and fills it from host data.
+    #[track_caller]
+    pub fn alloc_from_host<T: Elem>(&self, src: &[T]) -> Result<DeviceBuffer<T>> {
+        let b = self.alloc(src.len())?;
+        self.copy_from_host(src, &b)?;
+        Ok(b)
+    }
+
+    /// Waits for this stream, then copies `src` into `dst` on the host. Reports a failed
+    /// device-side check like [`Stream::synchronize`].
+    #[track_caller]
+    pub fn copy_to_host<T: Elem>(&self, src: &DeviceBuffer<T>, dst: &mut [T]) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::SizeMismatch {
+                what: "device-to-host copy",
+                expected: dst.len(),
+                got: src.len(),
+            });
+        }
+        check_device(&self.device, src.block())?;
+        if !dst.is_empty() {
+            self.use_block(src.block());
+            self.device.context().bind()?;
+            raw::memcpy_dtoh_sync(T::as_bytes_mut(dst), src.addr(), self.handle.raw())?;
+        }
+        self.device.check_errors()
+    }
+
+    /// Waits for this stream and returns the contents of `src`.
+    #[track_caller]
+    pub fn to_vec<T: Elem>(&self, src: &DeviceBuffer<T>) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); src.len()];
+        self.copy_to_host(src, &mut v)?;
+        Ok(v)
+    }
+
+    /// Whether the driver reports a capture open on this stream (it never should be outside
+    /// [`crate::Graph::capture`]; useful in tests).
+    #[track_caller]
+    pub fn driver_is_capturing(&self) -> Result<bool> {
+        self.handle.as_ref().is_capturing()
+    }
+}
+
+impl Queue for Stream {
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn stream_handle(&self) -> StreamRef<'_> {
+        self.handle.as_ref()
+    }
+
+    fn capture_id(&self) -> Option<u64> {
+        None
+    }
+
+    #[track_caller]
+    fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> {
+        let alloc = self.device.allocator();
+        let a = alloc.allocate(bytes, PoolId::DEFAULT, self.handle.id())?;
+        Ok(BlockRef::from_allocation(alloc, a, self.handle.id(), 0))
+    }
+
+    fn use_block(&self, block: &Arc<BlockRef>) {
+        block.note_use(self.handle.as_ref());
+    }
+
+    fn keep_alive(&self, _anchor: Anchor) {}
+
+    fn hold_function(&self, _f: &Function) {}
+}

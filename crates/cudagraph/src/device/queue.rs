@@ -1,0 +1,370 @@
+//! [`Queue`]: the operations legal both on an eager stream and inside a capture — allocate,
+//! launch, copy, fill, and declare that library work uses a buffer. The trait is object-safe
+//! (model code takes `&dyn Queue`); typed conveniences are in [`QueueExt`], implemented for every
+//! queue. Nothing here blocks the host or reads device memory back, which is what makes every
+//! method legal inside a capture.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use super::Device;
+use crate::error::{Error, Result};
+use crate::memory::{bytes_for, BlockRef, DeviceBuffer, Elem};
+use crate::runtime::memory as raw;
+use crate::runtime::module::{self, ParamValue};
+use crate::runtime::{Function, LaunchConfig, StreamRef};
+
+/// Anything a graph must keep alive besides buffers (kernels' modules, host callbacks, pools).
+pub type Anchor = Arc<dyn Any + Send + Sync>;
+
+/// One kernel argument: a device address (with the block it points into, so captures keep it
+/// alive and eager streams track its use) or a scalar.
+#[derive(Clone, Copy)]
+pub enum Arg<'a> {
+    /// A device address. `holder` is the block it points into; `None` for addresses the
+    /// library cannot see (null, or memory someone else owns).
+    Ptr {
+        addr: u64,
+        holder: Option<&'a Arc<BlockRef>>,
+    },
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+}
+
+impl fmt::Debug for Arg<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Arg::Ptr { addr, .. } => write!(f, "ptr({addr:#x})"),
+            Arg::I32(v) => write!(f, "{v}i32"),
+            Arg::U32(v) => write!(f, "{v}u32"),
+            Arg::I64(v) => write!(f, "{v}i64"),
+            Arg::U64(v) => write!(f, "{v}u64"),
+            Arg::F32(v) => write!(f, "{v}f32"),
+            Arg::F64(v) => write!(f, "{v}f64"),
+        }
+    }
+}
+
+impl<'a> Arg<'a> {
+    /// A null pointer argument (an optional buffer left out).
+    pub const NULL: Arg<'static> = Arg::Ptr {
+        addr: 0,
+        holder: None,
+    };
+
+    /// A pointer to element `offset` of `buf` (`offset <= buf.len()`).
+    pub fn at<T: Elem>(buf: &'a DeviceBuffer<T>, offset: usize) -> Result<Self> {
+        Ok(Arg::Ptr {
+            addr: buf.addr_at(offset)?,
+            holder: Some(buf.block()),
+        })
+    }
+
+    /// A pointer to `buf`, or null.
+    pub fn opt<T: Elem>(buf: Option<&'a DeviceBuffer<T>>) -> Self {
+        buf.map(Arg::from).unwrap_or(Arg::NULL)
+    }
+
+    pub(crate) fn value(&self) -> ParamValue {
+        match *self {
+            Arg::Ptr { addr, .. } => ParamValue::int(addr, 8),
+            Arg::I32(v) => ParamValue::int(v as u32 as u64, 4),
+            Arg::U32(v) => ParamValue::int(v as u64, 4),
+            Arg::I64(v) => ParamValue::int(v as u64, 8),
+            Arg::U64(v) => ParamValue::int(v, 8),
+            Arg::F32(v) => ParamValue::float(v.to_bits() as u64, 4),
+            Arg::F64(v) => ParamValue::float(v.to_bits(), 8),
+        }
+    }
+
+    pub(crate) fn holder(&self) -> Option<&'a Arc<BlockRef>> {
+        match *self {
+            Arg::Ptr { holder, .. } => holder,
+            _ => None,
+        }
+    }
+}
+
+macro_rules! arg_from {
+    ($t:ty, $v:ident) => {
+        impl From<$t> for Arg<'_> {
+            fn from(x: $t) -> Self {
+                Arg::$v(x)
+            }
+        }
+    };
+}
+arg_from!(i32, I32);
+arg_from!(u32, U32);
+arg_from!(i64, I64);
+arg_from!(u64, U64);
+arg_from!(f32, F32);
+arg_from!(f64, F64);
+
+impl<'a, T: Elem> From<&'a DeviceBuffer<T>> for Arg<'a> {
+    fn from(b: &'a DeviceBuffer<T>) -> Self {
+        Arg::Ptr {
+            addr: b.addr(),
+            holder: Some(b.block()),
+        }
+    }
+}
+
+impl<'a, T: Elem> From<&'a mut DeviceBuffer<T>> for Arg<'a> {
+    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
+        Arg::from(&*b)
+    }
+}
+
+/// Builds a `&[Arg]` from buffers and scalars: `args![&x, &y, n as i32, 0.5f32]`.
+#[macro_export]
+macro_rules! args {
+    ($($a:expr),* $(,)?) => {
+        &[$($crate::Arg::from($a)),*]
+    };
+}
+
+/// Arguments kept on the stack for the common case (no heap allocation per launch).
+const INLINE_ARGS: usize = 32;
+
+/// Work that runs eagerly on a [`crate::Stream`] or is recorded by a
+/// [`crate::CaptureStream`]. Write model code against `&dyn Queue` (or `&impl Queue`) and it runs
+/// eagerly or captured unchanged.
+pub trait Queue {
+    /// The device this queue runs on.
+    fn device(&self) -> &Device;
+
+    /// The stream, as CUDA libraries need it (raw handle; nothing that synchronises).
+    fn stream_handle(&self) -> StreamRef<'_>;
+
+    /// The id of the capture recording this queue's work, `None` when eager.
+    fn capture_id(&self) -> Option<u64>;
+
+    /// Whether work on this queue is being recorded into a graph rather than run.
+    fn is_capturing(&self) -> bool {
+        self.capture_id().is_some()
+    }
+
+    /// Allocates `bytes` bytes (contents undefined): from the default pool on an eager
+    /// stream, from the capture's pool inside a capture.
+    fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>>;
+
+    /// Declares that work about to be enqueued here uses `block` — call it for buffers passed
+    /// to CUDA libraries by raw address. Inside a capture the graph keeps the block alive; on
+    /// an eager stream that did not allocate it, the block is not reused before this stream's
+    /// work is done. The crate's own launches, copies and fills call it for you.
+    fn use_block(&self, block: &Arc<BlockRef>);
+
+    /// Keeps `anchor` alive as long as the graph being captured (no-op when eager).
+    fn keep_alive(&self, anchor: Anchor);
+
+    /// Keeps `f`'s module loaded as long as the graph being captured (no-op when eager).
+    fn hold_function(&self, f: &Function);
+
+    /// Launches a kernel. The argument count, sizes and kinds (integer/pointer or float) are
+    /// checked against the kernel's declaration, the launch shape against its limits, and every
+    /// buffer against the device — mismatches are typed errors and nothing is launched.
+    ///
+    /// # Safety
+    /// The kernel must access only memory it owns or reaches through the pointer arguments,
+    /// within the buffers those point into, and the scalar arguments must describe those
+    /// buffers truthfully (a length passed as `n` must not exceed the buffer). Those are
+    /// facts about the kernel's code that no signature shows. The library keeps every passed
+    /// buffer alive and ordered for as long as the work may run; pointers the kernel derives
+    /// otherwise (read from device memory, computed from another buffer) are not tracked.
+    #[track_caller]
+    unsafe fn launch(&self, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
+        let dev = self.device();
+        if f.ordinal() != dev.ordinal() {
+            return Err(Error::WrongDevice {
+                what: "kernel",
+                expected: dev.ordinal(),
+                got: f.ordinal(),
+            });
+        }
+        let dims = f.check(cfg, dev.info().max_grid_x)?;
+        let mut inline = [ParamValue::int(0, 0); INLINE_ARGS];
+        let mut heap = Vec::new();
+        let params: &mut [ParamValue] = if args.len() <= INLINE_ARGS {
+            &mut inline[..args.len()]
+        } else {
+            heap.resize(args.len(), ParamValue::int(0, 0));
+            &mut heap
+        };
+        for (slot, a) in params.iter_mut().zip(args) {
+            if let Some(b) = a.holder() {
+                check_device(dev, b)?;
+            }
+            *slot = a.value();
+        }
+        f.check_args(params)?;
+        for b in args.iter().filter_map(Arg::holder) {
+            self.use_block(b);
+        }
+        self.hold_function(f);
+        dev.context().bind()?;
+        // SAFETY: arguments and shape were checked against `f` above; the memory contract is
+        // the caller's (this function's `# Safety`), and every passed buffer is kept alive and
+        // its reuse ordered by `use_block`.
+        module::launch(f, dims, params, self.stream_handle().raw_handle())
+    }
+}
+
+/// Typed conveniences over any [`Queue`].
+pub trait QueueExt: Queue {
+    /// Allocates `len` elements (contents undefined).
+    #[track_caller]
+    fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = bytes_for::<T>("allocation", len)?;
+        DeviceBuffer::from_block(self.alloc_block(bytes)?, len)
+    }
+
+    /// Allocates `len` zeroed elements.
+    #[track_caller]
+    fn alloc_zeroed<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        let b = self.alloc(len)?;
+        self.memset_zero(&b)?;
+        Ok(b)
+    }
+
+    /// Copies all of `src` into `dst` (equal lengths).
+    #[track_caller]
+    fn copy<T: Elem>(&self, src: &DeviceBuffer<T>, dst: &DeviceBuffer<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::SizeMismatch {
+                what: "device copy",
+                expected: dst.len(),
+                got: src.len(),
+            });
+        }
+        self.copy_range(src, 0, dst, 0, src.len())
+    }
+
+    /// Copies `len` elements from `src[src_offset..]` to `dst[dst_offset..]`.
+    #[track_caller]
+    fn copy_range<T: Elem>(
+        &self,
+        src: &DeviceBuffer<T>,
+        src_offset: usize,
+        dst: &DeviceBuffer<T>,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range("copy source", src_offset, len, src.len())?;
+        check_range("copy destination", dst_offset, len, dst.len())?;
+        check_device(self.device(), src.block())?;
+        check_device(self.device(), dst.block())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.use_block(src.block());
+        self.use_block(dst.block());
+        self.device().context().bind()?;
+        // In range (checked above), so the byte count fits (DeviceBuffer's invariant).
+        raw::memcpy_dtod_async(
+            dst.addr_at(dst_offset)?,
+            src.addr_at(src_offset)?,
+            len * std::mem::size_of::<T>(),
+            self.stream_handle().raw_handle(),
+        )
+    }
+
+    /// Sets every byte of `buf` to zero.
+    #[track_caller]
+    fn memset_zero<T: Elem>(&self, buf: &DeviceBuffer<T>) -> Result<()> {
+        self.memset_zero_range(buf, 0, buf.len())
+    }
+
+    /// Sets the bytes of elements `offset..offset + len` to zero.
+    #[track_caller]
+    fn memset_zero_range<T: Elem>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range("memset", offset, len, buf.len())?;
+        check_device(self.device(), buf.block())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.use_block(buf.block());
+        self.device().context().bind()?;
+        raw::memset_d8_async(
+            buf.addr_at(offset)?,
+            0,
+            len * std::mem::size_of::<T>(),
+            self.stream_handle().raw_handle(),
+        )
+    }
+
+    /// Sets `len` 32-bit elements starting at `offset` to `value` (f32, i32 or u32 buffers).
+    #[track_caller]
+    fn fill32<T: Elem>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+        value: T,
+    ) -> Result<()> {
+        if std::mem::size_of::<T>() != 4 {
+            return Err(Error::SizeMismatch {
+                what: "fill32 element size",
+                expected: 4,
+                got: std::mem::size_of::<T>(),
+            });
+        }
+        check_range("fill", offset, len, buf.len())?;
+        check_device(self.device(), buf.block())?;
+        if len == 0 {
+            return Ok(());
+        }
+        let bytes = T::as_bytes(std::slice::from_ref(&value));
+        let word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        self.use_block(buf.block());
+        self.device().context().bind()?;
+        raw::memset_d32_async(
+            buf.addr_at(offset)?,
+            word,
+            len,
+            self.stream_handle().raw_handle(),
+        )
+    }
+}
+
+impl<Q: Queue + ?Sized> QueueExt for Q {}
+
+/// `start..start + len` must lie in `0..total`.
+pub(crate) fn check_range(
+    what: &'static str,
+    start: usize,
+    len: usize,
+    total: usize,
+) -> Result<()> {
+    match start.checked_add(len) {
+        Some(end) if end <= total => Ok(()),
+        _ => Err(Error::OutOfRange {
+            what,
+            start,
+            end: start.saturating_add(len),
+            len: total,
+        }),
+    }
+}
+
+/// `block` must belong to `device`.
+pub(crate) fn check_device(device: &Device, block: &BlockRef) -> Result<()> {
+    if block.device_ordinal() != device.ordinal() {
+        return Err(Error::WrongDevice {
+            what: "buffer",
+            expected: device.ordinal(),
+            got: block.device_ordinal(),
+        });
+    }
+    Ok(())
+}

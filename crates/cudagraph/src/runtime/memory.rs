@@ -1,0 +1,275 @@
+//! Raw memory calls: device segments for the allocator, memset and copies, page-locked host
+//! memory ([`PinnedAlloc`]) and host-mapped words the device can write ([`MappedWords`], the
+//! device-side error flag). Typed views and every policy live one layer up in `crate::memory`.
+//!
+//! Device addresses are plain `u64`s here. Functions that make the device read or write host
+//! memory asynchronously are `unsafe fn` and say what the caller must keep alive.
+
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use cudarc::driver::sys;
+
+use super::context::{bind_raw, RawContext};
+use super::result::{check, with_relaxed_capture};
+use super::stream::RawStream;
+use crate::error::Result;
+
+/// Allocates device memory. Runs under relaxed capture mode, as PyTorch's allocator does, so a
+/// graph pool can grow while a capture is open on this thread (cuMemAlloc is otherwise
+/// "unsafe" during capture and would invalidate it).
+#[track_caller]
+pub(crate) fn mem_alloc(bytes: usize) -> Result<u64> {
+    let mut dptr = 0;
+    // SAFETY: cuMemAlloc writes one device pointer.
+    let status = with_relaxed_capture(|| unsafe { sys::cuMemAlloc_v2(&mut dptr, bytes) });
+    check(status, "cuMemAlloc")?;
+    Ok(dptr)
+}
+
+/// Frees memory from [`mem_alloc`].
+///
+/// # Safety
+/// `dptr` came from `mem_alloc`, is freed once, and no queued or running work uses it.
+#[track_caller]
+pub(crate) unsafe fn mem_free(dptr: u64) -> Result<()> {
+    let status = with_relaxed_capture(|| sys::cuMemFree_v2(dptr));
+    check(status, "cuMemFree")
+}
+
+/// Enqueues a byte memset. Device addresses only: a wrong address is the device's fault to
+/// report, never a host memory access.
+#[track_caller]
+pub(crate) fn memset_d8_async(dptr: u64, value: u8, bytes: usize, s: RawStream) -> Result<()> {
+    // SAFETY: device addresses only (see above).
+    check(
+        unsafe { sys::cuMemsetD8Async(dptr, value, bytes, s.0) },
+        "cuMemsetD8Async",
+    )
+}
+
+/// Enqueues a 32-bit memset of `words` words.
+#[track_caller]
+pub(crate) fn memset_d32_async(dptr: u64, value: u32, words: usize, s: RawStream) -> Result<()> {
+    // SAFETY: device addresses only.
+    check(
+        unsafe { sys::cuMemsetD32Async(dptr, value, words, s.0) },
+        "cuMemsetD32Async",
+    )
+}
+
+/// Enqueues a device-to-device copy.
+#[track_caller]
+pub(crate) fn memcpy_dtod_async(dst: u64, src: u64, bytes: usize, s: RawStream) -> Result<()> {
+    // SAFETY: device addresses only.
+    check(
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, s.0) },
+        "cuMemcpyDtoDAsync",
+    )
+}
+
+/// Copies pageable host memory to the device. For pageable memory the driver has finished
+/// reading `src` when this returns (it is staged), so `src` may be reused at once.
+#[track_caller]
+pub(crate) fn memcpy_htod_pageable(dst: u64, src: &[u8], s: RawStream) -> Result<()> {
+    // SAFETY: src is a live slice for the duration of the call; see the doc comment.
+    check(
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, src.len(), s.0) },
+        "cuMemcpyHtoDAsync",
+    )
+}
+
+/// Copies device memory into `dst` and waits for the stream, so `dst` is filled on return.
+#[track_caller]
+pub(crate) fn memcpy_dtoh_sync(dst: &mut [u8], src: u64, s: RawStream) -> Result<()> {
+    // SAFETY: dst stays borrowed until the stream synchronisation below has completed (and on
+    // an error from the enqueue nothing was queued).
+    check(
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len(), s.0) },
+        "cuMemcpyDtoHAsync",
+    )?;
+    // SAFETY: the stream is live.
+    check(
+        unsafe { sys::cuStreamSynchronize(s.0) },
+        "cuStreamSynchronize",
+    )
+}
+
+/// Page-locked host memory that the device can copy to and from asynchronously. Bytes only;
+/// typed views live in `crate::memory::pinned`.
+pub(crate) struct PinnedAlloc {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: RawContext,
+}
+
+impl std::fmt::Debug for PinnedAlloc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedAlloc({} B)", self.bytes)
+    }
+}
+
+// SAFETY: the allocation is plain host memory owned by this value.
+unsafe impl Send for PinnedAlloc {}
+// SAFETY: shared access only reads through `as_ptr`; writes go through `unsafe` methods whose
+// callers guarantee exclusive access.
+unsafe impl Sync for PinnedAlloc {}
+
+impl PinnedAlloc {
+    /// `bytes` bytes of zeroed page-locked memory (page-aligned).
+    #[track_caller]
+    pub(crate) fn new(bytes: usize, ctx: RawContext) -> Result<Self> {
+        bind_raw(ctx)?;
+        let mut p = ptr::null_mut();
+        // SAFETY: writes one host pointer to `bytes.max(1)` bytes of page-locked memory. Relaxed
+        // capture mode around it: static outputs get their staging while their capture is open.
+        let status =
+            with_relaxed_capture(|| unsafe { sys::cuMemAllocHost_v2(&mut p, bytes.max(1)) });
+        check(status, "cuMemAllocHost")?;
+        // SAFETY: the allocation is at least `bytes` long; zero it so reads are defined.
+        unsafe { ptr::write_bytes(p as *mut u8, 0, bytes) };
+        Ok(Self {
+            ptr: p as *mut u8,
+            bytes,
+            ctx,
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Start of the allocation (page-aligned, `len()` initialised bytes).
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for PinnedAlloc {
+    fn drop(&mut self) {
+        if bind_raw(self.ctx).is_ok() {
+            // SAFETY: ptr came from cuMemAllocHost and is freed once, here (relaxed capture
+            // mode as in `new`).
+            with_relaxed_capture(|| unsafe {
+                sys::cuMemFreeHost(self.ptr as *mut c_void);
+            });
+        }
+    }
+}
+
+/// Enqueues a copy from pinned host memory to the device.
+///
+/// # Safety
+/// `src` must stay alive, and must not be written from the host, until the copy has executed
+/// (for a capture: for as long as the graph that contains it can be replayed); `bytes` must
+/// not exceed `src.len()`.
+#[track_caller]
+pub(crate) unsafe fn memcpy_htod_pinned_async(
+    dst: u64,
+    src: &PinnedAlloc,
+    bytes: usize,
+    s: RawStream,
+) -> Result<()> {
+    debug_assert!(bytes <= src.len());
+    check(
+        sys::cuMemcpyHtoDAsync_v2(dst, src.ptr as *const c_void, bytes, s.0),
+        "cuMemcpyHtoDAsync",
+    )
+}
+
+/// Enqueues a copy from the device to pinned host memory.
+///
+/// # Safety
+/// `dst` must stay alive, and must not be read from the host, until the copy has executed (for
+/// a capture: for as long as the graph that contains it can be replayed); `bytes` must not
+/// exceed `dst.len()`.
+#[track_caller]
+pub(crate) unsafe fn memcpy_dtoh_pinned_async(
+    dst: &PinnedAlloc,
+    src: u64,
+    bytes: usize,
+    s: RawStream,
+) -> Result<()> {
+    debug_assert!(bytes <= dst.len());
+    check(
+        sys::cuMemcpyDtoHAsync_v2(dst.ptr as *mut c_void, src, bytes, s.0),
+        "cuMemcpyDtoHAsync",
+    )
+}
+
+/// A few 32-bit words of page-locked host memory mapped into the device's address space:
+/// kernels write them (an error flag), the host reads them after a synchronisation without a
+/// copy. Zeroed at creation.
+pub(crate) struct MappedWords {
+    ptr: *mut AtomicU32,
+    words: usize,
+    device_addr: u64,
+    ctx: RawContext,
+}
+
+// SAFETY: host memory owned by this value; all host access goes through atomics.
+unsafe impl Send for MappedWords {}
+// SAFETY: as above.
+unsafe impl Sync for MappedWords {}
+
+impl MappedWords {
+    #[track_caller]
+    pub(crate) fn new(words: usize, ctx: RawContext) -> Result<Self> {
+        bind_raw(ctx)?;
+        let bytes = words.max(1) * 4;
+        let mut p = ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: writes one host pointer to `bytes` bytes of mapped, page-locked memory.
+        let status = with_relaxed_capture(|| unsafe { sys::cuMemHostAlloc(&mut p, bytes, flags) });
+        check(status, "cuMemHostAlloc")?;
+        // SAFETY: zero the fresh allocation (page-aligned, `bytes` long) before any use.
+        unsafe { ptr::write_bytes(p as *mut u8, 0, bytes) };
+        let mut dptr = 0;
+        // SAFETY: p is mapped memory from cuMemHostAlloc with DEVICEMAP; writes one pointer.
+        let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0) };
+        if let Err(e) = check(status, "cuMemHostGetDevicePointer") {
+            // SAFETY: p came from cuMemHostAlloc above and nothing else refers to it.
+            unsafe { sys::cuMemFreeHost(p) };
+            return Err(e);
+        }
+        Ok(Self {
+            ptr: p as *mut AtomicU32,
+            words: words.max(1),
+            device_addr: dptr,
+            ctx,
+        })
+    }
+
+    /// The address kernels write to.
+    pub(crate) fn device_addr(&self) -> u64 {
+        self.device_addr
+    }
+
+    /// Reads word `i` (device writes are visible once the writing work has completed).
+    pub(crate) fn load(&self, i: usize) -> u32 {
+        assert!(i < self.words, "mapped word {i} of {}", self.words);
+        // SAFETY: i is in bounds; the memory is initialised, aligned for u32 (page-aligned
+        // base) and only accessed atomically on the host.
+        unsafe { (*self.ptr.add(i)).load(Ordering::Acquire) }
+    }
+
+    /// Writes word `i`.
+    pub(crate) fn store(&self, i: usize, v: u32) {
+        assert!(i < self.words, "mapped word {i} of {}", self.words);
+        // SAFETY: as in `load`.
+        unsafe { (*self.ptr.add(i)).store(v, Ordering::Release) }
+    }
+}
+
+impl Drop for MappedWords {
+    fn drop(&mut self) {
+        if bind_raw(self.ctx).is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc, freed once, here. The owner (the device)
+            // outlives every kernel that could write it.
+            with_relaxed_capture(|| unsafe {
+                sys::cuMemFreeHost(self.ptr as *mut c_void);
+            });
+        }
+    }
+}

@@ -1,0 +1,610 @@
+//! Compiled modules, their kernels, and kernel launches. A [`Function`] knows its parameter
+//! list — read from the PTX we compiled it from (sizes and whether each is a float or an
+//! integer/pointer), so a launch with the wrong number or kind of arguments is a typed error
+//! before the driver sees it. Launching stays `unsafe`: no signature says which memory a kernel
+//! touches.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::fmt;
+use std::ptr;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys;
+
+use super::context::{Context, ContextHandle};
+use super::nvrtc;
+use super::result::{check, driver_has, raw_handle};
+use super::stream::RawStream;
+use crate::error::{Error, Result};
+
+raw_handle!(RawModule, sys::CUmodule);
+raw_handle!(RawFunction, sys::CUfunction);
+
+/// What a kernel parameter holds, as far as its declaration tells.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ParamKind {
+    /// An integer or a pointer (PTX `.u32`, `.s64`, `.b64`, ...).
+    Int,
+    /// A floating-point number (PTX `.f32`, `.f64`).
+    Float,
+    /// A by-value aggregate (a struct parameter, PTX `.b8 name[N]`).
+    Bytes,
+    /// Unknown kind (read from the driver, which reports sizes only).
+    Any,
+}
+
+/// One declared kernel parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ParamDecl {
+    pub size: usize,
+    pub kind: ParamKind,
+}
+
+/// Parses the parameter lists of every `.entry` in PTX text: kernel name → parameters.
+pub(crate) fn ptx_entry_params(ptx: &str) -> HashMap<String, Vec<ParamDecl>> {
+    let mut out = HashMap::new();
+    let mut rest = ptx;
+    while let Some(i) = rest.find(".entry") {
+        rest = &rest[i + ".entry".len()..];
+        let open = rest.find('(');
+        let body = rest.find('{');
+        let name_end = match (open, body) {
+            (Some(o), Some(b)) => o.min(b),
+            (Some(o), None) => o,
+            (None, Some(b)) => b,
+            (None, None) => break,
+        };
+        let name = rest[..name_end].trim().to_string();
+        // A kernel without parameters may have no parenthesised list: its body comes first.
+        let Some(open) = open.filter(|&o| o == name_end) else {
+            out.insert(name, Vec::new());
+            rest = &rest[name_end..];
+            continue;
+        };
+        let Some(close) = rest[open..].find(')') else {
+            break;
+        };
+        let list = &rest[open + 1..open + close];
+        let params = list
+            .split(',')
+            .filter(|p| p.contains(".param"))
+            .map(parse_param)
+            .collect();
+        out.insert(name, params);
+        rest = &rest[open + close..];
+    }
+    out
+}
+
+fn parse_param(decl: &str) -> ParamDecl {
+    let mut size = 0;
+    let mut kind = ParamKind::Any;
+    for tok in decl.split_whitespace() {
+        let (base, width) = match tok {
+            ".u8" | ".s8" | ".b8" => (ParamKind::Int, 1),
+            ".u16" | ".s16" | ".b16" => (ParamKind::Int, 2),
+            ".u32" | ".s32" | ".b32" => (ParamKind::Int, 4),
+            ".u64" | ".s64" | ".b64" => (ParamKind::Int, 8),
+            ".f16" => (ParamKind::Float, 2),
+            ".f32" => (ParamKind::Float, 4),
+            ".f64" => (ParamKind::Float, 8),
+            _ => continue,
+        };
+        size = width;
+        kind = base;
+    }
+    // An array declaration (`.b8 name[24]`) is a by-value aggregate of that many elements.
+    if let (Some(l), Some(r)) = (decl.rfind('['), decl.rfind(']')) {
+        if let Ok(n) = decl[l + 1..r].trim().parse::<usize>() {
+            size *= n;
+            kind = ParamKind::Bytes;
+        }
+    }
+    ParamDecl { size, kind }
+}
+
+/// Parameter sizes of every kernel of every loaded module, by raw function handle: lets a
+/// graph's kernel nodes be read back (rebind) without asking the driver. Entries leave with
+/// their module, so a handle reused by a later module never maps to a stale signature.
+fn registry() -> &'static Mutex<HashMap<usize, Vec<usize>>> {
+    static R: OnceLock<Mutex<HashMap<usize, Vec<usize>>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The parameter sizes of one of our kernels, by raw handle.
+pub(crate) fn known_param_sizes(f: sys::CUfunction) -> Option<Vec<usize>> {
+    registry()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(f as usize))
+        .cloned()
+}
+
+pub(super) struct ModuleInner {
+    raw: RawModule,
+    name: String,
+    params: HashMap<String, Vec<ParamDecl>>,
+    /// Raw handles of the functions looked up so far (registered in `registry`).
+    functions: Mutex<Vec<usize>>,
+    ordinal: usize,
+    ctx: Arc<ContextHandle>,
+}
+
+impl Drop for ModuleInner {
+    fn drop(&mut self) {
+        let fs = std::mem::take(&mut *self.functions.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut r = registry().lock().unwrap_or_else(|p| p.into_inner());
+        for f in fs {
+            r.remove(&f);
+        }
+        drop(r);
+        if self.ctx.bind().is_ok() {
+            // SAFETY: loaded by cuModuleLoadData and unloaded once, here, after every Function
+            // (each holds this owner) is gone.
+            unsafe {
+                sys::cuModuleUnload(self.raw.0);
+            }
+        }
+    }
+}
+
+/// A loaded CUDA module (from NVRTC). Cheap to clone.
+#[derive(Clone)]
+pub struct Module {
+    inner: Arc<ModuleInner>,
+}
+
+impl fmt::Debug for Module {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Module({})", self.inner.name)
+    }
+}
+
+impl Context {
+    /// Compiles `source` with NVRTC for this device (or takes it from the in-memory or disk
+    /// cache) and loads it. `name` is used in error messages and cache file names.
+    #[track_caller]
+    pub fn compile(&self, name: &str, source: &str) -> Result<Module> {
+        let key = nvrtc::cache_key(source, &self.info().arch());
+        if let Some(m) = self
+            .modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(m.clone());
+        }
+        let ptx = nvrtc::compile_cached(name, source, &self.info().arch(), key)?;
+        let module = Module::load_ptx(self, name, &ptx)?;
+        self.modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, module.clone());
+        Ok(module)
+    }
+}
+
+impl Module {
+    /// Loads PTX text into `ctx`.
+    #[track_caller]
+    pub fn load_ptx(ctx: &Context, name: &str, ptx: &str) -> Result<Self> {
+        let image = CString::new(ptx).map_err(|_| Error::Compile {
+            module: name.into(),
+            log: "PTX text contains a NUL byte".into(),
+        })?;
+        ctx.bind()?;
+        let mut m = ptr::null_mut();
+        // SAFETY: image is a NUL-terminated PTX string alive for the call.
+        check(
+            unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
+            "cuModuleLoadData",
+        )?;
+        Ok(Module {
+            inner: Arc::new(ModuleInner {
+                raw: RawModule(m),
+                name: name.to_string(),
+                params: ptx_entry_params(ptx),
+                functions: Mutex::new(Vec::new()),
+                ordinal: ctx.ordinal(),
+                ctx: ctx.handle.clone(),
+            }),
+        })
+    }
+
+    /// Looks up an `extern "C" __global__` function.
+    #[track_caller]
+    pub fn function(&self, name: &str) -> Result<Function> {
+        let missing = || Error::MissingKernel {
+            module: self.inner.name.clone(),
+            kernel: name.to_string(),
+        };
+        let Ok(cname) = CString::new(name) else {
+            return Err(missing());
+        };
+        self.inner.ctx.bind()?;
+        let mut f = ptr::null_mut();
+        // SAFETY: writes one function handle.
+        let status = unsafe { sys::cuModuleGetFunction(&mut f, self.inner.raw.0, cname.as_ptr()) };
+        if status == sys::CUresult::CUDA_ERROR_NOT_FOUND {
+            return Err(missing());
+        }
+        check(status, "cuModuleGetFunction")?;
+        let raw = RawFunction(f);
+        let mut max_threads = 0;
+        // SAFETY: writes one int for a live function.
+        check(
+            unsafe {
+                sys::cuFuncGetAttribute(
+                    &mut max_threads,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                    f,
+                )
+            },
+            "cuFuncGetAttribute",
+        )?;
+        let params = match self.inner.params.get(name) {
+            Some(p) => p.clone(),
+            None => driver_params(raw)?.ok_or_else(|| Error::NotSupported {
+                what: "reading a kernel's parameter list",
+                detail: format!(
+                    "`{name}` is not in the PTX this module was loaded from, and the driver cannot report parameters (CUDA 13.2+)"
+                ),
+            })?,
+        };
+        registry()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(f as usize, params.iter().map(|p| p.size).collect());
+        self.inner
+            .functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(f as usize);
+        Ok(Function {
+            raw,
+            name: Arc::from(name),
+            max_threads: max_threads.max(0) as u32,
+            params: Arc::from(params),
+            _module: self.inner.clone(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+}
+
+/// The parameter sizes of any function, from the driver — only where it can report the count
+/// (`cuFuncGetParamCount`, CUDA 13.2+), so no call is made that fails on purpose. `None` when
+/// the driver cannot tell.
+pub(crate) fn driver_params(f: RawFunction) -> Result<Option<Vec<ParamDecl>>> {
+    if !driver_has("cuFuncGetParamCount") {
+        return Ok(None);
+    }
+    type CountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
+    // SAFETY: the symbol exists (checked above) and has this C signature in every driver that
+    // exports it; the library stays loaded for the life of the process.
+    let count_fn: CountFn = unsafe {
+        *sys::culib()
+            .get::<CountFn>(b"cuFuncGetParamCount")
+            .map_err(|e| Error::NotSupported {
+                what: "cuFuncGetParamCount",
+                detail: e.to_string(),
+            })?
+    };
+    let mut n = 0usize;
+    // SAFETY: writes one size_t for a live function.
+    check(unsafe { count_fn(f.0, &mut n) }, "cuFuncGetParamCount")?;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let (mut off, mut size) = (0usize, 0usize);
+        // SAFETY: i < the count the driver reported; writes two size_t.
+        check(
+            unsafe { sys::cuFuncGetParamInfo(f.0, i, &mut off, &mut size) },
+            "cuFuncGetParamInfo",
+        )?;
+        out.push(ParamDecl {
+            size,
+            kind: ParamKind::Any,
+        });
+    }
+    Ok(Some(out))
+}
+
+/// A kernel in a loaded module. Keeps its module loaded.
+#[derive(Clone)]
+pub struct Function {
+    pub(crate) raw: RawFunction,
+    name: Arc<str>,
+    max_threads: u32,
+    params: Arc<[ParamDecl]>,
+    _module: Arc<ModuleInner>,
+}
+
+impl fmt::Debug for Function {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Function({}, {} params)", self.name, self.params.len())
+    }
+}
+
+/// One argument value as the driver receives it: up to 8 bytes, little-endian in a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParamValue {
+    pub(crate) bits: u64,
+    pub(crate) size: u8,
+    pub(crate) kind: ParamKind,
+}
+
+impl ParamValue {
+    pub fn int(bits: u64, size: u8) -> Self {
+        Self {
+            bits,
+            size,
+            kind: ParamKind::Int,
+        }
+    }
+    pub fn float(bits: u64, size: u8) -> Self {
+        Self {
+            bits,
+            size,
+            kind: ParamKind::Float,
+        }
+    }
+}
+
+impl Function {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Ordinal of the device whose context the kernel was loaded into.
+    pub fn ordinal(&self) -> usize {
+        self._module.ordinal
+    }
+
+    /// The declared parameters.
+    pub fn params(&self) -> &[ParamDecl] {
+        &self.params
+    }
+
+    /// Checks argument count, sizes and kinds against the declaration.
+    pub(crate) fn check_args(&self, args: &[ParamValue]) -> Result<()> {
+        let problem = |p: String| {
+            Err(Error::ArgumentMismatch {
+                kernel: self.name.to_string(),
+                problem: p,
+            })
+        };
+        if args.len() != self.params.len() {
+            return problem(format!(
+                "{} arguments given, the kernel declares {}",
+                args.len(),
+                self.params.len()
+            ));
+        }
+        for (i, (a, p)) in args.iter().zip(self.params.iter()).enumerate() {
+            if a.size as usize != p.size {
+                return problem(format!(
+                    "argument {i} has {} bytes, parameter {i} has {}",
+                    a.size, p.size
+                ));
+            }
+            let kinds_clash = matches!(
+                (a.kind, p.kind),
+                (ParamKind::Int, ParamKind::Float) | (ParamKind::Float, ParamKind::Int)
+            );
+            if kinds_clash || p.kind == ParamKind::Bytes {
+                return problem(format!(
+                    "argument {i} is {:?}, parameter {i} is {:?}",
+                    a.kind, p.kind
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates a launch configuration against this kernel's and the device's limits.
+    pub(crate) fn check(&self, cfg: LaunchConfig, max_grid_x: u32) -> Result<Dims> {
+        let (bx, by, bz) = cfg.block;
+        let (gx, gy, gz) = cfg.grid;
+        let threads = bx as u64 * by as u64 * bz as u64;
+        let problem = if gx == 0 || gy == 0 || gz == 0 || threads == 0 {
+            Some(format!(
+                "grid {:?} and block {:?} must have no zero dimension",
+                cfg.grid, cfg.block
+            ))
+        } else if threads > self.max_threads as u64 {
+            Some(format!(
+                "block {:?} has {threads} threads, this kernel allows at most {}",
+                cfg.block, self.max_threads
+            ))
+        } else if gx > max_grid_x {
+            Some(format!("grid x {gx} exceeds the device limit {max_grid_x}"))
+        } else if gy > 65535 || gz > 65535 {
+            Some(format!("grid {:?}: y and z are limited to 65535", cfg.grid))
+        } else {
+            None
+        };
+        match problem {
+            Some(problem) => Err(Error::InvalidLaunch {
+                kernel: self.name.to_string(),
+                problem,
+            }),
+            None => Ok(Dims {
+                grid: cfg.grid,
+                block: cfg.block,
+                shared_mem_bytes: cfg.shared_mem_bytes,
+            }),
+        }
+    }
+}
+
+/// Grid and block shape of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchConfig {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// One thread per element, `block` threads per block (1-D). A count too large for one
+    /// grid gives a grid the launch check refuses (never a silently smaller one).
+    pub fn for_elements(n: usize, block: u32) -> Self {
+        let blocks = n.div_ceil(block.max(1) as usize).max(1);
+        Self {
+            grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// An explicit 1-D configuration.
+    pub fn linear(grid: u32, block: u32) -> Self {
+        Self {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dims {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_mem_bytes: u32,
+}
+
+/// Kernel parameters laid out for cuLaunchKernel / kernel graph nodes: one 8-byte slot per
+/// argument (little-endian, so a smaller value's bytes start at the slot's address).
+pub(crate) struct Params {
+    _slots: Vec<u64>,
+    ptrs: Vec<*mut c_void>,
+}
+
+impl Params {
+    pub(crate) fn new(values: &[ParamValue]) -> Self {
+        let mut slots: Vec<u64> = values.iter().map(|v| v.bits).collect();
+        let ptrs = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        Self {
+            _slots: slots,
+            ptrs,
+        }
+    }
+
+    pub(crate) fn as_ptr(&mut self) -> *mut *mut c_void {
+        if self.ptrs.is_empty() {
+            ptr::null_mut()
+        } else {
+            self.ptrs.as_mut_ptr()
+        }
+    }
+}
+
+/// Launches `f` on `s`.
+///
+/// # Safety
+/// `params` must have been checked against `f` ([`Function::check_args`]) and `dims` against
+/// its limits ([`Function::check`]), and whatever memory the kernel reaches through those
+/// values must be valid for the accesses it makes until the kernel has finished (the contract
+/// of [`crate::Queue::launch`]).
+#[track_caller]
+pub(crate) unsafe fn launch(
+    f: &Function,
+    dims: Dims,
+    params: &[ParamValue],
+    s: RawStream,
+) -> Result<()> {
+    let mut p = Params::new(params);
+    check(
+        sys::cuLaunchKernel(
+            f.raw.0,
+            dims.grid.0,
+            dims.grid.1,
+            dims.grid.2,
+            dims.block.0,
+            dims.block.1,
+            dims.block.2,
+            dims.shared_mem_bytes,
+            s.0,
+            p.as_ptr(),
+            ptr::null_mut(),
+        ),
+        "cuLaunchKernel",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PTX: &str = r#"
+.version 8.5
+.target sm_90
+.address_size 64
+
+	// .globl	add_one
+.visible .entry add_one(
+	.param .u64 add_one_param_0,
+	.param .u32 add_one_param_1
+)
+{
+	ret;
+}
+.visible .entry mix(
+	.param .u64 .ptr .global .align 4 mix_param_0,
+	.param .f32 mix_param_1,
+	.param .f64 mix_param_2,
+	.param .align 8 .b8 mix_param_3[24],
+	.param .s64 mix_param_4
+)
+{
+	ret;
+}
+.visible .entry empty()
+{
+	ret;
+}
+.visible .entry bare
+{
+	ret;
+}
+"#;
+
+    #[test]
+    fn ptx_parameter_lists_are_read_with_sizes_and_kinds() {
+        let p = ptx_entry_params(PTX);
+        let d = |size, kind| ParamDecl { size, kind };
+        assert_eq!(
+            p["add_one"],
+            vec![d(8, ParamKind::Int), d(4, ParamKind::Int)]
+        );
+        assert_eq!(
+            p["mix"],
+            vec![
+                d(8, ParamKind::Int),
+                d(4, ParamKind::Float),
+                d(8, ParamKind::Float),
+                d(24, ParamKind::Bytes),
+                d(8, ParamKind::Int)
+            ]
+        );
+        assert_eq!(p["empty"], vec![]);
+        assert_eq!(p["bare"], vec![]);
+    }
+
+    #[test]
+    fn launch_config_never_silently_shrinks_a_grid() {
+        let c = LaunchConfig::for_elements(usize::MAX, 256);
+        assert_eq!(c.grid.0, u32::MAX);
+        assert_eq!(LaunchConfig::for_elements(0, 256).grid.0, 1);
+        assert_eq!(LaunchConfig::for_elements(257, 256).grid.0, 2);
+        assert_eq!(LaunchConfig::for_elements(10, 0).grid.0, 10);
+    }
+}

@@ -1,0 +1,401 @@
+//! Streams and events: owned handles ([`StreamHandle`], [`Event`]) next to the driver calls
+//! that use them, and [`StreamRef`], the view of a stream that CUDA libraries need (its raw
+//! handle) without any method that synchronises or waits — what a capture may hand out.
+//!
+//! A stream also keeps the event recorded when its current capture began: the allocator uses
+//! it as the completion fence of earlier work while the stream cannot take new events.
+
+use std::fmt;
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+
+use super::context::Context;
+use super::graph::GraphHandle;
+use super::result::{check, driver_error, raw_handle};
+use crate::error::{Error, Result};
+
+raw_handle!(RawStream, sys::CUstream);
+raw_handle!(RawEvent, sys::CUevent);
+
+static STREAM_IDS: AtomicU64 = AtomicU64::new(1);
+
+/// How strictly the driver polices other CUDA calls while a capture is open.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// Potentially unsafe calls (synchronisation, `cuMemAlloc`, legacy-stream work) made by the
+    /// capturing thread invalidate the capture; other threads keep working. The default: it is
+    /// what lets several threads capture and replay at once.
+    #[default]
+    ThreadLocal,
+    /// Such calls from **any** thread invalidate the capture (PyTorch's default). Safest when
+    /// one thread captures while others might synchronise the device by mistake, but then no
+    /// other thread may capture, instantiate or synchronise until the capture ends.
+    Global,
+    /// No call is policed; you are responsible for not synchronising on captured work.
+    Relaxed,
+}
+
+impl CaptureMode {
+    fn raw(self) -> sys::CUstreamCaptureMode {
+        match self {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            }
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        }
+    }
+}
+
+struct EventInner {
+    raw: RawEvent,
+    ctx: Context,
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: the event was created by cuEventCreate and is destroyed once, here.
+            unsafe {
+                sys::cuEventDestroy_v2(self.raw.0);
+            }
+        }
+    }
+}
+
+/// A CUDA event. Cheap to clone (clones share the event).
+#[derive(Clone)]
+pub struct Event(Arc<EventInner>);
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Event({:p})", self.0.raw.0)
+    }
+}
+
+impl Event {
+    /// Creates an event; `timing` enables [`Event::elapsed_ms`].
+    #[track_caller]
+    pub fn new(ctx: &Context, timing: bool) -> Result<Self> {
+        ctx.bind()?;
+        let mut e = ptr::null_mut();
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT as u32
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+        };
+        // SAFETY: writes one event handle.
+        check(
+            unsafe { sys::cuEventCreate(&mut e, flags) },
+            "cuEventCreate",
+        )?;
+        Ok(Event(Arc::new(EventInner {
+            raw: RawEvent(e),
+            ctx: ctx.clone(),
+        })))
+    }
+
+    pub(crate) fn raw(&self) -> RawEvent {
+        self.0.raw
+    }
+
+    /// Blocks until the work recorded before this event has finished.
+    #[track_caller]
+    pub fn synchronize(&self) -> Result<()> {
+        self.0.ctx.bind()?;
+        // SAFETY: the event is live.
+        check(
+            unsafe { sys::cuEventSynchronize(self.0.raw.0) },
+            "cuEventSynchronize",
+        )
+    }
+
+    /// Whether the work recorded before this event has finished (never blocks).
+    #[track_caller]
+    pub fn query(&self) -> Result<bool> {
+        self.0.ctx.bind()?;
+        // SAFETY: the event is live.
+        let st = unsafe { sys::cuEventQuery(self.0.raw.0) };
+        match st {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(driver_error(
+                other,
+                "cuEventQuery",
+                std::panic::Location::caller(),
+            )),
+        }
+    }
+
+    /// Milliseconds between `self` (earlier) and `end`; both need timing enabled.
+    #[track_caller]
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        self.0.ctx.bind()?;
+        let mut ms = 0.0f32;
+        // SAFETY: both events are live and were recorded with timing enabled.
+        check(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0.raw.0, end.0.raw.0) },
+            "cuEventElapsedTime",
+        )?;
+        Ok(ms)
+    }
+}
+
+/// Capture state of a stream, guarded so that recording a fence and beginning a capture never
+/// interleave.
+struct CaptureState {
+    capturing: bool,
+    /// Recorded right before the current capture began: completes when all earlier work did.
+    begin_fence: Option<Event>,
+}
+
+pub(crate) struct StreamInner {
+    raw: RawStream,
+    id: u64,
+    ctx: Context,
+    join: Event,
+    capture: Mutex<CaptureState>,
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: created by cuStreamCreate, destroyed once, here. Work still queued
+            // completes before the driver frees the stream's resources.
+            unsafe {
+                sys::cuStreamDestroy_v2(self.raw.0);
+            }
+        }
+    }
+}
+
+/// An owned CUDA stream. The user-facing [`crate::Stream`] wraps this with its device. Blocks
+/// used on a stream may keep it alive (to fence their reuse), so the handle is shared.
+#[derive(Clone)]
+pub struct StreamHandle(Arc<StreamInner>);
+
+impl fmt::Debug for StreamHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Stream#{}", self.0.id)
+    }
+}
+
+impl StreamHandle {
+    /// Creates a non-blocking stream (no implicit synchronisation with the legacy stream,
+    /// which would otherwise break capture).
+    #[track_caller]
+    pub(crate) fn new(ctx: &Context) -> Result<Self> {
+        ctx.bind()?;
+        let mut s = ptr::null_mut();
+        // SAFETY: writes one stream handle.
+        check(
+            unsafe {
+                sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+            },
+            "cuStreamCreate",
+        )?;
+        let raw = RawStream(s);
+        let join = match Event::new(ctx, false) {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: the stream was just created and nothing else refers to it.
+                unsafe { sys::cuStreamDestroy_v2(s) };
+                return Err(e);
+            }
+        };
+        Ok(StreamHandle(Arc::new(StreamInner {
+            raw,
+            id: STREAM_IDS.fetch_add(1, Ordering::Relaxed),
+            ctx: ctx.clone(),
+            join,
+            capture: Mutex::new(CaptureState {
+                capturing: false,
+                begin_fence: None,
+            }),
+        })))
+    }
+
+    /// Process-unique id of this stream (the allocator's stream-ordering key).
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.0.ctx
+    }
+
+    pub(crate) fn raw(&self) -> RawStream {
+        self.0.raw
+    }
+
+    /// The capture-safe view of this stream.
+    pub fn as_ref(&self) -> StreamRef<'_> {
+        StreamRef(&self.0)
+    }
+
+    #[track_caller]
+    pub fn synchronize(&self) -> Result<()> {
+        self.0.ctx.bind()?;
+        // SAFETY: the stream is live.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.0.raw.0) },
+            "cuStreamSynchronize",
+        )
+    }
+
+    /// Makes future work on `self` wait for all work enqueued on `other` so far.
+    #[track_caller]
+    pub fn wait_for(&self, other: &StreamHandle) -> Result<()> {
+        other.record(&other.0.join)?;
+        self.wait_event(&other.0.join)
+    }
+
+    /// Records `event` on this stream.
+    #[track_caller]
+    pub fn record(&self, event: &Event) -> Result<()> {
+        self.as_ref().record(event)
+    }
+
+    /// Makes future work on this stream wait for `event`.
+    #[track_caller]
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.as_ref().wait_event(event)
+    }
+
+    /// Begins a capture on this stream. The event recorded right before stays available as
+    /// this stream's fence until the capture ends.
+    #[track_caller]
+    pub(crate) fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
+        let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        let fence = Event::new(&self.0.ctx, false)?;
+        self.record(&fence)?;
+        // SAFETY: the stream is live and not capturing (the caller holds it exclusively).
+        check(
+            unsafe { sys::cuStreamBeginCapture_v2(self.0.raw.0, mode.raw()) },
+            "cuStreamBeginCapture",
+        )?;
+        st.capturing = true;
+        st.begin_fence = Some(fence);
+        Ok(())
+    }
+
+    /// Ends the capture. Returns the graph, or the driver's error (any partial graph the
+    /// driver handed back has been destroyed).
+    #[track_caller]
+    pub(crate) fn end_capture(&self) -> Result<GraphHandle> {
+        let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        st.capturing = false;
+        st.begin_fence = None;
+        let mut g = ptr::null_mut();
+        // SAFETY: writes one graph handle (possibly null on failure).
+        let status = unsafe { sys::cuStreamEndCapture(self.0.raw.0, &mut g) };
+        let graph = (!g.is_null()).then(|| GraphHandle::from_raw(g, &self.0.ctx));
+        check(status, "cuStreamEndCapture")?;
+        graph.ok_or_else(|| Error::InvalidGraph {
+            problem: "the driver ended the capture without a graph".into(),
+        })
+    }
+}
+
+/// The view of a stream handed to CUDA libraries (cuBLAS, cuDNN, NCCL, cudarc): its raw handle
+/// and identity. It has no method that synchronises or waits, so code holding one inside a
+/// capture cannot block on captured work:
+///
+/// ```compile_fail
+/// # use cudagraph::*;
+/// # fn f(mut s: Stream) -> Result<()> {
+/// Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+///     cs.stream_handle().synchronize() // error: no method `synchronize` on `StreamRef`
+/// })?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy)]
+pub struct StreamRef<'a>(&'a Arc<StreamInner>);
+
+impl fmt::Debug for StreamRef<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StreamRef#{}", self.0.id)
+    }
+}
+
+impl<'a> StreamRef<'a> {
+    /// The raw `CUstream` for a CUDA library call on this stream. Do not destroy it, and do not
+    /// synchronise on it: it may be capturing.
+    pub fn raw(&self) -> sys::CUstream {
+        self.0.raw.0
+    }
+
+    /// Process-unique id of the stream.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    pub fn context(&self) -> &'a Context {
+        &self.0.ctx
+    }
+
+    pub(crate) fn raw_handle(&self) -> RawStream {
+        self.0.raw
+    }
+
+    /// Whether the stream is capturing (by the driver's account).
+    #[track_caller]
+    pub fn is_capturing(&self) -> Result<bool> {
+        self.0.ctx.bind()?;
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: writes one status.
+        check(
+            unsafe { sys::cuStreamIsCapturing(self.0.raw.0, &mut st) },
+            "cuStreamIsCapturing",
+        )?;
+        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Records `event` here (legal inside a capture: it becomes an event node).
+    #[track_caller]
+    pub fn record(&self, event: &Event) -> Result<()> {
+        self.0.ctx.bind()?;
+        // SAFETY: both handles are live.
+        check(
+            unsafe { sys::cuEventRecord(event.raw().0, self.0.raw.0) },
+            "cuEventRecord",
+        )
+    }
+
+    /// Makes later work here wait for `event` (legal inside a capture: fork/join). Enqueues a
+    /// dependency; it does not block the host.
+    #[track_caller]
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.0.ctx.bind()?;
+        // SAFETY: both handles are live.
+        check(
+            unsafe { sys::cuStreamWaitEvent(self.0.raw.0, event.raw().0, 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
+    /// A shared handle to the stream, kept by blocks used on it.
+    pub(crate) fn handle(&self) -> StreamHandle {
+        StreamHandle(self.0.clone())
+    }
+}
+
+impl StreamHandle {
+    /// An event that completes once all work enqueued on this stream so far has: recorded now,
+    /// or, while the stream is capturing (so new events would join the capture), the one
+    /// recorded when the capture began — captured work never runs, so that covers everything.
+    pub(crate) fn fence(&self) -> Result<Event> {
+        let st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if st.capturing {
+            if let Some(f) = &st.begin_fence {
+                return Ok(f.clone());
+            }
+        }
+        let e = Event::new(&self.0.ctx, false)?;
+        self.record(&e)?;
+        Ok(e)
+    }
+}
