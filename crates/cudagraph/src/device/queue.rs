@@ -34,6 +34,10 @@ pub enum Arg<'a> {
     U64(u64),
     F32(f32),
     F64(f64),
+    /// A by-value struct parameter, its bytes laid out as the kernel declares the struct.
+    /// Device addresses inside it are invisible to the library: the launching code must call
+    /// [`Queue::use_block`] for every buffer they point into.
+    Bytes(&'a [u8]),
 }
 
 impl fmt::Debug for Arg<'_> {
@@ -46,6 +50,7 @@ impl fmt::Debug for Arg<'_> {
             Arg::U64(v) => write!(f, "{v}u64"),
             Arg::F32(v) => write!(f, "{v}f32"),
             Arg::F64(v) => write!(f, "{v}f64"),
+            Arg::Bytes(b) => write!(f, "struct({} B)", b.len()),
         }
     }
 }
@@ -70,7 +75,7 @@ impl<'a> Arg<'a> {
         buf.map(Arg::from).unwrap_or(Arg::NULL)
     }
 
-    pub(crate) fn value(&self) -> ParamValue {
+    pub(crate) fn value(&self) -> ParamValue<'a> {
         match *self {
             Arg::Ptr { addr, .. } => ParamValue::int(addr, 8),
             Arg::I32(v) => ParamValue::int(v as u32 as u64, 4),
@@ -79,6 +84,7 @@ impl<'a> Arg<'a> {
             Arg::U64(v) => ParamValue::int(v, 8),
             Arg::F32(v) => ParamValue::float(v.to_bits() as u64, 4),
             Arg::F64(v) => ParamValue::float(v.to_bits(), 8),
+            Arg::Bytes(b) => ParamValue::bytes(b),
         }
     }
 
@@ -190,7 +196,7 @@ pub trait Queue {
         let dims = f.check(cfg, dev.info().max_grid_x)?;
         let mut inline = [ParamValue::int(0, 0); INLINE_ARGS];
         let mut heap = Vec::new();
-        let params: &mut [ParamValue] = if args.len() <= INLINE_ARGS {
+        let params: &mut [ParamValue<'_>] = if args.len() <= INLINE_ARGS {
             &mut inline[..args.len()]
         } else {
             heap.resize(args.len(), ParamValue::int(0, 0));

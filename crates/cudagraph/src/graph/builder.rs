@@ -12,7 +12,7 @@ use crate::device::{check_device, check_range, Arg, Device};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem};
 use crate::runtime::graph::{GraphHandle, HostFn, RawNode};
-use crate::runtime::module::ParamValue;
+use crate::runtime::module::{OwnedParam, ParamValue};
 use crate::runtime::{Function, LaunchConfig};
 
 /// A node added to a [`GraphBuilder`].
@@ -23,7 +23,7 @@ enum Node {
     Kernel {
         f: Function,
         cfg: LaunchConfig,
-        params: Vec<ParamValue>,
+        params: Vec<OwnedParam>,
     },
     Copy {
         dst: u64,
@@ -119,8 +119,9 @@ impl GraphBuilder {
             });
         }
         f.check(cfg, self.device.info().max_grid_x)?;
-        let params: Vec<ParamValue> = args.iter().map(Arg::value).collect();
-        f.check_args(&params)?;
+        let values: Vec<ParamValue<'_>> = args.iter().map(Arg::value).collect();
+        f.check_args(&values)?;
+        let params = values.into_iter().map(ParamValue::to_owned).collect();
         for b in args.iter().filter_map(Arg::holder) {
             check_device(&self.device, b)?;
         }
@@ -249,7 +250,9 @@ impl GraphBuilder {
                     let dims = f.check(*cfg, self.device.info().max_grid_x)?;
                     // SAFETY: checked against `f` in `kernel`, whose caller promised the memory
                     // contract; the graph holds every buffer and the module.
-                    unsafe { g.add_kernel(&d, f, dims, params)? }
+                    let values: Vec<ParamValue<'_>> =
+                        params.iter().map(OwnedParam::as_value).collect();
+                    unsafe { g.add_kernel(&d, f, dims, &values)? }
                 }
                 Node::Copy { dst, src, bytes } => g.add_memcpy_dtod(&d, *dst, *src, *bytes)?,
                 Node::Memset { dst, value, words } => g.add_memset32(&d, *dst, *value, *words)?,

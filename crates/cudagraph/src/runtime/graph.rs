@@ -147,7 +147,7 @@ impl GraphHandle {
         deps: &[RawNode],
         f: &Function,
         dims: Dims,
-        params: &[ParamValue],
+        params: &[ParamValue<'_>],
     ) -> Result<RawNode> {
         let mut p = Params::new(params);
         let node_params = sys::CUDA_KERNEL_NODE_PARAMS {

@@ -328,27 +328,71 @@ impl fmt::Debug for Function {
     }
 }
 
-/// One argument value as the driver receives it: up to 8 bytes, little-endian in a slot.
+/// One argument value as the driver receives it: a scalar of up to 8 bytes, or the bytes of
+/// a by-value struct parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ParamValue {
-    pub(crate) bits: u64,
-    pub(crate) size: u8,
+pub struct ParamValue<'a> {
+    pub(crate) data: ParamData<'a>,
+    pub(crate) size: usize,
     pub(crate) kind: ParamKind,
 }
 
-impl ParamValue {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ParamData<'a> {
+    /// Little-endian in a slot, so a smaller value's bytes start at the slot's address.
+    Word(u64),
+    Bytes(&'a [u8]),
+}
+
+impl<'a> ParamValue<'a> {
     pub fn int(bits: u64, size: u8) -> Self {
         Self {
-            bits,
-            size,
+            data: ParamData::Word(bits),
+            size: size as usize,
             kind: ParamKind::Int,
         }
     }
     pub fn float(bits: u64, size: u8) -> Self {
         Self {
-            bits,
-            size,
+            data: ParamData::Word(bits),
+            size: size as usize,
             kind: ParamKind::Float,
+        }
+    }
+    /// The bytes of a by-value struct parameter (laid out as the kernel declares it).
+    pub fn bytes(b: &'a [u8]) -> Self {
+        Self {
+            data: ParamData::Bytes(b),
+            size: b.len(),
+            kind: ParamKind::Bytes,
+        }
+    }
+
+    /// A copy that owns its bytes (for nodes built later).
+    pub(crate) fn to_owned(self) -> OwnedParam {
+        OwnedParam {
+            bytes: match self.data {
+                ParamData::Word(w) => w.to_le_bytes()[..self.size.min(8)].to_vec(),
+                ParamData::Bytes(b) => b.to_vec(),
+            },
+            kind: self.kind,
+        }
+    }
+}
+
+/// An argument value that owns its bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct OwnedParam {
+    bytes: Vec<u8>,
+    kind: ParamKind,
+}
+
+impl OwnedParam {
+    pub(crate) fn as_value(&self) -> ParamValue<'_> {
+        ParamValue {
+            data: ParamData::Bytes(&self.bytes),
+            size: self.bytes.len(),
+            kind: self.kind,
         }
     }
 }
@@ -369,39 +413,8 @@ impl Function {
     }
 
     /// Checks argument count, sizes and kinds against the declaration.
-    pub(crate) fn check_args(&self, args: &[ParamValue]) -> Result<()> {
-        let problem = |p: String| {
-            Err(Error::ArgumentMismatch {
-                kernel: self.name.to_string(),
-                problem: p,
-            })
-        };
-        if args.len() != self.params.len() {
-            return problem(format!(
-                "{} arguments given, the kernel declares {}",
-                args.len(),
-                self.params.len()
-            ));
-        }
-        for (i, (a, p)) in args.iter().zip(self.params.iter()).enumerate() {
-            if a.size as usize != p.size {
-                return problem(format!(
-                    "argument {i} has {} bytes, parameter {i} has {}",
-                    a.size, p.size
-                ));
-            }
-            let kinds_clash = matches!(
-                (a.kind, p.kind),
-                (ParamKind::Int, ParamKind::Float) | (ParamKind::Float, ParamKind::Int)
-            );
-            if kinds_clash || p.kind == ParamKind::Bytes {
-                return problem(format!(
-                    "argument {i} is {:?}, parameter {i} is {:?}",
-                    a.kind, p.kind
-                ));
-            }
-        }
-        Ok(())
+    pub(crate) fn check_args(&self, args: &[ParamValue<'_>]) -> Result<()> {
+        check_args(&self.name, &self.params, args)
     }
 
     /// Validates a launch configuration against this kernel's and the device's limits.
@@ -438,6 +451,42 @@ impl Function {
             }),
         }
     }
+}
+
+/// Checks argument count, sizes and kinds against a kernel's declaration.
+fn check_args(kernel: &str, decls: &[ParamDecl], args: &[ParamValue<'_>]) -> Result<()> {
+    let problem = |p: String| {
+        Err(Error::ArgumentMismatch {
+            kernel: kernel.to_string(),
+            problem: p,
+        })
+    };
+    if args.len() != decls.len() {
+        return problem(format!(
+            "{} arguments given, the kernel declares {}",
+            args.len(),
+            decls.len()
+        ));
+    }
+    for (i, (a, p)) in args.iter().zip(decls.iter()).enumerate() {
+        if a.size != p.size {
+            return problem(format!(
+                "argument {i} has {} bytes, parameter {i} has {}",
+                a.size, p.size
+            ));
+        }
+        let kinds_clash = match (a.kind, p.kind) {
+            (_, ParamKind::Any) => false,
+            (x, y) => x != y,
+        };
+        if kinds_clash {
+            return problem(format!(
+                "argument {i} is {:?}, parameter {i} is {:?}",
+                a.kind, p.kind
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Grid and block shape of a launch.
@@ -478,22 +527,42 @@ pub(crate) struct Dims {
     pub shared_mem_bytes: u32,
 }
 
-/// Kernel parameters laid out for cuLaunchKernel / kernel graph nodes: one 8-byte slot per
-/// argument (little-endian, so a smaller value's bytes start at the slot's address).
+/// Kernel parameters laid out for cuLaunchKernel / kernel graph nodes: each argument's bytes
+/// copied to its own 8-aligned place in one buffer, and the array of pointers to them.
 pub(crate) struct Params {
-    _slots: Vec<u64>,
+    _words: Vec<u64>,
     ptrs: Vec<*mut c_void>,
 }
 
 impl Params {
-    pub(crate) fn new(values: &[ParamValue]) -> Self {
-        let mut slots: Vec<u64> = values.iter().map(|v| v.bits).collect();
-        let ptrs = slots
-            .iter_mut()
-            .map(|s| s as *mut u64 as *mut c_void)
+    pub(crate) fn new(values: &[ParamValue<'_>]) -> Self {
+        let total: usize = values.iter().map(|v| v.size.div_ceil(8).max(1)).sum();
+        let mut words = vec![0u64; total];
+        let mut offsets = Vec::with_capacity(values.len());
+        let mut at = 0;
+        for v in values {
+            offsets.push(at);
+            let n = v.size.div_ceil(8).max(1);
+            match v.data {
+                ParamData::Word(w) => words[at] = w,
+                ParamData::Bytes(b) => {
+                    for (i, chunk) in b.chunks(8).enumerate() {
+                        let mut w = [0u8; 8];
+                        w[..chunk.len()].copy_from_slice(chunk);
+                        words[at + i] = u64::from_le_bytes(w);
+                    }
+                }
+            }
+            at += n;
+        }
+        let base = words.as_mut_ptr();
+        // Pointers into `words`, whose heap buffer does not move when the Vec is moved.
+        let ptrs = offsets
+            .into_iter()
+            .map(|o| base.wrapping_add(o) as *mut c_void)
             .collect();
         Self {
-            _slots: slots,
+            _words: words,
             ptrs,
         }
     }
@@ -518,7 +587,7 @@ impl Params {
 pub(crate) unsafe fn launch(
     f: &Function,
     dims: Dims,
-    params: &[ParamValue],
+    params: &[ParamValue<'_>],
     s: RawStream,
 ) -> Result<()> {
     let mut p = Params::new(params);
@@ -597,6 +666,76 @@ mod tests {
         );
         assert_eq!(p["empty"], vec![]);
         assert_eq!(p["bare"], vec![]);
+    }
+
+    #[test]
+    fn params_lay_out_scalars_and_structs_in_their_own_aligned_slots() {
+        let s = [1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
+        let vals = [
+            ParamValue::int(7, 4),
+            ParamValue::bytes(&s),
+            ParamValue::float(2.5f32.to_bits() as u64, 4),
+        ];
+        let mut p = Params::new(&vals);
+        let ptrs = p.as_ptr();
+        // SAFETY: three pointers into `p`'s buffer, each to at least the argument's bytes.
+        unsafe {
+            assert_eq!(*(*ptrs as *const u32), 7);
+            let st = std::slice::from_raw_parts(*ptrs.add(1) as *const u8, 12);
+            assert_eq!(st, &s);
+            assert_eq!(*(*ptrs.add(2) as *const f32), 2.5);
+            assert_eq!((*ptrs.add(1) as usize) % 8, 0, "8-aligned");
+        }
+        let f = |decl: &[ParamDecl], vals: &[ParamValue<'_>]| check_args("k", decl, vals);
+        let d = |size, kind| ParamDecl { size, kind };
+        assert!(f(
+            &[
+                d(4, ParamKind::Int),
+                d(12, ParamKind::Bytes),
+                d(4, ParamKind::Float)
+            ],
+            &vals
+        )
+        .is_ok());
+        // A struct where an int is declared, a float where an int is, a wrong struct size.
+        assert!(f(
+            &[
+                d(4, ParamKind::Int),
+                d(12, ParamKind::Int),
+                d(4, ParamKind::Float)
+            ],
+            &vals
+        )
+        .is_err());
+        assert!(f(
+            &[
+                d(4, ParamKind::Float),
+                d(12, ParamKind::Bytes),
+                d(4, ParamKind::Float)
+            ],
+            &vals
+        )
+        .is_err());
+        assert!(f(
+            &[
+                d(4, ParamKind::Int),
+                d(16, ParamKind::Bytes),
+                d(4, ParamKind::Float)
+            ],
+            &vals
+        )
+        .is_err());
+        assert!(f(&[d(4, ParamKind::Int), d(12, ParamKind::Bytes)], &vals).is_err());
+        // Driver-reported parameters have sizes only.
+        assert!(f(
+            &[
+                d(4, ParamKind::Any),
+                d(12, ParamKind::Any),
+                d(4, ParamKind::Any)
+            ],
+            &vals
+        )
+        .is_ok());
     }
 
     #[test]
