@@ -158,7 +158,7 @@ impl Blas {
         let ws = match st.workspaces.get(&stream.id()) {
             Some(w) => w.clone(),
             None => {
-                let w = self.device.allocator().allocate(
+                let w = self.device.allocator().allocate_block(
                     WORKSPACE_BYTES,
                     PoolId::DEFAULT,
                     stream.id(),

@@ -467,7 +467,7 @@ impl Queue for Stream {
 
     #[track_caller]
     fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let block = self.device.alloc.allocate(
+        let block = self.device.alloc.allocate_block(
             len * std::mem::size_of::<T>(),
             PoolId::DEFAULT,
             self.handle.id(),

@@ -142,7 +142,7 @@ impl Queue for CaptureStream<'_> {
 
     #[track_caller]
     fn alloc<T: Elem>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        let block = self.pool.allocator().allocate(
+        let block = self.pool.allocator().allocate_block(
             len * std::mem::size_of::<T>(),
             self.pool.id(),
             0,
@@ -309,7 +309,7 @@ impl OpenCapture {
     fn end(&mut self) -> Result<RawGraph> {
         self.open = false;
         let ended = driver::stream_end_capture(self.raw);
-        self.window = Some(self.pool.allocator().lock().close_window(self.pool.id()));
+        self.window = Some(self.pool.allocator().close_window(self.pool.id()));
         ended
     }
 }
@@ -372,7 +372,7 @@ impl Graph {
             });
         }
         let reserved_before = pool.stats().reserved;
-        if !pool.allocator().lock().open_window(pool.id()) {
+        if !pool.allocator().open_window(pool.id()) {
             return Err(wrap(Error::InvalidGraph {
                 problem: format!(
                     "{} is already being captured into by another capture",
@@ -389,7 +389,7 @@ impl Graph {
         };
         let t0 = Instant::now();
         if let Err(e) = driver::stream_begin_capture(raw, opts.mode.raw()) {
-            pool.allocator().lock().close_window(pool.id());
+            pool.allocator().close_window(pool.id());
             return Err(wrap(e));
         }
         open.open = true;

@@ -6,6 +6,7 @@
 //! Streams and kernel launches are one layer down ([`crate::runtime`]); capture is one layer up
 //! ([`crate::graph`]).
 
+mod allocator;
 pub mod caching;
 mod host;
 pub mod pinned;
@@ -13,97 +14,17 @@ pub(crate) mod source;
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
-pub use caching::{Allocation, AllocatorCore, MemoryStats, PoolId, SegmentSource, WindowStats};
+pub use allocator::Allocator;
+pub use caching::{
+    AllocStep, Allocation, AllocatorCore, Fence, GrowPlan, MemoryStats, PoolId, ReleasePlan,
+    SegmentSource, WindowStats,
+};
 pub use host::HostSource;
 pub use pinned::{PinnedBuffer, PinnedScope};
 
-use crate::error::Result;
 use crate::runtime::Arg;
-
-/// The thread-safe allocator shared by a device, its pools and its buffers.
-pub struct Allocator {
-    core: Mutex<AllocatorCore>,
-    ordinal: usize,
-}
-
-impl fmt::Debug for Allocator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Allocator(device {}, {:?})", self.ordinal, self.lock())
-    }
-}
-
-impl Allocator {
-    /// An allocator over any segment source (`HostSource` in CPU tests).
-    pub fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
-        Arc::new(Self {
-            core: Mutex::new(AllocatorCore::new(source)),
-            ordinal,
-        })
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, AllocatorCore> {
-        // A panic while holding the lock cannot leave the bookkeeping half-updated in a way
-        // that matters more than losing all device memory would, so keep going.
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Device ordinal this allocator serves.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    /// Allocates `bytes` from `pool`, stream-ordered on `stream`; freed when the block drops.
-    pub fn allocate(
-        self: &Arc<Self>,
-        bytes: usize,
-        pool: PoolId,
-        stream: u64,
-        capture: u64,
-    ) -> Result<Arc<BlockRef>> {
-        let a = self.lock().allocate(bytes, pool, stream)?;
-        Ok(Arc::new(BlockRef {
-            addr: a.addr,
-            size: a.size,
-            pool: a.pool,
-            capture,
-            alloc: self.clone(),
-        }))
-    }
-
-    /// Stats of one pool.
-    pub fn pool_stats(&self, pool: PoolId) -> MemoryStats {
-        self.lock().pool_stats(pool)
-    }
-
-    /// Stats of the whole device (every pool).
-    pub fn stats(&self) -> MemoryStats {
-        self.lock().device_stats()
-    }
-
-    /// Resets all peak counters.
-    pub fn reset_peak(&self) {
-        self.lock().reset_peak()
-    }
-
-    /// Returns cached, unused segments to the driver (never those of pools with live graphs).
-    /// Returns the bytes released.
-    pub fn empty_cache(&self) -> Result<usize> {
-        self.lock().release_free_segments(None)
-    }
-
-    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
-    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
-        let id = self.lock().create_pool(limit);
-        Pool {
-            inner: Arc::new(PoolInner {
-                id,
-                alloc: self.clone(),
-            }),
-        }
-    }
-}
 
 struct PoolInner {
     id: PoolId,
@@ -112,7 +33,7 @@ struct PoolInner {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        self.alloc.lock().close_pool(self.id);
+        self.alloc.close_pool(self.id);
     }
 }
 
@@ -148,12 +69,12 @@ impl Pool {
 
     /// The byte limit on this pool's reserved memory, if any.
     pub fn limit(&self) -> Option<usize> {
-        self.inner.alloc.lock().limit(self.inner.id)
+        self.inner.alloc.limit(self.inner.id)
     }
 
     /// Sets or clears the limit. Memory already reserved is not given back by this call.
     pub fn set_limit(&self, limit: Option<usize>) {
-        self.inner.alloc.lock().set_limit(self.inner.id, limit)
+        self.inner.alloc.set_limit(self.inner.id, limit)
     }
 
     pub(crate) fn allocator(&self) -> &Arc<Allocator> {
@@ -162,7 +83,7 @@ impl Pool {
 
     /// Registers a graph that replays from this pool; the guard unregisters it on drop.
     pub(crate) fn pin(&self) -> PoolPin {
-        self.inner.alloc.lock().add_graph(self.inner.id);
+        self.inner.alloc.add_graph(self.inner.id);
         PoolPin { pool: self.clone() }
     }
 }
@@ -180,11 +101,7 @@ impl PoolPin {
 
 impl Drop for PoolPin {
     fn drop(&mut self) {
-        self.pool
-            .inner
-            .alloc
-            .lock()
-            .remove_graph(self.pool.inner.id);
+        self.pool.inner.alloc.remove_graph(self.pool.inner.id);
     }
 }
 
@@ -219,7 +136,7 @@ impl BlockRef {
         self.capture
     }
     pub(crate) fn device_ordinal(&self) -> usize {
-        self.alloc.ordinal
+        self.alloc.ordinal()
     }
 
     /// Whether the block belongs to `pool` (same allocator and same pool id: pool ids are only
@@ -231,7 +148,7 @@ impl BlockRef {
 
 impl Drop for BlockRef {
     fn drop(&mut self) {
-        self.alloc.lock().free(self.addr);
+        self.alloc.free(self.addr);
     }
 }
 

@@ -1,0 +1,239 @@
+//! The thread-safe caching allocator shared by a device, its pools and its buffers: a mutex
+//! around [`AllocatorCore`], and the lock discipline. The bookkeeping itself lives in
+//! [`super::caching`]; the handles built on it ([`Pool`], [`BlockRef`]) in [`super`].
+//!
+//! **The lock is never held across a call into the [`SegmentSource`].** Those calls are slow
+//! (`cuMemAlloc` and `cuMemFree` take tens of microseconds to milliseconds, and
+//! `cuCtxSynchronize` waits for all queued work on the device), and every thread that
+//! allocates or drops a buffer needs the lock: holding it across them would stall cache hits
+//! on other streams behind one thread's miss, and a synchronisation behind a long kernel. So
+//! the core works in phases (see [`super::caching`]):
+//!
+//! - *allocation*: under the lock, poll pending blocks and try the cache; on a miss, plan a new
+//!   segment whose bytes count against the pool's limit while in flight (two threads growing a
+//!   bounded pool cannot overshoot it). Unlock, release whatever the plan detached, ask the
+//!   source for the segment; lock, commit (or cancel). Out of memory: detach every releasable
+//!   free segment, release them unlocked, retry once.
+//! - *release* (`empty_cache`, a closed pool's last block coming back or last graph going,
+//!   teardown): under the lock, detach the victim segments from the bookkeeping; unlock,
+//!   synchronise the device once, release each; lock, forget them (or put back those that
+//!   failed).
+//!
+//! Capture windows make one exception a rule: releasing synchronises the device, which would
+//! invalidate an open capture. No release starts while any window is open, and
+//! [`Allocator::open_window`] (called just before a capture begins) waits on a condition
+//! variable until the releases in flight have finished. So no capture is ever open while the
+//! allocator synchronises the device or frees memory.
+//!
+//! When the allocator itself goes (the last device handle, pool, buffer and graph are gone)
+//! it synchronises once and returns every segment to the source.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use super::caching::{
+    allocate_via, release_via, Allocation, AllocatorCore, CoreAccess, Fence, MemoryStats, PoolId,
+    ReleasePlan, SegmentSource, WindowStats,
+};
+use super::{BlockRef, Pool, PoolInner};
+use crate::error::Result;
+
+/// The thread-safe allocator shared (`Arc`) by a device, its pools and its buffers.
+pub struct Allocator {
+    core: Mutex<AllocatorCore>,
+    /// Signalled when the last release in flight finishes (`open_window` waits on it).
+    released: Condvar,
+    /// The core's source, reachable without the lock.
+    source: Arc<dyn SegmentSource>,
+    ordinal: usize,
+}
+
+impl fmt::Debug for Allocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Allocator(device {}, {:?})", self.ordinal, self.lock())
+    }
+}
+
+/// The core reached by taking the wrapper's lock for each step of a protocol.
+struct Locked<'a>(&'a Allocator);
+
+impl CoreAccess for Locked<'_> {
+    fn with<R>(&mut self, f: impl FnOnce(&mut AllocatorCore) -> R) -> R {
+        let mut core = self.0.lock();
+        let before = core.releases_in_flight();
+        let r = f(&mut core);
+        if before > 0 && core.releases_in_flight() == 0 {
+            self.0.released.notify_all();
+        }
+        r
+    }
+}
+
+impl Allocator {
+    /// An allocator over any segment source (`HostSource` in CPU tests) for device `ordinal`.
+    pub fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
+        let core = AllocatorCore::new(source);
+        Arc::new(Self {
+            source: core.source().clone(),
+            core: Mutex::new(core),
+            released: Condvar::new(),
+            ordinal,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, AllocatorCore> {
+        // Every step under the lock leaves the bookkeeping consistent before it can panic (the
+        // source is never called with the lock held), so a poisoned lock is still usable.
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs a release plan with the lock released around the source calls.
+    fn release(&self, plan: ReleasePlan) -> Result<usize> {
+        release_via(&mut Locked(self), &*self.source, plan)
+    }
+
+    /// Device ordinal this allocator serves.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Allocates at least `bytes` bytes from `pool`, stream-ordered on `stream` (ignored by
+    /// graph pools). The caller frees it with [`Self::free`] or [`Self::free_after`].
+    pub fn allocate(&self, bytes: usize, pool: PoolId, stream: u64) -> Result<Allocation> {
+        allocate_via(&mut Locked(self), &*self.source, bytes, pool, stream)
+    }
+
+    /// Allocates a shared block that frees itself when its last holder drops; `capture` is
+    /// the id of the capture allocating it (0 for eager work).
+    pub fn allocate_block(
+        self: &Arc<Self>,
+        bytes: usize,
+        pool: PoolId,
+        stream: u64,
+        capture: u64,
+    ) -> Result<Arc<BlockRef>> {
+        let a = self.allocate(bytes, pool, stream)?;
+        Ok(Arc::new(BlockRef {
+            addr: a.addr,
+            size: a.size,
+            pool: a.pool,
+            capture,
+            alloc: self.clone(),
+        }))
+    }
+
+    /// Returns the block at `addr` to its pool for reuse on its own stream. A closed pool's
+    /// segment that becomes empty is released (lock not held).
+    pub fn free(&self, addr: u64) {
+        let plan = self.lock().begin_free(addr);
+        // Best effort: a segment that cannot be released stays cached and is counted.
+        let _ = self.release(plan);
+    }
+
+    /// Frees the block at `addr` once every fence has completed: for a block that streams
+    /// other than its own used, with an event recorded on each after that use. Until then the
+    /// block stays allocated (counted in `pending_blocks`) and is never handed out again.
+    pub fn free_after(&self, addr: u64, fences: Vec<Box<dyn Fence>>) {
+        let plan = self.lock().begin_free_after(addr, fences);
+        let _ = self.release(plan);
+    }
+
+    /// Stats of one pool.
+    pub fn pool_stats(&self, pool: PoolId) -> MemoryStats {
+        self.lock().pool_stats(pool)
+    }
+
+    /// Stats of the whole device (every pool).
+    pub fn stats(&self) -> MemoryStats {
+        self.lock().device_stats()
+    }
+
+    /// Resets all peak counters.
+    pub fn reset_peak(&self) {
+        self.lock().reset_peak()
+    }
+
+    /// Returns cached, unused segments to the driver (never those of pools with live graphs,
+    /// nothing while a capture is open). Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<usize> {
+        let plan = self.lock().begin_release(None);
+        self.release(plan)
+    }
+
+    /// Creates a graph pool, optionally limited to `limit` reserved bytes. The caller closes it
+    /// with [`Self::close_pool`]; [`Self::new_pool`] returns a handle that does so on drop.
+    pub fn create_pool(&self, limit: Option<usize>) -> PoolId {
+        self.lock().create_pool(limit)
+    }
+
+    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
+    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
+        Pool {
+            inner: Arc::new(PoolInner {
+                id: self.create_pool(limit),
+                alloc: self.clone(),
+            }),
+        }
+    }
+
+    /// The pool's handle is gone: its memory goes back to the driver now, or as its last
+    /// blocks and graphs go.
+    pub fn close_pool(&self, pool: PoolId) {
+        let plan = self.lock().begin_close_pool(pool);
+        let _ = self.release(plan);
+    }
+
+    /// Records that a graph replays from `pool`: its segments stay mapped until
+    /// [`Self::remove_graph`].
+    pub fn add_graph(&self, pool: PoolId) {
+        self.lock().add_graph(pool)
+    }
+
+    /// Undoes [`Self::add_graph`].
+    pub fn remove_graph(&self, pool: PoolId) {
+        let plan = self.lock().begin_remove_graph(pool);
+        let _ = self.release(plan);
+    }
+
+    /// The byte limit of `pool`, if any.
+    pub fn limit(&self, pool: PoolId) -> Option<usize> {
+        self.lock().limit(pool)
+    }
+
+    /// Sets or clears the byte limit of `pool`. Memory already reserved is not given back.
+    pub fn set_limit(&self, pool: PoolId, limit: Option<usize>) {
+        self.lock().set_limit(pool, limit)
+    }
+
+    /// Starts measuring a capture window in `pool`, just before a capture begins: waits until
+    /// no release is in flight, and no release starts until the window closes. False if a
+    /// window is already open in `pool` (or the pool is gone).
+    pub fn open_window(&self, pool: PoolId) -> bool {
+        let mut core = self.lock();
+        while core.releases_in_flight() > 0 {
+            core = self.released.wait(core).unwrap_or_else(|p| p.into_inner());
+        }
+        core.open_window(pool)
+    }
+
+    /// Ends the capture window in `pool` and returns what it measured.
+    pub fn close_window(&self, pool: PoolId) -> WindowStats {
+        self.lock().close_window(pool)
+    }
+
+    /// Checks every internal invariant of the bookkeeping (for tests).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.lock().check_invariants()
+    }
+}
+
+impl Drop for Allocator {
+    /// Teardown: synchronise once and give every segment back, live or cached. Nothing can
+    /// use them any more: buffers, pools and graphs all hold the allocator.
+    fn drop(&mut self) {
+        let core = self.core.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut plan = core.teardown();
+        plan.execute(&*self.source);
+        let _ = core.finish_release(plan);
+    }
+}
