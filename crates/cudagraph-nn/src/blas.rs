@@ -158,9 +158,9 @@ impl Blas {
         let ws = match st.workspaces.get(&stream.id()) {
             Some(w) => w.clone(),
             None => {
-                let w = self
-                    .alloc
-                    .allocate_block(WORKSPACE_BYTES, PoolId::DEFAULT, stream.id())?;
+                let w =
+                    self.alloc
+                        .allocate_block(WORKSPACE_BYTES, PoolId::DEFAULT, stream.id(), 0)?;
                 st.workspaces.insert(stream.id(), w.clone());
                 w
             }

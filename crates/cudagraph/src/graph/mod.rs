@@ -373,7 +373,9 @@ impl OpenCapture<'_> {
 
     fn close_window(&mut self) {
         if self.window.is_none() {
-            self.window = Some(self.pool.allocator().close_window(self.pool.id()));
+            // SAFETY: balances the `open_window` in `Graph::capture`; the capture has ended
+            // (or never began) when this runs.
+            self.window = Some(unsafe { self.pool.allocator().close_window(self.pool.id()) });
             OPEN_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
         }
     }

@@ -1,107 +1,251 @@
-//! TEMPORARY stand-in with the final API; replaced by the lock-light allocator at merge.
+//! The thread-safe caching allocator shared by a device, its pools and its buffers: a mutex
+//! around [`AllocatorCore`], and the lock discipline. The bookkeeping itself lives in
+//! [`super::caching`]; the handles built on it ([`Pool`], [`BlockRef`]) in [`super`].
+//!
+//! **The lock is never held across a call into the [`SegmentSource`].** Those calls are slow
+//! (`cuMemAlloc` and `cuMemFree` take tens of microseconds to milliseconds, and
+//! `cuCtxSynchronize` waits for all queued work on the device), and every thread that
+//! allocates or drops a buffer needs the lock: holding it across them would stall cache hits
+//! on other streams behind one thread's miss, and a synchronisation behind a long kernel. So
+//! the core works in phases (see [`super::caching`]):
+//!
+//! - *allocation*: under the lock, poll pending blocks and try the cache; on a miss, plan a new
+//!   segment whose bytes count against the pool's limit while in flight (two threads growing a
+//!   bounded pool cannot overshoot it). Unlock, release whatever the plan detached, ask the
+//!   source for the segment; lock, commit (or cancel). Out of memory: detach every releasable
+//!   free segment, release them unlocked, retry once.
+//! - *release* (`empty_cache`, a closed pool's last block coming back or last graph going,
+//!   teardown): under the lock, detach the victim segments from the bookkeeping; unlock,
+//!   synchronise the device once, release each; lock, forget them (or put back those that
+//!   failed).
+//!
+//! Capture windows make one exception a rule: releasing synchronises the device, which would
+//! invalidate an open capture. No release starts while any window is open, and
+//! [`Allocator::open_window`] (called just before a capture begins) waits on a condition
+//! variable until the releases in flight have finished. So no capture is ever open while the
+//! allocator synchronises the device or frees memory.
+//!
+//! When the allocator itself goes (the last device handle, pool, buffer and graph are gone)
+//! it synchronises once and returns every segment to the source.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::caching::{Allocation, AllocatorCore, MemoryStats, SegmentSource, WindowStats};
+use super::caching::{
+    allocate_via, release_via, Allocation, AllocatorCore, CoreAccess, Fence, MemoryStats, PoolId,
+    ReleasePlan, SegmentSource, WindowStats,
+};
+use super::{BlockRef, Pool};
 use crate::error::Result;
-use crate::ids::PoolId;
 
-/// Completion of device work that used a block (an event recorded after that work).
-pub trait Fence: Send + Sync {
-    fn is_complete(&self) -> bool;
-}
-
-#[allow(clippy::type_complexity)] // temporary stand-in
+/// The thread-safe allocator shared (`Arc`) by a device, its pools and its buffers.
 pub struct Allocator {
     core: Mutex<AllocatorCore>,
-    pending: Mutex<Vec<(u64, Vec<Box<dyn Fence>>)>>,
+    /// Signalled when the last release in flight finishes (`open_window` waits on it).
+    released: Condvar,
+    /// The core's source, reachable without the lock.
+    source: Arc<dyn SegmentSource>,
     ordinal: usize,
 }
 
 impl fmt::Debug for Allocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Allocator(device {})", self.ordinal)
+        write!(f, "Allocator(device {}, {:?})", self.ordinal, self.lock())
+    }
+}
+
+/// The core reached by taking the wrapper's lock for each step of a protocol.
+struct Locked<'a>(&'a Allocator);
+
+impl CoreAccess for Locked<'_> {
+    fn with<R>(&mut self, f: impl FnOnce(&mut AllocatorCore) -> R) -> R {
+        let mut core = self.0.lock();
+        let before = core.releases_in_flight();
+        let r = f(&mut core);
+        if before > 0 && core.releases_in_flight() == 0 {
+            self.0.released.notify_all();
+        }
+        r
     }
 }
 
 impl Allocator {
+    /// An allocator over any segment source (`HostSource` in CPU tests) for device `ordinal`.
     pub fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
+        let core = AllocatorCore::new(source);
         Arc::new(Self {
-            core: Mutex::new(AllocatorCore::new(source)),
-            pending: Mutex::new(Vec::new()),
+            source: core.source().clone(),
+            core: Mutex::new(core),
+            released: Condvar::new(),
             ordinal,
         })
     }
+
     fn lock(&self) -> MutexGuard<'_, AllocatorCore> {
+        // Every step under the lock leaves the bookkeeping consistent before it can panic (the
+        // source is never called with the lock held), so a poisoned lock is still usable.
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
-    fn poll(&self) {
-        let mut p = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let mut keep = Vec::new();
-        for (addr, f) in p.drain(..) {
-            if f.iter().all(|f| f.is_complete()) {
-                self.lock().free(addr);
-            } else {
-                keep.push((addr, f));
-            }
-        }
-        *p = keep;
+
+    /// Runs a release plan with the lock released around the source calls.
+    fn release(&self, plan: ReleasePlan) -> Result<usize> {
+        release_via(&mut Locked(self), &*self.source, plan)
     }
+
+    /// Device ordinal this allocator serves.
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
+
+    /// Allocates at least `bytes` bytes from `pool`, stream-ordered on `stream` (ignored by
+    /// graph pools). The caller frees it with [`Self::free`] or [`Self::free_after`].
     pub fn allocate(&self, bytes: usize, pool: PoolId, stream: u64) -> Result<Allocation> {
-        self.poll();
-        self.lock().allocate(bytes, pool, stream)
+        allocate_via(&mut Locked(self), &*self.source, bytes, pool, stream)
     }
-    pub fn free(&self, addr: u64) {
-        self.lock().free(addr)
+
+    /// Allocates a shared block that frees itself when its last holder drops; `capture` is
+    /// the id of the capture allocating it (0 for eager work).
+    pub fn allocate_block(
+        self: &Arc<Self>,
+        bytes: usize,
+        pool: PoolId,
+        stream: u64,
+        capture: u64,
+    ) -> Result<Arc<BlockRef>> {
+        let a = self.allocate(bytes, pool, stream)?;
+        Ok(BlockRef::from_allocation(self, a, stream, capture))
     }
-    pub fn free_after(&self, addr: u64, fences: Vec<Box<dyn Fence>>) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((addr, fences));
+
+    /// Returns the block at `addr` to its pool for reuse on its own stream. A closed pool's
+    /// segment that becomes empty is released (lock not held).
+    ///
+    /// # Safety
+    /// `addr` is a block this allocator handed out ([`Self::allocate`]) and has not freed, and
+    /// nothing will use it again: no `BlockRef`, buffer or graph refers to it, and no queued
+    /// work on any stream other than the one it was allocated on still uses it (use
+    /// [`Self::free_after`] with fences for those). Blocks wrapped in a `BlockRef` free
+    /// themselves; never free them by hand.
+    pub unsafe fn free(&self, addr: u64) {
+        let plan = self.lock().begin_free(addr);
+        // Best effort: a segment that cannot be released stays cached and is counted.
+        let _ = self.release(plan);
     }
+
+    /// Frees the block at `addr` once every fence has completed: for a block that streams
+    /// other than its own used, with an event recorded on each after that use. Until then the
+    /// block stays allocated (counted in `pending_blocks`) and is never handed out again.
+    ///
+    /// # Safety
+    /// As for [`Self::free`], except that work on other streams may still use the block as long
+    /// as each such stream's last use is covered by one of `fences`.
+    pub unsafe fn free_after(&self, addr: u64, fences: Vec<Box<dyn Fence>>) {
+        let plan = self.lock().begin_free_after(addr, fences);
+        let _ = self.release(plan);
+    }
+
+    /// Stats of one pool.
     pub fn pool_stats(&self, pool: PoolId) -> MemoryStats {
         self.lock().pool_stats(pool)
     }
+
+    /// Stats of the whole device (every pool).
     pub fn stats(&self) -> MemoryStats {
         self.lock().device_stats()
     }
+
+    /// Resets all peak counters.
     pub fn reset_peak(&self) {
         self.lock().reset_peak()
     }
+
+    /// Returns cached, unused segments to the driver (never those of pools with live graphs,
+    /// nothing while a capture is open). Returns the bytes released.
     pub fn empty_cache(&self) -> Result<usize> {
-        self.poll();
-        self.lock().release_free_segments(None)
+        let plan = self.lock().begin_release(None);
+        self.release(plan)
     }
+
+    /// Creates a graph pool, optionally limited to `limit` reserved bytes. The caller closes it
+    /// with [`Self::close_pool`]; [`Self::new_pool`] returns a handle that does so on drop.
     pub fn create_pool(&self, limit: Option<usize>) -> PoolId {
         self.lock().create_pool(limit)
     }
-    pub fn close_pool(&self, id: PoolId) {
-        self.lock().close_pool(id)
+
+    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
+    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
+        Pool::new(self, limit)
     }
-    pub fn add_graph(&self, id: PoolId) {
-        self.lock().add_graph(id)
+
+    /// The pool's handle is gone: its memory goes back to the driver now, or as its last
+    /// blocks and graphs go.
+    ///
+    /// # Safety
+    /// Called once per pool from [`Self::create_pool`], after its last handle is gone
+    /// (`Pool` does this on drop); no capture into it may still be open.
+    pub unsafe fn close_pool(&self, pool: PoolId) {
+        let plan = self.lock().begin_close_pool(pool);
+        let _ = self.release(plan);
     }
-    pub fn remove_graph(&self, id: PoolId) {
-        self.lock().remove_graph(id)
+
+    /// Records that a graph replays from `pool`: its segments stay mapped until
+    /// [`Self::remove_graph`]. (Safe: it only keeps memory mapped longer.)
+    pub fn add_graph(&self, pool: PoolId) {
+        self.lock().add_graph(pool)
     }
-    pub fn limit(&self, id: PoolId) -> Option<usize> {
-        self.lock().limit(id)
+
+    /// Undoes [`Self::add_graph`].
+    ///
+    /// # Safety
+    /// Balances exactly one earlier `add_graph` of a graph that can no longer replay (its last
+    /// replay has finished): the pool's segments may be released right after.
+    pub unsafe fn remove_graph(&self, pool: PoolId) {
+        let plan = self.lock().begin_remove_graph(pool);
+        let _ = self.release(plan);
     }
-    pub fn set_limit(&self, id: PoolId, limit: Option<usize>) {
-        self.lock().set_limit(id, limit)
+
+    /// The byte limit of `pool`, if any.
+    pub fn limit(&self, pool: PoolId) -> Option<usize> {
+        self.lock().limit(pool)
     }
-    pub fn open_window(&self, id: PoolId) -> bool {
-        self.lock().open_window(id)
+
+    /// Sets or clears the byte limit of `pool`. Memory already reserved is not given back.
+    pub fn set_limit(&self, pool: PoolId, limit: Option<usize>) {
+        self.lock().set_limit(pool, limit)
     }
-    pub fn close_window(&self, id: PoolId) -> WindowStats {
-        self.lock().close_window(id)
+
+    /// Starts measuring a capture window in `pool`, just before a capture begins: waits until
+    /// no release is in flight, and no release starts until the window closes. False if a
+    /// window is already open in `pool` (or the pool is gone).
+    pub fn open_window(&self, pool: PoolId) -> bool {
+        let mut core = self.lock();
+        while core.releases_in_flight() > 0 {
+            core = self.released.wait(core).unwrap_or_else(|p| p.into_inner());
+        }
+        core.open_window(pool)
     }
+
+    /// Ends the capture window in `pool` and returns what it measured.
+    ///
+    /// # Safety
+    /// Balances the `open_window` of a capture that has ended: while any capture is open, no
+    /// segment may be released, and closing a window early would allow that.
+    pub unsafe fn close_window(&self, pool: PoolId) -> WindowStats {
+        self.lock().close_window(pool)
+    }
+
+    /// Checks every internal invariant of the bookkeeping (for tests).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.lock().check_invariants()
+    }
+}
+
+impl Drop for Allocator {
+    /// Teardown: synchronise once and give every segment back, live or cached. Nothing can
+    /// use them any more: buffers, pools and graphs all hold the allocator.
+    fn drop(&mut self) {
+        let core = self.core.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut plan = core.teardown();
+        plan.execute(&*self.source);
+        let _ = core.finish_release(plan);
     }
 }

@@ -86,7 +86,10 @@ impl SegmentSource for HostSource {
     fn allocate(&self, bytes: usize) -> Result<u64> {
         let mut live = self.live.lock().unwrap();
         let used: usize = live.values().sum();
-        if self.capacity.is_some_and(|c| used + bytes > c) {
+        if self
+            .capacity
+            .is_some_and(|c| used.checked_add(bytes).is_none_or(|total| total > c))
+        {
             return Err(Error::OutOfMemory {
                 requested: bytes,
                 reserved: used,

@@ -23,8 +23,11 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-pub use allocator::{Allocator, Fence};
-pub use caching::{Allocation, AllocatorCore, MemoryStats, SegmentSource, WindowStats};
+pub use allocator::Allocator;
+pub use caching::{
+    AllocStep, Allocation, AllocatorCore, Fence, GrowPlan, MemoryStats, ReleasePlan, SegmentSource,
+    WindowStats,
+};
 pub use host::HostSource;
 pub use pinned::PinnedBuffer;
 
@@ -39,20 +42,6 @@ impl Fence for Event {
     }
 }
 
-impl Allocator {
-    /// A block of `bytes` bytes from `pool`, stream-ordered on stream `stream` (a
-    /// [`crate::StreamHandle::id`]): for library state such as per-stream workspaces.
-    pub fn allocate_block(
-        self: &Arc<Self>,
-        bytes: usize,
-        pool: PoolId,
-        stream: u64,
-    ) -> Result<Arc<BlockRef>> {
-        let a = self.allocate(bytes, pool, stream)?;
-        Ok(BlockRef::from_allocation(self, a, stream, 0))
-    }
-}
-
 struct PoolInner {
     id: PoolId,
     alloc: Arc<Allocator>,
@@ -60,7 +49,9 @@ struct PoolInner {
 
 impl Drop for PoolInner {
     fn drop(&mut self) {
-        self.alloc.close_pool(self.id);
+        // SAFETY: the pool's only handle is gone (this is its last owner) and captures hold a
+        // `Pool`, so none into it is open.
+        unsafe { self.alloc.close_pool(self.id) };
     }
 }
 
@@ -132,7 +123,9 @@ pub(crate) struct PoolPin {
 
 impl Drop for PoolPin {
     fn drop(&mut self) {
-        self.pool.inner.alloc.remove_graph(self.pool.inner.id);
+        // SAFETY: balances the `add_graph` of `Pool::pin`; the graph owning this pin drops it
+        // only after its last replay has finished (see `crate::graph`).
+        unsafe { self.pool.inner.alloc.remove_graph(self.pool.inner.id) };
     }
 }
 
@@ -280,8 +273,12 @@ impl Drop for BlockRef {
             Some(Vec::new())
         };
         match (&mut self.owner, fences) {
-            (Owner::Allocator(a), Some(f)) if f.is_empty() => a.free(self.addr),
-            (Owner::Allocator(a), Some(f)) => a.free_after(self.addr, f),
+            // SAFETY: this is the block's last holder (buffers and graphs share this `Arc`);
+            // work on its own stream is ordered before any reuse there, and work on every
+            // other stream that used it is covered by a fence.
+            (Owner::Allocator(a), Some(f)) if f.is_empty() => unsafe { a.free(self.addr) },
+            // SAFETY: as above.
+            (Owner::Allocator(a), Some(f)) => unsafe { a.free_after(self.addr, f) },
             // No way to know when the other streams are done: never reuse the block.
             (Owner::Allocator(_), None) => {}
             (Owner::External { keep, .. }, fences) => {
@@ -498,7 +495,7 @@ mod tests {
         let (a, b) = (host_allocator(), host_allocator());
         let (pa, pb) = (Pool::new(&a, None), Pool::new(&b, None));
         assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
-        let block = BlockRef::from_allocation(&a, a.allocate(1024, pa.id(), 0).unwrap(), 0, 1);
+        let block = a.allocate_block(1024, pa.id(), 0, 1).unwrap();
         assert!(block.is_in(&pa));
         assert!(
             !block.is_in(&pb),
@@ -549,7 +546,8 @@ mod tests {
         let a = host_allocator();
         let first = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
         let done = Arc::new(AtomicBool::new(false));
-        a.free_after(first.addr, vec![Box::new(Flag(done.clone()))]);
+        // SAFETY: `first` is a raw allocation nothing else refers to.
+        unsafe { a.free_after(first.addr, vec![Box::new(Flag(done.clone()))]) };
         let second = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
         assert_ne!(
             second.addr, first.addr,
@@ -558,8 +556,11 @@ mod tests {
         done.store(true, Ordering::SeqCst);
         let third = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
         assert_eq!(third.addr, first.addr, "reusable once the fence completed");
-        a.free(second.addr);
-        a.free(third.addr);
+        // SAFETY: raw allocations nothing else refers to, freed once.
+        unsafe {
+            a.free(second.addr);
+            a.free(third.addr);
+        }
         a.check_invariants().unwrap();
     }
 }
