@@ -2,6 +2,9 @@
 // IDX is 64-bit: grids of more than 2^32 threads index correctly.
 #define IDX ((long)blockIdx.x * blockDim.x + threadIdx.x)
 
+// ReLU as torch.relu: NaN passes through (fmaxf would turn it into 0).
+__device__ __forceinline__ float relu_f(float v) { return (v > 0.0f || v != v) ? v : 0.0f; }
+
 // Block-wide sum (blockDim.x a power of two, at most 1024).
 __device__ float block_sum(float v) {
     __shared__ float s[1024];

@@ -2,13 +2,13 @@ extern "C" __global__ void bias_act(float* y, const float* b, int rows, int cols
     long i = IDX;
     if (i < (long)rows * cols) {
         float v = y[i] + b[i % cols];
-        y[i] = relu ? fmaxf(v, 0.0f) : v;
+        y[i] = relu ? relu_f(v) : v;
     }
 }
 
 extern "C" __global__ void relu_fwd(const float* x, float* y, long n) {
     long i = IDX;
-    if (i < n) y[i] = fmaxf(x[i], 0.0f);
+    if (i < n) y[i] = relu_f(x[i]);
 }
 
 // dx = dy where y > 0 (y is the ReLU output).

@@ -72,7 +72,7 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
                 float v = alpha * acc[di][dj];
                 if (beta != 0.0f) v += beta * C[(long)i * n + j];
                 if (bias) v += bias[j];
-                if (relu) v = fmaxf(v, 0.0f);
+                if (relu) v = relu_f(v);
                 C[(long)i * n + j] = v;
             }
         }
@@ -159,7 +159,7 @@ extern "C" __global__ void sgemm_nt_warpk(int m, int n, int k, const float* A, c
         for (int w = 0; w < 8; w++) v += smem[w * 1024 + o];
         if (i < m && j < n) {
             if (bias) v += bias[j];
-            if (relu) v = fmaxf(v, 0.0f);
+            if (relu) v = relu_f(v);
             C[(long)i * n + j] = v;
         }
     }
@@ -175,6 +175,6 @@ extern "C" __global__ void splitk_reduce(const float* partial, int splits, float
     float v = alpha * s;
     if (beta != 0.0f) v += beta * C[e];
     if (bias) v += bias[e % n];
-    if (relu) v = fmaxf(v, 0.0f);
+    if (relu) v = relu_f(v);
     C[e] = v;
 }

@@ -183,6 +183,28 @@ pub trait Queue {
     /// facts about the kernel's code that no signature shows. The library keeps every passed
     /// buffer alive and ordered for as long as the work may run; pointers the kernel derives
     /// otherwise (read from device memory, computed from another buffer) are not tracked.
+    ///
+    /// Launching without `unsafe` does not compile:
+    ///
+    /// ```compile_fail
+    /// # use cudagraph::*;
+    /// # fn f(s: &Stream, k: &Function, x: &DeviceBuffer<f32>) -> Result<()> {
+    /// s.launch(k, LaunchConfig::for_elements(x.len(), 256), args![x, x.len() as i32])
+    /// // error[E0133]: call to unsafe function `launch` is unsafe
+    /// # }
+    /// ```
+    ///
+    /// The usual shape is a safe function per kernel that checks the lengths, then launches:
+    ///
+    /// ```no_run
+    /// # use cudagraph::*;
+    /// fn add_one(q: &dyn Queue, k: &Function, x: &DeviceBuffer<f32>) -> Result<()> {
+    ///     let n = i32::try_from(x.len()).map_err(|_| Error::SizeMismatch {
+    ///         what: "add_one length", expected: i32::MAX as usize, got: x.len() })?;
+    ///     // SAFETY: `add_one(float* x, int n)` touches x[0..n), and n = x.len().
+    ///     unsafe { q.launch(k, LaunchConfig::for_elements(x.len(), 256), args![x, n]) }
+    /// }
+    /// ```
     #[track_caller]
     unsafe fn launch(&self, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
         let dev = self.device();
