@@ -1,12 +1,12 @@
 //! GPU tests of issue 13's classes of unsoundness, one or more per class, each reproducing the
 //! failure as a new user met it and asserting the library now prevents it:
 //!
-//! 1. checked sizes, 2. stream-safe reuse, 3. graphs dropped in flight, 4. kernel launches checked
-//! against the kernel's declaration (and sticky faults reported as a lost context),
-//! 6. builder children stay alive, 7. rebind releases, 9. no allocator lock across driver calls,
-//! 10. threads capturing and replaying at once, empty captures.
-//! (5, indices, is in `cudagraph-nn`'s `gpu_soundness_nn.rs`; 8 is a `compile_fail` doctest
-//! on `StreamRef`, and launching without `unsafe` one on `Queue::launch`.)
+//! checked sizes (1), stream-safe reuse (2), graphs dropped in flight (3), kernel launches
+//! checked against the kernel's declaration and sticky faults reported as a lost context (4),
+//! builder children that stay alive (6), rebind that releases (7), no allocator lock across
+//! driver calls (9), threads capturing and replaying at once and empty captures (10).
+//! Indices (5) are tested in `cudagraph-nn`'s `gpu_soundness_nn.rs`; (8) is a `compile_fail`
+//! doctest on `StreamRef`, and launching without `unsafe` is one on `Queue::launch`.
 //!
 //! Tests whose point is a deliberate driver error are named `misuse_*`: `bench/sanitize.sh`
 //! skips them, since compute-sanitizer rightly reports the errors they provoke.
