@@ -76,6 +76,8 @@ enum BenchCommand {
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
     Workloads(bench::workloads::WorkloadArgs),
+    /// A long run (10^6 training-step replays and graph-cache requests) that must leave memory flat.
+    Soak(bench::soak::SoakArgs),
 }
 
 fn main() -> ExitCode {
@@ -90,6 +92,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Rebind(args)) => bench::rebind::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
+            Some(BenchCommand::Soak(args)) => bench::soak::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU test suite and the CLI's main paths (small iteration counts),
+# one summary line per tool. Run on the GPU machine from the repository root after
+# ../shared/tools/gpu-bundle (binaries in .gpu-bin/):
+#     bash bench/sanitize.sh                 # memcheck (leaks included), racecheck, synccheck, initcheck
+#     TOOLS="memcheck" bash bench/sanitize.sh
+# Tests named misuse_* provoke driver errors on purpose (that is what they test), so they are
+# skipped here; every other test and command must come out with 0 errors from every tool.
+# Logs go to $OUT/sanitize/ (or /tmp/sanitize).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+logs=${OUT:-/tmp}/sanitize
+mkdir -p "$logs"
+export CUDAGRAPH_REQUIRE_GPU=1 CUDAGRAPH_CACHE_DIR=${CUDAGRAPH_CACHE_DIR:-/tmp/cudagraph-sanitize-cache}
+tools=${TOOLS:-memcheck racecheck synccheck initcheck}
+cli=.gpu-bin/bin/cudagraph
+# Long soak-like tests add nothing under instrumentation but time: skipped here, run plainly in the suite.
+skip=(--skip misuse_ --skip hundred_thousand_replays --skip ten_thousand_rebinds --skip twenty_times)
+# The CLI's main paths, each small.
+cli_runs=(
+  "bench chain --kernels 1,10 --launches 2000 --repeats 2"
+  "bench --only mlp,train --batch-sizes 8 --iters 20 --repeats 2"
+  "bench cache --requests 200"
+  "train --epochs 1 --graph"
+)
+flags() {
+  case "$1" in
+    memcheck) echo "--tool memcheck --leak-check full" ;;
+    *) echo "--tool $1" ;;
+  esac
+}
+total_all=0
+for tool in $tools; do
+  errors=0; runs=0; failed=0
+  for t in .gpu-bin/tests/*; do
+    name=$(basename "$t")
+    # Only binaries that touch the GPU (unit-test binaries without GPU tests finish instantly).
+    log="$logs/$tool-$name.log"
+    compute-sanitizer $(flags "$tool") --print-limit 50 "$t" --test-threads=1 "${skip[@]}" >"$log" 2>&1
+    rc=$?
+    n=$(grep -Eo '(ERROR SUMMARY|RACECHECK SUMMARY): [0-9]+ (error|hazard)' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+    # racecheck prints "N hazards displayed (E errors, W warnings)": count errors.
+    if [ "$tool" = racecheck ]; then
+      n=$(grep -Eo '\(([0-9]+) errors' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+    fi
+    errors=$((errors + n)); runs=$((runs + 1))
+    [ $rc -ne 0 ] && failed=$((failed + 1)) && echo "  $tool: $name exited $rc (see $log)"
+  done
+  for args in "${cli_runs[@]}"; do
+    log="$logs/$tool-cli-$(echo "$args" | tr ' ,' '__' | cut -c1-40).log"
+    compute-sanitizer $(flags "$tool") --print-limit 50 $cli $args >"$log" 2>&1
+    rc=$?
+    n=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+    if [ "$tool" = racecheck ]; then
+      n=$(grep -Eo '\(([0-9]+) errors' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+    fi
+    errors=$((errors + n)); runs=$((runs + 1))
+    [ $rc -ne 0 ] && failed=$((failed + 1)) && echo "  $tool: cudagraph $args exited $rc (see $log)"
+  done
+  echo "sanitize $tool: $errors errors over $runs runs ($failed runs exited non-zero)"
+  total_all=$((total_all + errors + failed))
+done
+[ $total_all -eq 0 ]
