@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudagraph::memory::{Allocator, BlockRef, PoolId};
-use cudagraph::runtime::{with_relaxed_capture, Context};
+use cudagraph::runtime::{with_relaxed_capture, Context, WeakStream};
 use cudagraph::{Device, DeviceBuffer, Queue};
 use cudarc::cublas::sys;
 
@@ -29,7 +29,9 @@ unsafe impl Send for Handle {}
 
 struct State {
     handle: Handle,
-    workspaces: HashMap<u64, Arc<BlockRef>>,
+    /// One workspace per stream, released when its stream is gone (graphs that used it keep
+    /// their own hold on the block).
+    workspaces: HashMap<u64, (WeakStream, Arc<BlockRef>)>,
 }
 
 /// A cuBLAS handle bound to one device. Holds the device's context and allocator, not the
@@ -156,12 +158,14 @@ impl Blas {
         let stream = q.stream_handle();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let ws = match st.workspaces.get(&stream.id()) {
-            Some(w) => w.clone(),
+            Some((_, w)) => w.clone(),
             None => {
+                st.workspaces.retain(|_, (s, _)| s.is_alive());
                 let w =
                     self.alloc
                         .allocate_block(WORKSPACE_BYTES, PoolId::DEFAULT, stream.id(), 0)?;
-                st.workspaces.insert(stream.id(), w.clone());
+                st.workspaces
+                    .insert(stream.id(), (stream.downgrade(), w.clone()));
                 w
             }
         };
@@ -202,9 +206,10 @@ impl Blas {
         }
     }
 
-    /// Streams that have a workspace, and the bytes held for workspaces.
+    /// Bytes held for the workspaces of live streams.
     pub fn workspace_bytes(&self) -> usize {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.workspaces.retain(|_, (s, _)| s.is_alive());
         st.workspaces.len() * WORKSPACE_BYTES
     }
 }

@@ -116,6 +116,15 @@ fn host_targets_are_checked_before_upload() {
 
 // ---- The bad-input matrix (issue 8, item 3) -----------------------------------------------
 
+/// Creates the stream's cuBLAS workspace (kept per stream by design) so that measurements of
+/// allocated memory before and after a row compare like with like.
+fn warm(s: &Stream) {
+    let mut rng = Rng::new(99);
+    let l = Linear::new(s, 4, 4, &mut rng).unwrap();
+    l.forward(s, &Tensor::zeros(s, &[1, 4]).unwrap()).unwrap();
+    s.synchronize().unwrap();
+}
+
 /// Runs `bad` (which must fail with a message containing `needle`), then checks the stream
 /// still computes and that nothing stayed allocated.
 fn row(dev: &Device, s: &Stream, needle: &str, bad: impl FnOnce() -> Result<()>) {
@@ -137,6 +146,7 @@ fn row(dev: &Device, s: &Stream, needle: &str, bad: impl FnOnce() -> Result<()>)
 fn every_op_rejects_mismatched_shapes_with_a_typed_error() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
+    warm(&s);
     let mut rng = Rng::new(7);
     let t = |shape: &[usize]| Tensor::zeros(&s, shape).unwrap();
     let lin = Linear::new(&s, 4, 3, &mut rng).unwrap();
@@ -245,6 +255,7 @@ fn nan_and_inf_inputs_propagate_like_pytorch() {
 fn out_of_memory_inside_a_capture_is_typed_and_leaves_stream_and_pool_usable() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
+    warm(&s);
     let pool = dev.graph_pool_handle();
     let before = dev.memory_allocated();
     let e = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
@@ -276,6 +287,7 @@ fn a_capture_closure_that_panics_mid_backward_is_discarded_cleanly() {
     let mut rng = Rng::new(11);
     let model = mlp(&s, &mut rng, &[8, 8, 2]);
     let x = Tensor::zeros(&s, &[4, 8]).unwrap();
+    warm(&s);
     let before = dev.memory_allocated();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = Graph::capture(&mut s, CaptureOptions::new(), |cs| {

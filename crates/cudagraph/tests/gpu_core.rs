@@ -232,7 +232,7 @@ fn memory_stats_add_up_after_capture_replay_and_drop() {
 }
 
 #[test]
-fn illegal_call_in_capture_is_a_typed_error_and_the_stream_recovers() {
+fn misuse_illegal_call_in_capture_is_a_typed_error_and_the_stream_recovers() {
     let dev = gpu_test_device!();
     let k = kernels(&dev);
     let mut s = dev.new_stream().unwrap();

@@ -24,7 +24,7 @@ extern "C" __global__ void mse_bwd(const float* p, const float* t, const float* 
 // A target outside [0, cols) is clamped (no read outside the row) and reported through the
 // device's error flag (cg_report, from cudagraph's DEVICE_CHECK_CUDA), with its row.
 extern "C" __global__ void ce_fwd(const float* logits, const int* tgt, float* probs, float* loss,
-        int rows, int cols, unsigned int* flag, unsigned int check) {
+        int rows, int cols, cg_check* flag, unsigned int check) {
     float acc = 0.0f;
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
         const float* z = logits + (long)r * cols;

@@ -1,28 +1,36 @@
 //! Device-side checks. Kernels cannot return errors, and inside a graph nothing reads their
 //! results back, so a kernel that finds an invalid value (an index outside its range) clamps
-//! the access, and raises the device's error flag: a few words of host-mapped memory that the
-//! next synchronisation reads (no copy, no extra launch) and reports as
-//! [`Error::DeviceCheck`].
+//! the access and reports it: the first failing thread claims a word in device memory (a
+//! device-scope atomic) and writes the report into a few words of host-mapped memory with
+//! plain stores (system-scope atomics on host memory are not available over PCIe), which the
+//! next synchronisation reads — no copy, no extra launch — and returns as
+//! [`Error::DeviceCheck`]. Taking a report re-arms the claim word.
 
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::runtime::memory::MappedWords;
 
-/// Words of the flag: [raised, check id, value (2 words), bound (2), position (2)].
+/// Words of the host report: [raised, check id, value (2 words), bound (2), position (2)].
 pub(crate) const WORDS: usize = 8;
 
+/// Bytes of the device record: `struct cg_check { unsigned claim, pad; unsigned* host; }`.
+pub(crate) const RECORD_BYTES: usize = 16;
+
 /// CUDA source for kernels that report failed checks: prepend it and pass
-/// [`crate::Device::check_flag_arg`] as an `unsigned int*` parameter. The first failure wins.
+/// [`crate::Device::check_flag_arg`] as a `cg_check*` parameter. The first failure wins.
 pub const DEVICE_CHECK_CUDA: &str = r#"
-__device__ __forceinline__ void cg_report(unsigned int* flag, unsigned int check,
+struct cg_check { unsigned int claim; unsigned int pad; volatile unsigned int* host; };
+__device__ __forceinline__ void cg_report(cg_check* chk, unsigned int check,
         long long value, long long bound, unsigned long long position) {
-    if (flag != 0 && atomicCAS_system(flag, 0u, 1u) == 0u) {
-        flag[1] = check;
-        flag[2] = (unsigned int)value; flag[3] = (unsigned int)((unsigned long long)value >> 32);
-        flag[4] = (unsigned int)bound; flag[5] = (unsigned int)((unsigned long long)bound >> 32);
-        flag[6] = (unsigned int)position; flag[7] = (unsigned int)(position >> 32);
+    if (chk != 0 && atomicCAS(&chk->claim, 0u, 1u) == 0u) {
+        volatile unsigned int* h = chk->host;
+        h[1] = check;
+        h[2] = (unsigned int)value; h[3] = (unsigned int)((unsigned long long)value >> 32);
+        h[4] = (unsigned int)bound; h[5] = (unsigned int)((unsigned long long)bound >> 32);
+        h[6] = (unsigned int)position; h[7] = (unsigned int)(position >> 32);
         __threadfence_system();
+        h[0] = 1u;
     }
 }
 "#;
@@ -49,8 +57,9 @@ fn name_of(id: u32) -> &'static str {
         .unwrap_or("device-side check")
 }
 
-/// Reads and clears the flag.
-pub(crate) fn take(flag: &MappedWords) -> Result<()> {
+/// Reads and clears the host report; `rearm` then resets the device claim word (only called
+/// when a report was taken). Returns the report as an error.
+pub(crate) fn take(flag: &MappedWords, rearm: impl FnOnce() -> Result<()>) -> Result<()> {
     if flag.load(0) == 0 {
         return Ok(());
     }
@@ -65,6 +74,7 @@ pub(crate) fn take(flag: &MappedWords) -> Result<()> {
         flag.store(i, 0);
     }
     flag.store(0, 0);
+    rearm()?;
     Err(err)
 }
 

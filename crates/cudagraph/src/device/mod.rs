@@ -32,8 +32,12 @@ use crate::runtime::{Context, DeviceInfo, Event, Function, Module, StreamHandle,
 struct DeviceInner {
     ctx: Context,
     alloc: Arc<Allocator>,
-    /// Host-mapped words kernels raise on a failed device-side check (see [`checks`]).
+    /// Host-mapped words a failed device-side check reports into (see [`checks`]).
     flag: MappedWords,
+    /// The device record kernels get (`cg_check`: claim word + address of `flag`).
+    check_record: Arc<BlockRef>,
+    /// A stream of the library's own (re-arming the check record).
+    service: StreamHandle,
     /// Per-device state of libraries layered on top (kernels, library handles, tuning caches):
     /// it lives exactly as long as the device, so dropping the last `Device` handle releases it.
     extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
@@ -74,15 +78,25 @@ impl Device {
         let alloc = Allocator::new(
             Box::new(DeviceSource {
                 ctx: ctx.handle.clone(),
+                total: ctx.info().total_memory,
             }),
             ordinal,
         );
-        let flag = MappedWords::new(checks::WORDS, ctx.handle.raw)?;
+        let flag = MappedWords::new(checks::WORDS, &ctx.handle)?;
+        let service = StreamHandle::new(&ctx)?;
+        let check_record =
+            alloc.allocate_block(checks::RECORD_BYTES, PoolId::DEFAULT, service.id(), 0)?;
+        let mut record = [0u8; checks::RECORD_BYTES];
+        record[8..].copy_from_slice(&flag.device_addr().to_le_bytes());
+        raw::memcpy_htod_pageable(check_record.addr(), &record, service.raw())?;
+        service.synchronize()?;
         Ok(Self {
             inner: Arc::new(DeviceInner {
                 ctx,
                 alloc,
                 flag,
+                check_record,
+                service,
                 extensions: Mutex::new(HashMap::new()),
             }),
         })
@@ -162,7 +176,7 @@ impl Device {
     /// ([`Stream::pinned_scope`]).
     #[track_caller]
     pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
-        PinnedBuffer::new(len, self.inner.ctx.handle.raw)
+        PinnedBuffer::new(len, &self.inner.ctx.handle)
     }
 
     /// A new, unbounded graph pool to share between captures (PyTorch's `graph_pool_handle()`).
@@ -219,14 +233,19 @@ impl Device {
     /// (an index out of range, say), as [`Error::DeviceCheck`]. Only work that has completed
     /// can have raised it: call after a synchronisation.
     pub fn check_errors(&self) -> Result<()> {
-        checks::take(&self.inner.flag)
+        let inner = &self.inner;
+        checks::take(&inner.flag, || {
+            // Re-arm the claim word so the next failure is reported too.
+            raw::memset_d32_async(inner.check_record.addr(), 0, 1, inner.service.raw())?;
+            inner.service.synchronize()
+        })
     }
 
-    /// The device address of the error flag, for kernels that use [`DEVICE_CHECK_CUDA`]
-    /// (the device keeps it mapped for as long as any graph or stream of it exists).
+    /// The device record kernels that use [`DEVICE_CHECK_CUDA`] take as their `cg_check*`
+    /// parameter (the device keeps it for as long as any graph or stream of it exists).
     pub fn check_flag_arg(&self) -> Arg<'static> {
         Arg::Ptr {
-            addr: self.inner.flag.device_addr(),
+            addr: self.inner.check_record.addr(),
             holder: None,
         }
     }

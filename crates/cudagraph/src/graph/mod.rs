@@ -23,7 +23,7 @@ pub mod planner;
 mod static_io;
 
 use std::any::Any;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::fmt;
 use std::panic::Location;
@@ -44,7 +44,9 @@ use crate::device::{check_device, Anchor, Device, Queue, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{BlockRef, DeviceBuffer, Elem, Pool, PoolId, PoolPin, WindowStats};
 use crate::runtime::graph::{self as raw, ExecHandle, GraphHandle, Remap};
-use crate::runtime::{CaptureMode, Event, Function, StreamHandle, StreamRef};
+use crate::runtime::{
+    capturing_on_this_thread, CaptureMode, Event, Function, StreamHandle, StreamRef,
+};
 
 /// Options for [`Graph::capture`].
 #[derive(Clone, Debug, Default)]
@@ -81,15 +83,6 @@ impl CaptureOptions {
 }
 
 static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// Captures open on this thread: while any is, the thread must not wait on the device.
-    static OPEN_CAPTURES: Cell<usize> = const { Cell::new(0) };
-}
-
-fn capturing_here() -> bool {
-    OPEN_CAPTURES.with(|c| c.get() > 0)
-}
 
 /// What a graph keeps alive.
 #[derive(Default)]
@@ -311,10 +304,8 @@ static RETIRED_COUNT: AtomicUsize = AtomicUsize::new(0);
 /// Releases `what` once `done` has completed: now if it has, after waiting if this thread may
 /// wait, else later (see [`drain_retired`]).
 fn retire(done: &Event, what: Box<dyn Any + Send>) {
-    if done.query().unwrap_or(true) {
-        return;
-    }
-    if !capturing_here() {
+    // On a capturing thread even querying the event would invalidate the capture: defer.
+    if !capturing_on_this_thread() {
         // An error means the context is lost and nothing runs any more.
         let _ = done.synchronize();
         return;
@@ -329,7 +320,7 @@ fn retire(done: &Event, what: Box<dyn Any + Send>) {
 
 /// Releases retired resources whose replays have finished. Cheap when there are none.
 pub(crate) fn drain_retired() {
-    if RETIRED_COUNT.load(Ordering::Acquire) == 0 {
+    if RETIRED_COUNT.load(Ordering::Acquire) == 0 || capturing_on_this_thread() {
         return;
     }
     let done: Vec<Retired> = {
@@ -376,7 +367,6 @@ impl OpenCapture<'_> {
             // SAFETY: balances the `open_window` in `Graph::capture`; the capture has ended
             // (or never began) when this runs.
             self.window = Some(unsafe { self.pool.allocator().close_window(self.pool.id()) });
-            OPEN_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
         }
     }
 }
@@ -450,7 +440,6 @@ impl Graph {
                 ),
             }));
         }
-        OPEN_CAPTURES.with(|c| c.set(c.get() + 1));
         let mut open = OpenCapture {
             stream: &stream.handle,
             pool: pool.clone(),

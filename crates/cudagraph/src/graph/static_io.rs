@@ -91,7 +91,7 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
     where
         F: FnOnce(&CaptureStream<'_>, &[DeviceBuffer<I>]) -> Result<Vec<DeviceBuffer<O>>>,
     {
-        let ctx = stream.device().context().handle.raw;
+        let ctx = &stream.device().context().handle.clone();
         let inputs = input_lens
             .iter()
             .map(|&n| stream.alloc_zeroed::<I>(n))

@@ -33,10 +33,15 @@ pub use pinned::PinnedBuffer;
 
 use crate::error::{Error, Result};
 pub use crate::ids::PoolId;
-use crate::runtime::{Event, StreamHandle, StreamRef};
+use crate::runtime::{capturing_on_this_thread, Event, StreamRef, WeakStream};
 
 impl Fence for Event {
     fn is_complete(&self) -> bool {
+        // On a thread that is capturing even an event query would invalidate the capture:
+        // report "not yet" and let a later poll (outside the capture) find out.
+        if capturing_on_this_thread() {
+            return false;
+        }
         // An error (a lost context) means nothing will run any more: the block is idle.
         self.query().unwrap_or(true)
     }
@@ -150,8 +155,9 @@ pub struct BlockRef {
     capture: u64,
     /// Stream whose order governs reuse (0: none, for graph pools and external memory).
     home: u64,
-    /// Other streams work using this block was enqueued on.
-    foreign: Mutex<Vec<StreamHandle>>,
+    /// Other streams work using this block was enqueued on (weakly: a block never keeps a
+    /// stream alive; a destroyed stream's final event still fences the block).
+    foreign: Mutex<Vec<WeakStream>>,
     owner: Owner,
 }
 
@@ -246,7 +252,12 @@ impl BlockRef {
         }
         let mut f = self.foreign.lock().unwrap_or_else(|p| p.into_inner());
         if !f.iter().any(|s| s.id() == stream.id()) {
-            f.push(stream.handle());
+            // Forget streams that are gone and done, so a long-lived block used from many
+            // short-lived streams keeps a bounded list.
+            if f.len() >= 8 {
+                f.retain(|s| !s.is_done());
+            }
+            f.push(stream.downgrade());
         }
     }
 
@@ -255,7 +266,7 @@ impl BlockRef {
         let foreign = std::mem::take(self.foreign.get_mut().unwrap_or_else(|p| p.into_inner()));
         foreign
             .iter()
-            .map(|s| s.fence().ok().map(|e| Box::new(e) as Box<dyn Fence>))
+            .map(|s| s.fence().map(|e| Box::new(e) as Box<dyn Fence>))
             .collect()
     }
 }

@@ -7,7 +7,9 @@ use std::marker::PhantomData;
 
 use super::{bytes_for, Elem};
 use crate::error::Result;
-use crate::runtime::context::RawContext;
+use std::sync::Arc;
+
+use crate::runtime::context::ContextHandle;
 use crate::runtime::memory::PinnedAlloc;
 
 /// `len` elements of `T` in page-locked host memory, zero-initialised.
@@ -29,7 +31,7 @@ impl<T: Elem> fmt::Debug for PinnedBuffer<T> {
 }
 
 impl<T: Elem> PinnedBuffer<T> {
-    pub(crate) fn new(len: usize, ctx: RawContext) -> Result<Self> {
+    pub(crate) fn new(len: usize, ctx: &Arc<ContextHandle>) -> Result<Self> {
         let bytes = bytes_for::<T>("pinned allocation", len)?;
         Ok(Self {
             raw: PinnedAlloc::new(bytes, ctx)?,

@@ -9,10 +9,18 @@ use crate::runtime::memory;
 
 pub(crate) struct DeviceSource {
     pub(crate) ctx: Arc<ContextHandle>,
+    /// The device's memory: a larger request is refused without asking the driver.
+    pub(crate) total: usize,
 }
 
 impl SegmentSource for DeviceSource {
     fn allocate(&self, bytes: usize) -> Result<u64> {
+        if bytes > self.total {
+            return Err(Error::OutOfMemory {
+                requested: bytes,
+                reserved: 0,
+            });
+        }
         self.ctx.bind()?;
         memory::mem_alloc(bytes).map_err(|e| {
             if e.is_out_of_memory() {

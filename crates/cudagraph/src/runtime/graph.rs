@@ -422,7 +422,7 @@ pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Re
                     Some(s) if !p.kernelParams.is_null() || s.is_empty() => s,
                     _ => {
                         return Err(Error::InvalidGraph {
-                            problem: "a kernel node's parameters cannot be read here (a library kernel on a driver older than CUDA 13.2, or parameters passed in `extra`); re-capture instead of rebinding".into(),
+                            problem: "a kernel node's parameters cannot be read here (the driver cannot report that kernel's parameter list, or it was launched with `extra`); re-capture instead of rebinding".into(),
                         })
                     }
                 };

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use cudarc::driver::sys;
 
-use super::context::{bind_raw, RawContext};
+use std::sync::Arc;
+
+use super::context::ContextHandle;
 use super::result::{check, with_relaxed_capture};
 use super::stream::RawStream;
 use crate::error::Result;
@@ -101,7 +103,8 @@ pub(crate) fn memcpy_dtoh_sync(dst: &mut [u8], src: u64, s: RawStream) -> Result
 pub(crate) struct PinnedAlloc {
     ptr: *mut u8,
     bytes: usize,
-    ctx: RawContext,
+    /// Kept alive so the free in `drop` still has its context.
+    ctx: Arc<ContextHandle>,
 }
 
 impl std::fmt::Debug for PinnedAlloc {
@@ -119,8 +122,8 @@ unsafe impl Sync for PinnedAlloc {}
 impl PinnedAlloc {
     /// `bytes` bytes of zeroed page-locked memory (page-aligned).
     #[track_caller]
-    pub(crate) fn new(bytes: usize, ctx: RawContext) -> Result<Self> {
-        bind_raw(ctx)?;
+    pub(crate) fn new(bytes: usize, ctx: &Arc<ContextHandle>) -> Result<Self> {
+        ctx.bind()?;
         let mut p = ptr::null_mut();
         // SAFETY: writes one host pointer to `bytes.max(1)` bytes of page-locked memory. Relaxed
         // capture mode around it: static outputs get their staging while their capture is open.
@@ -132,7 +135,7 @@ impl PinnedAlloc {
         Ok(Self {
             ptr: p as *mut u8,
             bytes,
-            ctx,
+            ctx: ctx.clone(),
         })
     }
 
@@ -148,7 +151,7 @@ impl PinnedAlloc {
 
 impl Drop for PinnedAlloc {
     fn drop(&mut self) {
-        if bind_raw(self.ctx).is_ok() {
+        if self.ctx.bind().is_ok() {
             // SAFETY: ptr came from cuMemAllocHost and is freed once, here (relaxed capture
             // mode as in `new`).
             with_relaxed_capture(|| unsafe {
@@ -205,7 +208,7 @@ pub(crate) struct MappedWords {
     ptr: *mut AtomicU32,
     words: usize,
     device_addr: u64,
-    ctx: RawContext,
+    ctx: Arc<ContextHandle>,
 }
 
 // SAFETY: host memory owned by this value; all host access goes through atomics.
@@ -215,8 +218,8 @@ unsafe impl Sync for MappedWords {}
 
 impl MappedWords {
     #[track_caller]
-    pub(crate) fn new(words: usize, ctx: RawContext) -> Result<Self> {
-        bind_raw(ctx)?;
+    pub(crate) fn new(words: usize, ctx: &Arc<ContextHandle>) -> Result<Self> {
+        ctx.bind()?;
         let bytes = words.max(1) * 4;
         let mut p = ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
@@ -237,7 +240,7 @@ impl MappedWords {
             ptr: p as *mut AtomicU32,
             words: words.max(1),
             device_addr: dptr,
-            ctx,
+            ctx: ctx.clone(),
         })
     }
 
@@ -264,7 +267,7 @@ impl MappedWords {
 
 impl Drop for MappedWords {
     fn drop(&mut self) {
-        if bind_raw(self.ctx).is_ok() {
+        if self.ctx.bind().is_ok() {
             // SAFETY: allocated by cuMemHostAlloc, freed once, here. The owner (the device)
             // outlives every kernel that could write it.
             with_relaxed_capture(|| unsafe {

@@ -22,4 +22,6 @@ pub(crate) mod stream;
 pub use context::{device_count, Context, DeviceInfo};
 pub use module::{Function, LaunchConfig, Module, ParamDecl, ParamKind, ParamValue};
 pub use result::with_relaxed_capture;
-pub use stream::{CaptureMode, Event, StreamHandle, StreamRef};
+pub use stream::{
+    capturing_on_this_thread, CaptureMode, Event, StreamHandle, StreamRef, WeakStream,
+};

@@ -5,10 +5,11 @@
 //! A stream also keeps the event recorded when its current capture began: the allocator uses
 //! it as the completion fence of earlier work while the stream cannot take new events.
 
+use std::cell::Cell;
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::sys;
 
@@ -21,6 +22,19 @@ raw_handle!(RawStream, sys::CUstream);
 raw_handle!(RawEvent, sys::CUevent);
 
 static STREAM_IDS: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// Captures this thread has begun and not yet ended.
+    static CAPTURING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Whether this thread has a capture open. While it does, it must not call what the driver
+/// counts as unsafe during capture — synchronising, and even querying an event — or the
+/// capture is invalidated; code that would poll (the allocator's fences, graph retirement)
+/// asks this first and defers.
+pub fn capturing_on_this_thread() -> bool {
+    CAPTURING.with(|c| c.get() > 0)
+}
 
 /// How strictly the driver polices other CUDA calls while a capture is open.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -158,10 +172,26 @@ pub(crate) struct StreamInner {
     ctx: Context,
     join: Event,
     capture: Mutex<CaptureState>,
+    tomb: Arc<Tomb>,
 }
+
+/// What a stream leaves behind: an event recorded as it was destroyed, which completes once all
+/// the work it ever queued has. Lets blocks used on a stream refer to it weakly (without keeping
+/// the CUDA stream alive) and still fence their reuse after the stream is gone.
+#[derive(Default)]
+pub(crate) struct Tomb(Mutex<Option<Event>>);
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        // A stream cannot be dropped mid-capture (a capture borrows it exclusively).
+        if let Ok(e) = Event::new(&self.ctx, false) {
+            if self.ctx.bind().is_ok()
+                // SAFETY: both handles are live.
+                && unsafe { sys::cuEventRecord(e.raw().0, self.raw.0) } == sys::CUresult::CUDA_SUCCESS
+            {
+                *self.tomb.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            }
+        }
         if self.ctx.bind().is_ok() {
             // SAFETY: created by cuStreamCreate, destroyed once, here. Work still queued
             // completes before the driver frees the stream's resources.
@@ -215,6 +245,7 @@ impl StreamHandle {
                 capturing: false,
                 begin_fence: None,
             }),
+            tomb: Arc::new(Tomb::default()),
         })))
     }
 
@@ -277,6 +308,7 @@ impl StreamHandle {
             unsafe { sys::cuStreamBeginCapture_v2(self.0.raw.0, mode.raw()) },
             "cuStreamBeginCapture",
         )?;
+        CAPTURING.with(|c| c.set(c.get() + 1));
         st.capturing = true;
         st.begin_fence = Some(fence);
         Ok(())
@@ -287,6 +319,9 @@ impl StreamHandle {
     #[track_caller]
     pub(crate) fn end_capture(&self) -> Result<GraphHandle> {
         let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if st.capturing {
+            CAPTURING.with(|c| c.set(c.get().saturating_sub(1)));
+        }
         st.capturing = false;
         st.begin_fence = None;
         let mut g = ptr::null_mut();
@@ -377,9 +412,67 @@ impl<'a> StreamRef<'a> {
         )
     }
 
-    /// A shared handle to the stream, kept by blocks used on it.
-    pub(crate) fn handle(&self) -> StreamHandle {
-        StreamHandle(self.0.clone())
+    /// A handle that does not keep the stream alive: for per-stream library state (a
+    /// workspace) that should go when the stream does, and for fencing blocks used on it.
+    pub fn downgrade(&self) -> WeakStream {
+        WeakStream {
+            stream: Arc::downgrade(self.0),
+            tomb: self.0.tomb.clone(),
+            id: self.0.id,
+        }
+    }
+}
+
+/// A stream reference that does not keep the stream alive ([`StreamRef::downgrade`]).
+#[derive(Clone)]
+pub struct WeakStream {
+    stream: Weak<StreamInner>,
+    tomb: Arc<Tomb>,
+    id: u64,
+}
+
+impl fmt::Debug for WeakStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "WeakStream#{}", self.id)
+    }
+}
+
+impl WeakStream {
+    /// Whether the stream still exists.
+    pub fn is_alive(&self) -> bool {
+        self.stream.strong_count() > 0
+    }
+
+    /// Id of the stream.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// An event that completes once all work queued on the stream so far has: a fresh one
+    /// while it lives ([`StreamHandle::fence`]), the one recorded at its destruction after.
+    /// `None` only if no event could be made (a lost context: nothing runs any more).
+    pub(crate) fn fence(&self) -> Option<Event> {
+        match self.stream.upgrade() {
+            Some(s) => StreamHandle(s).fence().ok(),
+            None => self
+                .tomb
+                .0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        }
+    }
+
+    /// Whether the stream is gone and its last work has finished (so a block need not keep a
+    /// reference to it). Never queries the device on a capturing thread.
+    pub(crate) fn is_done(&self) -> bool {
+        if self.is_alive() || capturing_on_this_thread() {
+            return false;
+        }
+        match &*self.tomb.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => e.query().unwrap_or(true),
+            None => true,
+        }
     }
 }
 
