@@ -6,6 +6,11 @@
 #     TOOLS="memcheck" bash bench/sanitize.sh
 # Tests named misuse_* provoke driver errors on purpose (that is what they test), so they are
 # skipped here; every other test and command must come out with 0 errors from every tool.
+# One driver error is expected and counted apart: on drivers before CUDA 13.2 (no
+# cuFuncGetParamCount), rebinding a graph that contains another library's kernels (cuBLAS) reads
+# that kernel's parameter list once by asking index by index, and the last answer is
+# CUDA_ERROR_INVALID_VALUE from cuFuncGetParamInfo. Binaries without GPU work make
+# compute-sanitizer exit 255 ("terminated before first instrumented API call"): not a failure.
 # Logs go to $OUT/sanitize/ (or /tmp/sanitize).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,7 +37,7 @@ flags() {
 }
 total_all=0
 for tool in $tools; do
-  errors=0; runs=0; failed=0
+  errors=0; runs=0; failed=0; probes=0
   for t in .gpu-bin/tests/*; do
     name=$(basename "$t")
     # Only binaries that touch the GPU (unit-test binaries without GPU tests finish instantly).
@@ -44,8 +49,11 @@ for tool in $tools; do
     if [ "$tool" = racecheck ]; then
       n=$(grep -Eo '\(([0-9]+) errors' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
     fi
-    errors=$((errors + n)); runs=$((runs + 1))
-    [ $rc -ne 0 ] && failed=$((failed + 1)) && echo "  $tool: $name exited $rc (see $log)"
+    p=$(grep -c 'CUDA_ERROR_INVALID_VALUE.*cuFuncGetParamInfo' "$log")
+    probes=$((probes + p)); errors=$((errors + n - p)); runs=$((runs + 1))
+    if [ $rc -ne 0 ] && ! { [ $rc -eq 255 ] && grep -q 'terminated before first instrumented API call' "$log" && grep -q 'test result: ok' "$log"; }; then
+      failed=$((failed + 1)); echo "  $tool: $name exited $rc (see $log)"
+    fi
   done
   for args in "${cli_runs[@]}"; do
     log="$logs/$tool-cli-$(echo "$args" | tr ' ,' '__' | cut -c1-40).log"
@@ -58,7 +66,7 @@ for tool in $tools; do
     errors=$((errors + n)); runs=$((runs + 1))
     [ $rc -ne 0 ] && failed=$((failed + 1)) && echo "  $tool: cudagraph $args exited $rc (see $log)"
   done
-  echo "sanitize $tool: $errors errors over $runs runs ($failed runs exited non-zero)"
+  echo "sanitize $tool: $errors errors over $runs runs ($failed runs failed; $probes expected parameter probes of library kernels on this driver)"
   total_all=$((total_all + errors + failed))
 done
 [ $total_all -eq 0 ]
