@@ -563,3 +563,59 @@ fn types_shared_between_threads_are_send_and_sync() {
     both::<Function>();
     both::<Module>();
 }
+
+#[test]
+fn misuse_synchronising_another_stream_inside_a_capture_is_typed_and_recoverable() {
+    let dev = gpu_test_device!();
+    let k = kernels(&dev);
+    let mut s = dev.new_stream().unwrap();
+    let other = dev.new_stream().unwrap();
+    let x = s.alloc_zeroed::<f32>(64).unwrap();
+    let r = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+        add_one(cs, &k, &x)?;
+        other.synchronize()?; // the driver may refuse this on the capturing thread
+        add_one(cs, &k, &x)
+    });
+    // Either the driver allowed it (another, idle stream) and the graph is right, or the
+    // capture failed with a typed error; in both cases the stream works afterwards.
+    match r {
+        Ok((g, ())) => {
+            g.replay(&s).unwrap();
+            assert_eq!(s.to_vec(&x).unwrap(), vec![2.0; 64]);
+        }
+        Err(e) => assert!(
+            matches!(
+                e,
+                Error::CaptureFailed { .. } | Error::CaptureInvalidated { .. }
+            ),
+            "{e}"
+        ),
+    }
+    assert!(!s.driver_is_capturing().unwrap());
+    add_one(&s, &k, &x).unwrap();
+    s.synchronize().unwrap();
+}
+
+/// Needs two GPUs: run on a multi-GPU machine with `--ignored` (the 2-GPU device script does).
+#[test]
+#[ignore = "needs two GPUs; run with --ignored on a multi-GPU machine"]
+fn replay_on_a_stream_of_another_device_is_a_typed_error() {
+    let dev = gpu_test_device!();
+    let other = Device::open(1).expect("a second GPU");
+    let k = kernels(&dev);
+    let mut s = dev.new_stream().unwrap();
+    let x = s.alloc_zeroed::<f32>(64).unwrap();
+    let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| add_one(cs, &k, &x)).unwrap();
+    let s1 = other.new_stream().unwrap();
+    let e = g.replay(&s1).unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
+    // Buffers and kernels of one device are refused on the other.
+    let y = s1.alloc_zeroed::<f32>(64).unwrap();
+    // SAFETY: refused before launch (the buffer and kernel belong to the other device).
+    let e = unsafe { s.launch(&k.add_one, cfg(64), args![&y, 64i32]) }.unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
+    let e = s.copy(&y, &x).unwrap_err();
+    assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
+    g.replay(&s).unwrap();
+    assert_eq!(s.to_vec(&x).unwrap(), vec![1.0; 64]);
+}
