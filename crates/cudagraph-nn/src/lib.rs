@@ -37,6 +37,7 @@ pub mod datasets;
 pub mod error;
 pub mod gemm;
 pub mod graphed;
+pub mod io;
 pub mod kernels;
 pub mod layers;
 pub mod ops;
@@ -46,6 +47,7 @@ pub mod tensor;
 pub use batched::Batched;
 pub use error::{NnError, Result};
 pub use graphed::GraphedModule;
+pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};
 pub use kernels::Nn;
 pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 pub use ops::{
