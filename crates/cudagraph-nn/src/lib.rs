@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod layers;
 pub mod ops;
 pub mod optim;
+pub mod serving;
 pub mod tensor;
 
 pub use batched::Batched;
@@ -54,4 +55,5 @@ pub use ops::{
     conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
 };
 pub use optim::{Adam, Optimizer, Sgd};
+pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};
 pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};
