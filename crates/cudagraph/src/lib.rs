@@ -36,6 +36,7 @@ pub mod device;
 pub mod error;
 pub mod graph;
 pub mod ids;
+pub mod interop;
 pub mod memory;
 pub mod runtime;
 pub mod testing;
@@ -44,6 +45,10 @@ pub use device::{
     register_check, Anchor, Arg, Device, PinnedScope, Queue, QueueExt, Stream, DEVICE_CHECK_CUDA,
 };
 pub use error::{Error, Result};
+pub use interop::{cudarc_stream, CudarcSlice};
+/// The cudarc version cudagraph is built against (for [`interop`]): use its types through this
+/// re-export so both sides agree.
+pub use cudarc;
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
     CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache, GraphCost,
