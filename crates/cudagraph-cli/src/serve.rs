@@ -166,10 +166,7 @@ pub fn status_of(e: &ServeError) -> StatusCode {
     }
 }
 
-async fn predict(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn predict(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     st.counters.received.fetch_add(1, Ordering::Relaxed);
     let body = match body {
         Ok(b) => b,
@@ -195,7 +192,12 @@ async fn predict(
     let rows = req.inputs.len();
     let width = st.batcher.input_row();
     // Row widths first (the batcher only sees the flattened values).
-    if let Some((row, r)) = req.inputs.iter().enumerate().find(|(_, r)| r.len() != width) {
+    if let Some((row, r)) = req
+        .inputs
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.len() != width)
+    {
         let e = ServeError::RowWidth {
             row,
             expected: width,
@@ -390,13 +392,7 @@ pub fn run(ordinal: usize, a: &ServeArgs) -> AnyResult<()> {
     let (desc, model) = load_model(&s, &a.model)?;
     let t0 = std::time::Instant::now();
     let buckets = (!a.no_graph).then(|| a.buckets.policy(a.max_batch));
-    let runner = ModelRunner::new(
-        s,
-        model,
-        desc.input().to_vec(),
-        desc.output_row(),
-        buckets,
-    )?;
+    let runner = ModelRunner::new(s, model, desc.input().to_vec(), desc.output_row(), buckets)?;
     let captured = runner.cache().map(|c| c.entries().len()).unwrap_or(0);
     let batcher = Arc::new(Batcher::start(
         runner,
@@ -497,9 +493,8 @@ mod tests {
     }
 
     fn json(bytes: &[u8]) -> serde_json::Value {
-        serde_json::from_slice(bytes).unwrap_or_else(|e| {
-            panic!("not JSON ({e}): {}", String::from_utf8_lossy(bytes))
-        })
+        serde_json::from_slice(bytes)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(bytes)))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -507,11 +502,17 @@ mod tests {
         let server = fake_server(Duration::ZERO, false).await;
         let mut c = Client::connect(server.addr).await.unwrap();
         let (status, body) = c
-            .post("/predict", r#"{"inputs": [[1, 2, 3], [-1, 0.5, 4]]}"#.into())
+            .post(
+                "/predict",
+                r#"{"inputs": [[1, 2, 3], [-1, 0.5, 4]]}"#.into(),
+            )
             .await
             .unwrap();
         assert_eq!(status, StatusCode::OK);
-        assert_eq!(json(&body)["outputs"], serde_json::json!([[6.0, 3.0], [3.5, 4.0]]));
+        assert_eq!(
+            json(&body)["outputs"],
+            serde_json::json!([[6.0, 3.0], [3.5, 4.0]])
+        );
         let (status, body) = c.get("/health").await.unwrap();
         assert_eq!(status, StatusCode::OK);
         assert_eq!(json(&body)["input_row"], 3);
@@ -533,21 +534,53 @@ mod tests {
     async fn bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving() {
         let server = fake_server(Duration::ZERO, false).await;
         let mut c = Client::connect(server.addr).await.unwrap();
-        let nine_rows = format!("{{\"inputs\": [{}]}}", vec!["[1,2,3]"; 9].join(","));
+        let nine_rows = format!("{{\"inputs\": [{}]}}", ["[1,2,3]"; 9].join(","));
         let huge = format!("{{\"inputs\": [[{}]]}}", "1,".repeat(200_000) + "1");
         let cases: Vec<(String, StatusCode, &str)> = vec![
             ("".into(), StatusCode::BAD_REQUEST, "empty body"),
-            ("{\"inputs\": [[1, 2".into(), StatusCode::BAD_REQUEST, "malformed"),
+            (
+                "{\"inputs\": [[1, 2".into(),
+                StatusCode::BAD_REQUEST,
+                "malformed",
+            ),
             ("[1, 2, 3]".into(), StatusCode::BAD_REQUEST, "malformed"),
-            ("{\"input\": [[1,2,3]]}".into(), StatusCode::BAD_REQUEST, "malformed"),
-            ("{\"inputs\": []}".into(), StatusCode::BAD_REQUEST, "no rows"),
-            ("{\"inputs\": [[1,2,3],[1,2]]}".into(), StatusCode::BAD_REQUEST, "row 1 has 2 values"),
-            ("{\"inputs\": [[1,2,\"x\"]]}".into(), StatusCode::BAD_REQUEST, "malformed"),
-            ("{\"inputs\": [[1,2,NaN]]}".into(), StatusCode::BAD_REQUEST, "malformed"),
-            ("{\"inputs\": [[1,2,1e39]]}".into(), StatusCode::BAD_REQUEST, "finite"),
+            (
+                "{\"input\": [[1,2,3]]}".into(),
+                StatusCode::BAD_REQUEST,
+                "malformed",
+            ),
+            (
+                "{\"inputs\": []}".into(),
+                StatusCode::BAD_REQUEST,
+                "no rows",
+            ),
+            (
+                "{\"inputs\": [[1,2,3],[1,2]]}".into(),
+                StatusCode::BAD_REQUEST,
+                "row 1 has 2 values",
+            ),
+            (
+                "{\"inputs\": [[1,2,\"x\"]]}".into(),
+                StatusCode::BAD_REQUEST,
+                "malformed",
+            ),
+            (
+                "{\"inputs\": [[1,2,NaN]]}".into(),
+                StatusCode::BAD_REQUEST,
+                "malformed",
+            ),
+            (
+                "{\"inputs\": [[1,2,1e39]]}".into(),
+                StatusCode::BAD_REQUEST,
+                "finite",
+            ),
             (nine_rows, StatusCode::PAYLOAD_TOO_LARGE, "at most 8 rows"),
             (huge, StatusCode::PAYLOAD_TOO_LARGE, "length limit"),
-            ("{\"inputs\": [[666, 0, 0]]}".into(), StatusCode::INTERNAL_SERVER_ERROR, "unlucky"),
+            (
+                "{\"inputs\": [[666, 0, 0]]}".into(),
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "unlucky",
+            ),
         ];
         for (body, want, msg) in cases {
             let shown = body.chars().take(40).collect::<String>();
@@ -563,7 +596,10 @@ mod tests {
             // The server is still up after every bad request (on a fresh connection, since a
             // rejected oversized body may close this one).
             c = Client::connect(server.addr).await.unwrap();
-            let (ok, _) = c.post("/predict", "{\"inputs\": [[1,2,3]]}".into()).await.unwrap();
+            let (ok, _) = c
+                .post("/predict", "{\"inputs\": [[1,2,3]]}".into())
+                .await
+                .unwrap();
             assert_eq!(ok, StatusCode::OK);
         }
         let (_, body) = c.get("/metrics").await.unwrap();

@@ -808,8 +808,7 @@ pub fn build_sequential(
     desc: &ModelDescription,
     params: &[HostTensor],
 ) -> Result<Sequential> {
-    let by_name: HashMap<&str, &HostTensor> =
-        params.iter().map(|t| (t.name.as_str(), t)).collect();
+    let by_name: HashMap<&str, &HostTensor> = params.iter().map(|t| (t.name.as_str(), t)).collect();
     let get = |name: String, layer: usize, shape: &[usize]| -> Result<Vec<f32>> {
         let t = by_name.get(name.as_str()).ok_or(IoError::MissingTensor {
             name: name.clone(),
@@ -835,11 +834,7 @@ pub fn build_sequential(
                 out_features,
                 bias,
             } => {
-                let w = get(
-                    format!("{i}.weight"),
-                    i,
-                    &[out_features, in_features],
-                )?;
+                let w = get(format!("{i}.weight"), i, &[out_features, in_features])?;
                 let b = if bias {
                     get(format!("{i}.bias"), i, &[out_features])?
                 } else {
@@ -1050,7 +1045,8 @@ mod tests {
         assert_eq!(i, 1);
         assert!(p.contains("unknown layer `softmax`"), "{p}");
 
-        let (_, _, p) = layer_err(r#"{"input": [1, 2, 2], "layers": ["max_pool2d", "max_pool2d"]}"#);
+        let (_, _, p) =
+            layer_err(r#"{"input": [1, 2, 2], "layers": ["max_pool2d", "max_pool2d"]}"#);
         assert!(p.contains("larger than the input 1x1"), "{p}");
 
         let (_, _, p) = layer_err(
@@ -1239,9 +1235,6 @@ mod tests {
         let f = ModelFiles::locate(Path::new("/models/mlp.v2"));
         assert_eq!(f.description, PathBuf::from("/models/mlp.v2.json"));
         let dir = std::env::temp_dir();
-        assert_eq!(
-            ModelFiles::locate(&dir).description,
-            dir.join("model.json")
-        );
+        assert_eq!(ModelFiles::locate(&dir).description, dir.join("model.json"));
     }
 }

@@ -16,14 +16,13 @@
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudagraph::{
-    BatchModel, BucketPolicy, CacheOptions, Device, GraphCache, MemoryStats, Queue, Served,
-    Stream,
+    BatchModel, BucketPolicy, CacheOptions, Device, GraphCache, MemoryStats, Queue, Served, Stream,
 };
 use serde::Serialize;
 
@@ -472,15 +471,10 @@ fn worker_loop<R: BatchRunner>(
             let now = Instant::now();
             let next = if now >= deadline {
                 // Past the deadline: take what is already queued, wait for nothing.
-                match rx.try_recv() {
-                    Ok(j) => Some(j),
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => None,
-                }
+                rx.try_recv().ok()
             } else {
-                match rx.recv_timeout(deadline - now) {
-                    Ok(j) => Some(j),
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-                }
+                // A timeout or a closed queue both end the batch.
+                rx.recv_timeout(deadline - now).ok()
             };
             let Some(j) = next else { break };
             if rows + j.rows > config.max_batch_rows {
@@ -806,7 +800,10 @@ mod tests {
         );
         assert_eq!(m.rows, sizes.iter().sum::<usize>() as u64);
         assert_eq!(
-            m.batch_size_histogram.iter().map(|b| b.batches).sum::<u64>(),
+            m.batch_size_histogram
+                .iter()
+                .map(|b| b.batches)
+                .sum::<u64>(),
             m.batches
         );
         assert!(m.latency_p50_us > 0.0 && m.latency_p99_us >= m.latency_p50_us);
@@ -855,7 +852,10 @@ mod tests {
         assert_eq!(refuse(vec![], 0), ServeError::Empty);
         assert!(matches!(
             refuse(vec![0.0; 3 * 257], 257),
-            ServeError::TooManyRows { rows: 257, max: 256 }
+            ServeError::TooManyRows {
+                rows: 257,
+                max: 256
+            }
         ));
         assert!(matches!(
             refuse(vec![0.0; 4], 1),
@@ -899,9 +899,7 @@ mod tests {
             1,
             Box::new(move |r| tx.send(r).unwrap()),
         );
-        assert!(
-            matches!(rx.recv().unwrap(), Err(ServeError::Model(m)) if m.contains("panicked"))
-        );
+        assert!(matches!(rx.recv().unwrap(), Err(ServeError::Model(m)) if m.contains("panicked")));
         assert!(!b.is_healthy());
         assert!(matches!(
             submit(&b, 1, 0.0).recv().unwrap(),

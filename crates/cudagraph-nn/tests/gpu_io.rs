@@ -19,8 +19,19 @@ use cudagraph_nn::*;
 
 const TOLERANCE: f64 = 1e-5;
 
+/// The fixtures: `$CUDAGRAPH_PYTORCH_FIXTURES`, else this crate's `tests/data/pytorch` where it
+/// was built, else the same path below the current directory (test binaries carried to the GPU
+/// machine run from the repository root).
 fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/pytorch")
+    if let Some(d) = std::env::var_os("CUDAGRAPH_PYTORCH_FIXTURES") {
+        return PathBuf::from(d);
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/pytorch");
+    let here = PathBuf::from("crates/cudagraph-nn/tests/data/pytorch");
+    if !built.is_dir() && here.is_dir() {
+        return here;
+    }
+    built
 }
 
 fn fixture_files(name: &str) -> (ModelFiles, PathBuf) {
@@ -114,11 +125,23 @@ fn check_pytorch_model(dev: &Device, name: &str) {
     let files = save_model(&s, &model, desc.input().to_vec(), &tmp).unwrap();
     let (desc2, model2) = load_model(&s, &tmp).unwrap();
     assert_eq!(desc2.input(), desc.input());
-    assert_eq!(forward(dev, &model2, &desc2, &x), got, "{name}: saved and reloaded");
-    let original = read_state_dict(&std::fs::read(&fixture_files(name).0.weights).unwrap(), &desc, "original").unwrap();
+    assert_eq!(
+        forward(dev, &model2, &desc2, &x),
+        got,
+        "{name}: saved and reloaded"
+    );
+    let original = read_state_dict(
+        &std::fs::read(&fixture_files(name).0.weights).unwrap(),
+        &desc,
+        "original",
+    )
+    .unwrap();
     let saved = read_tensors(&std::fs::read(&files.weights).unwrap(), "saved").unwrap();
     for t in &original {
-        let s = saved.iter().find(|s| s.name == t.name).expect("saved under PyTorch's name");
+        let s = saved
+            .iter()
+            .find(|s| s.name == t.name)
+            .expect("saved under PyTorch's name");
         assert_eq!(s, t, "{name}: {} round trip", t.name);
     }
     let _ = std::fs::remove_file(&files.weights);

@@ -180,7 +180,10 @@ impl<T: Elem> Deref for CudarcSlice<T> {
 impl<T: Elem> CudarcSlice<T> {
     /// A mutable cudarc view (what cudarc's writing APIs, e.g. cuBLAS's output, take).
     pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-        self.slice.as_mut().expect("present until drop").as_view_mut()
+        self.slice
+            .as_mut()
+            .expect("present until drop")
+            .as_view_mut()
     }
 }
 

@@ -41,14 +41,13 @@ pub mod memory;
 pub mod runtime;
 pub mod testing;
 
+/// The cudarc version cudagraph is built against (for [`interop`]): use its types through this
+/// re-export so both sides agree.
+pub use cudarc;
 pub use device::{
     register_check, Anchor, Arg, Device, PinnedScope, Queue, QueueExt, Stream, DEVICE_CHECK_CUDA,
 };
 pub use error::{Error, Result};
-pub use interop::{cudarc_stream, CudarcSlice};
-/// The cudarc version cudagraph is built against (for [`interop`]): use its types through this
-/// re-export so both sides agree.
-pub use cudarc;
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
     CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache, GraphCost,
@@ -56,6 +55,7 @@ pub use graph::{
     StaticGraph,
 };
 pub use ids::PoolId;
+pub use interop::{cudarc_stream, CudarcSlice};
 pub use memory::{BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer, Pool};
 pub use runtime::{
     CaptureMode, DeviceInfo, Event, Function, LaunchConfig, Module, StreamHandle, StreamRef,

@@ -135,7 +135,9 @@ fn device_and_cudarc_share_the_primary_context() {
     // A wrapped cudarc stream survives our handle: dropping ours leaves cudarc's usable.
     let cu = ctx.new_stream().unwrap();
     drop(Stream::from_cudarc(&dev, &cu).unwrap());
-    let back = cu.clone_dtoh(&cu.clone_htod(&[1.0f32, 2.0]).unwrap()).unwrap();
+    let back = cu
+        .clone_dtoh(&cu.clone_htod(&[1.0f32, 2.0]).unwrap())
+        .unwrap();
     assert_eq!(back, vec![1.0, 2.0]);
 }
 
@@ -193,7 +195,12 @@ fn cudarc_kernels_and_allocations_capture_and_replay_like_eager() {
     }
     s.synchronize().unwrap();
     let after = cu.clone_dtoh(&out_g).unwrap();
-    assert!(rel_err(&after, &want.iter().map(|w| w / 3.0 * 503.0).collect::<Vec<_>>()) < 1e-5);
+    assert!(
+        rel_err(
+            &after,
+            &want.iter().map(|w| w / 3.0 * 503.0).collect::<Vec<_>>()
+        ) < 1e-5
+    );
 }
 
 #[test]
@@ -245,8 +252,7 @@ fn cudarc_cublas_captures_and_replays_like_eager() {
 
     let (graph, ()) = Graph::capture(&mut s, CaptureOptions::new(), |_cs| {
         // SAFETY: as above; cuBLAS runs on `cu`, the capturing stream.
-        unsafe { blas.gemm(cfg, &b, &a, &mut c) }
-            .map_err(|e| Error::External(Box::new(e)))?;
+        unsafe { blas.gemm(cfg, &b, &a, &mut c) }.map_err(|e| Error::External(Box::new(e)))?;
         Ok(())
     })
     .unwrap();
@@ -279,7 +285,12 @@ impl BatchModel for CudarcAffine {
     fn output_row(&self) -> usize {
         self.width
     }
-    fn forward(&self, q: &dyn Queue, input: &DeviceBuffer<f32>, rows: usize) -> Result<DeviceBuffer<f32>> {
+    fn forward(
+        &self,
+        q: &dyn Queue,
+        input: &DeviceBuffer<f32>,
+        rows: usize,
+    ) -> Result<DeviceBuffer<f32>> {
         let cu = cudarc_stream(q)?;
         let n = rows * self.width;
         let out = q.alloc::<f32>(n)?;
@@ -321,14 +332,20 @@ fn a_cudarc_model_is_served_by_a_graph_cache() {
     .unwrap();
     for (rows, served) in [
         (2, Served::Exact { size: 2 }),
-        (1, Served::Padded {
-            size: 2,
-            padded_rows: 1,
-        }),
-        (5, Served::Padded {
-            size: 8,
-            padded_rows: 3,
-        }),
+        (
+            1,
+            Served::Padded {
+                size: 2,
+                padded_rows: 1,
+            },
+        ),
+        (
+            5,
+            Served::Padded {
+                size: 8,
+                padded_rows: 3,
+            },
+        ),
         (11, Served::Fallback),
     ] {
         let xh = input(rows * width);

@@ -15,13 +15,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyper::body::Bytes;
 use clap::Args;
 use cudagraph::{BatchModel, Device, MemoryStats};
 use cudagraph_nn::io::ModelDescription;
 use cudagraph_nn::serving::percentile;
 use cudagraph_nn::{load_model, Batched, Batcher, BatcherConfig, ModelRunner, Rng, Sequential};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -621,7 +621,10 @@ mod tests {
     #[test]
     fn relative_error_is_a_norm_ratio() {
         assert_eq!(rel_err(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
-        assert!((rel_err(&[3.0, 4.0], &[3.0, 4.5]) - 0.5 / (3f64 * 3.0 + 4.5 * 4.5).sqrt()).abs() < 1e-12);
+        assert!(
+            (rel_err(&[3.0, 4.0], &[3.0, 4.5]) - 0.5 / (3f64 * 3.0 + 4.5 * 4.5).sqrt()).abs()
+                < 1e-12
+        );
         assert_eq!(rel_err(&[1.0], &[1.0, 2.0]), f64::INFINITY);
         assert_eq!(rel_err(&[f32::NAN], &[1.0]), f64::INFINITY);
     }
