@@ -19,6 +19,7 @@ macro_rules! outln {
 mod bench;
 mod inspect;
 mod report;
+mod serve;
 mod train;
 
 use std::process::ExitCode;
@@ -62,6 +63,9 @@ enum Command {
     Train(train::TrainArgs),
     /// Capture a workload and show its graph: node counts, memory, times, DOT (and SVG).
     Inspect(inspect::InspectArgs),
+    /// Serve a model (safetensors weights + JSON description) over HTTP with dynamic batching
+    /// through a graph cache (`--no-graph`: eager).
+    Serve(serve::ServeArgs),
 }
 
 #[derive(Subcommand)]
@@ -78,6 +82,9 @@ enum BenchCommand {
     Workloads(bench::workloads::WorkloadArgs),
     /// A long run (10^6 training-step replays and graph-cache requests) that must leave memory flat.
     Soak(bench::soak::SoakArgs),
+    /// Load on `cudagraph serve` (in process): N clients, random request sizes, fixed time;
+    /// throughput and latency percentiles, graph vs eager, every answer checked.
+    Serve(bench::serve::ServeBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -93,10 +100,12 @@ fn main() -> ExitCode {
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             Some(BenchCommand::Soak(args)) => bench::soak::run(cli.device, &args),
+            Some(BenchCommand::Serve(args)) => bench::serve::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),
         Command::Inspect(args) => inspect::run(cli.device, &args),
+        Command::Serve(args) => serve::run(cli.device, &args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -21,6 +21,9 @@ pub enum NnError {
     /// A data file could not be read or parsed.
     #[error("dataset: {0}")]
     Data(String),
+    /// A model's files (description or safetensors weights) are unreadable or do not match.
+    #[error(transparent)]
+    Io(#[from] crate::io::IoError),
 }
 
 /// Lets NN code run inside `Graph::capture` closures with `?`.

@@ -37,19 +37,23 @@ pub mod datasets;
 pub mod error;
 pub mod gemm;
 pub mod graphed;
+pub mod io;
 pub mod kernels;
 pub mod layers;
 pub mod ops;
 pub mod optim;
+pub mod serving;
 pub mod tensor;
 
 pub use batched::Batched;
 pub use error::{NnError, Result};
 pub use graphed::GraphedModule;
+pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};
 pub use kernels::Nn;
 pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 pub use ops::{
     conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
 };
 pub use optim::{Adam, Optimizer, Sgd};
+pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};
 pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

@@ -36,10 +36,14 @@ pub mod device;
 pub mod error;
 pub mod graph;
 pub mod ids;
+pub mod interop;
 pub mod memory;
 pub mod runtime;
 pub mod testing;
 
+/// The cudarc version cudagraph is built against (for [`interop`]): use its types through this
+/// re-export so both sides agree.
+pub use cudarc;
 pub use device::{
     register_check, Anchor, Arg, Device, PinnedScope, Queue, QueueExt, Stream, DEVICE_CHECK_CUDA,
 };
@@ -51,6 +55,7 @@ pub use graph::{
     StaticGraph,
 };
 pub use ids::PoolId;
+pub use interop::{cudarc_stream, CudarcSlice};
 pub use memory::{BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer, Pool};
 pub use runtime::{
     CaptureMode, DeviceInfo, Event, Function, LaunchConfig, Module, StreamHandle, StreamRef,

@@ -5,5 +5,6 @@ pub mod cache;
 pub mod chain;
 pub mod gemm;
 pub mod rebind;
+pub mod serve;
 pub mod soak;
 pub mod workloads;

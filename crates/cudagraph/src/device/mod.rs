@@ -272,6 +272,11 @@ impl fmt::Debug for Stream {
 }
 
 impl Stream {
+    /// A stream of `device` over `handle` (for streams wrapped from other libraries).
+    pub(crate) fn from_handle(device: Device, handle: StreamHandle) -> Stream {
+        Stream { handle, device }
+    }
+
     /// Blocks until all work enqueued on this stream has finished, then reports a failed
     /// device-side check, if any ([`Device::check_errors`]).
     #[track_caller]

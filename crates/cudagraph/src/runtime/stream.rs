@@ -5,6 +5,7 @@
 //! A stream also keeps the event recorded when its current capture began: the allocator uses
 //! it as the completion fence of earlier work while the stream cannot take new events.
 
+use std::any::Any;
 use std::cell::Cell;
 use std::fmt;
 use std::ptr;
@@ -173,6 +174,9 @@ pub(crate) struct StreamInner {
     join: Event,
     capture: Mutex<CaptureState>,
     tomb: Arc<Tomb>,
+    /// For a stream created elsewhere ([`StreamHandle::borrowed`]): what keeps it alive. The
+    /// stream is not destroyed here; the owner goes after this handle.
+    owner: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 /// What a stream leaves behind: an event recorded as it was destroyed, which completes once all
@@ -192,7 +196,7 @@ impl Drop for StreamInner {
                 *self.tomb.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
             }
         }
-        if self.ctx.bind().is_ok() {
+        if self.owner.is_none() && self.ctx.bind().is_ok() {
             // SAFETY: created by cuStreamCreate, destroyed once, here. Work still queued
             // completes before the driver frees the stream's resources.
             unsafe {
@@ -246,7 +250,68 @@ impl StreamHandle {
                 begin_fence: None,
             }),
             tomb: Arc::new(Tomb::default()),
+            owner: None,
         })))
+    }
+
+    /// Wraps a stream created elsewhere (by cudarc, say) without taking it over: dropping the
+    /// last handle does not destroy the stream, it drops `owner` (after the handle is gone).
+    /// Refuses the legacy and per-thread default streams (they cannot be captured and
+    /// synchronise implicitly) and a stream of another context.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream that stays alive while `owner` is alive (hold the stream's
+    /// owning object in `owner`), and is not destroyed by anyone else before.
+    #[track_caller]
+    pub unsafe fn borrowed(
+        ctx: &Context,
+        raw: sys::CUstream,
+        owner: Arc<dyn Any + Send + Sync>,
+    ) -> Result<Self> {
+        let addr = raw as usize;
+        if addr == 0 || addr == 1 || addr == 2 {
+            return Err(Error::NotSupported {
+                what: "wrapping a default stream",
+                detail: "the legacy and per-thread default streams cannot be captured and \
+                         synchronise with other streams implicitly; use a stream created with \
+                         CudaContext::new_stream (non-blocking)"
+                    .into(),
+            });
+        }
+        ctx.bind()?;
+        let mut owner_ctx = ptr::null_mut();
+        // SAFETY: `raw` is a live stream (this function's contract); writes one handle.
+        check(
+            unsafe { sys::cuStreamGetCtx(raw, &mut owner_ctx) },
+            "cuStreamGetCtx",
+        )?;
+        if owner_ctx != ctx.raw_context() {
+            return Err(Error::NotSupported {
+                what: "a stream of another CUDA context",
+                detail: format!(
+                    "the stream belongs to context {owner_ctx:p}, not to device {}'s primary context",
+                    ctx.ordinal()
+                ),
+            });
+        }
+        let join = Event::new(ctx, false)?;
+        Ok(StreamHandle(Arc::new(StreamInner {
+            raw: RawStream(raw),
+            id: STREAM_IDS.fetch_add(1, Ordering::Relaxed),
+            ctx: ctx.clone(),
+            join,
+            capture: Mutex::new(CaptureState {
+                capturing: false,
+                begin_fence: None,
+            }),
+            tomb: Arc::new(Tomb::default()),
+            owner: Some(owner),
+        })))
+    }
+
+    /// What keeps a borrowed stream alive ([`Self::borrowed`]); `None` for our own streams.
+    pub fn owner(&self) -> Option<&Arc<dyn Any + Send + Sync>> {
+        self.0.owner.as_ref()
     }
 
     /// Process-unique id of this stream (the allocator's stream-ordering key).
@@ -474,6 +539,29 @@ impl WeakStream {
             None => true,
         }
     }
+}
+
+impl<'a> StreamRef<'a> {
+    /// What keeps the stream alive when it was created elsewhere ([`StreamHandle::borrowed`]).
+    pub fn owner(&self) -> Option<&'a Arc<dyn Any + Send + Sync>> {
+        self.0.owner.as_ref()
+    }
+}
+
+/// Whether a raw stream (of the current context) is capturing, for streams this crate does
+/// not own (cudarc's).
+///
+/// # Safety
+/// `raw` must be a live stream.
+#[track_caller]
+pub(crate) unsafe fn raw_is_capturing(raw: sys::CUstream) -> Result<bool> {
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: `raw` is live (the caller's contract); writes one status.
+    check(
+        unsafe { sys::cuStreamIsCapturing(raw, &mut st) },
+        "cuStreamIsCapturing",
+    )?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 impl StreamHandle {

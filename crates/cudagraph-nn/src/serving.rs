@@ -1,0 +1,955 @@
+//! Serving a model under concurrent load: a dynamic [`Batcher`] in front of one worker thread
+//! that owns the model, and [`ModelRunner`], the worker's GPU side (a `Sequential` served
+//! through a [`GraphCache`], or eagerly).
+//!
+//! Requests (rows of `f32`) from any number of threads are queued; the worker takes the first
+//! waiting request, then collects more until the batch holds `max_batch_rows` rows or
+//! `max_wait` has passed since that first request arrived (requests already queued by then
+//! still join without waiting), runs the batch once, and answers each request with its own
+//! rows. A request never splits across batches, and every accepted request is answered
+//! exactly once — with its rows, or with the error its batch hit — also while shutting down:
+//! [`Batcher::shutdown`] stops new requests, lets the worker drain the queue, and joins it.
+//!
+//! Nothing here knows about HTTP or async runtimes: answers go through a callback
+//! ([`Reply`]), so a server sends them over its own channels.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cudagraph::{
+    BatchModel, BucketPolicy, CacheOptions, Device, GraphCache, MemoryStats, Queue, Served, Stream,
+};
+use serde::Serialize;
+
+use crate::batched::Batched;
+use crate::error::Result;
+use crate::layers::Sequential;
+
+/// Why a request was not answered with outputs.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The request has no rows.
+    #[error("the request has no rows; send at least one row")]
+    Empty,
+    /// The request has more rows than one batch holds.
+    #[error("the request has {rows} rows, but at most {max} rows fit in one batch; split it")]
+    TooManyRows { rows: usize, max: usize },
+    /// The values do not form whole rows of the model's input width.
+    #[error("row {row} has {got} values, but the model takes rows of {expected}")]
+    RowWidth {
+        row: usize,
+        expected: usize,
+        got: usize,
+    },
+    /// An input value is NaN or infinite.
+    #[error("input row {row}, column {column} is {value}; only finite numbers are accepted")]
+    NonFinite {
+        row: usize,
+        column: usize,
+        value: String,
+    },
+    /// The queue is full (back-pressure): retry later.
+    #[error("the server is at capacity ({capacity} requests queued); retry later")]
+    Busy { capacity: usize },
+    /// The batcher is shutting down and takes no new requests.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// Running the batch failed (the message is the model's error).
+    #[error("the model failed on this batch: {0}")]
+    Model(String),
+    /// The worker stopped after a panic or a lost device; no request can be served any more.
+    #[error("the model worker has stopped: {0}")]
+    WorkerStopped(String),
+}
+
+impl ServeError {
+    /// Whether the client's request was at fault (an HTTP 4xx), rather than the server.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            ServeError::Empty
+                | ServeError::TooManyRows { .. }
+                | ServeError::RowWidth { .. }
+                | ServeError::NonFinite { .. }
+        )
+    }
+}
+
+/// What running one batch produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BatchOutput {
+    /// `rows * output_row` values.
+    pub output: Vec<f32>,
+    /// Rows computed only as padding (a graph of a larger batch size ran).
+    pub padded_rows: usize,
+    /// Whether a captured graph ran (false: eager execution).
+    pub graphed: bool,
+}
+
+/// Device memory as the worker last saw it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemorySnapshot {
+    /// Bytes handed out on the device (PyTorch's `memory_allocated`).
+    pub allocated: usize,
+    /// Bytes held from the driver (PyTorch's `memory_reserved`).
+    pub reserved: usize,
+    pub peak_allocated: usize,
+    /// Bytes the graphs' shared pool reserves (0 when eager).
+    pub graph_pool_reserved: usize,
+}
+
+impl From<&MemoryStats> for MemorySnapshot {
+    fn from(s: &MemoryStats) -> Self {
+        Self {
+            allocated: s.allocated,
+            reserved: s.reserved,
+            peak_allocated: s.peak_allocated,
+            graph_pool_reserved: 0,
+        }
+    }
+}
+
+/// The worker's side of serving: a model that maps rows to rows. It is moved to the worker
+/// thread, which alone calls it.
+pub trait BatchRunner: Send + 'static {
+    /// Values per input row.
+    fn input_row(&self) -> usize;
+    /// Values per output row.
+    fn output_row(&self) -> usize;
+    /// Runs `rows` rows (`input.len() == rows * input_row()`, `1 <= rows <= max_batch_rows`).
+    fn run(&mut self, input: &[f32], rows: usize) -> std::result::Result<BatchOutput, String>;
+    /// Device memory now, if the runner has a device.
+    fn memory(&self) -> Option<MemorySnapshot> {
+        None
+    }
+    /// Whether an error from [`Self::run`] leaves the runner unusable (a lost device context).
+    fn is_fatal(&self, _error: &str) -> bool {
+        false
+    }
+}
+
+/// Answers a request: its output rows, or why there are none. Called exactly once, from the
+/// worker thread (or from [`Batcher::submit`]'s caller when the request is refused up front).
+pub type Reply = Box<dyn FnOnce(std::result::Result<Vec<f32>, ServeError>) + Send>;
+
+/// How the batcher collects requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatcherConfig {
+    /// Rows in the largest batch (and so the largest request).
+    pub max_batch_rows: usize,
+    /// How long the first request of a batch waits for others.
+    pub max_wait: Duration,
+    /// Requests that may wait in the queue; more are refused with [`ServeError::Busy`].
+    pub queue_capacity: usize,
+}
+
+impl Default for BatcherConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_rows: 256,
+            max_wait: Duration::from_micros(500),
+            queue_capacity: 4096,
+        }
+    }
+}
+
+struct Job {
+    input: Vec<f32>,
+    rows: usize,
+    reply: Reply,
+    arrived: Instant,
+}
+
+/// Latency samples kept for percentiles (the most recent ones).
+const LATENCY_WINDOW: usize = 1 << 16;
+
+#[derive(Default)]
+struct MetricsState {
+    requests: u64,
+    rows: u64,
+    errors: u64,
+    batches: u64,
+    graphed_batches: u64,
+    padded_rows: u64,
+    /// Batches by size class: index `i` counts batches of `2^(i-1) < rows <= 2^i` rows.
+    batch_rows: Vec<u64>,
+    latencies_us: VecDeque<f64>,
+    max_latency_us: f64,
+    memory: Option<MemorySnapshot>,
+    memory_at_start: Option<MemorySnapshot>,
+}
+
+/// One bucket of the batch-size histogram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SizeBucket {
+    /// Batches in this bucket have at most this many rows (and more than the previous bucket's).
+    pub le: usize,
+    pub batches: u64,
+}
+
+/// Counters of a batcher, as `/metrics` shows them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct MetricsSnapshot {
+    /// Requests answered with outputs.
+    pub requests: u64,
+    /// Rows answered.
+    pub rows: u64,
+    /// Requests answered with an error by the worker (model failures).
+    pub errors: u64,
+    pub batches: u64,
+    pub graphed_batches: u64,
+    pub eager_batches: u64,
+    /// Rows computed only as padding, and their share of all computed rows.
+    pub padded_rows: u64,
+    pub padding_fraction: f64,
+    /// Average rows per batch.
+    pub mean_batch_rows: f64,
+    pub batch_size_histogram: Vec<SizeBucket>,
+    /// Latency from `submit` to the answer, over the last 65536 requests, in microseconds.
+    pub latency_p50_us: f64,
+    pub latency_p95_us: f64,
+    pub latency_p99_us: f64,
+    pub latency_max_us: f64,
+    /// Requests waiting in the queue now.
+    pub queued: usize,
+    /// Device memory after the first batch and after the latest one.
+    pub memory_at_start: Option<MemorySnapshot>,
+    pub memory: Option<MemorySnapshot>,
+}
+
+/// The `q`-quantile of sorted samples (nearest rank), 0 when there are none.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn size_class(rows: usize) -> usize {
+    rows.next_power_of_two().trailing_zeros() as usize
+}
+
+struct Shared {
+    metrics: Mutex<MetricsState>,
+    queued: std::sync::atomic::AtomicUsize,
+    stopped: Mutex<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Collects concurrent requests into batches for one worker thread that owns a
+/// [`BatchRunner`]. `Send + Sync`: share it (`Arc`) between request handlers.
+pub struct Batcher {
+    tx: Mutex<Option<SyncSender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    closing: AtomicBool,
+    input_row: usize,
+    output_row: usize,
+    config: BatcherConfig,
+}
+
+impl std::fmt::Debug for Batcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Batcher({} -> {} per row, {:?})",
+            self.input_row, self.output_row, self.config
+        )
+    }
+}
+
+impl Batcher {
+    /// Moves `runner` to a new worker thread and starts collecting requests.
+    pub fn start<R: BatchRunner>(runner: R, config: BatcherConfig) -> std::io::Result<Batcher> {
+        let (input_row, output_row) = (runner.input_row(), runner.output_row());
+        let config = BatcherConfig {
+            max_batch_rows: config.max_batch_rows.max(1),
+            queue_capacity: config.queue_capacity.max(1),
+            ..config
+        };
+        let (tx, rx) = mpsc::sync_channel(config.queue_capacity);
+        let shared = Arc::new(Shared {
+            metrics: Mutex::new(MetricsState {
+                batch_rows: vec![0; size_class(config.max_batch_rows) + 1],
+                ..Default::default()
+            }),
+            queued: Default::default(),
+            stopped: Mutex::new(None),
+        });
+        let worker = {
+            let shared = shared.clone();
+            let config = config.clone();
+            std::thread::Builder::new()
+                .name("cudagraph-serve-worker".into())
+                .spawn(move || worker_loop(runner, rx, &shared, &config))?
+        };
+        Ok(Batcher {
+            tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+            shared,
+            closing: AtomicBool::new(false),
+            input_row,
+            output_row,
+            config,
+        })
+    }
+
+    pub fn input_row(&self) -> usize {
+        self.input_row
+    }
+
+    pub fn output_row(&self) -> usize {
+        self.output_row
+    }
+
+    pub fn config(&self) -> &BatcherConfig {
+        &self.config
+    }
+
+    /// Checks a request without queueing it: rows, width and finiteness.
+    pub fn validate(&self, input: &[f32], rows: usize) -> std::result::Result<(), ServeError> {
+        if rows == 0 {
+            return Err(ServeError::Empty);
+        }
+        if rows > self.config.max_batch_rows {
+            return Err(ServeError::TooManyRows {
+                rows,
+                max: self.config.max_batch_rows,
+            });
+        }
+        if rows.checked_mul(self.input_row) != Some(input.len()) {
+            return Err(ServeError::RowWidth {
+                row: 0,
+                expected: self.input_row,
+                got: input.len() / rows,
+            });
+        }
+        if let Some(i) = input.iter().position(|v| !v.is_finite()) {
+            return Err(ServeError::NonFinite {
+                row: i / self.input_row.max(1),
+                column: i % self.input_row.max(1),
+                value: input[i].to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues `rows` rows (`input` holds `rows * input_row()` values, row-major). `reply` is
+    /// called exactly once: with the rows' outputs, or with the reason there are none —
+    /// right here when the request is refused (invalid, queue full, shutting down).
+    pub fn submit(&self, input: Vec<f32>, rows: usize, reply: Reply) {
+        if let Err(e) = self.validate(&input, rows) {
+            return reply(Err(e));
+        }
+        if let Some(why) = lock(&self.shared.stopped).clone() {
+            return reply(Err(ServeError::WorkerStopped(why)));
+        }
+        let job = Job {
+            input,
+            rows,
+            reply,
+            arrived: Instant::now(),
+        };
+        let tx = lock(&self.tx).clone();
+        let Some(tx) = tx else {
+            return (job.reply)(Err(ServeError::ShuttingDown));
+        };
+        self.shared.queued.fetch_add(1, Ordering::Relaxed);
+        match tx.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(job)) => {
+                self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+                (job.reply)(Err(ServeError::Busy {
+                    capacity: self.config.queue_capacity,
+                }))
+            }
+            Err(TrySendError::Disconnected(job)) => {
+                self.shared.queued.fetch_sub(1, Ordering::Relaxed);
+                let why = lock(&self.shared.stopped)
+                    .clone()
+                    .unwrap_or_else(|| "the worker exited".into());
+                (job.reply)(Err(ServeError::WorkerStopped(why)))
+            }
+        }
+    }
+
+    /// The counters now.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let m = lock(&self.shared.metrics);
+        let mut lat: Vec<f64> = m.latencies_us.iter().copied().collect();
+        lat.sort_by(f64::total_cmp);
+        let computed = m.rows + m.padded_rows;
+        MetricsSnapshot {
+            requests: m.requests,
+            rows: m.rows,
+            errors: m.errors,
+            batches: m.batches,
+            graphed_batches: m.graphed_batches,
+            eager_batches: m.batches - m.graphed_batches,
+            padded_rows: m.padded_rows,
+            padding_fraction: m.padded_rows as f64 / computed.max(1) as f64,
+            mean_batch_rows: m.rows as f64 / m.batches.max(1) as f64,
+            batch_size_histogram: m
+                .batch_rows
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| SizeBucket {
+                    le: (1usize << i).min(self.config.max_batch_rows),
+                    batches: n,
+                })
+                .collect(),
+            latency_p50_us: percentile(&lat, 0.50),
+            latency_p95_us: percentile(&lat, 0.95),
+            latency_p99_us: percentile(&lat, 0.99),
+            latency_max_us: m.max_latency_us,
+            queued: self.shared.queued.load(Ordering::Relaxed),
+            memory_at_start: m.memory_at_start,
+            memory: m.memory,
+        }
+    }
+
+    /// Whether the worker is running and accepting requests.
+    pub fn is_healthy(&self) -> bool {
+        !self.closing.load(Ordering::Acquire) && lock(&self.shared.stopped).is_none()
+    }
+
+    /// Why the worker stopped, if it did (a panic or a lost device).
+    pub fn stopped_because(&self) -> Option<String> {
+        lock(&self.shared.stopped).clone()
+    }
+
+    /// Stops taking requests, answers every queued one, and waits for the worker to exit.
+    /// Idempotent; also run on drop.
+    pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::Release);
+        drop(lock(&self.tx).take());
+        if let Some(w) = lock(&self.worker).take() {
+            // The worker catches panics of the runner; a panic elsewhere has already answered
+            // what it could.
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Batcher {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn worker_loop<R: BatchRunner>(
+    mut runner: R,
+    rx: Receiver<Job>,
+    shared: &Shared,
+    config: &BatcherConfig,
+) {
+    let (irow, orow) = (runner.input_row(), runner.output_row());
+    let mut pending: Option<Job> = None;
+    let mut input: Vec<f32> = Vec::new();
+    loop {
+        let first = match pending.take() {
+            Some(j) => j,
+            None => match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return, // every sender is gone and the queue is empty
+            },
+        };
+        let deadline = first.arrived + config.max_wait;
+        let mut rows = first.rows;
+        let mut batch = vec![first];
+        while rows < config.max_batch_rows {
+            let now = Instant::now();
+            let next = if now >= deadline {
+                // Past the deadline: take what is already queued, wait for nothing.
+                rx.try_recv().ok()
+            } else {
+                // A timeout or a closed queue both end the batch.
+                rx.recv_timeout(deadline - now).ok()
+            };
+            let Some(j) = next else { break };
+            if rows + j.rows > config.max_batch_rows {
+                pending = Some(j);
+                break;
+            }
+            rows += j.rows;
+            batch.push(j);
+        }
+        shared.queued.fetch_sub(batch.len(), Ordering::Relaxed);
+        // A worker that stopped answers everything with the reason.
+        if let Some(why) = lock(&shared.stopped).clone() {
+            for j in batch {
+                (j.reply)(Err(ServeError::WorkerStopped(why.clone())));
+            }
+            continue;
+        }
+        input.clear();
+        for j in &batch {
+            input.extend_from_slice(&j.input);
+        }
+        debug_assert_eq!(input.len(), rows * irow);
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| runner.run(&input, rows)));
+        let result = match result {
+            Ok(Ok(out)) if out.output.len() == rows * orow => Ok(out),
+            Ok(Ok(out)) => Err((
+                format!(
+                    "the model returned {} values for {rows} rows of {orow}",
+                    out.output.len()
+                ),
+                false,
+            )),
+            Ok(Err(e)) => {
+                let fatal = runner.is_fatal(&e);
+                Err((e, fatal))
+            }
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err((format!("the model panicked: {msg}"), true))
+            }
+        };
+        let memory = runner.memory();
+        let now = Instant::now();
+        let mut m = lock(&shared.metrics);
+        match result {
+            Ok(out) => {
+                m.batches += 1;
+                m.graphed_batches += out.graphed as u64;
+                m.padded_rows += out.padded_rows as u64;
+                m.rows += rows as u64;
+                m.requests += batch.len() as u64;
+                let class = size_class(rows).min(m.batch_rows.len() - 1);
+                m.batch_rows[class] += 1;
+                if m.memory_at_start.is_none() {
+                    m.memory_at_start = memory;
+                }
+                m.memory = memory;
+                let mut offset = 0;
+                let mut replies = Vec::with_capacity(batch.len());
+                for j in batch {
+                    let n = j.rows * orow;
+                    let rows_out = out.output[offset..offset + n].to_vec();
+                    offset += n;
+                    let us = now.duration_since(j.arrived).as_secs_f64() * 1e6;
+                    if m.latencies_us.len() == LATENCY_WINDOW {
+                        m.latencies_us.pop_front();
+                    }
+                    m.latencies_us.push_back(us);
+                    m.max_latency_us = m.max_latency_us.max(us);
+                    replies.push((j.reply, rows_out));
+                }
+                drop(m);
+                for (reply, rows_out) in replies {
+                    reply(Ok(rows_out));
+                }
+            }
+            Err((e, fatal)) => {
+                m.errors += batch.len() as u64;
+                m.memory = memory;
+                drop(m);
+                if fatal {
+                    *lock(&shared.stopped) = Some(e.clone());
+                }
+                for j in batch {
+                    (j.reply)(Err(ServeError::Model(e.clone())));
+                }
+            }
+        }
+    }
+}
+
+/// The GPU side of serving a [`Sequential`]: rows are copied to the device, run through a
+/// [`GraphCache`] (one graph per batch bucket, padded to the next bucket) or eagerly, and
+/// copied back. Owns its stream; build it, then move it into a [`Batcher`].
+pub struct ModelRunner {
+    stream: Stream,
+    device: Device,
+    mode: Mode,
+    input_row: usize,
+    output_row: usize,
+}
+
+enum Mode {
+    Graph(GraphCache<Batched<Sequential>>),
+    Eager(Batched<Sequential>),
+}
+
+impl ModelRunner {
+    /// Serves `model` (rows of shape `row_shape`, `output_row` values out) on `stream`.
+    /// `buckets` = `Some(policy)` captures one graph per batch size of the policy up front
+    /// (largest first, one shared pool); `None` runs every batch eagerly.
+    pub fn new(
+        mut stream: Stream,
+        model: Sequential,
+        row_shape: Vec<usize>,
+        output_row: usize,
+        buckets: Option<BucketPolicy>,
+    ) -> Result<Self> {
+        let device = stream.device().clone();
+        let batched = Batched {
+            module: model,
+            row_shape,
+            output_row,
+        };
+        let input_row = batched.input_row();
+        let mode = match buckets {
+            Some(policy) => Mode::Graph(GraphCache::new(
+                &mut stream,
+                batched,
+                policy,
+                CacheOptions::default(),
+            )?),
+            None => Mode::Eager(batched),
+        };
+        stream.synchronize()?;
+        Ok(Self {
+            stream,
+            device,
+            mode,
+            input_row,
+            output_row,
+        })
+    }
+
+    /// Runs `rows` rows once, on the host's data, returning the outputs (waits for the stream).
+    pub fn run_rows(&mut self, input: &[f32], rows: usize) -> Result<BatchOutput> {
+        let x = self.stream.alloc_from_host(input)?;
+        let (y, padded_rows, graphed) = match &mut self.mode {
+            Mode::Graph(cache) => {
+                let (y, served) = cache.run(&mut self.stream, &x, rows)?;
+                match served {
+                    Served::Exact { .. } => (y, 0, true),
+                    Served::Padded { padded_rows, .. } => (y, padded_rows, true),
+                    Served::Fallback => (y, 0, false),
+                }
+            }
+            Mode::Eager(model) => (model.forward(&self.stream, &x, rows)?, 0, false),
+        };
+        let output = self.stream.to_vec(&y)?;
+        Ok(BatchOutput {
+            output,
+            padded_rows,
+            graphed,
+        })
+    }
+
+    /// The graph cache, when serving graphs.
+    pub fn cache(&self) -> Option<&GraphCache<Batched<Sequential>>> {
+        match &self.mode {
+            Mode::Graph(c) => Some(c),
+            Mode::Eager(_) => None,
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+impl BatchRunner for ModelRunner {
+    fn input_row(&self) -> usize {
+        self.input_row
+    }
+
+    fn output_row(&self) -> usize {
+        self.output_row
+    }
+
+    fn run(&mut self, input: &[f32], rows: usize) -> std::result::Result<BatchOutput, String> {
+        self.run_rows(input, rows).map_err(|e| e.to_string())
+    }
+
+    fn memory(&self) -> Option<MemorySnapshot> {
+        let mut m = MemorySnapshot::from(&self.device.memory_stats());
+        if let Mode::Graph(c) = &self.mode {
+            m.graph_pool_reserved = c.pool().stats().reserved;
+        }
+        Some(m)
+    }
+
+    fn is_fatal(&self, error: &str) -> bool {
+        // `Error::ContextLost`'s message: the context cannot run anything any more.
+        error.contains("CUDA context of this device is lost")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::channel;
+
+    /// Output row = [sum of the row, number of rows in the batch].
+    struct Sum {
+        width: usize,
+        batches: Arc<Mutex<Vec<usize>>>,
+        fail_on: Option<f32>,
+        delay: Duration,
+    }
+
+    impl BatchRunner for Sum {
+        fn input_row(&self) -> usize {
+            self.width
+        }
+        fn output_row(&self) -> usize {
+            2
+        }
+        fn run(&mut self, input: &[f32], rows: usize) -> std::result::Result<BatchOutput, String> {
+            std::thread::sleep(self.delay);
+            if self.fail_on.is_some_and(|f| input.contains(&f)) {
+                return Err("bad value".into());
+            }
+            if input.contains(&-999.0) {
+                panic!("boom");
+            }
+            lock(&self.batches).push(rows);
+            Ok(BatchOutput {
+                output: input
+                    .chunks(self.width)
+                    .flat_map(|r| [r.iter().sum::<f32>(), rows as f32])
+                    .collect(),
+                padded_rows: rows.next_power_of_two() - rows,
+                graphed: true,
+            })
+        }
+    }
+
+    fn sum_batcher(
+        cfg: BatcherConfig,
+        delay: Duration,
+        fail_on: Option<f32>,
+    ) -> (Batcher, Arc<Mutex<Vec<usize>>>) {
+        let batches = Arc::new(Mutex::new(Vec::new()));
+        let r = Sum {
+            width: 3,
+            batches: batches.clone(),
+            fail_on,
+            delay,
+        };
+        (Batcher::start(r, cfg).unwrap(), batches)
+    }
+
+    type Answer = std::result::Result<Vec<f32>, ServeError>;
+
+    fn submit(b: &Batcher, rows: usize, base: f32) -> Receiver<Answer> {
+        let (tx, rx) = channel();
+        let input: Vec<f32> = (0..rows * 3).map(|i| base + i as f32).collect();
+        b.submit(
+            input,
+            rows,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx
+    }
+
+    #[test]
+    fn concurrent_requests_are_batched_and_each_gets_its_rows() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 16,
+            max_wait: Duration::from_millis(50),
+            queue_capacity: 1000,
+        };
+        let (b, batches) = sum_batcher(cfg, Duration::ZERO, None);
+        let b = Arc::new(b);
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let b = b.clone();
+                std::thread::spawn(move || {
+                    let mut got = Vec::new();
+                    for k in 0..25 {
+                        let rows = 1 + (t * 7 + k) % 5;
+                        let base = (t * 1000 + k * 10) as f32;
+                        let rx = submit(&b, rows, base);
+                        got.push((rows, base, rx));
+                    }
+                    for (rows, base, rx) in got {
+                        let out = rx.recv().expect("answered").expect("served");
+                        assert_eq!(out.len(), rows * 2);
+                        for r in 0..rows {
+                            let start = base + (r * 3) as f32;
+                            assert_eq!(out[r * 2], 3.0 * start + 3.0, "row {r} is this request's");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let m = b.metrics();
+        assert_eq!(m.requests, 200);
+        let sizes = lock(&batches).clone();
+        assert!(sizes.iter().all(|&s| s <= 16), "{sizes:?}");
+        assert!(
+            sizes.len() < 200,
+            "requests were batched together ({} batches)",
+            sizes.len()
+        );
+        assert_eq!(m.rows, sizes.iter().sum::<usize>() as u64);
+        assert_eq!(
+            m.batch_size_histogram
+                .iter()
+                .map(|b| b.batches)
+                .sum::<u64>(),
+            m.batches
+        );
+        assert!(m.latency_p50_us > 0.0 && m.latency_p99_us >= m.latency_p50_us);
+        assert!(m.padded_rows > 0 && m.padding_fraction > 0.0);
+    }
+
+    #[test]
+    fn a_lone_request_waits_at_most_max_wait() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 64,
+            max_wait: Duration::from_millis(20),
+            queue_capacity: 10,
+        };
+        let (b, _) = sum_batcher(cfg, Duration::ZERO, None);
+        let t0 = Instant::now();
+        let out = submit(&b, 2, 0.0).recv().unwrap().unwrap();
+        let waited = t0.elapsed();
+        assert_eq!(out, vec![3.0, 2.0, 12.0, 2.0]);
+        assert!(waited >= Duration::from_millis(20), "{waited:?}");
+        assert!(waited < Duration::from_secs(2), "{waited:?}");
+    }
+
+    #[test]
+    fn a_full_batch_runs_without_waiting() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 4,
+            max_wait: Duration::from_secs(30),
+            queue_capacity: 10,
+        };
+        let (b, batches) = sum_batcher(cfg, Duration::ZERO, None);
+        let t0 = Instant::now();
+        let rx = submit(&b, 4, 0.0);
+        rx.recv().unwrap().unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        assert_eq!(*lock(&batches), vec![4]);
+    }
+
+    #[test]
+    fn invalid_requests_are_refused_with_typed_errors() {
+        let (b, _) = sum_batcher(BatcherConfig::default(), Duration::ZERO, None);
+        let refuse = |input: Vec<f32>, rows: usize| {
+            let (tx, rx) = channel();
+            b.submit(input, rows, Box::new(move |r| tx.send(r).unwrap()));
+            rx.recv().unwrap().unwrap_err()
+        };
+        assert_eq!(refuse(vec![], 0), ServeError::Empty);
+        assert!(matches!(
+            refuse(vec![0.0; 3 * 257], 257),
+            ServeError::TooManyRows {
+                rows: 257,
+                max: 256
+            }
+        ));
+        assert!(matches!(
+            refuse(vec![0.0; 4], 1),
+            ServeError::RowWidth { expected: 3, .. }
+        ));
+        let e = refuse(vec![0.0, 1.0, 2.0, 3.0, f32::NAN, 5.0], 2);
+        assert_eq!(
+            e,
+            ServeError::NonFinite {
+                row: 1,
+                column: 1,
+                value: "NaN".into()
+            }
+        );
+        assert!(e.is_client_error());
+        // Still serving.
+        assert!(submit(&b, 1, 1.0).recv().unwrap().is_ok());
+    }
+
+    #[test]
+    fn model_errors_reach_every_request_of_the_batch_and_serving_goes_on() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 8,
+            max_wait: Duration::from_millis(1),
+            queue_capacity: 100,
+        };
+        let (b, _) = sum_batcher(cfg, Duration::ZERO, Some(1000.0));
+        let bad = submit(&b, 1, 1000.0).recv().unwrap();
+        assert!(matches!(bad, Err(ServeError::Model(ref m)) if m.contains("bad value")));
+        assert!(submit(&b, 2, 0.0).recv().unwrap().is_ok());
+        assert_eq!(b.metrics().errors, 1);
+        assert!(b.is_healthy());
+    }
+
+    #[test]
+    fn a_panicking_model_stops_the_worker_but_every_request_is_answered() {
+        let (b, _) = sum_batcher(BatcherConfig::default(), Duration::ZERO, None);
+        let (tx, rx) = channel();
+        b.submit(
+            vec![-999.0, 0.0, 0.0],
+            1,
+            Box::new(move |r| tx.send(r).unwrap()),
+        );
+        assert!(matches!(rx.recv().unwrap(), Err(ServeError::Model(m)) if m.contains("panicked")));
+        assert!(!b.is_healthy());
+        assert!(matches!(
+            submit(&b, 1, 0.0).recv().unwrap(),
+            Err(ServeError::WorkerStopped(_))
+        ));
+    }
+
+    #[test]
+    fn shutdown_answers_queued_requests_then_refuses_new_ones() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 2,
+            max_wait: Duration::from_millis(1),
+            queue_capacity: 100,
+        };
+        let (b, _) = sum_batcher(cfg, Duration::from_millis(5), None);
+        let pending: Vec<_> = (0..20).map(|i| submit(&b, 1, i as f32)).collect();
+        b.shutdown();
+        for rx in pending {
+            assert!(rx.recv().unwrap().is_ok(), "queued work is answered");
+        }
+        assert_eq!(
+            submit(&b, 1, 0.0).recv().unwrap(),
+            Err(ServeError::ShuttingDown)
+        );
+        assert!(!b.is_healthy());
+    }
+
+    #[test]
+    fn a_full_queue_pushes_back() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 1,
+            max_wait: Duration::ZERO,
+            queue_capacity: 2,
+        };
+        let (b, _) = sum_batcher(cfg, Duration::from_millis(50), None);
+        let rxs: Vec<_> = (0..10).map(|i| submit(&b, 1, i as f32)).collect();
+        let answers: Vec<Answer> = rxs.into_iter().map(|r| r.recv().unwrap()).collect();
+        assert!(answers
+            .iter()
+            .any(|a| matches!(a, Err(ServeError::Busy { capacity: 2 }))));
+        assert!(answers.iter().any(|a| a.is_ok()));
+    }
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(|x| x as f64).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&v, 1.0), 100.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+        assert_eq!(percentile(&[7.0], 0.01), 7.0);
+    }
+}
