@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 pub use checks::{register_check, DEVICE_CHECK_CUDA};
 pub use pinned_scope::PinnedScope;
 pub(crate) use queue::{check_device, check_range};
-pub use queue::{Anchor, Arg, Queue, QueueExt};
+pub use queue::{Anchor, Arg, LaunchOptions, Queue, QueueExt, PDL_CUDA};
 
 use crate::error::{Error, Result};
 use crate::memory::{
@@ -138,6 +138,13 @@ impl Device {
         Ok(fresh)
     }
 
+    /// Whether kernels can be launched with programmatic dependent launch here (compute
+    /// capability 9.0 or later and a driver with `cuLaunchKernelEx`); see
+    /// [`Queue::launch_with`].
+    pub fn supports_pdl(&self) -> bool {
+        self.info().compute_capability.0 >= 9 && crate::runtime::module::launch_ex_available()
+    }
+
     /// Whether `other` is a handle to this same `Device::open` (same allocator).
     pub fn same_as(&self, other: &Device) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -253,6 +260,12 @@ impl fmt::Debug for Stream {
 }
 
 impl Stream {
+    /// A `Stream` over an existing handle of `device` (the streams conditional bodies are
+    /// captured on).
+    pub(crate) fn from_handle(handle: StreamHandle, device: Device) -> Self {
+        Self { handle, device }
+    }
+
     /// Blocks until all work enqueued on this stream has finished, then reports a failed
     /// device-side check, if any ([`Device::check_errors`]).
     #[track_caller]
