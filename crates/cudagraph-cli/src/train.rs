@@ -196,19 +196,18 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     s.synchronize()?;
     outln!("- warm-up done {}", format_memory_line(&dev.memory_stats()));
     // The captured step: with --skip-nonfinite the optimizer step sits in an IF node.
-    let graph_step = |cs: &cudagraph::CaptureStream<'_>,
-                      opt: &mut Adam|
-     -> cudagraph_nn::Result<Tensor> {
-        if !a.skip_nonfinite {
-            return step(cs, opt);
-        }
-        opt.zero_grad(cs, true)?;
-        let logits = model.forward(cs, &x)?;
-        let loss = cross_entropy(cs, &logits, &y_static)?;
-        loss.backward(cs)?;
-        step_if_finite(cs, opt, &loss)?;
-        Ok(loss)
-    };
+    let graph_step =
+        |cs: &cudagraph::CaptureStream<'_>, opt: &mut Adam| -> cudagraph_nn::Result<Tensor> {
+            if !a.skip_nonfinite {
+                return step(cs, opt);
+            }
+            opt.zero_grad(cs, true)?;
+            let logits = model.forward(cs, &x)?;
+            let loss = cross_entropy(cs, &logits, &y_static)?;
+            loss.backward(cs)?;
+            step_if_finite(cs, opt, &loss)?;
+            Ok(loss)
+        };
     // With --steps-per-launch: the epoch's data on the device, batches picked by a kernel.
     let resident = match a.steps_per_launch {
         Some(_) => Some(DeviceBatches::new(&s, &train.images, &train.labels, 64, b)?),
@@ -219,9 +218,9 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         let mut loss_holder = None;
         let (g, loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
             Ok(match (&resident, a.steps_per_launch) {
-                (Some(r), Some(k)) => {
-                    r.train_steps(cs, k, &x_static, &y_static, |body| graph_step(body, &mut opt))?
-                }
+                (Some(r), Some(k)) => r.train_steps(cs, k, &x_static, &y_static, |body| {
+                    graph_step(body, &mut opt)
+                })?,
                 _ => graph_step(cs, &mut opt)?,
             })
         })?;

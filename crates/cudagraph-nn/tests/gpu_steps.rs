@@ -101,7 +101,7 @@ fn k_steps_per_launch_equal_one_step_per_launch_and_eager_steps() {
         );
         let (x, y) = (r.x.alias(), r.y.clone());
         let (g, loss) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-            Ok(batches.train_steps(cs, k, &x, &y, |body| Ok(step(body, &mut r)?))?)
+            Ok(batches.train_steps(cs, k, &x, &y, |body| step(body, &mut r))?)
         })
         .unwrap();
         assert_eq!(g.info().conditionals.while_nodes, 1);

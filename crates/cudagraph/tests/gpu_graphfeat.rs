@@ -240,7 +240,7 @@ fn programmatic_launch_gives_the_same_results_eagerly_and_graphed() {
     let dev = gpu_test_device!();
     let k = kernels(&dev);
     let mut s = dev.new_stream().unwrap();
-    let n = 128;
+    let n: usize = 128;
     let steps = 100;
     let chain = |q: &dyn Queue, x: &DeviceBuffer<f32>, pdl: bool| -> Result<()> {
         for _ in 0..steps {

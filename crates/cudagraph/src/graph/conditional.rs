@@ -163,8 +163,11 @@ impl ConditionKernels {
                     "the driver could not load the kernel that sets a condition (it calls cudaGraphSetConditional, CUDA 12.4+): {e}"
                 ),
             };
-            let m = Module::load_ptx(d.context(), "cudagraph_conditions", CONDITION_PTX)
-                .map_err(not_supported)?;
+            // Relaxed capture mode: the first conditional may be added inside a capture.
+            let m = crate::runtime::with_relaxed_capture(|| {
+                Module::load_ptx(d.context(), "cudagraph_conditions", CONDITION_PTX)
+            })
+            .map_err(not_supported)?;
             Ok(ConditionKernels {
                 set: m.function("cg_cond_set")?,
                 loop_begin: m.function("cg_loop_begin")?,

@@ -603,7 +603,7 @@ pub(crate) struct Edge {
 pub(crate) fn edges_of(g: RawGraph, nodes: &[sys::CUgraphNode]) -> Result<Vec<Edge>> {
     let typed = driver_has("cuGraphGetEdges_v2");
     let mut n = 0usize;
-    // SAFETY: with null arrays the driver only writes the count.
+    // SAFETY: with null arrays the driver only writes the count; the graph is live.
     check(
         unsafe {
             if typed {
@@ -664,6 +664,10 @@ pub(crate) fn edges_of(g: RawGraph, nodes: &[sys::CUgraphNode]) -> Result<Vec<Ed
 
 /// `cuGraphGetEdges` (no edge data) looked up by name: cudarc's CUDA 13 bindings only have the
 /// `_v2` form, and drivers before 12.3 only this one.
+///
+/// # Safety
+/// As for the driver call: `g` is a live graph, and `from`/`to` are null or have room for
+/// `*n` nodes.
 unsafe fn cu_graph_get_edges_untyped(
     g: sys::CUgraph,
     from: *mut sys::CUgraphNode,
@@ -678,7 +682,8 @@ unsafe fn cu_graph_get_edges_untyped(
     ) -> sys::CUresult;
     // SAFETY: the symbol has this C signature in every driver that exports it.
     match unsafe { sys::culib().get::<F>(b"cuGraphGetEdges") } {
-        Ok(f) => f(g, from, to, n),
+        // SAFETY: the caller's contract is the call's.
+        Ok(f) => unsafe { f(g, from, to, n) },
         Err(_) => sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
     }
 }
@@ -767,16 +772,16 @@ pub(crate) fn capture_info(s: RawStream) -> Result<CaptureInfo> {
             ),
         });
     }
-    // SAFETY: the driver returned `n` dependencies (and, when non-null, `n` edge data).
     let deps_v = if n == 0 || deps.is_null() {
         Vec::new()
     } else {
+        // SAFETY: the driver returned `n` dependencies, valid until the next call on `s`.
         unsafe { std::slice::from_raw_parts(deps, n) }.to_vec()
     };
-    // SAFETY: as above.
     let edges_v = if n == 0 || edges.is_null() {
         None
     } else {
+        // SAFETY: non-null edge data has one entry per dependency, valid as above.
         Some(unsafe { std::slice::from_raw_parts(edges, n) }.to_vec())
     };
     Ok(CaptureInfo {
