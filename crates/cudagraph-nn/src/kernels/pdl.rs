@@ -122,7 +122,8 @@ fn twins(device: &Device) -> Result<std::sync::Arc<Twins>> {
             cudagraph::DEVICE_CHECK_CUDA,
             body
         );
-        let m = d.compile("cudagraph_nn_pdl", &src)?;
+        // Relaxed capture mode: the first use may be inside a capture (module loading).
+        let m = cudagraph::runtime::with_relaxed_capture(|| d.compile("cudagraph_nn_pdl", &src))?;
         let mut fns = HashMap::new();
         for n in names {
             let f = m.function(&n)?;

@@ -31,10 +31,13 @@ impl RngKernels {
     /// The kernels of `device`, compiled on first use.
     pub fn get(device: &Device) -> Result<Arc<Self>> {
         Ok(device.extension(|d| {
-            let m = d.compile(
-                "cudagraph_nn_rng",
-                &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
-            )?;
+            // Relaxed capture mode: the first use may be inside a capture (module loading).
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_rng",
+                    &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
+                )
+            })?;
             Ok(RngKernels {
                 philox_raw: m.function("philox_raw")?,
                 bits: m.function("rng_bits")?,

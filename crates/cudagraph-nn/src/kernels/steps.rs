@@ -22,10 +22,13 @@ impl StepKernels {
     /// The kernels of `device`, compiled on first use.
     pub fn get(device: &Device) -> Result<Arc<Self>> {
         Ok(device.extension(|d| {
-            let m = d.compile(
-                "cudagraph_nn_steps",
-                &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
-            )?;
+            // Relaxed capture mode: the first use may be inside a capture (module loading).
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_steps",
+                    &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
+                )
+            })?;
             Ok(StepKernels {
                 gather: m.function("gather_batch")?,
                 batches_left: m.function("batches_left")?,
