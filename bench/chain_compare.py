@@ -22,3 +22,18 @@ for r in ours["rows"]:
           f"{r['eager_us_per_kernel'] / b['eager_us_per_kernel']:.3f} | {r['graph_us_per_kernel']:.3f} | "
           f"{b['graph_us_per_kernel']:.3f} | {r['graph_us_per_kernel'] / b['graph_us_per_kernel']:.3f} | "
           f"{r['speedup']:.2f}x |")
+
+pdl_rows = [r for r in ours["rows"] if "graph_pdl_us_per_kernel" in r]
+if pdl_rows:
+    print()
+    print("With programmatic dependent launch (PDL), µs per kernel:")
+    print()
+    print("| k | ours eager PDL | raw eager PDL | ours graph PDL | raw graph PDL | ours graph PDL vs ours graph | programmatic edges |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in pdl_rows:
+        b = rows.get(r["kernels"], {})
+        def fmt(v):
+            return f"{v:.3f}" if isinstance(v, (int, float)) else "n/a"
+        print(f"| {r['kernels']} | {fmt(r['eager_pdl_us_per_kernel'])} | {fmt(b.get('eager_pdl_us_per_kernel'))} | "
+              f"{fmt(r['graph_pdl_us_per_kernel'])} | {fmt(b.get('graph_pdl_us_per_kernel'))} | "
+              f"{r['graph_pdl_us_per_kernel'] / r['graph_us_per_kernel']:.3f} | {r['pdl_programmatic_edges']} |")

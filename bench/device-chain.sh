@@ -6,7 +6,7 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 stamp=$(date -u +%Y-%m-%d)
 nvcc -O3 -arch=sm_90 bench/raw/chain.cu -o /tmp/raw_chain || exit 1
-cmd=".gpu-bin/bin/cudagraph bench chain --json"
+cmd=".gpu-bin/bin/cudagraph bench chain --pdl --json"
 $cmd > "$out/chain-ours.json" || exit 1
 /tmp/raw_chain 100000 7 > "$out/chain-raw.json" || exit 1
 {

@@ -1,6 +1,10 @@
 // Raw CUDA C++ baseline for `cudagraph bench chain`: the same kernel, launch shape and timing
 // method (iterations back to back, synchronise, wall time, median of samples), once with
-// eager <<<>>> launches and once with a stream-captured graph. Built on the GPU machine:
+// eager <<<>>> launches and once with a stream-captured graph; on sm_90+ also with programmatic
+// dependent launch (cudaLaunchKernelEx with cudaLaunchAttributeProgrammaticStreamSerialization,
+// eager and stream-captured into programmatic edges), the kernel starting with
+// griddepcontrol.launch_dependents + griddepcontrol.wait as `cudagraph bench chain --pdl` does.
+// Built on the GPU machine:
 //     nvcc -O3 -arch=sm_90 bench/raw/chain.cu -o raw_chain && ./raw_chain 100000 7
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -17,7 +21,30 @@ extern "C" __global__ void chain_step(float* x, int n) {
     if (i < n) x[i] = x[i] * 0.999f + 0.001f;
 }
 
+extern "C" __global__ void chain_step_pdl(float* x, int n) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * 0.999f + 0.001f;
+}
+
 static const int N = 128;
+
+static void launch_pdl(float* x, cudaStream_t s) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1);
+    config.blockDim = dim3(N);
+    config.dynamicSmemBytes = 0;
+    config.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    cudaLaunchKernelEx(&config, chain_step_pdl, x, N);
+}
 
 template <typename F>
 double time_us(cudaStream_t s, int iters, int repeats, F body) {
@@ -44,6 +71,7 @@ int main(int argc, char** argv) {
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaDeviceProp p;
     CHECK(cudaGetDeviceProperties(&p, 0));
+    bool pdl = p.major >= 9;
     printf("{\"benchmark\":\"chain-raw-cuda\",\"device\":\"%s\",\"rows\":[", p.name);
     for (int ki = 0; ki < 4; ki++) {
         int k = ks[ki];
@@ -63,10 +91,29 @@ int main(int argc, char** argv) {
         double graph = time_us(s, iters, repeats, [&]() { cudaGraphLaunch(e, s); });
         CHECK(cudaGetLastError());
         printf("%s{\"kernels\":%d,\"iterations\":%d,\"eager_us_per_iter\":%.4f,\"graph_us_per_iter\":%.4f,"
-               "\"eager_us_per_kernel\":%.4f,\"graph_us_per_kernel\":%.4f}",
+               "\"eager_us_per_kernel\":%.4f,\"graph_us_per_kernel\":%.4f",
                ki ? "," : "", k, iters, eager, graph, eager / k, graph / k);
         CHECK(cudaGraphExecDestroy(e));
         CHECK(cudaGraphDestroy(g));
+        if (pdl) {
+            auto chain_pdl = [&]() { for (int j = 0; j < k; j++) launch_pdl(x, s); };
+            chain_pdl();
+            CHECK(cudaGetLastError());
+            double eager_pdl = time_us(s, iters, repeats, chain_pdl);
+            CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+            chain_pdl();
+            CHECK(cudaStreamEndCapture(s, &g));
+            CHECK(cudaGraphInstantiate(&e, g, 0));
+            CHECK(cudaGraphUpload(e, s));
+            CHECK(cudaGraphLaunch(e, s));
+            double graph_pdl = time_us(s, iters, repeats, [&]() { cudaGraphLaunch(e, s); });
+            CHECK(cudaGetLastError());
+            printf(",\"eager_pdl_us_per_kernel\":%.4f,\"graph_pdl_us_per_kernel\":%.4f",
+                   eager_pdl / k, graph_pdl / k);
+            CHECK(cudaGraphExecDestroy(e));
+            CHECK(cudaGraphDestroy(g));
+        }
+        printf("}");
     }
     printf("]}\n");
     return 0;

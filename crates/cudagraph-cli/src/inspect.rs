@@ -1,6 +1,8 @@
 //! `cudagraph inspect`: captures one of the workloads and shows what is in the graph: node
-//! counts by kind, memory, capture and instantiate time, and a DOT file (plus SVG when
-//! Graphviz's `dot` is installed).
+//! counts by kind (conditional IF/WHILE nodes and their bodies, programmatic PDL edges
+//! included), memory, capture and instantiate time, and two DOT files: the driver's verbose dump
+//! and a compact topology (conditional bodies as clusters, PDL edges dashed), plus SVGs when
+//! Graphviz's `dot` is installed. `CUDAGRAPH_PDL=1` shows the NN kernels' programmatic edges.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -8,7 +10,10 @@ use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
-use cudagraph_nn::{mse_loss, no_grad, Linear, Module, Optimizer, Reduction, Rng, Sgd, Tensor};
+use cudagraph_nn::{
+    cross_entropy, mse_loss, no_grad, step_if_finite, Adam, DeviceBatches, Layer, Linear, Module,
+    Optimizer, Reduction, Rng, Sequential, Sgd, Tensor,
+};
 
 use crate::bench::workloads::seed_mlp;
 
@@ -20,6 +25,9 @@ pub enum Which {
     Mlp,
     /// Seed 001's Linear(1024, 1024) training step with SGD.
     Train,
+    /// Four MLP training steps per launch (a WHILE node loading batches on the device), each
+    /// optimizer step inside an IF node that skips non-finite steps.
+    Loop,
 }
 
 #[derive(Args, Debug)]
@@ -58,18 +66,67 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
             })?
             .0
         }
+        Which::Loop => {
+            let (rows, features) = (32usize, 64usize);
+            let model = Sequential::new(vec![
+                Layer::Linear(Linear::new(&s, features, 128, &mut rng)?),
+                Layer::ReLU,
+                Layer::Linear(Linear::new(&s, 128, 10, &mut rng)?),
+            ]);
+            let mut opt = Adam::new(&s, model.parameters(), 1e-3, 0.0, false)?;
+            let images = rng.vec_normal(8 * rows * features);
+            let labels: Vec<i32> = (0..8 * rows).map(|i| (i % 10) as i32).collect();
+            let data = DeviceBatches::new(&s, &images, &labels, features, rows)?;
+            let xb = s.alloc_zeroed::<f32>(rows * features)?;
+            let yb = Arc::new(s.alloc_zeroed::<i32>(rows)?);
+            let x = Tensor::from_buffer(Arc::new(xb.alias()), &[rows, features])?;
+            Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                Ok(data.train_steps(cs, 4, &xb, &yb, |body| {
+                    opt.zero_grad(body, true)?;
+                    let loss = cross_entropy(body, &model.forward(body, &x)?, &yb)?;
+                    loss.backward(body)?;
+                    step_if_finite(body, &mut opt, &loss)?;
+                    Ok(())
+                })?)
+            })?
+            .0
+        }
     };
     let i = graph.info();
     outln!("{graph:?}");
     outln!(
-        "nodes: {} kernel, {} memcpy, {} memset, {} host, {} child, {} empty, {} other",
+        "nodes: {} kernel, {} memcpy, {} memset, {} host, {} child, {} empty, {} conditional, {} other",
         i.nodes.kernel,
         i.nodes.memcpy,
         i.nodes.memset,
         i.nodes.host,
         i.nodes.child_graph,
         i.nodes.empty,
+        i.nodes.conditional,
         i.nodes.other
+    );
+    let c = &i.conditionals;
+    if c.if_nodes + c.while_nodes > 0 {
+        let b = &c.body_nodes;
+        outln!(
+            "conditional nodes (all depths): {} IF, {} WHILE; their bodies hold {} nodes ({} kernel, {} memcpy, {} memset, {} conditional)",
+            c.if_nodes,
+            c.while_nodes,
+            b.total(),
+            b.kernel,
+            b.memcpy,
+            b.memset,
+            b.conditional
+        );
+    }
+    outln!(
+        "programmatic (PDL) edges: {}{}",
+        i.programmatic_edges,
+        if cudagraph_nn::pdl_enabled(&dev) {
+            " (NN kernels launched with PDL)"
+        } else {
+            " (set CUDAGRAPH_PDL=1 on an sm_90+ device to launch NN kernels with PDL)"
+        }
     );
     outln!(
         "memory: working set {:.3} MB in {}, outputs {:.3} MB, external buffers held {:.3} MB",
@@ -85,10 +142,23 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
     );
     graph.write_dot(&a.dot)?;
     outln!("DOT written to {}", a.dot.display());
-    let svg = a.dot.with_extension("svg");
+    svg(&a.dot);
+    let topo = a.dot.with_extension("topo.dot");
+    graph.write_topology_dot(&topo)?;
+    outln!(
+        "topology DOT (conditional bodies as clusters, PDL edges dashed) written to {}",
+        topo.display()
+    );
+    svg(&topo);
+    Ok(())
+}
+
+/// Renders `dot` to an SVG beside it when Graphviz is installed.
+fn svg(dot: &std::path::Path) {
+    let svg = dot.with_extension("svg");
     match Command::new("dot")
         .arg("-Tsvg")
-        .arg(&a.dot)
+        .arg(dot)
         .arg("-o")
         .arg(&svg)
         .status()
@@ -96,9 +166,8 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
         Ok(st) if st.success() => outln!("SVG written to {}", svg.display()),
         _ => outln!(
             "(install Graphviz for an SVG: dot -Tsvg {} -o {})",
-            a.dot.display(),
+            dot.display(),
             svg.display()
         ),
     }
-    Ok(())
 }

@@ -1,6 +1,11 @@
 //! `cudagraph train [--graph]`: seed 000's training run on a real dataset (the UCI handwritten
 //! digits shipped with cudagraph-nn), eager or with the whole step in one CUDA graph, logging
 //! memory per phase and every `--log-every` steps in the seed's format, with a progress bar.
+//!
+//! `--steps-per-launch K` keeps the epoch's data on the device and captures a WHILE node that
+//! runs up to K steps per graph launch, each loading its batch with a kernel (a device-side
+//! cursor picks it). `--skip-nonfinite` wraps the optimizer step in an IF node taken only when
+//! the loss and every gradient are finite (GradScaler's check, without a host read).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +15,8 @@ use cudagraph::memory::{format_memory_full, format_memory_line};
 use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
 use cudagraph_nn::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::{
-    cross_entropy, no_grad, Adam, Conv2d, Layer, Linear, Module, Optimizer, Rng, Sequential, Tensor,
+    cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Layer, Linear, Module,
+    Optimizer, Rng, Sequential, Tensor,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -42,6 +48,14 @@ pub struct TrainArgs {
     pub log_every: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Run up to K training steps per graph launch (implies --graph): the epoch's data stays
+    /// on the device and a WHILE node loops over the steps, loading each batch with a kernel.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
+    pub steps_per_launch: Option<u32>,
+    /// In the captured step, skip the optimizer step (an IF node) when the loss or a gradient
+    /// is not finite.
+    #[arg(long)]
+    pub skip_nonfinite: bool,
 }
 
 fn build(
@@ -105,7 +119,12 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     if a.batch_size == 0 || a.log_every == 0 {
         return Err("--batch-size and --log-every must be at least 1".into());
     }
-    let mode = if a.graph { "cudagraph" } else { "basic" };
+    let graphed = a.graph || a.steps_per_launch.is_some();
+    let mode = match a.steps_per_launch {
+        Some(_) => "cudagraph-loop",
+        None if a.graph => "cudagraph",
+        None => "basic",
+    };
     outln!(
         "#### {mode} ({:?} on UCI digits, batch {}, Adam lr {})",
         a.model,
@@ -176,11 +195,34 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     })?;
     s.synchronize()?;
     outln!("- warm-up done {}", format_memory_line(&dev.memory_stats()));
-    let graph = if a.graph {
+    // The captured step: with --skip-nonfinite the optimizer step sits in an IF node.
+    let graph_step =
+        |cs: &cudagraph::CaptureStream<'_>, opt: &mut Adam| -> cudagraph_nn::Result<Tensor> {
+            if !a.skip_nonfinite {
+                return step(cs, opt);
+            }
+            opt.zero_grad(cs, true)?;
+            let logits = model.forward(cs, &x)?;
+            let loss = cross_entropy(cs, &logits, &y_static)?;
+            loss.backward(cs)?;
+            step_if_finite(cs, opt, &loss)?;
+            Ok(loss)
+        };
+    // With --steps-per-launch: the epoch's data on the device, batches picked by a kernel.
+    let resident = match a.steps_per_launch {
+        Some(_) => Some(DeviceBatches::new(&s, &train.images, &train.labels, 64, b)?),
+        None => None,
+    };
+    let graph = if graphed {
         let t = Instant::now();
         let mut loss_holder = None;
         let (g, loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
-            Ok(step(cs, &mut opt)?)
+            Ok(match (&resident, a.steps_per_launch) {
+                (Some(r), Some(k)) => r.train_steps(cs, k, &x_static, &y_static, |body| {
+                    graph_step(body, &mut opt)
+                })?,
+                _ => graph_step(cs, &mut opt)?,
+            })
         })?;
         loss_holder.replace(loss);
         outln!(
@@ -209,6 +251,30 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         // Shuffle on the host, upload the epoch's order once; batches are contiguous slices.
         let order = permutation(train.len(), a.seed * 1000 + epoch as u64);
         let ep = train.select(&order);
+        if let (Some(r), Some(k), Some((g, loss))) = (&resident, a.steps_per_launch, &graph) {
+            // K steps per launch from the resident epoch: one upload per epoch, no per-step
+            // host work.
+            r.reload(&s, &ep.images, &ep.labels)?;
+            let mut done = 0;
+            while done < r.batches() {
+                g.replay(&s)?;
+                let n = (k as usize).min(r.batches() - done);
+                done += n;
+                let before = global;
+                global += n;
+                pb.inc(n as u64);
+                if global / a.log_every > before / a.log_every {
+                    last_loss = loss.to_vec(&s)?[0];
+                    pb.set_message(format!("loss {last_loss:.4}"));
+                    pb.println(format!(
+                        "Training {epoch}/{}, step {global}, Loss:{last_loss:.4}, {}",
+                        a.epochs,
+                        format_memory_line(&dev.memory_stats())
+                    ));
+                }
+            }
+            continue;
+        }
         let xs = s.alloc_from_host(&ep.images)?;
         let ys = s.alloc_from_host(&ep.labels)?;
         for i in 0..steps_per_epoch {
@@ -252,6 +318,15 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     outln!(
         "test accuracy: {:.2}% ({correct}/{n})",
         100.0 * correct as f64 / n as f64
+    );
+    outln!(
+        "throughput: {:.0} steps/s ({})",
+        total_steps as f64 / secs,
+        match a.steps_per_launch {
+            Some(k) => format!("up to {k} steps per graph launch, batches loaded on the device"),
+            None if a.graph => "1 step per graph launch, batches copied by the host".into(),
+            None => "eager".into(),
+        }
     );
     Ok(())
 }

@@ -32,6 +32,7 @@
 //! | `"relu"` | `nn.ReLU()` | — |
 //! | `"max_pool2d"` or `{"max_pool2d": {"kernel": 2, "stride": kernel}}` | `nn.MaxPool2d(kernel, stride)` | — |
 //! | `"flatten"` | `nn.Flatten()` | — |
+//! | `{"dropout": {"p": 0.5}}` or `"dropout"` (p = 0.5) | `nn.Dropout(p)` | — |
 //!
 //! Shapes are checked layer by layer when the description is read; an error names the layer
 //! index and the field. Weights must be `float32` (`torch.float32`); a layer declared with
@@ -104,7 +105,7 @@ impl From<IoError> for cudagraph::Error {
 }
 
 /// One layer of a [`ModelDescription`] (the PyTorch module it stands for).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum LayerSpec {
     /// `nn.Linear(in_features, out_features, bias)`.
     Linear {
@@ -127,6 +128,8 @@ pub enum LayerSpec {
     MaxPool2d { kernel: usize, stride: usize },
     /// `nn.Flatten()`.
     Flatten,
+    /// `nn.Dropout(p)` (the identity in eval mode, which serving uses).
+    Dropout { p: f32 },
 }
 
 impl LayerSpec {
@@ -138,6 +141,7 @@ impl LayerSpec {
             LayerSpec::ReLU => "relu",
             LayerSpec::MaxPool2d { .. } => "max_pool2d",
             LayerSpec::Flatten => "flatten",
+            LayerSpec::Dropout { .. } => "dropout",
         }
     }
 }
@@ -155,7 +159,7 @@ pub struct ParamSpec {
 ///
 /// Construct it with [`ModelDescription::new`] or [`ModelDescription::from_json`]: both check
 /// every layer against the shape before it, so a description value is always consistent.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ModelDescription {
     input: Vec<usize>,
     layers: Vec<LayerSpec>,
@@ -212,7 +216,13 @@ struct PoolBody {
     stride: Option<usize>,
 }
 
-const KINDS: &str = "\"linear\", \"conv2d\", \"relu\", \"max_pool2d\", \"flatten\"";
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DropoutBody {
+    p: f32,
+}
+
+const KINDS: &str = "\"linear\", \"conv2d\", \"relu\", \"max_pool2d\", \"flatten\", \"dropout\"";
 
 /// Parses layer `i` from its JSON value.
 fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, IoError> {
@@ -279,6 +289,10 @@ fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, IoError> {
                     stride: p.stride.unwrap_or(p.kernel),
                 })
             }
+            "dropout" => {
+                let d: DropoutBody = serde_json::from_value(b.clone())?;
+                Ok(LayerSpec::Dropout { p: d.p })
+            }
             _ => unreachable!("checked below"),
         }
     };
@@ -299,10 +313,12 @@ fn parse_layer(i: usize, v: &Value) -> std::result::Result<LayerSpec, IoError> {
             kernel: 2,
             stride: 2,
         }),
-        "linear" | "conv2d" | "max_pool2d" => {
+        "dropout" if body.is_none() => Ok(LayerSpec::Dropout { p: 0.5 }),
+        "linear" | "conv2d" | "max_pool2d" | "dropout" => {
             let b = body_of(match kind {
                 "linear" => "[in, out] or {\"in\", \"out\", \"bias\"}",
                 "conv2d" => "{\"in\", \"out\", \"kernel\", \"stride\", \"padding\", \"bias\"}",
+                "dropout" => "{\"p\"}",
                 _ => "{\"kernel\", \"stride\"}",
             })?;
             parse(b).map_err(|e| err(kind, e.to_string()))
@@ -412,6 +428,12 @@ fn next_shape(
             vec![c, (h - kernel) / stride + 1, (w - kernel) / stride + 1]
         }
         LayerSpec::ReLU => before.to_vec(),
+        LayerSpec::Dropout { p } => {
+            if !(0.0..1.0).contains(&p) {
+                return Err(err(format!("field `p` {p} is outside [0, 1)")));
+            }
+            before.to_vec()
+        }
         LayerSpec::Flatten => vec![product(before).ok_or_else(|| err("too many elements".into()))?],
     };
     product(&out).ok_or_else(|| err(format!("output shape {out:?} has too many elements")))?;
@@ -496,6 +518,7 @@ impl ModelDescription {
                 }
                 LayerSpec::ReLU => json!("relu"),
                 LayerSpec::Flatten => json!("flatten"),
+                LayerSpec::Dropout { p } => json!({ "dropout": { "p": p } }),
             })
             .collect();
         let v = json!({ "input": self.input, "layers": layers });
@@ -614,6 +637,7 @@ impl ModelDescription {
                     stride: *stride,
                 },
                 Layer::Flatten => LayerSpec::Flatten,
+                Layer::Dropout { p } => LayerSpec::Dropout { p: *p },
             })
             .collect();
         Self::new(input, layers)
@@ -648,6 +672,7 @@ impl ModelDescription {
                 LayerSpec::ReLU => Layer::ReLU,
                 LayerSpec::MaxPool2d { kernel, stride } => Layer::MaxPool2d { kernel, stride },
                 LayerSpec::Flatten => Layer::Flatten,
+                LayerSpec::Dropout { p } => Layer::Dropout { p },
             });
         }
         Ok(Sequential::new(layers))
@@ -867,9 +892,13 @@ pub fn build_sequential(
             LayerSpec::ReLU => Layer::ReLU,
             LayerSpec::MaxPool2d { kernel, stride } => Layer::MaxPool2d { kernel, stride },
             LayerSpec::Flatten => Layer::Flatten,
+            LayerSpec::Dropout { p } => Layer::Dropout { p },
         });
     }
-    Ok(Sequential::new(layers))
+    // Loaded models serve: dropout is the identity until the caller switches to training.
+    let mut model = Sequential::new(layers);
+    model.eval();
+    Ok(model)
 }
 
 /// The model's parameters on the host, named as PyTorch names an `nn.Sequential`'s state_dict

@@ -5,6 +5,7 @@ use cudagraph::Queue;
 
 use crate::error::Result;
 use crate::ops;
+use crate::rng::Generator;
 use crate::tensor::{Parameter, Tensor};
 use cudagraph::Stream;
 
@@ -164,25 +165,72 @@ pub enum Layer {
     Linear(Linear),
     Conv2d(Conv2d),
     ReLU,
-    MaxPool2d { kernel: usize, stride: usize },
+    MaxPool2d {
+        kernel: usize,
+        stride: usize,
+    },
     Flatten,
+    /// Dropout with probability `p` in training mode, the identity in eval mode (numbers from
+    /// the `Sequential`'s generator: [`Sequential::set_generator`]).
+    Dropout {
+        p: f32,
+    },
 }
 
 /// Layers applied in order. A `Linear` followed by `ReLU` runs as one fused kernel.
+/// Training mode by default ([`Sequential::eval`] switches dropout off).
 #[derive(Clone, Debug, Default)]
 pub struct Sequential {
     pub layers: Vec<Layer>,
+    eval: bool,
+    generator: Option<Generator>,
 }
 
 impl Sequential {
     pub fn new(layers: Vec<Layer>) -> Self {
-        Self { layers }
+        Self {
+            layers,
+            eval: false,
+            generator: None,
+        }
+    }
+
+    /// The generator dropout layers draw from. The forward pass advances it at its end
+    /// whenever a dropout layer drew numbers, so each pass (and each replay of a graph that
+    /// captured one) gets fresh masks.
+    pub fn set_generator(&mut self, generator: Generator) {
+        self.generator = Some(generator);
+    }
+
+    /// Builder form of [`Self::set_generator`].
+    pub fn with_generator(mut self, generator: Generator) -> Self {
+        self.generator = Some(generator);
+        self
+    }
+
+    pub fn generator(&self) -> Option<&Generator> {
+        self.generator.as_ref()
+    }
+
+    /// PyTorch's `train(mode)`: dropout active when `mode` is true.
+    pub fn train(&mut self, mode: bool) {
+        self.eval = !mode;
+    }
+
+    /// PyTorch's `eval()`: dropout is the identity.
+    pub fn eval(&mut self) {
+        self.eval = true;
+    }
+
+    pub fn is_training(&self) -> bool {
+        !self.eval
     }
 }
 
 impl Module for Sequential {
     fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
+        let mut drew = false;
         let mut i = 0;
         while i < self.layers.len() {
             let fuse_relu = matches!(self.layers.get(i + 1), Some(Layer::ReLU));
@@ -197,8 +245,33 @@ impl Module for Sequential {
                 Layer::ReLU => ops::relu(q, &h)?,
                 Layer::MaxPool2d { kernel, stride } => ops::max_pool2d(q, &h, *kernel, *stride)?,
                 Layer::Flatten => ops::flatten(&h)?,
+                Layer::Dropout { p } => {
+                    let active = self.is_training() && *p != 0.0;
+                    match (&self.generator, active) {
+                        (Some(g), true) => {
+                            drew = true;
+                            ops::dropout(q, &h, *p, true, g)?
+                        }
+                        (None, true) => {
+                            return Err(crate::NnError::Shape(
+                                "Sequential: a Dropout layer in training mode needs a generator; call set_generator(Generator::new(&stream, seed)?) or eval()".into(),
+                            ))
+                        }
+                        (_, false) if (0.0..=1.0).contains(p) => h.clone(),
+                        (_, false) => {
+                            return Err(crate::NnError::Shape(format!(
+                                "dropout probability has to be between 0 and 1, but got {p}"
+                            )))
+                        }
+                    }
+                }
             };
             i += 1;
+        }
+        if drew {
+            if let Some(g) = &self.generator {
+                g.advance(q)?;
+            }
         }
         Ok(h)
     }

@@ -42,18 +42,23 @@ pub mod kernels;
 pub mod layers;
 pub mod ops;
 pub mod optim;
+pub mod rng;
 pub mod serving;
+pub mod steps;
 pub mod tensor;
 
 pub use batched::Batched;
 pub use error::{NnError, Result};
 pub use graphed::GraphedModule;
 pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};
+pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
 pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 pub use ops::{
-    conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
+    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
 };
 pub use optim::{Adam, Optimizer, Sgd};
+pub use rng::{rand, randn, Generator};
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};
+pub use steps::{step_if_finite, DeviceBatches};
 pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

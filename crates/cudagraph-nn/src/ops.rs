@@ -360,3 +360,53 @@ pub fn flatten(x: &Tensor) -> Result<Tensor> {
     }
     x.reshape(&[s[0], s[1..].iter().product()])
 }
+
+/// Dropout (PyTorch's `F.dropout(x, p, training)`): in training, each element is zeroed with
+/// probability `p` and the others are scaled by `1 / (1 − p)`; otherwise (or with `p = 0`)
+/// `x` itself. The numbers come from `gen` (reserved now, drawn when the kernel runs; see
+/// [`crate::rng`]), and the keep-mask is saved (one bit per element) for the backward pass.
+pub fn dropout(
+    q: &dyn Queue,
+    x: &Tensor,
+    p: f32,
+    training: bool,
+    gen: &crate::rng::Generator,
+) -> Result<Tensor> {
+    if !(0.0..=1.0).contains(&p) {
+        return shape_err(format!(
+            "dropout probability has to be between 0 and 1, but got {p}"
+        ));
+    }
+    if !training || p == 0.0 {
+        return Ok(x.clone());
+    }
+    let n = x.numel();
+    let k = crate::kernels::rng::RngKernels::get(q.device())?;
+    let (threshold, scale) = crate::rng::dropout_params(p);
+    let offset = gen.reserve(n)?;
+    let y = alloc(q, n)?;
+    let mask = Arc::new(q.alloc::<u32>(n.div_ceil(32))?);
+    k.dropout_fwd(
+        q,
+        gen.state(),
+        offset,
+        x.data(),
+        &y,
+        &mask,
+        n,
+        threshold,
+        scale,
+    )?;
+    let shape = x.shape().to_vec();
+    let node = Node {
+        inputs: vec![x.clone()],
+        name: "dropout",
+        backward: Box::new(move |q, _nn, g| {
+            let k = crate::kernels::rng::RngKernels::get(q.device())?;
+            let dx = alloc(q, n)?;
+            k.dropout_bwd(q, g.data(), &mask, &dx, n, scale)?;
+            Ok(vec![Some(tensor(dx, &shape)?)])
+        }),
+    };
+    Ok(Tensor::from_op(y, x.shape().to_vec(), Some(node)))
+}

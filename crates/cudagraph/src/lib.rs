@@ -45,14 +45,15 @@ pub mod testing;
 /// re-export so both sides agree.
 pub use cudarc;
 pub use device::{
-    register_check, Anchor, Arg, Device, PinnedScope, Queue, QueueExt, Stream, DEVICE_CHECK_CUDA,
+    register_check, Anchor, Arg, Device, LaunchOptions, PinnedScope, Queue, QueueExt, Stream,
+    DEVICE_CHECK_CUDA, PDL_CUDA,
 };
 pub use error::{Error, Result};
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
-    CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache, GraphCost,
-    GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served, SizeHistogram,
-    StaticGraph,
+    CaptureOptions, CapturePlan, CaptureStream, ConditionalCounts, ConditionalKind, Graph,
+    GraphBuilder, GraphCache, GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs,
+    RebindOutcome, Served, SizeHistogram, StaticGraph,
 };
 pub use ids::PoolId;
 pub use interop::{cudarc_stream, CudarcSlice};

@@ -14,6 +14,10 @@ use cudagraph::{args, register_check, Arg, Device, DeviceBuffer, Function, Launc
 use crate::blas::Blas;
 use crate::error::{NnError, Result};
 
+pub mod pdl;
+pub mod rng;
+pub mod steps;
+
 /// The CUDA source of every NN kernel (one NVRTC module).
 pub const SOURCE: &str = concat!(
     include_str!("common.cu"),
@@ -133,7 +137,9 @@ fn elems(n: usize) -> LaunchConfig {
 /// The caller checked every buffer in `args` against the extent the kernel indexes with the
 /// scalar arguments given (see each kernel's comment in its `.cu` file).
 unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
-    Ok(q.launch(f, cfg, args)?)
+    // SAFETY: the caller's promise; `launch_nn` adds PDL only through the kernel's twin that
+    // waits for the previous kernel first.
+    pdl::launch_nn(q, f, cfg, args)
 }
 
 /// Geometry of a 2-D convolution (NCHW input, OIHW weights).

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 pub use checks::{register_check, DEVICE_CHECK_CUDA};
 pub use pinned_scope::PinnedScope;
 pub(crate) use queue::{check_device, check_range};
-pub use queue::{Anchor, Arg, Queue, QueueExt};
+pub use queue::{Anchor, Arg, LaunchOptions, Queue, QueueExt, PDL_CUDA};
 
 use crate::error::{Error, Result};
 use crate::memory::{
@@ -150,6 +150,13 @@ impl Device {
         }
         m.insert(key, fresh.clone());
         Ok(fresh)
+    }
+
+    /// Whether kernels can be launched with programmatic dependent launch here (compute
+    /// capability 9.0 or later and a driver with `cuLaunchKernelEx`); see
+    /// [`Queue::launch_with`].
+    pub fn supports_pdl(&self) -> bool {
+        self.info().compute_capability.0 >= 9 && crate::runtime::module::launch_ex_available()
     }
 
     /// Whether `other` is a handle to this same `Device::open` (same allocator).

@@ -207,39 +207,123 @@ pub trait Queue {
     /// ```
     #[track_caller]
     unsafe fn launch(&self, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
-        let dev = self.device();
-        if f.ordinal() != dev.ordinal() {
-            return Err(Error::WrongDevice {
-                what: "kernel",
-                expected: dev.ordinal(),
-                got: f.ordinal(),
-            });
+        // SAFETY: the caller's promise (this function's `# Safety`) is passed on unchanged.
+        launch_checked(self, f, cfg, args, false)
+    }
+
+    /// [`Queue::launch`] with launch options, such as programmatic dependent launch
+    /// ([`LaunchOptions::pdl`]): on devices of compute capability 9.0 and later the kernel may
+    /// begin while the previous kernel on the stream is still running, and inside a capture
+    /// the dependency becomes a programmatic edge. On older devices (or drivers without
+    /// `cuLaunchKernelEx`) the option is ignored and the launch is an ordinary one, which
+    /// gives the same results.
+    ///
+    /// # Safety
+    /// The contract of [`Queue::launch`]. With `pdl`, in addition: the kernel executes
+    /// `griddepcontrol.wait` (`CG_PDL_WAIT()` or `CG_PDL_ENTER()` from [`PDL_CUDA`]) before
+    /// its first access to global memory — until then the previous kernel may still be
+    /// running, and memory it used may not be reusable yet.
+    #[track_caller]
+    unsafe fn launch_with(
+        &self,
+        f: &Function,
+        cfg: LaunchConfig,
+        args: &[Arg<'_>],
+        opts: LaunchOptions,
+    ) -> Result<()> {
+        let pdl = opts.pdl && self.device().supports_pdl();
+        // SAFETY: the caller's promise (this function's `# Safety`) is passed on unchanged.
+        launch_checked(self, f, cfg, args, pdl)
+    }
+}
+
+/// Options for [`Queue::launch_with`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchOptions {
+    /// Programmatic dependent launch (sm_90+): see [`Queue::launch_with`].
+    pub pdl: bool,
+}
+
+impl LaunchOptions {
+    /// Ordinary launch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Programmatic dependent launch on or off.
+    pub fn pdl(mut self, on: bool) -> Self {
+        self.pdl = on;
+        self
+    }
+}
+
+/// CUDA source for kernels launched with programmatic dependent launch: prepend it, and begin
+/// every such kernel with `CG_PDL_ENTER();` (lets the next kernel launch, then waits for the
+/// previous one and its memory). `CG_PDL_WAIT()` and `CG_PDL_TRIGGER()` are the two halves.
+/// On devices before sm_90, and in kernels launched without the option, they do nothing.
+pub const PDL_CUDA: &str = r#"
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define CG_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define CG_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" :::)
+#else
+#define CG_PDL_WAIT() do {} while (0)
+#define CG_PDL_TRIGGER() do {} while (0)
+#endif
+#define CG_PDL_ENTER() do { CG_PDL_TRIGGER(); CG_PDL_WAIT(); } while (0)
+"#;
+
+/// The checks of [`Queue::launch`], then the launch (programmatic when `pdl`).
+///
+/// # Safety
+/// The contract of [`Queue::launch`], and with `pdl` that of [`Queue::launch_with`].
+#[track_caller]
+unsafe fn launch_checked<Q: Queue + ?Sized>(
+    q: &Q,
+    f: &Function,
+    cfg: LaunchConfig,
+    args: &[Arg<'_>],
+    pdl: bool,
+) -> Result<()> {
+    let dev = q.device();
+    if f.ordinal() != dev.ordinal() {
+        return Err(Error::WrongDevice {
+            what: "kernel",
+            expected: dev.ordinal(),
+            got: f.ordinal(),
+        });
+    }
+    let dims = f.check(cfg, dev.info().max_grid_x)?;
+    let mut inline = [ParamValue::int(0, 0); INLINE_ARGS];
+    let mut heap = Vec::new();
+    let params: &mut [ParamValue<'_>] = if args.len() <= INLINE_ARGS {
+        &mut inline[..args.len()]
+    } else {
+        heap.resize(args.len(), ParamValue::int(0, 0));
+        &mut heap
+    };
+    for (slot, a) in params.iter_mut().zip(args) {
+        if let Some(b) = a.holder() {
+            check_device(dev, b)?;
         }
-        let dims = f.check(cfg, dev.info().max_grid_x)?;
-        let mut inline = [ParamValue::int(0, 0); INLINE_ARGS];
-        let mut heap = Vec::new();
-        let params: &mut [ParamValue<'_>] = if args.len() <= INLINE_ARGS {
-            &mut inline[..args.len()]
-        } else {
-            heap.resize(args.len(), ParamValue::int(0, 0));
-            &mut heap
-        };
-        for (slot, a) in params.iter_mut().zip(args) {
-            if let Some(b) = a.holder() {
-                check_device(dev, b)?;
-            }
-            *slot = a.value();
-        }
-        f.check_args(params)?;
-        for b in args.iter().filter_map(Arg::holder) {
-            self.use_block(b);
-        }
-        self.hold_function(f);
-        dev.context().bind()?;
+        *slot = a.value();
+    }
+    f.check_args(params)?;
+    for b in args.iter().filter_map(Arg::holder) {
+        q.use_block(b);
+    }
+    q.hold_function(f);
+    dev.context().bind()?;
+    let stream = q.stream_handle().raw_handle();
+    if pdl {
+        // SAFETY: arguments and shape were checked against `f` above; the memory and wait
+        // contracts are the caller's, and every passed buffer is kept alive and its reuse
+        // ordered by `use_block`.
+        module::launch_pdl(f, dims, params, stream)
+    } else {
         // SAFETY: arguments and shape were checked against `f` above; the memory contract is
-        // the caller's (this function's `# Safety`), and every passed buffer is kept alive and
-        // its reuse ordered by `use_block`.
-        module::launch(f, dims, params, self.stream_handle().raw_handle())
+        // the caller's (`Queue::launch`'s `# Safety`), and every passed buffer is kept alive
+        // and its reuse ordered by `use_block`.
+        module::launch(f, dims, params, stream)
     }
 }
 

@@ -19,8 +19,10 @@
 
 mod builder;
 pub mod cache;
+mod conditional;
 pub mod planner;
 mod static_io;
+mod topology;
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -37,6 +39,7 @@ pub use builder::{GraphBuilder, NodeId};
 pub use cache::{
     bucket_for, BatchModel, BucketPolicy, CacheOptions, CacheStats, EntryInfo, GraphCache, Served,
 };
+pub use conditional::ConditionalKind;
 pub use planner::{plan_capture_sizes, CapturePlan, GraphCost, SizeHistogram};
 pub use static_io::{Outputs, StaticGraph};
 
@@ -105,6 +108,15 @@ impl Keep {
             self.anchors.push(Arc::new(f.clone()));
         }
     }
+
+    /// Takes over everything `other` keeps (a conditional body's share of the graph).
+    fn merge(&mut self, other: Keep) {
+        for b in &other.held {
+            self.hold(b);
+        }
+        self.anchors.extend(other.anchors);
+        self.functions.extend(other.functions);
+    }
 }
 
 /// The stream handed to a capture closure. It implements [`Queue`] (allocate, launch, copy,
@@ -115,6 +127,15 @@ pub struct CaptureStream<'s> {
     pool: Pool,
     id: u64,
     keep: RefCell<Keep>,
+    /// Capture mode (conditional bodies are captured in the same mode).
+    mode: CaptureMode,
+    /// The stream the capture began on, and how deep in conditional bodies this stream is.
+    root_stream: u64,
+    depth: usize,
+    /// Set while this stream records a conditional body (see `conditional`).
+    scope: Option<RefCell<conditional::BodyScope>>,
+    /// Conditional nodes recorded so far, at every depth.
+    conds: RefCell<Vec<conditional::CondRecord>>,
 }
 
 impl fmt::Debug for CaptureStream<'_> {
@@ -147,7 +168,11 @@ impl Queue for CaptureStream<'_> {
     fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> {
         let alloc = self.pool.allocator();
         let a = alloc.allocate(bytes, self.pool.id(), 0)?;
-        Ok(BlockRef::from_allocation(alloc, a, 0, self.id))
+        let block = BlockRef::from_allocation(alloc, a, 0, self.id);
+        if let Some(scope) = &self.scope {
+            scope.borrow_mut().allocated(&block);
+        }
+        Ok(block)
     }
 
     fn use_block(&self, block: &Arc<BlockRef>) {
@@ -155,6 +180,11 @@ impl Queue for CaptureStream<'_> {
         // anything else (weights, static inputs in the default pool) is kept by the graph.
         if !block.is_in(&self.pool) {
             self.keep.borrow_mut().hold(block);
+        }
+        // Inside a conditional body, blocks from outside the body stay allocated until the
+        // body is recorded (a loop body reruns: its inputs must not be reused inside it).
+        if let Some(scope) = &self.scope {
+            scope.borrow_mut().used(block);
         }
     }
 
@@ -176,6 +206,9 @@ pub struct NodeCounts {
     pub host: usize,
     pub child_graph: usize,
     pub empty: usize,
+    /// Conditional (IF / WHILE) nodes; their bodies are counted in
+    /// [`GraphInfo::conditionals`].
+    pub conditional: usize,
     pub other: usize,
 }
 
@@ -190,6 +223,7 @@ impl NodeCounts {
                 3 => c.host += 1,
                 4 => c.child_graph += 1,
                 5 => c.empty += 1,
+                &t if t == raw::NODE_TYPE_CONDITIONAL => c.conditional += 1,
                 _ => c.other += 1,
             }
         }
@@ -203,6 +237,7 @@ impl NodeCounts {
             + self.host
             + self.child_graph
             + self.empty
+            + self.conditional
             + self.other
     }
 }
@@ -229,6 +264,20 @@ pub struct GraphInfo {
     pub capture_time: Duration,
     pub instantiate_time: Duration,
     pub memory: GraphMemory,
+    /// Conditional nodes at every depth, by kind, and the nodes inside their bodies.
+    pub conditionals: ConditionalCounts,
+    /// Programmatic (PDL) dependency edges, in the graph and in conditional bodies.
+    pub programmatic_edges: usize,
+}
+
+/// Conditional nodes of a graph (at any depth) and what their bodies hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConditionalCounts {
+    pub if_nodes: usize,
+    pub while_nodes: usize,
+    /// Nodes inside conditional bodies, nested bodies included (the conditional nodes of
+    /// nested conditionals among them).
+    pub body_nodes: NodeCounts,
 }
 
 /// The driver objects of a graph; every call on them goes through this mutex.
@@ -241,6 +290,8 @@ struct Exec {
 /// deferred-release list whole.
 struct Resources {
     exec: Exec,
+    /// Conditional nodes and their bodies (owned by `exec.graph`).
+    conds: Vec<conditional::CondRecord>,
     held: Vec<Arc<BlockRef>>,
     anchors: Vec<Anchor>,
     /// Keeps the pool's segments mapped while the graph exists.
@@ -454,6 +505,11 @@ impl Graph {
             pool: pool.clone(),
             id: CAPTURE_IDS.fetch_add(1, Ordering::Relaxed),
             keep: RefCell::new(Keep::default()),
+            mode: opts.mode,
+            root_stream: stream.handle.id(),
+            depth: 0,
+            scope: None,
+            conds: RefCell::new(Vec::new()),
         };
         let result = f(&cs);
         let ended = open.end();
@@ -470,6 +526,7 @@ impl Graph {
         let capture_time = t0.elapsed();
         let window = open.window.take().unwrap_or_default();
         let keep = cs.keep.into_inner();
+        let conds = cs.conds.into_inner();
         let memory = GraphMemory {
             pool: pool.id(),
             peak_allocated: window.peak_allocated,
@@ -481,8 +538,10 @@ impl Graph {
         if types.is_empty() {
             return Err(Error::EmptyCapture { at });
         }
-        let graph = Self::instantiate(&device, g, types, Some(pool), keep, capture_time, memory)
-            .map_err(wrap)?;
+        let mut graph =
+            Self::instantiate(&device, g, types, Some(pool), keep, capture_time, memory)
+                .map_err(wrap)?;
+        graph.adopt_conditionals(conds).map_err(wrap)?;
         if opts.upload {
             graph.upload(stream)?;
         }
@@ -505,6 +564,7 @@ impl Graph {
         Ok(Graph {
             res: Some(Mutex::new(Resources {
                 exec: Exec { graph: g, exec },
+                conds: Vec::new(),
                 held: keep.held,
                 anchors: keep.anchors,
                 _pin: pool.as_ref().map(Pool::pin),
@@ -518,6 +578,8 @@ impl Graph {
                 capture_time,
                 instantiate_time: t1.elapsed(),
                 memory,
+                conditionals: ConditionalCounts::default(),
+                programmatic_edges: 0,
             },
             replays: AtomicU64::new(0),
             rebinds: 0,
@@ -559,6 +621,11 @@ impl Graph {
         &mut self,
         pairs: &[(&DeviceBuffer<T>, &DeviceBuffer<T>)],
     ) -> Result<RebindOutcome> {
+        if self.info.nodes.conditional > 0 {
+            return Err(Error::InvalidGraph {
+                problem: "rebind cannot rewrite kernels inside conditional bodies, so graphs with conditional nodes cannot be rebound; copy into the graph's inputs or re-capture".into(),
+            });
+        }
         let mut remaps = Vec::with_capacity(pairs.len());
         for (old, new) in pairs {
             if old.len() != new.len() {

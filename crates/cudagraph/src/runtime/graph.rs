@@ -16,7 +16,7 @@ use super::context::{Context, RawContext};
 use super::module::{
     driver_params, known_param_sizes, Dims, Function, ParamValue, Params, RawFunction,
 };
-use super::result::{check, raw_handle};
+use super::result::{check, driver_has, raw_handle};
 use super::stream::RawStream;
 use crate::error::{Error, Result};
 
@@ -36,6 +36,11 @@ impl GraphHandle {
             raw: RawGraph(g),
             ctx: ctx.clone(),
         }
+    }
+
+    /// The raw graph (owned by `self`: do not destroy it).
+    pub(crate) fn raw(&self) -> RawGraph {
+        self.raw
     }
 
     /// A new, empty graph.
@@ -65,23 +70,7 @@ impl GraphHandle {
     #[track_caller]
     fn nodes(&self) -> Result<Vec<sys::CUgraphNode>> {
         self.ctx.bind()?;
-        let mut n = 0usize;
-        // SAFETY: with a null array the driver only writes the count.
-        check(
-            unsafe { sys::cuGraphGetNodes(self.raw.0, ptr::null_mut(), &mut n) },
-            "cuGraphGetNodes",
-        )?;
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let mut nodes = vec![ptr::null_mut(); n];
-        // SAFETY: the array has room for `n` nodes.
-        check(
-            unsafe { sys::cuGraphGetNodes(self.raw.0, nodes.as_mut_ptr(), &mut n) },
-            "cuGraphGetNodes",
-        )?;
-        nodes.truncate(n);
-        Ok(nodes)
+        nodes_of(self.raw)
     }
 
     /// The type code of every node (see `CUgraphNodeType`).
@@ -562,4 +551,374 @@ unsafe extern "C" fn host_trampoline(user: *mut c_void) {
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (f.0)())).is_err() {
         eprintln!("cudagraph: a host-function node panicked; the panic was caught");
     }
+}
+
+/// Every node of a live graph (the caller has bound the graph's context).
+#[track_caller]
+pub(crate) fn nodes_of(g: RawGraph) -> Result<Vec<sys::CUgraphNode>> {
+    let mut n = 0usize;
+    // SAFETY: with a null array the driver only writes the count.
+    check(
+        unsafe { sys::cuGraphGetNodes(g.0, ptr::null_mut(), &mut n) },
+        "cuGraphGetNodes",
+    )?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut nodes = vec![ptr::null_mut(); n];
+    // SAFETY: the array has room for `n` nodes.
+    check(
+        unsafe { sys::cuGraphGetNodes(g.0, nodes.as_mut_ptr(), &mut n) },
+        "cuGraphGetNodes",
+    )?;
+    nodes.truncate(n);
+    Ok(nodes)
+}
+
+/// The type code of every node of a live graph (see `CUgraphNodeType`), in [`nodes_of`] order.
+#[track_caller]
+pub(crate) fn node_types_of(g: RawGraph) -> Result<Vec<u32>> {
+    nodes_of(g)?
+        .into_iter()
+        .map(|node| Ok(node_type(node)? as u32))
+        .collect()
+}
+
+/// `CUgraphNodeType` code of conditional nodes.
+pub(crate) const NODE_TYPE_CONDITIONAL: u32 =
+    sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32;
+
+/// One dependency edge of a graph, as indices into [`nodes_of`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Edge {
+    pub from: usize,
+    pub to: usize,
+    /// A programmatic (PDL) edge: the successor kernel may start before the predecessor ends.
+    pub programmatic: bool,
+}
+
+/// The edges of a live graph with their types (`cuGraphGetEdges_v2`, CUDA 12.3+; on older
+/// drivers every edge is reported as a full dependency).
+#[track_caller]
+pub(crate) fn edges_of(g: RawGraph, nodes: &[sys::CUgraphNode]) -> Result<Vec<Edge>> {
+    let typed = driver_has("cuGraphGetEdges_v2");
+    let mut n = 0usize;
+    // SAFETY: with null arrays the driver only writes the count; the graph is live.
+    check(
+        unsafe {
+            if typed {
+                sys::cuGraphGetEdges_v2(
+                    g.0,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    &mut n,
+                )
+            } else {
+                cu_graph_get_edges_untyped(g.0, ptr::null_mut(), ptr::null_mut(), &mut n)
+            }
+        },
+        "cuGraphGetEdges",
+    )?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut from = vec![ptr::null_mut(); n];
+    let mut to = vec![ptr::null_mut(); n];
+    let blank = sys::CUgraphEdgeData {
+        from_port: 0,
+        to_port: 0,
+        type_: 0,
+        reserved: [0; 5],
+    };
+    let mut data = vec![blank; n];
+    // SAFETY: every array has room for `n` entries.
+    check(
+        unsafe {
+            if typed {
+                sys::cuGraphGetEdges_v2(
+                    g.0,
+                    from.as_mut_ptr(),
+                    to.as_mut_ptr(),
+                    data.as_mut_ptr(),
+                    &mut n,
+                )
+            } else {
+                cu_graph_get_edges_untyped(g.0, from.as_mut_ptr(), to.as_mut_ptr(), &mut n)
+            }
+        },
+        "cuGraphGetEdges",
+    )?;
+    let index = |node: sys::CUgraphNode| nodes.iter().position(|&x| x == node);
+    let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+    Ok((0..n.min(from.len()))
+        .filter_map(|i| {
+            Some(Edge {
+                from: index(from[i])?,
+                to: index(to[i])?,
+                programmatic: data[i].type_ == programmatic,
+            })
+        })
+        .collect())
+}
+
+/// `cuGraphGetEdges` (no edge data) looked up by name: cudarc's CUDA 13 bindings only have the
+/// `_v2` form, and drivers before 12.3 only this one.
+///
+/// # Safety
+/// As for the driver call: `g` is a live graph, and `from`/`to` are null or have room for
+/// `*n` nodes.
+unsafe fn cu_graph_get_edges_untyped(
+    g: sys::CUgraph,
+    from: *mut sys::CUgraphNode,
+    to: *mut sys::CUgraphNode,
+    n: *mut usize,
+) -> sys::CUresult {
+    type F = unsafe extern "C" fn(
+        sys::CUgraph,
+        *mut sys::CUgraphNode,
+        *mut sys::CUgraphNode,
+        *mut usize,
+    ) -> sys::CUresult;
+    // SAFETY: the symbol has this C signature in every driver that exports it.
+    match unsafe { sys::culib().get::<F>(b"cuGraphGetEdges") } {
+        // SAFETY: the caller's contract is the call's.
+        Ok(f) => unsafe { f(g, from, to, n) },
+        Err(_) => sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+    }
+}
+
+/// The type code of one node.
+#[track_caller]
+pub(crate) fn node_type_code(node: sys::CUgraphNode) -> Result<u32> {
+    Ok(node_type(node)? as u32)
+}
+
+/// The name of a kernel node's function, when the driver can tell (`cuFuncGetName`, 12.3+).
+pub(crate) fn kernel_node_name(node: sys::CUgraphNode) -> Option<String> {
+    if !driver_has("cuFuncGetName") {
+        return None;
+    }
+    // SAFETY: the struct holds only pointers and integers (no enums), so all-zero is a valid
+    // value; the driver fills it.
+    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: the caller passes a kernel node of a live graph.
+    if unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut p) } != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    if p.func.is_null() && !p.kern.is_null() {
+        // SAFETY: kern is the node's live kernel handle; writes one function.
+        if unsafe { sys::cuKernelGetFunction(&mut p.func, p.kern) } != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+    }
+    if p.func.is_null() {
+        return None;
+    }
+    let mut name: *const std::ffi::c_char = ptr::null();
+    // SAFETY: func is a live function; the driver writes a pointer to a string it owns.
+    if unsafe { sys::cuFuncGetName(&mut name, p.func) } != sys::CUresult::CUDA_SUCCESS
+        || name.is_null()
+    {
+        return None;
+    }
+    // SAFETY: a NUL-terminated string owned by the driver, alive as long as the function.
+    Some(
+        unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+/// What `cuStreamGetCaptureInfo` reports for a capturing stream, copied out (the driver's
+/// arrays are valid only until the next call on the stream).
+pub(crate) struct CaptureInfo {
+    /// The graph the stream captures into (owned by the capture, not by us).
+    pub graph: RawGraph,
+    pub deps: Vec<sys::CUgraphNode>,
+    /// Edge data of each dependency, when the driver reports any (else all default edges).
+    pub edges: Option<Vec<sys::CUgraphEdgeData>>,
+}
+
+/// The capture state of `s`, which must be capturing.
+#[track_caller]
+pub(crate) fn capture_info(s: RawStream) -> Result<CaptureInfo> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut id = 0u64;
+    let mut graph = ptr::null_mut();
+    let mut deps: *const sys::CUgraphNode = ptr::null();
+    let mut edges: *const sys::CUgraphEdgeData = ptr::null();
+    let mut n = 0usize;
+    // SAFETY: every out-pointer is valid for one write; the arrays the driver returns are read
+    // (copied) below before any other call on the stream.
+    check(
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                s.0,
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut n,
+            )
+        },
+        "cuStreamGetCaptureInfo",
+    )?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null() {
+        return Err(Error::InvalidGraph {
+            problem: format!(
+                "a conditional node needs a capturing stream, and the driver reports {status:?}"
+            ),
+        });
+    }
+    let deps_v = if n == 0 || deps.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: the driver returned `n` dependencies, valid until the next call on `s`.
+        unsafe { std::slice::from_raw_parts(deps, n) }.to_vec()
+    };
+    let edges_v = if n == 0 || edges.is_null() {
+        None
+    } else {
+        // SAFETY: non-null edge data has one entry per dependency, valid as above.
+        Some(unsafe { std::slice::from_raw_parts(edges, n) }.to_vec())
+    };
+    Ok(CaptureInfo {
+        graph: RawGraph(graph),
+        deps: deps_v,
+        edges: edges_v,
+    })
+}
+
+/// A conditional handle for a conditional node of `g` (the graph that will contain it). The
+/// value is set before every use by a kernel (no default assignment).
+#[track_caller]
+pub(crate) fn conditional_handle_create(g: RawGraph, ctx: &Context) -> Result<u64> {
+    let mut h: sys::CUgraphConditionalHandle = 0;
+    // SAFETY: g is the live graph of an open capture; writes one handle.
+    check(
+        unsafe { sys::cuGraphConditionalHandleCreate(&mut h, g.0, ctx.handle.raw.0, 0, 0) },
+        "cuGraphConditionalHandleCreate",
+    )?;
+    Ok(h)
+}
+
+/// IF (body runs once when the condition is non-zero) or WHILE (body repeats while it is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConditionalKind {
+    If,
+    While,
+}
+
+/// Adds a conditional node to `info.graph` after `info`'s dependencies and returns it with
+/// its body graph (owned by the node: never destroy it).
+#[track_caller]
+pub(crate) fn add_conditional_node(
+    info: &CaptureInfo,
+    handle: u64,
+    kind: ConditionalKind,
+    ctx: &Context,
+) -> Result<(RawNode, RawGraph)> {
+    // SAFETY: the struct is plain C data (integers, pointers and enums whose zero value is
+    // valid: KERNEL and IF); the fields the driver reads are set below.
+    let mut params: sys::CUgraphNodeParams = unsafe { std::mem::zeroed() };
+    params.type_ = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL;
+    params.__bindgen_anon_1.conditional = sys::CUDA_CONDITIONAL_NODE_PARAMS {
+        handle,
+        type_: match kind {
+            ConditionalKind::If => sys::CUgraphConditionalNodeType::CU_GRAPH_COND_TYPE_IF,
+            ConditionalKind::While => sys::CUgraphConditionalNodeType::CU_GRAPH_COND_TYPE_WHILE,
+        },
+        size: 1,
+        phGraph_out: ptr::null_mut(),
+        ctx: ctx.handle.raw.0,
+    };
+    let mut node = ptr::null_mut();
+    let edges = info.edges.as_ref().map_or(ptr::null(), |e| e.as_ptr());
+    // SAFETY: the graph is the live graph of an open capture, the dependencies are its nodes
+    // (copied from the driver a moment ago), `edges` is null or has one entry per dependency;
+    // the driver fills `phGraph_out` with an array it owns.
+    check(
+        unsafe {
+            sys::cuGraphAddNode_v2(
+                &mut node,
+                info.graph.0,
+                info.deps.as_ptr(),
+                edges,
+                info.deps.len(),
+                &mut params,
+            )
+        },
+        "cuGraphAddNode(conditional)",
+    )?;
+    // SAFETY: the conditional variant was written above and the driver filled its output.
+    let body = unsafe { params.__bindgen_anon_1.conditional.phGraph_out };
+    if body.is_null() {
+        return Err(Error::InvalidGraph {
+            problem: "the driver added a conditional node without a body graph".into(),
+        });
+    }
+    // SAFETY: `size` is 1, so the driver's array has one body graph.
+    Ok((RawNode(node), RawGraph(unsafe { *body })))
+}
+
+/// Makes `node` the only dependency of the next work captured on `s`.
+#[track_caller]
+pub(crate) fn set_capture_dependencies(s: RawStream, node: RawNode) -> Result<()> {
+    let mut n = node.0;
+    // SAFETY: `s` is capturing into the graph that holds `node`; one node, default edge.
+    check(
+        unsafe {
+            sys::cuStreamUpdateCaptureDependencies_v2(
+                s.0,
+                &mut n,
+                ptr::null(),
+                1,
+                sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES
+                    as u32,
+            )
+        },
+        "cuStreamUpdateCaptureDependencies",
+    )
+}
+
+/// Begins capturing `s` into the existing graph `g` (a conditional node's body).
+#[track_caller]
+pub(crate) fn begin_capture_to_graph(
+    s: RawStream,
+    g: RawGraph,
+    mode: crate::runtime::CaptureMode,
+) -> Result<()> {
+    // SAFETY: `s` is a live stream that is not capturing; `g` is a live body graph.
+    check(
+        unsafe {
+            sys::cuStreamBeginCaptureToGraph(s.0, g.0, ptr::null(), ptr::null(), 0, mode.raw())
+        },
+        "cuStreamBeginCaptureToGraph",
+    )
+}
+
+/// Ends a capture begun by [`begin_capture_to_graph`]. The graph stays owned by its node.
+#[track_caller]
+pub(crate) fn end_capture_to_graph(s: RawStream) -> Result<()> {
+    let mut g = ptr::null_mut();
+    // SAFETY: writes one graph handle, which we do not take ownership of.
+    check(
+        unsafe { sys::cuStreamEndCapture(s.0, &mut g) },
+        "cuStreamEndCapture(body)",
+    )
+}
+
+/// Whether the driver has every call conditional nodes captured from streams need.
+pub(crate) fn conditional_nodes_available() -> bool {
+    [
+        "cuGraphConditionalHandleCreate",
+        "cuGraphAddNode_v2",
+        "cuStreamGetCaptureInfo_v3",
+        "cuStreamUpdateCaptureDependencies_v2",
+        "cuStreamBeginCaptureToGraph",
+    ]
+    .iter()
+    .all(|s| driver_has(s))
 }

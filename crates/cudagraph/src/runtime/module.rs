@@ -660,6 +660,54 @@ pub(crate) unsafe fn launch(
     )
 }
 
+/// Launches `f` on `s` with programmatic stream serialization (programmatic dependent launch,
+/// sm_90+): the grid may begin while the previous kernel on the stream is still running, and
+/// inside a capture the dependency becomes a programmatic edge.
+///
+/// # Safety
+/// As for [`launch`]; in addition, `f` must execute `griddepcontrol.wait` before its first
+/// access to global memory (see [`crate::PDL_CUDA`]): until then the previous kernel may still
+/// be running, and memory it uses may not be reused yet.
+#[track_caller]
+pub(crate) unsafe fn launch_pdl(
+    f: &Function,
+    dims: Dims,
+    params: &[ParamValue<'_>],
+    s: RawStream,
+) -> Result<()> {
+    let mut p = Params::new(params);
+    // SAFETY: the attribute value is a plain C union; all-zero is a valid value, then the one
+    // field this attribute reads is set.
+    let mut value: sys::CUlaunchAttributeValue = std::mem::zeroed();
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let config = sys::CUlaunchConfig {
+        gridDimX: dims.grid.0,
+        gridDimY: dims.grid.1,
+        gridDimZ: dims.grid.2,
+        blockDimX: dims.block.0,
+        blockDimY: dims.block.1,
+        blockDimZ: dims.block.2,
+        sharedMemBytes: dims.shared_mem_bytes,
+        hStream: s.0,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    check(
+        sys::cuLaunchKernelEx(&config, f.raw.0, p.as_ptr(), ptr::null_mut()),
+        "cuLaunchKernelEx",
+    )
+}
+
+/// Whether the driver can launch with attributes (`cuLaunchKernelEx`, CUDA 11.8+).
+pub(crate) fn launch_ex_available() -> bool {
+    driver_has("cuLaunchKernelEx")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,7 +54,7 @@ pub enum CaptureMode {
 }
 
 impl CaptureMode {
-    fn raw(self) -> sys::CUstreamCaptureMode {
+    pub(crate) fn raw(self) -> sys::CUstreamCaptureMode {
         match self {
             CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
             CaptureMode::ThreadLocal => {

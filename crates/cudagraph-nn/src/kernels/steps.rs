@@ -1,0 +1,177 @@
+//! Launchers of the device-side training-step kernels (`steps.cu`, its own NVRTC module):
+//! the next batch from a resident dataset, the batches-left condition, and the finiteness
+//! check. Each checks every buffer against the extent its kernel indexes before launching.
+
+use std::sync::Arc;
+
+use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+
+use crate::error::{NnError, Result};
+
+/// The CUDA source of the module.
+pub const SOURCE: &str = include_str!("steps.cu");
+
+/// The step kernels of one device (a [`Device::extension`]).
+pub struct StepKernels {
+    gather: Function,
+    batches_left: Function,
+    check_finite: Function,
+}
+
+impl StepKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        Ok(device.extension(|d| {
+            // Relaxed capture mode: the first use may be inside a capture (module loading).
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_steps",
+                    &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
+                )
+            })?;
+            Ok(StepKernels {
+                gather: m.function("gather_batch")?,
+                batches_left: m.function("batches_left")?,
+                check_finite: m.function("check_finite")?,
+            })
+        })?)
+    }
+}
+
+fn short<T: cudagraph::Elem>(what: &'static str, buf: &DeviceBuffer<T>, need: usize) -> Result<()> {
+    if buf.len() < need {
+        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+            what,
+            expected: need,
+            got: buf.len(),
+        }));
+    }
+    Ok(())
+}
+
+fn int(what: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
+}
+
+fn mul(what: &'static str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| NnError::Shape(format!("{what}: {a} × {b} overflows")))
+}
+
+/// Launches a kernel of this module.
+///
+/// # Safety
+/// The caller checked every buffer against the extent the kernel indexes.
+unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
+    // SAFETY: the caller's promise; every kernel of steps.cu begins with CG_PDL_ENTER().
+    Ok(q.launch_with(f, cfg, args, super::pdl::options(q.device()))?)
+}
+
+impl StepKernels {
+    /// Copies batch `cursor[0] mod batches` (`rows` rows of `features` values) of the resident
+    /// `images`/`labels` into `x`/`y`, then advances the cursor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_batch(
+        &self,
+        q: &dyn Queue,
+        images: &DeviceBuffer<f32>,
+        labels: &DeviceBuffer<i32>,
+        x: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<i32>,
+        cursor: &DeviceBuffer<u32>,
+        batches: usize,
+        rows: usize,
+        features: usize,
+    ) -> Result<()> {
+        if batches == 0 || rows == 0 {
+            return Err(NnError::Shape(format!(
+                "gather_batch: {batches} batches of {rows} rows"
+            )));
+        }
+        let batch = mul("batch", rows, features)?;
+        short(
+            "resident images",
+            images,
+            mul("resident images", batches, batch)?,
+        )?;
+        short(
+            "resident labels",
+            labels,
+            mul("resident labels", batches, rows)?,
+        )?;
+        short("batch input", x, batch)?;
+        short("batch targets", y, rows)?;
+        short("batch cursor", cursor, 1)?;
+        int("batches · rows", mul("batches · rows", batches, rows)?)?;
+        // SAFETY: one block; b < batches (the kernel takes the cursor modulo batches) reads
+        // images[(b·rows)·features + i] for i < rows·features, below batches·rows·features,
+        // and labels[b·rows + i] for i < rows, below batches·rows (both checked); writes x below
+        // rows·features and y below rows (checked); reads and writes cursor[0].
+        unsafe {
+            launch(
+                q,
+                &self.gather,
+                LaunchConfig::linear(1, 1024),
+                &[
+                    images.into(),
+                    labels.into(),
+                    x.into(),
+                    y.into(),
+                    cursor.into(),
+                    Arg::I32(int("batches", batches)?),
+                    Arg::I32(int("rows", rows)?),
+                    Arg::I32(int("features", features)?),
+                ],
+            )
+        }
+    }
+
+    /// `cond[0] = cursor[0] < batches`.
+    pub fn batches_left(
+        &self,
+        q: &dyn Queue,
+        cursor: &DeviceBuffer<u32>,
+        batches: usize,
+        cond: &DeviceBuffer<u32>,
+    ) -> Result<()> {
+        short("batch cursor", cursor, 1)?;
+        short("loop condition", cond, 1)?;
+        // SAFETY: one thread reads cursor[0] and writes cond[0] (both checked).
+        unsafe {
+            launch(
+                q,
+                &self.batches_left,
+                LaunchConfig::linear(1, 1),
+                &[
+                    cursor.into(),
+                    Arg::I32(int("batches", batches)?),
+                    cond.into(),
+                ],
+            )
+        }
+    }
+
+    /// `flag[0] = 0` when any of `x` is NaN or infinite (left as it is otherwise).
+    pub fn check_finite(
+        &self,
+        q: &dyn Queue,
+        x: &DeviceBuffer<f32>,
+        flag: &DeviceBuffer<u32>,
+    ) -> Result<()> {
+        short("finite flag", flag, 1)?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let n = i64::try_from(x.len())
+            .map_err(|_| NnError::Shape("check_finite: too many elements".into()))?;
+        // SAFETY: i < n = x.len() reads x[i]; one write of flag[0] (checked).
+        unsafe {
+            launch(
+                q,
+                &self.check_finite,
+                LaunchConfig::for_elements(x.len(), 256),
+                &[x.into(), Arg::I64(n), flag.into()],
+            )
+        }
+    }
+}
