@@ -41,6 +41,7 @@ pub mod kernels;
 pub mod layers;
 pub mod ops;
 pub mod optim;
+pub mod schedule;
 pub mod tensor;
 
 pub use batched::Batched;
@@ -51,5 +52,6 @@ pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 pub use ops::{
     conv2d, cross_entropy, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
 };
-pub use optim::{Adam, Optimizer, Sgd};
+pub use optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
+pub use schedule::Schedule;
 pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

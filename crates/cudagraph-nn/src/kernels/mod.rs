@@ -14,6 +14,9 @@ use cudagraph::{args, register_check, Arg, Device, DeviceBuffer, Function, Launc
 use crate::blas::Blas;
 use crate::error::{NnError, Result};
 
+pub mod losses;
+pub mod optim_mt;
+
 /// The CUDA source of every NN kernel (one NVRTC module).
 pub const SOURCE: &str = concat!(
     include_str!("common.cu"),
