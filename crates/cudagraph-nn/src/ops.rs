@@ -178,7 +178,15 @@ pub fn mse_loss(
     } else {
         None
     };
-    k.mse(q, pred.data(), target.data(), grad.as_deref(), &loss, n, scale)?;
+    k.mse(
+        q,
+        pred.data(),
+        target.data(),
+        grad.as_deref(),
+        &loss,
+        n,
+        scale,
+    )?;
     let Some(grad) = grad else {
         return Ok(Tensor::from_op(loss, vec![1], None));
     };

@@ -80,7 +80,8 @@ impl Term {
             Term::Exponential { gamma } => lr * ipow(gamma, t),
             Term::Cosine { t_max, eta_min } => {
                 eta_min
-                    + (lr - eta_min) * (1.0 + (std::f64::consts::PI * t as f64 / t_max as f64).cos())
+                    + (lr - eta_min)
+                        * (1.0 + (std::f64::consts::PI * t as f64 / t_max as f64).cos())
                         / 2.0
             }
             Term::Linear {
@@ -334,7 +335,11 @@ mod tests {
         let s = Schedule::step_lr(3, 0.5).unwrap();
         for t in 0..12u32 {
             let want = 0.1 * 0.5f64.powi((t / 3) as i32);
-            assert!(close(s.lr(0.1, t), want), "t {t}: {} vs {want}", s.lr(0.1, t));
+            assert!(
+                close(s.lr(0.1, t), want),
+                "t {t}: {} vs {want}",
+                s.lr(0.1, t)
+            );
         }
     }
 
@@ -378,12 +383,14 @@ mod tests {
             .unwrap();
         let want = [0.5, 0.75, 1.0, 0.1, 0.1, 0.1, 0.01];
         for (t, w) in want.iter().enumerate() {
-            assert!(close(s.lr(1.0, t as u32), *w), "t {t}: {}", s.lr(1.0, t as u32));
+            assert!(
+                close(s.lr(1.0, t as u32), *w),
+                "t {t}: {}",
+                s.lr(1.0, t as u32)
+            );
         }
         // A chain inside a sequence keeps each term's origin.
-        let seq = Schedule::constant()
-            .then(10, s.clone())
-            .unwrap();
+        let seq = Schedule::constant().then(10, s.clone()).unwrap();
         assert_eq!(seq.lr(1.0, 9), 1.0);
         for t in 0..7u32 {
             assert_eq!(seq.lr(1.0, 10 + t), s.lr(1.0, t));
@@ -398,14 +405,22 @@ mod tests {
         assert!(Schedule::exponential(f64::NAN).is_err());
         assert!(Schedule::factor(f64::INFINITY).is_err());
         assert!(Schedule::constant()
-            .then(u32::MAX, Schedule::step_lr(1, 0.5).unwrap().then(5, Schedule::constant()).unwrap())
+            .then(
+                u32::MAX,
+                Schedule::step_lr(1, 0.5)
+                    .unwrap()
+                    .then(5, Schedule::constant())
+                    .unwrap()
+            )
             .is_err());
         let mut s = Schedule::constant();
         for i in 1..MAX_PHASES as u32 {
             s = s.then(i * 10, Schedule::constant()).unwrap();
         }
         assert!(s.clone().then(1000, Schedule::constant()).is_err());
-        let five = (0..4).try_fold(Schedule::factor(0.5).unwrap(), |a, _| a.chain(Schedule::factor(0.5).unwrap()));
+        let five = (0..4).try_fold(Schedule::factor(0.5).unwrap(), |a, _| {
+            a.chain(Schedule::factor(0.5).unwrap())
+        });
         assert!(five.is_err());
     }
 
@@ -425,7 +440,10 @@ mod tests {
         assert_eq!((u(8), u(12)), (0, 1));
         assert_eq!((u(16), u(20), f(24), f(32), f(40)), (4, 0, 0.2, 1.0, 5.0));
         assert_eq!((u(p1), u(p1 + 4)), (5, 1));
-        assert_eq!((u(p1 + 8), u(p1 + 12), f(p1 + 16), f(p1 + 24)), (1, 5, 7.0, 0.5));
+        assert_eq!(
+            (u(p1 + 8), u(p1 + 12), f(p1 + 16), f(p1 + 24)),
+            (1, 5, 7.0, 0.5)
+        );
     }
 
     #[test]

@@ -9,7 +9,9 @@
 
 use std::sync::Arc;
 
-use cudagraph::{register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt};
+use cudagraph::{
+    register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt,
+};
 
 use super::{int, long, need, prod};
 use crate::error::{NnError, Result};
@@ -97,7 +99,14 @@ impl LossKernels {
     }
 
     /// `out[0] = scale · Σ v[0..count)` in one block, fixed order.
-    fn sum_scaled(&self, q: &dyn Queue, v: &Buf, count: usize, out: &Buf, scale: f32) -> Result<()> {
+    fn sum_scaled(
+        &self,
+        q: &dyn Queue,
+        v: &Buf,
+        count: usize,
+        out: &Buf,
+        scale: f32,
+    ) -> Result<()> {
         need("loss partial sums", v, count)?;
         need("loss output", out, 1)?;
         // SAFETY: one block reads v[0..count) (checked) and writes out[0] (checked).
@@ -106,7 +115,12 @@ impl LossKernels {
                 q,
                 &self.sum_scaled,
                 LaunchConfig::linear(1, BLOCK),
-                &[v.into(), Arg::I32(int("count", count)?), out.into(), scale.into()],
+                &[
+                    v.into(),
+                    Arg::I32(int("count", count)?),
+                    out.into(),
+                    scale.into(),
+                ],
             )
         }
     }
@@ -181,7 +195,9 @@ impl LossKernels {
         if n == 0 {
             return Ok(());
         }
-        let blocks = n.div_ceil(4 * BLOCK as usize).clamp(1, self.sms.max(1) as usize * 8);
+        let blocks = n
+            .div_ceil(4 * BLOCK as usize)
+            .clamp(1, self.sms.max(1) as usize * 8);
         // SAFETY: threads touch g below n (checked) and read s[0] (checked).
         unsafe {
             super::launch(
@@ -247,7 +263,11 @@ impl LossKernels {
                     targets.into(),
                     Arg::opt(grad),
                     Arg::opt(row_loss.as_ref()),
-                    if plan.two_pass { Arg::NULL } else { loss.into() },
+                    if plan.two_pass {
+                        Arg::NULL
+                    } else {
+                        loss.into()
+                    },
                     Arg::I32(ri),
                     Arg::I32(ci),
                     inv_rows.into(),

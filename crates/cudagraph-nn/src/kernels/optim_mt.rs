@@ -114,7 +114,11 @@ pub fn build_tables<const D: usize>(
 }
 
 fn layout<const D: usize>(group: &[&TableEntry<D>], chunk: u32, cap_large: usize) -> Result<Table> {
-    let cap = if group.len() <= CAP_S { CAP_S } else { cap_large };
+    let cap = if group.len() <= CAP_S {
+        CAP_S
+    } else {
+        cap_large
+    };
     let mut b = vec![0u8; table_bytes(D, cap)];
     let n_at = D * cap * 8;
     let chunk0_at = n_at + 8 * cap;
@@ -417,13 +421,23 @@ mod tests {
         assert_eq!(table_bytes(3, CAP_S), 2568);
         assert_eq!(table_bytes(4, CAP_S), 3080);
         assert_eq!(table_bytes(4, CAP_L), 24584);
-        assert!(table_bytes(4, CAP_S) <= 4096, "small tables fit the classic 4 KB");
-        assert!(table_bytes(4, CAP_L) <= 32764, "large tables fit CUDA 12.1's limit");
+        assert!(
+            table_bytes(4, CAP_S) <= 4096,
+            "small tables fit the classic 4 KB"
+        );
+        assert!(
+            table_bytes(4, CAP_L) <= 32764,
+            "large tables fit CUDA 12.1's limit"
+        );
     }
 
     #[test]
     fn tables_hold_pointers_counts_prefix_sums_and_slots() {
-        let es: Vec<_> = [1u64, 1024, 1025, 0, 7].iter().enumerate().map(|(i, &n)| entry(i as u64 + 1, n)).collect();
+        let es: Vec<_> = [1u64, 1024, 1025, 0, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| entry(i as u64 + 1, n))
+            .collect();
         let t = build_tables(&es, 1024, CAP_L).unwrap();
         assert_eq!(t.len(), 1);
         let t = &t[0];
@@ -460,13 +474,21 @@ mod tests {
     fn many_tensors_split_into_as_few_tables_as_the_capacity_allows() {
         let es: Vec<_> = (0..1060u64).map(|i| entry(i + 1, 3 + i % 5)).collect();
         let t = build_tables(&es, 4096, CAP_L).unwrap();
-        assert_eq!(t.iter().map(|t| t.count).collect::<Vec<_>>(), vec![512, 512, 36]);
-        assert_eq!(t.iter().map(|t| t.cap).collect::<Vec<_>>(), vec![CAP_L, CAP_L, CAP_S]);
+        assert_eq!(
+            t.iter().map(|t| t.count).collect::<Vec<_>>(),
+            vec![512, 512, 36]
+        );
+        assert_eq!(
+            t.iter().map(|t| t.cap).collect::<Vec<_>>(),
+            vec![CAP_L, CAP_L, CAP_S]
+        );
         assert!(t.iter().all(|t| t.chunks as usize == t.count)); // one chunk each
-        // Without 32 KB parameters: tables of 64.
+                                                                 // Without 32 KB parameters: tables of 64.
         let t = build_tables(&es, 4096, CAP_S).unwrap();
         assert_eq!(t.len(), 1060usize.div_ceil(64));
-        assert!(t.iter().all(|t| t.cap == CAP_S && t.bytes.len() == table_bytes(4, CAP_S)));
+        assert!(t
+            .iter()
+            .all(|t| t.cap == CAP_S && t.bytes.len() == table_bytes(4, CAP_S)));
     }
 
     #[test]
