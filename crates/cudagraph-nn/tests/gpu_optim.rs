@@ -705,3 +705,111 @@ fn optimizers_reject_bad_configurations() {
     assert_eq!(s.to_vec(p.data()).unwrap(), vec![1.0, 2.0]);
     assert_eq!(opt.hyperparameters().unwrap().step_count(&s).unwrap(), 1);
 }
+
+#[test]
+fn graph_cache_staged_run_into_and_measured_choice_match_eager() {
+    use cudagraph::graph::cache::{choose, Choice, Selection};
+    use cudagraph::{BucketPolicy, CacheOptions, GraphCache, QueueExt, Served};
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(1000);
+    let model = Sequential::new(vec![
+        Layer::Linear(Linear::new(&s, 64, 32, &mut rng).unwrap()),
+        Layer::ReLU,
+        Layer::Linear(Linear::new(&s, 32, 10, &mut rng).unwrap()),
+    ]);
+    let eager = |s: &Stream, xh: &[f32], rows: usize| {
+        no_grad(|| model.forward(s, &Tensor::from_host(s, xh, &[rows, 64]).unwrap()))
+            .unwrap()
+            .to_vec(s)
+            .unwrap()
+    };
+    for selection in [Selection::Graph, Selection::Measure] {
+        let batched = Batched {
+            module: model.clone(),
+            row_shape: vec![64],
+            output_row: 10,
+        };
+        let opts = CacheOptions {
+            selection,
+            ..CacheOptions::default()
+        };
+        let mut cache =
+            GraphCache::new(&mut s, batched, BucketPolicy::Sizes(vec![1, 4, 16]), opts).unwrap();
+        for e in cache.entries() {
+            match selection {
+                Selection::Graph => {
+                    assert_eq!(
+                        (e.choice, e.graph_us, e.eager_us),
+                        (Choice::Graph, None, None)
+                    )
+                }
+                Selection::Measure => {
+                    let (g, x) = (e.graph_us.unwrap(), e.eager_us.unwrap());
+                    assert!(g > 0.0 && x > 0.0);
+                    assert_eq!(e.choice, choose(g, x));
+                }
+            }
+        }
+        let choice_of = |cache: &GraphCache<Batched<Sequential>>, size: usize| {
+            cache
+                .entries()
+                .iter()
+                .find(|e| e.size == size)
+                .unwrap()
+                .choice
+        };
+        let out = s.alloc::<f32>(20 * 10).unwrap();
+        // 16 rows first, so later padded requests see stale rows in the static input.
+        for rows in [16usize, 3, 1, 4, 7, 20, 16, 2] {
+            let xh = rng.vec_normal(rows * 64);
+            let want = eager(&s, &xh, rows);
+            let bucket = [1usize, 4, 16].into_iter().find(|&b| b >= rows);
+            // Every size was captured (and measured) up front, so the way is known.
+            let want_served = match bucket {
+                None => Served::Fallback,
+                Some(b) => match choice_of(&cache, b) {
+                    Choice::Eager => Served::Eager { size: b },
+                    Choice::Graph if b == rows => Served::Exact { size: b },
+                    Choice::Graph => Served::Padded {
+                        size: b,
+                        padded_rows: b - rows,
+                    },
+                },
+            };
+            let expect = |served: Served| assert_eq!(served, want_served, "{rows} rows");
+            // Staged: the producer writes straight into the static input.
+            let st = cache.stage(&s, rows).unwrap();
+            assert_eq!(st.input().len(), rows * 64);
+            s.copy_from_host(&xh, st.input()).unwrap();
+            let (o, served) = st.run(&mut s).unwrap();
+            let got = o.to_vec(&s).unwrap();
+            assert!(
+                rel_err(&got, &to_f64(&want)) < 1e-5,
+                "staged {rows}: {served:?}"
+            );
+            expect(served);
+            // run_into and run from a caller's buffer.
+            let x = s.alloc_from_host(&xh).unwrap();
+            let served = cache.run_into(&mut s, &x, rows, &out).unwrap();
+            let got = s.to_vec(&out.prefix(rows * 10).unwrap()).unwrap();
+            assert!(rel_err(&got, &to_f64(&want)) < 1e-5, "run_into {rows}");
+            expect(served);
+            let (o, served) = cache.run(&mut s, &x, rows).unwrap();
+            assert!(
+                rel_err(&s.to_vec(&o).unwrap(), &to_f64(&want)) < 1e-5,
+                "run {rows}"
+            );
+            expect(served);
+        }
+        let st = *cache.stats();
+        assert_eq!(st.requests, 24);
+        assert_eq!(st.exact + st.padded + st.eager + st.fallbacks, 24);
+        assert_eq!(st.fallbacks, 3);
+        // An output buffer too small for the rows is refused before anything runs.
+        let x = s.alloc_from_host(&rng.vec_normal(4 * 64)).unwrap();
+        assert!(cache
+            .run_into(&mut s, &x, 4, &out.prefix(39).unwrap())
+            .is_err());
+    }
+}
