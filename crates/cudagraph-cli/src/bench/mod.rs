@@ -5,4 +5,5 @@ pub mod cache;
 pub mod chain;
 pub mod gemm;
 pub mod rebind;
+pub mod sweep;
 pub mod workloads;
