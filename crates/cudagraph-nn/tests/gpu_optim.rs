@@ -247,9 +247,9 @@ fn adam_counts_steps_per_parameter_like_pytorch() {
     let mut opt = Adam::new(&s, vec![a.clone(), b.clone()], 0.01, 0.0, false).unwrap();
     for step in 0..3 {
         opt.zero_grad(&s, true).unwrap();
-        set_grads(&s, &[a.clone()], &[ta.clone()]);
+        set_grads(&s, std::slice::from_ref(&a), std::slice::from_ref(&ta));
         if step != 1 {
-            set_grads(&s, &[b.clone()], &[tb.clone()]);
+            set_grads(&s, std::slice::from_ref(&b), std::slice::from_ref(&tb));
         }
         opt.step(&s).unwrap();
     }

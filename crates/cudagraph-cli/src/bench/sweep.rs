@@ -249,7 +249,7 @@ pub fn optimizer_bytes(opt: OptKind, elements: u64) -> u64 {
 
 /// Replays needed to fill `sample_ms` at `est_us` per replay (at least one, at most 2000).
 pub fn iters_for(sample_ms: f64, est_us: f64) -> usize {
-    if !(est_us > 0.0) {
+    if est_us.is_nan() || est_us <= 0.0 {
         return 1;
     }
     ((sample_ms * 1000.0 / est_us).round() as usize).clamp(1, 2000)

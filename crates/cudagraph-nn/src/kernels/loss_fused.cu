@@ -44,7 +44,7 @@ __device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool r
 
 // One warp per row (8 rows per 256-thread block). With `loss` set (a single block), the block
 // also writes the mean; otherwise each row's loss goes to row_loss[r].
-extern "C" __global__ void ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
         float* loss, int rows, int cols, float inv_rows, unsigned int* flag, unsigned int check) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     float acc = 0.0f;
@@ -76,7 +76,7 @@ extern "C" __global__ void ce_fwd_warp(const float* z, const int* tgt, float* gr
 }
 
 // One block per row, for wide rows (tens of thousands of classes).
-extern "C" __global__ void ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
         float* loss, int rows, int cols, float inv_rows, unsigned int* flag, unsigned int check) {
     __shared__ float wm[32], ws[32];
     __shared__ float row_m, row_s;
@@ -120,7 +120,7 @@ extern "C" __global__ void ce_fwd_block(const float* z, const int* tgt, float* g
 }
 
 // out[0] = scale * (sum of v[0..count)), one block, fixed order.
-extern "C" __global__ void sum_scaled(const float* v, int count, float* out, float scale) {
+extern "C" __global__ void __launch_bounds__(1024) sum_scaled(const float* v, int count, float* out, float scale) {
     float acc = 0.0f;
     for (int i = threadIdx.x; i < count; i += blockDim.x) acc += v[i];
     acc = block_sum(acc);
@@ -135,7 +135,7 @@ __device__ __forceinline__ float mse_one(float p, float t, float* g, float two_s
 
 // Partial sums of (p - t)^2 per block (into partial[blockIdx.x], or scale * sum into loss[0]
 // when `loss` is set and the grid is one block); grad[i] = 2·scale·(p[i] - t[i]) when given.
-extern "C" __global__ void mse_fwd(const float* p, const float* t, float* grad, float* partial, float* loss,
+extern "C" __global__ void __launch_bounds__(1024) mse_fwd(const float* p, const float* t, float* grad, float* partial, float* loss,
         long long n, float scale) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;

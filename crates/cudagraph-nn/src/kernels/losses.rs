@@ -317,7 +317,7 @@ mod tests {
         assert_eq!(p.grid, 128); // a block per row
         let p = ce_plan(1 << 20, 50000, 132);
         assert_eq!(p.grid, 132 * 16); // grid-stride beyond that
-        assert_eq!(ce_plan(3, 1025, 132).warp_rows, false);
+        assert!(!ce_plan(3, 1025, 132).warp_rows);
     }
 
     #[test]

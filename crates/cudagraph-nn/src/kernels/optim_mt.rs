@@ -292,6 +292,7 @@ impl OptimKernels {
 
     /// One Adam (or, `decoupled`, AdamW) update of every tensor, PyTorch's fused rule; the
     /// step number of tensor `i` is `steps[slot_i] + 1` and is advanced by the launch.
+    #[allow(clippy::too_many_arguments)]
     pub fn adam(
         &self,
         q: &dyn Queue,
