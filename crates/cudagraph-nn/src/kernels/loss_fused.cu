@@ -57,6 +57,9 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, co
             const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
             ms_merge(m, s, m2, s2);
         }
+        // Lanes merged in different orders: use lane 0's result everywhere.
+        m = __shfl_sync(0xffffffffu, m, 0);
+        s = __shfl_sync(0xffffffffu, s, 0);
         const int t = ce_target(tgt, r, cols, lane == 0, flag, check);
         if (grad != 0) {
             float* gr = grad + (long long)r * cols;
