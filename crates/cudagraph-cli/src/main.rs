@@ -85,6 +85,8 @@ enum BenchCommand {
     /// Load on `cudagraph serve` (in process): N clients, random request sizes, fixed time;
     /// throughput and latency percentiles, graph vs eager, every answer checked.
     Serve(bench::serve::ServeBenchArgs),
+    /// Shapes beyond the seeds, graphed forward and training (beside bench/pytorch_sweep.py).
+    Sweep(bench::sweep::SweepArgs),
 }
 
 fn main() -> ExitCode {
@@ -101,6 +103,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             Some(BenchCommand::Soak(args)) => bench::soak::run(cli.device, &args),
             Some(BenchCommand::Serve(args)) => bench::serve::run(cli.device, &args),
+            Some(BenchCommand::Sweep(args)) => bench::sweep::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),

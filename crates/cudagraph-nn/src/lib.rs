@@ -43,6 +43,7 @@ pub mod layers;
 pub mod ops;
 pub mod optim;
 pub mod rng;
+pub mod schedule;
 pub mod serving;
 pub mod steps;
 pub mod tensor;
@@ -57,8 +58,10 @@ pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 pub use ops::{
     conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
 };
-pub use optim::{Adam, Optimizer, Sgd};
+
+pub use optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
 pub use rng::{rand, randn, Generator};
+pub use schedule::Schedule;
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};
 pub use steps::{step_if_finite, DeviceBatches};
 pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

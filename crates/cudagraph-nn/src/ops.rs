@@ -9,8 +9,9 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use crate::blas::Trans;
 use crate::error::{NnError, Result};
 use crate::gemm::{engine_from_env, gemm};
+use crate::kernels::losses::LossKernels;
 use crate::kernels::{ConvGeom, Nn};
-use crate::tensor::{Node, Tensor};
+use crate::tensor::{grad_enabled, Node, Tensor};
 
 fn shape_err<T>(msg: String) -> Result<T> {
     Err(NnError::Shape(msg))
@@ -148,6 +149,10 @@ pub enum Reduction {
 }
 
 /// Squared error between `pred` and `target` (same shape), summed or averaged.
+///
+/// One pass computes the loss and, when it will be differentiated, the gradient with respect
+/// to `pred` (saved in the autograd node); the backward pass only scales that gradient by the
+/// upstream one, in place. The target gets no gradient.
 pub fn mse_loss(
     q: &dyn Queue,
     pred: &Tensor,
@@ -161,30 +166,46 @@ pub fn mse_loss(
             target.shape()
         ));
     }
-    let nn = Nn::get(q.device())?;
+    let k = LossKernels::get(q.device())?;
     let n = pred.numel();
     let scale = match reduction {
         Reduction::Sum => 1.0,
         Reduction::Mean => 1.0 / n.max(1) as f32,
     };
     let loss = alloc(q, 1)?;
-    nn.mse(q, pred.data(), target.data(), &loss, n, scale)?;
-    let (p, t) = (pred.data_arc().clone(), target.data_arc().clone());
+    let grad = if grad_enabled() && pred.requires_grad() {
+        Some(Arc::new(alloc(q, n)?))
+    } else {
+        None
+    };
+    k.mse(
+        q,
+        pred.data(),
+        target.data(),
+        grad.as_deref(),
+        &loss,
+        n,
+        scale,
+    )?;
+    let Some(grad) = grad else {
+        return Ok(Tensor::from_op(loss, vec![1], None));
+    };
     let shape = pred.shape().to_vec();
     let node = Node {
         inputs: vec![pred.clone(), target.clone()],
         name: "mse_loss",
-        backward: Box::new(move |q, nn, g| {
-            let dp = alloc(q, n)?;
-            nn.mse_bwd(q, &p, &t, g.data(), &dp, n, scale)?;
-            Ok(vec![Some(tensor(dp, &shape)?), None])
+        backward: Box::new(move |q, _nn, g| {
+            LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), n)?;
+            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &shape)?), None])
         }),
     };
     Ok(Tensor::from_op(loss, vec![1], Some(node)))
 }
 
 /// Softmax cross-entropy of `logits: [m, c]` against class indices `targets: [m]`, mean over
-/// rows.
+/// rows. Row-parallel for any number of classes; the gradient `(softmax − onehot) / m` is
+/// computed in the same pass when the loss will be differentiated, and the backward pass only
+/// scales it by the upstream gradient, in place.
 ///
 /// Targets must lie in `[0, c)`. The kernel cannot return an error, so a target outside that
 /// range is clamped (nothing outside the logits is read) and raises the device's error flag:
@@ -204,18 +225,24 @@ pub fn cross_entropy(
         ));
     }
     let (m, c) = (s[0], s[1]);
-    let nn = Nn::get(q.device())?;
-    let probs = Arc::new(alloc(q, crate::tensor::numel_checked(&[m, c])?)?);
+    let k = LossKernels::get(q.device())?;
+    let mc = crate::tensor::numel_checked(&[m, c])?;
     let loss = alloc(q, 1)?;
-    nn.ce_fwd(q, logits.data(), targets, &probs, &loss, m, c)?;
-    let tg = targets.clone();
+    let grad = if grad_enabled() && logits.requires_grad() {
+        Some(Arc::new(alloc(q, mc)?))
+    } else {
+        None
+    };
+    k.cross_entropy(q, logits.data(), targets, grad.as_deref(), &loss, m, c)?;
+    let Some(grad) = grad else {
+        return Ok(Tensor::from_op(loss, vec![1], None));
+    };
     let node = Node {
         inputs: vec![logits.clone()],
         name: "cross_entropy",
-        backward: Box::new(move |q, nn, g| {
-            let dz = alloc(q, m * c)?;
-            nn.ce_bwd(q, &probs, &tg, g.data(), &dz, m, c)?;
-            Ok(vec![Some(tensor(dz, &[m, c])?)])
+        backward: Box::new(move |q, _nn, g| {
+            LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), mc)?;
+            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &[m, c])?)])
         }),
     };
     Ok(Tensor::from_op(loss, vec![1], Some(node)))

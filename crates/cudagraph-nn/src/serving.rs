@@ -632,7 +632,7 @@ impl ModelRunner {
                 match served {
                     Served::Exact { .. } => (y, 0, true),
                     Served::Padded { padded_rows, .. } => (y, padded_rows, true),
-                    Served::Fallback => (y, 0, false),
+                    Served::Fallback | Served::Eager { .. } => (y, 0, false),
                 }
             }
             Mode::Eager(model) => (model.forward(&self.stream, &x, rows)?, 0, false),

@@ -50,10 +50,11 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use graph::{
-    bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
-    CaptureOptions, CapturePlan, CaptureStream, ConditionalCounts, ConditionalKind, Graph,
-    GraphBuilder, GraphCache, GraphCost, GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs,
-    RebindOutcome, Served, SizeHistogram, StaticGraph,
+    bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheOutput,
+    CacheStats, CaptureOptions, CapturePlan, CaptureStream, Choice, ConditionalCounts,
+    ConditionalKind, Graph, GraphBuilder, GraphCache, GraphCost, GraphInfo, GraphMemory,
+    NodeCounts, NodeId, Outputs, RebindOutcome, Selection, Served, SizeHistogram, Staged,
+    StaticGraph,
 };
 pub use ids::PoolId;
 pub use interop::{cudarc_stream, CudarcSlice};

@@ -1,14 +1,18 @@
 //! `cudagraph bench cache`: the seed MLP served at random batch sizes 1–256, per request:
-//! eager, through a [`GraphCache`] (vLLM-style buckets, padding), and — in
-//! bench/pytorch_baseline.py — PyTorch's dict-of-graphs pattern from seed 002 (exact sizes
-//! 1/4/16/32 graphed, everything else eager). Also prints the planner's choice of capture sizes
-//! for the recorded request histogram.
+//! eager, and through a [`GraphCache`] (vLLM-style buckets, padding) in its three ways —
+//! staged (the request produced straight into the static input, outputs borrowed; graph or
+//! eager chosen per bucket by measurement, and graphs only), `run_into` and `run` (copies in
+//! and out) — and, in bench/pytorch_baseline.py, PyTorch's dict-of-graphs pattern from seed
+//! 002 (exact sizes 1/4/16/32 graphed, everything else eager). Also prints each bucket's
+//! measured choice and the planner's choice of capture sizes for the request histogram.
 
 use std::time::Instant;
 
 use clap::Args;
+use cudagraph::graph::cache::{Choice, Selection};
 use cudagraph::{
-    plan_capture_sizes, BucketPolicy, CacheOptions, Device, GraphCache, GraphCost, SizeHistogram,
+    plan_capture_sizes, BatchModel, BucketPolicy, CacheOptions, Device, GraphCache, GraphCost,
+    QueueExt, SizeHistogram, Stream,
 };
 use cudagraph_nn::{no_grad, Batched, Module, Rng, Tensor};
 use serde::Serialize;
@@ -44,14 +48,37 @@ pub fn request_sizes(n: usize) -> Vec<usize> {
 }
 
 #[derive(Serialize)]
+struct BucketRow {
+    size: usize,
+    choice: String,
+    graph_us: Option<f64>,
+    eager_us: Option<f64>,
+    hits: u64,
+}
+
+#[derive(Serialize)]
 struct CacheReport {
     benchmark: &'static str,
     device: DeviceReport,
     requests: usize,
+    /// The model on each request's rows (input already on the device, new output buffer).
     eager_us_per_request: f64,
+    /// `GraphCache::stage` + `Staged::run` with graph-or-eager chosen per bucket by
+    /// measurement: the request is produced straight into the static input, the output rows
+    /// are borrowed (no copies), as the eager path reads its input in place and gets a new
+    /// output.
     cache_us_per_request: f64,
     speedup: f64,
+    /// The same, every bucket by its graph.
+    staged_graph_only_us_per_request: f64,
+    /// `GraphCache::run_into`: copy in, replay (or eager), copy out into the caller's buffer.
+    run_into_us_per_request: f64,
+    /// `GraphCache::run`: copy in, replay (or eager), copy out into a new buffer.
+    run_us_per_request: f64,
     cache_stats: String,
+    buckets_graph: usize,
+    buckets_eager: usize,
+    buckets: Vec<BucketRow>,
     captured_sizes: usize,
     capture_ms_total: f64,
     pool_reserved_bytes: usize,
@@ -59,6 +86,33 @@ struct CacheReport {
     largest_entry_peak_bytes: usize,
     static_input_bytes: usize,
     plan: String,
+}
+
+/// Wall µs per request over all `sizes`, after 20 warm-up requests; `f` serves one request
+/// of the given rows on the stream it is handed.
+fn per_request(
+    s: &mut Stream,
+    sizes: &[usize],
+    mut f: impl FnMut(&mut Stream, usize) -> AnyResult<()>,
+) -> AnyResult<f64> {
+    for &r in sizes.iter().take(20) {
+        f(s, r)?;
+    }
+    s.synchronize()?;
+    let t = Instant::now();
+    for &r in sizes {
+        f(s, r)?;
+    }
+    s.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e6 / sizes.len() as f64)
+}
+
+/// One staged request: nothing to copy in (the producer wrote the static input), the output
+/// rows borrowed.
+fn staged<M: BatchModel>(c: &mut GraphCache<M>, s: &mut Stream, rows: usize) -> AnyResult<()> {
+    let st = c.stage(s, rows)?;
+    st.run(s)?;
+    Ok(())
 }
 
 pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
@@ -69,61 +123,75 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
     let x = s.alloc_from_host(&rng.vec_normal(256 * 1024))?;
     let sizes = request_sizes(a.requests);
     // Eager: the model on each request's rows, output kept as a new buffer.
-    let eager_once = |rows: usize| -> AnyResult<()> {
+    let eager = per_request(&mut s, &sizes, |s, rows| {
         no_grad(|| {
             let t =
                 Tensor::from_buffer(std::sync::Arc::new(x.prefix(rows * 1024)?), &[rows, 1024])?;
-            model.forward(&s, &t)?;
+            model.forward(&*s, &t)?;
             Ok::<_, cudagraph_nn::NnError>(())
         })?;
         Ok(())
-    };
-    for &r in sizes.iter().take(20) {
-        eager_once(r)?;
-    }
-    s.synchronize()?;
-    let t = Instant::now();
-    for &r in &sizes {
-        eager_once(r)?;
-    }
-    s.synchronize()?;
-    let eager = t.elapsed().as_secs_f64() * 1e6 / sizes.len() as f64;
+    })?;
 
-    let batched = Batched {
+    let batched = || Batched {
         module: model.clone(),
         row_shape: vec![1024],
         output_row: 10,
     };
+    let policy = BucketPolicy::Steps8 { max: 256 };
+    let mut graph_only =
+        GraphCache::new(&mut s, batched(), policy.clone(), CacheOptions::default())?;
     let mut cache = GraphCache::new(
         &mut s,
-        batched,
-        BucketPolicy::Steps8 { max: 256 },
-        CacheOptions::default(),
+        batched(),
+        policy,
+        CacheOptions {
+            selection: Selection::Measure,
+            ..CacheOptions::default()
+        },
     )?;
-    for &r in sizes.iter().take(20) {
-        cache.run(&mut s, &x, r)?;
+    // The producer has written the requests' rows into the static inputs (once here: the
+    // eager path, too, reads its rows where they already are).
+    for c in [&mut graph_only, &mut cache] {
+        let st = c.stage(&s, 256)?;
+        s.copy(&x, st.input())?;
     }
-    s.synchronize()?;
-    let t = Instant::now();
-    for &r in &sizes {
-        cache.run(&mut s, &x, r)?;
-    }
-    s.synchronize()?;
-    let cached = t.elapsed().as_secs_f64() * 1e6 / sizes.len() as f64;
+    let graph_only_us = per_request(&mut s, &sizes, |s, r| staged(&mut graph_only, s, r))?;
+    let cached = per_request(&mut s, &sizes, |s, r| staged(&mut cache, s, r))?;
+    let out = s.alloc::<f32>(256 * 10)?;
+    let run_into_us = per_request(&mut s, &sizes, |s, r| {
+        cache.run_into(s, &x, r, &out)?;
+        Ok(())
+    })?;
+    let run_us = per_request(&mut s, &sizes, |s, r| {
+        cache.run(s, &x, r)?;
+        Ok(())
+    })?;
 
-    // Correctness spot check on a padded size.
-    let (out, _) = cache.run(&mut s, &x, 37)?;
+    // Correctness spot checks on padded sizes, every path against eager.
     let xh = s.to_vec(&x.prefix(37 * 1024)?)?;
     let want =
         no_grad(|| model.forward(&s, &Tensor::from_host(&s, &xh, &[37, 1024])?))?.to_vec(&s)?;
-    let got = s.to_vec(&out)?;
-    let diff = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    if diff > 1e-3 {
-        return Err(format!("cache output differs from eager by {diff}").into());
+    let check = |got: &[f32], what: &str| -> AnyResult<()> {
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        if diff > 1e-3 || got.len() != want.len() {
+            return Err(format!("cache output ({what}) differs from eager by {diff}").into());
+        }
+        Ok(())
+    };
+    let (o, _) = cache.run(&mut s, &x, 37)?;
+    check(&s.to_vec(&o)?, "run")?;
+    cache.run_into(&mut s, &x, 37, &out)?;
+    check(&s.to_vec(&out.prefix(370)?)?, "run_into")?;
+    {
+        let st = cache.stage(&s, 37)?;
+        s.copy_range(&x, 0, st.input(), 0, 37 * 1024)?;
+        let (o, _) = st.run(&mut s)?;
+        check(&o.to_vec(&s)?, "staged")?;
     }
 
     let entries = cache.entries();
@@ -140,6 +208,16 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
     )
     .map(|p| p.to_string())
     .unwrap_or_else(|e| format!("no plan fits: {e}"));
+    let buckets: Vec<BucketRow> = entries
+        .iter()
+        .map(|e| BucketRow {
+            size: e.size,
+            choice: format!("{:?}", e.choice).to_lowercase(),
+            graph_us: e.graph_us,
+            eager_us: e.eager_us,
+            hits: e.hits,
+        })
+        .collect();
     let report = CacheReport {
         benchmark: "cache",
         device: device_report(&dev)?,
@@ -147,7 +225,13 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         eager_us_per_request: eager,
         cache_us_per_request: cached,
         speedup: eager / cached,
+        staged_graph_only_us_per_request: graph_only_us,
+        run_into_us_per_request: run_into_us,
+        run_us_per_request: run_us,
         cache_stats: cache.stats().to_string(),
+        buckets_graph: entries.iter().filter(|e| e.choice == Choice::Graph).count(),
+        buckets_eager: entries.iter().filter(|e| e.choice == Choice::Eager).count(),
+        buckets,
         captured_sizes: entries.len(),
         capture_ms_total: cache.stats().capture_time.as_secs_f64() * 1e3,
         pool_reserved_bytes: cache.pool().stats().reserved,
@@ -166,14 +250,46 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         report.requests
     );
     outln!(
-        "  eager:       {:8.2} us/request",
+        "  eager:                         {:8.2} us/request",
         report.eager_us_per_request
     );
     outln!(
-        "  graph cache: {:8.2} us/request ({:.2}x)",
+        "  graph cache (staged, measured): {:8.2} us/request ({:.2}x eager)",
         report.cache_us_per_request,
         report.speedup
     );
+    outln!(
+        "  graph cache (staged, graphs):   {:8.2} us/request ({:.2}x eager)",
+        report.staged_graph_only_us_per_request,
+        eager / report.staged_graph_only_us_per_request
+    );
+    outln!(
+        "  graph cache (run_into):         {:8.2} us/request ({:.2}x eager)",
+        report.run_into_us_per_request,
+        eager / report.run_into_us_per_request
+    );
+    outln!(
+        "  graph cache (run):              {:8.2} us/request ({:.2}x eager)",
+        report.run_us_per_request,
+        eager / report.run_us_per_request
+    );
+    outln!(
+        "  buckets: {} by graph, {} eager (measured once per bucket)",
+        report.buckets_graph,
+        report.buckets_eager
+    );
+    for b in &report.buckets {
+        if let (Some(g), Some(e)) = (b.graph_us, b.eager_us) {
+            outln!(
+                "    bs {:>3}: graph {:7.2} us, eager {:7.2} us -> {} ({} hits)",
+                b.size,
+                g,
+                e,
+                b.choice,
+                b.hits
+            );
+        }
+    }
     outln!("  {}", report.cache_stats);
     outln!(
         "  {} graphs: pool reserved {:.2} MB, pool peak {:.2} MB, largest graph alone {:.2} MB, shared static input {:.2} MB",

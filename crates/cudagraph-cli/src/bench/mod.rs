@@ -7,4 +7,5 @@ pub mod gemm;
 pub mod rebind;
 pub mod serve;
 pub mod soak;
+pub mod sweep;
 pub mod workloads;

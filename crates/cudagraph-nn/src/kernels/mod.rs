@@ -9,11 +9,13 @@
 
 use std::sync::Arc;
 
-use cudagraph::{args, register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+use cudagraph::{args, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use crate::blas::Blas;
 use crate::error::{NnError, Result};
 
+pub mod losses;
+pub mod optim_mt;
 pub mod pdl;
 pub mod rng;
 pub mod steps;
@@ -24,8 +26,6 @@ pub const SOURCE: &str = concat!(
     include_str!("gemm.cu"),
     include_str!("elementwise.cu"),
     include_str!("reduce.cu"),
-    include_str!("loss.cu"),
-    include_str!("optim.cu"),
     include_str!("conv.cu"),
     include_str!("pool.cu"),
 );
@@ -54,14 +54,6 @@ kernels!(
     add_inplace,
     col_sum,
     channel_sum,
-    mse_partial,
-    sum_partials,
-    mse_bwd,
-    ce_fwd,
-    ce_bwd,
-    sgd_step,
-    step_inc,
-    adam_step,
     conv2d_fwd,
     conv2d_fwd_small,
     conv2d_bwd_input,
@@ -76,8 +68,6 @@ kernels!(
 pub struct Nn {
     pub k: Kernels,
     pub blas: Blas,
-    /// Id of the "cross_entropy target" device-side check.
-    ce_check: u32,
 }
 
 impl Nn {
@@ -88,7 +78,6 @@ impl Nn {
                 Ok(Nn {
                     k: Kernels::load(d).map_err(cudagraph::Error::from)?,
                     blas: Blas::new(d).map_err(cudagraph::Error::from)?,
-                    ce_check: register_check("cross_entropy target"),
                 })
             })
             .map_err(NnError::from)
@@ -500,245 +489,6 @@ impl Nn {
                 &self.k.channel_sum,
                 cfg,
                 args![dy, db, int("n", n)?, int("c", c)?, int("hw", hw)?],
-            )
-        }
-    }
-
-    /// `loss[0] = scale · Σ (p − t)²` over `n` elements (two deterministic passes).
-    pub fn mse(
-        &self,
-        q: &dyn Queue,
-        p: &Buf,
-        t: &Buf,
-        loss: &Buf,
-        n: usize,
-        scale: f32,
-    ) -> Result<()> {
-        need("mse pred", p, n)?;
-        need("mse target", t, n)?;
-        need("mse loss", loss, 1)?;
-        let blocks = n.div_ceil(1024).clamp(1, 256);
-        let partial = cudagraph::QueueExt::alloc::<f32>(q, blocks)?;
-        // SAFETY: `blocks` blocks each write partial[blockIdx.x] (partial holds `blocks`) and
-        // read p, t below n (both hold n).
-        unsafe {
-            launch(
-                q,
-                &self.k.mse_partial,
-                LaunchConfig::linear(blocks as u32, 256),
-                args![p, t, &partial, long(n)?],
-            )?;
-        }
-        // SAFETY: one block reads partial[0..blocks) and writes loss[0].
-        unsafe {
-            launch(
-                q,
-                &self.k.sum_partials,
-                LaunchConfig::linear(1, 256),
-                args![&partial, blocks as i32, loss, scale],
-            )
-        }
-    }
-
-    /// `dp = 2·scale·(p − t)·dloss[0]` over `n` elements.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mse_bwd(
-        &self,
-        q: &dyn Queue,
-        p: &Buf,
-        t: &Buf,
-        dloss: &Buf,
-        dp: &Buf,
-        n: usize,
-        scale: f32,
-    ) -> Result<()> {
-        need("mse_bwd pred", p, n)?;
-        need("mse_bwd target", t, n)?;
-        need("mse_bwd dp", dp, n)?;
-        need("mse_bwd dloss", dloss, 1)?;
-        // SAFETY: p, t, dp hold n elements, dloss one; the kernel touches i < n and dloss[0].
-        unsafe {
-            launch(
-                q,
-                &self.k.mse_bwd,
-                elems(n),
-                args![p, t, dloss, dp, long(n)?, scale],
-            )
-        }
-    }
-
-    /// Softmax cross-entropy over `rows × cols` logits; probabilities into `probs`, the mean
-    /// loss into `loss[0]`. Targets outside `[0, cols)` are clamped and reported through the
-    /// device's error flag.
-    #[allow(clippy::too_many_arguments)]
-    pub fn ce_fwd(
-        &self,
-        q: &dyn Queue,
-        logits: &Buf,
-        targets: &DeviceBuffer<i32>,
-        probs: &Buf,
-        loss: &Buf,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        if rows == 0 || cols == 0 {
-            return Err(NnError::Shape(format!(
-                "cross_entropy over {rows} rows of {cols} classes"
-            )));
-        }
-        let n = prod("cross_entropy", &[rows, cols])?;
-        need("cross_entropy logits", logits, n)?;
-        need("cross_entropy probs", probs, n)?;
-        need("cross_entropy targets", targets, rows)?;
-        need("cross_entropy loss", loss, 1)?;
-        let flag = q.device().check_flag_arg();
-        // SAFETY: one block; rows r < rows read logits/write probs in [r·cols, (r+1)·cols)
-        // (both hold rows·cols), read targets[r] (holds rows), and the target is clamped
-        // into [0, cols) before it indexes; flag is the device's mapped error word.
-        unsafe {
-            launch(
-                q,
-                &self.k.ce_fwd,
-                LaunchConfig::linear(1, 256),
-                &[
-                    logits.into(),
-                    targets.into(),
-                    probs.into(),
-                    loss.into(),
-                    Arg::I32(int("rows", rows)?),
-                    Arg::I32(int("cols", cols)?),
-                    flag,
-                    Arg::U32(self.ce_check),
-                ],
-            )
-        }
-    }
-
-    /// Gradient of [`Nn::ce_fwd`] with respect to the logits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn ce_bwd(
-        &self,
-        q: &dyn Queue,
-        probs: &Buf,
-        targets: &DeviceBuffer<i32>,
-        dloss: &Buf,
-        dz: &Buf,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        let n = prod("cross_entropy", &[rows, cols])?;
-        need("cross_entropy probs", probs, n)?;
-        need("cross_entropy dz", dz, n)?;
-        need("cross_entropy targets", targets, rows)?;
-        need("cross_entropy dloss", dloss, 1)?;
-        // SAFETY: i < rows·cols indexes probs/dz (both that long) and targets[i / cols] (< rows);
-        // targets are clamped before comparison only.
-        unsafe {
-            launch(
-                q,
-                &self.k.ce_bwd,
-                elems(n),
-                args![
-                    probs,
-                    targets,
-                    dloss,
-                    dz,
-                    int("rows", rows)?,
-                    int("cols", cols)?
-                ],
-            )
-        }
-    }
-
-    /// One SGD update of `w` (length `n`) from `g`; `buf` is the momentum buffer (required when
-    /// `momentum != 0`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn sgd_step(
-        &self,
-        q: &dyn Queue,
-        w: &Buf,
-        g: &Buf,
-        buf: Option<&Buf>,
-        lr: f32,
-        momentum: f32,
-        wd: f32,
-    ) -> Result<()> {
-        let n = w.len();
-        need("sgd grad", g, n)?;
-        match buf {
-            Some(b) => need("sgd momentum buffer", b, n)?,
-            None if momentum != 0.0 => {
-                return Err(NnError::Shape(
-                    "sgd: momentum needs a momentum buffer".into(),
-                ))
-            }
-            None => {}
-        }
-        // SAFETY: w, g (and buf, used only when momentum != 0, then checked) hold n elements.
-        unsafe {
-            launch(
-                q,
-                &self.k.sgd_step,
-                elems(n),
-                &[
-                    w.into(),
-                    g.into(),
-                    Arg::opt(buf),
-                    Arg::I64(long(n)?),
-                    lr.into(),
-                    momentum.into(),
-                    wd.into(),
-                ],
-            )
-        }
-    }
-
-    /// `step[0] += 1` (the device-side step count of Adam).
-    pub fn step_inc(&self, q: &dyn Queue, step: &Buf) -> Result<()> {
-        need("step counter", step, 1)?;
-        // SAFETY: one thread writes step[0].
-        unsafe { launch(q, &self.k.step_inc, LaunchConfig::linear(1, 1), args![step]) }
-    }
-
-    /// One Adam/AdamW update of `w` with state `m`, `v` and the device step count `step[0]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adam_step(
-        &self,
-        q: &dyn Queue,
-        w: &Buf,
-        g: &Buf,
-        m: &Buf,
-        v: &Buf,
-        step: &Buf,
-        hp: [f32; 5],
-        decoupled: bool,
-    ) -> Result<()> {
-        let n = w.len();
-        need("adam grad", g, n)?;
-        need("adam m", m, n)?;
-        need("adam v", v, n)?;
-        need("adam step", step, 1)?;
-        let [lr, b1, b2, eps, wd] = hp;
-        // SAFETY: w, g, m, v hold n elements and step one; the kernel touches i < n, step[0].
-        unsafe {
-            launch(
-                q,
-                &self.k.adam_step,
-                elems(n),
-                args![
-                    w,
-                    g,
-                    m,
-                    v,
-                    step,
-                    long(n)?,
-                    lr,
-                    b1,
-                    b2,
-                    eps,
-                    wd,
-                    decoupled as i32
-                ],
             )
         }
     }

@@ -167,7 +167,7 @@ mod tests {
         let kernels = super::super::SOURCE
             .matches("extern \"C\" __global__ void ")
             .count();
-        assert!(kernels >= 20);
+        assert!(kernels >= 14);
         assert_eq!(names.len(), kernels, "every kernel was rewritten");
         assert_eq!(src.matches("CG_PDL_ENTER();").count(), kernels);
         for n in [
@@ -175,7 +175,7 @@ mod tests {
             "splitk_reduce",
             "bias_act",
             "relu_fwd",
-            "adam_step",
+            "maxpool_bwd",
         ] {
             assert!(names.iter().any(|x| x == n), "{n}");
         }

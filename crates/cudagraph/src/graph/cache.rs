@@ -1,17 +1,37 @@
 //! [`GraphCache`]: one graph per batch-size bucket (seeds 002/004's dict of graphs, done fully).
 //!
-//! A request of n rows runs on the smallest captured size b ≥ n: its rows are copied into the
-//! shared static input, the tail b − n is zeroed, the graph replays, and the first n output
-//! rows are copied out. Above the largest size the model runs eagerly — counted, never silent.
-//! All graphs share one pool and one static input (sized for the largest bucket), and are
-//! captured largest first so the smaller ones reuse the larger ones' memory.
+//! A request of n rows runs on the smallest captured size b ≥ n. Above the largest size the
+//! model runs eagerly — counted, never silent. All graphs share one pool and one static input
+//! (sized for the largest bucket), and are captured largest first so the smaller ones reuse the
+//! larger ones' memory.
 //!
-//! Because outputs are copied out right after each replay on the caller's stream, graphs may
-//! replay in any order (the pool contract only matters for outputs kept across replays).
+//! **Rows must be independent** ([`BatchModel`]'s contract): row i of the output depends only
+//! on row i of the input. The cache relies on it: the b − n padding rows of the static input
+//! are not cleared (they hold whatever an earlier request left there) and their outputs are
+//! never read. A model that mixes rows (batch statistics, attention across the batch) gives
+//! wrong results through a cache with padding.
+//!
+//! Three ways to serve a request, from the most to the least copying:
+//! - [`GraphCache::run`]: the rows are copied into the static input, the graph replays, the
+//!   output rows are copied into a new buffer;
+//! - [`GraphCache::run_into`]: the same, with the output rows copied into the caller's buffer;
+//! - [`GraphCache::stage`]: the producer writes the request straight into the static input
+//!   ([`Staged::input`]), and [`Staged::run`] returns the static output rows borrowed until the
+//!   next request (no copy in, no copy out).
+//!
+//! With [`Selection::Measure`] each bucket is timed once, graph replay against the eager
+//! forward pass at that size (like the per-shape engine choice), and served the faster way;
+//! the choice and both times are in [`GraphCache::entries`], and eager-served requests are
+//! counted in [`CacheStats::eager`].
+//!
+//! Because outputs are copied out (or borrowed until the next request) on the caller's
+//! stream, graphs may replay in any order (the pool contract only matters for outputs kept
+//! across replays).
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::time::Duration;
+use std::marker::PhantomData;
+use std::time::{Duration, Instant};
 
 use super::{CaptureMode, CaptureOptions, Graph};
 use crate::device::{Device, Queue, QueueExt, Stream};
@@ -19,6 +39,9 @@ use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem, Pool};
 
 /// A model that maps `rows` rows of input to `rows` rows of output, and can run on any queue.
+///
+/// Rows must be independent: output row i may depend only on input row i (a [`GraphCache`]
+/// pads requests with stale rows whose outputs it never reads).
 pub trait BatchModel {
     type In: Elem;
     type Out: Elem;
@@ -88,6 +111,24 @@ pub fn bucket_for(sizes: &[usize], rows: usize) -> Option<usize> {
     sizes.get(i).copied()
 }
 
+/// How a bucket's requests are served.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Selection {
+    /// Always by the bucket's graph (padding included).
+    #[default]
+    Graph,
+    /// By whichever was faster when the bucket was captured: its graph, or the eager forward
+    /// pass (timed back to back at the bucket's size, median of a few samples).
+    Measure,
+}
+
+/// What a bucket serves its requests with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    Graph,
+    Eager,
+}
+
 /// Options for [`GraphCache::new`].
 #[derive(Clone, Debug, Default)]
 pub struct CacheOptions {
@@ -96,6 +137,8 @@ pub struct CacheOptions {
     /// Evict least-recently-used graphs when their working sets exceed this many bytes.
     pub memory_budget: Option<usize>,
     pub mode: CaptureMode,
+    /// Graph always, or graph or eager per bucket by measurement.
+    pub selection: Selection,
 }
 
 /// How a request was served.
@@ -107,6 +150,9 @@ pub enum Served {
     Padded { size: usize, padded_rows: usize },
     /// No graph was large enough: eager execution.
     Fallback,
+    /// The bucket of `size` measured faster eagerly ([`Selection::Measure`]): the model ran
+    /// eagerly on exactly the request's rows.
+    Eager { size: usize },
 }
 
 /// Counters of a cache.
@@ -116,6 +162,8 @@ pub struct CacheStats {
     pub exact: u64,
     pub padded: u64,
     pub fallbacks: u64,
+    /// Requests served eagerly because their bucket measured faster that way.
+    pub eager: u64,
     /// Rows computed only as padding.
     pub padded_rows: u64,
     /// Rows requested.
@@ -136,10 +184,11 @@ impl fmt::Display for CacheStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} requests: {} exact, {} padded, {} eager fallbacks; {:.1}% padding; {} captures ({:.1} ms), {} evictions",
+            "{} requests: {} exact, {} padded, {} eager by measurement, {} eager fallbacks; {:.1}% padding; {} captures ({:.1} ms), {} evictions",
             self.requests,
             self.exact,
             self.padded,
+            self.eager,
             self.fallbacks,
             100.0 * self.padding_fraction(),
             self.captures,
@@ -158,6 +207,12 @@ pub struct EntryInfo {
     /// Peak bytes the capture allocated in the shared pool.
     pub peak_bytes: usize,
     pub hits: u64,
+    /// How the bucket serves requests.
+    pub choice: Choice,
+    /// Measured µs per graph replay and per eager forward pass at this size
+    /// ([`Selection::Measure`] only).
+    pub graph_us: Option<f64>,
+    pub eager_us: Option<f64>,
 }
 
 struct Entry<O: Elem> {
@@ -165,6 +220,121 @@ struct Entry<O: Elem> {
     output: DeviceBuffer<O>,
     last_used: u64,
     hits: u64,
+    choice: Choice,
+    measured: Option<(f64, f64)>,
+}
+
+/// Warm-up calls, samples and calls per sample of a bucket's measurement.
+const MEASURE: (usize, usize, usize) = (2, 5, 10);
+
+/// Median µs per call of `f`: `MEASURE`'s warm-up, then samples of back-to-back calls each
+/// ended by one synchronisation of `stream`.
+fn time_us(stream: &Stream, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let (warmup, samples, calls) = MEASURE;
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut v = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        stream.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..calls {
+            f()?;
+        }
+        stream.synchronize()?;
+        v.push(t.elapsed().as_secs_f64() * 1e6 / calls as f64);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[v.len() / 2])
+}
+
+/// The faster way to serve a bucket; ties go to the graph.
+pub fn choose(graph_us: f64, eager_us: f64) -> Choice {
+    if eager_us < graph_us {
+        Choice::Eager
+    } else {
+        Choice::Graph
+    }
+}
+
+/// A request's rows in the static input, for the producer to write (see
+/// [`GraphCache::stage`]). Holds the cache mutably, so only one request is staged at a time.
+pub struct Staged<'a, M: BatchModel> {
+    cache: &'a mut GraphCache<M>,
+    rows: usize,
+    /// The static input's first rows, or a buffer of its own above the largest bucket.
+    input: DeviceBuffer<M::In>,
+}
+
+/// The output rows of a request: the static output borrowed until the cache serves the next
+/// request, or a buffer of its own (eager paths).
+pub struct CacheOutput<'a, O: Elem> {
+    buf: DeviceBuffer<O>,
+    _cache: PhantomData<&'a ()>,
+}
+
+impl<O: Elem> CacheOutput<'_, O> {
+    /// The `rows × output_row` elements.
+    pub fn buffer(&self) -> &DeviceBuffer<O> {
+        &self.buf
+    }
+
+    /// Copies them to the host (synchronises `stream`).
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<O>> {
+        stream.to_vec(&self.buf)
+    }
+}
+
+impl<'a, M: BatchModel> Staged<'a, M> {
+    /// Where the producer writes the request: `rows × input_row()` elements, on the stream
+    /// that will run it (or ordered before it).
+    pub fn input(&self) -> &DeviceBuffer<M::In> {
+        &self.input
+    }
+
+    /// The request's row count.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Serves the staged request: replays the bucket's graph on the static input as it is
+    /// (or runs eagerly, see [`Served`]) and returns the output rows without copying them.
+    #[track_caller]
+    pub fn run(self, stream: &mut Stream) -> Result<(CacheOutput<'a, M::Out>, Served)> {
+        let (buf, served) = self.cache.serve_staged(stream, &self.input, self.rows)?;
+        Ok((
+            CacheOutput {
+                buf,
+                _cache: PhantomData,
+            },
+            served,
+        ))
+    }
+
+    /// As [`Self::run`], copying the output rows into `out` (at least `rows × output_row()`).
+    #[track_caller]
+    pub fn run_into(self, stream: &mut Stream, out: &DeviceBuffer<M::Out>) -> Result<Served> {
+        let out_len = elems(
+            "graph cache request",
+            self.rows,
+            self.cache.model.output_row(),
+        )?;
+        check_out(out, out_len)?;
+        let (buf, served) = self.cache.serve_staged(stream, &self.input, self.rows)?;
+        stream.copy_range(&buf, 0, out, 0, out_len)?;
+        Ok(served)
+    }
+}
+
+fn check_out<O: Elem>(out: &DeviceBuffer<O>, need: usize) -> Result<()> {
+    if out.len() < need {
+        return Err(Error::SizeMismatch {
+            what: "graph cache output buffer",
+            expected: need,
+            got: out.len(),
+        });
+    }
+    Ok(())
 }
 
 /// One graph per batch-size bucket, with padding, eager fallback and shared memory.
@@ -248,6 +418,15 @@ impl<M: BatchModel> GraphCache<M> {
         }
         self.stats.captures += 1;
         self.stats.capture_time += graph.info().capture_time;
+        let measured = match self.opts.selection {
+            Selection::Graph => None,
+            Selection::Measure => {
+                let stream: &Stream = stream;
+                let graph_us = time_us(stream, || graph.replay(stream))?;
+                let eager_us = time_us(stream, || model.forward(stream, &input, size).map(drop))?;
+                Some((graph_us, eager_us))
+            }
+        };
         self.clock += 1;
         self.entries.insert(
             size,
@@ -256,6 +435,8 @@ impl<M: BatchModel> GraphCache<M> {
                 output,
                 last_used: self.clock,
                 hits: 0,
+                choice: measured.map_or(Choice::Graph, |(g, e)| choose(g, e)),
+                measured,
             },
         );
         self.evict_over_budget(size);
@@ -290,6 +471,110 @@ impl<M: BatchModel> GraphCache<M> {
         }
     }
 
+    /// The bucket for `rows` and how it serves requests (capturing it first when lazy), or
+    /// `None` above the largest bucket.
+    fn route(&mut self, stream: &mut Stream, rows: usize) -> Result<Option<(usize, Choice)>> {
+        let Some(size) = bucket_for(&self.sizes, rows) else {
+            return Ok(None);
+        };
+        if !self.entries.contains_key(&size) {
+            self.capture(stream, size)?;
+        }
+        Ok(self.entries.get(&size).map(|e| (size, e.choice)))
+    }
+
+    /// Counts a request of `rows` served by bucket `size` the way `choice` says.
+    fn count(&mut self, rows: usize, route: Option<(usize, Choice)>) -> Served {
+        self.stats.requests += 1;
+        self.stats.rows += rows as u64;
+        let Some((size, choice)) = route else {
+            self.stats.fallbacks += 1;
+            return Served::Fallback;
+        };
+        self.clock += 1;
+        if let Some(e) = self.entries.get_mut(&size) {
+            e.last_used = self.clock;
+            e.hits += 1;
+        }
+        match choice {
+            Choice::Eager => {
+                self.stats.eager += 1;
+                Served::Eager { size }
+            }
+            Choice::Graph if size == rows => {
+                self.stats.exact += 1;
+                Served::Exact { size }
+            }
+            Choice::Graph => {
+                self.stats.padded += 1;
+                self.stats.padded_rows += (size - rows) as u64;
+                Served::Padded {
+                    size,
+                    padded_rows: size - rows,
+                }
+            }
+        }
+    }
+
+    /// Runs a request whose rows are already at the start of `input` (the static input when
+    /// a graph serves it): returns the output rows, borrowed from the graph's static output or
+    /// in a buffer of their own.
+    fn serve(
+        &mut self,
+        stream: &mut Stream,
+        input: &DeviceBuffer<M::In>,
+        rows: usize,
+        route: Option<(usize, Choice)>,
+    ) -> Result<(DeviceBuffer<M::Out>, Served)> {
+        let out_len = elems("graph cache request", rows, self.model.output_row())?;
+        let in_len = elems("graph cache request", rows, self.model.input_row())?;
+        let served = self.count(rows, route);
+        match route {
+            Some((size, Choice::Graph)) => {
+                let entry = self.entries.get(&size).ok_or_else(|| Error::InvalidGraph {
+                    problem: format!("graph cache: bucket {size} vanished"),
+                })?;
+                entry.graph.replay(stream)?;
+                Ok((entry.output.prefix(out_len)?, served))
+            }
+            _ => {
+                let out = self.model.forward(&*stream, &input.prefix(in_len)?, rows)?;
+                if out.len() < out_len {
+                    return Err(Error::SizeMismatch {
+                        what: "model output of an eager batch",
+                        expected: out_len,
+                        got: out.len(),
+                    });
+                }
+                Ok((out, served))
+            }
+        }
+    }
+
+    /// Checks a caller's input and copies its rows into the static input when a graph will
+    /// serve them.
+    fn take_input(
+        &mut self,
+        stream: &mut Stream,
+        input: &DeviceBuffer<M::In>,
+        rows: usize,
+    ) -> Result<Option<(usize, Choice)>> {
+        let in_len = elems("graph cache request", rows, self.model.input_row())?;
+        if input.len() < in_len {
+            return Err(Error::SizeMismatch {
+                what: "graph cache input",
+                expected: in_len,
+                got: input.len(),
+            });
+        }
+        let route = self.route(stream, rows)?;
+        if let Some((_, Choice::Graph)) = route {
+            // No tail clearing: rows are independent and padded rows' outputs are never read.
+            stream.copy_range(input, 0, &self.input, 0, in_len)?;
+        }
+        Ok(route)
+    }
+
     /// Serves `rows` rows of `input` (which may be longer), returning the `rows` output rows in
     /// a new buffer and how they were served.
     #[track_caller]
@@ -299,50 +584,71 @@ impl<M: BatchModel> GraphCache<M> {
         input: &DeviceBuffer<M::In>,
         rows: usize,
     ) -> Result<(DeviceBuffer<M::Out>, Served)> {
-        let (irow, orow) = (self.model.input_row(), self.model.output_row());
-        let in_len = elems("graph cache request", rows, irow)?;
-        let out_len = elems("graph cache request", rows, orow)?;
-        if input.len() < in_len {
-            return Err(Error::SizeMismatch {
-                what: "graph cache input",
-                expected: in_len,
-                got: input.len(),
-            });
-        }
-        self.stats.requests += 1;
-        self.stats.rows += rows as u64;
-        let Some(size) = bucket_for(&self.sizes, rows) else {
-            self.stats.fallbacks += 1;
-            let out = self.model.forward(&*stream, &input.prefix(in_len)?, rows)?;
-            return Ok((out, Served::Fallback));
-        };
-        if !self.entries.contains_key(&size) {
-            self.capture(stream, size)?;
-        }
-        stream.copy_range(input, 0, &self.input, 0, in_len)?;
-        if size > rows {
-            // size * irow fits: the static input holds the largest bucket.
-            stream.memset_zero_range(&self.input, in_len, (size - rows) * irow)?;
-        }
-        self.clock += 1;
-        let entry = self.entries.get_mut(&size).expect("captured above");
-        entry.last_used = self.clock;
-        entry.hits += 1;
-        entry.graph.replay(stream)?;
-        let out = stream.alloc::<M::Out>(out_len)?;
-        stream.copy_range(&entry.output, 0, &out, 0, out_len)?;
-        let served = if size == rows {
-            self.stats.exact += 1;
-            Served::Exact { size }
+        let route = self.take_input(stream, input, rows)?;
+        let src = if matches!(route, Some((_, Choice::Graph))) {
+            self.input.alias()
         } else {
-            self.stats.padded += 1;
-            self.stats.padded_rows += (size - rows) as u64;
-            Served::Padded {
-                size,
-                padded_rows: size - rows,
-            }
+            input.alias()
         };
+        let (out, served) = self.serve(stream, &src, rows, route)?;
+        if matches!(served, Served::Exact { .. } | Served::Padded { .. }) {
+            // The static output is overwritten by the next replay: hand out a copy.
+            let own = stream.alloc::<M::Out>(out.len())?;
+            stream.copy(&out, &own)?;
+            return Ok((own, served));
+        }
         Ok((out, served))
+    }
+
+    /// Serves `rows` rows of `input`, writing the `rows` output rows into `out` (at least
+    /// `rows × output_row()` elements).
+    #[track_caller]
+    pub fn run_into(
+        &mut self,
+        stream: &mut Stream,
+        input: &DeviceBuffer<M::In>,
+        rows: usize,
+        out: &DeviceBuffer<M::Out>,
+    ) -> Result<Served> {
+        let out_len = elems("graph cache request", rows, self.model.output_row())?;
+        check_out(out, out_len)?;
+        let route = self.take_input(stream, input, rows)?;
+        let src = if matches!(route, Some((_, Choice::Graph))) {
+            self.input.alias()
+        } else {
+            input.alias()
+        };
+        let (buf, served) = self.serve(stream, &src, rows, route)?;
+        stream.copy_range(&buf, 0, out, 0, out_len)?;
+        Ok(served)
+    }
+
+    /// Stages a request of `rows` rows: the producer writes it into [`Staged::input`] — the
+    /// static input itself, so a graph runs on it with no copy — then calls [`Staged::run`].
+    /// Above the largest bucket the staged input is a buffer of its own (allocated on
+    /// `stream`) and the request runs eagerly.
+    pub fn stage(&mut self, stream: &Stream, rows: usize) -> Result<Staged<'_, M>> {
+        let in_len = elems("graph cache request", rows, self.model.input_row())?;
+        let input = if bucket_for(&self.sizes, rows).is_some() {
+            self.input.prefix(in_len)?
+        } else {
+            stream.alloc::<M::In>(in_len)?
+        };
+        Ok(Staged {
+            cache: self,
+            rows,
+            input,
+        })
+    }
+
+    fn serve_staged(
+        &mut self,
+        stream: &mut Stream,
+        input: &DeviceBuffer<M::In>,
+        rows: usize,
+    ) -> Result<(DeviceBuffer<M::Out>, Served)> {
+        let route = self.route(stream, rows)?;
+        self.serve(stream, input, rows, route)
     }
 
     pub fn stats(&self) -> &CacheStats {
@@ -364,6 +670,9 @@ impl<M: BatchModel> GraphCache<M> {
                 capture_time: e.graph.info().capture_time,
                 peak_bytes: e.graph.info().memory.peak_allocated,
                 hits: e.hits,
+                choice: e.choice,
+                graph_us: e.measured.map(|m| m.0),
+                eager_us: e.measured.map(|m| m.1),
             })
             .collect()
     }
@@ -421,6 +730,31 @@ mod tests {
         assert_eq!(bucket_for(&s, 17), Some(32));
         assert_eq!(bucket_for(&s, 33), None);
         assert_eq!(bucket_for(&[], 1), None);
+    }
+
+    #[test]
+    fn measured_choice_prefers_the_graph_on_ties() {
+        assert_eq!(choose(10.0, 9.9), Choice::Eager);
+        assert_eq!(choose(10.0, 10.0), Choice::Graph);
+        assert_eq!(choose(10.0, 12.0), Choice::Graph);
+        assert_eq!(choose(f64::NAN, 1.0), Choice::Graph);
+        assert_eq!(Selection::default(), Selection::Graph);
+        assert_eq!(CacheOptions::default().selection, Selection::Graph);
+    }
+
+    #[test]
+    fn stats_show_eager_requests() {
+        let s = CacheStats {
+            requests: 5,
+            exact: 1,
+            padded: 1,
+            eager: 2,
+            fallbacks: 1,
+            ..Default::default()
+        };
+        let text = s.to_string();
+        assert!(text.contains("2 eager by measurement"), "{text}");
+        assert!(text.contains("1 eager fallbacks"), "{text}");
     }
 
     #[test]

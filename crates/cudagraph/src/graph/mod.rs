@@ -37,7 +37,8 @@ use std::time::{Duration, Instant};
 pub use builder::{GraphBuilder, NodeId};
 
 pub use cache::{
-    bucket_for, BatchModel, BucketPolicy, CacheOptions, CacheStats, EntryInfo, GraphCache, Served,
+    bucket_for, BatchModel, BucketPolicy, CacheOptions, CacheOutput, CacheStats, Choice, EntryInfo,
+    GraphCache, Selection, Served, Staged,
 };
 pub use conditional::ConditionalKind;
 pub use planner::{plan_capture_sizes, CapturePlan, GraphCost, SizeHistogram};

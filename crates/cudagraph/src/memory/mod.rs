@@ -228,7 +228,8 @@ impl BlockRef {
     pub fn capture_id(&self) -> u64 {
         self.capture
     }
-    pub(crate) fn device_ordinal(&self) -> usize {
+    /// Ordinal of the device the block's memory belongs to.
+    pub fn device_ordinal(&self) -> usize {
         match &self.owner {
             Owner::Allocator(a) => a.ordinal(),
             Owner::External { ordinal, .. } => *ordinal,

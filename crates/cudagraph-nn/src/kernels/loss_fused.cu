@@ -1,0 +1,179 @@
+// Loss kernels with the gradient computed in the forward pass (their own NVRTC module, after
+// DEVICE_CHECK_CUDA and common.cu; launched only from losses.rs).
+//
+// Cross-entropy is row-parallel: one warp per row (up to 1024 classes) or one block per row,
+// an online max/sum of exp in one read of the row, and the unit gradient
+// (softmax - onehot) / rows written in a second read. The mean over rows is deterministic: each
+// row's loss goes to row_loss[r] and one block sums them in a fixed order (sum_scaled); small
+// problems run in a single block that does both (one node).
+//
+// MSE: one pass computes the per-block partial sums of (p - t)^2 and, when asked, the unit
+// gradient 2·scale·(p - t); one block then sums the partials in a fixed order (or a single
+// block writes the loss directly). Backward multiplies the saved gradient by dloss in place.
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ bool lf_aligned16(const void* p) {
+    return (((unsigned long long)p) & 15ull) == 0ull;
+}
+
+// Running max m and running sum s of exp(z - m) over the values seen.
+__device__ __forceinline__ void ms_add(float& m, float& s, float x) {
+    if (x > m) { s = s * expf(m - x) + 1.0f; m = x; }
+    else s += expf(x - m);
+}
+
+__device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2) {
+    if (s2 == 0.0f && m2 == NEG_INF) return;
+    if (s == 0.0f && m == NEG_INF) { m = m2; s = s2; return; }
+    const float mm = fmaxf(m, m2);
+    s = s * expf(m - mm) + s2 * expf(m2 - mm);
+    m = mm;
+}
+
+// One row's target, clamped into [0, cols) and reported when outside (by the caller's lane).
+__device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool report,
+        unsigned int* flag, unsigned int check) {
+    int t = tgt[r];
+    if (t < 0 || t >= cols) {
+        if (report) cg_report(flag, check, t, cols, r);
+        t = min(max(t, 0), cols - 1);
+    }
+    return t;
+}
+
+// One warp per row (8 rows per 256-thread block). With `loss` set (a single block), the block
+// also writes the mean; otherwise each row's loss goes to row_loss[r].
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
+        float* loss, int rows, int cols, float inv_rows, unsigned int* flag, unsigned int check) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    float acc = 0.0f;
+    for (int r = blockIdx.x * wpb + warp; r < rows; r += gridDim.x * wpb) {
+        const float* zr = z + (long long)r * cols;
+        float m = NEG_INF, s = 0.0f;
+        for (int c = lane; c < cols; c += 32) ms_add(m, s, zr[c]);
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+            const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+            ms_merge(m, s, m2, s2);
+        }
+        // Lanes merged in different orders: use lane 0's result everywhere.
+        m = __shfl_sync(0xffffffffu, m, 0);
+        s = __shfl_sync(0xffffffffu, s, 0);
+        const int t = ce_target(tgt, r, cols, lane == 0, flag, check);
+        if (grad != 0) {
+            float* gr = grad + (long long)r * cols;
+            for (int c = lane; c < cols; c += 32)
+                gr[c] = (expf(zr[c] - m) / s - (c == t ? 1.0f : 0.0f)) * inv_rows;
+        }
+        if (lane == 0) {
+            const float l = logf(s) + m - zr[t];
+            if (row_loss != 0) row_loss[r] = l;
+            acc += l;
+        }
+    }
+    if (loss != 0) {
+        acc = block_sum(acc);
+        if (threadIdx.x == 0) loss[0] = acc * inv_rows;
+    }
+}
+
+// One block per row, for wide rows (tens of thousands of classes).
+extern "C" __global__ void __launch_bounds__(256) ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
+        float* loss, int rows, int cols, float inv_rows, unsigned int* flag, unsigned int check) {
+    __shared__ float wm[32], ws[32];
+    __shared__ float row_m, row_s;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    float acc = 0.0f;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* zr = z + (long long)r * cols;
+        float m = NEG_INF, s = 0.0f;
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) ms_add(m, s, zr[c]);
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+            const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+            ms_merge(m, s, m2, s2);
+        }
+        if (lane == 0) { wm[warp] = m; ws[warp] = s; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float bm = wm[0], bs = ws[0];
+            for (int w = 1; w < nw; w++) ms_merge(bm, bs, wm[w], ws[w]);
+            row_m = bm; row_s = bs;
+        }
+        __syncthreads();
+        m = row_m; s = row_s;
+        const int t = ce_target(tgt, r, cols, threadIdx.x == 0, flag, check);
+        if (grad != 0) {
+            float* gr = grad + (long long)r * cols;
+            for (int c = threadIdx.x; c < cols; c += blockDim.x)
+                gr[c] = (expf(zr[c] - m) / s - (c == t ? 1.0f : 0.0f)) * inv_rows;
+        }
+        if (threadIdx.x == 0) {
+            const float l = logf(s) + m - zr[t];
+            if (row_loss != 0) row_loss[r] = l;
+            acc += l;
+        }
+        __syncthreads();  // wm/ws/row_m are reused by the next row
+    }
+    if (loss != 0) {
+        acc = block_sum(acc);
+        if (threadIdx.x == 0) loss[0] = acc * inv_rows;
+    }
+}
+
+// out[0] = scale * (sum of v[0..count)), one block, fixed order.
+extern "C" __global__ void __launch_bounds__(1024) sum_scaled(const float* v, int count, float* out, float scale) {
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += v[i];
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) out[0] = scale * acc;
+}
+
+__device__ __forceinline__ float mse_one(float p, float t, float* g, float two_scale) {
+    const float d = p - t;
+    if (g != 0) *g = two_scale * d;
+    return d * d;
+}
+
+// Partial sums of (p - t)^2 per block (into partial[blockIdx.x], or scale * sum into loss[0]
+// when `loss` is set and the grid is one block); grad[i] = 2·scale·(p[i] - t[i]) when given.
+extern "C" __global__ void __launch_bounds__(1024) mse_fwd(const float* p, const float* t, float* grad, float* partial, float* loss,
+        long long n, float scale) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const float two_scale = 2.0f * scale;
+    const bool vec = lf_aligned16(p) && lf_aligned16(t) && lf_aligned16(grad);
+    const long long n4 = vec ? n / 4 : 0;
+    float acc = 0.0f;
+    for (long long i = first; i < n4; i += stride) {
+        const float4 a = reinterpret_cast<const float4*>(p)[i];
+        const float4 b = reinterpret_cast<const float4*>(t)[i];
+        const float4 d = make_float4(a.x - b.x, a.y - b.y, a.z - b.z, a.w - b.w);
+        acc += d.x * d.x + d.y * d.y + d.z * d.z + d.w * d.w;
+        if (grad != 0)
+            reinterpret_cast<float4*>(grad)[i] =
+                make_float4(two_scale * d.x, two_scale * d.y, two_scale * d.z, two_scale * d.w);
+    }
+    for (long long i = n4 * 4 + first; i < n; i += stride)
+        acc += mse_one(p[i], t[i], grad != 0 ? grad + i : 0, two_scale);
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) {
+        if (loss != 0) loss[0] = scale * acc;
+        else partial[blockIdx.x] = acc;
+    }
+}
+
+// g[i] *= s[0] for i < n (a loss's saved unit gradient times the upstream gradient).
+extern "C" __global__ void scale_by(float* g, const float* s, long long n) {
+    const float k = s[0];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long n4 = lf_aligned16(g) ? n / 4 : 0;
+    for (long long i = first; i < n4; i += stride) {
+        float4 v = reinterpret_cast<float4*>(g)[i];
+        v.x *= k; v.y *= k; v.z *= k; v.w *= k;
+        reinterpret_cast<float4*>(g)[i] = v;
+    }
+    for (long long i = n4 * 4 + first; i < n; i += stride) g[i] *= k;
+}

@@ -1,0 +1,330 @@
+//! Fused loss kernels (`loss_fused.cu`, their own NVRTC module) and their checked launchers:
+//! row-parallel softmax cross-entropy for any number of classes, and MSE, each computing the
+//! gradient in the forward pass when the loss will be differentiated (the backward pass then
+//! only scales it by the upstream gradient, in place).
+//!
+//! Reductions are deterministic (fixed grids, fixed summation order), so a replay equals the
+//! eager run bit for bit. Small problems (at most [`SINGLE_BLOCK_ELEMS`] elements) run as one
+//! block that also writes the loss: one graph node.
+
+use std::sync::Arc;
+
+use cudagraph::{
+    register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt,
+};
+
+use super::{int, long, need, prod};
+use crate::error::{NnError, Result};
+
+/// Problems up to this many elements run in a single block (one launch, no partial sums).
+pub const SINGLE_BLOCK_ELEMS: usize = 32 * 1024;
+/// Widest rows cross-entropy handles with one warp per row.
+pub const WARP_ROW_MAX: usize = 1024;
+const BLOCK: u32 = 256;
+
+type Buf = DeviceBuffer<f32>;
+
+/// The loss kernels of one device (a [`Device::extension`]).
+pub struct LossKernels {
+    ce_fwd_warp: Function,
+    ce_fwd_block: Function,
+    sum_scaled: Function,
+    mse_fwd: Function,
+    scale_by: Function,
+    /// Id of the "cross_entropy target" device-side check (the same id as the NN context's).
+    ce_check: u32,
+    sms: u32,
+}
+
+/// How [`LossKernels::cross_entropy`] runs a problem: grid, whether one warp handles a row,
+/// and whether a second pass reduces per-row losses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CePlan {
+    pub grid: u32,
+    pub warp_rows: bool,
+    pub two_pass: bool,
+}
+
+/// The launch plan for `rows × cols` logits on `sms` multiprocessors.
+pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
+    let warp_rows = cols <= WARP_ROW_MAX;
+    let single = rows.saturating_mul(cols) <= SINGLE_BLOCK_ELEMS;
+    let per_block = if warp_rows { (BLOCK / 32) as usize } else { 1 };
+    let most = sms.max(1) as usize * 16;
+    let grid = if single {
+        1
+    } else {
+        rows.div_ceil(per_block).clamp(1, most)
+    };
+    CePlan {
+        grid: grid as u32,
+        warp_rows,
+        two_pass: !single,
+    }
+}
+
+/// Blocks of the MSE pass for `n` elements: one when small, else about 4096 elements per
+/// block up to four per multiprocessor.
+pub fn mse_blocks(n: usize, sms: u32) -> u32 {
+    if n <= SINGLE_BLOCK_ELEMS {
+        1
+    } else {
+        n.div_ceil(4096).clamp(1, sms.max(1) as usize * 4) as u32
+    }
+}
+
+impl LossKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<LossKernels>> {
+        device
+            .extension(|d| {
+                let src = format!(
+                    "{}{}{}",
+                    cudagraph::DEVICE_CHECK_CUDA,
+                    include_str!("common.cu"),
+                    include_str!("loss_fused.cu")
+                );
+                let m = d.compile("cudagraph_nn_loss", &src)?;
+                Ok(LossKernels {
+                    ce_fwd_warp: m.function("ce_fwd_warp")?,
+                    ce_fwd_block: m.function("ce_fwd_block")?,
+                    sum_scaled: m.function("sum_scaled")?,
+                    mse_fwd: m.function("mse_fwd")?,
+                    scale_by: m.function("scale_by")?,
+                    ce_check: register_check("cross_entropy target"),
+                    sms: d.info().multiprocessors,
+                })
+            })
+            .map_err(NnError::from)
+    }
+
+    /// `out[0] = scale · Σ v[0..count)` in one block, fixed order.
+    fn sum_scaled(
+        &self,
+        q: &dyn Queue,
+        v: &Buf,
+        count: usize,
+        out: &Buf,
+        scale: f32,
+    ) -> Result<()> {
+        need("loss partial sums", v, count)?;
+        need("loss output", out, 1)?;
+        // SAFETY: one block reads v[0..count) (checked) and writes out[0] (checked).
+        unsafe {
+            super::launch(
+                q,
+                &self.sum_scaled,
+                LaunchConfig::linear(1, BLOCK),
+                &[
+                    v.into(),
+                    Arg::I32(int("count", count)?),
+                    out.into(),
+                    scale.into(),
+                ],
+            )
+        }
+    }
+
+    /// `loss[0] = scale · Σ (p − t)²` over `n` elements; with `grad`, also
+    /// `grad = 2·scale·(p − t)` (the gradient for an upstream gradient of 1).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mse(
+        &self,
+        q: &dyn Queue,
+        p: &Buf,
+        t: &Buf,
+        grad: Option<&Buf>,
+        loss: &Buf,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        need("mse pred", p, n)?;
+        need("mse target", t, n)?;
+        need("mse loss", loss, 1)?;
+        if let Some(g) = grad {
+            need("mse gradient", g, n)?;
+        }
+        let blocks = mse_blocks(n, self.sms);
+        let n_arg = Arg::I64(long(n)?);
+        if blocks == 1 {
+            // SAFETY: one block reads p, t below n and writes grad below n (all checked) and
+            // loss[0] (checked); partial is null and unused when loss is set.
+            return unsafe {
+                super::launch(
+                    q,
+                    &self.mse_fwd,
+                    LaunchConfig::linear(1, 1024),
+                    &[
+                        p.into(),
+                        t.into(),
+                        Arg::opt(grad),
+                        Arg::NULL,
+                        loss.into(),
+                        n_arg,
+                        scale.into(),
+                    ],
+                )
+            };
+        }
+        let partial = q.alloc::<f32>(blocks as usize)?;
+        // SAFETY: `blocks` blocks read p, t and write grad below n (checked) and write
+        // partial[blockIdx.x] (partial holds `blocks`); loss is null.
+        unsafe {
+            super::launch(
+                q,
+                &self.mse_fwd,
+                LaunchConfig::linear(blocks, BLOCK),
+                &[
+                    p.into(),
+                    t.into(),
+                    Arg::opt(grad),
+                    (&partial).into(),
+                    Arg::NULL,
+                    n_arg,
+                    scale.into(),
+                ],
+            )?;
+        }
+        self.sum_scaled(q, &partial, blocks as usize, loss, scale)
+    }
+
+    /// `g[0..n) *= s[0]` in place.
+    pub fn scale_by(&self, q: &dyn Queue, g: &Buf, s: &Buf, n: usize) -> Result<()> {
+        need("scaled gradient", g, n)?;
+        need("upstream gradient", s, 1)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n
+            .div_ceil(4 * BLOCK as usize)
+            .clamp(1, self.sms.max(1) as usize * 8);
+        // SAFETY: threads touch g below n (checked) and read s[0] (checked).
+        unsafe {
+            super::launch(
+                q,
+                &self.scale_by,
+                LaunchConfig::linear(blocks as u32, BLOCK),
+                &[g.into(), s.into(), Arg::I64(long(n)?)],
+            )
+        }
+    }
+
+    /// Softmax cross-entropy of `rows × cols` logits against `targets`, mean over rows into
+    /// `loss[0]`; with `grad`, also `grad = (softmax − onehot) / rows`. Targets outside
+    /// `[0, cols)` are clamped (nothing outside a row is read) and reported through the
+    /// device's error flag.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy(
+        &self,
+        q: &dyn Queue,
+        logits: &Buf,
+        targets: &DeviceBuffer<i32>,
+        grad: Option<&Buf>,
+        loss: &Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 {
+            return Err(NnError::Shape(format!(
+                "cross_entropy over {rows} rows of {cols} classes"
+            )));
+        }
+        let n = prod("cross_entropy", &[rows, cols])?;
+        need("cross_entropy logits", logits, n)?;
+        need("cross_entropy targets", targets, rows)?;
+        need("cross_entropy loss", loss, 1)?;
+        if let Some(g) = grad {
+            need("cross_entropy gradient", g, n)?;
+        }
+        let (ri, ci) = (int("rows", rows)?, int("cols", cols)?);
+        let plan = ce_plan(rows, cols, self.sms);
+        let row_loss = if plan.two_pass {
+            Some(q.alloc::<f32>(rows)?)
+        } else {
+            None
+        };
+        let f = if plan.warp_rows {
+            &self.ce_fwd_warp
+        } else {
+            &self.ce_fwd_block
+        };
+        let inv_rows = 1.0 / rows as f32;
+        // SAFETY: rows r < rows read logits and write grad in [r·cols, (r+1)·cols) (both hold
+        // rows·cols, checked), read targets[r] (holds rows), clamp the target into [0, cols)
+        // before it indexes, and write row_loss[r] (allocated with rows) or, single-block,
+        // loss[0]; flag is the device's mapped error word.
+        unsafe {
+            super::launch(
+                q,
+                f,
+                LaunchConfig::linear(plan.grid, BLOCK),
+                &[
+                    logits.into(),
+                    targets.into(),
+                    Arg::opt(grad),
+                    Arg::opt(row_loss.as_ref()),
+                    if plan.two_pass {
+                        Arg::NULL
+                    } else {
+                        loss.into()
+                    },
+                    Arg::I32(ri),
+                    Arg::I32(ci),
+                    inv_rows.into(),
+                    q.device().check_flag_arg(),
+                    Arg::U32(self.ce_check),
+                ],
+            )?;
+        }
+        match &row_loss {
+            Some(r) => self.sum_scaled(q, r, rows, loss, inv_rows),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_cross_entropy_runs_in_one_block() {
+        assert_eq!(
+            ce_plan(64, 10, 132),
+            CePlan {
+                grid: 1,
+                warp_rows: true,
+                two_pass: false
+            }
+        );
+        assert_eq!(
+            ce_plan(1, 30000, 132),
+            CePlan {
+                grid: 1,
+                warp_rows: false,
+                two_pass: false
+            }
+        );
+    }
+
+    #[test]
+    fn large_cross_entropy_is_row_parallel() {
+        let p = ce_plan(4096, 10, 132);
+        assert!(p.warp_rows && p.two_pass);
+        assert_eq!(p.grid, 512); // 8 rows per block
+        let p = ce_plan(128, 50000, 132);
+        assert!(!p.warp_rows && p.two_pass);
+        assert_eq!(p.grid, 128); // a block per row
+        let p = ce_plan(1 << 20, 50000, 132);
+        assert_eq!(p.grid, 132 * 16); // grid-stride beyond that
+        assert!(!ce_plan(3, 1025, 132).warp_rows);
+    }
+
+    #[test]
+    fn mse_uses_one_block_when_small() {
+        assert_eq!(mse_blocks(1, 132), 1);
+        assert_eq!(mse_blocks(SINGLE_BLOCK_ELEMS, 132), 1);
+        assert_eq!(mse_blocks(SINGLE_BLOCK_ELEMS + 1, 132), 9);
+        assert_eq!(mse_blocks(1 << 30, 132), 528);
+    }
+}

@@ -1,0 +1,529 @@
+//! Multi-tensor optimizer kernels (`optim_mt.cu`, their own NVRTC module) and their checked
+//! launchers: one launch updates every parameter of a step, as PyTorch's `multi_tensor_apply`
+//! (`_fused_adam`, `_fused_sgd`) does.
+//!
+//! The tensors travel in a by-value table (a struct parameter: pointers, element counts,
+//! chunk prefix sums). Pointers inside a struct are invisible to the library, so the launchers
+//! here check every length written into the table against its buffer, check each buffer's
+//! device, and call [`Queue::use_block`] for every buffer (a graph keeps them alive, eager
+//! streams order their reuse). Tables hold up to [`CAP_S`] tensors (about 3 KB of parameters,
+//! cheap for eager launches) or [`CAP_L`] (about 24 KB, within CUDA 12.1+'s 32 KB limit); more
+//! tensors take more launches.
+
+use std::sync::Arc;
+
+use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+
+use super::need;
+use crate::error::{NnError, Result};
+
+/// The kernels' source.
+pub const SOURCE: &str = include_str!("optim_mt.cu");
+
+/// Tensors per table in the small kernels.
+pub const CAP_S: usize = 64;
+/// Tensors per table in the large kernels (32 KB kernel parameters: CUDA 12.1+, sm_70+).
+pub const CAP_L: usize = 512;
+/// Threads per block of the multi-tensor kernels.
+pub const BLOCK: u32 = 256;
+
+/// Slots of the hyperparameter buffer (`f32`), shared by the optimizers and the schedule node.
+pub mod hp {
+    /// The learning rate the next update uses.
+    pub const LR: usize = 0;
+    /// The learning rate a device-side schedule scales.
+    pub const BASE_LR: usize = 1;
+    pub const BETA1: usize = 2;
+    pub const BETA2: usize = 3;
+    pub const EPS: usize = 4;
+    pub const WEIGHT_DECAY: usize = 5;
+    pub const MOMENTUM: usize = 6;
+    /// Length of the buffer.
+    pub const LEN: usize = 8;
+}
+
+/// Slots of the optimizer state buffer (`u32`).
+pub mod state {
+    /// Optimizer steps completed (what a schedule reads).
+    pub const STEP: usize = 0;
+    /// The kernels' last-block ticket (0 between launches).
+    pub const TICKET: usize = 1;
+    /// Length of the buffer.
+    pub const LEN: usize = 2;
+}
+
+/// One tensor of a table: `depth` device addresses, its element count and its step-counter
+/// slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableEntry<const D: usize> {
+    pub addrs: [u64; D],
+    pub n: u64,
+    pub slot: u32,
+}
+
+/// Bytes of a table of depth `d` and capacity `cap` (even): the kernel's `MtTable<D, CAP>`.
+pub const fn table_bytes(d: usize, cap: usize) -> usize {
+    8 * ((d + 2) * cap + 1)
+}
+
+/// One launch's table: its bytes and the facts the launcher needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    pub bytes: Vec<u8>,
+    /// Tensors in the table.
+    pub count: usize,
+    /// Chunks over all its tensors (the grid strides over them).
+    pub chunks: u32,
+    /// The capacity it was laid out for ([`CAP_S`] or [`CAP_L`]).
+    pub cap: usize,
+}
+
+/// Elements per chunk for `total` elements on `sms` multiprocessors: about eight chunks per
+/// multiprocessor, a multiple of 1024 (one 16-byte load per thread of a 256-thread block),
+/// between 1024 and 65536 (PyTorch's chunk).
+pub fn chunk_elems(total: u64, sms: u32) -> u32 {
+    let target = (sms.max(1) as u64) * 8;
+    let per = total.div_ceil(target).div_ceil(1024).saturating_mul(1024);
+    per.clamp(1024, 65536) as u32
+}
+
+/// Lays `entries` out in tables of at most `cap_large` tensors (a table with at most
+/// [`CAP_S`] uses the small layout), chunks of `chunk` elements. Zero-length tensors are left
+/// out. Always returns at least one table (an empty one when nothing is left), so a launch
+/// still advances the counters.
+pub fn build_tables<const D: usize>(
+    entries: &[TableEntry<D>],
+    chunk: u32,
+    cap_large: usize,
+) -> Result<Vec<Table>> {
+    if chunk == 0 || chunk % 4 != 0 {
+        return Err(NnError::Shape(format!(
+            "optimizer chunk of {chunk} elements (must be a positive multiple of 4)"
+        )));
+    }
+    let cap_large = cap_large.clamp(CAP_S, CAP_L);
+    let live: Vec<&TableEntry<D>> = entries.iter().filter(|e| e.n > 0).collect();
+    let mut out = Vec::new();
+    for group in live.chunks(cap_large) {
+        out.push(layout(group, chunk, cap_large)?);
+    }
+    if out.is_empty() {
+        out.push(layout::<D>(&[], chunk, CAP_S)?);
+    }
+    Ok(out)
+}
+
+fn layout<const D: usize>(group: &[&TableEntry<D>], chunk: u32, cap_large: usize) -> Result<Table> {
+    let cap = if group.len() <= CAP_S {
+        CAP_S
+    } else {
+        cap_large
+    };
+    let mut b = vec![0u8; table_bytes(D, cap)];
+    let n_at = D * cap * 8;
+    let chunk0_at = n_at + 8 * cap;
+    let slot_at = chunk0_at + 4 * (cap + 1);
+    let count_at = slot_at + 4 * cap;
+    let put = |b: &mut [u8], at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
+    let mut chunks: u32 = 0;
+    for (i, e) in group.iter().enumerate() {
+        for (d, a) in e.addrs.iter().enumerate() {
+            put(&mut b, (d * cap + i) * 8, &a.to_le_bytes());
+        }
+        let n = i64::try_from(e.n)
+            .map_err(|_| NnError::Shape(format!("optimizer tensor of {} elements", e.n)))?;
+        put(&mut b, n_at + 8 * i, &n.to_le_bytes());
+        put(&mut b, chunk0_at + 4 * i, &chunks.to_le_bytes());
+        put(&mut b, slot_at + 4 * i, &e.slot.to_le_bytes());
+        let c = u32::try_from(e.n.div_ceil(chunk as u64)).ok();
+        chunks = c.and_then(|c| chunks.checked_add(c)).ok_or_else(|| {
+            NnError::Shape("optimizer: more than 2^32 chunks in one launch".into())
+        })?;
+    }
+    put(&mut b, chunk0_at + 4 * group.len(), &chunks.to_le_bytes());
+    put(&mut b, count_at, &(group.len() as i32).to_le_bytes());
+    Ok(Table {
+        bytes: b,
+        count: group.len(),
+        chunks,
+        cap,
+    })
+}
+
+/// The optimizer kernels of one device (a [`Device::extension`]).
+pub struct OptimKernels {
+    sgd_s: Function,
+    sgd_l: Function,
+    adam_s: Function,
+    adam_l: Function,
+    schedule: Function,
+    /// Multiprocessors (grid sizing).
+    sms: u32,
+    /// Whether the driver takes 32 KB kernel parameters (CUDA 12.1+).
+    large_params: bool,
+}
+
+/// One SGD tensor: parameter, gradient, momentum buffer (when the optimizer keeps them).
+pub struct SgdTensor<'a> {
+    pub w: &'a DeviceBuffer<f32>,
+    pub g: &'a DeviceBuffer<f32>,
+    pub buf: Option<&'a DeviceBuffer<f32>>,
+}
+
+/// One Adam tensor: parameter, gradient, moments, and its slot in the step counters.
+pub struct AdamTensor<'a> {
+    pub w: &'a DeviceBuffer<f32>,
+    pub g: &'a DeviceBuffer<f32>,
+    pub m: &'a DeviceBuffer<f32>,
+    pub v: &'a DeviceBuffer<f32>,
+    pub slot: u32,
+}
+
+/// `buf` must be memory of `q`'s device.
+fn same_device<T: cudagraph::Elem>(q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<()> {
+    let (want, got) = (q.device().ordinal(), buf.block().device_ordinal());
+    if want != got {
+        return Err(crate::NnError::Core(cudagraph::Error::WrongDevice {
+            what: "optimizer buffer",
+            expected: want,
+            got,
+        }));
+    }
+    Ok(())
+}
+
+impl OptimKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<OptimKernels>> {
+        device
+            .extension(|d| {
+                let m = d.compile("cudagraph_nn_optim", SOURCE)?;
+                Ok(OptimKernels {
+                    sgd_s: m.function("sgd_mt_s")?,
+                    sgd_l: m.function("sgd_mt_l")?,
+                    adam_s: m.function("adam_mt_s")?,
+                    adam_l: m.function("adam_mt_l")?,
+                    schedule: m.function("lr_schedule")?,
+                    sms: d.info().multiprocessors,
+                    large_params: d.info().driver_version >= 12010,
+                })
+            })
+            .map_err(NnError::from)
+    }
+
+    fn cap_large(&self) -> usize {
+        if self.large_params {
+            CAP_L
+        } else {
+            CAP_S
+        }
+    }
+
+    fn grid(&self, t: &Table) -> LaunchConfig {
+        let grid = (t.chunks as u64).clamp(1, self.sms.max(1) as u64 * 8) as u32;
+        LaunchConfig::linear(grid, BLOCK)
+    }
+
+    fn check_small_bufs(hp: &DeviceBuffer<f32>, state: &DeviceBuffer<u32>) -> Result<()> {
+        need("optimizer hyperparameters", hp, hp::LEN)?;
+        need("optimizer state", state, state::LEN)
+    }
+
+    /// One SGD update of every tensor (PyTorch's rule: `d = g + wd·w`, with momentum
+    /// `buf = momentum·buf + d; d = buf`, then `w -= lr·d`), hyperparameters read from `hp`;
+    /// advances the step count in `state` when `advance`.
+    pub fn sgd(
+        &self,
+        q: &dyn Queue,
+        tensors: &[SgdTensor<'_>],
+        hp: &DeviceBuffer<f32>,
+        state: &DeviceBuffer<u32>,
+        advance: bool,
+    ) -> Result<()> {
+        Self::check_small_bufs(hp, state)?;
+        let mut entries = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let n = t.w.len();
+            need("sgd grad", t.g, n)?;
+            same_device(q, t.w)?;
+            same_device(q, t.g)?;
+            if let Some(b) = t.buf {
+                need("sgd momentum buffer", b, n)?;
+                same_device(q, b)?;
+            }
+            entries.push(TableEntry::<3> {
+                addrs: [t.w.addr(), t.g.addr(), t.buf.map_or(0, |b| b.addr())],
+                n: n as u64,
+                slot: 0,
+            });
+        }
+        let total: u64 = entries.iter().map(|e| e.n).sum();
+        let chunk = chunk_elems(total, self.sms);
+        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        for t in tensors {
+            q.use_block(t.w.block());
+            q.use_block(t.g.block());
+            if let Some(b) = t.buf {
+                q.use_block(b.block());
+            }
+        }
+        let last = tables.len() - 1;
+        for (i, t) in tables.iter().enumerate() {
+            let f = if t.cap == CAP_S {
+                &self.sgd_s
+            } else {
+                &self.sgd_l
+            };
+            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient
+            // and momentum buffer (checked above; a null momentum pointer is never touched),
+            // all on this queue's device and kept alive/ordered by `use_block`; the kernel
+            // touches p[d][i][0..n) only, hp[0..8) (checked) and state[0..2) (checked).
+            unsafe {
+                super::launch(
+                    q,
+                    f,
+                    self.grid(t),
+                    &[
+                        Arg::Bytes(&t.bytes),
+                        hp.into(),
+                        state.into(),
+                        Arg::I32(chunk as i32),
+                        Arg::I32((advance && i == last) as i32),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One Adam (or, `decoupled`, AdamW) update of every tensor, PyTorch's fused rule; the
+    /// step number of tensor `i` is `steps[slot_i] + 1` and is advanced by the launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam(
+        &self,
+        q: &dyn Queue,
+        tensors: &[AdamTensor<'_>],
+        hp: &DeviceBuffer<f32>,
+        state: &DeviceBuffer<u32>,
+        steps: &DeviceBuffer<u32>,
+        decoupled: bool,
+        advance: bool,
+    ) -> Result<()> {
+        Self::check_small_bufs(hp, state)?;
+        let mut entries = Vec::with_capacity(tensors.len());
+        let mut seen_slots = std::collections::HashSet::new();
+        for t in tensors {
+            let n = t.w.len();
+            need("adam grad", t.g, n)?;
+            need("adam m", t.m, n)?;
+            need("adam v", t.v, n)?;
+            if t.slot as usize >= steps.len() {
+                return Err(NnError::Shape(format!(
+                    "adam: step slot {} of {} counters",
+                    t.slot,
+                    steps.len()
+                )));
+            }
+            if !seen_slots.insert(t.slot) {
+                return Err(NnError::Shape(format!(
+                    "adam: step slot {} used twice in one update",
+                    t.slot
+                )));
+            }
+            for b in [t.w, t.g, t.m, t.v] {
+                same_device(q, b)?;
+            }
+            entries.push(TableEntry::<4> {
+                addrs: [t.w.addr(), t.g.addr(), t.m.addr(), t.v.addr()],
+                n: n as u64,
+                slot: t.slot,
+            });
+        }
+        same_device(q, steps)?;
+        let total: u64 = entries.iter().map(|e| e.n).sum();
+        let chunk = chunk_elems(total, self.sms);
+        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        for t in tensors {
+            for b in [t.w, t.g, t.m, t.v] {
+                q.use_block(b.block());
+            }
+        }
+        let last = tables.len() - 1;
+        for (i, t) in tables.iter().enumerate() {
+            let f = if t.cap == CAP_S {
+                &self.adam_s
+            } else {
+                &self.adam_l
+            };
+            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
+            // m and v buffers (checked above), all on this queue's device and kept
+            // alive/ordered by `use_block`; slots are distinct and below steps.len()
+            // (checked); the kernel touches p[d][i][0..n), steps[slot_i], hp[0..8) and
+            // state[0..2) (both checked).
+            unsafe {
+                super::launch(
+                    q,
+                    f,
+                    self.grid(t),
+                    &[
+                        Arg::Bytes(&t.bytes),
+                        hp.into(),
+                        state.into(),
+                        steps.into(),
+                        Arg::I32(chunk as i32),
+                        Arg::I32((advance && i == last) as i32),
+                        Arg::I32(decoupled as i32),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The schedule node: `hp[LR] = schedule(hp[BASE_LR], state[STEP])`, `program` being
+    /// [`crate::schedule::Schedule::program`]'s bytes.
+    pub fn lr_schedule(
+        &self,
+        q: &dyn Queue,
+        program: &[u8],
+        hp: &DeviceBuffer<f32>,
+        state: &DeviceBuffer<u32>,
+    ) -> Result<()> {
+        Self::check_small_bufs(hp, state)?;
+        // SAFETY: one thread reads state[0] and hp[1], writes hp[0] (both buffers checked);
+        // the program is plain numbers (its size is checked against the declaration).
+        unsafe {
+            super::launch(
+                q,
+                &self.schedule,
+                LaunchConfig::linear(1, 32),
+                &[Arg::Bytes(program), hp.into(), state.into()],
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_u32(b: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+    }
+    fn read_u64(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+    }
+
+    fn entry(i: u64, n: u64) -> TableEntry<4> {
+        TableEntry {
+            addrs: [0x1000 * i, 0x1000 * i + 8, 0x1000 * i + 16, 0x1000 * i + 24],
+            n,
+            slot: i as u32,
+        }
+    }
+
+    #[test]
+    fn table_sizes_match_the_kernel_layout() {
+        // sizeof(MtTable<D, CAP>) as static_assert'ed in optim_mt.cu.
+        assert_eq!(table_bytes(3, CAP_S), 2568);
+        assert_eq!(table_bytes(4, CAP_S), 3080);
+        assert_eq!(table_bytes(4, CAP_L), 24584);
+        assert!(
+            table_bytes(4, CAP_S) <= 4096,
+            "small tables fit the classic 4 KB"
+        );
+        assert!(
+            table_bytes(4, CAP_L) <= 32764,
+            "large tables fit CUDA 12.1's limit"
+        );
+    }
+
+    #[test]
+    fn tables_hold_pointers_counts_prefix_sums_and_slots() {
+        let es: Vec<_> = [1u64, 1024, 1025, 0, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| entry(i as u64 + 1, n))
+            .collect();
+        let t = build_tables(&es, 1024, CAP_L).unwrap();
+        assert_eq!(t.len(), 1);
+        let t = &t[0];
+        assert_eq!((t.count, t.cap), (4, CAP_S)); // the empty tensor is left out
+        assert_eq!(t.bytes.len(), table_bytes(4, CAP_S));
+        // chunks: 1 + 1 + 2 + 1
+        assert_eq!(t.chunks, 5);
+        let n_at = 4 * CAP_S * 8;
+        let c_at = n_at + 8 * CAP_S;
+        let s_at = c_at + 4 * (CAP_S + 1);
+        let count_at = s_at + 4 * CAP_S;
+        assert_eq!(read_u32(&t.bytes, count_at), 4);
+        let want_n = [1u64, 1024, 1025, 7];
+        let want_c0 = [0u32, 1, 2, 4, 5];
+        let want_slot = [1u32, 2, 3, 5];
+        for i in 0..4 {
+            assert_eq!(read_u64(&t.bytes, n_at + 8 * i), want_n[i]);
+            assert_eq!(read_u32(&t.bytes, s_at + 4 * i), want_slot[i]);
+            for d in 0..4 {
+                assert_eq!(
+                    read_u64(&t.bytes, (d * CAP_S + i) * 8),
+                    es[want_slot[i] as usize - 1].addrs[d]
+                );
+            }
+        }
+        for (i, &c) in want_c0.iter().enumerate() {
+            assert_eq!(read_u32(&t.bytes, c_at + 4 * i), c);
+        }
+        // Unused entries stay zero.
+        assert_eq!(read_u64(&t.bytes, n_at + 8 * 4), 0);
+    }
+
+    #[test]
+    fn many_tensors_split_into_as_few_tables_as_the_capacity_allows() {
+        let es: Vec<_> = (0..1060u64).map(|i| entry(i + 1, 3 + i % 5)).collect();
+        let t = build_tables(&es, 4096, CAP_L).unwrap();
+        assert_eq!(
+            t.iter().map(|t| t.count).collect::<Vec<_>>(),
+            vec![512, 512, 36]
+        );
+        assert_eq!(
+            t.iter().map(|t| t.cap).collect::<Vec<_>>(),
+            vec![CAP_L, CAP_L, CAP_S]
+        );
+        assert!(t.iter().all(|t| t.chunks as usize == t.count)); // one chunk each
+                                                                 // Without 32 KB parameters: tables of 64.
+        let t = build_tables(&es, 4096, CAP_S).unwrap();
+        assert_eq!(t.len(), 1060usize.div_ceil(64));
+        assert!(t
+            .iter()
+            .all(|t| t.cap == CAP_S && t.bytes.len() == table_bytes(4, CAP_S)));
+    }
+
+    #[test]
+    fn nothing_to_update_still_gives_one_empty_table() {
+        let t = build_tables::<3>(&[], 1024, CAP_L).unwrap();
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].count, t[0].chunks), (0, 0));
+    }
+
+    #[test]
+    fn bad_chunks_and_chunk_overflow_are_errors() {
+        assert!(build_tables(&[entry(1, 10)], 0, CAP_L).is_err());
+        assert!(build_tables(&[entry(1, 10)], 6, CAP_L).is_err());
+        let huge = [entry(1, u64::MAX / 2)];
+        assert!(build_tables(&huge, 1024, CAP_L).is_err());
+        let big = [entry(1, 1 << 41), entry(2, 1 << 41)];
+        assert!(build_tables(&big, 1024, CAP_L).is_err()); // 2^31 chunks each: 2^32 in all
+    }
+
+    #[test]
+    fn chunks_aim_at_eight_per_multiprocessor_within_bounds() {
+        assert_eq!(chunk_elems(0, 132), 1024);
+        assert_eq!(chunk_elems(100_000, 132), 1024);
+        assert_eq!(chunk_elems(8 << 20, 132), 8192);
+        assert_eq!(chunk_elems(100_000_000, 132), 65536);
+        assert_eq!(chunk_elems(8 << 20, 0), 65536);
+        for n in [1u64, 999, 1 << 20, 123_456_789] {
+            assert_eq!(chunk_elems(n, 132) % 1024, 0);
+        }
+    }
+}
