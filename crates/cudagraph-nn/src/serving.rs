@@ -605,11 +605,15 @@ impl ModelRunner {
         };
         let input_row = batched.input_row();
         let mode = match buckets {
+            // Each bucket served the faster way, graph or eager, as measured once.
             Some(policy) => Mode::Graph(GraphCache::new(
                 &mut stream,
                 batched,
                 policy,
-                CacheOptions::default(),
+                CacheOptions {
+                    selection: cudagraph::Selection::Measure,
+                    ..CacheOptions::default()
+                },
             )?),
             None => Mode::Eager(batched),
         };

@@ -103,6 +103,10 @@ pub struct ServeBenchArgs {
     /// Seconds of load per mode.
     #[arg(long, default_value_t = 30.0)]
     pub duration_s: f64,
+    /// Seconds of the same load before measuring, so the allocator's cache has seen the batch
+    /// sizes dynamic batching forms (memory is then checked to stay flat).
+    #[arg(long, default_value_t = 3.0)]
+    pub warmup_s: f64,
     /// Smallest request, in rows.
     #[arg(long, default_value_t = 1)]
     pub min_rows: usize,
@@ -405,6 +409,22 @@ async fn run_mode(
         }
         for w in warm {
             w.await??;
+        }
+        // Then the measured load pattern itself, unmeasured.
+        let until = Instant::now() + Duration::from_secs_f64(a.warmup_s.max(0.0));
+        let tasks: Vec<_> = (0..a.clients.max(1))
+            .map(|i| {
+                tokio::spawn(client_loop(
+                    addr,
+                    templates.clone(),
+                    until,
+                    a.seed ^ 0x5eed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9),
+                    orow,
+                ))
+            })
+            .collect();
+        for t in tasks {
+            t.await?;
         }
     }
     let before = server_metrics(addr).await?;
