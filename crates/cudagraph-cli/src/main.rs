@@ -76,6 +76,8 @@ enum BenchCommand {
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
     Workloads(bench::workloads::WorkloadArgs),
+    /// The engine registry's choices (cuDNN, cuBLASLt, cuBLAS, ours) for representative shapes.
+    Engines(bench::engines::EnginesArgs),
 }
 
 fn main() -> ExitCode {
@@ -90,6 +92,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Rebind(args)) => bench::rebind::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
+            Some(BenchCommand::Engines(args)) => bench::engines::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),

@@ -331,12 +331,10 @@ impl Cudnn {
                 "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
             )));
         }
-        let k = key(g);
-        if !st.plans.contains_key(&k) {
-            let plan = self.new_plan(g)?;
-            st.plans.insert(k, plan);
-        }
-        Ok(st.plans.get_mut(&k).expect("inserted above"))
+        Ok(match st.plans.entry(key(g)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.new_plan(g)?),
+        })
     }
 
     fn new_plan(&self, g: &ConvGeom) -> Result<Plan> {

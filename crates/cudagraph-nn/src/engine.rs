@@ -19,9 +19,12 @@
 //!
 //! **Inside a capture nothing is measured** (a capture may not synchronise): a key without a
 //! choice gets the heuristic default (the former fixed thresholds of `Engine::Auto` for
-//! products, cuDNN's own first choice for convolutions) and is marked *unmeasured*; the next
-//! eager call measures it. So: run a model once eagerly (a warm-up) before capturing it, and the
-//! graph replays the measured engines forever — and its results equal the eager ones bit for bit.
+//! products, cuDNN's own first choice for convolutions) and is recorded as *unmeasured*. Later
+//! eager calls keep that choice, so the graph and the eager path give the same bits; it is
+//! never written to disk, and [`Engines::clear`] forgets it (the next eager call measures).
+//! So: run a model once eagerly (a warm-up, as with `torch.backends.cudnn.benchmark`) before
+//! capturing it, and the graph replays the measured engines forever — with results equal to
+//! the eager ones bit for bit.
 //!
 //! **Deterministic by default.** Only candidates whose results do not depend on scheduling are
 //! considered (cuDNN's non-deterministic algorithms are left out; our split-K reductions sum in a
@@ -93,14 +96,14 @@ impl ConvEngine {
 
     /// Whether `algo` belongs to this family.
     pub fn allows(self, algo: ConvAlgo) -> bool {
-        match (self, algo) {
-            (ConvEngine::Auto, _) => true,
-            (ConvEngine::Cudnn, ConvAlgo::Cudnn(_)) => true,
-            (ConvEngine::Ours, ConvAlgo::Igemm(..) | ConvAlgo::Direct) => true,
-            (ConvEngine::Igemm, ConvAlgo::Igemm(..)) => true,
-            (ConvEngine::Direct, ConvAlgo::Direct) => true,
-            _ => false,
-        }
+        matches!(
+            (self, algo),
+            (ConvEngine::Auto, _)
+                | (ConvEngine::Cudnn, ConvAlgo::Cudnn(_))
+                | (ConvEngine::Ours, ConvAlgo::Igemm(..) | ConvAlgo::Direct)
+                | (ConvEngine::Igemm, ConvAlgo::Igemm(..))
+                | (ConvEngine::Direct, ConvAlgo::Direct)
+        )
     }
 }
 
@@ -381,7 +384,9 @@ impl DiskTable {
             std::fs::create_dir_all(dir)?;
         }
         let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
         std::fs::write(&tmp, text)?;
         std::fs::rename(&tmp, path)
     }
@@ -478,9 +483,7 @@ impl Engines {
         let entries = file
             .as_deref()
             .and_then(DiskTable::load)
-            .filter(|t| {
-                t.device == info.name && t.driver == info.driver_version && t.libraries == libraries
-            })
+            .filter(|t| identity(t, &info, &libraries))
             .map(|t| t.entries)
             .unwrap_or_default();
         Ok(Engines {
@@ -496,6 +499,10 @@ impl Engines {
         })
     }
 
+    fn same_identity(&self, t: &DiskTable) -> bool {
+        identity(t, &self.info, &self.libraries)
+    }
+
     /// The current policy.
     pub fn policy(&self) -> Policy {
         *lock(&self.policy)
@@ -507,8 +514,8 @@ impl Engines {
         *lock(&self.policy) = p;
     }
 
-    /// Forgets every choice in memory (the disk table is kept until the next measurement
-    /// rewrites it).
+    /// Forgets every choice in memory, so the next eager use of each key measures it again
+    /// (the disk table keeps its entries; new measurements replace theirs).
     pub fn clear(&self) {
         lock(&self.table).clear();
     }
@@ -578,9 +585,9 @@ impl Engines {
     }
 
     /// The engine for `key` among `candidates` (non-empty; `default` among them): the recorded
-    /// choice when there is a valid one; otherwise, on an eager queue, the fastest candidate
-    /// measured with `run` (which must run the candidate on scratch outputs); inside a capture
-    /// `default`, recorded as unmeasured.
+    /// choice when there is a valid one (measured, or the unmeasured default a capture chose);
+    /// otherwise, on an eager queue, the fastest candidate measured with `run` (which must run
+    /// the candidate on scratch outputs); inside a capture `default`, recorded as unmeasured.
     pub(crate) fn choose<A: Algo>(
         &self,
         q: &dyn Queue,
@@ -599,7 +606,7 @@ impl Engines {
         };
         if let Some(e) = lock(&self.table).get(key) {
             if let Ok(a) = e.engine.parse::<A>() {
-                if candidates.contains(&a) && (e.measured || q.is_capturing()) {
+                if candidates.contains(&a) {
                     return Ok(a);
                 }
             }
@@ -642,22 +649,26 @@ impl Engines {
                 })
                 .collect(),
         };
-        let snapshot = {
+        let measured: Vec<(String, Entry)> = {
             let mut t = lock(&self.table);
             t.insert(key.to_string(), entry);
-            self.file.as_ref().map(|_| DiskTable {
-                format: FORMAT,
-                device: self.info.name.clone(),
-                driver: self.info.driver_version,
-                libraries: self.libraries.clone(),
-                entries: t
-                    .iter()
-                    .filter(|(_, e)| e.measured && !e.timings.is_empty())
-                    .map(|(k, e)| (k.clone(), e.clone()))
-                    .collect(),
-            })
+            t.iter()
+                .filter(|(_, e)| e.measured && !e.timings.is_empty())
+                .map(|(k, e)| (k.clone(), e.clone()))
+                .collect()
         };
-        if let (Some(table), Some(path)) = (snapshot, &self.file) {
+        if let Some(path) = &self.file {
+            // Merge into what is on disk (another process, or choices forgotten by `clear`).
+            let mut table = DiskTable::load(path)
+                .filter(|t| self.same_identity(t))
+                .unwrap_or_else(|| DiskTable {
+                    format: FORMAT,
+                    device: self.info.name.clone(),
+                    driver: self.info.driver_version,
+                    libraries: self.libraries.clone(),
+                    entries: BTreeMap::new(),
+                });
+            table.entries.extend(measured);
             // A table that cannot be written only costs a measurement next time.
             let _ = table.save(path);
         }
@@ -713,6 +724,11 @@ impl Engines {
         }
         Ok(out)
     }
+}
+
+/// Whether a disk table was measured on this device, driver and libraries.
+fn identity(t: &DiskTable, info: &DeviceInfo, libraries: &str) -> bool {
+    t.device == info.name && t.driver == info.driver_version && t.libraries == libraries
 }
 
 /// Errors after which nothing else can run on the device.

@@ -372,7 +372,7 @@ mod tests {
         }
         let l = 32 - (d - 1).leading_zeros();
         let p = 31 + l;
-        let mul = (((1u64 << p) + d as u64 - 1) / d as u64) as u32;
+        let mul = (1u64 << p).div_ceil(d as u64) as u32; // ((1 << p) + d - 1) / d on the device
         (((x as u64 * mul as u64) >> 32) as u32) >> (p - 32)
     }
 
