@@ -253,6 +253,120 @@ pub fn alignment(addrs: &[u64]) -> u32 {
     (1u64 << all.trailing_zeros().min(8)) as u32
 }
 
+fn check(api: &Api, st: Status, call: &'static str) -> Result<()> {
+    if st == SUCCESS {
+        Ok(())
+    } else {
+        Err(NnError::Library {
+            library: "cuBLASLt",
+            call,
+            status: describe(api, st),
+        })
+    }
+}
+
+/// Sets a matmul-descriptor attribute to the value whose bytes are `v` (of the type the header
+/// gives the attribute: i32 for TRANSA/B, u32 for EPILOGUE, a pointer for BIAS_POINTER).
+fn set_attr(api: &Api, desc: Ptr, attr: u32, v: &[u8]) -> Result<()> {
+    // SAFETY: `desc` is a live descriptor; the value is `v.len()` readable bytes.
+    check(
+        api,
+        unsafe { (api.desc_set)(desc, attr, v.as_ptr() as CPtr, v.len()) },
+        "cublasLtMatmulDescSetAttribute",
+    )
+}
+
+/// The descriptor (fp32 compute, no TF32) and the three layouts of a row-major product, as
+/// cuBLASLt's column-major view of it: Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ, so our B is cuBLASLt's A and
+/// our A its B (as in blas.rs). No handle is needed; the plan has no algorithms yet.
+fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
+    let dim = |v: usize| {
+        i64::try_from(v)
+            .ok()
+            .filter(|&v| v > 0 && v <= i32::MAX as i64)
+            .ok_or_else(|| NnError::Shape(format!("cuBLASLt: dimension {v} is 0 or exceeds i32")))
+    };
+    let (m, n, k) = (dim(s.m)?, dim(s.n)?, dim(s.k)?);
+    let mut p = Plan {
+        api: a,
+        desc: std::ptr::null_mut(),
+        a: std::ptr::null_mut(),
+        b: std::ptr::null_mut(),
+        c: std::ptr::null_mut(),
+        algos: Vec::new(),
+        fused_bgrad: false,
+    };
+    let (la_rows, la_cols) = if s.tb == Trans::N { (n, k) } else { (k, n) };
+    let (lb_rows, lb_cols) = if s.ta == Trans::N { (k, m) } else { (m, k) };
+    let op = |t: Trans| if t == Trans::N { OP_N } else { OP_T };
+    // SAFETY: each create call writes one object into `p` (destroyed by Plan's Drop, also on
+    // the early returns) from plain integers.
+    unsafe {
+        check(
+            a,
+            (a.desc_create)(&mut p.desc, COMPUTE_32F, R_32F),
+            "cublasLtMatmulDescCreate",
+        )?;
+        check(
+            a,
+            (a.layout_create)(&mut p.a, R_32F, la_rows as u64, la_cols as u64, la_rows),
+            "cublasLtMatrixLayoutCreate",
+        )?;
+        check(
+            a,
+            (a.layout_create)(&mut p.b, R_32F, lb_rows as u64, lb_cols as u64, lb_rows),
+            "cublasLtMatrixLayoutCreate",
+        )?;
+        check(
+            a,
+            (a.layout_create)(&mut p.c, R_32F, n as u64, m as u64, n),
+            "cublasLtMatrixLayoutCreate",
+        )?;
+    }
+    set_attr(a, p.desc, DESC_TRANSA, &op(s.tb).to_ne_bytes())?;
+    set_attr(a, p.desc, DESC_TRANSB, &op(s.ta).to_ne_bytes())?;
+    Ok(p)
+}
+
+/// A matmul preference, destroyed on drop.
+struct Preference<'a>(Ptr, &'a Api);
+
+impl Drop for Preference<'_> {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasLtMatmulPreferenceCreate, destroyed once, here.
+        unsafe {
+            (self.1.pref_destroy)(self.0);
+        }
+    }
+}
+
+/// A preference for at most [`WORKSPACE_BYTES`] of workspace and pointers aligned to `align`
+/// bytes (A, B, C and D).
+fn preference(a: &Api, align: u32) -> Result<Preference<'_>> {
+    let mut p: Ptr = std::ptr::null_mut();
+    // SAFETY: writes one preference handle.
+    check(
+        a,
+        unsafe { (a.pref_create)(&mut p) },
+        "cublasLtMatmulPreferenceCreate",
+    )?;
+    let pref = Preference(p, a);
+    let set = |attr: u32, v: &[u8]| {
+        // SAFETY: the preference is live; the value has the header's type for the attribute
+        // (u64 for MAX_WORKSPACE_BYTES, u32 for the alignments).
+        check(
+            a,
+            unsafe { (a.pref_set)(pref.0, attr, v.as_ptr() as CPtr, v.len()) },
+            "cublasLtMatmulPreferenceSetAttribute",
+        )
+    };
+    set(PREF_MAX_WORKSPACE, &(WORKSPACE_BYTES as u64).to_ne_bytes())?;
+    for i in 0..4 {
+        set(PREF_ALIGN_A + i, &align.to_ne_bytes())?;
+    }
+    Ok(pref)
+}
+
 impl BlasLt {
     /// Loads cuBLASLt and creates a handle for `ctx`'s device; `Err` says why it is unavailable.
     pub fn open(ctx: &Context, alloc: &Arc<Allocator>) -> std::result::Result<BlasLt, String> {
@@ -276,72 +390,9 @@ impl BlasLt {
         })
     }
 
-    fn check(&self, st: Status, call: &'static str) -> Result<()> {
-        if st == SUCCESS {
-            Ok(())
-        } else {
-            Err(NnError::Library {
-                library: "cuBLASLt",
-                call,
-                status: describe(self.api, st),
-            })
-        }
-    }
-
+    /// Descriptors of `s` and cuBLASLt's heuristic algorithms for them.
     fn new_plan(&self, handle: Ptr, s: &LtShape) -> Result<Plan> {
-        let a = self.api;
-        let dim = |v: usize| {
-            i64::try_from(v)
-                .ok()
-                .filter(|&v| v <= i32::MAX as i64)
-                .ok_or_else(|| NnError::Shape(format!("cuBLASLt: dimension {v} exceeds i32")))
-        };
-        let (m, n, k) = (dim(s.m)?, dim(s.n)?, dim(s.k)?);
-        let mut p = Plan {
-            api: a,
-            desc: std::ptr::null_mut(),
-            a: std::ptr::null_mut(),
-            b: std::ptr::null_mut(),
-            c: std::ptr::null_mut(),
-            algos: Vec::new(),
-            fused_bgrad: false,
-        };
-        // Column-major view of row-major C = op(A)·op(B): Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ, so our B
-        // is cuBLASLt's A and our A its B (as in blas.rs).
-        let (la_rows, la_cols) = if s.tb == Trans::N { (n, k) } else { (k, n) };
-        let (lb_rows, lb_cols) = if s.ta == Trans::N { (k, m) } else { (m, k) };
-        let op = |t: Trans| if t == Trans::N { OP_N } else { OP_T };
-        let (opa, opb) = (op(s.tb), op(s.ta));
-        let set = |desc: Ptr, attr: u32, v: &[u8]| {
-            // SAFETY: `desc` is live; the attribute's value is `v.len()` bytes at `v`, of the
-            // type the header gives that attribute (i32 for TRANSA/B, u32 for EPILOGUE).
-            self.check(
-                unsafe { (a.desc_set)(desc, attr, v.as_ptr() as CPtr, v.len()) },
-                "cublasLtMatmulDescSetAttribute",
-            )
-        };
-        // SAFETY: each create call writes one object into `p` (destroyed by Plan's Drop, also on
-        // the early returns) from plain integers.
-        unsafe {
-            self.check(
-                (a.desc_create)(&mut p.desc, COMPUTE_32F, R_32F),
-                "cublasLtMatmulDescCreate",
-            )?;
-            self.check(
-                (a.layout_create)(&mut p.a, R_32F, la_rows as u64, la_cols as u64, la_rows),
-                "cublasLtMatrixLayoutCreate",
-            )?;
-            self.check(
-                (a.layout_create)(&mut p.b, R_32F, lb_rows as u64, lb_cols as u64, lb_rows),
-                "cublasLtMatrixLayoutCreate",
-            )?;
-            self.check(
-                (a.layout_create)(&mut p.c, R_32F, n as u64, m as u64, n),
-                "cublasLtMatrixLayoutCreate",
-            )?;
-        }
-        set(p.desc, DESC_TRANSA, &opa.to_ne_bytes())?;
-        set(p.desc, DESC_TRANSB, &opb.to_ne_bytes())?;
+        let mut p = describe_shape(self.api, s)?;
         let wanted = match s.epilogue {
             Epilogue::None => EPI_DEFAULT,
             Epilogue::Bias => EPI_BIAS,
@@ -357,7 +408,8 @@ impl BlasLt {
         Ok(p)
     }
 
-    /// Sets `epilogue` on the plan's descriptor and asks cuBLASLt for its algorithms.
+    /// Sets `epilogue` on the plan's descriptor and asks cuBLASLt for its algorithms (an
+    /// epilogue or layout it does not support gives an empty list).
     fn heuristic(
         &self,
         handle: Ptr,
@@ -366,58 +418,26 @@ impl BlasLt {
         align: u32,
     ) -> Result<Vec<HeuristicResult>> {
         let a = self.api;
-        let mut pref: Ptr = std::ptr::null_mut();
+        set_attr(a, p.desc, DESC_EPILOGUE, &epilogue.to_ne_bytes())?;
+        let pref = preference(a, align)?;
         let mut out = [HeuristicResult::default(); HEURISTIC_ALGOS];
         let mut got: c_int = 0;
-        // SAFETY: the descriptor and layouts are live; the preference is created here and
-        // destroyed below; attribute values have the header's types (u32 epilogue, u64
-        // workspace, u32 alignments); cuBLASLt writes at most HEURISTIC_ALGOS results.
+        // SAFETY: the handle, descriptor, layouts and preference are live; cuBLASLt writes at
+        // most HEURISTIC_ALGOS results into `out` and their count into `got`.
         let st = unsafe {
-            self.check(
-                (a.desc_set)(
-                    p.desc,
-                    DESC_EPILOGUE,
-                    &epilogue as *const u32 as CPtr,
-                    std::mem::size_of::<u32>(),
-                ),
-                "cublasLtMatmulDescSetAttribute",
-            )?;
-            self.check((a.pref_create)(&mut pref), "cublasLtMatmulPreferenceCreate")?;
-            let ws = WORKSPACE_BYTES as u64;
-            let mut st = (a.pref_set)(
-                pref,
-                PREF_MAX_WORKSPACE,
-                &ws as *const u64 as CPtr,
-                std::mem::size_of::<u64>(),
-            );
-            for i in 0..4 {
-                if st == SUCCESS {
-                    st = (a.pref_set)(
-                        pref,
-                        PREF_ALIGN_A + i,
-                        &align as *const u32 as CPtr,
-                        std::mem::size_of::<u32>(),
-                    );
-                }
-            }
-            if st == SUCCESS {
-                st = (a.heuristic)(
-                    handle,
-                    p.desc,
-                    p.a,
-                    p.b,
-                    p.c,
-                    p.c,
-                    pref,
-                    HEURISTIC_ALGOS as c_int,
-                    out.as_mut_ptr(),
-                    &mut got,
-                );
-            }
-            (a.pref_destroy)(pref);
-            st
+            (a.heuristic)(
+                handle,
+                p.desc,
+                p.a,
+                p.b,
+                p.c,
+                p.c,
+                pref.0,
+                HEURISTIC_ALGOS as c_int,
+                out.as_mut_ptr(),
+                &mut got,
+            )
         };
-        // "Not supported" (no algorithm for this epilogue or layout) is an empty list.
         if st != SUCCESS {
             return Ok(Vec::new());
         }
@@ -565,17 +585,10 @@ impl BlasLt {
         // attribute values are read before the calls return.
         unsafe {
             if fused {
-                self.check(
-                    (self.api.desc_set)(
-                        p.desc,
-                        DESC_BIAS_POINTER,
-                        &bias_ptr as *const u64 as CPtr,
-                        std::mem::size_of::<u64>(),
-                    ),
-                    "cublasLtMatmulDescSetAttribute",
-                )?;
+                set_attr(self.api, p.desc, DESC_BIAS_POINTER, &bias_ptr.to_ne_bytes())?;
             }
-            self.check(
+            check(
+                self.api,
                 (self.api.matmul)(
                     handle,
                     p.desc,
@@ -617,6 +630,83 @@ mod tests {
         // float wavesCount, int reserved[4].
         assert_eq!(std::mem::size_of::<HeuristicResult>(), 96);
         assert_eq!(std::mem::offset_of!(HeuristicResult, state), 72);
+    }
+
+    /// Where cuBLASLt is installed, every symbol resolves and the library answers; elsewhere
+    /// the reason it is unavailable is a message, not a panic.
+    #[test]
+    fn every_symbol_resolves_where_cublaslt_is_installed() {
+        match api() {
+            Ok(api) => {
+                // SAFETY: no arguments.
+                let v = unsafe { (api.get_version)() };
+                assert!(v >= 110000, "version {v}");
+                let text = describe(api, SUCCESS);
+                assert!(!text.starts_with("status"), "no status text: {text}");
+                println!("cuBLASLt {v}: {text}");
+            }
+            Err(why) => println!("cuBLASLt unavailable here: {why}"),
+        }
+    }
+
+    /// Where cuBLASLt is installed: descriptors, layouts, every epilogue and the preference
+    /// attributes are accepted with the value sizes used here (no GPU needed for these).
+    #[test]
+    fn descriptors_and_attributes_are_accepted_where_cublaslt_is_installed() {
+        let Ok(api) = api() else {
+            println!("cuBLASLt unavailable here");
+            return;
+        };
+        for (ta, tb) in [
+            (Trans::N, Trans::N),
+            (Trans::N, Trans::T),
+            (Trans::T, Trans::N),
+            (Trans::T, Trans::T),
+        ] {
+            let s = LtShape {
+                ta,
+                tb,
+                m: 7,
+                n: 13,
+                k: 31,
+                epilogue: Epilogue::Bias,
+                align: 16,
+            };
+            let p = describe_shape(api, &s).unwrap();
+            for e in [EPI_DEFAULT, EPI_BIAS, EPI_RELU_BIAS, EPI_BGRADB] {
+                set_attr(api, p.desc, DESC_EPILOGUE, &e.to_ne_bytes()).unwrap();
+            }
+            set_attr(api, p.desc, DESC_BIAS_POINTER, &0x1000u64.to_ne_bytes()).unwrap();
+        }
+        for align in [4, 16, 256] {
+            preference(api, align).unwrap();
+        }
+        // A wrongly sized value is rejected (so the sizes above are the checked ones).
+        let p = describe_shape(
+            api,
+            &LtShape {
+                ta: Trans::N,
+                tb: Trans::T,
+                m: 1,
+                n: 1,
+                k: 1,
+                epilogue: Epilogue::None,
+                align: 256,
+            },
+        )
+        .unwrap();
+        assert!(set_attr(api, p.desc, DESC_EPILOGUE, &[1u8]).is_err());
+        // Empty products are not described.
+        let empty = LtShape {
+            ta: Trans::N,
+            tb: Trans::N,
+            m: 0,
+            n: 3,
+            k: 3,
+            epilogue: Epilogue::None,
+            align: 256,
+        };
+        assert!(describe_shape(api, &empty).is_err());
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! build time); the functions themselves are looked up here, each with its C signature and raw
 //! integer status codes and enums, so a newer cuDNN that returns a code our bindings do not
 //! know cannot produce an invalid Rust enum, and a missing symbol is a clear "cuDNN unavailable"
-//! instead of a panic. Every symbol is resolved once, before any is called.
+//! instead of a panic. Every symbol is resolved, and cuDNN's sub-libraries are checked to load,
+//! before any function is called (the `libcudnn` shim aborts the process when one is missing).
 //!
 //! One handle per device (inside the engine registry, holding the device's `Context`), its
 //! stream set on every call. Math type `CUDNN_FMA_MATH` (no TF32, like PyTorch with
@@ -106,11 +107,58 @@ struct Api {
     add_tensor: unsafe extern "C" fn(Ptr, CPtr, Ptr, CPtr, CPtr, Ptr, Ptr) -> Status,
 }
 
+/// The sub-libraries the convolution API needs, by cuDNN major version. cuDNN's `libcudnn` is
+/// a shim that loads them on first use and aborts the process when one is missing, so they are
+/// checked (loaded by name, as the shim does) before any cuDNN function is called.
+const SUB_LIBRARIES: [&[&str]; 2] = [
+    &[
+        "libcudnn_graph.so.9",
+        "libcudnn_ops.so.9",
+        "libcudnn_cnn.so.9",
+        "libcudnn_heuristic.so.9",
+        "libcudnn_engines_precompiled.so.9",
+        "libcudnn_engines_runtime_compiled.so.9",
+    ],
+    &[
+        "libcudnn_ops_infer.so.8",
+        "libcudnn_ops_train.so.8",
+        "libcudnn_cnn_infer.so.8",
+        "libcudnn_cnn_train.so.8",
+    ],
+];
+
+/// Whether one complete set of sub-libraries loads; `Err` names what is missing.
+fn sub_libraries_load() -> std::result::Result<(), String> {
+    let mut missing = Vec::new();
+    for set in SUB_LIBRARIES {
+        let mut absent = Vec::new();
+        for &name in set {
+            // SAFETY: loading a cuDNN library runs only its (and its dependencies')
+            // initialisers, which have no preconditions.
+            match unsafe { libloading::Library::new(name) } {
+                // Kept loaded: the shim loads it next anyway, and unloading libraries that
+                // hold CUDA runtime state is best avoided.
+                Ok(lib) => std::mem::forget(lib),
+                Err(_) => absent.push(name),
+            }
+        }
+        if absent.is_empty() {
+            return Ok(());
+        }
+        missing.push(absent.join(", "));
+    }
+    Err(format!(
+        "libcudnn is there but its sub-libraries are not (missing: {})",
+        missing.join("; or for cuDNN 8: ")
+    ))
+}
+
 fn load() -> std::result::Result<Api, String> {
     // SAFETY: only tries to dlopen libcudnn by its usual names.
     if !unsafe { cs::is_culib_present() } {
         return Err("libcudnn could not be loaded".into());
     }
+    sub_libraries_load()?;
     // SAFETY: the library loads (checked above), so `culib` returns it instead of panicking.
     let lib = unsafe { cs::culib() };
     macro_rules! sym {
@@ -313,15 +361,7 @@ impl Cudnn {
     }
 
     fn check(&self, st: Status, call: &'static str) -> Result<()> {
-        if st == SUCCESS {
-            Ok(())
-        } else {
-            Err(NnError::Library {
-                library: "cuDNN",
-                call,
-                status: describe(self.api, st),
-            })
-        }
+        check(self.api, st, call)
     }
 
     /// The descriptors of `g`, created on first use.
@@ -333,86 +373,8 @@ impl Cudnn {
         }
         Ok(match st.plans.entry(key(g)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.new_plan(g)?),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_plan(self.api, g)?),
         })
-    }
-
-    fn new_plan(&self, g: &ConvGeom) -> Result<Plan> {
-        let a = self.api;
-        let (oh, ow) = g.out_hw()?;
-        let mut p = Plan {
-            api: a,
-            x: std::ptr::null_mut(),
-            w: std::ptr::null_mut(),
-            y: std::ptr::null_mut(),
-            bias: std::ptr::null_mut(),
-            conv: std::ptr::null_mut(),
-            algos: [None, None, None],
-            workspace: HashMap::new(),
-        };
-        let (n, c, h, w) = (ci("n", g.n)?, ci("c", g.c)?, ci("h", g.h)?, ci("w", g.w)?);
-        let (oc, kh, kw) = (ci("oc", g.oc)?, ci("kh", g.kh)?, ci("kw", g.kw)?);
-        let (s, pad, ohi, owi) = (
-            ci("stride", g.stride)?,
-            ci("pad", g.pad)?,
-            ci("oh", oh)?,
-            ci("ow", ow)?,
-        );
-        // SAFETY: each create writes one descriptor into `p` (destroyed by Plan's Drop, also on
-        // the early returns); each set call receives a live descriptor and plain integers.
-        unsafe {
-            self.check((a.create_tensor)(&mut p.x), "cudnnCreateTensorDescriptor")?;
-            self.check((a.create_tensor)(&mut p.y), "cudnnCreateTensorDescriptor")?;
-            self.check(
-                (a.create_tensor)(&mut p.bias),
-                "cudnnCreateTensorDescriptor",
-            )?;
-            self.check((a.create_filter)(&mut p.w), "cudnnCreateFilterDescriptor")?;
-            self.check(
-                (a.create_conv)(&mut p.conv),
-                "cudnnCreateConvolutionDescriptor",
-            )?;
-            self.check(
-                (a.set_tensor_4d)(p.x, NCHW, FLOAT, n, c, h, w),
-                "cudnnSetTensor4dDescriptor",
-            )?;
-            self.check(
-                (a.set_filter_4d)(p.w, FLOAT, NCHW, oc, c, kh, kw),
-                "cudnnSetFilter4dDescriptor",
-            )?;
-            self.check(
-                (a.set_conv_2d)(p.conv, pad, pad, s, s, 1, 1, CROSS_CORRELATION, FLOAT),
-                "cudnnSetConvolution2dDescriptor",
-            )?;
-            // No TF32: only FMA kernels.
-            self.check(
-                (a.set_conv_math)(p.conv, FMA_MATH),
-                "cudnnSetConvolutionMathType",
-            )?;
-            let (mut dn, mut dc, mut dh, mut dw) = (0, 0, 0, 0);
-            self.check(
-                (a.output_dim)(p.conv, p.x, p.w, &mut dn, &mut dc, &mut dh, &mut dw),
-                "cudnnGetConvolution2dForwardOutputDim",
-            )?;
-            if (dn, dc, dh, dw) != (n, oc, ohi, owi) {
-                return Err(NnError::Library {
-                    library: "cuDNN",
-                    call: "cudnnGetConvolution2dForwardOutputDim",
-                    status: format!(
-                        "output {dn}×{dc}×{dh}×{dw}, expected {n}×{oc}×{ohi}×{owi} for {g:?}"
-                    ),
-                });
-            }
-            self.check(
-                (a.set_tensor_4d)(p.y, NCHW, FLOAT, n, oc, ohi, owi),
-                "cudnnSetTensor4dDescriptor",
-            )?;
-            self.check(
-                (a.set_tensor_4d)(p.bias, NCHW, FLOAT, 1, oc, 1, 1),
-                "cudnnSetTensor4dDescriptor",
-            )?;
-        }
-        Ok(p)
     }
 
     /// (desc1, desc2, desc3) of a direction, in the order cuDNN's calls take them.
@@ -622,6 +584,97 @@ impl Cudnn {
     }
 }
 
+/// The descriptors of `g` (no handle needed).
+fn new_plan(a: &'static Api, g: &ConvGeom) -> Result<Plan> {
+    let chk = |st, call| check(a, st, call);
+    let (oh, ow) = g.out_hw()?;
+    let mut p = Plan {
+        api: a,
+        x: std::ptr::null_mut(),
+        w: std::ptr::null_mut(),
+        y: std::ptr::null_mut(),
+        bias: std::ptr::null_mut(),
+        conv: std::ptr::null_mut(),
+        algos: [None, None, None],
+        workspace: HashMap::new(),
+    };
+    let (n, c, h, w) = (ci("n", g.n)?, ci("c", g.c)?, ci("h", g.h)?, ci("w", g.w)?);
+    let (oc, kh, kw) = (ci("oc", g.oc)?, ci("kh", g.kh)?, ci("kw", g.kw)?);
+    let (s, pad, ohi, owi) = (
+        ci("stride", g.stride)?,
+        ci("pad", g.pad)?,
+        ci("oh", oh)?,
+        ci("ow", ow)?,
+    );
+    // SAFETY: each create writes one descriptor into `p` (destroyed by Plan's Drop, also on
+    // the early returns); each set call receives a live descriptor and plain integers.
+    unsafe {
+        chk((a.create_tensor)(&mut p.x), "cudnnCreateTensorDescriptor")?;
+        chk((a.create_tensor)(&mut p.y), "cudnnCreateTensorDescriptor")?;
+        chk(
+            (a.create_tensor)(&mut p.bias),
+            "cudnnCreateTensorDescriptor",
+        )?;
+        chk((a.create_filter)(&mut p.w), "cudnnCreateFilterDescriptor")?;
+        chk(
+            (a.create_conv)(&mut p.conv),
+            "cudnnCreateConvolutionDescriptor",
+        )?;
+        chk(
+            (a.set_tensor_4d)(p.x, NCHW, FLOAT, n, c, h, w),
+            "cudnnSetTensor4dDescriptor",
+        )?;
+        chk(
+            (a.set_filter_4d)(p.w, FLOAT, NCHW, oc, c, kh, kw),
+            "cudnnSetFilter4dDescriptor",
+        )?;
+        chk(
+            (a.set_conv_2d)(p.conv, pad, pad, s, s, 1, 1, CROSS_CORRELATION, FLOAT),
+            "cudnnSetConvolution2dDescriptor",
+        )?;
+        // No TF32: only FMA kernels.
+        chk(
+            (a.set_conv_math)(p.conv, FMA_MATH),
+            "cudnnSetConvolutionMathType",
+        )?;
+        let (mut dn, mut dc, mut dh, mut dw) = (0, 0, 0, 0);
+        chk(
+            (a.output_dim)(p.conv, p.x, p.w, &mut dn, &mut dc, &mut dh, &mut dw),
+            "cudnnGetConvolution2dForwardOutputDim",
+        )?;
+        if (dn, dc, dh, dw) != (n, oc, ohi, owi) {
+            return Err(NnError::Library {
+                library: "cuDNN",
+                call: "cudnnGetConvolution2dForwardOutputDim",
+                status: format!(
+                    "output {dn}×{dc}×{dh}×{dw}, expected {n}×{oc}×{ohi}×{owi} for {g:?}"
+                ),
+            });
+        }
+        chk(
+            (a.set_tensor_4d)(p.y, NCHW, FLOAT, n, oc, ohi, owi),
+            "cudnnSetTensor4dDescriptor",
+        )?;
+        chk(
+            (a.set_tensor_4d)(p.bias, NCHW, FLOAT, 1, oc, 1, 1),
+            "cudnnSetTensor4dDescriptor",
+        )?;
+    }
+    Ok(p)
+}
+
+fn check(api: &Api, st: Status, call: &'static str) -> Result<()> {
+    if st == SUCCESS {
+        Ok(())
+    } else {
+        Err(NnError::Library {
+            library: "cuDNN",
+            call,
+            status: describe(api, st),
+        })
+    }
+}
+
 fn describe(api: &Api, st: Status) -> String {
     // SAFETY: cudnnGetErrorString returns a static NUL-terminated string (or null).
     let p = unsafe { (api.get_error_string)(st) };
@@ -645,6 +698,55 @@ mod tests {
         assert_eq!(std::mem::size_of::<AlgoPerf>(), 48);
         assert_eq!(std::mem::offset_of!(AlgoPerf, memory), 16);
         assert_eq!(std::mem::offset_of!(AlgoPerf, math_type), 28);
+    }
+
+    /// Where cuDNN is installed (the GPU machine), every symbol resolves and the library
+    /// answers; elsewhere the reason it is unavailable is a message, not a panic.
+    #[test]
+    fn every_symbol_resolves_where_cudnn_is_installed() {
+        match api() {
+            Ok(api) => {
+                // SAFETY: no arguments.
+                let v = unsafe { (api.get_version)() };
+                assert!(v >= 8000, "version {v}");
+                assert!(describe(api, SUCCESS).contains("SUCCESS"));
+                println!("cuDNN {v}");
+            }
+            Err(why) => println!("cuDNN unavailable here: {why}"),
+        }
+    }
+
+    /// Where cuDNN is installed: the descriptors of odd geometries are accepted and cuDNN
+    /// computes the same output size as `ConvGeom::out_hw` (descriptors need no GPU).
+    #[test]
+    fn descriptors_match_our_geometry_where_cudnn_is_installed() {
+        let Ok(api) = api() else {
+            println!("cuDNN unavailable here");
+            return;
+        };
+        let g = |n, c, h, w, oc, kh, kw, stride, pad| ConvGeom {
+            n,
+            c,
+            h,
+            w,
+            oc,
+            kh,
+            kw,
+            stride,
+            pad,
+        };
+        for geom in [
+            g(1, 1, 8, 8, 1, 1, 1, 1, 0),
+            g(2, 3, 11, 13, 5, 3, 3, 2, 1),
+            g(3, 7, 9, 9, 4, 7, 7, 1, 1),
+            g(1, 16, 17, 17, 33, 5, 5, 2, 0),
+            g(2, 5, 6, 7, 3, 2, 3, 1, 0),
+        ] {
+            let p = new_plan(api, &geom).unwrap();
+            assert!(!p.x.is_null() && !p.w.is_null() && !p.y.is_null() && !p.conv.is_null());
+        }
+        // A geometry cuDNN cannot describe is an error, not a crash.
+        assert!(new_plan(api, &g(1, 1, 2, 2, 1, 3, 3, 1, 0)).is_err());
     }
 
     #[test]

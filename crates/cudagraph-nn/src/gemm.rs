@@ -341,7 +341,8 @@ pub fn gemm_candidates(
     }
     if allowed(Engine::CublasLt) && op.k > 0 {
         if let Some(lt) = eng.cublaslt() {
-            let (count, _) = lt.algo_count(&lt_shape(op, align))?;
+            // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
+            let count = lt.algo_count(&lt_shape(op, align)).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmAlgo::CublasLt(r as u8)));
         }
     }
