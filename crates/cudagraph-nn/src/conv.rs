@@ -16,6 +16,16 @@ use crate::kernels::{ConvGeom, Nn};
 
 type Buf = DeviceBuffer<f32>;
 
+/// Above this many multiply-adds the direct kernels are not measured unless forced (they are
+/// candidates for small convolutions, where they can win; on large ones a single run would take
+/// seconds).
+const DIRECT_MAX_MACS: f64 = 2e10;
+
+/// Multiply-adds of one direction (the same for all three).
+fn macs(g: &ConvGeom) -> f64 {
+    g.output_len().map_or(f64::INFINITY, |y| y as f64) * (g.c * g.kh * g.kw) as f64
+}
+
 /// The largest workspace a cuDNN candidate may ask for: 1 GiB, or an eighth of the device.
 fn workspace_limit(total_memory: usize) -> usize {
     (total_memory / 8).min(1 << 30)
@@ -75,7 +85,8 @@ pub fn conv_candidates(
                 }
             }
         }
-        if allowed(ConvAlgo::Direct, fam) && igemm::direct_supports(g) {
+        let direct_ok = fam == ConvEngine::Direct || macs(g) <= DIRECT_MAX_MACS;
+        if allowed(ConvAlgo::Direct, fam) && igemm::direct_supports(g) && direct_ok {
             v.push(ConvAlgo::Direct);
         }
         Ok(())

@@ -58,7 +58,7 @@ use crate::blaslt::BlasLt;
 use crate::cudnn::Cudnn;
 use crate::error::{NnError, Result};
 use crate::gemm::Engine;
-use crate::kernels::igemm::{ConvKernels, Tile};
+use crate::kernels::igemm::{Spin, Tile};
 
 /// Name of the variable that forces the product engine family.
 pub const GEMM_VAR: &str = "CUDAGRAPH_GEMM";
@@ -683,7 +683,7 @@ impl Engines {
         candidates: &[A],
         run: &mut dyn FnMut(&dyn Queue, A) -> Result<()>,
     ) -> Result<Vec<(A, std::result::Result<f64, String>)>> {
-        let kernels = ConvKernels::get(q.device())?;
+        let spin = Spin::get(q.device())?;
         let e0 = Event::new(&self.ctx, true)?;
         let e1 = Event::new(&self.ctx, true)?;
         let mut best = f64::INFINITY;
@@ -703,7 +703,7 @@ impl Engines {
                 let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
                 if once < 200.0 {
                     // Keep the GPU busy while the host queues the timed runs.
-                    kernels.spin(q, 50_000 + 40_000 * reps as u64)?;
+                    spin.spin(q, 50_000 + 40_000 * reps as u64)?;
                 }
                 s.record(&e0)?;
                 for _ in 0..reps {

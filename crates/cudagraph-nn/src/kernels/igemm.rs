@@ -1,8 +1,10 @@
 //! cudagraph's own convolution engine: implicit-GEMM kernels for conv forward, backward-data and
-//! backward-filter (`igemm.cu`, compiled as its own NVRTC module), plus the spin kernel the
-//! engine registry times behind. [`ConvKernels`] is a per-device extension; every kernel is
-//! launched from one safe method here after every buffer was checked against the extent the
-//! kernel indexes and every integer the kernel computes with was checked to fit its type.
+//! backward-filter (`igemm.cu`, compiled as its own NVRTC module), and the spin kernel the
+//! engine registry times behind (`spin.cu`, a tiny module of its own so products do not wait
+//! for the conv kernels to compile). [`ConvKernels`] and [`Spin`] are per-device extensions;
+//! every kernel is launched from one safe method here after every buffer was checked against
+//! the extent the kernel indexes and every integer the kernel computes with was checked to fit
+//! its type.
 //!
 //! The direct kernels in `conv.cu` (module `cudagraph_nn`) stay as another candidate.
 
@@ -15,6 +17,9 @@ use crate::kernels::ConvGeom;
 
 /// The CUDA source of the implicit-GEMM module.
 pub const SOURCE: &str = include_str!("igemm.cu");
+
+/// The CUDA source of the spin module.
+pub const SPIN_SOURCE: &str = include_str!("spin.cu");
 
 type Buf = DeviceBuffer<f32>;
 
@@ -183,12 +188,40 @@ pub fn default_tile(dir: ConvDir, g: &ConvGeom) -> Tile {
     }
 }
 
-/// The implicit-GEMM kernels and the spin kernel of one device.
+/// The implicit-GEMM kernels of one device.
 pub struct ConvKernels {
     /// [direction][tile]
     igemm: [[Function; 3]; 3],
     reduce: Function,
+}
+
+/// The spin kernel of one device.
+pub struct Spin {
     spin: Function,
+}
+
+impl Spin {
+    /// The kernel of `device`, compiled (or loaded from the NVRTC cache) on first use.
+    pub fn get(device: &Device) -> Result<Arc<Spin>> {
+        device
+            .extension(|d| {
+                let m = d.compile("cudagraph_nn_spin", SPIN_SOURCE)?;
+                Ok(Spin {
+                    spin: m.function("engines_spin")?,
+                })
+            })
+            .map_err(NnError::from)
+    }
+
+    /// Busy-waits `ns` nanoseconds on the queue's stream (at most 10 ms).
+    pub fn spin(&self, q: &dyn Queue, ns: u64) -> Result<()> {
+        let ns = ns.min(10_000_000) as i64;
+        // SAFETY: the kernel touches no memory.
+        unsafe {
+            q.launch(&self.spin, LaunchConfig::linear(1, 1), &[Arg::I64(ns)])?;
+        }
+        Ok(())
+    }
 }
 
 /// `buf` must hold at least `need` elements.
@@ -224,7 +257,6 @@ impl ConvKernels {
                 Ok(ConvKernels {
                     igemm: [dir("fwd")?, dir("bwd_data")?, dir("bwd_filter")?],
                     reduce: f("conv_igemm_reduce")?,
-                    spin: f("engines_spin")?,
                 })
             })
             .map_err(NnError::from)
@@ -346,16 +378,6 @@ impl ConvKernels {
             // the direction's output at the position of (e / N, e % N), below its checked
             // extent; the bias (forward only) below OC.
             unsafe { q.launch(&self.reduce, cfg, &rargs)? };
-        }
-        Ok(())
-    }
-
-    /// Busy-waits `ns` nanoseconds on the queue's stream (at most 10 ms).
-    pub fn spin(&self, q: &dyn Queue, ns: u64) -> Result<()> {
-        let ns = ns.min(10_000_000) as i64;
-        // SAFETY: the kernel touches no memory.
-        unsafe {
-            q.launch(&self.spin, LaunchConfig::linear(1, 1), &[Arg::I64(ns)])?;
         }
         Ok(())
     }
