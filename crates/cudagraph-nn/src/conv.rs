@@ -207,14 +207,18 @@ pub fn run_conv(
     }
     let eng = Engines::get(q.device())?;
     let policy = eng.policy();
-    let candidates = conv_candidates(&eng, dir, g, &policy)?;
-    let sms = eng.device_info().multiprocessors;
-    let default = default_conv_algo(dir, g, &candidates, sms);
     let key = format!(
         "{}{}",
         conv_key(dir, g, io.bias.is_some()),
         policy.conv_scope()
     );
+    if let Some(algo) = eng.lookup::<ConvAlgo>(&key) {
+        conv_algo(q, nn, &eng, algo, dir, g, io)?;
+        return Ok(algo);
+    }
+    let candidates = conv_candidates(&eng, dir, g, &policy)?;
+    let sms = eng.device_info().multiprocessors;
+    let default = default_conv_algo(dir, g, &candidates, sms);
     let mut scratch: Option<Buf> = None;
     let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {

@@ -346,6 +346,10 @@ pub struct Entry {
     pub measured: bool,
     /// Every candidate's measurement (empty when unmeasured or there was one candidate).
     pub timings: Vec<Timing>,
+    /// Whether this process checked the engine against the key's candidates (entries read from
+    /// disk are checked on first use); checked entries are returned without listing candidates.
+    #[serde(skip)]
+    pub(crate) checked: bool,
 }
 
 /// One row of [`Engines::table`].
@@ -584,6 +588,18 @@ impl Engines {
         lock(&self.table).get(key).cloned()
     }
 
+    /// The engine recorded for `key` if this process already checked it against the key's
+    /// candidates (the fast path: callers list candidates only when this is `None`).
+    pub(crate) fn lookup<A: Algo>(&self, key: &str) -> Option<A> {
+        let t = lock(&self.table);
+        let e = t.get(key)?;
+        if e.checked {
+            e.engine.parse().ok()
+        } else {
+            None
+        }
+    }
+
     /// The engine for `key` among `candidates` (non-empty; `default` among them): the recorded
     /// choice when there is a valid one (measured, or the unmeasured default a capture chose);
     /// otherwise, on an eager queue, the fastest candidate measured with `run` (which must run
@@ -604,9 +620,10 @@ impl Engines {
         } else {
             first
         };
-        if let Some(e) = lock(&self.table).get(key) {
+        if let Some(e) = lock(&self.table).get_mut(key) {
             if let Ok(a) = e.engine.parse::<A>() {
                 if candidates.contains(&a) {
+                    e.checked = true;
                     return Ok(a);
                 }
             }
@@ -616,6 +633,7 @@ impl Engines {
                 engine: default.to_string(),
                 measured: candidates.len() == 1,
                 timings: Vec::new(),
+                checked: true,
             };
             lock(&self.table).insert(key.to_string(), entry);
             return Ok(default);
@@ -648,6 +666,7 @@ impl Engines {
                     error: t.as_ref().err().cloned(),
                 })
                 .collect(),
+            checked: true,
         };
         let measured: Vec<(String, Entry)> = {
             let mut t = lock(&self.table);
@@ -861,6 +880,7 @@ mod tests {
                         error: Some("not supported".into()),
                     },
                 ],
+                checked: false,
             },
         );
         let t = DiskTable {
@@ -901,6 +921,7 @@ mod tests {
                         error: None,
                     },
                 ],
+                checked: true,
             },
         }];
         let s = format_table(&rows);

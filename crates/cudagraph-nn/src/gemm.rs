@@ -276,9 +276,17 @@ pub fn run_gemm(
     let mut addrs = vec![a.addr(), b.addr(), c.addr()];
     addrs.extend(vec.map(|v| v.addr()));
     let align = alignment(&addrs);
+    // Alignment changes cuBLASLt's candidates; the allocator's blocks are always 256-aligned.
+    let key = match align {
+        256 => format!("{}{}", op.key(), policy.gemm_scope(family)),
+        a => format!("{} align={a}{}", op.key(), policy.gemm_scope(family)),
+    };
+    if let Some(algo) = eng.lookup::<GemmAlgo>(&key) {
+        run_algo(q, nn, &eng, algo, op, align, a, b, c, vec)?;
+        return Ok(algo);
+    }
     let candidates = gemm_candidates(&eng, op, family, align)?;
     let default = default_algo(op, &candidates);
-    let key = format!("{}{}", op.key(), policy.gemm_scope(family));
     let mut scratch: Option<(Buf, Option<Buf>)> = None;
     let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {
