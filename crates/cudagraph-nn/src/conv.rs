@@ -52,8 +52,9 @@ pub fn conv_key(dir: ConvDir, g: &ConvGeom, bias: bool) -> String {
 
 /// The engines that can run a direction of `g` on this machine under `policy`, cuDNN's in its
 /// heuristic order first. When the policy's family has none (cuDNN forced but missing), every
-/// available engine.
+/// available engine. Inside a capture, cuDNN is a candidate only if it was opened before.
 pub fn conv_candidates(
+    q: &dyn Queue,
     eng: &Engines,
     dir: ConvDir,
     g: &ConvGeom,
@@ -64,7 +65,7 @@ pub fn conv_candidates(
     let allowed = |a: ConvAlgo, fam: ConvEngine| fam.allows(a);
     let collect = |fam: ConvEngine, v: &mut Vec<ConvAlgo>| -> Result<()> {
         if allowed(ConvAlgo::Cudnn(0), fam) && crate::cudnn::supports(g) {
-            if let Some(c) = eng.cudnn() {
+            if let Some(c) = eng.cudnn_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 // A geometry cuDNN cannot plan simply has no cuDNN candidate.
                 for a in c
@@ -216,7 +217,7 @@ pub fn run_conv(
         conv_algo(q, nn, &eng, algo, dir, g, io)?;
         return Ok(algo);
     }
-    let candidates = conv_candidates(&eng, dir, g, &policy)?;
+    let candidates = conv_candidates(q, &eng, dir, g, &policy)?;
     let sms = eng.device_info().multiprocessors;
     let default = default_conv_algo(dir, g, &candidates, sms);
     let mut scratch: Option<Buf> = None;

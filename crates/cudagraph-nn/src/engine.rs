@@ -38,7 +38,9 @@
 //! heuristic default over what can. [`Engines::set_policy`] does the same per device.
 //!
 //! **Missing libraries**: without cuDNN or cuBLASLt a one-line notice is printed once and our
-//! kernels (and cuBLAS) run; [`Policy::cudnn`] / [`Policy::cublaslt`] simulate that.
+//! kernels (and cuBLAS) run; [`Policy::cudnn`] / [`Policy::cublaslt`] simulate that. A library
+//! is opened on first eager use, never inside a capture (opening may allocate or synchronise):
+//! a capture that comes first chooses among the other engines.
 //!
 //! [`Engines::table`] returns every choice with the measured µs per candidate (shown by
 //! `cudagraph inspect` and `cudagraph bench engines`).
@@ -554,6 +556,24 @@ impl Engines {
                 }
             })
             .as_ref()
+    }
+
+    /// cuDNN for listing candidates on `q`: as [`Engines::cudnn`], except that inside a capture
+    /// a library not opened yet stays closed (opening it may allocate or synchronise, which a
+    /// capture forbids); the capture then uses the other engines.
+    pub(crate) fn cudnn_for(&self, q: &dyn Queue) -> Option<&Cudnn> {
+        if q.is_capturing() && self.cudnn.get().is_none() {
+            return None;
+        }
+        self.cudnn()
+    }
+
+    /// cuBLASLt for listing candidates on `q` (closed libraries stay closed in a capture).
+    pub(crate) fn cublaslt_for(&self, q: &dyn Queue) -> Option<&BlasLt> {
+        if q.is_capturing() && self.cublaslt.get().is_none() {
+            return None;
+        }
+        self.cublaslt()
     }
 
     /// cuBLASLt, when installed and allowed by the policy.

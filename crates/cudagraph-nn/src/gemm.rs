@@ -285,7 +285,7 @@ pub fn run_gemm(
         run_algo(q, nn, &eng, algo, op, align, a, b, c, vec)?;
         return Ok(algo);
     }
-    let candidates = gemm_candidates(&eng, op, family, align)?;
+    let candidates = gemm_candidates(q, &eng, op, family, align)?;
     let default = default_algo(op, &candidates);
     let mut scratch: Option<(Buf, Option<Buf>)> = None;
     let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
@@ -335,8 +335,10 @@ pub fn gemm_with(
 }
 
 /// The engines that can run `op` on this machine within `family` (if none can, the
-/// candidates of `Tiled` for `WarpK`, of `Auto` otherwise).
+/// candidates of `Tiled` for `WarpK`, of `Auto` otherwise). Inside a capture, cuBLASLt is a
+/// candidate only if it was opened before.
 pub fn gemm_candidates(
+    q: &dyn Queue,
     eng: &Engines,
     op: &GemmOp,
     family: Engine,
@@ -348,7 +350,7 @@ pub fn gemm_candidates(
         v.push(GemmAlgo::Cublas);
     }
     if allowed(Engine::CublasLt) && op.k > 0 {
-        if let Some(lt) = eng.cublaslt() {
+        if let Some(lt) = eng.cublaslt_for(q) {
             // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
             let count = lt.algo_count(&lt_shape(op, align)).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmAlgo::CublasLt(r as u8)));
@@ -371,7 +373,7 @@ pub fn gemm_candidates(
             Engine::Auto
         };
         if family != fallback {
-            return gemm_candidates(eng, op, fallback, align);
+            return gemm_candidates(q, eng, op, fallback, align);
         }
         v.push(GemmAlgo::Cublas);
     }

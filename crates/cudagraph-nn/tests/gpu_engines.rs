@@ -87,13 +87,13 @@ fn gemm_ref(op: &GemmOp, ah: &[f32], bh: &[f32], c0: &[f32], bias: &[f32]) -> Ve
 }
 
 /// cuBLASLt's measured candidates for `op` (the test fails without cuBLASLt).
-fn lt_algos(dev: &Device, op: &GemmOp) -> Vec<GemmAlgo> {
+fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
     let e = engines(dev);
     assert!(
         e.cublaslt().is_some(),
         "cuBLASLt must be installed on the GPU test machine"
     );
-    gemm_candidates(&e, op, Engine::CublasLt, 256)
+    gemm_candidates(s, &e, op, Engine::CublasLt, 256)
         .unwrap()
         .into_iter()
         .filter(|a| matches!(a, GemmAlgo::CublasLt(_)))
@@ -153,7 +153,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
                     algos.push(GemmAlgo::WarpK);
                 }
-                let lt = lt_algos(&dev, &op);
+                let lt = lt_algos(&dev, &s, &op);
                 assert!(!lt.is_empty(), "cuBLASLt offers no algorithm for {op:?}");
                 algos.extend(lt);
                 for algo in algos {
@@ -203,7 +203,7 @@ fn bias_gradient_engines_match_cpu() {
             s.alloc_from_host(&xh).unwrap(),
         );
         let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(3)];
-        algos.extend(lt_algos(&dev, &op));
+        algos.extend(lt_algos(&dev, &s, &op));
         for algo in algos {
             let dw = s.alloc_from_host(&vec![f32::NAN; out * inf]).unwrap();
             let db = s.alloc_from_host(&vec![f32::NAN; out]).unwrap();
@@ -381,7 +381,7 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
             s.alloc_from_host(&dyh).unwrap(),
         );
         for dir in ConvDir::ALL {
-            let cands = conv_candidates(&eng, dir, &g, &policy).unwrap();
+            let cands = conv_candidates(&s, &eng, dir, &g, &policy).unwrap();
             assert!(
                 cands.iter().any(|a| matches!(a, ConvAlgo::Cudnn(_))),
                 "no cuDNN algorithm for {}",
@@ -617,6 +617,9 @@ fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
     .unwrap();
     let e = eng.entry(key).expect("captured product recorded");
     assert!(!e.measured && e.timings.is_empty(), "{e:?}");
+    // The heuristic default (former Engine::Auto table: split-K tiled at m = 19; one split
+    // here); cuBLASLt was not opened inside the capture.
+    assert_eq!(e.engine, "tiled:1");
     g.replay(&s).unwrap();
     let y_graph = y.to_vec(&s).unwrap();
     // Eager keeps the capture's choice (same engine, same bits) ...
