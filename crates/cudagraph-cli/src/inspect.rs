@@ -1,8 +1,10 @@
 //! `cudagraph inspect`: captures one of the workloads and shows what is in the graph: node
 //! counts by kind (conditional IF/WHILE nodes and their bodies, programmatic PDL edges
-//! included), memory, capture and instantiate time, and two DOT files: the driver's verbose dump
-//! and a compact topology (conditional bodies as clusters, PDL edges dashed), plus SVGs when
-//! Graphviz's `dot` is installed. `CUDAGRAPH_PDL=1` shows the NN kernels' programmatic edges.
+//! included), memory, capture and instantiate time, the engine chosen for every product and
+//! convolution (the workload runs once eagerly first, so the engines are measured), and two DOT
+//! files: the driver's verbose dump and a compact topology (conditional bodies as clusters, PDL
+//! edges dashed), plus SVGs when Graphviz's `dot` is installed. `CUDAGRAPH_PDL=1` shows the NN
+//! kernels' programmatic edges.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -10,6 +12,7 @@ use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
+use cudagraph_nn::engine::{format_table, Engines};
 use cudagraph_nn::{
     cross_entropy, mse_loss, no_grad, step_if_finite, Adam, DeviceBatches, Layer, Linear, Module,
     Optimizer, Reduction, Rng, Sequential, Sgd, Tensor,
@@ -43,10 +46,14 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
     let mut rng = Rng::new(8);
+    // Measure this workload's engines afresh (in memory; the disk table keeps other choices).
+    Engines::get(&dev)?.clear();
     let graph = match a.which {
         Which::Mlp => {
             let model = seed_mlp(&s, &mut rng)?;
             let x = Tensor::from_buffer(Arc::new(s.alloc_zeroed::<f32>(32 * 1024)?), &[32, 1024])?;
+            // Warm-up: the engine registry measures every product before the capture.
+            no_grad(|| model.forward(&s, &x))?;
             Graph::capture(&mut s, CaptureOptions::new(), |cs| {
                 Ok(no_grad(|| model.forward(cs, &x))?)
             })?
@@ -57,6 +64,9 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
             let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;
             let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
             let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+            // Warm-up (forward and backward, no update): measures every product's engine.
+            opt.zero_grad(&s, true)?;
+            mse_loss(&s, &model.forward(&s, &x)?, &y, Reduction::Sum)?.backward(&s)?;
             Graph::capture(&mut s, CaptureOptions::new(), |cs| {
                 opt.zero_grad(cs, true)?;
                 let loss = mse_loss(cs, &model.forward(cs, &x)?, &y, Reduction::Sum)?;
@@ -140,6 +150,9 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
         i.capture_time.as_secs_f64() * 1e3,
         i.instantiate_time.as_secs_f64() * 1e3
     );
+    let engines = Engines::get(&dev)?;
+    outln!("engines ({}):", engines.libraries());
+    outln!("{}", format_table(&engines.table()).trim_end());
     graph.write_dot(&a.dot)?;
     outln!("DOT written to {}", a.dot.display());
     svg(&a.dot);

@@ -87,6 +87,8 @@ enum BenchCommand {
     Serve(bench::serve::ServeBenchArgs),
     /// Shapes beyond the seeds, graphed forward and training (beside bench/pytorch_sweep.py).
     Sweep(bench::sweep::SweepArgs),
+    /// The engine registry's choices (cuDNN, cuBLASLt, cuBLAS, ours) for representative shapes.
+    Engines(bench::engines::EnginesArgs),
 }
 
 fn main() -> ExitCode {
@@ -104,6 +106,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Soak(args)) => bench::soak::run(cli.device, &args),
             Some(BenchCommand::Serve(args)) => bench::serve::run(cli.device, &args),
             Some(BenchCommand::Sweep(args)) => bench::sweep::run(cli.device, &args),
+            Some(BenchCommand::Engines(args)) => bench::engines::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),

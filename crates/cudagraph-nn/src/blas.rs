@@ -69,7 +69,7 @@ fn check(status: sys::cublasStatus_t, call: &'static str) -> Result<()> {
 }
 
 /// `N` (as stored) or `T` (transposed) for a row-major operand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Trans {
     N,
     T,

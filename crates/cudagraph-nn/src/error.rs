@@ -1,4 +1,5 @@
-//! Errors of the NN layer: shape problems, cuBLAS failures, and everything from the core.
+//! Errors of the NN layer: shape problems, cuBLAS/cuDNN/cuBLASLt failures, configuration
+//! mistakes, and everything from the core.
 
 /// Result alias for the NN layer.
 pub type Result<T, E = NnError> = std::result::Result<T, E>;
@@ -18,6 +19,16 @@ pub enum NnError {
     /// `backward` was called on something that is not a scalar.
     #[error("backward() needs a scalar (one-element) tensor, got shape {0:?}")]
     NotScalar(Vec<usize>),
+    /// A call into a CUDA library loaded at run time (cuDNN, cuBLASLt) failed.
+    #[error("{library}: {call} failed: {status}")]
+    Library {
+        library: &'static str,
+        call: &'static str,
+        status: String,
+    },
+    /// A configuration value (an environment variable such as `CUDAGRAPH_GEMM`) is invalid.
+    #[error("configuration: {0}")]
+    Config(String),
     /// A data file could not be read or parsed.
     #[error("dataset: {0}")]
     Data(String),

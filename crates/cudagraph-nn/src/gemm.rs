@@ -1,36 +1,81 @@
-//! Matrix products for the NN layer, with a choice of engine.
+//! Matrix products for the NN layer, each run by the engine the registry ([`crate::engine`])
+//! chose for its shape: cuBLAS, cuBLASLt (bias, bias+ReLU and bias-gradient epilogues fused),
+//! or our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
+//! bias/ReLU) and `sgemm_nt_warpk` (K split across the warps of one block, forward layout).
 //!
-//! Small products (the small-batch case this project is for) are latency-bound: cuBLAS SGEMM
-//! launches only a handful of blocks for, say, 32×512 outputs with K = 1024. Two kernels of
-//! ours fuse the bias and ReLU: `sgemm_tiled` splits K across blocks (plus a reduce kernel) and
-//! wins at 8 ≤ m ≤ 64; `sgemm_nt_warpk` splits K across the warps of one block (no reduce
-//! node) and wins at 65 ≤ m ≤ 256. cuBLAS keeps the rest. See [`auto_engine`]. `CUDAGRAPH_GEMM=cublas|tiled|auto` (default `auto`) overrides the choice.
+//! [`gemm`] keeps its signature: `Engine::Auto` asks the registry (within the policy's
+//! family, `CUDAGRAPH_GEMM`), any other `Engine` restricts the registry to that family.
+//! [`gemm_with`] runs one exact [`GemmAlgo`] (tests, benchmarks). Before anything is measured
+//! (inside a capture), [`auto_engine`] — the thresholds measured once on the seed shapes — is
+//! the heuristic default.
 
-use std::sync::OnceLock;
-
-use cudagraph::{DeviceBuffer, Queue};
+use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::blas::Trans;
+use crate::blaslt::{alignment, LtShape, MEASURED_ALGOS};
+use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
 use crate::kernels::{GemmDims, Nn};
 
-/// Which implementation runs a product.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+type Buf = DeviceBuffer<f32>;
+
+/// A family of product engines (the registry measures within it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Engine {
     Cublas,
+    /// cuBLASLt's heuristic top few algorithms, epilogues fused.
+    CublasLt,
     /// The tiled split-K kernel (any layout).
     Tiled,
     /// One kernel, K split across the warps of a block (forward layout `x·wᵀ`, alpha 1,
     /// beta 0 only; other products fall back to `Tiled`).
     WarpK,
-    /// The fastest for the shape, from `cudagraph bench gemm` on an H100
-    /// (bench/results/gemm-2026-11-22.txt): for the forward layout `x·wᵀ`, split-K tiled at
-    /// 8 ≤ m ≤ 64 and warp-K at 65 ≤ m ≤ 256; cuBLAS otherwise (its GEMV path wins at m = 1,
-    /// and it wins the backward layouts).
+    /// Every engine available, measured per shape by the registry; before a measurement (in a
+    /// capture) the heuristic default of [`auto_engine`].
     Auto,
 }
 
-/// The engine `Auto` picks for a product.
+impl Engine {
+    /// The name `CUDAGRAPH_GEMM` uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Cublas => "cublas",
+            Engine::CublasLt => "cublaslt",
+            Engine::Tiled => "tiled",
+            Engine::WarpK => "warpk",
+            Engine::Auto => "auto",
+        }
+    }
+}
+
+/// What a product does after `alpha·op(A)·op(B) + beta·C`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    None,
+    /// `+ bias[j]` (length n).
+    Bias,
+    /// `+ bias[j]`, then ReLU.
+    BiasRelu,
+    /// Also writes the row sums of op(A) (length m): the bias gradient of a Linear layer when
+    /// the product is its weight gradient `dW = dZᵀ·X` (A = dZ, transposed).
+    BiasGrad,
+}
+
+impl Epilogue {
+    fn name(self) -> &'static str {
+        match self {
+            Epilogue::None => "none",
+            Epilogue::Bias => "bias",
+            Epilogue::BiasRelu => "bias_relu",
+            Epilogue::BiasGrad => "bias_grad",
+        }
+    }
+}
+
+/// The heuristic default family for a product (from `cudagraph bench gemm` on an H100,
+/// bench/results/gemm-2026-11-22.txt): for the forward layout `x·wᵀ`, split-K tiled at
+/// 8 ≤ m ≤ 64 and warp-K at 65 ≤ m ≤ 256; cuBLAS otherwise (its GEMV path wins at m = 1, and
+/// it wins the backward layouts).
 pub fn auto_engine(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32) -> Engine {
     let forward = ta == Trans::N && tb == Trans::T;
     match m {
@@ -41,17 +86,103 @@ pub fn auto_engine(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32) -> Eng
     }
 }
 
-/// The engine chosen by `CUDAGRAPH_GEMM` (read once).
-pub fn engine_from_env() -> Engine {
-    static E: OnceLock<Engine> = OnceLock::new();
-    *E.get_or_init(|| match std::env::var("CUDAGRAPH_GEMM").as_deref() {
-        Ok("cublas") => Engine::Cublas,
-        Ok("tiled") => Engine::Tiled,
-        _ => Engine::Auto,
-    })
+/// The family `CUDAGRAPH_GEMM` selects (read once per process; an unknown value is an error).
+pub fn engine_from_env() -> Result<Engine> {
+    Ok(Policy::from_env()?.gemm)
 }
 
-/// Row-major `C[m×n] = alpha·op(A)·op(B) + beta·C`, then `+ bias[j]` and ReLU if asked.
+/// One product: row-major `C[m×n] = epilogue(alpha·op(A)·op(B) + beta·C)`, op(A) m×k (`ta`: A
+/// is stored k×m), op(B) k×n (`tb`: B is stored n×k).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmOp {
+    pub ta: Trans,
+    pub tb: Trans,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub beta: f32,
+    pub epilogue: Epilogue,
+}
+
+impl GemmOp {
+    /// The registry key (without the policy's scope), e.g.
+    /// `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu`.
+    pub fn key(&self) -> String {
+        let t = |x: Trans| if x == Trans::N { 'N' } else { 'T' };
+        format!(
+            "gemm {}{} m={} n={} k={} a={} b={} ep={}",
+            t(self.ta),
+            t(self.tb),
+            self.m,
+            self.n,
+            self.k,
+            if self.alpha == 1.0 { "1" } else { "*" },
+            if self.beta == 0.0 { "0" } else { "*" },
+            self.epilogue.name()
+        )
+    }
+
+    fn dims(&self) -> GemmDims {
+        GemmDims {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            ta: self.ta == Trans::T,
+            tb: self.tb == Trans::T,
+        }
+    }
+
+    /// The buffers hold what the product reads and writes; `vec` is the bias (`Bias*`,
+    /// length n) or the bias-gradient output (`BiasGrad`, length m).
+    fn validate(&self, a: &Buf, b: &Buf, c: &Buf, vec: Option<&Buf>) -> Result<()> {
+        self.dims().check_buffers(a, b, c, None)?;
+        let want = match self.epilogue {
+            Epilogue::None => None,
+            Epilogue::Bias | Epilogue::BiasRelu => Some(self.n),
+            Epilogue::BiasGrad => {
+                if self.ta != Trans::T {
+                    return Err(NnError::Shape(
+                        "gemm: a fused bias gradient needs A transposed (dW = dZᵀ·X)".into(),
+                    ));
+                }
+                Some(self.m)
+            }
+        };
+        match (want, vec) {
+            (None, None) => Ok(()),
+            (Some(n), Some(v)) if v.len() >= n => Ok(()),
+            (Some(n), Some(v)) => Err(NnError::Core(cudagraph::Error::SizeMismatch {
+                what: "gemm bias",
+                expected: n,
+                got: v.len(),
+            })),
+            (Some(_), None) => Err(NnError::Shape(format!(
+                "gemm: epilogue {:?} needs a bias vector",
+                self.epilogue
+            ))),
+            (None, Some(_)) => Err(NnError::Shape(
+                "gemm: a bias vector without a bias epilogue".into(),
+            )),
+        }
+    }
+
+    fn warpk_ok(&self) -> bool {
+        self.ta == Trans::N
+            && self.tb == Trans::T
+            && self.alpha == 1.0
+            && self.beta == 0.0
+            && self.epilogue != Epilogue::BiasGrad
+    }
+
+    fn tiled_ok(&self) -> bool {
+        self.m.div_ceil(32) <= 65535
+    }
+}
+
+/// Row-major `C[m×n] = alpha·op(A)·op(B) + beta·C`, then `+ bias[j]` and ReLU if asked (a
+/// ReLU needs a bias). `engine` restricts the registry's choice to a family (`Auto`: the
+/// policy's, by default every engine).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     q: &dyn Queue,
@@ -60,37 +191,303 @@ pub fn gemm(
     (ta, tb): (Trans, Trans),
     (m, n, k): (usize, usize, usize),
     alpha: f32,
-    a: &DeviceBuffer<f32>,
-    b: &DeviceBuffer<f32>,
+    a: &Buf,
+    b: &Buf,
     beta: f32,
-    c: &DeviceBuffer<f32>,
-    bias: Option<&DeviceBuffer<f32>>,
+    c: &Buf,
+    bias: Option<&Buf>,
     relu: bool,
 ) -> Result<()> {
-    let warpk_ok = ta == Trans::N && tb == Trans::T && alpha == 1.0 && beta == 0.0;
-    let engine = match engine {
-        Engine::Auto => auto_engine(ta, tb, m, alpha, beta),
-        e => e,
+    let epilogue = match (bias, relu) {
+        (None, false) => Epilogue::None,
+        (Some(_), false) => Epilogue::Bias,
+        (Some(_), true) => Epilogue::BiasRelu,
+        (None, true) => return Err(NnError::Shape("a fused ReLU needs a bias".into())),
     };
-    match engine {
-        Engine::Cublas => {
-            nn.blas.gemm(q, ta, tb, m, n, k, alpha, a, b, beta, c)?;
-            match (bias, relu) {
-                (Some(bias), relu) => nn.bias_act(q, c, bias, m, n, relu),
-                (None, true) => Err(NnError::Shape("a fused ReLU needs a bias".into())),
-                (None, false) => Ok(()),
+    let op = GemmOp {
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        alpha,
+        beta,
+        epilogue,
+    };
+    run_gemm(q, nn, engine, &op, a, b, c, bias).map(|_| ())
+}
+
+/// The weight (and bias) gradient of a Linear layer: `dW[n×k] = dZᵀ·X` for `dZ: [m, n]`,
+/// `X: [m, k]`, and `db[n] = Σ_rows dZ` when `db` is given (fused into the product where an
+/// engine can).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_weight_grad(
+    q: &dyn Queue,
+    nn: &Nn,
+    engine: Engine,
+    (m, n, k): (usize, usize, usize),
+    dz: &Buf,
+    x: &Buf,
+    dw: &Buf,
+    db: Option<&Buf>,
+) -> Result<GemmAlgo> {
+    let op = GemmOp {
+        ta: Trans::T,
+        tb: Trans::N,
+        m: n,
+        n: k,
+        k: m,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: if db.is_some() {
+            Epilogue::BiasGrad
+        } else {
+            Epilogue::None
+        },
+    };
+    run_gemm(q, nn, engine, &op, dz, x, dw, db)
+}
+
+/// Runs `op` with the registry's engine for it (restricted to `engine`'s family unless
+/// `Auto`); returns the engine used.
+#[allow(clippy::too_many_arguments)]
+pub fn run_gemm(
+    q: &dyn Queue,
+    nn: &Nn,
+    engine: Engine,
+    op: &GemmOp,
+    a: &Buf,
+    b: &Buf,
+    c: &Buf,
+    vec: Option<&Buf>,
+) -> Result<GemmAlgo> {
+    op.validate(a, b, c, vec)?;
+    if op.m == 0 || op.n == 0 {
+        // Nothing to write (a bias gradient of m = 0 rows is empty too).
+        return Ok(GemmAlgo::Cublas);
+    }
+    let eng = Engines::get(q.device())?;
+    let policy = eng.policy();
+    let family = if engine == Engine::Auto {
+        policy.gemm
+    } else {
+        engine
+    };
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    let align = alignment(&addrs);
+    // Alignment changes cuBLASLt's candidates; the allocator's blocks are always 256-aligned.
+    let key = match align {
+        256 => format!("{}{}", op.key(), policy.gemm_scope(family)),
+        a => format!("{} align={a}{}", op.key(), policy.gemm_scope(family)),
+    };
+    if let Some(algo) = eng.lookup::<GemmAlgo>(&key) {
+        run_algo(q, nn, &eng, algo, op, align, a, b, c, vec)?;
+        return Ok(algo);
+    }
+    let candidates = gemm_candidates(q, &eng, op, family, align)?;
+    let default = default_algo(op, &candidates);
+    let mut scratch: Option<(Buf, Option<Buf>)> = None;
+    let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
+        if scratch.is_none() {
+            let cs = q.alloc::<f32>(op.m * op.n)?;
+            if op.beta != 0.0 {
+                q.memset_zero(&cs)?;
             }
-        }
-        Engine::WarpK if warpk_ok => nn.sgemm_nt_warpk(q, m, n, k, a, b, c, bias, relu),
-        _ => {
-            let dims = GemmDims {
-                m,
-                n,
-                k,
-                ta: ta == Trans::T,
-                tb: tb == Trans::T,
+            let vs = match op.epilogue {
+                Epilogue::BiasGrad => Some(q.alloc::<f32>(op.m)?),
+                _ => None,
             };
-            nn.sgemm_tiled(q, dims, alpha, a, b, beta, c, bias, relu, split_k(m, n, k))
+            scratch = Some((cs, vs));
+        }
+        let (cs, vs) = scratch.as_ref().expect("allocated above");
+        let v = match op.epilogue {
+            Epilogue::BiasGrad => vs.as_ref(),
+            _ => vec,
+        };
+        run_algo(q, nn, &eng, algo, op, align, a, b, cs, v)
+    })?;
+    run_algo(q, nn, &eng, algo, op, align, a, b, c, vec)?;
+    Ok(algo)
+}
+
+/// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on
+/// another layout, cuBLASLt missing or without an algorithm of that rank).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    q: &dyn Queue,
+    nn: &Nn,
+    algo: GemmAlgo,
+    op: &GemmOp,
+    a: &Buf,
+    b: &Buf,
+    c: &Buf,
+    vec: Option<&Buf>,
+) -> Result<()> {
+    op.validate(a, b, c, vec)?;
+    if op.m == 0 || op.n == 0 {
+        return Ok(());
+    }
+    let eng = Engines::get(q.device())?;
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    run_algo(q, nn, &eng, algo, op, alignment(&addrs), a, b, c, vec)
+}
+
+/// The engines that can run `op` on this machine within `family` (if none can, the
+/// candidates of `Tiled` for `WarpK`, of `Auto` otherwise). Inside a capture, cuBLASLt is a
+/// candidate only if it was opened before.
+pub fn gemm_candidates(
+    q: &dyn Queue,
+    eng: &Engines,
+    op: &GemmOp,
+    family: Engine,
+    align: u32,
+) -> Result<Vec<GemmAlgo>> {
+    let allowed = |e: Engine| family == Engine::Auto || family == e;
+    let mut v = Vec::new();
+    if allowed(Engine::Cublas) {
+        v.push(GemmAlgo::Cublas);
+    }
+    if allowed(Engine::CublasLt) && op.k > 0 {
+        if let Some(lt) = eng.cublaslt_for(q) {
+            // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
+            let count = lt.algo_count(&lt_shape(op, align)).map_or(0, |(n, _)| n);
+            v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmAlgo::CublasLt(r as u8)));
+        }
+    }
+    if allowed(Engine::Tiled) && op.tiled_ok() {
+        v.push(GemmAlgo::Tiled(1));
+        let s = split_k(op.m, op.n, op.k);
+        if s > 1 {
+            v.push(GemmAlgo::Tiled(s.min(u16::MAX as usize) as u16));
+        }
+    }
+    if allowed(Engine::WarpK) && op.warpk_ok() && op.tiled_ok() {
+        v.push(GemmAlgo::WarpK);
+    }
+    if v.is_empty() {
+        let fallback = if family == Engine::WarpK {
+            Engine::Tiled
+        } else {
+            Engine::Auto
+        };
+        if family != fallback {
+            return gemm_candidates(q, eng, op, fallback, align);
+        }
+        v.push(GemmAlgo::Cublas);
+    }
+    Ok(v)
+}
+
+/// The heuristic default among `candidates` (non-empty): [`auto_engine`]'s family, else the
+/// first candidate.
+pub fn default_algo(op: &GemmOp, candidates: &[GemmAlgo]) -> GemmAlgo {
+    let want = match auto_engine(op.ta, op.tb, op.m, op.alpha, op.beta) {
+        Engine::WarpK if op.warpk_ok() => GemmAlgo::WarpK,
+        Engine::WarpK | Engine::Tiled => {
+            GemmAlgo::Tiled(split_k(op.m, op.n, op.k).min(u16::MAX as usize) as u16)
+        }
+        _ => GemmAlgo::Cublas,
+    };
+    if candidates.contains(&want) {
+        want
+    } else {
+        candidates.first().copied().unwrap_or(GemmAlgo::Cublas)
+    }
+}
+
+fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
+    LtShape {
+        ta: op.ta,
+        tb: op.tb,
+        m: op.m,
+        n: op.n,
+        k: op.k,
+        epilogue: op.epilogue,
+        align,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_algo(
+    q: &dyn Queue,
+    nn: &Nn,
+    eng: &Engines,
+    algo: GemmAlgo,
+    op: &GemmOp,
+    align: u32,
+    a: &Buf,
+    b: &Buf,
+    c: &Buf,
+    vec: Option<&Buf>,
+) -> Result<()> {
+    let (bias, relu) = match op.epilogue {
+        Epilogue::Bias => (vec, false),
+        Epilogue::BiasRelu => (vec, true),
+        Epilogue::None | Epilogue::BiasGrad => (None, false),
+    };
+    // Bias gradient by reduction (engines that do not fuse it): row sums of op(A) = column
+    // sums of A stored k×m.
+    let bgrad = |q: &dyn Queue| match (op.epilogue, vec) {
+        (Epilogue::BiasGrad, Some(db)) => nn.col_sum(q, a, db, op.k, op.m),
+        _ => Ok(()),
+    };
+    match algo {
+        GemmAlgo::Cublas => {
+            nn.blas.gemm(
+                q, op.ta, op.tb, op.m, op.n, op.k, op.alpha, a, b, op.beta, c,
+            )?;
+            if let Some(bias) = bias {
+                nn.bias_act(q, c, bias, op.m, op.n, relu)?;
+            }
+            bgrad(q)
+        }
+        GemmAlgo::CublasLt(rank) => {
+            let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
+                library: "cuBLASLt",
+                call: "dlopen",
+                status: "unavailable (missing, or disabled by the engine policy)".into(),
+            })?;
+            let fused = lt.matmul(
+                q,
+                &lt_shape(op, align),
+                rank as usize,
+                op.alpha,
+                a,
+                b,
+                op.beta,
+                c,
+                vec,
+            )?;
+            if !fused {
+                bgrad(q)?;
+            }
+            Ok(())
+        }
+        GemmAlgo::Tiled(splits) => {
+            nn.sgemm_tiled(
+                q,
+                op.dims(),
+                op.alpha,
+                a,
+                b,
+                op.beta,
+                c,
+                bias,
+                relu,
+                splits as usize,
+            )?;
+            bgrad(q)
+        }
+        GemmAlgo::WarpK => {
+            if !op.warpk_ok() {
+                return Err(NnError::Shape(format!(
+                    "gemm: warp-K runs only x·wᵀ with alpha 1, beta 0 ({})",
+                    op.key()
+                )));
+            }
+            nn.sgemm_nt_warpk(q, op.m, op.n, op.k, a, b, c, bias, relu)
         }
     }
 }
@@ -128,5 +525,60 @@ mod tests {
         assert_eq!(split_k(64, 1024, 1024), 5);
         assert_eq!(split_k(1, 10, 256), 4); // one block, 8 tiles: 4 splits of 2
         assert_eq!(split_k(4, 4, 16), 1); // a single tile cannot split
+    }
+
+    fn op(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32, ep: Epilogue) -> GemmOp {
+        GemmOp {
+            ta,
+            tb,
+            m,
+            n: 512,
+            k: 1024,
+            alpha,
+            beta,
+            epilogue: ep,
+        }
+    }
+
+    #[test]
+    fn keys_name_layout_shape_scalars_and_epilogue() {
+        let o = op(Trans::N, Trans::T, 32, 1.0, 0.0, Epilogue::BiasRelu);
+        assert_eq!(o.key(), "gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu");
+        let o = op(Trans::T, Trans::N, 7, 0.5, 0.25, Epilogue::BiasGrad);
+        assert_eq!(o.key(), "gemm TN m=7 n=512 k=1024 a=* b=* ep=bias_grad");
+    }
+
+    #[test]
+    fn heuristic_default_is_the_former_auto_table() {
+        let all = [
+            GemmAlgo::Cublas,
+            GemmAlgo::CublasLt(0),
+            GemmAlgo::Tiled(1),
+            GemmAlgo::Tiled(16),
+            GemmAlgo::Tiled(3),
+            GemmAlgo::WarpK,
+        ];
+        let (n, t) = (Trans::N, Trans::T);
+        let d = |o: GemmOp| default_algo(&o, &all);
+        assert_eq!(d(op(n, t, 1, 1.0, 0.0, Epilogue::Bias)), GemmAlgo::Cublas);
+        assert_eq!(
+            d(op(n, t, 32, 1.0, 0.0, Epilogue::Bias)),
+            GemmAlgo::Tiled(16)
+        );
+        assert_eq!(d(op(n, t, 200, 1.0, 0.0, Epilogue::None)), GemmAlgo::WarpK);
+        assert_eq!(
+            d(op(n, t, 200, 0.5, 0.0, Epilogue::None)),
+            GemmAlgo::Tiled(3)
+        );
+        assert_eq!(
+            d(op(t, n, 64, 1.0, 0.0, Epilogue::BiasGrad)),
+            GemmAlgo::Cublas
+        );
+        // A default outside the candidates (a forced family) gives the first candidate.
+        let lt = [GemmAlgo::CublasLt(0), GemmAlgo::CublasLt(1)];
+        assert_eq!(
+            default_algo(&op(n, t, 32, 1.0, 0.0, Epilogue::None), &lt),
+            GemmAlgo::CublasLt(0)
+        );
     }
 }

@@ -32,8 +32,12 @@
 
 pub mod batched;
 pub mod blas;
+pub mod blaslt;
+pub mod conv;
 pub mod cpu;
+pub mod cudnn;
 pub mod datasets;
+pub mod engine;
 pub mod error;
 pub mod gemm;
 pub mod graphed;

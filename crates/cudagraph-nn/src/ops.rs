@@ -7,8 +7,9 @@ use std::sync::Arc;
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::blas::Trans;
+use crate::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
 use crate::error::{NnError, Result};
-use crate::gemm::{engine_from_env, gemm};
+use crate::gemm::{gemm, linear_weight_grad, Engine};
 use crate::kernels::losses::LossKernels;
 use crate::kernels::{ConvGeom, Nn};
 use crate::tensor::{grad_enabled, Node, Tensor};
@@ -52,11 +53,11 @@ pub fn linear(
     let nn = Nn::get(q.device())?;
     let mn = crate::tensor::numel_checked(&[m, n])?;
     let y = alloc(q, mn)?;
-    let engine = engine_from_env();
+    // The registry picks the engine per shape (within CUDAGRAPH_GEMM's family).
     gemm(
         q,
         &nn,
-        engine,
+        Engine::Auto,
         (Trans::N, Trans::T),
         (m, n, k),
         1.0,
@@ -95,26 +96,37 @@ pub fn linear(
             let dx = if need_x {
                 let dx = alloc(q, m * k)?;
                 let (t, d) = ((Trans::N, Trans::N), (m, k, n));
-                gemm(q, nn, engine, t, d, 1.0, &dz, &wd, 0.0, &dx, None, false)?;
+                gemm(
+                    q,
+                    nn,
+                    Engine::Auto,
+                    t,
+                    d,
+                    1.0,
+                    &dz,
+                    &wd,
+                    0.0,
+                    &dx,
+                    None,
+                    false,
+                )?;
                 Some(tensor(dx, &[m, k])?)
             } else {
                 None
             };
-            let dw = if need_w {
-                let dw = alloc(q, n * k)?;
-                let (t, d) = ((Trans::T, Trans::N), (n, k, m));
-                gemm(q, nn, engine, t, d, 1.0, &dz, &xd, 0.0, &dw, None, false)?;
-                Some(tensor(dw, &[n, k])?)
-            } else {
-                None
-            };
-            let db = if need_b {
-                let db = alloc(q, n)?;
-                nn.col_sum(q, &dz, &db, m, n)?;
-                Some(tensor(db, &[n])?)
-            } else {
-                None
-            };
+            // dW = dZᵀ·X, with db = Σ_rows dZ fused into it where an engine can.
+            let dw = if need_w { Some(alloc(q, n * k)?) } else { None };
+            let db = if need_b { Some(alloc(q, n)?) } else { None };
+            match (&dw, &db) {
+                (Some(dw), db) => {
+                    let d = (m, n, k);
+                    linear_weight_grad(q, nn, Engine::Auto, d, &dz, &xd, dw, db.as_ref())?;
+                }
+                (None, Some(db)) => nn.col_sum(q, &dz, db, m, n)?,
+                (None, None) => {}
+            }
+            let dw = dw.map(|dw| tensor(dw, &[n, k])).transpose()?;
+            let db = db.map(|db| tensor(db, &[n])).transpose()?;
             Ok(vec![dx, dw, db])
         }),
     };
@@ -310,7 +322,8 @@ pub fn conv2d(
     }
     let nn = Nn::get(q.device())?;
     let y = alloc(q, g.output_len()?)?;
-    nn.conv2d_fwd(q, &g, x.data(), w.data(), b.map(|b| b.data()), &y)?;
+    // The registry picks the engine per geometry (within CUDAGRAPH_CONV's family).
+    conv2d_forward(q, &nn, &g, x.data(), w.data(), b.map(|b| b.data()), &y)?;
     let mut inputs = vec![x.clone(), w.clone()];
     if let Some(b) = b {
         inputs.push(b.clone());
@@ -327,14 +340,14 @@ pub fn conv2d(
         backward: Box::new(move |q, nn, gy| {
             let dx = if need_x {
                 let dx = alloc(q, g.input_len()?)?;
-                nn.conv2d_bwd_input(q, &g, gy.data(), &wd, &dx)?;
+                conv2d_backward_data(q, nn, &g, gy.data(), &wd, &dx)?;
                 Some(tensor(dx, &[g.n, g.c, g.h, g.w])?)
             } else {
                 None
             };
             let dw = if need_w {
                 let dw = alloc(q, g.weight_len()?)?;
-                nn.conv2d_bwd_weight(q, &g, gy.data(), &xd, &dw)?;
+                conv2d_backward_filter(q, nn, &g, gy.data(), &xd, &dw)?;
                 Some(tensor(dw, &[g.oc, g.c, g.kh, g.kw])?)
             } else {
                 None

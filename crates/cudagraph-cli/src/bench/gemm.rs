@@ -1,13 +1,16 @@
-//! `cudagraph bench gemm`: the matrix products of the workloads, cuBLAS vs our tiled split-K
-//! kernel, each timed as 20 products captured in one graph and replayed (so launch overhead
-//! is out of the numbers). The data behind `Engine::Auto`'s choice.
+//! `cudagraph bench gemm`: the matrix products of the workloads with each engine family —
+//! cuBLAS, cuBLASLt, our tiled split-K and warp-K kernels — and with the registry's choice
+//! (`auto`), each timed as 20 products captured in one graph and replayed (so launch overhead is
+//! out of the numbers). Each family runs once eagerly first, so the registry has measured the
+//! variants inside it (split counts, cuBLASLt's algorithms) before the capture.
 
 use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph};
 use cudagraph_nn::blas::Trans;
-use cudagraph_nn::gemm::{gemm, split_k, Engine};
+use cudagraph_nn::engine::Engines;
+use cudagraph_nn::gemm::{gemm, run_gemm, split_k, Engine, Epilogue, GemmOp};
 use cudagraph_nn::{Nn, Rng};
 use serde::Serialize;
 
@@ -30,8 +33,13 @@ pub struct GemmRow {
     pub k: usize,
     pub splits: usize,
     pub cublas_us: f64,
+    /// `None` when cuBLASLt is not installed.
+    pub cublaslt_us: Option<f64>,
     pub tiled_us: f64,
     pub warpk_us: f64,
+    /// The registry's choice among every engine, and its time.
+    pub auto_engine: String,
+    pub auto_us: f64,
 }
 
 const SHAPES: &[(usize, usize, usize, bool, bool, &str)] = &[
@@ -57,11 +65,37 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
         let b = s.alloc_from_host(&rng.vec_normal(k * n))?;
         let c = s.alloc_from_host(&vec![0.0f32; m * n])?;
         let t = |x: bool| if x { Trans::T } else { Trans::N };
-        let mut us = [0.0; 3];
-        for (slot, engine) in [Engine::Cublas, Engine::Tiled, Engine::WarpK]
-            .into_iter()
-            .enumerate()
+        let has_lt = Engines::get(dev)?.cublaslt().is_some();
+        let mut us = [f64::NAN; 5];
+        let mut auto_engine = String::new();
+        for (slot, engine) in [
+            Engine::Cublas,
+            Engine::CublasLt,
+            Engine::Tiled,
+            Engine::WarpK,
+            Engine::Auto,
+        ]
+        .into_iter()
+        .enumerate()
         {
+            if engine == Engine::CublasLt && !has_lt {
+                continue;
+            }
+            // Eager first: the registry measures the engines of this family.
+            let op = GemmOp {
+                ta: t(ta),
+                tb: t(tb),
+                m,
+                n,
+                k,
+                alpha: 1.0,
+                beta: 0.0,
+                epilogue: Epilogue::None,
+            };
+            let chosen = run_gemm(&s, &nn, engine, &op, &a, &b, &c, None)?;
+            if engine == Engine::Auto {
+                auto_engine = chosen.to_string();
+            }
             let (g, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
                 for _ in 0..20 {
                     gemm(
@@ -101,8 +135,11 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
             k,
             splits: split_k(m, n, k),
             cublas_us: us[0],
-            tiled_us: us[1],
-            warpk_us: us[2],
+            cublaslt_us: has_lt.then_some(us[1]),
+            tiled_us: us[2],
+            warpk_us: us[3],
+            auto_engine,
+            auto_us: us[4],
         });
     }
     Ok(rows)
@@ -131,29 +168,38 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
         out.device.name
     );
     outln!(
-        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10} {:>10} {:>10} {:>8}",
+        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:<12} {:>8}",
         "shape",
         "m",
         "n",
         "k",
         "splits",
         "cuBLAS",
+        "cuBLASLt",
         "tiled",
         "warp-K",
-        "best/cuBLAS"
+        "auto",
+        "auto engine",
+        "auto/cuBLAS"
     );
     for r in &out.rows {
+        let lt = r
+            .cublaslt_us
+            .map_or("n/a".to_string(), |v| format!("{v:.2}"));
         outln!(
-            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>7.2}x",
+            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9.2} {:<12} {:>7.2}x",
             r.shape,
             r.m,
             r.n,
             r.k,
             r.splits,
             r.cublas_us,
+            lt,
             r.tiled_us,
             r.warpk_us,
-            r.cublas_us / r.tiled_us.min(r.warpk_us)
+            r.auto_us,
+            r.auto_engine,
+            r.cublas_us / r.auto_us
         );
     }
     Ok(())

@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod chain;
+pub mod engines;
 pub mod gemm;
 pub mod rebind;
 pub mod serve;

@@ -15,8 +15,7 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, Stream};
-use cudagraph_nn::blas::Trans;
-use cudagraph_nn::gemm::{auto_engine, engine_from_env, Engine};
+use cudagraph_nn::engine::Engines;
 use cudagraph_nn::kernels::losses::ce_plan;
 use cudagraph_nn::kernels::optim_mt::{CAP_L, CAP_S};
 use cudagraph_nn::{
@@ -156,45 +155,27 @@ pub struct Report {
     pub rows: Vec<Row>,
 }
 
-/// The product engine `linear` uses for a forward product at batch `m` (the registry of
-/// per-shape engines, when it lands, replaces this with its recorded choice).
-fn gemm_label(m: usize) -> String {
-    let e = match engine_from_env() {
-        Engine::Auto => auto_engine(Trans::N, Trans::T, m, 1.0, 0.0),
-        e => e,
-    };
-    format!("{e:?}").to_lowercase()
-}
-
-/// Which direct convolution kernel runs the forward pass (see `Nn::conv2d_fwd`).
-fn conv_label(c: usize, oc: usize, k: usize) -> &'static str {
-    if c * k * k <= 32 && oc * c * k * k * 4 <= 48 * 1024 {
-        "direct-small"
+/// The distinct engines the registry served while a point ran (warm-up, capture and replays),
+/// in order of first use, e.g. "cublaslt+cudnn:IMPLICIT_PRECOMP_GEMM".
+fn used_engines(log: &[(String, String)]) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for (_, e) in log {
+        if !seen.contains(&e.as_str()) {
+            seen.push(e);
+        }
+    }
+    if seen.is_empty() {
+        "-".into()
     } else {
-        "direct"
+        seen.join("+")
     }
 }
 
 /// The engines a point's products and kernels use, for the table.
-pub fn engine_label(spec: &Spec, mode: &str, sms: u32) -> String {
+pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]) -> String {
     let train = mode == "train";
     match *spec {
-        Spec::Linear { m, .. } => {
-            let f = gemm_label(m);
-            if train {
-                format!("{f} + cublas bwd")
-            } else {
-                f
-            }
-        }
-        Spec::Conv2d { c, oc, k, .. } => {
-            let f = conv_label(c, oc, k);
-            if train {
-                format!("{f} + direct bwd")
-            } else {
-                f.to_string()
-            }
-        }
+        Spec::Linear { .. } | Spec::Conv2d { .. } => used_engines(used),
         Spec::CrossEntropy { rows, classes } => {
             let p = ce_plan(rows, classes, sms);
             format!(
@@ -207,20 +188,20 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32) -> String {
                 }
             )
         }
-        Spec::Mlp { batch, .. } => {
-            let f = gemm_label(batch);
+        Spec::Mlp { .. } => {
+            let f = used_engines(used);
             if train {
-                format!("{f} + cublas bwd + fused adam")
+                format!("{f} + fused adam")
             } else {
                 f
             }
         }
-        Spec::Cnn { channels, .. } => {
-            let f = conv_label(channels, channels, 3);
+        Spec::Cnn { .. } => {
+            let f = used_engines(used);
             if train {
-                format!("{f} + direct bwd + fused sgd")
+                format!("{f} + fused sgd")
             } else {
-                f.to_string()
+                f
             }
         }
         Spec::Optimizer { opt, tensors, .. } => {
@@ -504,13 +485,17 @@ pub fn run(ordinal: usize, a: &SweepArgs) -> AnyResult<()> {
         .collect();
     let dev = Device::open(ordinal)?;
     let sms = dev.info().multiprocessors;
+    let engines = Engines::get(&dev)?;
+    engines.start_usage_log();
     let started = Instant::now();
     let mut rows = Vec::new();
     for p in &points {
         for &mode in modes(&p.spec) {
             let mut s = dev.new_stream()?;
+            engines.take_usage_log();
             let r = run_point(&dev, &mut s, a, &p.spec, mode);
             let _ = s.synchronize();
+            let used = engines.take_usage_log();
             let bytes = match p.spec {
                 Spec::Optimizer { opt, tensors, size } => {
                     Some(optimizer_bytes(opt, (tensors * size) as u64))
@@ -521,7 +506,7 @@ pub fn run(ordinal: usize, a: &SweepArgs) -> AnyResult<()> {
                 id: p.id.clone(),
                 mode: mode.to_string(),
                 graph_us: r.as_ref().ok().copied(),
-                engine: engine_label(&p.spec, mode, sms),
+                engine: engine_label(&p.spec, mode, sms, &used),
                 bytes,
                 error: r.err().map(|e| e.to_string()),
             };
@@ -667,7 +652,8 @@ mod tests {
                 classes: 50000
             },
             "forward",
-            132
+            132,
+            &[]
         )
         .contains("block/row"));
         let o = Spec::Optimizer {
@@ -675,12 +661,27 @@ mod tests {
             tensors: 600,
             size: 1,
         };
-        assert!(engine_label(&o, "step", 132).contains("2 launches"));
+        assert!(engine_label(&o, "step", 132, &[]).contains("2 launches"));
         let o = Spec::Optimizer {
             opt: OptKind::Adam,
             tensors: 8,
             size: 1,
         };
-        assert!(engine_label(&o, "step", 132).contains("1 launch"));
+        assert!(engine_label(&o, "step", 132, &[]).contains("1 launch"));
+        let used = [
+            ("k1".to_string(), "cublaslt".to_string()),
+            ("k2".to_string(), "cudnn:GEMM".to_string()),
+            ("k3".to_string(), "cublaslt".to_string()),
+        ];
+        let lin = Spec::Linear {
+            m: 8,
+            k: 256,
+            n: 256,
+        };
+        assert_eq!(
+            engine_label(&lin, "forward", 132, &used),
+            "cublaslt+cudnn:GEMM"
+        );
+        assert_eq!(engine_label(&lin, "forward", 132, &[]), "-");
     }
 }

@@ -7,6 +7,8 @@
 //! to the kernel (checked arithmetic; dimensions must fit the kernel's integer types). That is
 //! the only place this crate makes the promise of [`Queue::launch`]'s `# Safety` section.
 
+pub mod igemm;
+
 use std::sync::Arc;
 
 use cudagraph::{args, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};

@@ -1,0 +1,392 @@
+//! Convolutions (NCHW, fp32), each direction run by the engine the registry
+//! ([`crate::engine`]) chose for its geometry: one of cuDNN's algorithms, our implicit-GEMM
+//! kernels (a tile shape and a split count), or our direct kernels.
+//!
+//! Buffers by direction: forward reads `x`, `w` and writes `y` (+ `bias`); backward-data reads
+//! `dy`, `w` and writes `dx`; backward-filter reads `dy`, `x` and writes `dw`. The bias gradient
+//! is a channel sum ([`Nn::channel_sum`]) and not part of these.
+
+use cudagraph::{DeviceBuffer, Queue, QueueExt};
+
+use crate::engine::{ConvAlgo, ConvEngine, Engines, Policy};
+use crate::error::{NnError, Result};
+use crate::kernels::igemm::{self, ConvKernels};
+pub use crate::kernels::igemm::{ConvDir, Tile};
+use crate::kernels::{ConvGeom, Nn};
+
+type Buf = DeviceBuffer<f32>;
+
+/// Above this many multiply-adds the direct kernels are not measured unless forced (they are
+/// candidates for small convolutions, where they can win; on large ones a single run would take
+/// seconds).
+const DIRECT_MAX_MACS: f64 = 2e10;
+
+/// Multiply-adds of one direction (the same for all three).
+fn macs(g: &ConvGeom) -> f64 {
+    g.output_len().map_or(f64::INFINITY, |y| y as f64) * (g.c * g.kh * g.kw) as f64
+}
+
+/// The largest workspace a cuDNN candidate may ask for: 1 GiB, or an eighth of the device.
+fn workspace_limit(total_memory: usize) -> usize {
+    (total_memory / 8).min(1 << 30)
+}
+
+/// The registry key of a convolution direction (without the policy's scope), e.g.
+/// `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 bias`.
+pub fn conv_key(dir: ConvDir, g: &ConvGeom, bias: bool) -> String {
+    format!(
+        "{} n={} c={} h={} w={} oc={} k={}x{} s={} p={}{}",
+        dir.name(),
+        g.n,
+        g.c,
+        g.h,
+        g.w,
+        g.oc,
+        g.kh,
+        g.kw,
+        g.stride,
+        g.pad,
+        if bias { " bias" } else { "" }
+    )
+}
+
+/// The engines that can run a direction of `g` on this machine under `policy`, cuDNN's in its
+/// heuristic order first. When the policy's family has none (cuDNN forced but missing), every
+/// available engine. Inside a capture, cuDNN is a candidate only if it was opened before.
+pub fn conv_candidates(
+    q: &dyn Queue,
+    eng: &Engines,
+    dir: ConvDir,
+    g: &ConvGeom,
+    policy: &Policy,
+) -> Result<Vec<ConvAlgo>> {
+    let family = policy.conv;
+    let mut v = Vec::new();
+    let allowed = |a: ConvAlgo, fam: ConvEngine| fam.allows(a);
+    let collect = |fam: ConvEngine, v: &mut Vec<ConvAlgo>| -> Result<()> {
+        if allowed(ConvAlgo::Cudnn(0), fam) && crate::cudnn::supports(g) {
+            if let Some(c) = eng.cudnn_for(q) {
+                let limit = workspace_limit(eng.device_info().total_memory);
+                // A geometry cuDNN cannot plan simply has no cuDNN candidate.
+                for a in c
+                    .algos(dir, g, policy.deterministic, limit)
+                    .unwrap_or_default()
+                {
+                    v.push(ConvAlgo::Cudnn(a.algo));
+                }
+            }
+        }
+        let sms = eng.device_info().multiprocessors;
+        for tile in Tile::ALL {
+            if allowed(ConvAlgo::Igemm(tile, 1), fam) && igemm::supports(dir, g, tile).is_ok() {
+                v.push(ConvAlgo::Igemm(tile, 1));
+                let s = igemm::default_splits(dir, g, tile, sms);
+                if s > 1 {
+                    v.push(ConvAlgo::Igemm(tile, s as u16));
+                }
+            }
+        }
+        let direct_ok = fam == ConvEngine::Direct || macs(g) <= DIRECT_MAX_MACS;
+        if allowed(ConvAlgo::Direct, fam) && igemm::direct_supports(g) && direct_ok {
+            v.push(ConvAlgo::Direct);
+        }
+        Ok(())
+    };
+    collect(family, &mut v)?;
+    if v.is_empty() && family != ConvEngine::Auto {
+        collect(ConvEngine::Auto, &mut v)?;
+    }
+    Ok(v)
+}
+
+/// The heuristic default among `candidates` (non-empty): cuDNN's first choice when cuDNN is a
+/// candidate; else the direct kernel for a forward pass over at most 32 taps per output (its
+/// fast path); else our implicit GEMM with the tile and split that suit the shape.
+pub fn default_conv_algo(
+    dir: ConvDir,
+    g: &ConvGeom,
+    candidates: &[ConvAlgo],
+    sms: u32,
+) -> ConvAlgo {
+    if let Some(c) = candidates.iter().find(|a| matches!(a, ConvAlgo::Cudnn(_))) {
+        return *c;
+    }
+    let taps = g.c.saturating_mul(g.kh).saturating_mul(g.kw);
+    if dir == ConvDir::Forward && taps <= 32 && candidates.contains(&ConvAlgo::Direct) {
+        return ConvAlgo::Direct;
+    }
+    let tile = igemm::default_tile(dir, g);
+    let want = ConvAlgo::Igemm(tile, igemm::default_splits(dir, g, tile, sms) as u16);
+    if candidates.contains(&want) {
+        return want;
+    }
+    candidates.first().copied().unwrap_or(ConvAlgo::Direct)
+}
+
+/// The buffers of one direction: forward `a = x`, `b = w`, `out = y`; backward-data `a = dy`,
+/// `b = w`, `out = dx`; backward-filter `a = dy`, `b = x`, `out = dw`.
+#[derive(Clone, Copy)]
+pub struct ConvIo<'a> {
+    pub a: &'a Buf,
+    pub b: &'a Buf,
+    pub out: &'a Buf,
+    /// Forward only.
+    pub bias: Option<&'a Buf>,
+}
+
+/// `y = conv(x, w) + bias` with the registry's engine; returns the engine used.
+pub fn conv2d_forward(
+    q: &dyn Queue,
+    nn: &Nn,
+    g: &ConvGeom,
+    x: &Buf,
+    w: &Buf,
+    bias: Option<&Buf>,
+    y: &Buf,
+) -> Result<ConvAlgo> {
+    let io = ConvIo {
+        a: x,
+        b: w,
+        out: y,
+        bias,
+    };
+    run_conv(q, nn, ConvDir::Forward, g, io)
+}
+
+/// `dx` of a convolution from `dy` and `w`, with the registry's engine.
+pub fn conv2d_backward_data(
+    q: &dyn Queue,
+    nn: &Nn,
+    g: &ConvGeom,
+    dy: &Buf,
+    w: &Buf,
+    dx: &Buf,
+) -> Result<ConvAlgo> {
+    let io = ConvIo {
+        a: dy,
+        b: w,
+        out: dx,
+        bias: None,
+    };
+    run_conv(q, nn, ConvDir::BackwardData, g, io)
+}
+
+/// `dw` of a convolution from `dy` and `x`, with the registry's engine.
+pub fn conv2d_backward_filter(
+    q: &dyn Queue,
+    nn: &Nn,
+    g: &ConvGeom,
+    dy: &Buf,
+    x: &Buf,
+    dw: &Buf,
+) -> Result<ConvAlgo> {
+    let io = ConvIo {
+        a: dy,
+        b: x,
+        out: dw,
+        bias: None,
+    };
+    run_conv(q, nn, ConvDir::BackwardFilter, g, io)
+}
+
+/// Runs one direction with the registry's engine for it; returns the engine used.
+pub fn run_conv(
+    q: &dyn Queue,
+    nn: &Nn,
+    dir: ConvDir,
+    g: &ConvGeom,
+    io: ConvIo<'_>,
+) -> Result<ConvAlgo> {
+    check_io(dir, g, &io)?;
+    let out_len = match dir {
+        ConvDir::Forward => g.output_len()?,
+        ConvDir::BackwardData => g.input_len()?,
+        ConvDir::BackwardFilter => g.weight_len()?,
+    };
+    if out_len == 0 {
+        return Ok(ConvAlgo::Direct);
+    }
+    let eng = Engines::get(q.device())?;
+    let policy = eng.policy();
+    let key = format!(
+        "{}{}",
+        conv_key(dir, g, io.bias.is_some()),
+        policy.conv_scope()
+    );
+    if let Some(algo) = eng.lookup::<ConvAlgo>(&key) {
+        conv_algo(q, nn, &eng, algo, dir, g, io)?;
+        return Ok(algo);
+    }
+    let candidates = conv_candidates(q, &eng, dir, g, &policy)?;
+    let sms = eng.device_info().multiprocessors;
+    let default = default_conv_algo(dir, g, &candidates, sms);
+    let mut scratch: Option<Buf> = None;
+    let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
+        if scratch.is_none() {
+            scratch = Some(q.alloc::<f32>(out_len)?);
+        }
+        let out = scratch.as_ref().expect("allocated above");
+        conv_algo(q, nn, &eng, algo, dir, g, ConvIo { out, ..io })
+    })?;
+    conv_algo(q, nn, &eng, algo, dir, g, io)?;
+    Ok(algo)
+}
+
+/// Runs one direction with exactly `algo` (no registry). Errors when `algo` cannot run it here
+/// (cuDNN missing or disabled, an algorithm cuDNN does not support for this geometry, sizes our
+/// kernels do not take).
+pub fn conv_with(
+    q: &dyn Queue,
+    nn: &Nn,
+    algo: ConvAlgo,
+    dir: ConvDir,
+    g: &ConvGeom,
+    io: ConvIo<'_>,
+) -> Result<()> {
+    check_io(dir, g, &io)?;
+    let eng = Engines::get(q.device())?;
+    conv_algo(q, nn, &eng, algo, dir, g, io)
+}
+
+fn check_io(dir: ConvDir, g: &ConvGeom, io: &ConvIo<'_>) -> Result<()> {
+    g.out_hw()?;
+    let (x, w, y) = (g.input_len()?, g.weight_len()?, g.output_len()?);
+    let (a, b, out) = match dir {
+        ConvDir::Forward => (("conv2d x", x), ("conv2d w", w), ("conv2d y", y)),
+        ConvDir::BackwardData => (("conv2d dy", y), ("conv2d w", w), ("conv2d dx", x)),
+        ConvDir::BackwardFilter => (("conv2d dy", y), ("conv2d x", x), ("conv2d dw", w)),
+    };
+    for (buf, (what, n)) in [(io.a, a), (io.b, b), (io.out, out)] {
+        if buf.len() < n {
+            return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+                what,
+                expected: n,
+                got: buf.len(),
+            }));
+        }
+    }
+    match (dir, io.bias) {
+        (ConvDir::Forward, Some(bias)) if bias.len() < g.oc => {
+            Err(NnError::Core(cudagraph::Error::SizeMismatch {
+                what: "conv2d bias",
+                expected: g.oc,
+                got: bias.len(),
+            }))
+        }
+        (ConvDir::BackwardData | ConvDir::BackwardFilter, Some(_)) => Err(NnError::Shape(
+            "conv2d: a bias only applies to the forward direction".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn conv_algo(
+    q: &dyn Queue,
+    nn: &Nn,
+    eng: &Engines,
+    algo: ConvAlgo,
+    dir: ConvDir,
+    g: &ConvGeom,
+    io: ConvIo<'_>,
+) -> Result<()> {
+    match algo {
+        ConvAlgo::Cudnn(a) => {
+            let c = eng.cudnn().ok_or_else(|| NnError::Library {
+                library: "cuDNN",
+                call: "dlopen",
+                status: "unavailable (missing, or disabled by the engine policy)".into(),
+            })?;
+            c.run(q, dir, a, g, io.a, io.b, io.out, io.bias)
+        }
+        ConvAlgo::Igemm(tile, splits) => {
+            let k = ConvKernels::get(q.device())?;
+            k.conv(
+                q,
+                dir,
+                tile,
+                splits as usize,
+                g,
+                io.a,
+                io.b,
+                io.out,
+                io.bias,
+            )
+        }
+        ConvAlgo::Direct => match dir {
+            ConvDir::Forward => nn.conv2d_fwd(q, g, io.a, io.b, io.bias, io.out),
+            ConvDir::BackwardData => nn.conv2d_bwd_input(q, g, io.a, io.b, io.out),
+            ConvDir::BackwardFilter => nn.conv2d_bwd_weight(q, g, io.a, io.b, io.out),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(c: usize, k: usize, stride: usize, pad: usize) -> ConvGeom {
+        ConvGeom {
+            n: 8,
+            c,
+            h: 32,
+            w: 32,
+            oc: 16,
+            kh: k,
+            kw: k,
+            stride,
+            pad,
+        }
+    }
+
+    #[test]
+    fn keys_name_direction_geometry_and_bias() {
+        let g = geom(3, 3, 1, 1);
+        assert_eq!(
+            conv_key(ConvDir::Forward, &g, true),
+            "conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 bias"
+        );
+        assert_eq!(
+            conv_key(ConvDir::BackwardFilter, &geom(64, 7, 2, 0), false),
+            "conv_bwd_filter n=8 c=64 h=32 w=32 oc=16 k=7x7 s=2 p=0"
+        );
+    }
+
+    #[test]
+    fn heuristic_default_prefers_cudnn_then_the_small_direct_path_then_igemm() {
+        let g = geom(3, 3, 1, 1);
+        let ours = [
+            ConvAlgo::Igemm(Tile::T64x64, 1),
+            ConvAlgo::Igemm(Tile::T32x128, 1),
+            ConvAlgo::Direct,
+        ];
+        let mut with_cudnn = vec![ConvAlgo::Cudnn(1), ConvAlgo::Cudnn(0)];
+        with_cudnn.extend(ours);
+        assert_eq!(
+            default_conv_algo(ConvDir::Forward, &g, &with_cudnn, 132),
+            ConvAlgo::Cudnn(1)
+        );
+        // 27 taps per output: the direct kernel's fast path.
+        assert_eq!(
+            default_conv_algo(ConvDir::Forward, &g, &ours, 132),
+            ConvAlgo::Direct
+        );
+        // 16 output channels: the 32-row tile.
+        let s = igemm::default_splits(ConvDir::BackwardData, &g, Tile::T32x128, 132) as u16;
+        let mut cands = ours.to_vec();
+        cands.push(ConvAlgo::Igemm(Tile::T32x128, s));
+        let want = ConvAlgo::Igemm(Tile::T32x128, s);
+        let big = geom(64, 3, 1, 1);
+        let s2 = igemm::default_splits(ConvDir::BackwardData, &big, Tile::T64x64, 132) as u16;
+        let mut cands2 = ours.to_vec();
+        cands2.push(ConvAlgo::Igemm(Tile::T64x64, s2));
+        assert_eq!(
+            default_conv_algo(ConvDir::BackwardData, &big, &cands2, 132),
+            ConvAlgo::Igemm(Tile::T64x64, s2)
+        );
+        assert_eq!(
+            default_conv_algo(ConvDir::BackwardData, &g, &cands, 132),
+            want
+        );
+        assert_eq!(workspace_limit(80 << 30), 1 << 30);
+    }
+}

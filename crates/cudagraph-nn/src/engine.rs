@@ -1,0 +1,992 @@
+//! The engine registry: the one place where the engine of every matrix product and convolution
+//! is chosen, remembered and shown.
+//!
+//! An *engine* is one concrete way to run an operation: cuBLAS, one of cuBLASLt's algorithms,
+//! our split-K tiled or warp-K GEMM kernels ([`GemmAlgo`]); one of cuDNN's algorithms, our
+//! implicit-GEMM kernels with a tile and split count, or the direct kernels ([`ConvAlgo`]).
+//! Operations describe themselves by a *key* — op, shape, layout, epilogue, and the policy's
+//! restrictions, e.g. `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu` or
+//! `conv_bwd_filter n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1` — and list the candidates that can
+//! run them on this machine.
+//!
+//! **Measured once, like PyTorch's `cudnn.benchmark`.** The first time a key is seen on an
+//! eager queue, every candidate runs a warm-up, then a few timed runs (CUDA events on the same
+//! stream, queued behind a short spin kernel so host launch gaps do not count), on scratch
+//! outputs from our allocator (inputs are only read); the fastest wins. The choice is kept per
+//! device in memory and on disk as JSON next to the NVRTC cache
+//! (`cudagraph::runtime::nvrtc::cache_dir()`, one file per device name and driver version;
+//! `CUDAGRAPH_CACHE_DIR=off` disables it), so the next process starts with it.
+//!
+//! **Inside a capture nothing is measured** (a capture may not synchronise): a key without a
+//! choice gets the heuristic default (the former fixed thresholds of `Engine::Auto` for
+//! products, cuDNN's own first choice for convolutions) and is recorded as *unmeasured*. Later
+//! eager calls keep that choice, so the graph and the eager path give the same bits; it is
+//! never written to disk, and [`Engines::clear`] forgets it (the next eager call measures).
+//! So: run a model once eagerly (a warm-up, as with `torch.backends.cudnn.benchmark`) before
+//! capturing it, and the graph replays the measured engines forever — with results equal to
+//! the eager ones bit for bit.
+//!
+//! **Deterministic by default.** Only candidates whose results do not depend on scheduling are
+//! considered (cuDNN's non-deterministic algorithms are left out; our split-K reductions sum in a
+//! fixed order), so replays equal eager runs bit for bit. [`Policy::deterministic`] lifts this.
+//!
+//! **Forcing an engine** for comparisons: `CUDAGRAPH_GEMM=cublas|cublaslt|tiled|warpk|auto` and
+//! `CUDAGRAPH_CONV=cudnn|ours|igemm|direct|auto` (read once per process; an unknown value is an
+//! error naming the variable and the accepted values). Forcing a family still measures within
+//! it (cuDNN's algorithms, cuBLASLt's heuristic top few, our tile shapes). A forced family that
+//! cannot run an operation (a missing library, warp-K on a backward layout) falls back to the
+//! heuristic default over what can. [`Engines::set_policy`] does the same per device.
+//!
+//! **Missing libraries**: without cuDNN or cuBLASLt a one-line notice is printed once and our
+//! kernels (and cuBLAS) run; [`Policy::cudnn`] / [`Policy::cublaslt`] simulate that. A library
+//! is opened on first eager use, never inside a capture (opening may allocate or synchronise):
+//! a capture that comes first chooses among the other engines.
+//!
+//! [`Engines::table`] returns every choice with the measured µs per candidate (shown by
+//! `cudagraph inspect` and `cudagraph bench engines`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
+
+use cudagraph::memory::Allocator;
+use cudagraph::runtime::{Context, DeviceInfo};
+use cudagraph::{Device, Event, Queue};
+use serde::{Deserialize, Serialize};
+
+use crate::blaslt::BlasLt;
+use crate::cudnn::Cudnn;
+use crate::error::{NnError, Result};
+use crate::gemm::Engine;
+use crate::kernels::igemm::{Spin, Tile};
+
+/// Name of the variable that forces the product engine family.
+pub const GEMM_VAR: &str = "CUDAGRAPH_GEMM";
+/// Name of the variable that forces the convolution engine family.
+pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
+
+/// Version of the on-disk table format.
+const FORMAT: u32 = 1;
+
+/// Which engines convolutions may use (`CUDAGRAPH_CONV`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConvEngine {
+    /// Every available engine, measured.
+    Auto,
+    /// cuDNN's algorithms (measured among them).
+    Cudnn,
+    /// Our kernels: implicit GEMM (every tile) and direct.
+    Ours,
+    /// Our implicit-GEMM kernels only.
+    Igemm,
+    /// Our direct kernels only.
+    Direct,
+}
+
+impl ConvEngine {
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvEngine::Auto => "auto",
+            ConvEngine::Cudnn => "cudnn",
+            ConvEngine::Ours => "ours",
+            ConvEngine::Igemm => "igemm",
+            ConvEngine::Direct => "direct",
+        }
+    }
+
+    /// Whether `algo` belongs to this family.
+    pub fn allows(self, algo: ConvAlgo) -> bool {
+        matches!(
+            (self, algo),
+            (ConvEngine::Auto, _)
+                | (ConvEngine::Cudnn, ConvAlgo::Cudnn(_))
+                | (ConvEngine::Ours, ConvAlgo::Igemm(..) | ConvAlgo::Direct)
+                | (ConvEngine::Igemm, ConvAlgo::Igemm(..))
+                | (ConvEngine::Direct, ConvAlgo::Direct)
+        )
+    }
+}
+
+/// Parses a `CUDAGRAPH_GEMM` value.
+pub fn parse_gemm_engine(v: &str) -> Result<Engine> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "cublas" => Ok(Engine::Cublas),
+        "cublaslt" => Ok(Engine::CublasLt),
+        "tiled" => Ok(Engine::Tiled),
+        "warpk" => Ok(Engine::WarpK),
+        "auto" | "" => Ok(Engine::Auto),
+        other => Err(NnError::Config(format!(
+            "{GEMM_VAR}={other:?} is not an engine; use one of cublas, cublaslt, tiled, warpk, auto"
+        ))),
+    }
+}
+
+/// Parses a `CUDAGRAPH_CONV` value.
+pub fn parse_conv_engine(v: &str) -> Result<ConvEngine> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "cudnn" => Ok(ConvEngine::Cudnn),
+        "ours" => Ok(ConvEngine::Ours),
+        "igemm" => Ok(ConvEngine::Igemm),
+        "direct" => Ok(ConvEngine::Direct),
+        "auto" | "" => Ok(ConvEngine::Auto),
+        other => Err(NnError::Config(format!(
+            "{CONV_VAR}={other:?} is not an engine; use one of cudnn, ours, igemm, direct, auto"
+        ))),
+    }
+}
+
+/// What the registry may choose from, per device. The default comes from the environment
+/// ([`Policy::from_env`]); [`Engines::set_policy`] changes it (tests, comparisons).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// Product engines allowed (`Auto`: all).
+    pub gemm: Engine,
+    /// Convolution engines allowed (`Auto`: all).
+    pub conv: ConvEngine,
+    /// Use cuDNN when it is installed (`false` behaves as if it were missing).
+    pub cudnn: bool,
+    /// Use cuBLASLt when it is installed (`false` behaves as if it were missing).
+    pub cublaslt: bool,
+    /// Only engines whose results are bit-identical run to run (default `true`).
+    pub deterministic: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            gemm: Engine::Auto,
+            conv: ConvEngine::Auto,
+            cudnn: true,
+            cublaslt: true,
+            deterministic: true,
+        }
+    }
+}
+
+impl Policy {
+    /// The default policy with `CUDAGRAPH_GEMM` and `CUDAGRAPH_CONV` applied (read once per
+    /// process; an invalid value is an error every time).
+    pub fn from_env() -> Result<Policy> {
+        static ENV: OnceLock<std::result::Result<(Engine, ConvEngine), String>> = OnceLock::new();
+        let parsed = ENV.get_or_init(|| {
+            let get = |name: &str| std::env::var(name).unwrap_or_default();
+            let gemm = parse_gemm_engine(&get(GEMM_VAR)).map_err(|e| e.to_string())?;
+            let conv = parse_conv_engine(&get(CONV_VAR)).map_err(|e| e.to_string())?;
+            Ok((gemm, conv))
+        });
+        match parsed {
+            Ok((gemm, conv)) => Ok(Policy {
+                gemm: *gemm,
+                conv: *conv,
+                ..Policy::default()
+            }),
+            Err(e) => Err(NnError::Config(e.clone())),
+        }
+    }
+
+    /// The part of a key that records this policy's restrictions for products
+    /// (empty for the default).
+    pub fn gemm_scope(&self, family: Engine) -> String {
+        let mut parts = Vec::new();
+        if family != Engine::Auto {
+            parts.push(family.name().to_string());
+        }
+        if !self.cublaslt {
+            parts.push("-cublaslt".into());
+        }
+        scope(parts)
+    }
+
+    /// The part of a key that records this policy's restrictions for convolutions.
+    pub fn conv_scope(&self) -> String {
+        let mut parts = Vec::new();
+        if self.conv != ConvEngine::Auto {
+            parts.push(self.conv.name().to_string());
+        }
+        if !self.cudnn {
+            parts.push("-cudnn".into());
+        }
+        if !self.deterministic {
+            parts.push("nondeterministic".into());
+        }
+        scope(parts)
+    }
+}
+
+fn scope(parts: Vec<String>) -> String {
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" [{}]", parts.join(","))
+    }
+}
+
+/// One concrete way to run a matrix product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmAlgo {
+    /// cuBLAS SGEMM (+ our bias/ReLU or bias-gradient kernel).
+    Cublas,
+    /// cuBLASLt with its heuristic algorithm of this rank (epilogue fused).
+    CublasLt(u8),
+    /// Our split-K tiled kernel with about this many K splits.
+    Tiled(u16),
+    /// Our warp-K kernel (forward layout, alpha 1, beta 0).
+    WarpK,
+}
+
+impl GemmAlgo {
+    /// The family it belongs to.
+    pub fn family(self) -> Engine {
+        match self {
+            GemmAlgo::Cublas => Engine::Cublas,
+            GemmAlgo::CublasLt(_) => Engine::CublasLt,
+            GemmAlgo::Tiled(_) => Engine::Tiled,
+            GemmAlgo::WarpK => Engine::WarpK,
+        }
+    }
+}
+
+impl fmt::Display for GemmAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GemmAlgo::Cublas => write!(f, "cublas"),
+            GemmAlgo::CublasLt(r) => write!(f, "cublaslt:{r}"),
+            GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
+            GemmAlgo::WarpK => write!(f, "warpk"),
+        }
+    }
+}
+
+impl FromStr for GemmAlgo {
+    type Err = NnError;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || NnError::Config(format!("{s:?} is not a product engine"));
+        match s.split_once(':') {
+            None if s == "cublas" => Ok(GemmAlgo::Cublas),
+            None if s == "warpk" => Ok(GemmAlgo::WarpK),
+            Some(("cublaslt", r)) => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
+            Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// One concrete way to run a convolution direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConvAlgo {
+    /// cuDNN with this `cudnnConvolution*Algo_t`.
+    Cudnn(u32),
+    /// Our implicit-GEMM kernels with this tile and about this many K splits.
+    Igemm(Tile, u16),
+    /// Our direct kernels.
+    Direct,
+}
+
+impl ConvAlgo {
+    /// The narrowest family it belongs to.
+    pub fn family(self) -> ConvEngine {
+        match self {
+            ConvAlgo::Cudnn(_) => ConvEngine::Cudnn,
+            ConvAlgo::Igemm(..) => ConvEngine::Igemm,
+            ConvAlgo::Direct => ConvEngine::Direct,
+        }
+    }
+}
+
+impl fmt::Display for ConvAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConvAlgo::Cudnn(a) => write!(f, "cudnn:{a}"),
+            ConvAlgo::Igemm(t, s) => write!(f, "igemm:{}:{s}", t.name()),
+            ConvAlgo::Direct => write!(f, "direct"),
+        }
+    }
+}
+
+impl FromStr for ConvAlgo {
+    type Err = NnError;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || NnError::Config(format!("{s:?} is not a convolution engine"));
+        let parts: Vec<&str> = s.split(':').collect();
+        match parts.as_slice() {
+            ["direct"] => Ok(ConvAlgo::Direct),
+            ["cudnn", a] => a.parse().map(ConvAlgo::Cudnn).map_err(|_| bad()),
+            ["igemm", t, n] => {
+                let t = Tile::from_name(t).ok_or_else(bad)?;
+                n.parse().map(|n| ConvAlgo::Igemm(t, n)).map_err(|_| bad())
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// What the registry stores per key: implemented by [`GemmAlgo`] and [`ConvAlgo`].
+pub trait Algo: Copy + PartialEq + fmt::Display + FromStr {}
+impl Algo for GemmAlgo {}
+impl Algo for ConvAlgo {}
+
+/// One candidate's measurement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    /// The candidate (`GemmAlgo`/`ConvAlgo` as text).
+    pub engine: String,
+    /// Mean µs per run, `None` when it failed.
+    pub us: Option<f64>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The registry's record of one key.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// The chosen engine (as text).
+    pub engine: String,
+    /// Whether it was measured (`false`: the heuristic default, chosen inside a capture).
+    pub measured: bool,
+    /// Every candidate's measurement (empty when unmeasured or there was one candidate).
+    pub timings: Vec<Timing>,
+    /// Whether this process checked the engine against the key's candidates (entries read from
+    /// disk are checked on first use); checked entries are returned without listing candidates.
+    #[serde(skip)]
+    pub(crate) checked: bool,
+}
+
+/// One row of [`Engines::table`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EngineRow {
+    pub key: String,
+    #[serde(flatten)]
+    pub entry: Entry,
+}
+
+/// The on-disk form of a device's measured choices.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DiskTable {
+    pub format: u32,
+    /// The device name (`DeviceInfo::name`).
+    pub device: String,
+    /// The driver's CUDA version.
+    pub driver: i32,
+    /// The cuDNN and cuBLASLt versions the choices were measured with.
+    pub libraries: String,
+    pub entries: BTreeMap<String, Entry>,
+}
+
+impl DiskTable {
+    /// Reads a table; `None` when the file is missing or not a table of this format.
+    pub fn load(path: &Path) -> Option<DiskTable> {
+        let text = std::fs::read_to_string(path).ok()?;
+        serde_json::from_str::<DiskTable>(&text)
+            .ok()
+            .filter(|t| t.format == FORMAT)
+    }
+
+    /// Writes the table atomically (temporary file, then rename).
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+/// The table file of a device in `dir`: `engines-<device name>-<driver version>.json`.
+pub fn table_file(dir: &Path, device: &str, driver: i32) -> PathBuf {
+    let clean: String = device
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    dir.join(format!("engines-{clean}-{driver}.json"))
+}
+
+/// Which library a notice or switch is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    Cudnn,
+    CublasLt,
+}
+
+fn notice_once(lib: Library, why: &str) {
+    static CUDNN: Once = Once::new();
+    static LT: Once = Once::new();
+    let (once, text) = match lib {
+        Library::Cudnn => (&CUDNN, "cuDNN"),
+        Library::CublasLt => (&LT, "cuBLASLt"),
+    };
+    once.call_once(|| {
+        let then = match lib {
+            Library::Cudnn => "convolutions run on cudagraph's own kernels",
+            Library::CublasLt => "products run on cuBLAS and cudagraph's own kernels",
+        };
+        eprintln!("cudagraph-nn: {text} unavailable ({why}); {then}");
+    });
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The per-device engine registry (a [`Device::extension`]): policy, choices, and the library
+/// handles (cuDNN, cuBLASLt) the engines use.
+pub struct Engines {
+    ctx: Context,
+    alloc: Arc<Allocator>,
+    info: DeviceInfo,
+    policy: Mutex<Policy>,
+    table: Mutex<BTreeMap<String, Entry>>,
+    file: Option<PathBuf>,
+    libraries: String,
+    cudnn: OnceLock<Option<Cudnn>>,
+    cublaslt: OnceLock<Option<BlasLt>>,
+    /// When on ([`Engines::start_usage_log`]): every (key, engine) served, in order.
+    usage: Mutex<Option<Vec<(String, String)>>>,
+    usage_on: std::sync::atomic::AtomicBool,
+}
+
+impl fmt::Debug for Engines {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Engines({} #{}, {} choices, {})",
+            self.info.name,
+            self.info.ordinal,
+            lock(&self.table).len(),
+            self.libraries
+        )
+    }
+}
+
+/// A string naming the installed library versions (part of the disk table's identity).
+fn library_versions() -> String {
+    let v = |r: std::result::Result<usize, String>| r.map_or("none".to_string(), |v| v.to_string());
+    format!(
+        "cudnn {} cublasLt {}",
+        v(crate::cudnn::version()),
+        v(crate::blaslt::version())
+    )
+}
+
+impl Engines {
+    /// The registry of `device`, created on first use (reads the environment's policy and the
+    /// disk table).
+    pub fn get(device: &Device) -> Result<Arc<Engines>> {
+        device
+            .extension(|d| Engines::new(d).map_err(cudagraph::Error::from))
+            .map_err(NnError::from)
+    }
+
+    fn new(d: &Device) -> Result<Engines> {
+        let policy = Policy::from_env()?;
+        let info = d.info().clone();
+        let libraries = library_versions();
+        let file = cudagraph::runtime::nvrtc::cache_dir()
+            .map(|dir| table_file(&dir, &info.name, info.driver_version));
+        let entries = file
+            .as_deref()
+            .and_then(DiskTable::load)
+            .filter(|t| identity(t, &info, &libraries))
+            .map(|t| t.entries)
+            .unwrap_or_default();
+        Ok(Engines {
+            ctx: d.context().clone(),
+            alloc: d.allocator().clone(),
+            info,
+            policy: Mutex::new(policy),
+            table: Mutex::new(entries),
+            file,
+            libraries,
+            cudnn: OnceLock::new(),
+            cublaslt: OnceLock::new(),
+            usage: Mutex::new(None),
+            usage_on: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn same_identity(&self, t: &DiskTable) -> bool {
+        identity(t, &self.info, &self.libraries)
+    }
+
+    /// The current policy.
+    pub fn policy(&self) -> Policy {
+        *lock(&self.policy)
+    }
+
+    /// Replaces the policy (keys record restrictions, so choices made under another policy stay
+    /// cached under their own keys).
+    pub fn set_policy(&self, p: Policy) {
+        *lock(&self.policy) = p;
+    }
+
+    /// Forgets every choice in memory, so the next eager use of each key measures it again
+    /// (the disk table keeps its entries; new measurements replace theirs).
+    pub fn clear(&self) {
+        lock(&self.table).clear();
+    }
+
+    /// The device's facts.
+    pub fn device_info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The installed library versions, e.g. `cudnn 91400 cublasLt 130000`.
+    pub fn libraries(&self) -> &str {
+        &self.libraries
+    }
+
+    /// Where the measured choices are stored (`None`: disk cache off).
+    pub fn table_path(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// cuDNN, when installed and allowed by the policy (opened on first use; a missing library
+    /// prints one notice).
+    pub fn cudnn(&self) -> Option<&Cudnn> {
+        if !self.policy().cudnn {
+            return None;
+        }
+        self.cudnn
+            .get_or_init(|| match Cudnn::open(&self.ctx) {
+                Ok(c) => Some(c),
+                Err(why) => {
+                    notice_once(Library::Cudnn, &why);
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// cuDNN for listing candidates on `q`: as [`Engines::cudnn`], except that inside a capture
+    /// a library not opened yet stays closed (opening it may allocate or synchronise, which a
+    /// capture forbids); the capture then uses the other engines.
+    pub(crate) fn cudnn_for(&self, q: &dyn Queue) -> Option<&Cudnn> {
+        if q.is_capturing() && self.cudnn.get().is_none() {
+            return None;
+        }
+        self.cudnn()
+    }
+
+    /// cuBLASLt for listing candidates on `q` (closed libraries stay closed in a capture).
+    pub(crate) fn cublaslt_for(&self, q: &dyn Queue) -> Option<&BlasLt> {
+        if q.is_capturing() && self.cublaslt.get().is_none() {
+            return None;
+        }
+        self.cublaslt()
+    }
+
+    /// cuBLASLt, when installed and allowed by the policy.
+    pub fn cublaslt(&self) -> Option<&BlasLt> {
+        if !self.policy().cublaslt {
+            return None;
+        }
+        self.cublaslt
+            .get_or_init(|| match BlasLt::open(&self.ctx, &self.alloc) {
+                Ok(l) => Some(l),
+                Err(why) => {
+                    notice_once(Library::CublasLt, &why);
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// Every choice, sorted by key.
+    pub fn table(&self) -> Vec<EngineRow> {
+        lock(&self.table)
+            .iter()
+            .map(|(k, e)| EngineRow {
+                key: k.clone(),
+                entry: e.clone(),
+            })
+            .collect()
+    }
+
+    /// The choice recorded for `key`, if any.
+    pub fn entry(&self, key: &str) -> Option<Entry> {
+        lock(&self.table).get(key).cloned()
+    }
+
+    /// The engine recorded for `key` if this process already checked it against the key's
+    /// candidates (the fast path: callers list candidates only when this is `None`).
+    pub(crate) fn lookup<A: Algo>(&self, key: &str) -> Option<A> {
+        let t = lock(&self.table);
+        let e = t.get(key)?;
+        if e.checked {
+            let a = e.engine.parse().ok();
+            if a.is_some() {
+                self.log_use(key, &e.engine);
+            }
+            a
+        } else {
+            None
+        }
+    }
+
+    /// Starts recording which engine every product and convolution uses (for benchmarks that
+    /// report it per workload); [`Self::take_usage_log`] returns and clears the record.
+    pub fn start_usage_log(&self) {
+        *lock(&self.usage) = Some(Vec::new());
+        self.usage_on
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The (key, engine) pairs served since [`Self::start_usage_log`] (or the last take), in
+    /// order; empty when logging is off.
+    pub fn take_usage_log(&self) -> Vec<(String, String)> {
+        lock(&self.usage)
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    fn log_use(&self, key: &str, engine: &str) {
+        if self.usage_on.load(std::sync::atomic::Ordering::Acquire) {
+            if let Some(v) = lock(&self.usage).as_mut() {
+                v.push((key.to_string(), engine.to_string()));
+            }
+        }
+    }
+
+    /// The engine for `key` among `candidates` (non-empty; `default` among them): the recorded
+    /// choice when there is a valid one (measured, or the unmeasured default a capture chose);
+    /// otherwise, on an eager queue, the fastest candidate measured with `run` (which must run
+    /// the candidate on scratch outputs); inside a capture `default`, recorded as unmeasured.
+    pub(crate) fn choose<A: Algo>(
+        &self,
+        q: &dyn Queue,
+        key: &str,
+        candidates: &[A],
+        default: A,
+        run: &mut dyn FnMut(&dyn Queue, A) -> Result<()>,
+    ) -> Result<A> {
+        let Some(&first) = candidates.first() else {
+            return Ok(default);
+        };
+        let default = if candidates.contains(&default) {
+            default
+        } else {
+            first
+        };
+        if let Some(e) = lock(&self.table).get_mut(key) {
+            if let Ok(a) = e.engine.parse::<A>() {
+                if candidates.contains(&a) {
+                    e.checked = true;
+                    self.log_use(key, &e.engine);
+                    return Ok(a);
+                }
+            }
+        }
+        if q.is_capturing() || candidates.len() == 1 {
+            let entry = Entry {
+                engine: default.to_string(),
+                measured: candidates.len() == 1,
+                timings: Vec::new(),
+                checked: true,
+            };
+            lock(&self.table).insert(key.to_string(), entry);
+            self.log_use(key, &default.to_string());
+            return Ok(default);
+        }
+        let timings = self.measure(q, candidates, run)?;
+        let best = timings
+            .iter()
+            .filter_map(|(a, t)| t.as_ref().ok().map(|us| (*a, *us)))
+            .min_by(|x, y| x.1.total_cmp(&y.1))
+            .map(|(a, _)| a);
+        let Some(best) = best else {
+            let why: Vec<String> = timings
+                .iter()
+                .map(|(a, t)| format!("{a}: {}", t.as_ref().err().map_or("?", |e| e)))
+                .collect();
+            return Err(NnError::Library {
+                library: "engine registry",
+                call: "measure",
+                status: format!("no engine could run {key}: {}", why.join("; ")),
+            });
+        };
+        let entry = Entry {
+            engine: best.to_string(),
+            measured: true,
+            timings: timings
+                .iter()
+                .map(|(a, t)| Timing {
+                    engine: a.to_string(),
+                    us: t.as_ref().ok().copied(),
+                    error: t.as_ref().err().cloned(),
+                })
+                .collect(),
+            checked: true,
+        };
+        self.log_use(key, &best.to_string());
+        let measured: Vec<(String, Entry)> = {
+            let mut t = lock(&self.table);
+            t.insert(key.to_string(), entry);
+            t.iter()
+                .filter(|(_, e)| e.measured && !e.timings.is_empty())
+                .map(|(k, e)| (k.clone(), e.clone()))
+                .collect()
+        };
+        if let Some(path) = &self.file {
+            // Merge into what is on disk (another process, or choices forgotten by `clear`).
+            let mut table = DiskTable::load(path)
+                .filter(|t| self.same_identity(t))
+                .unwrap_or_else(|| DiskTable {
+                    format: FORMAT,
+                    device: self.info.name.clone(),
+                    driver: self.info.driver_version,
+                    libraries: self.libraries.clone(),
+                    entries: BTreeMap::new(),
+                });
+            table.entries.extend(measured);
+            // A table that cannot be written only costs a measurement next time.
+            let _ = table.save(path);
+        }
+        Ok(best)
+    }
+
+    /// Times every candidate on `q` (eager): a warm-up, one timed run, then (unless it is
+    /// clearly slower than the best so far) a few runs queued behind a spin kernel.
+    fn measure<A: Algo>(
+        &self,
+        q: &dyn Queue,
+        candidates: &[A],
+        run: &mut dyn FnMut(&dyn Queue, A) -> Result<()>,
+    ) -> Result<Vec<(A, std::result::Result<f64, String>)>> {
+        let spin = Spin::get(q.device())?;
+        let e0 = Event::new(&self.ctx, true)?;
+        let e1 = Event::new(&self.ctx, true)?;
+        let mut best = f64::INFINITY;
+        let mut out = Vec::with_capacity(candidates.len());
+        for &a in candidates {
+            let mut one = || -> Result<f64> {
+                run(q, a)?; // warm-up: first-use costs (compiles, plans, workspaces)
+                let s = q.stream_handle();
+                s.record(&e0)?;
+                run(q, a)?;
+                s.record(&e1)?;
+                e1.synchronize()?;
+                let once = e0.elapsed_ms(&e1)? as f64 * 1e3;
+                if once > 4.0 * best + 20.0 {
+                    return Ok(once);
+                }
+                let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
+                if once < 200.0 {
+                    // Keep the GPU busy while the host queues the timed runs.
+                    spin.spin(q, 50_000 + 40_000 * reps as u64)?;
+                }
+                s.record(&e0)?;
+                for _ in 0..reps {
+                    run(q, a)?;
+                }
+                s.record(&e1)?;
+                e1.synchronize()?;
+                Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
+            };
+            match one() {
+                Ok(us) => {
+                    best = best.min(us);
+                    out.push((a, Ok(us)));
+                }
+                Err(e) if is_fatal(&e) => return Err(e),
+                Err(e) => out.push((a, Err(e.to_string()))),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a disk table was measured on this device, driver and libraries.
+fn identity(t: &DiskTable, info: &DeviceInfo, libraries: &str) -> bool {
+    t.device == info.name && t.driver == info.driver_version && t.libraries == libraries
+}
+
+/// Errors after which nothing else can run on the device.
+fn is_fatal(e: &NnError) -> bool {
+    matches!(e, NnError::Core(cudagraph::Error::ContextLost { .. }))
+}
+
+/// The registry's table as text: one line per key with the chosen engine, then the measured
+/// µs of every candidate (fastest first).
+pub fn format_table(rows: &[EngineRow]) -> String {
+    let mut s = String::new();
+    for r in rows {
+        let mark = if r.entry.measured {
+            ""
+        } else {
+            " (unmeasured)"
+        };
+        s.push_str(&format!("{}\n    -> {}{mark}", r.key, r.entry.engine));
+        let mut t: Vec<&Timing> = r.entry.timings.iter().collect();
+        t.sort_by(|a, b| {
+            a.us.unwrap_or(f64::INFINITY)
+                .total_cmp(&b.us.unwrap_or(f64::INFINITY))
+        });
+        if !t.is_empty() {
+            let list: Vec<String> = t
+                .iter()
+                .map(|t| match t.us {
+                    Some(us) => format!("{} {us:.1}", t.engine),
+                    None => format!("{} failed", t.engine),
+                })
+                .collect();
+            s.push_str(&format!("   [µs: {}]", list.join(", ")));
+        }
+        s.push('\n');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_names_round_trip() {
+        for a in [
+            GemmAlgo::Cublas,
+            GemmAlgo::CublasLt(2),
+            GemmAlgo::Tiled(16),
+            GemmAlgo::WarpK,
+        ] {
+            assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+        }
+        for a in [
+            ConvAlgo::Cudnn(1),
+            ConvAlgo::Igemm(Tile::T32x128, 8),
+            ConvAlgo::Direct,
+        ] {
+            assert_eq!(a.to_string().parse::<ConvAlgo>().unwrap(), a);
+        }
+        assert_eq!(
+            ConvAlgo::Igemm(Tile::T64x64, 1).to_string(),
+            "igemm:64x64:1"
+        );
+        assert!("cudnn".parse::<ConvAlgo>().is_err());
+        assert!("tiled:x".parse::<GemmAlgo>().is_err());
+        assert!("igemm:7x7:1".parse::<ConvAlgo>().is_err());
+    }
+
+    #[test]
+    fn environment_values_parse_or_name_the_variable() {
+        assert_eq!(parse_gemm_engine("cublasLt").unwrap(), Engine::CublasLt);
+        assert_eq!(parse_gemm_engine("").unwrap(), Engine::Auto);
+        assert_eq!(parse_gemm_engine(" warpk ").unwrap(), Engine::WarpK);
+        assert_eq!(parse_conv_engine("ours").unwrap(), ConvEngine::Ours);
+        assert_eq!(parse_conv_engine("AUTO").unwrap(), ConvEngine::Auto);
+        let e = parse_gemm_engine("cudnn").unwrap_err().to_string();
+        assert!(
+            e.contains("CUDAGRAPH_GEMM") && e.contains("cublaslt"),
+            "{e}"
+        );
+        let e = parse_conv_engine("fast").unwrap_err().to_string();
+        assert!(
+            e.contains("CUDAGRAPH_CONV") && e.contains("\"fast\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn families_and_scopes() {
+        assert!(ConvEngine::Ours.allows(ConvAlgo::Direct));
+        assert!(ConvEngine::Ours.allows(ConvAlgo::Igemm(Tile::T64x64, 1)));
+        assert!(!ConvEngine::Ours.allows(ConvAlgo::Cudnn(0)));
+        assert!(!ConvEngine::Igemm.allows(ConvAlgo::Direct));
+        assert_eq!(GemmAlgo::CublasLt(0).family(), Engine::CublasLt);
+        let p = Policy::default();
+        assert_eq!(p.gemm_scope(Engine::Auto), "");
+        assert_eq!(p.conv_scope(), "");
+        let p = Policy {
+            conv: ConvEngine::Ours,
+            cudnn: false,
+            cublaslt: false,
+            ..Policy::default()
+        };
+        assert_eq!(p.conv_scope(), " [ours,-cudnn]");
+        assert_eq!(p.gemm_scope(Engine::Tiled), " [tiled,-cublaslt]");
+    }
+
+    #[test]
+    fn disk_table_round_trips_and_rejects_other_formats() {
+        let dir = std::env::temp_dir().join(format!("cg-engines-{}", std::process::id()));
+        let path = table_file(&dir, "NVIDIA H100 80GB HBM3", 13000);
+        assert!(path
+            .to_string_lossy()
+            .ends_with("engines-NVIDIA_H100_80GB_HBM3-13000.json"));
+        let mut entries = BTreeMap::new();
+        entries.insert(
+            "gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias".to_string(),
+            Entry {
+                engine: "tiled:8".into(),
+                measured: true,
+                timings: vec![
+                    Timing {
+                        engine: "tiled:8".into(),
+                        us: Some(4.5),
+                        error: None,
+                    },
+                    Timing {
+                        engine: "cublaslt:0".into(),
+                        us: None,
+                        error: Some("not supported".into()),
+                    },
+                ],
+                checked: false,
+            },
+        );
+        let t = DiskTable {
+            format: FORMAT,
+            device: "NVIDIA H100 80GB HBM3".into(),
+            driver: 13000,
+            libraries: "cudnn 91400 cublasLt 130000".into(),
+            entries,
+        };
+        t.save(&path).unwrap();
+        assert_eq!(DiskTable::load(&path).unwrap(), t);
+        // Another format version is ignored, as is a file that is not a table.
+        let mut old = t.clone();
+        old.format = FORMAT + 1;
+        old.save(&path).unwrap();
+        assert!(DiskTable::load(&path).is_none());
+        std::fs::write(&path, "not json").unwrap();
+        assert!(DiskTable::load(&path).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn table_text_lists_candidates_fastest_first() {
+        let rows = vec![EngineRow {
+            key: "conv_fwd n=1 c=3 h=8 w=8 oc=4 k=3x3 s=1 p=1 bias".into(),
+            entry: Entry {
+                engine: "cudnn:1".into(),
+                measured: true,
+                timings: vec![
+                    Timing {
+                        engine: "direct".into(),
+                        us: Some(9.0),
+                        error: None,
+                    },
+                    Timing {
+                        engine: "cudnn:1".into(),
+                        us: Some(3.25),
+                        error: None,
+                    },
+                ],
+                checked: true,
+            },
+        }];
+        let s = format_table(&rows);
+        assert!(s.contains("-> cudnn:1"), "{s}");
+        let (a, b) = (
+            s.find("cudnn:1 3.2").unwrap(),
+            s.find("direct 9.0").unwrap(),
+        );
+        assert!(a < b, "{s}");
+    }
+}

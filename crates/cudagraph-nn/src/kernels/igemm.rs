@@ -1,0 +1,494 @@
+//! cudagraph's own convolution engine: implicit-GEMM kernels for conv forward, backward-data and
+//! backward-filter (`igemm.cu`, compiled as its own NVRTC module), and the spin kernel the
+//! engine registry times behind (`spin.cu`, a tiny module of its own so products do not wait
+//! for the conv kernels to compile). [`ConvKernels`] and [`Spin`] are per-device extensions;
+//! every kernel is launched from one safe method here after every buffer was checked against
+//! the extent the kernel indexes and every integer the kernel computes with was checked to fit
+//! its type.
+//!
+//! The direct kernels in `conv.cu` (module `cudagraph_nn`) stay as another candidate.
+
+use std::sync::Arc;
+
+use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt};
+
+use crate::error::{NnError, Result};
+use crate::kernels::ConvGeom;
+
+/// The CUDA source of the implicit-GEMM module.
+pub const SOURCE: &str = include_str!("igemm.cu");
+
+/// The CUDA source of the spin module.
+pub const SPIN_SOURCE: &str = include_str!("spin.cu");
+
+type Buf = DeviceBuffer<f32>;
+
+/// Which product of a convolution: forward (`y` from `x`, `w`), backward-data (`dx` from `dy`,
+/// `w`) or backward-filter (`dw` from `dy`, `x`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConvDir {
+    Forward,
+    BackwardData,
+    BackwardFilter,
+}
+
+impl ConvDir {
+    pub const ALL: [ConvDir; 3] = [
+        ConvDir::Forward,
+        ConvDir::BackwardData,
+        ConvDir::BackwardFilter,
+    ];
+
+    /// Short name used in engine keys: `conv_fwd`, `conv_bwd_data`, `conv_bwd_filter`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvDir::Forward => "conv_fwd",
+            ConvDir::BackwardData => "conv_bwd_data",
+            ConvDir::BackwardFilter => "conv_bwd_filter",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            ConvDir::Forward => 0,
+            ConvDir::BackwardData => 1,
+            ConvDir::BackwardFilter => 2,
+        }
+    }
+}
+
+/// Output tile of one block of the implicit-GEMM kernels (rows × columns of the product).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Tile {
+    /// 64 × 64: the general case.
+    T64x64,
+    /// 32 × 128: few output rows (small channel counts), many columns.
+    T32x128,
+    /// 128 × 32: many rows, few columns (backward-filter of small kernels).
+    T128x32,
+}
+
+impl Tile {
+    pub const ALL: [Tile; 3] = [Tile::T64x64, Tile::T32x128, Tile::T128x32];
+
+    /// (rows, columns) of the tile.
+    pub fn dims(self) -> (usize, usize) {
+        match self {
+            Tile::T64x64 => (64, 64),
+            Tile::T32x128 => (32, 128),
+            Tile::T128x32 => (128, 32),
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Tile::T64x64 => 0,
+            Tile::T32x128 => 1,
+            Tile::T128x32 => 2,
+        }
+    }
+
+    /// `64x64`, `32x128`, `128x32`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tile::T64x64 => "64x64",
+            Tile::T32x128 => "32x128",
+            Tile::T128x32 => "128x32",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Tile> {
+        Tile::ALL.into_iter().find(|t| t.name() == s)
+    }
+}
+
+/// Sizes of the product behind a convolution direction: (M, N, K) as in `igemm.cu`'s header.
+pub fn gemm_shape(dir: ConvDir, g: &ConvGeom) -> Result<(usize, usize, usize)> {
+    let (oh, ow) = g.out_hw()?;
+    let m = |d: &[usize]| {
+        d.iter()
+            .try_fold(1usize, |a, &b| a.checked_mul(b))
+            .ok_or_else(|| NnError::Shape(format!("conv2d: geometry {g:?} overflows")))
+    };
+    Ok(match dir {
+        ConvDir::Forward => (g.oc, m(&[g.n, oh, ow])?, m(&[g.c, g.kh, g.kw])?),
+        ConvDir::BackwardData => (g.c, m(&[g.n, g.h, g.w])?, m(&[g.oc, g.kh, g.kw])?),
+        ConvDir::BackwardFilter => (g.oc, m(&[g.c, g.kh, g.kw])?, m(&[g.n, oh, ow])?),
+    })
+}
+
+/// Largest M, N or K the kernels accept: their `int` index arithmetic adds up to one tile
+/// (256) past the end before comparing.
+const MAX_DIM: usize = i32::MAX as usize - 256;
+
+/// Whether the implicit-GEMM kernels can run this geometry (every index fits their integer
+/// types, the grid fits), or why not.
+pub fn supports(dir: ConvDir, g: &ConvGeom, tile: Tile) -> Result<()> {
+    g.ints()?; // every dimension fits an int, and the weight count
+    let (m, n, k) = gemm_shape(dir, g)?;
+    let too_big = |what: &str, v: usize| {
+        Err(NnError::Shape(format!(
+            "conv2d implicit GEMM: {what} = {v} exceeds {MAX_DIM}"
+        )))
+    };
+    for (what, v) in [("M", m), ("N", n), ("K", k)] {
+        if v > MAX_DIM {
+            return too_big(what, v);
+        }
+    }
+    // Per-image offsets are computed in 32 bits.
+    let (oh, ow) = g.out_hw()?;
+    for (what, d) in [("C·H·W", [g.c, g.h, g.w]), ("OC·OH·OW", [g.oc, oh, ow])] {
+        let v = d
+            .iter()
+            .try_fold(1usize, |a, &b| a.checked_mul(b))
+            .unwrap_or(usize::MAX);
+        if v > MAX_DIM {
+            return too_big(what, v);
+        }
+    }
+    // Padded extents (oh·stride stays below them).
+    for v in [g.h, g.w] {
+        match g.pad.checked_mul(2).and_then(|p| v.checked_add(p)) {
+            Some(e) if e <= MAX_DIM => {}
+            _ => return too_big("padded extent", v.saturating_add(g.pad.saturating_mul(2))),
+        }
+    }
+    let (bm, _) = tile.dims();
+    if m.div_ceil(bm) > 65535 {
+        return too_big("M tiles (grid y)", m.div_ceil(bm));
+    }
+    Ok(())
+}
+
+/// Whether the direct kernels (`conv.cu`) can run this geometry: every dimension and the
+/// weight count fit their `int`s.
+pub fn direct_supports(g: &ConvGeom) -> bool {
+    g.ints().is_ok()
+}
+
+/// A split count that gives the device about two waves of blocks while each split keeps at
+/// least four 16-deep K steps (1 = no split).
+pub fn default_splits(dir: ConvDir, g: &ConvGeom, tile: Tile, multiprocessors: u32) -> usize {
+    let Ok((m, n, k)) = gemm_shape(dir, g) else {
+        return 1;
+    };
+    let (bm, bn) = tile.dims();
+    let blocks = m.div_ceil(bm).saturating_mul(n.div_ceil(bn)).max(1);
+    let want = (2 * multiprocessors.max(1) as usize).div_ceil(blocks);
+    want.min(k.div_ceil(16) / 4).clamp(1, 64)
+}
+
+/// The tile that suits the product's shape (used before anything was measured).
+pub fn default_tile(dir: ConvDir, g: &ConvGeom) -> Tile {
+    match gemm_shape(dir, g) {
+        Ok((m, _, _)) if m <= 32 => Tile::T32x128,
+        Ok((_, n, _)) if n <= 32 => Tile::T128x32,
+        _ => Tile::T64x64,
+    }
+}
+
+/// The implicit-GEMM kernels of one device.
+pub struct ConvKernels {
+    /// [direction][tile]
+    igemm: [[Function; 3]; 3],
+    reduce: Function,
+}
+
+/// The spin kernel of one device.
+pub struct Spin {
+    spin: Function,
+}
+
+impl Spin {
+    /// The kernel of `device`, compiled (or loaded from the NVRTC cache) on first use.
+    pub fn get(device: &Device) -> Result<Arc<Spin>> {
+        device
+            .extension(|d| {
+                let m = d.compile("cudagraph_nn_spin", SPIN_SOURCE)?;
+                Ok(Spin {
+                    spin: m.function("engines_spin")?,
+                })
+            })
+            .map_err(NnError::from)
+    }
+
+    /// Busy-waits `ns` nanoseconds on the queue's stream (at most 10 ms).
+    pub fn spin(&self, q: &dyn Queue, ns: u64) -> Result<()> {
+        let ns = ns.min(10_000_000) as i64;
+        // SAFETY: the kernel touches no memory.
+        unsafe {
+            q.launch(&self.spin, LaunchConfig::linear(1, 1), &[Arg::I64(ns)])?;
+        }
+        Ok(())
+    }
+}
+
+/// `buf` must hold at least `need` elements.
+fn need(what: &'static str, buf: &Buf, need: usize) -> Result<()> {
+    if buf.len() < need {
+        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+            what,
+            expected: need,
+            got: buf.len(),
+        }));
+    }
+    Ok(())
+}
+
+fn int(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
+}
+
+impl ConvKernels {
+    /// The kernels of `device`, compiled (or loaded from the NVRTC cache) on first use.
+    pub fn get(device: &Device) -> Result<Arc<ConvKernels>> {
+        device
+            .extension(|d| {
+                let m = d.compile("cudagraph_nn_igemm", SOURCE)?;
+                let f = |n: &str| m.function(n);
+                let dir = |d: &str| -> cudagraph::Result<[Function; 3]> {
+                    Ok([
+                        f(&format!("conv_igemm_{d}_64x64"))?,
+                        f(&format!("conv_igemm_{d}_32x128"))?,
+                        f(&format!("conv_igemm_{d}_128x32"))?,
+                    ])
+                };
+                Ok(ConvKernels {
+                    igemm: [dir("fwd")?, dir("bwd_data")?, dir("bwd_filter")?],
+                    reduce: f("conv_igemm_reduce")?,
+                })
+            })
+            .map_err(NnError::from)
+    }
+
+    /// Runs one direction of a convolution as an implicit GEMM with `tile` and about `splits`
+    /// K splits. Buffers by direction: forward `a = x`, `b = w`, `out = y`, `bias` optional;
+    /// backward-data `a = dy`, `b = w`, `out = dx`; backward-filter `a = dy`, `b = x`,
+    /// `out = dw` (`bias` must be `None` for the backward directions).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        tile: Tile,
+        splits: usize,
+        g: &ConvGeom,
+        a: &Buf,
+        b: &Buf,
+        out: &Buf,
+        bias: Option<&Buf>,
+    ) -> Result<()> {
+        supports(dir, g, tile)?;
+        let ints = g.ints()?;
+        let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
+        // The kernel's operands: src_a, src_b (see igemm.cu) and the output.
+        let (src_a, src_b) = match dir {
+            ConvDir::Forward => {
+                need("conv2d x", a, x_len)?;
+                need("conv2d w", b, w_len)?;
+                need("conv2d y", out, y_len)?;
+                if let Some(bias) = bias {
+                    need("conv2d bias", bias, g.oc)?;
+                }
+                (b, a) // kernel: a = w, b = x
+            }
+            ConvDir::BackwardData => {
+                need("conv2d dy", a, y_len)?;
+                need("conv2d w", b, w_len)?;
+                need("conv2d dx", out, x_len)?;
+                (b, a) // kernel: a = w, b = dy
+            }
+            ConvDir::BackwardFilter => {
+                need("conv2d dy", a, y_len)?;
+                need("conv2d x", b, x_len)?;
+                need("conv2d dw", out, w_len)?;
+                (a, b) // kernel: a = dy, b = x
+            }
+        };
+        if dir != ConvDir::Forward && bias.is_some() {
+            return Err(NnError::Shape(format!(
+                "{}: a bias only applies to the forward direction",
+                dir.name()
+            )));
+        }
+        let (m, n, k) = gemm_shape(dir, g)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (bm, bn) = tile.dims();
+        let kchunk = k.div_ceil(splits.max(1)).div_ceil(16).max(1) * 16;
+        let splits = k.div_ceil(kchunk).max(1);
+        if splits > 65535 {
+            return Err(NnError::Shape(format!("conv2d: {splits} K splits")));
+        }
+        let mn = m
+            .checked_mul(n)
+            .ok_or_else(|| NnError::Shape(format!("conv2d: {m}×{n} outputs overflow")))?;
+        let partial = if splits > 1 {
+            let len = mn.checked_mul(splits).ok_or_else(|| {
+                NnError::Shape(format!("conv2d: {splits} splits of {mn} outputs overflow"))
+            })?;
+            Some(q.alloc::<f32>(len)?)
+        } else {
+            None
+        };
+        let grid_x = u32::try_from(n.div_ceil(bn))
+            .map_err(|_| NnError::Shape(format!("conv2d: {n} columns exceed the grid")))?;
+        let cfg = LaunchConfig {
+            grid: (grid_x, m.div_ceil(bm) as u32, splits as u32),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args: Vec<Arg<'_>> = vec![
+            src_a.into(),
+            src_b.into(),
+            out.into(),
+            Arg::opt(bias),
+            Arg::opt(partial.as_ref()),
+        ];
+        args.extend(ints.map(Arg::I32));
+        args.push(Arg::I32(int("K chunk", kchunk)?));
+        let f = &self.igemm[dir.index()][tile.index()];
+        // SAFETY: `supports` checked that M, N, K and the per-image sizes fit the kernel's int
+        // arithmetic (with a tile of headroom) and the grid fits. Every load is guarded by
+        // m < M, column < N, k in [z·kchunk, min(K, (z+1)·kchunk)) and, for activations, by
+        // 0 <= ih < H, 0 <= iw < W (and oh < OH, ow < OW for dy), which with the geometry keeps
+        // reads of x below N·C·H·W, of w below OC·C·KH·KW and of dy below N·OC·OH·OW — the
+        // extents checked above for the buffers passed in those roles. Writes go to `out` at
+        // the (m, column) position of the direction's layout, below its checked extent, or to
+        // `partial` below splits·M·N (allocated so); the bias is read below OC (checked).
+        unsafe { q.launch(f, cfg, &args)? };
+        if let Some(p) = &partial {
+            let mut rargs: Vec<Arg<'_>> = vec![
+                p.into(),
+                Arg::I32(splits as i32),
+                out.into(),
+                Arg::opt(bias),
+                Arg::I32(dir.index() as i32),
+            ];
+            rargs.extend(ints[..9].iter().copied().map(Arg::I32));
+            let blocks = mn.div_ceil(256);
+            let cfg = LaunchConfig::linear(
+                u32::try_from(blocks)
+                    .map_err(|_| NnError::Shape(format!("conv2d: {mn} outputs exceed the grid")))?,
+                256,
+            );
+            // SAFETY: e < M·N reads partial[z·M·N + e] for z < splits (its extent) and writes
+            // the direction's output at the position of (e / N, e % N), below its checked
+            // extent; the bias (forward only) below OC.
+            unsafe { q.launch(&self.reduce, cfg, &rargs)? };
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The multiply-shift division of `igemm.cu`, mirrored on the host.
+    fn fast_div(x: u32, d: u32) -> u32 {
+        if d <= 1 {
+            return x;
+        }
+        let l = 32 - (d - 1).leading_zeros();
+        let p = 31 + l;
+        let mul = (1u64 << p).div_ceil(d as u64) as u32; // ((1 << p) + d - 1) / d on the device
+        (((x as u64 * mul as u64) >> 32) as u32) >> (p - 32)
+    }
+
+    #[test]
+    fn fast_division_is_exact_for_every_int_dividend() {
+        let mut rng = crate::Rng::new(3);
+        let divisors: Vec<u32> = (1..=300)
+            .chain([
+                511,
+                512,
+                513,
+                4095,
+                50176,
+                12544,
+                1 << 20,
+                (1 << 30) + 7,
+                i32::MAX as u32,
+            ])
+            .collect();
+        for &d in &divisors {
+            let edges = [
+                0u32,
+                1,
+                d - 1,
+                d,
+                d + 1,
+                i32::MAX as u32 - 1,
+                i32::MAX as u32,
+            ];
+            for x in edges {
+                assert_eq!(fast_div(x, d), x / d, "{x} / {d}");
+            }
+            for _ in 0..2000 {
+                let x = (rng.next_u64() % i32::MAX as u64) as u32;
+                assert_eq!(fast_div(x, d), x / d, "{x} / {d}");
+            }
+        }
+    }
+
+    fn geom(
+        n: usize,
+        c: usize,
+        hw: usize,
+        oc: usize,
+        k: usize,
+        stride: usize,
+        pad: usize,
+    ) -> ConvGeom {
+        ConvGeom {
+            n,
+            c,
+            h: hw,
+            w: hw,
+            oc,
+            kh: k,
+            kw: k,
+            stride,
+            pad,
+        }
+    }
+
+    #[test]
+    fn product_shapes_follow_the_direction() {
+        let g = geom(2, 3, 8, 5, 3, 1, 1); // 8x8 output
+        assert_eq!(gemm_shape(ConvDir::Forward, &g).unwrap(), (5, 128, 27));
+        assert_eq!(gemm_shape(ConvDir::BackwardData, &g).unwrap(), (3, 128, 45));
+        assert_eq!(
+            gemm_shape(ConvDir::BackwardFilter, &g).unwrap(),
+            (5, 27, 128)
+        );
+    }
+
+    #[test]
+    fn splits_fill_the_device_only_when_blocks_are_few() {
+        let big = geom(64, 64, 56, 64, 3, 1, 1);
+        assert_eq!(default_splits(ConvDir::Forward, &big, Tile::T64x64, 132), 1);
+        // Backward-filter of a small kernel: one 64x64 block, K = 64·56·56.
+        let s = default_splits(ConvDir::BackwardFilter, &big, Tile::T64x64, 132);
+        assert!(s > 1 && s <= 64, "{s}");
+        // Tiny K never splits below four steps.
+        let tiny = geom(1, 1, 4, 1, 1, 1, 0);
+        assert_eq!(
+            default_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
+            1
+        );
+    }
+
+    #[test]
+    fn unsupported_sizes_are_errors_not_launches() {
+        let ok = geom(1, 3, 8, 4, 3, 1, 1);
+        assert!(supports(ConvDir::Forward, &ok, Tile::T64x64).is_ok());
+        let huge = geom(1 << 16, 64, 256, 64, 3, 1, 1); // N·OH·OW > 2^31
+        assert!(supports(ConvDir::Forward, &huge, Tile::T64x64).is_err());
+        assert_eq!(default_tile(ConvDir::Forward, &ok), Tile::T32x128);
+        assert_eq!(Tile::from_name("128x32"), Some(Tile::T128x32));
+    }
+}

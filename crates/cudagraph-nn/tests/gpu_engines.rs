@@ -1,0 +1,675 @@
+//! GPU tests of the engine registry and of every engine it chooses from: cuBLAS, cuBLASLt, our
+//! tiled and warp-K GEMM kernels, cuDNN (each of its algorithms), our implicit-GEMM kernels
+//! (each tile, with and without split-K) and the direct conv kernels — each forced one at a time
+//! and checked against the f64 CPU reference (`cudagraph_nn::cpu`) in forward and backward, on
+//! odd sizes (primes, 1, sizes that are no multiple of a tile, stride 2 with padding, 1×1 and
+//! 7×7 kernels). Then: graph replays equal eager runs bit for bit with the same engines, the
+//! fallback without cuDNN and cuBLASLt runs everything, and the registry measures eagerly and
+//! keeps capture-time choices, unmeasured, until they are forgotten.
+//!
+//! Tolerances (‖gpu − ref‖ / ‖ref‖ against f64): fp32 products accumulate K terms in some
+//! order, so the relative error grows like √K·2⁻²⁴ (about 4e-6 at K = 4096); we allow 2e-5 up
+//! to K ≈ 1000 and 1e-4 beyond. Convolutions get 1e-4 everywhere: cuDNN's FFT and Winograd
+//! algorithms add transform rounding on top of the long sums (still far below a real bug, which
+//! shows as O(1)). Graph against eager with the same engines: 0 (bit-identical).
+//!
+//! The GPU machine is expected to have cuDNN and cuBLASLt: the tests that force them fail when
+//! they are missing (a skipped engine is not a tested engine).
+
+use cudagraph::{gpu_test_device, CaptureOptions, Device, Graph, Queue, Stream};
+use cudagraph_nn::blas::Trans;
+use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
+use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, GemmAlgo, Policy};
+use cudagraph_nn::gemm::{gemm_candidates, gemm_with, Engine, Epilogue, GemmOp};
+use cudagraph_nn::kernels::ConvGeom;
+use cudagraph_nn::*;
+
+fn data(rng: &mut Rng, n: usize) -> Vec<f32> {
+    rng.vec_normal(n)
+}
+
+fn engines(dev: &Device) -> std::sync::Arc<Engines> {
+    Engines::get(dev).unwrap()
+}
+
+fn set_policy(dev: &Device, f: impl FnOnce(&mut Policy)) {
+    let e = engines(dev);
+    let mut p = Policy::default();
+    f(&mut p);
+    e.set_policy(p);
+}
+
+fn grad(p: &Parameter, s: &Stream) -> Vec<f32> {
+    s.to_vec(p.grad().expect("gradient present").as_ref())
+        .unwrap()
+}
+
+fn tol(k: usize) -> f64 {
+    if k > 1100 {
+        1e-4
+    } else {
+        2e-5
+    }
+}
+
+/// `alpha·op(A)·op(B) + beta·C0` (+ bias, ReLU) in f64.
+fn gemm_ref(op: &GemmOp, ah: &[f32], bh: &[f32], c0: &[f32], bias: &[f32]) -> Vec<f64> {
+    let (m, n, k) = (op.m, op.n, op.k);
+    let a_at = |i: usize, p: usize| {
+        if op.ta == Trans::N {
+            ah[i * k + p]
+        } else {
+            ah[p * m + i]
+        }
+    } as f64;
+    let b_at = |p: usize, j: usize| {
+        if op.tb == Trans::N {
+            bh[p * n + j]
+        } else {
+            bh[j * k + p]
+        }
+    } as f64;
+    (0..m * n)
+        .map(|e| {
+            let (i, j) = (e / n, e % n);
+            let dot: f64 = (0..k).map(|p| a_at(i, p) * b_at(p, j)).sum();
+            let mut v = op.alpha as f64 * dot + op.beta as f64 * c0[e] as f64;
+            if matches!(op.epilogue, Epilogue::Bias | Epilogue::BiasRelu) {
+                v += bias[j] as f64;
+            }
+            if op.epilogue == Epilogue::BiasRelu {
+                v = v.max(0.0);
+            }
+            v
+        })
+        .collect()
+}
+
+/// cuBLASLt's measured candidates for `op` (the test fails without cuBLASLt).
+fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
+    let e = engines(dev);
+    assert!(
+        e.cublaslt().is_some(),
+        "cuBLASLt must be installed on the GPU test machine"
+    );
+    gemm_candidates(s, &e, op, Engine::CublasLt, 256)
+        .unwrap()
+        .into_iter()
+        .filter(|a| matches!(a, GemmAlgo::CublasLt(_)))
+        .collect()
+}
+
+#[test]
+fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(101);
+    let (n, t) = (Trans::N, Trans::T);
+    let shapes: &[(usize, usize, usize)] = &[
+        (1, 1, 1),
+        (1, 257, 3),
+        (7, 13, 31),
+        (33, 65, 70),
+        (131, 97, 1031),
+        (64, 256, 4096),
+    ];
+    let mut checked = 0;
+    for &(m, nn_, k) in shapes {
+        for (ta, tb) in [(n, n), (n, t), (t, n), (t, t)] {
+            // The 4096-deep product only in the two layouts linear layers use most.
+            if k == 4096 && !(ta == n && tb == t || ta == t && tb == n) {
+                continue;
+            }
+            for (ep, alpha, beta) in [
+                (Epilogue::None, 1.0f32, 0.0f32),
+                (Epilogue::Bias, 1.0, 0.0),
+                (Epilogue::BiasRelu, 0.5, 0.25),
+            ] {
+                let op = GemmOp {
+                    ta,
+                    tb,
+                    m,
+                    n: nn_,
+                    k,
+                    alpha,
+                    beta,
+                    epilogue: ep,
+                };
+                let (ah, bh, c0, bias) = (
+                    data(&mut rng, m * k),
+                    data(&mut rng, k * nn_),
+                    data(&mut rng, m * nn_),
+                    data(&mut rng, nn_),
+                );
+                let want = gemm_ref(&op, &ah, &bh, &c0, &bias);
+                let (a, b, bb) = (
+                    s.alloc_from_host(&ah).unwrap(),
+                    s.alloc_from_host(&bh).unwrap(),
+                    s.alloc_from_host(&bias).unwrap(),
+                );
+                let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(4)];
+                if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
+                    algos.push(GemmAlgo::WarpK);
+                }
+                let lt = lt_algos(&dev, &s, &op);
+                assert!(!lt.is_empty(), "cuBLASLt offers no algorithm for {op:?}");
+                algos.extend(lt);
+                for algo in algos {
+                    let c = s.alloc_from_host(&c0).unwrap();
+                    let v = (ep != Epilogue::None).then_some(&bb);
+                    gemm_with(&s, &nn, algo, &op, &a, &b, &c, v).unwrap();
+                    let got = s.to_vec(&c).unwrap();
+                    let err = rel_err(&got, &want);
+                    assert!(err < tol(k), "{algo} {}: {err}", op.key());
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 200, "{checked} products checked");
+}
+
+#[test]
+fn bias_gradient_engines_match_cpu() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(102);
+    // Linear layer sizes (batch, out, in): dW[out×in] = dZᵀ·X, db = Σ_rows dZ.
+    for &(batch, out, inf) in &[
+        (1usize, 1usize, 1usize),
+        (5, 7, 3),
+        (64, 131, 97),
+        (257, 64, 1024),
+    ] {
+        let op = GemmOp {
+            ta: Trans::T,
+            tb: Trans::N,
+            m: out,
+            n: inf,
+            k: batch,
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: Epilogue::BiasGrad,
+        };
+        let (dzh, xh) = (data(&mut rng, batch * out), data(&mut rng, batch * inf));
+        let wh = vec![0.0f64; out * inf];
+        let (_, dw_want, db_want) =
+            cpu::linear_backward(&to_f64(&xh), &wh, &to_f64(&dzh), batch, inf, out);
+        let (dz, x) = (
+            s.alloc_from_host(&dzh).unwrap(),
+            s.alloc_from_host(&xh).unwrap(),
+        );
+        let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(3)];
+        algos.extend(lt_algos(&dev, &s, &op));
+        for algo in algos {
+            let dw = s.alloc_from_host(&vec![f32::NAN; out * inf]).unwrap();
+            let db = s.alloc_from_host(&vec![f32::NAN; out]).unwrap();
+            gemm_with(&s, &nn, algo, &op, &dz, &x, &dw, Some(&db)).unwrap();
+            let (gw, gb) = (s.to_vec(&dw).unwrap(), s.to_vec(&db).unwrap());
+            assert!(
+                rel_err(&gw, &dw_want) < tol(batch),
+                "{algo} dW {}",
+                op.key()
+            );
+            assert!(
+                rel_err(&gb, &db_want) < tol(batch),
+                "{algo} db {}",
+                op.key()
+            );
+        }
+    }
+}
+
+/// A Linear(+ReLU) layer forward and backward against the CPU.
+fn check_linear(s: &Stream, rng: &mut Rng, m: usize, k: usize, n: usize, relu: bool, what: &str) {
+    let l = Linear::new(s, k, n, rng).unwrap();
+    let xh = data(rng, m * k);
+    let xp = Parameter::from_host(s, "x", &xh, &[m, k]).unwrap();
+    let y = l.forward_act(s, &xp.tensor(), relu).unwrap();
+    let (wh, bh) = (
+        to_f64(&s.to_vec(l.weight.data()).unwrap()),
+        to_f64(&s.to_vec(l.bias.data()).unwrap()),
+    );
+    let mut want = cpu::linear(&to_f64(&xh), &wh, &bh, m, k, n);
+    if relu {
+        want = cpu::relu(&want);
+    }
+    let got = y.to_vec(s).unwrap();
+    assert!(rel_err(&got, &want) < tol(k), "{what} y {m}x{k}x{n}");
+    let th = data(rng, m * n);
+    let t = Tensor::from_host(s, &th, &[m, n]).unwrap();
+    mse_loss(s, &y, &t, Reduction::Sum)
+        .unwrap()
+        .backward(s)
+        .unwrap();
+    let dy: Vec<f64> = cpu::mse_grad(&want, &to_f64(&th), false)
+        .iter()
+        .zip(&want)
+        .map(|(g, y)| if relu && *y <= 0.0 { 0.0 } else { *g })
+        .collect();
+    let (dx, dw, db) = cpu::linear_backward(&to_f64(&xh), &wh, &dy, m, k, n);
+    for (name, got, want, depth) in [
+        ("dX", grad(&xp, s), dx, n),
+        ("dW", grad(&l.weight, s), dw, m),
+        ("db", grad(&l.bias, s), db, m),
+    ] {
+        let err = rel_err(&got, &want);
+        assert!(
+            err < tol(depth).max(2e-5),
+            "{what} {name} {m}x{k}x{n}: {err}"
+        );
+    }
+}
+
+#[test]
+fn linear_layers_match_cpu_under_every_gemm_policy() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(103);
+    for family in [
+        Engine::Cublas,
+        Engine::CublasLt,
+        Engine::Tiled,
+        Engine::WarpK,
+        Engine::Auto,
+    ] {
+        set_policy(&dev, |p| p.gemm = family);
+        for &(m, k, n, relu) in &[
+            (1usize, 256usize, 10usize, true),
+            (5, 33, 7, false),
+            (64, 1024, 512, true),
+            (200, 97, 131, true),
+        ] {
+            check_linear(&s, &mut rng, m, k, n, relu, family.name());
+        }
+    }
+    // Every product the layers ran is in the table under its family's scope.
+    let t = engines(&dev).table();
+    for family in ["cublas", "cublaslt", "tiled"] {
+        let rows: Vec<_> = t
+            .iter()
+            .filter(|r| r.key.ends_with(&format!(" [{family}]")))
+            .collect();
+        assert!(!rows.is_empty(), "no {family} rows");
+        for r in rows {
+            assert!(
+                r.entry.engine.starts_with(family),
+                "{} -> {}",
+                r.key,
+                r.entry.engine
+            );
+        }
+    }
+}
+
+fn geometries() -> Vec<ConvGeom> {
+    let g = |n, c, h, w, oc, k, stride, pad| ConvGeom {
+        n,
+        c,
+        h,
+        w,
+        oc,
+        kh: k,
+        kw: k,
+        stride,
+        pad,
+    };
+    vec![
+        g(1, 1, 8, 8, 1, 1, 1, 0),     // 1×1, one channel
+        g(2, 3, 11, 13, 5, 3, 2, 1),   // odd sizes, stride 2 + padding
+        g(3, 7, 9, 9, 4, 7, 1, 1),     // 7×7
+        g(1, 16, 17, 17, 33, 5, 2, 0), // 5×5 stride 2, prime channels
+        g(2, 64, 8, 8, 128, 3, 1, 1),  // wide
+        g(4, 128, 7, 7, 64, 1, 1, 0),  // 1×1, many channels
+        g(2, 3, 32, 32, 8, 7, 2, 1),   // 7×7 stride 2 on a larger image
+    ]
+}
+
+fn cpu_conv(g: &ConvGeom) -> cpu::Conv {
+    assert_eq!(g.kh, g.kw);
+    cpu::Conv {
+        n: g.n,
+        c: g.c,
+        h: g.h,
+        w: g.w,
+        oc: g.oc,
+        k: g.kh,
+        stride: g.stride,
+        pad: g.pad,
+    }
+}
+
+#[test]
+fn every_conv_engine_matches_cpu_forward_and_backward() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    assert!(
+        eng.cudnn().is_some(),
+        "cuDNN must be installed on the GPU test machine"
+    );
+    // Every algorithm cuDNN offers, deterministic or not.
+    let policy = Policy {
+        deterministic: false,
+        ..Policy::default()
+    };
+    let mut rng = Rng::new(104);
+    let mut seen_cudnn = 0;
+    for g in geometries() {
+        let cv = cpu_conv(&g);
+        let (xl, wl, yl) = (
+            g.input_len().unwrap(),
+            g.weight_len().unwrap(),
+            g.output_len().unwrap(),
+        );
+        let (xh, wh, bh, dyh) = (
+            data(&mut rng, xl),
+            data(&mut rng, wl),
+            data(&mut rng, g.oc),
+            data(&mut rng, yl),
+        );
+        let y_want = cv.forward(&to_f64(&xh), &to_f64(&wh), &to_f64(&bh));
+        let (dx_want, dw_want, _) = cv.backward(&to_f64(&xh), &to_f64(&wh), &to_f64(&dyh));
+        let (x, w, b, dy) = (
+            s.alloc_from_host(&xh).unwrap(),
+            s.alloc_from_host(&wh).unwrap(),
+            s.alloc_from_host(&bh).unwrap(),
+            s.alloc_from_host(&dyh).unwrap(),
+        );
+        for dir in ConvDir::ALL {
+            let cands = conv_candidates(&s, &eng, dir, &g, &policy).unwrap();
+            assert!(
+                cands.iter().any(|a| matches!(a, ConvAlgo::Cudnn(_))),
+                "no cuDNN algorithm for {}",
+                conv_key(dir, &g, false)
+            );
+            // Our kernels also with a forced split (covers the reduce kernel everywhere).
+            let mut all = cands.clone();
+            for t in cudagraph_nn::conv::Tile::ALL {
+                all.push(ConvAlgo::Igemm(t, 3));
+            }
+            for algo in all {
+                seen_cudnn += matches!(algo, ConvAlgo::Cudnn(_)) as usize;
+                let (out_len, want, io_a, io_b) = match dir {
+                    ConvDir::Forward => (yl, &y_want, &x, &w),
+                    ConvDir::BackwardData => (xl, &dx_want, &dy, &w),
+                    ConvDir::BackwardFilter => (wl, &dw_want, &dy, &x),
+                };
+                let out = s.alloc_from_host(&vec![f32::NAN; out_len]).unwrap();
+                let io = ConvIo {
+                    a: io_a,
+                    b: io_b,
+                    out: &out,
+                    bias: (dir == ConvDir::Forward).then_some(&b),
+                };
+                conv_with(&s, &nn, algo, dir, &g, io)
+                    .unwrap_or_else(|e| panic!("{algo} {}: {e}", conv_key(dir, &g, true)));
+                let got = s.to_vec(&out).unwrap();
+                let err = rel_err(&got, want);
+                assert!(err < 1e-4, "{algo} {}: {err}", conv_key(dir, &g, true));
+            }
+        }
+    }
+    assert!(seen_cudnn >= 3 * geometries().len());
+}
+
+/// conv2d (with bias) forward and backward through autograd, against the CPU.
+fn check_conv_op(s: &Stream, rng: &mut Rng, g: &ConvGeom, what: &str) {
+    let cv = cpu_conv(g);
+    let xh = data(rng, g.input_len().unwrap());
+    let xp = Parameter::from_host(s, "x", &xh, &[g.n, g.c, g.h, g.w]).unwrap();
+    let layer = Conv2d::new(s, g.c, g.oc, g.kh, g.stride, g.pad, rng).unwrap();
+    let y = layer.forward(s, &xp.tensor()).unwrap();
+    let (wh, bh) = (
+        to_f64(&s.to_vec(layer.weight.data()).unwrap()),
+        to_f64(&s.to_vec(layer.bias.data()).unwrap()),
+    );
+    let want = cv.forward(&to_f64(&xh), &wh, &bh);
+    assert!(
+        rel_err(&y.to_vec(s).unwrap(), &want) < 1e-4,
+        "{what} y {g:?}"
+    );
+    let th = data(rng, want.len());
+    let t = Tensor::from_host(s, &th, y.shape()).unwrap();
+    mse_loss(s, &y, &t, Reduction::Sum)
+        .unwrap()
+        .backward(s)
+        .unwrap();
+    let dy = cpu::mse_grad(&want, &to_f64(&th), false);
+    let (dx, dw, db) = cv.backward(&to_f64(&xh), &wh, &dy);
+    for (name, got, want) in [
+        ("dx", grad(&xp, s), dx),
+        ("dw", grad(&layer.weight, s), dw),
+        ("db", grad(&layer.bias, s), db),
+    ] {
+        let err = rel_err(&got, &want);
+        assert!(err < 1e-4, "{what} {name} {g:?}: {err}");
+    }
+}
+
+#[test]
+fn conv2d_matches_cpu_under_every_conv_policy() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(105);
+    for family in [
+        ConvEngine::Cudnn,
+        ConvEngine::Ours,
+        ConvEngine::Igemm,
+        ConvEngine::Direct,
+        ConvEngine::Auto,
+    ] {
+        set_policy(&dev, |p| p.conv = family);
+        for g in geometries().iter().take(5) {
+            check_conv_op(&s, &mut rng, g, family.name());
+        }
+    }
+    // The forced families show in the table with engines of that family only.
+    for r in engines(&dev).table() {
+        let e: ConvAlgo = match r.entry.engine.parse() {
+            Ok(e) => e,
+            Err(_) => continue, // a product
+        };
+        for family in [
+            ConvEngine::Cudnn,
+            ConvEngine::Ours,
+            ConvEngine::Igemm,
+            ConvEngine::Direct,
+        ] {
+            if r.key.ends_with(&format!(" [{}]", family.name())) {
+                assert!(family.allows(e), "{} -> {e}", r.key);
+            }
+        }
+    }
+}
+
+/// A small CNN + MLP: conv(3→8, 3×3, pad 1) → ReLU → conv(8→16, 5×5, stride 2) → flatten →
+/// Linear(+ReLU) → Linear, with an MSE loss. Returns the loss and the model.
+fn cnn(s: &Stream, rng: &mut Rng) -> Sequential {
+    Sequential::new(vec![
+        Layer::Conv2d(Conv2d::new(s, 3, 8, 3, 1, 1, rng).unwrap()),
+        Layer::ReLU,
+        Layer::Conv2d(Conv2d::new(s, 8, 16, 5, 2, 0, rng).unwrap()),
+        Layer::Flatten,
+        Layer::Linear(Linear::new(s, 16 * 6 * 6, 33, rng).unwrap()),
+        Layer::ReLU,
+        Layer::Linear(Linear::new(s, 33, 10, rng).unwrap()),
+    ])
+}
+
+fn step(q: &dyn Queue, model: &Sequential, x: &Tensor, t: &Tensor) -> Result<(Tensor, Tensor)> {
+    for p in model.parameters() {
+        p.zero_grad(q, true)?;
+    }
+    let y = model.forward(q, x)?;
+    let loss = mse_loss(q, &y, t, Reduction::Mean)?;
+    loss.backward(q)?;
+    Ok((loss, y))
+}
+
+/// Runs the CNN step eagerly, then captured and replayed, and compares everything bit for bit.
+fn replay_equals_eager(dev: &Device, what: &str) {
+    let mut s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(106);
+    let model = cnn(&s, &mut rng);
+    let x = Tensor::from_host(&s, &data(&mut rng, 4 * 3 * 15 * 15), &[4, 3, 15, 15]).unwrap();
+    let t = Tensor::from_host(&s, &data(&mut rng, 4 * 10), &[4, 10]).unwrap();
+    // Eager first: measures every engine (the warm-up a user does before capturing).
+    let (loss, y) = step(&s, &model, &x, &t).unwrap();
+    let eager: Vec<Vec<f32>> = std::iter::once(loss.to_vec(&s).unwrap())
+        .chain(std::iter::once(y.to_vec(&s).unwrap()))
+        .chain(model.parameters().iter().map(|p| grad(p, &s)))
+        .collect();
+    let (graph, (gl, gy)) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+        Ok(step(cs, &model, &x, &t)?)
+    })
+    .unwrap();
+    for _ in 0..2 {
+        graph.replay(&s).unwrap();
+    }
+    let replayed: Vec<Vec<f32>> = std::iter::once(gl.to_vec(&s).unwrap())
+        .chain(std::iter::once(gy.to_vec(&s).unwrap()))
+        .chain(model.parameters().iter().map(|p| grad(p, &s)))
+        .collect();
+    for (i, (a, b)) in eager.iter().zip(&replayed).enumerate() {
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same && a.len() == b.len(), "{what}: output {i} differs");
+    }
+    // Nothing was left unmeasured: the capture used the eager choices.
+    for r in engines(dev).table() {
+        assert!(r.entry.measured, "{what}: {} unmeasured", r.key);
+    }
+}
+
+#[test]
+fn graph_replay_equals_eager_bit_for_bit_with_the_same_engines() {
+    let dev = gpu_test_device!();
+    engines(&dev).clear();
+    replay_equals_eager(&dev, "auto");
+    set_policy(&dev, |p| {
+        p.conv = ConvEngine::Cudnn;
+        p.gemm = Engine::CublasLt;
+    });
+    replay_equals_eager(&dev, "cudnn+cublaslt");
+    set_policy(&dev, |p| {
+        p.conv = ConvEngine::Igemm;
+        p.gemm = Engine::Tiled;
+    });
+    replay_equals_eager(&dev, "igemm+tiled");
+}
+
+#[test]
+fn fallback_without_cudnn_and_cublaslt_runs_everything() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let mut rng = Rng::new(107);
+    engines(&dev).clear(); // choices loaded from disk may name the libraries
+                           // Libraries "missing", our kernels forced (CUDAGRAPH_CONV=ours).
+    set_policy(&dev, |p| {
+        p.cudnn = false;
+        p.cublaslt = false;
+        p.conv = ConvEngine::Ours;
+    });
+    let eng = engines(&dev);
+    assert!(eng.cudnn().is_none() && eng.cublaslt().is_none());
+    for g in geometries().iter().take(4) {
+        check_conv_op(&s, &mut rng, g, "fallback");
+    }
+    check_linear(&s, &mut rng, 33, 70, 65, true, "fallback");
+    replay_equals_eager(&dev, "fallback");
+    // cuDNN forced while "missing": falls back to our kernels instead of failing.
+    set_policy(&dev, |p| {
+        p.cudnn = false;
+        p.cublaslt = false;
+        p.conv = ConvEngine::Cudnn;
+        p.gemm = Engine::CublasLt;
+    });
+    check_conv_op(&s, &mut rng, &geometries()[1], "forced cudnn, missing");
+    check_linear(&s, &mut rng, 7, 13, 31, false, "forced cublaslt, missing");
+    for r in eng.table() {
+        assert!(
+            !r.entry.engine.starts_with("cudnn") && !r.entry.engine.starts_with("cublaslt"),
+            "{} -> {} without the libraries",
+            r.key,
+            r.entry.engine
+        );
+    }
+}
+
+#[test]
+fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let eng = engines(&dev);
+    eng.clear();
+    eng.set_policy(Policy::default()); // whatever CUDAGRAPH_GEMM/CONV say
+    let mut rng = Rng::new(108);
+    let l = Linear::new(&s, 61, 29, &mut rng).unwrap();
+    let x = Tensor::from_host(&s, &data(&mut rng, 19 * 61), &[19, 61]).unwrap();
+    let key = "gemm NT m=19 n=29 k=61 a=1 b=0 ep=bias_relu";
+    let (g, y) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+        Ok(no_grad(|| l.forward_act(cs, &x, true))?)
+    })
+    .unwrap();
+    let e = eng.entry(key).expect("captured product recorded");
+    assert!(!e.measured && e.timings.is_empty(), "{e:?}");
+    // The heuristic default (former Engine::Auto table: split-K tiled at m = 19; one split
+    // here); cuBLASLt was not opened inside the capture.
+    assert_eq!(e.engine, "tiled:1");
+    g.replay(&s).unwrap();
+    let y_graph = y.to_vec(&s).unwrap();
+    // Eager keeps the capture's choice (same engine, same bits) ...
+    let y_same = no_grad(|| l.forward_act(&s, &x, true)).unwrap();
+    assert!(!eng.entry(key).unwrap().measured);
+    let same = y_same.to_vec(&s).unwrap();
+    assert!(same
+        .iter()
+        .zip(&y_graph)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    // ... until the choices are forgotten: then eager measures every candidate.
+    eng.clear();
+    let y_eager = no_grad(|| l.forward_act(&s, &x, true)).unwrap();
+    let e = eng.entry(key).unwrap();
+    assert!(e.measured, "{e:?}");
+    assert!(e.timings.len() >= 3, "{e:?}"); // cuBLAS, tiled, cuBLASLt at least
+    assert!(
+        e.timings.iter().all(|t| t.us.is_some_and(|us| us > 0.0)),
+        "{e:?}"
+    );
+    let best = e
+        .timings
+        .iter()
+        .min_by(|a, b| a.us.unwrap().total_cmp(&b.us.unwrap()))
+        .unwrap();
+    assert_eq!(best.engine, e.engine);
+    // Both runs agree with the CPU (different engines may have run them).
+    let wh = to_f64(&s.to_vec(l.weight.data()).unwrap());
+    let bh = to_f64(&s.to_vec(l.bias.data()).unwrap());
+    let xh = to_f64(&x.to_vec(&s).unwrap());
+    let want = cpu::relu(&cpu::linear(&xh, &wh, &bh, 19, 61, 29));
+    assert!(rel_err(&y_graph, &want) < 2e-5);
+    assert!(rel_err(&y_eager.to_vec(&s).unwrap(), &want) < 2e-5);
+    // The same for a convolution direction, and the table text shows both.
+    let gm = geometries()[1];
+    let key = conv_key(ConvDir::Forward, &gm, true);
+    let conv = Conv2d::new(&s, gm.c, gm.oc, gm.kh, gm.stride, gm.pad, &mut rng).unwrap();
+    let xc = Tensor::from_host(
+        &s,
+        &data(&mut rng, gm.input_len().unwrap()),
+        &[gm.n, gm.c, gm.h, gm.w],
+    )
+    .unwrap();
+    no_grad(|| conv.forward(&s, &xc)).unwrap();
+    let e = eng.entry(&key).expect("conv recorded");
+    assert!(e.measured && e.timings.len() >= 4, "{e:?}");
+    let text = cudagraph_nn::engine::format_table(&eng.table());
+    assert!(
+        text.contains(&key) && text.contains(&format!("-> {}", e.engine)),
+        "{text}"
+    );
+    println!("{text}");
+}
