@@ -21,6 +21,9 @@ pub enum NnError {
     /// A data file could not be read or parsed.
     #[error("dataset: {0}")]
     Data(String),
+    /// Multi-GPU work failed: NCCL, the launch environment, the rendezvous, or a peer.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
 }
 
 /// Lets NN code run inside `Graph::capture` closures with `?`.

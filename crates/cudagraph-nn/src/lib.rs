@@ -34,6 +34,7 @@ pub mod batched;
 pub mod blas;
 pub mod cpu;
 pub mod datasets;
+pub mod dist;
 pub mod error;
 pub mod gemm;
 pub mod graphed;
@@ -44,6 +45,7 @@ pub mod optim;
 pub mod tensor;
 
 pub use batched::Batched;
+pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
 pub use error::{NnError, Result};
 pub use graphed::GraphedModule;
 pub use kernels::Nn;

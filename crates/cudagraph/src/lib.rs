@@ -46,8 +46,8 @@ pub use device::{
 pub use error::{Error, Result};
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
-    CaptureOptions, CapturePlan, CaptureStream, Graph, GraphBuilder, GraphCache, GraphCost,
-    GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served, SizeHistogram,
+    CaptureOptions, CapturePlan, CaptureStream, Fork, Graph, GraphBuilder, GraphCache, GraphCost,
+    GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served, SideStream, SizeHistogram,
     StaticGraph,
 };
 pub use ids::PoolId;

@@ -222,7 +222,9 @@ impl BlockRef {
     pub fn capture_id(&self) -> u64 {
         self.capture
     }
-    pub(crate) fn device_ordinal(&self) -> usize {
+    /// Ordinal of the device the memory belongs to (for libraries that check buffers before
+    /// passing their addresses to a CUDA library).
+    pub fn device_ordinal(&self) -> usize {
         match &self.owner {
             Owner::Allocator(a) => a.ordinal(),
             Owner::External { ordinal, .. } => *ordinal,
