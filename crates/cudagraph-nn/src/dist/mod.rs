@@ -246,6 +246,33 @@ impl DistOptions {
     }
 }
 
+/// Variable that makes multi-GPU tests fail instead of skipping when fewer GPUs (or no
+/// NCCL) are there: `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine.
+pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
+
+/// The gate of multi-GPU tests: true when `n` devices and NCCL are available; otherwise prints
+/// why the test is skipped and returns false — or panics (fails the test) when
+/// `CUDAGRAPH_REQUIRE_GPUS` is `n` or more.
+pub fn multi_gpu_or_skip(n: usize) -> bool {
+    let required = std::env::var(REQUIRE_GPUS_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|r| r >= n);
+    let problem = match cudagraph::runtime::device_count() {
+        Ok(c) if c < n => Some(format!("needs {n} GPUs, found {c}")),
+        Err(e) => Some(format!("needs {n} GPUs: {e}")),
+        Ok(_) => nccl_version().err().map(|e| e.to_string()),
+    };
+    match problem {
+        None => true,
+        Some(p) if required => panic!("{REQUIRE_GPUS_VAR} requires {n} GPUs and NCCL: {p}"),
+        Some(p) => {
+            println!("skipped: {p} (set {REQUIRE_GPUS_VAR}={n} to require it)");
+            false
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
