@@ -18,6 +18,7 @@ macro_rules! outln {
 
 mod bench;
 mod inspect;
+mod launch;
 mod report;
 mod train;
 
@@ -62,6 +63,11 @@ enum Command {
     Train(train::TrainArgs),
     /// Capture a workload and show its graph: node counts, memory, times, DOT (and SVG).
     Inspect(inspect::InspectArgs),
+    /// Start the local processes of a distributed job, like torchrun: `cudagraph launch
+    /// --nproc 2 -- <command...>` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    /// MASTER_PORT for each, prefixes their output with the rank, and stops them all when one
+    /// fails (exiting with its status).
+    Launch(launch::LaunchArgs),
 }
 
 #[derive(Subcommand)]
@@ -76,6 +82,8 @@ enum BenchCommand {
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
     Workloads(bench::workloads::WorkloadArgs),
+    /// Data-parallel training on 1 and 2 GPUs (one process per GPU, NCCL), eager vs graph.
+    Ddp(bench::ddp::DdpArgs),
 }
 
 fn main() -> ExitCode {
@@ -90,10 +98,16 @@ fn main() -> ExitCode {
             Some(BenchCommand::Rebind(args)) => bench::rebind::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
+            Some(BenchCommand::Ddp(args)) => bench::ddp::run(&args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),
         Command::Inspect(args) => inspect::run(cli.device, &args),
+        Command::Launch(args) => match launch::run(&args) {
+            // The job's own status, as torchrun passes it on.
+            Ok(code) => return ExitCode::from(code.clamp(0, 255) as u8),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -34,6 +34,9 @@ pub fn grad_enabled() -> bool {
     GRAD_ENABLED.with(|g| g.get())
 }
 
+/// A hook called when a parameter's gradient is complete (see [`Tensor::backward_with_hook`]).
+pub type GradHook<'a> = dyn FnMut(&dyn Queue, &Parameter) -> Result<()> + 'a;
+
 type BackwardFn =
     Box<dyn Fn(&dyn Queue, &Nn, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 
@@ -243,7 +246,7 @@ impl Tensor {
         &self,
         q: &dyn Queue,
         grad: Tensor,
-        hook: &mut dyn FnMut(&dyn Queue, &Parameter) -> Result<()>,
+        hook: &mut GradHook<'_>,
     ) -> Result<()> {
         self.run_backward(q, grad, Some(hook))
     }
@@ -252,7 +255,7 @@ impl Tensor {
         &self,
         q: &dyn Queue,
         grad: Tensor,
-        mut hook: Option<&mut dyn FnMut(&dyn Queue, &Parameter) -> Result<()>>,
+        mut hook: Option<&mut GradHook<'_>>,
     ) -> Result<()> {
         if grad.numel() != self.numel() {
             return Err(NnError::Shape(format!(
@@ -413,7 +416,7 @@ impl EarlyLeaves {
         &mut self,
         q: &dyn Queue,
         t: &Tensor,
-        hook: &mut Option<&mut dyn FnMut(&dyn Queue, &Parameter) -> Result<()>>,
+        hook: &mut Option<&mut GradHook<'_>>,
     ) -> Result<()> {
         if self.finish_leaf(t) {
             if let (Some(p), Some(h)) = (&t.0.param, hook) {
@@ -433,7 +436,7 @@ impl EarlyLeaves {
         nn: &Nn,
         ready: Vec<Tensor>,
         grads: &mut HashMap<usize, Tensor>,
-        hook: &mut Option<&mut dyn FnMut(&dyn Queue, &Parameter) -> Result<()>>,
+        hook: &mut Option<&mut GradHook<'_>>,
     ) -> Result<()> {
         for leaf in ready {
             let Some(p) = &leaf.0.param else { continue };

@@ -67,7 +67,12 @@ fn step(
     y: &Tensor,
 ) -> Result<Tensor> {
     opt.zero_grad(q.as_queue(), true)?;
-    let loss = mse_loss(q.as_queue(), &m.forward(q.as_queue(), x)?, y, Reduction::Mean)?;
+    let loss = mse_loss(
+        q.as_queue(),
+        &m.forward(q.as_queue(), x)?,
+        y,
+        Reduction::Mean,
+    )?;
     match ddp {
         Some(d) => d.backward(q, &loss)?,
         None => loss.backward(q.as_queue())?,
@@ -108,9 +113,18 @@ fn train(
 fn shard(s: &Stream, rank: usize, world: usize) -> (Tensor, Tensor) {
     let (xs, ys) = batch();
     let rows = BATCH / world;
-    let x = Tensor::from_host(s, &xs[rank * rows * IN..(rank + 1) * rows * IN], &[rows, IN]).unwrap();
-    let y = Tensor::from_host(s, &ys[rank * rows * OUT..(rank + 1) * rows * OUT], &[rows, OUT])
-        .unwrap();
+    let x = Tensor::from_host(
+        s,
+        &xs[rank * rows * IN..(rank + 1) * rows * IN],
+        &[rows, IN],
+    )
+    .unwrap();
+    let y = Tensor::from_host(
+        s,
+        &ys[rank * rows * OUT..(rank + 1) * rows * OUT],
+        &[rows, OUT],
+    )
+    .unwrap();
     (x, y)
 }
 
@@ -141,7 +155,11 @@ fn two_rank_graphed_training_matches_one_rank_on_the_full_batch() {
         let m = model(&s);
         let mut ddp =
             DistributedDataParallel::new(&s, &ctx.comm, m.parameters(), DdpOptions::default())?;
-        assert_eq!(ddp.buckets().len(), 1, "four small parameters share one bucket");
+        assert_eq!(
+            ddp.buckets().len(),
+            1,
+            "four small parameters share one bucket"
+        );
         let (x, y) = shard(&s, ctx.rank, ctx.world_size);
         Ok(train(&mut s, &m, Some(&mut ddp), &x, &y, 2))
     })
@@ -215,7 +233,11 @@ fn a_parameter_unused_on_one_rank_is_still_averaged() {
             ..DdpOptions::default()
         };
         let mut ddp = DistributedDataParallel::new(&s, &ctx.comm, all.clone(), opts)?;
-        let x = Tensor::from_host(&s, &Rng::new(9 + ctx.rank as u64).vec_normal(4 * 8), &[4, 8])?;
+        let x = Tensor::from_host(
+            &s,
+            &Rng::new(9 + ctx.rank as u64).vec_normal(4 * 8),
+            &[4, 8],
+        )?;
         let mut h = a.forward(&s, &x)?;
         if ctx.rank == 0 {
             h = b.forward(&s, &h)?;
@@ -235,7 +257,10 @@ fn a_parameter_unused_on_one_rank_is_still_averaged() {
     .unwrap();
     assert_eq!(max_abs_diff(&grads[0], &grads[1]), 0.0);
     let b_weight = &grads[1][2];
-    assert!(b_weight.iter().any(|&v| v != 0.0), "rank 1 got rank 0's half");
+    assert!(
+        b_weight.iter().any(|&v| v != 0.0),
+        "rank 1 got rank 0's half"
+    );
 }
 
 #[test]
@@ -315,7 +340,10 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     let seen: Arc<Mutex<Vec<usize>>> = Arc::default();
     let seed = Tensor::full(&s, &[1], 1.0).unwrap();
     loss.backward_with_hook(&s, seed, &mut |_q: &dyn Queue, p: &Parameter| {
-        let i = ps.iter().position(|q| q.same_as(p)).expect("one of the model's");
+        let i = ps
+            .iter()
+            .position(|q| q.same_as(p))
+            .expect("one of the model's");
         assert!(p.grad().is_some(), "reported before its gradient exists");
         seen.lock().unwrap().push(i);
         Ok(())
@@ -324,7 +352,11 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     let order = seen.lock().unwrap().clone();
     let mut sorted = order.clone();
     sorted.sort_unstable();
-    assert_eq!(sorted, vec![0, 1, 2, 3], "each parameter exactly once: {order:?}");
+    assert_eq!(
+        sorted,
+        vec![0, 1, 2, 3],
+        "each parameter exactly once: {order:?}"
+    );
     // The last layer's parameters are complete before the first layer's.
     let pos = |i: usize| order.iter().position(|&j| j == i).unwrap();
     assert!(pos(2) < pos(0) && pos(3) < pos(1), "{order:?}");
@@ -335,12 +367,29 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     // A weight used twice (two leaves of one parameter): reported once, after both uses.
     let w = Linear::new(&s, 8, 8, &mut Rng::new(5)).unwrap().weight;
     let x = Tensor::from_host(&s, &Rng::new(6).vec_normal(16), &[2, 8]).unwrap();
-    let out = ops::linear(&s, &ops::linear(&s, &x, &w.tensor(), None, false).unwrap(), &w.tensor(), None, false).unwrap();
+    let out = ops::linear(
+        &s,
+        &ops::linear(&s, &x, &w.tensor(), None, false).unwrap(),
+        &w.tensor(),
+        None,
+        false,
+    )
+    .unwrap();
     let t = Tensor::zeros(&s, &[2, 8]).unwrap();
-    mse_loss(&s, &out, &t, Reduction::Sum).unwrap().backward(&s).unwrap();
+    mse_loss(&s, &out, &t, Reduction::Sum)
+        .unwrap()
+        .backward(&s)
+        .unwrap();
     let want = s.to_vec(w.grad().unwrap().as_ref()).unwrap();
     w.zero_grad(&s, true).unwrap();
-    let out = ops::linear(&s, &ops::linear(&s, &x, &w.tensor(), None, false).unwrap(), &w.tensor(), None, false).unwrap();
+    let out = ops::linear(
+        &s,
+        &ops::linear(&s, &x, &w.tensor(), None, false).unwrap(),
+        &w.tensor(),
+        None,
+        false,
+    )
+    .unwrap();
     let loss = mse_loss(&s, &out, &t, Reduction::Sum).unwrap();
     let mut calls = 0;
     let seed = Tensor::full(&s, &[1], 1.0).unwrap();

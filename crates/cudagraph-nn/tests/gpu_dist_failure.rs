@@ -31,7 +31,9 @@ fn a_rank_that_fails_mid_training_makes_the_other_fail_within_seconds() {
                 if ctx.rank == 1 && k == 3 {
                     // Give rank 0 time to enter step 3, whose all-reduce then has no partner.
                     std::thread::sleep(Duration::from_secs(1));
-                    return Err(DistError::Usage("injected failure on rank 1 at step 3".into()).into());
+                    return Err(
+                        DistError::Usage("injected failure on rank 1 at step 3".into()).into(),
+                    );
                 }
                 let t0 = Instant::now();
                 let r = t.step(&s).and_then(|()| t.ddp.synchronize(&s));
@@ -51,7 +53,13 @@ fn a_rank_that_fails_mid_training_makes_the_other_fail_within_seconds() {
     );
     let (took, rank0) = waited.lock().unwrap().clone().expect("rank 0 waited");
     println!("rank 0 failed after {took:?}: {rank0}");
-    assert!(rank0.contains("PeerFailed") && rank0.contains("injected"), "{rank0}");
+    assert!(
+        rank0.contains("PeerFailed") && rank0.contains("injected"),
+        "{rank0}"
+    );
     assert!(rank0.starts_with("step 3"), "{rank0}");
-    assert!(took < Duration::from_secs(10), "rank 0 took {took:?} (timeout 60 s)");
+    assert!(
+        took < Duration::from_secs(10),
+        "rank 0 took {took:?} (timeout 60 s)"
+    );
 }

@@ -48,5 +48,8 @@ fn a_stalled_rank_makes_the_other_time_out_and_abort() {
     );
     let took = waited.lock().unwrap().expect("rank 0 waited");
     println!("rank 0 timed out after {took:?}: {err}");
-    assert!(took >= Duration::from_secs(3) && took < Duration::from_secs(8), "{took:?}");
+    assert!(
+        took >= Duration::from_secs(3) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
 }

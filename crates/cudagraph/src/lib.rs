@@ -47,8 +47,8 @@ pub use error::{Error, Result};
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheStats,
     CaptureOptions, CapturePlan, CaptureStream, Fork, Graph, GraphBuilder, GraphCache, GraphCost,
-    GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served, SideStream, SizeHistogram,
-    StaticGraph,
+    GraphInfo, GraphMemory, NodeCounts, NodeId, Outputs, RebindOutcome, Served, SideStream,
+    SizeHistogram, StaticGraph,
 };
 pub use ids::PoolId;
 pub use memory::{BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer, Pool};

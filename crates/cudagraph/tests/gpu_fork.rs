@@ -86,7 +86,11 @@ fn eager_fork_orders_the_branch_between_fork_and_join() {
     for round in 1..=3 {
         fork_join_step(&s, &mut side, &k, &x, &y).unwrap();
         let got = s.to_vec(&x).unwrap();
-        assert!(got.iter().all(|&v| v == 4.0), "round {round}: {:?}", &got[..4]);
+        assert!(
+            got.iter().all(|&v| v == 4.0),
+            "round {round}: {:?}",
+            &got[..4]
+        );
         assert!(s.to_vec(&y).unwrap().iter().all(|&v| v == round as f32));
     }
 }
@@ -108,7 +112,11 @@ fn captured_fork_is_a_parallel_branch_that_replays_right() {
     for round in 1..=5 {
         g.replay(&s).unwrap();
         let got = s.to_vec(&x).unwrap();
-        assert!(got.iter().all(|&v| v == 4.0), "replay {round}: {:?}", &got[..4]);
+        assert!(
+            got.iter().all(|&v| v == 4.0),
+            "replay {round}: {:?}",
+            &got[..4]
+        );
         assert!(s.to_vec(&y).unwrap().iter().all(|&v| v == round as f32));
     }
     // The side stream left the capture with it and works eagerly again.

@@ -211,10 +211,7 @@ impl DistributedDataParallel {
                 .into());
             }
         }
-        let sizes: Vec<usize> = params
-            .iter()
-            .map(|p| p.numel().saturating_mul(4))
-            .collect();
+        let sizes: Vec<usize> = params.iter().map(|p| p.numel().saturating_mul(4)).collect();
         let mut bucket_of = vec![0; params.len()];
         let mut buckets = Vec::new();
         for (b, members) in plan_buckets(&sizes, opts.bucket_cap_bytes)
@@ -226,9 +223,9 @@ impl DistributedDataParallel {
             for &m in &members {
                 bucket_of[m] = b;
                 offsets.push(numel);
-                numel = numel.checked_add(params[m].numel()).ok_or_else(|| {
-                    DistError::Usage("a gradient bucket's size overflows".into())
-                })?;
+                numel = numel
+                    .checked_add(params[m].numel())
+                    .ok_or_else(|| DistError::Usage("a gradient bucket's size overflows".into()))?;
             }
             let flat = if members.len() > 1 {
                 Some(s.alloc::<f32>(numel)?)
@@ -419,7 +416,10 @@ mod tests {
     #[test]
     fn buckets_follow_reverse_parameter_order() {
         // Linear(1024, 1024): weight 4 MiB, bias 4 KiB -> one shared bucket, bias first.
-        assert_eq!(plan_buckets(&[4 << 20, 4 << 10], 25 << 20), vec![vec![1, 0]]);
+        assert_eq!(
+            plan_buckets(&[4 << 20, 4 << 10], 25 << 20),
+            vec![vec![1, 0]]
+        );
         // Small parameters fill buckets up to the cap, last parameter first.
         assert_eq!(
             plan_buckets(&[10, 10, 10, 10, 10], 20),

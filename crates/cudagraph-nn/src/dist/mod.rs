@@ -330,7 +330,10 @@ mod tests {
             (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
             (&[("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
             (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
-            (&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")], "MASTER_ADDR"),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
+                "MASTER_ADDR",
+            ),
             (
                 &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
                 "MASTER_PORT",
@@ -372,7 +375,10 @@ mod tests {
         .unwrap();
         assert_eq!(o.timeout, Duration::from_secs(15));
         assert_eq!(o.rendezvous_timeout, Duration::from_millis(2500));
-        assert_eq!(o.heartbeat_timeout, DistOptions::default().heartbeat_timeout);
+        assert_eq!(
+            o.heartbeat_timeout,
+            DistOptions::default().heartbeat_timeout
+        );
         for bad in ["0", "-3", "soon", "inf"] {
             assert!(matches!(
                 DistOptions::from_lookup(env(&[("CUDAGRAPH_DIST_TIMEOUT", bad)])),

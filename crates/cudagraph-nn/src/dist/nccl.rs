@@ -250,7 +250,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl PendingInit {
-    fn start(api: &'static Api, ctx: &Context, rank: usize, world: usize, id: sys::ncclUniqueId) -> Result<Self> {
+    fn start(
+        api: &'static Api,
+        ctx: &Context,
+        rank: usize,
+        world: usize,
+        id: sys::ncclUniqueId,
+    ) -> Result<Self> {
         let slot = Arc::new(Mutex::new(Slot::Waiting));
         let (s, ctx) = (slot.clone(), ctx.clone());
         std::thread::Builder::new()
@@ -281,7 +287,14 @@ impl PendingInit {
 
     /// Waits for the communicator until `deadline`, giving up early when `health` records a
     /// failed peer.
-    fn wait(self, api: &'static Api, ctx: &Context, deadline: Instant, timeout: Duration, health: Option<&Health>) -> Result<RawComm> {
+    fn wait(
+        self,
+        api: &'static Api,
+        ctx: &Context,
+        deadline: Instant,
+        timeout: Duration,
+        health: Option<&Health>,
+    ) -> Result<RawComm> {
         loop {
             {
                 let mut g = lock(&self.slot);
@@ -463,7 +476,16 @@ impl Communicator {
                 return Err(e);
             }
         };
-        Self::wrap(api, raw, env.rank, env.world_size, dev, opts.timeout, health, m.monitor)
+        Self::wrap(
+            api,
+            raw,
+            env.rank,
+            env.world_size,
+            dev,
+            opts.timeout,
+            health,
+            m.monitor,
+        )
     }
 
     /// One communicator per device for one process (one thread per device): the same

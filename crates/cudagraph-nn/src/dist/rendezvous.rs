@@ -10,7 +10,9 @@
 //! poll while they wait for collectives. Nothing here touches the GPU.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{
+    IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -372,7 +374,10 @@ fn join(
 ) -> Result<Membership, DistError> {
     let mut s = loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let last = match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), Duration::from_secs(5))) {
+        let last = match TcpStream::connect_timeout(
+            &addr,
+            left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
+        ) {
             Ok(s) => break s,
             Err(e) => e,
         };
@@ -503,10 +508,12 @@ impl PeerMonitor {
         heartbeat_timeout: Duration,
     ) -> Result<PeerMonitor, DistError> {
         for l in &mut links {
-            l.stream.set_nonblocking(true).map_err(|e| DistError::Rendezvous {
-                addr: l.who(),
-                problem: format!("cannot poll the connection: {e}"),
-            })?;
+            l.stream
+                .set_nonblocking(true)
+                .map_err(|e| DistError::Rendezvous {
+                    addr: l.who(),
+                    problem: format!("cannot poll the connection: {e}"),
+                })?;
             let _ = l.stream.set_nodelay(true);
         }
         let health = Health::new();
@@ -516,7 +523,9 @@ impl PeerMonitor {
             std::thread::Builder::new()
                 .name(format!("cudagraph-peers-{rank}"))
                 .spawn(move || monitor_loop(rank, links, &health, &stop, heartbeat_timeout))
-                .map_err(|e| DistError::Usage(format!("cannot start the peer monitor thread: {e}")))?
+                .map_err(|e| {
+                    DistError::Usage(format!("cannot start the peer monitor thread: {e}"))
+                })?
         };
         Ok(PeerMonitor {
             health,
@@ -698,7 +707,10 @@ mod tests {
         let mut buf = encode(Kind::Payload, b"abc");
         buf.extend(encode(Kind::Bye, &[]));
         buf.extend_from_slice(&[4, 0]); // a partial heartbeat
-        assert_eq!(decode(&mut buf).unwrap(), Some((Kind::Payload, b"abc".to_vec())));
+        assert_eq!(
+            decode(&mut buf).unwrap(),
+            Some((Kind::Payload, b"abc".to_vec()))
+        );
         assert_eq!(decode(&mut buf).unwrap(), Some((Kind::Bye, vec![])));
         assert_eq!(decode(&mut buf).unwrap(), None);
         assert!(decode(&mut vec![99, 0, 0, 0, 0]).is_err());
@@ -741,7 +753,12 @@ mod tests {
     }
 
     /// A bare rank that introduces itself, takes the payload, then behaves as told.
-    fn bare_rank(port: u16, rank: u32, world: u32, then: impl FnOnce(TcpStream) + Send + 'static) -> JoinHandle<()> {
+    fn bare_rank(
+        port: u16,
+        rank: u32,
+        world: u32,
+        then: impl FnOnce(TcpStream) + Send + 'static,
+    ) -> JoinHandle<()> {
         std::thread::spawn(move || {
             let mut s = loop {
                 match TcpStream::connect(("127.0.0.1", port)) {
@@ -776,11 +793,20 @@ mod tests {
         let m0 = rendezvous(&env(0, 3, port), t, hb, || Ok(b"id".to_vec())).unwrap();
         let m1 = r1.join().unwrap().unwrap();
         r2.join().unwrap();
-        let f0 = wait_for_failure(m0.monitor.as_ref().unwrap().health(), Duration::from_secs(5))
-            .expect("rank 0 notices");
-        assert!(f0.contains("rank 2") && f0.contains("exited or crashed"), "{f0}");
-        let f1 = wait_for_failure(m1.monitor.as_ref().unwrap().health(), Duration::from_secs(5))
-            .expect("relayed to rank 1");
+        let f0 = wait_for_failure(
+            m0.monitor.as_ref().unwrap().health(),
+            Duration::from_secs(5),
+        )
+        .expect("rank 0 notices");
+        assert!(
+            f0.contains("rank 2") && f0.contains("exited or crashed"),
+            "{f0}"
+        );
+        let f1 = wait_for_failure(
+            m1.monitor.as_ref().unwrap().health(),
+            Duration::from_secs(5),
+        )
+        .expect("relayed to rank 1");
         assert!(f1.contains("rank 2"), "{f1}");
     }
 
@@ -793,10 +819,19 @@ mod tests {
         let r1 = std::thread::spawn(move || rendezvous(&env(1, 2, port), t, hb, || unreachable!()));
         let m0 = rendezvous(&env(0, 2, port), t, hb, || Ok(b"id".to_vec())).unwrap();
         let m1 = r1.join().unwrap().unwrap();
-        m1.monitor.as_ref().unwrap().report_failure("out of memory in step 7");
-        let f0 = wait_for_failure(m0.monitor.as_ref().unwrap().health(), Duration::from_secs(5))
-            .expect("rank 0 hears of it");
-        assert!(f0.contains("rank 1") && f0.contains("out of memory in step 7"), "{f0}");
+        m1.monitor
+            .as_ref()
+            .unwrap()
+            .report_failure("out of memory in step 7");
+        let f0 = wait_for_failure(
+            m0.monitor.as_ref().unwrap().health(),
+            Duration::from_secs(5),
+        )
+        .expect("rank 0 hears of it");
+        assert!(
+            f0.contains("rank 1") && f0.contains("out of memory in step 7"),
+            "{f0}"
+        );
         // Exiting after a failure is not a goodbye either.
         drop(m1);
     }
@@ -814,8 +849,11 @@ mod tests {
             Ok(b"id".to_vec())
         })
         .unwrap();
-        let f = wait_for_failure(m0.monitor.as_ref().unwrap().health(), Duration::from_secs(3))
-            .expect("missed heartbeats are a failure");
+        let f = wait_for_failure(
+            m0.monitor.as_ref().unwrap().health(),
+            Duration::from_secs(3),
+        )
+        .expect("missed heartbeats are a failure");
         assert!(f.contains("no heartbeat from rank 1"), "{f}");
         h.join().unwrap();
     }
@@ -865,9 +903,12 @@ mod tests {
 
     #[test]
     fn one_process_needs_no_network() {
-        let m = rendezvous(&DistEnv::single(), Duration::from_millis(1), Duration::from_secs(1), || {
-            Ok(vec![5])
-        })
+        let m = rendezvous(
+            &DistEnv::single(),
+            Duration::from_millis(1),
+            Duration::from_secs(1),
+            || Ok(vec![5]),
+        )
         .unwrap();
         assert_eq!((m.rank, m.world_size, m.payload), (0, 1, vec![5]));
         assert!(m.monitor.is_none());

@@ -60,7 +60,12 @@ impl Trainer {
     /// One eager step (nothing waits for it).
     pub fn step(&mut self, s: &Stream) -> Result<()> {
         self.opt.zero_grad(s, true)?;
-        let loss = mse_loss(s, &self.model.forward(s, &self.x)?, &self.y, Reduction::Mean)?;
+        let loss = mse_loss(
+            s,
+            &self.model.forward(s, &self.x)?,
+            &self.y,
+            Reduction::Mean,
+        )?;
         self.ddp.backward(s, &loss)?;
         self.opt.step(s)
     }
