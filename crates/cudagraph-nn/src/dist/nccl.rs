@@ -167,12 +167,12 @@ fn c_str(p: *const c_char) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-fn nccl_error(api: &Api, status: Status, call: &'static str, comm: RawComm) -> DistError {
+fn nccl_error(api: &Api, status: Status, call: &'static str) -> DistError {
     // SAFETY: ncclGetErrorString maps any code to a static string.
     let name = c_str(unsafe { (api.get_error_string)(status) });
-    // SAFETY: ncclGetLastError only reads this thread's last error message (the communicator
-    // may be null).
-    let last = c_str(unsafe { (api.get_last_error)(comm) });
+    // SAFETY: ncclGetLastError only reads the library's last error message; its communicator
+    // argument is documented as unused and may be null.
+    let last = c_str(unsafe { (api.get_last_error)(ptr::null_mut()) });
     DistError::Nccl {
         call,
         code: status,
@@ -193,7 +193,7 @@ fn unique_id(api: &Api, ctx: &Context) -> Result<Vec<u8>> {
     // SAFETY: writes one unique id.
     let st = unsafe { (api.get_unique_id)(&mut id) };
     if st != SUCCESS {
-        return Err(nccl_error(api, st, "ncclGetUniqueId", ptr::null_mut()).into());
+        return Err(nccl_error(api, st, "ncclGetUniqueId").into());
     }
     Ok(id.internal.iter().map(|&c| c as u8).collect())
 }
@@ -212,22 +212,6 @@ fn id_from_bytes(b: &[u8]) -> std::result::Result<sys::ncclUniqueId, DistError> 
         *d = s as c_char;
     }
     Ok(id)
-}
-
-/// Aborts a raw communicator on a detached thread: `ncclCommAbort` first raises the flag
-/// NCCL's kernels poll (they stop waiting for peers), then may block until every graph that
-/// captured the communicator has been destroyed.
-fn abort_detached(api: &'static Api, ctx: Context, raw: RawComm) {
-    let raw = raw as usize;
-    let _ = std::thread::Builder::new()
-        .name("cudagraph-nccl-abort".into())
-        .spawn(move || {
-            if ctx.bind().is_ok() {
-                // SAFETY: `raw` is a communicator nothing will call again (its owner marked
-                // it aborted before handing it here), aborted once.
-                unsafe { (api.comm_abort)(raw as RawComm) };
-            }
-        });
 }
 
 /// Where a communicator being initialised on its own thread stands.
@@ -306,7 +290,7 @@ impl PendingInit {
                         // The context could not be bound: report the driver's error.
                         ctx.bind()?;
                     }
-                    return Err(nccl_error(api, st, "ncclCommInitRank", ptr::null_mut()).into());
+                    return Err(nccl_error(api, st, "ncclCommInitRank").into());
                 }
                 let failed = health.and_then(|h| h.failure());
                 if failed.is_some() || Instant::now() >= deadline {
@@ -384,15 +368,15 @@ struct CommInner {
     monitor: Mutex<Option<PeerMonitor>>,
     aborted: AtomicBool,
     abort_reason: Mutex<Option<String>>,
-    /// NCCL calls on one communicator must not overlap (error polling and abort may).
+    /// Every NCCL call on the communicator holds this (NCCL calls on one communicator must
+    /// not overlap, and the abort frees it: no call may be running then).
     calls: Mutex<()>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread once its device's context is
-// current (every call binds it); calls NCCL does not allow concurrently are serialised by
-// `calls`, and the two it allows from another thread (ncclCommGetAsyncError, ncclCommAbort)
-// are made without it. The raw handle is never freed while this value exists except by an
-// abort, after which it is never called again.
+// current (every call binds it); all calls are serialised by `calls`. The raw handle is freed
+// only by the abort (which holds `calls`, after `aborted` is set: no later call reaches
+// NCCL) or by the drop of the last owner.
 unsafe impl Send for CommInner {}
 // SAFETY: as above.
 unsafe impl Sync for CommInner {}
@@ -574,7 +558,7 @@ impl Communicator {
         // SAFETY: the communicator is live; writes one int.
         let st = unsafe { (api.comm_cu_device)(raw, &mut cu_dev) };
         if st != SUCCESS {
-            return Err(c.fail_with(nccl_error(api, st, "ncclCommCuDevice", raw)));
+            return Err(c.fail_with(nccl_error(api, st, "ncclCommCuDevice")));
         }
         if cu_dev < 0 || cu_dev as usize != dev.ordinal() {
             return Err(c.fail_with(DistError::Usage(format!(
@@ -610,21 +594,37 @@ impl Communicator {
         self.inner.aborted.load(Ordering::Acquire)
     }
 
-    fn raw_checked(&self) -> std::result::Result<RawComm, DistError> {
-        if self.is_aborted() {
-            return Err(DistError::Aborted {
-                reason: lock(&self.inner.abort_reason)
-                    .clone()
-                    .unwrap_or_else(|| "unknown".into()),
-            });
+    fn aborted_error(&self) -> DistError {
+        DistError::Aborted {
+            reason: lock(&self.inner.abort_reason)
+                .clone()
+                .unwrap_or_else(|| "unknown".into()),
         }
-        Ok(self.inner.raw)
+    }
+
+    /// Runs one NCCL call on the live communicator, serialised with every other call and
+    /// with the abort.
+    fn with_comm<R>(
+        &self,
+        f: impl FnOnce(&'static Api, RawComm) -> R,
+    ) -> std::result::Result<R, DistError> {
+        // Checked before taking the lock too: an abort in progress holds it.
+        if self.is_aborted() {
+            return Err(self.aborted_error());
+        }
+        let _g = lock(&self.inner.calls);
+        if self.is_aborted() {
+            return Err(self.aborted_error());
+        }
+        Ok(f(self.inner.api, self.inner.raw))
     }
 
     /// Checks that `q` and `buf` are on this communicator's device, and records the
     /// communicator and the buffer with `q` (a capture keeps both alive).
-    fn prepare<T: Elem>(&self, q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<RawComm> {
-        let raw = self.raw_checked()?;
+    fn prepare<T: Elem>(&self, q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<()> {
+        if self.is_aborted() {
+            return Err(self.aborted_error().into());
+        }
         let ordinal = self.inner.ordinal;
         for (what, got) in [
             ("queue", q.device().ordinal()),
@@ -642,14 +642,14 @@ impl Communicator {
         q.use_block(buf.block());
         q.keep_alive(self.inner.clone());
         self.inner.ctx.bind()?;
-        Ok(raw)
+        Ok(())
     }
 
     fn finish(&self, st: Status, call: &'static str) -> Result<()> {
         if st == SUCCESS {
             return Ok(());
         }
-        let e = nccl_error(self.inner.api, st, call, self.inner.raw);
+        let e = nccl_error(self.inner.api, st, call);
         Err(self.fail_with(e))
     }
 
@@ -660,19 +660,19 @@ impl Communicator {
         buf: &DeviceBuffer<T>,
         op: ReduceOp,
     ) -> Result<()> {
-        let raw = self.prepare(q, buf)?;
+        self.prepare(q, buf)?;
         if buf.is_empty() {
             return Ok(());
         }
         let addr = buf.addr() as usize as *mut c_void;
         let stream = q.stream_handle().raw() as *mut c_void;
-        let _g = lock(&self.inner.calls);
-        // SAFETY: `buf` holds `len` elements of `T` on this communicator's device (checked
-        // in `prepare`), in place (send = receive buffer); the queue keeps the buffer alive
-        // and ordered for as long as the work may run, and a capture keeps the communicator.
-        let st = unsafe {
-            (self.inner.api.all_reduce)(addr, addr, buf.len(), T::DTYPE, op.raw(), raw, stream)
-        };
+        let st = self.with_comm(|api, raw| {
+            // SAFETY: `buf` holds `len` elements of `T` on this communicator's device
+            // (checked in `prepare`), in place (send = receive buffer); the queue keeps the
+            // buffer alive and ordered for as long as the work may run, and a capture keeps
+            // the communicator.
+            unsafe { (api.all_reduce)(addr, addr, buf.len(), T::DTYPE, op.raw(), raw, stream) }
+        })?;
         self.finish(st, "ncclAllReduce")
     }
 
@@ -690,17 +690,16 @@ impl Communicator {
             ))
             .into());
         }
-        let raw = self.prepare(q, buf)?;
+        self.prepare(q, buf)?;
         if buf.is_empty() {
             return Ok(());
         }
         let addr = buf.addr() as usize as *mut c_void;
         let stream = q.stream_handle().raw() as *mut c_void;
-        let _g = lock(&self.inner.calls);
-        // SAFETY: as in `all_reduce`; root < world.
-        let st = unsafe {
-            (self.inner.api.broadcast)(addr, addr, buf.len(), T::DTYPE, root as c_int, raw, stream)
-        };
+        let st = self.with_comm(|api, raw| {
+            // SAFETY: as in `all_reduce`; root < world.
+            unsafe { (api.broadcast)(addr, addr, buf.len(), T::DTYPE, root as c_int, raw, stream) }
+        })?;
         self.finish(st, "ncclBroadcast")
     }
 
@@ -708,14 +707,18 @@ impl Communicator {
     /// asynchronous error. Any of them aborts the communicator (if it was not) and is
     /// returned.
     pub fn check(&self) -> Result<()> {
-        let raw = self.raw_checked()?;
+        if self.is_aborted() {
+            return Err(self.aborted_error().into());
+        }
         if let Some(f) = self.inner.health.as_ref().and_then(|h| h.failure()) {
             return Err(self.fail_with(DistError::PeerFailed(f)));
         }
         let mut async_err: Status = SUCCESS;
-        // SAFETY: the communicator is live; NCCL allows this call from any thread at any
-        // time (it is how watchdogs poll).
-        let st = unsafe { (self.inner.api.comm_get_async_error)(raw, &mut async_err) };
+        let st = self.with_comm(|api, raw| {
+            // SAFETY: the communicator is live (not aborted, and no abort runs while we hold
+            // the call lock); writes one status.
+            unsafe { (api.comm_get_async_error)(raw, &mut async_err) }
+        })?;
         if st != SUCCESS {
             return self.finish(st, "ncclCommGetAsyncError");
         }
@@ -776,7 +779,21 @@ impl Communicator {
         }
         // Stopping the monitor sends the failure to the peers before this returns.
         drop(lock(&self.inner.monitor).take());
-        abort_detached(self.inner.api, self.inner.ctx.clone(), self.inner.raw);
+        // `ncclCommAbort` first raises the flag NCCL's kernels poll (they stop waiting for
+        // peers), then may block until every graph that captured the communicator is gone:
+        // run it on its own thread, after any call in flight.
+        let inner = self.inner.clone();
+        let _ = std::thread::Builder::new()
+            .name("cudagraph-nccl-abort".into())
+            .spawn(move || {
+                let _g = lock(&inner.calls);
+                if inner.ctx.bind().is_ok() {
+                    // SAFETY: the communicator is live until this call, which is its last:
+                    // `aborted` is set, so no other call reaches NCCL, and the drop skips
+                    // the destroy.
+                    unsafe { (inner.api.comm_abort)(inner.raw) };
+                }
+            });
     }
 
     /// Aborts with `e`'s message and hands `e` back as this layer's error.

@@ -842,12 +842,8 @@ pub trait Fork: Queue {
 /// graph keeps every buffer the branch uses until the graph is dropped.
 pub struct SideStream<'a> {
     side: &'a Stream,
-    main: StreamRef<'a>,
+    main: &'a StreamHandle,
     capture: Option<&'a CaptureStream<'a>>,
-    /// Recorded on the main stream, waited on by the side stream.
-    fork_event: Event,
-    /// Recorded on the side stream, waited on by the main stream.
-    join_event: Event,
     joined: bool,
 }
 
@@ -887,17 +883,14 @@ fn check_side(main: &Device, main_id: u64, side: &Stream) -> Result<()> {
 impl<'a> SideStream<'a> {
     #[track_caller]
     fn start(
-        main: StreamRef<'a>,
+        main: &'a StreamHandle,
         side: &'a Stream,
         capture: Option<&'a CaptureStream<'a>>,
     ) -> Result<Self> {
-        let ctx = side.device().context();
         let mut branch = SideStream {
             side,
             main,
             capture,
-            fork_event: Event::new(ctx, false)?,
-            join_event: Event::new(ctx, false)?,
             // Nothing to join until the side stream has waited for the fork point.
             joined: true,
         };
@@ -907,11 +900,11 @@ impl<'a> SideStream<'a> {
     }
 
     /// Orders the branch's later work after everything enqueued on the main queue so far
-    /// (a dependency, not a host wait: legal inside a capture).
+    /// (a dependency, not a host wait: legal inside a capture). Uses the streams' own events,
+    /// so forking creates no driver objects.
     #[track_caller]
     pub fn wait_main(&self) -> Result<()> {
-        self.main.record(&self.fork_event)?;
-        self.side.handle.wait_event(&self.fork_event)
+        self.side.handle.wait_for(self.main)
     }
 
     /// Ends the branch: the main queue's later work waits for everything enqueued here.
@@ -923,8 +916,7 @@ impl<'a> SideStream<'a> {
 
     #[track_caller]
     fn join_now(&self) -> Result<()> {
-        self.side.handle.record(&self.join_event)?;
-        self.main.wait_event(&self.join_event)
+        self.main.wait_for(&self.side.handle)
     }
 
     /// The side stream, as CUDA libraries need it.
@@ -1012,7 +1004,7 @@ impl Fork for Stream {
                     .into(),
             });
         }
-        SideStream::start(self.handle.as_ref(), side, None)
+        SideStream::start(&self.handle, side, None)
     }
 
     fn as_queue(&self) -> &dyn Queue {
@@ -1035,7 +1027,7 @@ impl Fork for CaptureStream<'_> {
             // capture until then).
             self.sides.0.borrow_mut().push(side.handle.clone());
         }
-        SideStream::start(self.stream.handle.as_ref(), side, Some(self))
+        SideStream::start(&self.stream.handle, side, Some(self))
     }
 
     fn as_queue(&self) -> &dyn Queue {
