@@ -19,7 +19,7 @@ fn a_rank_that_fails_mid_training_makes_the_other_fail_within_seconds() {
     }
     let waited: Arc<Mutex<Option<(Duration, String)>>> = Arc::default();
     let w = waited.clone();
-    let err = with_deadline(180, move || {
+    let err = with_deadline(90, move || {
         let opts = DistOptions {
             timeout: Duration::from_secs(60),
             ..DistOptions::default()

@@ -19,7 +19,7 @@ fn a_stalled_rank_makes_the_other_time_out_and_abort() {
     }
     let waited: Arc<Mutex<Option<Duration>>> = Arc::default();
     let w = waited.clone();
-    let err = with_deadline(180, move || {
+    let err = with_deadline(90, move || {
         let opts = DistOptions {
             timeout: Duration::from_secs(3),
             ..DistOptions::default()

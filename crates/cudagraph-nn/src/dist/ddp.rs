@@ -99,6 +99,11 @@ pub struct BucketInfo {
 /// applied to a list of parameters): call [`Self::backward`] instead of `loss.backward` and
 /// every rank ends up with the average of all ranks' gradients.
 ///
+/// One backward per step (there is no `no_sync` gradient accumulation yet). A parameter that
+/// gets no gradient on a rank (unused in its forward pass) contributes zeros there and
+/// receives the average like the others — so a parameter unused on every rank ends with a
+/// zero gradient, where PyTorch leaves it `None`.
+///
 /// ```no_run
 /// use cudagraph::{CaptureOptions, Device, Graph};
 /// use cudagraph_nn::*;

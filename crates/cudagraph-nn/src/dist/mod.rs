@@ -37,7 +37,7 @@ pub use threads::{run_threads, RankContext};
 #[non_exhaustive]
 pub enum DistError {
     /// The NCCL library could not be loaded, lacks a function we call, or is too old.
-    #[error("NCCL is not available: {detail}. Install NCCL 2.18 or newer so that libnccl.so is on the loader path, or set CUDAGRAPH_NCCL_LIB to the library's path")]
+    #[error("NCCL is not available: {detail}. Install NCCL 2.13 or newer so that libnccl.so is on the loader path, or set CUDAGRAPH_NCCL_LIB to the library's path")]
     NcclMissing { detail: String },
 
     /// An NCCL call failed.

@@ -802,3 +802,39 @@ impl Communicator {
         e.into()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without NCCL this is the one clear error; with NCCL, a version.
+    #[test]
+    fn nccl_is_found_or_reported_clearly() {
+        match nccl_version() {
+            Ok(v) => {
+                let parts: Vec<&str> = v.split('.').collect();
+                assert_eq!(parts.len(), 3, "{v}");
+                assert!(parts.iter().all(|p| p.parse::<u32>().is_ok()), "{v}");
+            }
+            Err(DistError::NcclMissing { detail }) => {
+                assert!(detail.contains("libnccl"), "{detail}");
+                let msg = DistError::NcclMissing { detail }.to_string();
+                assert!(msg.contains("CUDAGRAPH_NCCL_LIB"), "{msg}");
+            }
+            Err(other) => panic!("unexpected error: {other}"),
+        }
+    }
+
+    #[test]
+    fn unique_ids_round_trip_and_wrong_lengths_are_refused() {
+        let bytes: Vec<u8> = (0..128u32).map(|i| (i * 7) as u8).collect();
+        let id = id_from_bytes(&bytes).unwrap();
+        let back: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+        assert_eq!(back, bytes);
+        assert!(matches!(
+            id_from_bytes(&bytes[..127]),
+            Err(DistError::Usage(_))
+        ));
+        assert_eq!(version_string(22809), "2.28.9");
+    }
+}
