@@ -15,7 +15,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cudagraph::{gpu_test_device, CaptureOptions, Graph, Queue, Stream};
+use cudagraph::{gpu_test_device, CaptureOptions, Graph, Queue, QueueExt, Stream};
 use cudagraph_nn::cpu::{rel_err, to_f64};
 use cudagraph_nn::dist::{self, run_threads, DistOptions, RankContext, ReduceOp};
 use cudagraph_nn::*;
@@ -417,14 +417,18 @@ fn one_rank_communicator_works_eagerly_and_captured() {
     assert_eq!((comm.rank(), comm.world_size()), (0, 1));
     let mut s = dev.new_stream().unwrap();
     let x = s.alloc_from_host(&[2.5f32; 100]).unwrap();
+    let y = s.alloc_from_host(&[0.0f32; 100]).unwrap();
     comm.all_reduce(&s, &x, ReduceOp::Sum).unwrap();
+    // (A one-rank in-place sum enqueues nothing; the copy keeps the capture non-empty.)
     let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-        Ok(comm.all_reduce(cs, &x, ReduceOp::Avg)?)
+        comm.all_reduce(cs, &x, ReduceOp::Avg)?;
+        cs.copy(&x, &y)
     })
     .unwrap();
     g.replay(&s).unwrap();
     comm.synchronize(&s).unwrap();
     assert!(s.to_vec(&x).unwrap().iter().all(|&v| v == 2.5));
+    assert!(s.to_vec(&y).unwrap().iter().all(|&v| v == 2.5));
     // A DDP of one rank is plain training.
     let m = model(&s);
     let mut ddp =
