@@ -18,6 +18,7 @@ macro_rules! outln {
 
 mod bench;
 mod inspect;
+mod launch;
 mod report;
 mod serve;
 mod train;
@@ -66,6 +67,11 @@ enum Command {
     /// Serve a model (safetensors weights + JSON description) over HTTP with dynamic batching
     /// through a graph cache (`--no-graph`: eager).
     Serve(serve::ServeArgs),
+    /// Start the local processes of a distributed job, like torchrun: `cudagraph launch
+    /// --nproc 2 -- <command...>` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    /// MASTER_PORT for each, prefixes their output with the rank, and stops them all when one
+    /// fails (exiting with its status).
+    Launch(launch::LaunchArgs),
 }
 
 #[derive(Subcommand)]
@@ -89,6 +95,8 @@ enum BenchCommand {
     Sweep(bench::sweep::SweepArgs),
     /// The engine registry's choices (cuDNN, cuBLASLt, cuBLAS, ours) for representative shapes.
     Engines(bench::engines::EnginesArgs),
+    /// Data-parallel training on 1 and 2 GPUs (one process per GPU, NCCL), eager vs graph.
+    Ddp(bench::ddp::DdpArgs),
 }
 
 fn main() -> ExitCode {
@@ -107,11 +115,17 @@ fn main() -> ExitCode {
             Some(BenchCommand::Serve(args)) => bench::serve::run(cli.device, &args),
             Some(BenchCommand::Sweep(args)) => bench::sweep::run(cli.device, &args),
             Some(BenchCommand::Engines(args)) => bench::engines::run(cli.device, &args),
+            Some(BenchCommand::Ddp(args)) => bench::ddp::run(&args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train(args) => train::run(cli.device, &args),
         Command::Inspect(args) => inspect::run(cli.device, &args),
         Command::Serve(args) => serve::run(cli.device, &args),
+        Command::Launch(args) => match launch::run(&args) {
+            // The job's own status, as torchrun passes it on.
+            Ok(code) => return ExitCode::from(code.clamp(0, 255) as u8),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

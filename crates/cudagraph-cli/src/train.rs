@@ -6,18 +6,25 @@
 //! runs up to K steps per graph launch, each loading its batch with a kernel (a device-side
 //! cursor picks it). `--skip-nonfinite` wraps the optimizer step in an IF node taken only when
 //! the loss and every gradient are finite (GradScaler's check, without a host read).
+//!
+//! Data-parallel: `--nproc N` starts N processes (one per GPU, as `cudagraph launch` does);
+//! a process started by a launcher (`RANK`/`WORLD_SIZE` set) trains its shard of every batch
+//! with `DistributedDataParallel`, the all-reduces inside the graph with `--graph`.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
 use cudagraph::memory::{format_memory_full, format_memory_line};
+use cudagraph::Fork;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
 use cudagraph_nn::datasets::{digits, permutation, Dataset};
+use cudagraph_nn::dist::{DistEnv, DistOptions, ReduceOp};
 use cudagraph_nn::{
     cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Layer, Linear, Module,
     Optimizer, Rng, Sequential, Tensor,
 };
+use cudagraph_nn::{Communicator, DdpOptions, DistributedDataParallel};
 use indicatif::{ProgressBar, ProgressStyle};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -56,6 +63,26 @@ pub struct TrainArgs {
     /// is not finite.
     #[arg(long)]
     pub skip_nonfinite: bool,
+    /// Train data-parallel on this many GPUs of this machine (one process each, as
+    /// `cudagraph launch --nproc N -- cudagraph train ...`). `--batch-size` is per GPU.
+    #[arg(long, default_value_t = 0)]
+    pub nproc: usize,
+    /// Testing aid: the rank that fails at `--fail-at-step` (see `--fail-mode`).
+    #[arg(long, hide = true)]
+    pub fail_rank: Option<usize>,
+    #[arg(long, hide = true, default_value_t = 20)]
+    pub fail_at_step: usize,
+    #[arg(long, hide = true, value_enum, default_value_t = FailMode::Exit)]
+    pub fail_mode: FailMode,
+}
+
+/// How `--fail-rank` fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FailMode {
+    /// The process exits at once (status 3), as if it crashed.
+    Exit,
+    /// The process stops making progress but stays alive (a stalled rank).
+    Hang,
 }
 
 fn build(
@@ -118,6 +145,12 @@ fn accuracy(
 pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     if a.batch_size == 0 || a.log_every == 0 {
         return Err("--batch-size and --log-every must be at least 1".into());
+    }
+    if a.nproc > 0 {
+        return launch_ranks(a);
+    }
+    if let Some(env) = DistEnv::from_env()? {
+        return run_distributed(&env, a);
     }
     let graphed = a.graph || a.steps_per_launch.is_some();
     let mode = match a.steps_per_launch {
@@ -328,5 +361,252 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
             None => "eager".into(),
         }
     );
+    Ok(())
+}
+
+/// `--nproc N`: this command again, once per GPU, under the launcher.
+fn launch_ranks(a: &TrainArgs) -> AnyResult<()> {
+    let exe = std::env::current_exe()?;
+    let model = a
+        .model
+        .to_possible_value()
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_else(|| "cnn".into());
+    let mut command: Vec<std::ffi::OsString> = vec![exe.into(), "train".into()];
+    let mut push = |k: &str, v: String| {
+        command.push(k.into());
+        command.push(v.into());
+    };
+    push("--model", model);
+    push("--epochs", a.epochs.to_string());
+    push("--batch-size", a.batch_size.to_string());
+    push("--lr", a.lr.to_string());
+    push("--log-every", a.log_every.to_string());
+    push("--seed", a.seed.to_string());
+    if let Some(r) = a.fail_rank {
+        push("--fail-rank", r.to_string());
+        push("--fail-at-step", a.fail_at_step.to_string());
+        let mode = match a.fail_mode {
+            FailMode::Exit => "exit",
+            FailMode::Hang => "hang",
+        };
+        push("--fail-mode", mode.to_string());
+    }
+    if a.graph {
+        command.push("--graph".into());
+    }
+    let args = crate::launch::LaunchArgs {
+        nproc: a.nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: None,
+        command,
+    };
+    let out = crate::launch::launch(&args, crate::launch::print_sink())?;
+    match out.failure {
+        None => Ok(()),
+        Some((rank, how)) => Err(format!("rank {rank} {how}; the job failed").into()),
+    }
+}
+
+/// One rank of a data-parallel run. On any error the communicator is aborted (the other ranks
+/// hear of it at once) and the process exits without tearing the device down: work queued on
+/// it may wait for a lost peer.
+fn run_distributed(env: &DistEnv, a: &TrainArgs) -> AnyResult<()> {
+    let dev = Device::open(env.local_rank)?;
+    let comm = Communicator::init(&dev, env, &DistOptions::from_env()?)?;
+    match train_rank(&dev, &comm, env, a) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let msg = e.to_string();
+            comm.abort(&msg);
+            eprintln!("error: rank {}: {msg}", env.rank);
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Order-sensitive checksum of every parameter's bits.
+fn checksum(s: &cudagraph::Stream, model: &Sequential) -> AnyResult<i64> {
+    let mut h: u64 = 0;
+    for p in model.parameters() {
+        for v in s.to_vec(p.data())? {
+            h = h
+                .wrapping_mul(0x100_0000_01b3)
+                .wrapping_add(v.to_bits() as u64);
+        }
+    }
+    Ok((h & i64::MAX as u64) as i64)
+}
+
+fn train_rank(dev: &Device, comm: &Communicator, env: &DistEnv, a: &TrainArgs) -> AnyResult<()> {
+    let (rank, world) = (env.rank, env.world_size);
+    let lead = rank == 0;
+    let mode = if a.graph { "cudagraph" } else { "basic" };
+    if lead {
+        outln!(
+            "#### {mode} DDP x{world} ({:?} on UCI digits, batch {} per GPU = {} per step, Adam lr {})",
+            a.model,
+            a.batch_size,
+            a.batch_size * world,
+            a.lr
+        );
+    }
+    outln!(
+        "rank {rank}/{world}: {} (device {}), NCCL {}",
+        dev.info().name,
+        dev.ordinal(),
+        cudagraph_nn::dist::nccl_version()?
+    );
+    let data = digits()?;
+    let (train, test) = data.split(0.2, a.seed);
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(a.seed + 1);
+    let model = build(&s, a.model, &mut rng)?;
+    let mut ddp =
+        DistributedDataParallel::new(&s, comm, model.parameters(), DdpOptions::default())?;
+    let mut opt = Adam::new(&s, model.parameters(), a.lr, 0.0, false)?;
+    let b = a.batch_size;
+    let global = b * world;
+    let steps_per_epoch = train.len() / global;
+    if steps_per_epoch == 0 {
+        return Err(format!(
+            "--batch-size {b} on {world} GPUs is larger than the {} training images",
+            train.len()
+        )
+        .into());
+    }
+    if lead {
+        outln!(
+            "- model ready, {} buckets {}",
+            ddp.buckets().len(),
+            format_memory_line(&dev.memory_stats())
+        );
+    }
+    let x_static = s.alloc_zeroed::<f32>(b * 64)?;
+    let y_static = Arc::new(s.alloc_zeroed::<i32>(b)?);
+    let x = Tensor::from_buffer(Arc::new(x_static.alias()), &input_shape(a.model, b))?;
+    let step = |q: &dyn Fork,
+                opt: &mut Adam,
+                ddp: &mut DistributedDataParallel|
+     -> cudagraph_nn::Result<Tensor> {
+        opt.zero_grad(q.as_queue(), true)?;
+        let logits = model.forward(q.as_queue(), &x)?;
+        let loss = cross_entropy(q.as_queue(), &logits, &y_static)?;
+        ddp.backward(q, &loss)?;
+        opt.step(q.as_queue())?;
+        Ok(loss)
+    };
+    // This rank's rows of global batch `i` of an epoch's data on the device.
+    let load = |s: &cudagraph::Stream,
+                xs: &cudagraph::DeviceBuffer<f32>,
+                ys: &cudagraph::DeviceBuffer<i32>,
+                i: usize|
+     -> AnyResult<()> {
+        let row = i * global + rank * b;
+        QueueExt::copy_range(s, xs, row * 64, &x_static, 0, b * 64)?;
+        QueueExt::copy_range(s, ys, row, &y_static, 0, b)?;
+        Ok(())
+    };
+    // Warm-up on a side stream (the first global batch), as in the one-GPU run.
+    {
+        let xs = s.alloc_from_host(&train.images[..global * 64])?;
+        let ys = s.alloc_from_host(&train.labels[..global])?;
+        load(&s, &xs, &ys, 0)?;
+        let side = dev.new_stream()?;
+        cudagraph::warmup(&s, &side, 3, |q| {
+            step(q, &mut opt, &mut ddp).map(|_| ()).map_err(Into::into)
+        })?;
+        ddp.synchronize(&s)?;
+    }
+    let graph = if a.graph {
+        let t = Instant::now();
+        let (g, loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
+            Ok(step(cs, &mut opt, &mut ddp)?)
+        })?;
+        if lead {
+            outln!(
+                "- **graph capture** done in {:.1} ms ({} nodes, all-reduces included) {}",
+                t.elapsed().as_secs_f64() * 1e3,
+                g.node_count(),
+                format_memory_line(&dev.memory_stats())
+            );
+        }
+        Some((g, loss))
+    } else {
+        None
+    };
+    let total_steps = steps_per_epoch * a.epochs;
+    let mut global_step = 0usize;
+    let mut last_loss = f32::NAN;
+    ddp.synchronize(&s)?;
+    let t_train = Instant::now();
+    for epoch in 1..=a.epochs {
+        // Uploading from pageable host memory waits for the stream: wait through the
+        // watchdog first, so a lost peer is an error here rather than a hang in the copy.
+        ddp.synchronize(&s)?;
+        // The same shuffle on every rank (same seed): each takes its rows of each batch.
+        let order = permutation(train.len(), a.seed * 1000 + epoch as u64);
+        let ep = train.select(&order);
+        let xs = s.alloc_from_host(&ep.images)?;
+        let ys = s.alloc_from_host(&ep.labels)?;
+        for i in 0..steps_per_epoch {
+            load(&s, &xs, &ys, i)?;
+            let loss = match &graph {
+                Some((g, loss)) => {
+                    g.replay(&s)?;
+                    loss.clone()
+                }
+                None => step(&s, &mut opt, &mut ddp)?,
+            };
+            global_step += 1;
+            if a.fail_rank == Some(rank) && global_step == a.fail_at_step {
+                match a.fail_mode {
+                    FailMode::Exit => {
+                        eprintln!("rank {rank}: injected failure: exiting at step {global_step}");
+                        std::process::exit(3);
+                    }
+                    FailMode::Hang => {
+                        eprintln!("rank {rank}: injected failure: hanging at step {global_step}");
+                        loop {
+                            std::thread::sleep(std::time::Duration::from_secs(3600));
+                        }
+                    }
+                }
+            }
+            if global_step % a.log_every == 0 {
+                // The watchdog wait: a lost or stalled peer is an error here, not a hang.
+                ddp.synchronize(&s)?;
+                last_loss = loss.to_vec(&s)?[0];
+                if lead {
+                    outln!(
+                        "Training {epoch}/{}, step {global_step}/{total_steps}, Loss:{last_loss:.4}, {}",
+                        a.epochs,
+                        format_memory_line(&dev.memory_stats())
+                    );
+                }
+            }
+        }
+    }
+    ddp.synchronize(&s)?;
+    let secs = t_train.elapsed().as_secs_f64();
+    // Every rank must hold the same weights: compare checksums over the communicator.
+    let sum = checksum(&s, &model)?;
+    let both = s.alloc_from_host(&[sum, -sum])?;
+    comm.all_reduce(&s, &both, ReduceOp::Max)?;
+    ddp.synchronize(&s)?;
+    let same = s.to_vec(&both)? == [sum, -sum];
+    let (correct, n) = accuracy(&s, &model, a.model, &test)?;
+    outln!(
+        "rank {rank}: {mode} DDP x{world}: {total_steps} steps in {secs:.3} s ({:.1} us/step, {:.0} images/s, data copies included), last logged loss {last_loss:.4}, test accuracy {:.2}% ({correct}/{n}), parameters identical on all ranks: {}",
+        secs * 1e6 / total_steps as f64,
+        (total_steps * global) as f64 / secs,
+        100.0 * correct as f64 / n as f64,
+        if same { "yes" } else { "NO" }
+    );
+    if !same {
+        return Err("the ranks' parameters differ after training".into());
+    }
     Ok(())
 }

@@ -35,6 +35,9 @@ pub enum NnError {
     /// A model's files (description or safetensors weights) are unreadable or do not match.
     #[error(transparent)]
     Io(#[from] crate::io::IoError),
+    /// Multi-GPU work failed: NCCL, the launch environment, the rendezvous, or a peer.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
 }
 
 /// Lets NN code run inside `Graph::capture` closures with `?`.

@@ -37,6 +37,7 @@ pub mod conv;
 pub mod cpu;
 pub mod cudnn;
 pub mod datasets;
+pub mod dist;
 pub mod engine;
 pub mod error;
 pub mod gemm;
@@ -53,6 +54,7 @@ pub mod steps;
 pub mod tensor;
 
 pub use batched::Batched;
+pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
 pub use error::{NnError, Result};
 pub use graphed::GraphedModule;
 pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};

@@ -34,6 +34,9 @@ pub fn grad_enabled() -> bool {
     GRAD_ENABLED.with(|g| g.get())
 }
 
+/// A hook called when a parameter's gradient is complete (see [`Tensor::backward_with_hook`]).
+pub type GradHook<'a> = dyn FnMut(&dyn Queue, &Parameter) -> Result<()> + 'a;
+
 type BackwardFn =
     Box<dyn Fn(&dyn Queue, &Nn, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 
@@ -230,6 +233,30 @@ impl Tensor {
     /// Reverse-mode autograd from this tensor with upstream gradient `grad` (same shape), as
     /// PyTorch's `y.backward(grad)`.
     pub fn backward_with(&self, q: &dyn Queue, grad: Tensor) -> Result<()> {
+        self.run_backward(q, grad, None)
+    }
+
+    /// [`Self::backward_with`] that calls `hook(q, p)` as soon as parameter `p`'s gradient for
+    /// this pass is complete — after the last operation that contributes to it, while the
+    /// rest of the backward pass is still being enqueued — like PyTorch's post-accumulate-grad
+    /// hooks. Data-parallel training uses it to start reducing gradients early. The hook runs
+    /// once per parameter that receives a gradient (also when the parameter is used several
+    /// times in the forward pass); parameters that receive none are not reported.
+    pub fn backward_with_hook(
+        &self,
+        q: &dyn Queue,
+        grad: Tensor,
+        hook: &mut GradHook<'_>,
+    ) -> Result<()> {
+        self.run_backward(q, grad, Some(hook))
+    }
+
+    fn run_backward(
+        &self,
+        q: &dyn Queue,
+        grad: Tensor,
+        mut hook: Option<&mut GradHook<'_>>,
+    ) -> Result<()> {
         if grad.numel() != self.numel() {
             return Err(NnError::Shape(format!(
                 "backward_with: gradient {:?} for a tensor {:?}",
@@ -259,14 +286,35 @@ impl Tensor {
                 }
             }
         }
+        // With a hook, parameter leaves are accumulated as soon as every operation that uses
+        // them has run (the depth-first order alone would leave them all to the end).
+        let mut early = hook.as_ref().map(|_| EarlyLeaves::new(&order));
         let mut grads: HashMap<usize, Tensor> = HashMap::new();
         grads.insert(self.key(), grad);
         for t in order.iter().rev() {
+            if let Some(e) = &early {
+                if e.done.contains(&t.key()) {
+                    continue;
+                }
+            }
             let Some(g) = grads.remove(&t.key()) else {
+                if let Some(e) = &mut early {
+                    // No gradient flows through `t`: its inputs get nothing from it.
+                    let ready = match lock(&t.0.node).as_ref() {
+                        Some(n) => e.consumed(&n.inputs),
+                        None => Vec::new(),
+                    };
+                    e.finish_and_report(q, t, &mut hook)?;
+                    e.flush(q, &nn, ready, &mut grads, &mut hook)?;
+                }
                 continue;
             };
             if let Some(p) = &t.0.param {
                 p.accumulate(q, &nn, g)?;
+                if let Some(e) = &mut early {
+                    e.received.insert(p.key());
+                    e.finish_and_report(q, t, &mut hook)?;
+                }
                 continue;
             }
             let node = lock(&t.0.node).take();
@@ -284,6 +332,119 @@ impl Tensor {
                     }
                 }
             }
+            if let Some(e) = &mut early {
+                let ready = e.consumed(&node.inputs);
+                // Release the node and its upstream gradient first, so a leaf can adopt a
+                // gradient buffer nothing else refers to (as in the hook-free order).
+                drop(node);
+                drop(g);
+                e.flush(q, &nn, ready, &mut grads, &mut hook)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bookkeeping for [`Tensor::backward_with_hook`]: how many uses of each tensor are still to
+/// be processed, and how many leaves of each parameter are still open.
+struct EarlyLeaves {
+    /// Uses (node inputs) of each tensor not processed yet.
+    uses: HashMap<usize, usize>,
+    /// Leaves of each parameter (keyed by the parameter) not finished yet.
+    leaves: HashMap<usize, usize>,
+    /// Leaves already handled.
+    done: HashSet<usize>,
+    /// Parameters that received a gradient in this pass.
+    received: HashSet<usize>,
+}
+
+impl EarlyLeaves {
+    fn new(order: &[Tensor]) -> Self {
+        let mut uses: HashMap<usize, usize> = HashMap::new();
+        let mut leaves: HashMap<usize, usize> = HashMap::new();
+        for t in order {
+            if let Some(n) = lock(&t.0.node).as_ref() {
+                for i in n.inputs.iter().filter(|i| i.requires_grad()) {
+                    *uses.entry(i.key()).or_default() += 1;
+                }
+            }
+            if let Some(p) = &t.0.param {
+                *leaves.entry(p.key()).or_default() += 1;
+            }
+        }
+        Self {
+            uses,
+            leaves,
+            done: HashSet::new(),
+            received: HashSet::new(),
+        }
+    }
+
+    /// One use of each of `inputs` has been processed; returns the parameter leaves among
+    /// them that have no use left.
+    fn consumed(&mut self, inputs: &[Tensor]) -> Vec<Tensor> {
+        let mut ready = Vec::new();
+        for i in inputs.iter().filter(|i| i.requires_grad()) {
+            if let Some(c) = self.uses.get_mut(&i.key()) {
+                *c = c.saturating_sub(1);
+                if *c == 0 && i.0.param.is_some() && !self.done.contains(&i.key()) {
+                    ready.push(i.clone());
+                }
+            }
+        }
+        ready
+    }
+
+    /// Marks leaf `t` handled; true when it was its parameter's last open leaf.
+    fn finish_leaf(&mut self, t: &Tensor) -> bool {
+        let Some(p) = &t.0.param else { return false };
+        if !self.done.insert(t.key()) {
+            return false;
+        }
+        match self.leaves.get_mut(&p.key()) {
+            Some(c) => {
+                *c = c.saturating_sub(1);
+                *c == 0
+            }
+            None => false,
+        }
+    }
+
+    /// Marks leaf `t` handled and reports its parameter if this was its last open leaf and
+    /// it received a gradient in this pass.
+    fn finish_and_report(
+        &mut self,
+        q: &dyn Queue,
+        t: &Tensor,
+        hook: &mut Option<&mut GradHook<'_>>,
+    ) -> Result<()> {
+        if self.finish_leaf(t) {
+            if let (Some(p), Some(h)) = (&t.0.param, hook) {
+                if self.received.contains(&p.key()) {
+                    h(q, p)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Accumulates the gradients of leaves that became ready and reports each parameter
+    /// whose last leaf this was.
+    fn flush(
+        &mut self,
+        q: &dyn Queue,
+        nn: &Nn,
+        ready: Vec<Tensor>,
+        grads: &mut HashMap<usize, Tensor>,
+        hook: &mut Option<&mut GradHook<'_>>,
+    ) -> Result<()> {
+        for leaf in ready {
+            let Some(p) = &leaf.0.param else { continue };
+            if let Some(g) = grads.remove(&leaf.key()) {
+                p.accumulate(q, nn, g)?;
+                self.received.insert(p.key());
+            }
+            self.finish_and_report(q, &leaf, hook)?;
         }
         Ok(())
     }
@@ -325,6 +486,16 @@ impl Parameter {
 
     pub fn name(&self) -> &str {
         &self.0.name
+    }
+
+    /// Identity of the parameter (shared by its clones).
+    pub(crate) fn key(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
+    /// Whether `other` is a handle to this same parameter.
+    pub fn same_as(&self, other: &Parameter) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -378,6 +549,24 @@ impl Parameter {
         } else if let Some(g) = lock(&self.0.grad).as_ref() {
             q.memset_zero(g)?;
         }
+        Ok(())
+    }
+
+    /// Replaces the gradient buffer (`None` clears it, like `zero_grad(true)`). For code that
+    /// produces gradients outside autograd (data-parallel reduction of a parameter that got
+    /// no gradient locally); the buffer must hold one value per element.
+    pub fn set_grad(&self, grad: Option<Arc<DeviceBuffer<f32>>>) -> Result<()> {
+        if let Some(g) = &grad {
+            if g.len() != self.numel() {
+                return Err(NnError::Shape(format!(
+                    "parameter {}: a gradient of {} values for {} elements",
+                    self.0.name,
+                    g.len(),
+                    self.numel()
+                )));
+            }
+        }
+        *lock(&self.0.grad) = grad;
         Ok(())
     }
 

@@ -52,9 +52,9 @@ pub use error::{Error, Result};
 pub use graph::{
     bucket_for, plan_capture_sizes, warmup, BatchModel, BucketPolicy, CacheOptions, CacheOutput,
     CacheStats, CaptureOptions, CapturePlan, CaptureStream, Choice, ConditionalCounts,
-    ConditionalKind, Graph, GraphBuilder, GraphCache, GraphCost, GraphInfo, GraphMemory,
-    NodeCounts, NodeId, Outputs, RebindOutcome, Selection, Served, SizeHistogram, Staged,
-    StaticGraph,
+    ConditionalKind, Fork, Graph, GraphBuilder, GraphCache, GraphCost, GraphInfo, GraphMemory,
+    NodeCounts, NodeId, Outputs, RebindOutcome, Selection, Served, SideStream, SizeHistogram,
+    Staged, StaticGraph,
 };
 pub use ids::PoolId;
 pub use interop::{cudarc_stream, CudarcSlice};

@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod chain;
+pub mod ddp;
 pub mod engines;
 pub mod gemm;
 pub mod rebind;

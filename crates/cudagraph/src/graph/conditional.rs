@@ -437,6 +437,7 @@ impl CaptureStream<'_> {
             depth: self.depth + 1,
             scope: Some(std::cell::RefCell::new(BodyScope::default())),
             conds: std::cell::RefCell::new(Vec::new()),
+            sides: self.sides,
         };
         let value = body(&inner)?;
         if let Some(counter) = &counter {

@@ -228,7 +228,8 @@ impl BlockRef {
     pub fn capture_id(&self) -> u64 {
         self.capture
     }
-    /// Ordinal of the device the block's memory belongs to.
+    /// Ordinal of the device the memory belongs to (for libraries that check buffers before
+    /// passing their addresses to a CUDA library).
     pub fn device_ordinal(&self) -> usize {
         match &self.owner {
             Owner::Allocator(a) => a.ordinal(),

@@ -379,6 +379,31 @@ impl StreamHandle {
         Ok(())
     }
 
+    /// Marks this stream as joining another stream's capture (a side stream forked from a
+    /// capture: see `crate::graph::SideStream`). Like [`Self::begin_capture`], records the
+    /// fence of the work queued so far first; call it before the stream waits on the capture's
+    /// event, and [`Self::leave_capture`] once the origin capture has ended. False if the
+    /// stream is already capturing by our account.
+    #[track_caller]
+    pub(crate) fn join_capture(&self) -> Result<bool> {
+        let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if st.capturing {
+            return Ok(false);
+        }
+        let fence = Event::new(&self.0.ctx, false)?;
+        self.record(&fence)?;
+        st.capturing = true;
+        st.begin_fence = Some(fence);
+        Ok(true)
+    }
+
+    /// Undoes [`Self::join_capture`] after the capture the stream joined has ended.
+    pub(crate) fn leave_capture(&self) {
+        let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        st.capturing = false;
+        st.begin_fence = None;
+    }
+
     /// Ends the capture. Returns the graph, or the driver's error (any partial graph the
     /// driver handed back has been destroyed).
     #[track_caller]

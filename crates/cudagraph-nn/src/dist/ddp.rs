@@ -1,0 +1,461 @@
+//! [`DistributedDataParallel`]: data-parallel training the way PyTorch's DDP does it — every
+//! rank runs the same model on its share of the batch, and the gradients are averaged over
+//! the ranks during the backward pass, so every rank takes the same optimizer step.
+//!
+//! Gradients are grouped into buckets (about 25 MiB, in reverse parameter order, because
+//! that is roughly the order backward produces them). A parameter of a bucket's size or more
+//! is a bucket of its own, reduced in place in its gradient buffer; smaller ones share a flat
+//! buffer they are copied into and back out of. As soon as the last gradient of a bucket is
+//! complete, the communication stream waits for the compute stream (an event), copies the
+//! bucket in, all-reduces it (NCCL's average: each rank's gradient scaled by 1/world, then
+//! summed — PyTorch's default), and copies it out, while the compute stream goes on with the
+//! rest of the backward pass; at the end the compute stream waits for the communication
+//! stream (an event), so the optimizer step sees averaged gradients. Buckets are reduced in
+//! bucket order on every rank, so the collectives match.
+//!
+//! The same code runs eagerly on a [`Stream`] or inside [`cudagraph::Graph::capture`]: the
+//! communication stream joins the capture through the event wait ([`cudagraph::Fork`]), and
+//! the graph holds the all-reduces as a branch beside the backward kernels — the whole step,
+//! collectives included, in one graph per rank. Gradients with `zero_grad(set_to_none)` are
+//! buffers adopted during backward; the copies (and in-place reductions) are recorded on
+//! whatever buffers backward produced, which a captured step reproduces at the same addresses
+//! on every replay.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudagraph::{DeviceBuffer, Fork, Queue, QueueExt, SideStream, Stream};
+
+use super::nccl::{Communicator, ReduceOp};
+use super::DistError;
+use crate::error::{NnError, Result};
+use crate::tensor::{Parameter, Tensor};
+
+/// Options of [`DistributedDataParallel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DdpOptions {
+    /// Bytes of gradients per bucket (PyTorch's `bucket_cap_mb`, default 25 MiB).
+    pub bucket_cap_bytes: usize,
+    /// Copy rank 0's parameters to every rank when the wrapper is made (default on), so all
+    /// ranks start from the same weights whatever their initialisation.
+    pub broadcast_parameters: bool,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions {
+            bucket_cap_bytes: 25 << 20,
+            broadcast_parameters: true,
+        }
+    }
+}
+
+/// Groups parameters (their gradient sizes in bytes, in parameter order) into buckets, in
+/// the order they are reduced: walking the parameters in reverse, one of `cap` bytes or more
+/// gets a bucket of its own at once; smaller ones fill a shared bucket, closed when it
+/// reaches `cap` bytes (and at the end).
+pub fn plan_buckets(sizes: &[usize], cap: usize) -> Vec<Vec<usize>> {
+    let mut buckets = Vec::new();
+    let (mut open, mut open_bytes) = (Vec::new(), 0usize);
+    for i in (0..sizes.len()).rev() {
+        if sizes[i] >= cap {
+            buckets.push(vec![i]);
+            continue;
+        }
+        open.push(i);
+        open_bytes = open_bytes.saturating_add(sizes[i]);
+        if open_bytes >= cap {
+            buckets.push(std::mem::take(&mut open));
+            open_bytes = 0;
+        }
+    }
+    if !open.is_empty() {
+        buckets.push(open);
+    }
+    buckets
+}
+
+struct Bucket {
+    /// Indices into the parameter list.
+    members: Vec<usize>,
+    /// Element offset of each member in `flat`.
+    offsets: Vec<usize>,
+    /// The shared buffer; `None` for a one-parameter bucket, reduced in place.
+    flat: Option<DeviceBuffer<f32>>,
+}
+
+/// What one bucket holds (see [`DistributedDataParallel::buckets`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketInfo {
+    /// Parameter indices (into the list given to [`DistributedDataParallel::new`]).
+    pub params: Vec<usize>,
+    /// Gradient elements.
+    pub numel: usize,
+    /// Reduced in place in the parameter's own gradient (no copies).
+    pub in_place: bool,
+}
+
+/// Data-parallel training over a [`Communicator`] (PyTorch's `DistributedDataParallel`,
+/// applied to a list of parameters): call [`Self::backward`] instead of `loss.backward` and
+/// every rank ends up with the average of all ranks' gradients.
+///
+/// One backward per step (there is no `no_sync` gradient accumulation yet). A parameter that
+/// gets no gradient on a rank (unused in its forward pass) contributes zeros there and
+/// receives the average like the others — so a parameter unused on every rank ends with a
+/// zero gradient, where PyTorch leaves it `None`.
+///
+/// ```no_run
+/// use cudagraph::{CaptureOptions, Device, Graph};
+/// use cudagraph_nn::*;
+/// # fn main() -> Result<()> {
+/// // One process per GPU: `cudagraph launch --nproc 2 -- ./train` sets RANK, WORLD_SIZE...
+/// let env = dist::DistEnv::from_env()?.unwrap_or_else(dist::DistEnv::single);
+/// let dev = Device::open(env.local_rank)?;
+/// let comm = Communicator::from_env(&dev)?;
+/// let mut s = dev.new_stream()?;
+/// let mut rng = Rng::new(0);
+/// let model = Linear::new(&s, 1024, 1024, &mut rng)?;
+/// let mut ddp = DistributedDataParallel::new(&s, &comm, model.parameters(), DdpOptions::default())?;
+/// let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;
+/// let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?; // this rank's shard
+/// let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
+/// // Warm up eagerly (the same code), then capture the whole step, all-reduces included.
+/// let (step, _loss) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+///     opt.zero_grad(cs, true)?;
+///     let loss = mse_loss(cs, &model.forward(cs, &x)?, &y, Reduction::Mean)?;
+///     ddp.backward(cs, &loss)?;
+///     opt.step(cs)?;
+///     Ok(loss)
+/// })
+/// .map_err(NnError::from)?;
+/// for _ in 0..100 {
+///     step.replay(&s)?;
+/// }
+/// ddp.synchronize(&s)?; // fails instead of hanging if a peer died
+/// # Ok(()) }
+/// ```
+pub struct DistributedDataParallel {
+    comm: Communicator,
+    params: Vec<Parameter>,
+    buckets: Vec<Bucket>,
+    /// Parameter key → index.
+    index: HashMap<usize, usize>,
+    /// Parameter index → bucket.
+    bucket_of: Vec<usize>,
+    comm_stream: Stream,
+}
+
+impl std::fmt::Debug for DistributedDataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DistributedDataParallel({} parameters in {} buckets, {:?})",
+            self.params.len(),
+            self.buckets.len(),
+            self.comm
+        )
+    }
+}
+
+/// A 64-bit FNV-1a hash of what every rank must agree on.
+fn signature(params: &[Parameter], cap: usize) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(params.len() as u64);
+    eat(cap as u64);
+    for p in params {
+        eat(p.shape().len() as u64);
+        for &d in p.shape() {
+            eat(d as u64);
+        }
+    }
+    (h & (i64::MAX as u64)) as i64
+}
+
+impl DistributedDataParallel {
+    /// Wraps `params` (a model's parameters, the same list in the same order on every rank)
+    /// for data-parallel training on `comm`. Allocates the bucket buffers on `s`, checks that
+    /// every rank has the same parameter shapes, and copies rank 0's parameters to all ranks
+    /// (unless `opts` says not to), waiting for that with the communicator's watchdog.
+    pub fn new(
+        s: &Stream,
+        comm: &Communicator,
+        params: Vec<Parameter>,
+        opts: DdpOptions,
+    ) -> Result<Self> {
+        let ordinal = comm.device_ordinal();
+        let wrong = |what, got| -> NnError {
+            cudagraph::Error::WrongDevice {
+                what,
+                expected: ordinal,
+                got,
+            }
+            .into()
+        };
+        if s.device().ordinal() != ordinal {
+            return Err(wrong("stream", s.device().ordinal()));
+        }
+        if opts.bucket_cap_bytes == 0 {
+            return Err(DistError::Usage("bucket_cap_bytes must be at least 1".into()).into());
+        }
+        let mut index = HashMap::with_capacity(params.len());
+        for (i, p) in params.iter().enumerate() {
+            if p.data().block().device_ordinal() != ordinal {
+                return Err(wrong("parameter", p.data().block().device_ordinal()));
+            }
+            if index.insert(p.key(), i).is_some() {
+                return Err(DistError::Usage(format!(
+                    "parameter {i} ({}) is listed twice",
+                    p.name()
+                ))
+                .into());
+            }
+        }
+        let sizes: Vec<usize> = params.iter().map(|p| p.numel().saturating_mul(4)).collect();
+        let mut bucket_of = vec![0; params.len()];
+        let mut buckets = Vec::new();
+        for (b, members) in plan_buckets(&sizes, opts.bucket_cap_bytes)
+            .into_iter()
+            .enumerate()
+        {
+            let mut offsets = Vec::with_capacity(members.len());
+            let mut numel = 0usize;
+            for &m in &members {
+                bucket_of[m] = b;
+                offsets.push(numel);
+                numel = numel
+                    .checked_add(params[m].numel())
+                    .ok_or_else(|| DistError::Usage("a gradient bucket's size overflows".into()))?;
+            }
+            let flat = if members.len() > 1 {
+                Some(s.alloc::<f32>(numel)?)
+            } else {
+                None
+            };
+            buckets.push(Bucket {
+                members,
+                offsets,
+                flat,
+            });
+        }
+        let ddp = DistributedDataParallel {
+            comm: comm.clone(),
+            comm_stream: s.device().new_stream()?,
+            params,
+            buckets,
+            index,
+            bucket_of,
+        };
+        if comm.world_size() > 1 {
+            ddp.verify_layout(s, opts.bucket_cap_bytes)?;
+            if opts.broadcast_parameters {
+                for p in &ddp.params {
+                    comm.broadcast(s, p.data(), 0)?;
+                }
+                comm.synchronize(s)?;
+            }
+        }
+        Ok(ddp)
+    }
+
+    /// Fails on every rank when the ranks' parameter lists differ (their collectives would not
+    /// match): the largest of every rank's signature (and of its negation) must be its own.
+    fn verify_layout(&self, s: &Stream, cap: usize) -> Result<()> {
+        let sig = signature(&self.params, cap);
+        let buf = s.alloc_from_host(&[sig, -sig])?;
+        self.comm.all_reduce(s, &buf, ReduceOp::Max)?;
+        self.comm.synchronize(s)?;
+        if s.to_vec(&buf)? != [sig, -sig] {
+            let total: usize = self.params.iter().map(Parameter::numel).sum();
+            let e = DistError::Mismatch(format!(
+                "rank {} has {} parameters ({total} elements) but another rank's list differs in count, shapes or bucket size; every rank must wrap the same model with the same DdpOptions",
+                self.comm.rank(),
+                self.params.len()
+            ));
+            self.comm.abort(&e.to_string());
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    /// Backward from the scalar `loss` with every gradient averaged over the ranks (see the
+    /// module docs). `q` is the compute queue: an eager [`Stream`] or a capture stream.
+    /// Everything enqueued on `q` afterwards (the optimizer step) sees averaged gradients.
+    pub fn backward(&mut self, q: &dyn Fork, loss: &Tensor) -> Result<()> {
+        if loss.numel() != 1 {
+            return Err(NnError::NotScalar(loss.shape().to_vec()));
+        }
+        let seed = Tensor::full(q.as_queue(), &[1], 1.0)?;
+        self.backward_with(q, loss, seed)
+    }
+
+    /// [`Self::backward`] from `output` with upstream gradient `grad`.
+    pub fn backward_with(&mut self, q: &dyn Fork, output: &Tensor, grad: Tensor) -> Result<()> {
+        let nq = q.as_queue();
+        if self.comm.world_size() == 1 {
+            return output.backward_with(nq, grad);
+        }
+        // Fail before enqueueing anything if a peer is already gone.
+        self.comm.check()?;
+        let DistributedDataParallel {
+            comm,
+            params,
+            buckets,
+            index,
+            bucket_of,
+            comm_stream,
+        } = self;
+        let side = q.fork(comm_stream)?;
+        let mut ready = vec![0usize; buckets.len()];
+        let mut seen = vec![false; params.len()];
+        let mut next = 0usize;
+        let mut hook = |_: &dyn Queue, p: &Parameter| -> Result<()> {
+            let Some(&i) = index.get(&p.key()) else {
+                return Ok(()); // not one of ours
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return Ok(());
+            }
+            ready[bucket_of[i]] += 1;
+            while next < buckets.len() && ready[next] == buckets[next].members.len() {
+                reduce(&side, comm, params, &buckets[next])?;
+                next += 1;
+            }
+            Ok(())
+        };
+        output.backward_with_hook(nq, grad, &mut hook)?;
+        // Buckets with a parameter that got no gradient here (unused in this forward pass)
+        // take part anyway, with zeros: every rank must issue the same collectives.
+        while next < buckets.len() {
+            reduce(&side, comm, params, &buckets[next])?;
+            next += 1;
+        }
+        side.join()?;
+        Ok(())
+    }
+
+    /// Waits for everything queued on `s` with the communicator's watchdog (see
+    /// [`Communicator::synchronize`]).
+    pub fn synchronize(&self, s: &Stream) -> Result<()> {
+        self.comm.synchronize(s)
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The wrapped parameters.
+    pub fn parameters(&self) -> &[Parameter] {
+        &self.params
+    }
+
+    /// The buckets, in reduction order.
+    pub fn buckets(&self) -> Vec<BucketInfo> {
+        self.buckets
+            .iter()
+            .map(|b| BucketInfo {
+                params: b.members.clone(),
+                numel: b.members.iter().map(|&m| self.params[m].numel()).sum(),
+                in_place: b.flat.is_none(),
+            })
+            .collect()
+    }
+}
+
+/// Enqueues one bucket's reduction on the communication branch, after the compute work so
+/// far (which produced its gradients).
+fn reduce(
+    side: &SideStream<'_>,
+    comm: &Communicator,
+    params: &[Parameter],
+    b: &Bucket,
+) -> Result<()> {
+    side.wait_main()?;
+    let Some(flat) = &b.flat else {
+        let p = &params[b.members[0]];
+        let g = match p.grad() {
+            Some(g) => g,
+            None => {
+                let z = Arc::new(side.alloc_zeroed::<f32>(p.numel())?);
+                p.set_grad(Some(z.clone()))?;
+                z
+            }
+        };
+        return comm.all_reduce(side, &g, ReduceOp::Avg);
+    };
+    let grads: Vec<_> = b.members.iter().map(|&m| params[m].grad()).collect();
+    for ((&m, &off), g) in b.members.iter().zip(&b.offsets).zip(&grads) {
+        let n = params[m].numel();
+        match g {
+            Some(g) => side.copy_range(g, 0, flat, off, n)?,
+            None => side.memset_zero_range(flat, off, n)?,
+        }
+    }
+    comm.all_reduce(side, flat, ReduceOp::Avg)?;
+    for ((&m, &off), g) in b.members.iter().zip(&b.offsets).zip(grads) {
+        let p = &params[m];
+        let n = p.numel();
+        let g = match g {
+            Some(g) => g,
+            None => {
+                let buf = Arc::new(side.alloc::<f32>(n)?);
+                p.set_grad(Some(buf.clone()))?;
+                buf
+            }
+        };
+        side.copy_range(flat, off, &g, 0, n)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plan_buckets;
+
+    #[test]
+    fn buckets_follow_reverse_parameter_order() {
+        // Linear(1024, 1024): weight 4 MiB, bias 4 KiB -> one shared bucket, bias first.
+        assert_eq!(
+            plan_buckets(&[4 << 20, 4 << 10], 25 << 20),
+            vec![vec![1, 0]]
+        );
+        // Small parameters fill buckets up to the cap, last parameter first.
+        assert_eq!(
+            plan_buckets(&[10, 10, 10, 10, 10], 20),
+            vec![vec![4, 3], vec![2, 1], vec![0]]
+        );
+    }
+
+    #[test]
+    fn large_parameters_get_their_own_bucket() {
+        // 8 x Linear(4096, 4096): 64 MiB weights reduced in place one by one, as backward
+        // produces them; the 16 KiB biases share one bucket at the end.
+        let mut sizes = Vec::new();
+        for _ in 0..8 {
+            sizes.extend([64 << 20, 16 << 10]);
+        }
+        let b = plan_buckets(&sizes, 25 << 20);
+        assert_eq!(b.len(), 9);
+        for (k, bucket) in b[..8].iter().enumerate() {
+            assert_eq!(bucket, &vec![14 - 2 * k]);
+        }
+        assert_eq!(b[8], vec![15, 13, 11, 9, 7, 5, 3, 1]);
+    }
+
+    #[test]
+    fn every_parameter_is_in_exactly_one_bucket() {
+        for cap in [1usize, 7, 100, 1 << 30] {
+            let sizes: Vec<usize> = (0..50).map(|i| (i * 37) % 101).collect();
+            let mut all: Vec<usize> = plan_buckets(&sizes, cap).concat();
+            all.sort_unstable();
+            assert_eq!(all, (0..50).collect::<Vec<_>>(), "cap {cap}");
+        }
+        assert!(plan_buckets(&[], 10).is_empty());
+    }
+}

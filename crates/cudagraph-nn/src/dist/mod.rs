@@ -1,0 +1,392 @@
+//! Data-parallel training on several GPUs with NCCL: one process per GPU (launched like
+//! `torchrun`: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), or one thread
+//! per GPU in a single process for quick use.
+//!
+//! - [`DistEnv`] reads PyTorch's launch variables; [`DistOptions`] the timeouts.
+//! - [`rendezvous`]: rank 0 listens on `MASTER_ADDR:MASTER_PORT`, the others connect (std TCP,
+//!   timeouts everywhere) and receive the NCCL unique id; the connections stay open as a
+//!   liveness channel, so a rank that dies is noticed by the others at once, on one machine or
+//!   across machines.
+//! - [`Communicator`] (in `nccl`): an NCCL communicator on one device — in-place all-reduce
+//!   and broadcast on any [`cudagraph::Queue`] (eager or inside a capture), and a watchdog
+//!   wait that turns a dead peer, an NCCL error or a timeout into an error (aborting the
+//!   communicator) instead of a hang.
+//! - [`DistributedDataParallel`]: gradients in buckets, each all-reduced on a communication
+//!   stream as soon as its gradients are ready, overlapping the rest of the backward pass —
+//!   eagerly, or captured with the whole step into one graph per rank.
+//!
+//! NCCL is loaded at run time (cudarc, dynamic loading): building needs no NCCL, and a
+//! machine without it gets one [`DistError::NcclMissing`] naming what was tried.
+//! `CUDAGRAPH_NCCL_LIB` may point at the library (e.g. a `libnccl.so.2` inside a Python
+//! environment).
+
+mod ddp;
+mod nccl;
+pub mod rendezvous;
+mod threads;
+
+use std::time::Duration;
+
+pub use ddp::{plan_buckets, BucketInfo, DdpOptions, DistributedDataParallel};
+pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp};
+pub use rendezvous::{Health, Membership, PeerMonitor};
+pub use threads::{run_threads, RankContext};
+
+/// Errors of multi-GPU work: NCCL, the launch environment, the rendezvous, peers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistError {
+    /// The NCCL library could not be loaded, lacks a function we call, or is too old.
+    #[error("NCCL is not available: {detail}. Install NCCL 2.13 or newer so that libnccl.so is on the loader path, or set CUDAGRAPH_NCCL_LIB to the library's path")]
+    NcclMissing { detail: String },
+
+    /// An NCCL call failed.
+    #[error("{call} failed: {name} ({code}){detail}")]
+    Nccl {
+        call: &'static str,
+        code: i32,
+        name: String,
+        detail: String,
+    },
+
+    /// A launch variable is missing or malformed.
+    #[error("environment variable {var}: {problem}")]
+    Env { var: &'static str, problem: String },
+
+    /// The rendezvous failed (wrong world size, duplicate rank, unreachable rank 0...).
+    #[error("rendezvous at {addr}: {problem}")]
+    Rendezvous { addr: String, problem: String },
+
+    /// Something did not finish in time.
+    #[error("{what} did not finish within {secs:.0} s: {hint}")]
+    Timeout {
+        what: String,
+        secs: f64,
+        hint: String,
+    },
+
+    /// Another rank failed or disappeared.
+    #[error("a peer failed: {0}")]
+    PeerFailed(String),
+
+    /// The communicator was aborted (after an error, a timeout or a failed peer); it cannot
+    /// be used any more. Exit the process: the device may still hold work that waits for a
+    /// peer.
+    #[error("the NCCL communicator was aborted: {reason}")]
+    Aborted { reason: String },
+
+    /// Ranks disagree about something that must be identical (the model's parameters).
+    #[error("ranks disagree: {0}")]
+    Mismatch(String),
+
+    /// A call that cannot work as made.
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// The variables `torchrun` (and `cudagraph launch`) set for each process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DistEnv {
+    /// This process's rank in `0..world_size` (`RANK`).
+    pub rank: usize,
+    /// Number of processes (`WORLD_SIZE`).
+    pub world_size: usize,
+    /// Rank on this machine, which is also the CUDA device to use (`LOCAL_RANK`; defaults to
+    /// `RANK`).
+    pub local_rank: usize,
+    /// Host name or address of rank 0 (`MASTER_ADDR`).
+    pub master_addr: String,
+    /// Port rank 0 listens on for the rendezvous (`MASTER_PORT`).
+    pub master_port: u16,
+}
+
+impl DistEnv {
+    /// Reads the launch variables from the process environment. `Ok(None)` when neither
+    /// `RANK` nor `WORLD_SIZE` is set (not launched for distributed work).
+    pub fn from_env() -> Result<Option<Self>, DistError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`Self::from_env`] over any variable lookup (tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, DistError> {
+        let (rank, world) = (get("RANK"), get("WORLD_SIZE"));
+        if rank.is_none() && world.is_none() {
+            return Ok(None);
+        }
+        let num = |var: &'static str, v: Option<String>| -> Result<usize, DistError> {
+            let v = v.ok_or_else(|| DistError::Env {
+                var,
+                problem: "not set (RANK and WORLD_SIZE go together)".into(),
+            })?;
+            v.trim().parse::<usize>().map_err(|_| DistError::Env {
+                var,
+                problem: format!("`{v}` is not a non-negative integer"),
+            })
+        };
+        let world_size = num("WORLD_SIZE", world)?;
+        let rank = num("RANK", rank)?;
+        if world_size == 0 {
+            return Err(DistError::Env {
+                var: "WORLD_SIZE",
+                problem: "must be at least 1".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(DistError::Env {
+                var: "RANK",
+                problem: format!("{rank} is not below WORLD_SIZE={world_size}"),
+            });
+        }
+        let local_rank = match get("LOCAL_RANK") {
+            Some(v) => num("LOCAL_RANK", Some(v))?,
+            None => rank,
+        };
+        // One process needs no rendezvous: the address only matters for two or more.
+        let need = world_size > 1;
+        let master_addr = match get("MASTER_ADDR") {
+            Some(a) if !a.trim().is_empty() => a.trim().to_string(),
+            _ if need => {
+                return Err(DistError::Env {
+                    var: "MASTER_ADDR",
+                    problem: "not set: the host rank 0 runs on (127.0.0.1 on one machine)".into(),
+                })
+            }
+            _ => "127.0.0.1".into(),
+        };
+        let master_port = match get("MASTER_PORT") {
+            Some(p) => match p.trim().parse::<u16>() {
+                Ok(port) if port > 0 => port,
+                _ => {
+                    return Err(DistError::Env {
+                        var: "MASTER_PORT",
+                        problem: format!("`{p}` is not a port number in 1..=65535"),
+                    })
+                }
+            },
+            None if need => {
+                return Err(DistError::Env {
+                    var: "MASTER_PORT",
+                    problem: "not set: a free TCP port on rank 0's host (e.g. 29500)".into(),
+                })
+            }
+            None => 29500,
+        };
+        Ok(Some(DistEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr,
+            master_port,
+        }))
+    }
+
+    /// A single process (rank 0 of 1): no rendezvous, no peers.
+    pub fn single() -> Self {
+        DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+        }
+    }
+}
+
+/// Timeouts of distributed work. `from_env` reads overrides in seconds from
+/// `CUDAGRAPH_RDZV_TIMEOUT`, `CUDAGRAPH_DIST_TIMEOUT` and `CUDAGRAPH_HEARTBEAT_TIMEOUT`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DistOptions {
+    /// How long the rendezvous may take: rank 0 waits this long for every rank to connect,
+    /// the others keep retrying to reach rank 0 this long (default 120 s).
+    pub rendezvous_timeout: Duration,
+    /// How long NCCL initialisation, and any one wait for queued collectives, may take before
+    /// the communicator is aborted (default 300 s, like a patient `torchrun` job; lower it to
+    /// notice a hung peer sooner).
+    pub timeout: Duration,
+    /// A peer whose connection has been silent this long (no heartbeat: its host or network
+    /// is down) counts as failed (default 30 s; heartbeats go out every second).
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for DistOptions {
+    fn default() -> Self {
+        DistOptions {
+            rendezvous_timeout: Duration::from_secs(120),
+            timeout: Duration::from_secs(300),
+            heartbeat_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl DistOptions {
+    /// Defaults, overridden by the environment variables named on the type.
+    pub fn from_env() -> Result<Self, DistError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`Self::from_env`] over any variable lookup (tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
+        let mut o = DistOptions::default();
+        let secs = |var: &'static str, default: Duration| -> Result<Duration, DistError> {
+            match get(var) {
+                None => Ok(default),
+                Some(v) => match v.trim().parse::<f64>() {
+                    Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+                    _ => Err(DistError::Env {
+                        var,
+                        problem: format!("`{v}` is not a positive number of seconds"),
+                    }),
+                },
+            }
+        };
+        o.rendezvous_timeout = secs("CUDAGRAPH_RDZV_TIMEOUT", o.rendezvous_timeout)?;
+        o.timeout = secs("CUDAGRAPH_DIST_TIMEOUT", o.timeout)?;
+        o.heartbeat_timeout = secs("CUDAGRAPH_HEARTBEAT_TIMEOUT", o.heartbeat_timeout)?;
+        Ok(o)
+    }
+}
+
+/// Variable that makes multi-GPU tests fail instead of skipping when fewer GPUs (or no
+/// NCCL) are there: `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine.
+pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
+
+/// The gate of multi-GPU tests: true when `n` devices and NCCL are available; otherwise prints
+/// why the test is skipped and returns false — or panics (fails the test) when
+/// `CUDAGRAPH_REQUIRE_GPUS` is `n` or more.
+pub fn multi_gpu_or_skip(n: usize) -> bool {
+    let required = std::env::var(REQUIRE_GPUS_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|r| r >= n);
+    let problem = match cudagraph::runtime::device_count() {
+        Ok(c) if c < n => Some(format!("needs {n} GPUs, found {c}")),
+        Err(e) => Some(format!("needs {n} GPUs: {e}")),
+        Ok(_) => nccl_version().err().map(|e| e.to_string()),
+    };
+    match problem {
+        None => true,
+        Some(p) if required => panic!("{REQUIRE_GPUS_VAR} requires {n} GPUs and NCCL: {p}"),
+        Some(p) => {
+            println!("skipped: {p} (set {REQUIRE_GPUS_VAR}={n} to require it)");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn no_launch_variables_means_not_distributed() {
+        assert_eq!(DistEnv::from_lookup(env(&[])).unwrap(), None);
+    }
+
+    #[test]
+    fn torchrun_variables_are_read() {
+        let e = DistEnv::from_lookup(env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", " node0.example "),
+            ("MASTER_PORT", "29511"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            e,
+            DistEnv {
+                rank: 3,
+                world_size: 4,
+                local_rank: 1,
+                master_addr: "node0.example".into(),
+                master_port: 29511
+            }
+        );
+    }
+
+    #[test]
+    fn local_rank_defaults_to_rank_and_one_process_needs_no_address() {
+        let e = DistEnv::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "1")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((e.local_rank, e.world_size), (0, 1));
+    }
+
+    #[test]
+    fn bad_launch_variables_name_the_variable() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("RANK", "0")], "WORLD_SIZE"),
+            (&[("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")],
+                "MASTER_ADDR",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
+                "MASTER_PORT",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "70000"),
+                ],
+                "MASTER_PORT",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "-1"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "5"),
+                ],
+                "LOCAL_RANK",
+            ),
+        ];
+        for (vars, name) in cases {
+            match DistEnv::from_lookup(env(vars)) {
+                Err(DistError::Env { var, .. }) => assert_eq!(var, *name, "{vars:?}"),
+                other => panic!("{vars:?}: expected an error about {name}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn timeouts_come_from_the_environment() {
+        let o = DistOptions::from_lookup(env(&[
+            ("CUDAGRAPH_DIST_TIMEOUT", "15"),
+            ("CUDAGRAPH_RDZV_TIMEOUT", "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(o.timeout, Duration::from_secs(15));
+        assert_eq!(o.rendezvous_timeout, Duration::from_millis(2500));
+        assert_eq!(
+            o.heartbeat_timeout,
+            DistOptions::default().heartbeat_timeout
+        );
+        for bad in ["0", "-3", "soon", "inf"] {
+            assert!(matches!(
+                DistOptions::from_lookup(env(&[("CUDAGRAPH_DIST_TIMEOUT", bad)])),
+                Err(DistError::Env {
+                    var: "CUDAGRAPH_DIST_TIMEOUT",
+                    ..
+                })
+            ));
+        }
+    }
+}
