@@ -205,7 +205,10 @@ impl Spin {
     pub fn get(device: &Device) -> Result<Arc<Spin>> {
         device
             .extension(|d| {
-                let m = d.compile("cudagraph_nn_spin", SPIN_SOURCE)?;
+                let m = d.compile(
+                    "cudagraph_nn_spin",
+                    &super::module_source("cudagraph_nn_spin"),
+                )?;
                 Ok(Spin {
                     spin: m.function("engines_spin")?,
                 })
@@ -245,7 +248,10 @@ impl ConvKernels {
     pub fn get(device: &Device) -> Result<Arc<ConvKernels>> {
         device
             .extension(|d| {
-                let m = d.compile("cudagraph_nn_igemm", SOURCE)?;
+                let m = d.compile(
+                    "cudagraph_nn_igemm",
+                    &super::module_source("cudagraph_nn_igemm"),
+                )?;
                 let f = |n: &str| m.function(n);
                 let dir = |d: &str| -> cudagraph::Result<[Function; 3]> {
                     Ok([

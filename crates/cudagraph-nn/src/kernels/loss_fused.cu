@@ -33,7 +33,7 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
 
 // One row's target, clamped into [0, cols) and reported when outside (by the caller's lane).
 __device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool report,
-        unsigned int* flag, unsigned int check) {
+        cg_check* flag, unsigned int check) {
     int t = tgt[r];
     if (t < 0 || t >= cols) {
         if (report) cg_report(flag, check, t, cols, r);
@@ -45,7 +45,7 @@ __device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool r
 // One warp per row (8 rows per 256-thread block). With `loss` set (a single block), the block
 // also writes the mean; otherwise each row's loss goes to row_loss[r].
 extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
-        float* loss, int rows, int cols, float inv_rows, unsigned int* flag, unsigned int check) {
+        float* loss, int rows, int cols, float inv_rows, cg_check* flag, unsigned int check) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     float acc = 0.0f;
     for (int r = blockIdx.x * wpb + warp; r < rows; r += gridDim.x * wpb) {
@@ -80,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, co
 
 // One block per row, for wide rows (tens of thousands of classes).
 extern "C" __global__ void __launch_bounds__(256) ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
-        float* loss, int rows, int cols, float inv_rows, unsigned int* flag, unsigned int check) {
+        float* loss, int rows, int cols, float inv_rows, cg_check* flag, unsigned int check) {
     __shared__ float wm[32], ws[32];
     __shared__ float row_m, row_s;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;

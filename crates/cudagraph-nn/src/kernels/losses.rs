@@ -78,13 +78,10 @@ impl LossKernels {
     pub fn get(device: &Device) -> Result<Arc<LossKernels>> {
         device
             .extension(|d| {
-                let src = format!(
-                    "{}{}{}",
-                    cudagraph::DEVICE_CHECK_CUDA,
-                    include_str!("common.cu"),
-                    include_str!("loss_fused.cu")
-                );
-                let m = d.compile("cudagraph_nn_loss", &src)?;
+                let m = d.compile(
+                    "cudagraph_nn_loss",
+                    &super::module_source("cudagraph_nn_loss"),
+                )?;
                 Ok(LossKernels {
                     ce_fwd_warp: m.function("ce_fwd_warp")?,
                     ce_fwd_block: m.function("ce_fwd_block")?,

@@ -32,14 +32,51 @@ pub const SOURCE: &str = concat!(
     include_str!("pool.cu"),
 );
 
+/// Every NVRTC module this crate compiles: its name and its CUDA source exactly as compiled.
+/// The loaders take their source from here, and `tests/kernels_compile.rs` compiles them all
+/// (where NVRTC is installed) so a kernel that does not compile fails a test, not a user.
+pub fn module_sources() -> Vec<(&'static str, String)> {
+    let check = cudagraph::DEVICE_CHECK_CUDA;
+    let pdl = cudagraph::PDL_CUDA;
+    vec![
+        ("cudagraph_nn", format!("{check}{SOURCE}")),
+        (
+            "cudagraph_nn_loss",
+            format!(
+                "{check}{}{}",
+                include_str!("common.cu"),
+                include_str!("loss_fused.cu")
+            ),
+        ),
+        ("cudagraph_nn_optim", optim_mt::SOURCE.to_string()),
+        ("cudagraph_nn_igemm", igemm::SOURCE.to_string()),
+        ("cudagraph_nn_spin", igemm::SPIN_SOURCE.to_string()),
+        ("cudagraph_nn_rng", format!("{pdl}{}", rng::SOURCE)),
+        ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
+        (
+            "cudagraph_nn_pdl",
+            format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),
+        ),
+    ]
+}
+
+/// The source of module `name` (see [`module_sources`]); empty for an unknown name, which
+/// then fails to load with a clear missing-kernel error.
+pub(crate) fn module_source(name: &str) -> String {
+    module_sources()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, s)| s)
+        .unwrap_or_default()
+}
+
 macro_rules! kernels {
     ($($name:ident),* $(,)?) => {
         /// The NN kernels of one device.
         pub struct Kernels { $(pub(crate) $name: Function,)* }
         impl Kernels {
             fn load(device: &Device) -> Result<Self> {
-                let src = format!("{}{}", cudagraph::DEVICE_CHECK_CUDA, SOURCE);
-                let m = device.compile("cudagraph_nn", &src)?;
+                let m = device.compile("cudagraph_nn", &module_source("cudagraph_nn"))?;
                 Ok(Self { $($name: m.function(stringify!($name))?,)* })
             }
         }

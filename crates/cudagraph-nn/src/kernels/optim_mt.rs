@@ -197,7 +197,10 @@ impl OptimKernels {
     pub fn get(device: &Device) -> Result<Arc<OptimKernels>> {
         device
             .extension(|d| {
-                let m = d.compile("cudagraph_nn_optim", SOURCE)?;
+                let m = d.compile(
+                    "cudagraph_nn_optim",
+                    &super::module_source("cudagraph_nn_optim"),
+                )?;
                 Ok(OptimKernels {
                     sgd_s: m.function("sgd_mt_s")?,
                     sgd_l: m.function("sgd_mt_l")?,

@@ -115,13 +115,8 @@ struct Twins(HashMap<String, Function>);
 
 fn twins(device: &Device) -> Result<std::sync::Arc<Twins>> {
     Ok(device.extension(|d| {
-        let (body, names) = with_pdl_prologue(super::SOURCE);
-        let src = format!(
-            "{}{}{}",
-            cudagraph::PDL_CUDA,
-            cudagraph::DEVICE_CHECK_CUDA,
-            body
-        );
+        let (_, names) = with_pdl_prologue(super::SOURCE);
+        let src = super::module_source("cudagraph_nn_pdl");
         // Relaxed capture mode: the first use may be inside a capture (module loading).
         let m = cudagraph::runtime::with_relaxed_capture(|| d.compile("cudagraph_nn_pdl", &src))?;
         let mut fns = HashMap::new();

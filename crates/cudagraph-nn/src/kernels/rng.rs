@@ -35,7 +35,7 @@ impl RngKernels {
             let m = cudagraph::runtime::with_relaxed_capture(|| {
                 d.compile(
                     "cudagraph_nn_rng",
-                    &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
+                    &super::module_source("cudagraph_nn_rng"),
                 )
             })?;
             Ok(RngKernels {

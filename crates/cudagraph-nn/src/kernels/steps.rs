@@ -26,7 +26,7 @@ impl StepKernels {
             let m = cudagraph::runtime::with_relaxed_capture(|| {
                 d.compile(
                     "cudagraph_nn_steps",
-                    &format!("{}{}", cudagraph::PDL_CUDA, SOURCE),
+                    &super::module_source("cudagraph_nn_steps"),
                 )
             })?;
             Ok(StepKernels {

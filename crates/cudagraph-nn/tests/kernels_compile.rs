@@ -1,0 +1,111 @@
+//! Every NVRTC module of the NN layer compiles, and declares every kernel its loader looks up.
+//! Runs wherever NVRTC can be loaded (the GPU machine; or any machine with `libnvrtc.so.13` on
+//! the loader path, e.g. from the `nvidia-cuda-nvrtc` wheel) — no GPU needed, so a kernel that
+//! does not compile fails here before any device time is spent. Without NVRTC it says so.
+
+use cudagraph::runtime::nvrtc::{compile, nvrtc_present};
+use cudagraph_nn::kernels::module_sources;
+
+/// Kernels each module's loader asks for (its `m.function(..)` calls).
+const EXPECTED: &[(&str, &[&str])] = &[
+    (
+        "cudagraph_nn",
+        &[
+            "sgemm_tiled",
+            "splitk_reduce",
+            "sgemm_nt_warpk",
+            "bias_act",
+            "relu_fwd",
+            "relu_bwd",
+            "add_inplace",
+            "col_sum",
+            "channel_sum",
+            "conv2d_fwd",
+            "conv2d_fwd_small",
+            "conv2d_bwd_input",
+            "conv2d_bwd_weight",
+            "maxpool_fwd",
+            "maxpool_bwd",
+        ],
+    ),
+    (
+        "cudagraph_nn_loss",
+        &[
+            "ce_fwd_warp",
+            "ce_fwd_block",
+            "mse_fwd",
+            "scale_by",
+            "sum_scaled",
+        ],
+    ),
+    (
+        "cudagraph_nn_optim",
+        &[
+            "sgd_mt_s",
+            "sgd_mt_l",
+            "adam_mt_s",
+            "adam_mt_l",
+            "lr_schedule",
+        ],
+    ),
+    ("cudagraph_nn_spin", &["engines_spin"]),
+    (
+        "cudagraph_nn_igemm",
+        &[
+            "conv_igemm_fwd_64x64",
+            "conv_igemm_fwd_32x128",
+            "conv_igemm_fwd_128x32",
+            "conv_igemm_bwd_data_64x64",
+            "conv_igemm_bwd_filter_64x64",
+            "conv_igemm_reduce",
+        ],
+    ),
+    (
+        "cudagraph_nn_rng",
+        &[
+            "philox_raw",
+            "rng_bits",
+            "rng_uniform",
+            "rng_normal",
+            "rng_advance",
+            "dropout_fwd",
+            "dropout_bwd",
+        ],
+    ),
+    (
+        "cudagraph_nn_steps",
+        &["gather_batch", "batches_left", "check_finite"],
+    ),
+    (
+        "cudagraph_nn_pdl",
+        &["sgemm_tiled", "relu_fwd", "maxpool_bwd"],
+    ),
+];
+
+#[test]
+fn every_kernel_module_compiles_and_declares_what_its_loader_looks_up() {
+    if !nvrtc_present() {
+        println!("skipped: NVRTC is not installed here (put libnvrtc.so.13 on the loader path)");
+        return;
+    }
+    let modules = module_sources();
+    for (name, src) in &modules {
+        let ptx = compile(name, src, "sm_90").unwrap_or_else(|e| panic!("{name}: {e}"));
+        for (module, kernels) in EXPECTED {
+            if module == name {
+                for k in *kernels {
+                    assert!(
+                        ptx.contains(&format!(".entry {k}(")),
+                        "module {name} has no kernel {k}"
+                    );
+                }
+            }
+        }
+    }
+    for (module, _) in EXPECTED {
+        assert!(
+            modules.iter().any(|(n, _)| n == module),
+            "no module named {module}"
+        );
+    }
+}
