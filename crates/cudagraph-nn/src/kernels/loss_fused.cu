@@ -78,8 +78,8 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, co
     }
 }
 
-// One block per row, for wide rows (tens of thousands of classes).
-extern "C" __global__ void __launch_bounds__(256) ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
+// One block per row (1024 threads), for wide rows (tens of thousands of classes).
+extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
         float* loss, int rows, int cols, float inv_rows, cg_check* flag, unsigned int check) {
     __shared__ float wm[32], ws[32];
     __shared__ float row_m, row_s;
