@@ -1,21 +1,54 @@
 #!/usr/bin/env bash
-# Everything for one device session, in one call: GPU tests, the chain benchmark beside raw
-# CUDA C++, the workloads beside PyTorch (+ cache, rebind, cuBLAS-only comparison), the GEMM
-# table, and eager vs graphed training. Results go to $OUT/results/ and $OUT/results.tar.gz.
+# Everything for one device session, in two calls of under 10 minutes each (PART=1, PART=2; no
+# PART runs both). Results go to $OUT/results/ (packed into $OUT/results-partN.tar.gz); the
+# summary lines are printed. Needs .gpu-bin/ (../shared/tools/gpu-bundle), python3 with torch.
+#   PART=1: the GPU test suite; compute-sanitizer (memcheck with leak check over the suite and
+#           the CLI's main paths; racecheck, synccheck, initcheck over the soundness and core
+#           tests); the soak (10^6 training replays and graph-cache requests, memory flat).
+#   PART=2: `cudagraph bench` beside PyTorch (the seed rows), the shape sweep beside PyTorch
+#           (SWEEP_ONLY=ce,... limits it), `bench chain` (with PDL) beside raw CUDA, `bench cache`,
+#           `bench serve`, training on the digits (1 step per launch vs k).
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}
-res="$OUT/results"
-mkdir -p "$res"
+res="$OUT/results"; mkdir -p "$res"
 stamp=$(date -u +%Y-%m-%d)
+bin=.gpu-bin/bin/cudagraph
+export CUDAGRAPH_CACHE_DIR=${CUDAGRAPH_CACHE_DIR:-/tmp/cudagraph-cache}
+part=${PART:-all}
 nvidia-smi -L | tee "$res/device.txt"
-bash .gpu-bin/run-tests.sh > "$res/gpu-tests-$stamp.log" 2>&1
-tail -n 3 "$res/gpu-tests-$stamp.log"
-OUT="$res" bash bench/device-chain.sh > /dev/null 2>&1 || echo "chain bench failed"
-OUT="$res" bash bench/device-bench.sh > "$res/bench-all-$stamp.log" 2>&1 || echo "workload bench failed"
-.gpu-bin/bin/cudagraph bench gemm > "$res/gemm-$stamp.txt" 2>&1
-.gpu-bin/bin/cudagraph train > "$res/train-eager-$stamp.log" 2>&1
-.gpu-bin/bin/cudagraph train --graph > "$res/train-graph-$stamp.log" 2>&1
-.gpu-bin/bin/cudagraph inspect train --dot "$res/train-step.dot" > "$res/inspect-train-$stamp.txt" 2>&1
-tail -n 2 "$res/train-eager-$stamp.log" "$res/train-graph-$stamp.log"
-tar -C "$OUT" -czf "$OUT/results.tar.gz" results
-cat "$res/bench-$stamp.md"
+if [ "$part" = 1 ] || [ "$part" = all ]; then
+  timeout 240 bash .gpu-bin/run-tests.sh > "$res/gpu-tests-$stamp.log" 2>&1
+  grep -E '^test .*FAILED' "$res/gpu-tests-$stamp.log" | head -20
+  tail -n 2 "$res/gpu-tests-$stamp.log"
+  OUT="$res" TOOLS=memcheck TESTS="${SANITIZE_TESTS-gpu_core gpu_soundness gpu_soundness_nn gpu_nn gpu_optim gpu_io}" \
+    timeout 260 bash bench/sanitize.sh 2>&1 | tail -n 4
+  for tool in racecheck synccheck initcheck; do
+    n=0; runs=0
+    for b in .gpu-bin/tests/gpu_soundness-* .gpu-bin/tests/gpu_soundness_nn-* .gpu-bin/tests/gpu_core-*; do
+      log="$res/sanitize/$tool-$(basename "$b").log"; mkdir -p "$res/sanitize"
+      timeout 60 compute-sanitizer --tool "$tool" "$b" --test-threads=1 --skip misuse_ \
+        --skip ten_thousand --skip twenty_times --skip hundred_thousand --skip eight_threads > "$log" 2>&1
+      e=$(grep -Eo '\(([0-9]+) errors|ERROR SUMMARY: [0-9]+' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+      grep -q 'test result: ok' "$log" || e=$((e + 1000))
+      n=$((n + e)); runs=$((runs + 1))
+    done
+    echo "sanitize $tool: $n errors over $runs runs (soundness, NN soundness and core tests)"
+  done
+  timeout 150 $bin bench soak > "$res/soak-$stamp.txt" 2>&1; echo "soak rc $?"; tail -n 3 "$res/soak-$stamp.txt"
+fi
+if [ "$part" = 2 ] || [ "$part" = all ]; then
+  ours="$bin bench --json --svg $res/bench-$stamp.svg"
+  timeout 120 $ours > "$res/bench-ours.json" 2> "$res/bench-ours.log"
+  PYTHONUNBUFFERED=1 timeout 120 python3 bench/pytorch_baseline.py > "$res/bench-pytorch.json" 2> "$res/bench-pytorch.log"
+  { echo "# cudagraph bench vs PyTorch — $stamp"; echo
+    python3 bench/compare.py "$res/bench-ours.json" "$res/bench-pytorch.json" "$ours; python3 bench/pytorch_baseline.py"; } > "$res/bench-$stamp.md"
+  grep -E '^\| (mlp|linear|shared)' "$res/bench-$stamp.md"
+  only=${SWEEP_ONLY:+--only $SWEEP_ONLY}
+  timeout 200 $bin bench sweep --json $only > "$res/sweep-ours.json" 2> "$res/sweep-ours.log"
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/pytorch_sweep.py ${SWEEP_ONLY:+--only $SWEEP_ONLY} > "$res/sweep-pytorch.json" 2> "$res/sweep-pytorch.log"
+  python3 bench/sweep_compare.py "$res/sweep-ours.json" "$res/sweep-pytorch.json" "$bin bench sweep --json $only; python3 bench/pytorch_sweep.py" > "$res/sweep-$stamp.md"
+  grep -E '^\*\*|^Per kind' "$res/sweep-$stamp.md"
+  timeout 60 $bin bench cache > "$res/cache-$stamp.txt" 2>&1; grep -iE 'us/request|eager|staged' "$res/cache-$stamp.txt" | head -8
+  timeout 90 $bin bench serve --clients 64 --min-rows 1 --max-rows 256 --duration-s 15 > "$res/serve-$stamp.md" 2>&1; tail -n 6 "$res/serve-$stamp.md"
+fi
+tar -czf "$OUT/results-part$part.tar.gz" -C "$OUT" results

@@ -19,6 +19,8 @@ logs=${OUT:-/tmp}/sanitize
 mkdir -p "$logs"
 export CUDAGRAPH_REQUIRE_GPU=1 CUDAGRAPH_CACHE_DIR=${CUDAGRAPH_CACHE_DIR:-/tmp/cudagraph-sanitize-cache}
 tools=${TOOLS:-memcheck racecheck synccheck initcheck}
+# TESTS="gpu_core gpu_soundness" limits the test binaries (by name prefix); default: all.
+tests=${TESTS:-}
 cli=.gpu-bin/bin/cudagraph
 # Long soak-like tests add nothing under instrumentation but time: skipped here, run plainly in the suite.
 skip=(--skip misuse_ --skip hundred_thousand_replays --skip ten_thousand_rebinds --skip twenty_times)
@@ -40,6 +42,10 @@ for tool in $tools; do
   errors=0; runs=0; failed=0; probes=0
   for t in .gpu-bin/tests/*; do
     name=$(basename "$t")
+    if [ -n "$tests" ]; then
+      keep=0; for p in $tests; do [ "${name%-*}" = "$p" ] && keep=1; done
+      [ $keep = 1 ] || continue
+    fi
     # Only binaries that touch the GPU (unit-test binaries without GPU tests finish instantly).
     log="$logs/$tool-$name.log"
     compute-sanitizer $(flags "$tool") --print-limit 50 "$t" --test-threads=1 "${skip[@]}" >"$log" 2>&1
