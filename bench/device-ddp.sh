@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Multi-GPU data parallelism, everything in one device call on a 2-GPU machine (nvidia-h200-x2):
+# (the 2-GPU tests are #[ignore]d in the normal suite; here they run with --include-ignored)
 #   1. the GPU test suite with the 2-GPU tests required (CUDAGRAPH_REQUIRE_GPUS=2),
 #   2. `cudagraph train --nproc 2` on the digits, eager and graphed (+ one GPU for reference),
 #   3. `cudagraph bench ddp` (1 and 2 GPUs, eager vs graph) beside PyTorch DDP (bench/pytorch_ddp.py),
@@ -34,7 +35,7 @@ echo "NCCL library: ${CUDAGRAPH_NCCL_LIB:-libnccl.so from the loader path}" | te
 
 # 1. Tests (the 2-GPU ones must run, not skip).
 t=$(now)
-CUDAGRAPH_REQUIRE_GPUS=2 timeout 300 bash .gpu-bin/run-tests.sh > "$res/gpu-tests-$stamp.log" 2>&1
+CUDAGRAPH_REQUIRE_GPUS=2 timeout 300 bash .gpu-bin/run-tests.sh --include-ignored > "$res/gpu-tests-$stamp.log" 2>&1
 rc=$?
 note "GPU tests (CUDAGRAPH_REQUIRE_GPUS=2, rc $rc, $(secs "$t" "$(now)") s): $(tail -n 1 "$res/gpu-tests-$stamp.log")"
 for name in two_rank_graphed_training_matches_one_rank_on_the_full_batch \
@@ -46,7 +47,7 @@ for name in two_rank_graphed_training_matches_one_rank_on_the_full_batch \
 done
 # The data-parallel tests again, with their measurements shown (tolerances, detection times).
 for b in .gpu-bin/tests/gpu_dist-* .gpu-bin/tests/gpu_dist_failure-* .gpu-bin/tests/gpu_dist_timeout-*; do
-  [ -x "$b" ] && CUDAGRAPH_REQUIRE_GPU=1 CUDAGRAPH_REQUIRE_GPUS=2 timeout 100 "$b" --test-threads=1 --show-output
+  [ -x "$b" ] && CUDAGRAPH_REQUIRE_GPU=1 CUDAGRAPH_REQUIRE_GPUS=2 timeout 100 "$b" --test-threads=1 --include-ignored --show-output
 done > "$res/dist-tests-$stamp.log" 2>&1
 grep -E "parameter [0-9]: relative difference|eager vs graphed relative|rank 0 (failed|timed out) after|^test result" "$res/dist-tests-$stamp.log" | sed 's/^/  /' | head -n 16
 

@@ -294,6 +294,10 @@ fn a_capture_closure_that_panics_mid_backward_is_discarded_cleanly() {
     let model = mlp(&s, &mut rng, &[8, 8, 2]);
     let x = Tensor::zeros(&s, &[4, 8]).unwrap();
     warm(&s);
+    // One eager forward first: the engines' per-stream workspaces (made on first use, kept
+    // for the stream's life) are not what this test looks for.
+    model.forward(&s, &x).unwrap();
+    s.synchronize().unwrap();
     let before = dev.memory_allocated();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let _ = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
