@@ -43,6 +43,11 @@ def main():
     print(f"Device: {d['name']} (CUDA {d['driver_cuda_version']}, {d['multiprocessors']} SMs); "
           f"PyTorch {pt.get('torch', '?')} on {pt.get('device', '?')}, same run. fp32, TF32 off, "
           f"cudnn.benchmark on, capturable optimizers.  ")
+    det = ours.get("deterministic", True)
+    print("Ours: deterministic engines only (the default; PyTorch's default allows cuDNN's "
+          "non-deterministic algorithms).  " if det else
+          "Ours: `CUDAGRAPH_DETERMINISTIC=0` (non-deterministic cuDNN algorithms allowed, as in "
+          "PyTorch's default).  ")
     print(f"Median of {ours['repeats']} samples of ~{ours['sample_ms']} ms of back-to-back replays; "
           f"µs per replay. Ours took {ours['seconds']:.0f} s, PyTorch {pt.get('seconds', 0):.0f} s.  ")
     print(f"Commands: `{commands}`\n")

@@ -28,7 +28,10 @@
 //!
 //! **Deterministic by default.** Only candidates whose results do not depend on scheduling are
 //! considered (cuDNN's non-deterministic algorithms are left out; our split-K reductions sum in a
-//! fixed order), so replays equal eager runs bit for bit. [`Policy::deterministic`] lifts this.
+//! fixed order), so replays equal eager runs bit for bit. [`Policy::deterministic`] lifts this,
+//! or `CUDAGRAPH_DETERMINISTIC=0` (PyTorch's default, `cudnn.deterministic = False`, is the
+//! non-deterministic one: its convolution backward passes may use cuDNN's atomics-based
+//! algorithms, which are often faster for the weight gradient).
 //!
 //! **Forcing an engine** for comparisons: `CUDAGRAPH_GEMM=cublas|cublaslt|tiled|warpk|auto` and
 //! `CUDAGRAPH_CONV=cudnn|ours|igemm|direct|auto` (read once per process; an unknown value is an
@@ -66,6 +69,9 @@ use crate::kernels::igemm::{Spin, Tile};
 pub const GEMM_VAR: &str = "CUDAGRAPH_GEMM";
 /// Name of the variable that forces the convolution engine family.
 pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
+/// Name of the variable that lets the registry choose non-deterministic engines
+/// (`CUDAGRAPH_DETERMINISTIC=0`; default `1`).
+pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 
 /// Version of the on-disk table format.
 const FORMAT: u32 = 1;
@@ -123,6 +129,18 @@ pub fn parse_gemm_engine(v: &str) -> Result<Engine> {
     }
 }
 
+/// Parses a `CUDAGRAPH_DETERMINISTIC` value (unset or empty: deterministic).
+pub fn parse_deterministic(v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        other => Err(NnError::Config(format!(
+            "{DETERMINISTIC_VAR}={other:?} is not a switch; use 1 (only bit-reproducible engines, \
+             the default) or 0 (also cuDNN's non-deterministic algorithms)"
+        ))),
+    }
+}
+
 /// Parses a `CUDAGRAPH_CONV` value.
 pub fn parse_conv_engine(v: &str) -> Result<ConvEngine> {
     match v.trim().to_ascii_lowercase().as_str() {
@@ -166,20 +184,24 @@ impl Default for Policy {
 }
 
 impl Policy {
-    /// The default policy with `CUDAGRAPH_GEMM` and `CUDAGRAPH_CONV` applied (read once per
-    /// process; an invalid value is an error every time).
+    /// The default policy with `CUDAGRAPH_GEMM`, `CUDAGRAPH_CONV` and
+    /// `CUDAGRAPH_DETERMINISTIC` applied (read once per process; an invalid value is an error
+    /// every time).
     pub fn from_env() -> Result<Policy> {
-        static ENV: OnceLock<std::result::Result<(Engine, ConvEngine), String>> = OnceLock::new();
+        type Parsed = std::result::Result<(Engine, ConvEngine, bool), String>;
+        static ENV: OnceLock<Parsed> = OnceLock::new();
         let parsed = ENV.get_or_init(|| {
             let get = |name: &str| std::env::var(name).unwrap_or_default();
             let gemm = parse_gemm_engine(&get(GEMM_VAR)).map_err(|e| e.to_string())?;
             let conv = parse_conv_engine(&get(CONV_VAR)).map_err(|e| e.to_string())?;
-            Ok((gemm, conv))
+            let det = parse_deterministic(&get(DETERMINISTIC_VAR)).map_err(|e| e.to_string())?;
+            Ok((gemm, conv, det))
         });
         match parsed {
-            Ok((gemm, conv)) => Ok(Policy {
+            Ok((gemm, conv, det)) => Ok(Policy {
                 gemm: *gemm,
                 conv: *conv,
+                deterministic: *det,
                 ..Policy::default()
             }),
             Err(e) => Err(NnError::Config(e.clone())),
@@ -888,6 +910,15 @@ mod tests {
         let e = parse_conv_engine("fast").unwrap_err().to_string();
         assert!(
             e.contains("CUDAGRAPH_CONV") && e.contains("\"fast\""),
+            "{e}"
+        );
+        assert!(parse_deterministic("").unwrap());
+        assert!(parse_deterministic(" 1").unwrap());
+        assert!(!parse_deterministic("0").unwrap());
+        assert!(!parse_deterministic("False").unwrap());
+        let e = parse_deterministic("maybe").unwrap_err().to_string();
+        assert!(
+            e.contains("CUDAGRAPH_DETERMINISTIC") && e.contains("\"maybe\""),
             "{e}"
         );
     }

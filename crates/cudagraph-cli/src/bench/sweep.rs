@@ -152,6 +152,8 @@ pub struct Report {
     pub sample_ms: f64,
     pub repeats: usize,
     pub seconds: f64,
+    /// Only bit-reproducible engines (`CUDAGRAPH_DETERMINISTIC`, default true).
+    pub deterministic: bool,
     pub rows: Vec<Row>,
 }
 
@@ -537,6 +539,7 @@ pub fn run(ordinal: usize, a: &SweepArgs) -> AnyResult<()> {
         sample_ms: a.sample_ms,
         repeats: a.repeats,
         seconds: started.elapsed().as_secs_f64(),
+        deterministic: cudagraph_nn::engine::Policy::from_env()?.deterministic,
         rows,
     };
     if a.json {
