@@ -85,6 +85,56 @@ fn bar(n: usize, what: &str, quiet: bool) -> ProgressBar {
     pb
 }
 
+/// Records a [`Phase`] at every tenth of a workload's `n` iterations (and at the last one),
+/// with a progress bar.
+struct Tenths<'a> {
+    dev: &'a Device,
+    n: usize,
+    tenth: usize,
+    workload: &'static str,
+    pb: ProgressBar,
+    since: Instant,
+}
+
+impl<'a> Tenths<'a> {
+    fn new(dev: &'a Device, n: usize, workload: &'static str, quiet: bool) -> Self {
+        Tenths {
+            dev,
+            n,
+            tenth: (n / 10).max(1),
+            workload,
+            pb: bar(n, workload, quiet),
+            since: Instant::now(),
+        }
+    }
+
+    /// After iteration `i` (1-based): at a tenth, waits for the stream and records the phase.
+    fn tick(&mut self, i: usize, s: &Stream, phases: &mut Vec<Phase>) -> AnyResult<()> {
+        if i % self.tenth != 0 && i != self.n {
+            return Ok(());
+        }
+        s.synchronize()?;
+        let done = if i % self.tenth == 0 {
+            self.tenth
+        } else {
+            i % self.tenth
+        };
+        phases.push(Phase {
+            workload: self.workload,
+            done: i,
+            per_second: done as f64 / self.since.elapsed().as_secs_f64(),
+            memory: memory(self.dev)?,
+        });
+        self.pb.set_position(i as u64);
+        self.since = Instant::now();
+        Ok(())
+    }
+
+    fn finish(self) {
+        self.pb.finish_and_clear();
+    }
+}
+
 /// The eager answer for the first `rows` rows of `input` (1024 features each).
 fn eager(
     s: &Stream,
@@ -104,7 +154,6 @@ pub fn run(ordinal: usize, a: &SoakArgs) -> AnyResult<()> {
     let mut s = dev.new_stream()?;
     let mut rng = Rng::new(1);
     let n = a.requests.max(10);
-    let tenth = (n / 10).max(1);
 
     // The training step, captured once.
     let lin = Linear::new(&s, 1024, 1024, &mut rng)?;
@@ -150,32 +199,19 @@ pub fn run(ordinal: usize, a: &SoakArgs) -> AnyResult<()> {
     let start = memory(&dev)?;
     let mut phases = Vec::new();
 
-    let pb = bar(n, "train replays", a.json);
-    let mut t = Instant::now();
+    let mut tenths = Tenths::new(&dev, n, "train step", a.json);
     for i in 1..=n {
         step.replay(&s)?;
-        if i % tenth == 0 || i == n {
-            s.synchronize()?;
-            let done = if i % tenth == 0 { tenth } else { i % tenth };
-            phases.push(Phase {
-                workload: "train step",
-                done: i,
-                per_second: done as f64 / t.elapsed().as_secs_f64(),
-                memory: memory(&dev)?,
-            });
-            pb.set_position(i as u64);
-            t = Instant::now();
-        }
+        tenths.tick(i, &s, &mut phases)?;
     }
-    pb.finish_and_clear();
+    tenths.finish();
     let final_loss = loss.to_vec(&s)?[0];
     if !final_loss.is_finite() {
         return Err(format!("training diverged: loss {final_loss}").into());
     }
 
-    let pb = bar(n, "cache requests", a.json);
+    let mut tenths = Tenths::new(&dev, n, "graph cache", a.json);
     let mut checks = 0;
-    let mut t = Instant::now();
     for (i, &rows) in sizes.iter().enumerate() {
         let i = i + 1;
         let (out, _) = cache.run(&mut s, &input, rows)?;
@@ -195,20 +231,9 @@ pub fn run(ordinal: usize, a: &SoakArgs) -> AnyResult<()> {
             checks += 1;
         }
         drop(out);
-        if i % tenth == 0 || i == n {
-            s.synchronize()?;
-            let done = if i % tenth == 0 { tenth } else { i % tenth };
-            phases.push(Phase {
-                workload: "graph cache",
-                done: i,
-                per_second: done as f64 / t.elapsed().as_secs_f64(),
-                memory: memory(&dev)?,
-            });
-            pb.set_position(i as u64);
-            t = Instant::now();
-        }
+        tenths.tick(i, &s, &mut phases)?;
     }
-    pb.finish_and_clear();
+    tenths.finish();
     s.synchronize()?;
     let end = memory(&dev)?;
     // Ours must be exactly flat; the driver's free memory within 2 MiB (its own bookkeeping).

@@ -126,7 +126,11 @@ impl Nn {
 type Buf = DeviceBuffer<f32>;
 
 /// `buf` must hold at least `need` elements.
-fn need<T: cudagraph::Elem>(what: &'static str, buf: &DeviceBuffer<T>, need: usize) -> Result<()> {
+pub(crate) fn need<T: cudagraph::Elem>(
+    what: &'static str,
+    buf: &DeviceBuffer<T>,
+    need: usize,
+) -> Result<()> {
     if buf.len() < need {
         return Err(NnError::Core(cudagraph::Error::SizeMismatch {
             what,

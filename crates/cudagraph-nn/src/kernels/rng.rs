@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
+use super::need;
 use crate::error::{NnError, Result};
 
 /// The CUDA source of the module.
@@ -51,17 +52,6 @@ impl RngKernels {
     }
 }
 
-fn short<T: cudagraph::Elem>(what: &'static str, buf: &DeviceBuffer<T>, need: usize) -> Result<()> {
-    if buf.len() < need {
-        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
-            what,
-            expected: need,
-            got: buf.len(),
-        }));
-    }
-    Ok(())
-}
-
 fn long(v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| NnError::Shape(format!("count {v} exceeds a 64-bit int")))
 }
@@ -84,7 +74,7 @@ unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>
 
 /// `state` must be a generator state: two words (seed, base).
 fn state_ok(state: &DeviceBuffer<u64>) -> Result<()> {
-    short("generator state", state, 2)
+    need("generator state", state, 2)
 }
 
 impl RngKernels {
@@ -96,13 +86,13 @@ impl RngKernels {
         out: &DeviceBuffer<u32>,
         n: usize,
     ) -> Result<()> {
-        short(
+        need(
             "philox input",
             input,
             n.checked_mul(6)
                 .ok_or_else(|| NnError::Shape("philox: too many records".into()))?,
         )?;
-        short(
+        need(
             "philox output",
             out,
             n.checked_mul(4)
@@ -130,7 +120,7 @@ impl RngKernels {
         n: usize,
     ) -> Result<()> {
         state_ok(state)?;
-        short("random bits", out, n)?;
+        need("random bits", out, n)?;
         // SAFETY: state[0..2) is read (checked); group g writes out[4g + k] only below n
         // (checked).
         unsafe {
@@ -160,24 +150,8 @@ impl RngKernels {
         low: f32,
         scale: f32,
     ) -> Result<()> {
-        state_ok(state)?;
-        short("uniform output", out, n)?;
-        // SAFETY: as for `bits`: state[0..2), out below n.
-        unsafe {
-            launch(
-                q,
-                &self.uniform,
-                groups(n),
-                &[
-                    state.into(),
-                    Arg::U64(offset),
-                    out.into(),
-                    Arg::I64(long(n)?),
-                    low.into(),
-                    scale.into(),
-                ],
-            )
-        }
+        let what = "uniform output";
+        self.affine(q, &self.uniform, what, state, offset, out, n, low, scale)
     }
 
     /// `out[i] = mean + std · z` for `i < n`, `z` standard normal.
@@ -192,21 +166,40 @@ impl RngKernels {
         mean: f32,
         std: f32,
     ) -> Result<()> {
+        let what = "normal output";
+        self.affine(q, &self.normal, what, state, offset, out, n, mean, std)
+    }
+
+    /// `out[i] = a + b · r` for `i < n` with `f` one of the (state, offset, out, n, a, b)
+    /// kernels (`uniform`, `normal`).
+    #[allow(clippy::too_many_arguments)]
+    fn affine(
+        &self,
+        q: &dyn Queue,
+        f: &Function,
+        what: &'static str,
+        state: &DeviceBuffer<u64>,
+        offset: u64,
+        out: &DeviceBuffer<f32>,
+        n: usize,
+        a: f32,
+        b: f32,
+    ) -> Result<()> {
         state_ok(state)?;
-        short("normal output", out, n)?;
+        need(what, out, n)?;
         // SAFETY: as for `bits`: state[0..2), out below n.
         unsafe {
             launch(
                 q,
-                &self.normal,
+                f,
                 groups(n),
                 &[
                     state.into(),
                     Arg::U64(offset),
                     out.into(),
                     Arg::I64(long(n)?),
-                    mean.into(),
-                    std.into(),
+                    a.into(),
+                    b.into(),
                 ],
             )
         }
@@ -227,9 +220,9 @@ impl RngKernels {
         scale: f32,
     ) -> Result<()> {
         state_ok(state)?;
-        short("dropout input", x, n)?;
-        short("dropout output", y, n)?;
-        short("dropout mask", mask, n.div_ceil(32))?;
+        need("dropout input", x, n)?;
+        need("dropout output", y, n)?;
+        need("dropout mask", mask, n.div_ceil(32))?;
         // SAFETY: group g reads x and writes y below n (checked) and, in the lane with g % 8 == 0
         // and 4g < n, writes mask[g / 8] < ⌈n/32⌉ (checked); state[0..2).
         unsafe {
@@ -261,9 +254,9 @@ impl RngKernels {
         n: usize,
         scale: f32,
     ) -> Result<()> {
-        short("dropout grad", dy, n)?;
-        short("dropout input grad", dx, n)?;
-        short("dropout mask", mask, n.div_ceil(32))?;
+        need("dropout grad", dy, n)?;
+        need("dropout input grad", dx, n)?;
+        need("dropout mask", mask, n.div_ceil(32))?;
         // SAFETY: i < n reads dy[i], mask[i / 32] (< ⌈n/32⌉) and writes dx[i]; all checked.
         unsafe {
             launch(

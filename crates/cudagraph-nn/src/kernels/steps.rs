@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
+use super::need;
 use crate::error::{NnError, Result};
 
 /// The CUDA source of the module.
@@ -36,17 +37,6 @@ impl StepKernels {
             })
         })?)
     }
-}
-
-fn short<T: cudagraph::Elem>(what: &'static str, buf: &DeviceBuffer<T>, need: usize) -> Result<()> {
-    if buf.len() < need {
-        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
-            what,
-            expected: need,
-            got: buf.len(),
-        }));
-    }
-    Ok(())
 }
 
 fn int(what: &'static str, v: usize) -> Result<i32> {
@@ -89,19 +79,19 @@ impl StepKernels {
             )));
         }
         let batch = mul("batch", rows, features)?;
-        short(
+        need(
             "resident images",
             images,
             mul("resident images", batches, batch)?,
         )?;
-        short(
+        need(
             "resident labels",
             labels,
             mul("resident labels", batches, rows)?,
         )?;
-        short("batch input", x, batch)?;
-        short("batch targets", y, rows)?;
-        short("batch cursor", cursor, 1)?;
+        need("batch input", x, batch)?;
+        need("batch targets", y, rows)?;
+        need("batch cursor", cursor, 1)?;
         int("batches · rows", mul("batches · rows", batches, rows)?)?;
         // SAFETY: one block; b < batches (the kernel takes the cursor modulo batches) reads
         // images[(b·rows)·features + i] for i < rows·features, below batches·rows·features,
@@ -134,8 +124,8 @@ impl StepKernels {
         batches: usize,
         cond: &DeviceBuffer<u32>,
     ) -> Result<()> {
-        short("batch cursor", cursor, 1)?;
-        short("loop condition", cond, 1)?;
+        need("batch cursor", cursor, 1)?;
+        need("loop condition", cond, 1)?;
         // SAFETY: one thread reads cursor[0] and writes cond[0] (both checked).
         unsafe {
             launch(
@@ -158,7 +148,7 @@ impl StepKernels {
         x: &DeviceBuffer<f32>,
         flag: &DeviceBuffer<u32>,
     ) -> Result<()> {
-        short("finite flag", flag, 1)?;
+        need("finite flag", flag, 1)?;
         if x.is_empty() {
             return Ok(());
         }
