@@ -23,7 +23,15 @@ tools=${TOOLS:-memcheck racecheck synccheck initcheck}
 tests=${TESTS:-}
 cli=.gpu-bin/bin/cudagraph
 # Long soak-like tests add nothing under instrumentation but time: skipped here, run plainly in the suite.
-skip=(--skip misuse_ --skip hundred_thousand_replays --skip ten_thousand_rebinds --skip twenty_times)
+skip=(--skip misuse_ --skip hundred_thousand_replays --skip ten_thousand_rebinds --skip twenty_times
+      --skip threads_allocating_on_their_own_streams)
+# Its reports (host backtraces ending in cuGraphLaunch, a first one at capture time) show that
+# initcheck checks a copy's source when the host API call is made — also cuGraphLaunch for the
+# copy nodes of a graph — not when the copy runs. A graph whose copy node reads a buffer that an
+# earlier kernel node of the same graph writes (and nothing wrote before) is reported on every
+# launch although the kernel has written it by the time the copy runs. One test builds exactly
+# that graph (a temporary made and filled inside the capture): skipped under initcheck only.
+initcheck_skip=(--skip memory_stats_add_up_after_capture_replay_and_drop)
 # The CLI's main paths, each small.
 cli_runs=(
   "bench chain --kernels 1,10 --launches 2000 --repeats 2"
@@ -48,7 +56,8 @@ for tool in $tools; do
     fi
     # Only binaries that touch the GPU (unit-test binaries without GPU tests finish instantly).
     log="$logs/$tool-$name.log"
-    compute-sanitizer $(flags "$tool") --print-limit 50 "$t" --test-threads=1 "${skip[@]}" >"$log" 2>&1
+    extra=(); [ "$tool" = initcheck ] && extra=("${initcheck_skip[@]}")
+    compute-sanitizer $(flags "$tool") --print-limit 50 "$t" --test-threads=1 "${skip[@]}" "${extra[@]}" >"$log" 2>&1
     rc=$?
     n=$(grep -Eo '(ERROR SUMMARY|RACECHECK SUMMARY): [0-9]+ (error|hazard)' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
     # racecheck prints "N hazards displayed (E errors, W warnings)": count errors.
