@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Merge `cudagraph bench chain --json` and bench/raw/chain.cu output into a markdown table.
 
-usage: chain_compare.py OURS.json RAW.json COMMAND > table.md
+usage: chain_compare.py OURS.json RAW.json COMMAND [PYTORCH.json] > table.md
 """
 import json
 import sys
@@ -9,7 +9,9 @@ import sys
 ours = json.load(open(sys.argv[1]))
 raw = json.load(open(sys.argv[2]))
 command = sys.argv[3] if len(sys.argv) > 3 else ""
+pt = json.load(open(sys.argv[4])) if len(sys.argv) > 4 else None
 rows = {r["kernels"]: r for r in raw["rows"]}
+pt_rows = {r["kernels"]: r for r in pt["rows"]} if pt else {}
 print(f"Device: {ours['device']['name']} (CUDA {ours['device']['driver_cuda_version']}); raw baseline device: {raw['device']}")
 print(f"Command: `{command}`\n")
 print("| k | ours eager µs/kernel | raw eager µs/kernel | eager ratio | ours graph µs/kernel | raw graph µs/kernel | graph ratio | ours speedup |")
@@ -37,3 +39,25 @@ if pdl_rows:
         print(f"| {r['kernels']} | {fmt(r['eager_pdl_us_per_kernel'])} | {fmt(b.get('eager_pdl_us_per_kernel'))} | "
               f"{fmt(r['graph_pdl_us_per_kernel'])} | {fmt(b.get('graph_pdl_us_per_kernel'))} | "
               f"{r['graph_pdl_us_per_kernel'] / r['graph_us_per_kernel']:.3f} | {r['pdl_programmatic_edges']} |")
+
+if pt_rows:
+    print()
+    print(f"PyTorch {pt['torch']} on {pt['device']} (bench/pytorch_chain.py: the same chain as "
+          "`x.lerp_(ones, 0.001)`, one kernel each; no PDL in PyTorch), µs per kernel:")
+    print()
+    print("| k | PyTorch eager | PyTorch graph | ours graph | ours graph PDL | raw graph | ours graph vs PyTorch graph | ours graph PDL vs PyTorch graph |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in ours["rows"]:
+        q = pt_rows.get(r["kernels"])
+        if not q:
+            continue
+        b = rows.get(r["kernels"], {})
+        pdl = r.get("graph_pdl_us_per_kernel")
+        print(f"| {r['kernels']} | {q['eager_us_per_kernel']:.3f} | {q['graph_us_per_kernel']:.3f} | "
+              f"{r['graph_us_per_kernel']:.3f} | {pdl:.3f} | {b.get('graph_us_per_kernel', float('nan')):.3f} | "
+              f"{r['graph_us_per_kernel'] / q['graph_us_per_kernel']:.3f} | "
+              f"{(pdl if pdl is not None else float('nan')) / q['graph_us_per_kernel']:.3f} |"
+              if pdl is not None else
+              f"| {r['kernels']} | {q['eager_us_per_kernel']:.3f} | {q['graph_us_per_kernel']:.3f} | "
+              f"{r['graph_us_per_kernel']:.3f} | n/a | {b.get('graph_us_per_kernel', float('nan')):.3f} | "
+              f"{r['graph_us_per_kernel'] / q['graph_us_per_kernel']:.3f} | n/a |")

@@ -2,9 +2,10 @@
 # Everything for one device session, in two calls of under 10 minutes each (PART=1, PART=2; no
 # PART runs both). Results go to $OUT/results/ (packed into $OUT/results-partN.tar.gz); the
 # summary lines are printed. Needs .gpu-bin/ (../shared/tools/gpu-bundle), python3 with torch.
-#   PART=1: the GPU test suite; compute-sanitizer (memcheck with leak check over the suite and
-#           the CLI's main paths; racecheck, synccheck, initcheck over the soundness and core
-#           tests); the soak (10^6 training replays and graph-cache requests, memory flat).
+#   PART=1: the GPU test suite; compute-sanitizer (memcheck with leak check, racecheck,
+#           synccheck, initcheck over every test binary and the CLI's main paths:
+#           bench/sanitize.sh); the soak when SOAK=1 (10^6 training replays and graph-cache
+#           requests, memory flat).
 #   PART=2: `cudagraph bench` beside PyTorch (the seed rows), the shape sweep beside PyTorch
 #           (SWEEP_ONLY=ce,... limits it), `bench chain` (with PDL) beside raw CUDA, `bench cache`,
 #           `bench serve`, training on the digits (1 step per launch vs k).
@@ -20,24 +21,9 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
   timeout 240 bash .gpu-bin/run-tests.sh > "$res/gpu-tests-$stamp.log" 2>&1
   grep -E '^test .*FAILED' "$res/gpu-tests-$stamp.log" | head -20
   tail -n 2 "$res/gpu-tests-$stamp.log"
-  OUT="$res" TOOLS=memcheck TESTS="${SANITIZE_TESTS-gpu_core gpu_soundness gpu_soundness_nn gpu_nn gpu_optim gpu_io}" \
-    timeout 260 bash bench/sanitize.sh 2>&1 | tail -n 4
-  for tool in racecheck synccheck initcheck; do
-    n=0; runs=0
-    for b in .gpu-bin/tests/gpu_soundness-* .gpu-bin/tests/gpu_soundness_nn-* .gpu-bin/tests/gpu_core-*; do
-      log="$res/sanitize/$tool-$(basename "$b").log"; mkdir -p "$res/sanitize"
-      # initcheck: see bench/sanitize.sh for the one test it cannot judge.
-      extra=(); [ "$tool" = initcheck ] && extra=(--skip memory_stats_add_up_after_capture_replay_and_drop)
-      timeout 150 compute-sanitizer --tool "$tool" "$b" --test-threads=1 --skip misuse_ \
-        --skip ten_thousand --skip twenty_times --skip hundred_thousand --skip eight_threads \
-        --skip threads_allocating_on_their_own_streams "${extra[@]}" > "$log" 2>&1
-      e=$(grep -Eo '\(([0-9]+) errors|ERROR SUMMARY: [0-9]+' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
-      grep -q 'test result: ok' "$log" || e=$((e + 1000))
-      n=$((n + e)); runs=$((runs + 1))
-    done
-    echo "sanitize $tool: $n errors over $runs runs (soundness, NN soundness and core tests)"
-  done
-  timeout 150 $bin bench soak > "$res/soak-$stamp.txt" 2>&1; echo "soak rc $?"; tail -n 3 "$res/soak-$stamp.txt"
+  # All four tools over every test binary and the CLI's main paths, 8 jobs at a time.
+  OUT="$res" JOBS=${SANITIZE_JOBS:-8} JOB_LIMIT_S=${SANITIZE_LIMIT_S:-400} timeout 470 bash bench/sanitize.sh 2>&1 | tail -n 12
+  [ "${SOAK:-0}" = 1 ] && timeout 150 $bin bench soak > "$res/soak-$stamp.txt" 2>&1; echo "soak rc $?"; tail -n 3 "$res/soak-$stamp.txt"
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
   ours="$bin bench --json --svg $res/bench-$stamp.svg"

@@ -12,6 +12,8 @@ iterations ending in one synchronisation.
 - pool: Linear(1000, 500) bs 32 and Conv2d(3, 64, 3) on 16x3x224x224 in one graph pool.
 - mlp-pool: the seed MLP captured at nine batch sizes into one pool, largest first, with one
   warm-up side stream (the right way) and with a fresh side stream per warm-up (the naive way).
+- dropout: the seed MLP with Dropout(0.1), a whole SGD training step graphed (fresh masks per
+  replay), and one dropout op on 64x4096 alone.
 
 usage: python3 bench/pytorch_baseline.py [--iters 500] [--repeats 5] > pytorch.json
 """
@@ -288,6 +290,81 @@ with torch.no_grad():
     row("cache-random-1..256", "2000 requests", eager_us, dict_us, 0, dict_mem, 0, 0.0)
     notes.append(f"dict-of-graphs (sizes 1/4/16/32, eager otherwise) at random sizes 1..256: {dict_us:.2f} us/request, "
                  f"eager {eager_us:.2f} us/request, graph memory {dict_mem / 2**20:.2f} MB")
+
+# 6. Dropout in graphs (`cudagraph bench --only dropout`): the seed MLP with Dropout(0.1) after
+# each ReLU, batch 64, cross-entropy, SGD lr 0.01 without momentum, whole step graphed (PyTorch
+# registers its generator's state with the graph, so each replay draws fresh masks); and one
+# dropout op on 64x4096 alone.
+torch.manual_seed(7)
+drop = torch.nn.Sequential(
+    torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+    torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+    torch.nn.Linear(256, 10)).to(dev).train()
+opt = torch.optim.SGD(drop.parameters(), lr=0.01)
+xd = torch.randn(64, 1024, device=dev)
+yd = torch.tensor([(i * 7) % 10 for i in range(64)], device=dev)
+lossf = torch.nn.CrossEntropyLoss()
+
+
+def drop_step():
+    opt.zero_grad(set_to_none=True)
+    loss = lossf(drop(xd), yd)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    for _ in range(3):
+        drop_step()
+torch.cuda.current_stream().wait_stream(s)
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+base = torch.cuda.memory_allocated()
+e = time_us(drop_step)
+eager_peak = torch.cuda.max_memory_allocated() - base
+g = torch.cuda.CUDAGraph()
+opt.zero_grad(set_to_none=True)
+before = torch.cuda.memory_reserved()
+t0 = time.perf_counter()
+with torch.cuda.graph(g):
+    drop_loss = drop_step()
+cap = (time.perf_counter() - t0) * 1e3
+gr = time_us(g.replay)
+row("dropout-train", "mlp-p0.1-bs64-sgd", e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
+# Two replays draw different masks (the generator advances per replay).
+w0 = drop[0].weight.detach().clone()
+g.replay()
+d1 = (drop[0].weight - w0).clone()
+w1 = drop[0].weight.detach().clone()
+g.replay()
+d2 = drop[0].weight - w1
+notes.append(f"dropout-train: two consecutive replays' weight updates differ by {float((d1 - d2).abs().max()):.3e} (fresh masks)")
+
+xo = torch.randn(64, 4096, device=dev)
+op = torch.nn.Dropout(0.1).train()
+with torch.no_grad():
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            op(xo)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    e = time_us(lambda: op(xo))
+    eager_peak = torch.cuda.max_memory_allocated() - base
+    g = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    with torch.cuda.graph(g):
+        yo = op(xo)
+    cap = (time.perf_counter() - t0) * 1e3
+    gr = time_us(g.replay)
+    row("dropout-op", "64x4096-p0.1", e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
 
 print(json.dumps(dict(benchmark="workloads-pytorch", torch=torch.__version__,
                       device=torch.cuda.get_device_name(), iters=args.iters, repeats=args.repeats,

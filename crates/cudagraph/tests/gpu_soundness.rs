@@ -425,6 +425,10 @@ fn threads_allocating_on_their_own_streams_while_another_empties_the_cache() {
             let mut released = 0;
             while stop.load(Ordering::SeqCst) == 0 {
                 released += dev.empty_cache().unwrap();
+                // A breath between passes: without it, under compute-sanitizer (where every
+                // driver call is slow) the cleaner frees each segment as soon as it is cached
+                // and the workers spend the run re-allocating; the interleaving stays dense.
+                std::thread::sleep(std::time::Duration::from_micros(200));
             }
             released
         })

@@ -10,6 +10,8 @@
 //!    16×3×224×224, captured into one 1 GiB-bounded pool; replay time and the pool's memory.
 //! 4. `mlp-pool`: the seed MLP captured at nine batch sizes (256…1) into one shared pool,
 //!    largest first: the pool's memory vs the largest capture alone.
+//! 5. `dropout`: the seed MLP with dropout, a whole SGD training step graphed (fresh masks on
+//!    every replay from the device-side generator), and one dropout op alone.
 //!
 //! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way.
 
@@ -18,8 +20,8 @@ use std::sync::Arc;
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt, StaticGraph, Stream};
 use cudagraph_nn::{
-    mse_loss, no_grad, Adam, Conv2d, Layer, Linear, Module, Optimizer, Reduction, Rng, Sequential,
-    Sgd, Tensor,
+    cross_entropy, mse_loss, no_grad, Adam, Conv2d, Generator, Layer, Linear, Module, Optimizer,
+    Reduction, Rng, Sequential, Sgd, Targets, Tensor,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -30,8 +32,8 @@ type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Args, Debug)]
 pub struct WorkloadArgs {
-    /// Workloads to run (comma separated): mlp, mlp-host, train, pool, mlp-pool.
-    #[arg(long, value_delimiter = ',', default_values_t = ["mlp", "mlp-host", "train", "pool", "mlp-pool"].map(String::from).to_vec())]
+    /// Workloads to run (comma separated): mlp, mlp-host, train, pool, mlp-pool, dropout.
+    #[arg(long, value_delimiter = ',', default_values_t = ["mlp", "mlp-host", "train", "pool", "mlp-pool", "dropout"].map(String::from).to_vec())]
     pub only: Vec<String>,
     /// Batch sizes for the MLP inference workload.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 8, 16, 32, 256])]
@@ -316,6 +318,118 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
     Ok(())
 }
 
+/// `dropout`: a training step with dropout, graphed, which only works because the generator's
+/// state lives on the device (each replay draws fresh masks): the seed MLP with Dropout(0.1)
+/// after each ReLU, batch 64, cross-entropy, SGD (lr 0.01, no momentum, so a step is a function
+/// of the weights and the generator alone and graph and eager can be compared); and one
+/// dropout op (64×4096, p 0.1) alone, forward only.
+fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) -> AnyResult<()> {
+    pb.set_message("dropout train");
+    let mut s = dev.new_stream()?;
+    let mut rng = Rng::new(3);
+    let seed = 7;
+    let gen = Generator::new(&s, seed)?;
+    let model = Sequential::new(vec![
+        Layer::Linear(Linear::new(&s, 1024, 512, &mut rng)?),
+        Layer::ReLU,
+        Layer::Dropout { p: 0.1 },
+        Layer::Linear(Linear::new(&s, 512, 256, &mut rng)?),
+        Layer::ReLU,
+        Layer::Dropout { p: 0.1 },
+        Layer::Linear(Linear::new(&s, 256, 10, &mut rng)?),
+    ])
+    .with_generator(gen.clone());
+    let mut opt = Sgd::new(&s, model.parameters(), 0.01, 0.0, 0.0)?;
+    let (bs, classes) = (64usize, 10usize);
+    let x = Tensor::from_host(&s, &rng.vec_normal(bs * 1024), &[bs, 1024])?;
+    let labels: Vec<i32> = (0..bs).map(|i| ((i * 7) % classes) as i32).collect();
+    let y = Targets::from_host(&s, &labels, classes)?;
+    let step = |q: &dyn cudagraph::Queue, opt: &mut Sgd| -> cudagraph_nn::Result<Tensor> {
+        opt.zero_grad(q, true)?;
+        let loss = cross_entropy(q, &model.forward(q, &x)?, &y)?;
+        loss.backward(q)?;
+        opt.step(q)?;
+        Ok(loss)
+    };
+    let side = dev.new_stream()?;
+    cudagraph::warmup(&s, &side, 3, |q| {
+        step(q, &mut opt).map(|_| ()).map_err(Into::into)
+    })?;
+    s.synchronize()?;
+    dev.reset_peak_memory_stats();
+    let base = dev.memory_stats().allocated;
+    let eager = time_us(&s, a.iters, a.repeats, || {
+        step(&s, &mut opt).map(|_| ()).map_err(Into::into)
+    })?;
+    let eager_peak = dev.memory_stats().peak_allocated - base;
+    let (g, _loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
+        Ok(step(cs, &mut opt)?)
+    })?;
+    let graph = time_us(&s, a.iters, a.repeats, || g.replay(&s).map_err(Into::into))?;
+    // From equal weights and the same (seed, counter), one eager step and one replay draw the
+    // same masks and agree; a second replay draws new masks and moves the weights differently.
+    let first = match &model.layers[0] {
+        Layer::Linear(l) => l.weight.data(),
+        _ => unreachable!("the first layer is the Linear built above"),
+    };
+    let w0 = s.to_vec(first)?;
+    gen.manual_seed(&s, seed)?;
+    step(&s, &mut opt)?;
+    let w_eager = s.to_vec(first)?;
+    s.copy_from_host(&w0, first)?;
+    gen.manual_seed(&s, seed)?;
+    g.replay(&s)?;
+    let w_graph = s.to_vec(first)?;
+    let info = *g.info();
+    rows.push(Row::measured(
+        "dropout-train",
+        format!("mlp-p0.1-bs{bs}-sgd"),
+        (eager, graph, eager_peak),
+        dev,
+        &info,
+        max_rel(&w_graph, &w_eager),
+    ));
+    pb.inc(1);
+
+    pb.set_message("dropout op");
+    let (m, n) = (64usize, 4096usize);
+    let xo = Tensor::from_host(&s, &rng.vec_normal(m * n), &[m, n])?;
+    let op = |q: &dyn cudagraph::Queue| -> cudagraph_nn::Result<Tensor> {
+        let y = cudagraph_nn::ops::dropout(q, &xo, 0.1, true, &gen)?;
+        gen.advance(q)?;
+        Ok(y)
+    };
+    let side = dev.new_stream()?;
+    cudagraph::warmup(&s, &side, 3, |q| op(q).map(|_| ()).map_err(Into::into))?;
+    s.synchronize()?;
+    dev.reset_peak_memory_stats();
+    let base = dev.memory_stats().allocated;
+    let eager = time_us(&s, a.iters, a.repeats, || {
+        no_grad(|| op(&s)).map(|_| ()).map_err(Into::into)
+    })?;
+    let eager_peak = dev.memory_stats().peak_allocated - base;
+    let (g, yo) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
+        Ok(no_grad(|| op(cs))?)
+    })?;
+    let graph = time_us(&s, a.iters, a.repeats, || g.replay(&s).map_err(Into::into))?;
+    gen.manual_seed(&s, seed)?;
+    let ye = no_grad(|| op(&s))?.to_vec(&s)?;
+    gen.manual_seed(&s, seed)?;
+    g.replay(&s)?;
+    let yg = yo.to_vec(&s)?;
+    let info = *g.info();
+    rows.push(Row::measured(
+        "dropout-op",
+        format!("{m}x{n}-p0.1"),
+        (eager, graph, eager_peak),
+        dev,
+        &info,
+        max_rel(&yg, &ye),
+    ));
+    pb.inc(1);
+    Ok(())
+}
+
 fn pool(
     dev: &Device,
     a: &WorkloadArgs,
@@ -447,7 +561,7 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
         .iter()
         .map(|w| match w.as_str() {
             "mlp" | "mlp-host" => a.batch_sizes.len(),
-            "train" => 2,
+            "train" | "dropout" => 2,
             _ => 1,
         })
         .sum::<usize>();
@@ -464,9 +578,10 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
             "train" => train(&dev, a, &mut rows, &pb)?,
             "pool" => pool(&dev, a, &mut rows, &pb, &mut notes)?,
             "mlp-pool" => mlp_pool(&dev, &mut rows, &pb, &mut notes)?,
+            "dropout" => dropout(&dev, a, &mut rows, &pb)?,
             other => {
                 return Err(format!(
-                    "unknown workload `{other}`; expected mlp, mlp-host, train, pool or mlp-pool"
+                    "unknown workload `{other}`; expected mlp, mlp-host, train, pool, mlp-pool or dropout"
                 )
                 .into())
             }

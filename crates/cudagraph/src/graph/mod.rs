@@ -650,6 +650,11 @@ impl Graph {
     /// Rebinding is for buffers the graph reads or writes as a whole (inputs, outputs,
     /// weights). Pointers the graph computed from `old` at capture time but did not receive as
     /// arguments cannot be seen and are not rewritten.
+    ///
+    /// Graphs that hold another library's kernels (cuBLAS, cuBLASLt, cuDNN) can be rebound only
+    /// where the driver reports those kernels' parameter lists (CUDA 13.2+ drivers, see
+    /// [`crate::runtime::driver_reports_library_params`]); elsewhere rebind returns
+    /// [`Error::NotSupported`] and changes nothing.
     #[track_caller]
     pub fn rebind<T: Elem>(
         &mut self,

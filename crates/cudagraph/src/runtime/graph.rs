@@ -409,9 +409,15 @@ pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Re
                 };
                 let sizes = match sizes {
                     Some(s) if !p.kernelParams.is_null() || s.is_empty() => s,
-                    _ => {
+                    Some(_) => {
                         return Err(Error::InvalidGraph {
-                            problem: "a kernel node's parameters cannot be read here (the driver cannot report that kernel's parameter list, or it was launched with `extra`); re-capture instead of rebinding".into(),
+                            problem: "a kernel node was launched with `extra` (packed parameters), which rebind cannot read; copy into the graph's inputs or re-capture instead of rebinding".into(),
+                        })
+                    }
+                    None => {
+                        return Err(Error::NotSupported {
+                            what: "rebinding a graph that holds another library's kernels (cuBLAS, cuBLASLt, cuDNN)",
+                            detail: "this driver cannot report those kernels' parameter lists (that needs cuFuncGetParamCount, CUDA 13.2+ drivers), so the pointers inside them cannot be found; nothing was changed. Copy into the graph's inputs, re-capture, or force our own engines (CUDAGRAPH_GEMM=tiled, CUDAGRAPH_CONV=ours) for graphs you rebind".into(),
                         })
                     }
                 };

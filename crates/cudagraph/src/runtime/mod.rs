@@ -20,7 +20,9 @@ pub(crate) mod result;
 pub(crate) mod stream;
 
 pub use context::{device_count, Context, DeviceInfo};
-pub use module::{Function, LaunchConfig, Module, ParamDecl, ParamKind, ParamValue};
+pub use module::{
+    driver_reports_library_params, Function, LaunchConfig, Module, ParamDecl, ParamKind, ParamValue,
+};
 pub use result::with_relaxed_capture;
 pub use stream::{
     capturing_on_this_thread, CaptureMode, Event, StreamHandle, StreamRef, WeakStream,

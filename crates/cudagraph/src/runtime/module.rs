@@ -280,86 +280,49 @@ impl Module {
     }
 }
 
-/// The parameter sizes of any function (another library's kernel), from the driver. With
-/// `cuFuncGetParamCount` (CUDA 13.2+) nothing fails; older drivers can only be asked parameter
-/// by parameter until they answer "no such index", so that is done once per kernel (cached by
-/// handle and name: a reused handle of another kernel never maps to a stale list) and
-/// documented as the one driver error the library provokes, on those drivers only.
+/// Whether the driver can report the parameter list of a kernel that is not ours (another
+/// library's, e.g. cuBLAS): it needs `cuFuncGetParamCount` (CUDA 13.2+ drivers). Older drivers
+/// can only be asked parameter by parameter until they refuse, and the library never makes a
+/// driver call that fails on purpose, so there such kernels' parameters are not read: a graph
+/// holding them cannot be rebound ([`crate::Graph::rebind`] says so with a typed error).
+pub fn driver_reports_library_params() -> bool {
+    driver_has("cuFuncGetParamCount") && driver_has("cuFuncGetParamInfo")
+}
+
+/// The parameter sizes of any function (another library's kernel), from the driver, or `None`
+/// where the driver cannot report them without a failing call (see
+/// [`driver_reports_library_params`]).
 pub(crate) fn driver_params(f: RawFunction) -> Result<Option<Vec<ParamDecl>>> {
-    let decl = |size| ParamDecl {
-        size,
-        kind: ParamKind::Any,
-    };
-    let info = |i: usize| {
-        let (mut off, mut size) = (0usize, 0usize);
-        // SAFETY: writes two size_t for a live function; an index past the last parameter is
-        // reported as an error, nothing is read out of bounds.
-        let st = unsafe { sys::cuFuncGetParamInfo(f.0, i, &mut off, &mut size) };
-        (st, size)
-    };
-    if driver_has("cuFuncGetParamCount") {
-        type CountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
-        // SAFETY: the symbol exists (checked above) and has this C signature in every driver
-        // that exports it; the library stays loaded for the life of the process.
-        let count_fn: CountFn = unsafe {
-            *sys::culib()
-                .get::<CountFn>(b"cuFuncGetParamCount")
-                .map_err(|e| Error::NotSupported {
-                    what: "cuFuncGetParamCount",
-                    detail: e.to_string(),
-                })?
-        };
-        let mut n = 0usize;
-        // SAFETY: writes one size_t for a live function.
-        check(unsafe { count_fn(f.0, &mut n) }, "cuFuncGetParamCount")?;
-        let mut out = Vec::with_capacity(n);
-        for i in 0..n {
-            let (st, size) = info(i);
-            check(st, "cuFuncGetParamInfo")?;
-            out.push(decl(size));
-        }
-        return Ok(Some(out));
-    }
-    if !driver_has("cuFuncGetParamInfo") || !driver_has("cuFuncGetName") {
+    if !driver_reports_library_params() {
         return Ok(None);
     }
-    let mut name_ptr: *const std::ffi::c_char = ptr::null();
-    // SAFETY: writes a pointer to the driver's own NUL-terminated copy of the name.
-    check(
-        unsafe { sys::cuFuncGetName(&mut name_ptr, f.0) },
-        "cuFuncGetName",
-    )?;
-    let name = if name_ptr.is_null() {
-        String::new()
-    } else {
-        // SAFETY: non-null, NUL-terminated, owned by the driver for the function's life.
-        unsafe { std::ffi::CStr::from_ptr(name_ptr) }
-            .to_string_lossy()
-            .into_owned()
+    type CountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
+    // SAFETY: the symbol exists (checked above) and has this C signature in every driver that
+    // exports it; the library stays loaded for the life of the process.
+    let count_fn: CountFn = unsafe {
+        *sys::culib()
+            .get::<CountFn>(b"cuFuncGetParamCount")
+            .map_err(|e| Error::NotSupported {
+                what: "cuFuncGetParamCount",
+                detail: e.to_string(),
+            })?
     };
-    type Probed = Mutex<HashMap<(usize, String), Vec<ParamDecl>>>;
-    static PROBED: OnceLock<Probed> = OnceLock::new();
-    let cache = PROBED.get_or_init(|| Mutex::new(HashMap::new()));
-    let key = (f.0 as usize, name);
-    if let Some(v) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-        return Ok(Some(v.clone()));
+    let mut n = 0usize;
+    // SAFETY: writes one size_t for a live function.
+    check(unsafe { count_fn(f.0, &mut n) }, "cuFuncGetParamCount")?;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let (mut off, mut size) = (0usize, 0usize);
+        // SAFETY: writes two size_t for a live function; i is below its parameter count.
+        check(
+            unsafe { sys::cuFuncGetParamInfo(f.0, i, &mut off, &mut size) },
+            "cuFuncGetParamInfo",
+        )?;
+        out.push(ParamDecl {
+            size,
+            kind: ParamKind::Any,
+        });
     }
-    let mut out = Vec::new();
-    loop {
-        let (st, size) = info(out.len());
-        match st {
-            sys::CUresult::CUDA_SUCCESS => out.push(decl(size)),
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE => break,
-            other => check(other, "cuFuncGetParamInfo")?,
-        }
-        if out.len() > 4096 {
-            return Ok(None);
-        }
-    }
-    cache
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(key, out.clone());
     Ok(Some(out))
 }
 
