@@ -181,11 +181,7 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
         Spec::CrossEntropy { rows, classes } => {
             let p = ce_plan(rows, classes, sms);
             if p.chunks > 1 {
-                return format!(
-                    "ce rows split in {} chunks, {} passes",
-                    p.chunks,
-                    if train { 3 } else { 2 }
-                );
+                return format!("ce rows split in {} chunks, 3 passes", p.chunks);
             }
             format!(
                 "ce {}{}",

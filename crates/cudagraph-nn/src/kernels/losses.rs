@@ -35,8 +35,7 @@ pub struct LossKernels {
     ce_fwd_warp: Function,
     ce_fwd_block: Function,
     ce_split_stats: Function,
-    ce_split_grad: Function,
-    ce_split_loss: Function,
+    ce_split_finish: Function,
     sum_scaled: Function,
     mse_fwd: Function,
     scale_by: Function,
@@ -59,6 +58,8 @@ pub struct CePlan {
 /// Fewest classes a chunk of a split row holds (below that, merging partials costs more than
 /// the extra blocks save).
 const MIN_CHUNK: usize = 1024;
+/// Most chunks per row (one warp merges a row's chunks, a lane each).
+const MAX_CHUNKS: usize = 32;
 
 /// The launch plan for `rows × cols` logits on `sms` multiprocessors.
 pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
@@ -71,7 +72,7 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
         let chunks = (2 * sms)
             .div_ceil(rows.max(1))
             .min(cols.div_ceil(MIN_CHUNK))
-            .max(1);
+            .clamp(1, MAX_CHUNKS);
         if chunks > 1 {
             return CePlan {
                 grid: (rows * chunks) as u32,
@@ -118,8 +119,7 @@ impl LossKernels {
                     ce_fwd_warp: m.function("ce_fwd_warp")?,
                     ce_fwd_block: m.function("ce_fwd_block")?,
                     ce_split_stats: m.function("ce_split_stats")?,
-                    ce_split_grad: m.function("ce_split_grad")?,
-                    ce_split_loss: m.function("ce_split_loss")?,
+                    ce_split_finish: m.function("ce_split_finish")?,
                     sum_scaled: m.function("sum_scaled")?,
                     mse_fwd: m.function("mse_fwd")?,
                     scale_by: m.function("scale_by")?,
@@ -318,7 +318,8 @@ impl LossKernels {
     }
 
     /// Cross-entropy with each row split into `plan.chunks` chunks across blocks: chunk
-    /// statistics, then (with `grad`) the gradient per chunk, then the loss in one block.
+    /// statistics; then per row the merged statistics, the row's loss and (with `grad`) the
+    /// gradient per chunk; then the mean over rows in one block.
     #[allow(clippy::too_many_arguments)]
     fn cross_entropy_split(
         &self,
@@ -332,11 +333,16 @@ impl LossKernels {
     ) -> Result<()> {
         let (ri, ci) = (int("rows", rows)?, int("cols", cols)?);
         let chunks = plan.chunks as usize;
+        if chunks > MAX_CHUNKS {
+            return Err(NnError::Shape(format!(
+                "cross_entropy: {chunks} chunks per row, at most {MAX_CHUNKS}"
+            )));
+        }
         let parts = prod("cross_entropy chunks", &[rows, chunks])?;
         let ki = int("chunks", chunks)?;
         let (pm, ps) = (q.alloc::<f32>(parts)?, q.alloc::<f32>(parts)?);
+        let row_loss = q.alloc::<f32>(rows)?;
         let inv_rows = 1.0 / rows as f32;
-        let cfg = LaunchConfig::linear(plan.grid, BLOCK);
         // SAFETY: block b = r·chunks + k (b < rows·chunks = grid) reads logits of row r < rows
         // in columns [k·len, min((k+1)·len, cols)) (logits hold rows·cols, checked by the
         // caller) and writes pm[b], ps[b] (allocated with rows·chunks).
@@ -344,7 +350,7 @@ impl LossKernels {
             super::launch(
                 q,
                 &self.ce_split_stats,
-                cfg,
+                LaunchConfig::linear(plan.grid, BLOCK),
                 &[
                     logits.into(),
                     Arg::I32(ri),
@@ -355,52 +361,38 @@ impl LossKernels {
                 ],
             )?;
         }
-        if let Some(g) = grad {
-            // SAFETY: as above for the reads; block b reads pm/ps[r·chunks .. (r+1)·chunks),
-            // targets[r] (clamped into [0, cols) before use) and writes grad in its chunk of
-            // row r (grad holds rows·cols, checked by the caller).
-            unsafe {
-                super::launch(
-                    q,
-                    &self.ce_split_grad,
-                    cfg,
-                    &[
-                        logits.into(),
-                        targets.into(),
-                        g.into(),
-                        (&pm).into(),
-                        (&ps).into(),
-                        Arg::I32(ri),
-                        Arg::I32(ci),
-                        Arg::I32(ki),
-                        inv_rows.into(),
-                    ],
-                )?;
-            }
-        }
-        // SAFETY: one block; warps walk rows r < rows, read pm/ps[r·chunks ..
-        // (r+1)·chunks), targets[r] (clamped into [0, cols) before it indexes) and logits
-        // [r·cols + t]; thread 0 writes loss[0] (checked); flag is the device's error word.
+        let per_row = if grad.is_some() { chunks } else { 1 };
+        let blocks = u32::try_from(rows * per_row).map_err(|_| {
+            NnError::Shape(format!("cross_entropy: {rows} rows × {per_row} chunks"))
+        })?;
+        // SAFETY: block b = r·per_row + k (r < rows) reads pm/ps[r·chunks .. r·chunks +
+        // chunks) (chunks ≤ 32, one lane each; allocated with rows·chunks), targets[r]
+        // (clamped into [0, cols) before it indexes) and logits of row r; writes row_loss[r]
+        // (allocated with rows) and, with a gradient, grad over chunk k of row r (grad holds
+        // rows·cols, checked by the caller); flag is the device's error word.
         unsafe {
             super::launch(
                 q,
-                &self.ce_split_loss,
-                LaunchConfig::linear(1, BLOCK),
+                &self.ce_split_finish,
+                LaunchConfig::linear(blocks, if grad.is_some() { BLOCK } else { 32 }),
                 &[
                     logits.into(),
                     targets.into(),
+                    Arg::opt(grad),
                     (&pm).into(),
                     (&ps).into(),
-                    loss.into(),
+                    (&row_loss).into(),
                     Arg::I32(ri),
                     Arg::I32(ci),
                     Arg::I32(ki),
+                    Arg::I32(int("chunks", per_row)?),
                     inv_rows.into(),
                     q.device().check_flag_arg(),
                     Arg::U32(self.ce_check),
                 ],
-            )
+            )?;
         }
+        self.sum_scaled(q, &row_loss, rows, loss, inv_rows)
     }
 }
 
@@ -440,6 +432,8 @@ mod tests {
         assert_eq!(ce_plan(2, 3000, 132).chunks, 3);
         let p = ce_plan(1, 30000, 132);
         assert_eq!((p.chunks, p.grid), (30, 30));
+        // And by one warp's lanes: never more than 32 chunks.
+        assert_eq!(ce_plan(1, 1 << 20, 132).chunks, 32);
         // As many rows as SMs or more: a block per row, no split.
         assert_eq!(ce_plan(132, 50000, 132).chunks, 1);
         assert_eq!(ce_plan(1 << 20, 50000, 132).chunks, 1);
