@@ -110,23 +110,23 @@ for tool in $tools; do
     rc=$(cat "$logs/$tool-$label.rc" 2>/dev/null || echo unfinished)
     if [ "$tool" = racecheck ]; then
       # racecheck prints "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)".
-      n=$(grep -Eo '\(([0-9]+) errors' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+      n=$(grep -Eo '\(([0-9]+) errors' "$log" 2>/dev/null | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
     else
-      n=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
+      n=$(grep -E 'ERROR SUMMARY: [0-9]+ errors?$' "$log" 2>/dev/null | grep -Eo 'SUMMARY: [0-9]+' | grep -Eo '[0-9]+' | awk '{s+=$1} END {print s+0}')
     fi
     # NCCL's communicator setup asks the runtime for attributes of its own kernels and gets
     # "no kernel image" for some (cudaFuncGetAttributes; this library calls only the driver
     # API): reported apart, not counted as ours.
-    l=$(grep -c 'Program hit cudaErrorNoKernelImageForDevice.*cudaFuncGetAttributes' "$log")
+    l=$(grep -c 'Program hit cudaErrorNoKernelImageForDevice.*cudaFuncGetAttributes' "$log" 2>/dev/null)
     nccl=$((nccl + l)); n=$((n - l))
     errors=$((errors + n)); runs=$((runs + 1))
     if [ "$rc" = 124 ]; then
       timed_out=$((timed_out + 1)); failed=$((failed + 1))
       echo "  $tool: $label stopped after $limit s (see $log)" | tee -a "$summary"
-    elif [ "$rc" != 0 ] && ! { [ "$rc" = 255 ] && grep -q 'terminated before first instrumented API call' "$log"; }; then
+    elif [ "$rc" != 0 ] && ! { [ "$rc" = 255 ] && grep -q 'terminated before first instrumented API call' "$log" 2>/dev/null; }; then
       failed=$((failed + 1)); echo "  $tool: $label exited $rc (see $log)" | tee -a "$summary"
     fi
-    if grep -q 'test result: FAILED' "$log"; then
+    if grep -q 'test result: FAILED' "$log" 2>/dev/null; then
       echo "  $tool: $label has failing tests: $(grep -E '^    [a-z_0-9]+$' "$log" | tr -d ' ' | tr '\n' ' ')" | tee -a "$summary"
     fi
   done <"$list"

@@ -180,9 +180,6 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
         Spec::Linear { .. } | Spec::Conv2d { .. } => used_engines(used),
         Spec::CrossEntropy { rows, classes } => {
             let p = ce_plan(rows, classes, sms);
-            if p.chunks > 1 {
-                return format!("ce rows split in {} chunks, 3 passes", p.chunks);
-            }
             format!(
                 "ce {}{}",
                 if p.warp_rows { "warp/row" } else { "block/row" },
@@ -655,16 +652,6 @@ mod tests {
         assert!(engine_label(
             &Spec::CrossEntropy {
                 rows: 128,
-                classes: 50000
-            },
-            "forward",
-            132,
-            &[]
-        )
-        .contains("split in 3 chunks"));
-        assert!(engine_label(
-            &Spec::CrossEntropy {
-                rows: 256,
                 classes: 50000
             },
             "forward",
