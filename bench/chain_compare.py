@@ -11,6 +11,12 @@ raw = json.load(open(sys.argv[2]))
 command = sys.argv[3] if len(sys.argv) > 3 else ""
 pt = json.load(open(sys.argv[4])) if len(sys.argv) > 4 else None
 rows = {r["kernels"]: r for r in raw["rows"]}
+
+
+def fmt(v):
+    return f"{v:.3f}" if isinstance(v, (int, float)) else "n/a"
+
+
 pt_rows = {r["kernels"]: r for r in pt["rows"]} if pt else {}
 print(f"Device: {ours['device']['name']} (CUDA {ours['device']['driver_cuda_version']}); raw baseline device: {raw['device']}")
 print(f"Command: `{command}`\n")
@@ -34,8 +40,6 @@ if pdl_rows:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in pdl_rows:
         b = rows.get(r["kernels"], {})
-        def fmt(v):
-            return f"{v:.3f}" if isinstance(v, (int, float)) else "n/a"
         print(f"| {r['kernels']} | {fmt(r['eager_pdl_us_per_kernel'])} | {fmt(b.get('eager_pdl_us_per_kernel'))} | "
               f"{fmt(r['graph_pdl_us_per_kernel'])} | {fmt(b.get('graph_pdl_us_per_kernel'))} | "
               f"{r['graph_pdl_us_per_kernel'] / r['graph_us_per_kernel']:.3f} | {r['pdl_programmatic_edges']} |")
@@ -51,13 +55,9 @@ if pt_rows:
         q = pt_rows.get(r["kernels"])
         if not q:
             continue
-        b = rows.get(r["kernels"], {})
         pdl = r.get("graph_pdl_us_per_kernel")
-        print(f"| {r['kernels']} | {q['eager_us_per_kernel']:.3f} | {q['graph_us_per_kernel']:.3f} | "
-              f"{r['graph_us_per_kernel']:.3f} | {pdl:.3f} | {b.get('graph_us_per_kernel', float('nan')):.3f} | "
-              f"{r['graph_us_per_kernel'] / q['graph_us_per_kernel']:.3f} | "
-              f"{(pdl if pdl is not None else float('nan')) / q['graph_us_per_kernel']:.3f} |"
-              if pdl is not None else
-              f"| {r['kernels']} | {q['eager_us_per_kernel']:.3f} | {q['graph_us_per_kernel']:.3f} | "
-              f"{r['graph_us_per_kernel']:.3f} | n/a | {b.get('graph_us_per_kernel', float('nan')):.3f} | "
-              f"{r['graph_us_per_kernel'] / q['graph_us_per_kernel']:.3f} | n/a |")
+        cells = [q["eager_us_per_kernel"], q["graph_us_per_kernel"], r["graph_us_per_kernel"], pdl,
+                 rows.get(r["kernels"], {}).get("graph_us_per_kernel"),
+                 r["graph_us_per_kernel"] / q["graph_us_per_kernel"],
+                 pdl / q["graph_us_per_kernel"] if pdl is not None else None]
+        print(f"| {r['kernels']} | " + " | ".join(fmt(c) for c in cells) + " |")

@@ -19,10 +19,11 @@ usage: python3 bench/pytorch_baseline.py [--iters 500] [--repeats 5] > pytorch.j
 """
 import argparse
 import json
-import statistics
 import time
 
 import torch
+
+import torch_timing
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -37,17 +38,27 @@ torch.manual_seed(0)
 
 
 def time_us(body, iters=args.iters):
-    for _ in range(3):
-        body()
-    samples = []
-    for _ in range(args.repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(iters):
-            body()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t) * 1e6 / iters)
-    return statistics.median(samples)
+    return torch_timing.time_us(body, iters, args.repeats)
+
+
+def graphed_step_row(workload, config, step, opt):
+    """A whole training step eager and graphed, as `cudagraph bench` measures its own: warm-up
+    on a side stream, eager timing and peak memory, one capture, replay timing."""
+    torch_timing.warm_up_on_side_stream(step)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    e = time_us(step)
+    eager_peak = torch.cuda.max_memory_allocated() - base
+    g = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    with torch.cuda.graph(g):
+        out = step()
+    cap = (time.perf_counter() - t0) * 1e3
+    gr = time_us(g.replay)
+    row(workload, config, e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
+    return g, out
 
 
 def seed_mlp():
@@ -155,26 +166,7 @@ for opt_name in ["sgd", "adam"]:
         opt.step()
         return loss
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    e = time_us(step)
-    eager_peak = torch.cuda.max_memory_allocated() - base
-    g = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    before = torch.cuda.memory_reserved()
-    t0 = time.perf_counter()
-    with torch.cuda.graph(g):
-        static_loss = step()
-    cap = (time.perf_counter() - t0) * 1e3
-    gr = time_us(g.replay)
-    row("linear-train", opt_name, e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
+    g, static_loss = graphed_step_row("linear-train", opt_name, step, opt)
 
 # 3. Two models in one pool
 with torch.no_grad():
@@ -314,26 +306,7 @@ def drop_step():
     return loss
 
 
-s = torch.cuda.Stream()
-s.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(s):
-    for _ in range(3):
-        drop_step()
-torch.cuda.current_stream().wait_stream(s)
-torch.cuda.synchronize()
-torch.cuda.reset_peak_memory_stats()
-base = torch.cuda.memory_allocated()
-e = time_us(drop_step)
-eager_peak = torch.cuda.max_memory_allocated() - base
-g = torch.cuda.CUDAGraph()
-opt.zero_grad(set_to_none=True)
-before = torch.cuda.memory_reserved()
-t0 = time.perf_counter()
-with torch.cuda.graph(g):
-    drop_loss = drop_step()
-cap = (time.perf_counter() - t0) * 1e3
-gr = time_us(g.replay)
-row("dropout-train", "mlp-p0.1-bs64-sgd", e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
+g, drop_loss = graphed_step_row("dropout-train", "mlp-p0.1-bs64-sgd", drop_step, opt)
 # Two replays draw different masks (the generator advances per replay).
 w0 = drop[0].weight.detach().clone()
 g.replay()
@@ -346,13 +319,7 @@ notes.append(f"dropout-train: two consecutive replays' weight updates differ by 
 xo = torch.randn(64, 4096, device=dev)
 op = torch.nn.Dropout(0.1).train()
 with torch.no_grad():
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            op(xo)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    torch_timing.warm_up_on_side_stream(lambda: op(xo))
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     e = time_us(lambda: op(xo))

@@ -10,10 +10,10 @@ usage: python3 bench/pytorch_chain.py [--kernels 1,10,100,1000] [--launches 1000
 """
 import argparse
 import json
-import statistics
-import time
 
 import torch
+
+import torch_timing
 
 p = argparse.ArgumentParser()
 p.add_argument("--kernels", default="1,10,100,1000")
@@ -31,27 +31,14 @@ def chain(k):
 
 
 def time_us(body, iters):
-    body()
-    samples = []
-    for _ in range(args.repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(iters):
-            body()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t) * 1e6 / iters)
-    return statistics.median(samples)
+    return torch_timing.time_us(body, iters, args.repeats, warmup=1)
 
 
 rows = []
 for k in [int(v) for v in args.kernels.split(",")]:
     iters = max(args.launches // max(k, 1), 100)
     eager = time_us(lambda: chain(k), iters)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(k)
-    torch.cuda.current_stream().wait_stream(s)
+    torch_timing.warm_up_on_side_stream(lambda: chain(k), n=1)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         chain(k)

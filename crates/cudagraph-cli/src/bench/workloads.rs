@@ -116,6 +116,30 @@ fn time_us(
     report::time_us(s, 3, iters, repeats, body)
 }
 
+/// What every graphed workload here measures the same way: three warm-up runs of `work` on a
+/// side stream (seed 001), eager timing with the peak bytes allocated above the baseline, then
+/// one capture and the replay timing. Returns `(eager µs, graph µs, eager peak)`, the graph
+/// and what the captured `work` returned.
+fn eager_then_graph<T>(
+    dev: &Device,
+    s: &mut Stream,
+    a: &WorkloadArgs,
+    mut work: impl FnMut(&dyn cudagraph::Queue) -> cudagraph_nn::Result<T>,
+) -> AnyResult<((f64, f64, usize), Graph, T)> {
+    let side = dev.new_stream()?;
+    cudagraph::warmup(s, &side, 3, |q| work(q).map(drop).map_err(Into::into))?;
+    s.synchronize()?;
+    dev.reset_peak_memory_stats();
+    let base = dev.memory_stats().allocated;
+    let eager = time_us(s, a.iters, a.repeats, || {
+        work(&*s).map(drop).map_err(Into::into)
+    })?;
+    let eager_peak = dev.memory_stats().peak_allocated - base;
+    let (g, out) = Graph::capture(s, CaptureOptions::new().upload(true), |cs| Ok(work(cs)?))?;
+    let graph = time_us(s, a.iters, a.repeats, || g.replay(s).map_err(Into::into))?;
+    Ok(((eager, graph, eager_peak), g, out))
+}
+
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {
     a.iter()
         .zip(b)
@@ -275,22 +299,7 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
             opt.step(q)?;
             Ok(loss)
         };
-        // Warm up on a side stream (seed 001), then eager steps.
-        let side = dev.new_stream()?;
-        cudagraph::warmup(&s, &side, 3, |q| {
-            step(q, &mut opt).map(|_| ()).map_err(Into::into)
-        })?;
-        s.synchronize()?;
-        dev.reset_peak_memory_stats();
-        let base = dev.memory_stats().allocated;
-        let eager = time_us(&s, a.iters, a.repeats, || {
-            step(&s, &mut opt).map(|_| ()).map_err(Into::into)
-        })?;
-        let eager_peak = dev.memory_stats().peak_allocated - base;
-        let (g, _loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
-            Ok(step(cs, &mut opt)?)
-        })?;
-        let graph = time_us(&s, a.iters, a.repeats, || g.replay(&s).map_err(Into::into))?;
+        let (times, g, _loss) = eager_then_graph(dev, &mut s, a, |q| step(q, &mut opt))?;
         // Same code, same data: one more eager step and one replay from equal weights agree.
         let w0 = s.to_vec(model.weight.data())?;
         step(&s, &mut opt)?;
@@ -304,7 +313,7 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
         rows.push(Row::measured(
             "linear-train",
             if adam { "adam".into() } else { "sgd".into() },
-            (eager, graph, eager_peak),
+            times,
             dev,
             &info,
             if adam {
@@ -351,21 +360,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         opt.step(q)?;
         Ok(loss)
     };
-    let side = dev.new_stream()?;
-    cudagraph::warmup(&s, &side, 3, |q| {
-        step(q, &mut opt).map(|_| ()).map_err(Into::into)
-    })?;
-    s.synchronize()?;
-    dev.reset_peak_memory_stats();
-    let base = dev.memory_stats().allocated;
-    let eager = time_us(&s, a.iters, a.repeats, || {
-        step(&s, &mut opt).map(|_| ()).map_err(Into::into)
-    })?;
-    let eager_peak = dev.memory_stats().peak_allocated - base;
-    let (g, _loss) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
-        Ok(step(cs, &mut opt)?)
-    })?;
-    let graph = time_us(&s, a.iters, a.repeats, || g.replay(&s).map_err(Into::into))?;
+    let (times, g, _loss) = eager_then_graph(dev, &mut s, a, |q| step(q, &mut opt))?;
     // From equal weights and the same (seed, counter), one eager step and one replay draw the
     // same masks and agree; a second replay draws new masks and moves the weights differently.
     let first = match &model.layers[0] {
@@ -384,7 +379,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
     rows.push(Row::measured(
         "dropout-train",
         format!("mlp-p0.1-bs{bs}-sgd"),
-        (eager, graph, eager_peak),
+        times,
         dev,
         &info,
         max_rel(&w_graph, &w_eager),
@@ -399,19 +394,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         gen.advance(q)?;
         Ok(y)
     };
-    let side = dev.new_stream()?;
-    cudagraph::warmup(&s, &side, 3, |q| op(q).map(|_| ()).map_err(Into::into))?;
-    s.synchronize()?;
-    dev.reset_peak_memory_stats();
-    let base = dev.memory_stats().allocated;
-    let eager = time_us(&s, a.iters, a.repeats, || {
-        no_grad(|| op(&s)).map(|_| ()).map_err(Into::into)
-    })?;
-    let eager_peak = dev.memory_stats().peak_allocated - base;
-    let (g, yo) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
-        Ok(no_grad(|| op(cs))?)
-    })?;
-    let graph = time_us(&s, a.iters, a.repeats, || g.replay(&s).map_err(Into::into))?;
+    let (times, g, yo) = eager_then_graph(dev, &mut s, a, |q| no_grad(|| op(q)))?;
     gen.manual_seed(&s, seed)?;
     let ye = no_grad(|| op(&s))?.to_vec(&s)?;
     gen.manual_seed(&s, seed)?;
@@ -421,7 +404,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
     rows.push(Row::measured(
         "dropout-op",
         format!("{m}x{n}-p0.1"),
-        (eager, graph, eager_peak),
+        times,
         dev,
         &info,
         max_rel(&yg, &ye),
