@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call: the GPU tests of conditional nodes, PDL, random numbers and
 # device-side steps (then the whole suite), `bench chain` with and without --pdl beside the raw
-# CUDA baseline (with and without PDL), the seed MLP at batch 32 with and without PDL for the NN
-# kernels, and the digits training at 1 step per launch vs k steps per launch.
+# CUDA baseline (with and without PDL) and PyTorch's graphs, dropout in a graphed training step
+# beside PyTorch's, the seed MLP at batch 32 with and without PDL for the NN kernels, and the
+# digits training at 1 step per launch vs k steps per launch.
 # Needs .gpu-bin/ (../shared/tools/gpu-bundle) and nvcc. Results go to $OUT (default /tmp/out).
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -23,6 +24,11 @@ echo "== bench chain (ours, with --pdl) beside raw CUDA (with PDL)"
 OUT="$out" bash bench/device-chain.sh > "$out/chain.log" 2>&1 || { echo "chain bench failed:"; tail -n 20 "$out/chain.log"; }
 cat "$out/chain-$stamp.md" 2>/dev/null
 $bin bench chain --pdl 2>&1 | tee "$out/chain-pdl-table.txt"
+echo "== dropout in a graphed training step and one dropout op, ours beside PyTorch"
+$bin bench --only dropout --json > "$out/dropout-ours.json" 2> "$out/dropout-ours.log"
+PYTHONUNBUFFERED=1 timeout 150 python3 bench/pytorch_baseline.py > "$out/bench-pytorch.json" 2> "$out/bench-pytorch.log"
+python3 bench/compare.py "$out/dropout-ours.json" "$out/bench-pytorch.json" "$bin bench --only dropout --json; python3 bench/pytorch_baseline.py" > "$out/dropout-$stamp.md"
+grep -E '^\| dropout' "$out/dropout-$stamp.md"
 echo "== seed MLP inference at batch 32: NN kernels plain vs PDL"
 CUDAGRAPH_PDL=0 $bin bench --only mlp --batch-sizes 32 2>&1 | tee "$out/mlp32-plain.txt"
 CUDAGRAPH_PDL=1 $bin bench --only mlp --batch-sizes 32 2>&1 | tee "$out/mlp32-pdl.txt"
