@@ -16,7 +16,7 @@ use super::context::{Context, RawContext};
 use super::module::{
     driver_params, known_param_sizes, Dims, Function, ParamValue, Params, RawFunction,
 };
-use super::result::{check, driver_has, raw_handle};
+use super::result::{check, driver_has, driver_symbol, raw_handle};
 use super::stream::RawStream;
 use crate::error::{Error, Result};
 
@@ -687,10 +687,10 @@ unsafe fn cu_graph_get_edges_untyped(
         *mut usize,
     ) -> sys::CUresult;
     // SAFETY: the symbol has this C signature in every driver that exports it.
-    match unsafe { sys::culib().get::<F>(b"cuGraphGetEdges") } {
+    match unsafe { driver_symbol::<F>("cuGraphGetEdges") } {
         // SAFETY: the caller's contract is the call's.
-        Ok(f) => unsafe { f(g, from, to, n) },
-        Err(_) => sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+        Some(f) => unsafe { f(g, from, to, n) },
+        None => sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
     }
 }
 

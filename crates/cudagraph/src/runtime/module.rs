@@ -14,7 +14,7 @@ use cudarc::driver::sys;
 
 use super::context::{Context, ContextHandle};
 use super::nvrtc;
-use super::result::{check, driver_has, raw_handle};
+use super::result::{check, driver_has, driver_symbol, raw_handle};
 use super::stream::RawStream;
 use crate::error::{Error, Result};
 
@@ -293,19 +293,13 @@ pub fn driver_reports_library_params() -> bool {
 /// where the driver cannot report them without a failing call (see
 /// [`driver_reports_library_params`]).
 pub(crate) fn driver_params(f: RawFunction) -> Result<Option<Vec<ParamDecl>>> {
+    type CountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
     if !driver_reports_library_params() {
         return Ok(None);
     }
-    type CountFn = unsafe extern "C" fn(sys::CUfunction, *mut usize) -> sys::CUresult;
-    // SAFETY: the symbol exists (checked above) and has this C signature in every driver that
-    // exports it; the library stays loaded for the life of the process.
-    let count_fn: CountFn = unsafe {
-        *sys::culib()
-            .get::<CountFn>(b"cuFuncGetParamCount")
-            .map_err(|e| Error::NotSupported {
-                what: "cuFuncGetParamCount",
-                detail: e.to_string(),
-            })?
+    // SAFETY: this is cuFuncGetParamCount's C signature in every driver that exports it.
+    let Some(count_fn) = (unsafe { driver_symbol::<CountFn>("cuFuncGetParamCount") }) else {
+        return Ok(None);
     };
     let mut n = 0usize;
     // SAFETY: writes one size_t for a live function.

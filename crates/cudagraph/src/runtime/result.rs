@@ -111,6 +111,20 @@ pub(crate) fn driver_has(symbol: &str) -> bool {
     unsafe { sys::culib().get::<*const ()>(symbol.as_bytes()).is_ok() }
 }
 
+/// A driver entry point looked up by name, for those cudarc's bindings lack (or would abort
+/// the process on, where the driver is older): `None` when the driver does not export it.
+///
+/// # Safety
+/// `F` is the C signature the driver's header gives `symbol`.
+pub(crate) unsafe fn driver_symbol<F: Copy>(symbol: &str) -> Option<F> {
+    if !driver_present() {
+        return None;
+    }
+    // SAFETY: the caller's promise on `F`; the library stays loaded for the life of the process,
+    // so the copied function pointer stays valid.
+    unsafe { sys::culib().get::<F>(symbol.as_bytes()).ok().map(|f| *f) }
+}
+
 /// Runs `f` with this thread's stream-capture mode set to relaxed, then restores it. For
 /// calls that allocate or free (our allocator, cuBLAS handle creation) and must work while a
 /// capture is open on this thread.
