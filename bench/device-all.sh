@@ -32,11 +32,8 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
   { echo "# cudagraph bench vs PyTorch — $stamp"; echo
     python3 bench/compare.py "$res/bench-ours.json" "$res/bench-pytorch.json" "$ours; python3 bench/pytorch_baseline.py"; } > "$res/bench-$stamp.md"
   grep -E '^\| (mlp|linear|shared)' "$res/bench-$stamp.md"
-  only=${SWEEP_ONLY:+--only $SWEEP_ONLY}
-  timeout 200 $bin bench sweep --json $only > "$res/sweep-ours.json" 2> "$res/sweep-ours.log"
-  PYTHONUNBUFFERED=1 timeout 200 python3 bench/pytorch_sweep.py ${SWEEP_ONLY:+--only $SWEEP_ONLY} > "$res/sweep-pytorch.json" 2> "$res/sweep-pytorch.log"
-  python3 bench/sweep_compare.py "$res/sweep-ours.json" "$res/sweep-pytorch.json" "$bin bench sweep --json $only; python3 bench/pytorch_sweep.py" > "$res/sweep-$stamp.md"
-  grep -E '^\*\*|^Per kind' "$res/sweep-$stamp.md"
+  # SWEEP_ONLY (if set) passes through to device-sweep.sh.
+  OUT="$res" timeout 420 bash bench/device-sweep.sh
   timeout 60 $bin bench cache > "$res/cache-$stamp.txt" 2>&1; grep -iE 'us/request|eager|staged' "$res/cache-$stamp.txt" | head -8
   timeout 90 $bin bench serve --clients 64 --min-rows 1 --max-rows 256 --duration-s 15 > "$res/serve-$stamp.md" 2>&1; tail -n 6 "$res/serve-$stamp.md"
 fi

@@ -11,10 +11,7 @@ nvidia-smi -L | tee "$r/device.txt"
 timeout 200 bash .gpu-bin/run-tests.sh > "$r/gpu-tests-$d.log" 2>&1
 grep -E '^test .*FAILED|panicked' "$r/gpu-tests-$d.log" | head -10
 tail -n 2 "$r/gpu-tests-$d.log"
-timeout 60 $b bench sweep --json --only ce- > "$r/sweep-ce-ours.json" 2> "$r/sweep-ce-ours.log"
-PYTHONUNBUFFERED=1 timeout 90 python3 bench/pytorch_sweep.py --only ce- > "$r/sweep-ce-pytorch.json" 2> "$r/sweep-ce-pytorch.log"
-python3 bench/sweep_compare.py "$r/sweep-ce-ours.json" "$r/sweep-ce-pytorch.json" "$b bench sweep --json --only ce-; python3 bench/pytorch_sweep.py --only ce-" > "$r/sweep-ce-$d.md"
-grep -E '^\*\*|^Per kind' "$r/sweep-ce-$d.md"
+OUT="$r" SWEEP_ONLY=ce- SWEEP_NAME=sweep-ce timeout 150 bash bench/device-sweep.sh
 OUT="$r" JOBS=${SANITIZE_JOBS:-10} JOB_LIMIT_S=${SANITIZE_LIMIT_S:-220} timeout 280 bash bench/sanitize.sh > "$r/sanitize.txt" 2>&1
 grep -q "^sanitize initcheck" "$r/sanitize.txt" || OUT="$r" SUMMARY_ONLY=1 bash bench/sanitize.sh >> "$r/sanitize.txt" 2>&1
 tail -n 12 "$r/sanitize.txt"
