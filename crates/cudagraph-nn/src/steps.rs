@@ -129,6 +129,16 @@ impl DeviceBatches {
         x: &DeviceBuffer<f32>,
         y: &DeviceBuffer<i32>,
     ) -> Result<()> {
+        self.gather(q, x, y, None)
+    }
+
+    fn gather(
+        &self,
+        q: &dyn Queue,
+        x: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<i32>,
+        cond: Option<&DeviceBuffer<u32>>,
+    ) -> Result<()> {
         StepKernels::get(q.device())?.gather_batch(
             q,
             &self.images,
@@ -136,6 +146,7 @@ impl DeviceBatches {
             x,
             y,
             &self.cursor,
+            cond,
             self.batches,
             self.rows,
             self.features,
@@ -158,10 +169,10 @@ impl DeviceBatches {
         let sk = StepKernels::get(cs.device())?;
         sk.batches_left(cs, &self.cursor, self.batches, &self.cond)?;
         let out = cs.while_loop_capped(&self.cond, k, |body| {
-            self.load_next(body, x, y)?;
-            let r = step(body)?;
-            sk.batches_left(body, &self.cursor, self.batches, &self.cond)?;
-            Ok(r)
+            // Loads the batch, advances the cursor and sets the condition (batches left) for
+            // the next iteration; the step does not touch either.
+            self.gather(body, x, y, Some(&self.cond))?;
+            Ok(step(body)?)
         })?;
         Ok(out)
     }

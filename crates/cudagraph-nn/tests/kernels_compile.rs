@@ -74,7 +74,12 @@ const EXPECTED: &[(&str, &[&str])] = &[
     ),
     (
         "cudagraph_nn_steps",
-        &["gather_batch", "batches_left", "check_finite"],
+        &[
+            "gather_batch",
+            "advance_cursor",
+            "batches_left",
+            "check_finite",
+        ],
     ),
     (
         "cudagraph_nn_pdl",

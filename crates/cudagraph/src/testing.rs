@@ -41,3 +41,17 @@ macro_rules! gpu_test_device {
         }
     };
 }
+
+/// Name of the variable that asks GPU tests for fewer iterations (set by `bench/sanitize.sh`:
+/// under compute-sanitizer every launch costs milliseconds).
+pub const QUICK_VAR: &str = "CUDAGRAPH_TEST_QUICK";
+
+/// `quick` when `CUDAGRAPH_TEST_QUICK=1`, else `full`: the iteration count of a loop whose
+/// length adds time but no coverage under instrumentation.
+pub fn iterations(full: usize, quick: usize) -> usize {
+    if std::env::var(QUICK_VAR).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true")) {
+        quick
+    } else {
+        full
+    }
+}

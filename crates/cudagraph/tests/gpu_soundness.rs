@@ -475,7 +475,12 @@ fn eight_threads_capture_and_replay_at_once_and_match_one_thread() {
     let dev = gpu_test_device!();
     let k = Arc::new(kernels(&dev));
     let n = 4096;
-    let (rounds, replays) = (20, 50);
+    // Fewer rounds under compute-sanitizer (CUDAGRAPH_TEST_QUICK=1): the eight threads still
+    // capture and replay at once.
+    let (rounds, replays) = (
+        cudagraph::testing::iterations(20, 3),
+        cudagraph::testing::iterations(50, 4),
+    );
     // The single-threaded reference: the same work, eagerly, on one stream.
     let want = {
         let s = dev.new_stream().unwrap();

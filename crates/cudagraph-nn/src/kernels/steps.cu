@@ -5,18 +5,26 @@
 
 // One block. b = cursor[0] mod batches picks rows [b * rows, (b + 1) * rows) of the resident
 // images (batches * rows * features floats) and labels (batches * rows ints); they are copied
-// into x (rows * features) and y (rows); then cursor[0] += 1.
+// into x (rows * features) and y (rows). advance_cursor, launched next, moves the cursor.
 extern "C" __global__ void gather_batch(const float* images, const int* labels, float* x, int* y,
-                                        unsigned int* cursor, int batches, int rows, int features) {
+                                        const unsigned int* cursor, int batches, int rows, int features) {
     CG_PDL_ENTER();
-    __shared__ unsigned int b;
-    if (threadIdx.x == 0) b = cursor[0] % (unsigned int)batches;
-    __syncthreads();
+    // Every thread reads the cursor itself (advance_cursor, the next kernel, moves it): no
+    // shared state, no barrier.
+    const unsigned int b = cursor[0] % (unsigned int)batches;
     long row0 = (long)b * rows;
     long count = (long)rows * features;
     for (long i = threadIdx.x; i < count; i += blockDim.x) x[i] = images[row0 * features + i];
     for (int i = threadIdx.x; i < rows; i += blockDim.x) y[i] = labels[row0 + i];
-    if (threadIdx.x == 0) cursor[0] = b + 1;
+}
+
+// cursor[0] = cursor[0] mod batches + 1 (the batch gather_batch just read, plus one); with
+// `cond`, also cond[0] = cursor[0] < batches (one thread).
+extern "C" __global__ void advance_cursor(unsigned int* cursor, int batches, unsigned int* cond) {
+    CG_PDL_ENTER();
+    const unsigned int c = cursor[0] % (unsigned int)batches + 1u;
+    cursor[0] = c;
+    if (cond != 0) cond[0] = c < (unsigned int)batches ? 1u : 0u;
 }
 
 // cond[0] = cursor[0] < batches (one thread).

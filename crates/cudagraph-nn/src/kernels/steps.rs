@@ -15,6 +15,7 @@ pub const SOURCE: &str = include_str!("steps.cu");
 /// The step kernels of one device (a [`Device::extension`]).
 pub struct StepKernels {
     gather: Function,
+    advance: Function,
     batches_left: Function,
     check_finite: Function,
 }
@@ -32,6 +33,7 @@ impl StepKernels {
             })?;
             Ok(StepKernels {
                 gather: m.function("gather_batch")?,
+                advance: m.function("advance_cursor")?,
                 batches_left: m.function("batches_left")?,
                 check_finite: m.function("check_finite")?,
             })
@@ -59,7 +61,8 @@ unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>
 
 impl StepKernels {
     /// Copies batch `cursor[0] mod batches` (`rows` rows of `features` values) of the resident
-    /// `images`/`labels` into `x`/`y`, then advances the cursor.
+    /// `images`/`labels` into `x`/`y`, then advances the cursor (a second, one-thread kernel)
+    /// and, with `cond`, sets `cond[0] = cursor[0] < batches` (batches left).
     #[allow(clippy::too_many_arguments)]
     pub fn gather_batch(
         &self,
@@ -69,6 +72,7 @@ impl StepKernels {
         x: &DeviceBuffer<f32>,
         y: &DeviceBuffer<i32>,
         cursor: &DeviceBuffer<u32>,
+        cond: Option<&DeviceBuffer<u32>>,
         batches: usize,
         rows: usize,
         features: usize,
@@ -93,10 +97,14 @@ impl StepKernels {
         need("batch targets", y, rows)?;
         need("batch cursor", cursor, 1)?;
         int("batches · rows", mul("batches · rows", batches, rows)?)?;
+        if let Some(c) = cond {
+            need("loop condition", c, 1)?;
+        }
+        let bi = int("batches", batches)?;
         // SAFETY: one block; b < batches (the kernel takes the cursor modulo batches) reads
         // images[(b·rows)·features + i] for i < rows·features, below batches·rows·features,
         // and labels[b·rows + i] for i < rows, below batches·rows (both checked); writes x below
-        // rows·features and y below rows (checked); reads and writes cursor[0].
+        // rows·features and y below rows (checked); reads cursor[0].
         unsafe {
             launch(
                 q,
@@ -108,10 +116,20 @@ impl StepKernels {
                     x.into(),
                     y.into(),
                     cursor.into(),
-                    Arg::I32(int("batches", batches)?),
+                    Arg::I32(bi),
                     Arg::I32(int("rows", rows)?),
                     Arg::I32(int("features", features)?),
                 ],
+            )?;
+        }
+        // SAFETY: one thread reads and writes cursor[0] and writes cond[0] when given (both
+        // checked to hold one element).
+        unsafe {
+            launch(
+                q,
+                &self.advance,
+                LaunchConfig::linear(1, 1),
+                &[cursor.into(), Arg::I32(bi), Arg::opt(cond)],
             )
         }
     }

@@ -7,6 +7,13 @@ use crate::error::{Error, Result};
 use crate::runtime::context::ContextHandle;
 use crate::runtime::memory;
 
+/// `CUDAGRAPH_TRACE_SEGMENTS=1` prints every segment taken from and returned to the driver
+/// (to match addresses in compute-sanitizer reports against the allocator's segments).
+fn trace_segments() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CUDAGRAPH_TRACE_SEGMENTS").is_ok_and(|v| v == "1"))
+}
+
 pub(crate) struct DeviceSource {
     pub(crate) ctx: Arc<ContextHandle>,
     /// The device's memory: a larger request is refused without asking the driver.
@@ -22,7 +29,7 @@ impl SegmentSource for DeviceSource {
             });
         }
         self.ctx.bind()?;
-        memory::mem_alloc(bytes).map_err(|e| {
+        let addr = memory::mem_alloc(bytes).map_err(|e| {
             if e.is_out_of_memory() {
                 Error::OutOfMemory {
                     requested: bytes,
@@ -31,11 +38,18 @@ impl SegmentSource for DeviceSource {
             } else {
                 e
             }
-        })
+        })?;
+        if trace_segments() {
+            eprintln!("cudagraph: segment alloc {addr:#x} {bytes} bytes");
+        }
+        Ok(addr)
     }
 
-    fn release(&self, addr: u64, _bytes: usize) -> Result<()> {
+    fn release(&self, addr: u64, bytes: usize) -> Result<()> {
         self.ctx.bind()?;
+        if trace_segments() {
+            eprintln!("cudagraph: segment free {addr:#x} {bytes} bytes");
+        }
         // SAFETY: the allocator releases a segment once, after `synchronize` returned and with
         // no block of it handed out, so no work can still use it.
         unsafe { memory::mem_free(addr) }
