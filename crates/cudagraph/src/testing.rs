@@ -19,6 +19,7 @@ pub fn gpu_required() -> bool {
 /// # Panics
 /// When no device can be opened and `CUDAGRAPH_REQUIRE_GPU=1`.
 pub fn gpu_or_skip() -> Option<Device> {
+    keep_context();
     match Device::open(0) {
         Ok(d) => Some(d),
         Err(e) if gpu_required() => {
@@ -29,6 +30,24 @@ pub fn gpu_or_skip() -> Option<Device> {
             None
         }
     }
+}
+
+/// Name of the variable that keeps device 0's primary context retained for the whole test
+/// process (`CUDAGRAPH_TEST_KEEP_CONTEXT=1`). Without it every test that drops its last
+/// `Device` destroys the context and the next test creates a new one, as a process that opens
+/// and closes the device would. Only the context is kept: the library's per-device state
+/// (allocator, library handles) still goes with the last `Device`.
+pub const KEEP_CONTEXT_VAR: &str = "CUDAGRAPH_TEST_KEEP_CONTEXT";
+
+fn keep_context() {
+    use std::sync::OnceLock;
+    static KEPT: OnceLock<Option<crate::runtime::Context>> = OnceLock::new();
+    KEPT.get_or_init(|| {
+        std::env::var(KEEP_CONTEXT_VAR)
+            .is_ok_and(|v| v == "1")
+            .then(|| crate::runtime::Context::open(0).ok())
+            .flatten()
+    });
 }
 
 /// Runs `f` with the gate: `let Some(dev) = gpu_or_skip() else { return };` in one call.

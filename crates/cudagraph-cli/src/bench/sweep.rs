@@ -180,6 +180,9 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
         Spec::Linear { .. } | Spec::Conv2d { .. } => used_engines(used),
         Spec::CrossEntropy { rows, classes } => {
             let p = ce_plan(rows, classes, sms);
+            if p.chunks > 1 {
+                return format!("ce rows split in {} chunks, 3 passes", p.chunks);
+            }
             format!(
                 "ce {}{}",
                 if p.warp_rows { "warp/row" } else { "block/row" },
@@ -651,7 +654,17 @@ mod tests {
     fn engine_labels_name_the_kernels() {
         assert!(engine_label(
             &Spec::CrossEntropy {
-                rows: 128,
+                rows: 16,
+                classes: 50000
+            },
+            "forward",
+            132,
+            &[]
+        )
+        .contains("split in 17 chunks"));
+        assert!(engine_label(
+            &Spec::CrossEntropy {
+                rows: 256,
                 classes: 50000
             },
             "forward",

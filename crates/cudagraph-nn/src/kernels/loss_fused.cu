@@ -5,7 +5,10 @@
 // an online max/sum of exp in one read of the row, and the unit gradient
 // (softmax - onehot) / rows written in a second read. The mean over rows is deterministic: each
 // row's loss goes to row_loss[r] and one block sums them in a fixed order (sum_scaled); small
-// problems run in a single block that does both (one node).
+// problems run in a single block that does both (one node). Few wide rows (fewer rows than
+// multiprocessors) are split into chunks across blocks: statistics per chunk, then per row the
+// chunks merged in a fixed order, each row's loss and (when asked) the gradient per chunk,
+// then the mean as above (sum_scaled).
 //
 // MSE: one pass computes the per-block partial sums of (p - t)^2 and, when asked, the unit
 // gradient 2·scale·(p - t); one block then sums the partials in a fixed order (or a single
@@ -120,6 +123,89 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
         acc = block_sum(acc);
         if (threadIdx.x == 0) loss[0] = acc * inv_rows;
     }
+}
+
+// Split rows (few wide rows: fewer rows than multiprocessors). Block b = r * chunks + k reads
+// chunk k of row r (chunk length ceil(cols / chunks)) and writes its running max and sum of
+// exp to pm[b], ps[b]. A row's chunks (at most 32) are merged by one warp, lane k holding chunk
+// k, in a fixed butterfly order and taken from lane 0: every reader of a row's statistics gets
+// the same bits (deterministic).
+__device__ __forceinline__ void ce_chunk(int cols, int chunks, int k, int& lo, int& hi) {
+    const int len = (cols + chunks - 1) / chunks;
+    lo = min(k * len, cols);
+    hi = min(lo + len, cols);
+}
+
+// Called by a whole warp; every lane returns the row's merged statistics.
+__device__ __forceinline__ void ce_row_stats(const float* pm, const float* ps, int r, int chunks,
+        float& m, float& s) {
+    const int lane = threadIdx.x & 31;
+    m = NEG_INF; s = 0.0f;
+    if (lane < chunks) { m = pm[r * chunks + lane]; s = ps[r * chunks + lane]; }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ms_merge(m, s, m2, s2);
+    }
+    m = __shfl_sync(0xffffffffu, m, 0);
+    s = __shfl_sync(0xffffffffu, s, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z, int rows, int cols, int chunks,
+        float* pm, float* ps) {
+    __shared__ float wm[8], ws[8];
+    const int b = blockIdx.x, r = b / chunks, k = b - r * chunks;
+    if (r >= rows) return;
+    int lo, hi;
+    ce_chunk(cols, chunks, k, lo, hi);
+    const float* zr = z + (long long)r * cols;
+    float m = NEG_INF, s = 0.0f;
+    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) ms_add(m, s, zr[c]);
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ms_merge(m, s, m2, s2);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { wm[warp] = m; ws[warp] = s; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float bm = wm[0], bs = ws[0];
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) ms_merge(bm, bs, wm[w], ws[w]);
+        pm[b] = bm; ps[b] = bs;
+    }
+}
+
+// Block b = r * per_row + k (per_row = chunks with a gradient, else 1): merges row r's chunk
+// statistics (warp 0), writes grad = (softmax - onehot) / rows over chunk k when `grad` is set,
+// and (k = 0) the row's loss into row_loss[r], reporting a target outside [0, cols).
+extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z, const int* tgt, float* grad,
+        const float* pm, const float* ps, float* row_loss, int rows, int cols, int chunks, int per_row,
+        float inv_rows, cg_check* flag, unsigned int check) {
+    __shared__ float row_m, row_s;
+    const int b = blockIdx.x, r = b / per_row, k = b - r * per_row;
+    if (r >= rows) return;
+    if (threadIdx.x < 32) {
+        float m, s;
+        ce_row_stats(pm, ps, r, chunks, m, s);
+        if (threadIdx.x == 0) {
+            row_m = m; row_s = s;
+            if (k == 0) {
+                const int t = ce_target(tgt, r, cols, true, flag, check);
+                row_loss[r] = logf(s) + m - z[(long long)r * cols + t];
+            }
+        }
+    }
+    if (grad == 0) return;
+    __syncthreads();
+    const float m = row_m, inv_s = 1.0f / row_s;
+    const int t = min(max(tgt[r], 0), cols - 1);  // reported above (block k = 0)
+    int lo, hi;
+    ce_chunk(cols, chunks, k, lo, hi);
+    const float* zr = z + (long long)r * cols;
+    float* gr = grad + (long long)r * cols;
+    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x)
+        gr[c] = (expf(zr[c] - m) * inv_s - (c == t ? 1.0f : 0.0f)) * inv_rows;
 }
 
 // out[0] = scale * (sum of v[0..count)), one block, fixed order.

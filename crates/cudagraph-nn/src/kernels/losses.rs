@@ -34,6 +34,8 @@ type Buf = DeviceBuffer<f32>;
 pub struct LossKernels {
     ce_fwd_warp: Function,
     ce_fwd_block: Function,
+    ce_split_stats: Function,
+    ce_split_finish: Function,
     sum_scaled: Function,
     mse_fwd: Function,
     scale_by: Function,
@@ -43,19 +45,52 @@ pub struct LossKernels {
 }
 
 /// How [`LossKernels::cross_entropy`] runs a problem: grid, whether one warp handles a row,
-/// and whether a second pass reduces per-row losses.
+/// whether a second pass reduces per-row losses, and into how many chunks each row is split
+/// across blocks (1: not split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CePlan {
     pub grid: u32,
     pub warp_rows: bool,
     pub two_pass: bool,
+    pub chunks: u32,
 }
+
+/// Fewest classes a chunk of a split row holds (below that, merging partials costs more than
+/// the extra blocks save).
+const MIN_CHUNK: usize = 1024;
+/// Most chunks per row (one warp merges a row's chunks, a lane each).
+const MAX_CHUNKS: usize = 32;
+/// Fewest chunks worth splitting a row into. Measured on the H100 (2026-11-23, device-diag.sh,
+/// beside the block-per-row plan): 9 and 17 chunks per row were faster (32 × 10 000 forward
+/// 10.3 → 8.9 µs, 16 × 50 000 21.1 → 11.1 µs), 3 chunks slower (128 × 10 000 forward
+/// 10.3 → 11.5 µs, 128 × 50 000 21.7 → 25.5 µs): the merge pass costs more than 3 blocks
+/// per row save.
+const MIN_SPLIT_CHUNKS: usize = 4;
 
 /// The launch plan for `rows × cols` logits on `sms` multiprocessors.
 pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
     let warp_rows = cols <= WARP_ROW_MAX;
+    let sms = sms.max(1) as usize;
+    // Wide rows, fewer than the multiprocessors: a block per row would leave most of the GPU
+    // idle and run each row's long dependent chain on one multiprocessor. Split each row so
+    // that about two blocks per multiprocessor run, each chunk holding at least MIN_CHUNK, when
+    // that gives at least MIN_SPLIT_CHUNKS chunks.
+    if !warp_rows && rows < sms {
+        let chunks = (2 * sms)
+            .div_ceil(rows.max(1))
+            .min(cols.div_ceil(MIN_CHUNK))
+            .clamp(1, MAX_CHUNKS);
+        if chunks >= MIN_SPLIT_CHUNKS {
+            return CePlan {
+                grid: (rows * chunks) as u32,
+                warp_rows: false,
+                two_pass: true,
+                chunks: chunks as u32,
+            };
+        }
+    }
     let per_block = if warp_rows { (BLOCK / 32) as usize } else { 1 };
-    let most = sms.max(1) as usize * 16;
+    let most = sms * 16;
     // One block only when it covers every row in a single pass.
     let needed = rows.div_ceil(per_block).max(1);
     let single = needed == 1;
@@ -64,6 +99,7 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
         grid: grid as u32,
         warp_rows,
         two_pass: !single,
+        chunks: 1,
     }
 }
 
@@ -89,6 +125,8 @@ impl LossKernels {
                 Ok(LossKernels {
                     ce_fwd_warp: m.function("ce_fwd_warp")?,
                     ce_fwd_block: m.function("ce_fwd_block")?,
+                    ce_split_stats: m.function("ce_split_stats")?,
+                    ce_split_finish: m.function("ce_split_finish")?,
                     sum_scaled: m.function("sum_scaled")?,
                     mse_fwd: m.function("mse_fwd")?,
                     scale_by: m.function("scale_by")?,
@@ -239,6 +277,9 @@ impl LossKernels {
         }
         let (ri, ci) = (int("rows", rows)?, int("cols", cols)?);
         let plan = ce_plan(rows, cols, self.sms);
+        if plan.chunks > 1 {
+            return self.cross_entropy_split(q, logits, targets, grad, loss, (rows, cols), plan);
+        }
         let row_loss = if plan.two_pass {
             Some(q.alloc::<f32>(rows)?)
         } else {
@@ -282,6 +323,84 @@ impl LossKernels {
             None => Ok(()),
         }
     }
+
+    /// Cross-entropy with each row split into `plan.chunks` chunks across blocks: chunk
+    /// statistics; then per row the merged statistics, the row's loss and (with `grad`) the
+    /// gradient per chunk; then the mean over rows in one block.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_split(
+        &self,
+        q: &dyn Queue,
+        logits: &Buf,
+        targets: &DeviceBuffer<i32>,
+        grad: Option<&Buf>,
+        loss: &Buf,
+        (rows, cols): (usize, usize),
+        plan: CePlan,
+    ) -> Result<()> {
+        let (ri, ci) = (int("rows", rows)?, int("cols", cols)?);
+        let chunks = plan.chunks as usize;
+        if chunks > MAX_CHUNKS {
+            return Err(NnError::Shape(format!(
+                "cross_entropy: {chunks} chunks per row, at most {MAX_CHUNKS}"
+            )));
+        }
+        let parts = prod("cross_entropy chunks", &[rows, chunks])?;
+        let ki = int("chunks", chunks)?;
+        let (pm, ps) = (q.alloc::<f32>(parts)?, q.alloc::<f32>(parts)?);
+        let row_loss = q.alloc::<f32>(rows)?;
+        let inv_rows = 1.0 / rows as f32;
+        // SAFETY: block b = r·chunks + k (b < rows·chunks = grid) reads logits of row r < rows
+        // in columns [k·len, min((k+1)·len, cols)) (logits hold rows·cols, checked by the
+        // caller) and writes pm[b], ps[b] (allocated with rows·chunks).
+        unsafe {
+            super::launch(
+                q,
+                &self.ce_split_stats,
+                LaunchConfig::linear(plan.grid, BLOCK),
+                &[
+                    logits.into(),
+                    Arg::I32(ri),
+                    Arg::I32(ci),
+                    Arg::I32(ki),
+                    (&pm).into(),
+                    (&ps).into(),
+                ],
+            )?;
+        }
+        let per_row = if grad.is_some() { chunks } else { 1 };
+        let blocks = u32::try_from(rows * per_row).map_err(|_| {
+            NnError::Shape(format!("cross_entropy: {rows} rows × {per_row} chunks"))
+        })?;
+        // SAFETY: block b = r·per_row + k (r < rows) reads pm/ps[r·chunks .. r·chunks +
+        // chunks) (chunks ≤ 32, one lane each; allocated with rows·chunks), targets[r]
+        // (clamped into [0, cols) before it indexes) and logits of row r; writes row_loss[r]
+        // (allocated with rows) and, with a gradient, grad over chunk k of row r (grad holds
+        // rows·cols, checked by the caller); flag is the device's error word.
+        unsafe {
+            super::launch(
+                q,
+                &self.ce_split_finish,
+                LaunchConfig::linear(blocks, if grad.is_some() { BLOCK } else { 32 }),
+                &[
+                    logits.into(),
+                    targets.into(),
+                    Arg::opt(grad),
+                    (&pm).into(),
+                    (&ps).into(),
+                    (&row_loss).into(),
+                    Arg::I32(ri),
+                    Arg::I32(ci),
+                    Arg::I32(ki),
+                    Arg::I32(int("chunks", per_row)?),
+                    inv_rows.into(),
+                    q.device().check_flag_arg(),
+                    Arg::U32(self.ce_check),
+                ],
+            )?;
+        }
+        self.sum_scaled(q, &row_loss, rows, loss, inv_rows)
+    }
 }
 
 #[cfg(test)]
@@ -295,17 +414,40 @@ mod tests {
             CePlan {
                 grid: 1,
                 warp_rows: true,
-                two_pass: false
+                two_pass: false,
+                chunks: 1,
             }
         );
+        // One wide row that one chunk covers: one block.
         assert_eq!(
-            ce_plan(1, 30000, 132),
+            ce_plan(1, 1000, 132),
             CePlan {
                 grid: 1,
-                warp_rows: false,
-                two_pass: false
+                warp_rows: true,
+                two_pass: false,
+                chunks: 1,
             }
         );
+    }
+
+    #[test]
+    fn few_wide_rows_are_split_across_blocks() {
+        // 16 rows of 50000: 17 chunks of at least 1024 (about two blocks per SM).
+        let p = ce_plan(16, 50000, 132);
+        assert_eq!((p.chunks, p.grid, p.two_pass), (17, 16 * 17, true));
+        // Capped by the chunk size: 2 rows of 5000 classes give 5 chunks each.
+        assert_eq!(ce_plan(2, 5000, 132).chunks, 5);
+        // Fewer than MIN_SPLIT_CHUNKS chunks: a block per row (measured faster).
+        assert_eq!(ce_plan(2, 3000, 132).chunks, 1);
+        assert_eq!(ce_plan(128, 10000, 132).chunks, 1);
+        assert_eq!(ce_plan(64, 10000, 132).chunks, 5);
+        let p = ce_plan(1, 30000, 132);
+        assert_eq!((p.chunks, p.grid), (30, 30));
+        // And by one warp's lanes: never more than 32 chunks.
+        assert_eq!(ce_plan(1, 1 << 20, 132).chunks, 32);
+        // As many rows as SMs or more: a block per row, no split.
+        assert_eq!(ce_plan(132, 50000, 132).chunks, 1);
+        assert_eq!(ce_plan(1 << 20, 50000, 132).chunks, 1);
     }
 
     #[test]
@@ -318,9 +460,9 @@ mod tests {
         assert_eq!(p.grid, 32); // never one block walking 32 rows per warp
         assert!(ce_plan(9, 10, 132).two_pass);
         assert!(ce_plan(2, 50000, 132).two_pass);
-        let p = ce_plan(128, 50000, 132);
-        assert!(!p.warp_rows && p.two_pass);
-        assert_eq!(p.grid, 128); // a block per row
+        let p = ce_plan(200, 50000, 132);
+        assert!(!p.warp_rows && p.two_pass && p.chunks == 1);
+        assert_eq!(p.grid, 200); // a block per row
         let p = ce_plan(1 << 20, 50000, 132);
         assert_eq!(p.grid, 132 * 16); // grid-stride beyond that
         assert!(!ce_plan(3, 1025, 132).warp_rows);
