@@ -163,6 +163,10 @@ fn a_failed_capture_releases_the_side_stream() {
     let mut side = dev.new_stream().unwrap();
     let x = s.alloc_zeroed::<f32>(N).unwrap();
     let y = s.alloc_zeroed::<f32>(N).unwrap();
+    // The zeroing ran on s; the side stream writes x below without waiting for s (streams
+    // are ordered by their user, not by the library): finish it first. (Under
+    // compute-sanitizer the zeroing was seen landing after the side stream's fill.)
+    s.synchronize().unwrap();
     let r = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         let branch = cs.fork(&mut side)?;
         slow_scale(&branch, &k, &x, 2.0)?;
