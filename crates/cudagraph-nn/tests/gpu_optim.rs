@@ -745,24 +745,33 @@ fn graph_cache_staged_run_into_and_measured_choice_match_eager() {
             match selection {
                 Selection::Graph => {
                     assert_eq!(
-                        (e.choice, e.graph_us, e.eager_us),
-                        (Choice::Graph, None, None)
+                        (
+                            e.choice,
+                            e.copy_choice,
+                            e.graph_us,
+                            e.eager_us,
+                            e.copy_in_us
+                        ),
+                        (Choice::Graph, Choice::Graph, None, None, None)
                     )
                 }
                 Selection::Measure => {
                     let (g, x) = (e.graph_us.unwrap(), e.eager_us.unwrap());
-                    assert!(g > 0.0 && x > 0.0);
+                    let c = e.copy_in_us.unwrap();
+                    assert!(g > 0.0 && x > 0.0 && c > 0.0);
                     assert_eq!(e.choice, choose(g, x));
+                    // From a caller's buffer the graph pays the copy into the static input.
+                    assert_eq!(e.copy_choice, choose(g + c, x));
                 }
             }
         }
-        let choice_of = |cache: &GraphCache<Batched<Sequential>>, size: usize| {
-            cache
-                .entries()
-                .iter()
-                .find(|e| e.size == size)
-                .unwrap()
-                .choice
+        let choice_of = |cache: &GraphCache<Batched<Sequential>>, size: usize, copied: bool| {
+            let e = *cache.entries().iter().find(|e| e.size == size).unwrap();
+            if copied {
+                e.copy_choice
+            } else {
+                e.choice
+            }
         };
         let out = s.alloc::<f32>(20 * 10).unwrap();
         // 16 rows first, so later padded requests see stale rows in the static input.
@@ -771,9 +780,9 @@ fn graph_cache_staged_run_into_and_measured_choice_match_eager() {
             let want = eager(&s, &xh, rows);
             let bucket = [1usize, 4, 16].into_iter().find(|&b| b >= rows);
             // Every size was captured (and measured) up front, so the way is known.
-            let want_served = match bucket {
+            let want_served = |copied: bool| match bucket {
                 None => Served::Fallback,
-                Some(b) => match choice_of(&cache, b) {
+                Some(b) => match choice_of(&cache, b, copied) {
                     Choice::Eager => Served::Eager { size: b },
                     Choice::Graph if b == rows => Served::Exact { size: b },
                     Choice::Graph => Served::Padded {
@@ -782,7 +791,8 @@ fn graph_cache_staged_run_into_and_measured_choice_match_eager() {
                     },
                 },
             };
-            let expect = |served: Served| assert_eq!(served, want_served, "{rows} rows");
+            let (staged_way, copied_way) = (want_served(false), want_served(true));
+            let expect = |served: Served, want: Served| assert_eq!(served, want, "{rows} rows");
             // Staged: the producer writes straight into the static input.
             let st = cache.stage(&s, rows).unwrap();
             assert_eq!(st.input().len(), rows * 64);
@@ -793,19 +803,19 @@ fn graph_cache_staged_run_into_and_measured_choice_match_eager() {
                 rel_err(&got, &to_f64(&want)) < 1e-5,
                 "staged {rows}: {served:?}"
             );
-            expect(served);
+            expect(served, staged_way);
             // run_into and run from a caller's buffer.
             let x = s.alloc_from_host(&xh).unwrap();
             let served = cache.run_into(&mut s, &x, rows, &out).unwrap();
             let got = s.to_vec(&out.prefix(rows * 10).unwrap()).unwrap();
             assert!(rel_err(&got, &to_f64(&want)) < 1e-5, "run_into {rows}");
-            expect(served);
+            expect(served, copied_way);
             let (o, served) = cache.run(&mut s, &x, rows).unwrap();
             assert!(
                 rel_err(&s.to_vec(&o).unwrap(), &to_f64(&want)) < 1e-5,
                 "run {rows}"
             );
-            expect(served);
+            expect(served, copied_way);
         }
         let st = *cache.stats();
         assert_eq!(st.requests, 24);

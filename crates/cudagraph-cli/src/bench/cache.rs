@@ -51,8 +51,11 @@ pub fn request_sizes(n: usize) -> Vec<usize> {
 struct BucketRow {
     size: usize,
     choice: String,
+    /// The choice for requests copied in from a caller's buffer (run, run_into).
+    copy_choice: String,
     graph_us: Option<f64>,
     eager_us: Option<f64>,
+    copy_in_us: Option<f64>,
     hits: u64,
 }
 
@@ -78,6 +81,8 @@ struct CacheReport {
     cache_stats: String,
     buckets_graph: usize,
     buckets_eager: usize,
+    /// Buckets that serve copied-in requests (run, run_into) eagerly.
+    buckets_copied_eager: usize,
     buckets: Vec<BucketRow>,
     captured_sizes: usize,
     capture_ms_total: f64,
@@ -216,8 +221,10 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         .map(|e| BucketRow {
             size: e.size,
             choice: format!("{:?}", e.choice).to_lowercase(),
+            copy_choice: format!("{:?}", e.copy_choice).to_lowercase(),
             graph_us: e.graph_us,
             eager_us: e.eager_us,
+            copy_in_us: e.copy_in_us,
             hits: e.hits,
         })
         .collect();
@@ -234,6 +241,10 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         cache_stats: cache.stats().to_string(),
         buckets_graph: entries.iter().filter(|e| e.choice == Choice::Graph).count(),
         buckets_eager: entries.iter().filter(|e| e.choice == Choice::Eager).count(),
+        buckets_copied_eager: entries
+            .iter()
+            .filter(|e| e.copy_choice == Choice::Eager)
+            .count(),
         buckets,
         captured_sizes: entries.len(),
         capture_ms_total: cache.stats().capture_time.as_secs_f64() * 1e3,
@@ -277,18 +288,21 @@ pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
         eager / report.run_us_per_request
     );
     outln!(
-        "  buckets: {} by graph, {} eager (measured once per bucket)",
+        "  buckets: {} by graph, {} eager when staged; {} eager for copied-in requests (measured once per bucket)",
         report.buckets_graph,
-        report.buckets_eager
+        report.buckets_eager,
+        report.buckets_copied_eager
     );
     for b in &report.buckets {
-        if let (Some(g), Some(e)) = (b.graph_us, b.eager_us) {
+        if let (Some(g), Some(e), Some(c)) = (b.graph_us, b.eager_us, b.copy_in_us) {
             outln!(
-                "    bs {:>3}: graph {:7.2} us, eager {:7.2} us -> {} ({} hits)",
+                "    bs {:>3}: graph {:7.2} us, eager {:7.2} us, copy in {:5.2} us -> staged {}, copied {} ({} hits)",
                 b.size,
                 g,
                 e,
+                c,
                 b.choice,
+                b.copy_choice,
                 b.hits
             );
         }

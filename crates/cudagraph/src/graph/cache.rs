@@ -118,7 +118,10 @@ pub enum Selection {
     #[default]
     Graph,
     /// By whichever was faster when the bucket was captured: its graph, or the eager forward
-    /// pass (timed back to back at the bucket's size, median of a few samples).
+    /// pass (timed back to back at the bucket's size, median of a few samples). Requests from
+    /// a caller's buffer ([`GraphCache::run`], [`GraphCache::run_into`]) count the copy of
+    /// their rows into the static input against the graph (measured too); staged requests
+    /// ([`GraphCache::stage`]) do not pay it.
     Measure,
 }
 
@@ -207,12 +210,20 @@ pub struct EntryInfo {
     /// Peak bytes the capture allocated in the shared pool.
     pub peak_bytes: usize,
     pub hits: u64,
-    /// How the bucket serves requests.
+    /// How the bucket serves staged requests ([`GraphCache::stage`]: the rows are already in
+    /// the static input).
     pub choice: Choice,
+    /// How the bucket serves requests from a caller's buffer ([`GraphCache::run`],
+    /// [`GraphCache::run_into`]): a graph must first copy the rows into the static input, so
+    /// the copy counts against it.
+    pub copy_choice: Choice,
     /// Measured µs per graph replay and per eager forward pass at this size
     /// ([`Selection::Measure`] only).
     pub graph_us: Option<f64>,
     pub eager_us: Option<f64>,
+    /// Measured µs per copy of this size's rows into the static input ([`Selection::Measure`]
+    /// only).
+    pub copy_in_us: Option<f64>,
 }
 
 struct Entry<O: Elem> {
@@ -221,7 +232,17 @@ struct Entry<O: Elem> {
     last_used: u64,
     hits: u64,
     choice: Choice,
-    measured: Option<(f64, f64)>,
+    copy_choice: Choice,
+    measured: Option<Measured>,
+}
+
+/// A bucket's measurement: µs per graph replay, per eager forward pass and per copy of its
+/// rows into the static input.
+#[derive(Clone, Copy, Debug)]
+struct Measured {
+    graph_us: f64,
+    eager_us: f64,
+    copy_in_us: f64,
 }
 
 /// Warm-up calls, samples and calls per sample of a bucket's measurement.
@@ -424,7 +445,16 @@ impl<M: BatchModel> GraphCache<M> {
                 let stream: &Stream = stream;
                 let graph_us = time_us(stream, || graph.replay(stream))?;
                 let eager_us = time_us(stream, || model.forward(stream, &input, size).map(drop))?;
-                Some((graph_us, eager_us))
+                // A caller's rows copied into the static input, as run/run_into do.
+                let rows = stream.alloc_zeroed::<M::In>(input.len())?;
+                let copy_in_us = time_us(stream, || {
+                    stream.copy_range(&rows, 0, &input, 0, input.len())
+                })?;
+                Some(Measured {
+                    graph_us,
+                    eager_us,
+                    copy_in_us,
+                })
             }
         };
         self.clock += 1;
@@ -435,7 +465,10 @@ impl<M: BatchModel> GraphCache<M> {
                 output,
                 last_used: self.clock,
                 hits: 0,
-                choice: measured.map_or(Choice::Graph, |(g, e)| choose(g, e)),
+                choice: measured.map_or(Choice::Graph, |m| choose(m.graph_us, m.eager_us)),
+                copy_choice: measured.map_or(Choice::Graph, |m| {
+                    choose(m.graph_us + m.copy_in_us, m.eager_us)
+                }),
                 measured,
             },
         );
@@ -472,15 +505,24 @@ impl<M: BatchModel> GraphCache<M> {
     }
 
     /// The bucket for `rows` and how it serves requests (capturing it first when lazy), or
-    /// `None` above the largest bucket.
-    fn route(&mut self, stream: &mut Stream, rows: usize) -> Result<Option<(usize, Choice)>> {
+    /// `None` above the largest bucket. `copied`: the rows come from a caller's buffer and a
+    /// graph would first copy them into the static input.
+    fn route(
+        &mut self,
+        stream: &mut Stream,
+        rows: usize,
+        copied: bool,
+    ) -> Result<Option<(usize, Choice)>> {
         let Some(size) = bucket_for(&self.sizes, rows) else {
             return Ok(None);
         };
         if !self.entries.contains_key(&size) {
             self.capture(stream, size)?;
         }
-        Ok(self.entries.get(&size).map(|e| (size, e.choice)))
+        Ok(self
+            .entries
+            .get(&size)
+            .map(|e| (size, if copied { e.copy_choice } else { e.choice })))
     }
 
     /// Counts a request of `rows` served by bucket `size` the way `choice` says.
@@ -567,7 +609,7 @@ impl<M: BatchModel> GraphCache<M> {
                 got: input.len(),
             });
         }
-        let route = self.route(stream, rows)?;
+        let route = self.route(stream, rows, true)?;
         if let Some((_, Choice::Graph)) = route {
             // No tail clearing: rows are independent and padded rows' outputs are never read.
             stream.copy_range(input, 0, &self.input, 0, in_len)?;
@@ -647,7 +689,7 @@ impl<M: BatchModel> GraphCache<M> {
         input: &DeviceBuffer<M::In>,
         rows: usize,
     ) -> Result<(DeviceBuffer<M::Out>, Served)> {
-        let route = self.route(stream, rows)?;
+        let route = self.route(stream, rows, false)?;
         self.serve(stream, input, rows, route)
     }
 
@@ -671,8 +713,10 @@ impl<M: BatchModel> GraphCache<M> {
                 peak_bytes: e.graph.info().memory.peak_allocated,
                 hits: e.hits,
                 choice: e.choice,
-                graph_us: e.measured.map(|m| m.0),
-                eager_us: e.measured.map(|m| m.1),
+                copy_choice: e.copy_choice,
+                graph_us: e.measured.map(|m| m.graph_us),
+                eager_us: e.measured.map(|m| m.eager_us),
+                copy_in_us: e.measured.map(|m| m.copy_in_us),
             })
             .collect()
     }
