@@ -3,7 +3,7 @@
 # then compute-sanitizer experiments on gpu_steps and the eight-thread test in parallel
 # (correctness only; not beside the suite, whose teardown test measures free memory); then,
 # alone on the GPU, the cross-entropy sweep of main's CLI and of the wip CLI (.gpu-bin/wip/,
-# built from wip/ce-split-rows-and-barrier-free-gather.patch) beside PyTorch, and the wip
+# built from wip/ce-split-rows-and-barrier-free-gather.patch, since landed on main and removed) beside PyTorch, and the wip
 # cross-entropy GPU tests; then initcheck over every test binary if time is left. Everything lands in
 # $OUT/diag.tar.gz. Needs .gpu-bin/ (../shared/tools/gpu-bundle) and python3 with torch.
 set -uo pipefail
