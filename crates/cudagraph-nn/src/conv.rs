@@ -84,9 +84,6 @@ pub fn conv_candidates(
                 if s > 1 {
                     v.push(ConvAlgo::Igemm(tile, s as u16));
                 }
-                if let Some(d) = igemm::deep_splits(dir, g, tile, sms) {
-                    v.push(ConvAlgo::Igemm(tile, d as u16));
-                }
             }
         }
         let direct_ok = fam == ConvEngine::Direct || macs(g) <= DIRECT_MAX_MACS;

@@ -179,20 +179,6 @@ pub fn default_splits(dir: ConvDir, g: &ConvGeom, tile: Tile, multiprocessors: u
     want.min(k.div_ceil(16) / 4).clamp(1, 64)
 }
 
-/// A deeper split than [`default_splits`], offered as a second candidate to measure: products
-/// with few output blocks and a long K (the weight gradient of a convolution with few channels
-/// over large images: a 16 × 27 output reduced over 100 000 pixels) leave most of the device
-/// idle with two waves. About eight waves of blocks, each split keeping at least four 16-deep
-/// K steps, at most 512 splits; `None` when that is not deeper than the default.
-pub fn deep_splits(dir: ConvDir, g: &ConvGeom, tile: Tile, multiprocessors: u32) -> Option<usize> {
-    let (m, n, k) = gemm_shape(dir, g).ok()?;
-    let (bm, bn) = tile.dims();
-    let blocks = m.div_ceil(bm).saturating_mul(n.div_ceil(bn)).max(1);
-    let want = (8 * multiprocessors.max(1) as usize).div_ceil(blocks);
-    let s = want.min(k.div_ceil(16) / 4).clamp(1, 512);
-    (s > default_splits(dir, g, tile, multiprocessors)).then_some(s)
-}
-
 /// The tile that suits the product's shape (used before anything was measured).
 pub fn default_tile(dir: ConvDir, g: &ConvGeom) -> Tile {
     match gemm_shape(dir, g) {
@@ -499,27 +485,6 @@ mod tests {
         assert_eq!(
             default_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
             1
-        );
-    }
-
-    #[test]
-    fn deep_splits_only_where_k_is_long_and_blocks_few() {
-        // Weight gradient of 3 → 16 channels, 3×3, over 2 × 224²: one 32x128 block, K = 100 352.
-        let small_c = geom(2, 3, 224, 16, 3, 1, 1);
-        let d = default_splits(ConvDir::BackwardFilter, &small_c, Tile::T32x128, 132);
-        assert_eq!(d, 64);
-        assert_eq!(
-            deep_splits(ConvDir::BackwardFilter, &small_c, Tile::T32x128, 132),
-            Some(512)
-        );
-        // A forward pass with many output blocks: no split, no deeper one.
-        let big = geom(64, 64, 56, 64, 3, 1, 1);
-        assert_eq!(deep_splits(ConvDir::Forward, &big, Tile::T64x64, 132), None);
-        // Short K: capped by four K steps per split, never deeper than the default.
-        let tiny = geom(1, 1, 4, 1, 1, 1, 0);
-        assert_eq!(
-            deep_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
-            None
         );
     }
 
