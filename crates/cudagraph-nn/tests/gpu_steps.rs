@@ -100,10 +100,12 @@ fn k_steps_per_launch_equal_one_step_per_launch_and_eager_steps() {
             DeviceBatches::new(&s, &data().0, &data().1, FEATURES, ROWS).unwrap(),
         );
         let (x, y) = (r.x.alias(), r.y.clone());
+        cudagraph::testing::settle(&dev);
         let (g, loss) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
             Ok(batches.train_steps(cs, k, &x, &y, |body| step(body, &mut r))?)
         })
         .unwrap();
+        cudagraph::testing::settle(&dev);
         assert_eq!(g.info().conditionals.while_nodes, 1);
         let launches = BATCHES.div_ceil(k as usize);
         for i in 0..launches {

@@ -74,3 +74,19 @@ pub fn iterations(full: usize, quick: usize) -> usize {
         full
     }
 }
+
+/// Name of the variable that makes [`settle`] synchronise the device (an experiment for runs
+/// under compute-sanitizer, whose reports inside WHILE bodies using memory allocated just before
+/// or during the capture go away, in NVIDIA/warp#1406, with a synchronisation in between).
+pub const SETTLE_VAR: &str = "CUDAGRAPH_TEST_SETTLE";
+
+/// Synchronises `device` when `CUDAGRAPH_TEST_SETTLE=1`; otherwise does nothing. Tests call it
+/// between setting up buffers and capturing, and between capturing and replaying.
+///
+/// # Panics
+/// When the synchronisation fails (the device reported an error).
+pub fn settle(device: &Device) {
+    if std::env::var(SETTLE_VAR).is_ok_and(|v| v == "1") {
+        device.synchronize().expect("device synchronisation");
+    }
+}

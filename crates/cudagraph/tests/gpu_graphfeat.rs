@@ -318,10 +318,12 @@ fn programmatic_edges_inside_a_loop_body() {
     for _ in 0..5 {
         step(&s, &y, false).unwrap();
     }
+    cudagraph::testing::settle(&dev);
     let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         cs.repeat(5, |body| step(body, &x, true))
     })
     .unwrap();
+    cudagraph::testing::settle(&dev);
     g.replay(&s).unwrap();
     assert_eq!(s.to_vec(&x).unwrap(), s.to_vec(&y).unwrap());
     if dev.supports_pdl() {
