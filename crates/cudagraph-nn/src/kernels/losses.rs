@@ -90,7 +90,7 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
         }
     }
     let per_block = if warp_rows { (BLOCK / 32) as usize } else { 1 };
-    let most = sms * 16;
+    let most = (sms * 16).min(CE_MAX_GRID);
     // One block only when it covers every row in a single pass.
     let needed = rows.div_ceil(per_block).max(1);
     let single = needed == 1;
@@ -101,6 +101,27 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
         two_pass: !single,
         chunks: 1,
     }
+}
+
+/// Most rows, and most classes, the cross-entropy kernels take: their `int` loop indices step
+/// up to a grid of warps (rows) or a block (classes) past the last element, which must not
+/// overflow (`i32::MAX` rows of one class would wrap a loop index and read outside the logits).
+pub const CE_MAX_DIM: usize = i32::MAX as usize - (1 << 16);
+
+/// Most blocks a row-parallel cross-entropy grid has (grid-stride loops beyond that), so that
+/// a loop index stepping a whole grid of warps past the last row stays below `i32::MAX`.
+const CE_MAX_GRID: usize = 8192;
+
+/// `rows` and `cols` as the kernels' `int`s, or a shape error above [`CE_MAX_DIM`].
+fn ce_dims(rows: usize, cols: usize) -> Result<(i32, i32)> {
+    for (what, v) in [("rows", rows), ("classes", cols)] {
+        if v > CE_MAX_DIM {
+            return Err(NnError::Shape(format!(
+                "cross_entropy: {v} {what}, at most {CE_MAX_DIM}; split the batch"
+            )));
+        }
+    }
+    Ok((rows as i32, cols as i32))
 }
 
 /// Blocks of the MSE pass for `n` elements: one when small, else about 4096 elements per
@@ -275,7 +296,7 @@ impl LossKernels {
         if let Some(g) = grad {
             need("cross_entropy gradient", g, n)?;
         }
-        let (ri, ci) = (int("rows", rows)?, int("cols", cols)?);
+        let (ri, ci) = ce_dims(rows, cols)?;
         let plan = ce_plan(rows, cols, self.sms);
         if plan.chunks > 1 {
             return self.cross_entropy_split(q, logits, targets, grad, loss, (rows, cols), plan);
@@ -428,6 +449,29 @@ mod tests {
                 chunks: 1,
             }
         );
+    }
+
+    #[test]
+    fn sizes_whose_loop_indices_could_wrap_are_refused() {
+        assert_eq!(ce_dims(3, 10).unwrap(), (3, 10));
+        assert_eq!(
+            ce_dims(CE_MAX_DIM, CE_MAX_DIM).unwrap(),
+            (CE_MAX_DIM as i32, CE_MAX_DIM as i32)
+        );
+        for (r, c) in [
+            (CE_MAX_DIM + 1, 1),
+            (1, CE_MAX_DIM + 1),
+            (1, i32::MAX as usize),
+        ] {
+            let e = ce_dims(r, c).unwrap_err().to_string();
+            assert!(e.contains("at most"), "{e}");
+        }
+        // The largest step a loop index takes past the last element: a grid of at most
+        // CE_MAX_GRID blocks of 8 warps (rows), or a block of 1024 threads (classes).
+        assert!(CE_MAX_DIM + CE_MAX_GRID * 8 <= i32::MAX as usize);
+        assert!(CE_MAX_DIM + 1024 <= i32::MAX as usize);
+        assert!(ce_plan(1 << 30, 10, 100_000).grid as usize <= CE_MAX_GRID);
+        assert!(ce_plan(1 << 30, 5000, 100_000).grid as usize <= CE_MAX_GRID);
     }
 
     #[test]

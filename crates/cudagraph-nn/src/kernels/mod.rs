@@ -154,6 +154,18 @@ fn int(what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
 }
 
+/// `v` as the bound of a kernel loop `for (int i = start; i < v; i += step)` with
+/// `start < step`: the index passes `v` by less than `step`, which must stay below `i32::MAX`.
+pub(crate) fn int_loop(what: &'static str, v: usize, step: usize) -> Result<i32> {
+    if v.saturating_add(step) > i32::MAX as usize {
+        return Err(NnError::Shape(format!(
+            "{what} = {v} exceeds {} (a 32-bit loop index)",
+            i32::MAX as usize - step
+        )));
+    }
+    Ok(v as i32)
+}
+
 /// `v` as a kernel `long`.
 fn long(v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| NnError::Shape(format!("count {v} exceeds a 64-bit int")))
@@ -504,7 +516,7 @@ impl Nn {
                 q,
                 &self.k.col_sum,
                 cfg,
-                args![dy, db, int("rows", rows)?, int("cols", cols)?],
+                args![dy, db, int_loop("rows", rows, 256)?, int("cols", cols)?],
             )
         }
     }
@@ -704,5 +716,21 @@ impl Nn {
                 args![dy, idx, dx, long(n_out)?, long(dx.len())?],
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod loop_bound_tests {
+    use super::int_loop;
+
+    #[test]
+    fn loop_bounds_leave_room_for_the_last_step() {
+        assert_eq!(int_loop("rows", 0, 256).unwrap(), 0);
+        assert_eq!(int_loop("rows", 1000, 256).unwrap(), 1000);
+        let top = i32::MAX as usize - 256;
+        assert_eq!(int_loop("rows", top, 256).unwrap(), top as i32);
+        let e = int_loop("rows", top + 1, 256).unwrap_err().to_string();
+        assert!(e.contains("rows") && e.contains("32-bit loop index"), "{e}");
+        assert!(int_loop("rows", usize::MAX, 256).is_err());
     }
 }

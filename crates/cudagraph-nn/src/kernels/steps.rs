@@ -97,6 +97,8 @@ impl StepKernels {
         need("batch targets", y, rows)?;
         need("batch cursor", cursor, 1)?;
         int("batches · rows", mul("batches · rows", batches, rows)?)?;
+        // The labels loop steps a 1024-thread block past `rows`.
+        super::int_loop("batch rows", rows, 1024)?;
         if let Some(c) = cond {
             need("loop condition", c, 1)?;
         }
