@@ -336,7 +336,12 @@ impl Nn {
             block: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (mi, ni, ki) = (int("m", d.m)?, int("n", d.n)?, int("k", d.k)?);
+        // Tile offsets and K steps run up to a tile (at most 128) past each bound in `int`s.
+        let (mi, ni, ki) = (
+            int_loop("m", d.m, 1024)?,
+            int_loop("n", d.n, 1024)?,
+            int_loop("k", d.k, 1024)?,
+        );
         // SAFETY: blocks cover rows < m and columns < n (guarded in the kernel) and K ranges
         // [z·kc, min(k, (z+1)·kc)); with lda/ldb derived from the layout, every read of A is
         // below m·k and of B below k·n (both checked), writes go to C below m·n (checked) or,
@@ -430,9 +435,9 @@ impl Nn {
                 &self.k.sgemm_nt_warpk,
                 cfg,
                 &[
-                    int("m", m)?.into(),
-                    int("n", n)?.into(),
-                    int("k", k)?.into(),
+                    int_loop("m", m, 1024)?.into(),
+                    int_loop("n", n, 1024)?.into(),
+                    int_loop("k", k, 1024)?.into(),
                     a.into(),
                     b.into(),
                     c.into(),
