@@ -3,31 +3,9 @@
 //! `plan_capture_sizes` is optimal (equal to a brute force over all subsets on small
 //! instances) and consistent with what it reports.
 
-use cudagraph::graph::planner::padding_of;
+use cudagraph::graph::planner::{least_padding_exhaustive, padding_of};
 use cudagraph::{bucket_for, plan_capture_sizes, BucketPolicy, Error, GraphCost, SizeHistogram};
 use proptest::prelude::*;
-
-/// Least padding over every subset of the observed sizes that includes the largest and fits
-/// the budget; `None` if even the largest alone does not fit.
-fn brute(hist: &SizeHistogram, cost: GraphCost, budget: usize) -> Option<u64> {
-    let cand: Vec<usize> = hist.counts().keys().copied().collect();
-    let (&last, rest) = cand.split_last()?;
-    let mut best: Option<u64> = None;
-    for mask in 0u32..(1 << rest.len()) {
-        let mut sizes: Vec<usize> = (0..rest.len())
-            .filter(|b| mask & (1 << b) != 0)
-            .map(|b| rest[b])
-            .collect();
-        sizes.push(last);
-        let mem: usize = sizes.iter().map(|&s| cost.bytes(s)).sum();
-        if mem > budget {
-            continue;
-        }
-        let (w, _) = padding_of(hist, &sizes)?;
-        best = Some(best.map_or(w, |b| b.min(w)));
-    }
-    best
-}
 
 fn is_clean(v: &[usize]) -> bool {
     v.windows(2).all(|w| w[0] < w[1]) && v.iter().all(|&s| s > 0)
@@ -112,7 +90,7 @@ proptest! {
         let max = *hist.counts().keys().last().expect("non-empty");
         // Budgets around the largest graph's cost: some below it (infeasible), most above.
         let budget = (cost.bytes(max) + slack).saturating_sub(1000);
-        let want = brute(&hist, cost, budget);
+        let want = least_padding_exhaustive(&hist, cost, budget);
         match plan_capture_sizes(&hist, cost, budget) {
             Ok(plan) => {
                 prop_assert_eq!(Some(plan.padded_rows), want);

@@ -104,6 +104,40 @@ pub fn padding_of(hist: &SizeHistogram, sizes: &[usize]) -> Option<(u64, u64)> {
     Some((waste, computed))
 }
 
+/// The least padding over every subset of the observed sizes that includes the largest and
+/// fits `budget`, found by trying them all: the reference [`plan_capture_sizes`] is tested
+/// against. `None` when even the largest size alone does not fit, or when there are more than
+/// 20 distinct sizes (too many subsets to try).
+#[doc(hidden)]
+pub fn least_padding_exhaustive(
+    hist: &SizeHistogram,
+    cost: GraphCost,
+    budget: usize,
+) -> Option<u64> {
+    let cand: Vec<usize> = hist.counts().keys().copied().collect();
+    let (&last, rest) = cand.split_last()?;
+    if rest.len() >= 20 {
+        return None;
+    }
+    let mut best: Option<u64> = None;
+    for mask in 0u32..(1 << rest.len()) {
+        let mut sizes: Vec<usize> = (0..rest.len())
+            .filter(|b| mask & (1 << b) != 0)
+            .map(|b| rest[b])
+            .collect();
+        sizes.push(last);
+        let mem = sizes
+            .iter()
+            .try_fold(0usize, |m, &s| m.checked_add(cost.bytes(s)));
+        if mem.is_none_or(|m| m > budget) {
+            continue;
+        }
+        let (w, _) = padding_of(hist, &sizes)?;
+        best = Some(best.map_or(w, |b| b.min(w)));
+    }
+    best
+}
+
 /// The capture sizes with least padding whose modelled memory fits `budget` bytes.
 pub fn plan_capture_sizes(
     hist: &SizeHistogram,
@@ -188,27 +222,6 @@ pub fn plan_capture_sizes(
 mod tests {
     use super::*;
 
-    fn brute(hist: &SizeHistogram, cost: GraphCost, budget: usize) -> Option<u64> {
-        let cand: Vec<usize> = hist.counts().keys().copied().collect();
-        let last = *cand.last().unwrap();
-        let rest = &cand[..cand.len() - 1];
-        let mut best: Option<u64> = None;
-        for mask in 0u32..(1 << rest.len()) {
-            let mut sizes: Vec<usize> = (0..rest.len())
-                .filter(|b| mask & (1 << b) != 0)
-                .map(|b| rest[b])
-                .collect();
-            sizes.push(last);
-            let mem: usize = sizes.iter().map(|&s| cost.bytes(s)).sum();
-            if mem > budget {
-                continue;
-            }
-            let (w, _) = padding_of(hist, &sizes).unwrap();
-            best = Some(best.map_or(w, |b: u64| b.min(w)));
-        }
-        best
-    }
-
     #[test]
     fn planner_is_optimal_against_brute_force() {
         let mut seed = 0x1234_5678_9abc_def0u64;
@@ -233,7 +246,7 @@ mod tests {
             };
             let max = *hist.counts().keys().last().unwrap();
             let budget = cost.bytes(max) + (next() % 8000) as usize;
-            let want = brute(&hist, cost, budget);
+            let want = least_padding_exhaustive(&hist, cost, budget);
             let got = plan_capture_sizes(&hist, cost, budget).ok();
             assert_eq!(
                 got.as_ref().map(|p| p.padded_rows),
