@@ -222,7 +222,7 @@ pub struct EntryInfo {
     pub graph_us: Option<f64>,
     pub eager_us: Option<f64>,
     /// Measured µs per copy of this size's rows into the static input ([`Selection::Measure`]
-    /// only).
+    /// only; NaN when there was no memory for the measurement's source buffer).
     pub copy_in_us: Option<f64>,
 }
 
@@ -445,11 +445,16 @@ impl<M: BatchModel> GraphCache<M> {
                 let stream: &Stream = stream;
                 let graph_us = time_us(stream, || graph.replay(stream))?;
                 let eager_us = time_us(stream, || model.forward(stream, &input, size).map(drop))?;
-                // A caller's rows copied into the static input, as run/run_into do.
-                let rows = stream.alloc_zeroed::<M::In>(input.len())?;
-                let copy_in_us = time_us(stream, || {
-                    stream.copy_range(&rows, 0, &input, 0, input.len())
-                })?;
+                // A caller's rows copied into the static input, as run/run_into do. Without
+                // room for a second copy of the rows the copy is not measured (NaN): it then
+                // does not count against the graph.
+                let copy_in_us = match stream.alloc_zeroed::<M::In>(input.len()) {
+                    Ok(rows) => time_us(stream, || {
+                        stream.copy_range(&rows, 0, &input, 0, input.len())
+                    })?,
+                    Err(e) if e.is_out_of_memory() => f64::NAN,
+                    Err(e) => return Err(e),
+                };
                 Some(Measured {
                     graph_us,
                     eager_us,
