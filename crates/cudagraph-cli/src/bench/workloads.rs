@@ -367,11 +367,19 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         Layer::Linear(l) => l.weight.data(),
         _ => unreachable!("the first layer is the Linear built above"),
     };
-    let w0 = s.to_vec(first)?;
+    // Every parameter goes back to where the eager step started (the first layer's gradient
+    // depends on the layers after it).
+    let params = model.parameters();
+    let start = params
+        .iter()
+        .map(|p| s.to_vec(p.data()))
+        .collect::<Result<Vec<_>, _>>()?;
     gen.manual_seed(&s, seed)?;
     step(&s, &mut opt)?;
     let w_eager = s.to_vec(first)?;
-    s.copy_from_host(&w0, first)?;
+    for (p, v) in params.iter().zip(&start) {
+        s.copy_from_host(v, p.data())?;
+    }
     gen.manual_seed(&s, seed)?;
     g.replay(&s)?;
     let w_graph = s.to_vec(first)?;
