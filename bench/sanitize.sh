@@ -103,6 +103,7 @@ for tool in $tools; do
     printf '%s\t%s\t%s\n' "$tool" "cli-$(echo "$args" | tr ' ,' '__' | cut -c1-40)" "$cli $args" >>"$list"
   done
 done
+echo "$limit" >"$logs/limit.txt"
 echo "sanitize: $(wc -l <"$list") jobs, $jobs at a time, $limit s each at most"
 tr '\t' '\036' <"$list" | xargs -P "$jobs" -d '\n' -I{} bash -c 'IFS=$'"'"'\036'"'"' read -r a b c <<<"$1"; run_job "$a" "$b" "$c"' _ {}
 # The teardown test alone (nothing else on the GPU), under memcheck with leak check.
@@ -113,6 +114,8 @@ if [ -n "$nn" ] && [[ " $tools " == *" memcheck "* ]]; then
 fi
 fi
 total_all=0
+# The limit the jobs ran with (a SUMMARY_ONLY run does not know it otherwise).
+limit=$(cat "$logs/limit.txt" 2>/dev/null || echo "$limit")
 summary="$logs/summary.txt"
 : >"$summary"
 for tool in $tools; do
