@@ -231,9 +231,18 @@ struct Entry<O: Elem> {
     output: DeviceBuffer<O>,
     last_used: u64,
     hits: u64,
-    choice: Choice,
-    copy_choice: Choice,
     measured: Option<Measured>,
+}
+
+impl<O: Elem> Entry<O> {
+    /// How the bucket serves a request: by its graph unless measured slower than eager (with
+    /// the copy into the static input counted against the graph when `copied`).
+    fn choice(&self, copied: bool) -> Choice {
+        self.measured.map_or(Choice::Graph, |m| {
+            let copy = if copied { m.copy_in_us } else { 0.0 };
+            choose(m.graph_us + copy, m.eager_us)
+        })
+    }
 }
 
 /// A bucket's measurement: µs per graph replay, per eager forward pass and per copy of its
@@ -470,10 +479,6 @@ impl<M: BatchModel> GraphCache<M> {
                 output,
                 last_used: self.clock,
                 hits: 0,
-                choice: measured.map_or(Choice::Graph, |m| choose(m.graph_us, m.eager_us)),
-                copy_choice: measured.map_or(Choice::Graph, |m| {
-                    choose(m.graph_us + m.copy_in_us, m.eager_us)
-                }),
                 measured,
             },
         );
@@ -524,10 +529,7 @@ impl<M: BatchModel> GraphCache<M> {
         if !self.entries.contains_key(&size) {
             self.capture(stream, size)?;
         }
-        Ok(self
-            .entries
-            .get(&size)
-            .map(|e| (size, if copied { e.copy_choice } else { e.choice })))
+        Ok(self.entries.get(&size).map(|e| (size, e.choice(copied))))
     }
 
     /// Counts a request of `rows` served by bucket `size` the way `choice` says.
@@ -717,8 +719,8 @@ impl<M: BatchModel> GraphCache<M> {
                 capture_time: e.graph.info().capture_time,
                 peak_bytes: e.graph.info().memory.peak_allocated,
                 hits: e.hits,
-                choice: e.choice,
-                copy_choice: e.copy_choice,
+                choice: e.choice(false),
+                copy_choice: e.choice(true),
                 graph_us: e.measured.map(|m| m.graph_us),
                 eager_us: e.measured.map(|m| m.eager_us),
                 copy_in_us: e.measured.map(|m| m.copy_in_us),
