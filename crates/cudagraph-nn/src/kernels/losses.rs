@@ -299,7 +299,7 @@ impl LossKernels {
         let (ri, ci) = ce_dims(rows, cols)?;
         let plan = ce_plan(rows, cols, self.sms);
         if plan.chunks > 1 {
-            return self.cross_entropy_split(q, logits, targets, grad, loss, (rows, cols), plan);
+            return self.cross_entropy_split(q, logits, targets, grad, loss, (ri, ci), plan);
         }
         let row_loss = if plan.two_pass {
             Some(q.alloc::<f32>(rows)?)
@@ -347,7 +347,8 @@ impl LossKernels {
 
     /// Cross-entropy with each row split into `plan.chunks` chunks across blocks: chunk
     /// statistics; then per row the merged statistics, the row's loss and (with `grad`) the
-    /// gradient per chunk; then the mean over rows in one block.
+    /// gradient per chunk; then the mean over rows in one block. `(ri, ci)`: rows and classes
+    /// as [`ce_dims`] checked them.
     #[allow(clippy::too_many_arguments)]
     fn cross_entropy_split(
         &self,
@@ -356,10 +357,10 @@ impl LossKernels {
         targets: &DeviceBuffer<i32>,
         grad: Option<&Buf>,
         loss: &Buf,
-        (rows, cols): (usize, usize),
+        (ri, ci): (i32, i32),
         plan: CePlan,
     ) -> Result<()> {
-        let (ri, ci) = (int("rows", rows)?, int("cols", cols)?);
+        let rows = ri as usize;
         let chunks = plan.chunks as usize;
         if chunks > MAX_CHUNKS {
             return Err(NnError::Shape(format!(

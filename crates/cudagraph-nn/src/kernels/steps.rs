@@ -98,7 +98,7 @@ impl StepKernels {
         need("batch cursor", cursor, 1)?;
         int("batches · rows", mul("batches · rows", batches, rows)?)?;
         // The labels loop steps a 1024-thread block past `rows`.
-        super::int_loop("batch rows", rows, 1024)?;
+        let ri = super::int_loop("batch rows", rows, 1024)?;
         if let Some(c) = cond {
             need("loop condition", c, 1)?;
         }
@@ -119,7 +119,7 @@ impl StepKernels {
                     y.into(),
                     cursor.into(),
                     Arg::I32(bi),
-                    Arg::I32(int("rows", rows)?),
+                    Arg::I32(ri),
                     Arg::I32(int("features", features)?),
                 ],
             )?;
