@@ -11,7 +11,12 @@ pub const REQUIRE_GPU_VAR: &str = "CUDAGRAPH_REQUIRE_GPU";
 
 /// Whether a missing GPU must fail the test.
 pub fn gpu_required() -> bool {
-    std::env::var(REQUIRE_GPU_VAR).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+    flag(REQUIRE_GPU_VAR)
+}
+
+/// Whether the test switch `var` is on (`1` or `true`).
+fn flag(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
 }
 
 /// Device 0, or `None` (after printing why) when there is none and the GPU is not required.
@@ -43,8 +48,7 @@ fn keep_context() {
     use std::sync::OnceLock;
     static KEPT: OnceLock<Option<crate::runtime::Context>> = OnceLock::new();
     KEPT.get_or_init(|| {
-        std::env::var(KEEP_CONTEXT_VAR)
-            .is_ok_and(|v| v == "1")
+        flag(KEEP_CONTEXT_VAR)
             .then(|| crate::runtime::Context::open(0).ok())
             .flatten()
     });
@@ -68,7 +72,7 @@ pub const QUICK_VAR: &str = "CUDAGRAPH_TEST_QUICK";
 /// `quick` when `CUDAGRAPH_TEST_QUICK=1`, else `full`: the iteration count of a loop whose
 /// length adds time but no coverage under instrumentation.
 pub fn iterations(full: usize, quick: usize) -> usize {
-    if std::env::var(QUICK_VAR).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true")) {
+    if flag(QUICK_VAR) {
         quick
     } else {
         full
@@ -80,13 +84,13 @@ pub fn iterations(full: usize, quick: usize) -> usize {
 /// or during the capture go away, in NVIDIA/warp#1406, with a synchronisation in between).
 pub const SETTLE_VAR: &str = "CUDAGRAPH_TEST_SETTLE";
 
-/// Synchronises `device` when `CUDAGRAPH_TEST_SETTLE=1`; otherwise does nothing. Tests call it
+/// Synchronises `device` when `CUDAGRAPH_TEST_SETTLE=1` (or `true`); otherwise does nothing. Tests call it
 /// between setting up buffers and capturing, and between capturing and replaying.
 ///
 /// # Panics
 /// When the synchronisation fails (the device reported an error).
 pub fn settle(device: &Device) {
-    if std::env::var(SETTLE_VAR).is_ok_and(|v| v == "1") {
+    if flag(SETTLE_VAR) {
         device.synchronize().expect("device synchronisation");
     }
 }
