@@ -60,8 +60,11 @@ pub struct GraphCost {
 }
 
 impl GraphCost {
+    /// Modelled bytes of a graph of `size` rows (saturating: a cost beyond the address space
+    /// fits no budget).
     pub fn bytes(&self, size: usize) -> usize {
-        self.bytes_per_graph + self.bytes_per_row * size
+        self.bytes_per_graph
+            .saturating_add(self.bytes_per_row.saturating_mul(size))
     }
 }
 
@@ -98,8 +101,9 @@ pub fn padding_of(hist: &SizeHistogram, sizes: &[usize]) -> Option<(u64, u64)> {
     let (mut waste, mut computed) = (0u64, 0u64);
     for (&n, &c) in &hist.counts {
         let b = *sizes.iter().find(|&&s| s >= n)?;
-        waste += (b - n) as u64 * c;
-        computed += b as u64 * c;
+        // Saturating: row counts beyond u64 only arise from absurd histograms.
+        waste = waste.saturating_add(((b - n) as u64).saturating_mul(c));
+        computed = computed.saturating_add((b as u64).saturating_mul(c));
     }
     Some((waste, computed))
 }
@@ -153,7 +157,9 @@ pub fn plan_capture_sizes(
     let count: Vec<u64> = cand.iter().map(|n| hist.counts[n]).collect();
     // waste(i, j): requests with sizes cand[i..=j] served by bucket cand[j].
     let waste = |i: usize, j: usize| -> u64 {
-        (i..=j).map(|t| (cand[j] - cand[t]) as u64 * count[t]).sum()
+        (i..=j).fold(0u64, |w, t| {
+            w.saturating_add(((cand[j] - cand[t]) as u64).saturating_mul(count[t]))
+        })
     };
     // front[j]: Pareto frontier of (memory, waste, previous (j', index)) with cand[j] the largest
     // bucket so far and every request ≤ cand[j] served.
@@ -167,8 +173,8 @@ pub fn plan_capture_sizes(
             for (i, prev) in front.iter().enumerate().take(j) {
                 let w = waste(i + 1, j);
                 for (k, &(m, pw, _)) in prev.iter().enumerate() {
-                    if m + mem_j <= budget {
-                        pts.push((m + mem_j, pw + w, Some((i, k))));
+                    if let Some(total) = m.checked_add(mem_j).filter(|&t| t <= budget) {
+                        pts.push((total, pw.saturating_add(w), Some((i, k))));
                     }
                 }
             }
@@ -292,5 +298,39 @@ mod tests {
             Err(Error::PoolLimitExceeded { .. })
         ));
         assert!(plan_capture_sizes(&SizeHistogram::new(), cost, 100).is_err());
+    }
+
+    #[test]
+    fn costs_beyond_the_address_space_fit_no_budget_and_do_not_overflow() {
+        let hist: SizeHistogram = [1, 2, usize::MAX / 2].into_iter().collect();
+        let huge = GraphCost {
+            bytes_per_graph: usize::MAX - 1,
+            bytes_per_row: usize::MAX / 3,
+        };
+        assert_eq!(huge.bytes(3), usize::MAX);
+        assert!(matches!(
+            plan_capture_sizes(&hist, huge, usize::MAX - 1),
+            Err(Error::PoolLimitExceeded { .. })
+        ));
+        // Two graphs whose sum would wrap: only the largest alone fits.
+        let big = GraphCost {
+            bytes_per_graph: usize::MAX / 2 + 1,
+            bytes_per_row: 0,
+        };
+        let hist: SizeHistogram = [1, 2].into_iter().collect();
+        let p = plan_capture_sizes(&hist, big, usize::MAX).unwrap();
+        assert_eq!(p.sizes, vec![2]);
+    }
+
+    #[test]
+    fn padding_of_huge_sizes_saturates_instead_of_overflowing() {
+        let hist: SizeHistogram = [1, usize::MAX / 2, usize::MAX / 2].into_iter().collect();
+        let cost = GraphCost {
+            bytes_per_graph: 0,
+            bytes_per_row: 0,
+        };
+        let p = plan_capture_sizes(&hist, cost, 0).unwrap();
+        assert_eq!(p.sizes, vec![1, usize::MAX / 2]);
+        assert_eq!(padding_of(&hist, &[usize::MAX / 2]).unwrap().1, u64::MAX);
     }
 }
