@@ -1,6 +1,7 @@
 //! Convolutions (NCHW, fp32), each direction run by the engine the registry
 //! ([`crate::engine`]) chose for its geometry: one of cuDNN's algorithms, our implicit-GEMM
-//! kernels (a tile shape and a split count), or our direct kernels.
+//! kernels (a tile shape and a split count), our small weight-gradient kernel (few channels:
+//! output pixels split across blocks), or our direct kernels.
 //!
 //! Buffers by direction: forward reads `x`, `w` and writes `y` (+ `bias`); backward-data reads
 //! `dy`, `w` and writes `dx`; backward-filter reads `dy`, `x` and writes `dw`. The bias gradient
@@ -84,11 +85,22 @@ pub fn conv_candidates(
                 if s > 1 {
                     v.push(ConvAlgo::Igemm(tile, s as u16));
                 }
+                if let Some(d) = igemm::deep_splits(dir, g, tile, sms) {
+                    v.push(ConvAlgo::Igemm(tile, d as u16));
+                }
             }
         }
         let direct_ok = fam == ConvEngine::Direct || macs(g) <= DIRECT_MAX_MACS;
         if allowed(ConvAlgo::Direct, fam) && igemm::direct_supports(g) && direct_ok {
             v.push(ConvAlgo::Direct);
+        }
+        if dir == ConvDir::BackwardFilter
+            && allowed(ConvAlgo::Wgrad(1), fam)
+            && igemm::wgrad_small_supports(g)
+        {
+            for p in igemm::wgrad_parts(g, sms) {
+                v.push(ConvAlgo::Wgrad(p.min(u16::MAX as usize) as u16));
+            }
         }
         Ok(())
     };
@@ -311,6 +323,15 @@ fn conv_algo(
                 io.out,
                 io.bias,
             )
+        }
+        ConvAlgo::Wgrad(parts) => {
+            if dir != ConvDir::BackwardFilter {
+                return Err(NnError::Shape(format!(
+                    "{}: the small weight-gradient kernel runs only the weight gradient",
+                    dir.name()
+                )));
+            }
+            ConvKernels::get(q.device())?.wgrad_small(q, g, io.a, io.b, io.out, parts as usize)
         }
         ConvAlgo::Direct => match dir {
             ConvDir::Forward => nn.conv2d_fwd(q, g, io.a, io.b, io.bias, io.out),

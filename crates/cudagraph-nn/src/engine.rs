@@ -33,7 +33,7 @@
 //! non-deterministic one: its convolution backward passes may use cuDNN's atomics-based
 //! algorithms, which are often faster for the weight gradient).
 //!
-//! **Forcing an engine** for comparisons: `CUDAGRAPH_GEMM=cublas|cublaslt|tiled|warpk|auto` and
+//! **Forcing an engine** for comparisons: `CUDAGRAPH_GEMM=cublas|cublaslt|tiled|warpk|rows|auto` and
 //! `CUDAGRAPH_CONV=cudnn|ours|igemm|direct|auto` (read once per process; an unknown value is an
 //! error naming the variable and the accepted values). Forcing a family still measures within
 //! it (cuDNN's algorithms, cuBLASLt's heuristic top few, our tile shapes). A forced family that
@@ -108,9 +108,12 @@ impl ConvEngine {
             (self, algo),
             (ConvEngine::Auto, _)
                 | (ConvEngine::Cudnn, ConvAlgo::Cudnn(_))
-                | (ConvEngine::Ours, ConvAlgo::Igemm(..) | ConvAlgo::Direct)
+                | (
+                    ConvEngine::Ours,
+                    ConvAlgo::Igemm(..) | ConvAlgo::Direct | ConvAlgo::Wgrad(_)
+                )
                 | (ConvEngine::Igemm, ConvAlgo::Igemm(..))
-                | (ConvEngine::Direct, ConvAlgo::Direct)
+                | (ConvEngine::Direct, ConvAlgo::Direct | ConvAlgo::Wgrad(_))
         )
     }
 }
@@ -122,9 +125,10 @@ pub fn parse_gemm_engine(v: &str) -> Result<Engine> {
         "cublaslt" => Ok(Engine::CublasLt),
         "tiled" => Ok(Engine::Tiled),
         "warpk" => Ok(Engine::WarpK),
+        "rows" => Ok(Engine::Rows),
         "auto" | "" => Ok(Engine::Auto),
         other => Err(NnError::Config(format!(
-            "{GEMM_VAR}={other:?} is not an engine; use one of cublas, cublaslt, tiled, warpk, auto"
+            "{GEMM_VAR}={other:?} is not an engine; use one of cublas, cublaslt, tiled, warpk, rows, auto"
         ))),
     }
 }
@@ -256,6 +260,9 @@ pub enum GemmAlgo {
     Tiled(u16),
     /// Our warp-K kernel (forward layout, alpha 1, beta 0).
     WarpK,
+    /// Our few-rows kernel (forward layout, alpha 1, beta 0) with this many warps splitting K
+    /// per group of four columns.
+    Rows(u8),
 }
 
 impl GemmAlgo {
@@ -266,6 +273,7 @@ impl GemmAlgo {
             GemmAlgo::CublasLt(_) => Engine::CublasLt,
             GemmAlgo::Tiled(_) => Engine::Tiled,
             GemmAlgo::WarpK => Engine::WarpK,
+            GemmAlgo::Rows(_) => Engine::Rows,
         }
     }
 }
@@ -277,6 +285,7 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::CublasLt(r) => write!(f, "cublaslt:{r}"),
             GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
             GemmAlgo::WarpK => write!(f, "warpk"),
+            GemmAlgo::Rows(ks) => write!(f, "rows:{ks}"),
         }
     }
 }
@@ -290,6 +299,7 @@ impl FromStr for GemmAlgo {
             None if s == "warpk" => Ok(GemmAlgo::WarpK),
             Some(("cublaslt", r)) => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
             Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
+            Some(("rows", r)) => r.parse().map(GemmAlgo::Rows).map_err(|_| bad()),
             _ => Err(bad()),
         }
     }
@@ -304,6 +314,9 @@ pub enum ConvAlgo {
     Igemm(Tile, u16),
     /// Our direct kernels.
     Direct,
+    /// Our small weight-gradient kernel (backward-filter only) over this many blocks of output
+    /// pixels.
+    Wgrad(u16),
 }
 
 impl ConvAlgo {
@@ -312,7 +325,7 @@ impl ConvAlgo {
         match self {
             ConvAlgo::Cudnn(_) => ConvEngine::Cudnn,
             ConvAlgo::Igemm(..) => ConvEngine::Igemm,
-            ConvAlgo::Direct => ConvEngine::Direct,
+            ConvAlgo::Direct | ConvAlgo::Wgrad(_) => ConvEngine::Direct,
         }
     }
 }
@@ -323,6 +336,7 @@ impl fmt::Display for ConvAlgo {
             ConvAlgo::Cudnn(a) => write!(f, "cudnn:{a}"),
             ConvAlgo::Igemm(t, s) => write!(f, "igemm:{}:{s}", t.name()),
             ConvAlgo::Direct => write!(f, "direct"),
+            ConvAlgo::Wgrad(p) => write!(f, "wgrad:{p}"),
         }
     }
 }
@@ -335,6 +349,7 @@ impl FromStr for ConvAlgo {
         match parts.as_slice() {
             ["direct"] => Ok(ConvAlgo::Direct),
             ["cudnn", a] => a.parse().map(ConvAlgo::Cudnn).map_err(|_| bad()),
+            ["wgrad", p] => p.parse().map(ConvAlgo::Wgrad).map_err(|_| bad()),
             ["igemm", t, n] => {
                 let t = Tile::from_name(t).ok_or_else(bad)?;
                 n.parse().map(|n| ConvAlgo::Igemm(t, n)).map_err(|_| bad())
@@ -876,6 +891,7 @@ mod tests {
             GemmAlgo::CublasLt(2),
             GemmAlgo::Tiled(16),
             GemmAlgo::WarpK,
+            GemmAlgo::Rows(4),
         ] {
             assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
         }
@@ -883,6 +899,7 @@ mod tests {
             ConvAlgo::Cudnn(1),
             ConvAlgo::Igemm(Tile::T32x128, 8),
             ConvAlgo::Direct,
+            ConvAlgo::Wgrad(264),
         ] {
             assert_eq!(a.to_string().parse::<ConvAlgo>().unwrap(), a);
         }
@@ -900,6 +917,7 @@ mod tests {
         assert_eq!(parse_gemm_engine("cublasLt").unwrap(), Engine::CublasLt);
         assert_eq!(parse_gemm_engine("").unwrap(), Engine::Auto);
         assert_eq!(parse_gemm_engine(" warpk ").unwrap(), Engine::WarpK);
+        assert_eq!(parse_gemm_engine("rows").unwrap(), Engine::Rows);
         assert_eq!(parse_conv_engine("ours").unwrap(), ConvEngine::Ours);
         assert_eq!(parse_conv_engine("AUTO").unwrap(), ConvEngine::Auto);
         let e = parse_gemm_engine("cudnn").unwrap_err().to_string();

@@ -1,7 +1,9 @@
 //! Matrix products for the NN layer, each run by the engine the registry ([`crate::engine`])
 //! chose for its shape: cuBLAS, cuBLASLt (bias, bias+ReLU and bias-gradient epilogues fused),
 //! or our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
-//! bias/ReLU) and `sgemm_nt_warpk` (K split across the warps of one block, forward layout).
+//! bias/ReLU), `sgemm_nt_warpk` (K split across the warps of one block, forward layout) and
+//! `sgemm_nt_rows` (few rows: every lane streams float4s of four weight rows, K split across
+//! lanes and warps and summed in a fixed order inside the kernel, forward layout).
 //!
 //! [`gemm`] keeps its signature: `Engine::Auto` asks the registry (within the policy's
 //! family, `CUDAGRAPH_GEMM`), any other `Engine` restricts the registry to that family.
@@ -30,6 +32,9 @@ pub enum Engine {
     /// One kernel, K split across the warps of a block (forward layout `x·wᵀ`, alpha 1,
     /// beta 0 only; other products fall back to `Tiled`).
     WarpK,
+    /// One kernel for few rows (forward layout, alpha 1, beta 0, at most [`ROWS_MAX_M`] rows,
+    /// k a multiple of 4; other products fall back to `Tiled`).
+    Rows,
     /// Every engine available, measured per shape by the registry; before a measurement (in a
     /// capture) the heuristic default of [`auto_engine`].
     Auto,
@@ -43,6 +48,7 @@ impl Engine {
             Engine::CublasLt => "cublaslt",
             Engine::Tiled => "tiled",
             Engine::WarpK => "warpk",
+            Engine::Rows => "rows",
             Engine::Auto => "auto",
         }
     }
@@ -173,6 +179,14 @@ impl GemmOp {
             && self.alpha == 1.0
             && self.beta == 0.0
             && self.epilogue != Epilogue::BiasGrad
+    }
+
+    /// The few-rows kernel applies: the warp-K conditions, few rows, float4-readable operands.
+    fn rows_ok(&self, align: u32) -> bool {
+        self.warpk_ok()
+            && self.m <= ROWS_MAX_M
+            && align >= 16
+            && crate::kernels::rows_ok(self.k, &[])
     }
 
     fn tiled_ok(&self) -> bool {
@@ -366,8 +380,15 @@ pub fn gemm_candidates(
     if allowed(Engine::WarpK) && op.warpk_ok() && op.tiled_ok() {
         v.push(GemmAlgo::WarpK);
     }
+    if allowed(Engine::Rows) && op.rows_ok(align) {
+        let ks = rows_split(op.m, op.n, op.k, eng.device_info().multiprocessors);
+        v.push(GemmAlgo::Rows(ks as u8));
+        if ks > 1 {
+            v.push(GemmAlgo::Rows((ks / 2) as u8));
+        }
+    }
     if v.is_empty() {
-        let fallback = if family == Engine::WarpK {
+        let fallback = if matches!(family, Engine::WarpK | Engine::Rows) {
             Engine::Tiled
         } else {
             Engine::Auto
@@ -480,6 +501,16 @@ fn run_algo(
             )?;
             bgrad(q)
         }
+        GemmAlgo::Rows(ks) => {
+            if !op.rows_ok(align) {
+                return Err(NnError::Shape(format!(
+                    "gemm: the few-rows kernel runs only x·wᵀ with alpha 1, beta 0, at most \
+                     {ROWS_MAX_M} rows, k a multiple of 4 and 16-byte aligned operands ({})",
+                    op.key()
+                )));
+            }
+            nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, ks as usize)
+        }
         GemmAlgo::WarpK => {
             if !op.warpk_ok() {
                 return Err(NnError::Shape(format!(
@@ -490,6 +521,22 @@ fn run_algo(
             nn.sgemm_nt_warpk(q, op.m, op.n, op.k, a, b, c, bias, relu)
         }
     }
+}
+
+/// The most rows the few-rows kernel is offered for (it reads the weights once per 16 rows).
+pub const ROWS_MAX_M: usize = 64;
+
+/// How many warps of the few-rows kernel split K per group of four columns (1, 2, 4 or 8):
+/// the fewest that give the device about two blocks per multiprocessor, while every warp keeps
+/// at least one 128-wide K chunk. The registry also measures half as many.
+pub fn rows_split(m: usize, n: usize, k: usize, multiprocessors: u32) -> usize {
+    let want = 2 * multiprocessors.max(1) as usize;
+    let chunks = k.div_ceil(128);
+    let mut ks = 1;
+    while ks < 8 && n.div_ceil(4).div_ceil(8 / ks) * m.div_ceil(16) < want && chunks >= 2 * ks {
+        ks *= 2;
+    }
+    ks
 }
 
 /// How many K splits give the device enough blocks (about two waves of 132 SMs) while each
@@ -516,6 +563,19 @@ mod tests {
         assert_eq!(auto_engine(n, t, 512, 1.0, 0.0), Engine::Cublas);
         assert_eq!(auto_engine(t, n, 64, 1.0, 0.0), Engine::Cublas);
         assert_eq!(auto_engine(n, n, 64, 1.0, 0.0), Engine::Cublas);
+    }
+
+    #[test]
+    fn rows_split_fills_the_device_but_keeps_a_chunk_per_warp() {
+        // The seed MLP at batch 32: 128 column groups, 2 row blocks; 1024 = 8 chunks.
+        assert_eq!(rows_split(32, 512, 1024, 132), 8);
+        // 256 → 10 classes: two 128-wide chunks, so at most two warps per group.
+        assert_eq!(rows_split(32, 10, 256, 132), 2);
+        // A wide layer needs little splitting.
+        assert_eq!(rows_split(1, 4096, 1024, 132), 4);
+        assert_eq!(rows_split(1, 16384, 1024, 132), 1);
+        // A long K with few columns splits as far as 8 warps.
+        assert_eq!(rows_split(1, 64, 4096, 132), 8);
     }
 
     #[test]

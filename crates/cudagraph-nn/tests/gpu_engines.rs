@@ -22,7 +22,7 @@ use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
 use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, GemmAlgo, Policy};
 use cudagraph_nn::gemm::{gemm_candidates, gemm_with, Engine, Epilogue, GemmOp};
-use cudagraph_nn::kernels::ConvGeom;
+use cudagraph_nn::kernels::{igemm, ConvGeom};
 use cudagraph_nn::*;
 
 fn data(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -114,6 +114,11 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         (33, 65, 70),
         (131, 97, 1031),
         (64, 256, 4096),
+        // k a multiple of 4 (the few-rows kernel's float4 loads) but not of its 128-wide
+        // chunks, odd rows and columns not a multiple of its 4-column groups.
+        (1, 10, 256),
+        (17, 131, 132),
+        (48, 5, 2052),
     ];
     let mut checked = 0;
     for &(m, nn_, k) in shapes {
@@ -152,6 +157,9 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(4)];
                 if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
                     algos.push(GemmAlgo::WarpK);
+                    if m <= 64 && k % 4 == 0 {
+                        algos.extend([1, 2, 8].map(GemmAlgo::Rows));
+                    }
                 }
                 let lt = lt_algos(&dev, &s, &op);
                 assert!(!lt.is_empty(), "cuBLASLt offers no algorithm for {op:?}");
@@ -274,6 +282,7 @@ fn linear_layers_match_cpu_under_every_gemm_policy() {
         Engine::CublasLt,
         Engine::Tiled,
         Engine::WarpK,
+        Engine::Rows,
         Engine::Auto,
     ] {
         set_policy(&dev, |p| p.gemm = family);
@@ -282,6 +291,7 @@ fn linear_layers_match_cpu_under_every_gemm_policy() {
             (5, 33, 7, false),
             (64, 1024, 512, true),
             (200, 97, 131, true),
+            (31, 132, 9, true),
         ] {
             check_linear(&s, &mut rng, m, k, n, relu, family.name());
         }
@@ -325,6 +335,7 @@ fn geometries() -> Vec<ConvGeom> {
         g(2, 64, 8, 8, 128, 3, 1, 1),  // wide
         g(4, 128, 7, 7, 64, 1, 1, 0),  // 1×1, many channels
         g(2, 3, 32, 32, 8, 7, 2, 1),   // 7×7 stride 2 on a larger image
+        g(2, 3, 64, 64, 4, 3, 1, 1),   // few channels, long K: a deep-split candidate
     ]
 }
 
@@ -387,10 +398,17 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
                 "no cuDNN algorithm for {}",
                 conv_key(dir, &g, false)
             );
-            // Our kernels also with a forced split (covers the reduce kernel everywhere).
+            // Our kernels also with forced splits (covers the reduce kernel everywhere, and
+            // more splits than K steps allow, which the launch trims).
             let mut all = cands.clone();
             for t in cudagraph_nn::conv::Tile::ALL {
                 all.push(ConvAlgo::Igemm(t, 3));
+                all.push(ConvAlgo::Igemm(t, 200));
+            }
+            // The small weight-gradient kernel in one block (writing dw itself), in a few, and
+            // in more blocks than 32-pixel tiles (the launch trims empty ones).
+            if dir == ConvDir::BackwardFilter && igemm::wgrad_small_supports(&g) {
+                all.extend([1, 3, 1000].map(ConvAlgo::Wgrad));
             }
             for algo in all {
                 seen_cudnn += matches!(algo, ConvAlgo::Cudnn(_)) as usize;
@@ -415,6 +433,21 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
         }
     }
     assert!(seen_cudnn >= 3 * geometries().len());
+    // The long-K geometry offered a deep split for its weight gradient, and it was checked.
+    let long_k = geometries().pop().unwrap();
+    let cands = conv_candidates(&s, &eng, ConvDir::BackwardFilter, &long_k, &policy).unwrap();
+    let sms = dev.info().multiprocessors;
+    assert!(
+        cands.iter().any(|a| matches!(a, ConvAlgo::Igemm(t, n)
+            if Some(*n as usize) == igemm::deep_splits(
+                ConvDir::BackwardFilter, &long_k, *t, sms))),
+        "{cands:?}"
+    );
+    // Few channels: the small weight-gradient kernel is a candidate too.
+    assert!(
+        cands.iter().any(|a| matches!(a, ConvAlgo::Wgrad(_))),
+        "{cands:?}"
+    );
 }
 
 /// conv2d (with bias) forward and backward through autograd, against the CPU.
@@ -560,6 +593,11 @@ fn graph_replay_equals_eager_bit_for_bit_with_the_same_engines() {
         p.gemm = Engine::Tiled;
     });
     replay_equals_eager(&dev, "igemm+tiled");
+    set_policy(&dev, |p| {
+        p.conv = ConvEngine::Ours;
+        p.gemm = Engine::Rows;
+    });
+    replay_equals_eager(&dev, "ours+rows");
 }
 
 #[test]

@@ -912,3 +912,59 @@ fn warp_k_kernel_matches_cpu_on_the_forward_layout() {
         assert!(err < 1e-5, "{m}x{n}x{k}: {err}");
     }
 }
+
+#[test]
+fn channel_sum_matches_f64_in_one_part_and_in_many() {
+    use cudagraph::QueueExt;
+    use cudagraph_nn::kernels::{channel_sum_plan, Nn};
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let sms = dev.info().multiprocessors;
+    let mut rng = Rng::new(77);
+    let mut split = 0;
+    // (n, c, hw): one part, parts inside one plane, parts across planes with odd sizes, a
+    // large plane with few channels (the bias gradient of a small-channel conv on 224²).
+    for &(n, c, hw) in &[
+        (3usize, 5usize, 7usize),
+        (1, 1, 1),
+        (2, 3, 40_000),
+        (7, 2, 6_131),
+        (2, 16, 224 * 224),
+        (128, 32, 32 * 32),
+    ] {
+        let dyh = data(&mut rng, n * c * hw);
+        let dy = s.alloc_from_host(&dyh).unwrap();
+        let db = s.alloc_from_host(&vec![f32::NAN; c]).unwrap();
+        nn.channel_sum(&s, &dy, &db, n, c, hw).unwrap();
+        let want: Vec<f64> = (0..c)
+            .map(|ch| {
+                (0..n)
+                    .flat_map(|b| (0..hw).map(move |p| (b * c + ch) * hw + p))
+                    .map(|i| dyh[i] as f64)
+                    .sum()
+            })
+            .collect();
+        let got = s.to_vec(&db).unwrap();
+        // Sums of up to 131 072 normal values: compare against the sum's scale, not its
+        // (possibly tiny) value.
+        let scale = ((n * hw) as f64).sqrt();
+        for (ch, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() <= 1e-5 * scale.max(1.0),
+                "({n}, {c}, {hw}) channel {ch}: {g} vs {w}"
+            );
+        }
+        split += (channel_sum_plan(n, c, hw, sms).0 > 1) as usize;
+        // Graphed: the same plan, the same bits.
+        let db2 = s.alloc_zeroed::<f32>(c).unwrap();
+        let mut s2 = dev.new_stream().unwrap();
+        let (g, ()) = Graph::capture(&mut s2, CaptureOptions::new(), |cs| {
+            Ok(nn.channel_sum(cs, &dy, &db2, n, c, hw)?)
+        })
+        .unwrap();
+        g.replay(&s2).unwrap();
+        assert_eq!(s2.to_vec(&db2).unwrap(), got, "({n}, {c}, {hw}) graphed");
+    }
+    assert!(split >= 3, "the shapes exercise the split path");
+}

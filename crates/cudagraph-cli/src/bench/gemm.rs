@@ -37,6 +37,9 @@ pub struct GemmRow {
     pub cublaslt_us: Option<f64>,
     pub tiled_us: f64,
     pub warpk_us: f64,
+    /// The few-rows kernel (forward layout with k a multiple of 4 and at most 64 rows; other
+    /// products fall back to the tiled kernel, as with warp-K).
+    pub rows_us: f64,
     /// The registry's choice among every engine, and its time.
     pub auto_engine: String,
     pub auto_us: f64,
@@ -66,13 +69,14 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
         let c = s.alloc_from_host(&vec![0.0f32; m * n])?;
         let t = |x: bool| if x { Trans::T } else { Trans::N };
         let has_lt = Engines::get(dev)?.cublaslt().is_some();
-        let mut us = [f64::NAN; 5];
+        let mut us = [f64::NAN; 6];
         let mut auto_engine = String::new();
         for (slot, engine) in [
             Engine::Cublas,
             Engine::CublasLt,
             Engine::Tiled,
             Engine::WarpK,
+            Engine::Rows,
             Engine::Auto,
         ]
         .into_iter()
@@ -138,8 +142,9 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
             cublaslt_us: has_lt.then_some(us[1]),
             tiled_us: us[2],
             warpk_us: us[3],
+            rows_us: us[4],
             auto_engine,
-            auto_us: us[4],
+            auto_us: us[5],
         });
     }
     Ok(rows)
@@ -168,7 +173,7 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
         out.device.name
     );
     outln!(
-        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:<12} {:>8}",
+        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:<12} {:>8}",
         "shape",
         "m",
         "n",
@@ -178,6 +183,7 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
         "cuBLASLt",
         "tiled",
         "warp-K",
+        "rows",
         "auto",
         "auto engine",
         "auto/cuBLAS"
@@ -187,7 +193,7 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
             .cublaslt_us
             .map_or("n/a".to_string(), |v| format!("{v:.2}"));
         outln!(
-            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9.2} {:<12} {:>7.2}x",
+            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:<12} {:>7.2}x",
             r.shape,
             r.m,
             r.n,
@@ -197,6 +203,7 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
             lt,
             r.tiled_us,
             r.warpk_us,
+            r.rows_us,
             r.auto_us,
             r.auto_engine,
             r.cublas_us / r.auto_us

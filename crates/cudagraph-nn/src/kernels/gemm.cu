@@ -178,3 +178,93 @@ extern "C" __global__ void splitk_reduce(const float* partial, int splits, float
     if (relu) v = relu_f(v);
     C[e] = v;
 }
+
+// The forward layout for few rows (m up to a few dozen: small-batch inference), one kernel, no
+// reduce node: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major with leading
+// dimension k, k a multiple of 4 and both 16-byte aligned (float4 loads). A block covers 16 rows
+// (blockIdx.y) and 8 / ks groups of 4 columns; each group's ks warps split K into 128-wide
+// chunks taken round-robin, the 32 lanes of a warp each taking 4 consecutive k of a chunk, so a
+// warp streams 4 rows of B as 512-byte coalesced reads and feeds every A load to 16 FMAs. Each
+// lane then holds 16 x 4 partial sums over its k; a butterfly reduce-scatter (62 shuffles)
+// leaves every lane two finished sums, and the ks warps of a group add theirs in shared memory
+// in warp order. Every sum runs in a fixed order: results never depend on scheduling.
+extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, const float* B,
+        float* C, const float* bias, int relu, int ks) {
+    __shared__ float part[8][64];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int groups = 8 / ks;
+    const int grp = warp / ks, slice = warp - grp * ks;
+    const int col0 = (blockIdx.x * groups + grp) * 4;
+    const int row0 = blockIdx.y * 16;
+    float v[64];  // v[i * 4 + c]: row row0 + i, column col0 + c
+#pragma unroll
+    for (int i = 0; i < 64; i++) v[i] = 0.0f;
+    const int chunks = (k + 127) / 128;
+    for (int ch = slice; ch < chunks; ch += ks) {
+        const int kk = ch * 128 + lane * 4;
+        if (kk < k) {
+            float4 b[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                b[c] = col0 + c < n ? __ldg(reinterpret_cast<const float4*>(B + (long)(col0 + c) * k + kk))
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                if (row0 + i < m) {
+                    const float4 a = __ldg(reinterpret_cast<const float4*>(A + (long)(row0 + i) * k + kk));
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        float s = v[i * 4 + c];
+                        s = fmaf(a.x, b[c].x, s);
+                        s = fmaf(a.y, b[c].y, s);
+                        s = fmaf(a.z, b[c].z, s);
+                        s = fmaf(a.w, b[c].w, s);
+                        v[i * 4 + c] = s;
+                    }
+                }
+            }
+        }
+    }
+    // Reduce-scatter over the 32 lanes: at offset o the lane with bit o set keeps the upper half.
+#define ROWS_RS(HALF, OFF)                                                    \
+    {                                                                         \
+        const bool hi = (lane & (OFF)) != 0;                                  \
+        _Pragma("unroll") for (int i = 0; i < (HALF); i++) {                  \
+            const float send = hi ? v[i] : v[i + (HALF)];                     \
+            const float keep = hi ? v[i + (HALF)] : v[i];                     \
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (OFF));          \
+        }                                                                     \
+    }
+    ROWS_RS(32, 16)
+    ROWS_RS(16, 8)
+    ROWS_RS(8, 4)
+    ROWS_RS(4, 2)
+    ROWS_RS(2, 1)
+#undef ROWS_RS
+    // v[0], v[1] now hold the sums of flat index idx and idx + 1 (same row, columns c, c + 1).
+    const int idx = ((lane >> 4) & 1) * 32 + ((lane >> 3) & 1) * 16 + ((lane >> 2) & 1) * 8 +
+                    ((lane >> 1) & 1) * 4 + (lane & 1) * 2;
+    float s0 = v[0], s1 = v[1];
+    if (ks > 1) {
+        part[warp][idx] = s0;
+        part[warp][idx + 1] = s1;
+        __syncthreads();
+        if (slice != 0) return;
+        s0 = 0.0f;
+        s1 = 0.0f;
+        for (int z = 0; z < ks; z++) {
+            s0 += part[warp + z][idx];
+            s1 += part[warp + z][idx + 1];
+        }
+    }
+    const int row = row0 + idx / 4, col = col0 + idx % 4;
+    if (row >= m) return;
+    if (col < n) {
+        float o = s0 + (bias ? bias[col] : 0.0f);
+        C[(long)row * n + col] = relu ? relu_f(o) : o;
+    }
+    if (col + 1 < n) {
+        float o = s1 + (bias ? bias[col + 1] : 0.0f);
+        C[(long)row * n + col + 1] = relu ? relu_f(o) : o;
+    }
+}

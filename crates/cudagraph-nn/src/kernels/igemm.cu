@@ -246,19 +246,35 @@ IGEMM_KERNEL(conv_igemm_bwd_filter_64x64, 64, 64, 2)
 IGEMM_KERNEL(conv_igemm_bwd_filter_32x128, 32, 128, 2)
 IGEMM_KERNEL(conv_igemm_bwd_filter_128x32, 128, 32, 2)
 
-// Sums the split-K partials partial[z][m][n] (z = 0 .. splits-1, in order) and writes them to
-// the convolution's output layout (with the bias for the forward direction).
+// Sums the split-K partials partial[z][m][n] (z = 0 .. splits-1) and writes them to the
+// convolution's output layout (with the bias for the forward direction). Block (blockDim.x
+// outputs) x (blockDim.y groups of splits): thread (tx, ty) adds z = ty, ty + G, ... in order,
+// then thread (tx, 0) adds the G group sums in order — a fixed order, so results never depend on
+// scheduling, and few outputs with many splits (a weight gradient reduced over 512 splits) still
+// spread over many threads.
 extern "C" __global__ void conv_igemm_reduce(const float* partial, int splits, float* out,
         const float* bias, int op, int N, int C, int H, int W, int OC, int KH, int KW, int OH,
         int OW) {
+    __shared__ float group_sum[256];
     const int KK = KH * KW, HW = H * W, OHW = OH * OW;
     const int M = op == 1 ? C : OC;
     const int NC = op == 0 ? N * OHW : (op == 1 ? N * HW : C * KK);
     const long total = (long)M * NC;
-    const long e = IG_IDX;
-    if (e >= total) return;
+    const int G = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+    const long e = (long)blockIdx.x * blockDim.x + tx;
     float s = 0.0f;
-    for (int z = 0; z < splits; z++) s += partial[(long)z * total + e];
+    if (e < total) {
+#pragma unroll 4
+        for (int z = ty; z < splits; z += G) s += partial[(long)z * total + e];
+    }
+    if (G > 1) {
+        group_sum[ty * blockDim.x + tx] = s;
+        __syncthreads();
+        if (ty != 0) return;
+        s = 0.0f;
+        for (int g = 0; g < G; g++) s += group_sum[g * blockDim.x + tx];
+    }
+    if (e >= total) return;
     const int m = (int)(e / NC), col = (int)(e - (long)m * NC);
     if (op == 0) {
         int n = col / OHW;

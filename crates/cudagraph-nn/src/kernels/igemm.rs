@@ -6,6 +6,9 @@
 //! the extent the kernel indexes and every integer the kernel computes with was checked to fit
 //! its type.
 //!
+//! The same module holds `conv_wgrad_small` (`wgrad.cu`): the weight gradient of convolutions
+//! with few outputs (few channels), pixels split across blocks and summed in a fixed order.
+//!
 //! The direct kernels in `conv.cu` (module `cudagraph_nn`) stay as another candidate.
 
 use std::sync::Arc;
@@ -15,8 +18,8 @@ use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueE
 use crate::error::{NnError, Result};
 use crate::kernels::ConvGeom;
 
-/// The CUDA source of the implicit-GEMM module.
-pub const SOURCE: &str = include_str!("igemm.cu");
+/// The CUDA source of the implicit-GEMM module (with the small weight-gradient kernel).
+pub const SOURCE: &str = concat!(include_str!("igemm.cu"), include_str!("wgrad.cu"));
 
 /// The CUDA source of the spin module.
 pub const SPIN_SOURCE: &str = include_str!("spin.cu");
@@ -179,6 +182,74 @@ pub fn default_splits(dir: ConvDir, g: &ConvGeom, tile: Tile, multiprocessors: u
     want.min(k.div_ceil(16) / 4).clamp(1, 64)
 }
 
+/// A deeper split than [`default_splits`], offered as a second candidate to measure: products
+/// with few output blocks and a long K (the weight gradient of a convolution with few channels
+/// over large images: a 16 × 27 output reduced over 100 000 pixels) leave most of the device
+/// idle with two waves. About eight waves of blocks, each split keeping at least four 16-deep
+/// K steps, at most 512 splits; `None` when that is not deeper than the default.
+pub fn deep_splits(dir: ConvDir, g: &ConvGeom, tile: Tile, multiprocessors: u32) -> Option<usize> {
+    let (m, n, k) = gemm_shape(dir, g).ok()?;
+    let (bm, bn) = tile.dims();
+    let blocks = m.div_ceil(bm).saturating_mul(n.div_ceil(bn)).max(1);
+    let want = (8 * multiprocessors.max(1) as usize).div_ceil(blocks);
+    let s = want.min(k.div_ceil(16) / 4).clamp(1, 512);
+    (s > default_splits(dir, g, tile, multiprocessors)).then_some(s)
+}
+
+/// How many groups of splits `conv_igemm_reduce` gives each output (a power of two, at most
+/// 16, each group keeping at least 8 splits): more while the outputs alone would leave the
+/// device short of about 16 warps per multiprocessor, so a small output summed over hundreds
+/// of splits is not read by a handful of threads.
+pub fn reduce_groups(outputs: usize, splits: usize, multiprocessors: u32) -> usize {
+    let enough = 512 * multiprocessors.max(1) as usize;
+    let mut g = 1;
+    while g < 16 && splits >= 16 * g && outputs.saturating_mul(g) < enough {
+        g *= 2;
+    }
+    g
+}
+
+/// The most outputs (OC · C·KH·KW) `conv_wgrad_small` takes: 16 per thread of its block.
+pub const WGRAD_MAX_OUTPUTS: usize = 4096;
+/// The most rows (OC + C·KH·KW) of its shared-memory tiles (33 floats each, under 48 KiB).
+const WGRAD_MAX_ROWS: usize = 320;
+/// Output pixels per shared-memory tile of `conv_wgrad_small`.
+const WGRAD_TILE: usize = 32;
+
+/// Whether `conv_wgrad_small` takes this geometry: few outputs, and every index it computes in
+/// 32 bits (input and output sizes, the pixel range with a block's chunk past it) fits.
+pub fn wgrad_small_supports(g: &ConvGeom) -> bool {
+    let Ok((m, n, k)) = gemm_shape(ConvDir::BackwardFilter, g) else {
+        return false;
+    };
+    let fits = |v: Result<usize>| v.is_ok_and(|v| v <= MAX_DIM);
+    g.ints().is_ok()
+        && m.saturating_mul(n) <= WGRAD_MAX_OUTPUTS
+        && m + n <= WGRAD_MAX_ROWS
+        && k.saturating_mul(2) <= MAX_DIM
+        && fits(g.input_len())
+        && fits(g.output_len())
+}
+
+/// The block counts `conv_wgrad_small` is measured with: enough blocks that each takes at
+/// least four 32-pixel tiles, up to eight per multiprocessor; and a quarter of that (fewer
+/// partial sums to add). Empty when the geometry has no pixels.
+pub fn wgrad_parts(g: &ConvGeom, multiprocessors: u32) -> Vec<usize> {
+    let Ok((_, _, pixels)) = gemm_shape(ConvDir::BackwardFilter, g) else {
+        return Vec::new();
+    };
+    if pixels == 0 {
+        return Vec::new();
+    }
+    let tiles = pixels.div_ceil(WGRAD_TILE);
+    let most = (tiles / 4).clamp(1, 8 * multiprocessors.max(1) as usize);
+    let mut v = vec![most];
+    if most >= 8 {
+        v.push(most / 4);
+    }
+    v
+}
+
 /// The tile that suits the product's shape (used before anything was measured).
 pub fn default_tile(dir: ConvDir, g: &ConvGeom) -> Tile {
     match gemm_shape(dir, g) {
@@ -193,6 +264,7 @@ pub struct ConvKernels {
     /// [direction][tile]
     igemm: [[Function; 3]; 3],
     reduce: Function,
+    wgrad_small: Function,
 }
 
 /// The spin kernel of one device.
@@ -263,6 +335,7 @@ impl ConvKernels {
                 Ok(ConvKernels {
                     igemm: [dir("fwd")?, dir("bwd_data")?, dir("bwd_filter")?],
                     reduce: f("conv_igemm_reduce")?,
+                    wgrad_small: f("conv_wgrad_small")?,
                 })
             })
             .map_err(NnError::from)
@@ -366,24 +439,116 @@ impl ConvKernels {
         // `partial` below splits·M·N (allocated so); the bias is read below OC (checked).
         unsafe { q.launch(f, cfg, &args)? };
         if let Some(p) = &partial {
-            let mut rargs: Vec<Arg<'_>> = vec![
-                p.into(),
-                Arg::I32(splits as i32),
-                out.into(),
-                Arg::opt(bias),
-                Arg::I32(dir.index() as i32),
-            ];
-            rargs.extend(ints[..9].iter().copied().map(Arg::I32));
-            let blocks = mn.div_ceil(256);
-            let cfg = LaunchConfig::linear(
-                u32::try_from(blocks)
-                    .map_err(|_| NnError::Shape(format!("conv2d: {mn} outputs exceed the grid")))?,
-                256,
-            );
-            // SAFETY: e < M·N reads partial[z·M·N + e] for z < splits (its extent) and writes
-            // the direction's output at the position of (e / N, e % N), below its checked
-            // extent; the bias (forward only) below OC.
-            unsafe { q.launch(&self.reduce, cfg, &rargs)? };
+            // SAFETY: `p` holds splits·M·N partial sums of this direction's product (allocated
+            // so above), `out` and `bias` were checked against the direction's extents.
+            unsafe { self.reduce(q, dir, g, p, splits, mn, out, bias)? };
+        }
+        Ok(())
+    }
+
+    /// Adds `splits` partial products `partial[z][M·N]` of direction `dir` in z order into the
+    /// direction's output layout (with the bias, forward only).
+    ///
+    /// # Safety
+    /// `partial` holds at least `splits·mn` elements with `mn = M·N` of `dir`'s product of `g`;
+    /// `out` holds the direction's output extent of `g` and `bias`, if any, `g.oc` elements.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduce(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        g: &ConvGeom,
+        partial: &Buf,
+        splits: usize,
+        mn: usize,
+        out: &Buf,
+        bias: Option<&Buf>,
+    ) -> Result<()> {
+        let ints = g.ints()?;
+        let mut rargs: Vec<Arg<'_>> = vec![
+            partial.into(),
+            Arg::I32(int("splits", splits)?),
+            out.into(),
+            Arg::opt(bias),
+            Arg::I32(dir.index() as i32),
+        ];
+        rargs.extend(ints[..9].iter().copied().map(Arg::I32));
+        let groups = reduce_groups(mn, splits, q.device().info().multiprocessors);
+        let width = 256 / groups;
+        let blocks = u32::try_from(mn.div_ceil(width))
+            .map_err(|_| NnError::Shape(format!("conv2d: {mn} outputs exceed the grid")))?;
+        let cfg = LaunchConfig {
+            grid: (blocks, 1, 1),
+            block: (width as u32, groups as u32, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: thread (tx, ty) of block b handles e = b·width + tx; only e < M·N read
+        // partial[z·M·N + e] for z < splits (the caller's extent) and write the direction's
+        // output at the position of (e / N, e % N), below the extent the caller promised; the
+        // bias (forward only) below OC. The block has width·groups = 256 threads, the kernel's
+        // shared array size.
+        unsafe { q.launch(&self.reduce, cfg, &rargs) }.map_err(Into::into)
+    }
+
+    /// The weight gradient `dw` from `dy` and `x` with `conv_wgrad_small` over `parts` blocks
+    /// of output pixels (then a fixed-order sum of the parts). Errors for geometries
+    /// [`wgrad_small_supports`] refuses.
+    pub fn wgrad_small(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        dy: &Buf,
+        x: &Buf,
+        dw: &Buf,
+        parts: usize,
+    ) -> Result<()> {
+        if !wgrad_small_supports(g) {
+            return Err(NnError::Shape(format!(
+                "conv2d small weight gradient: {g:?} has more than {WGRAD_MAX_OUTPUTS} weights, \
+                 or indices beyond 32 bits"
+            )));
+        }
+        need("conv2d dy", dy, g.output_len()?)?;
+        need("conv2d x", x, g.input_len()?)?;
+        need("conv2d dw", dw, g.weight_len()?)?;
+        let (oc, r, pixels) = gemm_shape(ConvDir::BackwardFilter, g)?;
+        if oc == 0 || r == 0 {
+            return Ok(());
+        }
+        if pixels == 0 {
+            return q.memset_zero(&dw.prefix(oc * r)?).map_err(Into::into);
+        }
+        let chunk = pixels.div_ceil(parts.clamp(1, 65535));
+        let parts = pixels.div_ceil(chunk);
+        let outputs = oc * r;
+        let partial = if parts > 1 {
+            Some(q.alloc::<f32>(outputs * parts)?)
+        } else {
+            None
+        };
+        let ints = g.ints()?;
+        let mut args: Vec<Arg<'_>> =
+            vec![dy.into(), x.into(), partial.as_ref().unwrap_or(dw).into()];
+        args.extend(ints.map(Arg::I32));
+        args.push(Arg::I32(int("pixel chunk", chunk)?));
+        let smem = (oc + r) * (WGRAD_TILE + 1) * 4 + WGRAD_TILE * 4 * 4;
+        let cfg = LaunchConfig {
+            grid: (parts as u32, 1, 1),
+            block: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: `wgrad_small_supports` bounds OC·R by 4096 (16 outputs per thread of 256)
+        // and OC + R by 320 rows, so the shared tiles fit `smem` (< 48 KiB); N·C·H·W,
+        // N·OC·OH·OW and the pixel range plus a chunk fit an int. Block z reads dy at
+        // (n, o, pixel) for pixels below N·OH·OW and o < OC — below dy's checked extent — and
+        // x at (n, ci, iy, ix) with 0 <= iy < H, 0 <= ix < W (guarded), ci < C — below x's
+        // checked extent; it writes outputs e < OC·R of part z: `partial` holds parts·OC·R
+        // (allocated so), or with one part `dw` holds OC·R (checked).
+        unsafe { q.launch(&self.wgrad_small, cfg, &args)? };
+        if let Some(p) = &partial {
+            // SAFETY: `p` holds parts·OC·R sums in the backward-filter product's layout
+            // (M = OC, N = C·KH·KW); `dw` holds OC·C·KH·KW (checked).
+            unsafe { self.reduce(q, ConvDir::BackwardFilter, g, p, parts, outputs, dw, None)? };
         }
         Ok(())
     }
@@ -485,6 +650,43 @@ mod tests {
         assert_eq!(
             default_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
             1
+        );
+    }
+
+    #[test]
+    fn reduce_groups_spread_few_outputs_over_their_splits() {
+        // A 16 × 27 weight gradient over 512 splits: 16 groups of 32 splits.
+        assert_eq!(reduce_groups(432, 512, 132), 16);
+        // Many outputs fill the device alone.
+        assert_eq!(reduce_groups(1 << 20, 512, 132), 1);
+        // Each group keeps at least 8 splits.
+        assert_eq!(reduce_groups(432, 8, 132), 1);
+        assert_eq!(reduce_groups(432, 32, 132), 4);
+        // Never more than 16 groups, and 256 threads divide evenly.
+        for (o, s) in [(1, 1 << 16), (0, 1000), (100, 65535)] {
+            let g = reduce_groups(o, s, 132);
+            assert!(g.is_power_of_two() && g <= 16 && 256 % g == 0);
+        }
+    }
+
+    #[test]
+    fn deep_splits_only_where_k_is_long_and_blocks_few() {
+        // Weight gradient of 3 → 16 channels, 3×3, over 2 × 224²: one 32x128 block, K = 100 352.
+        let small_c = geom(2, 3, 224, 16, 3, 1, 1);
+        let d = default_splits(ConvDir::BackwardFilter, &small_c, Tile::T32x128, 132);
+        assert_eq!(d, 64);
+        assert_eq!(
+            deep_splits(ConvDir::BackwardFilter, &small_c, Tile::T32x128, 132),
+            Some(512)
+        );
+        // A forward pass with many output blocks: no split, no deeper one.
+        let big = geom(64, 64, 56, 64, 3, 1, 1);
+        assert_eq!(deep_splits(ConvDir::Forward, &big, Tile::T64x64, 132), None);
+        // Short K: capped by four K steps per split, never deeper than the default.
+        let tiny = geom(1, 1, 4, 1, 1, 1, 0);
+        assert_eq!(
+            deep_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
+            None
         );
     }
 

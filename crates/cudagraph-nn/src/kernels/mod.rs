@@ -11,6 +11,7 @@ pub mod igemm;
 
 use std::sync::Arc;
 
+use cudagraph::QueueExt;
 use cudagraph::{args, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use crate::blas::Blas;
@@ -87,12 +88,14 @@ kernels!(
     sgemm_tiled,
     splitk_reduce,
     sgemm_nt_warpk,
+    sgemm_nt_rows,
     bias_act,
     relu_fwd,
     relu_bwd,
     add_inplace,
     col_sum,
     channel_sum,
+    sum_parts,
     conv2d_fwd,
     conv2d_fwd_small,
     conv2d_bwd_input,
@@ -100,6 +103,19 @@ kernels!(
     maxpool_fwd,
     maxpool_bwd,
 );
+
+/// How [`Nn::channel_sum`] splits each channel's `n·hw` elements: `(parts, chunk)`, about
+/// two blocks per multiprocessor over all channels, each part at least 4096 elements (one part
+/// — a block per channel writing the result itself — when that is all the size allows), at most
+/// 1024 parts.
+pub fn channel_sum_plan(n: usize, c: usize, hw: usize, multiprocessors: u32) -> (usize, usize) {
+    let total = n.saturating_mul(hw);
+    let by_size = (total / 4096).max(1);
+    let want = (2 * multiprocessors.max(1) as usize).div_ceil(c.max(1));
+    let parts = want.min(by_size).clamp(1, 1024);
+    let chunk = total.div_ceil(parts).max(1);
+    (total.div_ceil(chunk).max(1), chunk)
+}
 
 /// Per-device NN context: kernels and the cuBLAS handle. Lives as long as the device (a
 /// [`Device::extension`]), so dropping the last device handle destroys the cuBLAS handle and
@@ -164,6 +180,30 @@ pub(crate) fn int_loop(what: &'static str, v: usize, step: usize) -> Result<i32>
         )));
     }
     Ok(v as i32)
+}
+
+/// Whether [`Nn::sgemm_nt_rows`] can read these operands: k a multiple of 4 and every address
+/// 16-byte aligned (its loads are float4s).
+pub fn rows_ok(k: usize, addrs: &[u64]) -> bool {
+    k % 4 == 0 && addrs.iter().all(|a| a % 16 == 0)
+}
+
+/// The few-rows kernel's launch: 16 rows per block in y, 8 / ks groups of 4 columns per block
+/// in x, 256 threads.
+pub fn rows_grid(m: usize, n: usize, ks: usize) -> Result<LaunchConfig> {
+    let groups = 8 / ks.clamp(1, 8);
+    let gx = n.div_ceil(4).div_ceil(groups);
+    let gy = m.div_ceil(16);
+    match (u32::try_from(gx), u32::try_from(gy)) {
+        (Ok(gx), Ok(gy)) if gx <= i32::MAX as u32 && gy <= 65535 => Ok(LaunchConfig {
+            grid: (gx, gy, 1),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }),
+        _ => Err(NnError::Shape(format!(
+            "gemm rows: {m}×{n} exceeds the grid"
+        ))),
+    }
 }
 
 /// `v` as a kernel `long`.
@@ -448,6 +488,71 @@ impl Nn {
         }
     }
 
+    /// The few-rows kernel for the forward layout: `C = act(A·Bᵀ + bias)`, A m×k, B n×k, with
+    /// `ks` warps (1, 2, 4 or 8) splitting K per group of four columns. Needs k a multiple of 4
+    /// and A, B 16-byte aligned (it reads float4s); [`rows_ok`] says whether it applies.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_nt_rows(
+        &self,
+        q: &dyn Queue,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &Buf,
+        b: &Buf,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        ks: usize,
+    ) -> Result<()> {
+        let d = GemmDims {
+            m,
+            n,
+            k,
+            ta: false,
+            tb: true,
+        };
+        d.check_buffers(a, b, c, bias)?;
+        if !matches!(ks, 1 | 2 | 4 | 8) {
+            return Err(NnError::Shape(format!(
+                "gemm rows: {ks} warps per column group (1, 2, 4 or 8)"
+            )));
+        }
+        if !rows_ok(k, &[a.addr(), b.addr()]) {
+            return Err(NnError::Shape(format!(
+                "gemm rows: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
+            )));
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let cfg = rows_grid(m, n, ks)?;
+        // SAFETY: a block covers rows [16·y, 16·y + 16) and columns of its groups; every load of
+        // A is at row < m (guarded) and k offset kk < k with kk % 4 == 0 and k % 4 == 0 (checked),
+        // so the float4 at A + row·k + kk lies below m·k (checked) and is 16-byte aligned (A
+        // aligned, k % 4 == 0); likewise B at column < n below n·k. Writes go to C at row < m,
+        // column < n (guarded), below m·n (checked); the bias is read below n (checked). The
+        // kernel's column and k offsets stay within 1024 of n and k, which int_loop bounds.
+        unsafe {
+            launch(
+                q,
+                &self.k.sgemm_nt_rows,
+                cfg,
+                &[
+                    int_loop("m", m, 1024)?.into(),
+                    int_loop("n", n, 1024)?.into(),
+                    int_loop("k", k, 1024)?.into(),
+                    a.into(),
+                    b.into(),
+                    c.into(),
+                    Arg::opt(bias),
+                    (relu as i32).into(),
+                    (ks as i32).into(),
+                ],
+            )
+        }
+    }
+
     /// `y[r, c] = act(y[r, c] + b[c])` over `rows × cols`.
     pub fn bias_act(
         &self,
@@ -541,16 +646,47 @@ impl Nn {
         if c == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig::linear(u32::try_from(c).unwrap_or(u32::MAX), 256);
-        // SAFETY: one block per channel < c reading dy within n·c·hw, writing db[ch].
+        if n == 0 || hw == 0 {
+            // Nothing to sum (and the kernel divides by hw).
+            return q.memset_zero(&db.prefix(c)?).map_err(Into::into);
+        }
+        let (ni, ci, hwi) = (int("n", n)?, int("c", c)?, int("hw", hw)?);
+        let (parts, chunk) = channel_sum_plan(n, c, hw, q.device().info().multiprocessors);
+        let partial = if parts > 1 {
+            Some(q.alloc::<f32>(prod("channel_sum parts", &[parts, c])?)?)
+        } else {
+            None
+        };
+        let out = partial.as_ref().unwrap_or(db);
+        let cfg = LaunchConfig {
+            grid: (ci as u32, parts as u32, 1),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: block (ch, z), ch < c, z < parts, reads dy[b, ch, p] for flat indices b·hw + p
+        // below n·hw (dy holds n·c·hw, checked) and writes out[z·c + ch]: db (c elements,
+        // checked) with one part, else `partial` (parts·c elements, allocated so).
         unsafe {
             launch(
                 q,
                 &self.k.channel_sum,
                 cfg,
-                args![dy, db, int("n", n)?, int("c", c)?, int("hw", hw)?],
-            )
+                args![dy, out, ni, ci, hwi, chunk as i64],
+            )?;
         }
+        if let Some(partial) = &partial {
+            // SAFETY: thread e < c reads partial[z·c + e] for z < parts (parts·c elements) and
+            // writes db[e] (c elements, checked).
+            unsafe {
+                launch(
+                    q,
+                    &self.k.sum_parts,
+                    LaunchConfig::for_elements(c, 256),
+                    args![partial, int("parts", parts)?, db, ci],
+                )?;
+            }
+        }
+        Ok(())
     }
 
     /// Direct NCHW convolution `y = conv(x, w) + b`.
@@ -737,5 +873,29 @@ mod loop_bound_tests {
         let e = int_loop("rows", top + 1, 256).unwrap_err().to_string();
         assert!(e.contains("rows") && e.contains("32-bit loop index"), "{e}");
         assert!(int_loop("rows", usize::MAX, 256).is_err());
+    }
+}
+
+#[cfg(test)]
+mod channel_sum_tests {
+    use super::channel_sum_plan;
+
+    #[test]
+    fn bias_gradients_split_only_what_is_large() {
+        // 16 channels of 2 × 224²: 17 parts per channel (about two blocks per SM), each part at
+        // least 4096 elements; the parts cover every element.
+        let (parts, chunk) = channel_sum_plan(2, 16, 224 * 224, 132);
+        assert_eq!(parts, 17);
+        assert!(chunk >= 4096 && parts * chunk >= 2 * 224 * 224);
+        assert!((parts - 1) * chunk < 2 * 224 * 224);
+        // Small planes: one part, the block writes the result itself.
+        assert_eq!(channel_sum_plan(4, 8, 49, 132), (1, 196));
+        // Many channels fill the device alone.
+        assert_eq!(channel_sum_plan(128, 512, 7 * 7, 132).0, 1);
+        // Nothing to sum still gives one part of one element (a block writing 0).
+        assert_eq!(channel_sum_plan(0, 3, 10, 132), (1, 1));
+        // Never more than 1024 parts.
+        assert_eq!(channel_sum_plan(1 << 20, 1, 1 << 10, 132).0, 264);
+        assert!(channel_sum_plan(1 << 30, 1, 1 << 20, 1 << 20).0 <= 1024);
     }
 }
