@@ -49,9 +49,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DriverError};
 
-use crate::device::{Device, Queue, Stream};
+use crate::device::{check_eager, Device, Queue, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{bytes_for, BlockRef, DeviceBuffer, Elem};
+use crate::runtime::memory::{memory_kind, MemoryKind};
 use crate::runtime::result::driver_error;
 use crate::runtime::stream::raw_is_capturing;
 use crate::runtime::StreamHandle;
@@ -202,22 +203,27 @@ impl<T: Elem> DeviceBuffer<T> {
     /// last holder is gone and the work of every stream that used it has finished. Future
     /// work on `stream` waits for the work cudarc had queued on the slice's stream.
     ///
-    /// Takes an eager [`Stream`] (a capture borrows its stream, so this cannot run inside one)
-    /// and refuses a slice allocated inside a capture (graph memory, which the graph frees).
+    /// Takes an eager [`Stream`] (a capture borrows its stream, so this cannot run inside one;
+    /// a stream that is part of a capture anyway is refused) and refuses a slice whose stream
+    /// is capturing (its memory may be graph memory, which the graph frees) and a slice the
+    /// driver does not report as device memory (graph memory before its graph's first launch,
+    /// say). A slice allocated inside a capture that has since ended is graph memory the
+    /// driver cannot tell apart: allocate the slices you wrap outside captures.
     #[track_caller]
     pub fn from_cudarc(slice: CudaSlice<T>, stream: &Stream) -> Result<Self> {
         let q = stream;
+        check_eager(q, "wrapping a cudarc slice")?;
         let dev = q.device();
         same_context("cudarc slice", dev, slice.context())?;
         dev.context().bind()?;
         let slice_stream = slice.stream().clone();
+        let refuse = || Error::NotSupported {
+            what: "wrapping a cudarc slice allocated inside a capture",
+            detail: "that is graph memory, freed by the graph; allocate it before capturing".into(),
+        };
         // SAFETY: the slice's stream is alive (the slice holds it).
         if unsafe { raw_is_capturing(slice_stream.cu_stream()) }? {
-            return Err(Error::NotSupported {
-                what: "wrapping a cudarc slice allocated inside a capture",
-                detail: "that is graph memory, freed by the graph; allocate it before capturing"
-                    .into(),
-            });
+            return Err(refuse());
         }
         let addr = {
             let (ptr, _record) = slice.device_ptr(&slice_stream);
@@ -225,8 +231,25 @@ impl<T: Elem> DeviceBuffer<T> {
         };
         let len = slice.len();
         let bytes = bytes_for::<T>("cudarc slice", len)?;
+        if bytes > 0 && memory_kind(addr)? != MemoryKind::Device {
+            return Err(Error::NotSupported {
+                what: "wrapping a cudarc slice the driver does not report as device memory",
+                detail: format!(
+                    "address {addr:#x} is not device memory the driver knows (graph memory \
+                     before its graph's first launch, or not device memory at all)"
+                ),
+            });
+        }
         if slice_stream.cu_stream() != q.stream_handle().raw() {
             let done = slice_stream.record_event(None)?;
+            // Asked after the record: if the slice's stream is capturing now, `done` may be a
+            // captured event, and waiting on it would pull our stream into that capture. (A
+            // capture that began and ended in between left `done` captured into a finished
+            // graph, which no stream can join.)
+            // SAFETY: the slice's stream is alive (the slice holds it).
+            if unsafe { raw_is_capturing(slice_stream.cu_stream()) }? {
+                return Err(refuse());
+            }
             // SAFETY: `q`'s stream is alive for this call (we borrow `q`); the wrapper is
             // dropped right after the wait and does not own the stream.
             let ours = unsafe {
@@ -268,6 +291,7 @@ impl<T: Elem> DeviceBuffer<T> {
                 detail: "pass the queue's own stream as cudarc sees it (cudarc_stream(q))".into(),
             });
         }
+        check_eager(q, "a cudarc view of a buffer")?;
         crate::device::check_device(dev, self.block())?;
         check_tracking(q, stream.context())?;
         q.use_block(self.block());

@@ -22,7 +22,8 @@ const MB: usize = 1024 * 1024;
 #[derive(Clone)]
 struct Shared(Arc<HostSource>);
 
-impl SegmentSource for Shared {
+// SAFETY: forwards to `HostSource`, which owns each region exclusively until it is released.
+unsafe impl SegmentSource for Shared {
     fn allocate(&self, bytes: usize) -> cudagraph::Result<u64> {
         self.0.allocate(bytes)
     }
@@ -75,11 +76,11 @@ fn blocks_never_overlap_in_real_memory() {
         .map(|&s| c.allocate(s, PoolId::DEFAULT, 1).unwrap())
         .collect();
     for (i, (b, &s)) in blocks.iter().zip(&sizes).enumerate() {
-        src.fill(b.addr, s, i as u8 + 1);
+        src.fill(b.addr, s, i as u8 + 1).unwrap();
     }
     for (i, (b, &s)) in blocks.iter().zip(&sizes).enumerate() {
         assert!(
-            src.verify(b.addr, s, i as u8 + 1),
+            src.verify(b.addr, s, i as u8 + 1).unwrap(),
             "block {i} was overwritten"
         );
     }
@@ -383,7 +384,7 @@ fn random_workload_keeps_every_invariant() {
             match c.allocate(size, pool, stream) {
                 Ok(a) => {
                     let tag = (step % 251) as u8 + 1;
-                    src.fill(a.addr, size.min(4096), tag);
+                    src.fill(a.addr, size.min(4096), tag).unwrap();
                     live.push((a.addr, size.min(4096), tag));
                 }
                 Err(Error::PoolLimitExceeded { .. }) => {}
@@ -393,7 +394,7 @@ fn random_workload_keeps_every_invariant() {
             let i = (next() as usize) % live.len();
             let (addr, len, tag) = live.swap_remove(i);
             assert!(
-                src.verify(addr, len, tag),
+                src.verify(addr, len, tag).unwrap(),
                 "block {addr:#x} was overwritten"
             );
             c.free(addr);
@@ -405,7 +406,7 @@ fn random_workload_keeps_every_invariant() {
             .unwrap_or_else(|e| panic!("step {step}: {e}"));
     }
     for (addr, len, tag) in live.drain(..) {
-        assert!(src.verify(addr, len, tag));
+        assert!(src.verify(addr, len, tag).unwrap());
         c.free(addr);
     }
     c.release_free_segments(None).unwrap();
@@ -414,21 +415,110 @@ fn random_workload_keeps_every_invariant() {
 }
 
 #[test]
-fn pool_membership_needs_the_same_allocator() {
-    use cudagraph::memory::Allocator;
-    let a = Allocator::new(Box::new(HostSource::new()), 0);
-    let b = Allocator::new(Box::new(HostSource::new()), 0);
+fn graph_pools_hand_out_blocks_only_to_captures() {
+    // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+    let (a, b) = unsafe {
+        (
+            Allocator::new(Box::new(HostSource::new()), 0),
+            Allocator::new(Box::new(HostSource::new()), 0),
+        )
+    };
     let (pa, pb) = (a.new_pool(None), b.new_pool(None));
     assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
-    let block = a.allocate_block(1024, pa.id(), 0, 0).unwrap();
-    assert!(block.is_in(&pa));
+    // A graph pool's free blocks may be a live graph's temporaries: no eager block from it.
+    assert!(matches!(
+        a.allocate_block(1024, pa.id(), 0, 0),
+        Err(Error::InvalidGraph { .. })
+    ));
+    assert_eq!(a.pool_stats(pa.id()), MemoryStats::default());
+    let block = a.allocate_block(1024, PoolId::DEFAULT, 1, 0).unwrap();
+    assert!(!block.is_in(&pa) && !block.is_in(&pb));
     assert!(
-        !block.is_in(&pb),
-        "same id, other allocator: not the same pool"
+        !block.is_device_memory(),
+        "an allocator made with Allocator::new hands out no device memory"
     );
+    a.check_invariants().unwrap();
 }
 
 // ----- sizes at the top of the address space -------------------------------------------------
+
+#[test]
+fn host_source_access_outside_live_segments_is_an_error() {
+    let src = HostSource::new();
+    let base = src.allocate(4 * KB).unwrap();
+    src.fill(base, 4 * KB, 7).unwrap();
+    assert!(src.verify(base, 4 * KB, 7).unwrap());
+    // An end that wraps around the address space used to pass the check in release builds
+    // (`addr + len` overflowed to a small number) and then write far outside the segment.
+    let wrap = usize::MAX - 15;
+    assert!(matches!(
+        src.fill(base + 16, wrap, 1),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        src.verify(base + 16, wrap, 1),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        src.fill(u64::MAX - 8, 64, 1),
+        Err(Error::OutOfRange { .. })
+    ));
+    // One byte past the segment, before it, and a released segment are refused too.
+    assert!(src.fill(base, 4 * KB + 1, 1).is_err());
+    assert!(src.fill(base - 1, 2, 1).is_err());
+    assert!(src.verify(base, 4 * KB, 7).unwrap(), "nothing was written");
+    src.release(base, 4 * KB).unwrap();
+    assert!(matches!(
+        src.fill(base, 1, 1),
+        Err(Error::OutOfRange { .. })
+    ));
+}
+
+#[test]
+fn host_source_access_never_races_a_release() {
+    // `fill` and `verify` hold the source's lock while they touch memory, so a concurrent
+    // `release` (which takes the lock) cannot free it under them: each access either finds the
+    // region live and completes, or is refused. (Before, the lock was dropped between the
+    // check and the write: a use after free of the host heap.)
+    use std::sync::atomic::AtomicU64;
+    let src = Arc::new(HostSource::new());
+    let last = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let (src, last, stop) = (src.clone(), last.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut rounds = 0usize;
+            while !stop.load(Ordering::SeqCst) {
+                let a = src.allocate(64 * KB).unwrap();
+                last.store(a, Ordering::SeqCst);
+                thread::yield_now();
+                src.release(a, 64 * KB).unwrap();
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let (mut hits, mut refused) = (0usize, 0usize);
+    let t0 = Instant::now();
+    while (hits == 0 || refused == 0) && t0.elapsed() < Duration::from_secs(5)
+        || hits + refused < 10_000
+    {
+        let a = last.load(Ordering::SeqCst);
+        if a == 0 {
+            continue;
+        }
+        match src.fill(a, 64 * KB, 0x5a) {
+            Ok(()) => hits += 1,
+            Err(Error::OutOfRange { .. }) => refused += 1,
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+        let _ = src.verify(a, 64 * KB, 0x5a);
+    }
+    stop.store(true, Ordering::SeqCst);
+    assert!(churn.join().unwrap() > 0);
+    assert_eq!(src.live_segments(), 0);
+    assert!(hits + refused >= 10_000);
+}
 
 fn is_overflow(e: &Error, bytes: usize) -> bool {
     matches!(e, Error::SizeOverflow { what: "allocation", count, elem_size: 1 } if *count == bytes)
@@ -533,7 +623,7 @@ impl Fence for SimFence {
 fn free_after_defers_reuse_until_every_fence_completes() {
     let (mut c, src) = core();
     let a = c.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
-    src.fill(a.addr, 4 * KB, 0xa5);
+    src.fill(a.addr, 4 * KB, 0xa5).unwrap();
     let (f1, f2) = (SimFence::default(), SimFence::default());
     c.free_after(a.addr, vec![f1.boxed(), f2.boxed()]);
     let s = c.device_stats();
@@ -550,7 +640,7 @@ fn free_after_defers_reuse_until_every_fence_completes() {
     let b2 = c.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
     assert_ne!(b2.addr, a.addr, "one fence is still running");
     assert!(
-        src.verify(a.addr, 4 * KB, 0xa5),
+        src.verify(a.addr, 4 * KB, 0xa5).unwrap(),
         "the pending block was not touched"
     );
     f2.complete();
@@ -712,7 +802,9 @@ fn a_release_plan_detaches_and_an_unexecuted_one_puts_back() {
 #[test]
 fn a_failed_synchronisation_releases_nothing() {
     struct FailingSync(Arc<HostSource>);
-    impl SegmentSource for FailingSync {
+    // SAFETY: forwards allocation and release to `HostSource` (see `Shared`); only
+    // `synchronize` fails, and then nothing is released.
+    unsafe impl SegmentSource for FailingSync {
         fn allocate(&self, bytes: usize) -> cudagraph::Result<u64> {
             self.0.allocate(bytes)
         }
@@ -793,7 +885,8 @@ impl Slow {
 
 struct SlowHandle(Arc<Slow>);
 
-impl SegmentSource for SlowHandle {
+// SAFETY: forwards to `HostSource` (see `Shared`), only slower.
+unsafe impl SegmentSource for SlowHandle {
     fn allocate(&self, bytes: usize) -> cudagraph::Result<u64> {
         self.0.allocating.fetch_add(1, Ordering::SeqCst);
         thread::sleep(self.0.delay);
@@ -831,7 +924,8 @@ fn wait_until(what: &str, cond: impl Fn() -> bool) {
 fn a_cache_hit_is_not_blocked_behind_another_threads_slow_allocate() {
     const SLEEP: Duration = Duration::from_millis(20);
     let slow = Slow::new(SLEEP);
-    let alloc = Allocator::new(Box::new(SlowHandle(slow.clone())), 0);
+    // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+    let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 0) };
     let warm = alloc.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free(warm.addr) }; // stream 1 now hits in its cached segment
@@ -873,7 +967,8 @@ fn a_cache_hit_is_not_blocked_behind_another_threads_slow_allocate() {
 #[test]
 fn open_window_waits_for_an_in_flight_release() {
     let slow = Slow::new(Duration::from_millis(30));
-    let alloc = Allocator::new(Box::new(SlowHandle(slow.clone())), 0);
+    // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+    let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 0) };
     let a = alloc.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free(a.addr) };
@@ -906,7 +1001,8 @@ fn open_window_waits_for_an_in_flight_release() {
 #[test]
 fn threads_allocate_and_free_while_another_empties_the_cache() {
     let slow = Slow::new(Duration::from_millis(20));
-    let alloc = Allocator::new(Box::new(SlowHandle(slow.clone())), 0);
+    // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+    let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 0) };
     let bounded = alloc.create_pool(Some(8 * MB));
     let workers = 4;
     let done = Arc::new(AtomicUsize::new(0));
@@ -1019,19 +1115,20 @@ fn threads_allocate_and_free_while_another_empties_the_cache() {
 #[test]
 fn dropping_the_allocator_synchronises_once_and_returns_everything() {
     let slow = Slow::new(Duration::ZERO);
-    let alloc = Allocator::new(Box::new(SlowHandle(slow.clone())), 3);
+    // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+    let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 3) };
     assert_eq!(alloc.ordinal(), 3);
     let pool = alloc.new_pool(Some(64 * MB));
     let _leaked = alloc.allocate(12 * MB, PoolId::DEFAULT, 1).unwrap();
     let pending = alloc.allocate(4 * KB, PoolId::DEFAULT, 2).unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free_after(pending.addr, vec![SimFence::default().boxed()]) };
-    let block = alloc.allocate_block(4 * KB, pool.id(), 0, 0).unwrap();
+    // As a capture allocates (left live: teardown returns it too).
+    let _captured = alloc.allocate(4 * KB, pool.id(), 0).unwrap();
     alloc.add_graph(pool.id());
     assert_eq!(alloc.stats().pending_blocks, 1);
     assert_eq!(slow.host.live_segments(), 3);
     assert!(format!("{alloc:?}").contains("device 3"));
-    drop(block);
     drop(pool);
     let syncs = slow.syncs.load(Ordering::SeqCst);
     drop(alloc);
@@ -1042,15 +1139,17 @@ fn dropping_the_allocator_synchronises_once_and_returns_everything() {
 #[test]
 fn wrapper_pools_limits_and_graphs() {
     let src = Arc::new(HostSource::new());
-    let alloc = Allocator::new(Box::new(Shared(src.clone())), 0);
+    // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+    let alloc = unsafe { Allocator::new(Box::new(Shared(src.clone())), 0) };
     let pool = alloc.new_pool(None);
     assert_eq!(pool.limit(), None);
     pool.set_limit(Some(4 * MB));
     assert_eq!(alloc.limit(pool.id()), Some(4 * MB));
-    let b = alloc.allocate_block(MB, pool.id(), 0, 7).unwrap();
-    assert_eq!(b.capture_id(), 7);
+    // As a capture allocates, and frees when the block's last holder goes.
+    let b = alloc.allocate(MB, pool.id(), 0).unwrap();
     alloc.add_graph(pool.id());
-    drop(b);
+    // SAFETY: a raw allocation of this test, freed once, used by nothing else.
+    unsafe { alloc.free(b.addr) };
     assert_eq!(
         alloc.empty_cache().unwrap(),
         0,
@@ -1064,6 +1163,12 @@ fn wrapper_pools_limits_and_graphs() {
     assert_eq!(alloc.pool_stats(id), MemoryStats::default());
     alloc.reset_peak();
     assert_eq!(alloc.stats().peak_reserved, 0);
+    // Library blocks of the default pool carry the id of the capture that allocated them.
+    let w = alloc.allocate_block(MB, PoolId::DEFAULT, 1, 7).unwrap();
+    assert_eq!((w.capture_id(), w.pool()), (7, PoolId::DEFAULT));
+    drop(w);
+    alloc.empty_cache().unwrap();
+    assert_eq!(src.live_bytes(), 0);
     alloc.check_invariants().unwrap();
 }
 

@@ -28,7 +28,8 @@ const FENCES: usize = 4;
 /// A source shared between the test and the allocator, so the test can look at host memory.
 struct Shared(Arc<HostSource>);
 
-impl SegmentSource for Shared {
+// SAFETY: forwards to `HostSource`, which owns each region exclusively until it is released.
+unsafe impl SegmentSource for Shared {
     fn allocate(&self, bytes: usize) -> cudagraph::Result<u64> {
         self.0.allocate(bytes)
     }
@@ -122,7 +123,7 @@ impl Model {
     fn verify(&self, b: &Block) -> Result<(), TestCaseError> {
         for (addr, n) in b.marks() {
             prop_assert!(
-                self.src.verify(addr, n, b.tag),
+                self.src.verify(addr, n, b.tag).unwrap(),
                 "block {:#x} ({} B) was overwritten",
                 b.a.addr,
                 b.a.size
@@ -168,7 +169,7 @@ impl Model {
                     stream,
                 };
                 for (addr, n) in b.marks() {
-                    self.src.fill(addr, n, b.tag);
+                    self.src.fill(addr, n, b.tag).unwrap();
                 }
                 Ok(Some(b))
             }

@@ -18,13 +18,14 @@ use std::sync::{Arc, Mutex};
 
 pub use checks::{register_check, DEVICE_CHECK_CUDA};
 pub use pinned_scope::PinnedScope;
-pub(crate) use queue::{check_device, check_range};
+pub(crate) use queue::sealed::Sealed;
+pub(crate) use queue::{check_device, check_eager, check_range};
 pub use queue::{Anchor, Arg, LaunchOptions, Queue, QueueExt, PDL_CUDA};
 
 use crate::error::{Error, Result};
 use crate::memory::{
-    source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats, PinnedBuffer, Pool,
-    PoolId,
+    hold_forever, source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats,
+    PinnedBuffer, Pool, PoolId,
 };
 use crate::runtime::memory::{self as raw, MappedWords};
 use crate::runtime::{Context, DeviceInfo, Event, Function, Module, StreamHandle, StreamRef};
@@ -75,7 +76,7 @@ impl Device {
     #[track_caller]
     pub fn open(ordinal: usize) -> Result<Self> {
         let ctx = Context::open(ordinal)?;
-        let alloc = Allocator::new(
+        let alloc = Allocator::for_device(
             Box::new(DeviceSource {
                 ctx: ctx.handle.clone(),
                 total: ctx.info().total_memory,
@@ -88,7 +89,7 @@ impl Device {
             alloc.allocate_block(checks::RECORD_BYTES, PoolId::DEFAULT, service.id(), 0)?;
         let mut record = [0u8; checks::RECORD_BYTES];
         record[8..].copy_from_slice(&flag.device_addr().to_le_bytes());
-        raw::memcpy_htod_pageable(check_record.addr(), &record, service.raw())?;
+        raw::memcpy_htod_from_host(check_record.addr(), &record, service.raw())?;
         service.synchronize()?;
         Ok(Self {
             inner: Arc::new(DeviceInner {
@@ -267,6 +268,17 @@ impl Device {
 /// An eager stream: work runs as it is enqueued. Adds host transfers and synchronisation to
 /// the [`Queue`] operations. A capture borrows a stream mutably, so none of these methods can
 /// be called on the stream while it is capturing.
+///
+/// A stream can still be part of a capture it did not begin: a side stream that a capture
+/// forked onto ([`crate::Fork::fork`]) stays in the capture until the capture ends, and a
+/// stream wrapped from cudarc ([`Stream::from_cudarc`]) can be captured by cudarc. While it is
+/// ([`StreamRef::in_capture`]), every method that enqueues work or waits — the [`Queue`]
+/// operations, copies, fills, launches, `synchronize`, `record`, `wait_for`, `wait_event`,
+/// [`Stream::pinned_scope`] — fails with [`Error::InvalidGraph`] and enqueues nothing: the
+/// graph would not keep the buffers that work uses. (Buffers that CUDA libraries declare with
+/// [`Queue::use_block`] on such a stream, which cannot fail, are kept alive for the rest of the
+/// process instead.) The check is an atomic load for our own streams and one
+/// `cuStreamIsCapturing` for streams wrapped from cudarc.
 pub struct Stream {
     pub(crate) handle: StreamHandle,
     device: Device,
@@ -288,26 +300,38 @@ impl Stream {
     /// device-side check, if any ([`Device::check_errors`]).
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
+        self.check_eager("synchronize")?;
         self.handle.synchronize()?;
         self.device.check_errors()
     }
 
-    /// Makes later work on this stream wait for everything enqueued on `other` so far.
+    /// Makes later work on this stream wait for everything enqueued on `other` so far. Refused
+    /// while `other` is capturing (the wait would pull this stream into the capture).
     #[track_caller]
     pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        self.check_eager("wait_for")?;
         self.handle.wait_for(&other.handle)
     }
 
     /// Records `event` here.
     #[track_caller]
     pub fn record(&self, event: &Event) -> Result<()> {
+        self.check_eager("record")?;
         self.handle.record(event)
     }
 
-    /// Makes later work here wait for `event`.
+    /// Makes later work here wait for `event`. Refused when `event` was recorded inside a
+    /// capture (see [`StreamRef::wait_event`]).
     #[track_caller]
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.check_eager("wait_event")?;
         self.handle.wait_event(event)
+    }
+
+    /// Refuses `what` while this stream is part of a capture (see the type's docs).
+    #[track_caller]
+    fn check_eager(&self, what: &'static str) -> Result<()> {
+        self.handle.as_ref().check_eager(what)
     }
 
     /// The owned stream handle (ids, raw handle for libraries).
@@ -315,9 +339,14 @@ impl Stream {
         &self.handle
     }
 
-    /// Copies host data into `dst` (same length). `src` may be reused as soon as this returns.
+    /// Copies host data into `dst` (same length). `src` may be reused as soon as this returns:
+    /// pageable memory is staged by the driver before the call returns; page-locked memory
+    /// (a [`PinnedBuffer`]'s slice, cudarc's pinned memory, a registered range) is read by an
+    /// asynchronous DMA, so for it this also waits for the stream (use
+    /// [`Stream::pinned_scope`] for transfers that overlap with other work).
     #[track_caller]
     pub fn copy_from_host<T: Elem>(&self, src: &[T], dst: &DeviceBuffer<T>) -> Result<()> {
+        self.check_eager("a host-to-device copy")?;
         if src.len() != dst.len() {
             return Err(Error::SizeMismatch {
                 what: "host-to-device copy",
@@ -331,7 +360,7 @@ impl Stream {
         }
         self.use_block(dst.block());
         self.device.context().bind()?;
-        raw::memcpy_htod_pageable(dst.addr(), T::as_bytes(src), self.handle.raw())
+        raw::memcpy_htod_from_host(dst.addr(), T::as_bytes(src), self.handle.raw())
     }
 
     /// Allocates a buffer and fills it from host data.
@@ -346,6 +375,7 @@ impl Stream {
     /// device-side check like [`Stream::synchronize`].
     #[track_caller]
     pub fn copy_to_host<T: Elem>(&self, src: &DeviceBuffer<T>, dst: &mut [T]) -> Result<()> {
+        self.check_eager("a device-to-host copy")?;
         if src.len() != dst.len() {
             return Err(Error::SizeMismatch {
                 what: "device-to-host copy",
@@ -393,16 +423,28 @@ impl Queue for Stream {
 
     #[track_caller]
     fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> {
+        self.check_eager("an allocation")?;
         let alloc = self.device.allocator();
         let a = alloc.allocate(bytes, PoolId::DEFAULT, self.handle.id())?;
         Ok(BlockRef::from_allocation(alloc, a, self.handle.id(), 0))
     }
 
     fn use_block(&self, block: &Arc<BlockRef>) {
+        // Also keeps the block for good if this stream is part of a capture (see `note_use`).
         block.note_use(self.handle.as_ref());
     }
 
-    fn keep_alive(&self, _anchor: Anchor) {}
+    fn keep_alive(&self, anchor: Anchor) {
+        // Eagerly nothing to keep; in a capture no graph of ours would keep it (see the
+        // type's docs), so it is kept for the rest of the process.
+        if self.handle.as_ref().in_capture().unwrap_or(true) {
+            hold_forever(anchor);
+        }
+    }
 
-    fn hold_function(&self, _f: &Function) {}
+    fn hold_function(&self, f: &Function) {
+        if self.handle.as_ref().in_capture().unwrap_or(true) {
+            hold_forever(Arc::new(f.clone()));
+        }
+    }
 }

@@ -7,7 +7,7 @@
 
 use std::marker::PhantomData;
 
-use super::{check_device, Queue, Stream};
+use super::{check_device, check_eager, Queue, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem, PinnedBuffer};
 use crate::runtime::memory as raw;
@@ -58,6 +58,8 @@ impl<'scope, 's> PinnedScope<'scope, 's> {
         src: &'scope PinnedBuffer<T>,
         dst: &DeviceBuffer<T>,
     ) -> Result<()> {
+        // A transfer recorded into a capture would outlive the scope's borrow of `src`.
+        check_eager(self.stream, "a pinned upload")?;
         if src.len() != dst.len() {
             return Err(Error::SizeMismatch {
                 what: "pinned upload",
@@ -89,6 +91,8 @@ impl<'scope, 's> PinnedScope<'scope, 's> {
         src: &DeviceBuffer<T>,
         dst: &'scope mut PinnedBuffer<T>,
     ) -> Result<()> {
+        // A transfer recorded into a capture would outlive the scope's borrow of `dst`.
+        check_eager(self.stream, "a pinned download")?;
         if src.len() != dst.len() {
             return Err(Error::SizeMismatch {
                 what: "pinned download",
@@ -148,6 +152,7 @@ impl Stream {
         &'s self,
         f: impl for<'scope> FnOnce(&PinnedScope<'scope, 's>) -> Result<R>,
     ) -> Result<R> {
+        check_eager(self, "a pinned transfer scope")?;
         let guard = SyncOnDrop(self);
         let sc = PinnedScope {
             stream: self,
@@ -155,7 +160,12 @@ impl Stream {
         };
         let r = f(&sc);
         std::mem::forget(guard);
-        let synced = self.synchronize();
+        // Always wait (not `Stream::synchronize`, which refuses a stream in a capture): the
+        // borrows end when this returns.
+        let synced = self
+            .handle
+            .synchronize()
+            .and_then(|()| self.device.check_errors());
         let r = r?;
         synced?;
         Ok(r)

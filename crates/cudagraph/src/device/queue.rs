@@ -3,6 +3,12 @@
 //! (model code takes `&dyn Queue`); typed conveniences are in [`QueueExt`], implemented for every
 //! queue. Nothing here blocks the host or reads device memory back, which is what makes every
 //! method legal inside a capture.
+//!
+//! The trait is sealed: every safe operation built on it (checked launches, copies, the NN
+//! layer's launchers and library calls) relies on its implementations declaring buffer uses
+//! truthfully — a capture keeps each declared buffer alive, an eager stream fences its reuse —
+//! so only the crate's queues ([`crate::Stream`], [`crate::CaptureStream`],
+//! [`crate::SideStream`]) implement it.
 
 use std::any::Any;
 use std::fmt;
@@ -138,10 +144,40 @@ macro_rules! args {
 /// Arguments kept on the stack for the common case (no heap allocation per launch).
 const INLINE_ARGS: usize = 32;
 
+/// The seal of [`Queue`]: a public trait in a module users cannot name, implemented only for
+/// the crate's queues.
+pub(crate) mod sealed {
+    pub trait Sealed {}
+}
+
+impl sealed::Sealed for super::Stream {}
+// The capture queues live one layer up (`crate::graph`) and seal themselves there: this layer
+// names nothing above it.
+
 /// Work that runs eagerly on a [`crate::Stream`] or is recorded by a
 /// [`crate::CaptureStream`]. Write model code against `&dyn Queue` (or `&impl Queue`) and it runs
 /// eagerly or captured unchanged.
-pub trait Queue {
+///
+/// Sealed: implemented by [`crate::Stream`], [`crate::CaptureStream`] and
+/// [`crate::SideStream`] only, because safe code (graph keep-alive, stream-safe reuse) relies on
+/// what their `use_block`, `keep_alive` and `hold_function` do. A wrapper of your own does not
+/// compile; hold a `&dyn Queue` inside it instead:
+///
+/// ```compile_fail
+/// # use std::sync::Arc;
+/// # use cudagraph::*;
+/// struct Quiet<'a>(&'a Stream);
+/// impl Queue for Quiet<'_> { // error: the trait bound `Quiet<'_>: Sealed` is not satisfied
+///     fn device(&self) -> &Device { self.0.device() }
+///     fn stream_handle(&self) -> StreamRef<'_> { self.0.stream_handle() }
+///     fn capture_id(&self) -> Option<u64> { None }
+///     fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> { self.0.alloc_block(bytes) }
+///     fn use_block(&self, _block: &Arc<BlockRef>) {} // would break keep-alive and fencing
+///     fn keep_alive(&self, _anchor: Anchor) {}
+///     fn hold_function(&self, _f: &Function) {}
+/// }
+/// ```
+pub trait Queue: sealed::Sealed {
     /// The device this queue runs on.
     fn device(&self) -> &Device;
 
@@ -164,12 +200,19 @@ pub trait Queue {
     /// to CUDA libraries by raw address. Inside a capture the graph keeps the block alive; on
     /// an eager stream that did not allocate it, the block is not reused before this stream's
     /// work is done. The crate's own launches, copies and fills call it for you.
+    ///
+    /// It cannot fail, so library code may enqueue right after it. On an eager [`crate::Stream`]
+    /// that turns out to be part of a capture (see its docs), where the crate's own operations
+    /// are refused, the block is kept until the process exits: the work is recorded into a
+    /// graph that does not know the block.
     fn use_block(&self, block: &Arc<BlockRef>);
 
-    /// Keeps `anchor` alive as long as the graph being captured (no-op when eager).
+    /// Keeps `anchor` alive as long as the graph being captured (no-op when eager; kept until
+    /// the process exits on an eager stream that is part of a capture, as for `use_block`).
     fn keep_alive(&self, anchor: Anchor);
 
-    /// Keeps `f`'s module loaded as long as the graph being captured (no-op when eager).
+    /// Keeps `f`'s module loaded as long as the graph being captured (no-op when eager; as
+    /// `keep_alive` on an eager stream that is part of a capture).
     fn hold_function(&self, f: &Function);
 
     /// Launches a kernel. The argument count, sizes and kinds (integer/pointer or float) are
@@ -284,6 +327,7 @@ unsafe fn launch_checked<Q: Queue + ?Sized>(
     args: &[Arg<'_>],
     pdl: bool,
 ) -> Result<()> {
+    check_eager(q, "a kernel launch")?;
     let dev = q.device();
     if f.ordinal() != dev.ordinal() {
         return Err(Error::WrongDevice {
@@ -367,6 +411,7 @@ pub trait QueueExt: Queue {
         dst_offset: usize,
         len: usize,
     ) -> Result<()> {
+        check_eager(self, "a device copy")?;
         check_range("copy source", src_offset, len, src.len())?;
         check_range("copy destination", dst_offset, len, dst.len())?;
         check_device(self.device(), src.block())?;
@@ -400,6 +445,7 @@ pub trait QueueExt: Queue {
         offset: usize,
         len: usize,
     ) -> Result<()> {
+        check_eager(self, "a memset")?;
         check_range("memset", offset, len, buf.len())?;
         check_device(self.device(), buf.block())?;
         if len == 0 {
@@ -431,6 +477,7 @@ pub trait QueueExt: Queue {
                 got: std::mem::size_of::<T>(),
             });
         }
+        check_eager(self, "a fill")?;
         check_range("fill", offset, len, buf.len())?;
         check_device(self.device(), buf.block())?;
         if len == 0 {
@@ -469,13 +516,36 @@ pub(crate) fn check_range(
     }
 }
 
-/// `block` must belong to `device`.
+/// Refuses `what` on a queue that runs eagerly (no capture of its own) while its stream is part
+/// of a capture (see [`crate::StreamRef::in_capture`]): a capture queue records into a graph
+/// that keeps what it uses, an eager queue would record into one that does not. Costs an
+/// atomic load for the crate's own streams and one `cuStreamIsCapturing` for streams wrapped
+/// from other libraries (which can capture them without us).
+#[track_caller]
+pub(crate) fn check_eager<Q: Queue + ?Sized>(q: &Q, what: &'static str) -> Result<()> {
+    if q.capture_id().is_some() {
+        return Ok(());
+    }
+    q.stream_handle().check_eager(what)
+}
+
+/// `block` must be device memory of `device`: from a device allocator of that device (one
+/// [`Device::open`] made; an allocator made with [`crate::memory::Allocator::new`] never
+/// qualifies, whatever its ordinal), or external memory declared to be that device's.
 pub(crate) fn check_device(device: &Device, block: &BlockRef) -> Result<()> {
     if block.device_ordinal() != device.ordinal() {
         return Err(Error::WrongDevice {
             what: "buffer",
             expected: device.ordinal(),
             got: block.device_ordinal(),
+        });
+    }
+    if !block.is_device_memory() {
+        return Err(Error::NotSupported {
+            what: "a buffer from an allocator made with Allocator::new",
+            detail: "only a device's own allocator (Device::open) hands out device memory; \
+                     allocate device buffers with Queue::alloc"
+                .into(),
         });
     }
     Ok(())

@@ -12,7 +12,13 @@
 //! - a graph never releases anything while a replay may still run: each replay records an
 //!   event, and dropping the graph (or rebinding away from a buffer) waits for it — or, where
 //!   waiting is not allowed (on a thread that is capturing), hands the resources to a
-//!   deferred-release list drained once the event has completed;
+//!   deferred-release list drained once the event has completed. Every recording of the event
+//!   covers every earlier replay (the first replay after a re-instantiation waits for it), so
+//!   a later replay recording it again never shortens a deferred release; a replay whose event
+//!   could not be recorded makes the graph wait for the whole device before it releases
+//!   anything (or, where it cannot, keep everything);
+//! - rebind lets go only of buffers it moved the graph away from and proved unreferenced, and
+//!   refuses graphs it cannot read completely;
 //! - the driver's graph objects are not thread-safe, so a graph serialises its own calls;
 //! - a capture that fails for any reason (the closure's error, a panic, or the driver
 //!   invalidating it) is ended and discarded: the stream and the pool are usable afterwards.
@@ -192,6 +198,8 @@ impl CaptureStream<'_> {
     }
 }
 
+impl crate::device::Sealed for CaptureStream<'_> {}
+
 impl Queue for CaptureStream<'_> {
     fn device(&self) -> &Device {
         self.stream.device()
@@ -335,6 +343,10 @@ struct Resources {
     conds: Vec<conditional::CondRecord>,
     held: Vec<Arc<BlockRef>>,
     anchors: Vec<Anchor>,
+    /// Set when rebind replaced the executable graph after a replay: the driver orders launches
+    /// of one executable graph, not of two, so the next replay first waits for `done` (see
+    /// [`Graph::replay_on`]).
+    order_after_done: bool,
     /// Keeps the pool's segments mapped while the graph exists.
     _pin: Option<PoolPin>,
 }
@@ -342,10 +354,17 @@ struct Resources {
 /// A captured (or built) and instantiated CUDA graph.
 pub struct Graph {
     res: Option<Mutex<Resources>>,
-    /// Recorded after every replay: completes once the last replay (and, since launches of one
-    /// executable graph are ordered, every earlier one) has finished.
+    /// Recorded after every replay: completes once the last replay (and every earlier one:
+    /// launches of one executable graph are ordered by the driver, and the first replay after
+    /// a re-instantiation waits for this event before it launches) has finished. Releases
+    /// deferred with it stay safe when a later replay records it again.
     done: Event,
+    /// Set before the first launch: from then on, releasing resources waits for `done`.
     replayed: AtomicBool,
+    /// Set when a launch may not be covered by `done` (recording it failed after the launch
+    /// and the device could not be waited for then): resources are released only after a
+    /// device-wide synchronisation, or never.
+    completion_lost: AtomicBool,
     device: Device,
     pool: Option<Pool>,
     info: GraphInfo,
@@ -431,6 +450,12 @@ impl Drop for Graph {
     fn drop(&mut self) {
         let Some(res) = self.res.take() else { return };
         let res = res.into_inner().unwrap_or_else(|p| p.into_inner());
+        if self.settle_lost_completion().is_err() {
+            // A launch `done` does not cover may still run, and the device cannot be waited
+            // for: never release what it may use.
+            std::mem::forget(res);
+            return;
+        }
         if self.replayed.load(Ordering::Acquire) {
             retire(&self.done, Box::new(res));
         }
@@ -611,10 +636,12 @@ impl Graph {
                 conds: Vec::new(),
                 held: keep.held,
                 anchors: keep.anchors,
+                order_after_done: false,
                 _pin: pool.as_ref().map(Pool::pin),
             })),
             done,
             replayed: AtomicBool::new(false),
+            completion_lost: AtomicBool::new(false),
             device: device.clone(),
             pool,
             info: GraphInfo {
@@ -639,22 +666,43 @@ impl Graph {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Makes the graph use `new` wherever it used `old` (same length): kernel arguments, copy
-    /// and memset nodes are rewritten and the executable graph is updated in place, without a
+    /// Makes the graph use `new`'s memory wherever it used `old`'s: kernel arguments, copy and
+    /// memset nodes are rewritten and the executable graph is updated in place, without a
     /// capture or a copy into a static buffer. When the driver refuses the update, the graph
     /// is re-instantiated instead (reported in the outcome and counted). The graph keeps `new`
-    /// alive from now on, and lets go of every buffer no node refers to any more (after the
+    /// alive from now on, and lets go of `old` once no node refers to it any more (after the
     /// last replay that may use it has finished), so rebinding to fresh buffers keeps memory
     /// flat.
     ///
-    /// Rebinding is for buffers the graph reads or writes as a whole (inputs, outputs,
-    /// weights). Pointers the graph computed from `old` at capture time but did not receive as
-    /// arguments cannot be seen and are not rewritten.
+    /// Rebinding moves whole blocks: every address inside `old`'s block (the memory all views
+    /// of it share, [`DeviceBuffer::block`]) moves to the same offset in `new`'s block, interior
+    /// pointers included. So `new` must hold at least as many elements as `old`, and its block
+    /// at least as many bytes as `old`'s whole block — the graph may reach any byte of it,
+    /// whichever view of it `old` is — or rebind returns [`Error::SizeMismatch`]. Buffers of
+    /// equal length up to 1 MiB have equal blocks; larger blocks may be rounded up by the
+    /// allocator, and the error says how many bytes `new` needs.
     ///
-    /// Graphs that hold another library's kernels (cuBLAS, cuBLASLt, cuDNN) can be rebound only
-    /// where the driver reports those kernels' parameter lists (CUDA 13.2+ drivers, see
-    /// [`crate::runtime::driver_reports_library_params`]); elsewhere rebind returns
-    /// [`Error::NotSupported`] and changes nothing.
+    /// Rebinding is for buffers allocated outside the capture (inputs, weights, outputs
+    /// allocated beforehand) that the graph reads or writes as a whole. Pointers the graph
+    /// computed from `old` at capture time but did not receive as arguments cannot be seen
+    /// and are not rewritten; neither is an argument pointing one past the end of `old`'s
+    /// block (that address is the start of whatever lies next in memory).
+    ///
+    /// Refused with a typed error, changing nothing:
+    /// - `old` in the graph's own pool ([`Error::NotSupported`]): the graph's temporaries reuse
+    ///   the addresses of its pool, so one address there may stand for several buffers;
+    /// - graphs with conditional nodes ([`Error::InvalidGraph`]) or with nodes whose use of
+    ///   memory rebind cannot read completely — child graphs, event, memory-operation and
+    ///   external-semaphore nodes, copies with array endpoints ([`Error::NotSupported`]);
+    /// - graphs that hold another library's kernels (cuBLAS, cuBLASLt, cuDNN) where the driver
+    ///   cannot report those kernels' parameter lists (before CUDA 13.2, see
+    ///   [`crate::runtime::driver_reports_library_params`]; [`Error::NotSupported`]);
+    /// - one block listed twice as `old` ([`Error::InvalidGraph`]).
+    ///
+    /// A graph lets go of `old` only when every kernel node runs one of our kernels (compiled
+    /// by this library, so every address it receives is in its parameters). Another library's
+    /// kernels may also reach memory through addresses stored in device memory, which rebind
+    /// cannot see: a graph holding them keeps every buffer it was bound to until it is dropped.
     #[track_caller]
     pub fn rebind<T: Elem>(
         &mut self,
@@ -675,56 +723,71 @@ impl Graph {
                 problem: "rebind cannot rewrite kernels inside conditional bodies, so graphs with conditional nodes cannot be rebound; copy into the graph's inputs or re-capture".into(),
             });
         }
-        let mut remaps = Vec::with_capacity(pairs.len());
+        let mut checked = Vec::with_capacity(pairs.len());
         for (old, new) in pairs {
-            if old.len() != new.len() {
-                return Err(Error::SizeMismatch {
-                    what: "rebind buffer length",
-                    expected: old.len(),
-                    got: new.len(),
-                });
-            }
             check_device(&self.device, new.block())?;
-            remaps.push(Remap {
-                old: old.addr(),
-                len: old.bytes().max(1) as u64,
-                new: new.addr(),
+            checked.push(RebindPair {
+                old_len: old.len(),
+                new_len: new.len(),
+                old_block: (old.block().addr(), old.block().size()),
+                new_block: (new.block().addr(), new.block().size()),
+                old_in_own_pool: self.in_own_pool(old),
             });
         }
+        let remaps = plan_remaps(&checked)?;
         self.device.context().bind()?;
+        self.settle_lost_completion()?;
         let done = self.done.clone();
         let replayed = self.replayed.load(Ordering::Acquire);
-        let mut res = self.lock();
-        let r = raw::rebind(&res.exec.graph, &res.exec.exec, &remaps)?;
+        let mut guard = self.lock();
+        let res = &mut *guard;
+        // Reads every node; refuses (changing nothing) a graph it cannot read completely.
+        let mut plan = raw::plan_rebind(&res.exec.graph, &remaps)?;
+        let nodes = plan.nodes_changed();
+        let all_kernels_ours = plan.all_kernels_ours;
+        let referenced = std::mem::take(&mut plan.referenced);
+        let moved_from = std::mem::take(&mut plan.moved_from);
+        // Hold every new buffer the rewritten graph refers to before any node changes, so that
+        // even a driver error half-way leaves nothing the graph may use unheld.
         for (_, new) in pairs {
-            if !res.held.iter().any(|b| Arc::ptr_eq(b, new.block())) && !self.in_own_pool(new) {
-                res.held.push(new.block().clone());
+            let b = new.block();
+            if !self.in_own_pool(new)
+                && raw::references_range(&referenced, b.addr(), b.size())
+                && !res.held.iter().any(|h| Arc::ptr_eq(h, b))
+            {
+                res.held.push(b.clone());
             }
         }
-        // Let go of every held block no node refers to any more.
-        let (keep, released): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut res.held).into_iter().partition(|b| {
-                r.referenced
-                    .range(b.addr()..b.addr().saturating_add(b.size() as u64))
-                    .next()
-                    .is_some()
-            });
-        res.held = keep;
-        let outcome = if r.exec_updated {
-            RebindOutcome::Updated {
-                nodes: r.nodes_changed,
-            }
+        let outcome = if plan.apply(&res.exec.exec)? {
+            RebindOutcome::Updated { nodes }
         } else {
             let exec = res.exec.graph.instantiate()?;
             let old = std::mem::replace(&mut res.exec.exec, exec);
             if replayed {
+                // The driver orders launches of one executable graph, not of two: the next
+                // replay waits for the last one of the old graph, so that `done` keeps covering
+                // every replay (and the release below, if deferred, waits for this one).
+                res.order_after_done = true;
                 retire(&done, Box::new(old));
             }
-            RebindOutcome::Reinstantiated {
-                nodes: r.nodes_changed,
-            }
+            RebindOutcome::Reinstantiated { nodes }
         };
-        drop(res);
+        // Let go of a held block only when this rebind moved the graph's references away from
+        // it, none is left, and every reference is visible (see the doc comment) — never of
+        // anything else the graph holds: a block a library declared with `Queue::use_block`
+        // may be reached only through device memory.
+        let released: Vec<Arc<BlockRef>> = if all_kernels_ours {
+            let (keep, released) = std::mem::take(&mut res.held).into_iter().partition(|b| {
+                let moved = moved_from.contains(&b.addr())
+                    && pairs.iter().any(|(old, _)| Arc::ptr_eq(b, old.block()));
+                !moved || raw::references_range(&referenced, b.addr(), b.size())
+            });
+            res.held = keep;
+            released
+        } else {
+            Vec::new()
+        };
+        drop(guard);
         if matches!(outcome, RebindOutcome::Reinstantiated { .. }) {
             self.reinstantiations += 1;
         }
@@ -733,6 +796,24 @@ impl Graph {
         }
         self.rebinds += 1;
         Ok(outcome)
+    }
+
+    /// After a replay whose completion could not be recorded (see `completion_lost`): waits
+    /// for the whole device, after which `done` covers every replay again. Fails where that
+    /// wait is impossible (a capturing thread, a lost context).
+    #[track_caller]
+    fn settle_lost_completion(&self) -> Result<()> {
+        if !self.completion_lost.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if capturing_on_this_thread() {
+            return Err(Error::InvalidGraph {
+                problem: "an earlier replay of this graph could not record its completion event, so the graph must wait for the whole device before it is replayed, rebound or released, and this thread is capturing; end the capture first".into(),
+            });
+        }
+        self.device.context().synchronize()?;
+        self.completion_lost.store(false, Ordering::Release);
+        Ok(())
     }
 
     fn in_own_pool<T: Elem>(&self, b: &DeviceBuffer<T>) -> bool {
@@ -789,13 +870,28 @@ impl Graph {
             });
         }
         drain_retired();
-        let res = self.lock();
+        self.settle_lost_completion()?;
+        let mut res = self.lock();
+        if res.order_after_done {
+            // The executable graph was replaced since the last replay: order this launch after
+            // it, so that `done` recorded below also covers the old graph's launches.
+            stream.wait_event(&self.done)?;
+        }
+        // Before the launch, so that no path after it can leave the graph released unwaited.
+        self.replayed.store(true, Ordering::Release);
         // SAFETY: the graph holds every buffer, module, host callback and pool it uses, and
         // releases none of them before `done` (recorded right after, under the same lock) has
-        // completed.
+        // completed — or, if recording fails, before the device has been waited for.
         unsafe { res.exec.exec.launch(stream.raw_handle()) }?;
-        stream.record(&self.done)?;
-        self.replayed.store(true, Ordering::Release);
+        res.order_after_done = false;
+        if let Err(e) = stream.record(&self.done) {
+            // The launch is enqueued and `done` does not cover it: wait for the device now, or
+            // leave that to the next replay, rebind or drop (which never release unwaited).
+            self.completion_lost.store(true, Ordering::Release);
+            drop(res);
+            let _ = self.settle_lost_completion();
+            return Err(e);
+        }
         drop(res);
         self.replays.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -811,6 +907,7 @@ impl Graph {
     /// Waits until the last replay has finished.
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
+        self.settle_lost_completion()?;
         if self.replayed.load(Ordering::Acquire) {
             self.done.synchronize()?;
         }
@@ -856,6 +953,65 @@ impl Graph {
     pub fn device(&self) -> &Device {
         &self.device
     }
+}
+
+/// One pair of [`Graph::rebind_all`], reduced to what its checks need: lengths in elements,
+/// blocks as (address, bytes).
+#[derive(Clone, Copy, Debug)]
+struct RebindPair {
+    old_len: usize,
+    new_len: usize,
+    old_block: (u64, usize),
+    new_block: (u64, usize),
+    old_in_own_pool: bool,
+}
+
+/// Checks the pairs of a rebind and returns the address remapping: each `old` block, whole,
+/// onto the start of its `new` block (which must be at least as large: every byte of the old
+/// block may be reached by the graph, through any view of it or an interior pointer).
+fn plan_remaps(pairs: &[RebindPair]) -> Result<Vec<Remap>> {
+    let mut remaps: Vec<Remap> = Vec::with_capacity(pairs.len());
+    for p in pairs {
+        if p.new_len < p.old_len {
+            return Err(Error::SizeMismatch {
+                what: "rebind buffer length (the new buffer needs at least the old one's elements)",
+                expected: p.old_len,
+                got: p.new_len,
+            });
+        }
+        if p.old_in_own_pool {
+            return Err(Error::NotSupported {
+                what: "rebinding a buffer of the graph's own pool",
+                detail: "the graph's temporaries reuse the addresses of its pool, so an address there may stand for several buffers inside the graph; nothing was changed. Rebind buffers allocated outside the capture (inputs, weights, outputs allocated beforehand), or re-capture".into(),
+            });
+        }
+        let ((old, old_bytes), (new, new_bytes)) = (p.old_block, p.new_block);
+        if new_bytes < old_bytes {
+            return Err(Error::SizeMismatch {
+                what: "rebind: bytes of the new buffer's block, which must be at least those of the old buffer's whole block (the graph may reach any of them, whichever view of the block was passed); allocate the new buffer at least that large",
+                expected: old_bytes,
+                got: new_bytes,
+            });
+        }
+        let r = Remap {
+            old,
+            len: old_bytes as u64,
+            new,
+        };
+        let end = |r: &Remap| r.old.saturating_add(r.len);
+        if let Some(o) = remaps.iter().find(|o| r.old < end(o) && o.old < end(&r)) {
+            return Err(Error::InvalidGraph {
+                problem: format!(
+                    "rebind lists the block at {:#x} twice as `old` (it overlaps the block at {:#x}); list each buffer once",
+                    r.old, o.old
+                ),
+            });
+        }
+        if r.len > 0 {
+            remaps.push(r);
+        }
+    }
+    Ok(remaps)
 }
 
 /// A queue whose work can branch onto a second stream and join back: an eager [`Stream`] or a
@@ -999,6 +1155,8 @@ impl Drop for SideStream<'_> {
     }
 }
 
+impl crate::device::Sealed for SideStream<'_> {}
+
 impl Queue for SideStream<'_> {
     fn device(&self) -> &Device {
         self.side.device()
@@ -1112,4 +1270,96 @@ where
         f(side)?;
     }
     main.wait_for(side)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    fn pair(old: (u64, usize, usize), new: (u64, usize, usize)) -> RebindPair {
+        RebindPair {
+            old_len: old.2,
+            new_len: new.2,
+            old_block: (old.0, old.1),
+            new_block: (new.0, new.1),
+            old_in_own_pool: false,
+        }
+    }
+
+    #[test]
+    fn a_rebind_remaps_the_whole_block_of_old() {
+        // `old` is a one-element view (prefix) of a 4 MiB block: the remap still covers the
+        // whole block, so a memset or an interior pointer anywhere in it moves with it.
+        let r = plan_remaps(&[pair((0x1000_0000, 4 * MIB, 1), (0x9000_0000, 4 * MIB, 1))]).unwrap();
+        assert_eq!(
+            r,
+            vec![Remap {
+                old: 0x1000_0000,
+                len: 4 * MIB as u64,
+                new: 0x9000_0000
+            }]
+        );
+        // A larger replacement (longer buffer, larger block) is fine.
+        assert!(plan_remaps(&[pair((0x1000, 512, 100), (0x9000, 4096, 1000))]).is_ok());
+    }
+
+    #[test]
+    fn a_replacement_smaller_than_the_old_block_is_refused() {
+        // The audit's case: x.prefix(1) of 2^20 f32 rebound onto a one-element buffer would
+        // have turned the 4 MiB memset into a write past the end of the small block.
+        let e = plan_remaps(&[pair((0x1000_0000, 4 * MIB, 1), (0x9000_0000, 512, 1))]).unwrap_err();
+        match &e {
+            Error::SizeMismatch {
+                what,
+                expected,
+                got,
+            } => {
+                assert!(what.contains("block"), "{e}");
+                assert_eq!((*expected, *got), (4 * MIB, 512));
+            }
+            other => panic!("{other}"),
+        }
+        // Fewer elements than `old` is refused too (as before).
+        let e = plan_remaps(&[pair((0x1000, 4096, 1000), (0x9000, 4096, 999))]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::SizeMismatch {
+                    expected: 1000,
+                    got: 999,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn own_pool_and_repeated_blocks_are_refused() {
+        let mut p = pair((0x1000, 4096, 10), (0x9000, 4096, 10));
+        p.old_in_own_pool = true;
+        let e = plan_remaps(&[p]).unwrap_err();
+        assert!(matches!(e, Error::NotSupported { .. }), "{e}");
+        assert!(e.to_string().contains("own pool"), "{e}");
+        // The same block twice (two views of it) as `old`.
+        let e = plan_remaps(&[
+            pair((0x1000, 4096, 10), (0x9000, 4096, 10)),
+            pair((0x1000, 4096, 1), (0xa000, 4096, 1)),
+        ])
+        .unwrap_err();
+        assert!(matches!(e, Error::InvalidGraph { .. }), "{e}");
+        // Disjoint blocks, including a swap of two buffers, are fine.
+        let r = plan_remaps(&[
+            pair((0x1000, 4096, 10), (0x2000, 4096, 10)),
+            pair((0x2000, 4096, 10), (0x1000, 4096, 10)),
+        ])
+        .unwrap();
+        assert_eq!(r.len(), 2);
+        // An empty block covers no address.
+        assert!(plan_remaps(&[pair((0x1000, 0, 0), (0x2000, 0, 0))])
+            .unwrap()
+            .is_empty());
+    }
 }

@@ -36,7 +36,7 @@ use super::caching::{
     ReleasePlan, SegmentSource, WindowStats,
 };
 use super::{BlockRef, Pool};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The thread-safe allocator shared (`Arc`) by a device, its pools and its buffers.
 pub struct Allocator {
@@ -46,6 +46,9 @@ pub struct Allocator {
     /// The core's source, reachable without the lock.
     source: Arc<dyn SegmentSource>,
     ordinal: usize,
+    /// Made by a device over its own `cuMemAlloc` source ([`Self::for_device`]): only these
+    /// blocks are accepted as device memory.
+    device: bool,
 }
 
 impl fmt::Debug for Allocator {
@@ -70,15 +73,48 @@ impl CoreAccess for Locked<'_> {
 }
 
 impl Allocator {
-    /// An allocator over any segment source (`HostSource` in CPU tests) for device `ordinal`.
-    pub fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
+    /// An allocator over any segment source (`HostSource` in CPU tests), reporting `ordinal`
+    /// as its blocks' [`BlockRef::device_ordinal`]. Its blocks are never device memory as far
+    /// as this crate is concerned ([`BlockRef::is_device_memory`] is false): every queue,
+    /// graph and builder refuses them with [`crate::Error::NotSupported`]. Devices make their
+    /// own allocators.
+    ///
+    /// Creating one without `unsafe` does not compile:
+    ///
+    /// ```compile_fail
+    /// # use cudagraph::memory::{Allocator, HostSource};
+    /// let a = Allocator::new(Box::new(HostSource::new()), 0); // error[E0133]
+    /// ```
+    ///
+    /// # Safety
+    /// Code that checks buffers only by [`BlockRef::device_ordinal`] before handing their
+    /// addresses to CUDA libraries (libraries layered on cudagraph may) would take these blocks
+    /// for device `ordinal`'s memory. No block of this allocator, nor of a [`Pool`] made from
+    /// it, may reach such code; only this crate's own entry points, which check
+    /// [`BlockRef::is_device_memory`], may be given them.
+    pub unsafe fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
+        Self::with_kind(source, ordinal, false)
+    }
+
+    /// The allocator of device `ordinal`, over its `cuMemAlloc` source.
+    pub(crate) fn for_device(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
+        Self::with_kind(source, ordinal, true)
+    }
+
+    fn with_kind(source: Box<dyn SegmentSource>, ordinal: usize, device: bool) -> Arc<Self> {
         let core = AllocatorCore::new(source);
         Arc::new(Self {
             source: core.source().clone(),
             core: Mutex::new(core),
             released: Condvar::new(),
             ordinal,
+            device,
         })
+    }
+
+    /// Whether this is a device's allocator (its blocks are device memory).
+    pub fn is_device_allocator(&self) -> bool {
+        self.device
     }
 
     fn lock(&self) -> MutexGuard<'_, AllocatorCore> {
@@ -103,8 +139,13 @@ impl Allocator {
         allocate_via(&mut Locked(self), &*self.source, bytes, pool, stream)
     }
 
-    /// Allocates a shared block that frees itself when its last holder drops; `capture` is
-    /// the id of the capture allocating it (0 for eager work).
+    /// Allocates a shared block of the default pool, stream-ordered on `stream` (the id of
+    /// the stream that uses it, [`crate::StreamRef::id`]), that frees itself when its last
+    /// holder drops; `capture` is the id of the capture allocating it (0 for eager work).
+    /// For library state such as workspaces; model code allocates with `Queue::alloc`.
+    ///
+    /// Graph pools are refused ([`Error::InvalidGraph`]): their free blocks may still be a live
+    /// graph's temporaries, which its replays write; only captures into the pool allocate there.
     pub fn allocate_block(
         self: &Arc<Self>,
         bytes: usize,
@@ -112,6 +153,15 @@ impl Allocator {
         stream: u64,
         capture: u64,
     ) -> Result<Arc<BlockRef>> {
+        if pool != PoolId::DEFAULT {
+            return Err(Error::InvalidGraph {
+                problem: format!(
+                    "{pool} is a graph pool: only captures into it allocate there (its free \
+                     blocks may be a graph's temporaries); allocate buffers with Queue::alloc \
+                     or from PoolId::DEFAULT"
+                ),
+            });
+        }
         let a = self.allocate(bytes, pool, stream)?;
         Ok(BlockRef::from_allocation(self, a, stream, capture))
     }

@@ -40,7 +40,26 @@ pub(crate) const LARGE_ROUND: usize = 2 << 20;
 pub(crate) const LARGE_SHARED_MAX: usize = 10 << 20;
 
 /// Where segments come from: the device (cuMemAlloc) or, in tests, host memory.
-pub trait SegmentSource: Send + Sync {
+///
+/// Implementing it takes `unsafe`, because the addresses it returns become blocks that other
+/// code writes through (a device's queues, [`crate::memory::HostSource::fill`]):
+///
+/// ```compile_fail
+/// # use cudagraph::memory::SegmentSource;
+/// struct Forged;
+/// impl SegmentSource for Forged { // error[E0200]: the trait requires an `unsafe impl`
+///     fn allocate(&self, _bytes: usize) -> cudagraph::Result<u64> { Ok(0x1000) }
+///     fn release(&self, _addr: u64, _bytes: usize) -> cudagraph::Result<()> { Ok(()) }
+/// }
+/// ```
+///
+/// # Safety
+/// `allocate(bytes)` returns the start of `bytes` bytes of memory that the source owns and
+/// that nothing else uses until the same range is passed to `release` (live ranges never
+/// overlap), aligned to at least 256 bytes. A source that a device allocates from returns memory of that
+/// device; only the crate makes those (see [`crate::memory::Allocator::new`]). `synchronize`
+/// returns `Ok` only once no queued work can still touch any of its segments.
+pub unsafe trait SegmentSource: Send + Sync {
     /// Returns the address of a new region of `bytes` bytes, or `Error::OutOfMemory`.
     fn allocate(&self, bytes: usize) -> Result<u64>;
     /// Returns a region obtained from `allocate`.

@@ -21,7 +21,9 @@ pub(super) fn bytes_of_mut<'a>(ptr: *mut u8, n: usize) -> &'a mut [u8] {
 
 /// Segments from real host memory, with an optional capacity to provoke out-of-memory.
 /// Tests write through [`HostSource::fill`] and read through [`HostSource::verify`] to prove
-/// that blocks handed out never overlap.
+/// that blocks handed out never overlap. Both check the range against the live segments and
+/// hold the source's lock while they touch memory, so a concurrent release cannot free it
+/// under them.
 #[derive(Debug, Default)]
 pub struct HostSource {
     capacity: Option<usize>,
@@ -53,36 +55,61 @@ impl HostSource {
         self.live.lock().unwrap().len()
     }
 
-    fn check_range(&self, addr: u64, len: usize) -> bool {
-        let live = self.live.lock().unwrap();
-        live.range(..=addr)
+    /// Locks the live map and checks that `addr..addr + len` lies inside one live region; the
+    /// returned guard keeps the region from being released while the caller touches it.
+    fn lock_range(
+        &self,
+        what: &'static str,
+        addr: u64,
+        len: usize,
+    ) -> Result<std::sync::MutexGuard<'_, BTreeMap<u64, usize>>> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let out_of_range = || Error::OutOfRange {
+            what,
+            start: addr as usize,
+            end: (addr as usize).saturating_add(len),
+            len: 0,
+        };
+        let end = u64::try_from(len)
+            .ok()
+            .and_then(|l| addr.checked_add(l))
+            .ok_or_else(out_of_range)?;
+        let inside = live
+            .range(..=addr)
             .next_back()
-            .is_some_and(|(&base, &size)| addr + len as u64 <= base + size as u64)
+            .is_some_and(|(&base, &size)| base.checked_add(size as u64).is_some_and(|e| end <= e));
+        if !inside {
+            return Err(out_of_range());
+        }
+        Ok(live)
     }
 
-    /// Writes `byte` into `len` bytes at `addr`. Panics unless the range lies in a live region.
-    pub fn fill(&self, addr: u64, len: usize, byte: u8) {
-        assert!(
-            self.check_range(addr, len),
-            "fill outside live host segments"
-        );
-        // SAFETY: the range lies inside a region this source allocated and has not released.
-        unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len) }
+    /// Writes `byte` into `len` bytes at `addr`. [`Error::OutOfRange`] unless the range lies
+    /// inside one live region (a range whose end wraps around the address space does not).
+    pub fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
+        let _live = self.lock_range("host segment fill", addr, len)?;
+        // SAFETY: the range lies inside a region this source allocated, which cannot be
+        // released while `_live` (the lock `release` takes) is held.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len) };
+        Ok(())
     }
 
-    /// Whether all `len` bytes at `addr` equal `byte`. Panics unless the range is live.
-    pub fn verify(&self, addr: u64, len: usize, byte: u8) -> bool {
-        assert!(
-            self.check_range(addr, len),
-            "verify outside live host segments"
-        );
-        // SAFETY: as in `fill`; the bytes were initialised by alloc_zeroed or `fill`.
+    /// Whether all `len` bytes at `addr` equal `byte`. [`Error::OutOfRange`] unless the range
+    /// lies inside one live region.
+    pub fn verify(&self, addr: u64, len: usize, byte: u8) -> Result<bool> {
+        let _live = self.lock_range("host segment verify", addr, len)?;
+        // SAFETY: as in `fill` (the lock is held until the slice is gone); the bytes were
+        // initialised by alloc_zeroed or `fill`, and only `fill` writes them, under the lock.
         let s = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-        s.iter().all(|&b| b == byte)
+        Ok(s.iter().all(|&b| b == byte))
     }
 }
 
-impl SegmentSource for HostSource {
+// SAFETY: every segment is a fresh `alloc_zeroed` region of at least `bytes` bytes, aligned to
+// 512, owned by this source until `release` (or drop) deallocates it; regions never overlap.
+// It is host memory: allocators over it are made with `Allocator::new`, whose blocks no device
+// accepts.
+unsafe impl SegmentSource for HostSource {
     fn allocate(&self, bytes: usize) -> Result<u64> {
         let mut live = self.live.lock().unwrap();
         let used: usize = live.values().sum();

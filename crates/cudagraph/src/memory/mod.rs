@@ -11,6 +11,12 @@
 //! and library call). When such a block is freed, an event is recorded on each of those
 //! streams and the allocator does not hand the block out again until they have completed. The
 //! one-stream path costs one comparison per use and nothing at free.
+//!
+//! **Buffers used by eager work that was captured anyway.** A stream that is part of a capture
+//! refuses eager work (see [`crate::Stream`]), but a declaration of use cannot fail: a block
+//! declared on such a stream ([`BlockRef::note_use`]), like a library's anchor, is kept for the
+//! rest of the process (`hold_forever`) — the graph that recorded the work may replay it at
+//! any time, and nothing tells us when that graph is gone.
 
 mod allocator;
 pub mod caching;
@@ -19,8 +25,10 @@ pub mod pinned;
 pub(crate) mod source;
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use allocator::Allocator;
@@ -42,8 +50,88 @@ impl Fence for Event {
         if capturing_on_this_thread() {
             return false;
         }
-        // An error (a lost context) means nothing will run any more: the block is idle.
-        self.query().unwrap_or(true)
+        // A lost context means nothing will run any more: the block is idle. Any other error
+        // leaves it unknown, so the block is never handed out again.
+        self.query().unwrap_or_else(|e| e.is_context_lost())
+    }
+}
+
+/// Anchors kept until the process exits: what eager work that a capture recorded anyway uses
+/// (see the module docs). Keyed by address so repeated declarations keep one entry.
+static HELD_FOREVER: Mutex<Option<HashMap<usize, Arc<dyn Any + Send + Sync>>>> = Mutex::new(None);
+
+/// Keeps `anchor` (a block, a module, a library handle) alive until the process exits: it is
+/// used by work recorded into a graph that does not know it.
+pub(crate) fn hold_forever(anchor: Arc<dyn Any + Send + Sync>) {
+    let key = Arc::as_ptr(&anchor) as *const () as usize;
+    HELD_FOREVER
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .entry(key)
+        .or_insert(anchor);
+}
+
+/// External memory whose release waits for streams that used it, released later because the
+/// thread that dropped its last holder was capturing (and may not query or wait on events).
+struct DeferredRelease {
+    fences: Vec<Event>,
+    keep: Box<dyn Any + Send + Sync>,
+}
+
+static DEFERRED: Mutex<Vec<DeferredRelease>> = Mutex::new(Vec::new());
+static DEFERRED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// What to do with external memory once its fences are asked.
+enum Settled {
+    /// Every stream that used it is done (or the context is lost): release it.
+    Done,
+    /// Some work may still use it: ask again later.
+    Pending,
+    /// No fence can tell (an event query failed): never release it.
+    Unknown,
+}
+
+/// Asks `fences` without waiting (never on a capturing thread: the caller checks).
+fn poll_fences(fences: &[Event]) -> Settled {
+    let mut state = Settled::Done;
+    for f in fences {
+        match f.query() {
+            Ok(true) => {}
+            Ok(false) => state = Settled::Pending,
+            Err(e) if e.is_context_lost() => return Settled::Done,
+            Err(_) => return Settled::Unknown,
+        }
+    }
+    state
+}
+
+/// Releases deferred external memory whose fences have completed. Cheap when there is none;
+/// does nothing on a capturing thread.
+pub(crate) fn drain_deferred() {
+    if DEFERRED_COUNT.load(Ordering::Acquire) == 0 || capturing_on_this_thread() {
+        return;
+    }
+    let (done, unknown) = {
+        let mut list = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+        let mut done = Vec::new();
+        let mut unknown = Vec::new();
+        let mut keep = Vec::new();
+        for d in list.drain(..) {
+            match poll_fences(&d.fences) {
+                Settled::Done => done.push(d),
+                Settled::Pending => keep.push(d),
+                Settled::Unknown => unknown.push(d),
+            }
+        }
+        *list = keep;
+        DEFERRED_COUNT.store(list.len(), Ordering::Release);
+        (done, unknown)
+    };
+    // Released outside the lock (a keep-alive's drop may free memory through another library).
+    drop(done);
+    for d in unknown {
+        std::mem::forget(d.keep);
     }
 }
 
@@ -176,6 +264,7 @@ impl BlockRef {
         home: u64,
         capture: u64,
     ) -> Arc<Self> {
+        drain_deferred();
         Arc::new(BlockRef {
             addr: a.addr,
             size: a.size,
@@ -237,6 +326,17 @@ impl BlockRef {
         }
     }
 
+    /// Whether the block is device memory: from a device's own allocator ([`crate::Device`]
+    /// makes them), or external memory whose wrapper promised so ([`Self::external`]). Blocks
+    /// of allocators made with [`Allocator::new`] (host memory in tests) are not, and no device
+    /// accepts them.
+    pub fn is_device_memory(&self) -> bool {
+        match &self.owner {
+            Owner::Allocator(a) => a.is_device_allocator(),
+            Owner::External { .. } => true,
+        }
+    }
+
     /// Whether the block belongs to `pool` (same allocator and same pool id: pool ids are only
     /// unique within one allocator, and every `Device::open` has its own).
     pub fn is_in(&self, pool: &Pool) -> bool {
@@ -246,9 +346,18 @@ impl BlockRef {
         }
     }
 
-    /// Records that work using this block is being enqueued on `stream` (eagerly). Costs one
-    /// comparison when `stream` is the block's own.
-    pub fn note_use(&self, stream: StreamRef<'_>) {
+    /// Records that work using this block is being enqueued on `stream` (eagerly). Costs an
+    /// atomic load and one comparison when `stream` is the block's own.
+    ///
+    /// If `stream` is part of a capture after all ([`StreamRef::in_capture`]: a side stream
+    /// still in the capture it joined, a cudarc stream cudarc is capturing), the work is
+    /// recorded into a graph that does not know this block, so the block is kept until the
+    /// process exits: leaked, never reused under a replay.
+    pub fn note_use(self: &Arc<Self>, stream: StreamRef<'_>) {
+        if stream.in_capture().unwrap_or(true) {
+            hold_forever(self.clone());
+            return;
+        }
         if stream.id() == self.home {
             return;
         }
@@ -263,18 +372,17 @@ impl BlockRef {
         }
     }
 
-    /// Fences on every foreign stream; `None` if one could not be made (a lost context).
-    fn fences(&mut self) -> Option<Vec<Box<dyn Fence>>> {
+    /// Fences on every foreign stream; `None` if one could not be made (a lost context, or a
+    /// stream another library is capturing).
+    fn fences(&mut self) -> Option<Vec<Event>> {
         let foreign = std::mem::take(self.foreign.get_mut().unwrap_or_else(|p| p.into_inner()));
-        foreign
-            .iter()
-            .map(|s| s.fence().map(|e| Box::new(e) as Box<dyn Fence>))
-            .collect()
+        foreign.iter().map(|s| s.fence()).collect()
     }
 }
 
 impl Drop for BlockRef {
     fn drop(&mut self) {
+        drain_deferred();
         let used_elsewhere = !self
             .foreign
             .get_mut()
@@ -291,17 +399,49 @@ impl Drop for BlockRef {
             // other stream that used it is covered by a fence.
             (Owner::Allocator(a), Some(f)) if f.is_empty() => unsafe { a.free(self.addr) },
             // SAFETY: as above.
-            (Owner::Allocator(a), Some(f)) => unsafe { a.free_after(self.addr, f) },
+            (Owner::Allocator(a), Some(f)) => unsafe {
+                a.free_after(
+                    self.addr,
+                    f.into_iter()
+                        .map(|e| Box::new(e) as Box<dyn Fence>)
+                        .collect(),
+                )
+            },
             // No way to know when the other streams are done: never reuse the block.
             (Owner::Allocator(_), None) => {}
-            (Owner::External { keep, .. }, fences) => {
-                for f in fences.unwrap_or_default() {
-                    while !f.is_complete() {
-                        std::thread::yield_now();
-                    }
+            (Owner::External { keep, .. }, Some(fences)) => {
+                let Some(keep) = keep.take() else { return };
+                if fences.is_empty() {
+                    drop(keep);
+                } else if capturing_on_this_thread() {
+                    // Waiting, even asking, would invalidate the capture: release it later,
+                    // from a thread that is not capturing.
+                    let mut list = DEFERRED.lock().unwrap_or_else(|p| p.into_inner());
+                    list.push(DeferredRelease { fences, keep });
+                    DEFERRED_COUNT.store(list.len(), Ordering::Release);
+                } else if fences.iter().all(|f| f.synchronize().is_ok_or_lost()) {
+                    drop(keep);
+                } else {
+                    // A fence that cannot be waited on: never release the memory.
+                    std::mem::forget(keep);
                 }
-                drop(keep.take());
             }
+            // No way to know when the other streams are done: never release the memory.
+            (Owner::External { keep, .. }, None) => std::mem::forget(keep.take()),
+        }
+    }
+}
+
+/// A wait that returned, or failed because the context is lost (nothing runs any more).
+trait OkOrLost {
+    fn is_ok_or_lost(&self) -> bool;
+}
+
+impl OkOrLost for Result<()> {
+    fn is_ok_or_lost(&self) -> bool {
+        match self {
+            Ok(()) => true,
+            Err(e) => e.is_context_lost(),
         }
     }
 }
@@ -500,7 +640,8 @@ mod tests {
     use super::*;
 
     fn host_allocator() -> Arc<Allocator> {
-        Allocator::new(Box::new(HostSource::new()), 0)
+        // SAFETY: host memory for CPU tests; no block of it is passed to device work.
+        unsafe { Allocator::new(Box::new(HostSource::new()), 0) }
     }
 
     #[test]
@@ -508,11 +649,44 @@ mod tests {
         let (a, b) = (host_allocator(), host_allocator());
         let (pa, pb) = (Pool::new(&a, None), Pool::new(&b, None));
         assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
-        let block = a.allocate_block(1024, pa.id(), 0, 1).unwrap();
+        // As a capture allocates (`allocate_block` refuses graph pools).
+        let block = BlockRef::from_allocation(&a, a.allocate(1024, pa.id(), 0).unwrap(), 0, 1);
         assert!(block.is_in(&pa));
         assert!(
             !block.is_in(&pb),
             "same id, other allocator: not the same pool"
+        );
+    }
+
+    #[test]
+    fn graph_pools_hand_out_no_blocks_outside_captures() {
+        let a = host_allocator();
+        let pool = Pool::new(&a, None);
+        let before = a.stats();
+        assert!(matches!(
+            a.allocate_block(1024, pool.id(), 1, 0),
+            Err(Error::InvalidGraph { .. })
+        ));
+        assert_eq!(a.stats(), before, "a refused request allocates nothing");
+        // The default pool still works, and the pool is usable by captures afterwards.
+        let eager = a.allocate_block(1024, PoolId::DEFAULT, 1, 0).unwrap();
+        assert_eq!(eager.pool(), PoolId::DEFAULT);
+        let captured = a.allocate(1024, pool.id(), 0).unwrap();
+        assert_eq!(captured.pool, pool.id());
+        // SAFETY: a raw allocation of this test, freed once, used by nothing else.
+        unsafe { a.free(captured.addr) };
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn blocks_of_allocators_made_outside_a_device_are_not_device_memory() {
+        let a = host_allocator();
+        assert!(!a.is_device_allocator());
+        let block = a.allocate_block(1024, PoolId::DEFAULT, 1, 0).unwrap();
+        assert_eq!(block.device_ordinal(), 0);
+        assert!(
+            !block.is_device_memory(),
+            "a host allocator's block claims no device (every queue refuses it)"
         );
     }
 

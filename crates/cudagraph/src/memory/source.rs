@@ -20,7 +20,10 @@ pub(crate) struct DeviceSource {
     pub(crate) total: usize,
 }
 
-impl SegmentSource for DeviceSource {
+// SAFETY: every segment is a fresh cuMemAlloc of device memory in this device's primary
+// context (aligned to at least 256 bytes by the driver), freed only by `release`;
+// `synchronize` is a context synchronisation.
+unsafe impl SegmentSource for DeviceSource {
     fn allocate(&self, bytes: usize) -> Result<u64> {
         if bytes > self.total {
             return Err(Error::OutOfMemory {

@@ -76,10 +76,7 @@ impl GraphHandle {
     /// The type code of every node (see `CUgraphNodeType`).
     #[track_caller]
     pub(crate) fn node_types(&self) -> Result<Vec<u32>> {
-        self.nodes()?
-            .into_iter()
-            .map(|node| Ok(node_type(node)? as u32))
-            .collect()
+        self.nodes()?.into_iter().map(node_type).collect()
     }
 
     /// Instantiates an executable graph.
@@ -280,14 +277,36 @@ impl ExecHandle {
     }
 }
 
-fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType> {
-    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-    // SAFETY: node belongs to a live graph; writes one type.
+/// The `CUgraphNodeType` code of a node, as an integer: a driver newer than these bindings may
+/// report a code they do not list, which must not become a Rust enum value.
+fn node_type(node: sys::CUgraphNode) -> Result<u32> {
+    let mut t = 0u32;
+    // SAFETY: node belongs to a live graph; `CUgraphNodeType` is a `repr(u32)` C enum, so the
+    // driver writes one 32-bit code into `t`.
     check(
-        unsafe { sys::cuGraphNodeGetType(node, &mut t) },
+        unsafe { sys::cuGraphNodeGetType(node, (&mut t as *mut u32).cast()) },
         "cuGraphNodeGetType",
     )?;
     Ok(t)
+}
+
+/// `CUgraphNodeType` codes rebind reads.
+mod node_code {
+    use cudarc::driver::sys::CUgraphNodeType as T;
+    pub const KERNEL: u32 = T::CU_GRAPH_NODE_TYPE_KERNEL as u32;
+    pub const MEMCPY: u32 = T::CU_GRAPH_NODE_TYPE_MEMCPY as u32;
+    pub const MEMSET: u32 = T::CU_GRAPH_NODE_TYPE_MEMSET as u32;
+    pub const HOST: u32 = T::CU_GRAPH_NODE_TYPE_HOST as u32;
+    pub const GRAPH: u32 = T::CU_GRAPH_NODE_TYPE_GRAPH as u32;
+    pub const EMPTY: u32 = T::CU_GRAPH_NODE_TYPE_EMPTY as u32;
+    pub const WAIT_EVENT: u32 = T::CU_GRAPH_NODE_TYPE_WAIT_EVENT as u32;
+    pub const EVENT_RECORD: u32 = T::CU_GRAPH_NODE_TYPE_EVENT_RECORD as u32;
+    pub const EXT_SEMAS_SIGNAL: u32 = T::CU_GRAPH_NODE_TYPE_EXT_SEMAS_SIGNAL as u32;
+    pub const EXT_SEMAS_WAIT: u32 = T::CU_GRAPH_NODE_TYPE_EXT_SEMAS_WAIT as u32;
+    pub const MEM_ALLOC: u32 = T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32;
+    pub const MEM_FREE: u32 = T::CU_GRAPH_NODE_TYPE_MEM_FREE as u32;
+    pub const BATCH_MEM_OP: u32 = T::CU_GRAPH_NODE_TYPE_BATCH_MEM_OP as u32;
+    pub const CONDITIONAL: u32 = T::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32;
 }
 
 /// A copy description with every field set (its memory-type enums have no zero value, so
@@ -323,18 +342,50 @@ fn memcpy3d_device_blank() -> sys::CUDA_MEMCPY3D {
 }
 
 /// A device-address remapping: addresses in `[old, old + len)` move to `new + (addr - old)`.
-#[derive(Clone, Copy, Debug)]
+///
+/// `Graph::rebind` builds one per rebound buffer over the buffer's whole block, so interior
+/// pointers (an argument pointing into the middle of the block) move by the same offset; an
+/// address one past the end of the block is not covered (it is the start of whatever lies
+/// next in memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Remap {
     pub old: u64,
     pub len: u64,
     pub new: u64,
 }
 
-fn remap(addr: u64, remaps: &[Remap]) -> Option<u64> {
+/// Where `addr` moves: the index of the remap whose old range holds it, and the new address.
+fn remap_at(addr: u64, remaps: &[Remap]) -> Option<(usize, u64)> {
     remaps
         .iter()
-        .find(|r| addr >= r.old && addr - r.old < r.len)
-        .map(|r| r.new + (addr - r.old))
+        .position(|r| addr >= r.old && addr - r.old < r.len)
+        .map(|i| (i, remaps[i].new + (addr - remaps[i].old)))
+}
+
+/// Whether `addr` lies inside any of `remaps`' old ranges.
+fn remapped(addr: u64, remaps: &[Remap]) -> bool {
+    remap_at(addr, remaps).is_some()
+}
+
+/// Rewrites `addr` when it lies in one of `remaps`' old ranges, noting which range in `hits`.
+fn rewrite(addr: &mut u64, remaps: &[Remap], hits: &mut [bool]) -> bool {
+    match remap_at(*addr, remaps) {
+        Some((i, new)) => {
+            *addr = new;
+            hits[i] = true;
+            true
+        }
+        None => false,
+    }
+}
+
+/// Whether any address in `referenced` lies in `[addr, addr + size)`.
+pub(crate) fn references_range(referenced: &BTreeSet<u64>, addr: u64, size: usize) -> bool {
+    size > 0
+        && referenced
+            .range(addr..addr.saturating_add(size as u64))
+            .next()
+            .is_some()
 }
 
 enum Edit {
@@ -355,38 +406,181 @@ enum Edit {
     },
 }
 
-/// What [`rebind`] did.
-pub(crate) struct RebindResult {
-    pub nodes_changed: usize,
-    /// False when the driver refused to update the executable graph in place.
-    pub exec_updated: bool,
-    /// Every 8-byte word of every kernel parameter and every device address of copy and memset
-    /// nodes, after the rewrite: what the graph still refers to.
+/// The rewrite behind `Graph::rebind`, read from every node of a graph and not yet applied
+/// (see [`plan_rebind`]).
+pub(crate) struct RebindPlan<'g> {
+    graph: &'g GraphHandle,
+    edits: Vec<Edit>,
+    /// Every 8-byte window (at every byte offset) of every kernel parameter and every address
+    /// of copy and memset nodes, after the rewrite: what the graph will refer to directly.
     pub referenced: BTreeSet<u64>,
+    /// Whether every kernel node runs one of our kernels (parameter list from our own PTX).
+    /// Another library's kernels may also reach memory through addresses they read from
+    /// device memory, which no rewrite sees: then nothing the graph holds is provably unused.
+    pub all_kernels_ours: bool,
+    /// The old start address of every remap through which at least one address was rewritten.
+    pub moved_from: BTreeSet<u64>,
 }
 
-/// Parameter sizes of a kernel node's function: ours are known from their PTX, other
-/// libraries' from the driver where it can say. `None`: the node cannot be read safely.
-fn kernel_param_sizes(func: sys::CUfunction) -> Result<Option<Vec<usize>>> {
-    if let Some(s) = known_param_sizes(func) {
-        return Ok(Some(s));
+impl RebindPlan<'_> {
+    /// Number of nodes the rewrite changes.
+    pub(crate) fn nodes_changed(&self) -> usize {
+        self.edits.len()
     }
-    Ok(driver_params(RawFunction(func))?.map(|v| v.iter().map(|p| p.size).collect()))
+
+    /// Applies the rewrite to the graph and to `exec` (which must have been instantiated from
+    /// it). Returns whether `exec` took every edit in place; when it did not, the caller
+    /// instantiates the graph again. On an error part of the edits may have been applied (to
+    /// the graph and to `exec`): the caller must keep both the old and the new buffers alive.
+    #[track_caller]
+    pub(crate) fn apply(self, exec: &ExecHandle) -> Result<bool> {
+        let ctx: RawContext = self.graph.ctx.handle.raw;
+        let mut exec_updated = true;
+        for e in &self.edits {
+            // SAFETY: every node belongs to `self.graph`, which `exec` was instantiated from;
+            // parameter structs and the storage their pointers point into are alive (owned by
+            // `self.edits`).
+            unsafe {
+                match e {
+                    Edit::Kernel { node, params, .. } => {
+                        check(
+                            sys::cuGraphKernelNodeSetParams_v2(*node, params),
+                            "cuGraphKernelNodeSetParams",
+                        )?;
+                        exec_updated &=
+                            sys::cuGraphExecKernelNodeSetParams_v2(exec.raw.0, *node, params)
+                                == sys::CUresult::CUDA_SUCCESS;
+                    }
+                    Edit::Memcpy { node, params } => {
+                        check(
+                            sys::cuGraphMemcpyNodeSetParams(*node, params),
+                            "cuGraphMemcpyNodeSetParams",
+                        )?;
+                        exec_updated &=
+                            sys::cuGraphExecMemcpyNodeSetParams(exec.raw.0, *node, params, ctx.0)
+                                == sys::CUresult::CUDA_SUCCESS;
+                    }
+                    Edit::Memset { node, params } => {
+                        check(
+                            sys::cuGraphMemsetNodeSetParams(*node, params),
+                            "cuGraphMemsetNodeSetParams",
+                        )?;
+                        exec_updated &=
+                            sys::cuGraphExecMemsetNodeSetParams(exec.raw.0, *node, params, ctx.0)
+                                == sys::CUresult::CUDA_SUCCESS;
+                    }
+                }
+            }
+        }
+        Ok(exec_updated)
+    }
 }
 
-/// Rewrites every device address covered by `remaps` in the kernel parameters (every 8-byte
-/// aligned word of every parameter, so pointers inside struct parameters of library kernels
-/// are found too), copy and memset nodes of `g`, and applies the same edits to `exec`.
-/// Nothing is modified unless every node could be read.
+/// Parameter sizes of a kernel node's function and whether it is one of ours: ours are known
+/// from their PTX, other libraries' from the driver where it can say. `None`: the node cannot
+/// be read safely.
+fn kernel_param_sizes(func: sys::CUfunction) -> Result<Option<(Vec<usize>, bool)>> {
+    if let Some(s) = known_param_sizes(func) {
+        return Ok(Some((s, true)));
+    }
+    Ok(driver_params(RawFunction(func))?.map(|v| (v.iter().map(|p| p.size).collect(), false)))
+}
+
+/// Records every 8-byte window of the first `size` bytes of `words` (a kernel parameter) in
+/// `referenced`, at every byte offset.
+fn note_words(words: &[u64], size: usize, referenced: &mut BTreeSet<u64>) {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let bytes = &bytes[..size.min(bytes.len())];
+    for window in bytes.windows(8) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(window);
+        referenced.insert(u64::from_ne_bytes(b));
+    }
+}
+
+/// The typed refusal for a node rebind cannot account for.
+fn cannot_rebind(what: &str) -> Error {
+    Error::NotSupported {
+        what: "rebinding this graph",
+        detail: format!(
+            "it holds {what}, whose use of device memory rebind can neither rewrite nor account for; nothing was changed. Copy into the graph's inputs, or capture a new graph with the new buffers"
+        ),
+    }
+}
+
+/// What a node type that rebind does not read is, for [`cannot_rebind`].
+fn node_kind_name(t: u32) -> String {
+    use node_code as N;
+    match t {
+        N::GRAPH => "a child-graph node".into(),
+        N::CONDITIONAL => "a conditional node".into(),
+        N::WAIT_EVENT => "an event-wait node".into(),
+        N::EVENT_RECORD => "an event-record node".into(),
+        N::EXT_SEMAS_SIGNAL | N::EXT_SEMAS_WAIT => "an external-semaphore node".into(),
+        N::MEM_ALLOC => "a memory-allocation node".into(),
+        N::MEM_FREE => "a memory-free node".into(),
+        N::BATCH_MEM_OP => "a batched memory-operation node".into(),
+        other => format!("a node of type {other}"),
+    }
+}
+
+/// One endpoint of a copy node, rewritten in place when it lies in a rebound buffer and
+/// recorded in `referenced`. Returns whether it changed.
+fn copy_endpoint(
+    kind: sys::CUmemorytype,
+    device: &mut u64,
+    host: u64,
+    offsets: [usize; 4],
+    remaps: &[Remap],
+    hits: &mut [bool],
+    referenced: &mut BTreeSet<u64>,
+) -> Result<bool> {
+    use sys::CUmemorytype as M;
+    match kind {
+        M::CU_MEMORYTYPE_DEVICE | M::CU_MEMORYTYPE_UNIFIED => {
+            // The copy reaches memory at an offset from its base address: the base alone
+            // would not say which buffer it touches.
+            if offsets.iter().any(|&o| o != 0) {
+                return Err(cannot_rebind(
+                    "a copy node that starts at an offset from its base address",
+                ));
+            }
+            let changed = rewrite(device, remaps, hits);
+            referenced.insert(*device);
+            Ok(changed)
+        }
+        M::CU_MEMORYTYPE_HOST => {
+            // A host address cannot lie in a device buffer (one unified address space), but
+            // an external block may wrap mapped host memory: count it, never rewrite it.
+            if remapped(host, remaps) {
+                return Err(cannot_rebind(
+                    "a copy node whose host-memory endpoint lies inside a buffer being rebound",
+                ));
+            }
+            referenced.insert(host);
+            Ok(false)
+        }
+        _ => Err(cannot_rebind("a copy node with a CUDA array endpoint")),
+    }
+}
+
+/// Reads every node of `g` and plans the rewrite of every device address covered by `remaps`
+/// in kernel parameters (every 8-byte aligned word of every parameter, so pointers inside
+/// struct parameters of library kernels are found too), copy and memset nodes. Changes
+/// nothing: [`RebindPlan::apply`] does. Refuses (typed error) a graph holding any node whose
+/// use of device memory it cannot read completely — child graphs, conditional nodes, event
+/// and memory-operation nodes, copies with array endpoints, kernels whose parameter list is
+/// unknown or that were launched with packed parameters.
 #[track_caller]
-pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Result<RebindResult> {
+pub(crate) fn plan_rebind<'g>(g: &'g GraphHandle, remaps: &[Remap]) -> Result<RebindPlan<'g>> {
     let nodes = g.nodes()?;
-    let ctx: RawContext = g.ctx.handle.raw;
     let mut edits = Vec::new();
     let mut referenced = BTreeSet::new();
+    let mut all_kernels_ours = true;
+    let mut hits = vec![false; remaps.len()];
     for node in nodes {
         match node_type(node)? {
-            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
+            node_code::KERNEL => {
                 // SAFETY: the struct holds only pointers and integers (no enums), so all-zero
                 // is a valid value; the driver fills it.
                 let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -408,7 +602,10 @@ pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Re
                     kernel_param_sizes(p.func)?
                 };
                 let sizes = match sizes {
-                    Some(s) if !p.kernelParams.is_null() || s.is_empty() => s,
+                    Some((s, ours)) if !p.kernelParams.is_null() || s.is_empty() => {
+                        all_kernels_ours &= ours;
+                        s
+                    }
                     Some(_) => {
                         return Err(Error::InvalidGraph {
                             problem: "a kernel node was launched with `extra` (packed parameters), which rebind cannot read; copy into the graph's inputs or re-capture instead of rebinding".into(),
@@ -435,12 +632,12 @@ pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Re
                     // Every 8-byte word of the parameter (pointers are 8-aligned in the
                     // parameter buffer, and parameters start 8-aligned when they hold one).
                     for w in words.iter_mut().take(size / 8) {
-                        if let Some(nv) = remap(*w, remaps) {
-                            *w = nv;
-                            changed = true;
-                        }
-                        referenced.insert(*w);
+                        changed |= rewrite(w, remaps, &mut hits);
                     }
+                    // What the graph still refers to, counted at every byte offset: a pointer
+                    // at an odd offset of a packed struct cannot be rewritten, but must keep
+                    // its block alive.
+                    note_words(&words, size, &mut referenced);
                     storage.push(words);
                 }
                 if changed {
@@ -458,33 +655,36 @@ pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Re
                     });
                 }
             }
-            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY => {
+            node_code::MEMCPY => {
                 let mut p = memcpy3d_device_blank();
                 // SAFETY: node is a memcpy node of g.
                 check(
                     unsafe { sys::cuGraphMemcpyNodeGetParams(node, &mut p) },
                     "cuGraphMemcpyNodeGetParams",
                 )?;
-                let mut changed = false;
-                if p.srcMemoryType == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE {
-                    if let Some(v) = remap(p.srcDevice, remaps) {
-                        p.srcDevice = v;
-                        changed = true;
-                    }
-                    referenced.insert(p.srcDevice);
-                }
-                if p.dstMemoryType == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE {
-                    if let Some(v) = remap(p.dstDevice, remaps) {
-                        p.dstDevice = v;
-                        changed = true;
-                    }
-                    referenced.insert(p.dstDevice);
-                }
-                if changed {
+                let src_changed = copy_endpoint(
+                    p.srcMemoryType,
+                    &mut p.srcDevice,
+                    p.srcHost as u64,
+                    [p.srcXInBytes, p.srcY, p.srcZ, p.srcLOD],
+                    remaps,
+                    &mut hits,
+                    &mut referenced,
+                )?;
+                let dst_changed = copy_endpoint(
+                    p.dstMemoryType,
+                    &mut p.dstDevice,
+                    p.dstHost as u64,
+                    [p.dstXInBytes, p.dstY, p.dstZ, p.dstLOD],
+                    remaps,
+                    &mut hits,
+                    &mut referenced,
+                )?;
+                if src_changed || dst_changed {
                     edits.push(Edit::Memcpy { node, params: p });
                 }
             }
-            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET => {
+            node_code::MEMSET => {
                 // SAFETY: the struct holds only integers (no enums), so all-zero is a valid
                 // value; the driver fills it.
                 let mut p: sys::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -493,55 +693,29 @@ pub(crate) fn rebind(g: &GraphHandle, exec: &ExecHandle, remaps: &[Remap]) -> Re
                     unsafe { sys::cuGraphMemsetNodeGetParams(node, &mut p) },
                     "cuGraphMemsetNodeGetParams",
                 )?;
-                if let Some(v) = remap(p.dst, remaps) {
-                    p.dst = v;
+                if rewrite(&mut p.dst, remaps, &mut hits) {
                     edits.push(Edit::Memset { node, params: p });
                 }
                 referenced.insert(p.dst);
             }
-            _ => {}
+            // Host-function nodes run code on the CPU (which cannot reach device memory) and
+            // empty nodes nothing.
+            node_code::HOST | node_code::EMPTY => {}
+            other => return Err(cannot_rebind(&node_kind_name(other))),
         }
     }
-    let mut exec_updated = true;
-    for e in &edits {
-        // SAFETY: every node belongs to g, which `exec` was instantiated from; parameter
-        // structs and the storage their pointers point into are alive (owned by `edits`).
-        unsafe {
-            match e {
-                Edit::Kernel { node, params, .. } => {
-                    check(
-                        sys::cuGraphKernelNodeSetParams_v2(*node, params),
-                        "cuGraphKernelNodeSetParams",
-                    )?;
-                    exec_updated &=
-                        sys::cuGraphExecKernelNodeSetParams_v2(exec.raw.0, *node, params)
-                            == sys::CUresult::CUDA_SUCCESS;
-                }
-                Edit::Memcpy { node, params } => {
-                    check(
-                        sys::cuGraphMemcpyNodeSetParams(*node, params),
-                        "cuGraphMemcpyNodeSetParams",
-                    )?;
-                    exec_updated &=
-                        sys::cuGraphExecMemcpyNodeSetParams(exec.raw.0, *node, params, ctx.0)
-                            == sys::CUresult::CUDA_SUCCESS;
-                }
-                Edit::Memset { node, params } => {
-                    check(
-                        sys::cuGraphMemsetNodeSetParams(*node, params),
-                        "cuGraphMemsetNodeSetParams",
-                    )?;
-                    exec_updated &=
-                        sys::cuGraphExecMemsetNodeSetParams(exec.raw.0, *node, params, ctx.0)
-                            == sys::CUresult::CUDA_SUCCESS;
-                }
-            }
-        }
-    }
-    Ok(RebindResult {
-        nodes_changed: edits.len(),
-        exec_updated,
+    let moved_from = remaps
+        .iter()
+        .zip(&hits)
+        .filter(|(_, &hit)| hit)
+        .map(|(r, _)| r.old)
+        .collect();
+    Ok(RebindPlan {
+        graph: g,
+        edits,
         referenced,
+        all_kernels_ours,
+        moved_from,
     })
 }
 
@@ -584,15 +758,11 @@ pub(crate) fn nodes_of(g: RawGraph) -> Result<Vec<sys::CUgraphNode>> {
 /// The type code of every node of a live graph (see `CUgraphNodeType`), in [`nodes_of`] order.
 #[track_caller]
 pub(crate) fn node_types_of(g: RawGraph) -> Result<Vec<u32>> {
-    nodes_of(g)?
-        .into_iter()
-        .map(|node| Ok(node_type(node)? as u32))
-        .collect()
+    nodes_of(g)?.into_iter().map(node_type).collect()
 }
 
 /// `CUgraphNodeType` code of conditional nodes.
-pub(crate) const NODE_TYPE_CONDITIONAL: u32 =
-    sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32;
+pub(crate) const NODE_TYPE_CONDITIONAL: u32 = node_code::CONDITIONAL;
 
 /// One dependency edge of a graph, as indices into [`nodes_of`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -697,7 +867,7 @@ unsafe fn cu_graph_get_edges_untyped(
 /// The type code of one node.
 #[track_caller]
 pub(crate) fn node_type_code(node: sys::CUgraphNode) -> Result<u32> {
-    Ok(node_type(node)? as u32)
+    node_type(node)
 }
 
 /// The name of a kernel node's function, when the driver can tell (`cuFuncGetName`, 12.3+).
@@ -927,4 +1097,169 @@ pub(crate) fn conditional_nodes_available() -> bool {
     ]
     .iter()
     .all(|s| driver_has(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_remap_moves_every_address_of_the_block_by_the_same_offset() {
+        let r = [Remap {
+            old: 0x1000_0000,
+            len: 4 * MIB,
+            new: 0x9000_0000,
+        }];
+        // The start, an interior pointer and the last byte all move by the same offset.
+        assert_eq!(remap_at(0x1000_0000, &r), Some((0, 0x9000_0000)));
+        assert_eq!(
+            remap_at(0x1000_0000 + 12_345, &r),
+            Some((0, 0x9000_0000 + 12_345))
+        );
+        assert_eq!(
+            remap_at(0x1000_0000 + 4 * MIB - 1, &r),
+            Some((0, 0x9000_0000 + 4 * MIB - 1))
+        );
+        // One past the end is the start of whatever lies next: untouched, as is what lies before.
+        assert_eq!(remap_at(0x1000_0000 + 4 * MIB, &r), None);
+        assert_eq!(remap_at(0x1000_0000 - 1, &r), None);
+        assert!(!remapped(0, &r));
+    }
+
+    #[test]
+    fn rewrite_notes_which_remap_it_used() {
+        let r = [
+            Remap {
+                old: 0x1000,
+                len: 0x200,
+                new: 0x8000,
+            },
+            Remap {
+                old: 0x2000,
+                len: 0x200,
+                new: 0x9000,
+            },
+        ];
+        let mut hits = [false; 2];
+        let mut a = 0x2010;
+        assert!(rewrite(&mut a, &r, &mut hits));
+        assert_eq!(a, 0x9010);
+        assert_eq!(hits, [false, true]);
+        let mut b = 0x3000;
+        assert!(!rewrite(&mut b, &r, &mut hits));
+        assert_eq!(b, 0x3000);
+        assert_eq!(hits, [false, true]);
+    }
+
+    #[test]
+    fn references_range_sees_interior_addresses_only() {
+        let referenced: BTreeSet<u64> = [0x1000 + 100, 0x5000].into_iter().collect();
+        assert!(references_range(&referenced, 0x1000, 0x200));
+        assert!(!references_range(&referenced, 0x1000, 100)); // ends just before it
+        assert!(references_range(&referenced, 0x5000, 1));
+        assert!(!references_range(&referenced, 0x5000, 0)); // an empty block holds nothing
+        assert!(!references_range(&referenced, 0x4000, 0x1000)); // 0x5000 is one past its end
+        assert!(!references_range(&referenced, u64::MAX - 4, 8));
+    }
+
+    #[test]
+    fn copy_endpoints_are_rewritten_counted_or_refused() {
+        use sys::CUmemorytype as M;
+        let r = [Remap {
+            old: 0x1000,
+            len: 0x1000,
+            new: 0x8000,
+        }];
+        let mut hits = [false];
+        let mut referenced = BTreeSet::new();
+        let mut dev = 0x1800;
+        for kind in [M::CU_MEMORYTYPE_DEVICE, M::CU_MEMORYTYPE_UNIFIED] {
+            dev = 0x1800;
+            assert!(
+                copy_endpoint(kind, &mut dev, 0, [0; 4], &r, &mut hits, &mut referenced).unwrap()
+            );
+            assert_eq!(dev, 0x8800);
+        }
+        assert!(hits[0] && referenced.contains(&0x8800));
+        // An offset from the base address would hide which buffer the copy reaches.
+        let e = copy_endpoint(
+            M::CU_MEMORYTYPE_DEVICE,
+            &mut dev,
+            0,
+            [8, 0, 0, 0],
+            &r,
+            &mut hits,
+            &mut referenced,
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::NotSupported { .. }), "{e}");
+        // Host endpoints are counted, never rewritten; inside a rebound range they are refused.
+        assert!(!copy_endpoint(
+            M::CU_MEMORYTYPE_HOST,
+            &mut dev,
+            0x7777_0000,
+            [0; 4],
+            &r,
+            &mut hits,
+            &mut referenced
+        )
+        .unwrap());
+        assert!(referenced.contains(&0x7777_0000));
+        let e = copy_endpoint(
+            M::CU_MEMORYTYPE_HOST,
+            &mut dev,
+            0x1010,
+            [0; 4],
+            &r,
+            &mut hits,
+            &mut referenced,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("host-memory endpoint"), "{e}");
+        let e = copy_endpoint(
+            M::CU_MEMORYTYPE_ARRAY,
+            &mut dev,
+            0,
+            [0; 4],
+            &r,
+            &mut hits,
+            &mut referenced,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("array"), "{e}");
+    }
+
+    #[test]
+    fn kernel_parameters_count_as_references_at_every_byte_offset() {
+        // A 20-byte packed struct: a pointer at offset 0 and one at offset 9.
+        let (a, b) = (0x7f00_0000_1000u64, 0x7f00_0000_2000u64);
+        let mut bytes = [0u8; 24];
+        bytes[..8].copy_from_slice(&a.to_ne_bytes());
+        bytes[9..17].copy_from_slice(&b.to_ne_bytes());
+        let words: Vec<u64> = bytes
+            .chunks(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        let mut referenced = BTreeSet::new();
+        note_words(&words, 20, &mut referenced);
+        assert!(referenced.contains(&a) && referenced.contains(&b));
+        // Bytes past the parameter's size are not read.
+        assert!(referenced.len() <= 20 - 8 + 1);
+        // Parameters shorter than a pointer hold none.
+        let mut none = BTreeSet::new();
+        note_words(&[u64::MAX], 4, &mut none);
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn node_kinds_rebind_cannot_read_are_named() {
+        assert_eq!(node_kind_name(node_code::GRAPH), "a child-graph node");
+        assert_eq!(node_kind_name(node_code::CONDITIONAL), "a conditional node");
+        assert_eq!(node_kind_name(99), "a node of type 99");
+        let e = cannot_rebind(&node_kind_name(node_code::GRAPH));
+        assert!(matches!(e, Error::NotSupported { .. }));
+        assert!(e.to_string().contains("child-graph node"), "{e}");
+    }
 }

@@ -71,15 +71,69 @@ pub(crate) fn memcpy_dtod_async(dst: u64, src: u64, bytes: usize, s: RawStream) 
     )
 }
 
-/// Copies pageable host memory to the device. For pageable memory the driver has finished
-/// reading `src` when this returns (it is staged), so `src` may be reused at once.
+/// What the driver knows about an address (`CU_POINTER_ATTRIBUTE_MEMORY_TYPE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MemoryKind {
+    /// Not the driver's: ordinary pageable host memory, or nothing at all.
+    Unknown,
+    /// Page-locked host memory: `cuMemAllocHost`/`cuMemHostAlloc`, or a `cuMemHostRegister`ed
+    /// range (what cudarc's pinned slices are). The device reads and writes it by DMA.
+    PageLocked,
+    /// Device memory (`cuMemAlloc`, stream-ordered pools).
+    Device,
+    /// Arrays or managed memory.
+    Other,
+}
+
+/// Asks the driver what `addr` is. Uses `cuPointerGetAttributes`, which, unlike
+/// `cuPointerGetAttribute`, succeeds (reporting memory type 0) for addresses the driver does
+/// not know, so no probe fails on purpose (compute-sanitizer stays quiet). The address is
+/// only looked up, never dereferenced.
 #[track_caller]
-pub(crate) fn memcpy_htod_pageable(dst: u64, src: &[u8], s: RawStream) -> Result<()> {
-    // SAFETY: src is a live slice for the duration of the call; see the doc comment.
+pub(crate) fn memory_kind(addr: u64) -> Result<MemoryKind> {
+    let mut kind: u32 = 0;
+    let mut attr = [sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE];
+    let mut data = [&mut kind as *mut u32 as *mut c_void];
+    // SAFETY: one attribute, whose value (a CUmemorytype, 32 bits) is written to `kind`.
+    check(
+        unsafe { sys::cuPointerGetAttributes(1, attr.as_mut_ptr(), data.as_mut_ptr(), addr) },
+        "cuPointerGetAttributes",
+    )?;
+    Ok(match kind {
+        0 => MemoryKind::Unknown,
+        k if k == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => MemoryKind::PageLocked,
+        k if k == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => MemoryKind::Device,
+        _ => MemoryKind::Other,
+    })
+}
+
+/// Copies host memory to the device; returns once `src` may be reused. Pageable memory is
+/// staged by the driver before the call returns; page-locked memory (ours, cudarc's, or any
+/// registered range) is read by an asynchronous DMA instead, so for it this waits for the
+/// stream. Costs one or two `cuPointerGetAttributes` lookups (the first and the last byte).
+/// Call it on a stream that is not capturing.
+#[track_caller]
+pub(crate) fn memcpy_htod_from_host(dst: u64, src: &[u8], s: RawStream) -> Result<()> {
+    let Some(last) = src.len().checked_sub(1) else {
+        return Ok(());
+    };
+    // Any memory the driver knows may be read by DMA after this returns.
+    let known = |p: *const u8| memory_kind(p as u64).map(|k| k != MemoryKind::Unknown);
+    let locked = known(src.as_ptr())? || known(src[last..].as_ptr())?;
+    // SAFETY: src is a live slice for the duration of the call; pageable memory has been read
+    // when it returns, page-locked memory once the synchronisation below has returned.
     check(
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, src.len(), s.0) },
         "cuMemcpyHtoDAsync",
-    )
+    )?;
+    if locked {
+        // SAFETY: the stream is live.
+        check(
+            unsafe { sys::cuStreamSynchronize(s.0) },
+            "cuStreamSynchronize",
+        )?;
+    }
+    Ok(())
 }
 
 /// Copies device memory into `dst` and waits for the stream, so `dst` is filled on return.

@@ -4,12 +4,22 @@
 //!
 //! A stream also keeps the event recorded when its current capture began: the allocator uses
 //! it as the completion fence of earlier work while the stream cannot take new events.
+//!
+//! **Which streams are capturing.** Eager work must never land in a capture (the graph would
+//! not keep its buffers alive), so eager entry points ask [`StreamRef::in_capture`] first: our
+//! own account for the captures this crate begins or joins (an atomic flag, free), and the
+//! driver's (`cuStreamIsCapturing`, legal during capture) for streams another library can
+//! capture behind our back ([`StreamHandle::borrowed`]). Our own streams enter a capture only
+//! by beginning one or by waiting on an event recorded in one; every event remembers whether
+//! its last record was captured, and a wait that would pull a stream into a capture it is not
+//! part of is refused. Records and waits on a stream hold its capture lock, so neither
+//! interleaves with a capture beginning on it or with it joining one.
 
 use std::any::Any;
 use std::cell::Cell;
 use std::fmt;
 use std::ptr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::sys;
@@ -68,6 +78,9 @@ impl CaptureMode {
 struct EventInner {
     raw: RawEvent,
     ctx: Context,
+    /// Whether the event's last record was captured (into a graph). Held across every record
+    /// and every wait of the event, so a wait sees the state of the record it waits on.
+    captured: Mutex<bool>,
 }
 
 impl Drop for EventInner {
@@ -110,11 +123,18 @@ impl Event {
         Ok(Event(Arc::new(EventInner {
             raw: RawEvent(e),
             ctx: ctx.clone(),
+            captured: Mutex::new(false),
         })))
     }
 
     pub(crate) fn raw(&self) -> RawEvent {
         self.0.raw
+    }
+
+    /// Whether the event was last recorded into a capture: then only streams of that capture
+    /// may wait on it (a wait from any other stream is refused, see [`StreamRef::wait_event`]).
+    pub fn is_captured(&self) -> bool {
+        *self.0.captured.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Blocks until the work recorded before this event has finished.
@@ -172,7 +192,11 @@ pub(crate) struct StreamInner {
     id: u64,
     ctx: Context,
     join: Event,
+    /// Also held across every record and wait on this stream (see the module docs).
     capture: Mutex<CaptureState>,
+    /// `capture.capturing`, readable without the lock (eager work checks it on every call).
+    /// Set before the driver's capture begins and cleared after it has ended.
+    tracked: AtomicBool,
     tomb: Arc<Tomb>,
     /// For a stream created elsewhere ([`StreamHandle::borrowed`]): what keeps it alive. The
     /// stream is not destroyed here; the owner goes after this handle.
@@ -183,17 +207,29 @@ pub(crate) struct StreamInner {
 /// the work it ever queued has. Lets blocks used on a stream refer to it weakly (without keeping
 /// the CUDA stream alive) and still fence their reuse after the stream is gone.
 #[derive(Default)]
-pub(crate) struct Tomb(Mutex<Option<Event>>);
+pub(crate) struct Tomb {
+    event: Mutex<Option<Event>>,
+    /// The stream went while another library had it capturing: no event can tell when its
+    /// earlier work is done, so blocks it used are never handed out again.
+    unknown: AtomicBool,
+}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        // A stream cannot be dropped mid-capture (a capture borrows it exclusively).
-        if let Ok(e) = Event::new(&self.ctx, false) {
+        // Our own captures borrow the stream, so it cannot go mid-capture; a borrowed stream
+        // can (another library captures it), and an event recorded now would be captured.
+        let foreign_capture = self.owner.is_some()
+            && self.ctx.bind().is_ok()
+            // SAFETY: the stream is live until its owner goes, after this handle.
+            && unsafe { raw_is_capturing(self.raw.0) }.unwrap_or(true);
+        if foreign_capture {
+            self.tomb.unknown.store(true, Ordering::Release);
+        } else if let Ok(e) = Event::new(&self.ctx, false) {
             if self.ctx.bind().is_ok()
                 // SAFETY: both handles are live.
                 && unsafe { sys::cuEventRecord(e.raw().0, self.raw.0) } == sys::CUresult::CUDA_SUCCESS
             {
-                *self.tomb.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                *self.tomb.event.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
             }
         }
         if self.owner.is_none() && self.ctx.bind().is_ok() {
@@ -249,6 +285,7 @@ impl StreamHandle {
                 capturing: false,
                 begin_fence: None,
             }),
+            tracked: AtomicBool::new(false),
             tomb: Arc::new(Tomb::default()),
             owner: None,
         })))
@@ -304,6 +341,7 @@ impl StreamHandle {
                 capturing: false,
                 begin_fence: None,
             }),
+            tracked: AtomicBool::new(false),
             tomb: Arc::new(Tomb::default()),
             owner: Some(owner),
         })))
@@ -342,7 +380,9 @@ impl StreamHandle {
         )
     }
 
-    /// Makes future work on `self` wait for all work enqueued on `other` so far.
+    /// Makes future work on `self` wait for all work enqueued on `other` so far. Refused
+    /// (like [`StreamRef::wait_event`]) when `other` is capturing and `self` is not part of
+    /// that capture: the wait would pull `self` into it.
     #[track_caller]
     pub fn wait_for(&self, other: &StreamHandle) -> Result<()> {
         other.record(&other.0.join)?;
@@ -355,7 +395,7 @@ impl StreamHandle {
         self.as_ref().record(event)
     }
 
-    /// Makes future work on this stream wait for `event`.
+    /// Makes future work on this stream wait for `event`; see [`StreamRef::wait_event`].
     #[track_caller]
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         self.as_ref().wait_event(event)
@@ -367,12 +407,19 @@ impl StreamHandle {
     pub(crate) fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
         let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
         let fence = Event::new(&self.0.ctx, false)?;
-        self.record(&fence)?;
+        self.as_ref().record_locked(&fence)?;
+        // Marked before the driver's capture begins (and cleared after it ends), so no eager
+        // call ever sees "not capturing" while it is.
+        self.0.tracked.store(true, Ordering::Release);
         // SAFETY: the stream is live and not capturing (the caller holds it exclusively).
-        check(
+        let begun = check(
             unsafe { sys::cuStreamBeginCapture_v2(self.0.raw.0, mode.raw()) },
             "cuStreamBeginCapture",
-        )?;
+        );
+        if let Err(e) = begun {
+            self.0.tracked.store(false, Ordering::Release);
+            return Err(e);
+        }
         CAPTURING.with(|c| c.set(c.get() + 1));
         st.capturing = true;
         st.begin_fence = Some(fence);
@@ -391,9 +438,10 @@ impl StreamHandle {
             return Ok(false);
         }
         let fence = Event::new(&self.0.ctx, false)?;
-        self.record(&fence)?;
+        self.as_ref().record_locked(&fence)?;
         st.capturing = true;
         st.begin_fence = Some(fence);
+        self.0.tracked.store(true, Ordering::Release);
         Ok(true)
     }
 
@@ -402,6 +450,7 @@ impl StreamHandle {
         let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
         st.capturing = false;
         st.begin_fence = None;
+        self.0.tracked.store(false, Ordering::Release);
     }
 
     /// Ends the capture. Returns the graph, or the driver's error (any partial graph the
@@ -412,11 +461,13 @@ impl StreamHandle {
         if st.capturing {
             CAPTURING.with(|c| c.set(c.get().saturating_sub(1)));
         }
-        st.capturing = false;
-        st.begin_fence = None;
         let mut g = ptr::null_mut();
         // SAFETY: writes one graph handle (possibly null on failure).
         let status = unsafe { sys::cuStreamEndCapture(self.0.raw.0, &mut g) };
+        // Cleared only now that the driver's capture is over (see `begin_capture`).
+        st.capturing = false;
+        st.begin_fence = None;
+        self.0.tracked.store(false, Ordering::Release);
         let graph = (!g.is_null()).then(|| GraphHandle::from_raw(g, &self.0.ctx));
         check(status, "cuStreamEndCapture")?;
         graph.ok_or_else(|| Error::InvalidGraph {
@@ -470,31 +521,100 @@ impl<'a> StreamRef<'a> {
     #[track_caller]
     pub fn is_capturing(&self) -> Result<bool> {
         self.0.ctx.bind()?;
-        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: writes one status.
-        check(
-            unsafe { sys::cuStreamIsCapturing(self.0.raw.0, &mut st) },
-            "cuStreamIsCapturing",
-        )?;
-        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        // SAFETY: the stream is live (this view borrows its handle).
+        unsafe { raw_is_capturing(self.0.raw.0) }
     }
 
-    /// Records `event` here (legal inside a capture: it becomes an event node).
+    /// Whether the stream is part of a capture, so that eager work must stay off it: a capture
+    /// this crate began or a [`crate::SideStream`] joined (our own account, no driver call), or
+    /// — for a stream created elsewhere ([`StreamHandle::borrowed`]), which its owner can
+    /// capture without us — whatever capture the driver reports (one `cuStreamIsCapturing`).
+    /// Our own streams cannot enter a capture any other way: waits that would pull them into
+    /// one are refused ([`Self::wait_event`]).
+    #[track_caller]
+    pub fn in_capture(&self) -> Result<bool> {
+        if self.0.tracked.load(Ordering::Acquire) {
+            return Ok(true);
+        }
+        if self.0.owner.is_some() {
+            return self.is_capturing();
+        }
+        Ok(false)
+    }
+
+    /// Refuses eager work (`what`) on this stream while it is part of a capture
+    /// ([`Self::in_capture`]): recorded into a graph that does not know its buffers, the work
+    /// would run on replays after they were freed.
+    #[track_caller]
+    pub(crate) fn check_eager(&self, what: &'static str) -> Result<()> {
+        if self.in_capture()? {
+            return Err(Error::InvalidGraph {
+                problem: format!(
+                    "{what} on stream #{}, which is part of a capture: eager work there would be \
+                     recorded into the graph without the graph keeping its buffers alive; inside \
+                     a capture use the capture's queues (the CaptureStream, or the SideStream \
+                     from Fork::fork), and this stream once the capture has ended",
+                    self.0.id
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Records `event` here (legal inside a capture: it becomes an event node, and the event
+    /// remembers that it was captured).
     #[track_caller]
     pub fn record(&self, event: &Event) -> Result<()> {
+        let _st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
+        self.record_locked(event)
+    }
+
+    /// [`Self::record`] with this stream's capture lock already held by the caller.
+    #[track_caller]
+    fn record_locked(&self, event: &Event) -> Result<()> {
         self.0.ctx.bind()?;
+        let mut captured = event.0.captured.lock().unwrap_or_else(|p| p.into_inner());
+        // Under this stream's lock no capture of ours begins or joins here meanwhile; another
+        // library's can (a borrowed stream), so those are asked again after the record: a
+        // capture that began in between makes the record count as captured.
+        let before = self.is_capturing()?;
         // SAFETY: both handles are live.
         check(
             unsafe { sys::cuEventRecord(event.raw().0, self.0.raw.0) },
             "cuEventRecord",
-        )
+        )?;
+        let after = if before || self.0.owner.is_none() {
+            before
+        } else {
+            self.is_capturing().unwrap_or(true)
+        };
+        *captured = before || after;
+        Ok(())
     }
 
     /// Makes later work here wait for `event` (legal inside a capture: fork/join). Enqueues a
     /// dependency; it does not block the host.
+    ///
+    /// Refused with [`Error::InvalidGraph`] when `event` was recorded in a capture that this
+    /// stream is not part of: the wait would pull this stream into that capture, and work later
+    /// enqueued here as eager work would be recorded into a graph that does not keep its
+    /// buffers alive. (Costs nothing for events recorded eagerly; one `cuStreamIsCapturing`
+    /// otherwise.)
     #[track_caller]
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        let st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
         self.0.ctx.bind()?;
+        let captured = event.0.captured.lock().unwrap_or_else(|p| p.into_inner());
+        if *captured && !st.capturing && !self.is_capturing()? {
+            return Err(Error::InvalidGraph {
+                problem: format!(
+                    "stream #{} would wait on an event recorded inside a capture it is not part \
+                     of, which pulls it into that capture: fork onto it with Fork::fork inside \
+                     the capture instead",
+                    self.0.id
+                ),
+            });
+        }
         // SAFETY: both handles are live.
         check(
             unsafe { sys::cuStreamWaitEvent(self.0.raw.0, event.raw().0, 0) },
@@ -546,7 +666,7 @@ impl WeakStream {
             Some(s) => StreamHandle(s).fence().ok(),
             None => self
                 .tomb
-                .0
+                .event
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
@@ -556,11 +676,15 @@ impl WeakStream {
     /// Whether the stream is gone and its last work has finished (so a block need not keep a
     /// reference to it). Never queries the device on a capturing thread.
     pub(crate) fn is_done(&self) -> bool {
-        if self.is_alive() || capturing_on_this_thread() {
+        if self.is_alive()
+            || capturing_on_this_thread()
+            || self.tomb.unknown.load(Ordering::Acquire)
+        {
             return false;
         }
-        match &*self.tomb.0.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => e.query().unwrap_or(true),
+        match &*self.tomb.event.lock().unwrap_or_else(|p| p.into_inner()) {
+            // Any error but a lost context leaves the answer unknown: keep the reference.
+            Some(e) => e.query().unwrap_or_else(|err| err.is_context_lost()),
             None => true,
         }
     }
@@ -593,6 +717,8 @@ impl StreamHandle {
     /// An event that completes once all work enqueued on this stream so far has: recorded now,
     /// or, while the stream is capturing (so new events would join the capture), the one
     /// recorded when the capture began — captured work never runs, so that covers everything.
+    /// An error for a stream in a capture we did not begin or join (another library's): no
+    /// event can say when its earlier work is done.
     pub(crate) fn fence(&self) -> Result<Event> {
         let st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
         if st.capturing {
@@ -600,8 +726,17 @@ impl StreamHandle {
                 return Ok(f.clone());
             }
         }
+        let r = self.as_ref();
+        if r.is_capturing()? {
+            return Err(Error::InvalidGraph {
+                problem: format!(
+                    "no fence for stream #{}: it is part of a capture this crate did not begin",
+                    self.0.id
+                ),
+            });
+        }
         let e = Event::new(&self.0.ctx, false)?;
-        self.record(&e)?;
+        r.record_locked(&e)?;
         Ok(e)
     }
 }
