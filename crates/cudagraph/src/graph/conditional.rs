@@ -267,7 +267,9 @@ struct OpenBody<'a> {
 impl OpenBody<'_> {
     fn end(&mut self) -> Result<()> {
         self.open = false;
-        raw::end_capture_to_graph(self.stream.handle.raw())
+        let ended = raw::end_capture_to_graph(self.stream.handle.raw());
+        self.stream.handle.mark_body_capture(false);
+        ended
     }
 }
 
@@ -422,7 +424,11 @@ impl CaptureStream<'_> {
 
         // Record the body on a stream of its own, sharing this capture's pool and id.
         let stream = body_stream(&device, self.root_stream, self.depth + 1)?;
-        raw::begin_capture_to_graph(stream.handle.raw(), body_graph, self.mode)?;
+        stream.handle.mark_body_capture(true);
+        if let Err(e) = raw::begin_capture_to_graph(stream.handle.raw(), body_graph, self.mode) {
+            stream.handle.mark_body_capture(false);
+            return Err(e);
+        }
         let mut open = OpenBody {
             stream: &stream,
             open: true,

@@ -445,6 +445,14 @@ impl StreamHandle {
         Ok(true)
     }
 
+    /// Marks this stream as capturing into a graph of its own (a conditional node's body,
+    /// captured with `cuStreamBeginCaptureToGraph`): call with `true` before that capture
+    /// begins and with `false` once it has ended, so that eager work is refused meanwhile and
+    /// [`StreamRef::record`] knows the stream is capturing without asking the driver.
+    pub(crate) fn mark_body_capture(&self, on: bool) {
+        self.0.tracked.store(on, Ordering::Release);
+    }
+
     /// Undoes [`Self::join_capture`] after the capture the stream joined has ended.
     pub(crate) fn leave_capture(&self) {
         let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
@@ -576,8 +584,14 @@ impl<'a> StreamRef<'a> {
         let mut captured = event.0.captured.lock().unwrap_or_else(|p| p.into_inner());
         // Under this stream's lock no capture of ours begins or joins here meanwhile; another
         // library's can (a borrowed stream), so those are asked again after the record: a
-        // capture that began in between makes the record count as captured.
-        let before = self.is_capturing()?;
+        // capture that began in between makes the record count as captured. Our own streams
+        // enter a capture only through this crate, which marks them first (`tracked`: a
+        // capture begun, joined, or a conditional body), so for them no driver call is needed.
+        let before = if self.0.owner.is_none() {
+            self.0.tracked.load(Ordering::Acquire)
+        } else {
+            self.is_capturing()?
+        };
         // SAFETY: both handles are live.
         check(
             unsafe { sys::cuEventRecord(event.raw().0, self.0.raw.0) },
