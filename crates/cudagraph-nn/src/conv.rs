@@ -77,6 +77,18 @@ pub fn conv_candidates(
                 }
             }
         }
+        // cuDNN's graph API: its engine configurations (plans built eagerly, never in a capture).
+        if allowed(ConvAlgo::CudnnGraph(0), fam) && crate::cudnn::supports(g) {
+            if let Some(c) = eng.cudnn_graph_for(q) {
+                let limit = workspace_limit(eng.device_info().total_memory);
+                for a in c
+                    .candidates(q, dir, g, policy.deterministic, limit)
+                    .unwrap_or_default()
+                {
+                    v.push(ConvAlgo::CudnnGraph(a.rank));
+                }
+            }
+        }
         let sms = eng.device_info().multiprocessors;
         for tile in Tile::ALL {
             if allowed(ConvAlgo::Igemm(tile, 1), fam) && igemm::supports(dir, g, tile).is_ok() {
@@ -309,6 +321,15 @@ fn conv_algo(
                 status: "unavailable (missing, or disabled by the engine policy)".into(),
             })?;
             c.run(q, dir, a, g, io.a, io.b, io.out, io.bias)
+        }
+        ConvAlgo::CudnnGraph(rank) => {
+            let c = eng.cudnn_graph().ok_or_else(|| NnError::Library {
+                library: "cuDNN graph API",
+                call: "dlopen",
+                status: "unavailable (missing, older than 9, or disabled by the engine policy)"
+                    .into(),
+            })?;
+            c.run(q, dir, rank, g, io.a, io.b, io.out, io.bias)
         }
         ConvAlgo::Igemm(tile, splits) => {
             let k = ConvKernels::get(q.device())?;

@@ -61,6 +61,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::blaslt::BlasLt;
 use crate::cudnn::Cudnn;
+use crate::cudnn_graph::CudnnGraph;
 use crate::error::{NnError, Result};
 use crate::gemm::Engine;
 use crate::kernels::igemm::{Spin, Tile};
@@ -107,7 +108,10 @@ impl ConvEngine {
         matches!(
             (self, algo),
             (ConvEngine::Auto, _)
-                | (ConvEngine::Cudnn, ConvAlgo::Cudnn(_))
+                | (
+                    ConvEngine::Cudnn,
+                    ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_)
+                )
                 | (
                     ConvEngine::Ours,
                     ConvAlgo::Igemm(..) | ConvAlgo::Direct | ConvAlgo::Wgrad(_)
@@ -310,6 +314,9 @@ impl FromStr for GemmAlgo {
 pub enum ConvAlgo {
     /// cuDNN with this `cudnnConvolution*Algo_t`.
     Cudnn(u32),
+    /// cuDNN's graph API with the engine configuration of this rank in the key's filtered
+    /// heuristic list ([`crate::cudnn_graph`]); shown as `cudnnv8:RANK`.
+    CudnnGraph(u8),
     /// Our implicit-GEMM kernels with this tile and about this many K splits.
     Igemm(Tile, u16),
     /// Our direct kernels.
@@ -323,7 +330,7 @@ impl ConvAlgo {
     /// The narrowest family it belongs to.
     pub fn family(self) -> ConvEngine {
         match self {
-            ConvAlgo::Cudnn(_) => ConvEngine::Cudnn,
+            ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) => ConvEngine::Cudnn,
             ConvAlgo::Igemm(..) => ConvEngine::Igemm,
             ConvAlgo::Direct | ConvAlgo::Wgrad(_) => ConvEngine::Direct,
         }
@@ -334,6 +341,7 @@ impl fmt::Display for ConvAlgo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConvAlgo::Cudnn(a) => write!(f, "cudnn:{a}"),
+            ConvAlgo::CudnnGraph(r) => write!(f, "cudnnv8:{r}"),
             ConvAlgo::Igemm(t, s) => write!(f, "igemm:{}:{s}", t.name()),
             ConvAlgo::Direct => write!(f, "direct"),
             ConvAlgo::Wgrad(p) => write!(f, "wgrad:{p}"),
@@ -349,6 +357,7 @@ impl FromStr for ConvAlgo {
         match parts.as_slice() {
             ["direct"] => Ok(ConvAlgo::Direct),
             ["cudnn", a] => a.parse().map(ConvAlgo::Cudnn).map_err(|_| bad()),
+            ["cudnnv8", r] => r.parse().map(ConvAlgo::CudnnGraph).map_err(|_| bad()),
             ["wgrad", p] => p.parse().map(ConvAlgo::Wgrad).map_err(|_| bad()),
             ["igemm", t, n] => {
                 let t = Tile::from_name(t).ok_or_else(bad)?;
@@ -482,6 +491,7 @@ pub struct Engines {
     file: Option<PathBuf>,
     libraries: String,
     cudnn: OnceLock<Option<Cudnn>>,
+    cudnn_graph: OnceLock<Option<CudnnGraph>>,
     cublaslt: OnceLock<Option<BlasLt>>,
     /// When on ([`Engines::start_usage_log`]): every (key, engine) served, in order.
     usage: Mutex<Option<Vec<(String, String)>>>,
@@ -541,6 +551,7 @@ impl Engines {
             file,
             libraries,
             cudnn: OnceLock::new(),
+            cudnn_graph: OnceLock::new(),
             cublaslt: OnceLock::new(),
             usage: Mutex::new(None),
             usage_on: std::sync::atomic::AtomicBool::new(false),
@@ -608,6 +619,31 @@ impl Engines {
             return None;
         }
         self.cudnn()
+    }
+
+    /// cuDNN's graph API (every engine configuration), when cuDNN 9 is installed and the
+    /// policy allows cuDNN (opened on first use; an unavailable API prints one notice).
+    pub fn cudnn_graph(&self) -> Option<&CudnnGraph> {
+        if !self.policy().cudnn {
+            return None;
+        }
+        self.cudnn_graph
+            .get_or_init(|| match CudnnGraph::open(&self.ctx) {
+                Ok(c) => Some(c),
+                Err(why) => {
+                    crate::cudnn_graph::notice_once(&why);
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// cuDNN's graph API for listing candidates on `q` (not opened inside a capture).
+    pub(crate) fn cudnn_graph_for(&self, q: &dyn Queue) -> Option<&CudnnGraph> {
+        if q.is_capturing() && self.cudnn_graph.get().is_none() {
+            return None;
+        }
+        self.cudnn_graph()
     }
 
     /// cuBLASLt for listing candidates on `q` (closed libraries stay closed in a capture).
@@ -897,6 +933,8 @@ mod tests {
         }
         for a in [
             ConvAlgo::Cudnn(1),
+            ConvAlgo::CudnnGraph(0),
+            ConvAlgo::CudnnGraph(255),
             ConvAlgo::Igemm(Tile::T32x128, 8),
             ConvAlgo::Direct,
             ConvAlgo::Wgrad(264),
@@ -908,6 +946,9 @@ mod tests {
             "igemm:64x64:1"
         );
         assert!("cudnn".parse::<ConvAlgo>().is_err());
+        assert_eq!(ConvAlgo::CudnnGraph(3).to_string(), "cudnnv8:3");
+        assert!("cudnnv8:256".parse::<ConvAlgo>().is_err());
+        assert!("cudnnv8".parse::<ConvAlgo>().is_err());
         assert!("tiled:x".parse::<GemmAlgo>().is_err());
         assert!("igemm:7x7:1".parse::<ConvAlgo>().is_err());
     }
@@ -946,6 +987,10 @@ mod tests {
         assert!(ConvEngine::Ours.allows(ConvAlgo::Direct));
         assert!(ConvEngine::Ours.allows(ConvAlgo::Igemm(Tile::T64x64, 1)));
         assert!(!ConvEngine::Ours.allows(ConvAlgo::Cudnn(0)));
+        assert!(!ConvEngine::Ours.allows(ConvAlgo::CudnnGraph(0)));
+        assert!(ConvEngine::Cudnn.allows(ConvAlgo::CudnnGraph(0)));
+        assert!(ConvEngine::Auto.allows(ConvAlgo::CudnnGraph(0)));
+        assert_eq!(ConvAlgo::CudnnGraph(2).family(), ConvEngine::Cudnn);
         assert!(!ConvEngine::Igemm.allows(ConvAlgo::Direct));
         assert_eq!(GemmAlgo::CublasLt(0).family(), Engine::CublasLt);
         let p = Policy::default();

@@ -36,6 +36,7 @@ pub mod blaslt;
 pub mod conv;
 pub mod cpu;
 pub mod cudnn;
+pub mod cudnn_graph;
 pub mod datasets;
 pub mod dist;
 pub mod engine;
