@@ -45,8 +45,8 @@ pub mod testing;
 /// re-export so both sides agree.
 pub use cudarc;
 pub use device::{
-    register_check, Anchor, Arg, Device, LaunchOptions, PinnedScope, Queue, QueueExt, Stream,
-    DEVICE_CHECK_CUDA, PDL_CUDA,
+    kernel_copy_fits, register_check, Anchor, Arg, Device, LaunchOptions, PinnedScope, Queue,
+    QueueExt, Stream, COPY_CUDA, COPY_KERNEL_VAR, DEVICE_CHECK_CUDA, MAX_KERNEL_COPY, PDL_CUDA,
 };
 pub use error::{Error, Result};
 pub use graph::{

@@ -8,6 +8,7 @@
 //! `CaptureStream` is neither (a capture belongs to the thread that runs its closure).
 
 mod checks;
+mod copy;
 mod pinned_scope;
 mod queue;
 
@@ -17,6 +18,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 pub use checks::{register_check, DEVICE_CHECK_CUDA};
+pub use copy::{kernel_copy_fits, COPY_CUDA, COPY_KERNEL_VAR, MAX_KERNEL_COPY};
 pub use pinned_scope::PinnedScope;
 pub(crate) use queue::sealed::Sealed;
 pub(crate) use queue::{check_device, check_eager, check_range};
@@ -151,6 +153,18 @@ impl Device {
         }
         m.insert(key, fresh.clone());
         Ok(fresh)
+    }
+
+    /// This device's instance of `T` if one was created before (see [`Self::extension`]);
+    /// never creates one (for use inside a capture, where creating may compile or allocate).
+    pub(crate) fn extension_ready<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.inner
+            .extensions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&TypeId::of::<T>())
+            .cloned()
+            .and_then(|v| v.downcast::<T>().ok())
     }
 
     /// Whether kernels can be launched with programmatic dependent launch here (compute

@@ -1,0 +1,12 @@
+// Device-to-device copies of whole 16-byte words (both addresses 16-byte aligned): a grid-stride
+// loop of uint4 loads and stores. Used for copies of up to a few MiB, where the driver's copy
+// (a copy-engine operation) costs more than a kernel launch.
+extern "C" __global__ void cg_copy16(unsigned long long dst, unsigned long long src,
+                                     unsigned long long words) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < words; i += step)
+        d[i] = s[i];
+}
