@@ -33,6 +33,7 @@ const EXPECTED: &[(&str, &[&str])] = &[
     (
         "cudagraph_nn_loss",
         &[
+            "ce_split_mean",
             "ce_fwd_warp",
             "ce_fwd_block",
             "mse_fwd",

@@ -16,7 +16,7 @@ use std::time::Instant;
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, Stream};
 use cudagraph_nn::engine::Engines;
-use cudagraph_nn::kernels::losses::ce_plan;
+use cudagraph_nn::kernels::losses::{ce_plan, CE_FUSED_ROWS};
 use cudagraph_nn::kernels::optim_mt::{CAP_L, CAP_S};
 use cudagraph_nn::{
     cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, Layer, Linear, Module, Optimizer,
@@ -181,7 +181,8 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
         Spec::CrossEntropy { rows, classes } => {
             let p = ce_plan(rows, classes, sms);
             if p.chunks > 1 {
-                return format!("ce rows split in {} chunks, 3 passes", p.chunks);
+                let passes = if train || rows > CE_FUSED_ROWS { 3 } else { 2 };
+                return format!("ce rows split in {} chunks, {passes} passes", p.chunks);
             }
             format!(
                 "ce {}{}",

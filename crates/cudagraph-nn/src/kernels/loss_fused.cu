@@ -208,6 +208,41 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z
         gr[c] = (expf(zr[c] - m) * inv_s - (c == t ? 1.0f : 0.0f)) * inv_rows;
 }
 
+// The forward pass of ce_split_finish and sum_scaled in one block of 1024 threads, for few rows
+// (at most CE_FUSED_ROWS): warp w merges the chunk statistics of rows w, w + 32, ... and lane 0
+// keeps each row's loss in shared memory (reporting a target outside [0, cols)); then the mean
+// is taken exactly as sum_scaled takes it with its 256 threads (thread i adds rows i, i + 256,
+// ... in order, then the same halving tree), so the loss is bit for bit the one the two-kernel
+// path (used with a gradient) computes.
+#define CE_FUSED_ROWS 256
+extern "C" __global__ void __launch_bounds__(1024) ce_split_mean(const float* z, const int* tgt,
+        const float* pm, const float* ps, float* out, int rows, int cols, int chunks, float scale,
+        cg_check* flag, unsigned int check) {
+    __shared__ float row_loss[CE_FUSED_ROWS];
+    __shared__ float tree[256];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < rows; r += blockDim.x >> 5) {
+        float m, s;
+        ce_row_stats(pm, ps, r, chunks, m, s);
+        if (lane == 0) {
+            const int t = ce_target(tgt, r, cols, true, flag, check);
+            row_loss[r] = logf(s) + m - z[(long long)r * cols + t];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 256) {
+        float acc = 0.0f;
+        for (int i = threadIdx.x; i < rows; i += 256) acc += row_loss[i];
+        tree[threadIdx.x] = acc;
+    }
+    __syncthreads();
+    for (int o = 128; o > 0; o >>= 1) {
+        if (threadIdx.x < o) tree[threadIdx.x] += tree[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = scale * tree[0];
+}
+
 // out[0] = scale * (sum of v[0..count)), one block, fixed order.
 extern "C" __global__ void __launch_bounds__(1024) sum_scaled(const float* v, int count, float* out, float scale) {
     float acc = 0.0f;

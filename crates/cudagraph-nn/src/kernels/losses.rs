@@ -27,6 +27,9 @@ pub const WARP_ROW_MAX: usize = 1024;
 const BLOCK: u32 = 256;
 /// Threads of `ce_fwd_block` (one block per wide row: more threads share the row).
 const WIDE_BLOCK: u32 = 1024;
+/// At most this many rows take the split forward pass (no gradient) in one kernel after the
+/// chunk statistics (`ce_split_mean`: row losses and their mean), instead of two.
+pub const CE_FUSED_ROWS: usize = 256;
 
 type Buf = DeviceBuffer<f32>;
 
@@ -36,6 +39,7 @@ pub struct LossKernels {
     ce_fwd_block: Function,
     ce_split_stats: Function,
     ce_split_finish: Function,
+    ce_split_mean: Function,
     sum_scaled: Function,
     mse_fwd: Function,
     scale_by: Function,
@@ -148,6 +152,7 @@ impl LossKernels {
                     ce_fwd_block: m.function("ce_fwd_block")?,
                     ce_split_stats: m.function("ce_split_stats")?,
                     ce_split_finish: m.function("ce_split_finish")?,
+                    ce_split_mean: m.function("ce_split_mean")?,
                     sum_scaled: m.function("sum_scaled")?,
                     mse_fwd: m.function("mse_fwd")?,
                     scale_by: m.function("scale_by")?,
@@ -370,7 +375,6 @@ impl LossKernels {
         let parts = prod("cross_entropy chunks", &[rows, chunks])?;
         let ki = int("chunks", chunks)?;
         let (pm, ps) = (q.alloc::<f32>(parts)?, q.alloc::<f32>(parts)?);
-        let row_loss = q.alloc::<f32>(rows)?;
         let inv_rows = 1.0 / rows as f32;
         // SAFETY: block b = r·chunks + k (b < rows·chunks = grid) reads logits of row r < rows
         // in columns [k·len, min((k+1)·len, cols)) (logits hold rows·cols, checked by the
@@ -390,6 +394,35 @@ impl LossKernels {
                 ],
             )?;
         }
+        if grad.is_none() && rows <= CE_FUSED_ROWS {
+            need("loss output", loss, 1)?;
+            // SAFETY: one block; warp w reads pm/ps[r·chunks .. r·chunks + chunks) for rows
+            // r < rows (chunks ≤ 32, one lane each; allocated with rows·chunks), targets[r]
+            // (clamped into [0, cols) before it indexes) and one logit of row r (logits hold
+            // rows·cols, checked by the caller); rows ≤ CE_FUSED_ROWS, the kernel's shared row
+            // array; writes loss[0] (checked); flag is the device's error word.
+            return unsafe {
+                super::launch(
+                    q,
+                    &self.ce_split_mean,
+                    LaunchConfig::linear(1, WIDE_BLOCK),
+                    &[
+                        logits.into(),
+                        targets.into(),
+                        (&pm).into(),
+                        (&ps).into(),
+                        loss.into(),
+                        Arg::I32(ri),
+                        Arg::I32(ci),
+                        Arg::I32(ki),
+                        inv_rows.into(),
+                        q.device().check_flag_arg(),
+                        Arg::U32(self.ce_check),
+                    ],
+                )
+            };
+        }
+        let row_loss = q.alloc::<f32>(rows)?;
         let per_row = if grad.is_some() { chunks } else { 1 };
         let blocks = u32::try_from(rows * per_row).map_err(|_| {
             NnError::Shape(format!("cross_entropy: {rows} rows × {per_row} chunks"))
