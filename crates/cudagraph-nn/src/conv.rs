@@ -273,35 +273,7 @@ pub fn conv_with(
 }
 
 fn check_io(dir: ConvDir, g: &ConvGeom, io: &ConvIo<'_>) -> Result<()> {
-    g.out_hw()?;
-    let (x, w, y) = (g.input_len()?, g.weight_len()?, g.output_len()?);
-    let (a, b, out) = match dir {
-        ConvDir::Forward => (("conv2d x", x), ("conv2d w", w), ("conv2d y", y)),
-        ConvDir::BackwardData => (("conv2d dy", y), ("conv2d w", w), ("conv2d dx", x)),
-        ConvDir::BackwardFilter => (("conv2d dy", y), ("conv2d x", x), ("conv2d dw", w)),
-    };
-    for (buf, (what, n)) in [(io.a, a), (io.b, b), (io.out, out)] {
-        if buf.len() < n {
-            return Err(NnError::Core(cudagraph::Error::SizeMismatch {
-                what,
-                expected: n,
-                got: buf.len(),
-            }));
-        }
-    }
-    match (dir, io.bias) {
-        (ConvDir::Forward, Some(bias)) if bias.len() < g.oc => {
-            Err(NnError::Core(cudagraph::Error::SizeMismatch {
-                what: "conv2d bias",
-                expected: g.oc,
-                got: bias.len(),
-            }))
-        }
-        (ConvDir::BackwardData | ConvDir::BackwardFilter, Some(_)) => Err(NnError::Shape(
-            "conv2d: a bias only applies to the forward direction".into(),
-        )),
-        _ => Ok(()),
-    }
+    igemm::conv_roles(dir, g, (io.a, io.b, io.out), io.bias).map(drop)
 }
 
 fn conv_algo(

@@ -23,7 +23,7 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
 use crate::error::{NnError, Result};
-use crate::kernels::igemm::ConvDir;
+use crate::kernels::igemm::{conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
 type Status = u32;
@@ -450,48 +450,13 @@ impl Cudnn {
         out: &DeviceBuffer<f32>,
         bias: Option<&DeviceBuffer<f32>>,
     ) -> Result<()> {
-        let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
-        let need = |what: &'static str, buf: &DeviceBuffer<f32>, n: usize| {
-            if buf.len() < n {
-                Err(NnError::Core(cudagraph::Error::SizeMismatch {
-                    what,
-                    expected: n,
-                    got: buf.len(),
-                }))
-            } else {
-                Ok(())
-            }
-        };
         // (ptr1, ptr2, ptr3) in cuDNN's argument order, after checking each extent.
+        let (x, w, y) = conv_roles(dir, g, (a, b, out), bias)?;
         let (p1, p2, p3) = match dir {
-            ConvDir::Forward => {
-                need("conv2d x", a, x_len)?;
-                need("conv2d w", b, w_len)?;
-                need("conv2d y", out, y_len)?;
-                (a, b, out)
-            }
-            ConvDir::BackwardData => {
-                need("conv2d dy", a, y_len)?;
-                need("conv2d w", b, w_len)?;
-                need("conv2d dx", out, x_len)?;
-                (b, a, out)
-            }
-            ConvDir::BackwardFilter => {
-                need("conv2d dy", a, y_len)?;
-                need("conv2d x", b, x_len)?;
-                need("conv2d dw", out, w_len)?;
-                (b, a, out)
-            }
+            ConvDir::Forward => (x, w, y),
+            ConvDir::BackwardData => (w, y, x),
+            ConvDir::BackwardFilter => (x, y, w),
         };
-        match (dir, bias) {
-            (ConvDir::Forward, Some(bias)) => need("conv2d bias", bias, g.oc)?,
-            (_, Some(_)) => {
-                return Err(NnError::Shape(
-                    "conv2d: a bias only applies to the forward direction".into(),
-                ))
-            }
-            _ => {}
-        }
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;

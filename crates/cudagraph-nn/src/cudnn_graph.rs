@@ -29,7 +29,7 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
 use crate::error::{NnError, Result};
-use crate::kernels::igemm::ConvDir;
+use crate::kernels::igemm::{conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
 type Status = u32;
@@ -921,18 +921,6 @@ fn bias_descs(api: &'static Api, g: &ConvGeom) -> Result<BiasDescs> {
     Ok(b)
 }
 
-fn need(what: &'static str, buf: &DeviceBuffer<f32>, n: usize) -> Result<()> {
-    if buf.len() < n {
-        Err(NnError::Core(cudagraph::Error::SizeMismatch {
-            what,
-            expected: n,
-            got: buf.len(),
-        }))
-    } else {
-        Ok(())
-    }
-}
-
 impl CudnnGraph {
     /// Loads the backend API and creates a handle for `ctx`'s device. `Err` carries why it is
     /// unavailable (the caller prints it once; the legacy API and our kernels remain).
@@ -1037,37 +1025,8 @@ impl CudnnGraph {
                 "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
             )));
         }
-        let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
         // Buffers by unique id (x, w, y), after checking each extent.
-        let (x, w, y) = match dir {
-            ConvDir::Forward => {
-                need("conv2d x", a, x_len)?;
-                need("conv2d w", b, w_len)?;
-                need("conv2d y", out, y_len)?;
-                (a, b, out)
-            }
-            ConvDir::BackwardData => {
-                need("conv2d dy", a, y_len)?;
-                need("conv2d w", b, w_len)?;
-                need("conv2d dx", out, x_len)?;
-                (out, b, a)
-            }
-            ConvDir::BackwardFilter => {
-                need("conv2d dy", a, y_len)?;
-                need("conv2d x", b, x_len)?;
-                need("conv2d dw", out, w_len)?;
-                (b, out, a)
-            }
-        };
-        match (dir, bias) {
-            (ConvDir::Forward, Some(bias)) => need("conv2d bias", bias, g.oc)?,
-            (_, Some(_)) => {
-                return Err(NnError::Shape(
-                    "conv2d: a bias only applies to the forward direction".into(),
-                ))
-            }
-            _ => {}
-        }
+        let (x, w, y) = conv_roles(dir, g, (a, b, out), bias)?;
         let align = alignment(&[x.addr(), w.addr(), y.addr()]);
         let capturing = q.is_capturing();
         let name = || set_name(dir, g, align);

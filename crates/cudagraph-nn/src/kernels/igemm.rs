@@ -60,6 +60,50 @@ impl ConvDir {
     }
 }
 
+/// A direction's buffers by role — input `x`, weights `w`, output `y` — from the order every
+/// engine takes them in (forward `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`,
+/// `out = dx`; backward-filter `a = dy`, `b = x`, `out = dw`), after checking each against its
+/// extent in `g` and the bias rule (forward only, `g.oc` elements).
+pub fn conv_roles<'a>(
+    dir: ConvDir,
+    g: &ConvGeom,
+    (a, b, out): (&'a Buf, &'a Buf, &'a Buf),
+    bias: Option<&Buf>,
+) -> Result<(&'a Buf, &'a Buf, &'a Buf)> {
+    let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
+    let roles = match dir {
+        ConvDir::Forward => {
+            need("conv2d x", a, x_len)?;
+            need("conv2d w", b, w_len)?;
+            need("conv2d y", out, y_len)?;
+            (a, b, out)
+        }
+        ConvDir::BackwardData => {
+            need("conv2d dy", a, y_len)?;
+            need("conv2d w", b, w_len)?;
+            need("conv2d dx", out, x_len)?;
+            (out, b, a)
+        }
+        ConvDir::BackwardFilter => {
+            need("conv2d dy", a, y_len)?;
+            need("conv2d x", b, x_len)?;
+            need("conv2d dw", out, w_len)?;
+            (b, out, a)
+        }
+    };
+    match (dir, bias) {
+        (ConvDir::Forward, Some(bias)) => need("conv2d bias", bias, g.oc)?,
+        (_, Some(_)) => {
+            return Err(NnError::Shape(format!(
+                "{}: a bias only applies to the forward direction",
+                dir.name()
+            )))
+        }
+        _ => {}
+    }
+    Ok(roles)
+}
+
 /// Output tile of one block of the implicit-GEMM kernels (rows × columns of the product).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Tile {
@@ -360,37 +404,13 @@ impl ConvKernels {
     ) -> Result<()> {
         supports(dir, g, tile)?;
         let ints = g.ints()?;
-        let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
+        conv_roles(dir, g, (a, b, out), bias)?;
         // The kernel's operands: src_a, src_b (see igemm.cu) and the output.
         let (src_a, src_b) = match dir {
-            ConvDir::Forward => {
-                need("conv2d x", a, x_len)?;
-                need("conv2d w", b, w_len)?;
-                need("conv2d y", out, y_len)?;
-                if let Some(bias) = bias {
-                    need("conv2d bias", bias, g.oc)?;
-                }
-                (b, a) // kernel: a = w, b = x
-            }
-            ConvDir::BackwardData => {
-                need("conv2d dy", a, y_len)?;
-                need("conv2d w", b, w_len)?;
-                need("conv2d dx", out, x_len)?;
-                (b, a) // kernel: a = w, b = dy
-            }
-            ConvDir::BackwardFilter => {
-                need("conv2d dy", a, y_len)?;
-                need("conv2d x", b, x_len)?;
-                need("conv2d dw", out, w_len)?;
-                (a, b) // kernel: a = dy, b = x
-            }
+            ConvDir::Forward => (b, a),        // kernel: a = w, b = x
+            ConvDir::BackwardData => (b, a),   // kernel: a = w, b = dy
+            ConvDir::BackwardFilter => (a, b), // kernel: a = dy, b = x
         };
-        if dir != ConvDir::Forward && bias.is_some() {
-            return Err(NnError::Shape(format!(
-                "{}: a bias only applies to the forward direction",
-                dir.name()
-            )));
-        }
         let (m, n, k) = gemm_shape(dir, g)?;
         if m == 0 || n == 0 {
             return Ok(());
@@ -508,9 +528,7 @@ impl ConvKernels {
                  or indices beyond 32 bits"
             )));
         }
-        need("conv2d dy", dy, g.output_len()?)?;
-        need("conv2d x", x, g.input_len()?)?;
-        need("conv2d dw", dw, g.weight_len()?)?;
+        conv_roles(ConvDir::BackwardFilter, g, (dy, x, dw), None)?;
         let (oc, r, pixels) = gemm_shape(ConvDir::BackwardFilter, g)?;
         if oc == 0 || r == 0 {
             return Ok(());
