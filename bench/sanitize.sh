@@ -51,7 +51,10 @@ export CUDAGRAPH_TEST_QUICK=1
 # CUDA_MODULE_LOADING=EAGER the reports moved (first gone, then in gather_batch) and every job
 # ran several times slower. NVIDIA/warp issue #1406 reports the same with WHILE bodies reading
 # memory allocated shortly before the capture (gone with a synchronisation in between). These
-# reports are counted below like any other; see bench/results/sanitize-2026-11-23.md.
+# reports are counted below like any other; see bench/results/sanitize-2026-11-23.md. A raw CUDA
+# C++ program with the same conditional-node pattern and plainly correct kernels in a WHILE body
+# (bench/raw/while_sanitize.cu, bench/results/raw-while-sanitize-2026-11-23.txt) gets the same
+# synccheck barrier reports and crashes racecheck; memcheck and initcheck pass it.
 # racecheck instruments every shared-memory access of every kernel, library kernels included;
 # over the engine sweeps (gpu_engines, gpu_nn, gpu_optim: every cuBLAS/cuDNN candidate) it did
 # not finish in 380 s. By default it covers the other binaries; RACECHECK_TESTS="" for all.
