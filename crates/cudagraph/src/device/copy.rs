@@ -6,7 +6,7 @@
 //! large ones, a machine without NVRTC, a capture before any eager copy compiled the kernel,
 //! or `CUDAGRAPH_COPY_KERNEL=0` — uses the driver's copy. Both give the same bytes.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use super::Device;
 use crate::runtime::{Function, LaunchConfig};
@@ -23,7 +23,7 @@ pub const MAX_KERNEL_COPY: usize = 64 << 20;
 pub const COPY_KERNEL_VAR: &str = "CUDAGRAPH_COPY_KERNEL";
 
 /// The copy kernel of one device (a device extension); `None` when it could not be compiled.
-pub(crate) struct CopyKernel(Option<Function>);
+struct CopyKernel(Option<Function>);
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -53,7 +53,7 @@ pub(crate) fn kernel_for(
     dst: u64,
     src: u64,
     bytes: usize,
-) -> Option<(Arc<CopyKernel>, LaunchConfig)> {
+) -> Option<(Function, LaunchConfig)> {
     if !enabled() || !kernel_copy_fits(dst, src, bytes) {
         return None;
     }
@@ -70,18 +70,12 @@ pub(crate) fn kernel_for(
             })
             .ok()?
     };
-    k.0.as_ref()?;
+    let f = k.0.clone()?;
     let words = bytes / 16;
     let blocks = words
         .div_ceil(256)
         .clamp(1, 4 * device.info().multiprocessors.max(1) as usize);
-    Some((k, LaunchConfig::linear(blocks as u32, 256)))
-}
-
-impl CopyKernel {
-    pub(crate) fn function(&self) -> Option<&Function> {
-        self.0.as_ref()
-    }
+    Some((f, LaunchConfig::linear(blocks as u32, 256)))
 }
 
 #[cfg(test)]

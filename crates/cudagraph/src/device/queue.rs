@@ -428,25 +428,23 @@ pub trait QueueExt: Queue {
             src.addr_at(src_offset)?,
             len * std::mem::size_of::<T>(),
         );
-        if let Some((k, cfg)) =
+        if let Some((f, cfg)) =
             super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes)
         {
-            if let Some(f) = k.function() {
-                let words = (bytes / 16) as u64;
-                // SAFETY: cg_copy16 reads and writes 16-byte words i < words at s + 16·i and
-                // d + 16·i: bytes = 16·words bytes from src_offset and dst_offset, in range of
-                // src and dst (checked above), both addresses 16-byte aligned (checked by
-                // kernel_for); both blocks were declared with use_block.
-                return unsafe {
-                    launch_checked(
-                        self,
-                        f,
-                        cfg,
-                        &[Arg::U64(d), Arg::U64(s), Arg::U64(words)],
-                        false,
-                    )
-                };
-            }
+            let words = (bytes / 16) as u64;
+            // SAFETY: cg_copy16 reads and writes 16-byte words i < words at s + 16·i and
+            // d + 16·i: bytes = 16·words bytes from src_offset and dst_offset, in range of src
+            // and dst (checked above), both addresses 16-byte aligned (checked by kernel_for);
+            // both blocks were declared with use_block.
+            return unsafe {
+                launch_checked(
+                    self,
+                    &f,
+                    cfg,
+                    &[Arg::U64(d), Arg::U64(s), Arg::U64(words)],
+                    false,
+                )
+            };
         }
         raw::memcpy_dtod_async(d, s, bytes, self.stream_handle().raw_handle())
     }
