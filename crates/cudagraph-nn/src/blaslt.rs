@@ -20,6 +20,7 @@ use cudagraph::{DeviceBuffer, Queue};
 use cudarc::cublaslt::sys as ls;
 
 use crate::blas::Trans;
+use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
 use crate::gemm::Epilogue;
 
@@ -122,30 +123,21 @@ fn load() -> std::result::Result<Api, String> {
     }
     // SAFETY: the library loads (checked above), so `culib` returns it instead of panicking.
     let lib = unsafe { ls::culib() };
-    macro_rules! sym {
-        ($name:literal) => {
-            // SAFETY: looks the symbol up without calling it; it is stored with the signature
-            // of cuBLASLt's header for that name (see `Api`).
-            unsafe { lib.get($name.as_bytes()) }
-                .map(|s| *s)
-                .map_err(|e| format!("{} is missing ({e})", $name))?
-        };
-    }
     Ok(Api {
-        get_version: sym!("cublasLtGetVersion"),
-        status_string: sym!("cublasLtGetStatusString"),
-        create: sym!("cublasLtCreate"),
-        destroy: sym!("cublasLtDestroy"),
-        desc_create: sym!("cublasLtMatmulDescCreate"),
-        desc_destroy: sym!("cublasLtMatmulDescDestroy"),
-        desc_set: sym!("cublasLtMatmulDescSetAttribute"),
-        layout_create: sym!("cublasLtMatrixLayoutCreate"),
-        layout_destroy: sym!("cublasLtMatrixLayoutDestroy"),
-        pref_create: sym!("cublasLtMatmulPreferenceCreate"),
-        pref_destroy: sym!("cublasLtMatmulPreferenceDestroy"),
-        pref_set: sym!("cublasLtMatmulPreferenceSetAttribute"),
-        heuristic: sym!("cublasLtMatmulAlgoGetHeuristic"),
-        matmul: sym!("cublasLtMatmul"),
+        get_version: lib_fn!(lib, "cublasLtGetVersion"),
+        status_string: lib_fn!(lib, "cublasLtGetStatusString"),
+        create: lib_fn!(lib, "cublasLtCreate"),
+        destroy: lib_fn!(lib, "cublasLtDestroy"),
+        desc_create: lib_fn!(lib, "cublasLtMatmulDescCreate"),
+        desc_destroy: lib_fn!(lib, "cublasLtMatmulDescDestroy"),
+        desc_set: lib_fn!(lib, "cublasLtMatmulDescSetAttribute"),
+        layout_create: lib_fn!(lib, "cublasLtMatrixLayoutCreate"),
+        layout_destroy: lib_fn!(lib, "cublasLtMatrixLayoutDestroy"),
+        pref_create: lib_fn!(lib, "cublasLtMatmulPreferenceCreate"),
+        pref_destroy: lib_fn!(lib, "cublasLtMatmulPreferenceDestroy"),
+        pref_set: lib_fn!(lib, "cublasLtMatmulPreferenceSetAttribute"),
+        heuristic: lib_fn!(lib, "cublasLtMatmulAlgoGetHeuristic"),
+        matmul: lib_fn!(lib, "cublasLtMatmul"),
     })
 }
 

@@ -153,6 +153,21 @@ fn sub_libraries_load() -> std::result::Result<(), String> {
     ))
 }
 
+/// Looks up the C function `$name` in a loaded library (a `libloading::Library`) as the function
+/// pointer type of the `Api` field it initialises, or returns `Err("<name> is missing (..)")`
+/// from the enclosing loader. The run-time loaders of cuDNN (legacy and graph API) and
+/// cuBLASLt share it.
+macro_rules! lib_fn {
+    ($lib:expr, $name:literal) => {
+        // SAFETY: looks the symbol up without calling it; the caller stores it in an `Api`
+        // field declared with the C prototype of the library's header for that name.
+        unsafe { $lib.get($name.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|e| format!("{} is missing ({e})", $name))?
+    };
+}
+pub(crate) use lib_fn;
+
 fn load() -> std::result::Result<Api, String> {
     // SAFETY: only tries to dlopen libcudnn by its usual names.
     if !unsafe { cs::is_culib_present() } {
@@ -161,48 +176,39 @@ fn load() -> std::result::Result<Api, String> {
     sub_libraries_load()?;
     // SAFETY: the library loads (checked above), so `culib` returns it instead of panicking.
     let lib = unsafe { cs::culib() };
-    macro_rules! sym {
-        ($name:literal) => {
-            // SAFETY: looks the symbol up without calling it; it is stored with the signature
-            // of cuDNN's header for that name (see `Api`).
-            unsafe { lib.get($name.as_bytes()) }
-                .map(|s| *s)
-                .map_err(|e| format!("{} is missing ({e})", $name))?
-        };
-    }
     let api = Api {
-        get_version: sym!("cudnnGetVersion"),
-        get_error_string: sym!("cudnnGetErrorString"),
-        create: sym!("cudnnCreate"),
-        destroy: sym!("cudnnDestroy"),
-        set_stream: sym!("cudnnSetStream"),
-        create_tensor: sym!("cudnnCreateTensorDescriptor"),
-        set_tensor_4d: sym!("cudnnSetTensor4dDescriptor"),
-        destroy_tensor: sym!("cudnnDestroyTensorDescriptor"),
-        create_filter: sym!("cudnnCreateFilterDescriptor"),
-        set_filter_4d: sym!("cudnnSetFilter4dDescriptor"),
-        destroy_filter: sym!("cudnnDestroyFilterDescriptor"),
-        create_conv: sym!("cudnnCreateConvolutionDescriptor"),
-        set_conv_2d: sym!("cudnnSetConvolution2dDescriptor"),
-        set_conv_math: sym!("cudnnSetConvolutionMathType"),
-        destroy_conv: sym!("cudnnDestroyConvolutionDescriptor"),
-        output_dim: sym!("cudnnGetConvolution2dForwardOutputDim"),
+        get_version: lib_fn!(lib, "cudnnGetVersion"),
+        get_error_string: lib_fn!(lib, "cudnnGetErrorString"),
+        create: lib_fn!(lib, "cudnnCreate"),
+        destroy: lib_fn!(lib, "cudnnDestroy"),
+        set_stream: lib_fn!(lib, "cudnnSetStream"),
+        create_tensor: lib_fn!(lib, "cudnnCreateTensorDescriptor"),
+        set_tensor_4d: lib_fn!(lib, "cudnnSetTensor4dDescriptor"),
+        destroy_tensor: lib_fn!(lib, "cudnnDestroyTensorDescriptor"),
+        create_filter: lib_fn!(lib, "cudnnCreateFilterDescriptor"),
+        set_filter_4d: lib_fn!(lib, "cudnnSetFilter4dDescriptor"),
+        destroy_filter: lib_fn!(lib, "cudnnDestroyFilterDescriptor"),
+        create_conv: lib_fn!(lib, "cudnnCreateConvolutionDescriptor"),
+        set_conv_2d: lib_fn!(lib, "cudnnSetConvolution2dDescriptor"),
+        set_conv_math: lib_fn!(lib, "cudnnSetConvolutionMathType"),
+        destroy_conv: lib_fn!(lib, "cudnnDestroyConvolutionDescriptor"),
+        output_dim: lib_fn!(lib, "cudnnGetConvolution2dForwardOutputDim"),
         find: [
-            sym!("cudnnGetConvolutionForwardAlgorithm_v7"),
-            sym!("cudnnGetConvolutionBackwardDataAlgorithm_v7"),
-            sym!("cudnnGetConvolutionBackwardFilterAlgorithm_v7"),
+            lib_fn!(lib, "cudnnGetConvolutionForwardAlgorithm_v7"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardDataAlgorithm_v7"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardFilterAlgorithm_v7"),
         ],
         workspace: [
-            sym!("cudnnGetConvolutionForwardWorkspaceSize"),
-            sym!("cudnnGetConvolutionBackwardDataWorkspaceSize"),
-            sym!("cudnnGetConvolutionBackwardFilterWorkspaceSize"),
+            lib_fn!(lib, "cudnnGetConvolutionForwardWorkspaceSize"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardDataWorkspaceSize"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardFilterWorkspaceSize"),
         ],
         run: [
-            sym!("cudnnConvolutionForward"),
-            sym!("cudnnConvolutionBackwardData"),
-            sym!("cudnnConvolutionBackwardFilter"),
+            lib_fn!(lib, "cudnnConvolutionForward"),
+            lib_fn!(lib, "cudnnConvolutionBackwardData"),
+            lib_fn!(lib, "cudnnConvolutionBackwardFilter"),
         ],
-        add_tensor: sym!("cudnnAddTensor"),
+        add_tensor: lib_fn!(lib, "cudnnAddTensor"),
     };
     // SAFETY: no arguments; returns a number.
     let v = unsafe { (api.get_version)() };

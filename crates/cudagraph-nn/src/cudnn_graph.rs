@@ -28,6 +28,7 @@ use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
+use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
 use crate::kernels::igemm::{conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
@@ -167,30 +168,21 @@ fn load() -> std::result::Result<Api, String> {
     }
     // SAFETY: libcudnn loads (`version` succeeded), so `culib` returns it instead of panicking.
     let lib = unsafe { cs::culib() };
-    macro_rules! sym {
-        ($name:literal) => {
-            // SAFETY: looks the symbol up without calling it; it is stored with the signature
-            // of cuDNN's header for that name (see `Api`).
-            unsafe { lib.get($name.as_bytes()) }
-                .map(|s| *s)
-                .map_err(|e| format!("{} is missing ({e})", $name))?
-        };
-    }
     Ok(Api {
-        get_error_string: sym!("cudnnGetErrorString"),
-        create: sym!("cudnnCreate"),
-        destroy: sym!("cudnnDestroy"),
-        set_stream: sym!("cudnnSetStream"),
-        backend_create: sym!("cudnnBackendCreateDescriptor"),
-        backend_destroy: sym!("cudnnBackendDestroyDescriptor"),
-        backend_set: sym!("cudnnBackendSetAttribute"),
-        backend_get: sym!("cudnnBackendGetAttribute"),
-        backend_finalize: sym!("cudnnBackendFinalize"),
-        backend_execute: sym!("cudnnBackendExecute"),
-        create_tensor: sym!("cudnnCreateTensorDescriptor"),
-        set_tensor_4d: sym!("cudnnSetTensor4dDescriptor"),
-        destroy_tensor: sym!("cudnnDestroyTensorDescriptor"),
-        add_tensor: sym!("cudnnAddTensor"),
+        get_error_string: lib_fn!(lib, "cudnnGetErrorString"),
+        create: lib_fn!(lib, "cudnnCreate"),
+        destroy: lib_fn!(lib, "cudnnDestroy"),
+        set_stream: lib_fn!(lib, "cudnnSetStream"),
+        backend_create: lib_fn!(lib, "cudnnBackendCreateDescriptor"),
+        backend_destroy: lib_fn!(lib, "cudnnBackendDestroyDescriptor"),
+        backend_set: lib_fn!(lib, "cudnnBackendSetAttribute"),
+        backend_get: lib_fn!(lib, "cudnnBackendGetAttribute"),
+        backend_finalize: lib_fn!(lib, "cudnnBackendFinalize"),
+        backend_execute: lib_fn!(lib, "cudnnBackendExecute"),
+        create_tensor: lib_fn!(lib, "cudnnCreateTensorDescriptor"),
+        set_tensor_4d: lib_fn!(lib, "cudnnSetTensor4dDescriptor"),
+        destroy_tensor: lib_fn!(lib, "cudnnDestroyTensorDescriptor"),
+        add_tensor: lib_fn!(lib, "cudnnAddTensor"),
     })
 }
 
