@@ -262,6 +262,12 @@ pub enum GemmAlgo {
     CublasLt(u8),
     /// Our split-K tiled kernel with about this many K splits.
     Tiled(u16),
+    /// The same tiled kernel with exactly this many K splits (2, 4 or 8) reduced inside a
+    /// thread-block cluster: one kernel, no reduce node (sm_90+).
+    Cluster(u8),
+    /// Our forward-layout kernel that streams 128-wide K chunks of float4s, K split into this
+    /// many ranges (1, 2, 4 or 8) reduced inside a thread-block cluster (sm_90+).
+    Chunks(u8),
     /// Our warp-K kernel (forward layout, alpha 1, beta 0).
     WarpK,
     /// Our few-rows kernel (forward layout, alpha 1, beta 0) with this many warps splitting K
@@ -275,7 +281,7 @@ impl GemmAlgo {
         match self {
             GemmAlgo::Cublas => Engine::Cublas,
             GemmAlgo::CublasLt(_) => Engine::CublasLt,
-            GemmAlgo::Tiled(_) => Engine::Tiled,
+            GemmAlgo::Tiled(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => Engine::Tiled,
             GemmAlgo::WarpK => Engine::WarpK,
             GemmAlgo::Rows(_) => Engine::Rows,
         }
@@ -288,6 +294,8 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::Cublas => write!(f, "cublas"),
             GemmAlgo::CublasLt(r) => write!(f, "cublaslt:{r}"),
             GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
+            GemmAlgo::Cluster(s) => write!(f, "cluster:{s}"),
+            GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
             GemmAlgo::WarpK => write!(f, "warpk"),
             GemmAlgo::Rows(ks) => write!(f, "rows:{ks}"),
         }
@@ -303,6 +311,8 @@ impl FromStr for GemmAlgo {
             None if s == "warpk" => Ok(GemmAlgo::WarpK),
             Some(("cublaslt", r)) => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
             Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
+            Some(("cluster", r)) => r.parse().map(GemmAlgo::Cluster).map_err(|_| bad()),
+            Some(("chunks", r)) => r.parse().map(GemmAlgo::Chunks).map_err(|_| bad()),
             Some(("rows", r)) => r.parse().map(GemmAlgo::Rows).map_err(|_| bad()),
             _ => Err(bad()),
         }
@@ -926,6 +936,8 @@ mod tests {
             GemmAlgo::Cublas,
             GemmAlgo::CublasLt(2),
             GemmAlgo::Tiled(16),
+            GemmAlgo::Cluster(8),
+            GemmAlgo::Chunks(1),
             GemmAlgo::WarpK,
             GemmAlgo::Rows(4),
         ] {

@@ -1,7 +1,10 @@
 //! Matrix products for the NN layer, each run by the engine the registry ([`crate::engine`])
 //! chose for its shape: cuBLAS, cuBLASLt (bias, bias+ReLU and bias-gradient epilogues fused),
 //! or our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
-//! bias/ReLU), `sgemm_nt_warpk` (K split across the warps of one block, forward layout) and
+//! bias/ReLU; on sm_90+ also with the splits reduced inside a thread-block cluster, one kernel),
+//! `sgemm_nt_chunks` (sm_90+, forward layout: 128-wide K chunks of float4s, splits reduced in
+//! a cluster),
+//! `sgemm_nt_warpk` (K split across the warps of one block, forward layout) and
 //! `sgemm_nt_rows` (few rows: every lane streams float4s of four weight rows, K split across
 //! lanes and warps and summed in a fixed order inside the kernel, forward layout).
 //!
@@ -17,7 +20,7 @@ use crate::blas::Trans;
 use crate::blaslt::{alignment, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
-use crate::kernels::{GemmDims, Nn};
+use crate::kernels::{ClusterKernels, GemmDims, Nn};
 
 type Buf = DeviceBuffer<f32>;
 
@@ -187,6 +190,17 @@ impl GemmOp {
             && self.m <= ROWS_MAX_M
             && align >= 16
             && crate::kernels::rows_ok(self.k, &[])
+    }
+
+    /// The chunked forward kernel applies: `x·wᵀ` (any alpha, beta, a bias epilogue or none),
+    /// float4-readable operands.
+    fn chunks_ok(&self, align: u32) -> bool {
+        self.ta == Trans::N
+            && self.tb == Trans::T
+            && self.epilogue != Epilogue::BiasGrad
+            && align >= 16
+            && crate::kernels::rows_ok(self.k, &[])
+            && self.tiled_ok()
     }
 
     fn tiled_ok(&self) -> bool {
@@ -377,6 +391,21 @@ pub fn gemm_candidates(
             v.push(GemmAlgo::Tiled(s.min(u16::MAX as usize) as u16));
         }
     }
+    if allowed(Engine::Tiled) && op.tiled_ok() && ClusterKernels::supported(q.device()) {
+        let sms = eng.device_info().multiprocessors;
+        v.extend(
+            cluster_splits(op.m, op.n, op.k, sms)
+                .into_iter()
+                .map(GemmAlgo::Cluster),
+        );
+        if op.chunks_ok(align) {
+            v.extend(
+                chunk_splits(op.m, op.n, op.k, sms)
+                    .into_iter()
+                    .map(GemmAlgo::Chunks),
+            );
+        }
+    }
     if allowed(Engine::WarpK) && op.warpk_ok() && op.tiled_ok() {
         v.push(GemmAlgo::WarpK);
     }
@@ -501,6 +530,42 @@ fn run_algo(
             )?;
             bgrad(q)
         }
+        GemmAlgo::Cluster(splits) => {
+            nn.sgemm_cluster(
+                q,
+                op.dims(),
+                op.alpha,
+                a,
+                b,
+                op.beta,
+                c,
+                bias,
+                relu,
+                splits as usize,
+            )?;
+            bgrad(q)
+        }
+        GemmAlgo::Chunks(splits) => {
+            if !op.chunks_ok(align) {
+                return Err(NnError::Shape(format!(
+                    "gemm: the chunked kernel runs only x·wᵀ with k a multiple of 4 and 16-byte \
+                     aligned operands ({})",
+                    op.key()
+                )));
+            }
+            nn.sgemm_nt_chunks(
+                q,
+                (op.m, op.n, op.k),
+                op.alpha,
+                a,
+                b,
+                op.beta,
+                c,
+                bias,
+                relu,
+                splits as usize,
+            )
+        }
         GemmAlgo::Rows(ks) => {
             if !op.rows_ok(align) {
                 return Err(NnError::Shape(format!(
@@ -542,6 +607,31 @@ pub fn rows_split(m: usize, n: usize, k: usize, multiprocessors: u32) -> usize {
     ks
 }
 
+/// The cluster sizes (K splits reduced inside a thread-block cluster) offered for a product:
+/// 2, 4 and 8 where every split keeps at least two 32-wide K tiles and the grid stays within
+/// about eight blocks per multiprocessor (beyond that the device is full without splitting).
+pub fn cluster_splits(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<u8> {
+    let tiles = m.div_ceil(32).saturating_mul(n.div_ceil(32));
+    let k_tiles = k.div_ceil(32);
+    let most = 8 * multiprocessors.max(1) as usize;
+    [2u8, 4, 8]
+        .into_iter()
+        .filter(|&s| 2 * s as usize <= k_tiles && tiles.saturating_mul(s as usize) <= most)
+        .collect()
+}
+
+/// The K splits offered to the chunked forward kernel: 1, and 2, 4, 8 where every split keeps
+/// a 128-wide chunk and the grid stays within about eight blocks per multiprocessor.
+pub fn chunk_splits(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<u8> {
+    let tiles = m.div_ceil(32).saturating_mul(n.div_ceil(32));
+    let chunks = k.div_ceil(128);
+    let most = 8 * multiprocessors.max(1) as usize;
+    [1u8, 2, 4, 8]
+        .into_iter()
+        .filter(|&s| s == 1 || (s as usize <= chunks && tiles.saturating_mul(s as usize) <= most))
+        .collect()
+}
+
 /// How many K splits give the device enough blocks (about two waves of 132 SMs) while each
 /// split keeps at least two 32-wide K tiles.
 pub fn split_k(m: usize, n: usize, k: usize) -> usize {
@@ -580,6 +670,29 @@ mod tests {
         assert_eq!(rows_split(1, 16384, 1024, 132), 1);
         // A long K with few columns splits as far as 8 warps.
         assert_eq!(rows_split(1, 64, 4096, 132), 8);
+    }
+
+    #[test]
+    fn cluster_splits_keep_two_tiles_per_split_and_a_bounded_grid() {
+        // The seed MLP at batch 32: 16 tiles, 32 K tiles.
+        assert_eq!(cluster_splits(32, 512, 1024, 132), vec![2, 4, 8]);
+        // 256 → 10: one tile, 8 K tiles: at most 4 splits of 2 tiles.
+        assert_eq!(cluster_splits(32, 10, 256, 132), vec![2, 4]);
+        // Too shallow to split.
+        assert!(cluster_splits(64, 64, 96, 132).is_empty());
+        // 1024 tiles fill the device already: no split keeps the grid under 8 per SM.
+        assert_eq!(cluster_splits(1024, 1024, 4096, 132), Vec::<u8>::new());
+        assert_eq!(cluster_splits(256, 1024, 4096, 132), vec![2, 4]);
+    }
+
+    #[test]
+    fn chunk_splits_keep_a_chunk_per_split_and_a_bounded_grid() {
+        assert_eq!(chunk_splits(32, 512, 1024, 132), vec![1, 2, 4, 8]);
+        // 256 deep: two chunks.
+        assert_eq!(chunk_splits(32, 10, 256, 132), vec![1, 2]);
+        assert_eq!(chunk_splits(32, 10, 4, 132), vec![1]);
+        // 1024 tiles fill the device: no split.
+        assert_eq!(chunk_splits(1024, 1024, 4096, 132), vec![1]);
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //! The GPU machine is expected to have cuDNN and cuBLASLt: the tests that force them fail when
 //! they are missing (a skipped engine is not a tested engine).
 
-use cudagraph::{gpu_test_device, CaptureOptions, Device, Graph, Queue, Stream};
+use cudagraph::{gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, Stream};
 use cudagraph_nn::blas::Trans;
 use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
@@ -155,6 +155,11 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                     s.alloc_from_host(&bias).unwrap(),
                 );
                 let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(4)];
+                // Every cluster size, also where K has fewer tiles than splits (empty splits).
+                algos.extend([2, 4, 8].map(GemmAlgo::Cluster));
+                if ta == n && tb == t && k % 4 == 0 {
+                    algos.extend([1, 2, 4, 8].map(GemmAlgo::Chunks));
+                }
                 if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
                     algos.push(GemmAlgo::WarpK);
                     if m <= cudagraph_nn::gemm::ROWS_MAX_M && k % 4 == 0 {
@@ -177,6 +182,103 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         }
     }
     assert!(checked > 200, "{checked} products checked");
+}
+
+/// The cluster kernels reduce the same K splits as `tiled:S` plus its reduce node, in the same
+/// order: equal values (splits past K add +0.0), one node instead of two, and a graph replay
+/// equal to the eager run bit for bit. The chunked forward kernel (its own split order) against
+/// the reference and eager against replay.
+#[test]
+fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
+    let dev = gpu_test_device!();
+    assert!(
+        cudagraph_nn::kernels::ClusterKernels::supported(&dev),
+        "the GPU test machine (sm_90+) runs thread-block clusters"
+    );
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(104);
+    let (n, t) = (Trans::N, Trans::T);
+    for &(m, nn_, k, ta, tb) in &[
+        (32usize, 512usize, 1024usize, n, t),
+        (32, 10, 256, n, t),
+        (1, 1024, 4096, n, t),
+        (33, 65, 700, t, n),
+        (7, 300, 257, n, n),
+        (64, 96, 64, t, t),
+    ] {
+        let op = GemmOp {
+            ta,
+            tb,
+            m,
+            n: nn_,
+            k,
+            alpha: 0.5,
+            beta: 0.25,
+            epilogue: Epilogue::BiasRelu,
+        };
+        let (ah, bh, c0, bias) = (
+            data(&mut rng, m * k),
+            data(&mut rng, k * nn_),
+            data(&mut rng, m * nn_),
+            data(&mut rng, nn_),
+        );
+        let (a, b, bb) = (
+            s.alloc_from_host(&ah).unwrap(),
+            s.alloc_from_host(&bh).unwrap(),
+            s.alloc_from_host(&bias).unwrap(),
+        );
+        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+            gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
+        };
+        let want = gemm_ref(&op, &ah, &bh, &c0, &bias);
+        // The chunked forward kernel (x·wᵀ, k a multiple of 4): the reference, and a replay
+        // equal to the eager run bit for bit, in one kernel node.
+        if ta == n && tb == t && k % 4 == 0 {
+            for splits in [1u8, 2, 4, 8] {
+                let algo = GemmAlgo::Chunks(splits);
+                let eager = s.alloc_from_host(&c0).unwrap();
+                run(&s, algo, &eager).unwrap();
+                let ev = s.to_vec(&eager).unwrap();
+                let err = rel_err(&ev, &want);
+                assert!(err < tol(k), "{algo} {}: {err}", op.key());
+                let replayed = s.alloc_from_host(&c0).unwrap();
+                let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                    run(cs, algo, &replayed).map_err(Into::into)
+                })
+                .unwrap();
+                assert_eq!(g.info().nodes.kernel, 1, "{algo}: one kernel node");
+                g.replay(&s).unwrap();
+                let rv = s.to_vec(&replayed).unwrap();
+                assert!(
+                    rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{algo} replay vs eager {}",
+                    op.key()
+                );
+            }
+        }
+        for splits in [2u8, 4, 8] {
+            let tiled = s.alloc_from_host(&c0).unwrap();
+            run(&s, GemmAlgo::Tiled(splits as u16), &tiled).unwrap();
+            let eager = s.alloc_from_host(&c0).unwrap();
+            run(&s, GemmAlgo::Cluster(splits), &eager).unwrap();
+            let (tv, ev) = (s.to_vec(&tiled).unwrap(), s.to_vec(&eager).unwrap());
+            assert_eq!(tv, ev, "cluster:{splits} vs tiled:{splits} {}", op.key());
+            let replayed = s.alloc_from_host(&c0).unwrap();
+            let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                run(cs, GemmAlgo::Cluster(splits), &replayed).map_err(Into::into)
+            })
+            .unwrap();
+            assert_eq!(g.info().nodes.kernel, 1, "one kernel node: no reduce");
+            g.replay(&s).unwrap();
+            let rv = s.to_vec(&replayed).unwrap();
+            assert!(
+                rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "cluster:{splits} replay vs eager {}",
+                op.key()
+            );
+        }
+    }
 }
 
 #[test]
@@ -210,7 +312,12 @@ fn bias_gradient_engines_match_cpu() {
             s.alloc_from_host(&dzh).unwrap(),
             s.alloc_from_host(&xh).unwrap(),
         );
-        let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(3)];
+        let mut algos = vec![
+            GemmAlgo::Cublas,
+            GemmAlgo::Tiled(1),
+            GemmAlgo::Tiled(3),
+            GemmAlgo::Cluster(4),
+        ];
         algos.extend(lt_algos(&dev, &s, &op));
         for algo in algos {
             let dw = s.alloc_from_host(&vec![f32::NAN; out * inf]).unwrap();
@@ -305,8 +412,10 @@ fn linear_layers_match_cpu_under_every_gemm_policy() {
             .collect();
         assert!(!rows.is_empty(), "no {family} rows");
         for r in rows {
-            assert!(
-                r.entry.engine.starts_with(family),
+            let algo: GemmAlgo = r.entry.engine.parse().unwrap();
+            assert_eq!(
+                algo.family().name(),
+                family,
                 "{} -> {}",
                 r.key,
                 r.entry.engine

@@ -53,6 +53,18 @@ const EXPECTED: &[(&str, &[&str])] = &[
     ),
     ("cudagraph_nn_spin", &["engines_spin"]),
     (
+        "cudagraph_nn_cluster",
+        &[
+            "sgemm_tiled_cluster2",
+            "sgemm_tiled_cluster4",
+            "sgemm_tiled_cluster8",
+            "sgemm_nt_chunks1",
+            "sgemm_nt_chunks2",
+            "sgemm_nt_chunks4",
+            "sgemm_nt_chunks8",
+        ],
+    ),
+    (
         "cudagraph_nn_igemm",
         &[
             "conv_igemm_fwd_64x64",

@@ -5,7 +5,8 @@
 // memory, loads coalesced along whichever dimension is contiguous. Sums run in a fixed order.
 // Split-K: blockIdx.z takes K range [z * kc, (z + 1) * kc); with `partial` set, raw sums go to
 // partial[z][i][j] and splitk_reduce applies the epilogue (a fixed summation order: results do
-// not depend on scheduling).
+// not depend on scheduling). The tile loop and the epilogue are in gemm_tile.cu; on sm_90+
+// gemm_cluster.cu reduces the same splits inside a thread-block cluster instead.
 extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
@@ -13,54 +14,9 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
     __shared__ float Bs[32][33];
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
-    float c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
     int kbeg = blockIdx.z * kc;
-    int kend = min(k, kbeg + kc);
-    // Software pipeline: the next K tile is loaded into registers while the current one is
-    // multiplied out of shared memory, so global-memory latency overlaps the arithmetic.
-    float ra[4], rb[4];
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        int e = threadIdx.x + r * 256;
-        int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
-        int gi = row0 + i, gp = kbeg + p;
-        ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
-        int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
-        int gj = col0 + j, gq = kbeg + q;
-        rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
-    }
-    for (int p0 = kbeg; p0 < kend; p0 += 32) {
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            int e = threadIdx.x + r * 256;
-            int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
-            As[p][i] = ra[r];
-            int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
-            Bs[q][j] = rb[r];
-        }
-        __syncthreads();
-        int p1 = p0 + 32;
-        if (p1 < kend) {
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                int e = threadIdx.x + r * 256;
-                int i = ta ? e % 32 : e / 32, p = ta ? e / 32 : e % 32;
-                int gi = row0 + i, gp = p1 + p;
-                ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
-                int j = tb ? e / 32 : e % 32, q = tb ? e % 32 : e / 32;
-                int gj = col0 + j, gq = p1 + q;
-                rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < 32; p++) {
-            float a0 = As[p][ty * 2], a1 = As[p][ty * 2 + 1];
-            float b0 = Bs[p][tx * 2], b1 = Bs[p][tx * 2 + 1];
-            c00 += a0 * b0; c01 += a0 * b1; c10 += a1 * b0; c11 += a1 * b1;
-        }
-        __syncthreads();
-    }
-    float acc[2][2] = {{c00, c01}, {c10, c11}};
+    float acc[2][2];
+    tiled_tile(m, n, min(k, kbeg + kc), A, lda, ta, B, ldb, tb, row0, col0, kbeg, As, Bs, acc);
 #pragma unroll
     for (int di = 0; di < 2; di++)
 #pragma unroll
@@ -69,11 +25,7 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
             if (i < m && j < n && partial) {
                 partial[((long)blockIdx.z * m + i) * n + j] = acc[di][dj];
             } else if (i < m && j < n) {
-                float v = alpha * acc[di][dj];
-                if (beta != 0.0f) v += beta * C[(long)i * n + j];
-                if (bias) v += bias[j];
-                if (relu) v = relu_f(v);
-                C[(long)i * n + j] = v;
+                C[(long)i * n + j] = tiled_epilogue(acc[di][dj], alpha, beta, C + (long)i * n + j, bias, j, relu);
             }
         }
 }
@@ -172,11 +124,7 @@ extern "C" __global__ void splitk_reduce(const float* partial, int splits, float
     if (e >= mn) return;
     float s = 0.0f;
     for (int z = 0; z < splits; z++) s += partial[z * mn + e];
-    float v = alpha * s;
-    if (beta != 0.0f) v += beta * C[e];
-    if (bias) v += bias[e % n];
-    if (relu) v = relu_f(v);
-    C[e] = v;
+    C[e] = tiled_epilogue(s, alpha, beta, C + e, bias, (int)(e % n), relu);
 }
 
 // The forward layout for few rows (m up to a few dozen: small-batch inference), one kernel, no

@@ -26,6 +26,7 @@ pub mod steps;
 /// The CUDA source of every NN kernel (one NVRTC module).
 pub const SOURCE: &str = concat!(
     include_str!("common.cu"),
+    include_str!("gemm_tile.cu"),
     include_str!("gemm.cu"),
     include_str!("elementwise.cu"),
     include_str!("reduce.cu"),
@@ -47,6 +48,15 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
                 "{check}{}{}",
                 include_str!("common.cu"),
                 include_str!("loss_fused.cu")
+            ),
+        ),
+        (
+            "cudagraph_nn_cluster",
+            format!(
+                "{pdl}{check}{}{}{}",
+                include_str!("common.cu"),
+                include_str!("gemm_tile.cu"),
+                include_str!("gemm_cluster.cu")
             ),
         ),
         ("cudagraph_nn_optim", optim_mt::SOURCE.to_string()),
@@ -103,6 +113,54 @@ kernels!(
     maxpool_fwd,
     maxpool_bwd,
 );
+
+/// The split-K kernels reduced inside a thread-block cluster (gemm_cluster.cu), one per
+/// cluster size; sm_90+ only, compiled on first use.
+pub struct ClusterKernels {
+    c2: Function,
+    c4: Function,
+    c8: Function,
+    /// `sgemm_nt_chunks{1,2,4,8}`.
+    nt: [Function; 4],
+}
+
+impl ClusterKernels {
+    /// Whether `device` runs thread-block clusters (compute capability 9.0 or later).
+    pub fn supported(device: &Device) -> bool {
+        device.info().compute_capability.0 >= 9
+    }
+
+    /// The kernels of `device`, compiled on first use; an error before sm_90.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        if !Self::supported(device) {
+            let (major, minor) = device.info().compute_capability;
+            return Err(NnError::Shape(format!(
+                "gemm: the cluster kernels need compute capability 9.0 or later (this device \
+                 has {major}.{minor}); use another product engine"
+            )));
+        }
+        Ok(device.extension(|d| {
+            // Relaxed capture mode: the first use may be inside a capture (module loading).
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_cluster",
+                    &module_source("cudagraph_nn_cluster"),
+                )
+            })?;
+            Ok(ClusterKernels {
+                c2: m.function("sgemm_tiled_cluster2")?,
+                c4: m.function("sgemm_tiled_cluster4")?,
+                c8: m.function("sgemm_tiled_cluster8")?,
+                nt: [
+                    m.function("sgemm_nt_chunks1")?,
+                    m.function("sgemm_nt_chunks2")?,
+                    m.function("sgemm_nt_chunks4")?,
+                    m.function("sgemm_nt_chunks8")?,
+                ],
+            })
+        })?)
+    }
+}
 
 /// How [`Nn::channel_sum`] splits each channel's `n·hw` elements: `(parts, chunk)`, about
 /// two blocks per multiprocessor over all channels, each part at least 4096 elements (one part
@@ -331,6 +389,90 @@ impl GemmDims {
     }
 }
 
+/// The launch of the tiled kernels (`sgemm_tiled`, and on sm_90+ the cluster kernels): one
+/// 32×32 tile per block in x/y, K split into `splits` ranges of `kc` (whole 32-wide tiles) in z.
+struct TiledLaunch {
+    gx: u32,
+    gy: u32,
+    kc: usize,
+    splits: usize,
+    mn: usize,
+    mi: i32,
+    ni: i32,
+    ki: i32,
+    lda: i32,
+    ldb: i32,
+    ta: bool,
+    tb: bool,
+}
+
+impl TiledLaunch {
+    /// K split into (about) `splits` ranges; `splits` is then the number of non-empty ones.
+    fn new(d: GemmDims, splits: usize) -> Result<Self> {
+        let (gx, gy) = d.tiles()?;
+        let kc = d.k.div_ceil(splits.max(1)).div_ceil(32).max(1) * 32;
+        let splits = d.k.div_ceil(kc).max(1);
+        if splits > 65535 {
+            return Err(NnError::Shape(format!("gemm: {splits} K splits")));
+        }
+        Ok(Self {
+            gx,
+            gy,
+            kc,
+            splits,
+            mn: prod("gemm C", &[d.m, d.n])?,
+            // Tile offsets and K steps run up to a tile (at most 128) past each bound in `int`s.
+            mi: int_loop("m", d.m, 1024)?,
+            ni: int_loop("n", d.n, 1024)?,
+            ki: int_loop("k", d.k, 1024)?,
+            lda: int("lda", if d.ta { d.m } else { d.k })?,
+            ldb: int("ldb", if d.tb { d.k } else { d.n })?,
+            ta: d.ta,
+            tb: d.tb,
+        })
+    }
+
+    fn config(&self, z: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid: (self.gx, self.gy, z as u32),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// The arguments both kernels share, in their order (`sgemm_tiled` adds `partial`).
+    #[allow(clippy::too_many_arguments)]
+    fn args<'a>(
+        &self,
+        alpha: f32,
+        a: &'a Buf,
+        b: &'a Buf,
+        beta: f32,
+        c: &'a Buf,
+        bias: Option<&'a Buf>,
+        relu: bool,
+    ) -> Vec<Arg<'a>> {
+        vec![
+            self.mi.into(),
+            self.ni.into(),
+            self.ki.into(),
+            alpha.into(),
+            a.into(),
+            self.lda.into(),
+            (self.ta as i32).into(),
+            b.into(),
+            self.ldb.into(),
+            (self.tb as i32).into(),
+            beta.into(),
+            c.into(),
+            Arg::opt(bias),
+            (relu as i32).into(),
+            // kc ≤ k rounded up to a tile: below i32::MAX by the `ki` check.
+            (self.kc as i32).into(),
+        ]
+    }
+}
+
 impl Nn {
     /// The split-K tiled SGEMM with fused bias/ReLU: `C = act(alpha·op(A)·op(B) + beta·C + bias)`.
     /// K is split into (about) `splits` ranges of whole 32-wide tiles; with more than one, the
@@ -354,63 +496,22 @@ impl Nn {
         if d.m == 0 || d.n == 0 {
             return Ok(());
         }
-        let (gx, gy) = d.tiles()?;
-        let kc = d.k.div_ceil(splits.max(1)).div_ceil(32).max(1) * 32;
-        let splits = d.k.div_ceil(kc).max(1);
-        if splits > 65535 {
-            return Err(NnError::Shape(format!("gemm: {splits} K splits")));
-        }
-        let mn = prod("gemm C", &[d.m, d.n])?;
-        let partial = if splits > 1 {
+        let t = TiledLaunch::new(d, splits)?;
+        let partial = if t.splits > 1 {
             Some(cudagraph::QueueExt::alloc::<f32>(
                 q,
-                prod("gemm split-K scratch", &[splits, mn])?,
+                prod("gemm split-K scratch", &[t.splits, t.mn])?,
             )?)
         } else {
             None
         };
-        let lda = if d.ta { d.m } else { d.k };
-        let ldb = if d.tb { d.k } else { d.n };
-        let cfg = LaunchConfig {
-            grid: (gx, gy, splits as u32),
-            block: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // Tile offsets and K steps run up to a tile (at most 128) past each bound in `int`s.
-        let (mi, ni, ki) = (
-            int_loop("m", d.m, 1024)?,
-            int_loop("n", d.n, 1024)?,
-            int_loop("k", d.k, 1024)?,
-        );
+        let mut args = t.args(alpha, a, b, beta, c, bias, relu);
+        args.push(Arg::opt(partial.as_ref()));
         // SAFETY: blocks cover rows < m and columns < n (guarded in the kernel) and K ranges
         // [z·kc, min(k, (z+1)·kc)); with lda/ldb derived from the layout, every read of A is
         // below m·k and of B below k·n (both checked), writes go to C below m·n (checked) or,
         // split, to partial below splits·m·n (allocated so); bias below n (checked).
-        unsafe {
-            launch(
-                q,
-                &self.k.sgemm_tiled,
-                cfg,
-                &[
-                    mi.into(),
-                    ni.into(),
-                    ki.into(),
-                    alpha.into(),
-                    a.into(),
-                    int("lda", lda)?.into(),
-                    (d.ta as i32).into(),
-                    b.into(),
-                    int("ldb", ldb)?.into(),
-                    (d.tb as i32).into(),
-                    beta.into(),
-                    c.into(),
-                    Arg::opt(bias),
-                    (relu as i32).into(),
-                    int("kc", kc)?.into(),
-                    Arg::opt(partial.as_ref()),
-                ],
-            )?;
-        }
+        unsafe { launch(q, &self.k.sgemm_tiled, t.config(t.splits), &args)? };
         if let Some(p) = &partial {
             // SAFETY: e < m·n reads partial[z·m·n + e] for z < splits (its extent) and writes
             // C[e] (checked); bias below n.
@@ -418,13 +519,13 @@ impl Nn {
                 launch(
                     q,
                     &self.k.splitk_reduce,
-                    elems(mn),
+                    elems(t.mn),
                     &[
                         p.into(),
-                        (splits as i32).into(),
+                        (t.splits as i32).into(),
                         c.into(),
-                        mi.into(),
-                        ni.into(),
+                        t.mi.into(),
+                        t.ni.into(),
                         alpha.into(),
                         beta.into(),
                         Arg::opt(bias),
@@ -432,6 +533,133 @@ impl Nn {
                     ],
                 )?;
             }
+        }
+        Ok(())
+    }
+
+    /// `sgemm_tiled`'s product with K split into exactly `splits` ∈ {2, 4, 8} ranges reduced
+    /// inside a thread-block cluster (sm_90+, gemm_cluster.cu): one kernel, no scratch, the
+    /// same result as `sgemm_tiled` with as many non-empty splits, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_cluster(
+        &self,
+        q: &dyn Queue,
+        d: GemmDims,
+        alpha: f32,
+        a: &Buf,
+        b: &Buf,
+        beta: f32,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        splits: usize,
+    ) -> Result<()> {
+        d.check_buffers(a, b, c, bias)?;
+        if d.m == 0 || d.n == 0 {
+            return Ok(());
+        }
+        let ck = ClusterKernels::get(q.device())?;
+        let f = match splits {
+            2 => &ck.c2,
+            4 => &ck.c4,
+            8 => &ck.c8,
+            _ => {
+                return Err(NnError::Shape(format!(
+                    "gemm: a cluster of {splits} K splits (2, 4 or 8 only)"
+                )))
+            }
+        };
+        let t = TiledLaunch::new(d, splits)?;
+        let args = t.args(alpha, a, b, beta, c, bias, relu);
+        // SAFETY: as for `sgemm_tiled` without `partial`: blocks cover rows < m and columns < n
+        // (guarded) and K ranges [z·kc, min(k, (z+1)·kc)) — empty for z ≥ t.splits — so reads of
+        // A stay below m·k and of B below k·n, writes (rank 0 only) go to C below m·n, bias below
+        // n (all checked). The grid's z is the cluster's size, as the kernel's
+        // `__cluster_dims__` requires; shared memory is only read within the cluster, before
+        // the barrier that ends every block.
+        unsafe {
+            q.launch_with(f, t.config(splits), &args, pdl::options(q.device()))?;
+        }
+        Ok(())
+    }
+
+    /// The forward layout `C = act(alpha·A·Bᵀ + beta·C + bias)`, A m×k and B n×k row-major,
+    /// streamed in 128-wide K chunks of float4s (sm_90+, gemm_cluster.cu): K split into
+    /// `splits` ∈ {1, 2, 4, 8} ranges of whole chunks, reduced inside a thread-block cluster.
+    /// k must be a multiple of 4 and A and B 16-byte aligned ([`rows_ok`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_nt_chunks(
+        &self,
+        q: &dyn Queue,
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        a: &Buf,
+        b: &Buf,
+        beta: f32,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        splits: usize,
+    ) -> Result<()> {
+        let d = GemmDims {
+            m,
+            n,
+            k,
+            ta: false,
+            tb: true,
+        };
+        d.check_buffers(a, b, c, bias)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if !rows_ok(k, &[a.addr(), b.addr()]) {
+            return Err(NnError::Shape(format!(
+                "gemm: the chunked kernel reads float4s: k ({k}) must be a multiple of 4 and \
+                 A and B 16-byte aligned"
+            )));
+        }
+        let ck = ClusterKernels::get(q.device())?;
+        let slot = match splits {
+            1 => 0,
+            2 => 1,
+            4 => 2,
+            8 => 3,
+            _ => {
+                return Err(NnError::Shape(format!(
+                    "gemm: {splits} K splits in a cluster (1, 2, 4 or 8 only)"
+                )))
+            }
+        };
+        let (gx, gy) = d.tiles()?;
+        let kc = k.div_ceil(splits).div_ceil(128).max(1) * 128;
+        // Block z starts at z·kc and chunks step past its end by less than 128.
+        int_loop("k split", splits * kc, 128)?;
+        let cfg = LaunchConfig {
+            grid: (gx, gy, splits as u32),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            int_loop("m", m, 32)?.into(),
+            int_loop("n", n, 32)?.into(),
+            int_loop("k", k, 128)?.into(),
+            alpha.into(),
+            a.into(),
+            b.into(),
+            beta.into(),
+            c.into(),
+            Arg::opt(bias),
+            (relu as i32).into(),
+            int("kc", kc)?.into(),
+        ];
+        // SAFETY: reads of A are rows < m (guarded) at float4s [gk, gk + 4) with gk a multiple
+        // of 4 below kend ≤ k (k a multiple of 4), so below m·k, 16-byte aligned (A aligned, k
+        // and gk multiples of 4); likewise B below n·k; C is written (by rank 0 only) and read
+        // (beta ≠ 0) below m·n, bias below n — all checked above. The grid's z is the cluster's
+        // size, as the kernel's `__cluster_dims__` requires; distributed shared memory is read
+        // before the barrier every block of the cluster passes last.
+        unsafe {
+            q.launch_with(&ck.nt[slot], cfg, &args, pdl::options(q.device()))?;
         }
         Ok(())
     }
