@@ -12,10 +12,17 @@
 // allocations: a WHILE graph on a 512-byte buffer, which is then freed; a 2 MiB buffer that
 // gets the same base address (tried a few times; printed); a WHILE graph writing its first
 // 64 KiB (past the old 512 bytes), then the same kernel in a plain graph for comparison.
-// Built and run on the GPU machine (bench/raw/while_sanitize.sh runs every tool on both):
-//     nvcc -O2 -arch=sm_90 -rdc=true bench/raw/while_sanitize.cu -lcudadevrt -o while_sanitize
-//     ./while_sanitize && compute-sanitizer --tool memcheck ./while_sanitize [pdl|reuse]
+// With the argument `ptx`: whether the failures of cudagraph's WHILE tests under the tools come
+// from how it sets the condition: a counted WHILE loop built as cudagraph builds it, with its
+// own condition kernels (PTX loaded with cuModuleLoadData, no cudadevrt), 3 rounds, each with
+// cond NULL (repeat) and with a condition buffer (while_loop_capped); see run_ptx.
+// Built and run on the GPU machine (bench/raw/while_sanitize.sh runs every tool on each):
+//     nvcc -O2 -arch=sm_90 -rdc=true bench/raw/while_sanitize.cu -lcudadevrt -lcuda \
+//         -o while_sanitize
+//     ./while_sanitize && compute-sanitizer --tool memcheck ./while_sanitize [pdl|reuse|ptx]
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +30,10 @@
 
 #define CHECK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { \
     fprintf(stderr, "%s:%d %s failed: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_)); \
+    exit(1); } } while (0)
+#define CU_CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { \
+    const char *n_ = "?", *m_ = "?"; cuGetErrorName(r_, &n_); cuGetErrorString(r_, &m_); \
+    fprintf(stderr, "%s:%d %s failed: %s (%s)\n", __FILE__, __LINE__, #x, n_, m_); \
     exit(1); } } while (0)
 
 static const int N = 1 << 20;
@@ -86,26 +97,27 @@ static int run_and_check(cudaGraph_t g, cudaStream_t s, float* x, float* out, in
     return bad;
 }
 
-// Adds to the capture on `s` what a counted loop of cudagraph adds (a kernel that sets the
-// counter, then a WHILE node after it) and starts capturing the node's body on `s2`; the
-// caller records the body, then ends it with end_while_body.
-static cudaGraph_t begin_while_body(cudaStream_t s, cudaStream_t s2, int* counter, int iters,
-                                    cudaGraphConditionalHandle* h) {
-    set_counter<<<1, 1, 0, s>>>(counter, iters);
-    CHECK(cudaGetLastError());
+// The graph `s` is capturing into, and the capture's current dependencies.
+static cudaGraph_t capture_graph(cudaStream_t s, const cudaGraphNode_t** deps, size_t* ndeps) {
     cudaStreamCaptureStatus st;
-    const cudaGraphNode_t* deps;
-    size_t ndeps;
     cudaGraph_t capturing;
 #if CUDART_VERSION >= 13000
-    CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, &capturing, &deps, nullptr, &ndeps));
+    CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, &capturing, deps, nullptr, ndeps));
 #else
-    CHECK(cudaStreamGetCaptureInfo_v3(s, &st, nullptr, &capturing, &deps, nullptr, &ndeps));
+    CHECK(cudaStreamGetCaptureInfo_v3(s, &st, nullptr, &capturing, deps, nullptr, ndeps));
 #endif
-    CHECK(cudaGraphConditionalHandleCreate(h, capturing, 1, cudaGraphCondAssignDefault));
+    return capturing;
+}
+
+// Adds a WHILE node on `h` after the current dependencies of the capture on `s`, makes it the
+// stream's only dependency and starts capturing the node's body on `s2`.
+static cudaGraph_t add_while_node(cudaStream_t s, cudaStream_t s2, cudaGraphConditionalHandle h) {
+    const cudaGraphNode_t* deps;
+    size_t ndeps;
+    cudaGraph_t capturing = capture_graph(s, &deps, &ndeps);
     cudaGraphNodeParams p = {};
     p.type = cudaGraphNodeTypeConditional;
-    p.conditional.handle = *h;
+    p.conditional.handle = h;
     p.conditional.type = cudaGraphCondTypeWhile;
     p.conditional.size = 1;
     cudaGraphNode_t node;
@@ -122,6 +134,20 @@ static cudaGraph_t begin_while_body(cudaStream_t s, cudaStream_t s2, int* counte
     CHECK(cudaStreamBeginCaptureToGraph(s2, bodyg, nullptr, nullptr, 0,
                                         cudaStreamCaptureModeGlobal));
     return bodyg;
+}
+
+// Adds to the capture on `s` what a counted loop of cudagraph adds (a kernel that sets the
+// counter, then a WHILE node after it) and starts capturing the node's body on `s2`; the
+// caller records the body, then ends it with end_while_body.
+static cudaGraph_t begin_while_body(cudaStream_t s, cudaStream_t s2, int* counter, int iters,
+                                    cudaGraphConditionalHandle* h) {
+    set_counter<<<1, 1, 0, s>>>(counter, iters);
+    CHECK(cudaGetLastError());
+    const cudaGraphNode_t* deps;
+    size_t ndeps;
+    CHECK(cudaGraphConditionalHandleCreate(h, capture_graph(s, &deps, &ndeps), 1,
+                                           cudaGraphCondAssignDefault));
+    return add_while_node(s, s2, *h);
 }
 
 // Ends the body: the kernel that counts an iteration and sets the condition, then the capture.
@@ -360,14 +386,219 @@ static int run_reuse(cudaStream_t s, cudaStream_t s2, int** counter) {
     return bad;
 }
 
-// No argument: the default scenario (as in the logs of 2026-11-23); `pdl` or `reuse`: that
-// scenario.
+// The ptx scenario: a counted WHILE loop built as cudagraph builds it, with its condition
+// kernels: the PTX text of CONDITION_PTX (crates/cudagraph/src/graph/conditional.rs, copied
+// verbatim) loaded with cuModuleLoadData, whose call to cudaGraphSetConditional the driver's
+// JIT resolves (no cudadevrt). The handle is created with default value 0 and flags 0
+// (runtime/graph.rs conditional_handle_create), cg_loop_begin runs on the capturing stream
+// before the node is added, cg_loop_next is the body's last kernel.
+static const char CONDITION_PTX[] = R"PTX(
+.version 7.0
+.target sm_50
+.address_size 64
+
+.extern .func cudaGraphSetConditional
+(
+	.param .b64 cudaGraphSetConditional_param_0,
+	.param .b32 cudaGraphSetConditional_param_1
+)
+;
+
+.visible .entry cg_cond_set(
+	.param .u64 cg_cond_set_param_0,
+	.param .u64 cg_cond_set_param_1
+)
+{
+	.reg .pred 	%p<2>;
+	.reg .b32 	%r<3>;
+	.reg .b64 	%rd<4>;
+
+	ld.param.u64 	%rd1, [cg_cond_set_param_0];
+	ld.param.u64 	%rd2, [cg_cond_set_param_1];
+	cvta.to.global.u64 	%rd3, %rd2;
+	ld.global.u32 	%r1, [%rd3];
+	setp.ne.s32 	%p1, %r1, 0;
+	selp.u32 	%r2, 1, 0, %p1;
+	{
+	.param .b64 param0;
+	st.param.b64 	[param0+0], %rd1;
+	.param .b32 param1;
+	st.param.b32 	[param1+0], %r2;
+	call.uni cudaGraphSetConditional, (param0, param1);
+	}
+	ret;
+}
+
+.visible .entry cg_loop_begin(
+	.param .u64 cg_loop_begin_param_0,
+	.param .u64 cg_loop_begin_param_1,
+	.param .u64 cg_loop_begin_param_2,
+	.param .u32 cg_loop_begin_param_3
+)
+{
+	.reg .pred 	%p<3>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<6>;
+
+	ld.param.u64 	%rd1, [cg_loop_begin_param_0];
+	ld.param.u64 	%rd2, [cg_loop_begin_param_1];
+	ld.param.u64 	%rd3, [cg_loop_begin_param_2];
+	ld.param.u32 	%r1, [cg_loop_begin_param_3];
+	cvta.to.global.u64 	%rd4, %rd3;
+	mov.u32 	%r2, 0;
+	st.global.u32 	[%rd4], %r2;
+	setp.ne.s32 	%p1, %r1, 0;
+	setp.eq.s64 	%p2, %rd2, 0;
+	@%p2 bra 	$L_begin_set;
+	cvta.to.global.u64 	%rd5, %rd2;
+	ld.global.u32 	%r3, [%rd5];
+	setp.ne.and.s32 	%p1, %r3, 0, %p1;
+$L_begin_set:
+	selp.u32 	%r4, 1, 0, %p1;
+	{
+	.param .b64 param0;
+	st.param.b64 	[param0+0], %rd1;
+	.param .b32 param1;
+	st.param.b32 	[param1+0], %r4;
+	call.uni cudaGraphSetConditional, (param0, param1);
+	}
+	ret;
+}
+
+.visible .entry cg_loop_next(
+	.param .u64 cg_loop_next_param_0,
+	.param .u64 cg_loop_next_param_1,
+	.param .u64 cg_loop_next_param_2,
+	.param .u32 cg_loop_next_param_3
+)
+{
+	.reg .pred 	%p<3>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<6>;
+
+	ld.param.u64 	%rd1, [cg_loop_next_param_0];
+	ld.param.u64 	%rd2, [cg_loop_next_param_1];
+	ld.param.u64 	%rd3, [cg_loop_next_param_2];
+	ld.param.u32 	%r1, [cg_loop_next_param_3];
+	cvta.to.global.u64 	%rd4, %rd3;
+	ld.global.u32 	%r2, [%rd4];
+	add.s32 	%r2, %r2, 1;
+	st.global.u32 	[%rd4], %r2;
+	setp.lt.u32 	%p1, %r2, %r1;
+	setp.eq.s64 	%p2, %rd2, 0;
+	@%p2 bra 	$L_next_set;
+	cvta.to.global.u64 	%rd5, %rd2;
+	ld.global.u32 	%r3, [%rd5];
+	setp.ne.and.s32 	%p1, %r3, 0, %p1;
+$L_next_set:
+	selp.u32 	%r4, 1, 0, %p1;
+	{
+	.param .b64 param0;
+	st.param.b64 	[param0+0], %rd1;
+	.param .b32 param1;
+	st.param.b32 	[param1+0], %r4;
+	call.uni cudaGraphSetConditional, (param0, param1);
+	}
+	ret;
+}
+)PTX";
+
+static const int PTX_ROUNDS = 3;
+
+// One thread of cg_loop_begin or cg_loop_next(handle, cond, counter, limit) on `s`.
+static void launch_cond(CUfunction f, cudaStream_t s, cudaGraphConditionalHandle h,
+                        unsigned* cond, unsigned* counter, unsigned limit) {
+    unsigned long long handle = h;
+    CUdeviceptr c = (CUdeviceptr)(uintptr_t)cond, n = (CUdeviceptr)(uintptr_t)counter;
+    void* params[] = {&handle, &c, &n, &limit};
+    CU_CHECK(cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr));
+}
+
+// PTX_ROUNDS times, a new graph each time: scale on SMALL floats as the body of such a loop with
+// limit ITERS, with cond NULL (repeat) and with a condition buffer set to 1 that nothing clears
+// (while_loop_capped); compared with ITERS plain launches of scale, and the counter with ITERS.
+static int run_ptx(cudaStream_t s, cudaStream_t s2) {
+    CHECK(cudaFree(0));  // makes the runtime's primary context current for the driver calls
+    CUmodule m;
+    CUfunction begin, next;
+    CU_CHECK(cuModuleLoadData(&m, CONDITION_PTX));
+    CU_CHECK(cuModuleGetFunction(&begin, m, "cg_loop_begin"));
+    CU_CHECK(cuModuleGetFunction(&next, m, "cg_loop_next"));
+    int bad = 0;
+    for (int round = 1; round <= PTX_ROUNDS; round++) {
+        for (int with_cond = 0; with_cond < 2; with_cond++) {
+            const char* what = with_cond ? "cond buffer = 1" : "cond NULL";
+            unsigned *counter, *cond = nullptr;
+            float *x, *y;
+            CHECK(cudaMalloc(&counter, sizeof(unsigned)));
+            CHECK(cudaMalloc(&x, SMALL * sizeof(float)));
+            CHECK(cudaMalloc(&y, SMALL * sizeof(float)));
+            CHECK(cudaMemset(x, 0, SMALL * sizeof(float)));
+            CHECK(cudaMemset(y, 0, SMALL * sizeof(float)));
+            if (with_cond) {
+                const unsigned one = 1;
+                CHECK(cudaMalloc(&cond, sizeof(unsigned)));
+                CHECK(cudaMemcpy(cond, &one, sizeof(one), cudaMemcpyHostToDevice));
+            }
+            // Reference: ITERS plain launches on y.
+            for (int i = 0; i < ITERS; i++) scale<<<1, SMALL, 0, s>>>(y, SMALL);
+            CHECK(cudaGetLastError());
+            CHECK(cudaStreamSynchronize(s));
+
+            cudaGraph_t g;
+            cudaGraphConditionalHandle h;
+            const cudaGraphNode_t* deps;
+            size_t ndeps;
+            CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+            CHECK(cudaGraphConditionalHandleCreate(&h, capture_graph(s, &deps, &ndeps), 0, 0));
+            launch_cond(begin, s, h, cond, counter, ITERS);
+            cudaGraph_t bodyg = add_while_node(s, s2, h);
+            scale<<<1, SMALL, 0, s2>>>(x, SMALL);
+            CHECK(cudaGetLastError());
+            launch_cond(next, s2, h, cond, counter, ITERS);
+            CHECK(cudaStreamEndCapture(s2, &bodyg));
+            CHECK(cudaStreamEndCapture(s, &g));
+
+            cudaGraphExec_t e;
+            CHECK(cudaGraphInstantiate(&e, g, 0));
+            CHECK(cudaGraphLaunch(e, s));
+            CHECK(cudaStreamSynchronize(s));
+            std::vector<float> hx(SMALL), hy(SMALL);
+            unsigned n = 0;
+            CHECK(cudaMemcpy(hx.data(), x, SMALL * sizeof(float), cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(hy.data(), y, SMALL * sizeof(float), cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(&n, counter, sizeof(n), cudaMemcpyDeviceToHost));
+            int b = 0;
+            for (int i = 0; i < SMALL; i++) b += memcmp(&hx[i], &hy[i], sizeof(float)) != 0;
+            if (b || n != (unsigned)ITERS)
+                printf("ptx WHILE body: %d iterations, MISMATCH in %d of %d elements, counter %u "
+                       "(x[0] = %.9g, plain %.9g; round %d, %s)\n",
+                       ITERS, b, SMALL, n, hx[0], hy[0], round, what);
+            else
+                printf("ptx WHILE body: %d iterations, right results (round %d, %s)\n", ITERS,
+                       round, what);
+            bad += b + (n != (unsigned)ITERS);
+            CHECK(cudaGraphExecDestroy(e));
+            CHECK(cudaGraphDestroy(g));
+            CHECK(cudaFree(x));
+            CHECK(cudaFree(y));
+            CHECK(cudaFree(counter));
+            if (cond) CHECK(cudaFree(cond));
+        }
+    }
+    CU_CHECK(cuModuleUnload(m));
+    return bad;
+}
+
+// No argument: the default scenario (as in the logs of 2026-11-23); `pdl`, `reuse` or `ptx`:
+// that scenario.
 int main(int argc, char** argv) {
     const char* scenario = argc > 1 ? argv[1] : "";
     bool pdl = strcmp(scenario, "pdl") == 0;
     bool reuse = strcmp(scenario, "reuse") == 0;
-    if (argc > 2 || (argc > 1 && !pdl && !reuse)) {
-        fprintf(stderr, "usage: %s [pdl|reuse]\n", argv[0]);
+    bool ptx = strcmp(scenario, "ptx") == 0;
+    if (argc > 2 || (argc > 1 && !pdl && !reuse && !ptx)) {
+        fprintf(stderr, "usage: %s [pdl|reuse|ptx]\n", argv[0]);
         return 2;
     }
     int* counter;
@@ -377,6 +608,7 @@ int main(int argc, char** argv) {
     CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
     int bad = pdl     ? run_pdl(s, s2, counter)
               : reuse ? run_reuse(s, s2, &counter)
+              : ptx   ? run_ptx(s, s2)
                       : run_default(s, s2, counter);
     printf("%s\n", bad ? "FAILED" : "ok");
     return bad ? 1 : 0;
