@@ -8,7 +8,8 @@
 # Every (tool, binary or command) pair is one job; JOBS of them run at once (default 8: the GPU
 # is shared, each job is its own process). Tests named misuse_* provoke driver errors on purpose
 # (that is what they test), so they are skipped here; every other test and command must come out
-# with 0 errors from every tool. The library makes no driver call that fails on purpose (it does
+# with 0 errors from every tool (synccheck inside conditional bodies excepted, see below; those
+# tests run one at a time after the parallel batch). The library makes no driver call that fails on purpose (it does
 # not probe other libraries' kernels for their parameters on drivers before CUDA 13.2).
 # Binaries without GPU work make compute-sanitizer exit 255 ("terminated before first
 # instrumented API call"): not a failure.

@@ -72,9 +72,10 @@ CG_TILED_CLUSTER(8)
 // per block in flight) into padded shared memory, so a block's whole K range is a chunk or
 // two. A block owns 32 x 32 outputs, each thread four of them (rows ty and ty + 16, columns tx
 // and tx + 16: the float4 reads of shared memory are free of bank conflicts), each summed as
-// two sums in increasing k (even and odd 4-wide groups) added at the end. K splits into S ranges of whole chunks across the S blocks of a cluster
-// (grid z = S), reduced through distributed shared memory by rank 0 in rank order starting
-// from 0, as above; S = 1 needs no cluster.
+// two sums in increasing k (even and odd 4-wide groups) added at the end. K splits into S
+// ranges of whole chunks across the S blocks of a cluster (grid z = S), reduced through
+// distributed shared memory by rank 0 in rank order starting from 0, as above; S = 1 needs no
+// cluster.
 #define NT_LD 132
 template <int S>
 __device__ __forceinline__ void nt_chunks(int m, int n, int k, float alpha, const float* A,
