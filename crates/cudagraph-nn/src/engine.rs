@@ -273,6 +273,9 @@ pub enum GemmAlgo {
     /// Our few-rows kernel (forward layout, alpha 1, beta 0) with this many warps splitting K
     /// per group of four columns.
     Rows(u8),
+    /// The few-rows kernel for at most `rows` (8 or 4) rows per block, two K chunks in flight
+    /// per warp, `ks` warps splitting K per group of four columns; shown as `rows8:4`.
+    RowsN { rows: u8, ks: u8 },
 }
 
 impl GemmAlgo {
@@ -283,7 +286,7 @@ impl GemmAlgo {
             GemmAlgo::CublasLt(_) => Engine::CublasLt,
             GemmAlgo::Tiled(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => Engine::Tiled,
             GemmAlgo::WarpK => Engine::WarpK,
-            GemmAlgo::Rows(_) => Engine::Rows,
+            GemmAlgo::Rows(_) | GemmAlgo::RowsN { .. } => Engine::Rows,
         }
     }
 }
@@ -298,6 +301,7 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
             GemmAlgo::WarpK => write!(f, "warpk"),
             GemmAlgo::Rows(ks) => write!(f, "rows:{ks}"),
+            GemmAlgo::RowsN { rows, ks } => write!(f, "rows{rows}:{ks}"),
         }
     }
 }
@@ -314,6 +318,10 @@ impl FromStr for GemmAlgo {
             Some(("cluster", r)) => r.parse().map(GemmAlgo::Cluster).map_err(|_| bad()),
             Some(("chunks", r)) => r.parse().map(GemmAlgo::Chunks).map_err(|_| bad()),
             Some(("rows", r)) => r.parse().map(GemmAlgo::Rows).map_err(|_| bad()),
+            Some((p @ ("rows8" | "rows4"), r)) => Ok(GemmAlgo::RowsN {
+                rows: p[4..].parse().map_err(|_| bad())?,
+                ks: r.parse().map_err(|_| bad())?,
+            }),
             _ => Err(bad()),
         }
     }
@@ -940,9 +948,13 @@ mod tests {
             GemmAlgo::Chunks(1),
             GemmAlgo::WarpK,
             GemmAlgo::Rows(4),
+            GemmAlgo::RowsN { rows: 8, ks: 4 },
+            GemmAlgo::RowsN { rows: 4, ks: 1 },
         ] {
             assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
         }
+        assert_eq!(GemmAlgo::RowsN { rows: 8, ks: 2 }.to_string(), "rows8:2");
+        assert!("rows16:2".parse::<GemmAlgo>().is_err());
         for a in [
             ConvAlgo::Cudnn(1),
             ConvAlgo::CudnnGraph(0),

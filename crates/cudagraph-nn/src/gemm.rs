@@ -20,7 +20,7 @@ use crate::blas::Trans;
 use crate::blaslt::{alignment, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
-use crate::kernels::{ClusterKernels, GemmDims, Nn};
+use crate::kernels::{ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
 
 type Buf = DeviceBuffer<f32>;
 
@@ -410,10 +410,23 @@ pub fn gemm_candidates(
         v.push(GemmAlgo::WarpK);
     }
     if allowed(Engine::Rows) && op.rows_ok(align) {
-        let ks = rows_split(op.m, op.n, op.k, eng.device_info().multiprocessors);
-        v.push(GemmAlgo::Rows(ks as u8));
-        if ks > 1 {
-            v.push(GemmAlgo::Rows((ks / 2) as u8));
+        let sms = eng.device_info().multiprocessors;
+        for per_block in ROWS_PER_BLOCK {
+            // The smaller kernels only where one block row covers every row.
+            if per_block < 16 && op.m > per_block {
+                continue;
+            }
+            let ks = rows_split(op.m, op.n, op.k, sms, per_block);
+            let splits = if ks > 1 { vec![ks, ks / 2] } else { vec![ks] };
+            for ks in splits {
+                v.push(match per_block {
+                    16 => GemmAlgo::Rows(ks as u8),
+                    r => GemmAlgo::RowsN {
+                        rows: r as u8,
+                        ks: ks as u8,
+                    },
+                });
+            }
         }
     }
     if v.is_empty() {
@@ -574,7 +587,18 @@ fn run_algo(
                     op.key()
                 )));
             }
-            nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, ks as usize)
+            nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, (ks as usize, 16))
+        }
+        GemmAlgo::RowsN { rows, ks } => {
+            if !op.rows_ok(align) || op.m > rows as usize {
+                return Err(NnError::Shape(format!(
+                    "gemm: the {rows}-row kernel runs only x·wᵀ with alpha 1, beta 0, at most \
+                     {rows} rows, k a multiple of 4 and 16-byte aligned operands ({})",
+                    op.key()
+                )));
+            }
+            let d = (ks as usize, rows as usize);
+            nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, d)
         }
         GemmAlgo::WarpK => {
             if !op.warpk_ok() {
@@ -594,14 +618,16 @@ fn run_algo(
 /// for cuBLAS, 512 × 1024 weights) and only ties or loses from 32 rows on.
 pub const ROWS_MAX_M: usize = 16;
 
-/// How many warps of the few-rows kernel split K per group of four columns (1, 2, 4 or 8):
-/// the fewest that give the device about two blocks per multiprocessor, while every warp keeps
-/// at least one 128-wide K chunk. The registry also measures half as many.
-pub fn rows_split(m: usize, n: usize, k: usize, multiprocessors: u32) -> usize {
+/// How many warps of the few-rows kernel (`per_block` rows per block) split K per group of
+/// four columns (1, 2, 4 or 8): the fewest that give the device about two blocks per
+/// multiprocessor, while every warp keeps at least one 128-wide K chunk. The registry also
+/// measures half as many.
+pub fn rows_split(m: usize, n: usize, k: usize, multiprocessors: u32, per_block: usize) -> usize {
     let want = 2 * multiprocessors.max(1) as usize;
     let chunks = k.div_ceil(128);
+    let rows = m.div_ceil(per_block.max(1));
     let mut ks = 1;
-    while ks < 8 && n.div_ceil(4).div_ceil(8 / ks) * m.div_ceil(16) < want && chunks >= 2 * ks {
+    while ks < 8 && n.div_ceil(4).div_ceil(8 / ks) * rows < want && chunks >= 2 * ks {
         ks *= 2;
     }
     ks
@@ -661,15 +687,15 @@ mod tests {
     #[test]
     fn rows_split_fills_the_device_but_keeps_a_chunk_per_warp() {
         // The seed MLP at batch 32: 128 column groups, 2 row blocks; 1024 = 8 chunks.
-        assert_eq!(rows_split(32, 512, 1024, 132), 8);
-        assert_eq!(rows_split(8, 512, 1024, 132), 8);
+        assert_eq!(rows_split(32, 512, 1024, 132, 16), 8);
+        assert_eq!(rows_split(8, 512, 1024, 132, 16), 8);
         // 256 → 10 classes: two 128-wide chunks, so at most two warps per group.
-        assert_eq!(rows_split(32, 10, 256, 132), 2);
+        assert_eq!(rows_split(32, 10, 256, 132, 16), 2);
         // A wide layer needs little splitting.
-        assert_eq!(rows_split(1, 4096, 1024, 132), 4);
-        assert_eq!(rows_split(1, 16384, 1024, 132), 1);
+        assert_eq!(rows_split(1, 4096, 1024, 132, 16), 4);
+        assert_eq!(rows_split(1, 16384, 1024, 132, 16), 1);
         // A long K with few columns splits as far as 8 warps.
-        assert_eq!(rows_split(1, 64, 4096, 132), 8);
+        assert_eq!(rows_split(1, 64, 4096, 132, 16), 8);
     }
 
     #[test]

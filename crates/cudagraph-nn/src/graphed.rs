@@ -123,6 +123,7 @@ impl<M: Module> GraphedModule<M> {
         let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.shape().to_vec()).collect();
         let x_shape = x.shape().to_vec();
         let node = Node {
+            unit_backward: None,
             inputs,
             name: "graphed_module",
             backward: Box::new(move |q: &dyn Queue, _nn, g| {

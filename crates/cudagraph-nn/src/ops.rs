@@ -81,6 +81,7 @@ pub fn linear(
         b.is_some_and(|b| b.requires_grad()),
     );
     let node = Node {
+        unit_backward: None,
         inputs,
         name: if relu { "linear_relu" } else { "linear" },
         backward: Box::new(move |q, nn, g| {
@@ -142,6 +143,7 @@ pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
     let saved = y.clone();
     let shape = x.shape().to_vec();
     let node = Node {
+        unit_backward: None,
         inputs: vec![x.clone()],
         name: "relu",
         backward: Box::new(move |q, nn, g| {
@@ -206,10 +208,16 @@ pub fn mse_loss(
     let node = Node {
         inputs: vec![pred.clone(), target.clone()],
         name: "mse_loss",
-        backward: Box::new(move |q, _nn, g| {
-            LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), n)?;
-            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &shape)?), None])
+        backward: Box::new({
+            let (grad, shape) = (grad.clone(), shape.clone());
+            move |q, _nn, g| {
+                LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), n)?;
+                Ok(vec![Some(Tensor::from_buffer(grad.clone(), &shape)?), None])
+            }
         }),
+        unit_backward: Some(Box::new(move |_q, _nn| {
+            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &shape)?), None])
+        })),
     };
     Ok(Tensor::from_op(loss, vec![1], Some(node)))
 }
@@ -252,10 +260,16 @@ pub fn cross_entropy(
     let node = Node {
         inputs: vec![logits.clone()],
         name: "cross_entropy",
-        backward: Box::new(move |q, _nn, g| {
-            LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), mc)?;
-            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &[m, c])?)])
+        backward: Box::new({
+            let grad = grad.clone();
+            move |q, _nn, g| {
+                LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), mc)?;
+                Ok(vec![Some(Tensor::from_buffer(grad.clone(), &[m, c])?)])
+            }
         }),
+        unit_backward: Some(Box::new(move |_q, _nn| {
+            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &[m, c])?)])
+        })),
     };
     Ok(Tensor::from_op(loss, vec![1], Some(node)))
 }
@@ -335,6 +349,7 @@ pub fn conv2d(
         b.is_some_and(|b| b.requires_grad()),
     );
     let node = Node {
+        unit_backward: None,
         inputs,
         name: "conv2d",
         backward: Box::new(move |q, nn, gy| {
@@ -381,6 +396,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
     let in_shape = xs.to_vec();
     let n_in = x.numel();
     let node = Node {
+        unit_backward: None,
         inputs: vec![x.clone()],
         name: "max_pool2d",
         backward: Box::new(move |q, nn, g| {
@@ -439,6 +455,7 @@ pub fn dropout(
     )?;
     let shape = x.shape().to_vec();
     let node = Node {
+        unit_backward: None,
         inputs: vec![x.clone()],
         name: "dropout",
         backward: Box::new(move |q, _nn, g| {

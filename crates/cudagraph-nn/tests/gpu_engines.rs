@@ -16,7 +16,9 @@
 //! The GPU machine is expected to have cuDNN and cuBLASLt: the tests that force them fail when
 //! they are missing (a skipped engine is not a tested engine).
 
-use cudagraph::{gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, Stream};
+use cudagraph::{
+    gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, QueueExt, Stream,
+};
 use cudagraph_nn::blas::Trans;
 use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
@@ -119,6 +121,10 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         (1, 10, 256),
         (13, 131, 132),
         (16, 5, 2052),
+        // The 8- and 4-row kernels: K past their last pair of chunks, a lone chunk, odd columns.
+        (8, 131, 1028),
+        (3, 67, 516),
+        (4, 9, 128),
     ];
     let mut checked = 0;
     for &(m, nn_, k) in shapes {
@@ -164,6 +170,11 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                     algos.push(GemmAlgo::WarpK);
                     if m <= cudagraph_nn::gemm::ROWS_MAX_M && k % 4 == 0 {
                         algos.extend([1, 2, 8].map(GemmAlgo::Rows));
+                        for rows in [8u8, 4] {
+                            if m <= rows as usize {
+                                algos.extend([1, 2, 4, 8].map(|ks| GemmAlgo::RowsN { rows, ks }));
+                            }
+                        }
                     }
                 }
                 let lt = lt_algos(&dev, &s, &op);
@@ -182,6 +193,36 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         }
     }
     assert!(checked > 200, "{checked} products checked");
+    // More rows than a few-rows kernel takes: a typed error, nothing launched.
+    let op = GemmOp {
+        ta: n,
+        tb: t,
+        m: 5,
+        n: 8,
+        k: 128,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: Epilogue::None,
+    };
+    let (a, b, c) = (
+        s.alloc::<f32>(5 * 128).unwrap(),
+        s.alloc::<f32>(8 * 128).unwrap(),
+        s.alloc::<f32>(5 * 8).unwrap(),
+    );
+    let e = gemm_with(
+        &s,
+        &nn,
+        GemmAlgo::RowsN { rows: 4, ks: 1 },
+        &op,
+        &a,
+        &b,
+        &c,
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("at most 4 rows"), "{e}");
+    s.synchronize().unwrap();
 }
 
 /// The cluster kernels reduce the same K splits as `tiled:S` plus its reduce node, in the same

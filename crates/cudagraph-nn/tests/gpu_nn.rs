@@ -968,3 +968,64 @@ fn channel_sum_matches_f64_in_one_part_and_in_many() {
     }
     assert!(split >= 3, "the shapes exercise the split path");
 }
+
+/// `loss.backward()` hands a loss's saved gradient on unscaled: the same bits as
+/// `backward_with(ones)`, eagerly and replayed, with two nodes fewer in a captured training
+/// step (no seed fill, no scaling kernel).
+#[test]
+fn backward_from_a_loss_skips_the_seed_and_the_scale() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let (m, k, n) = (5usize, 37usize, 11usize);
+    let mut rng = Rng::new(31);
+    let xh = data(&mut rng, m * k);
+    let th = data(&mut rng, m * n);
+    let x = Tensor::from_host(&s, &xh, &[m, k]).unwrap();
+    let t = Tensor::from_host(&s, &th, &[m, n]).unwrap();
+    let tg = Targets::from_host(&s, &[3, 0, 10, 7, 7], n).unwrap();
+    for ce in [false, true] {
+        let model = Linear::new(&s, k, n, &mut Rng::new(32)).unwrap();
+        let params = model.parameters();
+        // unit: backward(); else backward_with(ones).
+        let step = |q: &dyn Queue, unit: bool| -> Result<()> {
+            // Zeroed in place: both graphs accumulate into the same gradient buffers.
+            for p in &params {
+                p.zero_grad(q, false)?;
+            }
+            let y = model.forward(q, &x)?;
+            let loss = if ce {
+                cross_entropy(q, &y, &tg)?
+            } else {
+                mse_loss(q, &y, &t, Reduction::Mean)?
+            };
+            if unit {
+                loss.backward(q)
+            } else {
+                loss.backward_with(q, Tensor::full(q, &[1], 1.0)?)
+            }
+        };
+        let grads = |s: &Stream| -> Vec<Vec<f32>> { params.iter().map(|p| grad(p, s)).collect() };
+        step(&s, false).unwrap();
+        let want = grads(&s);
+        step(&s, true).unwrap();
+        assert_eq!(
+            grads(&s),
+            want,
+            "ce {ce}: eager backward() vs backward_with(ones)"
+        );
+        let (unit, ()) =
+            Graph::capture(&mut s, CaptureOptions::new(), |cs| Ok(step(cs, true)?)).unwrap();
+        let (seeded, ()) =
+            Graph::capture(&mut s, CaptureOptions::new(), |cs| Ok(step(cs, false)?)).unwrap();
+        let (a, b) = (unit.info().nodes, seeded.info().nodes);
+        assert_eq!(
+            (a.kernel + 1, a.memset + 1, a.total() + 2),
+            (b.kernel, b.memset, b.total()),
+            "ce {ce}: nodes with backward() {a:?}, with backward_with(ones) {b:?}"
+        );
+        for g in [&unit, &seeded] {
+            g.replay(&s).unwrap();
+            assert_eq!(grads(&s), want, "ce {ce}: replayed gradients");
+        }
+    }
+}

@@ -290,15 +290,28 @@ impl DistributedDataParallel {
         if loss.numel() != 1 {
             return Err(NnError::NotScalar(loss.shape().to_vec()));
         }
-        let seed = Tensor::full(q.as_queue(), &[1], 1.0)?;
-        self.backward_with(q, loss, seed)
+        self.backward_seeded(q, loss, None)
     }
 
     /// [`Self::backward`] from `output` with upstream gradient `grad`.
     pub fn backward_with(&mut self, q: &dyn Fork, output: &Tensor, grad: Tensor) -> Result<()> {
+        self.backward_seeded(q, output, Some(grad))
+    }
+
+    /// Backward from `output` with upstream gradient `grad`, or exactly one for a scalar
+    /// (`None`: as [`Tensor::backward`], a loss hands on its saved gradient unscaled).
+    fn backward_seeded(
+        &mut self,
+        q: &dyn Fork,
+        output: &Tensor,
+        grad: Option<Tensor>,
+    ) -> Result<()> {
         let nq = q.as_queue();
         if self.comm.world_size() == 1 {
-            return output.backward_with(nq, grad);
+            return match grad {
+                Some(grad) => output.backward_with(nq, grad),
+                None => output.backward(nq),
+            };
         }
         // Fail before enqueueing anything if a peer is already gone.
         self.comm.check()?;
@@ -328,7 +341,10 @@ impl DistributedDataParallel {
             }
             Ok(())
         };
-        output.backward_with_hook(nq, grad, &mut hook)?;
+        match grad {
+            Some(grad) => output.backward_with_hook(nq, grad, &mut hook)?,
+            None => output.backward_unit_with_hook(nq, &mut hook)?,
+        }
         // Buckets with a parameter that got no gradient here (unused in this forward pass)
         // take part anyway, with zeros: every rank must issue the same collectives.
         while next < buckets.len() {

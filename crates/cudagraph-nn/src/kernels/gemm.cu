@@ -216,3 +216,112 @@ extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, co
         C[(long)row * n + col + 1] = relu ? relu_f(o) : o;
     }
 }
+
+// The few-rows kernel for at most R = 8 or 4 rows per block (batch-8 and batch-1 inference,
+// where the product is a pass over the weights): the layout and fixed-order sums of
+// sgemm_nt_rows with 4·R sums per lane instead of 64 (room for more warps per
+// multiprocessor), and each warp loads two of its 128-wide K chunks (ch, ch + ks) before it
+// uses either, so twice as many weight loads are in flight. The chunks are still added in the
+// order ch, ch + ks, ch + 2·ks, ...; loads past k or n read nothing and add zeros. The
+// butterfly reduce-scatter leaves one sum per lane (R = 8) or one per lane pair (R = 4, whose
+// last step adds the pair: a + b and b + a are the same bits).
+#define ROWS_FEW_RS(HALF, OFF)                                                \
+    {                                                                         \
+        const bool hi = (lane & (OFF)) != 0;                                  \
+        _Pragma("unroll") for (int i = 0; i < (HALF); i++) {                  \
+            const float send = hi ? v[i] : v[i + (HALF)];                     \
+            const float keep = hi ? v[i + (HALF)] : v[i];                     \
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (OFF));          \
+        }                                                                     \
+    }
+
+template <int R>
+__device__ __forceinline__ void rows_few(int m, int n, int k, const float* __restrict__ A,
+        const float* __restrict__ B, float* __restrict__ C, const float* __restrict__ bias,
+        int relu, int ks) {
+    __shared__ float part[8][4 * R];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int groups = 8 / ks;
+    const int grp = warp / ks, slice = warp - grp * ks;
+    const int col0 = (blockIdx.x * groups + grp) * 4;
+    const int row0 = blockIdx.y * R;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float v[4 * R];  // v[i * 4 + c]: row row0 + i, column col0 + c
+#pragma unroll
+    for (int i = 0; i < 4 * R; i++) v[i] = 0.0f;
+    const int chunks = (k + 127) / 128;
+    for (int ch = slice; ch < chunks; ch += 2 * ks) {
+        const int kk0 = ch * 128 + lane * 4, kk1 = kk0 + ks * 128;
+        const bool has0 = kk0 < k, has1 = ch + ks < chunks && kk1 < k;
+        float4 b0[4], b1[4];
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const float* bc = B + (long)(col0 + c) * k;
+            const bool col = col0 + c < n;
+            b0[c] = col && has0 ? __ldg(reinterpret_cast<const float4*>(bc + kk0)) : zero;
+            b1[c] = col && has1 ? __ldg(reinterpret_cast<const float4*>(bc + kk1)) : zero;
+        }
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            if (row0 + i < m) {
+                const float* ar = A + (long)(row0 + i) * k;
+                const float4 a0 = has0 ? __ldg(reinterpret_cast<const float4*>(ar + kk0)) : zero;
+                const float4 a1 = has1 ? __ldg(reinterpret_cast<const float4*>(ar + kk1)) : zero;
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    float s = v[i * 4 + c];
+                    s = fmaf(a0.x, b0[c].x, s);
+                    s = fmaf(a0.y, b0[c].y, s);
+                    s = fmaf(a0.z, b0[c].z, s);
+                    s = fmaf(a0.w, b0[c].w, s);
+                    s = fmaf(a1.x, b1[c].x, s);
+                    s = fmaf(a1.y, b1[c].y, s);
+                    s = fmaf(a1.z, b1[c].z, s);
+                    s = fmaf(a1.w, b1[c].w, s);
+                    v[i * 4 + c] = s;
+                }
+            }
+        }
+    }
+    int idx;
+    bool writer = true;
+    if constexpr (R == 8) {
+        ROWS_FEW_RS(16, 16)
+        ROWS_FEW_RS(8, 8)
+        ROWS_FEW_RS(4, 4)
+        ROWS_FEW_RS(2, 2)
+        ROWS_FEW_RS(1, 1)
+        idx = lane;  // bit o of the lane picked the upper half at offset o: lane 16·b4 + ... + b0
+    } else {
+        ROWS_FEW_RS(8, 16)
+        ROWS_FEW_RS(4, 8)
+        ROWS_FEW_RS(2, 4)
+        ROWS_FEW_RS(1, 2)
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
+        idx = lane >> 1;
+        writer = (lane & 1) == 0;
+    }
+    float s0 = v[0];
+    if (ks > 1) {
+        if (writer) part[warp][idx] = s0;
+        __syncthreads();
+        if (slice != 0) return;
+        s0 = 0.0f;
+        for (int z = 0; z < ks; z++) s0 += part[warp + z][idx];
+    }
+    const int row = row0 + idx / 4, col = col0 + idx % 4;
+    if (!writer || row >= m || col >= n) return;
+    const float o = s0 + (bias ? bias[col] : 0.0f);
+    C[(long)row * n + col] = relu ? relu_f(o) : o;
+}
+#undef ROWS_FEW_RS
+
+extern "C" __global__ void __launch_bounds__(256) sgemm_nt_rows8(int m, int n, int k, const float* A,
+        const float* B, float* C, const float* bias, int relu, int ks) {
+    rows_few<8>(m, n, k, A, B, C, bias, relu, ks);
+}
+
+extern "C" __global__ void __launch_bounds__(256) sgemm_nt_rows4(int m, int n, int k, const float* A,
+        const float* B, float* C, const float* bias, int relu, int ks) {
+    rows_few<4>(m, n, k, A, B, C, bias, relu, ks);
+}

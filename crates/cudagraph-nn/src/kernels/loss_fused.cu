@@ -2,8 +2,9 @@
 // DEVICE_CHECK_CUDA and common.cu; launched only from losses.rs).
 //
 // Cross-entropy is row-parallel: one warp per row (up to 1024 classes) or one block per row,
-// an online max/sum of exp in one read of the row, and the unit gradient
-// (softmax - onehot) / rows written in a second read. The mean over rows is deterministic: each
+// an online max/sum of exp in one read of the row (eight loads in flight per thread, folded in
+// a batch at a time), and the unit gradient (softmax - onehot) / rows written in a second
+// read. The mean over rows is deterministic: each
 // row's loss goes to row_loss[r] and one block sums them in a fixed order (sum_scaled); small
 // problems run in a single block that does both (one node). Few wide rows (fewer rows than
 // multiprocessors) are split into chunks across blocks: statistics per chunk, then per row the
@@ -20,10 +21,69 @@ __device__ __forceinline__ bool lf_aligned16(const void* p) {
     return (((unsigned long long)p) & 15ull) == 0ull;
 }
 
-// Running max m and running sum s of exp(z - m) over the values seen.
-__device__ __forceinline__ void ms_add(float& m, float& s, float x) {
-    if (x > m) { s = s * expf(m - x) + 1.0f; m = x; }
-    else s += expf(x - m);
+// Folds U values into the running max m and running sum s of exp(z - m) over the values seen:
+// one rescale per batch.
+template <int U>
+__device__ __forceinline__ void ms_add_batch(float& m, float& s, const float (&x)[U]) {
+    float mx = x[0];
+#pragma unroll
+    for (int u = 1; u < U; u++) mx = fmaxf(mx, x[u]);
+    if (mx > m) { s *= expf(m - mx); m = mx; }
+    float t = 0.0f;
+#pragma unroll
+    for (int u = 0; u < U; u++) t += expf(x[u] - m);
+    s += t;
+}
+
+// The running max and sum of exp over zr[c] for c = first, first + step, ... < end, with
+// eight (then four) loads in flight before they are folded in: a row's elements are
+// independent, and taking them one at a time would wait a memory latency per element. The
+// order is fixed by (first, end, step): the same bits on every run. Indices stay below
+// end + 7·step (step at most 1024), within CE_MAX_DIM's margin.
+__device__ __forceinline__ void ms_scan(const float* __restrict__ zr, int first, int end,
+        int step, float& m, float& s) {
+    int c = first;
+    for (; c + 7 * step < end; c += 8 * step) {
+        float x[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) x[u] = zr[c + u * step];
+        ms_add_batch<8>(m, s, x);
+    }
+    if (c + 3 * step < end) {
+        float x[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) x[u] = zr[c + u * step];
+        ms_add_batch<4>(m, s, x);
+        c += 4 * step;
+    }
+    for (; c < end; c += step) {
+        const float x[1] = {zr[c]};
+        ms_add_batch<1>(m, s, x);
+    }
+}
+
+// grad[c] = (softmax - onehot(t)) * inv_rows over c = first, first + step, ... < end, four
+// loads in flight. softmax = exp(z - m) / s (DIV) or exp(z - m) * inv_s.
+template <bool DIV>
+__device__ __forceinline__ void ce_grad_scan(const float* __restrict__ zr, float* __restrict__ gr,
+        int first, int end, int step, float m, float s, int t, float inv_rows) {
+    const float inv_s = 1.0f / s;
+    int c = first;
+    for (; c + 3 * step < end; c += 4 * step) {
+        float x[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) x[u] = zr[c + u * step];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int cu = c + u * step;
+            const float e = DIV ? expf(x[u] - m) / s : expf(x[u] - m) * inv_s;
+            gr[cu] = (e - (cu == t ? 1.0f : 0.0f)) * inv_rows;
+        }
+    }
+    for (; c < end; c += step) {
+        const float e = DIV ? expf(zr[c] - m) / s : expf(zr[c] - m) * inv_s;
+        gr[c] = (e - (c == t ? 1.0f : 0.0f)) * inv_rows;
+    }
 }
 
 __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2) {
@@ -45,16 +105,17 @@ __device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool r
     return t;
 }
 
-// One warp per row (8 rows per 256-thread block). With `loss` set (a single block), the block
-// also writes the mean; otherwise each row's loss goes to row_loss[r].
-extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
+// One warp per row (8 rows per 256-thread block, or up to 32 in a single 1024-thread block).
+// With `loss` set (a single block), the block also writes the mean; otherwise each row's loss
+// goes to row_loss[r].
+extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
         float* loss, int rows, int cols, float inv_rows, cg_check* flag, unsigned int check) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
     float acc = 0.0f;
     for (int r = blockIdx.x * wpb + warp; r < rows; r += gridDim.x * wpb) {
         const float* zr = z + (long long)r * cols;
         float m = NEG_INF, s = 0.0f;
-        for (int c = lane; c < cols; c += 32) ms_add(m, s, zr[c]);
+        ms_scan(zr, lane, cols, 32, m, s);
         for (int o = 16; o > 0; o >>= 1) {
             const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
             const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
@@ -64,11 +125,7 @@ extern "C" __global__ void __launch_bounds__(256) ce_fwd_warp(const float* z, co
         m = __shfl_sync(0xffffffffu, m, 0);
         s = __shfl_sync(0xffffffffu, s, 0);
         const int t = ce_target(tgt, r, cols, lane == 0, flag, check);
-        if (grad != 0) {
-            float* gr = grad + (long long)r * cols;
-            for (int c = lane; c < cols; c += 32)
-                gr[c] = (expf(zr[c] - m) / s - (c == t ? 1.0f : 0.0f)) * inv_rows;
-        }
+        if (grad != 0) ce_grad_scan<true>(zr, grad + (long long)r * cols, lane, cols, 32, m, s, t, inv_rows);
         if (lane == 0) {
             const float l = logf(s) + m - zr[t];
             if (row_loss != 0) row_loss[r] = l;
@@ -91,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* zr = z + (long long)r * cols;
         float m = NEG_INF, s = 0.0f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) ms_add(m, s, zr[c]);
+        ms_scan(zr, threadIdx.x, cols, blockDim.x, m, s);
         for (int o = 16; o > 0; o >>= 1) {
             const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
             const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
@@ -107,11 +164,8 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
         __syncthreads();
         m = row_m; s = row_s;
         const int t = ce_target(tgt, r, cols, threadIdx.x == 0, flag, check);
-        if (grad != 0) {
-            float* gr = grad + (long long)r * cols;
-            for (int c = threadIdx.x; c < cols; c += blockDim.x)
-                gr[c] = (expf(zr[c] - m) / s - (c == t ? 1.0f : 0.0f)) * inv_rows;
-        }
+        if (grad != 0)
+            ce_grad_scan<true>(zr, grad + (long long)r * cols, threadIdx.x, cols, blockDim.x, m, s, t, inv_rows);
         if (threadIdx.x == 0) {
             const float l = logf(s) + m - zr[t];
             if (row_loss != 0) row_loss[r] = l;
@@ -160,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z,
     ce_chunk(cols, chunks, k, lo, hi);
     const float* zr = z + (long long)r * cols;
     float m = NEG_INF, s = 0.0f;
-    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) ms_add(m, s, zr[c]);
+    ms_scan(zr, lo + threadIdx.x, hi, blockDim.x, m, s);
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
         const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
@@ -198,14 +252,11 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z
     }
     if (grad == 0) return;
     __syncthreads();
-    const float m = row_m, inv_s = 1.0f / row_s;
     const int t = min(max(tgt[r], 0), cols - 1);  // reported above (block k = 0)
     int lo, hi;
     ce_chunk(cols, chunks, k, lo, hi);
-    const float* zr = z + (long long)r * cols;
-    float* gr = grad + (long long)r * cols;
-    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x)
-        gr[c] = (expf(zr[c] - m) * inv_s - (c == t ? 1.0f : 0.0f)) * inv_rows;
+    ce_grad_scan<false>(z + (long long)r * cols, grad + (long long)r * cols, lo + threadIdx.x, hi,
+        blockDim.x, row_m, row_s, t, inv_rows);
 }
 
 // The forward pass of ce_split_finish and sum_scaled in one block of 1024 threads, for few rows

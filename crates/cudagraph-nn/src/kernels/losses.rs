@@ -54,6 +54,8 @@ pub struct LossKernels {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CePlan {
     pub grid: u32,
+    /// Threads per block.
+    pub block: u32,
     pub warp_rows: bool,
     pub two_pass: bool,
     pub chunks: u32,
@@ -87,11 +89,23 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
         if chunks >= MIN_SPLIT_CHUNKS {
             return CePlan {
                 grid: (rows * chunks) as u32,
+                block: BLOCK,
                 warp_rows: false,
                 two_pass: true,
                 chunks: chunks as u32,
             };
         }
+    }
+    // Up to 32 narrow rows: one block of a warp per row does the rows and the mean (one node
+    // instead of a row pass and a sum pass).
+    if warp_rows && rows > (BLOCK / 32) as usize && rows <= (WIDE_BLOCK / 32) as usize {
+        return CePlan {
+            grid: 1,
+            block: WIDE_BLOCK,
+            warp_rows,
+            two_pass: false,
+            chunks: 1,
+        };
     }
     let per_block = if warp_rows { (BLOCK / 32) as usize } else { 1 };
     let most = (sms * 16).min(CE_MAX_GRID);
@@ -101,6 +115,7 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
     let grid = needed.clamp(1, most);
     CePlan {
         grid: grid as u32,
+        block: if warp_rows { BLOCK } else { WIDE_BLOCK },
         warp_rows,
         two_pass: !single,
         chunks: 1,
@@ -325,7 +340,7 @@ impl LossKernels {
             super::launch(
                 q,
                 f,
-                LaunchConfig::linear(plan.grid, if plan.warp_rows { BLOCK } else { WIDE_BLOCK }),
+                LaunchConfig::linear(plan.grid, plan.block),
                 &[
                     logits.into(),
                     targets.into(),
@@ -468,6 +483,7 @@ mod tests {
             ce_plan(8, 10, 132),
             CePlan {
                 grid: 1,
+                block: BLOCK,
                 warp_rows: true,
                 two_pass: false,
                 chunks: 1,
@@ -478,6 +494,7 @@ mod tests {
             ce_plan(1, 1000, 132),
             CePlan {
                 grid: 1,
+                block: BLOCK,
                 warp_rows: true,
                 two_pass: false,
                 chunks: 1,
@@ -536,7 +553,12 @@ mod tests {
         let p = ce_plan(256, 10, 132);
         assert!(p.warp_rows && p.two_pass);
         assert_eq!(p.grid, 32); // never one block walking 32 rows per warp
-        assert!(ce_plan(9, 10, 132).two_pass);
+                                // 9 to 32 narrow rows: one block of 1024 threads, a warp per row, mean included.
+        for rows in [9, 32] {
+            let p = ce_plan(rows, 1000, 132);
+            assert_eq!((p.grid, p.block, p.two_pass), (1, WIDE_BLOCK, false));
+        }
+        assert!(ce_plan(33, 10, 132).two_pass);
         assert!(ce_plan(2, 50000, 132).two_pass);
         let p = ce_plan(200, 50000, 132);
         assert!(!p.warp_rows && p.two_pass && p.chunks == 1);

@@ -99,6 +99,8 @@ kernels!(
     splitk_reduce,
     sgemm_nt_warpk,
     sgemm_nt_rows,
+    sgemm_nt_rows8,
+    sgemm_nt_rows4,
     bias_act,
     relu_fwd,
     relu_bwd,
@@ -246,12 +248,16 @@ pub fn rows_ok(k: usize, addrs: &[u64]) -> bool {
     k % 4 == 0 && addrs.iter().all(|a| a % 16 == 0)
 }
 
-/// The few-rows kernel's launch: 16 rows per block in y, 8 / ks groups of 4 columns per block
-/// in x, 256 threads.
-pub fn rows_grid(m: usize, n: usize, ks: usize) -> Result<LaunchConfig> {
+/// Rows per block the few-rows kernels come in: `sgemm_nt_rows` (16), `sgemm_nt_rows8`,
+/// `sgemm_nt_rows4`.
+pub const ROWS_PER_BLOCK: [usize; 3] = [16, 8, 4];
+
+/// The few-rows kernel's launch: `per_block` rows per block in y, 8 / ks groups of 4 columns
+/// per block in x, 256 threads.
+pub fn rows_grid(m: usize, n: usize, ks: usize, per_block: usize) -> Result<LaunchConfig> {
     let groups = 8 / ks.clamp(1, 8);
     let gx = n.div_ceil(4).div_ceil(groups);
-    let gy = m.div_ceil(16);
+    let gy = m.div_ceil(per_block.max(1));
     match (u32::try_from(gx), u32::try_from(gy)) {
         (Ok(gx), Ok(gy)) if gx <= i32::MAX as u32 && gy <= 65535 => Ok(LaunchConfig {
             grid: (gx, gy, 1),
@@ -731,7 +737,7 @@ impl Nn {
         c: &Buf,
         bias: Option<&Buf>,
         relu: bool,
-        ks: usize,
+        (ks, per_block): (usize, usize),
     ) -> Result<()> {
         let d = GemmDims {
             m,
@@ -746,6 +752,16 @@ impl Nn {
                 "gemm rows: {ks} warps per column group (1, 2, 4 or 8)"
             )));
         }
+        let f = match per_block {
+            16 => &self.k.sgemm_nt_rows,
+            8 => &self.k.sgemm_nt_rows8,
+            4 => &self.k.sgemm_nt_rows4,
+            _ => {
+                return Err(NnError::Shape(format!(
+                    "gemm rows: {per_block} rows per block (one of {ROWS_PER_BLOCK:?})"
+                )))
+            }
+        };
         if !rows_ok(k, &[a.addr(), b.addr()]) {
             return Err(NnError::Shape(format!(
                 "gemm rows: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
@@ -754,22 +770,23 @@ impl Nn {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let cfg = rows_grid(m, n, ks)?;
-        // SAFETY: a block covers rows [16·y, 16·y + 16) and columns of its groups; every load of
-        // A is at row < m (guarded) and k offset kk < k with kk % 4 == 0 and k % 4 == 0 (checked),
-        // so the float4 at A + row·k + kk lies below m·k (checked) and is 16-byte aligned (A
-        // aligned, k % 4 == 0); likewise B at column < n below n·k. Writes go to C at row < m,
-        // column < n (guarded), below m·n (checked); the bias is read below n (checked). The
-        // kernel's column and k offsets stay within 1024 of n and k, which int_loop bounds.
+        let cfg = rows_grid(m, n, ks, per_block)?;
+        // SAFETY: a block covers rows [p·y, p·y + p) (p = per_block) and columns of its groups;
+        // every load of A is at row < m (guarded) and k offset kk < k with kk % 4 == 0 and
+        // k % 4 == 0 (checked), so the float4 at A + row·k + kk lies below m·k (checked) and is
+        // 16-byte aligned (A aligned, k % 4 == 0); likewise B at column < n below n·k. Writes go
+        // to C at row < m, column < n (guarded), below m·n (checked); the bias is read below n
+        // (checked). The kernels' column offsets stay within 1024 of n and their k offsets
+        // (a chunk ks·128 ahead) within 2048 of k, which int_loop bounds.
         unsafe {
             launch(
                 q,
-                &self.k.sgemm_nt_rows,
+                f,
                 cfg,
                 &[
                     int_loop("m", m, 1024)?.into(),
                     int_loop("n", n, 1024)?.into(),
-                    int_loop("k", k, 1024)?.into(),
+                    int_loop("k", k, 2048)?.into(),
                     a.into(),
                     b.into(),
                     c.into(),
