@@ -316,12 +316,12 @@ __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __res
 }
 #undef ROWS_FEW_RS
 
-extern "C" __global__ void __launch_bounds__(256) sgemm_nt_rows8(int m, int n, int k, const float* A,
+extern "C" __global__ void sgemm_nt_rows8(int m, int n, int k, const float* A,
         const float* B, float* C, const float* bias, int relu, int ks) {
     rows_few<8>(m, n, k, A, B, C, bias, relu, ks);
 }
 
-extern "C" __global__ void __launch_bounds__(256) sgemm_nt_rows4(int m, int n, int k, const float* A,
+extern "C" __global__ void sgemm_nt_rows4(int m, int n, int k, const float* A,
         const float* B, float* C, const float* bias, int relu, int ks) {
     rows_few<4>(m, n, k, A, B, C, bias, relu, ks);
 }

@@ -181,38 +181,48 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
 
 // Split rows (few wide rows: fewer rows than multiprocessors). Block b = r * chunks + k reads
 // chunk k of row r (chunk length ceil(cols / chunks)) and writes its running max and sum of
-// exp to pm[b], ps[b]. A row's chunks (at most 32) are merged by one warp, lane k holding chunk
-// k, in a fixed butterfly order and taken from lane 0: every reader of a row's statistics gets
-// the same bits (deterministic).
+// exp to pm[b], ps[b]; the block whose chunk holds row r's target writes that logit to zt[r]
+// (block k = 0 reports a target outside [0, cols), which is clamped). A row's statistics are
+// its chunks' merged by one thread in chunk order (ce_row_stats): every reader of a row gets
+// the same bits (deterministic), and its loads are independent (one memory latency).
 __device__ __forceinline__ void ce_chunk(int cols, int chunks, int k, int& lo, int& hi) {
     const int len = (cols + chunks - 1) / chunks;
     lo = min(k * len, cols);
     hi = min(lo + len, cols);
 }
 
-// Called by a whole warp; every lane returns the row's merged statistics.
+#define CE_MAX_CHUNKS 32
+
+// Row r's statistics from its chunks (at most CE_MAX_CHUNKS), merged in chunk order.
 __device__ __forceinline__ void ce_row_stats(const float* pm, const float* ps, int r, int chunks,
         float& m, float& s) {
-    const int lane = threadIdx.x & 31;
-    m = NEG_INF; s = 0.0f;
-    if (lane < chunks) { m = pm[r * chunks + lane]; s = ps[r * chunks + lane]; }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        ms_merge(m, s, m2, s2);
+    float lm[CE_MAX_CHUNKS], ls[CE_MAX_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < CE_MAX_CHUNKS; c++) {
+        if (c < chunks) {
+            lm[c] = pm[r * chunks + c];
+            ls[c] = ps[r * chunks + c];
+        }
     }
-    m = __shfl_sync(0xffffffffu, m, 0);
-    s = __shfl_sync(0xffffffffu, s, 0);
+    m = NEG_INF; s = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CE_MAX_CHUNKS; c++)
+        if (c < chunks) ms_merge(m, s, lm[c], ls[c]);
 }
 
-extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z, int rows, int cols, int chunks,
-        float* pm, float* ps) {
+extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z, const int* tgt,
+        int rows, int cols, int chunks, float* pm, float* ps, float* zt, cg_check* flag,
+        unsigned int check) {
     __shared__ float wm[8], ws[8];
     const int b = blockIdx.x, r = b / chunks, k = b - r * chunks;
     if (r >= rows) return;
     int lo, hi;
     ce_chunk(cols, chunks, k, lo, hi);
     const float* zr = z + (long long)r * cols;
+    if (threadIdx.x == 0) {
+        const int t = ce_target(tgt, r, cols, k == 0, flag, check);
+        if (t >= lo && t < hi) zt[r] = zr[t];
+    }
     float m = NEG_INF, s = 0.0f;
     ms_scan(zr, lo + threadIdx.x, hi, blockDim.x, m, s);
     for (int o = 16; o > 0; o >>= 1) {
@@ -231,54 +241,44 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z,
 }
 
 // Block b = r * per_row + k (per_row = chunks with a gradient, else 1): merges row r's chunk
-// statistics (warp 0), writes grad = (softmax - onehot) / rows over chunk k when `grad` is set,
-// and (k = 0) the row's loss into row_loss[r], reporting a target outside [0, cols).
+// statistics (thread 0), writes grad = (softmax - onehot) / rows over chunk k when `grad` is
+// set, and (k = 0) the row's loss into row_loss[r].
 extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z, const int* tgt, float* grad,
-        const float* pm, const float* ps, float* row_loss, int rows, int cols, int chunks, int per_row,
-        float inv_rows, cg_check* flag, unsigned int check) {
+        const float* pm, const float* ps, const float* zt, float* row_loss, int rows, int cols,
+        int chunks, int per_row, float inv_rows) {
     __shared__ float row_m, row_s;
     const int b = blockIdx.x, r = b / per_row, k = b - r * per_row;
     if (r >= rows) return;
-    if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) {
         float m, s;
         ce_row_stats(pm, ps, r, chunks, m, s);
-        if (threadIdx.x == 0) {
-            row_m = m; row_s = s;
-            if (k == 0) {
-                const int t = ce_target(tgt, r, cols, true, flag, check);
-                row_loss[r] = logf(s) + m - z[(long long)r * cols + t];
-            }
-        }
+        row_m = m; row_s = s;
+        if (k == 0) row_loss[r] = logf(s) + m - zt[r];
     }
     if (grad == 0) return;
     __syncthreads();
-    const int t = min(max(tgt[r], 0), cols - 1);  // reported above (block k = 0)
+    const int t = min(max(tgt[r], 0), cols - 1);  // reported by ce_split_stats
     int lo, hi;
     ce_chunk(cols, chunks, k, lo, hi);
     ce_grad_scan<false>(z + (long long)r * cols, grad + (long long)r * cols, lo + threadIdx.x, hi,
         blockDim.x, row_m, row_s, t, inv_rows);
 }
 
-// The forward pass of ce_split_finish and sum_scaled in one block of 1024 threads, for few rows
-// (at most CE_FUSED_ROWS): warp w merges the chunk statistics of rows w, w + 32, ... and lane 0
-// keeps each row's loss in shared memory (reporting a target outside [0, cols)); then the mean
-// is taken exactly as sum_scaled takes it with its 256 threads (thread i adds rows i, i + 256,
-// ... in order, then the same halving tree), so the loss is bit for bit the one the two-kernel
-// path (used with a gradient) computes.
+// The forward pass of ce_split_finish and sum_scaled in one block of 256 threads, for few rows
+// (at most CE_FUSED_ROWS): thread r merges row r's chunk statistics and keeps its loss in
+// shared memory (all rows at once: one memory latency); then the mean is taken exactly as
+// sum_scaled takes it with its 256 threads (thread i adds rows i, i + 256, ... in order, then
+// the same halving tree), so the loss is bit for bit the one the two-kernel path (used with a
+// gradient) computes.
 #define CE_FUSED_ROWS 256
-extern "C" __global__ void __launch_bounds__(1024) ce_split_mean(const float* z, const int* tgt,
-        const float* pm, const float* ps, float* out, int rows, int cols, int chunks, float scale,
-        cg_check* flag, unsigned int check) {
+extern "C" __global__ void __launch_bounds__(256) ce_split_mean(const float* pm, const float* ps,
+        const float* zt, float* out, int rows, int chunks, float scale) {
     __shared__ float row_loss[CE_FUSED_ROWS];
     __shared__ float tree[256];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int r = warp; r < rows; r += blockDim.x >> 5) {
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
         float m, s;
         ce_row_stats(pm, ps, r, chunks, m, s);
-        if (lane == 0) {
-            const int t = ce_target(tgt, r, cols, true, flag, check);
-            row_loss[r] = logf(s) + m - z[(long long)r * cols + t];
-        }
+        row_loss[r] = logf(s) + m - zt[r];
     }
     __syncthreads();
     if (threadIdx.x < 256) {

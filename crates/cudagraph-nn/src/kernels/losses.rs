@@ -390,10 +390,13 @@ impl LossKernels {
         let parts = prod("cross_entropy chunks", &[rows, chunks])?;
         let ki = int("chunks", chunks)?;
         let (pm, ps) = (q.alloc::<f32>(parts)?, q.alloc::<f32>(parts)?);
+        let zt = q.alloc::<f32>(rows)?;
         let inv_rows = 1.0 / rows as f32;
         // SAFETY: block b = r·chunks + k (b < rows·chunks = grid) reads logits of row r < rows
-        // in columns [k·len, min((k+1)·len, cols)) (logits hold rows·cols, checked by the
-        // caller) and writes pm[b], ps[b] (allocated with rows·chunks).
+        // in columns [k·len, min((k+1)·len, cols)) and its target logit (targets[r] clamped
+        // into [0, cols) before it indexes; logits hold rows·cols, targets rows, checked by
+        // the caller), writes pm[b], ps[b] (allocated with rows·chunks) and zt[r] (allocated
+        // with rows); flag is the device's error word.
         unsafe {
             super::launch(
                 q,
@@ -401,38 +404,36 @@ impl LossKernels {
                 LaunchConfig::linear(plan.grid, BLOCK),
                 &[
                     logits.into(),
+                    targets.into(),
                     Arg::I32(ri),
                     Arg::I32(ci),
                     Arg::I32(ki),
                     (&pm).into(),
                     (&ps).into(),
+                    (&zt).into(),
+                    q.device().check_flag_arg(),
+                    Arg::U32(self.ce_check),
                 ],
             )?;
         }
         if grad.is_none() && rows <= CE_FUSED_ROWS {
             need("loss output", loss, 1)?;
-            // SAFETY: one block; warp w reads pm/ps[r·chunks .. r·chunks + chunks) for rows
-            // r < rows (chunks ≤ 32, one lane each; allocated with rows·chunks), targets[r]
-            // (clamped into [0, cols) before it indexes) and one logit of row r (logits hold
-            // rows·cols, checked by the caller); rows ≤ CE_FUSED_ROWS, the kernel's shared row
-            // array; writes loss[0] (checked); flag is the device's error word.
+            // SAFETY: one block; thread r < rows reads pm/ps[r·chunks .. r·chunks + chunks)
+            // (chunks ≤ 32; allocated with rows·chunks) and zt[r] (allocated with rows);
+            // rows ≤ CE_FUSED_ROWS, the kernel's shared row array; writes loss[0] (checked).
             return unsafe {
                 super::launch(
                     q,
                     &self.ce_split_mean,
-                    LaunchConfig::linear(1, WIDE_BLOCK),
+                    LaunchConfig::linear(1, BLOCK),
                     &[
-                        logits.into(),
-                        targets.into(),
                         (&pm).into(),
                         (&ps).into(),
+                        (&zt).into(),
                         loss.into(),
                         Arg::I32(ri),
-                        Arg::I32(ci),
                         Arg::I32(ki),
                         inv_rows.into(),
-                        q.device().check_flag_arg(),
-                        Arg::U32(self.ce_check),
                     ],
                 )
             };
@@ -443,10 +444,10 @@ impl LossKernels {
             NnError::Shape(format!("cross_entropy: {rows} rows × {per_row} chunks"))
         })?;
         // SAFETY: block b = r·per_row + k (r < rows) reads pm/ps[r·chunks .. r·chunks +
-        // chunks) (chunks ≤ 32, one lane each; allocated with rows·chunks), targets[r]
-        // (clamped into [0, cols) before it indexes) and logits of row r; writes row_loss[r]
-        // (allocated with rows) and, with a gradient, grad over chunk k of row r (grad holds
-        // rows·cols, checked by the caller); flag is the device's error word.
+        // chunks) (chunks ≤ 32; allocated with rows·chunks), zt[r] (allocated with rows),
+        // targets[r] (clamped into [0, cols) before it indexes) and logits of row r; writes
+        // row_loss[r] (allocated with rows) and, with a gradient, grad over chunk k of row r
+        // (grad holds rows·cols, checked by the caller).
         unsafe {
             super::launch(
                 q,
@@ -458,14 +459,13 @@ impl LossKernels {
                     Arg::opt(grad),
                     (&pm).into(),
                     (&ps).into(),
+                    (&zt).into(),
                     (&row_loss).into(),
                     Arg::I32(ri),
                     Arg::I32(ci),
                     Arg::I32(ki),
                     Arg::I32(int("chunks", per_row)?),
                     inv_rows.into(),
-                    q.device().check_flag_arg(),
-                    Arg::U32(self.ce_check),
                 ],
             )?;
         }
