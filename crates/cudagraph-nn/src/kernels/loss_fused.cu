@@ -95,14 +95,18 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
 }
 
 // One row's target, clamped into [0, cols) and reported when outside (by the caller's lane).
-__device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool report,
+__device__ __forceinline__ int ce_clamp_target(int t, int r, int cols, bool report,
         cg_check* flag, unsigned int check) {
-    int t = tgt[r];
     if (t < 0 || t >= cols) {
         if (report) cg_report(flag, check, t, cols, r);
         t = min(max(t, 0), cols - 1);
     }
     return t;
+}
+
+__device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool report,
+        cg_check* flag, unsigned int check) {
+    return ce_clamp_target(tgt[r], r, cols, report, flag, check);
 }
 
 // One warp per row (8 rows per 256-thread block, or up to 32 in a single 1024-thread block).
@@ -182,32 +186,32 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
 // Split rows (few wide rows: fewer rows than multiprocessors). Block b = r * chunks + k reads
 // chunk k of row r (chunk length ceil(cols / chunks)) and writes its running max and sum of
 // exp to pm[b], ps[b]; the block whose chunk holds row r's target writes that logit to zt[r]
-// (block k = 0 reports a target outside [0, cols), which is clamped). A row's statistics are
-// its chunks' merged by one thread in chunk order (ce_row_stats): every reader of a row gets
-// the same bits (deterministic), and its loads are independent (one memory latency).
+// (block k = 0 reports a target outside [0, cols), which is clamped). A row's chunks (at most
+// 32) are merged by lanes in a fixed butterfly order (ce_row_stats): every reader of a row's
+// statistics gets the same bits (deterministic).
 __device__ __forceinline__ void ce_chunk(int cols, int chunks, int k, int& lo, int& hi) {
     const int len = (cols + chunks - 1) / chunks;
     lo = min(k * len, cols);
     hi = min(lo + len, cols);
 }
 
-#define CE_MAX_CHUNKS 32
-
-// Row r's statistics from its chunks (at most CE_MAX_CHUNKS), merged in chunk order.
-__device__ __forceinline__ void ce_row_stats(const float* pm, const float* ps, int r, int chunks,
-        float& m, float& s) {
-    float lm[CE_MAX_CHUNKS], ls[CE_MAX_CHUNKS];
-#pragma unroll
-    for (int c = 0; c < CE_MAX_CHUNKS; c++) {
-        if (c < chunks) {
-            lm[c] = pm[r * chunks + c];
-            ls[c] = ps[r * chunks + c];
-        }
-    }
+// Row r's statistics merged by a group of g lanes (g a power of two, chunks <= g <= 32, the
+// group aligned within its warp; called by whole warps): lane j < chunks of the group holds
+// chunk j, a butterfly over offsets g/2 .. 1 merges them, and every lane of the group gets the
+// group's first lane's result. The bits are those of the 32-lane butterfly (g = 32): there,
+// offsets >= g only merge lanes that hold nothing yet, and a merge is symmetric (a + b = b + a).
+__device__ __forceinline__ void ce_row_stats(const float* pm, const float* ps, int r, bool valid,
+        int chunks, int g, float& m, float& s) {
+    const int lane = threadIdx.x & 31, j = lane & (g - 1);
     m = NEG_INF; s = 0.0f;
-#pragma unroll
-    for (int c = 0; c < CE_MAX_CHUNKS; c++)
-        if (c < chunks) ms_merge(m, s, lm[c], ls[c]);
+    if (valid && j < chunks) { m = pm[r * chunks + j]; s = ps[r * chunks + j]; }
+    for (int o = g >> 1; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ms_merge(m, s, m2, s2);
+    }
+    m = __shfl_sync(0xffffffffu, m, lane - j);
+    s = __shfl_sync(0xffffffffu, s, lane - j);
 }
 
 extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z, const int* tgt,
@@ -219,10 +223,8 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z,
     int lo, hi;
     ce_chunk(cols, chunks, k, lo, hi);
     const float* zr = z + (long long)r * cols;
-    if (threadIdx.x == 0) {
-        const int t = ce_target(tgt, r, cols, k == 0, flag, check);
-        if (t >= lo && t < hi) zt[r] = zr[t];
-    }
+    // The target's load is issued before the scan and used after it (no latency of its own).
+    const int t_raw = threadIdx.x == 0 ? tgt[r] : 0;
     float m = NEG_INF, s = 0.0f;
     ms_scan(zr, lo + threadIdx.x, hi, blockDim.x, m, s);
     for (int o = 16; o > 0; o >>= 1) {
@@ -237,11 +239,14 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z,
         float bm = wm[0], bs = ws[0];
         for (int w = 1; w < (int)(blockDim.x >> 5); w++) ms_merge(bm, bs, wm[w], ws[w]);
         pm[b] = bm; ps[b] = bs;
+        // The chunk was just read: its target logit is a cache hit.
+        const int t = ce_clamp_target(t_raw, r, cols, k == 0, flag, check);
+        if (t >= lo && t < hi) zt[r] = zr[t];
     }
 }
 
 // Block b = r * per_row + k (per_row = chunks with a gradient, else 1): merges row r's chunk
-// statistics (thread 0), writes grad = (softmax - onehot) / rows over chunk k when `grad` is
+// statistics (warp 0), writes grad = (softmax - onehot) / rows over chunk k when `grad` is
 // set, and (k = 0) the row's loss into row_loss[r].
 extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z, const int* tgt, float* grad,
         const float* pm, const float* ps, const float* zt, float* row_loss, int rows, int cols,
@@ -249,11 +254,13 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z
     __shared__ float row_m, row_s;
     const int b = blockIdx.x, r = b / per_row, k = b - r * per_row;
     if (r >= rows) return;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
         float m, s;
-        ce_row_stats(pm, ps, r, chunks, m, s);
-        row_m = m; row_s = s;
-        if (k == 0) row_loss[r] = logf(s) + m - zt[r];
+        ce_row_stats(pm, ps, r, true, chunks, 32, m, s);
+        if (threadIdx.x == 0) {
+            row_m = m; row_s = s;
+            if (k == 0) row_loss[r] = logf(s) + m - zt[r];
+        }
     }
     if (grad == 0) return;
     __syncthreads();
@@ -264,21 +271,28 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z
         blockDim.x, row_m, row_s, t, inv_rows);
 }
 
-// The forward pass of ce_split_finish and sum_scaled in one block of 256 threads, for few rows
-// (at most CE_FUSED_ROWS): thread r merges row r's chunk statistics and keeps its loss in
-// shared memory (all rows at once: one memory latency); then the mean is taken exactly as
+// The forward pass of ce_split_finish and sum_scaled in one block of 1024 threads, for few rows
+// (at most CE_FUSED_ROWS): a group of g lanes (the next power of two >= chunks) merges a row's
+// chunk statistics, so one pass covers 32 · 32 / g rows, and keeps its loss in shared memory;
+// then the mean is taken exactly as
 // sum_scaled takes it with its 256 threads (thread i adds rows i, i + 256, ... in order, then
 // the same halving tree), so the loss is bit for bit the one the two-kernel path (used with a
 // gradient) computes.
 #define CE_FUSED_ROWS 256
-extern "C" __global__ void __launch_bounds__(256) ce_split_mean(const float* pm, const float* ps,
+extern "C" __global__ void __launch_bounds__(1024) ce_split_mean(const float* pm, const float* ps,
         const float* zt, float* out, int rows, int chunks, float scale) {
     __shared__ float row_loss[CE_FUSED_ROWS];
     __shared__ float tree[256];
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    int g = 1;
+    while (g < chunks) g <<= 1;
+    const int lane = threadIdx.x & 31, per_warp = 32 / g;
+    const int first = (threadIdx.x >> 5) * per_warp + lane / g;
+    // Whole warps iterate together (the butterfly's shuffles take every lane).
+    for (int r0 = 0; r0 < rows; r0 += (blockDim.x >> 5) * per_warp) {
+        const int r = r0 + first;
         float m, s;
-        ce_row_stats(pm, ps, r, chunks, m, s);
-        row_loss[r] = logf(s) + m - zt[r];
+        ce_row_stats(pm, ps, r, r < rows, chunks, g, m, s);
+        if (r < rows && (lane & (g - 1)) == 0) row_loss[r] = logf(s) + m - zt[r];
     }
     __syncthreads();
     if (threadIdx.x < 256) {

@@ -96,9 +96,10 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
             };
         }
     }
-    // Up to 32 narrow rows: one block of a warp per row does the rows and the mean (one node
-    // instead of a row pass and a sum pass).
-    if warp_rows && rows > (BLOCK / 32) as usize && rows <= (WIDE_BLOCK / 32) as usize {
+    // Up to 64 narrow rows: one block of 32 warps, each taking at most two rows, does the rows
+    // and the mean (one node instead of a row pass and a sum pass; a warp's rows run one after
+    // the other, so more rows per warp would cost more than the second node saves).
+    if warp_rows && rows > (BLOCK / 32) as usize && rows <= 2 * (WIDE_BLOCK / 32) as usize {
         return CePlan {
             grid: 1,
             block: WIDE_BLOCK,
@@ -418,14 +419,15 @@ impl LossKernels {
         }
         if grad.is_none() && rows <= CE_FUSED_ROWS {
             need("loss output", loss, 1)?;
-            // SAFETY: one block; thread r < rows reads pm/ps[r·chunks .. r·chunks + chunks)
-            // (chunks ≤ 32; allocated with rows·chunks) and zt[r] (allocated with rows);
+            // SAFETY: one block; lane j < chunks of row r's group (r < rows) reads
+            // pm/ps[r·chunks + j] (chunks ≤ 32; allocated with rows·chunks) and zt[r]
+            // (allocated with rows);
             // rows ≤ CE_FUSED_ROWS, the kernel's shared row array; writes loss[0] (checked).
             return unsafe {
                 super::launch(
                     q,
                     &self.ce_split_mean,
-                    LaunchConfig::linear(1, BLOCK),
+                    LaunchConfig::linear(1, WIDE_BLOCK),
                     &[
                         (&pm).into(),
                         (&ps).into(),
@@ -552,13 +554,14 @@ mod tests {
         assert_eq!(p.grid, 512); // 8 rows per block
         let p = ce_plan(256, 10, 132);
         assert!(p.warp_rows && p.two_pass);
-        assert_eq!(p.grid, 32); // never one block walking 32 rows per warp
-                                // 9 to 32 narrow rows: one block of 1024 threads, a warp per row, mean included.
-        for rows in [9, 32] {
+        // Never one block walking 32 rows per warp.
+        assert_eq!(p.grid, 32);
+        // 9 to 64 narrow rows: one block of 1024 threads, a warp per row or two, mean included.
+        for rows in [9, 32, 64] {
             let p = ce_plan(rows, 1000, 132);
             assert_eq!((p.grid, p.block, p.two_pass), (1, WIDE_BLOCK, false));
         }
-        assert!(ce_plan(33, 10, 132).two_pass);
+        assert!(ce_plan(65, 10, 132).two_pass);
         assert!(ce_plan(2, 50000, 132).two_pass);
         let p = ce_plan(200, 50000, 132);
         assert!(!p.warp_rows && p.two_pass && p.chunks == 1);
