@@ -843,7 +843,11 @@ impl Engines {
     }
 
     /// Times every candidate on `q` (eager): a warm-up, one timed run, then (unless it is
-    /// clearly slower than the best so far) a few runs queued behind a spin kernel.
+    /// clearly slower than the best so far) a few runs queued behind a spin kernel. The
+    /// candidates within [`REMEASURE_WITHIN`] of the fastest are then timed again in reverse
+    /// order and keep their better time: one pass alone let the GPU's clock ramp or a noisy
+    /// sample pick an engine a fifth slower (H100, 2026-11-23: a 7×7 convolution 69 → 86 µs
+    /// between two runs of the same build).
     fn measure<A: Algo>(
         &self,
         q: &dyn Queue,
@@ -853,34 +857,34 @@ impl Engines {
         let spin = Spin::get(q.device())?;
         let e0 = Event::new(&self.ctx, true)?;
         let e1 = Event::new(&self.ctx, true)?;
+        let mut one = |a: A, best: f64| -> Result<f64> {
+            run(q, a)?; // warm-up: first-use costs (compiles, plans, workspaces)
+            let s = q.stream_handle();
+            s.record(&e0)?;
+            run(q, a)?;
+            s.record(&e1)?;
+            e1.synchronize()?;
+            let once = e0.elapsed_ms(&e1)? as f64 * 1e3;
+            if once > 4.0 * best + 20.0 {
+                return Ok(once);
+            }
+            let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
+            if once < 200.0 {
+                // Keep the GPU busy while the host queues the timed runs.
+                spin.spin(q, 50_000 + 40_000 * reps as u64)?;
+            }
+            s.record(&e0)?;
+            for _ in 0..reps {
+                run(q, a)?;
+            }
+            s.record(&e1)?;
+            e1.synchronize()?;
+            Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
+        };
         let mut best = f64::INFINITY;
         let mut out = Vec::with_capacity(candidates.len());
         for &a in candidates {
-            let mut one = || -> Result<f64> {
-                run(q, a)?; // warm-up: first-use costs (compiles, plans, workspaces)
-                let s = q.stream_handle();
-                s.record(&e0)?;
-                run(q, a)?;
-                s.record(&e1)?;
-                e1.synchronize()?;
-                let once = e0.elapsed_ms(&e1)? as f64 * 1e3;
-                if once > 4.0 * best + 20.0 {
-                    return Ok(once);
-                }
-                let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
-                if once < 200.0 {
-                    // Keep the GPU busy while the host queues the timed runs.
-                    spin.spin(q, 50_000 + 40_000 * reps as u64)?;
-                }
-                s.record(&e0)?;
-                for _ in 0..reps {
-                    run(q, a)?;
-                }
-                s.record(&e1)?;
-                e1.synchronize()?;
-                Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
-            };
-            match one() {
+            match one(a, best) {
                 Ok(us) => {
                     best = best.min(us);
                     out.push((a, Ok(us)));
@@ -889,9 +893,30 @@ impl Engines {
                 Err(e) => out.push((a, Err(e.to_string()))),
             }
         }
+        let close: Vec<usize> = (0..out.len())
+            .filter(|&i| matches!(out[i].1, Ok(us) if us <= REMEASURE_WITHIN * best))
+            .collect();
+        if close.len() > 1 {
+            for &i in close.iter().rev() {
+                match one(out[i].0, best) {
+                    Ok(us) => {
+                        if let Ok(first) = &mut out[i].1 {
+                            *first = first.min(us);
+                        }
+                        best = best.min(us);
+                    }
+                    Err(e) if is_fatal(&e) => return Err(e),
+                    // It ran once: keep that time.
+                    Err(_) => {}
+                }
+            }
+        }
         Ok(out)
     }
 }
+
+/// Candidates measured within this factor of the fastest are measured a second time.
+const REMEASURE_WITHIN: f64 = 1.3;
 
 /// Whether a disk table was measured on this device, driver and libraries.
 fn identity(t: &DiskTable, info: &DeviceInfo, libraries: &str) -> bool {
