@@ -127,6 +127,19 @@ extern "C" __global__ void splitk_reduce(const float* partial, int splits, float
     C[e] = tiled_epilogue(s, alpha, beta, C + e, bias, (int)(e % n), relu);
 }
 
+// The few-rows kernels' butterfly reduce-scatter over a warp's 32 lanes (the lane sums `v` and
+// its `lane` in scope): at offset OFF the lane with that bit set keeps the upper HALF values,
+// adding its partner's copy of them.
+#define ROWS_RS(HALF, OFF)                                                    \
+    {                                                                         \
+        const bool hi = (lane & (OFF)) != 0;                                  \
+        _Pragma("unroll") for (int i = 0; i < (HALF); i++) {                  \
+            const float send = hi ? v[i] : v[i + (HALF)];                     \
+            const float keep = hi ? v[i + (HALF)] : v[i];                     \
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (OFF));          \
+        }                                                                     \
+    }
+
 // The forward layout for few rows (m up to a few dozen: small-batch inference), one kernel, no
 // reduce node: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major with leading
 // dimension k, k a multiple of 4 and both 16-byte aligned (float4 loads). A block covers 16 rows
@@ -174,21 +187,11 @@ extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, co
         }
     }
     // Reduce-scatter over the 32 lanes: at offset o the lane with bit o set keeps the upper half.
-#define ROWS_RS(HALF, OFF)                                                    \
-    {                                                                         \
-        const bool hi = (lane & (OFF)) != 0;                                  \
-        _Pragma("unroll") for (int i = 0; i < (HALF); i++) {                  \
-            const float send = hi ? v[i] : v[i + (HALF)];                     \
-            const float keep = hi ? v[i + (HALF)] : v[i];                     \
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (OFF));          \
-        }                                                                     \
-    }
     ROWS_RS(32, 16)
     ROWS_RS(16, 8)
     ROWS_RS(8, 4)
     ROWS_RS(4, 2)
     ROWS_RS(2, 1)
-#undef ROWS_RS
     // v[0], v[1] now hold the sums of flat index idx and idx + 1 (same row, columns c, c + 1).
     const int idx = ((lane >> 4) & 1) * 32 + ((lane >> 3) & 1) * 16 + ((lane >> 2) & 1) * 8 +
                     ((lane >> 1) & 1) * 4 + (lane & 1) * 2;
@@ -225,16 +228,6 @@ extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, co
 // order ch, ch + ks, ch + 2·ks, ...; loads past k or n read nothing and add zeros. The
 // butterfly reduce-scatter leaves one sum per lane (R = 8) or one per lane pair (R = 4, whose
 // last step adds the pair: a + b and b + a are the same bits).
-#define ROWS_FEW_RS(HALF, OFF)                                                \
-    {                                                                         \
-        const bool hi = (lane & (OFF)) != 0;                                  \
-        _Pragma("unroll") for (int i = 0; i < (HALF); i++) {                  \
-            const float send = hi ? v[i] : v[i + (HALF)];                     \
-            const float keep = hi ? v[i + (HALF)] : v[i];                     \
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, (OFF));          \
-        }                                                                     \
-    }
-
 template <int R>
 __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __restrict__ A,
         const float* __restrict__ B, float* __restrict__ C, const float* __restrict__ bias,
@@ -286,17 +279,17 @@ __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __res
     int idx;
     bool writer = true;
     if constexpr (R == 8) {
-        ROWS_FEW_RS(16, 16)
-        ROWS_FEW_RS(8, 8)
-        ROWS_FEW_RS(4, 4)
-        ROWS_FEW_RS(2, 2)
-        ROWS_FEW_RS(1, 1)
+        ROWS_RS(16, 16)
+        ROWS_RS(8, 8)
+        ROWS_RS(4, 4)
+        ROWS_RS(2, 2)
+        ROWS_RS(1, 1)
         idx = lane;  // bit o of the lane picked the upper half at offset o: lane 16·b4 + ... + b0
     } else {
-        ROWS_FEW_RS(8, 16)
-        ROWS_FEW_RS(4, 8)
-        ROWS_FEW_RS(2, 4)
-        ROWS_FEW_RS(1, 2)
+        ROWS_RS(8, 16)
+        ROWS_RS(4, 8)
+        ROWS_RS(2, 4)
+        ROWS_RS(1, 2)
         v[0] += __shfl_xor_sync(0xffffffffu, v[0], 1);
         idx = lane >> 1;
         writer = (lane & 1) == 0;
@@ -314,7 +307,7 @@ __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __res
     const float o = s0 + (bias ? bias[col] : 0.0f);
     C[(long)row * n + col] = relu ? relu_f(o) : o;
 }
-#undef ROWS_FEW_RS
+#undef ROWS_RS
 
 extern "C" __global__ void sgemm_nt_rows8(int m, int n, int k, const float* A,
         const float* B, float* C, const float* bias, int relu, int ks) {
