@@ -57,62 +57,6 @@ pub fn info(ordinal: usize, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// A horizontal bar chart (eager vs graph µs per row), readable at a glance.
-pub fn svg_chart(rows: &[crate::bench::workloads::Row], device: &str) -> String {
-    let rows: Vec<_> = rows
-        .iter()
-        .filter(|r| r.eager_us.is_finite() && r.graph_us.is_finite())
-        .collect();
-    let (left, width, bar, gap) = (330.0, 520.0, 14.0, 14.0);
-    let height = 70.0 + rows.len() as f64 * (2.0 * bar + gap) + 30.0;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"22\" font-size=\"15\" font-weight=\"bold\">cudagraph: eager vs graph, µs per iteration (shorter is better)</text>\n\
-         <text x=\"10\" y=\"40\">{}</text>\n\
-         <rect x=\"{left}\" y=\"48\" width=\"12\" height=\"10\" fill=\"#b0b0b0\"/><text x=\"{}\" y=\"57\">eager</text>\n\
-         <rect x=\"{}\" y=\"48\" width=\"12\" height=\"10\" fill=\"#2a7ab9\"/><text x=\"{}\" y=\"57\">graph</text>\n",
-        left + width + 120.0,
-        xml_escape(device),
-        left + 16.0,
-        left + 70.0,
-        left + 86.0
-    );
-    let mut y = 70.0;
-    for r in rows {
-        let max = r.eager_us.max(r.graph_us).max(1e-9);
-        let label = xml_escape(&format!("{} {}", r.workload, r.config));
-        s += &format!("<text x=\"10\" y=\"{}\">{label}</text>\n", y + bar + 4.0);
-        for (i, (v, color)) in [(r.eager_us, "#b0b0b0"), (r.graph_us, "#2a7ab9")]
-            .into_iter()
-            .enumerate()
-        {
-            let yy = y + i as f64 * bar;
-            let w = (v / max * width).max(1.0);
-            s += &format!(
-                "<rect x=\"{left}\" y=\"{yy}\" width=\"{w:.1}\" height=\"{}\" fill=\"{color}\"/><text x=\"{:.1}\" y=\"{:.1}\">{v:.1} µs</text>\n",
-                bar - 2.0,
-                left + w + 6.0,
-                yy + bar - 4.0
-            );
-        }
-        s += &format!(
-            "<text x=\"{:.1}\" y=\"{:.1}\" font-weight=\"bold\">{:.2}x</text>\n",
-            left + width + 70.0,
-            y + bar + 4.0,
-            r.speedup
-        );
-        y += 2.0 * bar + gap;
-    }
-    s + "</svg>\n"
-}
-
-fn xml_escape(t: &str) -> String {
-    t.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
 /// Median microseconds per iteration: `warmup` untimed calls, then `repeats` samples of
 /// `iters` back-to-back calls of `body` ending in one synchronisation of `s`.
 pub fn time_us<E: From<cudagraph::Error>>(

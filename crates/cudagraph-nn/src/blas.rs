@@ -15,7 +15,7 @@ use cudagraph::{Device, DeviceBuffer, Queue};
 use cudarc::cublas::sys;
 
 use crate::error::{NnError, Result};
-use crate::kernels::GemmDims;
+use crate::extent::GemmDims;
 
 /// Workspace bytes per stream (cuBLAS's recommendation for Hopper is up to 32 MiB; SGEMM at
 /// these sizes uses far less).
@@ -73,6 +73,30 @@ fn check(status: sys::cublasStatus_t, call: &'static str) -> Result<()> {
 pub enum Trans {
     N,
     T,
+}
+
+/// What a product does after `alpha·op(A)·op(B) + beta·C`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    None,
+    /// `+ bias[j]` (length n).
+    Bias,
+    /// `+ bias[j]`, then ReLU.
+    BiasRelu,
+    /// Also writes the row sums of op(A) (length m): the bias gradient of a Linear layer when
+    /// the product is its weight gradient `dW = dZᵀ·X` (A = dZ, transposed).
+    BiasGrad,
+}
+
+impl Epilogue {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Epilogue::None => "none",
+            Epilogue::Bias => "bias",
+            Epilogue::BiasRelu => "bias_relu",
+            Epilogue::BiasGrad => "bias_grad",
+        }
+    }
 }
 
 impl Trans {

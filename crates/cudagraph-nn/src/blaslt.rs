@@ -19,10 +19,10 @@ use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue};
 use cudarc::cublaslt::sys as ls;
 
+use crate::blas::Epilogue;
 use crate::blas::Trans;
 use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
-use crate::gemm::Epilogue;
 
 type Status = u32;
 type Ptr = *mut c_void;

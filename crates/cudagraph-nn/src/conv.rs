@@ -32,24 +32,7 @@ fn workspace_limit(total_memory: usize) -> usize {
     (total_memory / 8).min(1 << 30)
 }
 
-/// The registry key of a convolution direction (without the policy's scope), e.g.
-/// `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 bias`.
-pub fn conv_key(dir: ConvDir, g: &ConvGeom, bias: bool) -> String {
-    format!(
-        "{} n={} c={} h={} w={} oc={} k={}x{} s={} p={}{}",
-        dir.name(),
-        g.n,
-        g.c,
-        g.h,
-        g.w,
-        g.oc,
-        g.kh,
-        g.kw,
-        g.stride,
-        g.pad,
-        if bias { " bias" } else { "" }
-    )
-}
+pub use crate::kernels::igemm::conv_key;
 
 /// The engines that can run a direction of `g` on this machine under `policy`, cuDNN's in its
 /// heuristic order first. When the policy's family has none (cuDNN forced but missing), every

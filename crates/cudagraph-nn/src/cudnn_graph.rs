@@ -30,7 +30,7 @@ use cudarc::cudnn::sys as cs;
 
 use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
-use crate::kernels::igemm::{conv_roles, ConvDir};
+use crate::kernels::igemm::{conv_key, conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
 type Status = u32;
@@ -501,7 +501,7 @@ fn alignment(addrs: &[u64]) -> u32 {
 
 /// The text of a plan set's key, e.g. `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 align=16`.
 fn set_name(dir: ConvDir, g: &ConvGeom, align: u32) -> String {
-    format!("{} align={align}", crate::conv::conv_key(dir, g, false))
+    format!("{} align={align}", conv_key(dir, g, false))
 }
 
 /// One candidate configuration of a key.

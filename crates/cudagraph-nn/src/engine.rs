@@ -63,7 +63,6 @@ use crate::blaslt::BlasLt;
 use crate::cudnn::Cudnn;
 use crate::cudnn_graph::CudnnGraph;
 use crate::error::{NnError, Result};
-use crate::gemm::Engine;
 use crate::kernels::igemm::{Spin, Tile};
 
 /// Name of the variable that forces the product engine family.
@@ -76,6 +75,39 @@ pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 
 /// Version of the on-disk table format.
 const FORMAT: u32 = 1;
+
+/// A family of product engines (the registry measures within it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Engine {
+    Cublas,
+    /// cuBLASLt's heuristic top few algorithms, epilogues fused.
+    CublasLt,
+    /// The tiled split-K kernel (any layout).
+    Tiled,
+    /// One kernel, K split across the warps of a block (forward layout `x·wᵀ`, alpha 1,
+    /// beta 0 only; other products fall back to `Tiled`).
+    WarpK,
+    /// One kernel for few rows (forward layout, alpha 1, beta 0, at most [`crate::gemm::ROWS_MAX_M`] rows,
+    /// k a multiple of 4; other products fall back to `Tiled`).
+    Rows,
+    /// Every engine available, measured per shape by the registry; before a measurement (in a
+    /// capture) the heuristic default of [`crate::gemm::auto_engine`].
+    Auto,
+}
+
+impl Engine {
+    /// The name `CUDAGRAPH_GEMM` uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Cublas => "cublas",
+            Engine::CublasLt => "cublaslt",
+            Engine::Tiled => "tiled",
+            Engine::WarpK => "warpk",
+            Engine::Rows => "rows",
+            Engine::Auto => "auto",
+        }
+    }
+}
 
 /// Which engines convolutions may use (`CUDAGRAPH_CONV`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

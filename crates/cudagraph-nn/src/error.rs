@@ -1,5 +1,9 @@
 //! Errors of the NN layer: shape problems, cuBLAS/cuDNN/cuBLASLt failures, configuration
-//! mistakes, and everything from the core.
+//! mistakes, model files (`IoError`, re-exported by `io`), multi-GPU work (`DistError`,
+//! re-exported by `dist`), and everything from the core. Every error type lives here, below the
+//! modules that return them.
+
+use std::path::PathBuf;
 
 /// Result alias for the NN layer.
 pub type Result<T, E = NnError> = std::result::Result<T, E>;
@@ -34,10 +38,10 @@ pub enum NnError {
     Data(String),
     /// A model's files (description or safetensors weights) are unreadable or do not match.
     #[error(transparent)]
-    Io(#[from] crate::io::IoError),
+    Io(#[from] IoError),
     /// Multi-GPU work failed: NCCL, the launch environment, the rendezvous, or a peer.
     #[error(transparent)]
-    Dist(#[from] crate::dist::DistError),
+    Dist(#[from] DistError),
 }
 
 /// Lets NN code run inside `Graph::capture` closures with `?`.
@@ -48,4 +52,109 @@ impl From<NnError> for cudagraph::Error {
             other => cudagraph::Error::External(Box::new(other)),
         }
     }
+}
+
+/// What can be wrong with a model's files (the description or the weights).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IoError {
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    File {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The bytes are not a safetensors file.
+    #[error("{what} is not a valid safetensors file: {detail}")]
+    Format { what: String, detail: String },
+    /// The description as a whole is malformed (not JSON, missing `input` or `layers`).
+    #[error("model description: {0}")]
+    Description(String),
+    /// One layer of the description is malformed or does not fit the shape before it.
+    #[error("model description, layer {layer} ({kind}): {problem}")]
+    Layer {
+        layer: usize,
+        kind: String,
+        problem: String,
+    },
+    /// A parameter the model needs is not in the weights file.
+    #[error("weights: tensor `{name}` (layer {layer}) is missing; the file has {available}. Was the state_dict saved from the nn.Sequential itself (names like `0.weight`)?")]
+    MissingTensor {
+        name: String,
+        layer: usize,
+        available: String,
+    },
+    /// The weights file has tensors the model does not use.
+    #[error("weights: the file has tensors the description does not use: {}; check the layer list (every module of the nn.Sequential, in order, including relu/max_pool2d/flatten)", names.join(", "))]
+    ExtraTensors { names: Vec<String> },
+    /// A parameter has another shape than the description implies.
+    #[error("weights: tensor `{name}` has shape {found:?}, but layer {layer} needs {expected:?}")]
+    ShapeMismatch {
+        name: String,
+        layer: usize,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    /// A parameter is not `float32`.
+    #[error("weights: tensor `{name}` is {found}, but only F32 (torch.float32) is supported; call `model.float()` before saving")]
+    DtypeMismatch { name: String, found: String },
+}
+
+impl From<IoError> for cudagraph::Error {
+    fn from(e: IoError) -> Self {
+        cudagraph::Error::External(Box::new(e))
+    }
+}
+
+/// Errors of multi-GPU work: NCCL, the launch environment, the rendezvous, peers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DistError {
+    /// The NCCL library could not be loaded, lacks a function we call, or is too old.
+    #[error("NCCL is not available: {detail}. Install NCCL 2.13 or newer so that libnccl.so is on the loader path, or set CUDAGRAPH_NCCL_LIB to the library's path")]
+    NcclMissing { detail: String },
+
+    /// An NCCL call failed.
+    #[error("{call} failed: {name} ({code}){detail}")]
+    Nccl {
+        call: &'static str,
+        code: i32,
+        name: String,
+        detail: String,
+    },
+
+    /// A launch variable is missing or malformed.
+    #[error("environment variable {var}: {problem}")]
+    Env { var: &'static str, problem: String },
+
+    /// The rendezvous failed (wrong world size, duplicate rank, unreachable rank 0...).
+    #[error("rendezvous at {addr}: {problem}")]
+    Rendezvous { addr: String, problem: String },
+
+    /// Something did not finish in time.
+    #[error("{what} did not finish within {secs:.0} s: {hint}")]
+    Timeout {
+        what: String,
+        secs: f64,
+        hint: String,
+    },
+
+    /// Another rank failed or disappeared.
+    #[error("a peer failed: {0}")]
+    PeerFailed(String),
+
+    /// The communicator was aborted (after an error, a timeout or a failed peer); it cannot
+    /// be used any more. Exit the process: the device may still hold work that waits for a
+    /// peer.
+    #[error("the NCCL communicator was aborted: {reason}")]
+    Aborted { reason: String },
+
+    /// Ranks disagree about something that must be identical (the model's parameters).
+    #[error("ranks disagree: {0}")]
+    Mismatch(String),
+
+    /// A call that cannot work as made.
+    #[error("{0}")]
+    Usage(String),
 }

@@ -24,62 +24,9 @@ use crate::kernels::{ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
 
 type Buf = DeviceBuffer<f32>;
 
-/// A family of product engines (the registry measures within it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Engine {
-    Cublas,
-    /// cuBLASLt's heuristic top few algorithms, epilogues fused.
-    CublasLt,
-    /// The tiled split-K kernel (any layout).
-    Tiled,
-    /// One kernel, K split across the warps of a block (forward layout `x·wᵀ`, alpha 1,
-    /// beta 0 only; other products fall back to `Tiled`).
-    WarpK,
-    /// One kernel for few rows (forward layout, alpha 1, beta 0, at most [`ROWS_MAX_M`] rows,
-    /// k a multiple of 4; other products fall back to `Tiled`).
-    Rows,
-    /// Every engine available, measured per shape by the registry; before a measurement (in a
-    /// capture) the heuristic default of [`auto_engine`].
-    Auto,
-}
+pub use crate::engine::Engine;
 
-impl Engine {
-    /// The name `CUDAGRAPH_GEMM` uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            Engine::Cublas => "cublas",
-            Engine::CublasLt => "cublaslt",
-            Engine::Tiled => "tiled",
-            Engine::WarpK => "warpk",
-            Engine::Rows => "rows",
-            Engine::Auto => "auto",
-        }
-    }
-}
-
-/// What a product does after `alpha·op(A)·op(B) + beta·C`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Epilogue {
-    None,
-    /// `+ bias[j]` (length n).
-    Bias,
-    /// `+ bias[j]`, then ReLU.
-    BiasRelu,
-    /// Also writes the row sums of op(A) (length m): the bias gradient of a Linear layer when
-    /// the product is its weight gradient `dW = dZᵀ·X` (A = dZ, transposed).
-    BiasGrad,
-}
-
-impl Epilogue {
-    fn name(self) -> &'static str {
-        match self {
-            Epilogue::None => "none",
-            Epilogue::Bias => "bias",
-            Epilogue::BiasRelu => "bias_relu",
-            Epilogue::BiasGrad => "bias_grad",
-        }
-    }
-}
+pub use crate::blas::Epilogue;
 
 /// The heuristic default family for a product (from `cudagraph bench gemm` on an H100,
 /// bench/results/gemm-2026-11-22.txt): for the forward layout `x·wᵀ`, split-K tiled at

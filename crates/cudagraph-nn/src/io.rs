@@ -51,58 +51,7 @@ use crate::error::Result;
 use crate::layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 use crate::tensor::Parameter;
 
-/// What can be wrong with a model's files (the description or the weights).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum IoError {
-    /// A file could not be read or written.
-    #[error("{}: {source}", path.display())]
-    File {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    /// The bytes are not a safetensors file.
-    #[error("{what} is not a valid safetensors file: {detail}")]
-    Format { what: String, detail: String },
-    /// The description as a whole is malformed (not JSON, missing `input` or `layers`).
-    #[error("model description: {0}")]
-    Description(String),
-    /// One layer of the description is malformed or does not fit the shape before it.
-    #[error("model description, layer {layer} ({kind}): {problem}")]
-    Layer {
-        layer: usize,
-        kind: String,
-        problem: String,
-    },
-    /// A parameter the model needs is not in the weights file.
-    #[error("weights: tensor `{name}` (layer {layer}) is missing; the file has {available}. Was the state_dict saved from the nn.Sequential itself (names like `0.weight`)?")]
-    MissingTensor {
-        name: String,
-        layer: usize,
-        available: String,
-    },
-    /// The weights file has tensors the model does not use.
-    #[error("weights: the file has tensors the description does not use: {}; check the layer list (every module of the nn.Sequential, in order, including relu/max_pool2d/flatten)", names.join(", "))]
-    ExtraTensors { names: Vec<String> },
-    /// A parameter has another shape than the description implies.
-    #[error("weights: tensor `{name}` has shape {found:?}, but layer {layer} needs {expected:?}")]
-    ShapeMismatch {
-        name: String,
-        layer: usize,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
-    /// A parameter is not `float32`.
-    #[error("weights: tensor `{name}` is {found}, but only F32 (torch.float32) is supported; call `model.float()` before saving")]
-    DtypeMismatch { name: String, found: String },
-}
-
-impl From<IoError> for cudagraph::Error {
-    fn from(e: IoError) -> Self {
-        cudagraph::Error::External(Box::new(e))
-    }
-}
+pub use crate::error::IoError;
 
 /// One layer of a [`ModelDescription`] (the PyTorch module it stands for).
 #[derive(Clone, Debug, PartialEq)]

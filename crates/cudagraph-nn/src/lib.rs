@@ -41,6 +41,7 @@ pub mod datasets;
 pub mod dist;
 pub mod engine;
 pub mod error;
+mod extent;
 pub mod gemm;
 pub mod graphed;
 pub mod io;

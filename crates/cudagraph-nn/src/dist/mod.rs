@@ -32,57 +32,7 @@ pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp};
 pub use rendezvous::{Health, Membership, PeerMonitor};
 pub use threads::{run_threads, RankContext};
 
-/// Errors of multi-GPU work: NCCL, the launch environment, the rendezvous, peers.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DistError {
-    /// The NCCL library could not be loaded, lacks a function we call, or is too old.
-    #[error("NCCL is not available: {detail}. Install NCCL 2.13 or newer so that libnccl.so is on the loader path, or set CUDAGRAPH_NCCL_LIB to the library's path")]
-    NcclMissing { detail: String },
-
-    /// An NCCL call failed.
-    #[error("{call} failed: {name} ({code}){detail}")]
-    Nccl {
-        call: &'static str,
-        code: i32,
-        name: String,
-        detail: String,
-    },
-
-    /// A launch variable is missing or malformed.
-    #[error("environment variable {var}: {problem}")]
-    Env { var: &'static str, problem: String },
-
-    /// The rendezvous failed (wrong world size, duplicate rank, unreachable rank 0...).
-    #[error("rendezvous at {addr}: {problem}")]
-    Rendezvous { addr: String, problem: String },
-
-    /// Something did not finish in time.
-    #[error("{what} did not finish within {secs:.0} s: {hint}")]
-    Timeout {
-        what: String,
-        secs: f64,
-        hint: String,
-    },
-
-    /// Another rank failed or disappeared.
-    #[error("a peer failed: {0}")]
-    PeerFailed(String),
-
-    /// The communicator was aborted (after an error, a timeout or a failed peer); it cannot
-    /// be used any more. Exit the process: the device may still hold work that waits for a
-    /// peer.
-    #[error("the NCCL communicator was aborted: {reason}")]
-    Aborted { reason: String },
-
-    /// Ranks disagree about something that must be identical (the model's parameters).
-    #[error("ranks disagree: {0}")]
-    Mismatch(String),
-
-    /// A call that cannot work as made.
-    #[error("{0}")]
-    Usage(String),
-}
+pub use crate::error::DistError;
 
 /// The variables `torchrun` (and `cudagraph launch`) set for each process.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -60,6 +60,25 @@ impl ConvDir {
     }
 }
 
+/// The registry key of a convolution direction (without the policy's scope), e.g.
+/// `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 bias`.
+pub fn conv_key(dir: ConvDir, g: &ConvGeom, bias: bool) -> String {
+    format!(
+        "{} n={} c={} h={} w={} oc={} k={}x{} s={} p={}{}",
+        dir.name(),
+        g.n,
+        g.c,
+        g.h,
+        g.w,
+        g.oc,
+        g.kh,
+        g.kw,
+        g.stride,
+        g.pad,
+        if bias { " bias" } else { "" }
+    )
+}
+
 /// A direction's buffers by role — input `x`, weights `w`, output `y` — from the order every
 /// engine takes them in (forward `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`,
 /// `out = dx`; backward-filter `a = dy`, `b = x`, `out = dw`), after checking each against its

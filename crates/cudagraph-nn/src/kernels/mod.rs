@@ -16,6 +16,8 @@ use cudagraph::{args, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use crate::blas::Blas;
 use crate::error::{NnError, Result};
+pub use crate::extent::GemmDims;
+pub(crate) use crate::extent::{need, prod};
 
 pub mod losses;
 pub mod optim_mt;
@@ -201,30 +203,6 @@ impl Nn {
 
 type Buf = DeviceBuffer<f32>;
 
-/// `buf` must hold at least `need` elements.
-pub(crate) fn need<T: cudagraph::Elem>(
-    what: &'static str,
-    buf: &DeviceBuffer<T>,
-    need: usize,
-) -> Result<()> {
-    if buf.len() < need {
-        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
-            what,
-            expected: need,
-            got: buf.len(),
-        }));
-    }
-    Ok(())
-}
-
-/// Product of `dims` (checked).
-fn prod(what: &'static str, dims: &[usize]) -> Result<usize> {
-    dims.iter().try_fold(1usize, |acc, &d| {
-        acc.checked_mul(d)
-            .ok_or_else(|| NnError::Shape(format!("{what}: {dims:?} overflows")))
-    })
-}
-
 /// `v` as a kernel `int`.
 fn int(what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
@@ -358,41 +336,6 @@ fn conv_args<'a>(bufs: &[Arg<'a>], ints: [i32; 11]) -> Vec<Arg<'a>> {
     let mut v = bufs.to_vec();
     v.extend(ints.map(Arg::I32));
     v
-}
-
-/// A row-major product `C[m×n] = op(A)·op(B)`: op(A) is m×k (`ta`: A is stored k×m), op(B) is
-/// k×n (`tb`: B is stored n×k).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GemmDims {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub ta: bool,
-    pub tb: bool,
-}
-
-impl GemmDims {
-    /// A, B and C (and the bias) hold the elements this product reads and writes.
-    pub fn check_buffers(&self, a: &Buf, b: &Buf, c: &Buf, bias: Option<&Buf>) -> Result<()> {
-        need("gemm A", a, prod("gemm A", &[self.m, self.k])?)?;
-        need("gemm B", b, prod("gemm B", &[self.k, self.n])?)?;
-        need("gemm C", c, prod("gemm C", &[self.m, self.n])?)?;
-        if let Some(bias) = bias {
-            need("gemm bias", bias, self.n)?;
-        }
-        Ok(())
-    }
-
-    fn tiles(&self) -> Result<(u32, u32)> {
-        let (gx, gy) = (self.n.div_ceil(32), self.m.div_ceil(32));
-        if gy > 65535 {
-            return Err(NnError::Shape(format!(
-                "gemm: {} rows exceed the tiled kernels' grid",
-                self.m
-            )));
-        }
-        Ok((u32::try_from(gx).unwrap_or(u32::MAX), gy as u32))
-    }
 }
 
 /// The launch of the tiled kernels (`sgemm_tiled`, and on sm_90+ the cluster kernels): one
