@@ -16,6 +16,7 @@ use std::sync::Arc;
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt};
 
 use crate::error::{NnError, Result};
+use crate::extent::need;
 use crate::kernels::ConvGeom;
 
 /// The CUDA source of the implicit-GEMM module (with the small weight-gradient kernel).
@@ -360,18 +361,6 @@ impl Spin {
         }
         Ok(())
     }
-}
-
-/// `buf` must hold at least `need` elements.
-fn need(what: &'static str, buf: &Buf, need: usize) -> Result<()> {
-    if buf.len() < need {
-        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
-            what,
-            expected: need,
-            got: buf.len(),
-        }));
-    }
-    Ok(())
 }
 
 fn int(what: &str, v: usize) -> Result<i32> {
