@@ -54,8 +54,11 @@ pub const WORKSPACE_BYTES: usize = 4 << 20;
 /// [`MEASURED_ALGOS`]).
 const HEURISTIC_ALGOS: usize = 8;
 
-/// How many of cuBLASLt's heuristic algorithms the engine registry measures.
-pub const MEASURED_ALGOS: usize = 3;
+/// How many of cuBLASLt's heuristic algorithms the engine registry measures: six, so that a
+/// product where PyTorch's single heuristic pick and ours tie (the sweep's 512- and 128-row
+/// forward products, 2026-11-23) gets more chances at a faster one; measuring costs a few
+/// milliseconds per shape, once.
+pub const MEASURED_ALGOS: usize = 6;
 
 /// `cublasLtMatmulHeuristicResult_t` with the status as a raw integer.
 #[repr(C)]
