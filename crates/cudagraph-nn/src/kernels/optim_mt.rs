@@ -46,7 +46,8 @@ pub mod hp {
 pub mod state {
     /// Optimizer steps completed (what a schedule reads).
     pub const STEP: usize = 0;
-    /// The kernels' last-block ticket (0 between launches).
+    /// The Adam kernels' last-block ticket (0 between launches; SGD advances the step count
+    /// from one thread, as no block of its launch reads it).
     pub const TICKET: usize = 1;
     /// Length of the buffer.
     pub const LEN: usize = 2;
