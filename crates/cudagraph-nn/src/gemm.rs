@@ -24,6 +24,21 @@ use crate::kernels::{ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
 
 type Buf = DeviceBuffer<f32>;
 
+/// [`Nn::sgemm_tiled`] and [`Nn::sgemm_cluster`].
+type TiledFn = fn(
+    &Nn,
+    &dyn Queue,
+    GemmDims,
+    f32,
+    &Buf,
+    &Buf,
+    f32,
+    &Buf,
+    Option<&Buf>,
+    bool,
+    usize,
+) -> Result<()>;
+
 pub use crate::engine::Engine;
 
 pub use crate::blas::Epilogue;
@@ -443,6 +458,13 @@ fn run_algo(
         (Epilogue::BiasGrad, Some(db)) => nn.col_sum(q, a, db, op.k, op.m),
         _ => Ok(()),
     };
+    // The tiled kernel with a reduce node, or (sm_90+) the same splits summed inside a
+    // thread-block cluster: one argument list, two launchers.
+    let tiled = |launch: TiledFn, splits: usize| -> Result<()> {
+        let d = op.dims();
+        launch(nn, q, d, op.alpha, a, b, op.beta, c, bias, relu, splits)?;
+        bgrad(q)
+    };
     match algo {
         GemmAlgo::Cublas => {
             nn.blas.gemm(
@@ -475,36 +497,8 @@ fn run_algo(
             }
             Ok(())
         }
-        GemmAlgo::Tiled(splits) => {
-            nn.sgemm_tiled(
-                q,
-                op.dims(),
-                op.alpha,
-                a,
-                b,
-                op.beta,
-                c,
-                bias,
-                relu,
-                splits as usize,
-            )?;
-            bgrad(q)
-        }
-        GemmAlgo::Cluster(splits) => {
-            nn.sgemm_cluster(
-                q,
-                op.dims(),
-                op.alpha,
-                a,
-                b,
-                op.beta,
-                c,
-                bias,
-                relu,
-                splits as usize,
-            )?;
-            bgrad(q)
-        }
+        GemmAlgo::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
+        GemmAlgo::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
         GemmAlgo::Chunks(splits) => {
             if !op.chunks_ok(align) {
                 return Err(NnError::Shape(format!(

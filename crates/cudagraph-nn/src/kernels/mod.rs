@@ -118,14 +118,33 @@ kernels!(
     maxpool_bwd,
 );
 
+/// Cluster sizes of `sgemm_tiled_cluster{S}`.
+const TILED_CLUSTERS: [usize; 3] = [2, 4, 8];
+/// K splits of `sgemm_nt_chunks{S}`.
+const CHUNK_SPLITS: [usize; 4] = [1, 2, 4, 8];
+
 /// The split-K kernels reduced inside a thread-block cluster (gemm_cluster.cu), one per
 /// cluster size; sm_90+ only, compiled on first use.
 pub struct ClusterKernels {
-    c2: Function,
-    c4: Function,
-    c8: Function,
-    /// `sgemm_nt_chunks{1,2,4,8}`.
+    /// `sgemm_tiled_cluster{S}`, S in [`TILED_CLUSTERS`].
+    tiled: [Function; 3],
+    /// `sgemm_nt_chunks{S}`, S in [`CHUNK_SPLITS`].
     nt: [Function; 4],
+}
+
+/// The kernel of `kernels` for `size` (their sizes in order in `sizes`), or an error naming
+/// the sizes there are.
+fn sized<'a>(
+    kernels: &'a [Function],
+    sizes: &[usize],
+    size: usize,
+    what: &str,
+) -> Result<&'a Function> {
+    sizes
+        .iter()
+        .position(|&s| s == size)
+        .map(|i| &kernels[i])
+        .ok_or_else(|| NnError::Shape(format!("gemm: {what} of {size} ({sizes:?} only)")))
 }
 
 impl ClusterKernels {
@@ -152,9 +171,11 @@ impl ClusterKernels {
                 )
             })?;
             Ok(ClusterKernels {
-                c2: m.function("sgemm_tiled_cluster2")?,
-                c4: m.function("sgemm_tiled_cluster4")?,
-                c8: m.function("sgemm_tiled_cluster8")?,
+                tiled: [
+                    m.function("sgemm_tiled_cluster2")?,
+                    m.function("sgemm_tiled_cluster4")?,
+                    m.function("sgemm_tiled_cluster8")?,
+                ],
                 nt: [
                     m.function("sgemm_nt_chunks1")?,
                     m.function("sgemm_nt_chunks2")?,
@@ -508,16 +529,7 @@ impl Nn {
             return Ok(());
         }
         let ck = ClusterKernels::get(q.device())?;
-        let f = match splits {
-            2 => &ck.c2,
-            4 => &ck.c4,
-            8 => &ck.c8,
-            _ => {
-                return Err(NnError::Shape(format!(
-                    "gemm: a cluster of {splits} K splits (2, 4 or 8 only)"
-                )))
-            }
-        };
+        let f = sized(&ck.tiled, &TILED_CLUSTERS, splits, "a cluster of K splits")?;
         let t = TiledLaunch::new(d, splits)?;
         let args = t.args(alpha, a, b, beta, c, bias, relu);
         // SAFETY: as for `sgemm_tiled` without `partial`: blocks cover rows < m and columns < n
@@ -568,17 +580,7 @@ impl Nn {
             )));
         }
         let ck = ClusterKernels::get(q.device())?;
-        let slot = match splits {
-            1 => 0,
-            2 => 1,
-            4 => 2,
-            8 => 3,
-            _ => {
-                return Err(NnError::Shape(format!(
-                    "gemm: {splits} K splits in a cluster (1, 2, 4 or 8 only)"
-                )))
-            }
-        };
+        let f = sized(&ck.nt, &CHUNK_SPLITS, splits, "K splits in a cluster")?;
         let (gx, gy) = d.tiles()?;
         let kc = k.div_ceil(splits).div_ceil(128).max(1) * 128;
         // Block z starts at z·kc and chunks step past its end by less than 128.
@@ -608,7 +610,7 @@ impl Nn {
         // size, as the kernel's `__cluster_dims__` requires; distributed shared memory is read
         // before the barrier every block of the cluster passes last.
         unsafe {
-            q.launch_with(&ck.nt[slot], cfg, &args, pdl::options(q.device()))?;
+            q.launch_with(f, cfg, &args, pdl::options(q.device()))?;
         }
         Ok(())
     }
