@@ -9,7 +9,7 @@
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::engine::{ConvAlgo, ConvEngine, Engines, Policy};
+use crate::engine::{BiasAlgo, ConvAlgo, ConvEngine, Engines, Policy};
 use crate::error::{NnError, Result};
 use crate::kernels::igemm::{self, ConvKernels};
 pub use crate::kernels::igemm::{ConvDir, Tile};
@@ -275,7 +275,8 @@ fn conv_algo(
                 call: "dlopen",
                 status: "unavailable (missing, or disabled by the engine policy)".into(),
             })?;
-            c.run(q, dir, a, g, io.a, io.b, io.out, io.bias)
+            c.run(q, dir, a, g, io.a, io.b, io.out)?;
+            conv_bias(q, nn, eng, g, io)
         }
         ConvAlgo::CudnnGraph(rank) => {
             let c = eng.cudnn_graph().ok_or_else(|| NnError::Library {
@@ -284,7 +285,8 @@ fn conv_algo(
                 status: "unavailable (missing, older than 9, or disabled by the engine policy)"
                     .into(),
             })?;
-            c.run(q, dir, rank, g, io.a, io.b, io.out, io.bias)
+            c.run(q, dir, rank, g, io.a, io.b, io.out)?;
+            conv_bias(q, nn, eng, g, io)
         }
         ConvAlgo::Igemm(tile, splits) => {
             let k = ConvKernels::get(q.device())?;
@@ -315,6 +317,50 @@ fn conv_algo(
             ConvDir::BackwardFilter => nn.conv2d_bwd_weight(q, g, io.a, io.b, io.out),
         },
     }
+}
+
+/// The registry key of the bias added after a forward convolution of `g` by an engine that
+/// does not fuse it (its output shape).
+pub fn conv_bias_key(g: &ConvGeom) -> Result<String> {
+    let (oh, ow) = g.out_hw()?;
+    Ok(format!("conv_bias n={} oc={} hw={}", g.n, g.oc, oh * ow))
+}
+
+/// Adds `io.bias` (when there is one) to the forward output `io.out` of an engine that does
+/// not fuse it, with the registry's choice for the output's shape: our `bias_planes` kernel or
+/// `cudnnAddTensor`, measured on a zeroed scratch output.
+fn conv_bias(q: &dyn Queue, nn: &Nn, eng: &Engines, g: &ConvGeom, io: ConvIo<'_>) -> Result<()> {
+    let Some(bias) = io.bias else {
+        return Ok(());
+    };
+    let (oh, ow) = g.out_hw()?;
+    let hw = oh * ow;
+    let run = |q: &dyn Queue, algo: BiasAlgo, y: &Buf| match algo {
+        BiasAlgo::Planes => nn.bias_planes(q, y, bias, g.n, g.oc, hw),
+        BiasAlgo::CudnnAdd => match eng.cudnn() {
+            Some(c) => c.add_bias(q, g, bias, y),
+            None => Err(NnError::Library {
+                library: "cuDNN",
+                call: "dlopen",
+                status: "unavailable (missing, or disabled by the engine policy)".into(),
+            }),
+        },
+    };
+    let key = conv_bias_key(g)?;
+    let mut candidates = vec![BiasAlgo::Planes];
+    if eng.cudnn().is_some() {
+        candidates.push(BiasAlgo::CudnnAdd);
+    }
+    let mut scratch: Option<Buf> = None;
+    let algo = eng.choose(q, &key, &candidates, BiasAlgo::Planes, &mut |q, algo| {
+        if scratch.is_none() {
+            let s = q.alloc::<f32>(g.output_len()?)?;
+            q.memset_zero(&s)?;
+            scratch = Some(s);
+        }
+        run(q, algo, scratch.as_ref().expect("allocated above"))
+    })?;
+    run(q, algo, io.out)
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
 use crate::error::{NnError, Result};
+use crate::extent::need;
 use crate::kernels::igemm::{conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
@@ -442,8 +443,9 @@ impl Cudnn {
     }
 
     /// Runs `algo` for one direction. Buffers by direction (as [`crate::conv`]): forward
-    /// `a = x`, `b = w`, `out = y` (`+ bias`); backward-data `a = dy`, `b = w`, `out = dx`;
-    /// backward-filter `a = dy`, `b = x`, `out = dw`.
+    /// `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`, `out = dx`;
+    /// backward-filter `a = dy`, `b = x`, `out = dw`. A forward bias is added after, by the
+    /// engine [`crate::conv`] chooses ([`Cudnn::add_bias`] is one).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -454,10 +456,9 @@ impl Cudnn {
         a: &DeviceBuffer<f32>,
         b: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
-        bias: Option<&DeviceBuffer<f32>>,
     ) -> Result<()> {
         // (ptr1, ptr2, ptr3) in cuDNN's argument order, after checking each extent.
-        let (x, w, y) = conv_roles(dir, g, (a, b, out), bias)?;
+        let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
         let (p1, p2, p3) = match dir {
             ConvDir::Forward => (x, w, y),
             ConvDir::BackwardData => (w, y, x),
@@ -492,9 +493,6 @@ impl Cudnn {
         };
         for buf in [p1, p2, p3] {
             q.use_block(buf.block());
-        }
-        if let Some(bias) = bias {
-            q.use_block(bias.block());
         }
         if let Some(ws) = &ws {
             q.use_block(ws.block());
@@ -535,23 +533,48 @@ impl Cudnn {
                     ConvDir::BackwardFilter => "cudnnConvolutionBackwardFilter",
                 },
             )?;
-            if let Some(bias) = bias {
-                // y += bias (broadcast over n, h, w).
-                self.check(
-                    (self.api.add_tensor)(
-                        handle,
-                        one_p,
-                        p.bias,
-                        bias.addr() as CPtr,
-                        one_p,
-                        p.y,
-                        out.addr() as Ptr,
-                    ),
-                    "cudnnAddTensor",
-                )?;
-            }
         }
         Ok(())
+    }
+
+    /// `y += bias` broadcast over the images and pixels of a forward output of `g`
+    /// (`cudnnAddTensor`).
+    pub fn add_bias(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        bias: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        need("conv2d bias", bias, g.oc)?;
+        need("conv2d y", y, g.output_len()?)?;
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let p = self.plan(&mut st, g)?;
+        q.use_block(bias.block());
+        q.use_block(y.block());
+        let one = 1.0f32;
+        let one_p = &one as *const f32 as CPtr;
+        let stream = q.stream_handle().raw() as Ptr;
+        // SAFETY: live handle and descriptors (held under the lock); `p.bias` describes oc
+        // values and `p.y` the forward output of `g`, both checked against the buffers above,
+        // which `use_block` keeps alive and ordered; alpha is read before the call returns.
+        unsafe {
+            self.check((self.api.set_stream)(handle, stream), "cudnnSetStream")?;
+            self.check(
+                (self.api.add_tensor)(
+                    handle,
+                    one_p,
+                    p.bias,
+                    bias.addr() as CPtr,
+                    one_p,
+                    p.y,
+                    y.addr() as Ptr,
+                ),
+                "cudnnAddTensor",
+            )
+        }
     }
 }
 

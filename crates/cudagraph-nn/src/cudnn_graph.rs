@@ -21,7 +21,7 @@
 //! (`QueueExt::alloc`, the graph's pool inside a capture) — so it can be captured.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Mutex, Once, OnceLock};
 
 use cudagraph::runtime::{with_relaxed_capture, Context};
@@ -150,11 +150,6 @@ struct Api {
     backend_finalize: unsafe extern "C" fn(Ptr) -> Status,
     /// (handle, plan, variant pack)
     backend_execute: unsafe extern "C" fn(Ptr, Ptr, Ptr) -> Status,
-    create_tensor: unsafe extern "C" fn(*mut Ptr) -> Status,
-    set_tensor_4d: unsafe extern "C" fn(Ptr, u32, u32, c_int, c_int, c_int, c_int) -> Status,
-    destroy_tensor: unsafe extern "C" fn(Ptr) -> Status,
-    /// (handle, alpha, aDesc, A, beta, cDesc, C)
-    add_tensor: unsafe extern "C" fn(Ptr, CPtr, Ptr, CPtr, CPtr, Ptr, Ptr) -> Status,
 }
 
 fn load() -> std::result::Result<Api, String> {
@@ -179,10 +174,6 @@ fn load() -> std::result::Result<Api, String> {
         backend_get: lib_fn!(lib, "cudnnBackendGetAttribute"),
         backend_finalize: lib_fn!(lib, "cudnnBackendFinalize"),
         backend_execute: lib_fn!(lib, "cudnnBackendExecute"),
-        create_tensor: lib_fn!(lib, "cudnnCreateTensorDescriptor"),
-        set_tensor_4d: lib_fn!(lib, "cudnnSetTensor4dDescriptor"),
-        destroy_tensor: lib_fn!(lib, "cudnnDestroyTensorDescriptor"),
-        add_tensor: lib_fn!(lib, "cudnnAddTensor"),
     })
 }
 
@@ -547,26 +538,6 @@ struct Config {
     cfg: Desc,
 }
 
-/// Legacy tensor descriptors of `y` and the bias (forward only: `cudnnAddTensor`).
-struct BiasDescs {
-    api: &'static Api,
-    y: Ptr,
-    bias: Ptr,
-}
-
-impl Drop for BiasDescs {
-    fn drop(&mut self) {
-        // SAFETY: created by cudnnCreateTensorDescriptor (or null), destroyed once, here.
-        unsafe {
-            for t in [self.y, self.bias] {
-                if !t.is_null() {
-                    (self.api.destroy_tensor)(t);
-                }
-            }
-        }
-    }
-}
-
 /// Everything built for one (direction, geometry, alignment). Field order is drop order:
 /// plans and configurations, then the heuristics they came from, then the operation graph
 /// and its parts.
@@ -577,7 +548,6 @@ struct Set {
     _op: Desc,
     _conv: Desc,
     _tensors: Vec<Desc>,
-    bias: Option<BiasDescs>,
 }
 
 impl Set {
@@ -676,10 +646,6 @@ fn op_attrs(dir: ConvDir) -> (u32, [u32; 6]) {
 
 fn i64_of(what: &str, v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| NnError::Shape(format!("cuDNN: {what} = {v} exceeds an int64")))
-}
-
-fn ci(what: &str, v: usize) -> Result<c_int> {
-    c_int::try_from(v).map_err(|_| NnError::Shape(format!("cuDNN: {what} = {v} exceeds an int")))
 }
 
 /// A finalized fp32 NCHW-packed tensor descriptor.
@@ -866,11 +832,6 @@ fn build_set(
             deterministic_built += 1;
         }
     }
-    let bias = if dir == ConvDir::Forward {
-        Some(bias_descs(api, g)?)
-    } else {
-        None
-    };
     Ok(Set {
         configs,
         _heuristics: heuristics,
@@ -878,39 +839,7 @@ fn build_set(
         _op: op,
         _conv: conv,
         _tensors: tensors,
-        bias,
     })
-}
-
-fn bias_descs(api: &'static Api, g: &ConvGeom) -> Result<BiasDescs> {
-    const NCHW: u32 = cs::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as u32;
-    const FLOAT: u32 = cs::cudnnDataType_t::CUDNN_DATA_FLOAT as u32;
-    let (oh, ow) = g.out_hw()?;
-    let (n, oc, oh, ow) = (ci("n", g.n)?, ci("oc", g.oc)?, ci("oh", oh)?, ci("ow", ow)?);
-    let mut b = BiasDescs {
-        api,
-        y: std::ptr::null_mut(),
-        bias: std::ptr::null_mut(),
-    };
-    // SAFETY: each create writes one descriptor into `b` (destroyed by its Drop, also on the
-    // early returns); each set call receives a live descriptor and plain integers.
-    unsafe {
-        let c = |st, call| chk(api, st, call);
-        c((api.create_tensor)(&mut b.y), "cudnnCreateTensorDescriptor")?;
-        c(
-            (api.create_tensor)(&mut b.bias),
-            "cudnnCreateTensorDescriptor",
-        )?;
-        c(
-            (api.set_tensor_4d)(b.y, NCHW, FLOAT, n, oc, oh, ow),
-            "cudnnSetTensor4dDescriptor",
-        )?;
-        c(
-            (api.set_tensor_4d)(b.bias, NCHW, FLOAT, 1, oc, 1, 1),
-            "cudnnSetTensor4dDescriptor",
-        )?;
-    }
-    Ok(b)
 }
 
 impl CudnnGraph {
@@ -996,8 +925,8 @@ impl CudnnGraph {
     }
 
     /// Runs the configuration of rank `rank` for one direction. Buffers by direction (as
-    /// [`crate::conv`]): forward `a = x`, `b = w`, `out = y` (`+ bias`, added after the
-    /// convolution with `cudnnAddTensor`); backward-data `a = dy`, `b = w`, `out = dx`;
+    /// [`crate::conv`]): forward `a = x`, `b = w`, `out = y` (a bias is added after, by the
+    /// engine `crate::conv` chooses); backward-data `a = dy`, `b = w`, `out = dx`;
     /// backward-filter `a = dy`, `b = x`, `out = dw`. Inside a capture the plan must have been
     /// built before (by an eager call or an eager listing of candidates).
     #[allow(clippy::too_many_arguments)]
@@ -1010,7 +939,6 @@ impl CudnnGraph {
         a: &DeviceBuffer<f32>,
         b: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
-        bias: Option<&DeviceBuffer<f32>>,
     ) -> Result<()> {
         if !crate::cudnn::supports(g) {
             return Err(NnError::Shape(format!(
@@ -1018,7 +946,7 @@ impl CudnnGraph {
             )));
         }
         // Buffers by unique id (x, w, y), after checking each extent.
-        let (x, w, y) = conv_roles(dir, g, (a, b, out), bias)?;
+        let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
         let align = alignment(&[x.addr(), w.addr(), y.addr()]);
         let capturing = q.is_capturing();
         let name = || set_name(dir, g, align);
@@ -1073,15 +1001,6 @@ impl CudnnGraph {
                 })
             }
         };
-        let bias = match (bias, &set.bias) {
-            (Some(b), Some(d)) => Some((b, d)),
-            (None, _) => None,
-            (Some(_), None) => {
-                return Err(NnError::Shape(
-                    "conv2d: a bias only applies to the forward direction".into(),
-                ))
-            }
-        };
         let ws = if ws_bytes > 0 {
             Some(q.alloc::<u8>(ws_bytes)?)
         } else {
@@ -1089,9 +1008,6 @@ impl CudnnGraph {
         };
         for buf in [x, w, y] {
             q.use_block(buf.block());
-        }
-        if let Some((bias, _)) = bias {
-            q.use_block(bias.block());
         }
         if let Some(ws) = &ws {
             q.use_block(ws.block());
@@ -1113,13 +1029,11 @@ impl CudnnGraph {
         })()
         .map_err(e("cudnnBackend*(VARIANT_PACK)"))?;
         let stream = q.stream_handle().raw() as Ptr;
-        let one = 1.0f32;
-        let one_p = &one as *const f32 as CPtr;
         // SAFETY: the handle, plan and variant pack are live (held under the lock); the plan
         // describes exactly the geometry whose extents were checked against the buffers above,
         // at the alignment of these pointers, so cuDNN reads and writes inside them; the
         // workspace holds the bytes the plan asked for; every buffer is kept alive and ordered
-        // by `use_block` (a capture keeps them); alpha is read before the call returns.
+        // by `use_block` (a capture keeps them).
         unsafe {
             chk(
                 self.api,
@@ -1131,22 +1045,6 @@ impl CudnnGraph {
                 (self.api.backend_execute)(handle, plan, pack.raw),
                 "cudnnBackendExecute",
             )?;
-            if let Some((bias, d)) = bias {
-                // y += bias (broadcast over n, h, w).
-                chk(
-                    self.api,
-                    (self.api.add_tensor)(
-                        handle,
-                        one_p,
-                        d.bias,
-                        bias.addr() as CPtr,
-                        one_p,
-                        d.y,
-                        out.addr() as Ptr,
-                    ),
-                    "cudnnAddTensor",
-                )?;
-            }
         }
         Ok(())
     }

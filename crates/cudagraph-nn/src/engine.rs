@@ -171,14 +171,13 @@ pub fn parse_gemm_engine(v: &str) -> Result<Engine> {
 
 /// Parses a `CUDAGRAPH_DETERMINISTIC` value (unset or empty: deterministic).
 pub fn parse_deterministic(v: &str) -> Result<bool> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "" | "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        other => Err(NnError::Config(format!(
-            "{DETERMINISTIC_VAR}={other:?} is not a switch; use 1 (only bit-reproducible engines, \
-             the default) or 0 (also cuDNN's non-deterministic algorithms)"
-        ))),
-    }
+    crate::env::parse_switch(
+        DETERMINISTIC_VAR,
+        v,
+        true,
+        "1 (only bit-reproducible engines, the default) or 0 (also cuDNN's non-deterministic \
+         algorithms)",
+    )
 }
 
 /// Parses a `CUDAGRAPH_CONV` value.
@@ -418,10 +417,42 @@ impl FromStr for ConvAlgo {
     }
 }
 
-/// What the registry stores per key: implemented by [`GemmAlgo`] and [`ConvAlgo`].
+/// How a convolution's bias is added after an engine that does not fuse it (cuDNN's): measured
+/// per output shape like the convolution itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BiasAlgo {
+    /// Our `bias_planes` kernel (four elements per thread where the planes allow).
+    Planes,
+    /// `cudnnAddTensor`.
+    CudnnAdd,
+}
+
+impl fmt::Display for BiasAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BiasAlgo::Planes => "bias:planes",
+            BiasAlgo::CudnnAdd => "bias:cudnn",
+        })
+    }
+}
+
+impl FromStr for BiasAlgo {
+    type Err = NnError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "bias:planes" => Ok(BiasAlgo::Planes),
+            "bias:cudnn" => Ok(BiasAlgo::CudnnAdd),
+            _ => Err(NnError::Config(format!("{s:?} is not a bias engine"))),
+        }
+    }
+}
+
+/// What the registry stores per key: implemented by [`GemmAlgo`], [`ConvAlgo`] and
+/// [`BiasAlgo`].
 pub trait Algo: Copy + PartialEq + fmt::Display + FromStr {}
 impl Algo for GemmAlgo {}
 impl Algo for ConvAlgo {}
+impl Algo for BiasAlgo {}
 
 /// One candidate's measurement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -40,6 +40,7 @@ pub mod cudnn_graph;
 pub mod datasets;
 pub mod dist;
 pub mod engine;
+pub mod env;
 pub mod error;
 mod extent;
 pub mod gemm;

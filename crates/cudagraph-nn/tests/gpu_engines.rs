@@ -489,6 +489,8 @@ fn geometries() -> Vec<ConvGeom> {
         g(4, 128, 7, 7, 64, 1, 1, 0),  // 1×1, many channels
         g(2, 3, 32, 32, 8, 7, 2, 1),   // 7×7 stride 2 on a larger image
         g(2, 3, 64, 64, 4, 3, 1, 1),   // few channels, long K: a deep-split candidate
+        g(3, 1, 12, 12, 6, 5, 1, 0),   // one channel 5×5: the direct kernel's 5×5 twin
+        g(2, 2, 9, 9, 3, 4, 1, 1),     // 4×4 over 2 channels (32 taps): its general form
     ]
 }
 
@@ -601,6 +603,84 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
         cands.iter().any(|a| matches!(a, ConvAlgo::Wgrad(_))),
         "{cands:?}"
     );
+}
+
+/// The two ways a bias is added after cuDNN's convolution (our `bias_planes`, float4 and
+/// scalar forms, and `cudnnAddTensor`) give exactly the f32 sums, and a cuDNN forward with a
+/// bias records the measured choice for its output shape.
+#[test]
+fn conv_bias_engines_add_exactly() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    let cudnn = eng
+        .cudnn()
+        .expect("cuDNN must be installed on the GPU test machine");
+    let g = |n, c, h, oc, k| ConvGeom {
+        n,
+        c,
+        h,
+        w: h,
+        oc,
+        kh: k,
+        kw: k,
+        stride: 1,
+        pad: 0,
+    };
+    let mut rng = Rng::new(107);
+    // Output planes of 6×6 (a multiple of 4: float4), 5×5 and 1×1 (scalar).
+    for geom in [g(3, 2, 8, 7, 3), g(2, 3, 7, 5, 3), g(5, 1, 1, 9, 1)] {
+        let yl = geom.output_len().unwrap();
+        let (oh, ow) = geom.out_hw().unwrap();
+        let (yh, bh) = (data(&mut rng, yl), data(&mut rng, geom.oc));
+        let want: Vec<f32> = (0..yl)
+            .map(|i| yh[i] + bh[(i / (oh * ow)) % geom.oc])
+            .collect();
+        let b = s.alloc_from_host(&bh).unwrap();
+        let ours = s.alloc_from_host(&yh).unwrap();
+        nn.bias_planes(&s, &ours, &b, geom.n, geom.oc, oh * ow)
+            .unwrap();
+        let lib = s.alloc_from_host(&yh).unwrap();
+        cudnn.add_bias(&s, &geom, &b, &lib).unwrap();
+        assert_eq!(s.to_vec(&ours).unwrap(), want, "bias_planes {geom:?}");
+        assert_eq!(s.to_vec(&lib).unwrap(), want, "cudnnAddTensor {geom:?}");
+        // Too short a bias or output is a typed error, not a launch.
+        assert!(nn
+            .bias_planes(&s, &ours, &b, geom.n + 1, geom.oc, oh * ow)
+            .is_err());
+        if geom.oc > 1 {
+            let short = s.alloc_from_host(&bh[..geom.oc - 1]).unwrap();
+            assert!(cudnn.add_bias(&s, &geom, &short, &lib).is_err());
+        }
+        // Through a cuDNN forward: the output equals the CPU's, and the choice is recorded.
+        let (xh, wh) = (
+            data(&mut rng, geom.input_len().unwrap()),
+            data(&mut rng, geom.weight_len().unwrap()),
+        );
+        let y_want = cpu_conv(&geom).forward(&to_f64(&xh), &to_f64(&wh), &to_f64(&bh));
+        let (x, w) = (
+            s.alloc_from_host(&xh).unwrap(),
+            s.alloc_from_host(&wh).unwrap(),
+        );
+        let y = s.alloc_from_host(&vec![f32::NAN; yl]).unwrap();
+        let io = ConvIo {
+            a: &x,
+            b: &w,
+            out: &y,
+            bias: Some(&b),
+        };
+        conv_with(&s, &nn, ConvAlgo::Cudnn(0), ConvDir::Forward, &geom, io).unwrap();
+        let err = rel_err(&s.to_vec(&y).unwrap(), &y_want);
+        assert!(err < 1e-5, "{geom:?}: {err}");
+        let key = cudagraph_nn::conv::conv_bias_key(&geom).unwrap();
+        let entry = eng.entry(&key).expect("the bias choice is recorded");
+        assert!(entry.measured, "{key}: {entry:?}");
+        assert!(
+            ["bias:planes", "bias:cudnn"].contains(&entry.engine.as_str()),
+            "{key}: {entry:?}"
+        );
+    }
 }
 
 /// conv2d (with bias) forward and backward through autograd, against the CPU.

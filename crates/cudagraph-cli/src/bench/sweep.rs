@@ -16,7 +16,7 @@ use std::time::Instant;
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, Stream};
 use cudagraph_nn::engine::Engines;
-use cudagraph_nn::kernels::losses::{ce_plan, CE_FUSED_ROWS};
+use cudagraph_nn::kernels::losses::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROWS};
 use cudagraph_nn::kernels::optim_mt::{CAP_L, CAP_S};
 use cudagraph_nn::{
     cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, Layer, Linear, Module, Optimizer,
@@ -179,14 +179,19 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
     match *spec {
         Spec::Linear { .. } | Spec::Conv2d { .. } => used_engines(used),
         Spec::CrossEntropy { rows, classes } => {
-            let p = ce_plan(rows, classes, sms);
+            let p = ce_plan(rows, classes, sms)
+                .unwrap_or_else(|_| ce_plan_with(rows, classes, sms, CeOptions::DEFAULT));
             if p.chunks > 1 {
                 let passes = if train || rows > CE_FUSED_ROWS { 3 } else { 2 };
                 return format!("ce rows split in {} chunks, {passes} passes", p.chunks);
             }
+            let per_row = match (p.warp_rows, p.lanes) {
+                (false, _) => "block/row".to_string(),
+                (true, 32) => "warp/row".to_string(),
+                (true, l) => format!("{l} lanes/row"),
+            };
             format!(
-                "ce {}{}",
-                if p.warp_rows { "warp/row" } else { "block/row" },
+                "ce {per_row}{}",
                 if p.two_pass {
                     ", 2 passes"
                 } else {

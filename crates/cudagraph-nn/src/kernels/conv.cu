@@ -23,22 +23,28 @@ extern "C" __global__ void conv2d_fwd(const float* x, const float* w, const floa
 
 // Fast path for C*KH*KW <= 32 (e.g. 3 channels, 3x3): one thread per output pixel keeps its
 // input patch in registers and produces every output channel; weights live in shared memory
-// (read as broadcasts), and each channel's writes are coalesced across the warp.
-extern "C" __global__ void conv2d_fwd_small(const float* x, const float* w, const float* b, float* y,
+// (read as broadcasts), and each channel's writes are coalesced across the warp. The patch is
+// loaded before the weights are copied and the block waits at its barrier, so the two memory
+// round trips overlap. KH = KW = 0: sizes from the arguments; otherwise compile-time sizes
+// (no integer division per tap), instantiated below for 1x1, 3x3 and 5x5.
+template <int KH_, int KW_>
+__device__ __forceinline__ void conv_fwd_small_body(const float* x, const float* w, const float* b, float* y,
         int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad) {
     extern __shared__ float sw[];
-    int ckk = C * KH * KW;
-    for (int j = threadIdx.x; j < OC * ckk; j += blockDim.x) sw[j] = w[j];
-    __syncthreads();
-    long i = IDX;
-    if (i >= (long)N * OH * OW) return;
-    int ow = i % OW; long t = i / OW;
-    int oh = t % OH; int n = t / OH;
+    if (KH_ > 0) { KH = KH_; KW = KW_; }
+    const int ckk = C * KH * KW;
+    const long i = IDX;
+    const bool live = i < (long)N * OH * OW;
+    int ow = 0, oh = 0, n = 0;
+    if (live) {
+        ow = i % OW; long t = i / OW;
+        oh = t % OH; n = t / OH;
+    }
     float xv[32];
 #pragma unroll
     for (int j = 0; j < 32; j++) {
         float v = 0.0f;
-        if (j < ckk) {
+        if (live && j < ckk) {
             int kw = j % KW; int r = j / KW;
             int kh = r % KH; int c = r / KH;
             int ih = oh * stride - pad + kh, iw = ow * stride - pad + kw;
@@ -46,6 +52,9 @@ extern "C" __global__ void conv2d_fwd_small(const float* x, const float* w, cons
         }
         xv[j] = v;
     }
+    for (int j = threadIdx.x; j < OC * ckk; j += blockDim.x) sw[j] = w[j];
+    __syncthreads();
+    if (!live) return;
     long plane = (long)OH * OW;
     long base = (long)n * OC * plane + (long)oh * OW + ow;
     for (int oc = 0; oc < OC; oc++) {
@@ -55,6 +64,22 @@ extern "C" __global__ void conv2d_fwd_small(const float* x, const float* w, cons
         for (int j = 0; j < 32; j++) if (j < ckk) acc += wr[j] * xv[j];
         y[base + oc * plane] = acc;
     }
+}
+
+#define CONV_SMALL_PARAMS const float* x, const float* w, const float* b, float* y, \
+        int N, int C, int H, int W, int OC, int KH, int KW, int OH, int OW, int stride, int pad
+#define CONV_SMALL_ARGS x, w, b, y, N, C, H, W, OC, KH, KW, OH, OW, stride, pad
+extern "C" __global__ void conv2d_fwd_small(CONV_SMALL_PARAMS) {
+    conv_fwd_small_body<0, 0>(CONV_SMALL_ARGS);
+}
+extern "C" __global__ void conv2d_fwd_small_k1(CONV_SMALL_PARAMS) {
+    conv_fwd_small_body<1, 1>(CONV_SMALL_ARGS);
+}
+extern "C" __global__ void conv2d_fwd_small_k3(CONV_SMALL_PARAMS) {
+    conv_fwd_small_body<3, 3>(CONV_SMALL_ARGS);
+}
+extern "C" __global__ void conv2d_fwd_small_k5(CONV_SMALL_PARAMS) {
+    conv_fwd_small_body<5, 5>(CONV_SMALL_ARGS);
 }
 
 // dx: one thread per input element, gathering from the outputs it touched.

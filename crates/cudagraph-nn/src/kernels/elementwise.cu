@@ -21,3 +21,21 @@ extern "C" __global__ void add_inplace(float* a, const float* b, long n) {
     long i = IDX;
     if (i < n) a[i] += b[i];
 }
+
+// y[(i / hw) % c] planes: y[(n·C + ch)·HW + p] += b[ch] over n elements (a convolution's NCHW
+// output). vec: HW a multiple of 4 and y 16-byte aligned, one float4 per thread (a group never
+// crosses a plane). wide: n ≥ 2^31, 64-bit index arithmetic (otherwise 32-bit division).
+extern "C" __global__ void bias_planes(float* y, const float* b, long n, int hw, int c, int vec, int wide) {
+    const long i = IDX;
+    const long e = vec ? i * 4 : i;
+    if (e >= n) return;
+    const int ch = wide ? (int)((e / hw) % c) : (int)(((unsigned int)e / (unsigned int)hw) % (unsigned int)c);
+    const float bb = b[ch];
+    if (vec) {
+        float4 v = reinterpret_cast<float4*>(y)[i];
+        v.x += bb; v.y += bb; v.z += bb; v.w += bb;
+        reinterpret_cast<float4*>(y)[i] = v;
+    } else {
+        y[e] += bb;
+    }
+}

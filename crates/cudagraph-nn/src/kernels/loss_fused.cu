@@ -109,31 +109,39 @@ __device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool r
     return ce_clamp_target(tgt[r], r, cols, report, flag, check);
 }
 
-// One warp per row (8 rows per 256-thread block, or up to 32 in a single 1024-thread block).
-// With `loss` set (a single block), the block also writes the mean; otherwise each row's loss
-// goes to row_loss[r].
+// A group of `lanes` lanes per row (a power of two up to 32; a warp holds 32 / lanes rows):
+// 32 for rows of hundreds of classes, fewer for narrow rows so that a single block covers more
+// rows in one pass. With `loss` set (a single block), the block also writes the mean;
+// otherwise each row's loss goes to row_loss[r]. With lanes = 32 the merge order is the one of
+// a warp per row.
 extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, const int* tgt, float* grad, float* row_loss,
-        float* loss, int rows, int cols, float inv_rows, cg_check* flag, unsigned int check) {
+        float* loss, int rows, int cols, float inv_rows, int lanes, cg_check* flag, unsigned int check) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+    const int per_warp = 32 / lanes, sub = lane & (lanes - 1), head = lane & ~(lanes - 1);
     float acc = 0.0f;
-    for (int r = blockIdx.x * wpb + warp; r < rows; r += gridDim.x * wpb) {
-        const float* zr = z + (long long)r * cols;
+    const long long step = (long long)gridDim.x * wpb * per_warp;
+    for (long long rb = ((long long)blockIdx.x * wpb + warp) * per_warp; rb < rows; rb += step) {
+        const long long r = rb + lane / lanes;
+        const bool valid = r < rows;
+        const float* zr = z + (valid ? r : 0ll) * cols;
         float m = NEG_INF, s = 0.0f;
-        ms_scan(zr, lane, cols, 32, m, s);
-        for (int o = 16; o > 0; o >>= 1) {
+        if (valid) ms_scan(zr, sub, cols, lanes, m, s);
+        for (int o = lanes >> 1; o > 0; o >>= 1) {
             const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
             const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
             ms_merge(m, s, m2, s2);
         }
-        // Lanes merged in different orders: use lane 0's result everywhere.
-        m = __shfl_sync(0xffffffffu, m, 0);
-        s = __shfl_sync(0xffffffffu, s, 0);
-        const int t = ce_target(tgt, r, cols, lane == 0, flag, check);
-        if (grad != 0) ce_grad_scan<true>(zr, grad + (long long)r * cols, lane, cols, 32, m, s, t, inv_rows);
-        if (lane == 0) {
-            const float l = logf(s) + m - zr[t];
-            if (row_loss != 0) row_loss[r] = l;
-            acc += l;
+        // Lanes merged in different orders: use the group's first lane's result everywhere.
+        m = __shfl_sync(0xffffffffu, m, head);
+        s = __shfl_sync(0xffffffffu, s, head);
+        if (valid) {
+            const int t = ce_target(tgt, (int)r, cols, sub == 0, flag, check);
+            if (grad != 0) ce_grad_scan<true>(zr, grad + r * cols, sub, cols, lanes, m, s, t, inv_rows);
+            if (sub == 0) {
+                const float l = logf(s) + m - zr[t];
+                if (row_loss != 0) row_loss[r] = l;
+                acc += l;
+            }
         }
     }
     if (loss != 0) {
@@ -142,9 +150,10 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, c
     }
 }
 
-// One block per row (1024 threads), for wide rows (tens of thousands of classes).
+// One block per row (1024 threads), for wide rows (tens of thousands of classes). `lanes` is
+// not used (the argument list is ce_fwd_warp's).
 extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, const int* tgt, float* grad, float* row_loss,
-        float* loss, int rows, int cols, float inv_rows, cg_check* flag, unsigned int check) {
+        float* loss, int rows, int cols, float inv_rows, int lanes, cg_check* flag, unsigned int check) {
     __shared__ float wm[32], ws[32];
     __shared__ float row_m, row_s;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;

@@ -57,6 +57,8 @@ pub struct CePlan {
     /// Threads per block.
     pub block: u32,
     pub warp_rows: bool,
+    /// Lanes per row of the warp-row kernel (a power of two up to 32).
+    pub lanes: u32,
     pub two_pass: bool,
     pub chunks: u32,
 }
@@ -73,31 +75,68 @@ const MAX_CHUNKS: usize = 32;
 /// per row save.
 const MIN_SPLIT_CHUNKS: usize = 4;
 
-/// Whether wide rows may be split across blocks: `CUDAGRAPH_CE_SPLIT=0` (or `off`) turns the
-/// split plan off, for comparisons (read once per process).
-fn split_allowed() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("CUDAGRAPH_CE_SPLIT")
-            .map(|v| {
-                !matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "0" | "off" | "false"
-                )
-            })
-            .unwrap_or(true)
-    })
+/// Switch of the split plan for wide rows (default on; `0` for comparisons).
+pub const CE_SPLIT_VAR: &str = "CUDAGRAPH_CE_SPLIT";
+/// Switch of lane groups for narrow rows (default on; `0` for comparisons).
+pub const CE_GROUPS_VAR: &str = "CUDAGRAPH_CE_GROUPS";
+
+/// Which of the plan's measured options are on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CeOptions {
+    /// Wide rows (fewer than the multiprocessors) may be split across blocks.
+    pub split: bool,
+    /// Narrow rows may share a warp (a group of lanes per row) so that one block covers
+    /// more rows in one pass.
+    pub groups: bool,
 }
 
-/// The launch plan for `rows × cols` logits on `sms` multiprocessors.
-pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
+impl CeOptions {
+    /// Both on: the default.
+    pub const DEFAULT: CeOptions = CeOptions {
+        split: true,
+        groups: true,
+    };
+
+    /// From [`CE_SPLIT_VAR`] and [`CE_GROUPS_VAR`] (read once per process).
+    pub fn from_env() -> Result<CeOptions> {
+        static ON: std::sync::OnceLock<std::result::Result<CeOptions, String>> =
+            std::sync::OnceLock::new();
+        ON.get_or_init(|| {
+            let read = |var, what| {
+                crate::env::switch(var, true, &format!("1 ({what}, the default) or 0"))
+                    .map_err(|e| e.to_string())
+            };
+            Ok(CeOptions {
+                split: read(CE_SPLIT_VAR, "split wide rows across blocks")?,
+                groups: read(CE_GROUPS_VAR, "several narrow rows per warp")?,
+            })
+        })
+        .clone()
+        .map_err(NnError::Config)
+    }
+}
+
+/// Lanes per row for `cols` classes: enough for at most 8 classes each (one batch of loads in
+/// flight), a power of two up to 32.
+fn ce_lanes(cols: usize) -> u32 {
+    (cols.div_ceil(8).next_power_of_two()).clamp(1, 32) as u32
+}
+
+/// The launch plan for `rows × cols` logits on `sms` multiprocessors, with the options set in
+/// the environment.
+pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> Result<CePlan> {
+    Ok(ce_plan_with(rows, cols, sms, CeOptions::from_env()?))
+}
+
+/// The launch plan for `rows × cols` logits on `sms` multiprocessors with options `o`.
+pub fn ce_plan_with(rows: usize, cols: usize, sms: u32, o: CeOptions) -> CePlan {
     let warp_rows = cols <= WARP_ROW_MAX;
     let sms = sms.max(1) as usize;
     // Wide rows, fewer than the multiprocessors: a block per row would leave most of the GPU
     // idle and run each row's long dependent chain on one multiprocessor. Split each row so
     // that about two blocks per multiprocessor run, each chunk holding at least MIN_CHUNK, when
     // that gives at least MIN_SPLIT_CHUNKS chunks.
-    if !warp_rows && rows < sms && split_allowed() {
+    if !warp_rows && rows < sms && o.split {
         let chunks = (2 * sms)
             .div_ceil(rows.max(1))
             .min(cols.div_ceil(MIN_CHUNK))
@@ -107,6 +146,7 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
                 grid: (rows * chunks) as u32,
                 block: BLOCK,
                 warp_rows: false,
+                lanes: 32,
                 two_pass: true,
                 chunks: chunks as u32,
             };
@@ -114,15 +154,32 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
     }
     // Up to 32 narrow rows: one block of a warp per row does the rows and the mean (one node
     // instead of a row pass and a sum pass). Measured on the H100 (2026-11-23): 32 × 10
-    // forward 5.0 → 4.5 µs; two rows per warp lose (64 × 100 forward 5.5 → 8.2 µs).
+    // forward 5.0 → 4.5 µs; two rows per warp in sequence lose (64 × 100 forward 5.5 → 8.2 µs).
     if warp_rows && rows > (BLOCK / 32) as usize && rows <= (WIDE_BLOCK / 32) as usize {
         return CePlan {
             grid: 1,
             block: WIDE_BLOCK,
             warp_rows,
+            lanes: 32,
             two_pass: false,
             chunks: 1,
         };
+    }
+    // More narrow rows that one block still covers in a single pass when a group of lanes
+    // (at most 8 classes each) takes a row: one node again.
+    let lanes = ce_lanes(cols);
+    if warp_rows && o.groups && rows > (BLOCK / 32) as usize {
+        let threads = rows.saturating_mul(lanes as usize);
+        if threads <= WIDE_BLOCK as usize {
+            return CePlan {
+                grid: 1,
+                block: (threads.next_power_of_two() as u32).max(32),
+                warp_rows,
+                lanes,
+                two_pass: false,
+                chunks: 1,
+            };
+        }
     }
     let per_block = if warp_rows { (BLOCK / 32) as usize } else { 1 };
     let most = (sms * 16).min(CE_MAX_GRID);
@@ -134,6 +191,7 @@ pub fn ce_plan(rows: usize, cols: usize, sms: u32) -> CePlan {
         grid: grid as u32,
         block: if warp_rows { BLOCK } else { WIDE_BLOCK },
         warp_rows,
+        lanes: 32,
         two_pass: !single,
         chunks: 1,
     }
@@ -334,7 +392,7 @@ impl LossKernels {
             need("cross_entropy gradient", g, n)?;
         }
         let (ri, ci) = ce_dims(rows, cols)?;
-        let plan = ce_plan(rows, cols, self.sms);
+        let plan = ce_plan(rows, cols, self.sms)?;
         if plan.chunks > 1 {
             return self.cross_entropy_split(q, logits, targets, grad, loss, (ri, ci), plan);
         }
@@ -371,6 +429,7 @@ impl LossKernels {
                     Arg::I32(ri),
                     Arg::I32(ci),
                     inv_rows.into(),
+                    Arg::I32(plan.lanes as i32),
                     q.device().check_flag_arg(),
                     Arg::U32(self.ce_check),
                 ],
@@ -495,25 +554,31 @@ impl LossKernels {
 mod tests {
     use super::*;
 
+    fn plan(rows: usize, cols: usize, sms: u32) -> CePlan {
+        ce_plan_with(rows, cols, sms, CeOptions::DEFAULT)
+    }
+
     #[test]
     fn small_cross_entropy_runs_in_one_block() {
         assert_eq!(
-            ce_plan(8, 10, 132),
+            plan(8, 10, 132),
             CePlan {
                 grid: 1,
                 block: BLOCK,
                 warp_rows: true,
+                lanes: 32,
                 two_pass: false,
                 chunks: 1,
             }
         );
         // One wide row that one chunk covers: one block.
         assert_eq!(
-            ce_plan(1, 1000, 132),
+            plan(1, 1000, 132),
             CePlan {
                 grid: 1,
                 block: BLOCK,
                 warp_rows: true,
+                lanes: 32,
                 two_pass: false,
                 chunks: 1,
             }
@@ -539,52 +604,85 @@ mod tests {
         // CE_MAX_GRID blocks of 8 warps (rows), or a block of 1024 threads (classes).
         assert!(CE_MAX_DIM + CE_MAX_GRID * 8 <= i32::MAX as usize);
         assert!(CE_MAX_DIM + 1024 <= i32::MAX as usize);
-        assert!(ce_plan(1 << 30, 10, 100_000).grid as usize <= CE_MAX_GRID);
-        assert!(ce_plan(1 << 30, 5000, 100_000).grid as usize <= CE_MAX_GRID);
+        assert!(plan(1 << 30, 10, 100_000).grid as usize <= CE_MAX_GRID);
+        assert!(plan(1 << 30, 5000, 100_000).grid as usize <= CE_MAX_GRID);
     }
 
     #[test]
     fn few_wide_rows_are_split_across_blocks() {
         // 16 rows of 50000: 17 chunks of at least 1024 (about two blocks per SM).
-        let p = ce_plan(16, 50000, 132);
+        let p = plan(16, 50000, 132);
         assert_eq!((p.chunks, p.grid, p.two_pass), (17, 16 * 17, true));
         // Capped by the chunk size: 2 rows of 5000 classes give 5 chunks each.
-        assert_eq!(ce_plan(2, 5000, 132).chunks, 5);
+        assert_eq!(plan(2, 5000, 132).chunks, 5);
         // Fewer than MIN_SPLIT_CHUNKS chunks: a block per row (measured faster).
-        assert_eq!(ce_plan(2, 3000, 132).chunks, 1);
-        assert_eq!(ce_plan(128, 10000, 132).chunks, 1);
-        assert_eq!(ce_plan(64, 10000, 132).chunks, 5);
-        let p = ce_plan(1, 30000, 132);
+        assert_eq!(plan(2, 3000, 132).chunks, 1);
+        assert_eq!(plan(128, 10000, 132).chunks, 1);
+        assert_eq!(plan(64, 10000, 132).chunks, 5);
+        let p = plan(1, 30000, 132);
         assert_eq!((p.chunks, p.grid), (30, 30));
         // And by one warp's lanes: never more than 32 chunks.
-        assert_eq!(ce_plan(1, 1 << 20, 132).chunks, 32);
+        assert_eq!(plan(1, 1 << 20, 132).chunks, 32);
         // As many rows as SMs or more: a block per row, no split.
-        assert_eq!(ce_plan(132, 50000, 132).chunks, 1);
-        assert_eq!(ce_plan(1 << 20, 50000, 132).chunks, 1);
+        assert_eq!(plan(132, 50000, 132).chunks, 1);
+        assert_eq!(plan(1 << 20, 50000, 132).chunks, 1);
     }
 
     #[test]
     fn large_cross_entropy_is_row_parallel() {
-        let p = ce_plan(4096, 10, 132);
+        let p = plan(4096, 10, 132);
         assert!(p.warp_rows && p.two_pass);
         assert_eq!(p.grid, 512); // 8 rows per block
-        let p = ce_plan(256, 10, 132);
+                                 // Without lane groups, 256 rows of 10 take 32 blocks and a sum pass: never one block
+                                 // walking 32 rows per warp.
+        let no_groups = CeOptions {
+            groups: false,
+            ..CeOptions::DEFAULT
+        };
+        let p = ce_plan_with(256, 10, 132, no_groups);
         assert!(p.warp_rows && p.two_pass);
-        // Never one block walking 32 rows per warp.
-        assert_eq!(p.grid, 32);
+        assert_eq!((p.grid, p.lanes), (32, 32));
         // 9 to 32 narrow rows: one block of 1024 threads, a warp per row, mean included.
         for rows in [9, 32] {
-            let p = ce_plan(rows, 1000, 132);
-            assert_eq!((p.grid, p.block, p.two_pass), (1, WIDE_BLOCK, false));
+            let p = plan(rows, 1000, 132);
+            assert_eq!(
+                (p.grid, p.block, p.lanes, p.two_pass),
+                (1, WIDE_BLOCK, 32, false)
+            );
         }
-        assert!(ce_plan(33, 10, 132).two_pass);
-        assert!(ce_plan(2, 50000, 132).two_pass);
-        let p = ce_plan(200, 50000, 132);
+        assert!(ce_plan_with(33, 10, 132, no_groups).two_pass);
+        assert!(plan(33, 1000, 132).two_pass);
+        assert!(plan(2, 50000, 132).two_pass);
+        let p = plan(200, 50000, 132);
         assert!(!p.warp_rows && p.two_pass && p.chunks == 1);
         assert_eq!(p.grid, 200); // a block per row
-        let p = ce_plan(1 << 20, 50000, 132);
+        let p = plan(1 << 20, 50000, 132);
         assert_eq!(p.grid, 132 * 16); // grid-stride beyond that
-        assert!(!ce_plan(3, 1025, 132).warp_rows);
+        assert!(!plan(3, 1025, 132).warp_rows);
+    }
+
+    #[test]
+    fn narrow_rows_share_warps_to_fit_one_block() {
+        // At most 8 classes per lane, lanes a power of two up to 32.
+        assert_eq!(ce_lanes(1), 1);
+        assert_eq!(ce_lanes(8), 1);
+        assert_eq!(ce_lanes(10), 2);
+        assert_eq!(ce_lanes(100), 16);
+        assert_eq!(ce_lanes(1000), 32);
+        // 256 rows of 10: 2 lanes a row, one block of 512 threads, the mean included.
+        let p = plan(256, 10, 132);
+        assert_eq!((p.grid, p.block, p.lanes, p.two_pass), (1, 512, 2, false));
+        // 64 rows of 100: 16 lanes a row fill 1024 threads.
+        let p = plan(64, 100, 132);
+        assert_eq!((p.grid, p.block, p.lanes, p.two_pass), (1, 1024, 16, false));
+        // 33 rows of 10: 66 threads, rounded up to a power of two (the block sum's tree).
+        let p = plan(33, 10, 132);
+        assert_eq!((p.grid, p.block, p.lanes, p.two_pass), (1, 128, 2, false));
+        // More than one block would hold: the row-parallel grid and a sum pass.
+        let p = plan(1025, 8, 132);
+        assert!(p.two_pass && p.lanes == 32 && p.grid > 1);
+        let p = plan(128, 200, 132);
+        assert!(p.two_pass && p.lanes == 32);
     }
 
     #[test]

@@ -107,11 +107,15 @@ kernels!(
     relu_fwd,
     relu_bwd,
     add_inplace,
+    bias_planes,
     col_sum,
     channel_sum,
     sum_parts,
     conv2d_fwd,
     conv2d_fwd_small,
+    conv2d_fwd_small_k1,
+    conv2d_fwd_small_k3,
+    conv2d_fwd_small_k5,
     conv2d_bwd_input,
     conv2d_bwd_weight,
     maxpool_fwd,
@@ -786,6 +790,47 @@ impl Nn {
         unsafe { launch(q, &self.k.relu_bwd, elems(n), args![dy, y, dx, long(n)?]) }
     }
 
+    /// `y[n, c, p] += b[c]` over `n` images of `c` planes of `hw` elements (a convolution's
+    /// NCHW output and its bias).
+    pub fn bias_planes(
+        &self,
+        q: &dyn Queue,
+        y: &Buf,
+        b: &Buf,
+        n: usize,
+        c: usize,
+        hw: usize,
+    ) -> Result<()> {
+        let total = prod("bias_planes", &[n, c, hw])?;
+        need("bias_planes y", y, total)?;
+        need("bias_planes bias", b, c)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let vec = hw % 4 == 0 && y.addr() % 16 == 0;
+        let wide = total > i32::MAX as usize;
+        let threads = if vec { total / 4 } else { total };
+        // SAFETY: y holds n·c·hw elements and b holds c (checked); the kernel touches
+        // y[e .. e + 4) (vec: hw and so the total a multiple of 4, y 16-byte aligned) or y[e]
+        // for e < total, and b[(e / hw) % c] < c.
+        unsafe {
+            launch(
+                q,
+                &self.k.bias_planes,
+                elems(threads),
+                args![
+                    y,
+                    b,
+                    long(total)?,
+                    int("bias_planes hw", hw)?,
+                    int("bias_planes c", c)?,
+                    vec as i32,
+                    wide as i32
+                ],
+            )
+        }
+    }
+
     /// `a += b` over all of `a` (`b` at least as long).
     pub fn add_inplace(&self, q: &dyn Queue, a: &Buf, b: &Buf) -> Result<()> {
         let n = a.len();
@@ -903,10 +948,18 @@ impl Nn {
         if ckk <= 32 && weights_bytes <= 48 * 1024 {
             let mut cfg = LaunchConfig::for_elements(prod("conv2d", &[g.n, oh, ow])?, 128);
             cfg.shared_mem_bytes = weights_bytes as u32;
+            // The compile-time twins take the same arguments (their sizes equal kh, kw).
+            let f = match (g.kh, g.kw) {
+                (1, 1) => &self.k.conv2d_fwd_small_k1,
+                (3, 3) => &self.k.conv2d_fwd_small_k3,
+                (5, 5) => &self.k.conv2d_fwd_small_k5,
+                _ => &self.k.conv2d_fwd_small,
+            };
             // SAFETY: one thread per (n, oh, ow) reads x inside [0, H)×[0, W) of its image,
             // copies all oc·ckk weights (≤ 32 taps each, checked) into the shared memory sized
-            // for them, writes every channel of its pixel in y; extents checked above.
-            unsafe { launch(q, &self.k.conv2d_fwd_small, cfg, &conv_args(&bufs, ints)) }
+            // for them, writes every channel of its pixel in y; extents checked above. The
+            // twins chosen above use sizes equal to the kh, kw passed.
+            unsafe { launch(q, f, cfg, &conv_args(&bufs, ints)) }
         } else {
             // SAFETY: one thread per output element; reads of x are bounds-checked against H, W
             // in the kernel; w, b and y were checked for the geometry's extents.
