@@ -508,6 +508,26 @@ fn cpu_conv(g: &ConvGeom) -> cpu::Conv {
     }
 }
 
+/// Whether `algo` computes through a transform (FFT or Winograd) of the operands: plain fp32,
+/// but rounding differs more from the direct sum (cuDNN's Winograd 5×5 forward over one
+/// channel: 2.2e-4 relative on the H100, 2026-11-23).
+fn transform(eng: &Engines, dir: ConvDir, g: &ConvGeom, algo: ConvAlgo) -> bool {
+    match algo {
+        // cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t: FFT, FFT_TILING, WINOGRAD(_NONFUSED).
+        ConvAlgo::Cudnn(a) => match dir {
+            ConvDir::Forward => (4..=7).contains(&a),
+            ConvDir::BackwardData => (2..=5).contains(&a),
+            ConvDir::BackwardFilter => [2, 4, 5, 6].contains(&a),
+        },
+        // Numerical notes 3 (FFT), 5 to 8 (Winograd and its tiles).
+        ConvAlgo::CudnnGraph(r) => eng
+            .cudnn_graph()
+            .and_then(|c| c.describe(dir, g, r))
+            .is_some_and(|c| c.notes.iter().any(|n| [3, 5, 6, 7, 8].contains(n))),
+        _ => false,
+    }
+}
+
 #[test]
 fn every_conv_engine_matches_cpu_forward_and_backward() {
     let dev = gpu_test_device!();
@@ -583,7 +603,12 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
                     .unwrap_or_else(|e| panic!("{algo} {}: {e}", conv_key(dir, &g, true)));
                 let got = s.to_vec(&out).unwrap();
                 let err = rel_err(&got, want);
-                assert!(err < 1e-4, "{algo} {}: {err}", conv_key(dir, &g, true));
+                let bound = if transform(&eng, dir, &g, algo) {
+                    1e-3
+                } else {
+                    1e-4
+                };
+                assert!(err < bound, "{algo} {}: {err}", conv_key(dir, &g, true));
             }
         }
     }

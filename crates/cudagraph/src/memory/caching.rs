@@ -211,6 +211,9 @@ fn should_split(rest: usize, class: Class) -> bool {
 
 #[derive(Debug)]
 struct Segment {
+    /// Unique among the segments this core ever held: an address can come back from the
+    /// source for a new segment while a release plan still names the old one.
+    id: u64,
     size: usize,
     pool: PoolId,
     stream: u64,
@@ -284,6 +287,8 @@ pub struct ReleasePlan {
 #[derive(Debug)]
 struct Detached {
     base: u64,
+    /// The segment's [`Segment::id`] when detached.
+    id: u64,
     size: usize,
     released: bool,
 }
@@ -391,6 +396,8 @@ pub struct AllocatorCore {
     closed_free: BTreeSet<u64>,
     /// Release plans handed out and not yet finished.
     releases_in_flight: usize,
+    /// Id of the next segment.
+    next_segment: u64,
 }
 
 impl fmt::Debug for AllocatorCore {
@@ -516,6 +523,7 @@ impl AllocatorCore {
             pending: BTreeMap::new(),
             closed_free: BTreeSet::new(),
             releases_in_flight: 0,
+            next_segment: 0,
         }
     }
 
@@ -754,9 +762,13 @@ impl AllocatorCore {
         if !plan.release.is_empty() {
             let _ = self.finish_release(plan.release);
         }
+        self.settle_reused(addr);
+        let id = self.next_segment;
+        self.next_segment = self.next_segment.wrapping_add(1);
         self.segments.insert(
             addr,
             Segment {
+                id,
                 size: seg_size,
                 pool,
                 stream,
@@ -779,6 +791,31 @@ impl AllocatorCore {
         }
         self.device.on_segment(seg_size);
         Ok(self.hand_out(addr, size, class, pool))
+    }
+
+    /// The source handed out `addr` for a new segment while the bookkeeping still holds a
+    /// segment there: one detached into a release plan that another thread has carried out
+    /// (the source could not reuse the address otherwise) and not finished yet. Its release is
+    /// settled here, so the new segment replaces nothing; that plan then finds the id changed
+    /// and only counts the bytes.
+    fn settle_reused(&mut self, addr: u64) {
+        let Some(old) = self.segments.remove(&addr) else {
+            return;
+        };
+        debug_assert!(
+            old.releasing,
+            "the source returned a live segment's address"
+        );
+        // A releasing segment is one free block at its base, out of the free set.
+        self.blocks.remove(&addr);
+        self.free
+            .remove(&(old.pool, old.stream, old.class, old.size, addr));
+        self.closed_free.remove(&addr);
+        if let Some(p) = self.pools.get_mut(&old.pool) {
+            p.stats.on_segment_release(old.size);
+        }
+        self.device.on_segment_release(old.size);
+        self.forget_pool_if_empty(old.pool);
     }
 
     /// Abandons a grow plan: its bytes no longer count against the limit, and segments it
@@ -971,7 +1008,11 @@ impl AllocatorCore {
                 }
                 continue;
             }
-            let Some(seg) = self.segments.get_mut(&d.base) else {
+            let Some(seg) = self.segments.get_mut(&d.base).filter(|s| s.id == d.id) else {
+                // Settled when the source reused the address (`settle_reused`), or gone.
+                if d.released {
+                    released = released.saturating_add(d.size);
+                }
                 continue;
             };
             if d.released {
@@ -1008,6 +1049,7 @@ impl AllocatorCore {
             .filter(|(_, s)| !s.releasing)
             .map(|(&base, s)| Detached {
                 base,
+                id: s.id,
                 size: s.size,
                 released: false,
             })
@@ -1074,6 +1116,7 @@ impl AllocatorCore {
                 .remove(&(seg.pool, seg.stream, seg.class, seg.size, base));
             segments.push(Detached {
                 base,
+                id: seg.id,
                 size: seg.size,
                 released: false,
             });
@@ -1411,6 +1454,84 @@ mod tests {
         assert_eq!((s.allocated, s.active_blocks), (0, 0));
         s.on_segment_release(5);
         assert_eq!((s.reserved, s.cached()), (0, 0));
+    }
+
+    /// A source that hands back the address it released last (as the driver may), from a
+    /// range it never touches (the core only does bookkeeping).
+    struct Reusing {
+        next: std::sync::Mutex<Vec<u64>>,
+    }
+
+    // SAFETY: the addresses are bookkeeping only in this test (nothing reads or writes them);
+    // a range is handed out again only after its release.
+    unsafe impl SegmentSource for Reusing {
+        fn allocate(&self, bytes: usize) -> Result<u64> {
+            let mut next = self.next.lock().unwrap();
+            match next.pop() {
+                Some(a) => Ok(a),
+                None => Err(Error::OutOfMemory {
+                    requested: bytes,
+                    reserved: 0,
+                }),
+            }
+        }
+        fn release(&self, addr: u64, _bytes: usize) -> Result<()> {
+            self.next.lock().unwrap().push(addr);
+            Ok(())
+        }
+    }
+
+    /// One thread's `empty_cache` releases a segment and, before it takes the lock back to
+    /// finish, another thread's allocation gets the same address from the source for a new
+    /// segment: the old plan must not remove the new segment (it did: the next allocation
+    /// found a free block without a segment and panicked).
+    #[test]
+    fn a_release_finished_after_its_address_came_back_leaves_the_new_segment() {
+        let source = Arc::new(Reusing {
+            next: std::sync::Mutex::new(vec![0x4000_0000]),
+        });
+        let mut core = AllocatorCore::new(Box::new(ArcSource(source.clone())));
+        let a = core.allocate(4096, PoolId::DEFAULT, 0).unwrap();
+        core.free(a.addr);
+        assert_eq!(core.device_stats().segments, 1);
+        // Thread 1: detach and release (no lock), not finished yet.
+        let mut plan = core.begin_release(None);
+        assert_eq!(plan.segments().count(), 1);
+        plan.execute(&*source);
+        // Thread 2: misses the cache, the source hands the same address back.
+        let grow = match core.begin_allocate(4096, PoolId::DEFAULT, 0).unwrap() {
+            AllocStep::Grow(g) => g,
+            AllocStep::Ready(_) => panic!("the segment was detached: the cache is empty"),
+        };
+        let seg = source.allocate(grow.segment_bytes());
+        let b = core.finish_grow(grow, seg).unwrap();
+        assert_eq!(b.addr, 0x4000_0000);
+        core.check_invariants().unwrap();
+        // Thread 1 finishes: the old segment's bytes are reported, the new one stays.
+        assert_eq!(core.finish_release(plan).unwrap(), SMALL_SEGMENT);
+        core.check_invariants().unwrap();
+        let stats = core.device_stats();
+        assert_eq!((stats.segments, stats.reserved), (1, SMALL_SEGMENT));
+        // The new segment's rest serves the next request; both free back into it.
+        let c = core.allocate(4096, PoolId::DEFAULT, 0).unwrap();
+        core.free(b.addr);
+        core.free(c.addr);
+        core.check_invariants().unwrap();
+        assert_eq!(core.release_free_segments(None).unwrap(), SMALL_SEGMENT);
+        assert_eq!(core.device_stats().segments, 0);
+    }
+
+    /// Shares a test source with the core.
+    struct ArcSource(Arc<Reusing>);
+
+    // SAFETY: forwards to the wrapped source.
+    unsafe impl SegmentSource for ArcSource {
+        fn allocate(&self, bytes: usize) -> Result<u64> {
+            self.0.allocate(bytes)
+        }
+        fn release(&self, addr: u64, bytes: usize) -> Result<()> {
+            self.0.release(addr, bytes)
+        }
     }
 
     const MB: usize = 1 << 20;
