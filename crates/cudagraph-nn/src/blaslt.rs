@@ -5,18 +5,19 @@
 //! As for cuDNN ([`crate::cudnn`]), cudarc's `cublaslt` feature loads the library and this
 //! module looks up each function with its C signature and raw integer status codes, all before
 //! the first call (a missing symbol means "cuBLASLt unavailable", never a panic). Compute type
-//! `CUBLAS_COMPUTE_32F` (no TF32). One handle per device; each stream gets a workspace from our
-//! allocator (default pool), like cuBLAS in [`crate::blas`] and with the same contract. For each
+//! `CUBLAS_COMPUTE_32F` (no TF32). One handle per device; each call allocates the workspace its
+//! algorithm asks for (none for most) from the queue, so inside a capture it comes from the
+//! graph's pool and graphs never share one (unlike cuBLAS's per-stream workspace in
+//! [`crate::blas`]); algorithms are offered up to [`workspace_for`] bytes. For each
 //! product shape a plan keeps the descriptors and cuBLASLt's heuristic list of algorithms; the
 //! engine registry ([`crate::engine`]) measures the first few and picks one by its rank.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
-use cudagraph::memory::{Allocator, BlockRef, PoolId};
 use cudagraph::runtime::{with_relaxed_capture, Context};
-use cudagraph::{DeviceBuffer, Queue};
+use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cublaslt::sys as ls;
 
 use crate::blas::Epilogue;
@@ -47,8 +48,18 @@ const EPI_BGRADB: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB as u32;
 const OP_N: i32 = 0;
 const OP_T: i32 = 1;
 
-/// Workspace bytes per stream.
-pub const WORKSPACE_BYTES: usize = 4 << 20;
+/// Workspace bytes per stream for a device of compute capability `major`.x: 32 MiB from Hopper
+/// on, 4 MiB before (the sizes cuBLAS's documentation recommends; PyTorch's default on Hopper
+/// is 32 MiB too). The heuristics offer split-K algorithms only within the workspace: with
+/// 4 MiB, the 512 × 4096 → 1024 forward product measured 147 µs with the best of six on the
+/// H100 where PyTorch's single pick took 132 µs (2026-11-23).
+pub fn workspace_for(major: u32) -> usize {
+    if major >= 9 {
+        32 << 20
+    } else {
+        4 << 20
+    }
+}
 
 /// How many heuristic candidates a plan keeps (the registry measures the first
 /// [`MEASURED_ALGOS`]).
@@ -212,7 +223,6 @@ impl Drop for Plan {
 
 struct State {
     handle: Ptr,
-    workspaces: HashMap<u64, Arc<BlockRef>>,
     plans: HashMap<LtShape, Plan>,
 }
 
@@ -224,14 +234,14 @@ unsafe impl Send for State {}
 pub struct BlasLt {
     api: &'static Api,
     ctx: Context,
-    alloc: Arc<Allocator>,
+    /// Most workspace bytes an algorithm may use ([`workspace_for`]).
+    ws_bytes: usize,
     state: Mutex<State>,
 }
 
 impl Drop for BlasLt {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        st.workspaces.clear();
         st.plans.clear();
         if self.ctx.bind().is_ok() {
             // SAFETY: created by cublasLtCreate, destroyed once, here.
@@ -335,9 +345,9 @@ impl Drop for Preference<'_> {
     }
 }
 
-/// A preference for at most [`WORKSPACE_BYTES`] of workspace and pointers aligned to `align`
-/// bytes (A, B, C and D).
-fn preference(a: &Api, align: u32) -> Result<Preference<'_>> {
+/// A preference for at most `ws_bytes` of workspace and pointers aligned to `align` bytes (A,
+/// B, C and D).
+fn preference(a: &Api, align: u32, ws_bytes: usize) -> Result<Preference<'_>> {
     let mut p: Ptr = std::ptr::null_mut();
     // SAFETY: writes one preference handle.
     check(
@@ -355,7 +365,7 @@ fn preference(a: &Api, align: u32) -> Result<Preference<'_>> {
             "cublasLtMatmulPreferenceSetAttribute",
         )
     };
-    set(PREF_MAX_WORKSPACE, &(WORKSPACE_BYTES as u64).to_ne_bytes())?;
+    set(PREF_MAX_WORKSPACE, &(ws_bytes as u64).to_ne_bytes())?;
     for i in 0..4 {
         set(PREF_ALIGN_A + i, &align.to_ne_bytes())?;
     }
@@ -363,8 +373,9 @@ fn preference(a: &Api, align: u32) -> Result<Preference<'_>> {
 }
 
 impl BlasLt {
-    /// Loads cuBLASLt and creates a handle for `ctx`'s device; `Err` says why it is unavailable.
-    pub fn open(ctx: &Context, alloc: &Arc<Allocator>) -> std::result::Result<BlasLt, String> {
+    /// Loads cuBLASLt and creates a handle for `ctx`'s device, offering algorithms that need at
+    /// most `ws_bytes` of workspace ([`workspace_for`]); `Err` says why it is unavailable.
+    pub fn open(ctx: &Context, ws_bytes: usize) -> std::result::Result<BlasLt, String> {
         let api = api().map_err(str::to_string)?;
         ctx.bind().map_err(|e| e.to_string())?;
         let mut h: Ptr = std::ptr::null_mut();
@@ -376,10 +387,9 @@ impl BlasLt {
         Ok(BlasLt {
             api,
             ctx: ctx.clone(),
-            alloc: alloc.clone(),
+            ws_bytes,
             state: Mutex::new(State {
                 handle: h,
-                workspaces: HashMap::new(),
                 plans: HashMap::new(),
             }),
         })
@@ -414,7 +424,7 @@ impl BlasLt {
     ) -> Result<Vec<HeuristicResult>> {
         let a = self.api;
         set_attr(a, p.desc, DESC_EPILOGUE, &epilogue.to_ne_bytes())?;
-        let pref = preference(a, align)?;
+        let pref = preference(a, align, self.ws_bytes)?;
         let mut out = [HeuristicResult::default(); HEURISTIC_ALGOS];
         let mut got: c_int = 0;
         // SAFETY: the handle, descriptor, layouts and preference are live; cuBLASLt writes at
@@ -439,7 +449,7 @@ impl BlasLt {
         let got = (got.max(0) as usize).min(HEURISTIC_ALGOS);
         Ok(out[..got]
             .iter()
-            .filter(|r| r.state == SUCCESS && r.workspace_size <= WORKSPACE_BYTES)
+            .filter(|r| r.state == SUCCESS && r.workspace_size <= self.ws_bytes)
             .copied()
             .collect())
     }
@@ -529,16 +539,6 @@ impl BlasLt {
         let stream = q.stream_handle();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let ws = match st.workspaces.get(&stream.id()) {
-            Some(w) => w.clone(),
-            None => {
-                let w =
-                    self.alloc
-                        .allocate_block(WORKSPACE_BYTES, PoolId::DEFAULT, stream.id(), 0)?;
-                st.workspaces.insert(stream.id(), w.clone());
-                w
-            }
-        };
         if !st.plans.contains_key(s) {
             let plan = self.new_plan(handle, s)?;
             st.plans.insert(*s, plan);
@@ -559,10 +559,25 @@ impl BlasLt {
             Epilogue::Bias | Epilogue::BiasRelu => true,
             Epilogue::BiasGrad => p.fused_bgrad,
         };
+        // The algorithm's own workspace, from the queue (the graph's pool inside a capture):
+        // each call, and so each graph, has its own, and graphs replayed at the same time on
+        // different streams never share one (a workspace kept per stream was shared by every
+        // graph captured on that stream).
+        let ws_len = algo.workspace_size;
+        let ws = if ws_len > 0 {
+            Some(q.alloc::<u8>(ws_len)?)
+        } else {
+            None
+        };
         for buf in [a, b, c] {
             q.use_block(buf.block());
         }
-        q.use_block(&ws);
+        if let Some(w) = &ws {
+            q.use_block(w.block());
+        }
+        let ws_ptr = ws
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
         if let Some(v) = bias {
             q.use_block(v.block());
         }
@@ -574,8 +589,8 @@ impl BlasLt {
         // SAFETY: the handle, descriptor and layouts are live under the lock; the layouts
         // describe m×k, k×n and m×n elements in the checked buffers (and a bias of the checked
         // length, used only with a fused epilogue); the algorithm came from cuBLASLt's
-        // heuristic for exactly these descriptors and needs at most WORKSPACE_BYTES of the
-        // stream's workspace; the pointers are at least as aligned as the plan assumed
+        // heuristic for exactly these descriptors and gets the `workspace_size` bytes it
+        // asked for (null when none); the pointers are at least as aligned as the plan assumed
         // (checked); every buffer is kept alive and ordered by `use_block`; alpha/beta and the
         // attribute values are read before the calls return.
         unsafe {
@@ -598,20 +613,14 @@ impl BlasLt {
                     c.addr() as Ptr,
                     p.c,
                     &algo.algo,
-                    ws.addr() as Ptr,
-                    WORKSPACE_BYTES,
+                    ws_ptr,
+                    ws_len,
                     stream.raw() as Ptr,
                 ),
                 "cublasLtMatmul",
             )?;
         }
         Ok(fused)
-    }
-
-    /// Bytes held for workspaces.
-    pub fn workspace_bytes(&self) -> usize {
-        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.workspaces.len() * WORKSPACE_BYTES
     }
 }
 
@@ -674,7 +683,7 @@ mod tests {
             set_attr(api, p.desc, DESC_BIAS_POINTER, &0x1000u64.to_ne_bytes()).unwrap();
         }
         for align in [4, 16, 256] {
-            preference(api, align).unwrap();
+            preference(api, align, workspace_for(9)).unwrap();
         }
         // A wrongly sized value is rejected (so the sizes above are the checked ones).
         let p = describe_shape(

@@ -54,7 +54,6 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
-use cudagraph::memory::Allocator;
 use cudagraph::runtime::{Context, DeviceInfo};
 use cudagraph::{Device, Event, Queue};
 use serde::{Deserialize, Serialize};
@@ -73,8 +72,9 @@ pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
 /// (`CUDAGRAPH_DETERMINISTIC=0`; default `1`).
 pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 
-/// Version of the on-disk table format.
-const FORMAT: u32 = 1;
+/// Version of the on-disk table format (2: cuBLASLt ranks index the heuristics under the
+/// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB).
+const FORMAT: u32 = 2;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -447,12 +447,49 @@ impl FromStr for BiasAlgo {
     }
 }
 
-/// What the registry stores per key: implemented by [`GemmAlgo`], [`ConvAlgo`] and
-/// [`BiasAlgo`].
+/// How a cross-entropy over narrow rows runs (`crate::ops::cross_entropy`): measured per
+/// (rows, classes, gradient or not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CeAlgo {
+    /// The fixed plan (`kernels::losses::ce_plan`): a warp a row, a sum pass when the rows take
+    /// more than one block.
+    Rows,
+    /// One block where this many lanes take a row (`kernels::losses::ce_group_plans`).
+    Lanes(u8),
+}
+
+impl fmt::Display for CeAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CeAlgo::Rows => f.write_str("ce:rows"),
+            CeAlgo::Lanes(l) => write!(f, "ce:lanes{l}"),
+        }
+    }
+}
+
+impl FromStr for CeAlgo {
+    type Err = NnError;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || NnError::Config(format!("{s:?} is not a cross-entropy plan"));
+        match s.strip_prefix("ce:") {
+            Some("rows") => Ok(CeAlgo::Rows),
+            Some(l) => l
+                .strip_prefix("lanes")
+                .and_then(|n| n.parse().ok())
+                .map(CeAlgo::Lanes)
+                .ok_or_else(bad),
+            None => Err(bad()),
+        }
+    }
+}
+
+/// What the registry stores per key: implemented by [`GemmAlgo`], [`ConvAlgo`], [`BiasAlgo`]
+/// and [`CeAlgo`].
 pub trait Algo: Copy + PartialEq + fmt::Display + FromStr {}
 impl Algo for GemmAlgo {}
 impl Algo for ConvAlgo {}
 impl Algo for BiasAlgo {}
+impl Algo for CeAlgo {}
 
 /// One candidate's measurement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -565,7 +602,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// handles (cuDNN, cuBLASLt) the engines use.
 pub struct Engines {
     ctx: Context,
-    alloc: Arc<Allocator>,
     info: DeviceInfo,
     policy: Mutex<Policy>,
     table: Mutex<BTreeMap<String, Entry>>,
@@ -625,7 +661,6 @@ impl Engines {
             .unwrap_or_default();
         Ok(Engines {
             ctx: d.context().clone(),
-            alloc: d.allocator().clone(),
             info,
             policy: Mutex::new(policy),
             table: Mutex::new(entries),
@@ -741,11 +776,14 @@ impl Engines {
             return None;
         }
         self.cublaslt
-            .get_or_init(|| match BlasLt::open(&self.ctx, &self.alloc) {
-                Ok(l) => Some(l),
-                Err(why) => {
-                    notice_once(Library::CublasLt, &why);
-                    None
+            .get_or_init(|| {
+                let ws = crate::blaslt::workspace_for(self.info.compute_capability.0);
+                match BlasLt::open(&self.ctx, ws) {
+                    Ok(l) => Some(l),
+                    Err(why) => {
+                        notice_once(Library::CublasLt, &why);
+                        None
+                    }
                 }
             })
             .as_ref()

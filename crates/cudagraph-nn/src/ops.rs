@@ -8,9 +8,10 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::blas::Trans;
 use crate::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
+use crate::engine::{CeAlgo, Engines};
 use crate::error::{NnError, Result};
 use crate::gemm::{gemm, linear_weight_grad, Engine};
-use crate::kernels::losses::LossKernels;
+use crate::kernels::losses::{ce_group_plans, ce_plan_with, CeOptions, LossKernels};
 use crate::kernels::{ConvGeom, Nn};
 use crate::tensor::{grad_enabled, Node, Tensor};
 
@@ -222,6 +223,58 @@ pub fn mse_loss(
     Ok(Tensor::from_op(loss, vec![1], Some(node)))
 }
 
+/// Runs the cross-entropy kernels with the registry's plan for `(rows, classes)` (and whether a
+/// gradient is written): the fixed plan, or a single block of lane groups where one fits
+/// ([`ce_group_plans`]), measured on scratch outputs at the first eager call.
+fn ce_run(
+    q: &dyn Queue,
+    k: &LossKernels,
+    logits: &DeviceBuffer<f32>,
+    targets: &DeviceBuffer<i32>,
+    grad: Option<&DeviceBuffer<f32>>,
+    loss: &DeviceBuffer<f32>,
+    (m, c): (usize, usize),
+) -> Result<()> {
+    let opts = CeOptions::from_env()?;
+    let base = ce_plan_with(m, c, k.sms(), opts);
+    let groups = if opts.groups {
+        ce_group_plans(m, c)
+    } else {
+        Vec::new()
+    };
+    if groups.is_empty() {
+        return k.cross_entropy_planned(q, &base, logits, targets, grad, loss, m, c);
+    }
+    let plan_of = |a: CeAlgo| match a {
+        CeAlgo::Lanes(l) => groups
+            .iter()
+            .find(|p| p.lanes == l as u32)
+            .copied()
+            .unwrap_or(base),
+        CeAlgo::Rows => base,
+    };
+    let mut candidates = vec![CeAlgo::Rows];
+    candidates.extend(groups.iter().map(|p| CeAlgo::Lanes(p.lanes as u8)));
+    let eng = Engines::get(q.device())?;
+    let key = format!(
+        "cross_entropy rows={m} classes={c}{}",
+        if grad.is_some() { " grad" } else { "" }
+    );
+    let mut scratch: Option<(DeviceBuffer<f32>, Option<DeviceBuffer<f32>>)> = None;
+    let algo = eng.choose(q, &key, &candidates, CeAlgo::Rows, &mut |q, a| {
+        if scratch.is_none() {
+            let g = match grad {
+                Some(g) => Some(q.alloc::<f32>(g.len())?),
+                None => None,
+            };
+            scratch = Some((q.alloc::<f32>(1)?, g));
+        }
+        let (l, g) = scratch.as_ref().expect("allocated above");
+        k.cross_entropy_planned(q, &plan_of(a), logits, targets, g.as_ref(), l, m, c)
+    })?;
+    k.cross_entropy_planned(q, &plan_of(algo), logits, targets, grad, loss, m, c)
+}
+
 /// Softmax cross-entropy of `logits: [m, c]` against class indices `targets: [m]`, mean over
 /// rows. Row-parallel for any number of classes; the gradient `(softmax − onehot) / m` is
 /// computed in the same pass when the loss will be differentiated, and the backward pass only
@@ -253,7 +306,15 @@ pub fn cross_entropy(
     } else {
         None
     };
-    k.cross_entropy(q, logits.data(), targets, grad.as_deref(), &loss, m, c)?;
+    ce_run(
+        q,
+        &k,
+        logits.data(),
+        targets,
+        grad.as_deref(),
+        &loss,
+        (m, c),
+    )?;
     let Some(grad) = grad else {
         return Ok(Tensor::from_op(loss, vec![1], None));
     };

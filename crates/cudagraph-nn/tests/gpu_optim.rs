@@ -588,6 +588,74 @@ fn cross_entropy_matches_f64_from_10_to_50000_classes() {
     }
 }
 
+/// Every plan the registry may choose for narrow rows (the fixed one and each lane-group
+/// plan) against the f64 reference, with and without the gradient; a plan made for other
+/// sizes is refused.
+#[test]
+fn every_cross_entropy_plan_matches_f64() {
+    use cudagraph_nn::kernels::losses::{ce_group_plans, ce_plan, LossKernels};
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let k = LossKernels::get(&dev).unwrap();
+    let mut rng = Rng::new(830);
+    let mut plans_checked = 0;
+    for &(rows, cols) in &[
+        (9usize, 10usize),
+        (33, 10),
+        (256, 10),
+        (60, 64),
+        (64, 100),
+        (99, 30),
+        (1000, 3),
+    ] {
+        let mut zh: Vec<f32> = rng
+            .vec_normal(rows * cols)
+            .iter()
+            .map(|v| 3.0 * v)
+            .collect();
+        // A masked logit (not the row's target): it adds nothing, its gradient is 0.
+        zh[1] = f32::NEG_INFINITY;
+        let tgt: Vec<i32> = (0..rows).map(|r| ((r * 7919 + 3) % cols) as i32).collect();
+        let (want, dz) = ce_ref(&zh, &tgt, rows, cols);
+        let z = s.alloc_from_host(&zh).unwrap();
+        let t = s.alloc_from_host(&tgt).unwrap();
+        let mut plans = vec![ce_plan(rows, cols, k.sms()).unwrap()];
+        plans.extend(ce_group_plans(rows, cols));
+        assert!(plans.len() > 1, "{rows}x{cols}: no lane-group plan");
+        for plan in &plans {
+            for with_grad in [false, true] {
+                let loss = s.alloc_from_host(&[f32::NAN]).unwrap();
+                let grad = s.alloc_from_host(&vec![f32::NAN; rows * cols]).unwrap();
+                let g = with_grad.then_some(&grad);
+                k.cross_entropy_planned(&s, plan, &z, &t, g, &loss, rows, cols)
+                    .unwrap();
+                let got = s.to_vec(&loss).unwrap()[0] as f64;
+                assert!(
+                    ((got - want) / want.abs().max(1e-12)).abs() < 1e-5,
+                    "{rows}x{cols} {plan:?}: loss {got} vs {want}"
+                );
+                if with_grad {
+                    let err = rel_err(&s.to_vec(&grad).unwrap(), &dz);
+                    assert!(err < 2e-6, "{rows}x{cols} {plan:?}: gradient {err}");
+                }
+            }
+            plans_checked += 1;
+        }
+        // The largest group plan of these sizes is not a plan for twice the rows.
+        let loss = s.alloc_from_host(&[0.0f32]).unwrap();
+        let big = ce_group_plans(rows, cols).pop().unwrap();
+        if !ce_group_plans(rows * 2, cols).contains(&big) {
+            let z2 = s.alloc_from_host(&vec![0.0f32; 2 * rows * cols]).unwrap();
+            let t2 = s.alloc_from_host(&vec![0i32; 2 * rows]).unwrap();
+            let e = k
+                .cross_entropy_planned(&s, &big, &z2, &t2, None, &loss, 2 * rows, cols)
+                .unwrap_err();
+            assert!(e.to_string().contains("is not a plan"), "{e}");
+        }
+    }
+    assert!(plans_checked >= 16, "{plans_checked}");
+}
+
 #[test]
 fn cross_entropy_reports_and_clamps_bad_targets_in_every_kernel() {
     let dev = gpu_test_device!();

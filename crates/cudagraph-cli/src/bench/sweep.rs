@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, Stream};
-use cudagraph_nn::engine::Engines;
+use cudagraph_nn::engine::{CeAlgo, Engines};
 use cudagraph_nn::kernels::losses::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROWS};
 use cudagraph_nn::kernels::optim_mt::{CAP_L, CAP_S};
 use cudagraph_nn::{
@@ -185,13 +185,18 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
                 let passes = if train || rows > CE_FUSED_ROWS { 3 } else { 2 };
                 return format!("ce rows split in {} chunks, {passes} passes", p.chunks);
             }
-            let per_row = match (p.warp_rows, p.lanes) {
-                (false, _) => "block/row".to_string(),
-                (true, 32) => "warp/row".to_string(),
-                (true, l) => format!("{l} lanes/row"),
-            };
+            // The registry's plan where it measured one (lane groups or the fixed plan).
+            let lanes = used
+                .iter()
+                .rev()
+                .find_map(|(_, e)| e.parse::<CeAlgo>().ok());
+            match lanes {
+                Some(CeAlgo::Lanes(l)) => return format!("ce {l} lanes/row, 1 block"),
+                Some(CeAlgo::Rows) | None => {}
+            }
             format!(
-                "ce {per_row}{}",
+                "ce {}{}",
+                if p.warp_rows { "warp/row" } else { "block/row" },
                 if p.two_pass {
                     ", 2 passes"
                 } else {

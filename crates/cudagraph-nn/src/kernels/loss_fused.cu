@@ -22,7 +22,8 @@ __device__ __forceinline__ bool lf_aligned16(const void* p) {
 }
 
 // Folds U values into the running max m and running sum s of exp(z - m) over the values seen:
-// one rescale per batch.
+// one rescale per batch. Values of -inf (masked logits, or the padding of a last batch) add 0;
+// a batch of only -inf leaves m and s as they were.
 template <int U>
 __device__ __forceinline__ void ms_add_batch(float& m, float& s, const float (&x)[U]) {
     float mx = x[0];
@@ -31,15 +32,15 @@ __device__ __forceinline__ void ms_add_batch(float& m, float& s, const float (&x
     if (mx > m) { s *= expf(m - mx); m = mx; }
     float t = 0.0f;
 #pragma unroll
-    for (int u = 0; u < U; u++) t += expf(x[u] - m);
+    for (int u = 0; u < U; u++) t += x[u] == NEG_INF ? 0.0f : expf(x[u] - m);
     s += t;
 }
 
-// The running max and sum of exp over zr[c] for c = first, first + step, ... < end, with
-// eight (then four) loads in flight before they are folded in: a row's elements are
-// independent, and taking them one at a time would wait a memory latency per element. The
-// order is fixed by (first, end, step): the same bits on every run. Indices stay below
-// end + 7·step (step at most 1024), within CE_MAX_DIM's margin.
+// The running max and sum of exp over zr[c] for c = first, first + step, ... < end, eight
+// loads in flight before they are folded in: a row's elements are independent, and taking them
+// one at a time would wait a memory latency per element. The last one to seven are one more
+// batch of eight, the missing ones -inf (one latency, not one per element). The order is fixed
+// by (first, end, step): the same bits on every run. Indices read stay below end.
 __device__ __forceinline__ void ms_scan(const float* __restrict__ zr, int first, int end,
         int step, float& m, float& s) {
     int c = first;
@@ -49,40 +50,33 @@ __device__ __forceinline__ void ms_scan(const float* __restrict__ zr, int first,
         for (int u = 0; u < 8; u++) x[u] = zr[c + u * step];
         ms_add_batch<8>(m, s, x);
     }
-    if (c + 3 * step < end) {
-        float x[4];
+    if (c < end) {
+        float x[8];
 #pragma unroll
-        for (int u = 0; u < 4; u++) x[u] = zr[c + u * step];
-        ms_add_batch<4>(m, s, x);
-        c += 4 * step;
-    }
-    for (; c < end; c += step) {
-        const float x[1] = {zr[c]};
-        ms_add_batch<1>(m, s, x);
+        for (int u = 0; u < 8; u++) x[u] = c + u * step < end ? zr[c + u * step] : NEG_INF;
+        ms_add_batch<8>(m, s, x);
     }
 }
 
 // grad[c] = (softmax - onehot(t)) * inv_rows over c = first, first + step, ... < end, four
-// loads in flight. softmax = exp(z - m) / s (DIV) or exp(z - m) * inv_s.
+// loads in flight (the last one to three as one more batch). softmax = exp(z - m) / s (DIV)
+// or exp(z - m) * inv_s.
 template <bool DIV>
 __device__ __forceinline__ void ce_grad_scan(const float* __restrict__ zr, float* __restrict__ gr,
         int first, int end, int step, float m, float s, int t, float inv_rows) {
     const float inv_s = 1.0f / s;
-    int c = first;
-    for (; c + 3 * step < end; c += 4 * step) {
+    for (int c = first; c < end; c += 4 * step) {
         float x[4];
 #pragma unroll
-        for (int u = 0; u < 4; u++) x[u] = zr[c + u * step];
+        for (int u = 0; u < 4; u++) x[u] = c + u * step < end ? zr[c + u * step] : 0.0f;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int cu = c + u * step;
-            const float e = DIV ? expf(x[u] - m) / s : expf(x[u] - m) * inv_s;
-            gr[cu] = (e - (cu == t ? 1.0f : 0.0f)) * inv_rows;
+            if (cu < end) {
+                const float e = DIV ? expf(x[u] - m) / s : expf(x[u] - m) * inv_s;
+                gr[cu] = (e - (cu == t ? 1.0f : 0.0f)) * inv_rows;
+            }
         }
-    }
-    for (; c < end; c += step) {
-        const float e = DIV ? expf(zr[c] - m) / s : expf(zr[c] - m) * inv_s;
-        gr[c] = (e - (c == t ? 1.0f : 0.0f)) * inv_rows;
     }
 }
 

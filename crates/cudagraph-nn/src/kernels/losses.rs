@@ -85,8 +85,8 @@ pub const CE_GROUPS_VAR: &str = "CUDAGRAPH_CE_GROUPS";
 pub struct CeOptions {
     /// Wide rows (fewer than the multiprocessors) may be split across blocks.
     pub split: bool,
-    /// Narrow rows may share a warp (a group of lanes per row) so that one block covers
-    /// more rows in one pass.
+    /// The registry may measure plans where narrow rows share a warp (a group of lanes per
+    /// row) so that one block covers more rows in one pass ([`ce_group_plans`]).
     pub groups: bool,
 }
 
@@ -116,12 +116,36 @@ impl CeOptions {
     }
 }
 
-/// Lanes per row for `cols` classes: enough for at most 4 classes each (one batch of loads in
-/// flight), a power of two up to 32. Measured on the H100 (2026-11-23) with at most 8: 256 × 10
-/// forward 4.9 → 4.0 µs (2 lanes, one block), but 64 × 100 5.8 → 5.9 and its training step
-/// 8.5 → 9.6 µs (16 lanes, seven classes each, in one block against eight blocks).
-fn ce_lanes(cols: usize) -> u32 {
-    (cols.div_ceil(4).next_power_of_two()).clamp(1, 32) as u32
+/// The single-block plans where a group of lanes takes a row (more than 8 and at most 1024
+/// narrow rows): lanes a power of two below 32 giving each about 8, 4 or 2 classes, as long as
+/// the block holds every row at once (one pass, the mean included: one node). The engine
+/// registry measures them against [`ce_plan_with`]'s plan (`crate::ops::cross_entropy`).
+/// Measured on the H100 (2026-11-23), 256 × 10 forward: 4.9 µs in 32 blocks and a sum pass,
+/// 4.0 with 2 lanes a row, 5.2 with 4 (before the last loads of a lane were batched).
+pub fn ce_group_plans(rows: usize, cols: usize) -> Vec<CePlan> {
+    if rows <= (BLOCK / 32) as usize || cols > WARP_ROW_MAX {
+        return Vec::new();
+    }
+    let mut out: Vec<CePlan> = Vec::new();
+    for per_lane in [8, 4, 2] {
+        let lanes = cols.div_ceil(per_lane).next_power_of_two();
+        let threads = rows.saturating_mul(lanes);
+        if lanes >= 32 || threads > WIDE_BLOCK as usize {
+            continue;
+        }
+        let plan = CePlan {
+            grid: 1,
+            block: (threads.next_power_of_two() as u32).max(32),
+            warp_rows: true,
+            lanes: lanes as u32,
+            two_pass: false,
+            chunks: 1,
+        };
+        if !out.contains(&plan) {
+            out.push(plan);
+        }
+    }
+    out
 }
 
 /// The launch plan for `rows × cols` logits on `sms` multiprocessors, with the options set in
@@ -166,22 +190,6 @@ pub fn ce_plan_with(rows: usize, cols: usize, sms: u32, o: CeOptions) -> CePlan 
             two_pass: false,
             chunks: 1,
         };
-    }
-    // More narrow rows that one block still covers in a single pass when a group of lanes
-    // (at most 8 classes each) takes a row: one node again.
-    let lanes = ce_lanes(cols);
-    if warp_rows && o.groups && rows > (BLOCK / 32) as usize {
-        let threads = rows.saturating_mul(lanes as usize);
-        if threads <= WIDE_BLOCK as usize {
-            return CePlan {
-                grid: 1,
-                block: (threads.next_power_of_two() as u32).max(32),
-                warp_rows,
-                lanes,
-                two_pass: false,
-                chunks: 1,
-            };
-        }
     }
     let per_block = if warp_rows { (BLOCK / 32) as usize } else { 1 };
     let most = (sms * 16).min(CE_MAX_GRID);
@@ -381,6 +389,29 @@ impl LossKernels {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
+        let plan = ce_plan(rows, cols, self.sms)?;
+        self.cross_entropy_planned(q, &plan, logits, targets, grad, loss, rows, cols)
+    }
+
+    /// Multiprocessors of the device (what the plans are made for).
+    pub fn sms(&self) -> u32 {
+        self.sms
+    }
+
+    /// [`Self::cross_entropy`] with `plan`: the one [`ce_plan`] makes or one of
+    /// [`ce_group_plans`] for these sizes (any other is an error).
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_planned(
+        &self,
+        q: &dyn Queue,
+        plan: &CePlan,
+        logits: &Buf,
+        targets: &DeviceBuffer<i32>,
+        grad: Option<&Buf>,
+        loss: &Buf,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
         if rows == 0 || cols == 0 {
             return Err(NnError::Shape(format!(
                 "cross_entropy over {rows} rows of {cols} classes"
@@ -394,7 +425,12 @@ impl LossKernels {
             need("cross_entropy gradient", g, n)?;
         }
         let (ri, ci) = ce_dims(rows, cols)?;
-        let plan = ce_plan(rows, cols, self.sms)?;
+        if *plan != ce_plan(rows, cols, self.sms)? && !ce_group_plans(rows, cols).contains(plan) {
+            return Err(NnError::Config(format!(
+                "cross_entropy: {plan:?} is not a plan for {rows} rows of {cols} classes"
+            )));
+        }
+        let plan = *plan;
         if plan.chunks > 1 {
             return self.cross_entropy_split(q, logits, targets, grad, loss, (ri, ci), plan);
         }
@@ -664,31 +700,33 @@ mod tests {
     }
 
     #[test]
-    fn narrow_rows_share_warps_to_fit_one_block() {
-        // At most 4 classes per lane, lanes a power of two up to 32.
-        assert_eq!(ce_lanes(1), 1);
-        assert_eq!(ce_lanes(4), 1);
-        assert_eq!(ce_lanes(10), 4);
-        assert_eq!(ce_lanes(64), 16);
-        assert_eq!(ce_lanes(100), 32);
-        assert_eq!(ce_lanes(1000), 32);
-        // 256 rows of 10: 4 lanes a row, one block of 1024 threads, the mean included.
+    fn narrow_rows_may_share_warps_to_fit_one_block() {
+        // 256 rows of 10: 2 and 4 lanes a row fit one block (the mean included); 8 do not.
+        let p = ce_group_plans(256, 10);
+        let shapes: Vec<_> = p
+            .iter()
+            .map(|p| (p.grid, p.block, p.lanes, p.two_pass))
+            .collect();
+        assert_eq!(shapes, [(1, 512, 2, false), (1, 1024, 4, false)]);
+        // 60 rows of 64: 8 and 16 lanes (32 would be the plain warp a row).
+        let lanes: Vec<u32> = ce_group_plans(60, 64).iter().map(|p| p.lanes).collect();
+        assert_eq!(lanes, [8, 16]);
+        // 33 rows of 10: 66, 132 and 264 threads, rounded up to powers of two (the block sum's
+        // tree).
+        let blocks: Vec<u32> = ce_group_plans(33, 10).iter().map(|p| p.block).collect();
+        assert_eq!(blocks, [128, 256, 512]);
+        // 1000 rows of 3: a lane a row.
+        assert_eq!(ce_group_plans(1000, 3)[0].lanes, 1);
+        // None for few rows (one block of a warp a row already), wide rows, or too many rows.
+        assert!(ce_group_plans(8, 10).is_empty());
+        assert!(ce_group_plans(64, 1025).is_empty());
+        assert!(ce_group_plans(1025, 1).is_empty());
+        // 64 rows of 100: only 16 lanes (7 classes each) fit.
+        let lanes: Vec<u32> = ce_group_plans(64, 100).iter().map(|p| p.lanes).collect();
+        assert_eq!(lanes, [16]);
+        // The plain plan is unchanged by the options.
         let p = plan(256, 10, 132);
-        assert_eq!((p.grid, p.block, p.lanes, p.two_pass), (1, 1024, 4, false));
-        // 60 rows of 64: 16 lanes a row.
-        let p = plan(60, 64, 132);
-        assert_eq!((p.grid, p.block, p.lanes, p.two_pass), (1, 1024, 16, false));
-        // 33 rows of 10: 132 threads, rounded up to a power of two (the block sum's tree).
-        let p = plan(33, 10, 132);
-        assert_eq!((p.grid, p.block, p.lanes, p.two_pass), (1, 256, 4, false));
-        // 64 rows of 100 would need 2048 threads: eight blocks of a warp per row, a sum pass.
-        let p = plan(64, 100, 132);
-        assert_eq!((p.grid, p.lanes, p.two_pass), (8, 32, true));
-        // More than one block would hold: the row-parallel grid and a sum pass.
-        let p = plan(1025, 8, 132);
-        assert!(p.two_pass && p.lanes == 32 && p.grid > 1);
-        let p = plan(128, 200, 132);
-        assert!(p.two_pass && p.lanes == 32);
+        assert!(p.two_pass && p.lanes == 32 && p.grid == 32);
     }
 
     #[test]
