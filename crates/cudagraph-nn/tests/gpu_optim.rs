@@ -581,10 +581,15 @@ fn cross_entropy_matches_f64_from_10_to_50000_classes() {
         let g = s.to_vec(p.grad().unwrap().as_ref()).unwrap();
         let err = rel_err(&g, &dz);
         assert!(err < 2e-6, "{rows}x{cols}: gradient {err}");
-        // Without gradients: the same loss, no node.
+        // Without gradients: the same loss up to rounding (the registry measures the plan of
+        // each mode on its own, and plans sum in different orders), no node.
         let l2 = no_grad(|| cross_entropy(&s, &p.tensor(), &tg)).unwrap();
         assert!(!l2.requires_grad());
-        assert_eq!(l2.to_vec(&s).unwrap()[0], got);
+        let l2 = l2.to_vec(&s).unwrap()[0];
+        assert!(
+            ((l2 - got) / got).abs() < 1e-6,
+            "{rows}x{cols}: {l2} without a gradient, {got} with"
+        );
     }
 }
 

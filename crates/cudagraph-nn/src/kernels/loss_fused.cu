@@ -118,6 +118,13 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, c
         const long long r = rb + lane / lanes;
         const bool valid = r < rows;
         const float* zr = z + (valid ? r : 0ll) * cols;
+        // The target and its logit first: their loads are in flight with the row's.
+        int t = 0;
+        float zt = 0.0f;
+        if (valid) {
+            t = ce_target(tgt, (int)r, cols, sub == 0, flag, check);
+            zt = zr[t];
+        }
         float m = NEG_INF, s = 0.0f;
         if (valid) ms_scan(zr, sub, cols, lanes, m, s);
         for (int o = lanes >> 1; o > 0; o >>= 1) {
@@ -129,10 +136,9 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, c
         m = __shfl_sync(0xffffffffu, m, head);
         s = __shfl_sync(0xffffffffu, s, head);
         if (valid) {
-            const int t = ce_target(tgt, (int)r, cols, sub == 0, flag, check);
             if (grad != 0) ce_grad_scan<true>(zr, grad + r * cols, sub, cols, lanes, m, s, t, inv_rows);
             if (sub == 0) {
-                const float l = logf(s) + m - zr[t];
+                const float l = logf(s) + m - zt;
                 if (row_loss != 0) row_loss[r] = l;
                 acc += l;
             }
@@ -154,6 +160,9 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
     float acc = 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* zr = z + (long long)r * cols;
+        // The target and its logit first (one thread): in flight with the row's loads.
+        const int t = ce_target(tgt, r, cols, threadIdx.x == 0, flag, check);
+        const float zt = threadIdx.x == 0 ? zr[t] : 0.0f;
         float m = NEG_INF, s = 0.0f;
         ms_scan(zr, threadIdx.x, cols, blockDim.x, m, s);
         for (int o = 16; o > 0; o >>= 1) {
@@ -170,11 +179,10 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
         }
         __syncthreads();
         m = row_m; s = row_s;
-        const int t = ce_target(tgt, r, cols, threadIdx.x == 0, flag, check);
         if (grad != 0)
             ce_grad_scan<true>(zr, grad + (long long)r * cols, threadIdx.x, cols, blockDim.x, m, s, t, inv_rows);
         if (threadIdx.x == 0) {
-            const float l = logf(s) + m - zr[t];
+            const float l = logf(s) + m - zt;
             if (row_loss != 0) row_loss[r] = l;
             acc += l;
         }
@@ -238,13 +246,22 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_stats(const float* z,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { wm[warp] = m; ws[warp] = s; }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float bm = wm[0], bs = ws[0];
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++) ms_merge(bm, bs, wm[w], ws[w]);
-        pm[b] = bm; ps[b] = bs;
-        // The chunk was just read: its target logit is a cache hit.
-        const int t = ce_clamp_target(t_raw, r, cols, k == 0, flag, check);
-        if (t >= lo && t < hi) zt[r] = zr[t];
+    if (warp == 0) {
+        // The block's warps merged by a butterfly of warp 0's lanes (5 steps, not 7 merges in
+        // sequence); lanes past the warps hold empty statistics.
+        const int nw = (int)(blockDim.x >> 5);
+        float bm = lane < nw ? wm[lane] : NEG_INF, bs = lane < nw ? ws[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, bm, o);
+            const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+            ms_merge(bm, bs, m2, s2);
+        }
+        if (lane == 0) {
+            pm[b] = bm; ps[b] = bs;
+            // The chunk was just read: its target logit is a cache hit.
+            const int t = ce_clamp_target(t_raw, r, cols, k == 0, flag, check);
+            if (t >= lo && t < hi) zt[r] = zr[t];
+        }
     }
 }
 
@@ -279,13 +296,12 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z
 // chunk statistics, so one pass covers 32 · 32 / g rows, and keeps its loss in shared memory;
 // then the mean is taken exactly as
 // sum_scaled takes it with its 256 threads (thread i adds rows i, i + 256, ... in order, then
-// the same halving tree), so the loss is bit for bit the one the two-kernel path (used with a
-// gradient) computes.
+// block_sum: the other warps add exact zeros), so the loss is bit for bit the one the
+// two-kernel path (used with a gradient) computes.
 #define CE_FUSED_ROWS 256
 extern "C" __global__ void __launch_bounds__(1024) ce_split_mean(const float* pm, const float* ps,
         const float* zt, float* out, int rows, int chunks, float scale) {
     __shared__ float row_loss[CE_FUSED_ROWS];
-    __shared__ float tree[256];
     int g = 1;
     while (g < chunks) g <<= 1;
     const int lane = threadIdx.x & 31, per_warp = 32 / g;
@@ -298,17 +314,11 @@ extern "C" __global__ void __launch_bounds__(1024) ce_split_mean(const float* pm
         if (r < rows && (lane & (g - 1)) == 0) row_loss[r] = logf(s) + m - zt[r];
     }
     __syncthreads();
-    if (threadIdx.x < 256) {
-        float acc = 0.0f;
+    float acc = 0.0f;
+    if (threadIdx.x < 256)
         for (int i = threadIdx.x; i < rows; i += 256) acc += row_loss[i];
-        tree[threadIdx.x] = acc;
-    }
-    __syncthreads();
-    for (int o = 128; o > 0; o >>= 1) {
-        if (threadIdx.x < o) tree[threadIdx.x] += tree[threadIdx.x + o];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[0] = scale * tree[0];
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) out[0] = scale * acc;
 }
 
 // out[0] = scale * (sum of v[0..count)), one block, fixed order.
