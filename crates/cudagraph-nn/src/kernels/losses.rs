@@ -532,6 +532,10 @@ impl LossKernels {
         }
         if grad.is_none() && rows <= CE_FUSED_ROWS {
             need("loss output", loss, 1)?;
+            // As many whole warps as the lane groups need (32 / g rows a warp, g the next power
+            // of two of the chunks), not 1024 threads whatever the rows.
+            let g = chunks.next_power_of_two();
+            let threads = (rows.div_ceil(32 / g) * 32).clamp(32, WIDE_BLOCK as usize);
             // SAFETY: one block; lane j < chunks of row r's group (r < rows) reads
             // pm/ps[r·chunks + j] (chunks ≤ 32; allocated with rows·chunks) and zt[r]
             // (allocated with rows);
@@ -540,7 +544,7 @@ impl LossKernels {
                 super::launch(
                     q,
                     &self.ce_split_mean,
-                    LaunchConfig::linear(1, WIDE_BLOCK),
+                    LaunchConfig::linear(1, threads as u32),
                     &[
                         (&pm).into(),
                         (&ps).into(),
