@@ -301,12 +301,11 @@ pub enum GemmAlgo {
     Chunks(u8),
     /// Our warp-K kernel (forward layout, alpha 1, beta 0).
     WarpK,
-    /// Our few-rows kernel (forward layout, alpha 1, beta 0) with this many warps splitting K
-    /// per group of four columns.
-    Rows(u8),
-    /// The few-rows kernel for at most `rows` (8 or 4) rows per block, two K chunks in flight
-    /// per warp, `ks` warps splitting K per group of four columns; shown as `rows8:4`.
-    RowsN { rows: u8, ks: u8 },
+    /// Our few-rows kernels (forward layout, alpha 1, beta 0), `rows` (16, 8 or 4) rows per
+    /// block, `ks` warps splitting K per group of four columns: 16 rows for up to
+    /// `gemm::ROWS_MAX_M` in a grid of such blocks (shown as `rows:KS`); 8 and 4 rows for at
+    /// most that many, two K chunks in flight per warp (shown as `rows8:KS`, `rows4:KS`).
+    Rows { rows: u8, ks: u8 },
 }
 
 impl GemmAlgo {
@@ -317,7 +316,7 @@ impl GemmAlgo {
             GemmAlgo::CublasLt(_) => Engine::CublasLt,
             GemmAlgo::Tiled(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => Engine::Tiled,
             GemmAlgo::WarpK => Engine::WarpK,
-            GemmAlgo::Rows(_) | GemmAlgo::RowsN { .. } => Engine::Rows,
+            GemmAlgo::Rows { .. } => Engine::Rows,
         }
     }
 }
@@ -331,8 +330,8 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::Cluster(s) => write!(f, "cluster:{s}"),
             GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
             GemmAlgo::WarpK => write!(f, "warpk"),
-            GemmAlgo::Rows(ks) => write!(f, "rows:{ks}"),
-            GemmAlgo::RowsN { rows, ks } => write!(f, "rows{rows}:{ks}"),
+            GemmAlgo::Rows { rows: 16, ks } => write!(f, "rows:{ks}"),
+            GemmAlgo::Rows { rows, ks } => write!(f, "rows{rows}:{ks}"),
         }
     }
 }
@@ -348,9 +347,8 @@ impl FromStr for GemmAlgo {
             Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
             Some(("cluster", r)) => r.parse().map(GemmAlgo::Cluster).map_err(|_| bad()),
             Some(("chunks", r)) => r.parse().map(GemmAlgo::Chunks).map_err(|_| bad()),
-            Some(("rows", r)) => r.parse().map(GemmAlgo::Rows).map_err(|_| bad()),
-            Some((p @ ("rows8" | "rows4"), r)) => Ok(GemmAlgo::RowsN {
-                rows: p[4..].parse().map_err(|_| bad())?,
+            Some((p @ ("rows" | "rows8" | "rows4"), r)) => Ok(GemmAlgo::Rows {
+                rows: p[4..].parse().unwrap_or(16),
                 ks: r.parse().map_err(|_| bad())?,
             }),
             _ => Err(bad()),
@@ -1073,13 +1071,14 @@ mod tests {
             GemmAlgo::Cluster(8),
             GemmAlgo::Chunks(1),
             GemmAlgo::WarpK,
-            GemmAlgo::Rows(4),
-            GemmAlgo::RowsN { rows: 8, ks: 4 },
-            GemmAlgo::RowsN { rows: 4, ks: 1 },
+            GemmAlgo::Rows { rows: 16, ks: 4 },
+            GemmAlgo::Rows { rows: 8, ks: 4 },
+            GemmAlgo::Rows { rows: 4, ks: 1 },
         ] {
             assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
         }
-        assert_eq!(GemmAlgo::RowsN { rows: 8, ks: 2 }.to_string(), "rows8:2");
+        assert_eq!(GemmAlgo::Rows { rows: 8, ks: 2 }.to_string(), "rows8:2");
+        assert_eq!(GemmAlgo::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");
         assert!("rows16:2".parse::<GemmAlgo>().is_err());
         for a in [
             ConvAlgo::Cudnn(1),

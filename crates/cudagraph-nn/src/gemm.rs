@@ -381,12 +381,9 @@ pub fn gemm_candidates(
             let ks = rows_split(op.m, op.n, op.k, sms, per_block);
             let splits = if ks > 1 { vec![ks, ks / 2] } else { vec![ks] };
             for ks in splits {
-                v.push(match per_block {
-                    16 => GemmAlgo::Rows(ks as u8),
-                    r => GemmAlgo::RowsN {
-                        rows: r as u8,
-                        ks: ks as u8,
-                    },
+                v.push(GemmAlgo::Rows {
+                    rows: per_block as u8,
+                    ks: ks as u8,
                 });
             }
         }
@@ -520,21 +517,18 @@ fn run_algo(
                 splits as usize,
             )
         }
-        GemmAlgo::Rows(ks) => {
-            if !op.rows_ok(align) {
-                return Err(NnError::Shape(format!(
-                    "gemm: the few-rows kernel runs only x·wᵀ with alpha 1, beta 0, at most \
-                     {ROWS_MAX_M} rows, k a multiple of 4 and 16-byte aligned operands ({})",
-                    op.key()
-                )));
-            }
-            nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, (ks as usize, 16))
-        }
-        GemmAlgo::RowsN { rows, ks } => {
-            if !op.rows_ok(align) || op.m > rows as usize {
+        GemmAlgo::Rows { rows, ks } => {
+            // The 16-row kernel covers up to ROWS_MAX_M rows in a grid; the 8- and 4-row ones
+            // one block row.
+            let most = if rows == 16 {
+                ROWS_MAX_M
+            } else {
+                rows as usize
+            };
+            if !op.rows_ok(align) || op.m > most || !ROWS_PER_BLOCK.contains(&(rows as usize)) {
                 return Err(NnError::Shape(format!(
                     "gemm: the {rows}-row kernel runs only x·wᵀ with alpha 1, beta 0, at most \
-                     {rows} rows, k a multiple of 4 and 16-byte aligned operands ({})",
+                     {most} rows, k a multiple of 4 and 16-byte aligned operands ({})",
                     op.key()
                 )));
             }

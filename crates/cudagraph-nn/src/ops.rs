@@ -205,22 +205,47 @@ pub fn mse_loss(
     let Some(grad) = grad else {
         return Ok(Tensor::from_op(loss, vec![1], None));
     };
-    let shape = pred.shape().to_vec();
+    let inputs = vec![pred.clone(), target.clone()];
+    Ok(saved_grad_loss(
+        loss,
+        grad,
+        pred.shape(),
+        inputs,
+        "mse_loss",
+    ))
+}
+
+/// The scalar `loss` of a loss whose forward pass saved the gradient with respect to its first
+/// input (shape `shape`; the other inputs get none) for an upstream gradient of one: backward
+/// scales it in place by the upstream gradient; from `Tensor::backward()` (an implicit one) it
+/// is handed on as it is.
+fn saved_grad_loss(
+    loss: DeviceBuffer<f32>,
+    grad: Arc<DeviceBuffer<f32>>,
+    shape: &[usize],
+    inputs: Vec<Tensor>,
+    name: &'static str,
+) -> Tensor {
+    let (shape, others) = (shape.to_vec(), inputs.len() - 1);
+    let grads = move |grad: &Arc<DeviceBuffer<f32>>| -> Result<Vec<Option<Tensor>>> {
+        let mut v = vec![Some(Tensor::from_buffer(grad.clone(), &shape)?)];
+        v.extend(std::iter::repeat_n(None, others));
+        Ok(v)
+    };
+    let grads = Arc::new(grads);
     let node = Node {
-        inputs: vec![pred.clone(), target.clone()],
-        name: "mse_loss",
+        inputs,
+        name,
         backward: Box::new({
-            let (grad, shape) = (grad.clone(), shape.clone());
+            let (grad, grads) = (grad.clone(), grads.clone());
             move |q, _nn, g| {
-                LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), n)?;
-                Ok(vec![Some(Tensor::from_buffer(grad.clone(), &shape)?), None])
+                LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), grad.len())?;
+                grads(&grad)
             }
         }),
-        unit_backward: Some(Box::new(move |_q, _nn| {
-            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &shape)?), None])
-        })),
+        unit_backward: Some(Box::new(move |_q, _nn| grads(&grad))),
     };
-    Ok(Tensor::from_op(loss, vec![1], Some(node)))
+    Tensor::from_op(loss, vec![1], Some(node))
 }
 
 /// Runs the cross-entropy kernels with the registry's plan for `(rows, classes)` (and whether a
@@ -318,21 +343,13 @@ pub fn cross_entropy(
     let Some(grad) = grad else {
         return Ok(Tensor::from_op(loss, vec![1], None));
     };
-    let node = Node {
-        inputs: vec![logits.clone()],
-        name: "cross_entropy",
-        backward: Box::new({
-            let grad = grad.clone();
-            move |q, _nn, g| {
-                LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), mc)?;
-                Ok(vec![Some(Tensor::from_buffer(grad.clone(), &[m, c])?)])
-            }
-        }),
-        unit_backward: Some(Box::new(move |_q, _nn| {
-            Ok(vec![Some(Tensor::from_buffer(grad.clone(), &[m, c])?)])
-        })),
-    };
-    Ok(Tensor::from_op(loss, vec![1], Some(node)))
+    Ok(saved_grad_loss(
+        loss,
+        grad,
+        &[m, c],
+        vec![logits.clone()],
+        "cross_entropy",
+    ))
 }
 
 /// Class indices checked on the host before they reach the device.

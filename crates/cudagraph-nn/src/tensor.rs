@@ -239,9 +239,6 @@ impl Tensor {
     /// seed of ones, as with `backward_with(q, ones)`. The gradients are the same bits either
     /// way.
     pub fn backward(&self, q: &dyn Queue) -> Result<()> {
-        if self.numel() != 1 {
-            return Err(NnError::NotScalar(self.0.shape.clone()));
-        }
         self.run_backward(q, None, None)
     }
 
@@ -251,9 +248,6 @@ impl Tensor {
         q: &dyn Queue,
         hook: &mut GradHook<'_>,
     ) -> Result<()> {
-        if self.numel() != 1 {
-            return Err(NnError::NotScalar(self.0.shape.clone()));
-        }
         self.run_backward(q, None, Some(hook))
     }
 
@@ -278,22 +272,25 @@ impl Tensor {
         self.run_backward(q, Some(grad), Some(hook))
     }
 
-    /// Backward from this tensor with upstream gradient `grad`, or exactly one (`None`, a
-    /// scalar: nodes with a unit path take it, anything else gets a seed of ones).
+    /// Backward from this tensor with upstream gradient `grad`, or exactly one (`None`: only for
+    /// a scalar, else `NnError::NotScalar`; nodes with a unit path take it, anything else gets
+    /// a seed of ones).
     fn run_backward(
         &self,
         q: &dyn Queue,
         grad: Option<Tensor>,
         mut hook: Option<&mut GradHook<'_>>,
     ) -> Result<()> {
-        if let Some(grad) = &grad {
-            if grad.numel() != self.numel() {
+        match &grad {
+            None if self.numel() != 1 => return Err(NnError::NotScalar(self.0.shape.clone())),
+            Some(grad) if grad.numel() != self.numel() => {
                 return Err(NnError::Shape(format!(
                     "backward_with: gradient {:?} for a tensor {:?}",
                     grad.shape(),
                     self.shape()
                 )));
             }
+            _ => {}
         }
         let nn = Nn::get(q.device())?;
         // Topological order by depth-first search (iterative: deep models do not overflow).
@@ -321,7 +318,7 @@ impl Tensor {
         // them has run (the depth-first order alone would leave them all to the end).
         let mut early = hook.as_ref().map(|_| EarlyLeaves::new(&order));
         let mut grads: HashMap<usize, Tensor> = HashMap::new();
-        let mut unit_root = grad.is_none();
+        let unit_root = grad.is_none();
         if let Some(grad) = grad {
             grads.insert(self.key(), grad);
         }
@@ -331,7 +328,8 @@ impl Tensor {
                     continue;
                 }
             }
-            // `None`: the root's upstream gradient of exactly one, not materialised.
+            // `None`: the root's upstream gradient of exactly one, not materialised (the root
+            // comes once in `order`).
             let g = match grads.remove(&t.key()) {
                 Some(g) => Some(g),
                 None if unit_root && t.key() == self.key() => None,
@@ -348,7 +346,6 @@ impl Tensor {
                     continue;
                 }
             };
-            unit_root = false;
             if let Some(p) = &t.0.param {
                 let g = match g {
                     Some(g) => g,

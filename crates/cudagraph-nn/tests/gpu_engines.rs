@@ -232,10 +232,10 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
                     algos.push(GemmAlgo::WarpK);
                     if m <= cudagraph_nn::gemm::ROWS_MAX_M && k % 4 == 0 {
-                        algos.extend([1, 2, 8].map(GemmAlgo::Rows));
+                        algos.extend([1, 2, 8].map(|ks| GemmAlgo::Rows { rows: 16, ks }));
                         for rows in [8u8, 4] {
                             if m <= rows as usize {
-                                algos.extend([1, 2, 4, 8].map(|ks| GemmAlgo::RowsN { rows, ks }));
+                                algos.extend([1, 2, 4, 8].map(|ks| GemmAlgo::Rows { rows, ks }));
                             }
                         }
                     }
@@ -275,7 +275,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     let e = gemm_with(
         &s,
         &nn,
-        GemmAlgo::RowsN { rows: 4, ks: 1 },
+        GemmAlgo::Rows { rows: 4, ks: 1 },
         &op,
         &a,
         &b,

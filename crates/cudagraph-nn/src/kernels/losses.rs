@@ -4,9 +4,10 @@
 //! only scales it by the upstream gradient, in place).
 //!
 //! Reductions are deterministic (fixed grids, fixed summation order), so a replay equals the
-//! eager run bit for bit. Problems one block covers in a single pass (cross-entropy: at most 8
-//! rows of up to 1024 classes, or one wide row; MSE: at most [`SINGLE_BLOCK_ELEMS`] elements)
-//! run as one block that also writes the loss: one graph node. Anything larger is spread over
+//! eager run bit for bit. Problems one block covers in a single pass (cross-entropy: up to 32
+//! rows of up to 1024 classes, or one wide row, and with lane groups up to 1024 narrow rows,
+//! [`ce_group_plans`]; MSE: at most [`SINGLE_BLOCK_ELEMS`] elements) run as one block that also
+//! writes the loss: one graph node. Anything larger is spread over
 //! many blocks (a block walking rows or elements in sequence is latency-bound: measured 4.7×
 //! slower than PyTorch at 256 rows × 10 classes when one block did all rows).
 
