@@ -963,13 +963,20 @@ impl Engines {
             run(q, a)?;
             s.record(&e1)?;
             e1.synchronize()?;
+            // One run between events also counts the host's time to enqueue it (tens of µs
+            // for some library calls): only clearly slower candidates are dropped on it.
             let once = e0.elapsed_ms(&e1)? as f64 * 1e3;
-            if once > 4.0 * best + 20.0 {
+            if once > 4.0 * best + HOST_SLACK_US {
                 return Ok(once);
             }
             let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
             if once < GRAPH_TIMED_BELOW_US {
-                return graph_time(q, &e0, &e1, reps, &mut |cs| run(cs, a));
+                match graph_time(q, &e0, &e1, reps, &mut |cs| run(cs, a)) {
+                    Ok(us) => return Ok(us),
+                    Err(e) if is_fatal(&e) => return Err(e),
+                    // Not capturable: timed eagerly below.
+                    Err(_) => {}
+                }
             }
             if once < 200.0 {
                 // Keep the GPU busy while the host queues the timed runs.
@@ -1021,11 +1028,18 @@ impl Engines {
 const REMEASURE_WITHIN: f64 = 1.3;
 
 /// Candidates whose single eager run took less than this many µs are timed as they will run:
-/// `reps` runs captured in one graph, replayed. Eager back-to-back runs ranked such short
-/// products differently from their graphs (H100, 2026-11-23: the 8 × 256 → 256 forward
-/// product chose `rows8:2` by eager time in two machines' runs, 4.5 µs graphed, where
-/// `cublaslt:0`, chosen in a third, took 3.7–3.9 µs graphed).
-const GRAPH_TIMED_BELOW_US: f64 = 40.0;
+/// `reps` runs captured in one graph, replayed — without the host's time to enqueue each run.
+/// Eager back-to-back runs ranked short products differently from their graphs (H100,
+/// 2026-11-23: the 8 × 256 → 256 forward product chose `rows8:2` by eager time in two
+/// machines' runs, 4.5 µs graphed, where `cublaslt:0`, chosen in a third, took 3.7–3.9 µs
+/// graphed), and counted the host time of cuDNN's legacy calls (cuDNN 9.14: about 60 µs for a
+/// `cudnnAddTensor` of 131 072 elements) against them, so that `cudnn:7`, 21 µs graphed for a
+/// 64 × 128 × 4² convolution, was no longer chosen (27.6 µs instead).
+const GRAPH_TIMED_BELOW_US: f64 = 2000.0;
+
+/// What a single eager run may spend on the host beyond 4× the best time before the candidate
+/// is dropped without a proper measurement.
+const HOST_SLACK_US: f64 = 200.0;
 
 /// µs per run of `run` captured `reps` times into one graph on a fresh stream of `q`'s device
 /// and replayed (after one untimed replay), timed with `e0`/`e1`. `q`'s work is complete (the
