@@ -12,6 +12,17 @@ tail -n 2 "$r/gpu-tests-$d.log"
 echo "--- sweep, kinds alternating ($((SECONDS - t0)) s)"
 OUT="$r" timeout 200 bash bench/device-sweep-kinds.sh
 grep '⚠' "$r/sweep.md"
+python3 - <<'PY' | tee "$r/registry-picks.txt"
+import json, glob
+keys = ['conv_fwd n=64 c=128 h=4 w=4 oc=128', 'conv_fwd n=8 c=64 h=32 w=32 oc=32 k=7x7',
+        'conv_fwd n=128 c=1 h=28', 'gemm NT m=8 n=256 k=256', 'conv_bias n=64 oc=128']
+for f in glob.glob('/tmp/cudagraph-cache/engines-*.json'):
+    t = json.load(open(f))
+    for k, e in sorted(t['entries'].items()):
+        if any(k.startswith(p) for p in keys):
+            ts = sorted((x for x in e['timings'] if x.get('us')), key=lambda x: x['us'])
+            print(k, '->', e['engine'], ' '.join(f"{x['engine']}={x['us']:.1f}" for x in ts[:8]))
+PY
 echo "--- seed bench beside PyTorch ($((SECONDS - t0)) s)"
 ours="$b bench --json --svg $r/bench-$d.svg"
 timeout 90 $ours > "$r/bench-ours.json" 2> "$r/bench-ours.log"
