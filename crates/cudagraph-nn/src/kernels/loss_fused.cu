@@ -98,11 +98,6 @@ __device__ __forceinline__ int ce_clamp_target(int t, int r, int cols, bool repo
     return t;
 }
 
-__device__ __forceinline__ int ce_target(const int* tgt, int r, int cols, bool report,
-        cg_check* flag, unsigned int check) {
-    return ce_clamp_target(tgt[r], r, cols, report, flag, check);
-}
-
 // A group of `lanes` lanes per row (a power of two up to 32; a warp holds 32 / lanes rows):
 // 32 for rows of hundreds of classes, fewer for narrow rows so that a single block covers more
 // rows in one pass. With `loss` set (a single block), the block also writes the mean;
@@ -118,13 +113,9 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, c
         const long long r = rb + lane / lanes;
         const bool valid = r < rows;
         const float* zr = z + (valid ? r : 0ll) * cols;
-        // The target and its logit first: their loads are in flight with the row's.
-        int t = 0;
-        float zt = 0.0f;
-        if (valid) {
-            t = ce_target(tgt, (int)r, cols, sub == 0, flag, check);
-            zt = zr[t];
-        }
+        // The target's load is issued before the scan and used after it (clamping it first
+        // would wait for it before the row's loads start).
+        const int t_raw = valid ? tgt[r] : 0;
         float m = NEG_INF, s = 0.0f;
         if (valid) ms_scan(zr, sub, cols, lanes, m, s);
         for (int o = lanes >> 1; o > 0; o >>= 1) {
@@ -136,9 +127,11 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_warp(const float* z, c
         m = __shfl_sync(0xffffffffu, m, head);
         s = __shfl_sync(0xffffffffu, s, head);
         if (valid) {
+            const int t = ce_clamp_target(t_raw, (int)r, cols, sub == 0, flag, check);
             if (grad != 0) ce_grad_scan<true>(zr, grad + r * cols, sub, cols, lanes, m, s, t, inv_rows);
             if (sub == 0) {
-                const float l = logf(s) + m - zt;
+                // The row was just read: its target logit is a cache hit.
+                const float l = logf(s) + m - zr[t];
                 if (row_loss != 0) row_loss[r] = l;
                 acc += l;
             }
@@ -160,9 +153,8 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
     float acc = 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const float* zr = z + (long long)r * cols;
-        // The target and its logit first (one thread): in flight with the row's loads.
-        const int t = ce_target(tgt, r, cols, threadIdx.x == 0, flag, check);
-        const float zt = threadIdx.x == 0 ? zr[t] : 0.0f;
+        // The target's load is issued before the scan and used after it.
+        const int t_raw = tgt[r];
         float m = NEG_INF, s = 0.0f;
         ms_scan(zr, threadIdx.x, cols, blockDim.x, m, s);
         for (int o = 16; o > 0; o >>= 1) {
@@ -179,10 +171,11 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
         }
         __syncthreads();
         m = row_m; s = row_s;
+        const int t = ce_clamp_target(t_raw, r, cols, threadIdx.x == 0, flag, check);
         if (grad != 0)
             ce_grad_scan<true>(zr, grad + (long long)r * cols, threadIdx.x, cols, blockDim.x, m, s, t, inv_rows);
         if (threadIdx.x == 0) {
-            const float l = logf(s) + m - zt;
+            const float l = logf(s) + m - zr[t];
             if (row_loss != 0) row_loss[r] = l;
             acc += l;
         }
