@@ -22,17 +22,19 @@ __device__ __forceinline__ bool lf_aligned16(const void* p) {
 }
 
 // Folds U values into the running max m and running sum s of exp(z - m) over the values seen:
-// one rescale per batch. Values of -inf (masked logits, or the padding of a last batch) add 0;
-// a batch of only -inf leaves m and s as they were.
+// one rescale per batch. Values of -inf (masked logits, or the padding of a last batch) add 0
+// (exp(-inf - m) = 0 once m is finite); while every value so far is -inf, m stays -inf and
+// nothing is added (exp(-inf - -inf) would be NaN).
 template <int U>
 __device__ __forceinline__ void ms_add_batch(float& m, float& s, const float (&x)[U]) {
     float mx = x[0];
 #pragma unroll
     for (int u = 1; u < U; u++) mx = fmaxf(mx, x[u]);
     if (mx > m) { s *= expf(m - mx); m = mx; }
+    if (m == NEG_INF) return;
     float t = 0.0f;
 #pragma unroll
-    for (int u = 0; u < U; u++) t += x[u] == NEG_INF ? 0.0f : expf(x[u] - m);
+    for (int u = 0; u < U; u++) t += expf(x[u] - m);
     s += t;
 }
 
