@@ -67,19 +67,7 @@ template <bool DIV>
 __device__ __forceinline__ void ce_grad_scan(const float* __restrict__ zr, float* __restrict__ gr,
         int first, int end, int step, float m, float s, int t, float inv_rows) {
     const float inv_s = 1.0f / s;
-    int c = first;
-    for (; c + 3 * step < end; c += 4 * step) {
-        float x[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) x[u] = zr[c + u * step];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int cu = c + u * step;
-            const float e = DIV ? expf(x[u] - m) / s : expf(x[u] - m) * inv_s;
-            gr[cu] = (e - (cu == t ? 1.0f : 0.0f)) * inv_rows;
-        }
-    }
-    if (c < end) {
+    for (int c = first; c < end; c += 4 * step) {
         float x[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) x[u] = c + u * step < end ? zr[c + u * step] : 0.0f;
