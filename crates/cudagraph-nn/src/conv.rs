@@ -270,12 +270,7 @@ fn conv_algo(
 ) -> Result<()> {
     match algo {
         ConvAlgo::Cudnn(a) => {
-            let c = eng.cudnn().ok_or_else(|| NnError::Library {
-                library: "cuDNN",
-                call: "dlopen",
-                status: "unavailable (missing, or disabled by the engine policy)".into(),
-            })?;
-            c.run(q, dir, a, g, io.a, io.b, io.out)?;
+            cudnn(eng)?.run(q, dir, a, g, io.a, io.b, io.out)?;
             conv_bias(q, nn, eng, g, io)
         }
         ConvAlgo::CudnnGraph(rank) => {
@@ -319,6 +314,15 @@ fn conv_algo(
     }
 }
 
+/// cuDNN's legacy API, or why it cannot run here.
+fn cudnn(eng: &Engines) -> Result<&crate::cudnn::Cudnn> {
+    eng.cudnn().ok_or_else(|| NnError::Library {
+        library: "cuDNN",
+        call: "dlopen",
+        status: "unavailable (missing, or disabled by the engine policy)".into(),
+    })
+}
+
 /// The registry key of the bias added after a forward convolution of `g` by an engine that
 /// does not fuse it (its output shape).
 pub fn conv_bias_key(g: &ConvGeom) -> Result<String> {
@@ -337,14 +341,7 @@ fn conv_bias(q: &dyn Queue, nn: &Nn, eng: &Engines, g: &ConvGeom, io: ConvIo<'_>
     let hw = oh * ow;
     let run = |q: &dyn Queue, algo: BiasAlgo, y: &Buf| match algo {
         BiasAlgo::Planes => nn.bias_planes(q, y, bias, g.n, g.oc, hw),
-        BiasAlgo::CudnnAdd => match eng.cudnn() {
-            Some(c) => c.add_bias(q, g, bias, y),
-            None => Err(NnError::Library {
-                library: "cuDNN",
-                call: "dlopen",
-                status: "unavailable (missing, or disabled by the engine policy)".into(),
-            }),
-        },
+        BiasAlgo::CudnnAdd => cudnn(eng)?.add_bias(q, g, bias, y),
     };
     let key = conv_bias_key(g)?;
     let mut candidates = vec![BiasAlgo::Planes];

@@ -1132,6 +1132,18 @@ mod tests {
         assert_eq!(GemmAlgo::Rows { rows: 8, ks: 2 }.to_string(), "rows8:2");
         assert_eq!(GemmAlgo::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");
         assert!("rows16:2".parse::<GemmAlgo>().is_err());
+        for a in [BiasAlgo::Planes, BiasAlgo::CudnnAdd] {
+            assert_eq!(a.to_string().parse::<BiasAlgo>().unwrap(), a);
+        }
+        for a in [CeAlgo::Rows, CeAlgo::Lanes(1), CeAlgo::Lanes(16)] {
+            assert_eq!(a.to_string().parse::<CeAlgo>().unwrap(), a);
+        }
+        for bad in ["bias:other", "ce:lanes", "ce:lanesx", "rows", "ce:rows2"] {
+            assert!(
+                bad.parse::<BiasAlgo>().is_err() && bad.parse::<CeAlgo>().is_err(),
+                "{bad}"
+            );
+        }
         for a in [
             ConvAlgo::Cudnn(1),
             ConvAlgo::CudnnGraph(0),

@@ -232,7 +232,6 @@ fn saved_grad_loss(
         v.extend(std::iter::repeat_n(None, others));
         Ok(v)
     };
-    let grads = Arc::new(grads);
     let node = Node {
         inputs,
         name,
