@@ -1,17 +1,19 @@
 //! cuBLAS, the only FFI in this crate. One handle per device; its workspace is a buffer from
-//! our own allocator (one per stream, in the default pool), so cuBLAS never allocates during a
-//! capture and graph pools do not grow by a workspace per capture.
+//! our own allocator, so cuBLAS never allocates by itself (not during a capture either).
 //!
-//! Workspace contract: graphs captured on a stream use that stream's workspace. Like graphs
-//! sharing a pool, they must not replay concurrently with each other or with eager GEMMs on
-//! that stream (replay them on the stream they were captured on, or in order).
+//! Workspaces: eager GEMMs use one workspace per stream (in the default pool), ordered by the
+//! stream. A GEMM inside a capture gets its own workspace from the queue, that is from the
+//! graph's pool, kept alive by the graph: graphs never share a workspace with each other or
+//! with eager work, so they may replay on any streams at the same time (graphs that share a
+//! pool share its memory, and with it the pool's rules). Within one graph, GEMMs captured on
+//! one stream reuse one block, in stream order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudagraph::memory::{Allocator, BlockRef, PoolId};
 use cudagraph::runtime::{with_relaxed_capture, Context, WeakStream};
-use cudagraph::{Device, DeviceBuffer, Queue};
+use cudagraph::{Device, DeviceBuffer, Queue, QueueExt};
 use cudarc::cublas::sys;
 
 use crate::error::{NnError, Result};
@@ -180,10 +182,18 @@ impl Blas {
         q.use_block(c.block());
         self.ctx.bind()?;
         let stream = q.stream_handle();
+        // Inside a capture: the graph's own workspace (see the module notes). Dropped after
+        // the call, its block returns to the graph's pool in stream order; the graph holds it.
+        let captured_ws = if q.is_capturing() {
+            Some(q.alloc::<u8>(WORKSPACE_BYTES)?)
+        } else {
+            None
+        };
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let ws = match st.workspaces.get(&stream.id()) {
-            Some((_, w)) => w.clone(),
-            None => {
+        let ws = match (&captured_ws, st.workspaces.get(&stream.id())) {
+            (Some(w), _) => w.block().clone(),
+            (None, Some((_, w))) => w.clone(),
+            (None, None) => {
                 st.workspaces.retain(|_, (s, _)| s.is_alive());
                 let w =
                     self.alloc

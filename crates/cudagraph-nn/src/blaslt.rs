@@ -63,13 +63,13 @@ pub fn workspace_for(major: u32) -> usize {
 
 /// How many heuristic candidates a plan keeps (the registry measures the first
 /// [`MEASURED_ALGOS`]).
-const HEURISTIC_ALGOS: usize = 8;
+const HEURISTIC_ALGOS: usize = 16;
 
-/// How many of cuBLASLt's heuristic algorithms the engine registry measures: six, so that a
+/// How many of cuBLASLt's heuristic algorithms the engine registry measures: twelve, so that a
 /// product where PyTorch's single heuristic pick and ours tie (the sweep's 512- and 128-row
-/// forward products, 2026-11-23) gets more chances at a faster one; measuring costs a few
-/// milliseconds per shape, once.
-pub const MEASURED_ALGOS: usize = 6;
+/// forward products, 2026-11-23 and -24, at six) gets more chances at a faster one; measuring
+/// costs a few milliseconds per shape, once.
+pub const MEASURED_ALGOS: usize = 12;
 
 /// `cublasLtMatmulHeuristicResult_t` with the status as a raw integer.
 #[repr(C)]

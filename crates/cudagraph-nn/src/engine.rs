@@ -40,6 +40,12 @@
 //! cannot run an operation (a missing library, warp-K on a backward layout) falls back to the
 //! heuristic default over what can. [`Engines::set_policy`] does the same per device.
 //!
+//! **Timed as they replay.** A candidate whose single eager run takes under 2 ms is timed in
+//! graphs: as a chain of runs captured in one graph (its cost inside a longer graph) and as a
+//! graph of one run replayed back to back (its cost as a graph of its own). It is ranked by the
+//! mean of the two; `CUDAGRAPH_REGISTRY_TIMING=chain|single|both` ranks by one of them for
+//! comparisons. Both times are recorded in the table.
+//!
 //! **Missing libraries**: without cuDNN or cuBLASLt a one-line notice is printed once and our
 //! kernels (and cuBLAS) run; [`Policy::cudnn`] / [`Policy::cublaslt`] simulate that. A library
 //! is opened on first eager use, never inside a capture (opening may allocate or synchronise):
@@ -73,8 +79,9 @@ pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
 pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 
 /// Version of the on-disk table format (2: cuBLASLt ranks index the heuristics under the
-/// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB).
-const FORMAT: u32 = 2;
+/// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB; 3: short candidates
+/// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`]).
+const FORMAT: u32 = 3;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -494,8 +501,14 @@ impl Algo for CeAlgo {}
 pub struct Timing {
     /// The candidate (`GemmAlgo`/`ConvAlgo` as text).
     pub engine: String,
-    /// Mean µs per run, `None` when it failed.
+    /// The µs per run it was ranked by (see [`GraphTiming`]), `None` when it failed.
     pub us: Option<f64>,
+    /// µs per run among `reps` runs captured in one graph (candidates timed in graphs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chain_us: Option<f64>,
+    /// µs per replay of a graph of one run (candidates timed in graphs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub single_us: Option<f64>,
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -887,7 +900,7 @@ impl Engines {
         let timings = self.measure(q, candidates, run)?;
         let best = timings
             .iter()
-            .filter_map(|(a, t)| t.as_ref().ok().map(|us| (*a, *us)))
+            .filter_map(|(a, t)| t.as_ref().ok().map(|m| (*a, m.us)))
             .min_by(|x, y| x.1.total_cmp(&y.1))
             .map(|(a, _)| a);
         let Some(best) = best else {
@@ -908,7 +921,9 @@ impl Engines {
                 .iter()
                 .map(|(a, t)| Timing {
                     engine: a.to_string(),
-                    us: t.as_ref().ok().copied(),
+                    us: t.as_ref().ok().map(|m| m.us),
+                    chain_us: t.as_ref().ok().and_then(|m| m.chain),
+                    single_us: t.as_ref().ok().and_then(|m| m.single),
                     error: t.as_ref().err().cloned(),
                 })
                 .collect(),
@@ -952,11 +967,12 @@ impl Engines {
         q: &dyn Queue,
         candidates: &[A],
         run: &mut dyn FnMut(&dyn Queue, A) -> Result<()>,
-    ) -> Result<Vec<(A, std::result::Result<f64, String>)>> {
+    ) -> Result<Vec<(A, std::result::Result<Measured, String>)>> {
         let spin = Spin::get(q.device())?;
+        let timing = graph_timing()?;
         let e0 = Event::new(&self.ctx, true)?;
         let e1 = Event::new(&self.ctx, true)?;
-        let mut one = |a: A, best: f64| -> Result<f64> {
+        let mut one = |a: A, best: f64| -> Result<Measured> {
             run(q, a)?; // warm-up: first-use costs (compiles, plans, workspaces)
             let s = q.stream_handle();
             s.record(&e0)?;
@@ -967,12 +983,12 @@ impl Engines {
             // for some library calls): only clearly slower candidates are dropped on it.
             let once = e0.elapsed_ms(&e1)? as f64 * 1e3;
             if once > 4.0 * best + HOST_SLACK_US {
-                return Ok(once);
+                return Ok(Measured::eager(once));
             }
             let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
             if once < GRAPH_TIMED_BELOW_US {
-                match graph_time(q, &e0, &e1, reps, &mut |cs| run(cs, a)) {
-                    Ok(us) => return Ok(us),
+                match graph_times(q, &spin, &e0, &e1, reps, timing, &mut |cs| run(cs, a)) {
+                    Ok(t) => return Ok(t),
                     Err(e) if is_fatal(&e) => return Err(e),
                     // Not capturable: timed eagerly below.
                     Err(_) => {}
@@ -988,31 +1004,33 @@ impl Engines {
             }
             s.record(&e1)?;
             e1.synchronize()?;
-            Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64)
+            Ok(Measured::eager(
+                e0.elapsed_ms(&e1)? as f64 * 1e3 / reps as f64,
+            ))
         };
         let mut best = f64::INFINITY;
         let mut out = Vec::with_capacity(candidates.len());
         for &a in candidates {
             match one(a, best) {
-                Ok(us) => {
-                    best = best.min(us);
-                    out.push((a, Ok(us)));
+                Ok(m) => {
+                    best = best.min(m.us);
+                    out.push((a, Ok(m)));
                 }
                 Err(e) if is_fatal(&e) => return Err(e),
                 Err(e) => out.push((a, Err(e.to_string()))),
             }
         }
         let close: Vec<usize> = (0..out.len())
-            .filter(|&i| matches!(out[i].1, Ok(us) if us <= REMEASURE_WITHIN * best))
+            .filter(|&i| matches!(&out[i].1, Ok(m) if m.us <= REMEASURE_WITHIN * best))
             .collect();
         if close.len() > 1 {
             for &i in close.iter().rev() {
                 match one(out[i].0, best) {
-                    Ok(us) => {
+                    Ok(m) => {
                         if let Ok(first) = &mut out[i].1 {
-                            *first = first.min(us);
+                            first.keep_better(&m);
                         }
-                        best = best.min(us);
+                        best = best.min(m.us);
                     }
                     Err(e) if is_fatal(&e) => return Err(e),
                     // It ran once: keep that time.
@@ -1041,32 +1059,130 @@ const GRAPH_TIMED_BELOW_US: f64 = 2000.0;
 /// is dropped without a proper measurement.
 const HOST_SLACK_US: f64 = 200.0;
 
-/// µs per run of `run` captured `reps` times into one graph on a fresh stream of `q`'s device
-/// and replayed (after one untimed replay), timed with `e0`/`e1`. `q`'s work is complete (the
-/// caller synchronised on an event after it), so the graph reads finished inputs.
-fn graph_time(
+/// Name of the variable that says how the registry ranks candidates timed in graphs.
+pub const TIMING_VAR: &str = "CUDAGRAPH_REGISTRY_TIMING";
+
+/// How a candidate timed in graphs is ranked (`CUDAGRAPH_REGISTRY_TIMING`, read once per
+/// process). Both graphs are timed and recorded either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GraphTiming {
+    /// µs per run in a graph of `reps` runs: the candidate's cost inside a longer graph.
+    Chain,
+    /// µs per replay of a graph of one run: its cost as a graph of its own, launch included.
+    Single,
+    /// The mean of the two (the default).
+    Both,
+}
+
+/// Parses a `CUDAGRAPH_REGISTRY_TIMING` value (unset or empty: `both`).
+pub fn parse_graph_timing(v: &str) -> Result<GraphTiming> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "chain" => Ok(GraphTiming::Chain),
+        "single" => Ok(GraphTiming::Single),
+        "both" | "" => Ok(GraphTiming::Both),
+        other => Err(NnError::Config(format!(
+            "{TIMING_VAR}={other:?} is not a timing; use chain, single or both"
+        ))),
+    }
+}
+
+fn graph_timing() -> Result<GraphTiming> {
+    static T: OnceLock<std::result::Result<GraphTiming, String>> = OnceLock::new();
+    T.get_or_init(|| {
+        parse_graph_timing(&std::env::var(TIMING_VAR).unwrap_or_default())
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(NnError::Config)
+}
+
+/// One candidate's times: `us` ranks it; `chain`/`single` are its graph times when it was
+/// timed in graphs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Measured {
+    us: f64,
+    chain: Option<f64>,
+    single: Option<f64>,
+}
+
+impl Measured {
+    fn eager(us: f64) -> Measured {
+        Measured {
+            us,
+            chain: None,
+            single: None,
+        }
+    }
+
+    /// Keeps the better of two measurements of one candidate, time by time.
+    fn keep_better(&mut self, o: &Measured) {
+        let min = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.chain = min(self.chain, o.chain);
+        self.single = min(self.single, o.single);
+        self.us = self.us.min(o.us);
+    }
+}
+
+/// Times `run` as it replays in graphs on a fresh stream of `q`'s device (`q`'s work is
+/// complete: the caller synchronised on an event after it, so the graphs read finished
+/// inputs). `chain`: `reps` runs captured into one graph, replayed three times after an
+/// untimed replay, µs per run. `single`: one run captured alone, its graph replayed `reps`
+/// times back to back behind a spin kernel (so the host's launch rate is not what is timed),
+/// µs per replay. The two rank short kernels differently (H100, 2026-11-24: the 8 × 256 → 256
+/// product's `rows8:1` took 3.7 µs per run in a chain and 4.5 as a graph of its own, where
+/// cuBLASLt's first algorithm was slower in a chain and took 3.7–3.9 alone); `timing` says
+/// which ranks.
+fn graph_times(
     q: &dyn Queue,
+    spin: &Spin,
     e0: &Event,
     e1: &Event,
     reps: usize,
+    timing: GraphTiming,
     run: &mut dyn FnMut(&dyn Queue) -> Result<()>,
-) -> Result<f64> {
+) -> Result<Measured> {
     let mut side = q.device().new_stream()?;
-    let (g, ()) = Graph::capture(&mut side, CaptureOptions::new(), |cs| {
+    let (chain_g, ()) = Graph::capture(&mut side, CaptureOptions::new(), |cs| {
         for _ in 0..reps {
             run(cs).map_err(cudagraph::Error::from)?;
         }
         Ok(())
     })?;
+    let (one_g, ()) = Graph::capture(&mut side, CaptureOptions::new(), |cs| {
+        run(cs).map_err(cudagraph::Error::from)
+    })?;
     const REPLAYS: usize = 3;
-    g.replay(&side)?;
+    chain_g.replay(&side)?;
     side.record(e0)?;
     for _ in 0..REPLAYS {
-        g.replay(&side)?;
+        chain_g.replay(&side)?;
     }
     side.record(e1)?;
     e1.synchronize()?;
-    Ok(e0.elapsed_ms(e1)? as f64 * 1e3 / (REPLAYS * reps) as f64)
+    let chain = e0.elapsed_ms(e1)? as f64 * 1e3 / (REPLAYS * reps) as f64;
+    let singles = reps.max(10);
+    one_g.replay(&side)?;
+    spin.spin(&side, 20_000 + 10_000 * singles as u64)?;
+    side.record(e0)?;
+    for _ in 0..singles {
+        one_g.replay(&side)?;
+    }
+    side.record(e1)?;
+    e1.synchronize()?;
+    let single = e0.elapsed_ms(e1)? as f64 * 1e3 / singles as f64;
+    let us = match timing {
+        GraphTiming::Chain => chain,
+        GraphTiming::Single => single,
+        GraphTiming::Both => 0.5 * (chain + single),
+    };
+    Ok(Measured {
+        us,
+        chain: Some(chain),
+        single: Some(single),
+    })
 }
 
 /// Whether a disk table was measured on this device, driver and libraries.
@@ -1099,7 +1215,12 @@ pub fn format_table(rows: &[EngineRow]) -> String {
             let list: Vec<String> = t
                 .iter()
                 .map(|t| match t.us {
-                    Some(us) => format!("{} {us:.1}", t.engine),
+                    Some(us) => match (t.chain_us, t.single_us) {
+                        (Some(c), Some(s1)) => {
+                            format!("{} {us:.1} (chain {c:.1}, alone {s1:.1})", t.engine)
+                        }
+                        _ => format!("{} {us:.1}", t.engine),
+                    },
                     None => format!("{} failed", t.engine),
                 })
                 .collect();
@@ -1236,11 +1357,15 @@ mod tests {
                     Timing {
                         engine: "tiled:8".into(),
                         us: Some(4.5),
+                        chain_us: Some(4.0),
+                        single_us: Some(5.0),
                         error: None,
                     },
                     Timing {
                         engine: "cublaslt:0".into(),
                         us: None,
+                        chain_us: None,
+                        single_us: None,
                         error: Some("not supported".into()),
                     },
                 ],
@@ -1277,11 +1402,15 @@ mod tests {
                     Timing {
                         engine: "direct".into(),
                         us: Some(9.0),
+                        chain_us: None,
+                        single_us: None,
                         error: None,
                     },
                     Timing {
                         engine: "cudnn:1".into(),
                         us: Some(3.25),
+                        chain_us: Some(3.0),
+                        single_us: Some(3.5),
                         error: None,
                     },
                 ],
@@ -1295,5 +1424,44 @@ mod tests {
             s.find("direct 9.0").unwrap(),
         );
         assert!(a < b, "{s}");
+        assert!(s.contains("cudnn:1 3.2 (chain 3.0, alone 3.5)"), "{s}");
+    }
+
+    #[test]
+    fn graph_timing_values_parse_and_others_are_refused() {
+        assert_eq!(parse_graph_timing("").unwrap(), GraphTiming::Both);
+        assert_eq!(parse_graph_timing(" Chain ").unwrap(), GraphTiming::Chain);
+        assert_eq!(parse_graph_timing("single").unwrap(), GraphTiming::Single);
+        assert_eq!(parse_graph_timing("both").unwrap(), GraphTiming::Both);
+        let e = parse_graph_timing("fastest").unwrap_err().to_string();
+        assert!(
+            e.contains(TIMING_VAR) && e.contains("chain, single or both"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_second_measurement_keeps_the_better_times() {
+        let mut a = Measured {
+            us: 4.0,
+            chain: Some(3.0),
+            single: Some(5.0),
+        };
+        a.keep_better(&Measured {
+            us: 4.2,
+            chain: Some(3.6),
+            single: Some(4.8),
+        });
+        assert_eq!(
+            a,
+            Measured {
+                us: 4.0,
+                chain: Some(3.0),
+                single: Some(4.8)
+            }
+        );
+        a.keep_better(&Measured::eager(3.9));
+        assert_eq!(a.us, 3.9);
+        assert_eq!(a.chain, Some(3.0));
     }
 }

@@ -20,7 +20,7 @@ use crate::blas::Trans;
 use crate::blaslt::{alignment, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
-use crate::kernels::{ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
+use crate::kernels::{rows_groups, rows_most_splits, ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
 
 type Buf = DeviceBuffer<f32>;
 
@@ -554,15 +554,17 @@ fn run_algo(
 pub const ROWS_MAX_M: usize = 16;
 
 /// How many warps of the few-rows kernel (`per_block` rows per block) split K per group of
-/// four columns (1, 2, 4 or 8): the fewest that give the device about two blocks per
-/// multiprocessor, while every warp keeps at least one 128-wide K chunk. The registry also
-/// measures half as many.
+/// four columns (1, 2, 4, 8, or 16 for the 8- and 4-row kernels): the fewest that give the
+/// device about two blocks per multiprocessor, while every warp keeps at least one 128-wide K
+/// chunk. The registry also measures half as many.
 pub fn rows_split(m: usize, n: usize, k: usize, multiprocessors: u32, per_block: usize) -> usize {
     let want = 2 * multiprocessors.max(1) as usize;
     let chunks = k.div_ceil(128);
     let rows = m.div_ceil(per_block.max(1));
+    let most = rows_most_splits(per_block);
+    let blocks = |ks: usize| n.div_ceil(4).div_ceil(rows_groups(ks)) * rows;
     let mut ks = 1;
-    while ks < 8 && n.div_ceil(4).div_ceil(8 / ks) * rows < want && chunks >= 2 * ks {
+    while ks < most && blocks(ks) < want && chunks >= 2 * ks {
         ks *= 2;
     }
     ks
@@ -629,8 +631,27 @@ mod tests {
         // A wide layer needs little splitting.
         assert_eq!(rows_split(1, 4096, 1024, 132, 16), 4);
         assert_eq!(rows_split(1, 16384, 1024, 132, 16), 1);
-        // A long K with few columns splits as far as 8 warps.
+        // A long K with few columns splits as far as 8 warps with 16 rows per block, 16
+        // (one column group per block) with 8 or 4.
         assert_eq!(rows_split(1, 64, 4096, 132, 16), 8);
+        assert_eq!(rows_split(1, 256, 4096, 132, 8), 16);
+        assert_eq!(rows_split(8, 256, 4096, 132, 4), 16);
+        // ... but keeps a chunk per warp: 1024 = 8 chunks.
+        assert_eq!(rows_split(1, 256, 1024, 132, 8), 8);
+    }
+
+    #[test]
+    fn rows_grids_hold_max_8_or_ks_warps() {
+        use crate::kernels::rows_grid;
+        let g = rows_grid(1, 256, 16, 8).unwrap();
+        assert_eq!((g.grid, g.block), ((64, 1, 1), (512, 1, 1)));
+        let g = rows_grid(1, 256, 8, 8).unwrap();
+        assert_eq!((g.grid, g.block), ((64, 1, 1), (256, 1, 1)));
+        let g = rows_grid(9, 256, 2, 4).unwrap();
+        assert_eq!((g.grid, g.block), ((16, 3, 1), (256, 1, 1)));
+        // The 16-row kernel stays at 8 warps.
+        let g = rows_grid(16, 256, 16, 16).unwrap();
+        assert_eq!(g.block, (256, 1, 1));
     }
 
     #[test]

@@ -102,12 +102,12 @@ fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
         .collect()
 }
 
-/// Two graphs captured on one stream with every cuBLASLt algorithm of a deep product (split-K
-/// ones need a workspace), replayed interleaved on two other streams without waiting: each
-/// keeps its own workspace, so both equal the eager result bit for bit (a workspace kept per
-/// capture stream was shared by both).
+/// Two graphs captured on one stream with cuBLAS and every cuBLASLt algorithm of a deep product
+/// (split-K ones need a workspace), replayed interleaved on two other streams without waiting:
+/// each keeps its own workspace, so both equal the eager result bit for bit (a workspace kept
+/// per capture stream was shared by both).
 #[test]
-fn cublaslt_graphs_of_one_stream_replay_at_once_on_two() {
+fn library_graphs_of_one_stream_replay_at_once_on_two() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
@@ -123,8 +123,9 @@ fn cublaslt_graphs_of_one_stream_replay_at_once_on_two() {
         beta: 0.0,
         epilogue: Epilogue::Bias,
     };
-    let algos = lt_algos(&dev, &s, &op);
+    let mut algos = lt_algos(&dev, &s, &op);
     assert!(!algos.is_empty());
+    algos.push(GemmAlgo::Cublas);
     for algo in algos {
         let inputs: Vec<_> = (0..2)
             .map(|_| {
@@ -188,12 +189,14 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         (8, 131, 1028),
         (3, 67, 516),
         (4, 9, 128),
+        // Sixteen warps per column group: 33 chunks (a lone last one), odd columns.
+        (5, 259, 4100),
     ];
     let mut checked = 0;
     for &(m, nn_, k) in shapes {
         for (ta, tb) in [(n, n), (n, t), (t, n), (t, t)] {
-            // The 4096-deep product only in the two layouts linear layers use most.
-            if k == 4096 && !(ta == n && tb == t || ta == t && tb == n) {
+            // The 4096-deep products only in the two layouts linear layers use most.
+            if k >= 4096 && !(ta == n && tb == t || ta == t && tb == n) {
                 continue;
             }
             for (ep, alpha, beta) in [
@@ -235,7 +238,8 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                         algos.extend([1, 2, 8].map(|ks| GemmAlgo::Rows { rows: 16, ks }));
                         for rows in [8u8, 4] {
                             if m <= rows as usize {
-                                algos.extend([1, 2, 4, 8].map(|ks| GemmAlgo::Rows { rows, ks }));
+                                algos
+                                    .extend([1, 2, 4, 8, 16].map(|ks| GemmAlgo::Rows { rows, ks }));
                             }
                         }
                     }
@@ -285,6 +289,20 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("at most 4 rows"), "{e}");
+    // Sixteen warps per group only with 8 or 4 rows per block.
+    let e = gemm_with(
+        &s,
+        &nn,
+        GemmAlgo::Rows { rows: 16, ks: 16 },
+        &op,
+        &a,
+        &b,
+        &c,
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("warps per column group"), "{e}");
     s.synchronize().unwrap();
 }
 

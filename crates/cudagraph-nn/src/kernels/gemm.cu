@@ -227,14 +227,16 @@ extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, co
 // uses either, so twice as many weight loads are in flight. The chunks are still added in the
 // order ch, ch + ks, ch + 2·ks, ...; loads past k or n read nothing and add zeros. The
 // butterfly reduce-scatter leaves one sum per lane (R = 8) or one per lane pair (R = 4, whose
-// last step adds the pair: a + b and b + a are the same bits).
+// last step adds the pair: a + b and b + a are the same bits). A block has max(8, ks) warps:
+// with ks = 16 it is one group of four columns whose 16 warps split K (long K, few columns,
+// where 8 warps per group left most multiprocessors idle).
 template <int R>
 __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __restrict__ A,
         const float* __restrict__ B, float* __restrict__ C, const float* __restrict__ bias,
         int relu, int ks) {
-    __shared__ float part[8][4 * R];
+    __shared__ float part[16][4 * R];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int groups = 8 / ks;
+    const int groups = (blockDim.x / 32) / ks;
     const int grp = warp / ks, slice = warp - grp * ks;
     const int col0 = (blockIdx.x * groups + grp) * 4;
     const int row0 = blockIdx.y * R;

@@ -255,16 +255,37 @@ pub fn rows_ok(k: usize, addrs: &[u64]) -> bool {
 /// `sgemm_nt_rows4`.
 pub const ROWS_PER_BLOCK: [usize; 3] = [16, 8, 4];
 
+/// Warps per block of the few-rows kernels with `ks` warps per group of four columns: 8, or
+/// `ks` when it is 16 (one group per block).
+pub fn rows_warps(ks: usize) -> usize {
+    ks.max(8)
+}
+
+/// Groups of four columns per block of the few-rows kernels (`ks` ≥ 1).
+pub fn rows_groups(ks: usize) -> usize {
+    rows_warps(ks) / ks.max(1)
+}
+
+/// The most warps per column group of the few-rows kernel with `per_block` rows: 8 for the
+/// 16-row kernel (64 sums per lane leave no room for more warps), 16 for the 8- and 4-row ones.
+pub fn rows_most_splits(per_block: usize) -> usize {
+    if per_block == 16 {
+        8
+    } else {
+        16
+    }
+}
+
 /// The few-rows kernel's launch: `per_block` rows per block in y, 8 / ks groups of 4 columns
 /// per block in x, 256 threads.
 pub fn rows_grid(m: usize, n: usize, ks: usize, per_block: usize) -> Result<LaunchConfig> {
-    let groups = 8 / ks.clamp(1, 8);
-    let gx = n.div_ceil(4).div_ceil(groups);
+    let ks = ks.clamp(1, rows_most_splits(per_block));
+    let gx = n.div_ceil(4).div_ceil(rows_groups(ks));
     let gy = m.div_ceil(per_block.max(1));
     match (u32::try_from(gx), u32::try_from(gy)) {
         (Ok(gx), Ok(gy)) if gx <= i32::MAX as u32 && gy <= 65535 => Ok(LaunchConfig {
             grid: (gx, gy, 1),
-            block: (256, 1, 1),
+            block: (32 * rows_warps(ks) as u32, 1, 1),
             shared_mem_bytes: 0,
         }),
         _ => Err(NnError::Shape(format!(
@@ -672,7 +693,8 @@ impl Nn {
     }
 
     /// The few-rows kernel for the forward layout: `C = act(A·Bᵀ + bias)`, A m×k, B n×k, with
-    /// `ks` warps (1, 2, 4 or 8) splitting K per group of four columns. Needs k a multiple of 4
+    /// `ks` warps (1, 2, 4 or 8; 16 with 8 or 4 rows per block) splitting K per group of four
+    /// columns. Needs k a multiple of 4
     /// and A, B 16-byte aligned (it reads float4s); [`rows_ok`] says whether it applies.
     #[allow(clippy::too_many_arguments)]
     pub fn sgemm_nt_rows(
@@ -696,9 +718,10 @@ impl Nn {
             tb: true,
         };
         d.check_buffers(a, b, c, bias)?;
-        if !matches!(ks, 1 | 2 | 4 | 8) {
+        if !ks.is_power_of_two() || ks > rows_most_splits(per_block) {
             return Err(NnError::Shape(format!(
-                "gemm rows: {ks} warps per column group (1, 2, 4 or 8)"
+                "gemm rows: {ks} warps per column group (1, 2, 4, 8, or 16 with at most 8 rows \
+                 per block)"
             )));
         }
         let f = match per_block {
@@ -726,7 +749,8 @@ impl Nn {
         // 16-byte aligned (A aligned, k % 4 == 0); likewise B at column < n below n·k. Writes go
         // to C at row < m, column < n (guarded), below m·n (checked); the bias is read below n
         // (checked). The kernels' column offsets stay within 1024 of n and their k offsets
-        // (a chunk ks·128 ahead) within 2048 of k, which int_loop bounds.
+        // (a chunk ks·128 ahead, ks ≤ 16) within 2176 of k, which int_loop bounds. A block
+        // has rows_warps(ks) warps, the ks warps of each group indexing `part` below 16.
         unsafe {
             launch(
                 q,
@@ -735,7 +759,7 @@ impl Nn {
                 &[
                     int_loop("m", m, 1024)?.into(),
                     int_loop("n", n, 1024)?.into(),
-                    int_loop("k", k, 2048)?.into(),
+                    int_loop("k", k, 4096)?.into(),
                     a.into(),
                     b.into(),
                     c.into(),
