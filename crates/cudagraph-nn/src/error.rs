@@ -33,6 +33,9 @@ pub enum NnError {
     /// A configuration value (an environment variable such as `CUDAGRAPH_GEMM`) is invalid.
     #[error("configuration: {0}")]
     Config(String),
+    /// The device cannot run what was asked (e.g. thread-block clusters before sm_90).
+    #[error("not supported on this device: {0}")]
+    Unsupported(String),
     /// A data file could not be read or parsed.
     #[error("dataset: {0}")]
     Data(String),

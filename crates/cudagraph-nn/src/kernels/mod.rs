@@ -161,7 +161,7 @@ impl ClusterKernels {
     pub fn get(device: &Device) -> Result<Arc<Self>> {
         if !Self::supported(device) {
             let (major, minor) = device.info().compute_capability;
-            return Err(NnError::Shape(format!(
+            return Err(NnError::Unsupported(format!(
                 "gemm: the cluster kernels need compute capability 9.0 or later (this device \
                  has {major}.{minor}); use another product engine"
             )));

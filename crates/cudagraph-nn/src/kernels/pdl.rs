@@ -36,12 +36,19 @@ pub fn set_pdl(on: Option<bool>) {
     );
 }
 
+/// `CUDAGRAPH_PDL` (read once): on/off as [`crate::env::parse_switch`] spells it, off by
+/// default; a value that is not a switch leaves PDL off with a one-line notice.
 fn env_pdl() -> bool {
     static E: OnceLock<bool> = OnceLock::new();
     *E.get_or_init(|| {
-        std::env::var("CUDAGRAPH_PDL").is_ok_and(|v| {
-            let v = v.trim().to_ascii_lowercase();
-            v == "1" || v == "on" || v == "true"
+        crate::env::switch(
+            "CUDAGRAPH_PDL",
+            false,
+            "1 (launch with PDL) or 0 (off, the default)",
+        )
+        .unwrap_or_else(|e| {
+            eprintln!("cudagraph: {e}; PDL stays off");
+            false
         })
     })
 }
