@@ -276,32 +276,15 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         s.alloc::<f32>(8 * 128).unwrap(),
         s.alloc::<f32>(5 * 8).unwrap(),
     );
-    let e = gemm_with(
-        &s,
-        &nn,
-        GemmAlgo::Rows { rows: 4, ks: 1 },
-        &op,
-        &a,
-        &b,
-        &c,
-        None,
-    )
-    .unwrap_err()
-    .to_string();
+    let refused = |algo| {
+        gemm_with(&s, &nn, algo, &op, &a, &b, &c, None)
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refused(GemmAlgo::Rows { rows: 4, ks: 1 });
     assert!(e.contains("at most 4 rows"), "{e}");
     // Sixteen warps per group only with 8 or 4 rows per block.
-    let e = gemm_with(
-        &s,
-        &nn,
-        GemmAlgo::Rows { rows: 16, ks: 16 },
-        &op,
-        &a,
-        &b,
-        &c,
-        None,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = refused(GemmAlgo::Rows { rows: 16, ks: 16 });
     assert!(e.contains("warps per column group"), "{e}");
     s.synchronize().unwrap();
 }
