@@ -621,6 +621,14 @@ pub struct Engines {
     cudnn: OnceLock<Option<Cudnn>>,
     cudnn_graph: OnceLock<Option<CudnnGraph>>,
     cublaslt: OnceLock<Option<BlasLt>>,
+    /// The graph pool of the registry's timing graphs, made on first use and kept with the
+    /// device; its lock serialises the graph timing of this device's measurements (the pool
+    /// contract: its graphs never replay at once). Dropping each timing graph with a private
+    /// pool closed that pool, a release that synchronises the context, per candidate: with
+    /// other threads capturing at the same time, captures were invalidated and the process
+    /// crashed inside cuCtxSynchronize (H100, 2026-11-24: gpu_engines with parallel test
+    /// threads failed 6 of 8 runs, 0 of 8 with graph timing off).
+    timing_pool: Mutex<Option<cudagraph::memory::Pool>>,
     /// When on ([`Engines::start_usage_log`]): every (key, engine) served, in order.
     usage: Mutex<Option<Vec<(String, String)>>>,
     usage_on: std::sync::atomic::AtomicBool,
@@ -680,6 +688,7 @@ impl Engines {
             cudnn: OnceLock::new(),
             cudnn_graph: OnceLock::new(),
             cublaslt: OnceLock::new(),
+            timing_pool: Mutex::new(None),
             usage: Mutex::new(None),
             usage_on: std::sync::atomic::AtomicBool::new(false),
         })
@@ -970,6 +979,8 @@ impl Engines {
     ) -> Result<Vec<(A, std::result::Result<Measured, String>)>> {
         let spin = Spin::get(q.device())?;
         let timing = graph_timing()?;
+        // One side stream for every candidate timed in graphs here (made on first need).
+        let mut side: Option<cudagraph::Stream> = None;
         let e0 = Event::new(&self.ctx, true)?;
         let e1 = Event::new(&self.ctx, true)?;
         let mut one = |a: A, best: f64| -> Result<Measured> {
@@ -987,7 +998,19 @@ impl Engines {
             }
             let reps = ((2000.0 / once.max(1.0)) as usize).clamp(2, 20);
             if once < GRAPH_TIMED_BELOW_US {
-                match graph_times(q, &spin, &e0, &e1, reps, timing, &mut |cs| run(cs, a)) {
+                let mut pool = lock(&self.timing_pool);
+                let pool = pool.get_or_insert_with(|| q.device().graph_pool_handle());
+                let timed = match &mut side {
+                    Some(side) => Ok(side),
+                    None => q.device().new_stream().map(|s| side.insert(s)),
+                }
+                .map_err(NnError::from)
+                .and_then(|side| {
+                    graph_times(side, pool, &spin, &e0, &e1, reps, timing, &mut |cs| {
+                        run(cs, a)
+                    })
+                });
+                match timed {
                     Ok(t) => return Ok(t),
                     Err(e) if is_fatal(&e) => return Err(e),
                     // Not capturable: timed eagerly below.
@@ -1126,7 +1149,9 @@ impl Measured {
     }
 }
 
-/// Times `run` as it replays in graphs on a fresh stream of `q`'s device (`q`'s work is
+/// Times `run` as it replays in graphs, captured into `pool` (the registry's timing pool: a
+/// dropped timing graph releases nothing), on `side`, a stream of the measuring queue's device
+/// made once per measurement (the queue's work is
 /// complete: the caller synchronised on an event after it, so the graphs read finished
 /// inputs). `chain`: `reps` runs captured into one graph, replayed three times after an
 /// untimed replay, µs per run. `single`: one run captured alone, its graph replayed `reps`
@@ -1135,8 +1160,10 @@ impl Measured {
 /// product's `rows8:1` took 3.7 µs per run in a chain and 4.5 as a graph of its own, where
 /// cuBLASLt's first algorithm was slower in a chain and took 3.7–3.9 alone); `timing` says
 /// which ranks.
+#[allow(clippy::too_many_arguments)]
 fn graph_times(
-    q: &dyn Queue,
+    side: &mut cudagraph::Stream,
+    pool: &cudagraph::memory::Pool,
     spin: &Spin,
     e0: &Event,
     e1: &Event,
@@ -1144,31 +1171,30 @@ fn graph_times(
     timing: GraphTiming,
     run: &mut dyn FnMut(&dyn Queue) -> Result<()>,
 ) -> Result<Measured> {
-    let mut side = q.device().new_stream()?;
-    let (chain_g, ()) = Graph::capture(&mut side, CaptureOptions::new(), |cs| {
+    let (chain_g, ()) = Graph::capture(side, CaptureOptions::new().pool(pool), |cs| {
         for _ in 0..reps {
             run(cs).map_err(cudagraph::Error::from)?;
         }
         Ok(())
     })?;
-    let (one_g, ()) = Graph::capture(&mut side, CaptureOptions::new(), |cs| {
+    let (one_g, ()) = Graph::capture(side, CaptureOptions::new().pool(pool), |cs| {
         run(cs).map_err(cudagraph::Error::from)
     })?;
     const REPLAYS: usize = 3;
-    chain_g.replay(&side)?;
+    chain_g.replay(side)?;
     side.record(e0)?;
     for _ in 0..REPLAYS {
-        chain_g.replay(&side)?;
+        chain_g.replay(side)?;
     }
     side.record(e1)?;
     e1.synchronize()?;
     let chain = e0.elapsed_ms(e1)? as f64 * 1e3 / (REPLAYS * reps) as f64;
     let singles = reps.max(10);
-    one_g.replay(&side)?;
-    spin.spin(&side, 20_000 + 10_000 * singles as u64)?;
+    one_g.replay(side)?;
+    spin.spin(&*side, 20_000 + 10_000 * singles as u64)?;
     side.record(e0)?;
     for _ in 0..singles {
-        one_g.replay(&side)?;
+        one_g.replay(side)?;
     }
     side.record(e1)?;
     e1.synchronize()?;

@@ -150,7 +150,7 @@ fn library_graphs_of_one_stream_replay_at_once_on_two() {
             let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
                 gemm_with(cs, &nn, algo, &op, a, b, &c, Some(v)).map_err(Into::into)
             })
-            .unwrap();
+            .unwrap_or_else(|e| panic!("capturing {algo}: {e:?}"));
             graphs.push((g, c));
         }
         s.synchronize().unwrap();
