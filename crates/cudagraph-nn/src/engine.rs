@@ -966,7 +966,8 @@ impl Engines {
     }
 
     /// Times every candidate on `q` (eager): a warm-up, one timed run, then (unless it is
-    /// clearly slower than the best so far) a few runs queued behind a spin kernel. The
+    /// clearly slower than the best so far) in graphs ([`graph_times`]) when that run was short
+    /// and it captures, else a few runs queued behind a spin kernel. The
     /// candidates within [`REMEASURE_WITHIN`] of the fastest are then timed again in reverse
     /// order and keep their better time: one pass alone let the GPU's clock ramp or a noisy
     /// sample pick an engine a fifth slower (H100, 2026-11-23: a 7×7 convolution 69 → 86 µs
@@ -1068,8 +1069,8 @@ impl Engines {
 /// Candidates measured within this factor of the fastest are measured a second time.
 const REMEASURE_WITHIN: f64 = 1.3;
 
-/// Candidates whose single eager run took less than this many µs are timed as they will run:
-/// `reps` runs captured in one graph, replayed — without the host's time to enqueue each run.
+/// Candidates whose single eager run took less than this many µs are timed as they will run,
+/// in graphs ([`graph_times`]) — without the host's time to enqueue each run.
 /// Eager back-to-back runs ranked short products differently from their graphs (H100,
 /// 2026-11-23: the 8 × 256 → 256 forward product chose `rows8:2` by eager time in two
 /// machines' runs, 4.5 µs graphed, where `cublaslt:0`, chosen in a third, took 3.7–3.9 µs
@@ -1151,12 +1152,11 @@ impl Measured {
 
 /// Times `run` as it replays in graphs, captured into `pool` (the registry's timing pool: a
 /// dropped timing graph releases nothing), on `side`, a stream of the measuring queue's device
-/// made once per measurement (the queue's work is
-/// complete: the caller synchronised on an event after it, so the graphs read finished
-/// inputs). `chain`: `reps` runs captured into one graph, replayed three times after an
-/// untimed replay, µs per run. `single`: one run captured alone, its graph replayed `reps`
-/// times back to back behind a spin kernel (so the host's launch rate is not what is timed),
-/// µs per replay. The two rank short kernels differently (H100, 2026-11-24: the 8 × 256 → 256
+/// made once per measurement (the queue's work is complete: the caller synchronised on an
+/// event after it, so the graphs read finished inputs). `chain`: `reps` runs captured into one
+/// graph, replayed three times after an untimed replay, µs per run. `single`: one run captured
+/// alone, its graph replayed max(`reps`, 10) times back to back behind a spin kernel (so the
+/// host's launch rate is not what is timed), µs per replay. The two rank short kernels differently (H100, 2026-11-24: the 8 × 256 → 256
 /// product's `rows8:1` took 3.7 µs per run in a chain and 4.5 as a graph of its own, where
 /// cuBLASLt's first algorithm was slower in a chain and took 3.7–3.9 alone); `timing` says
 /// which ranks.
