@@ -828,6 +828,110 @@ fn a_failed_synchronisation_releases_nothing() {
     ok(&c);
 }
 
+/// A source that, while `busy` (a capture of the device open elsewhere, for a device's
+/// source), refuses to release: `may_release` says so when `honest`, and `exclusive` always
+/// does (the race where a capture begins after the allocator asked).
+struct Gated {
+    host: Arc<HostSource>,
+    busy: Arc<AtomicBool>,
+    honest: bool,
+}
+
+// SAFETY: forwards allocation and release to `HostSource` (see `Shared`); `exclusive` runs
+// the release at most once.
+unsafe impl SegmentSource for Gated {
+    fn allocate(&self, bytes: usize) -> cudagraph::Result<u64> {
+        self.host.allocate(bytes)
+    }
+    fn release(&self, addr: u64, bytes: usize) -> cudagraph::Result<()> {
+        self.host.release(addr, bytes)
+    }
+    fn may_release(&self) -> bool {
+        !(self.honest && self.busy.load(Ordering::SeqCst))
+    }
+    fn exclusive(&self, _wait: bool, release: &mut dyn FnMut()) -> bool {
+        if self.busy.load(Ordering::SeqCst) {
+            return false;
+        }
+        release();
+        true
+    }
+}
+
+fn gated(honest: bool) -> (AllocatorCore, Arc<HostSource>, Arc<AtomicBool>) {
+    let host = Arc::new(HostSource::new());
+    let busy = Arc::new(AtomicBool::new(false));
+    let src = Gated {
+        host: host.clone(),
+        busy: busy.clone(),
+        honest,
+    };
+    (AllocatorCore::new(Box::new(src)), host, busy)
+}
+
+#[test]
+fn nothing_is_released_while_the_source_is_busy_and_closed_pools_are_retried_later() {
+    for honest in [true, false] {
+        let (mut c, src, busy) = gated(honest);
+        let p = c.create_pool(None);
+        let a = c.allocate(4 * KB, p, 0).unwrap();
+        c.free(a.addr);
+        let d = c.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+        c.free(d.addr);
+        assert_eq!(src.live_segments(), 2);
+        busy.store(true, Ordering::SeqCst);
+        c.close_pool(p);
+        assert_eq!(
+            src.live_segments(),
+            2,
+            "released while busy (honest {honest})"
+        );
+        assert_eq!(c.release_free_segments(None).unwrap(), 0);
+        assert_eq!(src.live_segments(), 2);
+        assert_eq!(c.releases_in_flight(), 0);
+        ok(&c);
+        // Still busy: a free retries the closed pool and keeps it.
+        let e = c.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+        c.free(e.addr);
+        assert_eq!(src.live_segments(), 2);
+        ok(&c);
+        // Once the source may release again, the next free gives the closed pool's segment back.
+        busy.store(false, Ordering::SeqCst);
+        let f = c.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+        c.free(f.addr);
+        assert_eq!(src.live_segments(), 1, "honest {honest}");
+        assert_eq!(c.pool_stats(p).reserved, 0);
+        ok(&c);
+    }
+}
+
+#[test]
+fn a_bounded_pool_that_must_release_to_grow_fails_cleanly_while_the_source_is_busy() {
+    for honest in [true, false] {
+        let (mut c, src, busy) = gated(honest);
+        let p = c.create_pool(Some(20 * MB));
+        let small = c.allocate(4 * KB, p, 0).unwrap();
+        c.free(small.addr);
+        busy.store(true, Ordering::SeqCst);
+        let err = c.allocate(19 * MB, p, 0).unwrap_err();
+        match honest {
+            true => assert!(matches!(err, Error::PoolLimitExceeded { .. }), "{err:?}"),
+            false => assert!(
+                matches!(err, Error::NotSupported { ref detail, .. } if detail.contains("retry")),
+                "{err:?}"
+            ),
+        }
+        assert_eq!(src.live_bytes(), 2 * MB);
+        assert_eq!(c.releases_in_flight(), 0);
+        ok(&c);
+        busy.store(false, Ordering::SeqCst);
+        let big = c.allocate(19 * MB, p, 0).unwrap();
+        assert_eq!(big.size, 20 * MB);
+        assert_eq!(src.live_bytes(), 20 * MB);
+        ok(&c);
+    }
+}
+
 #[test]
 fn allocating_from_a_closed_pool_is_an_error() {
     let (mut c, _src) = core();

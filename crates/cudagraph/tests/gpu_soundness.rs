@@ -515,6 +515,119 @@ fn eight_threads_capture_and_replay_at_once_and_match_one_thread() {
     }
 }
 
+/// Every `Device::open` has its own allocator on the one primary context, so one allocator's
+/// releases (which synchronise the context) cannot see another's captures: the context's
+/// capture gate must keep them apart. Capturing threads, each on its own device handle, drop
+/// graphs (their private pools are released) while other threads synchronise their handles
+/// and empty their caches; every capture must succeed and every result match.
+#[test]
+fn handles_of_one_device_capture_release_and_synchronise_on_many_threads_at_once() {
+    let dev = gpu_test_device!();
+    let n = 4096;
+    let (rounds, replays) = (
+        cudagraph::testing::iterations(30, 3),
+        cudagraph::testing::iterations(10, 2),
+    );
+    let want = {
+        let k = kernels(&dev);
+        let s = dev.new_stream().unwrap();
+        let x = s.alloc_zeroed::<f32>(n).unwrap();
+        for _ in 0..replays {
+            chain(&s, &k, &x, 10).unwrap();
+        }
+        s.to_vec(&x).unwrap()
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let start = Arc::new(Barrier::new(6));
+    let capturers: Vec<_> = (0..4)
+        .map(|_| {
+            let (want, start) = (want.clone(), start.clone());
+            std::thread::spawn(move || {
+                let dev = Device::open(0).unwrap();
+                let k = kernels(&dev);
+                let mut s = dev.new_stream().unwrap();
+                start.wait();
+                for _ in 0..rounds {
+                    let x = s.alloc_zeroed::<f32>(n).unwrap();
+                    let (g, ()) =
+                        Graph::capture(&mut s, CaptureOptions::new(), |cs| chain(cs, &k, &x, 10))
+                            .unwrap();
+                    for _ in 0..replays {
+                        g.replay(&s).unwrap();
+                    }
+                    assert_eq!(s.to_vec(&x).unwrap(), want);
+                    drop(g); // its private pool goes back: a release
+                    dev.empty_cache().unwrap();
+                }
+            })
+        })
+        .collect();
+    let syncers: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, start) = (stop.clone(), start.clone());
+            std::thread::spawn(move || {
+                let dev = Device::open(0).unwrap();
+                let s = dev.new_stream().unwrap();
+                start.wait();
+                let mut syncs = 0usize;
+                while !stop.load(Ordering::SeqCst) {
+                    let x = s.alloc_zeroed::<f32>(1 << 20).unwrap();
+                    drop(x);
+                    dev.synchronize().unwrap();
+                    dev.empty_cache().unwrap();
+                    syncs += 1;
+                }
+                syncs
+            })
+        })
+        .collect();
+    for t in capturers {
+        t.join().unwrap();
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in syncers {
+        assert!(t.join().unwrap() > 0, "a synchronising thread never ran");
+    }
+}
+
+/// A device synchronisation on one thread waits for a capture open on another (through
+/// another handle of the device) to end, instead of invalidating it.
+#[test]
+fn a_device_synchronisation_waits_for_another_threads_capture() {
+    let dev = gpu_test_device!();
+    let k = kernels(&dev);
+    let other = Device::open(0).unwrap();
+    let mut s = dev.new_stream().unwrap();
+    let x = s.alloc_zeroed::<f32>(1024).unwrap();
+    let (began, ended) = (Arc::new(Barrier::new(2)), Arc::new(AtomicU64::new(0)));
+    let t0 = Instant::now();
+    let waiter = {
+        let (began, ended) = (began.clone(), ended.clone());
+        std::thread::spawn(move || {
+            began.wait();
+            other.synchronize().unwrap();
+            let synced = t0.elapsed().as_micros() as u64;
+            (synced, ended.load(Ordering::SeqCst))
+        })
+    };
+    let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+        add_one(cs, &k, &x)?;
+        began.wait();
+        std::thread::sleep(Duration::from_millis(100));
+        add_one(cs, &k, &x)?;
+        ended.store(t0.elapsed().as_micros() as u64, Ordering::SeqCst);
+        Ok(())
+    })
+    .expect("the capture survives a synchronisation on another thread");
+    let (synced, ended_at) = waiter.join().unwrap();
+    assert!(
+        ended_at > 0 && synced >= ended_at,
+        "synchronised at {synced} µs, before the capture ended at {ended_at} µs"
+    );
+    g.replay(&s).unwrap();
+    assert!(s.to_vec(&x).unwrap().iter().all(|&v| v == 2.0));
+}
+
 #[test]
 fn one_graph_replayed_from_several_threads_counts_every_replay() {
     let dev = gpu_test_device!();

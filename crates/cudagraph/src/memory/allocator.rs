@@ -25,6 +25,12 @@
 //! variable until the releases in flight have finished. So no capture is ever open while the
 //! allocator synchronises the device or frees memory.
 //!
+//! Captures on other threads, through other allocators of the same context (every `Device`
+//! handle has its own), are kept apart by the source: the device's source releases only while
+//! it holds the context's capture gate (`runtime::context::CaptureGate`), and says "not now"
+//! while any capture of the context is open ([`SegmentSource::may_release`]). Segments it
+//! could not release stay cached; closed pools' ones are retried at later frees.
+//!
 //! When the allocator itself goes (the last device handle, pool, buffer and graph are gone)
 //! it synchronises once and returns every segment to the source.
 
@@ -291,7 +297,10 @@ impl Allocator {
 
 impl Drop for Allocator {
     /// Teardown: synchronise once and give every segment back, live or cached. Nothing can
-    /// use them any more: buffers, pools and graphs all hold the allocator.
+    /// use them any more: buffers, pools and graphs all hold the allocator. A device's source
+    /// first waits for captures of the context open on other threads to end; only if this
+    /// thread is itself capturing (on another handle of the device) while another capture is
+    /// open are the segments left to the driver (freed with the context) rather than waited for.
     fn drop(&mut self) {
         let core = self.core.get_mut().unwrap_or_else(|p| p.into_inner());
         let mut plan = core.teardown();

@@ -58,7 +58,8 @@ pub(crate) const LARGE_SHARED_MAX: usize = 10 << 20;
 /// that nothing else uses until the same range is passed to `release` (live ranges never
 /// overlap), aligned to at least 256 bytes. A source that a device allocates from returns memory of that
 /// device; only the crate makes those (see [`crate::memory::Allocator::new`]). `synchronize`
-/// returns `Ok` only once no queued work can still touch any of its segments.
+/// returns `Ok` only once no queued work can still touch any of its segments. `exclusive`
+/// runs its closure at most once and returns whether it did.
 pub unsafe trait SegmentSource: Send + Sync {
     /// Returns the address of a new region of `bytes` bytes, or `Error::OutOfMemory`.
     fn allocate(&self, bytes: usize) -> Result<u64>;
@@ -67,6 +68,22 @@ pub unsafe trait SegmentSource: Send + Sync {
     /// Waits until no queued work can still touch any segment (before segments are released).
     fn synchronize(&self) -> Result<()> {
         Ok(())
+    }
+    /// Whether releasing (`synchronize`, then `release`) may happen now. The allocator asks
+    /// before it detaches segments to release; when the answer is no, it keeps them cached
+    /// and tries again at a later free. A device's source says no while any capture of its
+    /// context is open, on any thread: synchronising would invalidate it.
+    fn may_release(&self) -> bool {
+        true
+    }
+    /// Runs `release` (which synchronises and releases) with releases allowed throughout, and
+    /// returns true; or returns false without running it when they are not allowed now. With
+    /// `wait`, waits until they are (the allocator's teardown) where the source can. The
+    /// default runs it at once.
+    fn exclusive(&self, wait: bool, release: &mut dyn FnMut()) -> bool {
+        let _ = wait;
+        release();
+        true
     }
 }
 
@@ -280,6 +297,13 @@ pub struct ReleasePlan {
     error: Option<Error>,
     /// Counted in `releases_in_flight`.
     counted: bool,
+    /// The source did not allow releasing when the plan ran ([`SegmentSource::exclusive`]):
+    /// nothing was released, and the segments go back to the cache (closed pools' ones to
+    /// the queue that later frees retry).
+    deferred: bool,
+    /// Releasing is what makes room for an allocation (a bounded pool's grow): a deferred
+    /// plan is then an error.
+    required: bool,
     /// From `teardown`: the bookkeeping already forgot these segments.
     forgotten: bool,
 }
@@ -311,23 +335,45 @@ impl ReleasePlan {
             .fold(0usize, |sum, d| sum.saturating_add(d.size))
     }
 
+    /// Whether the source deferred this plan (see [`SegmentSource::exclusive`]).
+    pub fn was_deferred(&self) -> bool {
+        self.deferred
+    }
+
     /// Synchronises `source` once, then releases every segment; call it with no lock held.
     /// Failures are recorded and reported by [`AllocatorCore::finish_release`]: after a
     /// failed synchronisation nothing is released (queued work may still use the memory).
+    /// When the source does not allow releasing now, nothing is released and the plan is
+    /// marked deferred (the teardown's plan waits until it may).
     pub fn execute(&mut self, source: &dyn SegmentSource) {
         if self.segments.is_empty() {
             return;
         }
-        if let Err(e) = source.synchronize() {
-            self.error = Some(e);
-            return;
-        }
-        for d in self.segments.iter_mut().filter(|d| !d.released) {
-            match source.release(d.base, d.size) {
-                Ok(()) => d.released = true,
-                Err(e) => {
-                    self.error.get_or_insert(e);
+        let (segments, error) = (&mut self.segments, &mut self.error);
+        let ran = source.exclusive(self.forgotten, &mut || {
+            if let Err(e) = source.synchronize() {
+                *error = Some(e);
+                return;
+            }
+            for d in segments.iter_mut().filter(|d| !d.released) {
+                match source.release(d.base, d.size) {
+                    Ok(()) => d.released = true,
+                    Err(e) => {
+                        error.get_or_insert(e);
+                    }
                 }
+            }
+        });
+        if !ran {
+            self.deferred = true;
+            if self.required {
+                self.error = Some(Error::NotSupported {
+                    what: "growing a bounded pool",
+                    detail: "its cached segments had to be released to make room, and a \
+                             capture of this device began on another thread meanwhile \
+                             (releasing would have invalidated it); retry the allocation"
+                        .into(),
+                });
             }
         }
     }
@@ -363,7 +409,9 @@ impl GrowPlan {
     /// The segments (of a bounded pool) to release before the new segment is asked for;
     /// leaves an empty plan behind. Execute and finish it like any release plan.
     pub fn take_release(&mut self) -> ReleasePlan {
-        std::mem::take(&mut self.release)
+        let mut plan = std::mem::take(&mut self.release);
+        plan.required = true;
+        plan
     }
 }
 
@@ -704,7 +752,7 @@ impl AllocatorCore {
                 if tight <= room {
                     segment = segment.min(room - room % LARGE_ROUND);
                 } else {
-                    let givable = if graphs == 0 && self.captures_open == 0 {
+                    let givable = if graphs == 0 && self.may_release() {
                         self.whole_free_segments(Some(pool))
                     } else {
                         Vec::new()
@@ -980,7 +1028,7 @@ impl AllocatorCore {
     /// completed, then detaches the releasable segments (none while a capture window is open).
     pub fn begin_release(&mut self, only: Option<PoolId>) -> ReleasePlan {
         self.poll_pending();
-        if self.captures_open > 0 {
+        if !self.may_release() {
             return ReleasePlan::default();
         }
         let victims = self.whole_free_segments(only);
@@ -995,6 +1043,8 @@ impl AllocatorCore {
             error,
             counted,
             forgotten,
+            deferred,
+            required: _,
         } = plan;
         if counted {
             self.releases_in_flight = self.releases_in_flight.saturating_sub(1);
@@ -1029,6 +1079,15 @@ impl AllocatorCore {
                 seg.releasing = false;
                 self.free
                     .insert((seg.pool, seg.stream, seg.class, seg.size, d.base));
+                // A closed pool's segment that could not be released yet: later frees retry.
+                if deferred
+                    && self
+                        .pools
+                        .get(&seg.pool)
+                        .is_some_and(|p| p.closed && p.graphs == 0)
+                {
+                    self.closed_free.insert(d.base);
+                }
             }
         }
         for pool in touched {
@@ -1074,7 +1133,16 @@ impl AllocatorCore {
             error: None,
             counted,
             forgotten: true,
+            deferred: false,
+            required: false,
         }
+    }
+
+    /// Whether segments may be released now: no capture window of this allocator is open, and
+    /// the source allows it ([`SegmentSource::may_release`]: no capture of the device is open
+    /// on any thread, through any allocator).
+    fn may_release(&self) -> bool {
+        self.captures_open == 0 && self.source.may_release()
     }
 
     fn run_release(&mut self, plan: ReleasePlan) -> Result<usize> {
@@ -1130,12 +1198,14 @@ impl AllocatorCore {
             error: None,
             counted,
             forgotten: false,
+            deferred: false,
+            required: false,
         }
     }
 
     /// Detaches the queued empty segments of closed pools (unless a capture window is open).
     fn take_closed_plan(&mut self) -> ReleasePlan {
-        if self.closed_free.is_empty() || self.captures_open > 0 {
+        if self.closed_free.is_empty() || !self.may_release() {
             return ReleasePlan::default();
         }
         let queued = std::mem::take(&mut self.closed_free);

@@ -22,7 +22,8 @@ pub(crate) struct DeviceSource {
 
 // SAFETY: every segment is a fresh cuMemAlloc of device memory in this device's primary
 // context (aligned to at least 256 bytes by the driver), freed only by `release`;
-// `synchronize` is a context synchronisation.
+// `synchronize` is a context synchronisation (run inside `exclusive`, which holds the
+// context's capture gate, so no capture of the context is open meanwhile).
 unsafe impl SegmentSource for DeviceSource {
     fn allocate(&self, bytes: usize) -> Result<u64> {
         if bytes > self.total {
@@ -59,6 +60,26 @@ unsafe impl SegmentSource for DeviceSource {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.ctx.synchronize()
+        // Called only inside `exclusive`, which holds the context's gate.
+        self.ctx.synchronize_quiet()
+    }
+
+    fn may_release(&self) -> bool {
+        !self.ctx.gate().capturing()
+    }
+
+    fn exclusive(&self, wait: bool, release: &mut dyn FnMut()) -> bool {
+        let gate = self.ctx.gate();
+        let quiet = match wait {
+            true => gate.wait_quiet("releasing device memory").ok(),
+            false => gate.try_quiet(),
+        };
+        match quiet {
+            Some(_quiet) => {
+                release();
+                true
+            }
+            None => false,
+        }
     }
 }

@@ -1,20 +1,136 @@
 //! The CUDA context of one device (its retained primary context) and the facts read off the
 //! device when it is opened. Every runtime owner holds a [`Context`] and binds it before it
 //! calls the driver, so objects work from any thread.
+//!
+//! **The capture gate.** `cuCtxSynchronize` (and `cuMemFree`, which synchronises too) must not
+//! run while any stream of the context is capturing, whichever thread captures: the driver
+//! invalidates that capture, and with several threads capturing and synchronising at once it
+//! has crashed inside `cuCtxSynchronize`. Every `Device` opened on a device shares its primary
+//! context, and each has its own allocator, so no single allocator can know about the others'
+//! captures. [`CaptureGate`] is the one place that does: one per context, process-wide, keyed
+//! by the raw context. Captures this crate begins enter it (they wait only while a
+//! synchronisation is running, which never waits for anything but the GPU); context-wide
+//! synchronisations either wait until no capture is open ([`CaptureGate::wait_quiet`]) or,
+//! where waiting is not wanted, take the gate only if it is free ([`CaptureGate::try_quiet`]:
+//! the allocator then keeps its segments cached and releases them later).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::ptr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::sys;
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 
 use super::module::Module;
 use super::result::{check, driver_present, driver_version, init, raw_handle};
+use super::stream::capturing_on_this_thread;
 use crate::error::{Error, Result};
 
 raw_handle!(RawContext, sys::CUcontext);
+
+/// Keeps context-wide synchronisations and this crate's captures of one context apart, across
+/// every thread and every `Device` handle of the context (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct CaptureGate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    /// Captures begun and not yet ended, from any thread.
+    captures: usize,
+    /// Synchronisations running (holders of a [`Quiet`]).
+    quiet: usize,
+}
+
+/// Held while a context-wide synchronisation (and the releases behind it) runs: no capture of
+/// the context begins until it is dropped.
+#[must_use = "the gate is open again as soon as this is dropped"]
+pub(crate) struct Quiet<'a>(&'a CaptureGate);
+
+impl Drop for Quiet<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.quiet = st.quiet.saturating_sub(1);
+        drop(st);
+        self.0.changed.notify_all();
+    }
+}
+
+impl CaptureGate {
+    /// The gate of the context `raw` (one per context for the life of the process).
+    fn of(raw: RawContext) -> Arc<CaptureGate> {
+        static GATES: OnceLock<Mutex<HashMap<usize, Arc<CaptureGate>>>> = OnceLock::new();
+        let mut gates = GATES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        gates.entry(raw.0 as usize).or_default().clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        // Every critical section only adds or subtracts one; a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a capture that is about to begin; waits while a synchronisation runs. Balance it
+    /// with [`Self::leave_capture`] once the capture has ended (or failed to begin).
+    pub(crate) fn enter_capture(&self) {
+        let mut st = self.lock();
+        while st.quiet > 0 {
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.captures += 1;
+    }
+
+    /// Undoes one [`Self::enter_capture`].
+    pub(crate) fn leave_capture(&self) {
+        let mut st = self.lock();
+        st.captures = st.captures.saturating_sub(1);
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Whether a capture of this context is open on any thread.
+    pub(crate) fn capturing(&self) -> bool {
+        self.lock().captures > 0
+    }
+
+    /// Holds captures off, if none is open now.
+    pub(crate) fn try_quiet(&self) -> Option<Quiet<'_>> {
+        let mut st = self.lock();
+        if st.captures > 0 {
+            return None;
+        }
+        st.quiet += 1;
+        Some(Quiet(self))
+    }
+
+    /// Waits until no capture of this context is open, then holds captures off. A thread that
+    /// is capturing itself (any context) must not wait — the capture it holds could be the one
+    /// waited for, or its end could wait on another thread waiting here — so it gets the gate
+    /// only if it is free, and otherwise an error that names `what`.
+    #[track_caller]
+    pub(crate) fn wait_quiet(&self, what: &'static str) -> Result<Quiet<'_>> {
+        if capturing_on_this_thread() {
+            return self.try_quiet().ok_or_else(|| Error::NotSupported {
+                what,
+                detail: "it synchronises the whole device while another capture on it is \
+                         open, and this thread is capturing too, so it cannot wait for that \
+                         capture to end; end this thread's capture first"
+                    .into(),
+            });
+        }
+        let mut st = self.lock();
+        while st.captures > 0 {
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.quiet += 1;
+        Ok(Quiet(self))
+    }
+}
 
 /// Facts about a device, read once when it is opened.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,6 +172,8 @@ impl DeviceInfo {
 pub(crate) struct ContextHandle {
     pub(crate) raw: RawContext,
     dev: sys::CUdevice,
+    /// Shared by every handle of this context (see [`CaptureGate`]).
+    gate: Arc<CaptureGate>,
 }
 
 impl Drop for ContextHandle {
@@ -74,9 +192,22 @@ impl ContextHandle {
         bind_raw(self.raw)
     }
 
-    /// Waits for all work in the context.
+    /// The context's capture gate.
+    pub(crate) fn gate(&self) -> &CaptureGate {
+        &self.gate
+    }
+
+    /// Waits for all work in the context: first for every open capture of the context to end
+    /// (on other threads; see [`CaptureGate::wait_quiet`]), then for the device.
     #[track_caller]
     pub(crate) fn synchronize(&self) -> Result<()> {
+        let _quiet = self.gate.wait_quiet("synchronising the device")?;
+        self.synchronize_quiet()
+    }
+
+    /// `cuCtxSynchronize`, for callers that hold the context's [`Quiet`].
+    #[track_caller]
+    pub(crate) fn synchronize_quiet(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: no arguments; the context was bound above.
         check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
@@ -178,6 +309,7 @@ impl Context {
         let handle = Arc::new(ContextHandle {
             raw: RawContext(raw),
             dev,
+            gate: CaptureGate::of(RawContext(raw)),
         });
         handle.bind()?;
         let mut total = 0;
@@ -229,7 +361,9 @@ impl Context {
         self.handle.raw.0
     }
 
-    /// Waits for all work on the device. Not allowed while a global-mode capture is open.
+    /// Waits for all work on the device. Waits first for captures of this device open on other
+    /// threads to end (synchronising would invalidate them); fails with
+    /// [`Error::NotSupported`] if this thread is capturing and another capture is open.
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
         self.handle.synchronize()
@@ -246,5 +380,90 @@ impl Context {
             "cuMemGetInfo",
         )?;
         Ok((free, total))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::thread;
+    use std::time::Duration;
+
+    #[test]
+    fn the_gate_is_quiet_only_while_no_capture_is_open() {
+        let gate = CaptureGate::default();
+        assert!(!gate.capturing());
+        gate.enter_capture();
+        gate.enter_capture();
+        assert!(gate.capturing());
+        assert!(gate.try_quiet().is_none(), "two captures open");
+        gate.leave_capture();
+        assert!(gate.try_quiet().is_none(), "one capture still open");
+        gate.leave_capture();
+        let quiet = gate.try_quiet().expect("no capture open");
+        assert!(!gate.capturing());
+        drop(quiet);
+        // Unbalanced leaves never underflow.
+        gate.leave_capture();
+        assert!(gate.try_quiet().is_some());
+    }
+
+    #[test]
+    fn a_synchronisation_waits_for_other_threads_captures_to_end() {
+        let gate = Arc::new(CaptureGate::default());
+        gate.enter_capture();
+        let synced = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (gate, synced) = (gate.clone(), synced.clone());
+            thread::spawn(move || {
+                let _quiet = gate
+                    .wait_quiet("test")
+                    .expect("this thread does not capture");
+                synced.store(true, Ordering::SeqCst);
+            })
+        };
+        thread::sleep(Duration::from_millis(50));
+        assert!(
+            !synced.load(Ordering::SeqCst),
+            "synchronised while a capture was open"
+        );
+        gate.leave_capture();
+        waiter.join().unwrap();
+        assert!(synced.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn a_capture_waits_for_a_running_synchronisation() {
+        let gate = Arc::new(CaptureGate::default());
+        let quiet = gate.try_quiet().unwrap();
+        let began = Arc::new(AtomicBool::new(false));
+        let capturer = {
+            let (gate, began) = (gate.clone(), began.clone());
+            thread::spawn(move || {
+                gate.enter_capture();
+                began.store(true, Ordering::SeqCst);
+                gate.leave_capture();
+            })
+        };
+        thread::sleep(Duration::from_millis(50));
+        assert!(
+            !began.load(Ordering::SeqCst),
+            "a capture began during a synchronisation"
+        );
+        drop(quiet);
+        capturer.join().unwrap();
+        assert!(began.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn several_synchronisations_may_run_together() {
+        let gate = CaptureGate::default();
+        let a = gate.try_quiet().unwrap();
+        let b = gate.wait_quiet("test").unwrap();
+        drop((a, b));
+        gate.enter_capture();
+        assert!(gate.capturing());
+        gate.leave_capture();
     }
 }

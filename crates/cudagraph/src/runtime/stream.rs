@@ -411,12 +411,17 @@ impl StreamHandle {
         // Marked before the driver's capture begins (and cleared after it ends), so no eager
         // call ever sees "not capturing" while it is.
         self.0.tracked.store(true, Ordering::Release);
+        // Counted in the context's gate for as long as the driver's capture is open, so no
+        // context-wide synchronisation (any thread, any allocator) runs meanwhile.
+        let gate = self.0.ctx.handle.gate();
+        gate.enter_capture();
         // SAFETY: the stream is live and not capturing (the caller holds it exclusively).
         let begun = check(
             unsafe { sys::cuStreamBeginCapture_v2(self.0.raw.0, mode.raw()) },
             "cuStreamBeginCapture",
         );
         if let Err(e) = begun {
+            gate.leave_capture();
             self.0.tracked.store(false, Ordering::Release);
             return Err(e);
         }
@@ -448,7 +453,9 @@ impl StreamHandle {
     /// Marks this stream as capturing into a graph of its own (a conditional node's body,
     /// captured with `cuStreamBeginCaptureToGraph`): call with `true` before that capture
     /// begins and with `false` once it has ended, so that eager work is refused meanwhile and
-    /// [`StreamRef::record`] knows the stream is capturing without asking the driver.
+    /// [`StreamRef::record`] knows the stream is capturing without asking the driver. A body
+    /// is only ever captured inside its parent's capture, which the context's gate already
+    /// counts, so this does not enter the gate.
     pub(crate) fn mark_body_capture(&self, on: bool) {
         self.0.tracked.store(on, Ordering::Release);
     }
@@ -466,12 +473,16 @@ impl StreamHandle {
     #[track_caller]
     pub(crate) fn end_capture(&self) -> Result<GraphHandle> {
         let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
-        if st.capturing {
+        let began = st.capturing;
+        if began {
             CAPTURING.with(|c| c.set(c.get().saturating_sub(1)));
         }
         let mut g = ptr::null_mut();
         // SAFETY: writes one graph handle (possibly null on failure).
         let status = unsafe { sys::cuStreamEndCapture(self.0.raw.0, &mut g) };
+        if began {
+            self.0.ctx.handle.gate().leave_capture();
+        }
         // Cleared only now that the driver's capture is over (see `begin_capture`).
         st.capturing = false;
         st.begin_fence = None;
