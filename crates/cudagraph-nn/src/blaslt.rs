@@ -11,6 +11,14 @@
 //! [`crate::blas`]); algorithms are offered up to [`workspace_for`] bytes. For each
 //! product shape a plan keeps the descriptors and cuBLASLt's heuristic list of algorithms; the
 //! engine registry ([`crate::engine`]) measures the first few and picks one by its rank.
+//!
+//! **Split-K variants.** When the grid of one of the first [`SPLIT_K_RANKS`] heuristic
+//! algorithms would not fill the device (fewer thread blocks than multiprocessors, see
+//! [`split_choices`]), the plan also keeps copies of it with `CUBLASLT_ALGO_CONFIG_SPLITK_NUM`
+//! set to a few of [`SPLITS`] and a reduction scheme the algorithm supports (in place where it
+//! can, else through the workspace), each validated by `cublasLtMatmulAlgoCheck` with a workspace
+//! that fits [`workspace_for`]; the registry measures them as `cublaslt:RANK/skS`. Where the
+//! library lacks the functions this needs, a plan simply has no variants.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -47,6 +55,23 @@ const EPI_RELU_BIAS: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS a
 const EPI_BGRADB: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB as u32;
 const OP_N: i32 = 0;
 const OP_T: i32 = 1;
+const CONFIG_TILE_ID: u32 =
+    ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_TILE_ID as u32;
+const CONFIG_SPLITK_NUM: u32 =
+    ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM as u32;
+const CONFIG_REDUCTION_SCHEME: u32 =
+    ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME as u32;
+const CAP_SPLITK_SUPPORT: u32 =
+    ls::cublasLtMatmulAlgoCapAttributes_t::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT as u32;
+const CAP_REDUCTION_SCHEME_MASK: u32 =
+    ls::cublasLtMatmulAlgoCapAttributes_t::CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK as u32;
+const CAP_MIN_ALIGNMENT_A: u32 =
+    ls::cublasLtMatmulAlgoCapAttributes_t::CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES as u32;
+const REDUCE_INPLACE: u32 = ls::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32;
+const REDUCE_COMPUTE_TYPE: u32 =
+    ls::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+const REDUCE_OUTPUT_TYPE: u32 =
+    ls::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32;
 
 /// Workspace bytes per stream for a device of compute capability `major`.x: 32 MiB from Hopper
 /// on, 4 MiB before (the sizes cuBLAS's documentation recommends; PyTorch's default on Hopper
@@ -70,6 +95,27 @@ const HEURISTIC_ALGOS: usize = 16;
 /// forward products, 2026-11-23 and -24, at six) gets more chances at a faster one; measuring
 /// costs a few milliseconds per shape, once.
 pub const MEASURED_ALGOS: usize = 12;
+
+/// How many of the first heuristic algorithms get split-K variants.
+pub const SPLIT_K_RANKS: usize = 3;
+
+/// The K splits a split-K variant may use (at most four of them per algorithm, eight per shape).
+pub const SPLITS: [u8; 6] = [2, 3, 4, 6, 8, 16];
+
+/// How many split-K variants the algorithm of each rank below [`SPLIT_K_RANKS`] may get: eight
+/// in all, so that measuring a shape's candidates stays cheap.
+const SPLITS_PER_RANK: [usize; SPLIT_K_RANKS] = [4, 2, 2];
+
+/// The fewest K elements a split keeps.
+const MIN_K_PER_SPLIT: usize = 32;
+
+/// The reduction schemes a variant tries, in order: in place (the output buffer, with counters
+/// in the workspace that keep the splits in sequence, as the header puts it), then partial
+/// results in the workspace in the compute type, then in the output type, each reduced in a
+/// separate step (the same type here: fp32). The first one the algorithm supports and
+/// `cublasLtMatmulAlgoCheck` accepts within the workspace is kept. None is described as using
+/// atomics; the GPU tests check that repeated runs and graph replays give the same bits.
+const REDUCTION_ORDER: [u32; 3] = [REDUCE_INPLACE, REDUCE_COMPUTE_TYPE, REDUCE_OUTPUT_TYPE];
 
 /// `cublasLtMatmulHeuristicResult_t` with the status as a raw integer.
 #[repr(C)]
@@ -128,6 +174,30 @@ struct Api {
         usize,
         Ptr,
     ) -> Status,
+    /// What split-K variants need (`None` where a symbol is missing: no variants).
+    split_k: Option<SplitKApi>,
+}
+
+/// The functions that read and change an algorithm's configuration and validate the result.
+struct SplitKApi {
+    /// `cublasLtMatmulAlgoCheck(handle, desc, A, B, C, D, algo, result)`.
+    #[allow(clippy::type_complexity)]
+    check: unsafe extern "C" fn(
+        Ptr,
+        Ptr,
+        Ptr,
+        Ptr,
+        Ptr,
+        Ptr,
+        *const [u64; 8],
+        *mut HeuristicResult,
+    ) -> Status,
+    /// `cublasLtMatmulAlgoConfigGetAttribute(algo, attr, buf, size, written)`.
+    config_get: unsafe extern "C" fn(*const [u64; 8], u32, Ptr, usize, *mut usize) -> Status,
+    /// `cublasLtMatmulAlgoConfigSetAttribute(algo, attr, buf, size)`.
+    config_set: unsafe extern "C" fn(*mut [u64; 8], u32, CPtr, usize) -> Status,
+    /// `cublasLtMatmulAlgoCapGetAttribute(algo, attr, buf, size, written)`.
+    cap_get: unsafe extern "C" fn(*const [u64; 8], u32, Ptr, usize, *mut usize) -> Status,
 }
 
 fn load() -> std::result::Result<Api, String> {
@@ -152,7 +222,139 @@ fn load() -> std::result::Result<Api, String> {
         pref_set: lib_fn!(lib, "cublasLtMatmulPreferenceSetAttribute"),
         heuristic: lib_fn!(lib, "cublasLtMatmulAlgoGetHeuristic"),
         matmul: lib_fn!(lib, "cublasLtMatmul"),
+        split_k: load_split_k(lib).ok(),
     })
+}
+
+fn load_split_k(lib: &libloading::Library) -> std::result::Result<SplitKApi, String> {
+    Ok(SplitKApi {
+        check: lib_fn!(lib, "cublasLtMatmulAlgoCheck"),
+        config_get: lib_fn!(lib, "cublasLtMatmulAlgoConfigGetAttribute"),
+        config_set: lib_fn!(lib, "cublasLtMatmulAlgoConfigSetAttribute"),
+        cap_get: lib_fn!(lib, "cublasLtMatmulAlgoCapGetAttribute"),
+    })
+}
+
+impl SplitKApi {
+    /// A 4-byte configuration attribute of `algo` (u32 for TILE_ID, SPLITK_NUM and
+    /// REDUCTION_SCHEME); `None` when cuBLASLt refuses or writes another size.
+    fn config(&self, algo: &[u64; 8], attr: u32) -> Option<[u8; 4]> {
+        let mut v = [0u8; 4];
+        let mut written = 0usize;
+        // SAFETY: `algo` is a whole cublasLtMatmulAlgo_t (8 × u64) that the call only reads;
+        // `v` has the 4 writable bytes passed as its size, `written` is a valid usize.
+        let st =
+            unsafe { (self.config_get)(algo, attr, v.as_mut_ptr() as Ptr, v.len(), &mut written) };
+        (st == SUCCESS && written == v.len()).then_some(v)
+    }
+
+    /// A 4-byte capability attribute of `algo` (i32 for SPLITK_SUPPORT, u32 for
+    /// REDUCTION_SCHEME_MASK and the MIN_ALIGNMENT_* bytes).
+    fn cap(&self, algo: &[u64; 8], attr: u32) -> Option<[u8; 4]> {
+        let mut v = [0u8; 4];
+        let mut written = 0usize;
+        // SAFETY: as in `config`: `algo` is read only, `v` has the 4 bytes passed.
+        let st =
+            unsafe { (self.cap_get)(algo, attr, v.as_mut_ptr() as Ptr, v.len(), &mut written) };
+        (st == SUCCESS && written == v.len()).then_some(v)
+    }
+
+    /// Sets a u32 configuration attribute of `algo`; `false` when cuBLASLt refuses.
+    fn set_config(&self, algo: &mut [u64; 8], attr: u32, value: u32) -> bool {
+        let v = value.to_ne_bytes();
+        // SAFETY: `algo` is a whole cublasLtMatmulAlgo_t we own; the value is 4 readable
+        // bytes, the size of the u32 attributes set here.
+        let st = unsafe { (self.config_set)(algo, attr, v.as_ptr() as CPtr, v.len()) };
+        st == SUCCESS
+    }
+}
+
+/// Tile shapes of `cublasLtMatmulTile_t` by id, from 1 (`CUBLASLT_MATMUL_TILE_8x8`) on, as
+/// rows × columns of cuBLASLt's D matrix (the header's order, unchanged from cuBLASLt 12.6 to
+/// 13.4, which append new ids; 0 is `UNDEFINED`).
+const TILE_SHAPES: &str = "\
+    8x8 8x16 16x8 8x32 16x16 32x8 8x64 16x32 32x16 64x8 32x32 32x64 64x32 32x128 64x64 128x32 \
+    64x128 128x64 64x256 128x128 256x64 64x512 128x256 256x128 512x64 64x96 96x64 96x128 128x160 \
+    160x128 192x128 128x192 128x96 32x256 256x32 8x128 8x192 8x256 8x320 8x384 8x448 8x512 8x576 \
+    8x640 8x704 8x768 16x64 16x128 16x192 16x256 16x320 16x384 16x448 16x512 16x576 16x640 16x704 \
+    16x768 24x64 24x128 24x192 24x256 24x320 24x384 24x448 24x512 24x576 24x640 24x704 24x768 \
+    32x192 32x320 32x384 32x448 32x512 32x576 32x640 32x704 32x768 40x64 40x128 40x192 40x256 \
+    40x320 40x384 40x448 40x512 40x576 40x640 40x704 40x768 48x64 48x128 48x192 48x256 48x320 \
+    48x384 48x448 48x512 48x576 48x640 48x704 48x768 56x64 56x128 56x192 56x256 56x320 56x384 \
+    56x448 56x512 56x576 56x640 56x704 56x768 64x192 64x320 64x384 64x448 64x576 64x640 64x704 \
+    64x768 72x64 72x128 72x192 72x256 72x320 72x384 72x448 72x512 72x576 72x640 80x64 80x128 \
+    80x192 80x256 80x320 80x384 80x448 80x512 80x576 88x64 88x128 88x192 88x256 88x320 88x384 \
+    88x448 88x512 96x192 96x256 96x320 96x384 96x448 96x512 104x64 104x128 104x192 104x256 \
+    104x320 104x384 104x448 112x64 112x128 112x192 112x256 112x320 112x384 120x64 120x128 120x192 \
+    120x256 120x320 120x384 128x320 128x384 136x64 136x128 136x192 136x256 136x320 144x64 144x128 \
+    144x192 144x256 144x320 152x64 152x128 152x192 152x256 152x320 160x64 160x192 160x256 168x64 \
+    168x128 168x192 168x256 176x64 176x128 176x192 176x256 184x64 184x128 184x192 184x256 192x64 \
+    192x192 192x256 200x64 200x128 200x192 208x64 208x128 208x192 216x64 216x128 216x192 224x64 \
+    224x128 224x192 232x64 232x128 232x192 240x64 240x128 240x192 248x64 248x128 248x192 256x192 \
+    264x64 264x128 272x64 272x128 280x64 280x128 288x64 288x128 296x64 296x128 304x64 304x128 \
+    312x64 312x128 320x64 320x128 328x64 328x128 336x64 336x128 344x64 344x128 352x64 352x128 \
+    360x64 360x128 368x64 368x128 376x64 376x128 384x64 384x128 392x64 400x64 408x64 416x64 \
+    424x64 432x64 440x64 448x64 456x64 464x64 472x64 480x64 488x64 496x64 504x64 520x64 528x64 \
+    536x64 544x64 552x64 560x64 568x64 576x64 584x64 592x64 600x64 608x64 616x64 624x64 632x64 \
+    640x64 648x64 656x64 664x64 672x64 680x64 688x64 696x64 704x64 712x64 720x64 728x64 736x64 \
+    744x64 752x64 760x64 768x64 64x16 64x24 64x40 64x48 64x56 64x72 64x80 64x88 64x104 64x112 \
+    64x120 64x136 64x144 64x152 64x160 64x168 64x176 64x184 64x200 64x208 64x216 64x224 64x232 \
+    64x240 64x248 64x264 64x272 64x280 64x288 64x296 64x304 64x312 64x328 64x336 64x344 64x352 \
+    64x360 64x368 64x376 64x392 64x400 64x408 64x416 64x424 64x432 64x440 64x456 64x464 64x472 \
+    64x480 64x488 64x496 64x504 64x520 64x528 64x536 64x544 64x552 64x560 64x568 64x584 64x592 \
+    64x600 64x608 64x616 64x624 64x632 64x648 64x656 64x664 64x672 64x680 64x688 64x696 64x712 \
+    64x720 64x728 64x736 64x744 64x752 64x760 128x8 128x16 128x24 128x40 128x48 128x56 128x72 \
+    128x80 128x88 128x104 128x112 128x120 128x136 128x144 128x152 128x168 128x176 128x184 128x200 \
+    128x208 128x216 128x224 128x232 128x240 128x248 128x264 128x272 128x280 128x288 128x296 \
+    128x304 128x312 128x328 128x336 128x344 128x352 128x360 128x368 128x376 128x392 128x400 \
+    128x408 128x416 128x424 128x432 128x440 128x448 128x456 128x464 128x472 128x480 128x488 \
+    128x496 128x504 128x512 192x8 192x16 192x24 192x32 192x40 192x48 192x56 192x72 192x80 192x88 \
+    192x96 192x104 192x112 192x120 192x136 192x144 192x152 192x160 192x168 192x176 192x184 \
+    192x200 192x208 192x216 192x224 192x232 192x240 192x248 192x264 192x272 192x280 192x288 \
+    192x296 192x304 192x312 192x320 192x328 192x336 256x8 256x16 256x24 256x40 256x48 256x56 \
+    256x72 256x80 256x88 256x96 256x104 256x112 256x120 256x136 256x144 256x152 256x160 256x168 \
+    256x176 256x184 256x200 256x208 256x216 256x224 256x232 256x240 256x248 256x256 320x8 320x16 \
+    320x24 320x32 320x40 320x48 320x56 320x72 320x80 320x88 320x96 320x104 320x112 320x120 \
+    320x136 320x144 320x152 320x160 320x168 320x176 320x184 320x192 320x200 384x8 384x16 384x24 \
+    384x32 384x40 384x48 384x56 384x72 384x80 384x88 384x96 384x104 384x112 384x120 384x136 \
+    384x144 384x152 384x160 384x168 448x8 448x16 448x24 448x32 448x40 448x48 448x56 448x72 448x80 \
+    448x88 448x96 448x104 448x112 448x120 448x128 448x136 448x144 512x8 512x16 512x24 512x32 \
+    512x40 512x48 512x56 512x72 512x80 512x88 512x96 512x104 512x112 512x120 512x128 576x8 576x16 \
+    576x24 576x32 576x40 576x48 576x56 576x72 576x80 576x88 576x96 576x104 576x112 640x8 640x16 \
+    640x24 640x32 640x40 640x48 640x56 640x72 640x80 640x88 640x96 704x8 704x16 704x24 704x32 \
+    704x40 704x48 704x56 704x72 704x80 704x88 768x8 768x16 768x24 768x32 768x40 768x48 768x56 \
+    768x72 768x80 256x512 256x1024 512x512 512x1024 4x1 8x1 16x1 24x1 32x1 40x1 48x1 64x1 128x1 \
+    192x1 256x1";
+
+/// The rows × columns of D that tile `id` covers, if it is a known tile.
+fn tile_shape(id: u32) -> Option<(usize, usize)> {
+    let name = TILE_SHAPES
+        .split_ascii_whitespace()
+        .nth(usize::try_from(id).ok()?.checked_sub(1)?)?;
+    let (r, c) = name.split_once('x')?;
+    let (r, c) = (r.parse().ok()?, c.parse().ok()?);
+    (r > 0 && c > 0).then_some((r, c))
+}
+
+/// The K splits to try for an algorithm whose grid fills `fill` of one wave of the device
+/// (thread blocks / multiprocessors): none when it fills it (`fill` ≥ 1, or not a number);
+/// otherwise those of [`SPLITS`] that keep at least 32 elements of K per split and make at most
+/// two waves, the `most` nearest to one full wave (by ratio), in increasing order.
+pub fn split_choices(fill: f64, k: usize, most: usize) -> Vec<u8> {
+    if !(fill > 0.0 && fill < 1.0) {
+        return Vec::new();
+    }
+    let mut v: Vec<u8> = SPLITS
+        .into_iter()
+        .filter(|&s| k / s as usize >= MIN_K_PER_SPLIT && fill * s as f64 <= 2.0)
+        .collect();
+    v.sort_by(|a, b| {
+        let off = |s: u8| (fill * s as f64).ln().abs();
+        off(*a).total_cmp(&off(*b))
+    });
+    v.truncate(most);
+    v.sort_unstable();
+    v
 }
 
 fn api() -> std::result::Result<&'static Api, &'static str> {
@@ -200,8 +402,19 @@ struct Plan {
     b: Ptr,
     c: Ptr,
     algos: Vec<HeuristicResult>,
+    /// Split-K variants of the first [`SPLIT_K_RANKS`] algorithms (see the module docs).
+    split_k: Vec<SplitVariant>,
     /// Whether the bias gradient is fused (`BGRADB`); otherwise the caller reduces it.
     fused_bgrad: bool,
+}
+
+/// A heuristic algorithm with its K split `split` ways, as `cublasLtMatmulAlgoCheck` accepted
+/// it (`result.algo` the changed configuration, `result.workspace_size` what it needs).
+#[derive(Clone, Copy, Debug)]
+struct SplitVariant {
+    rank: u8,
+    split: u8,
+    result: HeuristicResult,
 }
 
 impl Drop for Plan {
@@ -299,6 +512,7 @@ fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
         b: std::ptr::null_mut(),
         c: std::ptr::null_mut(),
         algos: Vec::new(),
+        split_k: Vec::new(),
         fused_bgrad: false,
     };
     let (la_rows, la_cols) = if s.tb == Trans::N { (n, k) } else { (k, n) };
@@ -410,7 +624,103 @@ impl BlasLt {
             // No fused bias gradient for this shape: a plain product, the caller reduces.
             p.algos = self.heuristic(handle, &p, EPI_DEFAULT, s.align)?;
         }
+        p.split_k = self.split_variants(handle, &p, s);
         Ok(p)
+    }
+
+    /// The split-K variants of the plan's first [`SPLIT_K_RANKS`] algorithms (its descriptor
+    /// holds the epilogue its algorithms were asked for). An algorithm gets variants only if it
+    /// is not split already, supports split-K, and its grid leaves multiprocessors idle: with
+    /// a known tile, ⌈n/rows⌉·⌈m/cols⌉ thread blocks (cuBLASLt's D is n × m) fewer than the
+    /// device's multiprocessors; with an undefined or unknown tile, cuBLASLt's `wavesCount`
+    /// below 1. The splits are [`split_choices`]'s. Anything cuBLASLt refuses drops the
+    /// variant; a library without the functions gives none.
+    fn split_variants(&self, handle: Ptr, p: &Plan, s: &LtShape) -> Vec<SplitVariant> {
+        let Some(api) = self.api.split_k.as_ref() else {
+            return Vec::new();
+        };
+        let sms = self.ctx.info().multiprocessors.max(1) as f64;
+        let u32_of = |v: Option<[u8; 4]>| v.map(u32::from_ne_bytes);
+        let mut out: Vec<SplitVariant> = Vec::new();
+        for (rank, base) in p.algos.iter().enumerate().take(SPLIT_K_RANKS) {
+            if !matches!(
+                u32_of(api.config(&base.algo, CONFIG_SPLITK_NUM)),
+                Some(0 | 1)
+            ) {
+                continue; // already split (or unreadable)
+            }
+            let supported = api
+                .cap(&base.algo, CAP_SPLITK_SUPPORT)
+                .is_some_and(|v| i32::from_ne_bytes(v) != 0);
+            let mask = u32_of(api.cap(&base.algo, CAP_REDUCTION_SCHEME_MASK)).unwrap_or(0);
+            if !supported || mask & (REDUCE_INPLACE | REDUCE_COMPUTE_TYPE | REDUCE_OUTPUT_TYPE) == 0
+            {
+                continue;
+            }
+            let tile = u32_of(api.config(&base.algo, CONFIG_TILE_ID)).and_then(tile_shape);
+            let fill = match tile {
+                Some((rows, cols)) => {
+                    (s.n.div_ceil(rows) as f64) * (s.m.div_ceil(cols) as f64) / sms
+                }
+                None => base.waves_count as f64,
+            };
+            for split in split_choices(fill, s.k, SPLITS_PER_RANK[rank]) {
+                let accepted = REDUCTION_ORDER
+                    .into_iter()
+                    .filter(|&scheme| mask & scheme != 0)
+                    .find_map(|scheme| self.check_variant(api, handle, p, s, base, split, scheme));
+                let Some(result) = accepted else { continue };
+                let duplicate = p.algos.iter().any(|a| a.algo == result.algo)
+                    || out.iter().any(|v| v.result.algo == result.algo);
+                if !duplicate {
+                    out.push(SplitVariant {
+                        rank: rank as u8,
+                        split,
+                        result,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// `base` with `split` K splits reduced by `scheme`, if cuBLASLt takes the configuration,
+    /// its alignment needs are within the plan's and `cublasLtMatmulAlgoCheck` accepts it for
+    /// the plan's descriptors with a workspace within ours.
+    #[allow(clippy::too_many_arguments)]
+    fn check_variant(
+        &self,
+        api: &SplitKApi,
+        handle: Ptr,
+        p: &Plan,
+        s: &LtShape,
+        base: &HeuristicResult,
+        split: u8,
+        scheme: u32,
+    ) -> Option<HeuristicResult> {
+        let mut algo = base.algo;
+        if !api.set_config(&mut algo, CONFIG_SPLITK_NUM, split as u32)
+            || !api.set_config(&mut algo, CONFIG_REDUCTION_SCHEME, scheme)
+        {
+            return None;
+        }
+        // A, B, C and D: the pointers are aligned to `s.align` bytes (checked at each call).
+        for i in 0..4 {
+            let need = u32::from_ne_bytes(api.cap(&algo, CAP_MIN_ALIGNMENT_A + i)?);
+            if need > s.align {
+                return None;
+            }
+        }
+        let mut result = HeuristicResult::default();
+        // SAFETY: the handle, descriptor and layouts are live (the caller holds the state
+        // lock); `algo` is a whole algorithm struct read by the call; `result` is a writable
+        // cublasLtMatmulHeuristicResult_t (layout checked by a test).
+        let st = unsafe { (api.check)(handle, p.desc, p.a, p.b, p.c, p.c, &algo, &mut result) };
+        if st != SUCCESS || result.state != SUCCESS || result.workspace_size > self.ws_bytes {
+            return None;
+        }
+        result.algo = algo; // the check reports on `algo` but never writes it back
+        Some(result)
     }
 
     /// Sets `epilogue` on the plan's descriptor and asks cuBLASLt for its algorithms (an
@@ -454,9 +764,8 @@ impl BlasLt {
             .collect())
     }
 
-    /// How many heuristic algorithms cuBLASLt offers for `s` (0: none; use another engine),
-    /// and whether the bias gradient is fused.
-    pub fn algo_count(&self, s: &LtShape) -> Result<(usize, bool)> {
+    /// Runs `f` on the handle and the plan of `s` (made on first use), under the state lock.
+    fn with_plan<R>(&self, s: &LtShape, f: impl FnOnce(Ptr, &Plan) -> Result<R>) -> Result<R> {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
@@ -464,20 +773,36 @@ impl BlasLt {
             let plan = self.new_plan(handle, s)?;
             st.plans.insert(*s, plan);
         }
-        let p = &st.plans[s];
-        Ok((p.algos.len(), p.fused_bgrad))
+        f(handle, &st.plans[s])
+    }
+
+    /// How many heuristic algorithms cuBLASLt offers for `s` (0: none; use another engine),
+    /// and whether the bias gradient is fused.
+    pub fn algo_count(&self, s: &LtShape) -> Result<(usize, bool)> {
+        self.with_plan(s, |_, p| Ok((p.algos.len(), p.fused_bgrad)))
+    }
+
+    /// The split-K variants kept for `s`, as (rank, splits) pairs for [`BlasLt::matmul`]
+    /// (empty when no algorithm is under-occupied or the library cannot make them).
+    pub fn split_k_variants(&self, s: &LtShape) -> Result<Vec<(u8, u8)>> {
+        self.with_plan(s, |_, p| {
+            Ok(p.split_k.iter().map(|v| (v.rank, v.split)).collect())
+        })
     }
 
     /// Row-major `C = epilogue(alpha·op(A)·op(B) + beta·C)` with cuBLASLt's algorithm of rank
-    /// `rank` for the shape. `bias` is the bias of `Bias`/`BiasRelu` (length n) or the
-    /// output of `BiasGrad` (length m, the rows of op(A)). Returns whether the bias gradient
-    /// was computed (with `BiasGrad`, `false` means the caller must reduce it).
+    /// `rank` for the shape, or with `split: Some(S)` its split-K variant of S splits (one of
+    /// [`BlasLt::split_k_variants`]; any other is an error). `bias` is the bias of
+    /// `Bias`/`BiasRelu` (length n) or the output of `BiasGrad` (length m, the rows of op(A)).
+    /// Returns whether the bias gradient was computed (with `BiasGrad`, `false` means the
+    /// caller must reduce it).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
         q: &dyn Queue,
         s: &LtShape,
         rank: usize,
+        split: Option<u8>,
         alpha: f32,
         a: &DeviceBuffer<f32>,
         b: &DeviceBuffer<f32>,
@@ -535,92 +860,104 @@ impl BlasLt {
                 s.align
             )));
         }
-        self.ctx.bind()?;
         let stream = q.stream_handle();
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let handle = st.handle;
-        if !st.plans.contains_key(s) {
-            let plan = self.new_plan(handle, s)?;
-            st.plans.insert(*s, plan);
-        }
-        let p = &st.plans[s];
-        let Some(algo) = p.algos.get(rank) else {
-            return Err(NnError::Library {
-                library: "cuBLASLt",
-                call: "cublasLtMatmulAlgoGetHeuristic",
-                status: format!(
-                    "no algorithm of rank {rank} for {s:?} ({} offered)",
-                    p.algos.len()
-                ),
-            });
-        };
-        let fused = match s.epilogue {
-            Epilogue::None => false,
-            Epilogue::Bias | Epilogue::BiasRelu => true,
-            Epilogue::BiasGrad => p.fused_bgrad,
-        };
-        // The algorithm's own workspace, from the queue (the graph's pool inside a capture):
-        // each call, and so each graph, has its own, and graphs replayed at the same time on
-        // different streams never share one (a workspace kept per stream was shared by every
-        // graph captured on that stream).
-        let ws_len = algo.workspace_size;
-        let ws = if ws_len > 0 {
-            Some(q.alloc::<u8>(ws_len)?)
-        } else {
-            None
-        };
-        for buf in [a, b, c] {
-            q.use_block(buf.block());
-        }
-        if let Some(w) = &ws {
-            q.use_block(w.block());
-        }
-        let ws_ptr = ws
-            .as_ref()
-            .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
-        if let Some(v) = bias {
-            q.use_block(v.block());
-        }
-        let bias_ptr: u64 = if fused {
-            bias.map_or(0, |v| v.addr())
-        } else {
-            0
-        };
-        // SAFETY: the handle, descriptor and layouts are live under the lock; the layouts
-        // describe m×k, k×n and m×n elements in the checked buffers (and a bias of the checked
-        // length, used only with a fused epilogue); the algorithm came from cuBLASLt's
-        // heuristic for exactly these descriptors and gets the `workspace_size` bytes it
-        // asked for (null when none); the pointers are at least as aligned as the plan assumed
-        // (checked); every buffer is kept alive and ordered by `use_block`; alpha/beta and the
-        // attribute values are read before the calls return.
-        unsafe {
-            if fused {
-                set_attr(self.api, p.desc, DESC_BIAS_POINTER, &bias_ptr.to_ne_bytes())?;
+        self.with_plan(s, |handle, p| {
+            let algo = match split {
+                None => p.algos.get(rank).ok_or_else(|| NnError::Library {
+                    library: "cuBLASLt",
+                    call: "cublasLtMatmulAlgoGetHeuristic",
+                    status: format!(
+                        "no algorithm of rank {rank} for {s:?} ({} offered)",
+                        p.algos.len()
+                    ),
+                })?,
+                Some(splits) => p
+                    .split_k
+                    .iter()
+                    .find(|v| v.rank as usize == rank && v.split == splits)
+                    .map(|v| &v.result)
+                    .ok_or_else(|| NnError::Library {
+                        library: "cuBLASLt",
+                        call: "cublasLtMatmulAlgoCheck",
+                        status: format!(
+                            "no split-K variant {rank}/sk{splits} for {s:?} (kept: {:?})",
+                            p.split_k
+                                .iter()
+                                .map(|v| format!("{}/sk{}", v.rank, v.split))
+                                .collect::<Vec<_>>()
+                        ),
+                    })?,
+            };
+            let fused = match s.epilogue {
+                Epilogue::None => false,
+                Epilogue::Bias | Epilogue::BiasRelu => true,
+                Epilogue::BiasGrad => p.fused_bgrad,
+            };
+            // The algorithm's own workspace, from the queue (the graph's pool inside a capture):
+            // each call, and so each graph, has its own, and graphs replayed at the same time on
+            // different streams never share one (a workspace kept per stream was shared by every
+            // graph captured on that stream).
+            let ws_len = algo.workspace_size;
+            let ws = if ws_len > 0 {
+                Some(q.alloc::<u8>(ws_len)?)
+            } else {
+                None
+            };
+            for buf in [a, b, c] {
+                q.use_block(buf.block());
             }
-            check(
-                self.api,
-                (self.api.matmul)(
-                    handle,
-                    p.desc,
-                    &alpha as *const f32 as CPtr,
-                    b.addr() as CPtr,
-                    p.a,
-                    a.addr() as CPtr,
-                    p.b,
-                    &beta as *const f32 as CPtr,
-                    c.addr() as CPtr,
-                    p.c,
-                    c.addr() as Ptr,
-                    p.c,
-                    &algo.algo,
-                    ws_ptr,
-                    ws_len,
-                    stream.raw() as Ptr,
-                ),
-                "cublasLtMatmul",
-            )?;
-        }
-        Ok(fused)
+            if let Some(w) = &ws {
+                q.use_block(w.block());
+            }
+            let ws_ptr = ws
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
+            if let Some(v) = bias {
+                q.use_block(v.block());
+            }
+            let bias_ptr: u64 = if fused {
+                bias.map_or(0, |v| v.addr())
+            } else {
+                0
+            };
+            // SAFETY: the handle, descriptor and layouts are live under the lock; the layouts
+            // describe m×k, k×n and m×n elements in the checked buffers (and a bias of the
+            // checked length, used only with a fused epilogue); the algorithm came from
+            // cuBLASLt's heuristic for exactly these descriptors, or is a split-K variant of one
+            // that `cublasLtMatmulAlgoCheck` accepted for them (alignment needs within the
+            // plan's), and gets the `workspace_size` bytes reported for it (null when none);
+            // the pointers are at least as aligned as the plan assumed (checked); every buffer
+            // is kept alive and ordered by `use_block`; alpha/beta and the attribute values are
+            // read before the calls return.
+            unsafe {
+                if fused {
+                    set_attr(self.api, p.desc, DESC_BIAS_POINTER, &bias_ptr.to_ne_bytes())?;
+                }
+                check(
+                    self.api,
+                    (self.api.matmul)(
+                        handle,
+                        p.desc,
+                        &alpha as *const f32 as CPtr,
+                        b.addr() as CPtr,
+                        p.a,
+                        a.addr() as CPtr,
+                        p.b,
+                        &beta as *const f32 as CPtr,
+                        c.addr() as CPtr,
+                        p.c,
+                        c.addr() as Ptr,
+                        p.c,
+                        &algo.algo,
+                        ws_ptr,
+                        ws_len,
+                        stream.raw() as Ptr,
+                    ),
+                    "cublasLtMatmul",
+                )?;
+            }
+            Ok(fused)
+        })
     }
 }
 
@@ -647,6 +984,11 @@ mod tests {
                 assert!(v >= 110000, "version {v}");
                 let text = describe(api, SUCCESS);
                 assert!(!text.starts_with("status"), "no status text: {text}");
+                // The split-K functions exist in every cuBLASLt from 10.1 on.
+                assert!(
+                    api.split_k.is_some(),
+                    "cuBLASLt {v} without split-K functions"
+                );
                 println!("cuBLASLt {v}: {text}");
             }
             Err(why) => println!("cuBLASLt unavailable here: {why}"),
@@ -711,6 +1053,81 @@ mod tests {
             align: 256,
         };
         assert!(describe_shape(api, &empty).is_err());
+    }
+
+    /// The attribute and scheme numbers split-K variants use are the cuBLASLt 12/13 header's
+    /// (cublasLtMatmulAlgoConfigAttributes_t, cublasLtMatmulAlgoCapAttributes_t,
+    /// cublasLtReductionScheme_t), whatever the bindings say.
+    #[test]
+    fn split_k_attributes_have_the_header_values() {
+        assert_eq!(
+            (CONFIG_TILE_ID, CONFIG_SPLITK_NUM, CONFIG_REDUCTION_SCHEME),
+            (1, 2, 3)
+        );
+        assert_eq!(
+            (
+                CAP_SPLITK_SUPPORT,
+                CAP_REDUCTION_SCHEME_MASK,
+                CAP_MIN_ALIGNMENT_A
+            ),
+            (0, 1, 16)
+        );
+        assert_eq!(
+            (REDUCE_INPLACE, REDUCE_COMPUTE_TYPE, REDUCE_OUTPUT_TYPE),
+            (1, 2, 4)
+        );
+    }
+
+    /// The tile table agrees with the bindings' `cublasLtMatmulTile_t` (ids and names) at its
+    /// start, middle and end, and knows nothing past it.
+    #[test]
+    fn tile_shapes_follow_the_header() {
+        use ls::cublasLtMatmulTile_t as T;
+        for t in [
+            T::CUBLASLT_MATMUL_TILE_8x8,
+            T::CUBLASLT_MATMUL_TILE_64x128,
+            T::CUBLASLT_MATMUL_TILE_128x128,
+            T::CUBLASLT_MATMUL_TILE_192x128,
+            T::CUBLASLT_MATMUL_TILE_256x32,
+            T::CUBLASLT_MATMUL_TILE_8x128,
+            T::CUBLASLT_MATMUL_TILE_680x64,
+            T::CUBLASLT_MATMUL_TILE_256x152,
+            T::CUBLASLT_MATMUL_TILE_768x80,
+            T::CUBLASLT_MATMUL_TILE_512x1024,
+        ] {
+            let name = format!("{t:?}");
+            let dims = name.trim_start_matches("CUBLASLT_MATMUL_TILE_");
+            let (r, c) = dims.split_once('x').unwrap();
+            let want = (r.parse().unwrap(), c.parse().unwrap());
+            assert_eq!(tile_shape(t as u32), Some(want), "{name}");
+        }
+        assert_eq!(tile_shape(0), None);
+        let known = TILE_SHAPES.split_ascii_whitespace().count();
+        assert!(known >= T::CUBLASLT_MATMUL_TILE_END as usize - 1, "{known}");
+        assert_eq!(tile_shape(known as u32 + 1), None);
+        assert_eq!(tile_shape(u32::MAX), None);
+    }
+
+    #[test]
+    fn split_choices_fill_about_one_wave_within_two() {
+        // 512 × 1024 with 128 × 128 tiles on 132 SMs: 32 blocks, K = 256 (8 splits of 32).
+        let fill = 32.0 / 132.0;
+        assert_eq!(split_choices(fill, 256, 4), vec![3, 4, 6, 8]);
+        assert_eq!(split_choices(fill, 256, 2), vec![3, 4]);
+        // K = 96 keeps 32 per split for at most 3 splits.
+        assert_eq!(split_choices(fill, 96, 4), vec![2, 3]);
+        assert!(split_choices(fill, 63, 4).is_empty());
+        // A handful of blocks: the deepest splits.
+        assert_eq!(split_choices(3.0 / 132.0, 1023, 4), vec![4, 6, 8, 16]);
+        // Nearly full: only two waves' worth.
+        assert_eq!(split_choices(0.9, 4096, 4), vec![2]);
+        // Full, or nothing known: no variants.
+        for fill in [1.0, 3.5, 0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(split_choices(fill, 4096, 4).is_empty(), "{fill}");
+        }
+        assert!(split_choices(0.1, 4096, 0).is_empty());
+        // Never more than SPLITS_PER_RANK in all.
+        assert_eq!(SPLITS_PER_RANK.iter().sum::<usize>(), 8);
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The engine registry: the one place where the engine of every matrix product and convolution
 //! is chosen, remembered and shown.
 //!
-//! An *engine* is one concrete way to run an operation: cuBLAS, one of cuBLASLt's algorithms,
-//! our split-K tiled or warp-K GEMM kernels ([`GemmAlgo`]); one of cuDNN's algorithms, our
+//! An *engine* is one concrete way to run an operation: cuBLAS, one of cuBLASLt's algorithms
+//! (a heuristic one, or a split-K variant of one for an under-occupied product), our split-K
+//! tiled or warp-K GEMM kernels ([`GemmAlgo`]); one of cuDNN's algorithms, our
 //! implicit-GEMM kernels with a tile and split count, or the direct kernels ([`ConvAlgo`]).
 //! Operations describe themselves by a *key* — op, shape, layout, epilogue, and the policy's
 //! restrictions, e.g. `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu` or
@@ -36,7 +37,8 @@
 //! **Forcing an engine** for comparisons: `CUDAGRAPH_GEMM=cublas|cublaslt|tiled|warpk|rows|auto` and
 //! `CUDAGRAPH_CONV=cudnn|ours|igemm|direct|auto` (read once per process; an unknown value is an
 //! error naming the variable and the accepted values). Forcing a family still measures within
-//! it (cuDNN's algorithms, cuBLASLt's heuristic top few, our tile shapes). A forced family that
+//! it (cuDNN's algorithms, cuBLASLt's heuristic top few and their split-K variants, our tile
+//! shapes). A forced family that
 //! cannot run an operation (a missing library, warp-K on a backward layout) falls back to the
 //! heuristic default over what can. [`Engines::set_policy`] does the same per device.
 //!
@@ -80,14 +82,17 @@ pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 
 /// Version of the on-disk table format (2: cuBLASLt ranks index the heuristics under the
 /// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB; 3: short candidates
-/// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`]).
-const FORMAT: u32 = 3;
+/// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`]; 4:
+/// under-occupied products also measure cuBLASLt's split-K variants, `cublaslt:R/skS`, which
+/// choices measured before never saw).
+const FORMAT: u32 = 4;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Engine {
     Cublas,
-    /// cuBLASLt's heuristic top few algorithms, epilogues fused.
+    /// cuBLASLt's heuristic top few algorithms, epilogues fused, and split-K variants of the
+    /// first three where a product leaves the device under-occupied.
     CublasLt,
     /// The tiled split-K kernel (any layout).
     Tiled,
@@ -298,6 +303,10 @@ pub enum GemmAlgo {
     Cublas,
     /// cuBLASLt with its heuristic algorithm of this rank (epilogue fused).
     CublasLt(u8),
+    /// cuBLASLt's heuristic algorithm of rank `rank` with K split `split` ways (a split-K
+    /// variant the plan kept for an under-occupied product, see [`crate::blaslt`]); shown as
+    /// `cublaslt:RANK/skSPLIT`.
+    CublasLtSplitK { rank: u8, split: u8 },
     /// Our split-K tiled kernel with about this many K splits.
     Tiled(u16),
     /// The same tiled kernel with exactly this many K splits (2, 4 or 8) reduced inside a
@@ -320,7 +329,7 @@ impl GemmAlgo {
     pub fn family(self) -> Engine {
         match self {
             GemmAlgo::Cublas => Engine::Cublas,
-            GemmAlgo::CublasLt(_) => Engine::CublasLt,
+            GemmAlgo::CublasLt(_) | GemmAlgo::CublasLtSplitK { .. } => Engine::CublasLt,
             GemmAlgo::Tiled(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => Engine::Tiled,
             GemmAlgo::WarpK => Engine::WarpK,
             GemmAlgo::Rows { .. } => Engine::Rows,
@@ -333,6 +342,7 @@ impl fmt::Display for GemmAlgo {
         match self {
             GemmAlgo::Cublas => write!(f, "cublas"),
             GemmAlgo::CublasLt(r) => write!(f, "cublaslt:{r}"),
+            GemmAlgo::CublasLtSplitK { rank, split } => write!(f, "cublaslt:{rank}/sk{split}"),
             GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
             GemmAlgo::Cluster(s) => write!(f, "cluster:{s}"),
             GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
@@ -350,7 +360,18 @@ impl FromStr for GemmAlgo {
         match s.split_once(':') {
             None if s == "cublas" => Ok(GemmAlgo::Cublas),
             None if s == "warpk" => Ok(GemmAlgo::WarpK),
-            Some(("cublaslt", r)) => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
+            Some(("cublaslt", r)) => match r.split_once("/sk") {
+                None => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
+                Some((rank, split)) => {
+                    let (rank, split) = (rank.parse(), split.parse());
+                    match (rank, split) {
+                        (Ok(rank), Ok(split)) if split >= 2 => {
+                            Ok(GemmAlgo::CublasLtSplitK { rank, split })
+                        }
+                        _ => Err(bad()),
+                    }
+                }
+            },
             Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
             Some(("cluster", r)) => r.parse().map(GemmAlgo::Cluster).map_err(|_| bad()),
             Some(("chunks", r)) => r.parse().map(GemmAlgo::Chunks).map_err(|_| bad()),
@@ -1261,11 +1282,50 @@ pub fn format_table(rows: &[EngineRow]) -> String {
 mod tests {
     use super::*;
 
+    /// cuBLASLt's split-K variants are stored by their text (`cublaslt:RANK/skSPLIT`): it
+    /// parses back to the same variant, belongs to the cuBLASLt family, and nothing close to
+    /// it (a split below 2, missing numbers) parses.
+    #[test]
+    fn cublaslt_split_k_names_round_trip() {
+        let a = GemmAlgo::CublasLtSplitK { rank: 0, split: 4 };
+        assert_eq!(a.to_string(), "cublaslt:0/sk4");
+        assert_eq!("cublaslt:0/sk4".parse::<GemmAlgo>().unwrap(), a);
+        assert_eq!(a.family(), Engine::CublasLt);
+        for rank in 0..3u8 {
+            for split in crate::blaslt::SPLITS {
+                let a = GemmAlgo::CublasLtSplitK { rank, split };
+                assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+                assert_ne!(
+                    a.to_string().parse::<GemmAlgo>().unwrap(),
+                    GemmAlgo::CublasLt(rank)
+                );
+            }
+        }
+        assert_eq!(
+            "cublaslt:1".parse::<GemmAlgo>().unwrap(),
+            GemmAlgo::CublasLt(1)
+        );
+        for bad in [
+            "cublaslt:0/sk1",
+            "cublaslt:0/sk0",
+            "cublaslt:0/sk",
+            "cublaslt:/sk4",
+            "cublaslt:0/sk4x",
+            "cublaslt:0/4",
+            "cublaslt:0/sk256",
+            "cublaslt:0sk4",
+        ] {
+            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn engine_names_round_trip() {
         for a in [
             GemmAlgo::Cublas,
             GemmAlgo::CublasLt(2),
+            GemmAlgo::CublasLtSplitK { rank: 0, split: 4 },
+            GemmAlgo::CublasLtSplitK { rank: 2, split: 16 },
             GemmAlgo::Tiled(16),
             GemmAlgo::Cluster(8),
             GemmAlgo::Chunks(1),

@@ -1,6 +1,7 @@
 //! Matrix products for the NN layer, each run by the engine the registry ([`crate::engine`])
-//! chose for its shape: cuBLAS, cuBLASLt (bias, bias+ReLU and bias-gradient epilogues fused),
-//! or our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
+//! chose for its shape: cuBLAS, cuBLASLt (bias, bias+ReLU and bias-gradient epilogues fused;
+//! its heuristic algorithms and, for under-occupied products, split-K variants of the first
+//! three), or our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
 //! bias/ReLU; on sm_90+ also with the splits reduced inside a thread-block cluster, one kernel),
 //! `sgemm_nt_chunks` (sm_90+, forward layout: 128-wide K chunks of float4s, splits reduced in
 //! a cluster),
@@ -302,7 +303,8 @@ pub fn run_gemm(
 }
 
 /// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on
-/// another layout, cuBLASLt missing or without an algorithm of that rank).
+/// another layout, cuBLASLt missing or without an algorithm of that rank, or without that
+/// split-K variant for this shape: see [`crate::blaslt::BlasLt::split_k_variants`]).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with(
     q: &dyn Queue,
@@ -342,8 +344,16 @@ pub fn gemm_candidates(
     if allowed(Engine::CublasLt) && op.k > 0 {
         if let Some(lt) = eng.cublaslt_for(q) {
             // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
-            let count = lt.algo_count(&lt_shape(op, align)).map_or(0, |(n, _)| n);
+            let shape = lt_shape(op, align);
+            let count = lt.algo_count(&shape).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmAlgo::CublasLt(r as u8)));
+            // Split-K variants of the first few, where the product leaves the device idle.
+            let variants = lt.split_k_variants(&shape).unwrap_or_default();
+            v.extend(
+                variants
+                    .into_iter()
+                    .map(|(rank, split)| GemmAlgo::CublasLtSplitK { rank, split }),
+            );
         }
     }
     if allowed(Engine::Tiled) && op.tiled_ok() {
@@ -462,6 +472,21 @@ fn run_algo(
         launch(nn, q, d, op.alpha, a, b, op.beta, c, bias, relu, splits)?;
         bgrad(q)
     };
+    // cuBLASLt's algorithm of a rank, or its split-K variant with `split` splits.
+    let cublaslt = |rank: u8, split: Option<u8>| -> Result<()> {
+        let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
+            library: "cuBLASLt",
+            call: "dlopen",
+            status: "unavailable (missing, or disabled by the engine policy)".into(),
+        })?;
+        let shape = lt_shape(op, align);
+        let (alpha, beta) = (op.alpha, op.beta);
+        let fused = lt.matmul(q, &shape, rank as usize, split, alpha, a, b, beta, c, vec)?;
+        if !fused {
+            bgrad(q)?;
+        }
+        Ok(())
+    };
     match algo {
         GemmAlgo::Cublas => {
             nn.blas.gemm(
@@ -472,28 +497,8 @@ fn run_algo(
             }
             bgrad(q)
         }
-        GemmAlgo::CublasLt(rank) => {
-            let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
-                library: "cuBLASLt",
-                call: "dlopen",
-                status: "unavailable (missing, or disabled by the engine policy)".into(),
-            })?;
-            let fused = lt.matmul(
-                q,
-                &lt_shape(op, align),
-                rank as usize,
-                op.alpha,
-                a,
-                b,
-                op.beta,
-                c,
-                vec,
-            )?;
-            if !fused {
-                bgrad(q)?;
-            }
-            Ok(())
-        }
+        GemmAlgo::CublasLt(rank) => cublaslt(rank, None),
+        GemmAlgo::CublasLtSplitK { rank, split } => cublaslt(rank, Some(split)),
         GemmAlgo::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
         GemmAlgo::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
         GemmAlgo::Chunks(splits) => {

@@ -1,5 +1,5 @@
-//! GPU tests of the engine registry and of every engine it chooses from: cuBLAS, cuBLASLt, our
-//! tiled and warp-K GEMM kernels, cuDNN (each of its algorithms), our implicit-GEMM kernels
+//! GPU tests of the engine registry and of every engine it chooses from: cuBLAS, cuBLASLt (its
+//! heuristic algorithms and their split-K variants), our tiled and warp-K GEMM kernels, cuDNN (each of its algorithms), our implicit-GEMM kernels
 //! (each tile, with and without split-K) and the direct conv kernels — each forced one at a time
 //! and checked against the f64 CPU reference (`cudagraph_nn::cpu`) in forward and backward, on
 //! odd sizes (primes, 1, sizes that are no multiple of a tile, stride 2 with padding, 1×1 and
@@ -23,7 +23,7 @@ use cudagraph_nn::blas::Trans;
 use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
 use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, GemmAlgo, Policy};
-use cudagraph_nn::gemm::{gemm_candidates, gemm_with, Engine, Epilogue, GemmOp};
+use cudagraph_nn::gemm::{gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp};
 use cudagraph_nn::kernels::{igemm, ConvGeom};
 use cudagraph_nn::*;
 
@@ -88,7 +88,8 @@ fn gemm_ref(op: &GemmOp, ah: &[f32], bh: &[f32], c0: &[f32], bias: &[f32]) -> Ve
         .collect()
 }
 
-/// cuBLASLt's measured candidates for `op` (the test fails without cuBLASLt).
+/// cuBLASLt's measured candidates for `op`: its heuristic ranks and the split-K variants kept
+/// for the shape (the test fails without cuBLASLt).
 fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
     let e = engines(dev);
     assert!(
@@ -98,12 +99,17 @@ fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
     gemm_candidates(s, &e, op, Engine::CublasLt, 256)
         .unwrap()
         .into_iter()
-        .filter(|a| matches!(a, GemmAlgo::CublasLt(_)))
+        .filter(|a| matches!(a, GemmAlgo::CublasLt(_) | GemmAlgo::CublasLtSplitK { .. }))
         .collect()
 }
 
+fn is_split_k(a: &GemmAlgo) -> bool {
+    matches!(a, GemmAlgo::CublasLtSplitK { .. })
+}
+
 /// Two graphs captured on one stream with cuBLAS and every cuBLASLt algorithm of a deep product
-/// (split-K ones need a workspace), replayed interleaved on two other streams without waiting:
+/// (split-K ones need a workspace; its split-K variants too, whose in-place reduction keeps
+/// counters there), replayed interleaved on two other streams without waiting:
 /// each keeps its own workspace, so both equal the eager result bit for bit (a workspace kept
 /// per capture stream was shared by both).
 #[test]
@@ -191,12 +197,23 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         (4, 9, 128),
         // Sixteen warps per column group: 33 chunks (a lone last one), odd columns.
         (5, 259, 4100),
+        // Few output tiles: cuBLASLt's split-K variants (K of 259 and 1023 split up to 8 and
+        // 16 ways, odd rows and columns), and the sweep's 512 × 256 → 1024 forward product.
+        (5, 77, 259),
+        (5, 77, 1023),
+        (512, 1024, 256),
     ];
     let mut checked = 0;
+    let mut split_k_checked = 0;
     for &(m, nn_, k) in shapes {
         for (ta, tb) in [(n, n), (n, t), (t, n), (t, t)] {
             // The 4096-deep products only in the two layouts linear layers use most.
             if k >= 4096 && !(ta == n && tb == t || ta == t && tb == n) {
+                continue;
+            }
+            // The 512 × 1024 × 256 product in the layouts of a linear layer's forward (NT) and
+            // backward (NN, TN) passes: the f64 reference of the fourth costs seconds.
+            if m * nn_ * k >= 1 << 27 && ta == t && tb == t {
                 continue;
             }
             for (ep, alpha, beta) in [
@@ -250,16 +267,23 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 for algo in algos {
                     let c = s.alloc_from_host(&c0).unwrap();
                     let v = (ep != Epilogue::None).then_some(&bb);
-                    gemm_with(&s, &nn, algo, &op, &a, &b, &c, v).unwrap();
+                    gemm_with(&s, &nn, algo, &op, &a, &b, &c, v)
+                        .unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
                     let got = s.to_vec(&c).unwrap();
                     let err = rel_err(&got, &want);
                     assert!(err < tol(k), "{algo} {}: {err}", op.key());
                     checked += 1;
+                    split_k_checked += is_split_k(&algo) as usize;
                 }
             }
         }
     }
     assert!(checked > 200, "{checked} products checked");
+    assert!(
+        split_k_checked > 0,
+        "no cuBLASLt split-K variant was offered for any of the few-tile products"
+    );
+    println!("{checked} products checked, {split_k_checked} with cuBLASLt split-K variants");
     // More rows than a few-rows kernel takes: a typed error, nothing launched.
     let op = GemmOp {
         ta: n,
@@ -389,6 +413,156 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
     }
 }
 
+/// cuBLASLt's split-K variants (`cublaslt:R/skS`) of products with few output tiles: the
+/// sweep's forward products where cuBLASLt's first algorithm leaves most of an H100 idle
+/// (512 × 256 → 1024 and 128 × 256 → 4096, with bias) get some; in those and in the backward
+/// layouts of the first, each variant agrees with cuBLASLt's first algorithm within the
+/// product tolerance, repeated runs give the same bits, and a graph replay equals its eager
+/// run bit for bit; the registry
+/// measures the variants among cuBLASLt's candidates, none failing; a variant the plan did not
+/// keep is an error, not a launch.
+#[test]
+fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    eng.set_policy(Policy::default());
+    let mut rng = Rng::new(110);
+    let (n, t) = (Trans::N, Trans::T);
+    let op = |ta, tb, m, n_, k, epilogue| GemmOp {
+        ta,
+        tb,
+        m,
+        n: n_,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue,
+    };
+    let forward = [
+        op(n, t, 512, 1024, 256, Epilogue::Bias),
+        op(n, t, 128, 4096, 256, Epilogue::Bias),
+    ];
+    let backward = [
+        // dX = dY·W and dW = dYᵀ·X of the first layer.
+        op(n, n, 512, 256, 1024, Epilogue::None),
+        op(t, n, 1024, 256, 512, Epilogue::None),
+        // Odd sizes, alpha and beta, ReLU.
+        GemmOp {
+            alpha: 0.5,
+            beta: 0.25,
+            ..op(n, t, 5, 77, 1023, Epilogue::BiasRelu)
+        },
+    ];
+    let mut variants_seen = 0;
+    for (i, op) in forward.iter().chain(&backward).enumerate() {
+        let algos: Vec<GemmAlgo> = lt_algos(&dev, &s, op)
+            .into_iter()
+            .filter(is_split_k)
+            .collect();
+        println!("{}: {algos:?}", op.key());
+        if i < forward.len() {
+            assert!(
+                !algos.is_empty(),
+                "no split-K variant for the under-occupied {}",
+                op.key()
+            );
+        }
+        variants_seen += algos.len();
+        let (ah, bh, c0, bias) = (
+            data(&mut rng, op.m * op.k),
+            data(&mut rng, op.k * op.n),
+            data(&mut rng, op.m * op.n),
+            data(&mut rng, op.n),
+        );
+        let (a, b, bb) = (
+            s.alloc_from_host(&ah).unwrap(),
+            s.alloc_from_host(&bh).unwrap(),
+            s.alloc_from_host(&bias).unwrap(),
+        );
+        let v = (op.epilogue != Epilogue::None).then_some(&bb);
+        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+            gemm_with(q, &nn, algo, op, &a, &b, c, v)
+        };
+        let first = s.alloc_from_host(&c0).unwrap();
+        run(&s, GemmAlgo::CublasLt(0), &first).unwrap();
+        let want = to_f64(&s.to_vec(&first).unwrap());
+        for algo in algos {
+            let eager = s.alloc_from_host(&c0).unwrap();
+            run(&s, algo, &eager).unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
+            let ev = s.to_vec(&eager).unwrap();
+            let err = rel_err(&ev, &want);
+            assert!(err < tol(op.k), "{algo} vs cublaslt:0 {}: {err}", op.key());
+            // Deterministic: the registry admits it under the default policy.
+            for _ in 0..3 {
+                let again = s.alloc_from_host(&c0).unwrap();
+                run(&s, algo, &again).unwrap();
+                let av = s.to_vec(&again).unwrap();
+                assert!(
+                    av.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{algo} run to run {}",
+                    op.key()
+                );
+            }
+            let replayed = s.alloc_from_host(&c0).unwrap();
+            let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                run(cs, algo, &replayed).map_err(Into::into)
+            })
+            .unwrap_or_else(|e| panic!("capturing {algo} {}: {e:?}", op.key()));
+            g.replay(&s).unwrap();
+            let rv = s.to_vec(&replayed).unwrap();
+            assert!(
+                rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{algo} replay vs eager {}",
+                op.key()
+            );
+        }
+        // A variant the plan did not keep: an error naming it, nothing launched.
+        let absent = GemmAlgo::CublasLtSplitK {
+            rank: 200,
+            split: 2,
+        };
+        let c = s.alloc_from_host(&c0).unwrap();
+        let e = run(&s, absent, &c).unwrap_err().to_string();
+        assert!(e.contains("200/sk2"), "{e}");
+        assert_eq!(s.to_vec(&c).unwrap(), c0, "{absent} wrote its output");
+    }
+    assert!(variants_seen > 0);
+    // The registry measures them with cuBLASLt's other candidates (the family cuBLASLt forces).
+    eng.clear();
+    let fw = forward[0];
+    let (a, b, c, bias) = (
+        s.alloc_from_host(&data(&mut rng, fw.m * fw.k)).unwrap(),
+        s.alloc_from_host(&data(&mut rng, fw.k * fw.n)).unwrap(),
+        s.alloc_zeroed::<f32>(fw.m * fw.n).unwrap(),
+        s.alloc_from_host(&data(&mut rng, fw.n)).unwrap(),
+    );
+    let chosen = run_gemm(&s, &nn, Engine::CublasLt, &fw, &a, &b, &c, Some(&bias)).unwrap();
+    assert_eq!(chosen.family(), Engine::CublasLt);
+    let key = format!("{} [cublaslt]", fw.key());
+    let e = eng.entry(&key).expect("the product is recorded");
+    let timed: Vec<_> = e
+        .timings
+        .iter()
+        .filter(|t| t.engine.contains("/sk"))
+        .collect();
+    assert!(!timed.is_empty(), "{e:?}");
+    assert!(
+        timed.iter().all(|t| t.us.is_some() && t.error.is_none()),
+        "{e:?}"
+    );
+    println!(
+        "{key} -> {}: {}",
+        e.engine,
+        e.timings
+            .iter()
+            .map(|t| format!("{} {:.2}", t.engine, t.us.unwrap_or(f64::NAN)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+}
+
 #[test]
 fn bias_gradient_engines_match_cpu() {
     let dev = gpu_test_device!();
@@ -401,6 +575,10 @@ fn bias_gradient_engines_match_cpu() {
         (5, 7, 3),
         (64, 131, 97),
         (257, 64, 1024),
+        // Few output tiles, so cuBLASLt's split-K variants are checked too: odd sizes with a
+        // K (the batch) of 259, and the weight gradient of the 512 × 256 → 1024 layer.
+        (259, 77, 5),
+        (512, 1024, 256),
     ] {
         let op = GemmOp {
             ta: Trans::T,
@@ -430,7 +608,8 @@ fn bias_gradient_engines_match_cpu() {
         for algo in algos {
             let dw = s.alloc_from_host(&vec![f32::NAN; out * inf]).unwrap();
             let db = s.alloc_from_host(&vec![f32::NAN; out]).unwrap();
-            gemm_with(&s, &nn, algo, &op, &dz, &x, &dw, Some(&db)).unwrap();
+            gemm_with(&s, &nn, algo, &op, &dz, &x, &dw, Some(&db))
+                .unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
             let (gw, gb) = (s.to_vec(&dw).unwrap(), s.to_vec(&db).unwrap());
             assert!(
                 rel_err(&gw, &dw_want) < tol(batch),
