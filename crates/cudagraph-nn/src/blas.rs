@@ -122,9 +122,14 @@ impl Blas {
         }
         device.context().bind()?;
         let mut h = std::ptr::null_mut();
-        // SAFETY: writes one handle.
+        // Creating a handle may synchronise the device: held off other threads' captures.
         check(
-            with_relaxed_capture(|| unsafe { sys::cublasCreate_v2(&mut h) }),
+            device
+                .context()
+                .with_captures_held_off(crate::engine::FIRST_USE_PATIENCE, || {
+                    // SAFETY: writes one handle.
+                    with_relaxed_capture(|| unsafe { sys::cublasCreate_v2(&mut h) })
+                }),
             "cublasCreate",
         )?;
         // Full fp32 (no TF32), to match PyTorch with TF32 off and our CPU references.

@@ -758,7 +758,7 @@ impl Engines {
             return None;
         }
         self.cudnn
-            .get_or_init(|| match Cudnn::open(&self.ctx) {
+            .get_or_init(|| match self.held_off(|| Cudnn::open(&self.ctx)) {
                 Ok(c) => Some(c),
                 Err(why) => {
                     notice_once(Library::Cudnn, &why);
@@ -766,6 +766,24 @@ impl Engines {
                 }
             })
             .as_ref()
+    }
+
+    /// Runs `f` with other threads' captures of this device held off (see
+    /// `Context::with_captures_held_off`): opening a library, or its first call for a shape,
+    /// may synchronise the device behind our back (handle creation, lazy kernel loading), which
+    /// would invalidate those captures.
+    fn held_off<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.ctx.with_captures_held_off(FIRST_USE_PATIENCE, f)
+    }
+
+    /// Runs the first eager call of an engine for a key in this process (the registry's warm-up,
+    /// or the first run of a choice read from disk) with other threads' captures held off, as
+    /// [`Self::held_off`]; inside a capture it runs as it is.
+    pub(crate) fn first_use<R>(&self, q: &dyn Queue, f: impl FnOnce() -> R) -> R {
+        match q.is_capturing() {
+            true => f(),
+            false => self.held_off(f),
+        }
     }
 
     /// cuDNN for listing candidates on `q`: as [`Engines::cudnn`], except that inside a capture
@@ -785,7 +803,7 @@ impl Engines {
             return None;
         }
         self.cudnn_graph
-            .get_or_init(|| match CudnnGraph::open(&self.ctx) {
+            .get_or_init(|| match self.held_off(|| CudnnGraph::open(&self.ctx)) {
                 Ok(c) => Some(c),
                 Err(why) => {
                     crate::cudnn_graph::notice_once(&why);
@@ -819,7 +837,7 @@ impl Engines {
         self.cublaslt
             .get_or_init(|| {
                 let ws = crate::blaslt::workspace_for(self.info.compute_capability.0);
-                match BlasLt::open(&self.ctx, ws) {
+                match self.held_off(|| BlasLt::open(&self.ctx, ws)) {
                     Ok(l) => Some(l),
                     Err(why) => {
                         notice_once(Library::CublasLt, &why);
@@ -1006,7 +1024,9 @@ impl Engines {
         let e0 = Event::new(&self.ctx, true)?;
         let e1 = Event::new(&self.ctx, true)?;
         let mut one = |a: A, best: f64| -> Result<Measured> {
-            run(q, a)?; // warm-up: first-use costs (compiles, plans, workspaces)
+            // Warm-up: first-use costs (compiles, plans, workspaces, a library's lazy kernel
+            // loading, which may synchronise the device: held off other threads' captures).
+            self.first_use(q, || run(q, a))?;
             let s = q.stream_handle();
             s.record(&e0)?;
             run(q, a)?;
@@ -1089,6 +1109,10 @@ impl Engines {
 
 /// Candidates measured within this factor of the fastest are measured a second time.
 const REMEASURE_WITHIN: f64 = 1.3;
+
+/// How long a library's opening or an engine's first call waits for other threads' captures
+/// of the device to end before it goes ahead anyway (see [`Engines::first_use`]).
+pub(crate) const FIRST_USE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Candidates whose single eager run took less than this many µs are timed as they will run,
 /// in graphs ([`graph_times`]) — without the host's time to enqueue each run.

@@ -29,6 +29,7 @@ use crate::memory::{
     hold_forever, source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats,
     PinnedBuffer, Pool, PoolId,
 };
+use crate::runtime::context::Quiet;
 use crate::runtime::memory::{self as raw, MappedWords};
 use crate::runtime::{Context, DeviceInfo, Event, Function, Module, StreamHandle, StreamRef};
 
@@ -44,10 +45,20 @@ struct DeviceInner {
     /// Per-device state of libraries layered on top (kernels, library handles, tuning caches):
     /// it lives exactly as long as the device, so dropping the last `Device` handle releases it.
     extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
+    /// Held from the start of the drop until every field before it is gone (see `Drop`).
+    quiet: Option<Quiet>,
 }
 
 impl Drop for DeviceInner {
     fn drop(&mut self) {
+        // Other handles of this device (every `Device::open` has its own) may be capturing on
+        // other threads. What follows synchronises the context (`cuCtxSynchronize`, and the
+        // `cudaFree`s and module unloads inside library handles' destruction, the allocator's
+        // teardown and the mapped flag's release, which run as the fields drop after this),
+        // which would invalidate their captures, so it waits for them to end and holds new
+        // ones off until the last field is gone (`quiet` is dropped last). A thread that is
+        // capturing itself cannot wait: it goes ahead as before.
+        self.quiet = self.ctx.handle.gate().wait_quiet("dropping a device").ok();
         // Library state first (it may free buffers and destroy handles that use the context).
         self.extensions
             .get_mut()
@@ -55,7 +66,12 @@ impl Drop for DeviceInner {
             .clear();
         // No stream or graph of this device is left (each holds the device), but work they
         // queued may still run and write the flag: wait for it before the flag is freed.
-        let _ = self.ctx.synchronize();
+        let _ = match self.quiet {
+            Some(_) => self.ctx.handle.synchronize_quiet(),
+            None => self.ctx.synchronize(),
+        };
+        // This handle's modules unload here (functions held elsewhere keep theirs loaded).
+        self.ctx.forget_modules();
     }
 }
 
@@ -101,6 +117,7 @@ impl Device {
                 check_record,
                 service,
                 extensions: Mutex::new(HashMap::new()),
+                quiet: None,
             }),
         })
     }

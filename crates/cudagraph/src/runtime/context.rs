@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ptr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 use cudarc::driver::sys::CUdevice_attribute as Attr;
@@ -28,6 +29,10 @@ use super::stream::capturing_on_this_thread;
 use crate::error::{Error, Result};
 
 raw_handle!(RawContext, sys::CUcontext);
+
+/// How long loading a module or a function waits for other threads' captures of its context
+/// to end (lazy loading may synchronise the context) before it goes ahead anyway.
+pub(crate) const LOAD_PATIENCE: Duration = Duration::from_millis(250);
 
 /// Keeps context-wide synchronisations and this crate's captures of one context apart, across
 /// every thread and every `Device` handle of the context (see the module docs).
@@ -48,9 +53,9 @@ struct GateState {
 /// Held while a context-wide synchronisation (and the releases behind it) runs: no capture of
 /// the context begins until it is dropped.
 #[must_use = "the gate is open again as soon as this is dropped"]
-pub(crate) struct Quiet<'a>(&'a CaptureGate);
+pub(crate) struct Quiet(Arc<CaptureGate>);
 
-impl Drop for Quiet<'_> {
+impl Drop for Quiet {
     fn drop(&mut self) {
         let mut st = self.0.lock();
         st.quiet = st.quiet.saturating_sub(1);
@@ -99,13 +104,33 @@ impl CaptureGate {
     }
 
     /// Holds captures off, if none is open now.
-    pub(crate) fn try_quiet(&self) -> Option<Quiet<'_>> {
+    pub(crate) fn try_quiet(self: &Arc<Self>) -> Option<Quiet> {
         let mut st = self.lock();
         if st.captures > 0 {
             return None;
         }
         st.quiet += 1;
-        Some(Quiet(self))
+        Some(Quiet(self.clone()))
+    }
+
+    /// As [`Self::wait_quiet`], but waits at most `patience` (a thread that is capturing does
+    /// not wait at all), and returns `None` when the gate did not open in time.
+    pub(crate) fn quiet_within(self: &Arc<Self>, patience: Duration) -> Option<Quiet> {
+        if capturing_on_this_thread() {
+            return self.try_quiet();
+        }
+        let deadline = Instant::now() + patience;
+        let mut st = self.lock();
+        while st.captures > 0 {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            st = self
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st.quiet += 1;
+        Some(Quiet(self.clone()))
     }
 
     /// Waits until no capture of this context is open, then holds captures off. A thread that
@@ -113,13 +138,13 @@ impl CaptureGate {
     /// waited for, or its end could wait on another thread waiting here — so it gets the gate
     /// only if it is free, and otherwise an error that names `what`.
     #[track_caller]
-    pub(crate) fn wait_quiet(&self, what: &'static str) -> Result<Quiet<'_>> {
+    pub(crate) fn wait_quiet(self: &Arc<Self>, what: &'static str) -> Result<Quiet> {
         if capturing_on_this_thread() {
             return self.try_quiet().ok_or_else(|| Error::NotSupported {
                 what,
-                detail: "it synchronises the whole device while another capture on it is \
-                         open, and this thread is capturing too, so it cannot wait for that \
-                         capture to end; end this thread's capture first"
+                detail: "it synchronises the whole device, which would invalidate the \
+                         captures open on it, and this thread is capturing, so it cannot wait \
+                         for them to end; do it before the capture begins or after it ends"
                     .into(),
             });
         }
@@ -128,7 +153,7 @@ impl CaptureGate {
             st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         st.quiet += 1;
-        Ok(Quiet(self))
+        Ok(Quiet(self.clone()))
     }
 }
 
@@ -193,7 +218,7 @@ impl ContextHandle {
     }
 
     /// The context's capture gate.
-    pub(crate) fn gate(&self) -> &CaptureGate {
+    pub(crate) fn gate(&self) -> &Arc<CaptureGate> {
         &self.gate
     }
 
@@ -356,6 +381,15 @@ impl Context {
         self.handle.bind()
     }
 
+    /// Drops this context's cache of loaded modules (each unloads once no function of it is
+    /// held elsewhere).
+    pub(crate) fn forget_modules(&self) {
+        self.modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
     /// The raw `CUcontext`, for CUDA libraries and interoperability. Do not destroy it.
     pub fn raw_context(&self) -> sys::CUcontext {
         self.handle.raw.0
@@ -367,6 +401,19 @@ impl Context {
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
         self.handle.synchronize()
+    }
+
+    /// Runs `f` with this device's captures held off: waits at most `patience` for captures
+    /// open on other threads (through any `Device` handle of this device) to end, and no
+    /// capture begins until `f` returns. For work that may synchronise the device behind the
+    /// caller's back, which would invalidate other threads' captures: opening a CUDA library,
+    /// the first call of a library routine (lazy kernel loading), loading a module. When the
+    /// wait runs out, or this thread is capturing while other captures are open, `f` runs
+    /// anyway (the bounded wait means this can never deadlock against a capturing thread that
+    /// waits for the caller). Keep `f` short: captures about to begin wait for it.
+    pub fn with_captures_held_off<R>(&self, patience: Duration, f: impl FnOnce() -> R) -> R {
+        let _quiet = self.handle.gate().quiet_within(patience);
+        f()
     }
 
     /// (free, total) device memory as the driver sees it.
@@ -392,7 +439,7 @@ mod tests {
 
     #[test]
     fn the_gate_is_quiet_only_while_no_capture_is_open() {
-        let gate = CaptureGate::default();
+        let gate = Arc::new(CaptureGate::default());
         assert!(!gate.capturing());
         gate.enter_capture();
         gate.enter_capture();
@@ -457,8 +504,19 @@ mod tests {
     }
 
     #[test]
+    fn a_bounded_wait_gives_up_while_a_capture_stays_open() {
+        let gate = Arc::new(CaptureGate::default());
+        gate.enter_capture();
+        let t = Instant::now();
+        assert!(gate.quiet_within(Duration::from_millis(30)).is_none());
+        assert!(t.elapsed() >= Duration::from_millis(30));
+        gate.leave_capture();
+        assert!(gate.quiet_within(Duration::from_millis(30)).is_some());
+    }
+
+    #[test]
     fn several_synchronisations_may_run_together() {
-        let gate = CaptureGate::default();
+        let gate = Arc::new(CaptureGate::default());
         let a = gate.try_quiet().unwrap();
         let b = gate.wait_quiet("test").unwrap();
         drop((a, b));

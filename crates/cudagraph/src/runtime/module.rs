@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
-use super::context::{Context, ContextHandle};
+use super::context::{Context, ContextHandle, LOAD_PATIENCE};
 use super::nvrtc;
 use super::result::{check, driver_has, driver_symbol, raw_handle};
 use super::stream::RawStream;
@@ -195,6 +195,8 @@ impl Module {
         })?;
         ctx.bind()?;
         let mut m = ptr::null_mut();
+        // Loading may synchronise the context: held off other threads' captures (bounded).
+        let _quiet = ctx.handle.gate().quiet_within(LOAD_PATIENCE);
         // SAFETY: image is a NUL-terminated PTX string alive for the call.
         check(
             unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
@@ -228,6 +230,9 @@ impl Module {
             return Err(missing());
         };
         self.inner.ctx.bind()?;
+        // Under lazy loading the attribute query below loads the function, which may
+        // synchronise the context: held off other threads' captures (bounded).
+        let _quiet = self.inner.ctx.gate().quiet_within(LOAD_PATIENCE);
         let mut f = ptr::null_mut();
         // SAFETY: writes one function handle.
         let status = unsafe { sys::cuModuleGetFunction(&mut f, self.inner.raw.0, cname.as_ptr()) };
