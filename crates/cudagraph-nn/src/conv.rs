@@ -235,8 +235,7 @@ pub fn run_conv(
         let out = scratch.as_ref().expect("allocated above");
         conv_algo(q, nn, &eng, algo, dir, g, ConvIo { out, ..io })
     })?;
-    // The key's first run in this process (a choice read from disk was never warmed up).
-    eng.first_use(q, || conv_algo(q, nn, &eng, algo, dir, g, io))?;
+    conv_algo(q, nn, &eng, algo, dir, g, io)?;
     Ok(algo)
 }
 
@@ -358,7 +357,7 @@ fn conv_bias(q: &dyn Queue, nn: &Nn, eng: &Engines, g: &ConvGeom, io: ConvIo<'_>
         }
         run(q, algo, scratch.as_ref().expect("allocated above"))
     })?;
-    eng.first_use(q, || run(q, algo, io.out))
+    run(q, algo, io.out)
 }
 
 #[cfg(test)]

@@ -769,21 +769,11 @@ impl Engines {
     }
 
     /// Runs `f` with other threads' captures of this device held off (see
-    /// `Context::with_captures_held_off`): opening a library, or its first call for a shape,
-    /// may synchronise the device behind our back (handle creation, lazy kernel loading), which
-    /// would invalidate those captures.
+    /// `Context::with_captures_held_off`): opening a library may synchronise the device behind
+    /// our back, which would invalidate those captures. Only for such leaf calls: `f` must not
+    /// wait for anything a thread about to begin a capture may hold.
     fn held_off<R>(&self, f: impl FnOnce() -> R) -> R {
         self.ctx.with_captures_held_off(FIRST_USE_PATIENCE, f)
-    }
-
-    /// Runs the first eager call of an engine for a key in this process (the registry's warm-up,
-    /// or the first run of a choice read from disk) with other threads' captures held off, as
-    /// [`Self::held_off`]; inside a capture it runs as it is.
-    pub(crate) fn first_use<R>(&self, q: &dyn Queue, f: impl FnOnce() -> R) -> R {
-        match q.is_capturing() {
-            true => f(),
-            false => self.held_off(f),
-        }
     }
 
     /// cuDNN for listing candidates on `q`: as [`Engines::cudnn`], except that inside a capture
@@ -1024,9 +1014,7 @@ impl Engines {
         let e0 = Event::new(&self.ctx, true)?;
         let e1 = Event::new(&self.ctx, true)?;
         let mut one = |a: A, best: f64| -> Result<Measured> {
-            // Warm-up: first-use costs (compiles, plans, workspaces, a library's lazy kernel
-            // loading, which may synchronise the device: held off other threads' captures).
-            self.first_use(q, || run(q, a))?;
+            run(q, a)?; // warm-up: first-use costs (compiles, plans, workspaces)
             let s = q.stream_handle();
             s.record(&e0)?;
             run(q, a)?;
@@ -1110,8 +1098,8 @@ impl Engines {
 /// Candidates measured within this factor of the fastest are measured a second time.
 const REMEASURE_WITHIN: f64 = 1.3;
 
-/// How long a library's opening or an engine's first call waits for other threads' captures
-/// of the device to end before it goes ahead anyway (see [`Engines::first_use`]).
+/// How long opening a library waits for other threads' captures of the device to end before it
+/// goes ahead anyway (see `Engines::held_off`).
 pub(crate) const FIRST_USE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Candidates whose single eager run took less than this many µs are timed as they will run,

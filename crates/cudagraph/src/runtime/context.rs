@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ptr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::{self, ThreadId};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
@@ -46,19 +47,37 @@ pub(crate) struct CaptureGate {
 struct GateState {
     /// Captures begun and not yet ended, from any thread.
     captures: usize,
-    /// Synchronisations running (holders of a [`Quiet`]).
-    quiet: usize,
+    /// The threads holding a [`Quiet`] (a thread once per guard it holds).
+    quiet: Vec<ThreadId>,
+}
+
+impl GateState {
+    /// Whether a thread other than this one holds the gate quiet. A capture waits only for
+    /// those: the holder itself beginning a capture is not racing with its own
+    /// synchronisation, and waiting for itself would never end.
+    fn quiet_elsewhere(&self) -> bool {
+        let me = thread::current().id();
+        self.quiet.iter().any(|&t| t != me)
+    }
+
+    fn hold(&mut self, gate: &Arc<CaptureGate>) -> Quiet {
+        let me = thread::current().id();
+        self.quiet.push(me);
+        Quiet(gate.clone(), me)
+    }
 }
 
 /// Held while a context-wide synchronisation (and the releases behind it) runs: no capture of
-/// the context begins until it is dropped.
+/// the context begins on another thread until it is dropped.
 #[must_use = "the gate is open again as soon as this is dropped"]
-pub(crate) struct Quiet(Arc<CaptureGate>);
+pub(crate) struct Quiet(Arc<CaptureGate>, ThreadId);
 
 impl Drop for Quiet {
     fn drop(&mut self) {
         let mut st = self.0.lock();
-        st.quiet = st.quiet.saturating_sub(1);
+        if let Some(i) = st.quiet.iter().position(|&t| t == self.1) {
+            st.quiet.swap_remove(i);
+        }
         drop(st);
         self.0.changed.notify_all();
     }
@@ -80,11 +99,12 @@ impl CaptureGate {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Counts a capture that is about to begin; waits while a synchronisation runs. Balance it
-    /// with [`Self::leave_capture`] once the capture has ended (or failed to begin).
+    /// Counts a capture that is about to begin; waits while another thread's synchronisation
+    /// runs. Balance it with [`Self::leave_capture`] once the capture has ended (or failed to
+    /// begin).
     pub(crate) fn enter_capture(&self) {
         let mut st = self.lock();
-        while st.quiet > 0 {
+        while st.quiet_elsewhere() {
             st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         st.captures += 1;
@@ -109,8 +129,7 @@ impl CaptureGate {
         if st.captures > 0 {
             return None;
         }
-        st.quiet += 1;
-        Some(Quiet(self.clone()))
+        Some(st.hold(self))
     }
 
     /// As [`Self::wait_quiet`], but waits at most `patience` (a thread that is capturing does
@@ -129,8 +148,7 @@ impl CaptureGate {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        st.quiet += 1;
-        Some(Quiet(self.clone()))
+        Some(st.hold(self))
     }
 
     /// Waits until no capture of this context is open, then holds captures off. A thread that
@@ -152,8 +170,7 @@ impl CaptureGate {
         while st.captures > 0 {
             st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        st.quiet += 1;
-        Ok(Quiet(self.clone()))
+        Ok(st.hold(self))
     }
 }
 
@@ -410,7 +427,9 @@ impl Context {
     /// the first call of a library routine (lazy kernel loading), loading a module. When the
     /// wait runs out, or this thread is capturing while other captures are open, `f` runs
     /// anyway (the bounded wait means this can never deadlock against a capturing thread that
-    /// waits for the caller). Keep `f` short: captures about to begin wait for it.
+    /// waits for the caller). Keep `f` short, a leaf: captures about to begin on other threads
+    /// wait for it, so it must not wait for anything those threads may hold (a capture `f`
+    /// itself begins on this thread does not wait).
     pub fn with_captures_held_off<R>(&self, patience: Duration, f: impl FnOnce() -> R) -> R {
         let _quiet = self.handle.gate().quiet_within(patience);
         f()
@@ -512,6 +531,17 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(30));
         gate.leave_capture();
         assert!(gate.quiet_within(Duration::from_millis(30)).is_some());
+    }
+
+    #[test]
+    fn the_holder_of_the_gate_may_begin_a_capture_itself() {
+        let gate = Arc::new(CaptureGate::default());
+        let quiet = gate.try_quiet().unwrap();
+        // Would wait forever if the holder waited for its own guard.
+        gate.enter_capture();
+        assert!(gate.capturing());
+        gate.leave_capture();
+        drop(quiet);
     }
 
     #[test]
