@@ -1,7 +1,10 @@
 //! Convolutions (NCHW, fp32), each direction run by the engine the registry
-//! ([`crate::engine`]) chose for its geometry: one of cuDNN's algorithms, our implicit-GEMM
-//! kernels (a tile shape and a split count), our small weight-gradient kernel (few channels:
-//! output pixels split across blocks), or our direct kernels.
+//! ([`crate::engine`]) chose for its geometry: one of cuDNN's algorithms (legacy API, or graph
+//! API configurations), our implicit-GEMM kernels (a tile shape and a split count), our small
+//! weight-gradient kernel (few channels: output pixels split across blocks), or our direct
+//! kernels. A forward with a bias also measures cuDNN graph-API configurations that fuse the
+//! bias into the convolution (`cudnnv8+bias:R`, one cuDNN execution); after cuDNN's other
+//! engines the bias is a separate step measured on its own ([`conv_bias_key`]).
 //!
 //! Buffers by direction: forward reads `x`, `w` and writes `y` (+ `bias`); backward-data reads
 //! `dy`, `w` and writes `dx`; backward-filter reads `dy`, `x` and writes `dw`. The bias gradient
@@ -35,13 +38,15 @@ fn workspace_limit(total_memory: usize) -> usize {
 pub use crate::kernels::igemm::conv_key;
 
 /// The engines that can run a direction of `g` on this machine under `policy`, cuDNN's in its
-/// heuristic order first. When the policy's family has none (cuDNN forced but missing), every
+/// heuristic order first; with `bias` (forward only) also cuDNN's graph-API configurations
+/// that fuse the bias. When the policy's family has none (cuDNN forced but missing), every
 /// available engine. Inside a capture, cuDNN is a candidate only if it was opened before.
 pub fn conv_candidates(
     q: &dyn Queue,
     eng: &Engines,
     dir: ConvDir,
     g: &ConvGeom,
+    bias: bool,
     policy: &Policy,
 ) -> Result<Vec<ConvAlgo>> {
     let family = policy.conv;
@@ -69,6 +74,23 @@ pub fn conv_candidates(
                     .unwrap_or_default()
                 {
                     v.push(ConvAlgo::CudnnGraph(a.rank));
+                }
+            }
+        }
+        // The forward with its bias fused into the same cuDNN operation graph: measured like
+        // the others (none when cuDNN offers no plain-fp32 engine for the fused graph).
+        if dir == ConvDir::Forward
+            && bias
+            && allowed(ConvAlgo::CudnnGraphBias(0), fam)
+            && crate::cudnn::supports(g)
+        {
+            if let Some(c) = eng.cudnn_graph_for(q) {
+                let limit = workspace_limit(eng.device_info().total_memory);
+                for a in c
+                    .fused_bias_candidates(q, g, policy.deterministic, limit)
+                    .unwrap_or_default()
+                {
+                    v.push(ConvAlgo::CudnnGraphBias(a.rank));
                 }
             }
         }
@@ -224,7 +246,7 @@ pub fn run_conv(
         conv_algo(q, nn, &eng, algo, dir, g, io)?;
         return Ok(algo);
     }
-    let candidates = conv_candidates(q, &eng, dir, g, &policy)?;
+    let candidates = conv_candidates(q, &eng, dir, g, io.bias.is_some(), &policy)?;
     let sms = eng.device_info().multiprocessors;
     let default = default_conv_algo(dir, g, &candidates, sms);
     let mut scratch: Option<Buf> = None;
@@ -274,14 +296,20 @@ fn conv_algo(
             conv_bias(q, nn, eng, g, io)
         }
         ConvAlgo::CudnnGraph(rank) => {
-            let c = eng.cudnn_graph().ok_or_else(|| NnError::Library {
-                library: "cuDNN graph API",
-                call: "dlopen",
-                status: "unavailable (missing, older than 9, or disabled by the engine policy)"
-                    .into(),
-            })?;
-            c.run(q, dir, rank, g, io.a, io.b, io.out)?;
+            cudnn_graph(eng)?.run(q, dir, rank, g, io.a, io.b, io.out)?;
             conv_bias(q, nn, eng, g, io)
+        }
+        ConvAlgo::CudnnGraphBias(rank) => {
+            let bias = match (dir, io.bias) {
+                (ConvDir::Forward, Some(bias)) => bias,
+                _ => {
+                    return Err(NnError::Shape(format!(
+                        "{}: {algo} runs only a forward convolution with a bias",
+                        conv_key(dir, g, io.bias.is_some())
+                    )))
+                }
+            };
+            cudnn_graph(eng)?.run_fused_bias(q, rank, g, io.a, io.b, bias, io.out)
         }
         ConvAlgo::Igemm(tile, splits) => {
             let k = ConvKernels::get(q.device())?;
@@ -320,6 +348,15 @@ fn cudnn(eng: &Engines) -> Result<&crate::cudnn::Cudnn> {
         library: "cuDNN",
         call: "dlopen",
         status: "unavailable (missing, or disabled by the engine policy)".into(),
+    })
+}
+
+/// cuDNN's graph API, or why it cannot run here.
+fn cudnn_graph(eng: &Engines) -> Result<&crate::cudnn_graph::CudnnGraph> {
+    eng.cudnn_graph().ok_or_else(|| NnError::Library {
+        library: "cuDNN graph API",
+        call: "dlopen",
+        status: "unavailable (missing, older than 9, or disabled by the engine policy)".into(),
     })
 }
 

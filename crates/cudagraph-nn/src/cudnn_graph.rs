@@ -19,6 +19,13 @@
 //! [`CAP`] built plans the policy allows. Running a plan only enqueues work on the caller's
 //! stream: the variant pack is host-side, the workspace comes from the caller's queue
 //! (`QueueExt::alloc`, the graph's pool inside a capture) — so it can be captured.
+//!
+//! A forward convolution with a bias also has a fused set: an operation graph of the
+//! convolution into a virtual tensor followed by a pointwise ADD of the bias (`[1, K, 1, 1]`,
+//! broadcast) into `y`, so the forward with its bias is one cuDNN execution
+//! (`cudnnv8+bias:RANK`). Its configurations are filtered, ranked and built the same way, at
+//! most [`FUSED_CAP`] per key; where cuDNN offers no plain-fp32 engine for it (runtime-fusion
+//! engines missing, or all TF32) there are simply no fused candidates.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
@@ -44,6 +51,10 @@ const NOT_BUILT: &str = "no plan was built before the capture (run it eagerly fi
 /// measuring them stays fast (PyTorch's `cudnn.benchmark_limit` is 10).
 pub const CAP: usize = 8;
 
+/// At most this many fused convolution + bias candidates per key (their engines may compile
+/// at run time, when the set is built).
+pub const FUSED_CAP: usize = 4;
+
 /// The largest byte alignment a plan is built for (cudnn-frontend's and PyTorch's too).
 pub const MAX_ALIGN: u32 = 16;
 
@@ -56,6 +67,7 @@ const SUCCESS: Status = 0;
 const NOT_SUPPORTED: std::ops::RangeInclusive<Status> = 3000..=3999;
 
 // cudnnBackendDescriptorType_t
+const D_POINTWISE: u32 = 0;
 const D_CONVOLUTION: u32 = 1;
 const D_ENGINE: u32 = 2;
 const D_ENGINECFG: u32 = 3;
@@ -65,6 +77,7 @@ const D_KNOB_CHOICE: u32 = 7;
 const D_OP_CONV_FORWARD: u32 = 10;
 const D_OP_CONV_BACKWARD_FILTER: u32 = 11;
 const D_OP_CONV_BACKWARD_DATA: u32 = 12;
+const D_OP_POINTWISE: u32 = 13;
 const D_OPERATION_GRAPH: u32 = 15;
 const D_VARIANT_PACK: u32 = 16;
 const D_TENSOR: u32 = 17;
@@ -72,6 +85,7 @@ const D_TENSOR: u32 = 17;
 // cudnnBackendAttributeType_t
 const T_HANDLE: u32 = 0;
 const T_DATA_TYPE: u32 = 1;
+const T_BOOLEAN: u32 = 2;
 const T_INT64: u32 = 3;
 const T_FLOAT: u32 = 4;
 const T_VOID_PTR: u32 = 6;
@@ -79,10 +93,13 @@ const T_CONVOLUTION_MODE: u32 = 7;
 const T_HEUR_MODE: u32 = 8;
 const T_KNOB_TYPE: u32 = 9;
 const T_NUMERICAL_NOTE: u32 = 11;
+const T_POINTWISE_MODE: u32 = 14;
 const T_BACKEND_DESCRIPTOR: u32 = 15;
 const T_BEHAVIOR_NOTE: u32 = 19;
 
 // cudnnBackendAttributeName_t
+const A_POINTWISE_MODE: u32 = 0;
+const A_POINTWISE_MATH_PREC: u32 = 1;
 const A_CONV_COMP_TYPE: u32 = 100;
 const A_CONV_MODE: u32 = 101;
 const A_CONV_DILATIONS: u32 = 102;
@@ -100,6 +117,10 @@ const A_PLAN_ENGINE_CONFIG: u32 = 401;
 const A_PLAN_WORKSPACE_SIZE: u32 = 402;
 const A_KNOB_TYPE: u32 = 600;
 const A_KNOB_VALUE: u32 = 601;
+const A_OP_POINTWISE_PW_DESCRIPTOR: u32 = 750;
+const A_OP_POINTWISE_XDESC: u32 = 751;
+const A_OP_POINTWISE_BDESC: u32 = 752;
+const A_OP_POINTWISE_YDESC: u32 = 753;
 const A_GRAPH_HANDLE: u32 = 800;
 const A_GRAPH_OPS: u32 = 801;
 const A_TENSOR_BYTE_ALIGNMENT: u32 = 900;
@@ -107,6 +128,7 @@ const A_TENSOR_DATA_TYPE: u32 = 901;
 const A_TENSOR_DIMENSIONS: u32 = 902;
 const A_TENSOR_STRIDES: u32 = 903;
 const A_TENSOR_UNIQUE_ID: u32 = 906;
+const A_TENSOR_IS_VIRTUAL: u32 = 907;
 const A_VP_UNIQUE_IDS: u32 = 1000;
 const A_VP_DATA_POINTERS: u32 = 1001;
 const A_VP_WORKSPACE: u32 = 1003;
@@ -117,6 +139,7 @@ const A_ENGINE_BEHAVIOR_NOTE: u32 = 1305;
 // Values.
 const DATA_FLOAT: i32 = 0;
 const CROSS_CORRELATION: i32 = 1;
+const POINTWISE_ADD: i32 = 0;
 const HEUR_INSTANT: i32 = 0;
 const HEUR_FALLBACK: i32 = 2;
 const NOTE_TENSOR_CORE: i32 = 0;
@@ -128,6 +151,10 @@ const NOTE_NONDETERMINISTIC: i32 = 4;
 const UID_X: i64 = 1;
 const UID_W: i64 = 2;
 const UID_Y: i64 = 3;
+/// The bias of the fused forward (`[1, K, 1, 1]`).
+const UID_BIAS: i64 = 4;
+/// The fused forward's convolution output: virtual (never in memory, never in a variant pack).
+const UID_CONV_OUT: i64 = 5;
 
 /// Knob choices read per configuration (cuDNN 9 has 44 knob types).
 const MAX_KNOBS: usize = 64;
@@ -291,6 +318,14 @@ impl Desc {
         // SAFETY: live descriptor; one 4-byte integer, the C size of cuDNN's enums; copied
         // before returning.
         status(unsafe { (self.api.backend_set)(self.raw, name, ty, 1, (&v as *const i32).cast()) })
+    }
+
+    fn set_bool(&self, name: u32, v: bool) -> St<()> {
+        // SAFETY: live descriptor; one C `bool` (one byte, the type of BOOLEAN attributes);
+        // copied before returning.
+        status(unsafe {
+            (self.api.backend_set)(self.raw, name, T_BOOLEAN, 1, (&v as *const bool).cast())
+        })
     }
 
     fn set_f32(&self, name: u32, v: f32) -> St<()> {
@@ -460,16 +495,18 @@ fn select(infos: &[ConfigInfo]) -> Vec<usize> {
 }
 
 /// The candidates among built plans `(rank, deterministic, workspace)` in rank order: the
-/// first [`CAP`] the policy allows, without those needing more than `max_workspace` bytes.
+/// first `cap` ([`CAP`], or [`FUSED_CAP`] for the fused forward) the policy allows, without
+/// those needing more than `max_workspace` bytes.
 fn pick(
     built: impl IntoIterator<Item = (u8, bool, usize)>,
     deterministic_only: bool,
     max_workspace: usize,
+    cap: usize,
 ) -> Vec<u8> {
     built
         .into_iter()
         .filter(|&(_, det, _)| det || !deterministic_only)
-        .take(CAP)
+        .take(cap)
         .filter(|&(_, _, ws)| ws <= max_workspace)
         .map(|(r, _, _)| r)
         .collect()
@@ -490,15 +527,17 @@ fn alignment(addrs: &[u64]) -> u32 {
         .unwrap_or(MAX_ALIGN)
 }
 
-/// The text of a plan set's key, e.g. `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 align=16`.
-fn set_name(dir: ConvDir, g: &ConvGeom, align: u32) -> String {
-    format!("{} align={align}", conv_key(dir, g, false))
+/// The text of a plan set's key, e.g. `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 align=16`
+/// (`... p=1 bias align=16` for the fused forward with its bias).
+fn set_name(dir: ConvDir, g: &ConvGeom, bias: bool, align: u32) -> String {
+    format!("{} align={align}", conv_key(dir, g, bias))
 }
 
 /// One candidate configuration of a key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
-    /// Position in the key's filtered, deduplicated heuristic list (`ConvAlgo::CudnnGraph`).
+    /// Position in the key's filtered, deduplicated heuristic list (`ConvAlgo::CudnnGraph`, or
+    /// `ConvAlgo::CudnnGraphBias` in the fused forward's list).
     pub rank: u8,
     /// cuDNN's global engine index.
     pub engine: i64,
@@ -538,14 +577,20 @@ struct Config {
     cfg: Desc,
 }
 
-/// Everything built for one (direction, geometry, alignment). Field order is drop order:
-/// plans and configurations, then the heuristics they came from, then the operation graph
-/// and its parts.
+/// Everything built for one (direction, geometry, bias fused or not, alignment). Field order
+/// is drop order: plans and configurations, then the heuristics they came from, then the
+/// operation graph and its parts.
 struct Set {
     configs: Vec<Config>,
+    /// How many candidates it offers at most ([`CAP`] or [`FUSED_CAP`]).
+    cap: usize,
+    /// Every configuration the heuristics listed and what became of it (for reports).
+    listed: Vec<String>,
     _heuristics: Vec<Desc>,
     _graph: Desc,
-    _op: Desc,
+    /// The convolution, then the bias addition of the fused forward.
+    _ops: Vec<Desc>,
+    _pointwise: Option<Desc>,
     _conv: Desc,
     _tensors: Vec<Desc>,
 }
@@ -567,6 +612,27 @@ impl Set {
         })
     }
 
+    /// What the heuristics listed and, per kept configuration, its plan (one line each).
+    fn report(&self, name: &str) -> String {
+        let mut s = format!(
+            "{name}: {} configurations listed, {} kept",
+            self.listed.len(),
+            self.configs.len()
+        );
+        for l in &self.listed {
+            s.push_str(&format!("\n  listed {l}"));
+        }
+        for (rank, c) in self.configs.iter().enumerate() {
+            let plan = match &c.slot {
+                Slot::Untried => "plan not built".to_string(),
+                Slot::Built { workspace, .. } => format!("plan built, workspace {workspace}"),
+                Slot::Failed(why) => format!("plan failed: {why}"),
+            };
+            s.push_str(&format!("\n  rank {rank} {}: {plan}", c.info_tag()));
+        }
+        s
+    }
+
     fn candidates(&self, deterministic_only: bool, max_workspace: usize) -> Vec<Candidate> {
         let built = self
             .configs
@@ -578,16 +644,16 @@ impl Set {
                 }
                 _ => None,
             });
-        pick(built, deterministic_only, max_workspace)
+        pick(built, deterministic_only, max_workspace, self.cap)
             .into_iter()
             .filter_map(|r| self.candidate(r))
             .collect()
     }
 }
 
-type SetKey = (usize, [usize; 9], u32);
+type SetKey = (usize, bool, [usize; 9], u32);
 
-fn set_key(dir: ConvDir, g: &ConvGeom, align: u32) -> SetKey {
+fn set_key(dir: ConvDir, g: &ConvGeom, bias: bool, align: u32) -> SetKey {
     let d = match dir {
         ConvDir::Forward => 0,
         ConvDir::BackwardData => 1,
@@ -595,6 +661,7 @@ fn set_key(dir: ConvDir, g: &ConvGeom, align: u32) -> SetKey {
     };
     (
         d,
+        bias,
         [g.n, g.c, g.h, g.w, g.oc, g.kh, g.kw, g.stride, g.pad],
         align,
     )
@@ -648,8 +715,21 @@ fn i64_of(what: &str, v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| NnError::Shape(format!("cuDNN: {what} = {v} exceeds an int64")))
 }
 
-/// A finalized fp32 NCHW-packed tensor descriptor.
+/// A finalized fp32 NCHW-packed tensor descriptor (for `[1, K, 1, 1]` the strides are
+/// `[K, 1, 1, 1]`).
 fn tensor(api: &'static Api, dims: [i64; 4], uid: i64, align: u32) -> Result<Desc> {
+    tensor_of(api, dims, uid, align, false)
+}
+
+/// [`tensor`], virtual when `is_virtual`: an intermediate of an operation graph that cuDNN
+/// keeps to itself (no memory, not in the variant pack).
+fn tensor_of(
+    api: &'static Api,
+    dims: [i64; 4],
+    uid: i64,
+    align: u32,
+    is_virtual: bool,
+) -> Result<Desc> {
     let strides = [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1];
     let call = "cudnnBackend*(TENSOR)";
     let t = Desc::new(api, D_TENSOR).map_err(|s| lib_err(api, s, call))?;
@@ -659,6 +739,9 @@ fn tensor(api: &'static Api, dims: [i64; 4], uid: i64, align: u32) -> Result<Des
         t.set_i64(A_TENSOR_STRIDES, &strides)?;
         t.set_i64(A_TENSOR_UNIQUE_ID, &[uid])?;
         t.set_i64(A_TENSOR_BYTE_ALIGNMENT, &[align as i64])?;
+        if is_virtual {
+            t.set_bool(A_TENSOR_IS_VIRTUAL, true)?;
+        }
         t.finalize()
     })()
     .map_err(|s| lib_err(api, s, call))?;
@@ -715,13 +798,21 @@ fn fill_slot(api: &'static Api, handle: Ptr, c: &mut Config) {
 }
 
 /// The convolution operation of one direction and what it refers to: (x, w, y) tensors, the
-/// convolution descriptor, the operation (all finalized; no handle needed).
+/// convolution descriptor, the operation (all finalized; no handle needed). With `fused`
+/// (forward only) its output is the virtual tensor [`UID_CONV_OUT`] the bias is added to.
 fn build_op(
     api: &'static Api,
     dir: ConvDir,
     g: &ConvGeom,
     align: u32,
+    fused: bool,
 ) -> Result<(Vec<Desc>, Desc, Desc)> {
+    if fused && dir != ConvDir::Forward {
+        return Err(NnError::Shape(format!(
+            "{}: a bias is fused only into the forward direction",
+            dir.name()
+        )));
+    }
     let (oh, ow) = g.out_hw()?;
     let v = |what, x| i64_of(what, x);
     let (n, c, h, w) = (v("n", g.n)?, v("c", g.c)?, v("h", g.h)?, v("w", g.w)?);
@@ -732,10 +823,15 @@ fn build_op(
         v("oh", oh)?,
         v("ow", ow)?,
     );
+    let (y_uid, y_virtual) = if fused {
+        (UID_CONV_OUT, true)
+    } else {
+        (UID_Y, false)
+    };
     let tensors = vec![
         tensor(api, [n, c, h, w], UID_X, align)?,
         tensor(api, [oc, c, kh, kw], UID_W, align)?,
-        tensor(api, [n, oc, oh, ow], UID_Y, align)?,
+        tensor_of(api, [n, oc, oh, ow], y_uid, align, y_virtual)?,
     ];
     let e = |call| err_of(api, call);
     let conv = Desc::new(api, D_CONVOLUTION).map_err(e("cudnnBackendCreateDescriptor"))?;
@@ -765,20 +861,67 @@ fn build_op(
     Ok((tensors, conv, op))
 }
 
-/// The operation graph of one direction, its heuristic list and the plans of its first
-/// configurations (host work only; may compile engines at run time).
+/// The bias addition of the fused forward: `y = conv_out + bias`, the bias `[1, K, 1, 1]`
+/// broadcast over batch and pixels, added in fp32. Returns the (bias, y) tensors, the
+/// pointwise descriptor and the operation (all finalized; no handle needed).
+fn build_bias_add(
+    api: &'static Api,
+    g: &ConvGeom,
+    align: u32,
+    conv_out: &Desc,
+) -> Result<(Vec<Desc>, Desc, Desc)> {
+    let (oh, ow) = g.out_hw()?;
+    let v = |what, x| i64_of(what, x);
+    let (n, oc, oh, ow) = (v("n", g.n)?, v("oc", g.oc)?, v("oh", oh)?, v("ow", ow)?);
+    let tensors = vec![
+        tensor(api, [1, oc, 1, 1], UID_BIAS, align)?,
+        tensor(api, [n, oc, oh, ow], UID_Y, align)?,
+    ];
+    let e = |call| err_of(api, call);
+    let pw = Desc::new(api, D_POINTWISE).map_err(e("cudnnBackendCreateDescriptor"))?;
+    (|| {
+        pw.set_enum(A_POINTWISE_MODE, T_POINTWISE_MODE, POINTWISE_ADD)?;
+        pw.set_enum(A_POINTWISE_MATH_PREC, T_DATA_TYPE, DATA_FLOAT)?;
+        pw.finalize()
+    })()
+    .map_err(e("cudnnBackend*(POINTWISE)"))?;
+    let op = Desc::new(api, D_OP_POINTWISE).map_err(e("cudnnBackendCreateDescriptor"))?;
+    (|| {
+        op.set_descs(A_OP_POINTWISE_PW_DESCRIPTOR, &[&pw])?;
+        op.set_descs(A_OP_POINTWISE_XDESC, &[conv_out])?;
+        op.set_descs(A_OP_POINTWISE_BDESC, &[&tensors[0]])?;
+        op.set_descs(A_OP_POINTWISE_YDESC, &[&tensors[1]])?;
+        op.finalize()
+    })()
+    .map_err(e("cudnnBackend*(OPERATION_POINTWISE)"))?;
+    Ok((tensors, pw, op))
+}
+
+/// The operation graph of one direction (with `bias`: the forward with its bias fused), its
+/// heuristic list and the plans of its first configurations (host work only; may compile
+/// engines at run time).
 fn build_set(
     api: &'static Api,
     handle: Ptr,
     dir: ConvDir,
     g: &ConvGeom,
+    bias: bool,
     align: u32,
 ) -> Result<Set> {
-    let (tensors, conv, op) = build_op(api, dir, g, align)?;
+    let (mut tensors, conv, op) = build_op(api, dir, g, align, bias)?;
+    let mut ops = vec![op];
+    let mut pointwise = None;
+    if bias {
+        let (more, pw, add) = build_bias_add(api, g, align, &tensors[2])?;
+        tensors.extend(more);
+        ops.push(add);
+        pointwise = Some(pw);
+    }
+    let cap = if bias { FUSED_CAP } else { CAP };
     let e = |call| err_of(api, call);
     let graph = Desc::new(api, D_OPERATION_GRAPH).map_err(e("cudnnBackendCreateDescriptor"))?;
     (|| {
-        graph.set_descs(A_GRAPH_OPS, &[&op])?;
+        graph.set_descs(A_GRAPH_OPS, &ops.iter().collect::<Vec<_>>())?;
         graph.set_handle(A_GRAPH_HANDLE, handle)?;
         graph.finalize()
     })()
@@ -811,6 +954,23 @@ fn build_set(
     }
     let infos: Vec<ConfigInfo> = found.iter().map(|(i, _)| i.clone()).collect();
     let keep = select(&infos);
+    let listed = infos
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let fate = match keep.iter().position(|&k| k == i) {
+                Some(rank) => format!("rank {rank}"),
+                None if !fp32_fma(&c.notes) => "dropped (not plain fp32)".to_string(),
+                None => "dropped (repeated)".to_string(),
+            };
+            format!(
+                "{} notes {:?} behaviour {:?}: {fate}",
+                tag(c.engine, &c.knobs),
+                c.notes,
+                c.behavior
+            )
+        })
+        .collect();
     let mut slots: Vec<Option<(ConfigInfo, Desc)>> = found.into_iter().map(Some).collect();
     let mut configs: Vec<Config> = keep
         .into_iter()
@@ -824,7 +984,7 @@ fn build_set(
     drop(slots); // configurations not kept
     let mut deterministic_built = 0;
     for c in &mut configs {
-        if deterministic_built >= CAP {
+        if deterministic_built >= cap {
             break;
         }
         fill_slot(api, handle, c);
@@ -834,9 +994,12 @@ fn build_set(
     }
     Ok(Set {
         configs,
+        cap,
+        listed,
         _heuristics: heuristics,
         _graph: graph,
-        _op: op,
+        _ops: ops,
+        _pointwise: pointwise,
         _conv: conv,
         _tensors: tensors,
     })
@@ -864,23 +1027,24 @@ impl CudnnGraph {
         })
     }
 
-    /// The set of (dir, g, align), built now when missing and `may_build` (never inside a
-    /// capture: finalizing may compile, allocate or synchronise).
+    /// The set of (dir, g, bias fused or not, align), built now when missing and `may_build`
+    /// (never inside a capture: finalizing may compile, allocate or synchronise).
     fn set<'s>(
         &self,
         st: &'s mut State,
         dir: ConvDir,
         g: &ConvGeom,
+        bias: bool,
         align: u32,
         may_build: bool,
     ) -> Option<&'s mut std::result::Result<Set, String>> {
-        let key = set_key(dir, g, align);
+        let key = set_key(dir, g, bias, align);
         if !st.sets.contains_key(&key) {
             if !may_build {
                 return None;
             }
             let handle = st.handle;
-            let built = with_relaxed_capture(|| build_set(self.api, handle, dir, g, align));
+            let built = with_relaxed_capture(|| build_set(self.api, handle, dir, g, bias, align));
             st.sets.insert(key, built.map_err(|e| e.to_string()));
         }
         st.sets.get_mut(&key)
@@ -898,18 +1062,43 @@ impl CudnnGraph {
         deterministic: bool,
         max_workspace: usize,
     ) -> Result<Vec<Candidate>> {
-        if !crate::cudnn::supports(g) {
+        self.list(q, dir, g, false, deterministic, max_workspace)
+    }
+
+    /// The candidate configurations of the forward convolution of `g` with its bias fused
+    /// (`cudnnv8+bias:RANK`), chosen as [`CudnnGraph::candidates`] chooses, at most
+    /// [`FUSED_CAP`]. Empty when cuDNN offers no plain-fp32 engine for the fused graph.
+    pub fn fused_bias_candidates(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        deterministic: bool,
+        max_workspace: usize,
+    ) -> Result<Vec<Candidate>> {
+        self.list(q, ConvDir::Forward, g, true, deterministic, max_workspace)
+    }
+
+    fn list(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        g: &ConvGeom,
+        bias: bool,
+        deterministic: bool,
+        max_workspace: usize,
+    ) -> Result<Vec<Candidate>> {
+        if !crate::cudnn::supports(g) || (bias && dir != ConvDir::Forward) {
             return Ok(Vec::new());
         }
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match self.set(&mut st, dir, g, LIST_ALIGN, !q.is_capturing()) {
+        match self.set(&mut st, dir, g, bias, LIST_ALIGN, !q.is_capturing()) {
             None => Ok(Vec::new()),
             Some(Ok(set)) => Ok(set.candidates(deterministic, max_workspace)),
             Some(Err(why)) => Err(NnError::Library {
                 library: LIBRARY,
                 call: "operation graph",
-                status: format!("{}: {why}", set_name(dir, g, LIST_ALIGN)),
+                status: format!("{}: {why}", set_name(dir, g, bias, LIST_ALIGN)),
             }),
         }
     }
@@ -917,11 +1106,34 @@ impl CudnnGraph {
     /// What `cudnnv8:RANK` runs for one direction of `g` (engine, knobs, notes), when its plan
     /// was built in this process (for reports: the registry's table shows only the rank).
     pub fn describe(&self, dir: ConvDir, g: &ConvGeom, rank: u8) -> Option<Candidate> {
+        self.describe_set(dir, g, false, rank)
+    }
+
+    /// What `cudnnv8+bias:RANK` runs for the forward of `g` with its bias fused, when its plan
+    /// was built in this process.
+    pub fn describe_fused_bias(&self, g: &ConvGeom, rank: u8) -> Option<Candidate> {
+        self.describe_set(ConvDir::Forward, g, true, rank)
+    }
+
+    fn describe_set(&self, dir: ConvDir, g: &ConvGeom, bias: bool, rank: u8) -> Option<Candidate> {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match st.sets.get(&set_key(dir, g, LIST_ALIGN))? {
+        match st.sets.get(&set_key(dir, g, bias, LIST_ALIGN))? {
             Ok(set) => set.candidate(rank),
             Err(_) => None,
         }
+    }
+
+    /// Every configuration cuDNN's heuristics listed for the fused forward of `g` and what
+    /// became of it (rank and plan, or why it was dropped), or why the operation graph could
+    /// not be built; `None` before it was listed (for reports and device-test diagnostics).
+    pub fn fused_bias_report(&self, g: &ConvGeom) -> Option<String> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let key = set_key(ConvDir::Forward, g, true, LIST_ALIGN);
+        let name = set_name(ConvDir::Forward, g, true, LIST_ALIGN);
+        Some(match st.sets.get(&key)? {
+            Err(why) => format!("{name}: no operation graph: {why}"),
+            Ok(set) => set.report(&name),
+        })
     }
 
     /// Runs the configuration of rank `rank` for one direction. Buffers by direction (as
@@ -940,20 +1152,53 @@ impl CudnnGraph {
         b: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
     ) -> Result<()> {
+        self.execute(q, dir, rank, g, (a, b, out), None)
+    }
+
+    /// Runs the fused configuration of rank `rank`: `y = conv(x, w) + bias` in one cuDNN
+    /// execution (`bias` has `g.oc` elements). Inside a capture the plan must have been built
+    /// before.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fused_bias(
+        &self,
+        q: &dyn Queue,
+        rank: u8,
+        g: &ConvGeom,
+        x: &DeviceBuffer<f32>,
+        w: &DeviceBuffer<f32>,
+        bias: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        self.execute(q, ConvDir::Forward, rank, g, (x, w, y), Some(bias))
+    }
+
+    fn execute(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        rank: u8,
+        g: &ConvGeom,
+        (a, b, out): (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<f32>),
+        bias: Option<&DeviceBuffer<f32>>,
+    ) -> Result<()> {
         if !crate::cudnn::supports(g) {
             return Err(NnError::Shape(format!(
                 "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
             )));
         }
-        // Buffers by unique id (x, w, y), after checking each extent.
-        let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
-        let align = alignment(&[x.addr(), w.addr(), y.addr()]);
+        // Buffers by unique id (x, w, y), after checking each extent (and the bias: `g.oc`
+        // elements, forward only).
+        let (x, w, y) = conv_roles(dir, g, (a, b, out), bias)?;
+        let fused = bias.is_some();
+        let mut addrs = vec![x.addr(), w.addr(), y.addr()];
+        addrs.extend(bias.map(|b| b.addr()));
+        let align = alignment(&addrs);
         let capturing = q.is_capturing();
-        let name = || set_name(dir, g, align);
+        let name = || set_name(dir, g, fused, align);
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let set = match self.set(&mut st, dir, g, align, !capturing) {
+        let set = match self.set(&mut st, dir, g, fused, align, !capturing) {
             Some(Ok(set)) => set,
             Some(Err(why)) => {
                 return Err(NnError::Library {
@@ -1006,7 +1251,7 @@ impl CudnnGraph {
         } else {
             None
         };
-        for buf in [x, w, y] {
+        for buf in [x, w, y].into_iter().chain(bias) {
             q.use_block(buf.block());
         }
         if let Some(ws) = &ws {
@@ -1015,25 +1260,29 @@ impl CudnnGraph {
         let ws_p = ws
             .as_ref()
             .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
+        let mut uids = vec![UID_X, UID_W, UID_Y];
+        let mut ptrs = vec![x.addr() as Ptr, w.addr() as Ptr, y.addr() as Ptr];
+        if let Some(bias) = bias {
+            uids.push(UID_BIAS);
+            ptrs.push(bias.addr() as Ptr);
+        }
         let e = |call| err_of(self.api, call);
         let pack =
             Desc::new(self.api, D_VARIANT_PACK).map_err(e("cudnnBackendCreateDescriptor"))?;
         (|| {
-            pack.set_i64(A_VP_UNIQUE_IDS, &[UID_X, UID_W, UID_Y])?;
-            pack.set_ptrs(
-                A_VP_DATA_POINTERS,
-                &[x.addr() as Ptr, w.addr() as Ptr, y.addr() as Ptr],
-            )?;
+            pack.set_i64(A_VP_UNIQUE_IDS, &uids)?;
+            pack.set_ptrs(A_VP_DATA_POINTERS, &ptrs)?;
             pack.set_ptrs(A_VP_WORKSPACE, &[ws_p])?;
             pack.finalize()
         })()
         .map_err(e("cudnnBackend*(VARIANT_PACK)"))?;
         let stream = q.stream_handle().raw() as Ptr;
         // SAFETY: the handle, plan and variant pack are live (held under the lock); the plan
-        // describes exactly the geometry whose extents were checked against the buffers above,
-        // at the alignment of these pointers, so cuDNN reads and writes inside them; the
-        // workspace holds the bytes the plan asked for; every buffer is kept alive and ordered
-        // by `use_block` (a capture keeps them).
+        // describes exactly the geometry (and, fused, the bias of `g.oc` elements) whose
+        // extents were checked against the buffers above, at the alignment of these pointers,
+        // so cuDNN reads and writes inside them; the fused graph's intermediate is virtual (no
+        // pointer); the workspace holds the bytes the plan asked for; every buffer is kept
+        // alive and ordered by `use_block` (a capture keeps them).
         unsafe {
             chk(
                 self.api,
@@ -1114,14 +1363,24 @@ mod tests {
             (4, true, 64),
             (5, false, 0),
         ];
-        assert_eq!(pick(built.clone(), true, 1 << 30), vec![1, 4]);
-        assert_eq!(pick(built.clone(), false, 1 << 30), vec![0, 1, 4, 5]);
-        assert_eq!(pick(built.clone(), false, usize::MAX), vec![0, 1, 3, 4, 5]);
+        assert_eq!(pick(built.clone(), true, 1 << 30, CAP), vec![1, 4]);
+        assert_eq!(pick(built.clone(), false, 1 << 30, CAP), vec![0, 1, 4, 5]);
+        assert_eq!(
+            pick(built.clone(), false, usize::MAX, CAP),
+            vec![0, 1, 3, 4, 5]
+        );
         let long: Vec<(u8, bool, usize)> = (0..20).map(|r| (r, r % 3 != 0, 0)).collect();
-        let det = pick(long.clone(), true, 0);
+        let det = pick(long.clone(), true, 0, CAP);
         assert_eq!(det.len(), CAP);
         assert!(det.iter().all(|r| r % 3 != 0));
-        assert_eq!(pick(long, false, 0), (0..CAP as u8).collect::<Vec<_>>());
+        assert_eq!(
+            pick(long.clone(), false, 0, CAP),
+            (0..CAP as u8).collect::<Vec<_>>()
+        );
+        // The fused forward offers fewer.
+        assert_eq!(pick(long.clone(), true, 0, FUSED_CAP), vec![1, 2, 4, 5]);
+        assert_eq!(pick(long, false, 0, FUSED_CAP), vec![0, 1, 2, 3]);
+        const { assert!(FUSED_CAP <= 4 && FUSED_CAP <= CAP) };
     }
 
     #[test]
@@ -1147,16 +1406,25 @@ mod tests {
             pad: 1,
         };
         assert_eq!(
-            set_name(ConvDir::Forward, &g, 16),
+            set_name(ConvDir::Forward, &g, false, 16),
             "conv_fwd n=128 c=64 h=16 w=16 oc=128 k=3x3 s=2 p=1 align=16"
         );
-        assert_ne!(
-            set_key(ConvDir::Forward, &g, 16),
-            set_key(ConvDir::BackwardData, &g, 16)
+        assert_eq!(
+            set_name(ConvDir::Forward, &g, true, 4),
+            "conv_fwd n=128 c=64 h=16 w=16 oc=128 k=3x3 s=2 p=1 bias align=4"
         );
         assert_ne!(
-            set_key(ConvDir::Forward, &g, 16),
-            set_key(ConvDir::Forward, &g, 4)
+            set_key(ConvDir::Forward, &g, false, 16),
+            set_key(ConvDir::BackwardData, &g, false, 16)
+        );
+        assert_ne!(
+            set_key(ConvDir::Forward, &g, false, 16),
+            set_key(ConvDir::Forward, &g, false, 4)
+        );
+        // The fused forward is a set of its own.
+        assert_ne!(
+            set_key(ConvDir::Forward, &g, false, 16),
+            set_key(ConvDir::Forward, &g, true, 16)
         );
         assert_eq!(
             op_attrs(ConvDir::BackwardFilter).0,
@@ -1194,15 +1462,16 @@ mod tests {
                 ] {
                     for dir in ConvDir::ALL {
                         for align in [4, 16] {
-                            build_op(api, dir, &geom, align)
-                                .unwrap_or_else(|e| panic!("{}: {e}", set_name(dir, &geom, align)));
+                            build_op(api, dir, &geom, align, false).unwrap_or_else(|e| {
+                                panic!("{}: {e}", set_name(dir, &geom, false, align))
+                            });
                         }
                     }
                 }
                 // An output size that does not match the geometry is refused by cuDNN
                 // (11x13, 3x3, stride 2, no padding: 5x6, not 6x7).
                 let bad = g(2, 3, 11, 13, 5, 3, 2, 0);
-                let (tensors, conv, _) = build_op(api, ConvDir::Forward, &bad, 16).unwrap();
+                let (tensors, conv, _) = build_op(api, ConvDir::Forward, &bad, 16, false).unwrap();
                 let wrong = tensor(api, [2, 5, 6, 7], UID_Y, 16).unwrap();
                 let (op_type, [alpha, beta, conv_a, x_a, w_a, y_a]) = op_attrs(ConvDir::Forward);
                 let op = Desc::new(api, op_type).unwrap();
@@ -1213,6 +1482,16 @@ mod tests {
                 op.set_f32(alpha, 1.0).unwrap();
                 op.set_f32(beta, 0.0).unwrap();
                 assert!(op.finalize().is_err());
+                // The fused forward's two operations: the convolution into a virtual tensor,
+                // then the bias added into y; a bias is fused into the forward direction only.
+                for geom in [g(2, 3, 11, 13, 5, 3, 2, 1), g(3, 5, 13, 11, 7, 1, 1, 0)] {
+                    let name = set_name(ConvDir::Forward, &geom, true, 16);
+                    let (tensors, _conv, _op) = build_op(api, ConvDir::Forward, &geom, 16, true)
+                        .unwrap_or_else(|e| panic!("{name}: {e}"));
+                    build_bias_add(api, &geom, 16, &tensors[2])
+                        .unwrap_or_else(|e| panic!("{name}: {e}"));
+                    assert!(build_op(api, ConvDir::BackwardData, &geom, 16, true).is_err());
+                }
                 println!("cuDNN graph API available");
             }
             Err(why) => println!("cuDNN graph API unavailable here: {why}"),

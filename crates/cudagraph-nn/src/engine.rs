@@ -84,8 +84,9 @@ pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 /// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB; 3: short candidates
 /// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`]; 4:
 /// under-occupied products also measure cuBLASLt's split-K variants, `cublaslt:R/skS`, which
-/// choices measured before never saw).
-const FORMAT: u32 = 4;
+/// choices measured before never saw; 5: forward convolutions with a bias also measure cuDNN's
+/// graph API with the bias fused, `cudnnv8+bias:R`).
+const FORMAT: u32 = 5;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -154,7 +155,7 @@ impl ConvEngine {
             (ConvEngine::Auto, _)
                 | (
                     ConvEngine::Cudnn,
-                    ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_)
+                    ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_)
                 )
                 | (
                     ConvEngine::Ours,
@@ -392,6 +393,11 @@ pub enum ConvAlgo {
     /// cuDNN's graph API with the engine configuration of this rank in the key's filtered
     /// heuristic list ([`crate::cudnn_graph`]); shown as `cudnnv8:RANK`.
     CudnnGraph(u8),
+    /// cuDNN's graph API running the forward convolution and its bias as one operation graph
+    /// (convolution, then a pointwise add of the bias), with the configuration of this rank in
+    /// the fused graph's filtered heuristic list; forward with a bias only. Shown as
+    /// `cudnnv8+bias:RANK`.
+    CudnnGraphBias(u8),
     /// Our implicit-GEMM kernels with this tile and about this many K splits.
     Igemm(Tile, u16),
     /// Our direct kernels.
@@ -405,7 +411,9 @@ impl ConvAlgo {
     /// The narrowest family it belongs to.
     pub fn family(self) -> ConvEngine {
         match self {
-            ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) => ConvEngine::Cudnn,
+            ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_) => {
+                ConvEngine::Cudnn
+            }
             ConvAlgo::Igemm(..) => ConvEngine::Igemm,
             ConvAlgo::Direct | ConvAlgo::Wgrad(_) => ConvEngine::Direct,
         }
@@ -417,6 +425,7 @@ impl fmt::Display for ConvAlgo {
         match self {
             ConvAlgo::Cudnn(a) => write!(f, "cudnn:{a}"),
             ConvAlgo::CudnnGraph(r) => write!(f, "cudnnv8:{r}"),
+            ConvAlgo::CudnnGraphBias(r) => write!(f, "cudnnv8+bias:{r}"),
             ConvAlgo::Igemm(t, s) => write!(f, "igemm:{}:{s}", t.name()),
             ConvAlgo::Direct => write!(f, "direct"),
             ConvAlgo::Wgrad(p) => write!(f, "wgrad:{p}"),
@@ -433,6 +442,7 @@ impl FromStr for ConvAlgo {
             ["direct"] => Ok(ConvAlgo::Direct),
             ["cudnn", a] => a.parse().map(ConvAlgo::Cudnn).map_err(|_| bad()),
             ["cudnnv8", r] => r.parse().map(ConvAlgo::CudnnGraph).map_err(|_| bad()),
+            ["cudnnv8+bias", r] => r.parse().map(ConvAlgo::CudnnGraphBias).map_err(|_| bad()),
             ["wgrad", p] => p.parse().map(ConvAlgo::Wgrad).map_err(|_| bad()),
             ["igemm", t, n] => {
                 let t = Tile::from_name(t).ok_or_else(bad)?;
@@ -1367,6 +1377,9 @@ mod tests {
             ConvAlgo::Cudnn(1),
             ConvAlgo::CudnnGraph(0),
             ConvAlgo::CudnnGraph(255),
+            ConvAlgo::CudnnGraphBias(0),
+            ConvAlgo::CudnnGraphBias(3),
+            ConvAlgo::CudnnGraphBias(255),
             ConvAlgo::Igemm(Tile::T32x128, 8),
             ConvAlgo::Direct,
             ConvAlgo::Wgrad(264),
@@ -1381,6 +1394,21 @@ mod tests {
         assert_eq!(ConvAlgo::CudnnGraph(3).to_string(), "cudnnv8:3");
         assert!("cudnnv8:256".parse::<ConvAlgo>().is_err());
         assert!("cudnnv8".parse::<ConvAlgo>().is_err());
+        assert_eq!(ConvAlgo::CudnnGraphBias(2).to_string(), "cudnnv8+bias:2");
+        assert_eq!(
+            "cudnnv8+bias:2".parse::<ConvAlgo>().unwrap(),
+            ConvAlgo::CudnnGraphBias(2)
+        );
+        for bad in [
+            "cudnnv8+bias",
+            "cudnnv8+bias:",
+            "cudnnv8+bias:256",
+            "cudnnv8+bias:-1",
+            "cudnnv8:bias:1",
+            "cudnn+bias:1",
+        ] {
+            assert!(bad.parse::<ConvAlgo>().is_err(), "{bad}");
+        }
         assert!("tiled:x".parse::<GemmAlgo>().is_err());
         assert!("igemm:7x7:1".parse::<ConvAlgo>().is_err());
     }
@@ -1423,6 +1451,13 @@ mod tests {
         assert!(ConvEngine::Cudnn.allows(ConvAlgo::CudnnGraph(0)));
         assert!(ConvEngine::Auto.allows(ConvAlgo::CudnnGraph(0)));
         assert_eq!(ConvAlgo::CudnnGraph(2).family(), ConvEngine::Cudnn);
+        // The fused convolution + bias is cuDNN's: forcing or disabling cuDNN covers it.
+        assert_eq!(ConvAlgo::CudnnGraphBias(1).family(), ConvEngine::Cudnn);
+        assert!(ConvEngine::Cudnn.allows(ConvAlgo::CudnnGraphBias(1)));
+        assert!(ConvEngine::Auto.allows(ConvAlgo::CudnnGraphBias(1)));
+        for fam in [ConvEngine::Ours, ConvEngine::Igemm, ConvEngine::Direct] {
+            assert!(!fam.allows(ConvAlgo::CudnnGraphBias(1)), "{}", fam.name());
+        }
         assert!(!ConvEngine::Igemm.allows(ConvAlgo::Direct));
         assert_eq!(GemmAlgo::CublasLt(0).family(), Engine::CublasLt);
         let p = Policy::default();

@@ -6,6 +6,14 @@
 //! NONDETERMINISTIC note (and those it offers give the same bits twice); a capture never builds
 //! plans; the registry measures graph-API candidates beside the others.
 //!
+//! The forward with its bias fused (`ConvAlgo::CudnnGraphBias`, convolution then a pointwise
+//! add in one operation graph): every fused candidate on odd geometries (13×11 with 5 → 7
+//! channels, stride 2 and padding; 1×1; the sweep's n=16 48 → 96 40×40 stride-2 point) against
+//! the f64 reference of convolution + bias, replays equal to eager bits, at least one fused
+//! candidate for a 3×3 forward on sm_80+ (the test prints what cuDNN listed), fused candidates
+//! refuse to run without a bias or in another direction, and none is offered inside a capture
+//! for a new key.
+//!
 //! Tolerance (‖gpu − ref‖ / ‖ref‖ against f64): 1e-4, as for every convolution engine (long fp32
 //! sums plus the transform rounding of FFT and Winograd engines). Graph against eager with the
 //! same configuration: 0 (bit-identical).
@@ -129,6 +137,22 @@ impl Case {
 
     fn out_len(&self, dir: ConvDir) -> usize {
         self.want[Self::index(dir)].len()
+    }
+
+    /// The inputs of one geometry and the f64 reference of its forward (convolution + bias)
+    /// only (`want[1]` and `want[2]` empty): the fused engines run only the forward.
+    fn forward(s: &Stream, rng: &mut Rng, geom: ConvGeom) -> Case {
+        let xh = rng.vec_normal(geom.input_len().unwrap());
+        let wh = rng.vec_normal(geom.weight_len().unwrap());
+        let bh = rng.vec_normal(geom.oc);
+        let y = cpu_conv(&geom).forward(&to_f64(&xh), &to_f64(&wh), &to_f64(&bh));
+        Case {
+            x: s.alloc_from_host(&xh).unwrap(),
+            w: s.alloc_from_host(&wh).unwrap(),
+            b: s.alloc_from_host(&bh).unwrap(),
+            dy: s.alloc::<f32>(1).unwrap(),
+            want: [y, Vec::new(), Vec::new()],
+        }
     }
 
     /// The buffers of `dir` with `out` as output (bias in forward).
@@ -293,11 +317,25 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
                 );
             }
             // Through the registry's listing, under the default (deterministic) policy.
-            let listed = conv_candidates(&s, &eng, dir, &geom, &Policy::default()).unwrap();
+            let bias = dir == ConvDir::Forward;
+            let fused = if bias {
+                api.fused_bias_candidates(&s, &geom, true, WORKSPACE)
+                    .unwrap()
+            } else {
+                Vec::new()
+            };
+            assert!(fused.len() <= cudagraph_nn::cudnn_graph::FUSED_CAP, "{key}");
+            let listed = conv_candidates(&s, &eng, dir, &geom, bias, &Policy::default()).unwrap();
             for a in listed {
                 if let ConvAlgo::CudnnGraph(r) = a {
                     assert!(
                         det.iter().any(|d| d.rank == r),
+                        "{key}: {a} not deterministic"
+                    );
+                }
+                if let ConvAlgo::CudnnGraphBias(r) = a {
+                    assert!(
+                        fused.iter().any(|d| d.rank == r && d.deterministic()),
                         "{key}: {a} not deterministic"
                     );
                 }
@@ -320,31 +358,34 @@ fn a_capture_uses_only_plans_built_eagerly() {
     let dir = ConvDir::Forward;
     let policy = Policy::default();
     let (_, inside) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-        let listed = conv_candidates(cs, &eng, dir, &geom, &policy)?;
+        let listed = conv_candidates(cs, &eng, dir, &geom, true, &policy)?;
         let direct = api.candidates(cs, dir, &geom, true, WORKSPACE)?;
+        let fused = api.fused_bias_candidates(cs, &geom, true, WORKSPACE)?;
         let out = cs.alloc::<f32>(case.out_len(dir))?;
         cs.memset_zero(&out)?; // a capture must issue some work
-        let run = conv_with(
-            cs,
-            &nn,
-            ConvAlgo::CudnnGraph(0),
-            dir,
-            &geom,
-            case.io(dir, &out),
-        );
-        Ok((listed, direct, run.map_err(|e| e.to_string())))
+        let mut runs = Vec::new();
+        for algo in [ConvAlgo::CudnnGraph(0), ConvAlgo::CudnnGraphBias(0)] {
+            let run = conv_with(cs, &nn, algo, dir, &geom, case.io(dir, &out));
+            runs.push(run.map_err(|e| format!("{algo}: {e}")));
+        }
+        Ok((listed, direct, fused, runs))
     })
     .unwrap();
-    let (listed, direct, run) = inside;
+    let (listed, direct, fused, runs) = inside;
     assert!(
-        !listed.iter().any(|a| matches!(a, ConvAlgo::CudnnGraph(_))),
+        !listed
+            .iter()
+            .any(|a| matches!(a, ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_))),
         "{listed:?}"
     );
     assert!(direct.is_empty(), "{direct:?}");
-    let why = run.expect_err("a plan was built inside the capture");
-    assert!(why.contains("before the capture"), "{why}");
+    assert!(fused.is_empty(), "{fused:?}");
+    for run in runs {
+        let why = run.expect_err("a plan was built inside the capture");
+        assert!(why.contains("before the capture"), "{why}");
+    }
     // Listed eagerly, the same candidates are offered inside a capture and run there.
-    let eager = conv_candidates(&s, &eng, dir, &geom, &policy).unwrap();
+    let eager = conv_candidates(&s, &eng, dir, &geom, true, &policy).unwrap();
     let graph_algos: Vec<ConvAlgo> = eager
         .iter()
         .copied()
@@ -352,7 +393,7 @@ fn a_capture_uses_only_plans_built_eagerly() {
         .collect();
     assert!(!graph_algos.is_empty(), "{eager:?}");
     let (graph, (listed, out)) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-        let listed = conv_candidates(cs, &eng, dir, &geom, &policy)?;
+        let listed = conv_candidates(cs, &eng, dir, &geom, true, &policy)?;
         let out = cs.alloc::<f32>(case.out_len(dir))?;
         conv_with(cs, &nn, graph_algos[0], dir, &geom, case.io(dir, &out))?;
         Ok((listed, out))
@@ -426,6 +467,25 @@ fn registry_measures_graph_api_engines_beside_the_legacy_ones() {
         println!("{} = {} {:?}", t.engine, c.tag(), c.notes);
         assert_eq!(c.rank, r);
     }
+    // Every fused candidate the listing offers (deterministic policy) was measured too.
+    let fused = api
+        .fused_bias_candidates(&s, &geom, true, WORKSPACE)
+        .unwrap();
+    println!(
+        "{}",
+        api.fused_bias_report(&geom)
+            .unwrap_or_else(|| "fused set not built".into())
+    );
+    for c in &fused {
+        let name = ConvAlgo::CudnnGraphBias(c.rank).to_string();
+        let t = e.timings.iter().find(|t| t.engine == name);
+        assert!(
+            t.is_some_and(|t| t.us.is_some_and(|us| us > 0.0)),
+            "{name} not measured: {e:?}"
+        );
+        let d = api.describe_fused_bias(&geom, c.rank).expect("described");
+        assert_eq!(&d, c);
+    }
     eng.set_policy(Policy::default());
 }
 
@@ -442,12 +502,235 @@ fn no_graph_api_engine_when_cudnn_is_disabled() {
     let geom = g(2, 3, 11, 13, 5, 3, 2, 1);
     for dir in ConvDir::ALL {
         let p = eng.policy();
-        let c = conv_candidates(&s, &eng, dir, &geom, &p).unwrap();
+        let c = conv_candidates(&s, &eng, dir, &geom, dir == ConvDir::Forward, &p).unwrap();
         assert!(
-            !c.iter()
-                .any(|a| matches!(a, ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_))),
+            !c.iter().any(|a| matches!(
+                a,
+                ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_)
+            )),
             "{c:?}"
         );
     }
     eng.set_policy(Policy::default());
+}
+
+/// Geometries of the fused forward (convolution + bias in one operation graph).
+fn fused_geometries() -> Vec<ConvGeom> {
+    vec![
+        g(3, 5, 13, 11, 7, 3, 2, 1),    // odd sizes, stride 2 + padding
+        g(2, 16, 9, 7, 24, 1, 1, 0),    // 1×1
+        g(16, 48, 40, 40, 96, 3, 2, 0), // the sweep's point where the bias was a second node
+        g(2, 64, 16, 16, 128, 3, 2, 1), // the N128 C64→O128 16×16 s2 point, small batch
+    ]
+}
+
+/// Both policies' fused candidates, deterministic ones first, without repeats.
+fn all_fused_candidates(s: &Stream, api: &CudnnGraph, geom: &ConvGeom) -> Vec<Candidate> {
+    let mut v = api.fused_bias_candidates(s, geom, true, WORKSPACE).unwrap();
+    for c in api
+        .fused_bias_candidates(s, geom, false, WORKSPACE)
+        .unwrap()
+    {
+        if !v.iter().any(|d| d.rank == c.rank) {
+            v.push(c);
+        }
+    }
+    v
+}
+
+fn fused_report(api: &CudnnGraph, geom: &ConvGeom) -> String {
+    api.fused_bias_report(geom)
+        .unwrap_or_else(|| "the fused set was not built".into())
+}
+
+#[test]
+fn every_fused_bias_candidate_matches_cpu() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    let api = graph_api(&eng);
+    let mut rng = Rng::new(306);
+    let dir = ConvDir::Forward;
+    let mut checked = 0;
+    for geom in fused_geometries() {
+        let case = Case::forward(&s, &mut rng, geom);
+        let key = conv_key(dir, &geom, true);
+        let cands = all_fused_candidates(&s, api, &geom);
+        println!("{}", fused_report(api, &geom));
+        assert!(
+            cands.len() <= 2 * cudagraph_nn::cudnn_graph::FUSED_CAP,
+            "{key}"
+        );
+        for c in cands {
+            let algo = ConvAlgo::CudnnGraphBias(c.rank);
+            let out = s
+                .alloc_from_host(&vec![f32::NAN; case.out_len(dir)])
+                .unwrap();
+            conv_with(&s, &nn, algo, dir, &geom, case.io(dir, &out))
+                .unwrap_or_else(|e| panic!("{algo} ({}) {key}: {e}", c.tag()));
+            let err = rel_err(&s.to_vec(&out).unwrap(), &case.want[0]);
+            println!(
+                "{key}: {algo} {} notes {:?} behaviour {:?} ws {} err {err:.1e}",
+                c.tag(),
+                c.notes,
+                c.behavior,
+                c.workspace
+            );
+            assert!(err < 1e-4, "{algo} ({}) {key}: {err}", c.tag());
+            // Plain fp32 only: no tensor cores (TF32), down-conversion or reduced precision.
+            assert!(!c.notes.iter().any(|n| [0, 1, 2].contains(n)), "{c:?}");
+            checked += 1;
+        }
+    }
+    println!("{checked} fused candidates checked");
+}
+
+#[test]
+fn a_fused_bias_candidate_exists_for_a_3x3_forward_on_sm80_or_later() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let eng = engines(&dev);
+    let api = graph_api(&eng);
+    let cc = dev.info().compute_capability;
+    let geom = g(16, 48, 40, 40, 96, 3, 2, 0);
+    let key = conv_key(ConvDir::Forward, &geom, true);
+    // Any policy: the question is whether cuDNN has a plain-fp32 engine for the fused graph.
+    let listed = api.fused_bias_candidates(&s, &geom, false, WORKSPACE);
+    let report = fused_report(api, &geom);
+    println!(
+        "compute capability {}.{}; {key}: {listed:?}\n{report}",
+        cc.0, cc.1
+    );
+    if cc < (8, 0) {
+        println!("compute capability below 8.0: no fused candidate required");
+        return;
+    }
+    let listed = listed.unwrap_or_else(|e| panic!("{key}: the fused set failed: {e}\n{report}"));
+    assert!(
+        !listed.is_empty(),
+        "{key}: cuDNN offered no plain-fp32 fused convolution + bias configuration on \
+         compute capability {}.{}; what it listed:\n{report}",
+        cc.0,
+        cc.1
+    );
+    // Through the registry's listing too.
+    let policy = Policy {
+        deterministic: false,
+        ..Policy::default()
+    };
+    let via = conv_candidates(&s, &eng, ConvDir::Forward, &geom, true, &policy).unwrap();
+    assert!(
+        via.iter().any(|a| matches!(a, ConvAlgo::CudnnGraphBias(_))),
+        "{via:?}"
+    );
+    let without = conv_candidates(&s, &eng, ConvDir::Forward, &geom, false, &policy).unwrap();
+    assert!(
+        !without
+            .iter()
+            .any(|a| matches!(a, ConvAlgo::CudnnGraphBias(_))),
+        "{without:?}"
+    );
+}
+
+#[test]
+fn fused_bias_convolution_replays_equal_eager_bit_for_bit() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    let api = graph_api(&eng);
+    let mut rng = Rng::new(307);
+    let dir = ConvDir::Forward;
+    let mut checked = 0;
+    for geom in fused_geometries() {
+        let case = Case::forward(&s, &mut rng, geom);
+        let key = conv_key(dir, &geom, true);
+        // Deterministic configurations: the same inputs give the same bits.
+        let cands = api
+            .fused_bias_candidates(&s, &geom, true, WORKSPACE)
+            .unwrap();
+        if cands.is_empty() {
+            println!(
+                "{key}: no deterministic fused candidate\n{}",
+                fused_report(api, &geom)
+            );
+        }
+        for c in cands {
+            let algo = ConvAlgo::CudnnGraphBias(c.rank);
+            let eager = s.alloc::<f32>(case.out_len(dir)).unwrap();
+            conv_with(&s, &nn, algo, dir, &geom, case.io(dir, &eager)).unwrap();
+            let eager = s.to_vec(&eager).unwrap();
+            let (graph, out) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                let out = cs.alloc::<f32>(case.out_len(dir))?;
+                conv_with(cs, &nn, algo, dir, &geom, case.io(dir, &out))?;
+                Ok(out)
+            })
+            .unwrap_or_else(|e| panic!("{algo} ({}) {key}: {e}", c.tag()));
+            for _ in 0..2 {
+                graph.replay(&s).unwrap();
+                let got = s.to_vec(&out).unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&eager)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{algo} ({}) {key}: replay differs from eager",
+                    c.tag()
+                );
+            }
+            assert!(rel_err(&eager, &case.want[0]) < 1e-4, "{algo} {key}");
+            checked += 1;
+        }
+    }
+    println!("{checked} fused candidates replayed");
+}
+
+#[test]
+fn a_fused_candidate_refuses_other_directions_and_a_missing_bias() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    graph_api(&eng);
+    let mut rng = Rng::new(308);
+    let geom = g(3, 5, 13, 11, 7, 3, 2, 1);
+    let case = Case::new(&s, &mut rng, geom);
+    let algo = ConvAlgo::CudnnGraphBias(0);
+    // The forward without its bias.
+    let y = s.alloc::<f32>(case.out_len(ConvDir::Forward)).unwrap();
+    let io = ConvIo {
+        bias: None,
+        ..case.io(ConvDir::Forward, &y)
+    };
+    let e = conv_with(&s, &nn, algo, ConvDir::Forward, &geom, io)
+        .expect_err("fused without a bias")
+        .to_string();
+    assert!(e.contains("with a bias"), "{e}");
+    // The backward directions (which carry no bias).
+    for dir in [ConvDir::BackwardData, ConvDir::BackwardFilter] {
+        let out = s.alloc::<f32>(case.out_len(dir)).unwrap();
+        let e = conv_with(&s, &nn, algo, dir, &geom, case.io(dir, &out))
+            .expect_err("fused in a backward direction")
+            .to_string();
+        assert!(e.contains("forward"), "{e}");
+        // Never offered there.
+        let listed = conv_candidates(&s, &eng, dir, &geom, false, &Policy::default()).unwrap();
+        assert!(
+            !listed
+                .iter()
+                .any(|a| matches!(a, ConvAlgo::CudnnGraphBias(_))),
+            "{listed:?}"
+        );
+    }
+    // A rank past the fused list is an error, not a panic.
+    let out = s.alloc::<f32>(case.out_len(ConvDir::Forward)).unwrap();
+    let e = conv_with(
+        &s,
+        &nn,
+        ConvAlgo::CudnnGraphBias(255),
+        ConvDir::Forward,
+        &geom,
+        case.io(ConvDir::Forward, &out),
+    );
+    assert!(e.is_err());
 }

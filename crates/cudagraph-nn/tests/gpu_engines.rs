@@ -757,7 +757,7 @@ fn cpu_conv(g: &ConvGeom) -> cpu::Conv {
 /// forward 2.2e-4, `cudnnv8:4` weight gradient 2.3e-4, the latter with no transform note).
 fn conv_bound(algo: ConvAlgo) -> f64 {
     match algo {
-        ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) => 1e-3,
+        ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_) => 1e-3,
         _ => 1e-4,
     }
 }
@@ -801,7 +801,8 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
             s.alloc_from_host(&dyh).unwrap(),
         );
         for dir in ConvDir::ALL {
-            let cands = conv_candidates(&s, &eng, dir, &g, &policy).unwrap();
+            let cands =
+                conv_candidates(&s, &eng, dir, &g, dir == ConvDir::Forward, &policy).unwrap();
             assert!(
                 cands.iter().any(|a| matches!(a, ConvAlgo::Cudnn(_))),
                 "no cuDNN algorithm for {}",
@@ -851,7 +852,8 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
         .into_iter()
         .find(|g| (g.n, g.c, g.h, g.oc, g.kh) == (2, 3, 64, 4, 3))
         .expect("the long-K geometry is listed");
-    let cands = conv_candidates(&s, &eng, ConvDir::BackwardFilter, &long_k, &policy).unwrap();
+    let cands =
+        conv_candidates(&s, &eng, ConvDir::BackwardFilter, &long_k, false, &policy).unwrap();
     let sms = dev.info().multiprocessors;
     assert!(
         cands.iter().any(|a| matches!(a, ConvAlgo::Igemm(t, n)
