@@ -2,7 +2,8 @@
 //! is chosen, remembered and shown.
 //!
 //! An *engine* is one concrete way to run an operation: cuBLAS, one of cuBLASLt's algorithms
-//! (a heuristic one, or a split-K variant of one for an under-occupied product), our split-K
+//! (a heuristic one, or, when the policy asks, a split-K variant of one for an under-occupied
+//! product), our split-K
 //! tiled or warp-K GEMM kernels ([`GemmAlgo`]); one of cuDNN's algorithms, our
 //! implicit-GEMM kernels with a tile and split count, or the direct kernels ([`ConvAlgo`]).
 //! Operations describe themselves by a *key* — op, shape, layout, epilogue, and the policy's
@@ -37,7 +38,8 @@
 //! **Forcing an engine** for comparisons: `CUDAGRAPH_GEMM=cublas|cublaslt|tiled|warpk|rows|auto` and
 //! `CUDAGRAPH_CONV=cudnn|ours|igemm|direct|auto` (read once per process; an unknown value is an
 //! error naming the variable and the accepted values). Forcing a family still measures within
-//! it (cuDNN's algorithms, cuBLASLt's heuristic top few and their split-K variants, our tile
+//! it (cuDNN's algorithms, cuBLASLt's heuristic top few and, with `CUDAGRAPH_LT_SPLITK=1`, their
+//! split-K variants, our tile
 //! shapes). A forced family that
 //! cannot run an operation (a missing library, warp-K on a backward layout) falls back to the
 //! heuristic default over what can. [`Engines::set_policy`] does the same per device.
@@ -79,6 +81,8 @@ pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
 /// Name of the variable that lets the registry choose non-deterministic engines
 /// (`CUDAGRAPH_DETERMINISTIC=0`; default `1`).
 pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
+/// Also measure cuBLASLt's split-K variants (`CUDAGRAPH_LT_SPLITK=1`; see [`Policy::lt_split_k`]).
+pub const LT_SPLITK_VAR: &str = "CUDAGRAPH_LT_SPLITK";
 
 /// Version of the on-disk table format (2: cuBLASLt ranks index the heuristics under the
 /// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB; 3: short candidates
@@ -92,8 +96,9 @@ const FORMAT: u32 = 5;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Engine {
     Cublas,
-    /// cuBLASLt's heuristic top few algorithms, epilogues fused, and split-K variants of the
-    /// first three where a product leaves the device under-occupied.
+    /// cuBLASLt's heuristic top few algorithms, epilogues fused, and (when the policy asks,
+    /// [`Policy::lt_split_k`]) split-K variants of the first three where a product leaves the
+    /// device under-occupied.
     CublasLt,
     /// The tiled split-K kernel (any layout).
     Tiled,
@@ -221,6 +226,12 @@ pub struct Policy {
     pub cublaslt: bool,
     /// Only engines whose results are bit-identical run to run (default `true`).
     pub deterministic: bool,
+    /// Also measure cuBLASLt's split-K variants of its first algorithms for products that
+    /// leave the device idle (`CUDAGRAPH_LT_SPLITK=1`; default `false`: on the H100 they lost
+    /// at all 73 products of the sweep where they were candidates, by 4 % at best and 1.8×
+    /// typically, `bench/results/registry-splitk-2026-11-24-session9.txt`, and they add to
+    /// every first call's measurement).
+    pub lt_split_k: bool,
 }
 
 impl Default for Policy {
@@ -231,29 +242,38 @@ impl Default for Policy {
             cudnn: true,
             cublaslt: true,
             deterministic: true,
+            lt_split_k: false,
         }
     }
 }
 
 impl Policy {
-    /// The default policy with `CUDAGRAPH_GEMM`, `CUDAGRAPH_CONV` and
-    /// `CUDAGRAPH_DETERMINISTIC` applied (read once per process; an invalid value is an error
+    /// The default policy with `CUDAGRAPH_GEMM`, `CUDAGRAPH_CONV`, `CUDAGRAPH_DETERMINISTIC`
+    /// and `CUDAGRAPH_LT_SPLITK` applied (read once per process; an invalid value is an error
     /// every time).
     pub fn from_env() -> Result<Policy> {
-        type Parsed = std::result::Result<(Engine, ConvEngine, bool), String>;
+        type Parsed = std::result::Result<(Engine, ConvEngine, bool, bool), String>;
         static ENV: OnceLock<Parsed> = OnceLock::new();
         let parsed = ENV.get_or_init(|| {
             let get = |name: &str| std::env::var(name).unwrap_or_default();
             let gemm = parse_gemm_engine(&get(GEMM_VAR)).map_err(|e| e.to_string())?;
             let conv = parse_conv_engine(&get(CONV_VAR)).map_err(|e| e.to_string())?;
             let det = parse_deterministic(&get(DETERMINISTIC_VAR)).map_err(|e| e.to_string())?;
-            Ok((gemm, conv, det))
+            let split = crate::env::parse_switch(
+                LT_SPLITK_VAR,
+                &get(LT_SPLITK_VAR),
+                false,
+                "1 (also measure cuBLASLt's split-K variants) or 0 (the default)",
+            )
+            .map_err(|e| e.to_string())?;
+            Ok((gemm, conv, det, split))
         });
         match parsed {
-            Ok((gemm, conv, det)) => Ok(Policy {
+            Ok((gemm, conv, det, split)) => Ok(Policy {
                 gemm: *gemm,
                 conv: *conv,
                 deterministic: *det,
+                lt_split_k: *split,
                 ..Policy::default()
             }),
             Err(e) => Err(NnError::Config(e.clone())),
@@ -269,6 +289,9 @@ impl Policy {
         }
         if !self.cublaslt {
             parts.push("-cublaslt".into());
+        }
+        if self.lt_split_k {
+            parts.push("+splitk".into());
         }
         scope(parts)
     }
@@ -1471,6 +1494,11 @@ mod tests {
         };
         assert_eq!(p.conv_scope(), " [ours,-cudnn]");
         assert_eq!(p.gemm_scope(Engine::Tiled), " [tiled,-cublaslt]");
+        let p = Policy {
+            lt_split_k: true,
+            ..Policy::default()
+        };
+        assert_eq!(p.gemm_scope(Engine::CublasLt), " [cublaslt,+splitk]");
     }
 
     #[test]

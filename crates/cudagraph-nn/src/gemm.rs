@@ -347,8 +347,12 @@ pub fn gemm_candidates(
             let shape = lt_shape(op, align);
             let count = lt.algo_count(&shape).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmAlgo::CublasLt(r as u8)));
-            // Split-K variants of the first few, where the product leaves the device idle.
-            let variants = lt.split_k_variants(&shape).unwrap_or_default();
+            // Split-K variants of the first few, where the product leaves the device idle,
+            // when the policy asks for them (off by default: see `Policy::lt_split_k`).
+            let variants = match eng.policy().lt_split_k {
+                true => lt.split_k_variants(&shape).unwrap_or_default(),
+                false => Vec::new(),
+            };
             v.extend(
                 variants
                     .into_iter()

@@ -88,14 +88,18 @@ fn gemm_ref(op: &GemmOp, ah: &[f32], bh: &[f32], c0: &[f32], bias: &[f32]) -> Ve
         .collect()
 }
 
-/// cuBLASLt's measured candidates for `op`: its heuristic ranks and the split-K variants kept
-/// for the shape (the test fails without cuBLASLt).
+/// cuBLASLt's candidates for `op`: its heuristic ranks and the split-K variants kept for the
+/// shape (the policy is switched to list them; the test fails without cuBLASLt).
 fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
     let e = engines(dev);
     assert!(
         e.cublaslt().is_some(),
         "cuBLASLt must be installed on the GPU test machine"
     );
+    e.set_policy(Policy {
+        lt_split_k: true,
+        ..e.policy()
+    });
     gemm_candidates(s, &e, op, Engine::CublasLt, 256)
         .unwrap()
         .into_iter()
@@ -427,7 +431,10 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
     let mut s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
-    eng.set_policy(Policy::default());
+    eng.set_policy(Policy {
+        lt_split_k: true,
+        ..Policy::default()
+    });
     let mut rng = Rng::new(110);
     let (n, t) = (Trans::N, Trans::T);
     let op = |ta, tb, m, n_, k, epilogue| GemmOp {
@@ -540,7 +547,7 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
     );
     let chosen = run_gemm(&s, &nn, Engine::CublasLt, &fw, &a, &b, &c, Some(&bias)).unwrap();
     assert_eq!(chosen.family(), Engine::CublasLt);
-    let key = format!("{} [cublaslt]", fw.key());
+    let key = format!("{} [cublaslt,+splitk]", fw.key());
     let e = eng.entry(&key).expect("the product is recorded");
     let timed: Vec<_> = e
         .timings
