@@ -211,6 +211,40 @@ fn every_graph_api_candidate_matches_cpu_in_every_direction() {
     assert!(checked >= 3 * geometries().len(), "{checked}");
 }
 
+/// Runs `algo` for `dir` of `case` eagerly, then captured into a graph replayed twice; asserts
+/// each replay equals the eager output bit for bit and returns the eager output. `what` names
+/// the candidate in failure messages.
+fn eager_equals_replays(
+    s: &mut Stream,
+    nn: &Nn,
+    algo: ConvAlgo,
+    dir: ConvDir,
+    geom: &ConvGeom,
+    case: &Case,
+    what: &str,
+) -> Vec<f32> {
+    let eager = s.alloc::<f32>(case.out_len(dir)).unwrap();
+    conv_with(s, nn, algo, dir, geom, case.io(dir, &eager)).unwrap();
+    let eager = s.to_vec(&eager).unwrap();
+    let (graph, out) = Graph::capture(s, CaptureOptions::new(), |cs| {
+        let out = cs.alloc::<f32>(case.out_len(dir))?;
+        conv_with(cs, nn, algo, dir, geom, case.io(dir, &out))?;
+        Ok(out)
+    })
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    for _ in 0..2 {
+        graph.replay(s).unwrap();
+        let got = s.to_vec(&out).unwrap();
+        assert!(
+            got.iter()
+                .zip(&eager)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: replay differs from eager"
+        );
+    }
+    eager
+}
+
 #[test]
 fn graph_api_convolution_replays_equal_eager_bit_for_bit() {
     let dev = gpu_test_device!();
@@ -227,26 +261,8 @@ fn graph_api_convolution_replays_equal_eager_bit_for_bit() {
             assert!(!cands.is_empty(), "{key}");
             for c in cands {
                 let algo = ConvAlgo::CudnnGraph(c.rank);
-                let eager = s.alloc::<f32>(case.out_len(dir)).unwrap();
-                conv_with(&s, &nn, algo, dir, &geom, case.io(dir, &eager)).unwrap();
-                let eager = s.to_vec(&eager).unwrap();
-                let (graph, out) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-                    let out = cs.alloc::<f32>(case.out_len(dir))?;
-                    conv_with(cs, &nn, algo, dir, &geom, case.io(dir, &out))?;
-                    Ok(out)
-                })
-                .unwrap_or_else(|e| panic!("{algo} ({}) {key}: {e}", c.tag()));
-                for _ in 0..2 {
-                    graph.replay(&s).unwrap();
-                    let got = s.to_vec(&out).unwrap();
-                    assert!(
-                        got.iter()
-                            .zip(&eager)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{algo} ({}) {key}: replay differs from eager",
-                        c.tag()
-                    );
-                }
+                let what = format!("{algo} ({}) {key}", c.tag());
+                let eager = eager_equals_replays(&mut s, &nn, algo, dir, &geom, &case, &what);
                 assert!(rel_err(&eager, &case.want[Case::index(dir)]) < 1e-4);
             }
         }
@@ -658,26 +674,8 @@ fn fused_bias_convolution_replays_equal_eager_bit_for_bit() {
         }
         for c in cands {
             let algo = ConvAlgo::CudnnGraphBias(c.rank);
-            let eager = s.alloc::<f32>(case.out_len(dir)).unwrap();
-            conv_with(&s, &nn, algo, dir, &geom, case.io(dir, &eager)).unwrap();
-            let eager = s.to_vec(&eager).unwrap();
-            let (graph, out) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-                let out = cs.alloc::<f32>(case.out_len(dir))?;
-                conv_with(cs, &nn, algo, dir, &geom, case.io(dir, &out))?;
-                Ok(out)
-            })
-            .unwrap_or_else(|e| panic!("{algo} ({}) {key}: {e}", c.tag()));
-            for _ in 0..2 {
-                graph.replay(&s).unwrap();
-                let got = s.to_vec(&out).unwrap();
-                assert!(
-                    got.iter()
-                        .zip(&eager)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{algo} ({}) {key}: replay differs from eager",
-                    c.tag()
-                );
-            }
+            let what = format!("{algo} ({}) {key}", c.tag());
+            let eager = eager_equals_replays(&mut s, &nn, algo, dir, &geom, &case, &what);
             assert!(rel_err(&eager, &case.want[0]) < 1e-4, "{algo} {key}");
             checked += 1;
         }
