@@ -19,6 +19,20 @@
 //! can, else through the workspace), each validated by `cublasLtMatmulAlgoCheck` with a workspace
 //! that fits [`workspace_for`]; the registry measures them as `cublaslt:RANK/skS`. Where the
 //! library lacks the functions this needs, a plan simply has no variants.
+//!
+//! **Searched configurations** (opt-in, [`crate::engine::Policy::lt_search`]). On the first
+//! request for a shape ([`BlasLt::search_configs`]) the plan also asks `cublasLtMatmulAlgoGetIds`
+//! for every algorithm id of its types (fp32 compute, scale, A, B, C and D), and for each
+//! id (`cublasLtMatmulAlgoInit`) the tiles (`CUBLASLT_ALGO_CAP_TILE_IDS`) and stage counts
+//! (`CUBLASLT_ALGO_CAP_STAGES_IDS`; none listed: undefined) it supports. Every (id, tile,
+//! stages) with one K split and no CTA swizzling that is not one of the heuristic results
+//! (compared by the configuration read back from them) is ranked by [`search_rank`] — grids of
+//! at least one wave first, those filling their last wave best (in 5 % steps), then larger
+//! tiles — and checked in that order by `cublasLtMatmulAlgoCheck` (alignment within the
+//! plan's, workspace within [`workspace_for`]), at most [`SEARCH_CHECKS`] checks per shape,
+//! until [`SEARCH_KEPT`] are accepted, at most [`SEARCH_PER_TILE`] per tile. The registry
+//! measures the kept ones as `cublaslt:cINDEX`. A missing symbol or a refused call means fewer
+//! (or no) configurations, never an error.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -55,6 +69,16 @@ const EPI_RELU_BIAS: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS a
 const EPI_BGRADB: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB as u32;
 const OP_N: i32 = 0;
 const OP_T: i32 = 1;
+const CONFIG_ID: u32 = ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_ID as u32;
+const CONFIG_CTA_SWIZZLING: u32 =
+    ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING as u32;
+const CONFIG_STAGES_ID: u32 =
+    ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_STAGES_ID as u32;
+const CAP_CTA_SWIZZLING_SUPPORT: u32 =
+    ls::cublasLtMatmulAlgoCapAttributes_t::CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT as u32;
+const CAP_TILE_IDS: u32 = ls::cublasLtMatmulAlgoCapAttributes_t::CUBLASLT_ALGO_CAP_TILE_IDS as u32;
+const CAP_STAGES_IDS: u32 =
+    ls::cublasLtMatmulAlgoCapAttributes_t::CUBLASLT_ALGO_CAP_STAGES_IDS as u32;
 const CONFIG_TILE_ID: u32 =
     ls::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_TILE_ID as u32;
 const CONFIG_SPLITK_NUM: u32 =
@@ -117,6 +141,52 @@ const MIN_K_PER_SPLIT: usize = 32;
 /// atomics; the GPU tests check that repeated runs and graph replays give the same bits.
 const REDUCTION_ORDER: [u32; 3] = [REDUCE_INPLACE, REDUCE_COMPUTE_TYPE, REDUCE_OUTPUT_TYPE];
 
+/// How many algorithm ids the search asks `cublasLtMatmulAlgoGetIds` for.
+const SEARCH_IDS: usize = 128;
+
+/// The most `cublasLtMatmulAlgoCheck` calls the search makes per shape (each a host-side call
+/// of microseconds; the shape's plan is searched once).
+pub const SEARCH_CHECKS: usize = 256;
+
+/// The most searched configurations a shape keeps (the registry measures them all).
+pub const SEARCH_KEPT: usize = 8;
+
+/// The most kept configurations with the same tile (different ids or stage counts), so that
+/// the kept ones cover at least four tiles where that many pass the check.
+pub const SEARCH_PER_TILE: usize = 2;
+
+/// The longest capability list (tile or stage ids) read.
+const MAX_CAP_LIST: usize = 4096;
+
+/// Where a configuration whose tile is `tile` (rows × columns of cuBLASLt's D, `None` when
+/// undefined or unknown) stands in the search's order for a D of `rows` × `cols` on `sms`
+/// multiprocessors; smaller is tried first. With a known tile the grid has
+/// ⌈rows/tile rows⌉·⌈cols/tile cols⌉ thread blocks: grids of at least one wave come first,
+/// ordered by how full they keep the device over their waves (blocks / (waves rounded up ×
+/// SMs), in 5 % steps, fuller first), then by larger tiles (more work per block, fewer
+/// loads of A and B); grids under one wave come next, more blocks first, then larger tiles;
+/// unknown tiles last. Ties keep the enumeration order (algorithm id, tile id, stages id).
+pub fn search_rank(
+    tile: Option<(usize, usize)>,
+    rows: usize,
+    cols: usize,
+    sms: usize,
+) -> (u8, i64, i64) {
+    let Some((tr, tc)) = tile.filter(|&(r, c)| r > 0 && c > 0) else {
+        return (2, 0, 0);
+    };
+    let sms = sms.max(1);
+    let blocks = rows.div_ceil(tr).saturating_mul(cols.div_ceil(tc));
+    let area = -((tr * tc) as i64);
+    if blocks >= sms {
+        let slots = blocks.div_ceil(sms).saturating_mul(sms);
+        let fill_step = (blocks.saturating_mul(20) / slots) as i64;
+        (0, -fill_step, area)
+    } else {
+        (1, -(blocks as i64), area)
+    }
+}
+
 /// `cublasLtMatmulHeuristicResult_t` with the status as a raw integer.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -176,6 +246,30 @@ struct Api {
     ) -> Status,
     /// What split-K variants need (`None` where a symbol is missing: no variants).
     split_k: Option<SplitKApi>,
+    /// What the search needs besides `split_k` (`None` where a symbol is missing: no
+    /// searched configurations).
+    search: Option<SearchApi>,
+}
+
+/// The functions that list a type combination's algorithm ids and make an algorithm of one.
+struct SearchApi {
+    /// `cublasLtMatmulAlgoGetIds(handle, compute, scale, A, B, C, D, requested, ids, count)`.
+    #[allow(clippy::type_complexity)]
+    get_ids: unsafe extern "C" fn(
+        Ptr,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        c_int,
+        *mut c_int,
+        *mut c_int,
+    ) -> Status,
+    /// `cublasLtMatmulAlgoInit(handle, compute, scale, A, B, C, D, id, algo)`.
+    #[allow(clippy::type_complexity)]
+    init: unsafe extern "C" fn(Ptr, u32, u32, u32, u32, u32, u32, c_int, *mut [u64; 8]) -> Status,
 }
 
 /// The functions that read and change an algorithm's configuration and validate the result.
@@ -223,6 +317,14 @@ fn load() -> std::result::Result<Api, String> {
         heuristic: lib_fn!(lib, "cublasLtMatmulAlgoGetHeuristic"),
         matmul: lib_fn!(lib, "cublasLtMatmul"),
         split_k: load_split_k(lib).ok(),
+        search: load_search(lib).ok(),
+    })
+}
+
+fn load_search(lib: &libloading::Library) -> std::result::Result<SearchApi, String> {
+    Ok(SearchApi {
+        get_ids: lib_fn!(lib, "cublasLtMatmulAlgoGetIds"),
+        init: lib_fn!(lib, "cublasLtMatmulAlgoInit"),
     })
 }
 
@@ -257,6 +359,28 @@ impl SplitKApi {
         let st =
             unsafe { (self.cap_get)(algo, attr, v.as_mut_ptr() as Ptr, v.len(), &mut written) };
         (st == SUCCESS && written == v.len()).then_some(v)
+    }
+
+    /// A capability attribute of `algo` that is an array of u32 (TILE_IDS, STAGES_IDS): its
+    /// size asked first (a zero-sized query), then read whole; empty when cuBLASLt refuses,
+    /// lists nothing or answers a size that is no whole number of u32s.
+    fn cap_list(&self, algo: &[u64; 8], attr: u32) -> Vec<u32> {
+        let mut needed = 0usize;
+        // SAFETY: `algo` is read only; a null buffer of size 0 asks for the size only, which
+        // is written to `needed`.
+        let st = unsafe { (self.cap_get)(algo, attr, std::ptr::null_mut(), 0, &mut needed) };
+        if st != SUCCESS || needed == 0 || needed % 4 != 0 || needed > 4 * MAX_CAP_LIST {
+            return Vec::new();
+        }
+        let mut v = vec![0u32; needed / 4];
+        let mut written = 0usize;
+        // SAFETY: `v` has the `needed` writable bytes passed as its size.
+        let st = unsafe { (self.cap_get)(algo, attr, v.as_mut_ptr() as Ptr, needed, &mut written) };
+        if st != SUCCESS || written > needed || written % 4 != 0 {
+            return Vec::new();
+        }
+        v.truncate(written / 4);
+        v
     }
 
     /// Sets a u32 configuration attribute of `algo`; `false` when cuBLASLt refuses.
@@ -394,6 +518,45 @@ pub struct LtShape {
     pub align: u32,
 }
 
+/// A configuration found by the search (see the module docs), as
+/// [`BlasLt::search_configs`] lists them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LtConfig {
+    /// cuBLASLt's algorithm id (`CUBLASLT_ALGO_CONFIG_ID`).
+    pub algo_id: i32,
+    /// `cublasLtMatmulTile_t` (0: undefined).
+    pub tile: u32,
+    /// Rows × columns of cuBLASLt's D (our output transposed) the tile covers, if known.
+    pub tile_shape: Option<(usize, usize)>,
+    /// `cublasLtMatmulStages_t` (0: undefined).
+    pub stages: u32,
+    /// Whether the algorithm could also swizzle its thread blocks (the search uses none).
+    pub swizzle_supported: bool,
+    /// Workspace bytes it needs.
+    pub workspace: usize,
+    /// cuBLASLt's `wavesCount` for it.
+    pub waves: f32,
+}
+
+/// Which algorithm of a plan [`BlasLt::matmul`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LtAlgo {
+    /// The heuristic algorithm of this rank.
+    Rank(usize),
+    /// The split-K variant of the heuristic algorithm of rank `rank` with `split` splits (one
+    /// of [`BlasLt::split_k_variants`]).
+    SplitK { rank: u8, split: u8 },
+    /// The searched configuration of this index (one of [`BlasLt::search_configs`]).
+    Config(u8),
+}
+
+/// A searched configuration as `cublasLtMatmulAlgoCheck` accepted it.
+#[derive(Clone, Copy, Debug)]
+struct SearchConfig {
+    info: LtConfig,
+    result: HeuristicResult,
+}
+
 /// Descriptors and heuristic algorithms of one shape.
 struct Plan {
     api: &'static Api,
@@ -404,6 +567,9 @@ struct Plan {
     algos: Vec<HeuristicResult>,
     /// Split-K variants of the first [`SPLIT_K_RANKS`] algorithms (see the module docs).
     split_k: Vec<SplitVariant>,
+    /// The searched configurations (`None` until first asked for: the search runs only under
+    /// the policy that measures them).
+    search: Option<Vec<SearchConfig>>,
     /// Whether the bias gradient is fused (`BGRADB`); otherwise the caller reduces it.
     fused_bgrad: bool,
 }
@@ -513,6 +679,7 @@ fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
         c: std::ptr::null_mut(),
         algos: Vec::new(),
         split_k: Vec::new(),
+        search: None,
         fused_bgrad: false,
     };
     let (la_rows, la_cols) = if s.tb == Trans::N { (n, k) } else { (k, n) };
@@ -704,6 +871,19 @@ impl BlasLt {
         {
             return None;
         }
+        self.validate(api, handle, p, s, algo)
+    }
+
+    /// `algo` as `cublasLtMatmulAlgoCheck` reports on it, if its alignment needs are within the
+    /// plan's and the check accepts it for the plan's descriptors with a workspace within ours.
+    fn validate(
+        &self,
+        api: &SplitKApi,
+        handle: Ptr,
+        p: &Plan,
+        s: &LtShape,
+        algo: [u64; 8],
+    ) -> Option<HeuristicResult> {
         // A, B, C and D: the pointers are aligned to `s.align` bytes (checked at each call).
         for i in 0..4 {
             let need = u32::from_ne_bytes(api.cap(&algo, CAP_MIN_ALIGNMENT_A + i)?);
@@ -721,6 +901,134 @@ impl BlasLt {
         }
         result.algo = algo; // the check reports on `algo` but never writes it back
         Some(result)
+    }
+
+    /// The searched configurations of the plan (see the module docs): its descriptor holds
+    /// the epilogue its algorithms run with, so each check is for exactly what will run.
+    fn search(&self, handle: Ptr, p: &Plan, s: &LtShape) -> Vec<SearchConfig> {
+        let (Some(api), Some(search)) = (self.api.split_k.as_ref(), self.api.search.as_ref())
+        else {
+            return Vec::new();
+        };
+        let sms = self.ctx.info().multiprocessors.max(1) as usize;
+        let mut ids = [0 as c_int; SEARCH_IDS];
+        let mut got: c_int = 0;
+        // SAFETY: the handle is live (the caller holds the state lock); cuBLASLt writes at most
+        // SEARCH_IDS ids into `ids` and their count into `got`; the types are plain enums.
+        let st = unsafe {
+            (search.get_ids)(
+                handle,
+                COMPUTE_32F,
+                R_32F,
+                R_32F,
+                R_32F,
+                R_32F,
+                R_32F,
+                SEARCH_IDS as c_int,
+                ids.as_mut_ptr(),
+                &mut got,
+            )
+        };
+        if st != SUCCESS {
+            return Vec::new();
+        }
+        let ids = &ids[..(got.max(0) as usize).min(SEARCH_IDS)];
+        // What the heuristic already offers: (id, tile, stages, splits), splits 0 read as 1.
+        let u32_at = |algo: &[u64; 8], attr| api.config(algo, attr).map(u32::from_ne_bytes);
+        let signature = |algo: &[u64; 8]| {
+            Some((
+                i32::from_ne_bytes(api.config(algo, CONFIG_ID)?),
+                u32_at(algo, CONFIG_TILE_ID)?,
+                u32_at(algo, CONFIG_STAGES_ID)?,
+                u32_at(algo, CONFIG_SPLITK_NUM)?.max(1),
+            ))
+        };
+        let offered: Vec<_> = p.algos.iter().filter_map(|r| signature(&r.algo)).collect();
+        // Every (id, tile, stages) not offered, with its rank ([`search_rank`]).
+        let mut bases: Vec<([u64; 8], bool)> = Vec::new();
+        let mut tried = Vec::new();
+        for &id in ids {
+            let mut algo = [0u64; 8];
+            // SAFETY: as above; `algo` is a whole writable cublasLtMatmulAlgo_t.
+            let st = unsafe {
+                (search.init)(
+                    handle,
+                    COMPUTE_32F,
+                    R_32F,
+                    R_32F,
+                    R_32F,
+                    R_32F,
+                    R_32F,
+                    id,
+                    &mut algo,
+                )
+            };
+            if st != SUCCESS {
+                continue;
+            }
+            let swizzle = api
+                .cap(&algo, CAP_CTA_SWIZZLING_SUPPORT)
+                .is_some_and(|v| u32::from_ne_bytes(v) != 0);
+            let mut tiles = api.cap_list(&algo, CAP_TILE_IDS);
+            if tiles.is_empty() {
+                tiles.push(0);
+            }
+            let mut stages = api.cap_list(&algo, CAP_STAGES_IDS);
+            if stages.is_empty() {
+                stages.push(0);
+            }
+            let base = bases.len();
+            bases.push((algo, swizzle));
+            for &tile in &tiles {
+                let shape = tile_shape(tile);
+                let rank = search_rank(shape, s.n, s.m, sms);
+                for &stage in &stages {
+                    if !offered.contains(&(id, tile, stage, 1)) {
+                        tried.push((rank, id, tile, stage, shape, base));
+                    }
+                }
+            }
+        }
+        tried.sort_by_key(|&(rank, id, tile, stage, _, _)| (rank, id, tile, stage));
+        let mut kept: Vec<SearchConfig> = Vec::new();
+        let mut checks = 0;
+        for (_, id, tile, stage, shape, base) in tried {
+            if kept.len() >= SEARCH_KEPT || checks >= SEARCH_CHECKS {
+                break;
+            }
+            if kept.iter().filter(|c| c.info.tile == tile).count() >= SEARCH_PER_TILE {
+                continue;
+            }
+            let (mut algo, swizzle) = bases[base];
+            if !(api.set_config(&mut algo, CONFIG_TILE_ID, tile)
+                && api.set_config(&mut algo, CONFIG_STAGES_ID, stage)
+                && api.set_config(&mut algo, CONFIG_SPLITK_NUM, 1)
+                && api.set_config(&mut algo, CONFIG_CTA_SWIZZLING, 0))
+            {
+                continue;
+            }
+            checks += 1;
+            let Some(result) = self.validate(api, handle, p, s, algo) else {
+                continue;
+            };
+            let duplicate = p.algos.iter().any(|a| a.algo == result.algo)
+                || kept.iter().any(|c| c.result.algo == result.algo);
+            if !duplicate {
+                kept.push(SearchConfig {
+                    info: LtConfig {
+                        algo_id: id,
+                        tile,
+                        tile_shape: shape,
+                        stages: stage,
+                        swizzle_supported: swizzle,
+                        workspace: result.workspace_size,
+                        waves: result.waves_count,
+                    },
+                    result,
+                });
+            }
+        }
+        kept
     }
 
     /// Sets `epilogue` on the plan's descriptor and asks cuBLASLt for its algorithms (an
@@ -790,9 +1098,28 @@ impl BlasLt {
         })
     }
 
-    /// Row-major `C = epilogue(alpha·op(A)·op(B) + beta·C)` with cuBLASLt's algorithm of rank
-    /// `rank` for the shape, or with `split: Some(S)` its split-K variant of S splits (one of
-    /// [`BlasLt::split_k_variants`]; any other is an error). `bias` is the bias of
+    /// The configurations the search kept for `s` (see the module docs), searched on the first
+    /// call for the shape; [`LtAlgo::Config`] indexes this list (empty when the library cannot
+    /// search or nothing passed the check).
+    pub fn search_configs(&self, s: &LtShape) -> Result<Vec<LtConfig>> {
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let plan = match st.plans.entry(*s) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.new_plan(handle, s)?),
+        };
+        if plan.search.is_none() {
+            let found = self.search(handle, plan, s);
+            plan.search = Some(found);
+        }
+        Ok(plan.search.iter().flatten().map(|c| c.info).collect())
+    }
+
+    /// Row-major `C = epilogue(alpha·op(A)·op(B) + beta·C)` with cuBLASLt's algorithm `which`
+    /// for the shape: a heuristic rank, a split-K variant (one of
+    /// [`BlasLt::split_k_variants`]) or a searched configuration (one of
+    /// [`BlasLt::search_configs`]); any other is an error and nothing runs. `bias` is the bias of
     /// `Bias`/`BiasRelu` (length n) or the output of `BiasGrad` (length m, the rows of op(A)).
     /// Returns whether the bias gradient was computed (with `BiasGrad`, `false` means the
     /// caller must reduce it).
@@ -801,8 +1128,7 @@ impl BlasLt {
         &self,
         q: &dyn Queue,
         s: &LtShape,
-        rank: usize,
-        split: Option<u8>,
+        which: LtAlgo,
         alpha: f32,
         a: &DeviceBuffer<f32>,
         b: &DeviceBuffer<f32>,
@@ -860,10 +1186,13 @@ impl BlasLt {
                 s.align
             )));
         }
+        if let LtAlgo::Config(_) = which {
+            self.search_configs(s)?; // searched on first use
+        }
         let stream = q.stream_handle();
         self.with_plan(s, |handle, p| {
-            let algo = match split {
-                None => p.algos.get(rank).ok_or_else(|| NnError::Library {
+            let algo = match which {
+                LtAlgo::Rank(rank) => p.algos.get(rank).ok_or_else(|| NnError::Library {
                     library: "cuBLASLt",
                     call: "cublasLtMatmulAlgoGetHeuristic",
                     status: format!(
@@ -871,10 +1200,13 @@ impl BlasLt {
                         p.algos.len()
                     ),
                 })?,
-                Some(splits) => p
+                LtAlgo::SplitK {
+                    rank,
+                    split: splits,
+                } => p
                     .split_k
                     .iter()
-                    .find(|v| v.rank as usize == rank && v.split == splits)
+                    .find(|v| v.rank == rank && v.split == splits)
                     .map(|v| &v.result)
                     .ok_or_else(|| NnError::Library {
                         library: "cuBLASLt",
@@ -887,6 +1219,19 @@ impl BlasLt {
                                 .collect::<Vec<_>>()
                         ),
                     })?,
+                LtAlgo::Config(i) => {
+                    let kept = p.search.as_deref().unwrap_or_default();
+                    kept.get(i as usize)
+                        .map(|c| &c.result)
+                        .ok_or_else(|| NnError::Library {
+                            library: "cuBLASLt",
+                            call: "cublasLtMatmulAlgoCheck",
+                            status: format!(
+                                "no searched configuration c{i} for {s:?} ({} kept)",
+                                kept.len()
+                            ),
+                        })?
+                }
             };
             let fused = match s.epilogue {
                 Epilogue::None => false,
@@ -924,8 +1269,8 @@ impl BlasLt {
             // describe m×k, k×n and m×n elements in the checked buffers (and a bias of the
             // checked length, used only with a fused epilogue); the algorithm came from
             // cuBLASLt's heuristic for exactly these descriptors, or is a split-K variant of one
-            // that `cublasLtMatmulAlgoCheck` accepted for them (alignment needs within the
-            // plan's), and gets the `workspace_size` bytes reported for it (null when none);
+            // or a searched configuration that `cublasLtMatmulAlgoCheck` accepted for them
+            // (alignment needs within the plan's), and gets the `workspace_size` bytes reported for it (null when none);
             // the pointers are at least as aligned as the plan assumed (checked); every buffer
             // is kept alive and ordered by `use_block`; alpha/beta and the attribute values are
             // read before the calls return.
@@ -1128,6 +1473,50 @@ mod tests {
         assert!(split_choices(0.1, 4096, 0).is_empty());
         // Never more than SPLITS_PER_RANK in all.
         assert_eq!(SPLITS_PER_RANK.iter().sum::<usize>(), 8);
+    }
+
+    /// The attribute numbers the search uses are the cuBLASLt 12/13 header's
+    /// (cublasLtMatmulAlgoConfigAttributes_t, cublasLtMatmulAlgoCapAttributes_t), whatever
+    /// the bindings say.
+    #[test]
+    fn search_attributes_have_the_header_values() {
+        assert_eq!(
+            (CONFIG_ID, CONFIG_CTA_SWIZZLING, CONFIG_STAGES_ID),
+            (0, 4, 6)
+        );
+        assert_eq!(
+            (CAP_CTA_SWIZZLING_SUPPORT, CAP_TILE_IDS, CAP_STAGES_IDS),
+            (2, 6, 13)
+        );
+        assert!(SEARCH_KEPT <= SEARCH_CHECKS && SEARCH_KEPT <= u8::MAX as usize + 1);
+    }
+
+    /// The search's order: whole waves first (by how full their last wave keeps the device,
+    /// in 5 % steps), then larger tiles; grids under one wave next (more blocks first), then
+    /// unknown tiles.
+    #[test]
+    fn search_rank_prefers_full_waves_then_larger_tiles() {
+        // cuBLASLt's D of the 512 × 256 → 1024 forward product is 1024 × 512; 132 SMs.
+        let r = |t| search_rank(Some(t), 1024, 512, 132);
+        // 32 × 64: 256 blocks in 2 waves (97 %); 32 × 32: 512 in 4 (97 %), smaller tile.
+        assert!(r((32, 64)) < r((32, 32)));
+        // Equal fill and area: equal rank (the enumeration order decides).
+        assert_eq!(r((32, 64)), r((64, 32)));
+        // 8 × 8: 8192 blocks in 63 waves (99 %): same 5 % step as 32 × 32, smaller tile.
+        assert!(r((32, 32)) < r((8, 8)));
+        // 64 × 48: 176 blocks in 2 waves (67 %): behind the fuller ones despite its size.
+        assert!(r((8, 8)) < r((64, 48)));
+        // Under one wave: 64 × 64 gives 128 blocks, 128 × 128 gives 32; both behind any
+        // whole wave, more blocks first.
+        assert!(r((64, 48)) < r((64, 64)));
+        assert!(r((64, 64)) < r((128, 128)));
+        // Unknown tiles last.
+        assert!(r((256, 256)) < search_rank(None, 1024, 512, 132));
+        assert_eq!(search_rank(Some((0, 8)), 1024, 512, 132), (2, 0, 0));
+        // Exactly one full wave is the best fill there is.
+        assert_eq!(search_rank(Some((1, 1)), 132, 1, 132), (0, -20, -1));
+        // No SMs reported: treated as one.
+        assert_eq!(search_rank(Some((4, 4)), 8, 8, 0).0, 0);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! An *engine* is one concrete way to run an operation: cuBLAS, one of cuBLASLt's algorithms
 //! (a heuristic one, or, when the policy asks, a split-K variant of one for an under-occupied
-//! product), our split-K
+//! product, or a configuration found by searching its algorithm ids, tiles and stages —
+//! [`Policy::lt_search`], `CUDAGRAPH_LT_SEARCH=1`), our split-K
 //! tiled or warp-K GEMM kernels ([`GemmAlgo`]); one of cuDNN's algorithms, our
 //! implicit-GEMM kernels with a tile and split count, or the direct kernels ([`ConvAlgo`]).
 //! Operations describe themselves by a *key* — op, shape, layout, epilogue, and the policy's
@@ -39,7 +40,7 @@
 //! `CUDAGRAPH_CONV=cudnn|ours|igemm|direct|auto` (read once per process; an unknown value is an
 //! error naming the variable and the accepted values). Forcing a family still measures within
 //! it (cuDNN's algorithms, cuBLASLt's heuristic top few and, with `CUDAGRAPH_LT_SPLITK=1`, their
-//! split-K variants, our tile
+//! split-K variants, with `CUDAGRAPH_LT_SEARCH=1` up to eight searched configurations, our tile
 //! shapes). A forced family that
 //! cannot run an operation (a missing library, warp-K on a backward layout) falls back to the
 //! heuristic default over what can. [`Engines::set_policy`] does the same per device.
@@ -83,14 +84,19 @@ pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
 pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
 /// Also measure cuBLASLt's split-K variants (`CUDAGRAPH_LT_SPLITK=1`; see [`Policy::lt_split_k`]).
 pub const LT_SPLITK_VAR: &str = "CUDAGRAPH_LT_SPLITK";
+/// Also measure cuBLASLt configurations found by search (`CUDAGRAPH_LT_SEARCH=1`; see
+/// [`Policy::lt_search`]).
+pub const LT_SEARCH_VAR: &str = "CUDAGRAPH_LT_SEARCH";
 
 /// Version of the on-disk table format (2: cuBLASLt ranks index the heuristics under the
 /// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB; 3: short candidates
 /// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`]; 4:
 /// under-occupied products also measure cuBLASLt's split-K variants, `cublaslt:R/skS`, which
 /// choices measured before never saw; 5: forward convolutions with a bias also measure cuDNN's
-/// graph API with the bias fused, `cudnnv8+bias:R`).
-const FORMAT: u32 = 5;
+/// graph API with the bias fused, `cudnnv8+bias:R`; 6: products measured under
+/// `CUDAGRAPH_LT_SEARCH=1` may record cuBLASLt's searched configurations, `cublaslt:cN`, which
+/// a reader of format 5 cannot parse).
+const FORMAT: u32 = 6;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -98,7 +104,8 @@ pub enum Engine {
     Cublas,
     /// cuBLASLt's heuristic top few algorithms, epilogues fused, and (when the policy asks,
     /// [`Policy::lt_split_k`]) split-K variants of the first three where a product leaves the
-    /// device under-occupied.
+    /// device under-occupied, and ([`Policy::lt_search`]) up to eight configurations found by
+    /// searching algorithm ids, tiles and stages.
     CublasLt,
     /// The tiled split-K kernel (any layout).
     Tiled,
@@ -232,6 +239,13 @@ pub struct Policy {
     /// typically, `bench/results/registry-splitk-2026-11-24-session9.txt`, and they add to
     /// every first call's measurement).
     pub lt_split_k: bool,
+    /// Also measure up to eight cuBLASLt configurations found by search rather than by its
+    /// heuristic: every algorithm id for fp32 with each tile and stage count it supports,
+    /// ranked by how well their grids fill whole waves of the device and validated by
+    /// `cublasLtMatmulAlgoCheck` ([`crate::blaslt`]'s module docs; `CUDAGRAPH_LT_SEARCH=1`;
+    /// default `false`: the search adds to every first call's measurement and is measured
+    /// first on the device, shown as `cublaslt:cN`).
+    pub lt_search: bool,
 }
 
 impl Default for Policy {
@@ -243,16 +257,17 @@ impl Default for Policy {
             cublaslt: true,
             deterministic: true,
             lt_split_k: false,
+            lt_search: false,
         }
     }
 }
 
 impl Policy {
-    /// The default policy with `CUDAGRAPH_GEMM`, `CUDAGRAPH_CONV`, `CUDAGRAPH_DETERMINISTIC`
-    /// and `CUDAGRAPH_LT_SPLITK` applied (read once per process; an invalid value is an error
-    /// every time).
+    /// The default policy with `CUDAGRAPH_GEMM`, `CUDAGRAPH_CONV`, `CUDAGRAPH_DETERMINISTIC`,
+    /// `CUDAGRAPH_LT_SPLITK` and `CUDAGRAPH_LT_SEARCH` applied (read once per process; an
+    /// invalid value is an error every time).
     pub fn from_env() -> Result<Policy> {
-        type Parsed = std::result::Result<(Engine, ConvEngine, bool, bool), String>;
+        type Parsed = std::result::Result<(Engine, ConvEngine, bool, bool, bool), String>;
         static ENV: OnceLock<Parsed> = OnceLock::new();
         let parsed = ENV.get_or_init(|| {
             let get = |name: &str| std::env::var(name).unwrap_or_default();
@@ -266,14 +281,22 @@ impl Policy {
                 "1 (also measure cuBLASLt's split-K variants) or 0 (the default)",
             )
             .map_err(|e| e.to_string())?;
-            Ok((gemm, conv, det, split))
+            let search = crate::env::parse_switch(
+                LT_SEARCH_VAR,
+                &get(LT_SEARCH_VAR),
+                false,
+                "1 (also measure cuBLASLt configurations found by search) or 0 (the default)",
+            )
+            .map_err(|e| e.to_string())?;
+            Ok((gemm, conv, det, split, search))
         });
         match parsed {
-            Ok((gemm, conv, det, split)) => Ok(Policy {
+            Ok((gemm, conv, det, split, search)) => Ok(Policy {
                 gemm: *gemm,
                 conv: *conv,
                 deterministic: *det,
                 lt_split_k: *split,
+                lt_search: *search,
                 ..Policy::default()
             }),
             Err(e) => Err(NnError::Config(e.clone())),
@@ -292,6 +315,9 @@ impl Policy {
         }
         if self.lt_split_k {
             parts.push("+splitk".into());
+        }
+        if self.lt_search {
+            parts.push("+search".into());
         }
         scope(parts)
     }
@@ -331,6 +357,10 @@ pub enum GemmAlgo {
     /// variant the plan kept for an under-occupied product, see [`crate::blaslt`]); shown as
     /// `cublaslt:RANK/skSPLIT`.
     CublasLtSplitK { rank: u8, split: u8 },
+    /// cuBLASLt's configuration of this index among those its search kept for the shape
+    /// ([`Policy::lt_search`], [`crate::blaslt::BlasLt::search_configs`]); shown as
+    /// `cublaslt:cINDEX`.
+    CublasLtConfig(u8),
     /// Our split-K tiled kernel with about this many K splits.
     Tiled(u16),
     /// The same tiled kernel with exactly this many K splits (2, 4 or 8) reduced inside a
@@ -353,7 +383,9 @@ impl GemmAlgo {
     pub fn family(self) -> Engine {
         match self {
             GemmAlgo::Cublas => Engine::Cublas,
-            GemmAlgo::CublasLt(_) | GemmAlgo::CublasLtSplitK { .. } => Engine::CublasLt,
+            GemmAlgo::CublasLt(_)
+            | GemmAlgo::CublasLtSplitK { .. }
+            | GemmAlgo::CublasLtConfig(_) => Engine::CublasLt,
             GemmAlgo::Tiled(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => Engine::Tiled,
             GemmAlgo::WarpK => Engine::WarpK,
             GemmAlgo::Rows { .. } => Engine::Rows,
@@ -367,6 +399,7 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::Cublas => write!(f, "cublas"),
             GemmAlgo::CublasLt(r) => write!(f, "cublaslt:{r}"),
             GemmAlgo::CublasLtSplitK { rank, split } => write!(f, "cublaslt:{rank}/sk{split}"),
+            GemmAlgo::CublasLtConfig(i) => write!(f, "cublaslt:c{i}"),
             GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
             GemmAlgo::Cluster(s) => write!(f, "cluster:{s}"),
             GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
@@ -384,6 +417,14 @@ impl FromStr for GemmAlgo {
         match s.split_once(':') {
             None if s == "cublas" => Ok(GemmAlgo::Cublas),
             None if s == "warpk" => Ok(GemmAlgo::WarpK),
+            Some(("cublaslt", r)) if r.starts_with('c') => {
+                // Only the canonical decimal index (no sign, no leading zeros).
+                let i: u8 = r[1..].parse().map_err(|_| bad())?;
+                match r[1..] == i.to_string() {
+                    true => Ok(GemmAlgo::CublasLtConfig(i)),
+                    false => Err(bad()),
+                }
+            }
             Some(("cublaslt", r)) => match r.split_once("/sk") {
                 None => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
                 Some((rank, split)) => {
@@ -1361,6 +1402,40 @@ mod tests {
         }
     }
 
+    /// cuBLASLt's searched configurations are stored by their text (`cublaslt:cINDEX`): it
+    /// parses back to the same configuration, belongs to the cuBLASLt family, differs from the
+    /// heuristic rank of the same number, and nothing close to it parses.
+    #[test]
+    fn cublaslt_config_names_round_trip() {
+        let a = GemmAlgo::CublasLtConfig(3);
+        assert_eq!(a.to_string(), "cublaslt:c3");
+        assert_eq!("cublaslt:c3".parse::<GemmAlgo>().unwrap(), a);
+        assert_eq!(a.family(), Engine::CublasLt);
+        for i in [0u8, 1, 7, 8, 42, 255] {
+            let a = GemmAlgo::CublasLtConfig(i);
+            assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+            assert_ne!(a, GemmAlgo::CublasLt(i));
+            assert_ne!(a.to_string(), GemmAlgo::CublasLt(i).to_string());
+        }
+        for bad in [
+            "cublaslt:c",
+            "cublaslt:c-1",
+            "cublaslt:c+1",
+            "cublaslt:c01",
+            "cublaslt:c256",
+            "cublaslt:c1x",
+            "cublaslt:cc1",
+            "cublaslt:c 1",
+            "cublaslt:C1",
+            "cublaslt:c1/sk2",
+            "cublaslt:0c1",
+            "cublasltc1",
+            "cublas:c1",
+        ] {
+            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn engine_names_round_trip() {
         for a in [
@@ -1368,6 +1443,8 @@ mod tests {
             GemmAlgo::CublasLt(2),
             GemmAlgo::CublasLtSplitK { rank: 0, split: 4 },
             GemmAlgo::CublasLtSplitK { rank: 2, split: 16 },
+            GemmAlgo::CublasLtConfig(0),
+            GemmAlgo::CublasLtConfig(7),
             GemmAlgo::Tiled(16),
             GemmAlgo::Cluster(8),
             GemmAlgo::Chunks(1),
@@ -1496,6 +1573,19 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(p.gemm_scope(Engine::CublasLt), " [cublaslt,+splitk]");
+        let p = Policy {
+            lt_search: true,
+            ..Policy::default()
+        };
+        assert_eq!(p.gemm_scope(Engine::Auto), " [+search]");
+        assert_eq!(p.gemm_scope(Engine::CublasLt), " [cublaslt,+search]");
+        let p = Policy {
+            lt_split_k: true,
+            lt_search: true,
+            cublaslt: false,
+            ..Policy::default()
+        };
+        assert_eq!(p.gemm_scope(Engine::Auto), " [-cublaslt,+splitk,+search]");
     }
 
     #[test]

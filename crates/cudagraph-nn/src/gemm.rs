@@ -1,7 +1,9 @@
 //! Matrix products for the NN layer, each run by the engine the registry ([`crate::engine`])
 //! chose for its shape: cuBLAS, cuBLASLt (bias, bias+ReLU and bias-gradient epilogues fused;
 //! its heuristic algorithms and, for under-occupied products, split-K variants of the first
-//! three), or our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
+//! three; opt-in: split-K with `CUDAGRAPH_LT_SPLITK=1`, and up to eight configurations found by
+//! searching algorithm ids, tiles and stages with `CUDAGRAPH_LT_SEARCH=1`, `cublaslt:cN`), or
+//! our kernels — `sgemm_tiled` (split-K over blocks plus a fixed-order reduce, fused
 //! bias/ReLU; on sm_90+ also with the splits reduced inside a thread-block cluster, one kernel),
 //! `sgemm_nt_chunks` (sm_90+, forward layout: 128-wide K chunks of float4s, splits reduced in
 //! a cluster),
@@ -18,7 +20,7 @@
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::blas::Trans;
-use crate::blaslt::{alignment, LtShape, MEASURED_ALGOS};
+use crate::blaslt::{alignment, LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
 use crate::kernels::{rows_groups, rows_most_splits, ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
@@ -304,7 +306,9 @@ pub fn run_gemm(
 
 /// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on
 /// another layout, cuBLASLt missing or without an algorithm of that rank, or without that
-/// split-K variant for this shape: see [`crate::blaslt::BlasLt::split_k_variants`]).
+/// split-K variant or searched configuration for this shape: see
+/// [`crate::blaslt::BlasLt::split_k_variants`] and [`crate::blaslt::BlasLt::search_configs`];
+/// nothing runs then).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with(
     q: &dyn Queue,
@@ -357,6 +361,15 @@ pub fn gemm_candidates(
                 variants
                     .into_iter()
                     .map(|(rank, split)| GemmAlgo::CublasLtSplitK { rank, split }),
+            );
+            // Configurations found by search rather than the heuristic, when the policy asks
+            // for them (off by default: see `Policy::lt_search`).
+            let configs = match eng.policy().lt_search {
+                true => lt.search_configs(&shape).map_or(0, |c| c.len()),
+                false => 0,
+            };
+            v.extend(
+                (0..configs.min(u8::MAX as usize + 1)).map(|i| GemmAlgo::CublasLtConfig(i as u8)),
             );
         }
     }
@@ -476,8 +489,8 @@ fn run_algo(
         launch(nn, q, d, op.alpha, a, b, op.beta, c, bias, relu, splits)?;
         bgrad(q)
     };
-    // cuBLASLt's algorithm of a rank, or its split-K variant with `split` splits.
-    let cublaslt = |rank: u8, split: Option<u8>| -> Result<()> {
+    // cuBLASLt's algorithm of a rank, a split-K variant or a searched configuration.
+    let cublaslt = |which: LtAlgo| -> Result<()> {
         let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
             library: "cuBLASLt",
             call: "dlopen",
@@ -485,7 +498,7 @@ fn run_algo(
         })?;
         let shape = lt_shape(op, align);
         let (alpha, beta) = (op.alpha, op.beta);
-        let fused = lt.matmul(q, &shape, rank as usize, split, alpha, a, b, beta, c, vec)?;
+        let fused = lt.matmul(q, &shape, which, alpha, a, b, beta, c, vec)?;
         if !fused {
             bgrad(q)?;
         }
@@ -501,8 +514,9 @@ fn run_algo(
             }
             bgrad(q)
         }
-        GemmAlgo::CublasLt(rank) => cublaslt(rank, None),
-        GemmAlgo::CublasLtSplitK { rank, split } => cublaslt(rank, Some(split)),
+        GemmAlgo::CublasLt(rank) => cublaslt(LtAlgo::Rank(rank as usize)),
+        GemmAlgo::CublasLtSplitK { rank, split } => cublaslt(LtAlgo::SplitK { rank, split }),
+        GemmAlgo::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
         GemmAlgo::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
         GemmAlgo::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
         GemmAlgo::Chunks(splits) => {

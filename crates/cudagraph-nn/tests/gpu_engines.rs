@@ -1,5 +1,5 @@
 //! GPU tests of the engine registry and of every engine it chooses from: cuBLAS, cuBLASLt (its
-//! heuristic algorithms and their split-K variants), our tiled and warp-K GEMM kernels, cuDNN (each of its algorithms), our implicit-GEMM kernels
+//! heuristic algorithms, their split-K variants and the configurations found by search), our tiled and warp-K GEMM kernels, cuDNN (each of its algorithms), our implicit-GEMM kernels
 //! (each tile, with and without split-K) and the direct conv kernels — each forced one at a time
 //! and checked against the f64 CPU reference (`cudagraph_nn::cpu`) in forward and backward, on
 //! odd sizes (primes, 1, sizes that are no multiple of a tile, stride 2 with padding, 1×1 and
@@ -568,6 +568,162 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
             .collect::<Vec<_>>()
             .join(", ")
     );
+}
+
+/// cuBLASLt's searched configurations (`Policy::lt_search`): for the sweep's forward products
+/// and odd backward layouts, every configuration the search kept agrees with the f64
+/// reference, gives the same bits run to run and in a graph replay as eagerly, and one the
+/// plan did not keep is an error that writes nothing; the registry measures them among
+/// cuBLASLt's candidates without failures (each key's timings are printed, to see whether a
+/// configuration beat `cublaslt:0`), and the 512 × 256 → 1024 forward product has at least one.
+#[test]
+fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    let policy = Policy {
+        lt_search: true,
+        ..Policy::default()
+    };
+    eng.set_policy(policy);
+    let lt = eng
+        .cublaslt()
+        .expect("cuBLASLt must be installed on the GPU test machine");
+    let mut rng = Rng::new(111);
+    let (n, t) = (Trans::N, Trans::T);
+    let op = |ta, tb, m, n_, k, epilogue| GemmOp {
+        ta,
+        tb,
+        m,
+        n: n_,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue,
+    };
+    let ops = [
+        op(n, t, 512, 1024, 256, Epilogue::Bias),
+        op(n, t, 128, 4096, 256, Epilogue::Bias),
+        GemmOp {
+            alpha: 0.5,
+            beta: 0.25,
+            ..op(n, n, 5, 77, 259, Epilogue::None)
+        },
+        op(t, n, 5, 77, 259, Epilogue::None),
+    ];
+    for (i, op) in ops.iter().enumerate() {
+        let configs: Vec<GemmAlgo> = gemm_candidates(&s, &eng, op, Engine::CublasLt, 256)
+            .unwrap()
+            .into_iter()
+            .filter(|a| matches!(a, GemmAlgo::CublasLtConfig(_)))
+            .collect();
+        let shape = cudagraph_nn::blaslt::LtShape {
+            ta: op.ta,
+            tb: op.tb,
+            m: op.m,
+            n: op.n,
+            k: op.k,
+            epilogue: op.epilogue,
+            align: 256,
+        };
+        let kept = lt.search_configs(&shape).unwrap();
+        println!("{}: {} configurations: {kept:?}", op.key(), configs.len());
+        assert_eq!(kept.len(), configs.len(), "{}", op.key());
+        if i == 0 {
+            assert!(
+                !configs.is_empty(),
+                "no searched configuration for {}",
+                op.key()
+            );
+        }
+        let (ah, bh, c0, bias) = (
+            data(&mut rng, op.m * op.k),
+            data(&mut rng, op.k * op.n),
+            data(&mut rng, op.m * op.n),
+            data(&mut rng, op.n),
+        );
+        let want = gemm_ref(op, &ah, &bh, &c0, &bias);
+        let (a, b, bb) = (
+            s.alloc_from_host(&ah).unwrap(),
+            s.alloc_from_host(&bh).unwrap(),
+            s.alloc_from_host(&bias).unwrap(),
+        );
+        let v = (op.epilogue != Epilogue::None).then_some(&bb);
+        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+            gemm_with(q, &nn, algo, op, &a, &b, c, v)
+        };
+        for algo in configs {
+            let eager = s.alloc_from_host(&c0).unwrap();
+            run(&s, algo, &eager).unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
+            let ev = s.to_vec(&eager).unwrap();
+            let err = rel_err(&ev, &want);
+            assert!(err < tol(op.k), "{algo} vs f64 {}: {err}", op.key());
+            for _ in 0..3 {
+                let again = s.alloc_from_host(&c0).unwrap();
+                run(&s, algo, &again).unwrap();
+                let av = s.to_vec(&again).unwrap();
+                assert!(
+                    av.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{algo} run to run {}",
+                    op.key()
+                );
+            }
+            let replayed = s.alloc_from_host(&c0).unwrap();
+            let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                run(cs, algo, &replayed).map_err(Into::into)
+            })
+            .unwrap_or_else(|e| panic!("capturing {algo} {}: {e:?}", op.key()));
+            g.replay(&s).unwrap();
+            let rv = s.to_vec(&replayed).unwrap();
+            assert!(
+                rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{algo} replay vs eager {}",
+                op.key()
+            );
+        }
+        // A configuration the plan did not keep: an error naming it, nothing launched.
+        let absent = GemmAlgo::CublasLtConfig(200);
+        let c = s.alloc_from_host(&c0).unwrap();
+        let e = run(&s, absent, &c).unwrap_err().to_string();
+        assert!(e.contains("c200"), "{e}");
+        assert_eq!(s.to_vec(&c).unwrap(), c0, "{absent} wrote its output");
+    }
+    // The registry measures them with cuBLASLt's other candidates (the family cuBLASLt forces).
+    eng.clear();
+    for op in &ops {
+        let (a, b, c, bias) = (
+            s.alloc_from_host(&data(&mut rng, op.m * op.k)).unwrap(),
+            s.alloc_from_host(&data(&mut rng, op.k * op.n)).unwrap(),
+            s.alloc_zeroed::<f32>(op.m * op.n).unwrap(),
+            s.alloc_from_host(&data(&mut rng, op.n)).unwrap(),
+        );
+        let v = (op.epilogue != Epilogue::None).then_some(&bias);
+        let chosen = run_gemm(&s, &nn, Engine::CublasLt, op, &a, &b, &c, v).unwrap();
+        assert_eq!(chosen.family(), Engine::CublasLt);
+        let key = format!("{} [cublaslt,+search]", op.key());
+        let e = eng.entry(&key).expect("the product is recorded");
+        let searched: Vec<_> = e
+            .timings
+            .iter()
+            .filter(|t| t.engine.starts_with("cublaslt:c"))
+            .collect();
+        assert!(
+            searched.iter().all(|t| t.us.is_some() && t.error.is_none()),
+            "{e:?}"
+        );
+        let configs = searched.len();
+        println!(
+            "{key} -> {} ({configs} searched): {}",
+            e.engine,
+            e.timings
+                .iter()
+                .map(|t| format!("{} {:.2}", t.engine, t.us.unwrap_or(f64::NAN)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    eng.set_policy(Policy::default());
 }
 
 #[test]
