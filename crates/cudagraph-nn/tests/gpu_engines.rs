@@ -425,6 +425,51 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
 /// run bit for bit; the registry
 /// measures the variants among cuBLASLt's candidates, none failing; a variant the plan did not
 /// keep is an error, not a launch.
+/// How one candidate of a product runs on a queue into an output buffer.
+type GemmRun<'a> =
+    dyn Fn(&dyn Queue, GemmAlgo, &DeviceBuffer<f32>) -> cudagraph_nn::Result<()> + 'a;
+
+/// Runs `algo` eagerly from `c0` (within `tol(op.k)` of `want`, named `against` in messages),
+/// three more times (the same bits each time), and captured into a graph replayed once (the
+/// same bits as eager).
+fn agrees_repeats_and_replays(
+    s: &mut Stream,
+    run: &GemmRun<'_>,
+    algo: GemmAlgo,
+    op: &GemmOp,
+    c0: &[f32],
+    want: &[f64],
+    against: &str,
+) {
+    let eager = s.alloc_from_host(c0).unwrap();
+    run(s, algo, &eager).unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
+    let ev = s.to_vec(&eager).unwrap();
+    let err = rel_err(&ev, want);
+    assert!(err < tol(op.k), "{algo} vs {against} {}: {err}", op.key());
+    for _ in 0..3 {
+        let again = s.alloc_from_host(c0).unwrap();
+        run(s, algo, &again).unwrap();
+        let av = s.to_vec(&again).unwrap();
+        assert!(
+            av.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{algo} run to run {}",
+            op.key()
+        );
+    }
+    let replayed = s.alloc_from_host(c0).unwrap();
+    let (g, ()) = Graph::capture(s, CaptureOptions::new(), |cs| {
+        run(cs, algo, &replayed).map_err(Into::into)
+    })
+    .unwrap_or_else(|e| panic!("capturing {algo} {}: {e:?}", op.key()));
+    g.replay(s).unwrap();
+    let rv = s.to_vec(&replayed).unwrap();
+    assert!(
+        rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "{algo} replay vs eager {}",
+        op.key()
+    );
+}
+
 #[test]
 fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
     let dev = gpu_test_device!();
@@ -496,34 +541,8 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
         run(&s, GemmAlgo::CublasLt(0), &first).unwrap();
         let want = to_f64(&s.to_vec(&first).unwrap());
         for algo in algos {
-            let eager = s.alloc_from_host(&c0).unwrap();
-            run(&s, algo, &eager).unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
-            let ev = s.to_vec(&eager).unwrap();
-            let err = rel_err(&ev, &want);
-            assert!(err < tol(op.k), "{algo} vs cublaslt:0 {}: {err}", op.key());
-            // Deterministic: the registry admits it under the default policy.
-            for _ in 0..3 {
-                let again = s.alloc_from_host(&c0).unwrap();
-                run(&s, algo, &again).unwrap();
-                let av = s.to_vec(&again).unwrap();
-                assert!(
-                    av.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{algo} run to run {}",
-                    op.key()
-                );
-            }
-            let replayed = s.alloc_from_host(&c0).unwrap();
-            let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-                run(cs, algo, &replayed).map_err(Into::into)
-            })
-            .unwrap_or_else(|e| panic!("capturing {algo} {}: {e:?}", op.key()));
-            g.replay(&s).unwrap();
-            let rv = s.to_vec(&replayed).unwrap();
-            assert!(
-                rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{algo} replay vs eager {}",
-                op.key()
-            );
+            // Deterministic too: the registry admits it under the default policy.
+            agrees_repeats_and_replays(&mut s, &run, algo, op, &c0, &want, "cublaslt:0");
         }
         // A variant the plan did not keep: an error naming it, nothing launched.
         let absent = GemmAlgo::CublasLtSplitK {
@@ -654,33 +673,7 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
             gemm_with(q, &nn, algo, op, &a, &b, c, v)
         };
         for algo in configs {
-            let eager = s.alloc_from_host(&c0).unwrap();
-            run(&s, algo, &eager).unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
-            let ev = s.to_vec(&eager).unwrap();
-            let err = rel_err(&ev, &want);
-            assert!(err < tol(op.k), "{algo} vs f64 {}: {err}", op.key());
-            for _ in 0..3 {
-                let again = s.alloc_from_host(&c0).unwrap();
-                run(&s, algo, &again).unwrap();
-                let av = s.to_vec(&again).unwrap();
-                assert!(
-                    av.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{algo} run to run {}",
-                    op.key()
-                );
-            }
-            let replayed = s.alloc_from_host(&c0).unwrap();
-            let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-                run(cs, algo, &replayed).map_err(Into::into)
-            })
-            .unwrap_or_else(|e| panic!("capturing {algo} {}: {e:?}", op.key()));
-            g.replay(&s).unwrap();
-            let rv = s.to_vec(&replayed).unwrap();
-            assert!(
-                rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{algo} replay vs eager {}",
-                op.key()
-            );
+            agrees_repeats_and_replays(&mut s, &run, algo, op, &c0, &want, "f64");
         }
         // A configuration the plan did not keep: an error naming it, nothing launched.
         let absent = GemmAlgo::CublasLtConfig(200);
