@@ -12,7 +12,9 @@
 //! product shape a plan keeps the descriptors and cuBLASLt's heuristic list of algorithms; the
 //! engine registry ([`crate::engine`]) measures the first few and picks one by its rank.
 //!
-//! **Split-K variants.** When the grid of one of the first [`SPLIT_K_RANKS`] heuristic
+//! **Split-K variants** (opt-in, [`crate::engine::Policy::lt_split_k`]; made on the first
+//! request for a shape, [`BlasLt::split_k_variants`]). When the grid of one of the first
+//! [`SPLIT_K_RANKS`] heuristic
 //! algorithms would not fill the device (fewer thread blocks than multiprocessors, see
 //! [`split_choices`]), the plan also keeps copies of it with `CUBLASLT_ALGO_CONFIG_SPLITK_NUM`
 //! set to a few of [`SPLITS`] and a reduction scheme the algorithm supports (in place where it
@@ -565,10 +567,10 @@ struct Plan {
     b: Ptr,
     c: Ptr,
     algos: Vec<HeuristicResult>,
-    /// Split-K variants of the first [`SPLIT_K_RANKS`] algorithms (see the module docs).
-    split_k: Vec<SplitVariant>,
-    /// The searched configurations (`None` until first asked for: the search runs only under
-    /// the policy that measures them).
+    /// Split-K variants of the first [`SPLIT_K_RANKS`] algorithms (see the module docs;
+    /// `None` until first asked for: they are made only under the policy that measures them).
+    split_k: Option<Vec<SplitVariant>>,
+    /// The searched configurations (`None` until first asked for, likewise).
     search: Option<Vec<SearchConfig>>,
     /// Whether the bias gradient is fused (`BGRADB`); otherwise the caller reduces it.
     fused_bgrad: bool,
@@ -678,7 +680,7 @@ fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
         b: std::ptr::null_mut(),
         c: std::ptr::null_mut(),
         algos: Vec::new(),
-        split_k: Vec::new(),
+        split_k: None,
         search: None,
         fused_bgrad: false,
     };
@@ -791,8 +793,22 @@ impl BlasLt {
             // No fused bias gradient for this shape: a plain product, the caller reduces.
             p.algos = self.heuristic(handle, &p, EPI_DEFAULT, s.align)?;
         }
-        p.split_k = self.split_variants(handle, &p, s);
         Ok(p)
+    }
+
+    /// Makes the plan's split-K variants or searched configurations, whichever `which` picks
+    /// from, if they were not made yet (heuristic ranks need nothing).
+    fn prepare(&self, handle: Ptr, p: &mut Plan, s: &LtShape, which: LtAlgo) {
+        match which {
+            LtAlgo::Rank(_) => {}
+            LtAlgo::SplitK { .. } if p.split_k.is_none() => {
+                p.split_k = Some(self.split_variants(handle, p, s));
+            }
+            LtAlgo::Config(_) if p.search.is_none() => {
+                p.search = Some(self.search(handle, p, s));
+            }
+            LtAlgo::SplitK { .. } | LtAlgo::Config(_) => {}
+        }
     }
 
     /// The split-K variants of the plan's first [`SPLIT_K_RANKS`] algorithms (its descriptor
@@ -1072,36 +1088,14 @@ impl BlasLt {
             .collect())
     }
 
-    /// Runs `f` on the handle and the plan of `s` (made on first use), under the state lock.
-    fn with_plan<R>(&self, s: &LtShape, f: impl FnOnce(Ptr, &Plan) -> Result<R>) -> Result<R> {
-        self.ctx.bind()?;
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let handle = st.handle;
-        if !st.plans.contains_key(s) {
-            let plan = self.new_plan(handle, s)?;
-            st.plans.insert(*s, plan);
-        }
-        f(handle, &st.plans[s])
-    }
-
-    /// How many heuristic algorithms cuBLASLt offers for `s` (0: none; use another engine),
-    /// and whether the bias gradient is fused.
-    pub fn algo_count(&self, s: &LtShape) -> Result<(usize, bool)> {
-        self.with_plan(s, |_, p| Ok((p.algos.len(), p.fused_bgrad)))
-    }
-
-    /// The split-K variants kept for `s`, as (rank, splits) pairs for [`BlasLt::matmul`]
-    /// (empty when no algorithm is under-occupied or the library cannot make them).
-    pub fn split_k_variants(&self, s: &LtShape) -> Result<Vec<(u8, u8)>> {
-        self.with_plan(s, |_, p| {
-            Ok(p.split_k.iter().map(|v| (v.rank, v.split)).collect())
-        })
-    }
-
-    /// The configurations the search kept for `s` (see the module docs), searched on the first
-    /// call for the shape; [`LtAlgo::Config`] indexes this list (empty when the library cannot
-    /// search or nothing passed the check).
-    pub fn search_configs(&self, s: &LtShape) -> Result<Vec<LtConfig>> {
+    /// Runs `f` on the handle and the plan of `s` (made on first use, with what `which`
+    /// picks from: [`Self::prepare`]), under the state lock.
+    fn with_plan<R>(
+        &self,
+        s: &LtShape,
+        which: LtAlgo,
+        f: impl FnOnce(Ptr, &Plan) -> Result<R>,
+    ) -> Result<R> {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
@@ -1109,11 +1103,39 @@ impl BlasLt {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(self.new_plan(handle, s)?),
         };
-        if plan.search.is_none() {
-            let found = self.search(handle, plan, s);
-            plan.search = Some(found);
-        }
-        Ok(plan.search.iter().flatten().map(|c| c.info).collect())
+        self.prepare(handle, plan, s, which);
+        f(handle, plan)
+    }
+
+    /// How many heuristic algorithms cuBLASLt offers for `s` (0: none; use another engine),
+    /// and whether the bias gradient is fused.
+    pub fn algo_count(&self, s: &LtShape) -> Result<(usize, bool)> {
+        self.with_plan(s, LtAlgo::Rank(0), |_, p| {
+            Ok((p.algos.len(), p.fused_bgrad))
+        })
+    }
+
+    /// The split-K variants kept for `s`, as (rank, splits) pairs for [`BlasLt::matmul`],
+    /// made on the first call for the shape (empty when no algorithm is under-occupied or the
+    /// library cannot make them).
+    pub fn split_k_variants(&self, s: &LtShape) -> Result<Vec<(u8, u8)>> {
+        let which = LtAlgo::SplitK { rank: 0, split: 0 };
+        self.with_plan(s, which, |_, p| {
+            Ok(p.split_k
+                .iter()
+                .flatten()
+                .map(|v| (v.rank, v.split))
+                .collect())
+        })
+    }
+
+    /// The configurations the search kept for `s` (see the module docs), searched on the first
+    /// call for the shape; [`LtAlgo::Config`] indexes this list (empty when the library cannot
+    /// search or nothing passed the check).
+    pub fn search_configs(&self, s: &LtShape) -> Result<Vec<LtConfig>> {
+        self.with_plan(s, LtAlgo::Config(0), |_, p| {
+            Ok(p.search.iter().flatten().map(|c| c.info).collect())
+        })
     }
 
     /// Row-major `C = epilogue(alpha·op(A)·op(B) + beta·C)` with cuBLASLt's algorithm `which`
@@ -1186,11 +1208,8 @@ impl BlasLt {
                 s.align
             )));
         }
-        if let LtAlgo::Config(_) = which {
-            self.search_configs(s)?; // searched on first use
-        }
         let stream = q.stream_handle();
-        self.with_plan(s, |handle, p| {
+        self.with_plan(s, which, |handle, p| {
             let algo = match which {
                 LtAlgo::Rank(rank) => p.algos.get(rank).ok_or_else(|| NnError::Library {
                     library: "cuBLASLt",
@@ -1206,6 +1225,7 @@ impl BlasLt {
                 } => p
                     .split_k
                     .iter()
+                    .flatten()
                     .find(|v| v.rank == rank && v.split == splits)
                     .map(|v| &v.result)
                     .ok_or_else(|| NnError::Library {
@@ -1215,6 +1235,7 @@ impl BlasLt {
                             "no split-K variant {rank}/sk{splits} for {s:?} (kept: {:?})",
                             p.split_k
                                 .iter()
+                                .flatten()
                                 .map(|v| format!("{}/sk{}", v.rank, v.split))
                                 .collect::<Vec<_>>()
                         ),
