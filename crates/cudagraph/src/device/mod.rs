@@ -65,11 +65,10 @@ impl Drop for DeviceInner {
             .unwrap_or_else(|p| p.into_inner())
             .clear();
         // No stream or graph of this device is left (each holds the device), but work they
-        // queued may still run and write the flag: wait for it before the flag is freed.
-        let _ = match self.quiet {
-            Some(_) => self.ctx.handle.synchronize_quiet(),
-            None => self.ctx.synchronize(),
-        };
+        // queued may still run and write the flag: wait for it before the flag is freed. Also
+        // without the gate (this thread capturing while others are): the flag's safety comes
+        // first, as before the gate existed (`Context::synchronize` would refuse here).
+        let _ = self.ctx.handle.synchronize_quiet();
         // This handle's modules unload here (functions held elsewhere keep theirs loaded).
         self.ctx.forget_modules();
     }

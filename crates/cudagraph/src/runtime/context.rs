@@ -95,7 +95,7 @@ impl CaptureGate {
     }
 
     fn lock(&self) -> MutexGuard<'_, GateState> {
-        // Every critical section only adds or subtracts one; a poisoned lock is still usable.
+        // Every critical section leaves the counts whole; a poisoned lock is still usable.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -135,20 +135,7 @@ impl CaptureGate {
     /// As [`Self::wait_quiet`], but waits at most `patience` (a thread that is capturing does
     /// not wait at all), and returns `None` when the gate did not open in time.
     pub(crate) fn quiet_within(self: &Arc<Self>, patience: Duration) -> Option<Quiet> {
-        if capturing_on_this_thread() {
-            return self.try_quiet();
-        }
-        let deadline = Instant::now() + patience;
-        let mut st = self.lock();
-        while st.captures > 0 {
-            let left = deadline.checked_duration_since(Instant::now())?;
-            st = self
-                .changed
-                .wait_timeout(st, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        Some(st.hold(self))
+        self.quiet_by(Some(Instant::now() + patience))
     }
 
     /// Waits until no capture of this context is open, then holds captures off. A thread that
@@ -157,20 +144,36 @@ impl CaptureGate {
     /// only if it is free, and otherwise an error that names `what`.
     #[track_caller]
     pub(crate) fn wait_quiet(self: &Arc<Self>, what: &'static str) -> Result<Quiet> {
+        self.quiet_by(None).ok_or_else(|| Error::NotSupported {
+            what,
+            detail: "it synchronises the whole device, which would invalidate the captures \
+                     open on it, and this thread is capturing, so it cannot wait for them to \
+                     end; do it before the capture begins or after it ends"
+                .into(),
+        })
+    }
+
+    /// Holds captures off once none is open, waiting until then or until `deadline` (never,
+    /// for `None`). A capturing thread does not wait (see [`Self::wait_quiet`]). `None` when
+    /// the gate did not open.
+    fn quiet_by(self: &Arc<Self>, deadline: Option<Instant>) -> Option<Quiet> {
         if capturing_on_this_thread() {
-            return self.try_quiet().ok_or_else(|| Error::NotSupported {
-                what,
-                detail: "it synchronises the whole device, which would invalidate the \
-                         captures open on it, and this thread is capturing, so it cannot wait \
-                         for them to end; do it before the capture begins or after it ends"
-                    .into(),
-            });
+            return self.try_quiet();
         }
         let mut st = self.lock();
         while st.captures > 0 {
-            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = match deadline {
+                None => self.changed.wait(st).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    self.changed
+                        .wait_timeout(st, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
         }
-        Ok(st.hold(self))
+        Some(st.hold(self))
     }
 }
 
