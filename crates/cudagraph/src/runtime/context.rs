@@ -31,8 +31,9 @@ use crate::error::{Error, Result};
 
 raw_handle!(RawContext, sys::CUcontext);
 
-/// How long loading a module or a function waits for other threads' captures of its context
-/// to end (lazy loading may synchronise the context) before it goes ahead anyway.
+/// How long loading a module, or looking up its functions (all of them together), waits for
+/// other threads' captures of its context to end (lazy loading may synchronise the context)
+/// before it goes ahead anyway.
 pub(crate) const LOAD_PATIENCE: Duration = Duration::from_millis(250);
 
 /// Keeps context-wide synchronisations and this crate's captures of one context apart, across

@@ -9,6 +9,7 @@ use std::ffi::{c_void, CString};
 use std::fmt;
 use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
@@ -129,6 +130,10 @@ pub(super) struct ModuleInner {
     functions: Mutex<Vec<usize>>,
     ordinal: usize,
     ctx: Arc<ContextHandle>,
+    /// What is left of [`LOAD_PATIENCE`] for this module's function lookups together: a
+    /// kernel set looks up dozens in a row, and while another thread holds a long capture each
+    /// would otherwise wait the whole patience again.
+    patience: Mutex<Duration>,
 }
 
 impl Drop for ModuleInner {
@@ -210,6 +215,7 @@ impl Module {
                 functions: Mutex::new(Vec::new()),
                 ordinal: ctx.ordinal(),
                 ctx: ctx.handle.clone(),
+                patience: Mutex::new(LOAD_PATIENCE),
             }),
         })
     }
@@ -231,8 +237,18 @@ impl Module {
         };
         self.inner.ctx.bind()?;
         // Under lazy loading the attribute query below loads the function, which may
-        // synchronise the context: held off other threads' captures (bounded).
-        let _quiet = self.inner.ctx.gate().quiet_within(LOAD_PATIENCE);
+        // synchronise the context: held off other threads' captures (bounded, per module).
+        let _quiet = {
+            let mut left = self
+                .inner
+                .patience
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let t0 = Instant::now();
+            let quiet = self.inner.ctx.gate().quiet_within(*left);
+            *left = left.saturating_sub(t0.elapsed());
+            quiet
+        };
         let mut f = ptr::null_mut();
         // SAFETY: writes one function handle.
         let status = unsafe { sys::cuModuleGetFunction(&mut f, self.inner.raw.0, cname.as_ptr()) };
