@@ -88,6 +88,62 @@ fn gemm_ref(op: &GemmOp, ah: &[f32], bh: &[f32], c0: &[f32], bias: &[f32]) -> Ve
         .collect()
 }
 
+/// Random operands of a product (the bias sized for any epilogue) and the output it starts
+/// from, on the host and on the device.
+struct Operands {
+    ah: Vec<f32>,
+    bh: Vec<f32>,
+    c0: Vec<f32>,
+    bias: Vec<f32>,
+    a: DeviceBuffer<f32>,
+    b: DeviceBuffer<f32>,
+    bb: DeviceBuffer<f32>,
+}
+
+impl Operands {
+    fn new(s: &Stream, rng: &mut Rng, op: &GemmOp) -> Self {
+        let (ah, bh, c0, bias) = (
+            data(rng, op.m * op.k),
+            data(rng, op.k * op.n),
+            data(rng, op.m * op.n),
+            data(rng, op.n),
+        );
+        let (a, b, bb) = (
+            s.alloc_from_host(&ah).unwrap(),
+            s.alloc_from_host(&bh).unwrap(),
+            s.alloc_from_host(&bias).unwrap(),
+        );
+        Operands {
+            ah,
+            bh,
+            c0,
+            bias,
+            a,
+            b,
+            bb,
+        }
+    }
+
+    /// The f64 reference of `op` on these operands.
+    fn want(&self, op: &GemmOp) -> Vec<f64> {
+        gemm_ref(op, &self.ah, &self.bh, &self.c0, &self.bias)
+    }
+}
+
+/// A product with alpha 1, beta 0.
+fn plain_op(ta: Trans, tb: Trans, m: usize, n: usize, k: usize, epilogue: Epilogue) -> GemmOp {
+    GemmOp {
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue,
+    }
+}
+
 /// cuBLASLt's candidates for `op`: its heuristic ranks and the split-K variants kept for the
 /// shape (the policy is switched to list them; the test fails without cuBLASLt).
 fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
@@ -235,18 +291,9 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                     beta,
                     epilogue: ep,
                 };
-                let (ah, bh, c0, bias) = (
-                    data(&mut rng, m * k),
-                    data(&mut rng, k * nn_),
-                    data(&mut rng, m * nn_),
-                    data(&mut rng, nn_),
-                );
-                let want = gemm_ref(&op, &ah, &bh, &c0, &bias);
-                let (a, b, bb) = (
-                    s.alloc_from_host(&ah).unwrap(),
-                    s.alloc_from_host(&bh).unwrap(),
-                    s.alloc_from_host(&bias).unwrap(),
-                );
+                let o = Operands::new(&s, &mut rng, &op);
+                let want = o.want(&op);
+                let Operands { c0, a, b, bb, .. } = o;
                 let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(4)];
                 // Every cluster size, also where K has fewer tiles than splits (empty splits).
                 algos.extend([2, 4, 8].map(GemmAlgo::Cluster));
@@ -353,21 +400,12 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
             beta: 0.25,
             epilogue: Epilogue::BiasRelu,
         };
-        let (ah, bh, c0, bias) = (
-            data(&mut rng, m * k),
-            data(&mut rng, k * nn_),
-            data(&mut rng, m * nn_),
-            data(&mut rng, nn_),
-        );
-        let (a, b, bb) = (
-            s.alloc_from_host(&ah).unwrap(),
-            s.alloc_from_host(&bh).unwrap(),
-            s.alloc_from_host(&bias).unwrap(),
-        );
+        let o = Operands::new(&s, &mut rng, &op);
+        let want = o.want(&op);
+        let Operands { c0, a, b, bb, .. } = o;
         let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
         };
-        let want = gemm_ref(&op, &ah, &bh, &c0, &bias);
         // The chunked forward kernel (x·wᵀ, k a multiple of 4): the reference, and a replay
         // equal to the eager run bit for bit, in one kernel node.
         if ta == n && tb == t && k % 4 == 0 {
@@ -482,16 +520,7 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
     });
     let mut rng = Rng::new(110);
     let (n, t) = (Trans::N, Trans::T);
-    let op = |ta, tb, m, n_, k, epilogue| GemmOp {
-        ta,
-        tb,
-        m,
-        n: n_,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        epilogue,
-    };
+    let op = plain_op;
     let forward = [
         op(n, t, 512, 1024, 256, Epilogue::Bias),
         op(n, t, 128, 4096, 256, Epilogue::Bias),
@@ -522,17 +551,8 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
             );
         }
         variants_seen += algos.len();
-        let (ah, bh, c0, bias) = (
-            data(&mut rng, op.m * op.k),
-            data(&mut rng, op.k * op.n),
-            data(&mut rng, op.m * op.n),
-            data(&mut rng, op.n),
-        );
-        let (a, b, bb) = (
-            s.alloc_from_host(&ah).unwrap(),
-            s.alloc_from_host(&bh).unwrap(),
-            s.alloc_from_host(&bias).unwrap(),
-        );
+        let o = Operands::new(&s, &mut rng, op);
+        let Operands { c0, a, b, bb, .. } = o;
         let v = (op.epilogue != Epilogue::None).then_some(&bb);
         let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, op, &a, &b, c, v)
@@ -611,16 +631,7 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
         .expect("cuBLASLt must be installed on the GPU test machine");
     let mut rng = Rng::new(111);
     let (n, t) = (Trans::N, Trans::T);
-    let op = |ta, tb, m, n_, k, epilogue| GemmOp {
-        ta,
-        tb,
-        m,
-        n: n_,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        epilogue,
-    };
+    let op = plain_op;
     let ops = [
         op(n, t, 512, 1024, 256, Epilogue::Bias),
         op(n, t, 128, 4096, 256, Epilogue::Bias),
@@ -656,18 +667,9 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
                 op.key()
             );
         }
-        let (ah, bh, c0, bias) = (
-            data(&mut rng, op.m * op.k),
-            data(&mut rng, op.k * op.n),
-            data(&mut rng, op.m * op.n),
-            data(&mut rng, op.n),
-        );
-        let want = gemm_ref(op, &ah, &bh, &c0, &bias);
-        let (a, b, bb) = (
-            s.alloc_from_host(&ah).unwrap(),
-            s.alloc_from_host(&bh).unwrap(),
-            s.alloc_from_host(&bias).unwrap(),
-        );
+        let o = Operands::new(&s, &mut rng, op);
+        let want = o.want(op);
+        let Operands { c0, a, b, bb, .. } = o;
         let v = (op.epilogue != Epilogue::None).then_some(&bb);
         let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, op, &a, &b, c, v)
