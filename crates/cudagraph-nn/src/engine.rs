@@ -267,40 +267,29 @@ impl Policy {
     /// `CUDAGRAPH_LT_SPLITK` and `CUDAGRAPH_LT_SEARCH` applied (read once per process; an
     /// invalid value is an error every time).
     pub fn from_env() -> Result<Policy> {
-        type Parsed = std::result::Result<(Engine, ConvEngine, bool, bool, bool), String>;
-        static ENV: OnceLock<Parsed> = OnceLock::new();
+        static ENV: OnceLock<std::result::Result<Policy, String>> = OnceLock::new();
         let parsed = ENV.get_or_init(|| {
             let get = |name: &str| std::env::var(name).unwrap_or_default();
-            let gemm = parse_gemm_engine(&get(GEMM_VAR)).map_err(|e| e.to_string())?;
-            let conv = parse_conv_engine(&get(CONV_VAR)).map_err(|e| e.to_string())?;
-            let det = parse_deterministic(&get(DETERMINISTIC_VAR)).map_err(|e| e.to_string())?;
-            let split = crate::env::parse_switch(
-                LT_SPLITK_VAR,
-                &get(LT_SPLITK_VAR),
-                false,
-                "1 (also measure cuBLASLt's split-K variants) or 0 (the default)",
-            )
-            .map_err(|e| e.to_string())?;
-            let search = crate::env::parse_switch(
-                LT_SEARCH_VAR,
-                &get(LT_SEARCH_VAR),
-                false,
-                "1 (also measure cuBLASLt configurations found by search) or 0 (the default)",
-            )
-            .map_err(|e| e.to_string())?;
-            Ok((gemm, conv, det, split, search))
-        });
-        match parsed {
-            Ok((gemm, conv, det, split, search)) => Ok(Policy {
-                gemm: *gemm,
-                conv: *conv,
-                deterministic: *det,
-                lt_split_k: *split,
-                lt_search: *search,
+            let switch = |var: &str, meaning: &str| {
+                crate::env::parse_switch(var, &get(var), false, meaning).map_err(|e| e.to_string())
+            };
+            Ok(Policy {
+                gemm: parse_gemm_engine(&get(GEMM_VAR)).map_err(|e| e.to_string())?,
+                conv: parse_conv_engine(&get(CONV_VAR)).map_err(|e| e.to_string())?,
+                deterministic: parse_deterministic(&get(DETERMINISTIC_VAR))
+                    .map_err(|e| e.to_string())?,
+                lt_split_k: switch(
+                    LT_SPLITK_VAR,
+                    "1 (also measure cuBLASLt's split-K variants) or 0 (the default)",
+                )?,
+                lt_search: switch(
+                    LT_SEARCH_VAR,
+                    "1 (also measure cuBLASLt configurations found by search) or 0 (the default)",
+                )?,
                 ..Policy::default()
-            }),
-            Err(e) => Err(NnError::Config(e.clone())),
-        }
+            })
+        });
+        parsed.clone().map_err(NnError::Config)
     }
 
     /// The part of a key that records this policy's restrictions for products
