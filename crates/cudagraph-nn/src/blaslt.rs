@@ -179,7 +179,7 @@ pub fn search_rank(
     };
     let sms = sms.max(1);
     let blocks = rows.div_ceil(tr).saturating_mul(cols.div_ceil(tc));
-    let area = -((tr * tc) as i64);
+    let area = -(tr.saturating_mul(tc).min(i64::MAX as usize) as i64);
     if blocks >= sms {
         let slots = blocks.div_ceil(sms).saturating_mul(sms);
         let fill_step = (blocks.saturating_mul(20) / slots) as i64;
@@ -1510,6 +1510,18 @@ mod tests {
             (2, 6, 13)
         );
         assert!(SEARCH_KEPT <= SEARCH_CHECKS && SEARCH_KEPT <= u8::MAX as usize + 1);
+    }
+
+    /// Sizes at the ends of the range rank without overflow (zero SMs count as one).
+    #[test]
+    fn search_rank_takes_any_size_without_overflow() {
+        let huge = Some((usize::MAX, usize::MAX));
+        assert_eq!(search_rank(huge, usize::MAX, usize::MAX, 0).0, 0);
+        assert_eq!(search_rank(huge, 1, 1, 132).0, 1);
+        let (group, fill, area) = search_rank(Some((1, 1)), usize::MAX, usize::MAX, 132);
+        assert_eq!(group, 0);
+        assert!(fill <= 0 && area == -1);
+        assert_eq!(search_rank(Some((0, 64)), 10, 10, 132), (2, 0, 0));
     }
 
     /// The search's order: whole waves first (by how full their last wave keeps the device,

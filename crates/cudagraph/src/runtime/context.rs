@@ -136,7 +136,8 @@ impl CaptureGate {
     /// As [`Self::wait_quiet`], but waits at most `patience` (a thread that is capturing does
     /// not wait at all), and returns `None` when the gate did not open in time.
     pub(crate) fn quiet_within(self: &Arc<Self>, patience: Duration) -> Option<Quiet> {
-        self.quiet_by(Some(Instant::now() + patience))
+        // A patience past the clock's range waits as long as it takes.
+        self.quiet_by(Instant::now().checked_add(patience))
     }
 
     /// Waits until no capture of this context is open, then holds captures off. A thread that
@@ -535,6 +536,16 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(30));
         gate.leave_capture();
         assert!(gate.quiet_within(Duration::from_millis(30)).is_some());
+    }
+
+    #[test]
+    fn any_patience_is_taken_without_overflow() {
+        let gate = Arc::new(CaptureGate::default());
+        assert!(gate.quiet_within(Duration::MAX).is_some());
+        assert!(gate.quiet_within(Duration::ZERO).is_some());
+        gate.enter_capture();
+        assert!(gate.quiet_within(Duration::ZERO).is_none());
+        gate.leave_capture();
     }
 
     #[test]
