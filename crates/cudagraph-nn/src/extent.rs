@@ -57,7 +57,12 @@ impl GemmDims {
     }
 
     pub(crate) fn tiles(&self) -> Result<(u32, u32)> {
-        let (gx, gy) = (self.n.div_ceil(32), self.m.div_ceil(32));
+        self.tiles_of(32, 32)
+    }
+
+    /// The grid of `bm`-row, `bn`-column output tiles: columns in x, rows in y (at most 65535).
+    pub(crate) fn tiles_of(&self, bm: usize, bn: usize) -> Result<(u32, u32)> {
+        let (gx, gy) = (self.n.div_ceil(bn), self.m.div_ceil(bm));
         if gy > 65535 {
             return Err(NnError::Shape(format!(
                 "gemm: {} rows exceed the tiled kernels' grid",

@@ -380,6 +380,14 @@ pub fn gemm_candidates(
             v.push(GemmAlgo::Tiled(s.min(u16::MAX as usize) as u16));
         }
     }
+    if allowed(Engine::Tiled) && op.k > 0 {
+        let sms = eng.device_info().multiprocessors;
+        v.extend(
+            reg_tiles(op.m, op.n, op.k, sms)
+                .into_iter()
+                .map(|(rows, splits)| GemmAlgo::Reg { rows, splits }),
+        );
+    }
     if allowed(Engine::Tiled) && op.tiled_ok() && ClusterKernels::supported(q.device()) {
         let sms = eng.device_info().multiprocessors;
         v.extend(
@@ -519,6 +527,24 @@ fn run_algo(
         GemmAlgo::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
         GemmAlgo::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
         GemmAlgo::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
+        GemmAlgo::Reg { rows, splits } => {
+            let d = op.dims();
+            let (alpha, beta, rows) = (op.alpha, op.beta, rows as usize);
+            nn.sgemm_reg(
+                q,
+                d,
+                rows,
+                alpha,
+                a,
+                b,
+                beta,
+                c,
+                bias,
+                relu,
+                splits as usize,
+            )?;
+            bgrad(q)
+        }
         GemmAlgo::Chunks(splits) => {
             if !op.chunks_ok(align) {
                 return Err(NnError::Shape(format!(
@@ -618,6 +644,29 @@ pub fn chunk_splits(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<u
         .collect()
 }
 
+/// The register-blocked tiles offered for a product, as (rows, K splits): the 64-row tile
+/// where the rows fill at least half of it, the 128-row tile where they fill at least half of
+/// that; each unsplit, and split as often as it takes to give every multiprocessor a block
+/// (at most 16 ways, every split keeping at least four 16-wide K steps) where the unsplit grid
+/// leaves half of them idle.
+pub fn reg_tiles(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<(u8, u16)> {
+    let sms = multiprocessors.max(1) as usize;
+    let mut v = Vec::new();
+    for rows in [64usize, 128] {
+        if m < rows / 2 || m.div_ceil(rows) > 65535 {
+            continue;
+        }
+        v.push((rows as u8, 1));
+        let tiles = m.div_ceil(rows).saturating_mul(n.div_ceil(64));
+        let most = (k.div_ceil(64)).min(16);
+        if tiles.saturating_mul(2) <= sms && most >= 2 {
+            let splits = sms.div_ceil(tiles).min(most);
+            v.push((rows as u8, splits as u16));
+        }
+    }
+    v
+}
+
 /// How many K splits give the device enough blocks (about two waves of 132 SMs) while each
 /// split keeps at least two 32-wide K tiles.
 pub fn split_k(m: usize, n: usize, k: usize) -> usize {
@@ -698,6 +747,30 @@ mod tests {
         assert_eq!(chunk_splits(32, 10, 4, 132), vec![1]);
         // 1024 tiles fill the device: no split.
         assert_eq!(chunk_splits(1024, 1024, 4096, 132), vec![1]);
+    }
+
+    #[test]
+    fn reg_tiles_need_half_a_tile_of_rows_and_split_only_idle_grids() {
+        // Too few rows for either tile: none.
+        assert!(reg_tiles(31, 4096, 4096, 132).is_empty());
+        // Half the 64-row tile; a 1 × 4 grid splits (at most K/64 = 2 ways).
+        assert_eq!(reg_tiles(32, 256, 128, 132), vec![(64, 1), (64, 2)]);
+        // 512 × 1024: 128 blocks of 64 rows fill the device; 64 of 128 rows split 3 ways
+        // (K = 256 allows 4).
+        assert_eq!(
+            reg_tiles(512, 1024, 256, 132),
+            vec![(64, 1), (128, 1), (128, 3)]
+        );
+        // Deep K: at most 16 splits.
+        assert_eq!(
+            reg_tiles(64, 64, 1 << 20, 132),
+            vec![(64, 1), (64, 16), (128, 1), (128, 16)]
+        );
+        // Large products: unsplit only.
+        assert_eq!(reg_tiles(4096, 4096, 64, 132), vec![(64, 1), (128, 1)]);
+        // Grids past 65535 block rows are not offered; zero multiprocessors do not divide by 0.
+        assert_eq!(reg_tiles(64 * 65536, 64, 64, 0), vec![(128, 1)]);
+        assert!(reg_tiles(usize::MAX, usize::MAX, usize::MAX, 132).is_empty());
     }
 
     #[test]

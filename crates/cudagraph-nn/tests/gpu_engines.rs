@@ -232,6 +232,26 @@ fn library_graphs_of_one_stream_replay_at_once_on_two() {
     }
 }
 
+/// The register-blocked kernels as the tests run them: both tiles, unsplit and split.
+const REG_ALGOS: [GemmAlgo; 4] = [
+    GemmAlgo::Reg {
+        rows: 64,
+        splits: 1,
+    },
+    GemmAlgo::Reg {
+        rows: 64,
+        splits: 3,
+    },
+    GemmAlgo::Reg {
+        rows: 128,
+        splits: 1,
+    },
+    GemmAlgo::Reg {
+        rows: 128,
+        splits: 8,
+    },
+];
+
 #[test]
 fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     let dev = gpu_test_device!();
@@ -295,6 +315,8 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 let want = o.want(&op);
                 let Operands { c0, a, b, bb, .. } = o;
                 let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(4)];
+                // Both register-blocked tiles, whole and split (also past K's 32-wide tiles).
+                algos.extend(REG_ALGOS);
                 // Every cluster size, also where K has fewer tiles than splits (empty splits).
                 algos.extend([2, 4, 8].map(GemmAlgo::Cluster));
                 if ta == n && tb == t && k % 4 == 0 {
@@ -453,6 +475,85 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
             );
         }
     }
+}
+
+/// The register-blocked kernels sum the same K ranges as `tiled:S` in the same order (each
+/// split from zero in increasing k, then the same reduce node), so they give the tiled
+/// kernel's bits; repeated runs and a graph replay give the eager run's bits; a tile height
+/// the kernels do not have is a typed error.
+#[test]
+fn register_blocked_tiles_equal_tiled_and_replay_bit_for_bit() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(105);
+    let (n, t) = (Trans::N, Trans::T);
+    let shapes = [
+        (65usize, 63usize, 47usize, n, t),
+        (129, 200, 300, t, n),
+        (512, 1024, 256, n, t),
+        (3, 130, 1000, n, n),
+        (200, 70, 33, t, t),
+    ];
+    for &(m, nn_, k, ta, tb) in &shapes[..cudagraph::testing::iterations(shapes.len(), 2)] {
+        let op = GemmOp {
+            ta,
+            tb,
+            m,
+            n: nn_,
+            k,
+            alpha: 0.5,
+            beta: 0.25,
+            epilogue: Epilogue::BiasRelu,
+        };
+        let o = Operands::new(&s, &mut rng, &op);
+        let want = o.want(&op);
+        let Operands { c0, a, b, bb, .. } = o;
+        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+            gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
+        };
+        for splits in [1u16, 2, 5] {
+            let tiled = s.alloc_from_host(&c0).unwrap();
+            run(&s, GemmAlgo::Tiled(splits), &tiled).unwrap();
+            let tv = s.to_vec(&tiled).unwrap();
+            for rows in [64u8, 128] {
+                let algo = GemmAlgo::Reg { rows, splits };
+                agrees_repeats_and_replays(&mut s, &run, algo, &op, &c0, &want, "f64");
+                let got = s.alloc_from_host(&c0).unwrap();
+                run(&s, algo, &got).unwrap();
+                let gv = s.to_vec(&got).unwrap();
+                assert!(
+                    gv.iter().zip(&tv).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{algo} vs tiled:{splits} {}",
+                    op.key()
+                );
+            }
+        }
+    }
+    let e = nn
+        .sgemm_reg(
+            &s,
+            cudagraph_nn::kernels::GemmDims {
+                m: 1,
+                n: 1,
+                k: 1,
+                ta: false,
+                tb: false,
+            },
+            32,
+            1.0,
+            &s.alloc::<f32>(1).unwrap(),
+            &s.alloc::<f32>(1).unwrap(),
+            0.0,
+            &s.alloc::<f32>(1).unwrap(),
+            None,
+            false,
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("64- and 128-row tiles"), "{e}");
+    s.synchronize().unwrap();
 }
 
 /// cuBLASLt's split-K variants (`cublaslt:R/skS`) of products with few output tiles: the
@@ -762,6 +863,7 @@ fn bias_gradient_engines_match_cpu() {
             GemmAlgo::Tiled(3),
             GemmAlgo::Cluster(4),
         ];
+        algos.extend(REG_ALGOS);
         algos.extend(lt_algos(&dev, &s, &op));
         for algo in algos {
             let dw = s.alloc_from_host(&vec![f32::NAN; out * inf]).unwrap();

@@ -30,6 +30,126 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
         }
 }
 
+// Register-blocked SGEMM for the mid-size products (every layout, the same arguments and
+// split-K contract as sgemm_tiled): a block of 256 threads owns BM x BN outputs, each thread a
+// TM x TN register tile (rows ty*TM.., columns tx*TN..), K in steps of 16 through two shared
+// buffers (the next step loaded into registers while the current one is multiplied, one
+// barrier per step). Operands are read with scalar loads coalesced along whichever dimension
+// is contiguous (any alignment, any size); each sum runs over k in increasing order, so results
+// are fixed by the shape and the split, not by scheduling.
+template <int BM, int BN, int TM, int TN>
+__device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
+        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    constexpr int BK = 16;
+    constexpr int THREADS = (BM / TM) * (BN / TN);
+    constexpr int LA = BM * BK / THREADS, LB = BN * BK / THREADS;
+    static_assert(THREADS == 256, "256 threads per block");
+    static_assert(TM % 4 == 0 && TN % 4 == 0, "float4 reads of the register tiles");
+    // Row strides padded by 4 floats: float4-aligned rows, fewer bank conflicts on the stores.
+    __shared__ __align__(16) float As[2][BK][BM + 4];
+    __shared__ __align__(16) float Bs[2][BK][BN + 4];
+    const int tid = threadIdx.x;
+    const int tx = tid % (BN / TN), ty = tid / (BN / TN);
+    const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
+    const int kbeg = blockIdx.z * kc, kend = min(k, kbeg + kc);
+    float ra[LA], rb[LB];
+    // Element e of a K step: A's (i, p) and B's (p, j), consecutive e along the contiguous
+    // dimension of each operand.
+    auto load = [&](int p0) {
+#pragma unroll
+        for (int r = 0; r < LA; r++) {
+            int e = tid + r * THREADS;
+            int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
+            int gi = row0 + i, gp = p0 + p;
+            ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < LB; r++) {
+            int e = tid + r * THREADS;
+            int j = tb ? e / BK : e % BN, p = tb ? e % BK : e / BN;
+            int gj = col0 + j, gp = p0 + p;
+            rb[r] = (gj < n && gp < kend) ? (tb ? B[(long)gj * ldb + gp] : B[(long)gp * ldb + gj]) : 0.0f;
+        }
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int r = 0; r < LA; r++) {
+            int e = tid + r * THREADS;
+            int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
+            As[buf][p][i] = ra[r];
+        }
+#pragma unroll
+        for (int r = 0; r < LB; r++) {
+            int e = tid + r * THREADS;
+            int j = tb ? e / BK : e % BN, p = tb ? e % BK : e / BN;
+            Bs[buf][p][j] = rb[r];
+        }
+    };
+    float acc[TM][TN];
+#pragma unroll
+    for (int a = 0; a < TM; a++)
+#pragma unroll
+        for (int b = 0; b < TN; b++) acc[a][b] = 0.0f;
+    if (kbeg < kend) {
+        load(kbeg);
+        store(0);
+        __syncthreads();
+    }
+    int buf = 0;
+    for (int p0 = kbeg; p0 < kend; p0 += BK) {
+        const bool more = p0 + BK < kend;
+        if (more) load(p0 + BK);
+#pragma unroll
+        for (int p = 0; p < BK; p++) {
+            float a[TM], b[TN];
+#pragma unroll
+            for (int v = 0; v < TM; v += 4) {
+                float4 t = *reinterpret_cast<const float4*>(&As[buf][p][ty * TM + v]);
+                a[v] = t.x; a[v + 1] = t.y; a[v + 2] = t.z; a[v + 3] = t.w;
+            }
+#pragma unroll
+            for (int v = 0; v < TN; v += 4) {
+                float4 t = *reinterpret_cast<const float4*>(&Bs[buf][p][tx * TN + v]);
+                b[v] = t.x; b[v + 1] = t.y; b[v + 2] = t.z; b[v + 3] = t.w;
+            }
+#pragma unroll
+            for (int x = 0; x < TM; x++)
+#pragma unroll
+                for (int y = 0; y < TN; y++) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+        }
+        if (more) store(buf ^ 1);
+        // The buffer just read is written again two steps on, after this barrier.
+        __syncthreads();
+        buf ^= 1;
+    }
+#pragma unroll
+    for (int x = 0; x < TM; x++)
+#pragma unroll
+        for (int y = 0; y < TN; y++) {
+            int i = row0 + ty * TM + x, j = col0 + tx * TN + y;
+            if (i < m && j < n && partial) {
+                partial[((long)blockIdx.z * m + i) * n + j] = acc[x][y];
+            } else if (i < m && j < n) {
+                C[(long)i * n + j] = tiled_epilogue(acc[x][y], alpha, beta, C + (long)i * n + j, bias, j, relu);
+            }
+        }
+}
+
+// 64 x 64 outputs per block, 4 x 4 per thread.
+extern "C" __global__ void sgemm_reg64(int m, int n, int k, float alpha,
+        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    reg_gemm<64, 64, 4, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+}
+
+// 128 x 64 outputs per block, 8 x 4 per thread.
+extern "C" __global__ void sgemm_reg128(int m, int n, int k, float alpha,
+        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    reg_gemm<128, 64, 8, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+}
+
 // The forward layout only: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major
 // with leading dimension k. One kernel, no reduce node: a block owns 32 x 32 outputs and its 8
 // warps split K; each warp streams 32-wide K chunks of its slice through private shared memory

@@ -98,6 +98,8 @@ macro_rules! kernels {
 
 kernels!(
     sgemm_tiled,
+    sgemm_reg64,
+    sgemm_reg128,
     splitk_reduce,
     sgemm_nt_warpk,
     sgemm_nt_rows,
@@ -384,8 +386,9 @@ fn conv_args<'a>(bufs: &[Arg<'a>], ints: [i32; 11]) -> Vec<Arg<'a>> {
     v
 }
 
-/// The launch of the tiled kernels (`sgemm_tiled`, and on sm_90+ the cluster kernels): one
-/// 32×32 tile per block in x/y, K split into `splits` ranges of `kc` (whole 32-wide tiles) in z.
+/// The launch of the tiled kernels (`sgemm_tiled`, the register-blocked `sgemm_reg*`, and on
+/// sm_90+ the cluster kernels): one `bm`×`bn` tile per block in x/y, K split into `splits`
+/// ranges of `kc` (whole 32-wide tiles) in z.
 struct TiledLaunch {
     gx: u32,
     gy: u32,
@@ -404,7 +407,12 @@ struct TiledLaunch {
 impl TiledLaunch {
     /// K split into (about) `splits` ranges; `splits` is then the number of non-empty ones.
     fn new(d: GemmDims, splits: usize) -> Result<Self> {
-        let (gx, gy) = d.tiles()?;
+        Self::with_tile(d, (32, 32), splits)
+    }
+
+    /// The same with `tile` = (rows, columns) outputs per block (at most 128 each).
+    fn with_tile(d: GemmDims, tile: (usize, usize), splits: usize) -> Result<Self> {
+        let (gx, gy) = d.tiles_of(tile.0, tile.1)?;
         let kc = d.k.div_ceil(splits.max(1)).div_ceil(32).max(1) * 32;
         let splits = d.k.div_ceil(kc).max(1);
         if splits > 65535 {
@@ -487,11 +495,91 @@ impl Nn {
         relu: bool,
         splits: usize,
     ) -> Result<()> {
+        let kernel = &self.k.sgemm_tiled;
+        self.split_k_product(
+            q,
+            kernel,
+            (32, 32),
+            d,
+            alpha,
+            a,
+            b,
+            beta,
+            c,
+            bias,
+            relu,
+            splits,
+        )
+    }
+
+    /// The register-blocked SGEMM (`sgemm_reg64`: 64×64 outputs per block, 4×4 per thread;
+    /// `sgemm_reg128`: 128×64, 8×4): `sgemm_tiled`'s product, arguments and split-K contract
+    /// (the same 32-wide K ranges, so the same partial sums per split) with a larger tile
+    /// held in registers, for the mid-size products where the 32×32 tile is bound by
+    /// shared-memory traffic. `rows` is the tile's height, 64 or 128.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_reg(
+        &self,
+        q: &dyn Queue,
+        d: GemmDims,
+        rows: usize,
+        alpha: f32,
+        a: &Buf,
+        b: &Buf,
+        beta: f32,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        splits: usize,
+    ) -> Result<()> {
+        let kernel = match rows {
+            64 => &self.k.sgemm_reg64,
+            128 => &self.k.sgemm_reg128,
+            _ => {
+                return Err(NnError::Shape(format!(
+                    "gemm: the register-blocked kernel has 64- and 128-row tiles, not {rows}"
+                )))
+            }
+        };
+        self.split_k_product(
+            q,
+            kernel,
+            (rows, 64),
+            d,
+            alpha,
+            a,
+            b,
+            beta,
+            c,
+            bias,
+            relu,
+            splits,
+        )
+    }
+
+    /// One split-K launch of a kernel with `sgemm_tiled`'s arguments and `tile` outputs per
+    /// block, then the reduce node if K was split.
+    #[allow(clippy::too_many_arguments)]
+    fn split_k_product(
+        &self,
+        q: &dyn Queue,
+        kernel: &Function,
+        tile: (usize, usize),
+        d: GemmDims,
+        alpha: f32,
+        a: &Buf,
+        b: &Buf,
+        beta: f32,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        splits: usize,
+    ) -> Result<()> {
         d.check_buffers(a, b, c, bias)?;
         if d.m == 0 || d.n == 0 {
             return Ok(());
         }
-        let t = TiledLaunch::new(d, splits)?;
+        let t = TiledLaunch::with_tile(d, tile, splits)?;
         let partial = if t.splits > 1 {
             Some(cudagraph::QueueExt::alloc::<f32>(
                 q,
@@ -502,11 +590,13 @@ impl Nn {
         };
         let mut args = t.args(alpha, a, b, beta, c, bias, relu);
         args.push(Arg::opt(partial.as_ref()));
-        // SAFETY: blocks cover rows < m and columns < n (guarded in the kernel) and K ranges
-        // [z·kc, min(k, (z+1)·kc)); with lda/ldb derived from the layout, every read of A is
-        // below m·k and of B below k·n (both checked), writes go to C below m·n (checked) or,
-        // split, to partial below splits·m·n (allocated so); bias below n (checked).
-        unsafe { launch(q, &self.k.sgemm_tiled, t.config(t.splits), &args)? };
+        // SAFETY: `kernel` is `sgemm_tiled` or an `sgemm_reg*` kernel, launched with 256
+        // threads and the tile it was written for. Blocks cover rows < m and columns < n
+        // (guarded in the kernel) and K ranges [z·kc, min(k, (z+1)·kc)); with lda/ldb derived
+        // from the layout, every read of A is below m·k and of B below k·n (both checked),
+        // writes go to C below m·n (checked) or, split, to partial below splits·m·n (allocated
+        // so); bias below n (checked).
+        unsafe { launch(q, kernel, t.config(t.splits), &args)? };
         if let Some(p) = &partial {
             // SAFETY: e < m·n reads partial[z·m·n + e] for z < splits (its extent) and writes
             // C[e] (checked); bias below n.
