@@ -149,3 +149,10 @@ PROBE(probe_128x64_8x4_k16v, 128, 64, 8, 4, 16, true, true)
 PROBE(probe_128x128_8x8_k8v, 128, 128, 8, 8, 8, true, true)
 // PROBE probe_32x64_4x4_k32v 32 64 128
 PROBE(probe_32x64_4x4_k32v, 32, 64, 4, 4, 32, true, false)
+
+// PROBE probe_reg4_lb2 64 64 256
+extern "C" __global__ void __launch_bounds__(256, 2) probe_reg4_lb2(int m, int n, int k, float alpha,
+        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    reg_gemm<true>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+}

@@ -95,8 +95,8 @@ pub const LT_SEARCH_VAR: &str = "CUDAGRAPH_LT_SEARCH";
 /// choices measured before never saw; 5: forward convolutions with a bias also measure cuDNN's
 /// graph API with the bias fused, `cudnnv8+bias:R`; 6: products measured under
 /// `CUDAGRAPH_LT_SEARCH=1` may record cuBLASLt's searched configurations, `cublaslt:cN`, which
-/// a reader of format 5 cannot parse; 7: products also measure our register-blocked kernels,
-/// `reg64:S` and `reg128:S`, which choices measured before never saw).
+/// a reader of format 5 cannot parse; 7: products also measure our register-blocked kernel,
+/// `reg:S`, which choices measured before never saw).
 const FORMAT: u32 = 7;
 
 /// A family of product engines (the registry measures within it).
@@ -353,9 +353,9 @@ pub enum GemmAlgo {
     CublasLtConfig(u8),
     /// Our split-K tiled kernel with about this many K splits.
     Tiled(u16),
-    /// Our register-blocked kernel with `rows` (64 or 128) × 64 outputs per block and about
-    /// `splits` K splits (the tiled kernel's split-K contract); shown as `regROWS:SPLITS`.
-    Reg { rows: u8, splits: u16 },
+    /// Our register-blocked kernel (64×64 outputs per block, four K groups) with about this
+    /// many K splits (the tiled kernel's split-K contract); shown as `reg:SPLITS`.
+    Reg(u16),
     /// The same tiled kernel with exactly this many K splits (2, 4 or 8) reduced inside a
     /// thread-block cluster: one kernel, no reduce node (sm_90+).
     Cluster(u8),
@@ -379,10 +379,9 @@ impl GemmAlgo {
             GemmAlgo::CublasLt(_)
             | GemmAlgo::CublasLtSplitK { .. }
             | GemmAlgo::CublasLtConfig(_) => Engine::CublasLt,
-            GemmAlgo::Tiled(_)
-            | GemmAlgo::Reg { .. }
-            | GemmAlgo::Cluster(_)
-            | GemmAlgo::Chunks(_) => Engine::Tiled,
+            GemmAlgo::Tiled(_) | GemmAlgo::Reg(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => {
+                Engine::Tiled
+            }
             GemmAlgo::WarpK => Engine::WarpK,
             GemmAlgo::Rows { .. } => Engine::Rows,
         }
@@ -397,7 +396,7 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::CublasLtSplitK { rank, split } => write!(f, "cublaslt:{rank}/sk{split}"),
             GemmAlgo::CublasLtConfig(i) => write!(f, "cublaslt:c{i}"),
             GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
-            GemmAlgo::Reg { rows, splits } => write!(f, "reg{rows}:{splits}"),
+            GemmAlgo::Reg(s) => write!(f, "reg:{s}"),
             GemmAlgo::Cluster(s) => write!(f, "cluster:{s}"),
             GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
             GemmAlgo::WarpK => write!(f, "warpk"),
@@ -435,10 +434,7 @@ impl FromStr for GemmAlgo {
                 }
             },
             Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
-            Some((p @ ("reg64" | "reg128"), r)) => Ok(GemmAlgo::Reg {
-                rows: if p == "reg64" { 64 } else { 128 },
-                splits: r.parse().map_err(|_| bad())?,
-            }),
+            Some(("reg", r)) => r.parse().map(GemmAlgo::Reg).map_err(|_| bad()),
             Some(("cluster", r)) => r.parse().map(GemmAlgo::Cluster).map_err(|_| bad()),
             Some(("chunks", r)) => r.parse().map(GemmAlgo::Chunks).map_err(|_| bad()),
             Some((p @ ("rows" | "rows8" | "rows4"), r)) => Ok(GemmAlgo::Rows {
@@ -1447,14 +1443,8 @@ mod tests {
             GemmAlgo::CublasLtConfig(0),
             GemmAlgo::CublasLtConfig(7),
             GemmAlgo::Tiled(16),
-            GemmAlgo::Reg {
-                rows: 64,
-                splits: 1,
-            },
-            GemmAlgo::Reg {
-                rows: 128,
-                splits: 12,
-            },
+            GemmAlgo::Reg(1),
+            GemmAlgo::Reg(12),
             GemmAlgo::Cluster(8),
             GemmAlgo::Chunks(1),
             GemmAlgo::WarpK,
@@ -1467,15 +1457,8 @@ mod tests {
         assert_eq!(GemmAlgo::Rows { rows: 8, ks: 2 }.to_string(), "rows8:2");
         assert_eq!(GemmAlgo::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");
         assert!("rows16:2".parse::<GemmAlgo>().is_err());
-        assert_eq!(
-            GemmAlgo::Reg {
-                rows: 128,
-                splits: 3
-            }
-            .to_string(),
-            "reg128:3"
-        );
-        for bad in ["reg:1", "reg32:1", "reg64:", "reg64:x", "reg64"] {
+        assert_eq!(GemmAlgo::Reg(3).to_string(), "reg:3");
+        for bad in ["reg64:1", "reg:", "reg:x", "reg", "reg:-1"] {
             assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
         }
         for a in [BiasAlgo::Planes, BiasAlgo::CudnnAdd] {

@@ -383,9 +383,9 @@ pub fn gemm_candidates(
     if allowed(Engine::Tiled) && op.k > 0 {
         let sms = eng.device_info().multiprocessors;
         v.extend(
-            reg_tiles(op.m, op.n, op.k, sms)
+            reg_splits(op.m, op.n, op.k, sms)
                 .into_iter()
-                .map(|(rows, splits)| GemmAlgo::Reg { rows, splits }),
+                .map(GemmAlgo::Reg),
         );
     }
     if allowed(Engine::Tiled) && op.tiled_ok() && ClusterKernels::supported(q.device()) {
@@ -527,24 +527,7 @@ fn run_algo(
         GemmAlgo::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
         GemmAlgo::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
         GemmAlgo::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
-        GemmAlgo::Reg { rows, splits } => {
-            let d = op.dims();
-            let (alpha, beta, rows) = (op.alpha, op.beta, rows as usize);
-            nn.sgemm_reg(
-                q,
-                d,
-                rows,
-                alpha,
-                a,
-                b,
-                beta,
-                c,
-                bias,
-                relu,
-                splits as usize,
-            )?;
-            bgrad(q)
-        }
+        GemmAlgo::Reg(splits) => tiled(Nn::sgemm_reg, splits as usize),
         GemmAlgo::Chunks(splits) => {
             if !op.chunks_ok(align) {
                 return Err(NnError::Shape(format!(
@@ -644,25 +627,20 @@ pub fn chunk_splits(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<u
         .collect()
 }
 
-/// The register-blocked tiles offered for a product, as (rows, K splits): the 64-row tile
-/// where the rows fill at least half of it, the 128-row tile where they fill at least half of
-/// that; each unsplit, and split as often as it takes to give every multiprocessor a block
-/// (at most 16 ways, every split keeping at least four 16-wide K steps) where the unsplit grid
-/// leaves half of them idle.
-pub fn reg_tiles(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<(u8, u16)> {
+/// The K splits offered to the register-blocked kernel (64×64 outputs per block), where the
+/// rows fill at least half a tile: unsplit, and split as often as it takes to give every
+/// multiprocessor a block (at most 16 ways, every split keeping at least two 32-wide K steps)
+/// where the unsplit grid leaves half of them idle.
+pub fn reg_splits(m: usize, n: usize, k: usize, multiprocessors: u32) -> Vec<u16> {
     let sms = multiprocessors.max(1) as usize;
-    let mut v = Vec::new();
-    for rows in [64usize, 128] {
-        if m < rows / 2 || m.div_ceil(rows) > 65535 {
-            continue;
-        }
-        v.push((rows as u8, 1));
-        let tiles = m.div_ceil(rows).saturating_mul(n.div_ceil(64));
-        let most = (k.div_ceil(64)).min(16);
-        if tiles.saturating_mul(2) <= sms && most >= 2 {
-            let splits = sms.div_ceil(tiles).min(most);
-            v.push((rows as u8, splits as u16));
-        }
+    if m < 32 || k == 0 || m.div_ceil(64) > 65535 {
+        return Vec::new();
+    }
+    let tiles = m.div_ceil(64).saturating_mul(n.div_ceil(64));
+    let most = k.div_ceil(64).min(16);
+    let mut v = vec![1];
+    if tiles.saturating_mul(2) <= sms && most >= 2 {
+        v.push(sms.div_ceil(tiles).min(most) as u16);
     }
     v
 }
@@ -750,27 +728,21 @@ mod tests {
     }
 
     #[test]
-    fn reg_tiles_need_half_a_tile_of_rows_and_split_only_idle_grids() {
-        // Too few rows for either tile: none.
-        assert!(reg_tiles(31, 4096, 4096, 132).is_empty());
-        // Half the 64-row tile; a 1 × 4 grid splits (at most K/64 = 2 ways).
-        assert_eq!(reg_tiles(32, 256, 128, 132), vec![(64, 1), (64, 2)]);
-        // 512 × 1024: 128 blocks of 64 rows fill the device; 64 of 128 rows split 3 ways
-        // (K = 256 allows 4).
-        assert_eq!(
-            reg_tiles(512, 1024, 256, 132),
-            vec![(64, 1), (128, 1), (128, 3)]
-        );
+    fn reg_splits_need_half_a_tile_of_rows_and_split_only_idle_grids() {
+        // Too few rows, or no K: none.
+        assert!(reg_splits(31, 4096, 4096, 132).is_empty());
+        assert!(reg_splits(64, 64, 0, 132).is_empty());
+        // Half a tile of rows; a 1 × 4 grid splits (at most K/64 = 2 ways).
+        assert_eq!(reg_splits(32, 256, 128, 132), vec![1, 2]);
+        // 512 × 1024: 128 blocks fill the device; 256 × 1024 (64 blocks) splits 3 ways.
+        assert_eq!(reg_splits(512, 1024, 256, 132), vec![1]);
+        assert_eq!(reg_splits(256, 1024, 256, 132), vec![1, 3]);
         // Deep K: at most 16 splits.
-        assert_eq!(
-            reg_tiles(64, 64, 1 << 20, 132),
-            vec![(64, 1), (64, 16), (128, 1), (128, 16)]
-        );
-        // Large products: unsplit only.
-        assert_eq!(reg_tiles(4096, 4096, 64, 132), vec![(64, 1), (128, 1)]);
+        assert_eq!(reg_splits(64, 64, 1 << 20, 132), vec![1, 16]);
         // Grids past 65535 block rows are not offered; zero multiprocessors do not divide by 0.
-        assert_eq!(reg_tiles(64 * 65536, 64, 64, 0), vec![(128, 1)]);
-        assert!(reg_tiles(usize::MAX, usize::MAX, usize::MAX, 132).is_empty());
+        assert!(reg_splits(64 * 65536, 64, 64, 0).is_empty());
+        assert_eq!(reg_splits(64 * 65535, 64, 64, 0), vec![1]);
+        assert!(reg_splits(usize::MAX, usize::MAX, usize::MAX, 132).is_empty());
     }
 
     #[test]

@@ -30,124 +30,189 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
         }
 }
 
-// Register-blocked SGEMM for the mid-size products (every layout, the same arguments and
-// split-K contract as sgemm_tiled): a block of 256 threads owns BM x BN outputs, each thread a
-// TM x TN register tile (rows ty*TM.., columns tx*TN..), K in steps of 16 through two shared
-// buffers (the next step loaded into registers while the current one is multiplied, one
-// barrier per step). Operands are read with scalar loads coalesced along whichever dimension
-// is contiguous (any alignment, any size); each sum runs over k in increasing order, so results
-// are fixed by the shape and the split, not by scheduling.
-template <int BM, int BN, int TM, int TN>
+// Register-blocked SGEMM for the mid-size products (every layout; sgemm_tiled's arguments and
+// split-K contract): a block of 256 threads owns 64 x 64 outputs and is four K groups of 64
+// threads. K runs in steps of 32 through two shared buffers (the next step loaded into
+// registers while the current one is multiplied; one barrier per step); group g multiplies rows
+// g*8..g*8+7 of each step into an 8 x 8 register tile per thread (rows ty*4.. and 32+ty*4..,
+// columns tx*4.. and 32+tx*4..: float4 reads a warp serves in one pass), so every scheduler
+// has two warps with 64 independent sums each even when the grid gives a multiprocessor a
+// single block. The four partial tiles are then summed in shared memory in a fixed order,
+// (g0 + g2) + (g1 + g3), and written coalesced with the epilogue. Results are fixed by the
+// shape and the split, not by scheduling.
+// VEC: operands read as float4 along their contiguous dimension (lda and ldb multiples of 4,
+// 16-byte aligned bases; the launcher checks), else scalar loads (any layout and size).
+template <bool VEC>
 __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
-        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        const float* __restrict__ A, int lda, int ta, const float* __restrict__ B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    constexpr int BK = 16;
-    constexpr int THREADS = (BM / TM) * (BN / TN);
-    constexpr int LA = BM * BK / THREADS, LB = BN * BK / THREADS;
-    static_assert(THREADS == 256, "256 threads per block");
-    static_assert(TM % 4 == 0 && TN % 4 == 0, "float4 reads of the register tiles");
-    // Row strides padded by 4 floats: float4-aligned rows, fewer bank conflicts on the stores.
-    __shared__ __align__(16) float As[2][BK][BM + 4];
-    __shared__ __align__(16) float Bs[2][BK][BN + 4];
-    const int tid = threadIdx.x;
-    const int tx = tid % (BN / TN), ty = tid / (BN / TN);
+    constexpr int BM = 64, BN = 64, BK = 32, PG = 8, LD = 68;
+    constexpr int LS = BM * BK / 256;            // scalar loads per operand and thread
+    constexpr int LV = LS / 4;                   // float4 loads per operand and thread
+    __shared__ __align__(16) float smem[2 * 2 * BK * LD];
+    float* const As = smem;                      // [buf][p][i], row stride LD
+    float* const Bs = smem + 2 * BK * LD;        // [buf][p][j]
+    const int tid = threadIdx.x, g = tid / 64, t = tid % 64, tx = t % 8, ty = t / 8;
     const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
     const int kbeg = blockIdx.z * kc, kend = min(k, kbeg + kc);
-    float ra[LA], rb[LB];
-    // Element e of a K step: A's (i, p) and B's (p, j), consecutive e along the contiguous
-    // dimension of each operand.
+    float ra[LS], rb[LS];
+    // VEC element e of a step: along K (ta = 0: row e / 8, k (e % 8) * 4) or along the rows
+    // (ta = 1: k e / 16, row (e % 16) * 4); B likewise. Scalar element e: consecutive e along
+    // the contiguous dimension.
     auto load = [&](int p0) {
+        if (VEC) {
 #pragma unroll
-        for (int r = 0; r < LA; r++) {
-            int e = tid + r * THREADS;
-            int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
-            int gi = row0 + i, gp = p0 + p;
-            ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
-        }
+            for (int r = 0; r < LV; r++) {
+                int e = tid + r * 256;
+                int i = ta ? (e % 16) * 4 : e / 8, p = ta ? e / 16 : (e % 8) * 4;
+                int gi = row0 + i, gp = p0 + p;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (gi < m && gp < kend)
+                    v = *reinterpret_cast<const float4*>(ta ? A + (long)gp * lda + gi : A + (long)gi * lda + gp);
+                ra[4 * r] = v.x; ra[4 * r + 1] = v.y; ra[4 * r + 2] = v.z; ra[4 * r + 3] = v.w;
+                int j = tb ? e / 8 : (e % 16) * 4, q = tb ? (e % 8) * 4 : e / 16;
+                int gj = col0 + j, gq = p0 + q;
+                float4 w = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (gj < n && gq < kend)
+                    w = *reinterpret_cast<const float4*>(tb ? B + (long)gj * ldb + gq : B + (long)gq * ldb + gj);
+                rb[4 * r] = w.x; rb[4 * r + 1] = w.y; rb[4 * r + 2] = w.z; rb[4 * r + 3] = w.w;
+            }
+        } else {
 #pragma unroll
-        for (int r = 0; r < LB; r++) {
-            int e = tid + r * THREADS;
-            int j = tb ? e / BK : e % BN, p = tb ? e % BK : e / BN;
-            int gj = col0 + j, gp = p0 + p;
-            rb[r] = (gj < n && gp < kend) ? (tb ? B[(long)gj * ldb + gp] : B[(long)gp * ldb + gj]) : 0.0f;
+            for (int r = 0; r < LS; r++) {
+                int e = tid + r * 256;
+                int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
+                int gi = row0 + i, gp = p0 + p;
+                ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+                int j = tb ? e / BK : e % BN, q = tb ? e % BK : e / BN;
+                int gj = col0 + j, gq = p0 + q;
+                rb[r] = (gj < n && gq < kend) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
+            }
         }
     };
     auto store = [&](int buf) {
+        float* as = As + buf * BK * LD;
+        float* bs = Bs + buf * BK * LD;
+        if (VEC) {
 #pragma unroll
-        for (int r = 0; r < LA; r++) {
-            int e = tid + r * THREADS;
-            int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
-            As[buf][p][i] = ra[r];
-        }
+            for (int r = 0; r < LV; r++) {
+                int e = tid + r * 256;
+                int i = ta ? (e % 16) * 4 : e / 8, p = ta ? e / 16 : (e % 8) * 4;
+                if (ta) {
+                    *reinterpret_cast<float4*>(as + p * LD + i) = make_float4(ra[4 * r], ra[4 * r + 1], ra[4 * r + 2], ra[4 * r + 3]);
+                } else {
 #pragma unroll
-        for (int r = 0; r < LB; r++) {
-            int e = tid + r * THREADS;
-            int j = tb ? e / BK : e % BN, p = tb ? e % BK : e / BN;
-            Bs[buf][p][j] = rb[r];
+                    for (int c = 0; c < 4; c++) as[(p + c) * LD + i] = ra[4 * r + c];
+                }
+                int j = tb ? e / 8 : (e % 16) * 4, q = tb ? (e % 8) * 4 : e / 16;
+                if (!tb) {
+                    *reinterpret_cast<float4*>(bs + q * LD + j) = make_float4(rb[4 * r], rb[4 * r + 1], rb[4 * r + 2], rb[4 * r + 3]);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; c++) bs[(q + c) * LD + j] = rb[4 * r + c];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < LS; r++) {
+                int e = tid + r * 256;
+                int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
+                as[p * LD + i] = ra[r];
+                int j = tb ? e / BK : e % BN, q = tb ? e % BK : e / BN;
+                bs[q * LD + j] = rb[r];
+            }
         }
     };
-    float acc[TM][TN];
+    float acc[8][8];
 #pragma unroll
-    for (int a = 0; a < TM; a++)
+    for (int x = 0; x < 8; x++)
 #pragma unroll
-        for (int b = 0; b < TN; b++) acc[a][b] = 0.0f;
+        for (int y = 0; y < 8; y++) acc[x][y] = 0.0f;
     if (kbeg < kend) {
         load(kbeg);
         store(0);
-        __syncthreads();
     }
+    __syncthreads();
     int buf = 0;
     for (int p0 = kbeg; p0 < kend; p0 += BK) {
         const bool more = p0 + BK < kend;
         if (more) load(p0 + BK);
+        const float* as = As + buf * BK * LD + g * PG * LD;
+        const float* bs = Bs + buf * BK * LD + g * PG * LD;
 #pragma unroll
-        for (int p = 0; p < BK; p++) {
-            float a[TM], b[TN];
+        for (int p = 0; p < PG; p++) {
+            float4 a0 = *reinterpret_cast<const float4*>(as + p * LD + ty * 4);
+            float4 a1 = *reinterpret_cast<const float4*>(as + p * LD + 32 + ty * 4);
+            float4 b0 = *reinterpret_cast<const float4*>(bs + p * LD + tx * 4);
+            float4 b1 = *reinterpret_cast<const float4*>(bs + p * LD + 32 + tx * 4);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-            for (int v = 0; v < TM; v += 4) {
-                float4 t = *reinterpret_cast<const float4*>(&As[buf][p][ty * TM + v]);
-                a[v] = t.x; a[v + 1] = t.y; a[v + 2] = t.z; a[v + 3] = t.w;
-            }
+            for (int x = 0; x < 8; x++)
 #pragma unroll
-            for (int v = 0; v < TN; v += 4) {
-                float4 t = *reinterpret_cast<const float4*>(&Bs[buf][p][tx * TN + v]);
-                b[v] = t.x; b[v + 1] = t.y; b[v + 2] = t.z; b[v + 3] = t.w;
-            }
-#pragma unroll
-            for (int x = 0; x < TM; x++)
-#pragma unroll
-                for (int y = 0; y < TN; y++) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+                for (int y = 0; y < 8; y++) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
         }
         if (more) store(buf ^ 1);
         // The buffer just read is written again two steps on, after this barrier.
         __syncthreads();
         buf ^= 1;
     }
+    // The partial tiles, summed in shared memory (S[h][row][col], row stride 64; the loop's
+    // last barrier ended every read of the operand buffers): (g0 + g2) + (g1 + g3).
+    auto put = [&](int h) {
 #pragma unroll
-    for (int x = 0; x < TM; x++)
-#pragma unroll
-        for (int y = 0; y < TN; y++) {
-            int i = row0 + ty * TM + x, j = col0 + tx * TN + y;
-            if (i < m && j < n && partial) {
-                partial[((long)blockIdx.z * m + i) * n + j] = acc[x][y];
-            } else if (i < m && j < n) {
-                C[(long)i * n + j] = tiled_epilogue(acc[x][y], alpha, beta, C + (long)i * n + j, bias, j, relu);
-            }
+        for (int x = 0; x < 8; x++) {
+            float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
+            *reinterpret_cast<float4*>(row + tx * 4) = make_float4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
+            *reinterpret_cast<float4*>(row + 32 + tx * 4) = make_float4(acc[x][4], acc[x][5], acc[x][6], acc[x][7]);
         }
+    };
+    auto add = [&](int h) {
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
+            float4 u = *reinterpret_cast<const float4*>(row + tx * 4);
+            float4 v = *reinterpret_cast<const float4*>(row + 32 + tx * 4);
+            acc[x][0] += u.x; acc[x][1] += u.y; acc[x][2] += u.z; acc[x][3] += u.w;
+            acc[x][4] += v.x; acc[x][5] += v.y; acc[x][6] += v.z; acc[x][7] += v.w;
+        }
+    };
+    if (g >= 2) put(g - 2);
+    __syncthreads();
+    if (g < 2) add(g);
+    __syncthreads();
+    if (g == 1) put(0);
+    __syncthreads();
+    if (g == 0) {
+        add(0);
+        put(1);
+    }
+    __syncthreads();
+    const float* sum = smem + BM * BN;
+#pragma unroll 4
+    for (int e = tid; e < BM * BN; e += 256) {
+        int i = row0 + e / BN, j = col0 + e % BN;
+        float v = sum[e];
+        if (i < m && j < n && partial) {
+            partial[((long)blockIdx.z * m + i) * n + j] = v;
+        } else if (i < m && j < n) {
+            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, j, relu);
+        }
+    }
 }
 
-// 64 x 64 outputs per block, 4 x 4 per thread.
-extern "C" __global__ void sgemm_reg64(int m, int n, int k, float alpha,
+// Scalar loads: any layout, size and alignment.
+extern "C" __global__ void sgemm_reg(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    reg_gemm<64, 64, 4, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+    reg_gemm<false>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
 }
 
-// 128 x 64 outputs per block, 8 x 4 per thread.
-extern "C" __global__ void sgemm_reg128(int m, int n, int k, float alpha,
+// float4 loads: lda and ldb multiples of 4, A and B 16-byte aligned.
+extern "C" __global__ void sgemm_reg4(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    reg_gemm<128, 64, 8, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+    reg_gemm<true>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
 }
 
 // The forward layout only: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major

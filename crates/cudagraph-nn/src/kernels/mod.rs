@@ -98,8 +98,8 @@ macro_rules! kernels {
 
 kernels!(
     sgemm_tiled,
-    sgemm_reg64,
-    sgemm_reg128,
+    sgemm_reg,
+    sgemm_reg4,
     splitk_reduce,
     sgemm_nt_warpk,
     sgemm_nt_rows,
@@ -245,6 +245,14 @@ pub(crate) fn int_loop(what: &'static str, v: usize, step: usize) -> Result<i32>
         )));
     }
     Ok(v as i32)
+}
+
+/// Whether [`Nn::sgemm_reg`] reads these operands as float4s: both leading dimensions (k or m
+/// for A, k or n for B) multiples of 4 and both addresses 16-byte aligned.
+pub fn reg_vec_ok(d: GemmDims, addrs: &[u64]) -> bool {
+    let lda = if d.ta { d.m } else { d.k };
+    let ldb = if d.tb { d.k } else { d.n };
+    lda % 4 == 0 && ldb % 4 == 0 && addrs.iter().all(|a| a % 16 == 0)
 }
 
 /// Whether [`Nn::sgemm_nt_rows`] can read these operands: k a multiple of 4 and every address
@@ -512,17 +520,17 @@ impl Nn {
         )
     }
 
-    /// The register-blocked SGEMM (`sgemm_reg64`: 64×64 outputs per block, 4×4 per thread;
-    /// `sgemm_reg128`: 128×64, 8×4): `sgemm_tiled`'s product, arguments and split-K contract
-    /// (the same 32-wide K ranges, so the same partial sums per split) with a larger tile
-    /// held in registers, for the mid-size products where the 32×32 tile is bound by
-    /// shared-memory traffic. `rows` is the tile's height, 64 or 128.
+    /// The register-blocked SGEMM (`sgemm_reg`, gemm.cu): `sgemm_tiled`'s product, arguments
+    /// and split-K contract (the same 32-wide K ranges) with 64×64 outputs per block, four K
+    /// groups of 64 threads each holding an 8×8 tile in registers, for the mid-size products
+    /// where the 32×32 tile is bound by shared-memory traffic and few warps. Operands whose
+    /// leading dimensions are multiples of 4 at 16-byte aligned addresses are read as float4s
+    /// (`sgemm_reg4`), others with scalar loads; both give the same bits.
     #[allow(clippy::too_many_arguments)]
     pub fn sgemm_reg(
         &self,
         q: &dyn Queue,
         d: GemmDims,
-        rows: usize,
         alpha: f32,
         a: &Buf,
         b: &Buf,
@@ -532,19 +540,14 @@ impl Nn {
         relu: bool,
         splits: usize,
     ) -> Result<()> {
-        let kernel = match rows {
-            64 => &self.k.sgemm_reg64,
-            128 => &self.k.sgemm_reg128,
-            _ => {
-                return Err(NnError::Shape(format!(
-                    "gemm: the register-blocked kernel has 64- and 128-row tiles, not {rows}"
-                )))
-            }
+        let kernel = match reg_vec_ok(d, &[a.addr(), b.addr()]) {
+            true => &self.k.sgemm_reg4,
+            false => &self.k.sgemm_reg,
         };
         self.split_k_product(
             q,
             kernel,
-            (rows, 64),
+            (64, 64),
             d,
             alpha,
             a,
@@ -591,7 +594,10 @@ impl Nn {
         let mut args = t.args(alpha, a, b, beta, c, bias, relu);
         args.push(Arg::opt(partial.as_ref()));
         // SAFETY: `kernel` is `sgemm_tiled` or an `sgemm_reg*` kernel, launched with 256
-        // threads and the tile it was written for. Blocks cover rows < m and columns < n
+        // threads and the tile it was written for (`sgemm_reg4` only where [`reg_vec_ok`]
+        // holds: its float4 reads start at multiples of 4 elements of 16-byte aligned
+        // operands and, with a leading dimension a multiple of 4, end inside the row or
+        // column an in-bounds first element starts). Blocks cover rows < m and columns < n
         // (guarded in the kernel) and K ranges [z·kc, min(k, (z+1)·kc)); with lda/ldb derived
         // from the layout, every read of A is below m·k and of B below k·n (both checked),
         // writes go to C below m·n (checked) or, split, to partial below splits·m·n (allocated
