@@ -23,7 +23,7 @@ NCU = "--ncu" in sys.argv
 REPS = 20
 
 # (name, rows per block, cols per block, threads)
-KERNELS = [("sgemm_tiled", 32, 32, 256), ("sgemm_reg", 64, 64, 256), ("sgemm_reg4", 64, 64, 256)]
+KERNELS = [("sgemm_tiled", 32, 32, 256), ("sgemm_reg", 64, 64, 512), ("sgemm_reg4", 64, 64, 512)]
 for path in EXTRA:
     for line in open(path):
         # A probe kernel announces itself: // PROBE name BM BN THREADS

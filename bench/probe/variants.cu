@@ -154,5 +154,12 @@ PROBE(probe_32x64_4x4_k32v, 32, 64, 4, 4, 32, true, false)
 extern "C" __global__ void __launch_bounds__(256, 2) probe_reg4_lb2(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    reg_gemm<true>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+    reg_gemm<true, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+}
+
+// PROBE probe_reg4_g4 64 64 256
+extern "C" __global__ void probe_reg4_g4(int m, int n, int k, float alpha,
+        const float* A, int lda, int ta, const float* B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    reg_gemm<true, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
 }

@@ -31,23 +31,24 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
 }
 
 // Register-blocked SGEMM for the mid-size products (every layout; sgemm_tiled's arguments and
-// split-K contract): a block of 256 threads owns 64 x 64 outputs and is four K groups of 64
+// split-K contract): a block of 64 * G threads owns 64 x 64 outputs and is G K groups of 64
 // threads. K runs in steps of 32 through two shared buffers (the next step loaded into
 // registers while the current one is multiplied; one barrier per step); group g multiplies rows
-// g*8..g*8+7 of each step into an 8 x 8 register tile per thread (rows ty*4.. and 32+ty*4..,
+// g*32/G.. of each step into an 8 x 8 register tile per thread (rows ty*4.. and 32+ty*4..,
 // columns tx*4.. and 32+tx*4..: float4 reads a warp serves in one pass), so every scheduler
-// has two warps with 64 independent sums each even when the grid gives a multiprocessor a
-// single block. The four partial tiles are then summed in shared memory in a fixed order,
-// (g0 + g2) + (g1 + g3), and written coalesced with the epilogue. Results are fixed by the
-// shape and the split, not by scheduling.
+// has G/2 warps with 64 independent sums each even when the grid gives a multiprocessor a
+// single block. The G partial tiles are then summed in shared memory in a fixed order (the
+// upper half of the groups onto the lower half, halving: for G = 8,
+// ((g0 + g4) + (g2 + g6)) + ((g1 + g5) + (g3 + g7))) and written coalesced with the epilogue.
+// Results are fixed by the shape and the split, not by scheduling.
 // VEC: operands read as float4 along their contiguous dimension (lda and ldb multiples of 4,
 // 16-byte aligned bases; the launcher checks), else scalar loads (any layout and size).
-template <bool VEC>
+template <bool VEC, int G>
 __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         const float* __restrict__ A, int lda, int ta, const float* __restrict__ B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    constexpr int BM = 64, BN = 64, BK = 32, PG = 8, LD = 68;
-    constexpr int LS = BM * BK / 256;            // scalar loads per operand and thread
+    constexpr int BM = 64, BN = 64, BK = 32, LD = 68, THREADS = 64 * G, PG = BK / G;
+    constexpr int LS = BM * BK / THREADS;        // scalar loads per operand and thread
     constexpr int LV = LS / 4;                   // float4 loads per operand and thread
     __shared__ __align__(16) float smem[2 * 2 * BK * LD];
     float* const As = smem;                      // [buf][p][i], row stride LD
@@ -63,7 +64,7 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         if (VEC) {
 #pragma unroll
             for (int r = 0; r < LV; r++) {
-                int e = tid + r * 256;
+                int e = tid + r * THREADS;
                 int i = ta ? (e % 16) * 4 : e / 8, p = ta ? e / 16 : (e % 8) * 4;
                 int gi = row0 + i, gp = p0 + p;
                 float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -80,7 +81,7 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         } else {
 #pragma unroll
             for (int r = 0; r < LS; r++) {
-                int e = tid + r * 256;
+                int e = tid + r * THREADS;
                 int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
                 int gi = row0 + i, gp = p0 + p;
                 ra[r] = (gi < m && gp < kend) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
@@ -96,7 +97,7 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         if (VEC) {
 #pragma unroll
             for (int r = 0; r < LV; r++) {
-                int e = tid + r * 256;
+                int e = tid + r * THREADS;
                 int i = ta ? (e % 16) * 4 : e / 8, p = ta ? e / 16 : (e % 8) * 4;
                 if (ta) {
                     *reinterpret_cast<float4*>(as + p * LD + i) = make_float4(ra[4 * r], ra[4 * r + 1], ra[4 * r + 2], ra[4 * r + 3]);
@@ -115,7 +116,7 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         } else {
 #pragma unroll
             for (int r = 0; r < LS; r++) {
-                int e = tid + r * 256;
+                int e = tid + r * THREADS;
                 int i = ta ? e % BM : e / BK, p = ta ? e / BM : e % BK;
                 as[p * LD + i] = ra[r];
                 int j = tb ? e / BK : e % BN, q = tb ? e % BK : e / BN;
@@ -157,8 +158,8 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         __syncthreads();
         buf ^= 1;
     }
-    // The partial tiles, summed in shared memory (S[h][row][col], row stride 64; the loop's
-    // last barrier ended every read of the operand buffers): (g0 + g2) + (g1 + g3).
+    // The partial tiles, summed in shared memory (two regions S[h][row][col], row stride 64;
+    // the loop's last barrier ended every read of the operand buffers).
     auto put = [&](int h) {
 #pragma unroll
         for (int x = 0; x < 8; x++) {
@@ -177,20 +178,23 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
             acc[x][4] += v.x; acc[x][5] += v.y; acc[x][6] += v.z; acc[x][7] += v.w;
         }
     };
-    if (g >= 2) put(g - 2);
-    __syncthreads();
-    if (g < 2) add(g);
-    __syncthreads();
-    if (g == 1) put(0);
-    __syncthreads();
-    if (g == 0) {
-        add(0);
-        put(1);
+    // Groups [half, 2 half) onto [0, half), two at a time (one region each).
+#pragma unroll
+    for (int half = G / 2; half >= 1; half /= 2) {
+#pragma unroll
+        for (int base = 0; base < half; base += 2) {
+            if (g >= half + base && g < half + base + 2 && g < 2 * half) put(g - half - base);
+            __syncthreads();
+            if (g >= base && g < base + 2 && g < half) add(g - base);
+            __syncthreads();
+        }
     }
+    // Each thread of group 0 writes back exactly the elements it read: no barrier before.
+    if (g == 0) put(0);
     __syncthreads();
-    const float* sum = smem + BM * BN;
+    const float* sum = smem;
 #pragma unroll 4
-    for (int e = tid; e < BM * BN; e += 256) {
+    for (int e = tid; e < BM * BN; e += THREADS) {
         int i = row0 + e / BN, j = col0 + e % BN;
         float v = sum[e];
         if (i < m && j < n && partial) {
@@ -201,18 +205,19 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
     }
 }
 
-// Scalar loads: any layout, size and alignment.
-extern "C" __global__ void sgemm_reg(int m, int n, int k, float alpha,
+// Eight K groups (512 threads, at most 128 registers each); scalar loads: any layout, size and
+// alignment.
+extern "C" __global__ void __launch_bounds__(512, 1) sgemm_reg(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    reg_gemm<false>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+    reg_gemm<false, 8>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
 }
 
-// float4 loads: lda and ldb multiples of 4, A and B 16-byte aligned.
-extern "C" __global__ void sgemm_reg4(int m, int n, int k, float alpha,
+// The same with float4 loads: lda and ldb multiples of 4, A and B 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(512, 1) sgemm_reg4(int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
-    reg_gemm<true>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
+    reg_gemm<true, 8>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
 }
 
 // The forward layout only: C[m x n] = act(A[m x k] . B[n x k]^T + bias), A and B row-major

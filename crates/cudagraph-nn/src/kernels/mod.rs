@@ -410,17 +410,41 @@ struct TiledLaunch {
     ldb: i32,
     ta: bool,
     tb: bool,
+    threads: u32,
 }
+
+/// Outputs per block (rows, columns; at most 128 each) and threads per block of a kernel with
+/// `sgemm_tiled`'s arguments.
+#[derive(Clone, Copy)]
+struct TileShape {
+    rows: usize,
+    cols: usize,
+    threads: u32,
+}
+
+/// `sgemm_tiled`'s blocks.
+const TILED_SHAPE: TileShape = TileShape {
+    rows: 32,
+    cols: 32,
+    threads: 256,
+};
+
+/// `sgemm_reg`'s blocks: eight K groups of 64 threads.
+const REG_SHAPE: TileShape = TileShape {
+    rows: 64,
+    cols: 64,
+    threads: 512,
+};
 
 impl TiledLaunch {
     /// K split into (about) `splits` ranges; `splits` is then the number of non-empty ones.
     fn new(d: GemmDims, splits: usize) -> Result<Self> {
-        Self::with_tile(d, (32, 32), splits)
+        Self::with_tile(d, TILED_SHAPE, splits)
     }
 
-    /// The same with `tile` = (rows, columns) outputs per block (at most 128 each).
-    fn with_tile(d: GemmDims, tile: (usize, usize), splits: usize) -> Result<Self> {
-        let (gx, gy) = d.tiles_of(tile.0, tile.1)?;
+    /// The same with the blocks of `shape`.
+    fn with_tile(d: GemmDims, shape: TileShape, splits: usize) -> Result<Self> {
+        let (gx, gy) = d.tiles_of(shape.rows, shape.cols)?;
         let kc = d.k.div_ceil(splits.max(1)).div_ceil(32).max(1) * 32;
         let splits = d.k.div_ceil(kc).max(1);
         if splits > 65535 {
@@ -440,13 +464,14 @@ impl TiledLaunch {
             ldb: int("ldb", if d.tb { d.k } else { d.n })?,
             ta: d.ta,
             tb: d.tb,
+            threads: shape.threads,
         })
     }
 
     fn config(&self, z: usize) -> LaunchConfig {
         LaunchConfig {
             grid: (self.gx, self.gy, z as u32),
-            block: (256, 1, 1),
+            block: (self.threads, 1, 1),
             shared_mem_bytes: 0,
         }
     }
@@ -507,7 +532,7 @@ impl Nn {
         self.split_k_product(
             q,
             kernel,
-            (32, 32),
+            TILED_SHAPE,
             d,
             alpha,
             a,
@@ -521,7 +546,7 @@ impl Nn {
     }
 
     /// The register-blocked SGEMM (`sgemm_reg`, gemm.cu): `sgemm_tiled`'s product, arguments
-    /// and split-K contract (the same 32-wide K ranges) with 64×64 outputs per block, four K
+    /// and split-K contract (the same 32-wide K ranges) with 64×64 outputs per block, eight K
     /// groups of 64 threads each holding an 8×8 tile in registers, for the mid-size products
     /// where the 32×32 tile is bound by shared-memory traffic and few warps. Operands whose
     /// leading dimensions are multiples of 4 at 16-byte aligned addresses are read as float4s
@@ -545,29 +570,18 @@ impl Nn {
             false => &self.k.sgemm_reg,
         };
         self.split_k_product(
-            q,
-            kernel,
-            (64, 64),
-            d,
-            alpha,
-            a,
-            b,
-            beta,
-            c,
-            bias,
-            relu,
-            splits,
+            q, kernel, REG_SHAPE, d, alpha, a, b, beta, c, bias, relu, splits,
         )
     }
 
-    /// One split-K launch of a kernel with `sgemm_tiled`'s arguments and `tile` outputs per
-    /// block, then the reduce node if K was split.
+    /// One split-K launch of a kernel with `sgemm_tiled`'s arguments and blocks of `shape`,
+    /// then the reduce node if K was split.
     #[allow(clippy::too_many_arguments)]
     fn split_k_product(
         &self,
         q: &dyn Queue,
         kernel: &Function,
-        tile: (usize, usize),
+        shape: TileShape,
         d: GemmDims,
         alpha: f32,
         a: &Buf,
@@ -582,7 +596,7 @@ impl Nn {
         if d.m == 0 || d.n == 0 {
             return Ok(());
         }
-        let t = TiledLaunch::with_tile(d, tile, splits)?;
+        let t = TiledLaunch::with_tile(d, shape, splits)?;
         let partial = if t.splits > 1 {
             Some(cudagraph::QueueExt::alloc::<f32>(
                 q,
@@ -593,8 +607,8 @@ impl Nn {
         };
         let mut args = t.args(alpha, a, b, beta, c, bias, relu);
         args.push(Arg::opt(partial.as_ref()));
-        // SAFETY: `kernel` is `sgemm_tiled` or an `sgemm_reg*` kernel, launched with 256
-        // threads and the tile it was written for (`sgemm_reg4` only where [`reg_vec_ok`]
+        // SAFETY: `kernel` is `sgemm_tiled` or an `sgemm_reg*` kernel, launched with the
+        // threads and the tile it was written for ([`TILED_SHAPE`], [`REG_SHAPE`]) (`sgemm_reg4` only where [`reg_vec_ok`]
         // holds: its float4 reads start at multiples of 4 elements of 16-byte aligned
         // operands and, with a leading dimension a multiple of 4, end inside the row or
         // column an in-bounds first element starts). Blocks cover rows < m and columns < n

@@ -69,8 +69,9 @@ pub(crate) fn options(device: &Device) -> LaunchOptions {
 }
 
 /// `source` with `CG_PDL_ENTER();` as the first statement of every
-/// `extern "C" __global__ void name(...) {` kernel, and the names of those kernels. A kernel
-/// written any other way is left alone and not listed (it is then never launched with PDL).
+/// `extern "C" __global__ void name(...) {` kernel (also with `__launch_bounds__(...)` before
+/// the name), and the names of those kernels. A kernel written any other way is left alone
+/// and not listed (it is then never launched with PDL).
 pub(crate) fn with_pdl_prologue(source: &str) -> (String, Vec<String>) {
     const HEAD: &str = "extern \"C\" __global__ void ";
     let mut out = String::with_capacity(source.len() + 1024);
@@ -80,6 +81,13 @@ pub(crate) fn with_pdl_prologue(source: &str) -> (String, Vec<String>) {
         let after = at + HEAD.len();
         out.push_str(&rest[..after]);
         rest = &rest[after..];
+        // Launch bounds (integer arguments, no parentheses inside) pass through as they are.
+        const BOUNDS: &str = "__launch_bounds__(";
+        if rest.starts_with(BOUNDS) {
+            let Some(end) = rest.find(')') else { continue };
+            out.push_str(&rest[..=end]);
+            rest = &rest[end + 1..];
+        }
         let Some(open) = rest.find('(') else { continue };
         let name = rest[..open].trim();
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
@@ -178,9 +186,20 @@ mod tests {
             "bias_act",
             "relu_fwd",
             "maxpool_bwd",
+            "sgemm_reg",
+            "sgemm_reg4",
         ] {
             assert!(names.iter().any(|x| x == n), "{n}");
         }
+        // A kernel with launch bounds keeps them and gets the prologue.
+        let (bounded, bounded_names) = with_pdl_prologue(
+            "extern \"C\" __global__ void __launch_bounds__(512, 1) k(int a) { a++; }",
+        );
+        assert_eq!(bounded_names, ["k"]);
+        assert_eq!(
+            bounded,
+            "extern \"C\" __global__ void __launch_bounds__(512, 1) k(int a) { CG_PDL_ENTER(); a++; }"
+        );
         // The prologue is the first statement of the body.
         let i = src.find("void relu_fwd(").unwrap();
         let body = &src[i..];
