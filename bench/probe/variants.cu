@@ -131,21 +131,21 @@ extern "C" __global__ void name(int m, int n, int k, float alpha, const float* A
         const float* B, int ldb, int tb, float beta, float* C, const float* bias, int relu, int kc, float* partial) { \
     pg<BM, BN, TM, TN, BK, VEC, STR>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu); }
 
-// PROBE probe_64x64_4x4_k16 64 64 256
+// (not probed) probe_64x64_4x4_k16 64 64 256
 PROBE(probe_64x64_4x4_k16, 64, 64, 4, 4, 16, false, false)
-// PROBE probe_64x64_4x4_k16v 64 64 256
+// (not probed) probe_64x64_4x4_k16v 64 64 256
 PROBE(probe_64x64_4x4_k16v, 64, 64, 4, 4, 16, true, false)
-// PROBE probe_64x64_4x4_k32v 64 64 256
+// (not probed) probe_64x64_4x4_k32v 64 64 256
 PROBE(probe_64x64_4x4_k32v, 64, 64, 4, 4, 32, true, false)
 // PROBE probe_64x64_8x4_k16v 64 64 128
 PROBE(probe_64x64_8x4_k16v, 64, 64, 8, 4, 16, true, true)
-// PROBE probe_64x64_8x8_k16v 64 64 64
+// (not probed) probe_64x64_8x8_k16v 64 64 64
 PROBE(probe_64x64_8x8_k16v, 64, 64, 8, 8, 16, true, true)
-// PROBE probe_64x32_4x4_k16v 64 32 128
+// (not probed) probe_64x32_4x4_k16v 64 32 128
 PROBE(probe_64x32_4x4_k16v, 64, 32, 4, 4, 16, true, false)
-// PROBE probe_128x64_8x4_k16v 128 64 256
+// (not probed) probe_128x64_8x4_k16v 128 64 256
 PROBE(probe_128x64_8x4_k16v, 128, 64, 8, 4, 16, true, true)
-// PROBE probe_128x128_8x8_k8v 128 128 256
+// (not probed) probe_128x128_8x8_k8v 128 128 256
 PROBE(probe_128x128_8x8_k8v, 128, 128, 8, 8, 8, true, true)
 // PROBE probe_32x64_4x4_k32v 32 64 128
 PROBE(probe_32x64_4x4_k32v, 32, 64, 4, 4, 32, true, false)
@@ -163,3 +163,178 @@ extern "C" __global__ void probe_reg4_g4(int m, int n, int k, float alpha,
         float beta, float* C, const float* bias, int relu, int kc, float* partial) {
     reg_gemm<true, 4>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial);
 }
+
+// Independent K groups: group g (64 threads) streams its own K range [g*kg, (g+1)*kg) through
+// private double-buffered shared memory (BKG deep), synchronising only its own two warps
+// (named barrier 1 + g); one block barrier before the fixed-order reduction of reg_gemm.
+template <bool VEC, int G, int BKG>
+__device__ __forceinline__ void regi_gemm(int m, int n, int k, float alpha,
+        const float* __restrict__ A, int lda, int ta, const float* __restrict__ B, int ldb, int tb,
+        float beta, float* C, const float* bias, int relu, int kc, float* partial) {
+    constexpr int BM = 64, BN = 64, LD = 68, THREADS = 64 * G, STAGE = BKG * LD;
+    constexpr int LS = BM * BKG / 64, LV = LS / 4;
+    __shared__ __align__(16) float smem[(G * 4 * STAGE > 2 * BM * BN) ? G * 4 * STAGE : 2 * BM * BN];
+    const int tid = threadIdx.x, g = tid / 64, t = tid % 64, tx = t % 8, ty = t / 8;
+    float* const As = smem + g * 4 * STAGE;
+    float* const Bs = As + 2 * STAGE;
+    const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
+    const int kbeg = blockIdx.z * kc, kend = min(k, kbeg + kc);
+    const int kg = ((kend - kbeg + G - 1) / G + BKG - 1) / BKG * BKG;
+    const int gb = kbeg + g * kg, ge = min(kend, gb + kg);
+    float ra[LS], rb[LS];
+    auto bar = [&]() { asm volatile("bar.sync %0, 64;" :: "r"(1 + g) : "memory"); };
+    auto load = [&](int p0) {
+        if (VEC) {
+#pragma unroll
+            for (int r = 0; r < LV; r++) {
+                int e = t + r * 64;
+                int i = ta ? (e % 16) * 4 : e / (BKG / 4), p = ta ? e / 16 : (e % (BKG / 4)) * 4;
+                int gi = row0 + i, gp = p0 + p;
+                float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (gi < m && gp < ge)
+                    v = *reinterpret_cast<const float4*>(ta ? A + (long)gp * lda + gi : A + (long)gi * lda + gp);
+                ra[4 * r] = v.x; ra[4 * r + 1] = v.y; ra[4 * r + 2] = v.z; ra[4 * r + 3] = v.w;
+                int j = tb ? e / (BKG / 4) : (e % 16) * 4, q = tb ? (e % (BKG / 4)) * 4 : e / 16;
+                int gj = col0 + j, gq = p0 + q;
+                float4 w = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (gj < n && gq < ge)
+                    w = *reinterpret_cast<const float4*>(tb ? B + (long)gj * ldb + gq : B + (long)gq * ldb + gj);
+                rb[4 * r] = w.x; rb[4 * r + 1] = w.y; rb[4 * r + 2] = w.z; rb[4 * r + 3] = w.w;
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < LS; r++) {
+                int e = t + r * 64;
+                int i = ta ? e % BM : e / BKG, p = ta ? e / BM : e % BKG;
+                int gi = row0 + i, gp = p0 + p;
+                ra[r] = (gi < m && gp < ge) ? (ta ? A[(long)gp * lda + gi] : A[(long)gi * lda + gp]) : 0.0f;
+                int j = tb ? e / BKG : e % BN, q = tb ? e % BKG : e / BN;
+                int gj = col0 + j, gq = p0 + q;
+                rb[r] = (gj < n && gq < ge) ? (tb ? B[(long)gj * ldb + gq] : B[(long)gq * ldb + gj]) : 0.0f;
+            }
+        }
+    };
+    auto store = [&](int buf) {
+        float* as = As + buf * STAGE;
+        float* bs = Bs + buf * STAGE;
+        if (VEC) {
+#pragma unroll
+            for (int r = 0; r < LV; r++) {
+                int e = t + r * 64;
+                int i = ta ? (e % 16) * 4 : e / (BKG / 4), p = ta ? e / 16 : (e % (BKG / 4)) * 4;
+                if (ta) {
+                    *reinterpret_cast<float4*>(as + p * LD + i) = make_float4(ra[4 * r], ra[4 * r + 1], ra[4 * r + 2], ra[4 * r + 3]);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; c++) as[(p + c) * LD + i] = ra[4 * r + c];
+                }
+                int j = tb ? e / (BKG / 4) : (e % 16) * 4, q = tb ? (e % (BKG / 4)) * 4 : e / 16;
+                if (!tb) {
+                    *reinterpret_cast<float4*>(bs + q * LD + j) = make_float4(rb[4 * r], rb[4 * r + 1], rb[4 * r + 2], rb[4 * r + 3]);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; c++) bs[(q + c) * LD + j] = rb[4 * r + c];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < LS; r++) {
+                int e = t + r * 64;
+                int i = ta ? e % BM : e / BKG, p = ta ? e / BM : e % BKG;
+                as[p * LD + i] = ra[r];
+                int j = tb ? e / BKG : e % BN, q = tb ? e % BKG : e / BN;
+                bs[q * LD + j] = rb[r];
+            }
+        }
+    };
+    float acc[8][8];
+#pragma unroll
+    for (int x = 0; x < 8; x++)
+#pragma unroll
+        for (int y = 0; y < 8; y++) acc[x][y] = 0.0f;
+    if (gb < ge) {
+        load(gb);
+        store(0);
+    }
+    bar();
+    int buf = 0;
+    for (int p0 = gb; p0 < ge; p0 += BKG) {
+        const bool more = p0 + BKG < ge;
+        if (more) load(p0 + BKG);
+        const float* as = As + buf * STAGE;
+        const float* bs = Bs + buf * STAGE;
+#pragma unroll
+        for (int p = 0; p < BKG; p++) {
+            float4 a0 = *reinterpret_cast<const float4*>(as + p * LD + ty * 4);
+            float4 a1 = *reinterpret_cast<const float4*>(as + p * LD + 32 + ty * 4);
+            float4 b0 = *reinterpret_cast<const float4*>(bs + p * LD + tx * 4);
+            float4 b1 = *reinterpret_cast<const float4*>(bs + p * LD + 32 + tx * 4);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+#pragma unroll
+                for (int y = 0; y < 8; y++) acc[x][y] = fmaf(a[x], b[y], acc[x][y]);
+        }
+        if (more) store(buf ^ 1);
+        bar();
+        buf ^= 1;
+    }
+    __syncthreads();
+    auto put = [&](int h) {
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
+            *reinterpret_cast<float4*>(row + tx * 4) = make_float4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
+            *reinterpret_cast<float4*>(row + 32 + tx * 4) = make_float4(acc[x][4], acc[x][5], acc[x][6], acc[x][7]);
+        }
+    };
+    auto add = [&](int h) {
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
+            float4 u = *reinterpret_cast<const float4*>(row + tx * 4);
+            float4 v = *reinterpret_cast<const float4*>(row + 32 + tx * 4);
+            acc[x][0] += u.x; acc[x][1] += u.y; acc[x][2] += u.z; acc[x][3] += u.w;
+            acc[x][4] += v.x; acc[x][5] += v.y; acc[x][6] += v.z; acc[x][7] += v.w;
+        }
+    };
+#pragma unroll
+    for (int half = G / 2; half >= 1; half /= 2) {
+#pragma unroll
+        for (int base = 0; base < half; base += 2) {
+            if (g >= half + base && g < half + base + 2 && g < 2 * half) put(g - half - base);
+            __syncthreads();
+            if (g >= base && g < base + 2 && g < half) add(g - base);
+            __syncthreads();
+        }
+    }
+    if (g == 0) put(0);
+    __syncthreads();
+#pragma unroll 4
+    for (int e = tid; e < BM * BN; e += THREADS) {
+        int i = row0 + e / BN, j = col0 + e % BN;
+        float v = smem[e];
+        if (i < m && j < n && partial) {
+            partial[((long)blockIdx.z * m + i) * n + j] = v;
+        } else if (i < m && j < n) {
+            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, j, relu);
+        }
+    }
+}
+
+#define PROBEI(name, LB, VEC, G, BKG) \
+extern "C" __global__ void LB name(int m, int n, int k, float alpha, const float* A, int lda, int ta, \
+        const float* B, int ldb, int tb, float beta, float* C, const float* bias, int relu, int kc, float* partial) { \
+    regi_gemm<VEC, G, BKG>(m, n, k, alpha, A, lda, ta, B, ldb, tb, beta, C, bias, relu, kc, partial); }
+
+// PROBE probe_ind_g8_k4 64 64 512
+PROBEI(probe_ind_g8_k4, __launch_bounds__(512, 1), true, 8, 4)
+// PROBE probe_ind_g4_k8 64 64 256
+PROBEI(probe_ind_g4_k8, , true, 4, 8)
+// PROBE probe_ind_g4_k8_lb2 64 64 256
+PROBEI(probe_ind_g4_k8_lb2, __launch_bounds__(256, 2), true, 4, 8)
+// PROBE probe_ind_g4_k4 64 64 256
+PROBEI(probe_ind_g4_k4, , true, 4, 4)
+// PROBE probe_ind_g2_k16 64 64 128
+PROBEI(probe_ind_g2_k16, , true, 2, 16)
