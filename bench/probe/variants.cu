@@ -281,46 +281,8 @@ __device__ __forceinline__ void regi_gemm(int m, int n, int k, float alpha,
         buf ^= 1;
     }
     __syncthreads();
-    auto put = [&](int h) {
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
-            *reinterpret_cast<float4*>(row + tx * 4) = make_float4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
-            *reinterpret_cast<float4*>(row + 32 + tx * 4) = make_float4(acc[x][4], acc[x][5], acc[x][6], acc[x][7]);
-        }
-    };
-    auto add = [&](int h) {
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            const float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
-            float4 u = *reinterpret_cast<const float4*>(row + tx * 4);
-            float4 v = *reinterpret_cast<const float4*>(row + 32 + tx * 4);
-            acc[x][0] += u.x; acc[x][1] += u.y; acc[x][2] += u.z; acc[x][3] += u.w;
-            acc[x][4] += v.x; acc[x][5] += v.y; acc[x][6] += v.z; acc[x][7] += v.w;
-        }
-    };
-#pragma unroll
-    for (int half = G / 2; half >= 1; half /= 2) {
-#pragma unroll
-        for (int base = 0; base < half; base += 2) {
-            if (g >= half + base && g < half + base + 2 && g < 2 * half) put(g - half - base);
-            __syncthreads();
-            if (g >= base && g < base + 2 && g < half) add(g - base);
-            __syncthreads();
-        }
-    }
-    if (g == 0) put(0);
-    __syncthreads();
-#pragma unroll 4
-    for (int e = tid; e < BM * BN; e += THREADS) {
-        int i = row0 + e / BN, j = col0 + e % BN;
-        float v = smem[e];
-        if (i < m && j < n && partial) {
-            partial[((long)blockIdx.z * m + i) * n + j] = v;
-        } else if (i < m && j < n) {
-            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, j, relu);
-        }
-    }
+    reg_sum_groups<G>(smem, acc, g, tx, ty);
+    reg_store(smem, THREADS, m, n, alpha, beta, C, bias, relu, partial);
 }
 
 #define PROBEI(name, LB, VEC, G, BKG) \

@@ -232,6 +232,20 @@ fn library_graphs_of_one_stream_replay_at_once_on_two() {
     }
 }
 
+/// `C = relu(0.5·op(A)·op(B) + 0.25·C + bias)`: every part of the epilogue at once.
+fn scaled_bias_relu(ta: Trans, tb: Trans, m: usize, n: usize, k: usize) -> GemmOp {
+    GemmOp {
+        ta,
+        tb,
+        m,
+        n,
+        k,
+        alpha: 0.5,
+        beta: 0.25,
+        epilogue: Epilogue::BiasRelu,
+    }
+}
+
 /// The register-blocked kernel as the tests run it: unsplit and split.
 const REG_ALGOS: [GemmAlgo; 3] = [GemmAlgo::Reg(1), GemmAlgo::Reg(3), GemmAlgo::Reg(8)];
 
@@ -395,16 +409,7 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
     // Under compute-sanitizer (CUDAGRAPH_TEST_QUICK=1) the three small shapes: every kernel,
     // every layout class, in a time racecheck finishes.
     for &(m, nn_, k, ta, tb) in &shapes[..cudagraph::testing::iterations(shapes.len(), 3)] {
-        let op = GemmOp {
-            ta,
-            tb,
-            m,
-            n: nn_,
-            k,
-            alpha: 0.5,
-            beta: 0.25,
-            epilogue: Epilogue::BiasRelu,
-        };
+        let op = scaled_bias_relu(ta, tb, m, nn_, k);
         let o = Operands::new(&s, &mut rng, &op);
         let want = o.want(&op);
         let Operands { c0, a, b, bb, .. } = o;
@@ -480,16 +485,7 @@ fn register_blocked_kernel_agrees_repeats_and_replays() {
         (64, 64, 4096, n, t),
     ];
     for &(m, nn_, k, ta, tb) in &shapes[..cudagraph::testing::iterations(shapes.len(), 2)] {
-        let op = GemmOp {
-            ta,
-            tb,
-            m,
-            n: nn_,
-            k,
-            alpha: 0.5,
-            beta: 0.25,
-            epilogue: Epilogue::BiasRelu,
-        };
+        let op = scaled_bias_relu(ta, tb, m, nn_, k);
         let o = Operands::new(&s, &mut rng, &op);
         let want = o.want(&op);
         let Operands { c0, a, b, bb, .. } = o;

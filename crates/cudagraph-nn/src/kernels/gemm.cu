@@ -30,6 +30,64 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
         }
 }
 
+// The register-blocked kernels' end (64 x 64 outputs per block, G groups of 64 threads each
+// holding an 8 x 8 tile: rows ty*4.. and 32+ty*4.., columns tx*4.. and 32+tx*4..): the G
+// partial tiles summed into smem[0 .. 4096) (row stride 64) through two 4096-float regions, in
+// a fixed order: groups [half, 2 half) onto [0, half), two at a time, halving (for G = 8,
+// ((g0 + g4) + (g2 + g6)) + ((g1 + g5) + (g3 + g7))). Every thread of the block calls it after
+// a barrier that ended its other uses of smem (8192 floats at least).
+template <int G>
+__device__ __forceinline__ void reg_sum_groups(float* smem, float (&acc)[8][8], int g, int tx, int ty) {
+    auto put = [&](int h) {
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            float* row = smem + h * 4096 + ((x / 4) * 32 + ty * 4 + x % 4) * 64;
+            *reinterpret_cast<float4*>(row + tx * 4) = make_float4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
+            *reinterpret_cast<float4*>(row + 32 + tx * 4) = make_float4(acc[x][4], acc[x][5], acc[x][6], acc[x][7]);
+        }
+    };
+    auto add = [&](int h) {
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float* row = smem + h * 4096 + ((x / 4) * 32 + ty * 4 + x % 4) * 64;
+            float4 u = *reinterpret_cast<const float4*>(row + tx * 4);
+            float4 v = *reinterpret_cast<const float4*>(row + 32 + tx * 4);
+            acc[x][0] += u.x; acc[x][1] += u.y; acc[x][2] += u.z; acc[x][3] += u.w;
+            acc[x][4] += v.x; acc[x][5] += v.y; acc[x][6] += v.z; acc[x][7] += v.w;
+        }
+    };
+#pragma unroll
+    for (int half = G / 2; half >= 1; half /= 2) {
+#pragma unroll
+        for (int base = 0; base < half; base += 2) {
+            if (g >= half + base && g < half + base + 2 && g < 2 * half) put(g - half - base);
+            __syncthreads();
+            if (g >= base && g < base + 2 && g < half) add(g - base);
+            __syncthreads();
+        }
+    }
+    // Each thread of group 0 writes back exactly the elements it read: no barrier before.
+    if (g == 0) put(0);
+    __syncthreads();
+}
+
+// Writes the block's 64 x 64 sums (smem, row stride 64) coalesced: raw to partial[z] when
+// splitting K, else through the epilogue into C; rows < m and columns < n only.
+__device__ __forceinline__ void reg_store(const float* sum, int threads, int m, int n, float alpha,
+        float beta, float* C, const float* bias, int relu, float* partial) {
+    const int row0 = blockIdx.y * 64, col0 = blockIdx.x * 64;
+#pragma unroll 4
+    for (int e = threadIdx.x; e < 4096; e += threads) {
+        int i = row0 + e / 64, j = col0 + e % 64;
+        float v = sum[e];
+        if (i < m && j < n && partial) {
+            partial[((long)blockIdx.z * m + i) * n + j] = v;
+        } else if (i < m && j < n) {
+            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, j, relu);
+        }
+    }
+}
+
 // Register-blocked SGEMM for the mid-size products (every layout; sgemm_tiled's arguments and
 // split-K contract): a block of 64 * G threads owns 64 x 64 outputs and is G K groups of 64
 // threads. K runs in steps of 32 through two shared buffers (the next step loaded into
@@ -158,51 +216,9 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
         __syncthreads();
         buf ^= 1;
     }
-    // The partial tiles, summed in shared memory (two regions S[h][row][col], row stride 64;
-    // the loop's last barrier ended every read of the operand buffers).
-    auto put = [&](int h) {
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
-            *reinterpret_cast<float4*>(row + tx * 4) = make_float4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
-            *reinterpret_cast<float4*>(row + 32 + tx * 4) = make_float4(acc[x][4], acc[x][5], acc[x][6], acc[x][7]);
-        }
-    };
-    auto add = [&](int h) {
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            const float* row = smem + h * BM * BN + ((x / 4) * 32 + ty * 4 + x % 4) * BN;
-            float4 u = *reinterpret_cast<const float4*>(row + tx * 4);
-            float4 v = *reinterpret_cast<const float4*>(row + 32 + tx * 4);
-            acc[x][0] += u.x; acc[x][1] += u.y; acc[x][2] += u.z; acc[x][3] += u.w;
-            acc[x][4] += v.x; acc[x][5] += v.y; acc[x][6] += v.z; acc[x][7] += v.w;
-        }
-    };
-    // Groups [half, 2 half) onto [0, half), two at a time (one region each).
-#pragma unroll
-    for (int half = G / 2; half >= 1; half /= 2) {
-#pragma unroll
-        for (int base = 0; base < half; base += 2) {
-            if (g >= half + base && g < half + base + 2 && g < 2 * half) put(g - half - base);
-            __syncthreads();
-            if (g >= base && g < base + 2 && g < half) add(g - base);
-            __syncthreads();
-        }
-    }
-    // Each thread of group 0 writes back exactly the elements it read: no barrier before.
-    if (g == 0) put(0);
-    __syncthreads();
-    const float* sum = smem;
-#pragma unroll 4
-    for (int e = tid; e < BM * BN; e += THREADS) {
-        int i = row0 + e / BN, j = col0 + e % BN;
-        float v = sum[e];
-        if (i < m && j < n && partial) {
-            partial[((long)blockIdx.z * m + i) * n + j] = v;
-        } else if (i < m && j < n) {
-            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, j, relu);
-        }
-    }
+    // The loop's last barrier ended every read of the operand buffers.
+    reg_sum_groups<G>(smem, acc, g, tx, ty);
+    reg_store(smem, THREADS, m, n, alpha, beta, C, bias, relu, partial);
 }
 
 // Eight K groups (512 threads, at most 128 registers each); scalar loads: any layout, size and
