@@ -474,6 +474,60 @@ fn hundred_thousand_replays_keep_memory_flat() {
     assert!(s.to_vec(&x).unwrap().iter().all(|&v| v == 100_000.0));
 }
 
+/// A static graph's copies between its pinned staging and the device run as kernel nodes for
+/// every length up to `MAX_MAPPED_COPY` bytes (whole 16-byte words and a tail of 4, 8 or 12
+/// bytes), and as the driver's copy nodes beyond: the same values either way, replay after
+/// replay, and eager pinned transfers (`pinned_scope`) agree.
+#[test]
+fn static_graph_copies_are_kernels_of_any_length_and_driver_copies_when_large() {
+    let dev = gpu_test_device!();
+    let k = kernels(&dev);
+    let mut s = dev.new_stream().unwrap();
+    let large = MAX_MAPPED_COPY / 4 + 3;
+    for n in [1usize, 2, 3, 5, 1000, 3001, large] {
+        let mut sg =
+            StaticGraph::<f32, f32>::capture(&mut s, CaptureOptions::new(), &[n], |cs, ins| {
+                let out = cs.alloc::<f32>(n)?;
+                // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n
+                // is their length.
+                unsafe {
+                    cs.launch(
+                        &k.scale_into,
+                        cfg(n),
+                        args![&ins[0], &out, 2.0f32, n as i32],
+                    )?
+                };
+                Ok(vec![out])
+            })
+            .unwrap();
+        let nodes = sg.info().nodes;
+        let (memcpy, kernel) = if n * 4 <= MAX_MAPPED_COPY {
+            (0, 3)
+        } else {
+            (2, 1)
+        };
+        assert_eq!((nodes.memcpy, nodes.kernel), (memcpy, kernel), "n = {n}");
+        for round in 0..3 {
+            let x = input(n, 70 + round);
+            let want: Vec<f32> = x.iter().map(|v| 2.0 * v).collect();
+            let out = sg.run(&s, &[&x]).unwrap();
+            assert_eq!(out.get(0), Some(&want[..]), "n = {n}, round {round}");
+        }
+        // Eager pinned transfers of the same length.
+        let x = input(n, 90);
+        let mut up = dev.alloc_pinned::<f32>(n).unwrap();
+        up.as_mut_slice().copy_from_slice(&x);
+        let mut down = dev.alloc_pinned::<f32>(n).unwrap();
+        let d = s.alloc::<f32>(n).unwrap();
+        s.pinned_scope(|sc| {
+            sc.upload(&up, &d)?;
+            sc.download(&d, &mut down)
+        })
+        .unwrap();
+        assert_eq!(down.as_slice(), &x[..], "pinned_scope n = {n}");
+    }
+}
+
 #[test]
 fn static_graph_matches_eager_and_runs_many_inputs() {
     let dev = gpu_test_device!();
@@ -491,8 +545,8 @@ fn static_graph_matches_eager_and_runs_many_inputs() {
         .unwrap();
     assert_eq!(
         sg.info().nodes.memcpy,
-        3,
-        "two uploads and one download inside the graph"
+        0,
+        "two uploads and one download inside the graph, as copy kernels"
     );
     for round in 0..5 {
         let (a, b) = (input(n, 20 + round), input(n, 40 + round));

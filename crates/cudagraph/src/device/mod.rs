@@ -18,8 +18,13 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 pub use checks::{register_check, DEVICE_CHECK_CUDA};
-pub use copy::{kernel_copy_fits, COPY_CUDA, COPY_KERNEL_VAR, MAX_KERNEL_COPY};
+pub(crate) use copy::prepare as prepare_copy_kernels;
+pub use copy::{
+    kernel_copy_fits, mapped_copy_fits, COPY_CUDA, COPY_KERNEL_VAR, MAX_KERNEL_COPY,
+    MAX_MAPPED_COPY,
+};
 pub use pinned_scope::PinnedScope;
+pub(crate) use queue::copy_mapped;
 pub(crate) use queue::sealed::Sealed;
 pub(crate) use queue::{check_device, check_eager, check_range};
 pub use queue::{Anchor, Arg, LaunchOptions, Queue, QueueExt, PDL_CUDA};

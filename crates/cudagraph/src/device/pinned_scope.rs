@@ -7,7 +7,7 @@
 
 use std::marker::PhantomData;
 
-use super::{check_device, check_eager, Queue, Stream};
+use super::{check_device, check_eager, copy_mapped, Queue, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem, PinnedBuffer};
 use crate::runtime::memory as raw;
@@ -72,7 +72,18 @@ impl<'scope, 's> PinnedScope<'scope, 's> {
         self.stream.device().context().bind()?;
         // SAFETY: `src` is borrowed for 'scope, which ends only after `pinned_scope` has
         // synchronised the stream, so it stays alive and unwritten until the copy has run; the
-        // lengths are equal, so `dst.bytes()` fits in `src`.
+        // lengths are equal, so `dst.bytes()` fits in `src` (`dst` declared above).
+        if unsafe {
+            copy_mapped(
+                self.stream,
+                dst.addr(),
+                src.raw().device_addr(),
+                dst.bytes(),
+            )
+        }? {
+            return Ok(());
+        }
+        // SAFETY: as above.
         unsafe {
             raw::memcpy_htod_pinned_async(
                 dst.addr(),
@@ -104,7 +115,19 @@ impl<'scope, 's> PinnedScope<'scope, 's> {
         self.stream.use_block(src.block());
         self.stream.device().context().bind()?;
         // SAFETY: `dst` is exclusively borrowed for 'scope, which ends only after the stream
-        // was synchronised, so nothing reads it before the copy has finished; equal lengths.
+        // was synchronised, so nothing reads it before the copy has finished; equal lengths
+        // (`src` declared above).
+        if unsafe {
+            copy_mapped(
+                self.stream,
+                dst.raw().device_addr(),
+                src.addr(),
+                src.bytes(),
+            )
+        }? {
+            return Ok(());
+        }
+        // SAFETY: as above.
         unsafe {
             raw::memcpy_dtoh_pinned_async(
                 dst.raw(),

@@ -315,6 +315,40 @@ pub const PDL_CUDA: &str = r#"
 #define CG_PDL_ENTER() do { CG_PDL_TRIGGER(); CG_PDL_WAIT(); } while (0)
 "#;
 
+/// Enqueues a copy of `bytes` bytes from `src` to `dst` — one of them device memory of `q`'s
+/// device, the other mapped page-locked memory (both device-side addresses) — as the
+/// mapped-copy kernel when it fits ([`super::copy::mapped_kernel_for`]); `Ok(false)` when it
+/// does not, leaving the copy to the caller's driver call.
+///
+/// # Safety
+/// Both ranges must be valid for `bytes` bytes and stay alive, with no other access to the
+/// destination, until the copy has run (for a capture: for as long as the graph can be
+/// replayed); the caller has declared the device buffer with [`Queue::use_block`].
+#[track_caller]
+pub(crate) unsafe fn copy_mapped<Q: Queue + ?Sized>(
+    q: &Q,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+) -> Result<bool> {
+    let capturing = q.is_capturing();
+    let Some((f, cfg, words, tail)) =
+        super::copy::mapped_kernel_for(q.device(), capturing, dst, src, bytes)
+    else {
+        return Ok(false);
+    };
+    let args = [
+        Arg::U64(dst),
+        Arg::U64(src),
+        Arg::U64(words),
+        Arg::U32(tail),
+    ];
+    // SAFETY: cg_copy_mapped copies 16·words + tail = bytes bytes from src to dst, both 16-byte
+    // aligned (mapped_kernel_for checked), valid and kept alive by the caller's contract.
+    launch_checked(q, &f, cfg, &args, false)?;
+    Ok(true)
+}
+
 /// The checks of [`Queue::launch`], then the launch (programmatic when `pdl`).
 ///
 /// # Safety

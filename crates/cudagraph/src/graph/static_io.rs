@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{CaptureOptions, CaptureStream, Graph, GraphInfo};
-use crate::device::{Queue, QueueExt, Stream};
+use crate::device::{copy_mapped, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::pinned::{typed, typed_mut};
 use crate::memory::{bytes_for, DeviceBuffer, Elem};
@@ -101,6 +101,9 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
             .iter()
             .map(|&n| PinnedAlloc::new(bytes_for::<I>("static input", n)?, ctx).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
+        // The copies in and out become kernel nodes where they can (compiled before the
+        // capture, which cannot compile).
+        crate::device::prepare_copy_kernels(stream.device());
         let (graph, (outputs, host_out)) = Graph::capture(stream, opts, |cs| {
             for (h, d) in host_in.iter().zip(&inputs) {
                 upload_pinned(cs, h, d)?;
@@ -231,7 +234,11 @@ fn upload_pinned<T: Elem>(
     cs.device().context().bind()?;
     // SAFETY: the graph keeps `src` alive (above) until its last replay has finished, and
     // `StaticGraph::run` only writes it between synchronised replays; `src` was sized from
-    // the same length as `dst`.
+    // the same length as `dst` (declared with use_block above).
+    if unsafe { copy_mapped(cs, dst.addr(), src.device_addr(), dst.bytes()) }? {
+        return Ok(());
+    }
+    // SAFETY: as above.
     unsafe {
         raw::memcpy_htod_pinned_async(
             dst.addr(),
@@ -254,6 +261,10 @@ fn download_pinned<T: Elem>(
     cs.device().context().bind()?;
     // SAFETY: as in `upload_pinned`; `Outputs` reads `dst` only after `run` synchronised;
     // `dst` was sized from `src.bytes()`.
+    if unsafe { copy_mapped(cs, dst.device_addr(), src.addr(), src.bytes()) }? {
+        return Ok(());
+    }
+    // SAFETY: as above.
     unsafe {
         raw::memcpy_dtoh_pinned_async(
             dst,

@@ -74,7 +74,7 @@ pub(crate) fn typed<T: Elem>(raw: &PinnedAlloc, len: usize) -> &[T] {
         "pinned view of {len} elements exceeds {} bytes",
         raw.len()
     );
-    // SAFETY: cuMemAllocHost returns page-aligned memory, so the alignment of any Elem holds;
+    // SAFETY: cuMemHostAlloc returns page-aligned memory, so the alignment of any Elem holds;
     // the memory is initialised (zeroed at allocation) and every bit pattern is a valid Elem;
     // the length is checked above; the slice borrows `raw`.
     unsafe { std::slice::from_raw_parts(raw.as_ptr() as *const T, len) }

@@ -157,6 +157,8 @@ pub(crate) fn memcpy_dtoh_sync(dst: &mut [u8], src: u64, s: RawStream) -> Result
 pub(crate) struct PinnedAlloc {
     ptr: *mut u8,
     bytes: usize,
+    /// The address kernels reach it at (mapped into the device's address space).
+    device_addr: u64,
     /// Kept alive so the free in `drop` still has its context.
     ctx: Arc<ContextHandle>,
 }
@@ -174,23 +176,40 @@ unsafe impl Send for PinnedAlloc {}
 unsafe impl Sync for PinnedAlloc {}
 
 impl PinnedAlloc {
-    /// `bytes` bytes of zeroed page-locked memory (page-aligned).
+    /// `bytes` bytes of zeroed page-locked memory (page-aligned), mapped into the device's
+    /// address space (portable to every context) so kernels can copy it as well as DMA.
     #[track_caller]
     pub(crate) fn new(bytes: usize, ctx: &Arc<ContextHandle>) -> Result<Self> {
         ctx.bind()?;
         let mut p = ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: writes one host pointer to `bytes.max(1)` bytes of page-locked memory. Relaxed
         // capture mode around it: static outputs get their staging while their capture is open.
         let status =
-            with_relaxed_capture(|| unsafe { sys::cuMemAllocHost_v2(&mut p, bytes.max(1)) });
-        check(status, "cuMemAllocHost")?;
+            with_relaxed_capture(|| unsafe { sys::cuMemHostAlloc(&mut p, bytes.max(1), flags) });
+        check(status, "cuMemHostAlloc")?;
         // SAFETY: the allocation is at least `bytes` long; zero it so reads are defined.
         unsafe { ptr::write_bytes(p as *mut u8, 0, bytes) };
+        let mut device_addr = 0;
+        // SAFETY: p is mapped memory from cuMemHostAlloc with DEVICEMAP; writes one pointer.
+        let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_addr, p, 0) };
+        if let Err(e) = check(status, "cuMemHostGetDevicePointer") {
+            // SAFETY: p came from cuMemHostAlloc above and nothing else refers to it.
+            with_relaxed_capture(|| unsafe { sys::cuMemFreeHost(p) });
+            return Err(e);
+        }
         Ok(Self {
             ptr: p as *mut u8,
             bytes,
+            device_addr,
             ctx: ctx.clone(),
         })
+    }
+
+    /// The address of the first byte in the device's address space (what a kernel reads or
+    /// writes; the host pointer itself under unified addressing).
+    pub(crate) fn device_addr(&self) -> u64 {
+        self.device_addr
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -206,7 +225,7 @@ impl PinnedAlloc {
 impl Drop for PinnedAlloc {
     fn drop(&mut self) {
         if self.ctx.bind().is_ok() {
-            // SAFETY: ptr came from cuMemAllocHost and is freed once, here (relaxed capture
+            // SAFETY: ptr came from cuMemHostAlloc and is freed once, here (relaxed capture
             // mode as in `new`).
             with_relaxed_capture(|| unsafe {
                 sys::cuMemFreeHost(self.ptr as *mut c_void);
