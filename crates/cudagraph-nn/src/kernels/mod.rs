@@ -608,10 +608,10 @@ impl Nn {
         let mut args = t.args(alpha, a, b, beta, c, bias, relu);
         args.push(Arg::opt(partial.as_ref()));
         // SAFETY: `kernel` is `sgemm_tiled` or an `sgemm_reg*` kernel, launched with the
-        // threads and the tile it was written for ([`TILED_SHAPE`], [`REG_SHAPE`]) (`sgemm_reg4` only where [`reg_vec_ok`]
-        // holds: its float4 reads start at multiples of 4 elements of 16-byte aligned
-        // operands and, with a leading dimension a multiple of 4, end inside the row or
-        // column an in-bounds first element starts). Blocks cover rows < m and columns < n
+        // threads and the tile it was written for (`TILED_SHAPE`, `REG_SHAPE`); `sgemm_reg4`
+        // only where `reg_vec_ok` holds: its float4 reads start at multiples of 4 elements of
+        // 16-byte aligned operands and, with a leading dimension a multiple of 4, end inside
+        // the row or column an in-bounds first element starts. Blocks cover rows < m and columns < n
         // (guarded in the kernel) and K ranges [z·kc, min(k, (z+1)·kc)); with lda/ldb derived
         // from the layout, every read of A is below m·k and of B below k·n (both checked),
         // writes go to C below m·n (checked) or, split, to partial below splits·m·n (allocated
