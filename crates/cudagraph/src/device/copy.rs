@@ -28,9 +28,10 @@ pub const COPY_KERNEL_VAR: &str = "CUDAGRAPH_COPY_KERNEL";
 
 /// The largest copy between the device and mapped page-locked memory that runs as a kernel.
 /// Measured on the H100 (2026-11-24, `bench/probe/zero_copy.py`, the seed MLP graphed with its
-/// input and output copies, one replay and one synchronisation per request): the kernels save
-/// 7.5–11 µs per request from 4 KiB to 1 MiB of input (bs 1: 32.6 → 25.1 µs, bs 256: 115.6 →
-/// 104.7) and lose 6 µs at 8 MiB (264.3 → 270.5), where the copy engine's bandwidth wins.
+/// input and output copies, one replay and one synchronisation per request, two runs): the
+/// kernels save 3.9–12.2 µs per request from 4 KiB to 1 MiB of input (bs 1: 32.6 → 25.1 µs and
+/// 28.6 → 23.2; bs 256: 115.6 → 104.7 and 115.5 → 105.3) and lose 6–10 µs at 8 MiB (264.3 →
+/// 270.5, 267.7 → 277.4), where the copy engine's bandwidth wins.
 pub const MAX_MAPPED_COPY: usize = 2 << 20;
 
 /// The copy kernels of one device (a device extension); `None` when they could not be compiled.
