@@ -1276,3 +1276,38 @@ mod channel_sum_tests {
         assert!(channel_sum_plan(1 << 30, 1, 1 << 20, 1 << 20).0 <= 1024);
     }
 }
+
+#[cfg(test)]
+mod reg_tests {
+    use super::{reg_vec_ok, GemmDims, TiledLaunch, REG_SHAPE};
+
+    fn dims(m: usize, n: usize, k: usize, ta: bool, tb: bool) -> GemmDims {
+        GemmDims { m, n, k, ta, tb }
+    }
+
+    /// float4 loads need both leading dimensions (k or m for A, k or n for B) to be multiples
+    /// of 4 and both operands 16-byte aligned.
+    #[test]
+    fn float4_loads_need_aligned_rows_of_whole_float4s() {
+        let aligned = [256u64, 4096];
+        assert!(reg_vec_ok(dims(3, 5, 8, false, true), &aligned)); // lda = k, ldb = k
+        assert!(!reg_vec_ok(dims(4, 8, 6, false, true), &aligned)); // k not a multiple of 4
+        assert!(reg_vec_ok(dims(8, 12, 3, true, false), &aligned)); // lda = m, ldb = n
+        assert!(!reg_vec_ok(dims(8, 10, 4, true, false), &aligned)); // ldb = n = 10
+        assert!(!reg_vec_ok(dims(6, 8, 4, true, true), &aligned)); // lda = m = 6
+        assert!(!reg_vec_ok(dims(4, 4, 4, false, false), &[256, 4100]));
+        assert!(!reg_vec_ok(dims(4, 4, 4, false, false), &[8, 4096]));
+    }
+
+    /// 512 threads per block of 64 × 64 outputs; rows past the grid's 65535 blocks are a typed
+    /// error, not a launch.
+    #[test]
+    fn register_blocked_launch_shape_and_grid_limit() {
+        let t = TiledLaunch::with_tile(dims(130, 65, 100, false, true), REG_SHAPE, 1).unwrap();
+        let cfg = t.config(t.splits);
+        assert_eq!((cfg.grid, cfg.block), ((2, 3, 1), (512, 1, 1)));
+        let t = TiledLaunch::with_tile(dims(64, 64, 1000, false, true), REG_SHAPE, 5).unwrap();
+        assert_eq!((t.splits, t.kc), (5, 224));
+        assert!(TiledLaunch::with_tile(dims(64 * 65536, 1, 1, false, true), REG_SHAPE, 1).is_err());
+    }
+}
