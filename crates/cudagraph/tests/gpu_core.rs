@@ -940,10 +940,11 @@ fn pinned_scope_transfers_round_trip_and_check_sizes() {
     assert!(matches!(err, Error::SizeMismatch { .. }), "{err}");
 }
 
-/// Device-to-device copies of every shape — whole aligned 16-byte words (the copy kernel's
-/// case with `CUDAGRAPH_COPY_KERNEL=1`), odd sizes and offsets, a copy above the kernel's limit
-/// — give exactly the source bytes, eagerly and replayed from a graph (bytes around the copied
-/// range untouched).
+/// Device-to-device copies of every shape — aligned ones of whole 16-byte words and of any
+/// length (the copy kernel's case), odd offsets, a copy above the kernel's limit — give
+/// exactly the source bytes, eagerly and replayed from a graph (bytes around the copied range
+/// untouched); captured, the aligned ones up to the limit are kernel nodes, the others driver
+/// copies.
 #[test]
 fn device_copies_of_every_shape_move_exactly_their_bytes() {
     let dev = gpu_test_device!();
@@ -956,6 +957,8 @@ fn device_copies_of_every_shape_move_exactly_their_bytes() {
     // (source offset, destination offset, length) in u32 elements.
     let cases = [
         (0, 0, 4),
+        (0, 0, 1001),
+        (4, 8, 3),
         (0, 0, 1 << 20),
         (4, 8, 4096),
         (1, 0, 4096),
@@ -984,5 +987,12 @@ fn device_copies_of_every_shape_move_exactly_their_bytes() {
         .unwrap();
         g.replay(&s).unwrap();
         assert_eq!(s.to_vec(&dst2).unwrap(), got, "graph {so} {d_off} {len}");
+        let kernel = so % 4 == 0 && d_off % 4 == 0 && len * 4 <= MAX_KERNEL_COPY;
+        let nodes = g.info().nodes;
+        assert_eq!(
+            (nodes.kernel, nodes.memcpy),
+            (kernel as usize, !kernel as usize),
+            "graph nodes {so} {d_off} {len}"
+        );
     }
 }

@@ -1,14 +1,14 @@
-//! Copies as a kernel. Device-to-device copies of whole 16-byte words between 16-byte aligned
-//! addresses, up to [`MAX_KERNEL_COPY`] bytes, run as `cg_copy16` (`copy.cu`, compiled with
-//! NVRTC on the first eager copy and cached) instead of the driver's copy, whose fixed cost is
-//! several microseconds (a copy-engine operation) where a kernel launch costs about two. Copies
-//! between the device and our page-locked staging (mapped into the device's address space), up
-//! to [`MAX_MAPPED_COPY`] bytes of any length, run as `cg_copy_mapped` the same way: the
-//! static inputs and outputs of a [`crate::StaticGraph`] and the transfers of a
+//! Copies as a kernel. Copies between 16-byte aligned addresses run as `cg_copy` (`copy.cu`,
+//! compiled with NVRTC on the first eager copy and cached: 16-byte words, then up to 15 trailing
+//! bytes) instead of the driver's copy, whose fixed cost is several microseconds (a copy-engine
+//! operation) where a kernel launch costs about two: device-to-device copies up to
+//! [`MAX_KERNEL_COPY`] bytes, and copies between the device and our page-locked staging (mapped
+//! into the device's address space) up to [`MAX_MAPPED_COPY`] bytes — the static inputs and
+//! outputs of a [`crate::StaticGraph`] and the transfers of a
 //! [`crate::Stream::pinned_scope`]. Inside a graph the copy becomes a kernel node. Everything
-//! else — unaligned or odd-sized device copies, large ones, a machine without NVRTC, a capture
-//! before any eager use compiled the kernels ([`prepare`] compiles them ahead), or
-//! `CUDAGRAPH_COPY_KERNEL=0` — uses the driver's copy. Both give the same bytes.
+//! else — unaligned addresses, large copies, a machine without NVRTC, a capture before any eager
+//! use compiled the kernel ([`prepare`] compiles it ahead), or `CUDAGRAPH_COPY_KERNEL=0` — uses
+//! the driver's copy. Both give the same bytes.
 
 use std::sync::OnceLock;
 
@@ -34,8 +34,8 @@ pub const COPY_KERNEL_VAR: &str = "CUDAGRAPH_COPY_KERNEL";
 /// 270.5, 267.7 → 277.4), where the copy engine's bandwidth wins.
 pub const MAX_MAPPED_COPY: usize = 2 << 20;
 
-/// The copy kernels of one device (a device extension); `None` when they could not be compiled.
-struct CopyKernel(Option<(Function, Function)>);
+/// The copy kernel of one device (a device extension); `None` when it could not be compiled.
+struct CopyKernel(Option<Function>);
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -51,15 +51,19 @@ fn enabled() -> bool {
     })
 }
 
-/// Whether a copy of `bytes` bytes between these addresses can run as the kernel: whole
-/// 16-byte words, both ends aligned, at most [`MAX_KERNEL_COPY`] bytes.
+/// Whether a device-to-device copy of `bytes` bytes between these addresses can run as the
+/// kernel: both ends 16-byte aligned, 1 to [`MAX_KERNEL_COPY`] bytes.
 pub fn kernel_copy_fits(dst: u64, src: u64, bytes: usize) -> bool {
-    bytes > 0 && bytes <= MAX_KERNEL_COPY && bytes % 16 == 0 && dst % 16 == 0 && src % 16 == 0
+    aligned(dst, src) && bytes > 0 && bytes <= MAX_KERNEL_COPY
 }
 
-/// The kernels (`cg_copy16`, `cg_copy_mapped`), compiled on the first eager use; inside a
-/// capture only kernels compiled before are used.
-fn kernels(device: &Device, capturing: bool) -> Option<(Function, Function)> {
+fn aligned(dst: u64, src: u64) -> bool {
+    dst % 16 == 0 && src % 16 == 0
+}
+
+/// The kernel, compiled on the first eager use; inside a capture only a kernel compiled before
+/// is used.
+fn kernel(device: &Device, capturing: bool) -> Option<Function> {
     if !enabled() {
         return None;
     }
@@ -69,18 +73,17 @@ fn kernels(device: &Device, capturing: bool) -> Option<(Function, Function)> {
         device
             .extension(|d| {
                 let m = d.compile("cudagraph_copy", COPY_CUDA).ok();
-                let f = |name| m.as_ref().and_then(|m| m.function(name).ok());
-                Ok(CopyKernel(f("cg_copy16").zip(f("cg_copy_mapped"))))
+                Ok(CopyKernel(m.and_then(|m| m.function("cg_copy").ok())))
             })
             .ok()?
     };
     k.0.clone()
 }
 
-/// Compiles the copy kernels now (eagerly), so that a capture about to begin can use them;
+/// Compiles the copy kernel now (eagerly), so that a capture about to begin can use it;
 /// without NVRTC, or with `CUDAGRAPH_COPY_KERNEL=0`, it does nothing (the driver copies).
 pub(crate) fn prepare(device: &Device) {
-    let _ = kernels(device, false);
+    let _ = kernel(device, false);
 }
 
 /// A grid for `words` 16-byte words: a block of 256 per 256 words, at most four per
@@ -92,48 +95,59 @@ fn grid(device: &Device, words: usize) -> LaunchConfig {
     LaunchConfig::linear(blocks as u32, 256)
 }
 
-/// The kernel and launch shape for this device copy, or `None` for the driver's copy.
+/// A copy as the kernel: the function, its launch shape, and its last two arguments (whole
+/// 16-byte words, then trailing bytes).
+pub(crate) struct KernelCopy {
+    pub f: Function,
+    pub cfg: LaunchConfig,
+    pub words: u64,
+    pub tail: u32,
+}
+
+fn plan(device: &Device, capturing: bool, bytes: usize) -> Option<KernelCopy> {
+    let f = kernel(device, capturing)?;
+    let words = bytes / 16;
+    Some(KernelCopy {
+        f,
+        cfg: grid(device, words),
+        words: words as u64,
+        tail: (bytes % 16) as u32,
+    })
+}
+
+/// This device-to-device copy as the kernel, or `None` for the driver's copy.
 pub(crate) fn kernel_for(
     device: &Device,
     capturing: bool,
     dst: u64,
     src: u64,
     bytes: usize,
-) -> Option<(Function, LaunchConfig)> {
+) -> Option<KernelCopy> {
     if !kernel_copy_fits(dst, src, bytes) {
         return None;
     }
-    let (copy16, _) = kernels(device, capturing)?;
-    Some((copy16, grid(device, bytes / 16)))
+    plan(device, capturing, bytes)
 }
 
 /// Whether a copy of `bytes` bytes between device memory and mapped page-locked memory can
 /// run as the kernel: both addresses 16-byte aligned, 1 to [`MAX_MAPPED_COPY`] bytes.
 pub fn mapped_copy_fits(dst: u64, src: u64, bytes: usize) -> bool {
-    bytes > 0 && bytes <= MAX_MAPPED_COPY && dst % 16 == 0 && src % 16 == 0
+    aligned(dst, src) && bytes > 0 && bytes <= MAX_MAPPED_COPY
 }
 
-/// A copy between device memory and mapped page-locked memory as a kernel: the function, its
-/// launch shape, and the whole 16-byte words and trailing bytes it copies (its last two
-/// arguments); `None` for the driver's copy. `dst` and `src` are device-side addresses.
+/// This copy between device memory and mapped page-locked memory (`dst` and `src` device-side
+/// addresses) as the kernel, or `None` for the driver's copy.
 pub(crate) fn mapped_kernel_for(
     device: &Device,
     capturing: bool,
     dst: u64,
     src: u64,
     bytes: usize,
-) -> Option<(Function, LaunchConfig, u64, u32)> {
+) -> Option<KernelCopy> {
     if !mapped_copy_fits(dst, src, bytes) {
         return None;
     }
-    let (_, mapped) = kernels(device, capturing)?;
-    let words = bytes / 16;
-    Some((
-        mapped,
-        grid(device, words),
-        words as u64,
-        (bytes % 16) as u32,
-    ))
+    plan(device, capturing, bytes)
 }
 
 #[cfg(test)]
@@ -141,14 +155,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_whole_aligned_words_up_to_the_limit_run_as_a_kernel() {
+    fn aligned_device_copies_of_any_length_up_to_the_limit_run_as_a_kernel() {
         assert!(kernel_copy_fits(256, 512, 16));
+        assert!(kernel_copy_fits(256, 512, 1));
+        assert!(kernel_copy_fits(256, 512, 20));
         assert!(kernel_copy_fits(16, 32, MAX_KERNEL_COPY));
         assert!(!kernel_copy_fits(256, 512, 0));
-        assert!(!kernel_copy_fits(256, 512, 20));
         assert!(!kernel_copy_fits(256 + 4, 512, 16));
         assert!(!kernel_copy_fits(256, 512 + 8, 16));
-        assert!(!kernel_copy_fits(256, 512, MAX_KERNEL_COPY + 16));
+        assert!(!kernel_copy_fits(256, 512, MAX_KERNEL_COPY + 1));
+        assert!(!kernel_copy_fits(256, 512, usize::MAX));
     }
 
     #[test]
@@ -158,6 +174,7 @@ mod tests {
         assert!(mapped_copy_fits(4096, 256, MAX_MAPPED_COPY));
         assert!(!mapped_copy_fits(4096, 256, 0));
         assert!(!mapped_copy_fits(4096, 256, MAX_MAPPED_COPY + 1));
+        assert!(!mapped_copy_fits(4096, 256, usize::MAX));
         assert!(!mapped_copy_fits(4096 + 4, 256, 64));
         assert!(!mapped_copy_fits(4096, 256 + 8, 64));
     }

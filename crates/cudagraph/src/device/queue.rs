@@ -331,22 +331,36 @@ pub(crate) unsafe fn copy_mapped<Q: Queue + ?Sized>(
     src: u64,
     bytes: usize,
 ) -> Result<bool> {
-    let capturing = q.is_capturing();
-    let Some((f, cfg, words, tail)) =
-        super::copy::mapped_kernel_for(q.device(), capturing, dst, src, bytes)
+    let Some(c) = super::copy::mapped_kernel_for(q.device(), q.is_capturing(), dst, src, bytes)
     else {
         return Ok(false);
     };
+    // SAFETY: the ranges are the caller's contract; the plan copies exactly `bytes` bytes
+    // between 16-byte aligned addresses (mapped_kernel_for checked).
+    launch_copy(q, &c, dst, src)?;
+    Ok(true)
+}
+
+/// Launches `c` from `src` to `dst`: `cg_copy` moves 16·`c.words` + `c.tail` bytes.
+///
+/// # Safety
+/// Both ranges must hold that many bytes, be 16-byte aligned, stay alive until the copy has
+/// run, and the device buffers among them be declared with [`Queue::use_block`].
+#[track_caller]
+unsafe fn launch_copy<Q: Queue + ?Sized>(
+    q: &Q,
+    c: &super::copy::KernelCopy,
+    dst: u64,
+    src: u64,
+) -> Result<()> {
     let args = [
         Arg::U64(dst),
         Arg::U64(src),
-        Arg::U64(words),
-        Arg::U32(tail),
+        Arg::U64(c.words),
+        Arg::U32(c.tail),
     ];
-    // SAFETY: cg_copy_mapped copies 16·words + tail = bytes bytes from src to dst, both 16-byte
-    // aligned (mapped_kernel_for checked), valid and kept alive by the caller's contract.
-    launch_checked(q, &f, cfg, &args, false)?;
-    Ok(true)
+    // SAFETY: passed on from this function's contract.
+    launch_checked(q, &c.f, c.cfg, &args, false)
 }
 
 /// The checks of [`Queue::launch`], then the launch (programmatic when `pdl`).
@@ -462,23 +476,11 @@ pub trait QueueExt: Queue {
             src.addr_at(src_offset)?,
             len * std::mem::size_of::<T>(),
         );
-        if let Some((f, cfg)) =
-            super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes)
-        {
-            let words = (bytes / 16) as u64;
-            // SAFETY: cg_copy16 reads and writes 16-byte words i < words at s + 16·i and
-            // d + 16·i: bytes = 16·words bytes from src_offset and dst_offset, in range of src
-            // and dst (checked above), both addresses 16-byte aligned (checked by kernel_for);
-            // both blocks were declared with use_block.
-            return unsafe {
-                launch_checked(
-                    self,
-                    &f,
-                    cfg,
-                    &[Arg::U64(d), Arg::U64(s), Arg::U64(words)],
-                    false,
-                )
-            };
+        if let Some(c) = super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes) {
+            // SAFETY: the kernel copies `bytes` bytes from src_offset and dst_offset, in range
+            // of src and dst (checked above), both addresses 16-byte aligned (checked by
+            // kernel_for); both blocks were declared with use_block.
+            return unsafe { launch_copy(self, &c, d, s) };
         }
         raw::memcpy_dtod_async(d, s, bytes, self.stream_handle().raw_handle())
     }
