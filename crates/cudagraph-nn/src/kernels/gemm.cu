@@ -15,6 +15,8 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
     int kbeg = blockIdx.z * kc;
+    const float* b = partial ? nullptr : bias;
+    const float bj[2] = {bias_at(b, col0 + tx * 2, n), bias_at(b, col0 + tx * 2 + 1, n)};
     float acc[2][2];
     tiled_tile(m, n, min(k, kbeg + kc), A, lda, ta, B, ldb, tb, row0, col0, kbeg, As, Bs, acc);
 #pragma unroll
@@ -25,7 +27,7 @@ extern "C" __global__ void sgemm_tiled(int m, int n, int k, float alpha,
             if (i < m && j < n && partial) {
                 partial[((long)blockIdx.z * m + i) * n + j] = acc[di][dj];
             } else if (i < m && j < n) {
-                C[(long)i * n + j] = tiled_epilogue(acc[di][dj], alpha, beta, C + (long)i * n + j, bias, j, relu);
+                C[(long)i * n + j] = tiled_epilogue(acc[di][dj], alpha, beta, C + (long)i * n + j, bias, bj[dj], relu);
             }
         }
 }
@@ -74,7 +76,7 @@ __device__ __forceinline__ void reg_sum_groups(float* smem, float (&acc)[8][8], 
 // Writes the block's 64 x 64 sums (smem, row stride 64) coalesced: raw to partial[z] when
 // splitting K, else through the epilogue into C; rows < m and columns < n only.
 __device__ __forceinline__ void reg_store(const float* sum, int threads, int m, int n, float alpha,
-        float beta, float* C, const float* bias, int relu, float* partial) {
+        float beta, float* C, const float* bias, float bj, int relu, float* partial) {
     const int row0 = blockIdx.y * 64, col0 = blockIdx.x * 64;
 #pragma unroll 4
     for (int e = threadIdx.x; e < 4096; e += threads) {
@@ -83,7 +85,7 @@ __device__ __forceinline__ void reg_store(const float* sum, int threads, int m, 
         if (i < m && j < n && partial) {
             partial[((long)blockIdx.z * m + i) * n + j] = v;
         } else if (i < m && j < n) {
-            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, j, relu);
+            C[(long)i * n + j] = tiled_epilogue(v, alpha, beta, C + (long)i * n + j, bias, bj, relu);
         }
     }
 }
@@ -114,6 +116,8 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
     const int tid = threadIdx.x, g = tid / 64, t = tid % 64, tx = t % 8, ty = t / 8;
     const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
     const int kbeg = blockIdx.z * kc, kend = min(k, kbeg + kc);
+    // reg_store's column for this thread: col0 + tid % 64 (THREADS is a multiple of 64).
+    const float bj = bias_at(partial ? nullptr : bias, col0 + tid % 64, n);
     float ra[LS], rb[LS];
     // VEC element e of a step: along K (ta = 0: row e / 8, k (e % 8) * 4) or along the rows
     // (ta = 1: k e / 16, row (e % 16) * 4); B likewise. Scalar element e: consecutive e along
@@ -218,7 +222,7 @@ __device__ __forceinline__ void reg_gemm(int m, int n, int k, float alpha,
     }
     // The loop's last barrier ended every read of the operand buffers.
     reg_sum_groups<G>(smem, acc, g, tx, ty);
-    reg_store(smem, THREADS, m, n, alpha, beta, C, bias, relu, partial);
+    reg_store(smem, THREADS, m, n, alpha, beta, C, bias, bj, relu, partial);
 }
 
 // Eight K groups (512 threads, at most 128 registers each); scalar loads: any layout, size and
@@ -254,6 +258,8 @@ extern "C" __global__ void sgemm_nt_warpk(int m, int n, int k, const float* A, c
     int per = ((k + 7) / 8 + 15) / 16 * 16;
     int kb = warp * per, ke = min(k, kb + per);
     int ri = lane / 4, cj = lane % 4;      // rows ri*4..+3, cols cj*8..+7
+    // The column this thread finishes at the end (col0 + threadIdx.x % 32), its bias loaded now.
+    const float bj = bias_at(bias, col0 + threadIdx.x % 32, n);
     float acc[4][8];
 #pragma unroll
     for (int a = 0; a < 4; a++)
@@ -316,7 +322,7 @@ extern "C" __global__ void sgemm_nt_warpk(int m, int n, int k, const float* A, c
 #pragma unroll
         for (int w = 0; w < 8; w++) v += smem[w * 1024 + o];
         if (i < m && j < n) {
-            if (bias) v += bias[j];
+            if (bias) v += bj;
             if (relu) v = relu_f(v);
             C[(long)i * n + j] = v;
         }
@@ -328,9 +334,10 @@ extern "C" __global__ void splitk_reduce(const float* partial, int splits, float
     long e = IDX;
     long mn = (long)m * n;
     if (e >= mn) return;
+    const float b = bias_at(bias, (int)(e % n), n);
     float s = 0.0f;
     for (int z = 0; z < splits; z++) s += partial[z * mn + e];
-    C[e] = tiled_epilogue(s, alpha, beta, C + e, bias, (int)(e % n), relu);
+    C[e] = tiled_epilogue(s, alpha, beta, C + e, bias, b, relu);
 }
 
 // The few-rows kernels' butterfly reduce-scatter over a warp's 32 lanes (the lane sums `v` and
@@ -363,6 +370,9 @@ extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, co
     const int grp = warp / ks, slice = warp - grp * ks;
     const int col0 = (blockIdx.x * groups + grp) * 4;
     const int row0 = blockIdx.y * 16;
+    // The two columns this lane finishes (see idx below), their bias loaded now.
+    const int cb = col0 + (lane & 1) * 2;
+    const float b0 = bias_at(bias, cb, n), b1 = bias_at(bias, cb + 1, n);
     float v[64];  // v[i * 4 + c]: row row0 + i, column col0 + c
 #pragma unroll
     for (int i = 0; i < 64; i++) v[i] = 0.0f;
@@ -417,11 +427,11 @@ extern "C" __global__ void sgemm_nt_rows(int m, int n, int k, const float* A, co
     const int row = row0 + idx / 4, col = col0 + idx % 4;
     if (row >= m) return;
     if (col < n) {
-        float o = s0 + (bias ? bias[col] : 0.0f);
+        float o = s0 + (bias ? b0 : 0.0f);
         C[(long)row * n + col] = relu ? relu_f(o) : o;
     }
     if (col + 1 < n) {
-        float o = s1 + (bias ? bias[col + 1] : 0.0f);
+        float o = s1 + (bias ? b1 : 0.0f);
         C[(long)row * n + col + 1] = relu ? relu_f(o) : o;
     }
 }
@@ -446,6 +456,8 @@ __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __res
     const int grp = warp / ks, slice = warp - grp * ks;
     const int col0 = (blockIdx.x * groups + grp) * 4;
     const int row0 = blockIdx.y * R;
+    // The column this lane finishes (col0 + idx % 4, idx below), its bias loaded now.
+    const float bc = bias_at(bias, col0 + (R == 8 ? lane : lane >> 1) % 4, n);
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float v[4 * R];  // v[i * 4 + c]: row row0 + i, column col0 + c
 #pragma unroll
@@ -512,7 +524,7 @@ __device__ __forceinline__ void rows_few(int m, int n, int k, const float* __res
     }
     const int row = row0 + idx / 4, col = col0 + idx % 4;
     if (!writer || row >= m || col >= n) return;
-    const float o = s0 + (bias ? bias[col] : 0.0f);
+    const float o = s0 + (bias ? bc : 0.0f);
     C[(long)row * n + col] = relu ? relu_f(o) : o;
 }
 #undef ROWS_RS

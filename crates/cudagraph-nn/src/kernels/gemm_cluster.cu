@@ -30,6 +30,8 @@ __device__ __forceinline__ void tiled_cluster(int splits, int m, int n, int k, f
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
     int kbeg = blockIdx.z * kc;
+    const float* b = blockIdx.z == 0 ? bias : nullptr;
+    const float bj[2] = {bias_at(b, col0 + tx * 2, n), bias_at(b, col0 + tx * 2 + 1, n)};
     float acc[2][2];
     tiled_tile(m, n, min(k, kbeg + kc), A, lda, ta, B, ldb, tb, row0, col0, kbeg, As, Bs, acc);
 #pragma unroll
@@ -47,7 +49,7 @@ __device__ __forceinline__ void tiled_cluster(int splits, int m, int n, int k, f
                 float s = 0.0f;
                 for (int z = 0; z < splits; z++) s += cg_dsmem_load(part + o, (unsigned)z);
                 if (i < m && j < n)
-                    C[(long)i * n + j] = tiled_epilogue(s, alpha, beta, C + (long)i * n + j, bias, j, relu);
+                    C[(long)i * n + j] = tiled_epilogue(s, alpha, beta, C + (long)i * n + j, bias, bj[dj], relu);
             }
     }
     cg_cluster_sync();
@@ -85,6 +87,9 @@ __device__ __forceinline__ void nt_chunks(int m, int n, int k, float alpha, cons
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const int row0 = blockIdx.y * 32, col0 = blockIdx.x * 32;
     const int kbeg = blockIdx.z * kc, kend = min(k, kbeg + kc);
+    // The bias of this thread's two columns (tx and tx + 16), for the block that writes C.
+    const float* bw = S == 1 || blockIdx.z == 0 ? bias : nullptr;
+    const float bj[2] = {bias_at(bw, col0 + tx, n), bias_at(bw, col0 + tx + 16, n)};
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float4 ra[4], rb[4];
     // Element e = thread + 256 r of a chunk: row e / 32 of the tile, k offset 4 (e % 32); a
@@ -153,7 +158,7 @@ __device__ __forceinline__ void nt_chunks(int m, int n, int k, float alpha, cons
                     s += cg_dsmem_load(As + (ty + 16 * (o / 2)) * 32 + tx + 16 * (o % 2), (unsigned)z);
             }
             if (i < m && j < n)
-                C[(long)i * n + j] = tiled_epilogue(s, alpha, beta, C + (long)i * n + j, bias, j, relu);
+                C[(long)i * n + j] = tiled_epilogue(s, alpha, beta, C + (long)i * n + j, bias, bj[o % 2], relu);
         }
     }
     if (S > 1) cg_cluster_sync();

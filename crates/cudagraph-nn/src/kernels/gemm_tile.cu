@@ -59,13 +59,20 @@ __device__ __forceinline__ void tiled_tile(int m, int n, int kend,
     acc[0][0] = c00; acc[0][1] = c01; acc[1][0] = c10; acc[1][1] = c11;
 }
 
-// The epilogue of one output: alpha * s (+ beta * *c, read only when beta != 0) (+ bias[j]),
-// then ReLU if asked.
+// bias[j] when there is a bias and 0 <= j < n, else 0. Kernels load it before their main loop
+// (after the PDL wait), so that its latency hides under the loop rather than adding one more
+// memory round trip after it.
+__device__ __forceinline__ float bias_at(const float* bias, int j, int n) {
+    return bias != nullptr && j >= 0 && j < n ? __ldg(bias + j) : 0.0f;
+}
+
+// The epilogue of one output: alpha * s (+ beta * *c, read only when beta != 0) (+ b, the
+// output's bias loaded ahead by bias_at, when there is a bias), then ReLU if asked.
 __device__ __forceinline__ float tiled_epilogue(float s, float alpha, float beta, const float* c,
-        const float* bias, int j, int relu) {
+        const float* bias, float b, int relu) {
     float v = alpha * s;
     if (beta != 0.0f) v += beta * *c;
-    if (bias) v += bias[j];
+    if (bias) v += b;
     if (relu) v = relu_f(v);
     return v;
 }
