@@ -8,6 +8,8 @@ set -uo pipefail
 o=${OUT:-/tmp/out}; r="$o/s11a"; mkdir -p "$r"
 d=$(date -u +%Y-%m-%d); t0=$SECONDS
 nvidia-smi -L | tee "$r/device.txt"
+# The binary before the change travels gzipped (the carry limit).
+[ -f .gpu-bin/bin/cudagraph-base.gz ] && gunzip -f .gpu-bin/bin/cudagraph-base.gz
 CUDAGRAPH_CACHE_DIR=/tmp/cg-new timeout 220 bash .gpu-bin/run-tests.sh > "$r/gpu-tests-$d.log" 2>&1
 grep -E '^test .*FAILED|panicked at' "$r/gpu-tests-$d.log" | grep -v 'host-function node panicked' | head -12
 tail -n 2 "$r/gpu-tests-$d.log"; echo "suite done ($((SECONDS - t0)) s)"
