@@ -96,8 +96,9 @@ pub const LT_SEARCH_VAR: &str = "CUDAGRAPH_LT_SEARCH";
 /// graph API with the bias fused, `cudnnv8+bias:R`; 6: products measured under
 /// `CUDAGRAPH_LT_SEARCH=1` may record cuBLASLt's searched configurations, `cublaslt:cN`, which
 /// a reader of format 5 cannot parse; 7: products also measure our register-blocked kernel,
-/// `reg:S`, which choices measured before never saw).
-const FORMAT: u32 = 7;
+/// `reg:S`, which choices measured before never saw; 8: products of few rows measure our
+/// column-warp kernels, `colsRxCwW:KS`, instead of the 8- and 4-row kernels).
+const FORMAT: u32 = 8;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -369,6 +370,15 @@ pub enum GemmAlgo {
     /// `gemm::ROWS_MAX_M` in a grid of such blocks (shown as `rows:KS`); 8 and 4 rows for at
     /// most that many, two K chunks in flight per warp (shown as `rows8:KS`, `rows4:KS`).
     Rows { rows: u8, ks: u8 },
+    /// Our column-warp kernels for few rows (forward layout, alpha 1, beta 0): each warp `rows`
+    /// rows × `cols` columns, `warps` warps per block, `ks` of them splitting K per column group
+    /// ([`crate::kernels::ColsShape`]); shown as `colsRxCwW:KS`.
+    Cols {
+        rows: u8,
+        cols: u8,
+        warps: u8,
+        ks: u8,
+    },
 }
 
 impl GemmAlgo {
@@ -383,7 +393,7 @@ impl GemmAlgo {
                 Engine::Tiled
             }
             GemmAlgo::WarpK => Engine::WarpK,
-            GemmAlgo::Rows { .. } => Engine::Rows,
+            GemmAlgo::Rows { .. } | GemmAlgo::Cols { .. } => Engine::Rows,
         }
     }
 }
@@ -402,6 +412,12 @@ impl fmt::Display for GemmAlgo {
             GemmAlgo::WarpK => write!(f, "warpk"),
             GemmAlgo::Rows { rows: 16, ks } => write!(f, "rows:{ks}"),
             GemmAlgo::Rows { rows, ks } => write!(f, "rows{rows}:{ks}"),
+            GemmAlgo::Cols {
+                rows,
+                cols,
+                warps,
+                ks,
+            } => write!(f, "cols{rows}x{cols}w{warps}:{ks}"),
         }
     }
 }
@@ -441,6 +457,25 @@ impl FromStr for GemmAlgo {
                 rows: p[4..].parse().unwrap_or(16),
                 ks: r.parse().map_err(|_| bad())?,
             }),
+            Some((p, r)) if p.starts_with("cols") => {
+                let (rows, rest) = p[4..].split_once('x').ok_or_else(bad)?;
+                let (cols, warps) = rest.split_once('w').ok_or_else(bad)?;
+                let num = |v: &str| -> Result<u8> {
+                    // Only canonical decimals, so that a name prints back as itself.
+                    let n: u8 = v.parse().map_err(|_| bad())?;
+                    if n.to_string() == v {
+                        Ok(n)
+                    } else {
+                        Err(bad())
+                    }
+                };
+                Ok(GemmAlgo::Cols {
+                    rows: num(rows)?,
+                    cols: num(cols)?,
+                    warps: num(warps)?,
+                    ks: num(r)?,
+                })
+            }
             _ => Err(bad()),
         }
     }
@@ -1451,8 +1486,39 @@ mod tests {
             GemmAlgo::Rows { rows: 16, ks: 4 },
             GemmAlgo::Rows { rows: 8, ks: 4 },
             GemmAlgo::Rows { rows: 4, ks: 1 },
+            GemmAlgo::Cols {
+                rows: 1,
+                cols: 2,
+                warps: 8,
+                ks: 4,
+            },
+            GemmAlgo::Cols {
+                rows: 16,
+                cols: 1,
+                warps: 16,
+                ks: 16,
+            },
         ] {
             assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+        }
+        let cols = GemmAlgo::Cols {
+            rows: 2,
+            cols: 2,
+            warps: 8,
+            ks: 8,
+        };
+        assert_eq!(cols.to_string(), "cols2x2w8:8");
+        assert_eq!(cols.family(), Engine::Rows);
+        for bad in [
+            "cols2x2w8",
+            "cols2x2:8",
+            "cols2w8:8",
+            "cols02x2w8:8",
+            "cols2x2w8:+8",
+            "cols2x2w256:1",
+            "colsxw:1",
+        ] {
+            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
         }
         assert_eq!(GemmAlgo::Rows { rows: 8, ks: 2 }.to_string(), "rows8:2");
         assert_eq!(GemmAlgo::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");

@@ -23,7 +23,9 @@ use crate::blas::Trans;
 use crate::blaslt::{alignment, LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
-use crate::kernels::{rows_groups, rows_most_splits, ClusterKernels, GemmDims, Nn, ROWS_PER_BLOCK};
+use crate::kernels::{
+    rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Nn, ROWS_PER_BLOCK,
+};
 
 type Buf = DeviceBuffer<f32>;
 
@@ -407,21 +409,19 @@ pub fn gemm_candidates(
         v.push(GemmAlgo::WarpK);
     }
     if allowed(Engine::Rows) && op.rows_ok(align) {
+        // The 16-row kernel (a grid of blocks covers up to ROWS_MAX_M rows), and the
+        // column-warp kernels, which won every product of m ≤ 8 the probe measured against the
+        // 8- and 4-row kernels (see `cols_shapes`): those two are no longer offered.
         let sms = eng.device_info().multiprocessors;
-        for per_block in ROWS_PER_BLOCK {
-            // The smaller kernels only where one block row covers every row.
-            if per_block < 16 && op.m > per_block {
-                continue;
-            }
-            let ks = rows_split(op.m, op.n, op.k, sms, per_block);
-            let splits = if ks > 1 { vec![ks, ks / 2] } else { vec![ks] };
-            for ks in splits {
-                v.push(GemmAlgo::Rows {
-                    rows: per_block as u8,
-                    ks: ks as u8,
-                });
-            }
+        let ks = rows_split(op.m, op.n, op.k, sms, 16);
+        let splits = if ks > 1 { vec![ks, ks / 2] } else { vec![ks] };
+        for ks in splits {
+            v.push(GemmAlgo::Rows {
+                rows: 16,
+                ks: ks as u8,
+            });
         }
+        v.extend(cols_shapes(op.m, op.k).into_iter().map(cols_algo));
     }
     if v.is_empty() {
         let fallback = if matches!(family, Engine::WarpK | Engine::Rows) {
@@ -567,6 +567,27 @@ fn run_algo(
             let d = (ks as usize, rows as usize);
             nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, d)
         }
+        GemmAlgo::Cols {
+            rows,
+            cols,
+            warps,
+            ks,
+        } => {
+            if !op.rows_ok(align) {
+                return Err(NnError::Shape(format!(
+                    "gemm: the column-warp kernel runs only x·wᵀ with alpha 1, beta 0, at most \
+                     {ROWS_MAX_M} rows, k a multiple of 4 and 16-byte aligned operands ({})",
+                    op.key()
+                )));
+            }
+            let shape = ColsShape {
+                rows: rows as usize,
+                cols: cols as usize,
+                warps: warps as usize,
+                ks: ks as usize,
+            };
+            nn.sgemm_nt_cols(q, (op.m, op.n, op.k), a, b, c, bias, relu, shape)
+        }
         GemmAlgo::WarpK => {
             if !op.warpk_ok() {
                 return Err(NnError::Shape(format!(
@@ -584,6 +605,49 @@ fn run_algo(
 /// (`bench gemm`, 2026-11-23) it wins at 8 rows (3.9 µs against 5.8 for split-K tiled and 6.5
 /// for cuBLAS, 512 × 1024 weights) and only ties or loses from 32 rows on.
 pub const ROWS_MAX_M: usize = 16;
+
+/// The column-warp shapes the registry measures for a product of `m` rows (1 ≤ m ≤
+/// [`ROWS_MAX_M`]; none otherwise) and depth `k`: rows per warp the next power of two at or
+/// above m and twice that (at most 16), one or two columns per warp, and (warps per block,
+/// warps splitting K) of (4, 1), (4, 2), (8, 1), (8, 2), (8, 4) and (8, 8) where each splitting
+/// warp has a 128-wide K chunk of its own. The probe (H100, 2026-11-24,
+/// `bench/probe/gemv_probe.py`, `gemv-probe-2026-11-24-session11.txt`) found the fastest shape
+/// of each of its 36 products (m 1–8, k and n 256–4096) among these, and 8 % to 33 % faster
+/// than the best 8- or 4-row kernel at each.
+pub fn cols_shapes(m: usize, k: usize) -> Vec<ColsShape> {
+    if m == 0 || m > ROWS_MAX_M {
+        return Vec::new();
+    }
+    let p = m.next_power_of_two();
+    let chunks = k.div_ceil(128).max(1);
+    let mut v = Vec::new();
+    for rows in [p, 2 * p].into_iter().filter(|&r| r <= 16) {
+        for cols in [1, 2] {
+            for (warps, ks) in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (8, 8)] {
+                if ks <= chunks {
+                    v.push(ColsShape {
+                        rows,
+                        cols,
+                        warps,
+                        ks,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+/// `shape` as the registry's name for it.
+fn cols_algo(shape: ColsShape) -> GemmAlgo {
+    // Every field is at most 16 (cols_shapes).
+    GemmAlgo::Cols {
+        rows: shape.rows as u8,
+        cols: shape.cols as u8,
+        warps: shape.warps as u8,
+        ks: shape.ks as u8,
+    }
+}
 
 /// How many warps of the few-rows kernel (`per_block` rows per block) split K per group of
 /// four columns (1, 2, 4, 8, or 16 for the 8- and 4-row kernels): the fewest that give the
@@ -657,6 +721,40 @@ pub fn split_k(m: usize, n: usize, k: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cols_shapes_follow_the_rows_and_the_chunks() {
+        let shape = |rows, cols, warps, ks| ColsShape {
+            rows,
+            cols,
+            warps,
+            ks,
+        };
+        // One row, four 128-wide chunks: one and two rows per warp, every block shape with
+        // at most four warps splitting K.
+        let v = cols_shapes(1, 512);
+        assert_eq!(v.len(), 2 * 2 * 5);
+        assert!(v.contains(&shape(1, 1, 4, 1)));
+        assert!(v.contains(&shape(2, 2, 8, 4)));
+        assert!(!v.iter().any(|c| c.ks > 4));
+        // Five rows: eight and sixteen per warp; a lone chunk: no K splits.
+        let v = cols_shapes(5, 100);
+        assert!(v.iter().all(|c| (c.rows == 8 || c.rows == 16) && c.ks == 1));
+        assert_eq!(v.len(), 2 * 2 * 2);
+        // Nine rows: sixteen per warp only; k = 0 still has one shape per block width.
+        assert!(cols_shapes(9, 4096).iter().all(|c| c.rows == 16));
+        assert_eq!(cols_shapes(9, 0).len(), 2 * 2);
+        // Every offered shape launches.
+        for m in 1..=ROWS_MAX_M {
+            for c in cols_shapes(m, usize::MAX) {
+                c.check().unwrap();
+                assert_eq!(c.warps % c.ks, 0);
+            }
+        }
+        assert!(cols_shapes(0, 512).is_empty());
+        assert!(cols_shapes(ROWS_MAX_M + 1, 512).is_empty());
+        assert!(cols_shapes(usize::MAX, 512).is_empty());
+    }
 
     #[test]
     fn auto_follows_the_measured_table() {

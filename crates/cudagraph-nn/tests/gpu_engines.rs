@@ -23,7 +23,9 @@ use cudagraph_nn::blas::Trans;
 use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
 use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, GemmAlgo, Policy};
-use cudagraph_nn::gemm::{gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp};
+use cudagraph_nn::gemm::{
+    cols_shapes, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
+};
 use cudagraph_nn::kernels::{igemm, ConvGeom};
 use cudagraph_nn::*;
 
@@ -329,6 +331,13 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                                     .extend([1, 2, 4, 8, 16].map(|ks| GemmAlgo::Rows { rows, ks }));
                             }
                         }
+                        // The column-warp kernels the registry offers here.
+                        algos.extend(cols_shapes(m, k).into_iter().map(|c| GemmAlgo::Cols {
+                            rows: c.rows as u8,
+                            cols: c.cols as u8,
+                            warps: c.warps as u8,
+                            ks: c.ks as u8,
+                        }));
                     }
                 }
                 let lt = lt_algos(&dev, &s, &op);
@@ -380,6 +389,30 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     // Sixteen warps per group only with 8 or 4 rows per block.
     let e = refused(GemmAlgo::Rows { rows: 16, ks: 16 });
     assert!(e.contains("warps per column group"), "{e}");
+    // Column-warp shapes that do not exist: three rows per warp, more K splits than warps.
+    for (rows, warps, ks) in [(3, 8, 1), (4, 4, 8), (4, 32, 1)] {
+        let e = refused(GemmAlgo::Cols {
+            rows,
+            cols: 1,
+            warps,
+            ks,
+        });
+        assert!(e.contains("per warp"), "{e}");
+    }
+    // More rows than the few-rows family takes.
+    let big = GemmOp { m: 17, ..op };
+    let a17 = s.alloc::<f32>(17 * 128).unwrap();
+    let c17 = s.alloc::<f32>(17 * 8).unwrap();
+    let cols = GemmAlgo::Cols {
+        rows: 16,
+        cols: 1,
+        warps: 8,
+        ks: 1,
+    };
+    let e = gemm_with(&s, &nn, cols, &big, &a17, &b, &c17, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most 16 rows"), "{e}");
     s.synchronize().unwrap();
 }
 
@@ -500,14 +533,50 @@ fn register_blocked_kernel_agrees_repeats_and_replays() {
     s.synchronize().unwrap();
 }
 
-/// cuBLASLt's split-K variants (`cublaslt:R/skS`) of products with few output tiles: the
-/// sweep's forward products where cuBLASLt's first algorithm leaves most of an H100 idle
-/// (512 × 256 → 1024 and 128 × 256 → 4096, with bias) get some; in those and in the backward
-/// layouts of the first, each variant agrees with cuBLASLt's first algorithm within the
-/// product tolerance, repeated runs give the same bits, and a graph replay equals its eager
-/// run bit for bit; the registry
-/// measures the variants among cuBLASLt's candidates, none failing; a variant the plan did not
-/// keep is an error, not a launch.
+/// The column-warp kernels at every rows/columns-per-warp kernel and several block shapes —
+/// one warp group covering all rows or several block rows, K splits with and without a chunk
+/// each, k not a multiple of 128, odd columns — agree with the f64 reference, repeat bit for
+/// bit, and replay bit for bit.
+#[test]
+fn column_warp_kernels_agree_repeat_and_replay() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = Rng::new(106);
+    let (n, t) = (Trans::N, Trans::T);
+    let shapes = [
+        (1usize, 257usize, 1028usize),
+        (2, 1000, 128),
+        (3, 3, 516),
+        (8, 131, 4100),
+        (13, 64, 256),
+        (16, 1, 4),
+    ];
+    for &(m, nn_, k) in &shapes[..cudagraph::testing::iterations(shapes.len(), 3)] {
+        let op = plain_op(n, t, m, nn_, k, Epilogue::BiasRelu);
+        let o = Operands::new(&s, &mut rng, &op);
+        let want = o.want(&op);
+        let Operands { c0, a, b, bb, .. } = o;
+        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+            gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
+        };
+        for rows in [1u8, 2, 4, 8, 16] {
+            for cols in [1u8, 2] {
+                for (warps, ks) in [(4u8, 1u8), (4, 4), (8, 2), (8, 8), (16, 1), (16, 16)] {
+                    let algo = GemmAlgo::Cols {
+                        rows,
+                        cols,
+                        warps,
+                        ks,
+                    };
+                    agrees_repeats_and_replays(&mut s, &run, algo, &op, &c0, &want, "f64");
+                }
+            }
+        }
+    }
+    s.synchronize().unwrap();
+}
+
 /// How one candidate of a product runs on a queue into an output buffer.
 type GemmRun<'a> =
     dyn Fn(&dyn Queue, GemmAlgo, &DeviceBuffer<f32>) -> cudagraph_nn::Result<()> + 'a;
@@ -553,6 +622,14 @@ fn agrees_repeats_and_replays(
     );
 }
 
+/// cuBLASLt's split-K variants (`cublaslt:R/skS`) of products with few output tiles: the
+/// sweep's forward products where cuBLASLt's first algorithm leaves most of an H100 idle
+/// (512 × 256 → 1024 and 128 × 256 → 4096, with bias) get some; in those and in the backward
+/// layouts of the first, each variant agrees with cuBLASLt's first algorithm within the
+/// product tolerance, repeated runs give the same bits, and a graph replay equals its eager
+/// run bit for bit; the registry
+/// measures the variants among cuBLASLt's candidates, none failing; a variant the plan did not
+/// keep is an error, not a launch.
 #[test]
 fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
     let dev = gpu_test_device!();

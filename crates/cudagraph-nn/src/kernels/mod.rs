@@ -105,6 +105,16 @@ kernels!(
     sgemm_nt_rows,
     sgemm_nt_rows8,
     sgemm_nt_rows4,
+    sgemm_nt_cols_r1c1,
+    sgemm_nt_cols_r1c2,
+    sgemm_nt_cols_r2c1,
+    sgemm_nt_cols_r2c2,
+    sgemm_nt_cols_r4c1,
+    sgemm_nt_cols_r4c2,
+    sgemm_nt_cols_r8c1,
+    sgemm_nt_cols_r8c2,
+    sgemm_nt_cols_r16c1,
+    sgemm_nt_cols_r16c2,
     bias_act,
     relu_fwd,
     relu_bwd,
@@ -301,6 +311,67 @@ pub fn rows_grid(m: usize, n: usize, ks: usize, per_block: usize) -> Result<Laun
         _ => Err(NnError::Shape(format!(
             "gemm rows: {m}×{n} exceeds the grid"
         ))),
+    }
+}
+
+/// The shape of a column-warp kernel launch (`sgemm_nt_cols_r{rows}c{cols}`): `rows` rows
+/// (1, 2, 4, 8 or 16) and `cols` columns (1 or 2) per warp, `warps` warps per block (4, 8 or
+/// 16), `ks` of them (a power of two up to `warps`) splitting K per column group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ColsShape {
+    pub rows: usize,
+    pub cols: usize,
+    pub warps: usize,
+    pub ks: usize,
+}
+
+/// Rows per warp the column-warp kernels come in.
+pub const COLS_ROWS: [usize; 5] = [1, 2, 4, 8, 16];
+/// Columns per warp the column-warp kernels come in.
+pub const COLS_COLS: [usize; 2] = [1, 2];
+/// Warps per block a column-warp kernel may have (its shared memory holds 16).
+pub const COLS_WARPS: [usize; 3] = [4, 8, 16];
+
+impl ColsShape {
+    /// Why this shape cannot launch, if it cannot.
+    pub fn check(self) -> Result<()> {
+        let ColsShape {
+            rows,
+            cols,
+            warps,
+            ks,
+        } = self;
+        if !COLS_ROWS.contains(&rows)
+            || !COLS_COLS.contains(&cols)
+            || !COLS_WARPS.contains(&warps)
+            || !ks.is_power_of_two()
+            || ks > warps
+        {
+            return Err(NnError::Shape(format!(
+                "gemm cols: {rows} rows × {cols} columns per warp, {warps} warps, {ks} splitting \
+                 K (rows one of {COLS_ROWS:?}, columns one of {COLS_COLS:?}, warps one of \
+                 {COLS_WARPS:?}, a power of two up to the warps splitting K)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The launch for an m×n output: `warps / ks` column groups of `cols` columns per block in
+    /// x, `rows` rows per block in y.
+    pub fn grid(self, m: usize, n: usize) -> Result<LaunchConfig> {
+        self.check()?;
+        let gx = n.div_ceil(self.cols).div_ceil(self.warps / self.ks);
+        let gy = m.div_ceil(self.rows);
+        match (u32::try_from(gx), u32::try_from(gy)) {
+            (Ok(gx), Ok(gy)) if gx <= i32::MAX as u32 && gy <= 65535 => Ok(LaunchConfig {
+                grid: (gx, gy, 1),
+                block: (32 * self.warps as u32, 1, 1),
+                shared_mem_bytes: 0,
+            }),
+            _ => Err(NnError::Shape(format!(
+                "gemm cols: {m}×{n} exceeds the grid"
+            ))),
+        }
     }
 }
 
@@ -881,6 +952,79 @@ impl Nn {
         }
     }
 
+    /// The column-warp kernel for the forward layout: `C = act(A·Bᵀ + bias)`, A m×k, B n×k,
+    /// each warp `shape.rows` rows × `shape.cols` columns. Needs k a multiple of 4 and A, B
+    /// 16-byte aligned (it reads float4s, [`rows_ok`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm_nt_cols(
+        &self,
+        q: &dyn Queue,
+        (m, n, k): (usize, usize, usize),
+        a: &Buf,
+        b: &Buf,
+        c: &Buf,
+        bias: Option<&Buf>,
+        relu: bool,
+        shape: ColsShape,
+    ) -> Result<()> {
+        let d = GemmDims {
+            m,
+            n,
+            k,
+            ta: false,
+            tb: true,
+        };
+        d.check_buffers(a, b, c, bias)?;
+        shape.check()?;
+        let f = match (shape.rows, shape.cols) {
+            (1, 1) => &self.k.sgemm_nt_cols_r1c1,
+            (1, _) => &self.k.sgemm_nt_cols_r1c2,
+            (2, 1) => &self.k.sgemm_nt_cols_r2c1,
+            (2, _) => &self.k.sgemm_nt_cols_r2c2,
+            (4, 1) => &self.k.sgemm_nt_cols_r4c1,
+            (4, _) => &self.k.sgemm_nt_cols_r4c2,
+            (8, 1) => &self.k.sgemm_nt_cols_r8c1,
+            (8, _) => &self.k.sgemm_nt_cols_r8c2,
+            (_, 1) => &self.k.sgemm_nt_cols_r16c1,
+            _ => &self.k.sgemm_nt_cols_r16c2,
+        };
+        if !rows_ok(k, &[a.addr(), b.addr()]) {
+            return Err(NnError::Shape(format!(
+                "gemm cols: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
+            )));
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let cfg = shape.grid(m, n)?;
+        // SAFETY: a block covers rows [R·y, R·y + R) and the columns of its warps' groups; every
+        // load of A is at row < m (guarded) and k offset kk < k with kk % 4 == 0 and k % 4 == 0
+        // (checked), so the float4 at A + row·k + kk lies below m·k (checked) and is 16-byte
+        // aligned (A aligned, k % 4 == 0); likewise B at column < n below n·k. Writes go to C
+        // at row < m, column < n (guarded), below m·n (checked); the bias is read below n
+        // (checked). Column indices stay within 1024 of n (two columns times at most 16 warps
+        // past the last group) and k offsets within 128 of k, which int_loop bounds. A block
+        // has shape.warps ≤ 16 warps (checked), indexing the kernel's 16-row `part`.
+        unsafe {
+            launch(
+                q,
+                f,
+                cfg,
+                &[
+                    int_loop("m", m, 1024)?.into(),
+                    int_loop("n", n, 1024)?.into(),
+                    int_loop("k", k, 4096)?.into(),
+                    a.into(),
+                    b.into(),
+                    c.into(),
+                    Arg::opt(bias),
+                    (relu as i32).into(),
+                    (shape.ks as i32).into(),
+                ],
+            )
+        }
+    }
+
     /// `y[r, c] = act(y[r, c] + b[c])` over `rows × cols`.
     pub fn bias_act(
         &self,
@@ -1309,5 +1453,39 @@ mod reg_tests {
         let t = TiledLaunch::with_tile(dims(64, 64, 1000, false, true), REG_SHAPE, 5).unwrap();
         assert_eq!((t.splits, t.kc), (5, 224));
         assert!(TiledLaunch::with_tile(dims(64 * 65536, 1, 1, false, true), REG_SHAPE, 1).is_err());
+    }
+}
+
+#[cfg(test)]
+mod cols_tests {
+    use super::ColsShape;
+
+    #[test]
+    fn cols_shapes_check_and_grid() {
+        let ok = ColsShape {
+            rows: 2,
+            cols: 2,
+            warps: 8,
+            ks: 4,
+        };
+        let cfg = ok.grid(3, 1001).unwrap();
+        // 501 column pairs in groups of two per block; two block rows.
+        assert_eq!((cfg.grid, cfg.block), ((251, 2, 1), (256, 1, 1)));
+        for bad in [
+            ColsShape { rows: 3, ..ok },
+            ColsShape { cols: 4, ..ok },
+            ColsShape { warps: 2, ..ok },
+            ColsShape { warps: 32, ..ok },
+            ColsShape { ks: 3, ..ok },
+            ColsShape { ks: 16, ..ok },
+            ColsShape { ks: 0, ..ok },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?}");
+            assert!(bad.grid(1, 1).is_err(), "{bad:?}");
+        }
+        // Grids past the device's limits are errors, not launches.
+        assert!(ok.grid(2 * 65535 + 1, 1).is_err());
+        assert!(ok.grid(1, usize::MAX).is_err());
+        assert!(ok.grid(usize::MAX, usize::MAX).is_err());
     }
 }
