@@ -166,10 +166,16 @@ extern "C" __global__ void __launch_bounds__(1024) ce_fwd_block(const float* z, 
         }
         if (lane == 0) { wm[warp] = m; ws[warp] = s; }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            float bm = wm[0], bs = ws[0];
-            for (int w = 1; w < nw; w++) ms_merge(bm, bs, wm[w], ws[w]);
-            row_m = bm; row_s = bs;
+        if (warp == 0) {
+            // The warps' statistics merged by a butterfly of warp 0's lanes (5 steps, not 31
+            // merges in sequence); lanes past the warps hold empty statistics.
+            float bm = lane < nw ? wm[lane] : NEG_INF, bs = lane < nw ? ws[lane] : 0.0f;
+            for (int o = 16; o > 0; o >>= 1) {
+                const float m2 = __shfl_xor_sync(0xffffffffu, bm, o);
+                const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+                ms_merge(bm, bs, m2, s2);
+            }
+            if (lane == 0) { row_m = bm; row_s = bs; }
         }
         __syncthreads();
         m = row_m; s = row_s;
@@ -270,11 +276,13 @@ extern "C" __global__ void __launch_bounds__(256) ce_split_finish(const float* z
     const int b = blockIdx.x, r = b / per_row, k = b - r * per_row;
     if (r >= rows) return;
     if (threadIdx.x < 32) {
+        // The target logit's load is issued before the merge and used after it.
+        const float z_t = threadIdx.x == 0 && k == 0 ? zt[r] : 0.0f;
         float m, s;
         ce_row_stats(pm, ps, r, true, chunks, 32, m, s);
         if (threadIdx.x == 0) {
             row_m = m; row_s = s;
-            if (k == 0) row_loss[r] = logf(s) + m - zt[r];
+            if (k == 0) row_loss[r] = logf(s) + m - z_t;
         }
     }
     if (grad == 0) return;
@@ -304,9 +312,12 @@ extern "C" __global__ void __launch_bounds__(1024) ce_split_mean(const float* pm
     // Whole warps iterate together (the butterfly's shuffles take every lane).
     for (int r0 = 0; r0 < rows; r0 += (blockDim.x >> 5) * per_warp) {
         const int r = r0 + first;
+        const bool writes = r < rows && (lane & (g - 1)) == 0;
+        // The target logit's load is issued before the merge and used after it.
+        const float z_t = writes ? zt[r] : 0.0f;
         float m, s;
         ce_row_stats(pm, ps, r, r < rows, chunks, g, m, s);
-        if (r < rows && (lane & (g - 1)) == 0) row_loss[r] = logf(s) + m - zt[r];
+        if (writes) row_loss[r] = logf(s) + m - z_t;
     }
     __syncthreads();
     float acc = 0.0f;
