@@ -114,8 +114,9 @@ pub enum Engine {
     /// One kernel, K split across the warps of a block (forward layout `x·wᵀ`, alpha 1,
     /// beta 0 only; other products fall back to `Tiled`).
     WarpK,
-    /// One kernel for few rows (forward layout, alpha 1, beta 0, at most [`crate::gemm::ROWS_MAX_M`] rows,
-    /// k a multiple of 4; other products fall back to `Tiled`).
+    /// Our kernels for few rows, the few-rows and column-warp ones (forward layout, alpha 1,
+    /// beta 0, at most [`crate::gemm::ROWS_MAX_M`] rows, k a multiple of 4; other products fall
+    /// back to `Tiled`).
     Rows,
     /// Every engine available, measured per shape by the registry; before a measurement (in a
     /// capture) the heuristic default of [`crate::gemm::auto_engine`].
@@ -368,7 +369,9 @@ pub enum GemmAlgo {
     /// Our few-rows kernels (forward layout, alpha 1, beta 0), `rows` (16, 8 or 4) rows per
     /// block, `ks` warps splitting K per group of four columns: 16 rows for up to
     /// `gemm::ROWS_MAX_M` in a grid of such blocks (shown as `rows:KS`); 8 and 4 rows for at
-    /// most that many, two K chunks in flight per warp (shown as `rows8:KS`, `rows4:KS`).
+    /// most that many, two K chunks in flight per warp (shown as `rows8:KS`, `rows4:KS`; no
+    /// longer offered by the registry, where the column-warp kernels won every product the
+    /// probe measured, but runnable by name).
     Rows { rows: u8, ks: u8 },
     /// Our column-warp kernels for few rows (forward layout, alpha 1, beta 0): each warp `rows`
     /// rows × `cols` columns, `warps` warps per block, `ks` of them splitting K per column group

@@ -9,7 +9,9 @@
 //! a cluster),
 //! `sgemm_nt_warpk` (K split across the warps of one block, forward layout) and
 //! `sgemm_nt_rows` (few rows: every lane streams float4s of four weight rows, K split across
-//! lanes and warps and summed in a fixed order inside the kernel, forward layout).
+//! lanes and warps and summed in a fixed order inside the kernel, forward layout) and the
+//! column-warp kernels `sgemm_nt_cols_rRcC` (few rows: each warp a few rows × one or two columns,
+//! its sums reduce-scattered by shuffles, forward layout; [`cols_shapes`]).
 //!
 //! [`gemm`] keeps its signature: `Engine::Auto` asks the registry (within the policy's
 //! family, `CUDAGRAPH_GEMM`), any other `Engine` restricts the registry to that family.
