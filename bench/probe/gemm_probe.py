@@ -13,6 +13,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from probe_nvrtc import check, load
+
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
@@ -37,46 +39,14 @@ if NCU:
     SHAPES = [(512, 256, 1024)]
 
 
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what} failed: {rc}")
-
-
-def compile_ptx(src):
-    nvrtc = ctypes.CDLL("libnvrtc.so.13")
-    prog = ctypes.c_void_p()
-    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"probe.cu", 0, None, None), "create")
-    major, minor = torch.cuda.get_device_capability()
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-std=c++17", b"-lineinfo"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
-    n = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    if rc != 0:
-        raise RuntimeError(log.value.decode())
-    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    check(nvrtc.nvrtcGetCUBIN(prog, buf), "cubin")
-    return buf
-
-
 def main():
     src = "".join(open(p).read() for p in SOURCES + EXTRA)
     torch.zeros(1, device="cuda")
-    cuda = ctypes.CDLL("libcuda.so.1")
-    image = compile_ptx(src)
-    mod = ctypes.c_void_p()
-    check(cuda.cuModuleLoadData(ctypes.byref(mod), image), "load")
-    funcs = {}
+    cuda, funcs = load(src, [name for name, *_ in KERNELS], [b"-lineinfo"])
     for name, *_ in KERNELS:
-        f = ctypes.c_void_p()
-        check(cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()), name)
         regs, local = ctypes.c_int(), ctypes.c_int()
-        cuda.cuFuncGetAttribute(ctypes.byref(regs), 4, f)
-        cuda.cuFuncGetAttribute(ctypes.byref(local), 3, f)
-        funcs[name] = f
+        cuda.cuFuncGetAttribute(ctypes.byref(regs), 4, funcs[name])
+        cuda.cuFuncGetAttribute(ctypes.byref(local), 3, funcs[name])
         print(f"# {name}: {regs.value} registers, {local.value} B local", flush=True)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'shape m,k->n':>18} {'torch':>8} " + " ".join(f"{n:>14}" for n, *_ in KERNELS))

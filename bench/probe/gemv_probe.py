@@ -15,6 +15,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from probe_nvrtc import check, load
+
 torch.backends.cuda.matmul.allow_tf32 = False
 
 ROOT = "crates/cudagraph-nn/src/kernels/"
@@ -23,31 +25,6 @@ ALL = "--all" in sys.argv
 REPLAYS, SAMPLES, SLEEP = 300, 5, 4_000_000
 
 SHAPES = [(m, k, n) for m in (1, 2, 4, 8) for k in (256, 1024, 4096) for n in (256, 1024, 4096)]
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what} failed: {rc}")
-
-
-def compile_cubin(src):
-    nvrtc = ctypes.CDLL("libnvrtc.so.13")
-    prog = ctypes.c_void_p()
-    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"probe.cu", 0, None, None), "create")
-    major, minor = torch.cuda.get_device_capability()
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-std=c++17"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
-    n = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    if rc != 0:
-        raise RuntimeError(log.value.decode())
-    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    check(nvrtc.nvrtcGetCUBIN(prog, buf), "cubin")
-    return buf
 
 
 def variants(m, k, n):
@@ -81,16 +58,11 @@ FUNCS = {}
 
 def main():
     torch.zeros(1, device="cuda")
-    cuda = ctypes.CDLL("libcuda.so.1")
     src = "".join(open(p).read() for p in SOURCES)
-    mod = ctypes.c_void_p()
-    check(cuda.cuModuleLoadData(ctypes.byref(mod), compile_cubin(src)), "load")
     names = ["sgemm_nt_rows4", "sgemm_nt_rows8"] + [f"gemv_r{r}c{c}" for r, c in
              ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2))]
-    for name in names:
-        f = ctypes.c_void_p()
-        check(cuda.cuModuleGetFunction(ctypes.byref(f), mod, name.encode()), name)
-        FUNCS[name] = f
+    cuda, funcs = load(src, names)
+    FUNCS.update(funcs)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; µs per replay of a one-kernel graph")
     print(f"{'m,k->n':>14} {'torch':>7} {'library':>7} {'(kernel)':>12} {'probe':>7} {'(variant)':>14} {'probe/torch':>11}")
 

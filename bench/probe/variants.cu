@@ -122,7 +122,7 @@ __device__ __forceinline__ void pg(int m, int n, int k, float alpha,
 #pragma unroll
         for (int y = 0; y < TN; y++) {
             int i = row0 + rowof(x), j = col0 + colof(y);
-            if (i < m && j < n) C[(long)i * n + j] = tiled_epilogue(acc[x][y], alpha, beta, C + (long)i * n + j, bias, j, relu);
+            if (i < m && j < n) C[(long)i * n + j] = tiled_epilogue(acc[x][y], alpha, beta, C + (long)i * n + j, bias, bias_at(bias, j, n), relu);
         }
 }
 
@@ -282,7 +282,9 @@ __device__ __forceinline__ void regi_gemm(int m, int n, int k, float alpha,
     }
     __syncthreads();
     reg_sum_groups<G>(smem, acc, g, tx, ty);
-    reg_store(smem, THREADS, m, n, alpha, beta, C, bias, relu, partial);
+    // The library's reg_store takes this thread's bias (column blockIdx.x * 64 + tid % 64).
+    reg_store(smem, THREADS, m, n, alpha, beta, C, bias,
+              bias_at(partial ? nullptr : bias, blockIdx.x * 64 + threadIdx.x % 64, n), relu, partial);
 }
 
 #define PROBEI(name, LB, VEC, G, BKG) \

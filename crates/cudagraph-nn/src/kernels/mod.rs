@@ -375,6 +375,59 @@ impl ColsShape {
     }
 }
 
+/// What both few-row launchers (`sgemm_nt_rows*`, `sgemm_nt_cols_*`) check of the forward
+/// product `C = act(A·Bᵀ + bias)`, A m×k, B n×k: every buffer holds what the kernels index, k is
+/// a multiple of 4 and A, B are 16-byte aligned (the kernels read float4s). `Ok(false)` when
+/// the output is empty and nothing is to be launched.
+fn few_rows_ready(
+    what: &str,
+    (m, n, k): (usize, usize, usize),
+    a: &Buf,
+    b: &Buf,
+    c: &Buf,
+    bias: Option<&Buf>,
+) -> Result<bool> {
+    let d = GemmDims {
+        m,
+        n,
+        k,
+        ta: false,
+        tb: true,
+    };
+    d.check_buffers(a, b, c, bias)?;
+    if !rows_ok(k, &[a.addr(), b.addr()]) {
+        return Err(NnError::Shape(format!(
+            "{what}: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
+        )));
+    }
+    Ok(m > 0 && n > 0)
+}
+
+/// The argument list of both few-row kernels: `(m, n, k, A, B, C, bias, relu, ks)`, the sizes
+/// bounded so that the kernels' 32-bit indices past the last row, column or K chunk cannot
+/// overflow.
+fn few_rows_args<'a>(
+    (m, n, k): (usize, usize, usize),
+    a: &'a Buf,
+    b: &'a Buf,
+    c: &'a Buf,
+    bias: Option<&'a Buf>,
+    relu: bool,
+    ks: usize,
+) -> Result<[Arg<'a>; 9]> {
+    Ok([
+        int_loop("m", m, 1024)?.into(),
+        int_loop("n", n, 1024)?.into(),
+        int_loop("k", k, 4096)?.into(),
+        a.into(),
+        b.into(),
+        c.into(),
+        Arg::opt(bias),
+        (relu as i32).into(),
+        (ks as i32).into(),
+    ])
+}
+
 /// `v` as a kernel `long`.
 fn long(v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| NnError::Shape(format!("count {v} exceeds a 64-bit int")))
@@ -891,14 +944,6 @@ impl Nn {
         relu: bool,
         (ks, per_block): (usize, usize),
     ) -> Result<()> {
-        let d = GemmDims {
-            m,
-            n,
-            k,
-            ta: false,
-            tb: true,
-        };
-        d.check_buffers(a, b, c, bias)?;
         if !ks.is_power_of_two() || ks > rows_most_splits(per_block) {
             return Err(NnError::Shape(format!(
                 "gemm rows: {ks} warps per column group (1, 2, 4, 8, or 16 with at most 8 rows \
@@ -915,12 +960,7 @@ impl Nn {
                 )))
             }
         };
-        if !rows_ok(k, &[a.addr(), b.addr()]) {
-            return Err(NnError::Shape(format!(
-                "gemm rows: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
-            )));
-        }
-        if m == 0 || n == 0 {
+        if !few_rows_ready("gemm rows", (m, n, k), a, b, c, bias)? {
             return Ok(());
         }
         let cfg = rows_grid(m, n, ks, per_block)?;
@@ -937,17 +977,7 @@ impl Nn {
                 q,
                 f,
                 cfg,
-                &[
-                    int_loop("m", m, 1024)?.into(),
-                    int_loop("n", n, 1024)?.into(),
-                    int_loop("k", k, 4096)?.into(),
-                    a.into(),
-                    b.into(),
-                    c.into(),
-                    Arg::opt(bias),
-                    (relu as i32).into(),
-                    (ks as i32).into(),
-                ],
+                &few_rows_args((m, n, k), a, b, c, bias, relu, ks)?,
             )
         }
     }
@@ -967,14 +997,6 @@ impl Nn {
         relu: bool,
         shape: ColsShape,
     ) -> Result<()> {
-        let d = GemmDims {
-            m,
-            n,
-            k,
-            ta: false,
-            tb: true,
-        };
-        d.check_buffers(a, b, c, bias)?;
         shape.check()?;
         let f = match (shape.rows, shape.cols) {
             (1, 1) => &self.k.sgemm_nt_cols_r1c1,
@@ -988,12 +1010,7 @@ impl Nn {
             (_, 1) => &self.k.sgemm_nt_cols_r16c1,
             _ => &self.k.sgemm_nt_cols_r16c2,
         };
-        if !rows_ok(k, &[a.addr(), b.addr()]) {
-            return Err(NnError::Shape(format!(
-                "gemm cols: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
-            )));
-        }
-        if m == 0 || n == 0 {
+        if !few_rows_ready("gemm cols", (m, n, k), a, b, c, bias)? {
             return Ok(());
         }
         let cfg = shape.grid(m, n)?;
@@ -1010,17 +1027,7 @@ impl Nn {
                 q,
                 f,
                 cfg,
-                &[
-                    int_loop("m", m, 1024)?.into(),
-                    int_loop("n", n, 1024)?.into(),
-                    int_loop("k", k, 4096)?.into(),
-                    a.into(),
-                    b.into(),
-                    c.into(),
-                    Arg::opt(bias),
-                    (relu as i32).into(),
-                    (shape.ks as i32).into(),
-                ],
+                &few_rows_args((m, n, k), a, b, c, bias, relu, shape.ks)?,
             )
         }
     }
