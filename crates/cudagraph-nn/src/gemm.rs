@@ -423,7 +423,7 @@ pub fn gemm_candidates(
                 ks: ks as u8,
             });
         }
-        v.extend(cols_shapes(op.m, op.k).into_iter().map(cols_algo));
+        v.extend(cols_candidates(op.m, op.k));
     }
     if v.is_empty() {
         let fallback = if matches!(family, Engine::WarpK | Engine::Rows) {
@@ -640,15 +640,18 @@ pub fn cols_shapes(m: usize, k: usize) -> Vec<ColsShape> {
     v
 }
 
-/// `shape` as the registry's name for it.
-fn cols_algo(shape: ColsShape) -> GemmAlgo {
-    // Every field is at most 16 (cols_shapes).
-    GemmAlgo::Cols {
-        rows: shape.rows as u8,
-        cols: shape.cols as u8,
-        warps: shape.warps as u8,
-        ks: shape.ks as u8,
-    }
+/// [`cols_shapes`] as the registry's candidates (`GemmAlgo::Cols`).
+pub fn cols_candidates(m: usize, k: usize) -> Vec<GemmAlgo> {
+    // Every field of a shape cols_shapes offers is at most 16.
+    cols_shapes(m, k)
+        .into_iter()
+        .map(|c| GemmAlgo::Cols {
+            rows: c.rows as u8,
+            cols: c.cols as u8,
+            warps: c.warps as u8,
+            ks: c.ks as u8,
+        })
+        .collect()
 }
 
 /// How many warps of the few-rows kernel (`per_block` rows per block) split K per group of
@@ -752,6 +755,18 @@ mod tests {
                 c.check().unwrap();
                 assert_eq!(c.warps % c.ks, 0);
             }
+        }
+        // The registry's names for them, one per shape, each parsing back to itself.
+        let names = cols_candidates(1, 512);
+        assert_eq!(names.len(), cols_shapes(1, 512).len());
+        assert!(names.contains(&GemmAlgo::Cols {
+            rows: 2,
+            cols: 2,
+            warps: 8,
+            ks: 4
+        }));
+        for a in names {
+            assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
         }
         assert!(cols_shapes(0, 512).is_empty());
         assert!(cols_shapes(ROWS_MAX_M + 1, 512).is_empty());

@@ -24,7 +24,7 @@ use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
 use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, GemmAlgo, Policy};
 use cudagraph_nn::gemm::{
-    cols_shapes, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
+    cols_candidates, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
 };
 use cudagraph_nn::kernels::{igemm, ConvGeom};
 use cudagraph_nn::*;
@@ -332,12 +332,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                             }
                         }
                         // The column-warp kernels the registry offers here.
-                        algos.extend(cols_shapes(m, k).into_iter().map(|c| GemmAlgo::Cols {
-                            rows: c.rows as u8,
-                            cols: c.cols as u8,
-                            warps: c.warps as u8,
-                            ks: c.ks as u8,
-                        }));
+                        algos.extend(cols_candidates(m, k));
                     }
                 }
                 let lt = lt_algos(&dev, &s, &op);
