@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudagraph::memory::{Allocator, BlockRef, PoolId};
+use cudagraph::memory::{Allocator, BlockRef};
 use cudagraph::runtime::{with_relaxed_capture, Context, WeakStream};
 use cudagraph::{Device, DeviceBuffer, Queue, QueueExt};
 use cudarc::cublas::sys;
@@ -200,9 +200,7 @@ impl Blas {
             (None, Some((_, w))) => w.clone(),
             (None, None) => {
                 st.workspaces.retain(|_, (s, _)| s.is_alive());
-                let w =
-                    self.alloc
-                        .allocate_block(WORKSPACE_BYTES, PoolId::DEFAULT, stream.id(), 0)?;
+                let w = self.alloc.allocate_block(WORKSPACE_BYTES, stream)?;
                 st.workspaces
                     .insert(stream.id(), (stream.downgrade(), w.clone()));
                 w

@@ -530,6 +530,7 @@ pub fn dropout(
         threshold,
         scale,
     )?;
+    gen.drew(q)?;
     let shape = x.shape().to_vec();
     let node = Node {
         unit_backward: None,

@@ -5,12 +5,20 @@
 //! counters when it is issued — at capture time for a graph — and its kernel uses
 //! `base + offset + i`, reading the base from device memory when it runs. [`Generator::advance`]
 //! adds the counters reserved since the last advance to the base *on the device* (a one-thread
-//! kernel, a graph node when captured). So a step that ends with `advance` draws fresh numbers
-//! on every replay, and a given (seed, step) draws the same numbers eagerly and graphed.
-//! `Sequential` advances its generator at the end of every forward pass that drew numbers.
+//! kernel, a graph node when captured).
 //!
-//! Use one generator per stream of work: two streams drawing from one generator at once would
-//! read the same base.
+//! **Randomness advances by itself.** Every draw registers an advance for the end of its queue
+//! ([`cudagraph::Queue::at_end`]): eagerly that is right after the draw, so each eager call
+//! draws fresh numbers and leaves nothing pending; inside a capture it is the end of the
+//! capture (or of the conditional body the draw is in), so the graph ends with an advance node
+//! and each replay draws fresh numbers — replay k draws what the k-th eager call of the same
+//! work with the same seed draws. An explicit `advance` inside the capture (a k-steps-per-launch
+//! loop body, `Sequential`'s forward pass) leaves nothing pending, and then no node is added.
+//!
+//! **Eager draws and replays interleave freely** on one stream: every draw, eager or replayed,
+//! starts at the base the previous one left and moves it past what it drew, in stream order, so
+//! no two draws share counters. Use one generator per stream of work: two streams drawing from
+//! one generator at once would read the same base.
 //!
 //! [`philox4x32_10`] and [`reference`] are the CPU reference the GPU tests compare against.
 
@@ -89,6 +97,16 @@ impl Generator {
         Ok(offset)
     }
 
+    /// Registers, after a kernel that draws counters reserved with [`Self::reserve`] was
+    /// enqueued on `q`, the advance past them: now when eager, at the end of the capture (or
+    /// conditional body) otherwise (see the module docs). Ops that draw call it for you.
+    pub fn drew(&self, q: &dyn Queue) -> Result<()> {
+        let g = self.clone();
+        let key = Arc::as_ptr(&self.0) as usize;
+        q.at_end(key, Box::new(move |q| Ok(g.advance(q)?)))?;
+        Ok(())
+    }
+
     /// Moves the base counter past everything reserved since the last advance, on the device
     /// (a graph node when `q` is capturing). Nothing to do when nothing was reserved.
     pub fn advance(&self, q: &dyn Queue) -> Result<()> {
@@ -105,7 +123,8 @@ impl Generator {
     pub fn fill_bits(&self, q: &dyn Queue, out: &DeviceBuffer<u32>) -> Result<()> {
         let k = RngKernels::get(q.device())?;
         let offset = self.reserve(out.len())?;
-        k.bits(q, &self.0.state, offset, out, out.len())
+        k.bits(q, &self.0.state, offset, out, out.len())?;
+        self.drew(q)
     }
 
     /// Fills `out` uniformly from `[low, high)` (PyTorch's `uniform_`).
@@ -123,7 +142,8 @@ impl Generator {
         }
         let k = RngKernels::get(q.device())?;
         let offset = self.reserve(out.len())?;
-        k.uniform(q, &self.0.state, offset, out, out.len(), low, high - low)
+        k.uniform(q, &self.0.state, offset, out, out.len(), low, high - low)?;
+        self.drew(q)
     }
 
     /// Fills `out` from the normal distribution `N(mean, std²)` (PyTorch's `normal_`).
@@ -141,7 +161,8 @@ impl Generator {
         }
         let k = RngKernels::get(q.device())?;
         let offset = self.reserve(out.len())?;
-        k.normal(q, &self.0.state, offset, out, out.len(), mean, std)
+        k.normal(q, &self.0.state, offset, out, out.len(), mean, std)?;
+        self.drew(q)
     }
 }
 

@@ -582,7 +582,7 @@ pub struct ModelRunner {
 }
 
 enum Mode {
-    Graph(GraphCache<Batched<Sequential>>),
+    Graph(Box<GraphCache<Batched<Sequential>>>),
     Eager(Batched<Sequential>),
 }
 
@@ -606,7 +606,7 @@ impl ModelRunner {
         let input_row = batched.input_row();
         let mode = match buckets {
             // Each bucket served the faster way, graph or eager, as measured once.
-            Some(policy) => Mode::Graph(GraphCache::new(
+            Some(policy) => Mode::Graph(Box::new(GraphCache::new(
                 &mut stream,
                 batched,
                 policy,
@@ -614,7 +614,7 @@ impl ModelRunner {
                     selection: cudagraph::Selection::Measure,
                     ..CacheOptions::default()
                 },
-            )?),
+            )?)),
             None => Mode::Eager(batched),
         };
         stream.synchronize()?;

@@ -45,9 +45,9 @@ pub mod testing;
 /// re-export so both sides agree.
 pub use cudarc;
 pub use device::{
-    kernel_copy_fits, mapped_copy_fits, register_check, Anchor, Arg, Device, LaunchOptions,
-    PinnedScope, Queue, QueueExt, Stream, COPY_CUDA, COPY_KERNEL_VAR, DEVICE_CHECK_CUDA,
-    MAX_KERNEL_COPY, MAX_MAPPED_COPY, PDL_CUDA,
+    kernel_copy_fits, mapped_copy_fits, register_check, Anchor, Arg, Device, EndWork,
+    LaunchOptions, PinnedScope, Queue, QueueExt, Stream, COPY_CUDA, COPY_KERNEL_VAR,
+    DEVICE_CHECK_CUDA, MAX_KERNEL_COPY, MAX_MAPPED_COPY, PDL_CUDA,
 };
 pub use error::{Error, Result};
 pub use graph::{

@@ -5,6 +5,8 @@
 //! across source calls, no release while a capture window is open). Every test checks the
 //! allocator's internal invariants.
 
+// SAFETY (every `allocate_raw`/`allocate_block_raw` below): host memory, and stream ids the
+// tests only use as labels; nothing runs on a device.
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::thread;
@@ -427,11 +429,11 @@ fn graph_pools_hand_out_blocks_only_to_captures() {
     assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
     // A graph pool's free blocks may be a live graph's temporaries: no eager block from it.
     assert!(matches!(
-        a.allocate_block(1024, pa.id(), 0, 0),
+        unsafe { a.allocate_block_raw(1024, pa.id(), 0, 0) },
         Err(Error::InvalidGraph { .. })
     ));
     assert_eq!(a.pool_stats(pa.id()), MemoryStats::default());
-    let block = a.allocate_block(1024, PoolId::DEFAULT, 1, 0).unwrap();
+    let block = unsafe { a.allocate_block_raw(1024, PoolId::DEFAULT, 1, 0) }.unwrap();
     assert!(!block.is_in(&pa) && !block.is_in(&pb));
     assert!(
         !block.is_device_memory(),
@@ -1030,7 +1032,7 @@ fn a_cache_hit_is_not_blocked_behind_another_threads_slow_allocate() {
     let slow = Slow::new(SLEEP);
     // SAFETY: host memory for CPU tests; no block of it is passed to device work.
     let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 0) };
-    let warm = alloc.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+    let warm = unsafe { alloc.allocate_raw(4 * KB, PoolId::DEFAULT, 1) }.unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free(warm.addr) }; // stream 1 now hits in its cached segment
     let mut timings = Vec::new();
@@ -1041,12 +1043,14 @@ fn a_cache_hit_is_not_blocked_behind_another_threads_slow_allocate() {
     // attempt could pass.
     for attempt in 0..10u64 {
         let other = alloc.clone();
-        let miss = thread::spawn(move || other.allocate(4 * KB, PoolId::DEFAULT, 100 + attempt));
+        let miss = thread::spawn(move || unsafe {
+            other.allocate_raw(4 * KB, PoolId::DEFAULT, 100 + attempt)
+        });
         wait_until("the miss enters the source", || {
             slow.allocating.load(Ordering::SeqCst) > 0
         });
         let t0 = Instant::now();
-        let hit = alloc.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+        let hit = unsafe { alloc.allocate_raw(4 * KB, PoolId::DEFAULT, 1) }.unwrap();
         let took = t0.elapsed();
         let during = slow.allocating.load(Ordering::SeqCst) > 0;
         // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
@@ -1073,7 +1077,7 @@ fn open_window_waits_for_an_in_flight_release() {
     let slow = Slow::new(Duration::from_millis(30));
     // SAFETY: host memory for CPU tests; no block of it is passed to device work.
     let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 0) };
-    let a = alloc.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+    let a = unsafe { alloc.allocate_raw(4 * KB, PoolId::DEFAULT, 1) }.unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free(a.addr) };
     let pool = alloc.create_pool(None);
@@ -1090,7 +1094,7 @@ fn open_window_waits_for_an_in_flight_release() {
     slow.window_open.store(true, Ordering::SeqCst);
     assert_eq!(emptier.join().unwrap().unwrap(), 2 * MB);
     // While the window is open nothing is released, not even by empty_cache.
-    let b = alloc.allocate(4 * KB, PoolId::DEFAULT, 1).unwrap();
+    let b = unsafe { alloc.allocate_raw(4 * KB, PoolId::DEFAULT, 1) }.unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free(b.addr) };
     assert_eq!(alloc.empty_cache().unwrap(), 0);
@@ -1131,7 +1135,7 @@ fn threads_allocate_and_free_while_another_empties_the_cache() {
                 } else {
                     PoolId::DEFAULT
                 };
-                match alloc.allocate(size, pool, w as u64 + 1) {
+                match unsafe { alloc.allocate_raw(size, pool, w as u64 + 1) } {
                     Ok(a) => live.push(a.addr),
                     Err(Error::PoolLimitExceeded { .. }) => {}
                     Err(e) => panic!("worker {w}: {e}"),
@@ -1180,7 +1184,7 @@ fn threads_allocate_and_free_while_another_empties_the_cache() {
             while done.load(Ordering::SeqCst) < workers {
                 assert!(alloc.open_window(pool));
                 slow.window_open.store(true, Ordering::SeqCst);
-                let a = alloc.allocate(16 * KB, pool, 0).unwrap();
+                let a = unsafe { alloc.allocate_raw(16 * KB, pool, 0) }.unwrap();
                 thread::sleep(Duration::from_millis(5));
                 // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
                 unsafe { alloc.free(a.addr) };
@@ -1223,12 +1227,12 @@ fn dropping_the_allocator_synchronises_once_and_returns_everything() {
     let alloc = unsafe { Allocator::new(Box::new(SlowHandle(slow.clone())), 3) };
     assert_eq!(alloc.ordinal(), 3);
     let pool = alloc.new_pool(Some(64 * MB));
-    let _leaked = alloc.allocate(12 * MB, PoolId::DEFAULT, 1).unwrap();
-    let pending = alloc.allocate(4 * KB, PoolId::DEFAULT, 2).unwrap();
+    let _leaked = unsafe { alloc.allocate_raw(12 * MB, PoolId::DEFAULT, 1) }.unwrap();
+    let pending = unsafe { alloc.allocate_raw(4 * KB, PoolId::DEFAULT, 2) }.unwrap();
     // SAFETY: a raw allocation/pool of this test, released once, used by nothing else.
     unsafe { alloc.free_after(pending.addr, vec![SimFence::default().boxed()]) };
     // As a capture allocates (left live: teardown returns it too).
-    let _captured = alloc.allocate(4 * KB, pool.id(), 0).unwrap();
+    let _captured = unsafe { alloc.allocate_raw(4 * KB, pool.id(), 0) }.unwrap();
     alloc.add_graph(pool.id());
     assert_eq!(alloc.stats().pending_blocks, 1);
     assert_eq!(slow.host.live_segments(), 3);
@@ -1250,7 +1254,7 @@ fn wrapper_pools_limits_and_graphs() {
     pool.set_limit(Some(4 * MB));
     assert_eq!(alloc.limit(pool.id()), Some(4 * MB));
     // As a capture allocates, and frees when the block's last holder goes.
-    let b = alloc.allocate(MB, pool.id(), 0).unwrap();
+    let b = unsafe { alloc.allocate_raw(MB, pool.id(), 0) }.unwrap();
     alloc.add_graph(pool.id());
     // SAFETY: a raw allocation of this test, freed once, used by nothing else.
     unsafe { alloc.free(b.addr) };
@@ -1268,7 +1272,7 @@ fn wrapper_pools_limits_and_graphs() {
     alloc.reset_peak();
     assert_eq!(alloc.stats().peak_reserved, 0);
     // Library blocks of the default pool carry the id of the capture that allocated them.
-    let w = alloc.allocate_block(MB, PoolId::DEFAULT, 1, 7).unwrap();
+    let w = unsafe { alloc.allocate_block_raw(MB, PoolId::DEFAULT, 1, 7) }.unwrap();
     assert_eq!((w.capture_id(), w.pool()), (7, PoolId::DEFAULT));
     drop(w);
     alloc.empty_cache().unwrap();

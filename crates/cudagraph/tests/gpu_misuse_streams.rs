@@ -252,8 +252,7 @@ fn misuse_buffers_that_are_not_the_devices_memory_are_refused() {
     // crate's queues and captures, which check `is_device_memory` and refuse them.
     let host = unsafe { Allocator::new(Box::new(HostSource::new()), dev.ordinal()) };
     let fake = DeviceBuffer::<f32>::from_block(
-        host.allocate_block(4 * N, PoolId::DEFAULT, s.handle().id(), 0)
-            .unwrap(),
+        host.allocate_block(4 * N, s.handle().as_ref()).unwrap(),
         N,
     )
     .unwrap();
@@ -298,9 +297,7 @@ fn misuse_eager_blocks_from_a_graph_pool_are_refused() {
     .unwrap();
     let pool = g.pool().unwrap().id();
     let stats = dev.pool_stats(pool);
-    let r = dev
-        .allocator()
-        .allocate_block(4 * N, pool, s.handle().id(), 0);
+    let r = dev.allocator().allocate(4 * N, pool, s.handle().as_ref());
     assert!(matches!(r, Err(Error::InvalidGraph { .. })), "{r:?}");
     assert_eq!(
         dev.pool_stats(pool),
@@ -312,7 +309,7 @@ fn misuse_eager_blocks_from_a_graph_pool_are_refused() {
     // The default pool still hands out library blocks.
     let b = dev
         .allocator()
-        .allocate_block(4 * N, PoolId::DEFAULT, s.handle().id(), 0)
+        .allocate_block(4 * N, s.handle().as_ref())
         .unwrap();
     assert!(b.is_device_memory());
 }

@@ -469,7 +469,7 @@ impl LossKernels {
                     Arg::I32(ci),
                     inv_rows.into(),
                     Arg::I32(plan.lanes as i32),
-                    q.device().check_flag_arg(),
+                    q.check_flag_arg()?,
                     Arg::U32(self.ce_check),
                 ],
             )?;
@@ -526,7 +526,7 @@ impl LossKernels {
                     (&pm).into(),
                     (&ps).into(),
                     (&zt).into(),
-                    q.device().check_flag_arg(),
+                    q.check_flag_arg()?,
                     Arg::U32(self.ce_check),
                 ],
             )?;

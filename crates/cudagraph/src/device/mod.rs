@@ -15,8 +15,9 @@ mod queue;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
+pub(crate) use checks::CheckRecord;
 pub use checks::{register_check, DEVICE_CHECK_CUDA};
 pub(crate) use copy::prepare as prepare_copy_kernels;
 pub use copy::{
@@ -27,7 +28,7 @@ pub use pinned_scope::PinnedScope;
 pub(crate) use queue::copy_mapped;
 pub(crate) use queue::sealed::Sealed;
 pub(crate) use queue::{check_device, check_eager, check_range};
-pub use queue::{Anchor, Arg, LaunchOptions, Queue, QueueExt, PDL_CUDA};
+pub use queue::{Anchor, Arg, EndWork, LaunchOptions, Queue, QueueExt, PDL_CUDA};
 
 use crate::error::{Error, Result};
 use crate::memory::{
@@ -35,18 +36,18 @@ use crate::memory::{
     PinnedBuffer, Pool, PoolId,
 };
 use crate::runtime::context::Quiet;
-use crate::runtime::memory::{self as raw, MappedWords};
-use crate::runtime::{Context, DeviceInfo, Event, Function, Module, StreamHandle, StreamRef};
+use crate::runtime::memory as raw;
+use crate::runtime::{
+    Context, DeviceInfo, Event, Function, Module, StreamHandle, StreamRef, WeakStream,
+};
 
 struct DeviceInner {
     ctx: Context,
     alloc: Arc<Allocator>,
-    /// Host-mapped words a failed device-side check reports into (see [`checks`]).
-    flag: MappedWords,
-    /// The device record kernels get (`cg_check`: claim word + address of `flag`).
-    check_record: Arc<BlockRef>,
-    /// A stream of the library's own (re-arming the check record).
-    service: StreamHandle,
+    /// The lock word the writers of every check record of this device share (see [`checks`]).
+    check_lock: Arc<BlockRef>,
+    /// Every check record of this device, and which ones each stream reads.
+    checks: Mutex<CheckRegistry>,
     /// Per-device state of libraries layered on top (kernels, library handles, tuning caches):
     /// it lives exactly as long as the device, so dropping the last `Device` handle releases it.
     extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
@@ -105,21 +106,16 @@ impl Device {
             }),
             ordinal,
         );
-        let flag = MappedWords::new(checks::WORDS, &ctx.handle)?;
         let service = StreamHandle::new(&ctx)?;
-        let check_record =
-            alloc.allocate_block(checks::RECORD_BYTES, PoolId::DEFAULT, service.id(), 0)?;
-        let mut record = [0u8; checks::RECORD_BYTES];
-        record[8..].copy_from_slice(&flag.device_addr().to_le_bytes());
-        raw::memcpy_htod_from_host(check_record.addr(), &record, service.raw())?;
+        let check_lock = alloc.allocate_block(checks::LOCK_BYTES, service.as_ref())?;
+        raw::memcpy_htod_from_host(check_lock.addr(), &[0u8; checks::LOCK_BYTES], service.raw())?;
         service.synchronize()?;
         Ok(Self {
             inner: Arc::new(DeviceInner {
                 ctx,
                 alloc,
-                flag,
-                check_record,
-                service,
+                check_lock,
+                checks: Mutex::new(CheckRegistry::default()),
                 extensions: Mutex::new(HashMap::new()),
                 quiet: None,
             }),
@@ -272,31 +268,128 @@ impl Device {
         self.check_errors()
     }
 
-    /// Reports (and clears) the first device-side check that failed since the last report
-    /// (an index out of range, say), as [`Error::DeviceCheck`]. Only work that has completed
-    /// can have raised it: call after a synchronisation.
+    /// Reports (and marks taken) a device-side check that failed (an index out of range, say)
+    /// in work of any stream or graph of this device since its last report, as
+    /// [`Error::DeviceCheck`]. Only work that has completed can have raised it: call after a
+    /// synchronisation. [`Stream::synchronize`] reports only its own stream's work.
     pub fn check_errors(&self) -> Result<()> {
-        let inner = &self.inner;
-        checks::take(&inner.flag, || {
-            // Re-arm the claim word so the next failure is reported too.
-            raw::memset_d32_async(inner.check_record.addr(), 0, 1, inner.service.raw())?;
-            inner.service.synchronize()
-        })
+        let records: Vec<Arc<CheckRecord>> = {
+            let mut reg = self.registry();
+            reg.all.retain(|w| w.strong_count() > 0);
+            reg.all.iter().filter_map(Weak::upgrade).collect()
+        };
+        records.iter().try_for_each(|r| r.take())
     }
 
-    /// The device record kernels that use [`DEVICE_CHECK_CUDA`] take as their `cg_check*`
-    /// parameter (the device keeps it for as long as any graph or stream of it exists).
-    pub fn check_flag_arg(&self) -> Arg<'static> {
-        Arg::Ptr {
-            addr: self.inner.check_record.addr(),
-            holder: None,
+    fn registry(&self) -> std::sync::MutexGuard<'_, CheckRegistry> {
+        self.inner.checks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new check record of this device (for a capture: the graph owns it).
+    pub(crate) fn new_check_record(&self) -> Result<Arc<CheckRecord>> {
+        let r = Arc::new(CheckRecord::new(
+            &self.inner.ctx.handle,
+            self.inner.check_lock.addr(),
+        )?);
+        self.registry().all.push(Arc::downgrade(&r));
+        Ok(r)
+    }
+
+    /// The check record of eager stream `stream`, created on first use.
+    pub(crate) fn stream_check_record(&self, stream: StreamRef<'_>) -> Result<Arc<CheckRecord>> {
+        if let Some(r) = self.registry().entry(stream).own.clone() {
+            return Ok(r);
         }
+        let fresh = self.new_check_record()?;
+        let mut reg = self.registry();
+        let e = reg.entry(stream);
+        Ok(e.own.get_or_insert(fresh).clone())
+    }
+
+    /// Makes `stream`'s next synchronisation read `record` (a graph's, replayed there).
+    pub(crate) fn watch_check(&self, stream: StreamRef<'_>, record: &Arc<CheckRecord>) {
+        let mut reg = self.registry();
+        let e = reg.entry(stream);
+        if !e.watched.iter().any(|r| Arc::ptr_eq(r, record)) {
+            e.watched.push(record.clone());
+        }
+    }
+
+    /// Reports a failed device-side check of the work `stream` ran (its own record, and those
+    /// of the graphs replayed on it since its last report).
+    pub(crate) fn stream_check_errors(&self, stream: StreamRef<'_>) -> Result<()> {
+        let (own, watched) = {
+            let mut reg = self.registry();
+            let Some(e) = reg.find(stream.id()) else {
+                return Ok(());
+            };
+            (e.own.clone(), std::mem::take(&mut e.watched))
+        };
+        let mut result = own.as_ref().map_or(Ok(()), |r| r.take());
+        let mut unread = Vec::new();
+        for r in watched {
+            if result.is_ok() {
+                result = r.take();
+            } else {
+                // Read at the next synchronisation: one report per call.
+                unread.push(r);
+            }
+        }
+        if !unread.is_empty() {
+            let mut reg = self.registry();
+            let e = reg.entry(stream);
+            for r in unread {
+                if !e.watched.iter().any(|w| Arc::ptr_eq(w, &r)) {
+                    e.watched.push(r);
+                }
+            }
+        }
+        result
     }
 
     /// Compiles (or loads from cache) a CUDA C++ module with NVRTC.
     #[track_caller]
     pub fn compile(&self, name: &str, source: &str) -> Result<Module> {
         self.inner.ctx.compile(name, source)
+    }
+}
+
+/// Check records by stream (see [`checks`]).
+#[derive(Default)]
+struct CheckRegistry {
+    all: Vec<Weak<CheckRecord>>,
+    streams: Vec<StreamChecks>,
+}
+
+struct StreamChecks {
+    stream: WeakStream,
+    /// The record kernels launched eagerly on the stream report into.
+    own: Option<Arc<CheckRecord>>,
+    /// Records of graphs replayed on the stream since its last report.
+    watched: Vec<Arc<CheckRecord>>,
+}
+
+impl CheckRegistry {
+    fn find(&mut self, id: u64) -> Option<&mut StreamChecks> {
+        self.streams.iter_mut().find(|e| e.stream.id() == id)
+    }
+
+    fn entry(&mut self, stream: StreamRef<'_>) -> &mut StreamChecks {
+        if let Some(i) = self
+            .streams
+            .iter()
+            .position(|e| e.stream.id() == stream.id())
+        {
+            return &mut self.streams[i];
+        }
+        // Streams that are gone and whose work has finished need their records no more.
+        self.streams.retain(|e| !e.stream.is_done());
+        self.streams.push(StreamChecks {
+            stream: stream.downgrade(),
+            own: None,
+            watched: Vec::new(),
+        });
+        self.streams.last_mut().expect("just pushed")
     }
 }
 
@@ -331,13 +424,14 @@ impl Stream {
         Stream { handle, device }
     }
 
-    /// Blocks until all work enqueued on this stream has finished, then reports a failed
-    /// device-side check, if any ([`Device::check_errors`]).
+    /// Blocks until all work enqueued on this stream has finished, then reports a device-side
+    /// check that failed in work this stream ran (its kernels and the graphs replayed on it),
+    /// if any. Other streams' reports stay theirs.
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
         self.check_eager("synchronize")?;
         self.handle.synchronize()?;
-        self.device.check_errors()
+        self.device.stream_check_errors(self.handle.as_ref())
     }
 
     /// Makes later work on this stream wait for everything enqueued on `other` so far. Refused
@@ -424,7 +518,7 @@ impl Stream {
             self.device.context().bind()?;
             raw::memcpy_dtoh_sync(T::as_bytes_mut(dst), src.addr(), self.handle.raw())?;
         }
-        self.device.check_errors()
+        self.device.stream_check_errors(self.handle.as_ref())
     }
 
     /// Waits for this stream and returns the contents of `src`.
@@ -460,8 +554,21 @@ impl Queue for Stream {
     fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> {
         self.check_eager("an allocation")?;
         let alloc = self.device.allocator();
-        let a = alloc.allocate(bytes, PoolId::DEFAULT, self.handle.id())?;
-        Ok(BlockRef::from_allocation(alloc, a, self.handle.id(), 0))
+        alloc.allocate_block(bytes, self.handle.as_ref())
+    }
+
+    fn at_end(&self, _key: usize, work: EndWork) -> Result<()> {
+        // Eagerly the end is now.
+        work(self)
+    }
+
+    fn check_flag_arg(&self) -> Result<Arg<'static>> {
+        self.check_eager("a device-side check")?;
+        let r = self.device.stream_check_record(self.handle.as_ref())?;
+        Ok(Arg::Ptr {
+            addr: r.device_addr(),
+            holder: None,
+        })
     }
 
     fn use_block(&self, block: &Arc<BlockRef>) {

@@ -188,7 +188,7 @@ impl Stream {
         let synced = self
             .handle
             .synchronize()
-            .and_then(|()| self.device.check_errors());
+            .and_then(|()| self.device.stream_check_errors(self.handle.as_ref()));
         let r = r?;
         synced?;
         Ok(r)

@@ -24,6 +24,9 @@ use crate::runtime::{Function, LaunchConfig, StreamRef};
 /// Anything a graph must keep alive besides buffers (kernels' modules, host callbacks, pools).
 pub type Anchor = Arc<dyn Any + Send + Sync>;
 
+/// Work registered with [`Queue::at_end`].
+pub type EndWork = Box<dyn FnOnce(&dyn Queue) -> Result<()>>;
+
 /// One kernel argument: a device address (with the block it points into, so captures keep it
 /// alive and eager streams track its use) or a scalar.
 #[derive(Clone, Copy)]
@@ -175,6 +178,8 @@ impl sealed::Sealed for super::Stream {}
 ///     fn use_block(&self, _block: &Arc<BlockRef>) {} // would break keep-alive and fencing
 ///     fn keep_alive(&self, _anchor: Anchor) {}
 ///     fn hold_function(&self, _f: &Function) {}
+///     fn check_flag_arg(&self) -> Result<Arg<'static>> { self.0.check_flag_arg() }
+///     fn at_end(&self, key: usize, work: EndWork) -> Result<()> { self.0.at_end(key, work) }
 /// }
 /// ```
 pub trait Queue: sealed::Sealed {
@@ -206,6 +211,21 @@ pub trait Queue: sealed::Sealed {
     /// are refused, the block is kept until the process exits: the work is recorded into a
     /// graph that does not know the block.
     fn use_block(&self, block: &Arc<BlockRef>);
+
+    /// The check record kernels that use [`crate::DEVICE_CHECK_CUDA`] take as their
+    /// `cg_check*` parameter: this stream's own when eager (its [`crate::Stream::synchronize`]
+    /// reports what they find), the graph's inside a capture (reported by the stream each
+    /// replay runs on). Created on first use; the record outlives the work that writes it.
+    fn check_flag_arg(&self) -> Result<Arg<'static>>;
+
+    /// Runs `work` on this queue at the end: at once on an eager stream (returning its
+    /// result); inside a capture,
+    /// once per `key` (the first registration wins), on the capture stream right before the
+    /// capture (or the conditional body being recorded) ends, so the graph ends with that work
+    /// and every replay runs it. For state that work recorded in the capture must move on by
+    /// itself at each replay, such as a random generator's counter (`key`: the state's
+    /// address). `work` may not register more work.
+    fn at_end(&self, key: usize, work: EndWork) -> Result<()>;
 
     /// Keeps `anchor` alive as long as the graph being captured (no-op when eager; kept until
     /// the process exits on an eager stream that is part of a capture, as for `use_block`).

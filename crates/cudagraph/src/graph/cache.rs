@@ -24,9 +24,11 @@
 //! the choice and both times are in [`GraphCache::entries`], and eager-served requests are
 //! counted in [`CacheStats::eager`].
 //!
-//! Because outputs are copied out (or borrowed until the next request) on the caller's
-//! stream, graphs may replay in any order (the pool contract only matters for outputs kept
-//! across replays).
+//! **Streams.** Requests may come on different streams (a worker per stream, the cache behind
+//! a `Mutex`): a request on a stream other than the last request's first waits, on the device,
+//! for everything that stream had enqueued — the last replay reading the static input, the copy
+//! of its output rows — so requests never overlap. Requests on one stream are ordered by the
+//! stream and pay nothing for this.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -36,6 +38,7 @@ use std::time::{Duration, Instant};
 use super::{CaptureMode, CaptureOptions, Graph};
 use crate::device::{Device, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
+use crate::memory::order::LastUse;
 use crate::memory::{DeviceBuffer, Elem, Pool};
 
 /// A model that maps `rows` rows of input to `rows` rows of output, and can run on any queue.
@@ -378,6 +381,9 @@ pub struct GraphCache<M: BatchModel> {
     stats: CacheStats,
     opts: CacheOptions,
     clock: u64,
+    /// The stream of the last request: the static input, the static outputs and the pool are
+    /// shared by every request, so a request on another stream waits for it.
+    order: LastUse,
 }
 
 impl<M: BatchModel> fmt::Debug for GraphCache<M> {
@@ -420,6 +426,7 @@ impl<M: BatchModel> GraphCache<M> {
             stats: CacheStats::default(),
             opts,
             clock: 0,
+            order: LastUse::default(),
         };
         if !cache.opts.lazy {
             for size in cache.sizes.clone().into_iter().rev() {
@@ -616,6 +623,7 @@ impl<M: BatchModel> GraphCache<M> {
                 got: input.len(),
             });
         }
+        self.order_on(stream)?;
         let route = self.route(stream, rows, true)?;
         if let Some((_, Choice::Graph)) = route {
             // No tail clearing: rows are independent and padded rows' outputs are never read.
@@ -678,6 +686,7 @@ impl<M: BatchModel> GraphCache<M> {
     /// `stream`) and the request runs eagerly.
     pub fn stage(&mut self, stream: &Stream, rows: usize) -> Result<Staged<'_, M>> {
         let in_len = elems("graph cache request", rows, self.model.input_row())?;
+        self.order_on(stream)?;
         let input = if bucket_for(&self.sizes, rows).is_some() {
             self.input.prefix(in_len)?
         } else {
@@ -696,8 +705,15 @@ impl<M: BatchModel> GraphCache<M> {
         input: &DeviceBuffer<M::In>,
         rows: usize,
     ) -> Result<(DeviceBuffer<M::Out>, Served)> {
+        self.order_on(stream)?;
         let route = self.route(stream, rows, false)?;
         self.serve(stream, input, rows, route)
+    }
+
+    /// Orders a request on `stream` after the last one, when that ran on another stream: it
+    /// may still read the static input or its output may still be being copied out.
+    fn order_on(&self, stream: &Stream) -> Result<()> {
+        self.order.enter(stream.stream_handle()).map(drop)
     }
 
     pub fn stats(&self) -> &CacheStats {

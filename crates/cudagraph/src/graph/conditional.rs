@@ -444,8 +444,12 @@ impl CaptureStream<'_> {
             scope: Some(std::cell::RefCell::new(BodyScope::default())),
             conds: std::cell::RefCell::new(Vec::new()),
             sides: self.sides,
+            shared: self.shared,
+            at_end: Default::default(),
         };
         let value = body(&inner)?;
+        // Work registered for the end of the body runs at the end of every iteration.
+        inner.at_end.run(&inner)?;
         if let Some(counter) = &counter {
             // SAFETY: as for cg_loop_begin above: counter[0] and, when given, cond[0].
             unsafe {

@@ -43,7 +43,7 @@ use std::fmt;
 use std::panic::Location;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 pub use builder::{GraphBuilder, NodeId};
@@ -56,8 +56,9 @@ pub use conditional::ConditionalKind;
 pub use planner::{plan_capture_sizes, CapturePlan, GraphCost, SizeHistogram};
 pub use static_io::{Outputs, StaticGraph};
 
-use crate::device::{check_device, Anchor, Device, Queue, Stream};
+use crate::device::{check_device, Anchor, Arg, CheckRecord, Device, EndWork, Queue, Stream};
 use crate::error::{Error, Result};
+use crate::memory::order::LastUse;
 use crate::memory::{BlockRef, DeviceBuffer, Elem, Pool, PoolId, PoolPin, WindowStats};
 use crate::runtime::graph::{self as raw, ExecHandle, GraphHandle, Remap};
 use crate::runtime::{
@@ -78,7 +79,8 @@ impl CaptureOptions {
         Self::default()
     }
 
-    /// Capture into a shared pool (see the pool contract on [`Pool`]).
+    /// Capture into a shared pool (see [`Pool`]: graphs of one pool share temporaries, and
+    /// their replays are ordered so that they never overlap).
     pub fn pool(mut self, pool: &Pool) -> Self {
         self.pool = Some(pool.clone());
         self
@@ -104,6 +106,11 @@ static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
 #[derive(Default)]
 struct Keep {
     held: Vec<Arc<BlockRef>>,
+    /// Blocks of the graph's own pool still allocated when its capture ended (outputs and
+    /// anything else the graph writes): the graph's until it is dropped (see [`Pool`]).
+    owned: Vec<Arc<BlockRef>>,
+    /// The check record the graph's kernels report into, if any asked for one.
+    check: Option<Arc<CheckRecord>>,
     held_set: HashSet<usize>,
     anchors: Vec<Anchor>,
     functions: HashSet<usize>,
@@ -141,6 +148,69 @@ impl Keep {
     fn pin(&mut self, block: &Arc<BlockRef>) {
         if self.side_pinned.insert(Arc::as_ptr(block) as usize) {
             self.anchors.push(block.clone());
+        }
+    }
+}
+
+/// State of one capture shared by its capture stream, the streams recording its conditional
+/// bodies and its side branches.
+#[derive(Default)]
+struct CaptureShared {
+    /// Every block allocated from the pool during the capture (those still alive at its end
+    /// become the graph's).
+    allocated: RefCell<Vec<Weak<BlockRef>>>,
+    /// The graph's check record, created when a kernel first asks for one.
+    check: RefCell<Option<Arc<CheckRecord>>>,
+}
+
+impl CaptureShared {
+    fn check_record(&self, device: &Device) -> Result<Arc<CheckRecord>> {
+        let mut c = self.check.borrow_mut();
+        if let Some(r) = c.as_ref() {
+            return Ok(r.clone());
+        }
+        let r = device.new_check_record()?;
+        *c = Some(r.clone());
+        Ok(r)
+    }
+
+    /// The blocks allocated during the capture that are still alive.
+    fn live_blocks(&self) -> Vec<Arc<BlockRef>> {
+        self.allocated
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+}
+
+/// Work registered with [`Queue::at_end`] on one capture stream, in order, one per key.
+#[derive(Default)]
+struct EndList(RefCell<Vec<(usize, Option<EndWork>)>>);
+
+impl EndList {
+    fn add(&self, key: usize, work: EndWork) {
+        let mut l = self.0.borrow_mut();
+        if !l.iter().any(|(k, _)| *k == key) {
+            l.push((key, Some(work)));
+        }
+    }
+
+    /// Runs the registered work on `q`, in registration order.
+    fn run(&self, q: &dyn Queue) -> Result<()> {
+        let mut i = 0;
+        loop {
+            let work = {
+                let mut l = self.0.borrow_mut();
+                match l.get_mut(i) {
+                    Some((_, w)) => w.take(),
+                    None => return Ok(()),
+                }
+            };
+            if let Some(w) = work {
+                w(q)?;
+            }
+            i += 1;
         }
     }
 }
@@ -183,6 +253,10 @@ pub struct CaptureStream<'s> {
     conds: RefCell<Vec<conditional::CondRecord>>,
     /// Side streams that joined this capture (see [`Fork`]).
     sides: &'s SideList,
+    /// State shared with the whole capture.
+    shared: &'s CaptureShared,
+    /// Work to run on this stream right before it stops recording ([`Queue::at_end`]).
+    at_end: EndList,
 }
 
 impl fmt::Debug for CaptureStream<'_> {
@@ -216,8 +290,13 @@ impl Queue for CaptureStream<'_> {
     #[track_caller]
     fn alloc_block(&self, bytes: usize) -> Result<Arc<BlockRef>> {
         let alloc = self.pool.allocator();
-        let a = alloc.allocate(bytes, self.pool.id(), 0)?;
+        // SAFETY: a capture into this pool allocates from it; graph pools ignore the stream.
+        let a = unsafe { alloc.allocate_raw(bytes, self.pool.id(), 0) }?;
         let block = BlockRef::from_allocation(alloc, a, 0, self.id);
+        self.shared
+            .allocated
+            .borrow_mut()
+            .push(Arc::downgrade(&block));
         if let Some(scope) = &self.scope {
             scope.borrow_mut().allocated(&block);
         }
@@ -243,6 +322,19 @@ impl Queue for CaptureStream<'_> {
 
     fn hold_function(&self, f: &Function) {
         self.keep.borrow_mut().hold_function(f);
+    }
+
+    fn check_flag_arg(&self) -> Result<Arg<'static>> {
+        let r = self.shared.check_record(self.device())?;
+        Ok(Arg::Ptr {
+            addr: r.device_addr(),
+            holder: None,
+        })
+    }
+
+    fn at_end(&self, key: usize, work: EndWork) -> Result<()> {
+        self.at_end.add(key, work);
+        Ok(())
     }
 }
 
@@ -339,6 +431,10 @@ struct Exec {
 /// deferred-release list whole.
 struct Resources {
     exec: Exec,
+    /// Blocks of the graph's pool alive at the end of its capture (see [`Keep::owned`]).
+    owned: Vec<Arc<BlockRef>>,
+    /// The record the graph's kernels report failed checks into.
+    check: Option<Arc<CheckRecord>>,
     /// Conditional nodes and their bodies (owned by `exec.graph`).
     conds: Vec<conditional::CondRecord>,
     held: Vec<Arc<BlockRef>>,
@@ -365,6 +461,8 @@ pub struct Graph {
     /// and the device could not be waited for then): resources are released only after a
     /// device-wide synchronisation, or never.
     completion_lost: AtomicBool,
+    /// The stream of the last replay: a replay on another stream waits for it.
+    order: LastUse,
     device: Device,
     pool: Option<Pool>,
     info: GraphInfo,
@@ -417,9 +515,15 @@ static RETIRED_COUNT: AtomicUsize = AtomicUsize::new(0);
 fn retire(done: &Event, what: Box<dyn Any + Send>) {
     // On a capturing thread even querying the event would invalidate the capture: defer.
     if !capturing_on_this_thread() {
-        // An error means the context is lost and nothing runs any more.
-        let _ = done.synchronize();
-        return;
+        match done.synchronize() {
+            // Finished, or the context is lost and nothing runs any more: release.
+            Ok(()) => return,
+            Err(e) if e.is_context_lost() => return,
+            // The wait failed for another reason (another thread's global-mode capture, a
+            // host callback that drops the graph): the replay may still run. Keep it all and
+            // ask the event again later (`drain_retired`).
+            Err(_) => {}
+        }
     }
     let mut r = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
     r.push(Retired {
@@ -438,7 +542,9 @@ pub(crate) fn drain_retired() {
         let mut r = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
         let (done, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut *r)
             .into_iter()
-            .partition(|x| x.done.query().unwrap_or(true));
+            // Released once the event says done (or the context is lost); kept while it
+            // cannot say.
+            .partition(|x| x.done.query().unwrap_or_else(|e| e.is_context_lost()));
         *r = keep;
         RETIRED_COUNT.store(r.len(), Ordering::Release);
         done
@@ -559,6 +665,7 @@ impl Graph {
         }
         // Declared before `open`, so dropped after it has ended the capture.
         let sides = SideList::default();
+        let shared = CaptureShared::default();
         let mut open = OpenCapture {
             stream: &stream.handle,
             pool: pool.clone(),
@@ -579,8 +686,10 @@ impl Graph {
             scope: None,
             conds: RefCell::new(Vec::new()),
             sides: &sides,
+            shared: &shared,
+            at_end: EndList::default(),
         };
-        let result = f(&cs);
+        let result = f(&cs).and_then(|t| cs.at_end.run(&cs).map(|()| t));
         let ended = open.end();
         let (value, g) = match (result, ended) {
             (Err(e), _) => return Err(wrap(e)),
@@ -594,8 +703,10 @@ impl Graph {
         };
         let capture_time = t0.elapsed();
         let window = open.window.take().unwrap_or_default();
-        let keep = cs.keep.into_inner();
+        let mut keep = cs.keep.into_inner();
         let conds = cs.conds.into_inner();
+        keep.owned = shared.live_blocks();
+        keep.check = shared.check.into_inner();
         let memory = GraphMemory {
             pool: pool.id(),
             peak_allocated: window.peak_allocated,
@@ -633,6 +744,8 @@ impl Graph {
         Ok(Graph {
             res: Some(Mutex::new(Resources {
                 exec: Exec { graph: g, exec },
+                owned: keep.owned,
+                check: keep.check,
                 conds: Vec::new(),
                 held: keep.held,
                 anchors: keep.anchors,
@@ -642,6 +755,7 @@ impl Graph {
             done,
             replayed: AtomicBool::new(false),
             completion_lost: AtomicBool::new(false),
+            order: LastUse::default(),
             device: device.clone(),
             pool,
             info: GraphInfo {
@@ -872,6 +986,16 @@ impl Graph {
         drain_retired();
         self.settle_lost_completion()?;
         let mut res = self.lock();
+        // Order this replay after the last one of this graph and of every graph of its pool
+        // when they ran on another stream (a lock and a comparison on the same stream).
+        let _graph_use = self.order.enter(stream)?;
+        let _pool_use = match &self.pool {
+            Some(p) => Some(p.order().enter(stream)?),
+            None => None,
+        };
+        if let Some(r) = &res.check {
+            self.device.watch_check(stream, r);
+        }
         if res.order_after_done {
             // The executable graph was replaced since the last replay: order this launch after
             // it, so that `done` recorded below also covers the old graph's launches.
@@ -942,6 +1066,13 @@ impl Graph {
     /// Buffers from outside its pool that the graph currently keeps alive.
     pub fn held_buffers(&self) -> usize {
         self.lock().held.len()
+    }
+
+    /// Bytes of the blocks of its own pool that the graph owns: those still allocated when its
+    /// capture ended (outputs, anything it writes). They are not handed out again, even after
+    /// the caller drops every handle to them, until the graph is dropped.
+    pub fn owned_bytes(&self) -> usize {
+        self.lock().owned.iter().map(|b| b.size()).sum()
     }
 
     /// Writes the graph in Graphviz DOT (with node parameters) to `path`.
@@ -1210,6 +1341,21 @@ impl Queue for SideStream<'_> {
     fn hold_function(&self, f: &Function) {
         if let Some(cs) = self.capture {
             cs.hold_function(f);
+        }
+    }
+
+    fn check_flag_arg(&self) -> Result<Arg<'static>> {
+        match self.capture {
+            None => self.side.check_flag_arg(),
+            Some(cs) => cs.check_flag_arg(),
+        }
+    }
+
+    fn at_end(&self, key: usize, work: EndWork) -> Result<()> {
+        match self.capture {
+            None => work(self),
+            // Run on the capture stream at its end, after this branch has joined it.
+            Some(cs) => cs.at_end(key, work),
         }
     }
 }

@@ -37,12 +37,28 @@
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use crate::runtime::StreamRef;
+
 use super::caching::{
     allocate_via, release_via, Allocation, AllocatorCore, CoreAccess, Fence, MemoryStats, PoolId,
     ReleasePlan, SegmentSource, WindowStats,
 };
 use super::{BlockRef, Pool};
 use crate::error::{Error, Result};
+
+/// Refuses eager allocations from a graph pool (see [`Allocator::allocate`]).
+fn refuse_graph_pool(pool: PoolId) -> Result<()> {
+    if pool != PoolId::DEFAULT {
+        return Err(Error::InvalidGraph {
+            problem: format!(
+                "{pool} is a graph pool: only captures into it allocate there (its free \
+                 blocks may be a graph's temporaries); allocate buffers with Queue::alloc \
+                 or from PoolId::DEFAULT"
+            ),
+        });
+    }
+    Ok(())
+}
 
 /// The thread-safe allocator shared (`Arc`) by a device, its pools and its buffers.
 pub struct Allocator {
@@ -139,36 +155,85 @@ impl Allocator {
         self.ordinal
     }
 
-    /// Allocates at least `bytes` bytes from `pool`, stream-ordered on `stream` (ignored by
-    /// graph pools). The caller frees it with [`Self::free`] or [`Self::free_after`].
-    pub fn allocate(&self, bytes: usize, pool: PoolId, stream: u64) -> Result<Allocation> {
+    /// Allocates at least `bytes` bytes from the default pool, stream-ordered on `stream`: the
+    /// memory may have been used by earlier work on `stream` itself, so use
+    /// it there, or order the stream you use it on after `stream`. The caller frees it with
+    /// [`Self::free`] or [`Self::free_after`]. A stream of another device is refused
+    /// ([`Error::WrongDevice`]), and so is a graph pool ([`Error::InvalidGraph`]): its free
+    /// blocks may still be a live graph's temporaries, which its replays write; only captures
+    /// into the pool allocate there.
+    #[track_caller]
+    pub fn allocate(
+        &self,
+        bytes: usize,
+        pool: PoolId,
+        stream: StreamRef<'_>,
+    ) -> Result<Allocation> {
+        self.check_stream(stream)?;
+        refuse_graph_pool(pool)?;
+        // SAFETY: the id is a real stream's (a `StreamRef`), and graph pools were refused.
+        unsafe { self.allocate_raw(bytes, pool, stream.id()) }
+    }
+
+    /// [`Self::allocate`] by raw stream id and any pool (stream 0 for graph pools): what the
+    /// crate's own queues and captures call, and CPU tests over host memory.
+    ///
+    /// # Safety
+    /// `stream` is the id of the stream every use of the memory is ordered on (its reuse is
+    /// ordered by that stream alone), and a graph pool is only allocated from by a capture into
+    /// it (its free blocks may be a live graph's temporaries).
+    pub unsafe fn allocate_raw(
+        &self,
+        bytes: usize,
+        pool: PoolId,
+        stream: u64,
+    ) -> Result<Allocation> {
         allocate_via(&mut Locked(self), &*self.source, bytes, pool, stream)
     }
 
-    /// Allocates a shared block of the default pool, stream-ordered on `stream` (the id of
-    /// the stream that uses it, [`crate::StreamRef::id`]), that frees itself when its last
-    /// holder drops; `capture` is the id of the capture allocating it (0 for eager work).
-    /// For library state such as workspaces; model code allocates with `Queue::alloc`.
-    ///
-    /// Graph pools are refused ([`Error::InvalidGraph`]): their free blocks may still be a live
-    /// graph's temporaries, which its replays write; only captures into the pool allocate there.
+    fn check_stream(&self, stream: StreamRef<'_>) -> Result<()> {
+        let got = stream.context().ordinal();
+        if self.is_device_allocator() && got != self.ordinal {
+            return Err(Error::WrongDevice {
+                what: "allocation stream",
+                expected: self.ordinal,
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    /// Allocates a shared block of the default pool, stream-ordered on `stream` (see
+    /// [`Self::allocate`]), that frees itself when its last holder drops. For library state
+    /// such as workspaces; model code allocates with `Queue::alloc`.
+    #[track_caller]
     pub fn allocate_block(
+        self: &Arc<Self>,
+        bytes: usize,
+        stream: StreamRef<'_>,
+    ) -> Result<Arc<BlockRef>> {
+        self.check_stream(stream)?;
+        // SAFETY: the id is a real stream's (a `StreamRef`); the default pool.
+        unsafe { self.allocate_block_raw(bytes, PoolId::DEFAULT, stream.id(), 0) }
+    }
+
+    /// [`Self::allocate_block`] by raw stream id, inside capture `capture` (0 when eager):
+    /// for the crate's queues and CPU tests. Graph pools are refused as by
+    /// [`Self::allocate`].
+    ///
+    /// # Safety
+    /// As for [`Self::allocate_raw`]: `stream` is the id of the stream every use of the block
+    /// is ordered on, the block's reuse being ordered by that stream.
+    pub unsafe fn allocate_block_raw(
         self: &Arc<Self>,
         bytes: usize,
         pool: PoolId,
         stream: u64,
         capture: u64,
     ) -> Result<Arc<BlockRef>> {
-        if pool != PoolId::DEFAULT {
-            return Err(Error::InvalidGraph {
-                problem: format!(
-                    "{pool} is a graph pool: only captures into it allocate there (its free \
-                     blocks may be a graph's temporaries); allocate buffers with Queue::alloc \
-                     or from PoolId::DEFAULT"
-                ),
-            });
-        }
-        let a = self.allocate(bytes, pool, stream)?;
+        refuse_graph_pool(pool)?;
+        // SAFETY: the caller's promise; graph pools were refused.
+        let a = unsafe { self.allocate_raw(bytes, pool, stream) }?;
         Ok(BlockRef::from_allocation(self, a, stream, capture))
     }
 

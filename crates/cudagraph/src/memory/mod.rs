@@ -21,6 +21,7 @@
 mod allocator;
 pub mod caching;
 mod host;
+pub(crate) mod order;
 pub mod pinned;
 pub(crate) mod source;
 
@@ -138,6 +139,9 @@ pub(crate) fn drain_deferred() {
 struct PoolInner {
     id: PoolId,
     alloc: Arc<Allocator>,
+    /// The stream of the last replay of any graph captured into the pool: replays of its
+    /// graphs never overlap (see [`Pool`]).
+    order: order::LastUse,
 }
 
 impl Drop for PoolInner {
@@ -151,10 +155,16 @@ impl Drop for PoolInner {
 /// A graph memory pool (PyTorch's `graph_pool_handle()`): captures that name the same pool
 /// allocate from the same memory.
 ///
-/// **The pool contract.** A block freed inside one capture may be handed out again to a later
-/// capture into the same pool. That is only correct if graphs sharing a pool replay in the
-/// order they were captured, and never concurrently (the usual case: one graph per batch size,
-/// one replay at a time). Graphs in different pools never share memory.
+/// **Sharing.** A block freed inside one capture may be handed out again to a later capture
+/// into the same pool, so graphs of one pool may share their temporaries. Their replays are
+/// therefore never allowed to overlap: the pool remembers the stream of the last replay of any
+/// of its graphs, and a replay on another stream first waits (stream-ordered, no host wait) for
+/// the work that stream had enqueued. Replays on one stream are ordered by the stream and cost
+/// nothing extra. Graphs in different pools never share memory and replay concurrently.
+///
+/// A block still allocated when a capture ends (an output, anything the graph still writes)
+/// belongs to that graph until the graph is dropped, even when the caller drops every handle
+/// to it: only blocks freed *during* a capture are shared with later captures.
 ///
 /// A pool's memory stays mapped while its handle or any graph captured into it is alive, and is
 /// returned to the driver when the last of them is dropped.
@@ -176,6 +186,7 @@ impl Pool {
             inner: Arc::new(PoolInner {
                 id: alloc.create_pool(limit),
                 alloc: alloc.clone(),
+                order: order::LastUse::default(),
             }),
         }
     }
@@ -200,6 +211,11 @@ impl Pool {
 
     pub fn allocator(&self) -> &Arc<Allocator> {
         &self.inner.alloc
+    }
+
+    /// The order of replays of this pool's graphs.
+    pub(crate) fn order(&self) -> &order::LastUse {
+        &self.inner.order
     }
 
     /// Registers a graph that replays from this pool; the guard unregisters it on drop.
@@ -650,7 +666,12 @@ mod tests {
         let (pa, pb) = (Pool::new(&a, None), Pool::new(&b, None));
         assert_eq!(pa.id(), pb.id(), "ids restart in every allocator");
         // As a capture allocates (`allocate_block` refuses graph pools).
-        let block = BlockRef::from_allocation(&a, a.allocate(1024, pa.id(), 0).unwrap(), 0, 1);
+        let block = BlockRef::from_allocation(
+            &a,
+            unsafe { a.allocate_raw(1024, pa.id(), 0) }.unwrap(),
+            0,
+            1,
+        );
         assert!(block.is_in(&pa));
         assert!(
             !block.is_in(&pb),
@@ -664,14 +685,14 @@ mod tests {
         let pool = Pool::new(&a, None);
         let before = a.stats();
         assert!(matches!(
-            a.allocate_block(1024, pool.id(), 1, 0),
+            unsafe { a.allocate_block_raw(1024, pool.id(), 1, 0) },
             Err(Error::InvalidGraph { .. })
         ));
         assert_eq!(a.stats(), before, "a refused request allocates nothing");
         // The default pool still works, and the pool is usable by captures afterwards.
-        let eager = a.allocate_block(1024, PoolId::DEFAULT, 1, 0).unwrap();
+        let eager = unsafe { a.allocate_block_raw(1024, PoolId::DEFAULT, 1, 0) }.unwrap();
         assert_eq!(eager.pool(), PoolId::DEFAULT);
-        let captured = a.allocate(1024, pool.id(), 0).unwrap();
+        let captured = unsafe { a.allocate_raw(1024, pool.id(), 0) }.unwrap();
         assert_eq!(captured.pool, pool.id());
         // SAFETY: a raw allocation of this test, freed once, used by nothing else.
         unsafe { a.free(captured.addr) };
@@ -682,7 +703,7 @@ mod tests {
     fn blocks_of_allocators_made_outside_a_device_are_not_device_memory() {
         let a = host_allocator();
         assert!(!a.is_device_allocator());
-        let block = a.allocate_block(1024, PoolId::DEFAULT, 1, 0).unwrap();
+        let block = unsafe { a.allocate_block_raw(1024, PoolId::DEFAULT, 1, 0) }.unwrap();
         assert_eq!(block.device_ordinal(), 0);
         assert!(
             !block.is_device_memory(),
@@ -693,8 +714,12 @@ mod tests {
     #[test]
     fn buffer_views_are_checked_against_the_block() {
         let a = host_allocator();
-        let block =
-            BlockRef::from_allocation(&a, a.allocate(1000, PoolId::DEFAULT, 1).unwrap(), 1, 0);
+        let block = BlockRef::from_allocation(
+            &a,
+            unsafe { a.allocate_raw(1000, PoolId::DEFAULT, 1) }.unwrap(),
+            1,
+            0,
+        );
         assert_eq!(block.size(), 1024);
         // 256 f32 fill the 1024-byte block; 257 do not.
         let buf = DeviceBuffer::<f32>::from_block(block.clone(), 256).unwrap();
@@ -731,17 +756,17 @@ mod tests {
             }
         }
         let a = host_allocator();
-        let first = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
+        let first = unsafe { a.allocate_raw(4096, PoolId::DEFAULT, 1) }.unwrap();
         let done = Arc::new(AtomicBool::new(false));
         // SAFETY: `first` is a raw allocation nothing else refers to.
         unsafe { a.free_after(first.addr, vec![Box::new(Flag(done.clone()))]) };
-        let second = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
+        let second = unsafe { a.allocate_raw(4096, PoolId::DEFAULT, 1) }.unwrap();
         assert_ne!(
             second.addr, first.addr,
             "reissued while foreign work is pending"
         );
         done.store(true, Ordering::SeqCst);
-        let third = a.allocate(4096, PoolId::DEFAULT, 1).unwrap();
+        let third = unsafe { a.allocate_raw(4096, PoolId::DEFAULT, 1) }.unwrap();
         assert_eq!(third.addr, first.addr, "reusable once the fence completed");
         // SAFETY: raw allocations nothing else refers to, freed once.
         unsafe {
