@@ -82,6 +82,9 @@ enum BenchCommand {
     Cache(bench::cache::CacheArgs),
     /// New input buffer per request: copy-in vs rebind (exec update) vs re-capture.
     Rebind(bench::rebind::RebindArgs),
+    /// What ordering replays across streams costs: graphs of one pool on one stream and on
+    /// two, graphs of separate pools, a graph cache served from one stream and from two.
+    Streams(bench::streams::StreamsArgs),
     /// The workloads' matrix products: cuBLAS vs the tiled split-K kernel.
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
@@ -109,6 +112,7 @@ fn main() -> ExitCode {
             }
             Some(BenchCommand::Cache(args)) => bench::cache::run(cli.device, &args),
             Some(BenchCommand::Rebind(args)) => bench::rebind::run(cli.device, &args),
+            Some(BenchCommand::Streams(args)) => bench::streams::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             Some(BenchCommand::Soak(args)) => bench::soak::run(cli.device, &args),

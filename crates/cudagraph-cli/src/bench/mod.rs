@@ -9,5 +9,6 @@ pub mod gemm;
 pub mod rebind;
 pub mod serve;
 pub mod soak;
+pub mod streams;
 pub mod sweep;
 pub mod workloads;

@@ -224,11 +224,8 @@ impl GraphBuilder {
                 got: child.device().ordinal(),
             });
         }
-        let (copy, held, anchors) = child.share_for_child()?;
-        for b in &held {
-            self.keep.hold(b);
-        }
-        self.keep.anchors.extend(anchors);
+        let (copy, keep) = child.share_for_child()?;
+        self.keep.merge(keep);
         Ok(self.push(Node::Child(copy), deps))
     }
 

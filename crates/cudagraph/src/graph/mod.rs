@@ -109,8 +109,11 @@ struct Keep {
     /// Blocks of the graph's own pool still allocated when its capture ended (outputs and
     /// anything else the graph writes): the graph's until it is dropped (see [`Pool`]).
     owned: Vec<Arc<BlockRef>>,
-    /// The check record the graph's kernels report into, if any asked for one.
-    check: Option<Arc<CheckRecord>>,
+    /// The check records the graph's kernels report into: its own, if a kernel asked for one,
+    /// and those of embedded child graphs.
+    checks: Vec<Arc<CheckRecord>>,
+    /// Pools of embedded child graphs, whose memory the graph's replays use too.
+    pools: Vec<Pool>,
     held_set: HashSet<usize>,
     anchors: Vec<Anchor>,
     functions: HashSet<usize>,
@@ -132,7 +135,8 @@ impl Keep {
         }
     }
 
-    /// Takes over everything `other` keeps (a conditional body's share of the graph).
+    /// Takes over everything `other` keeps (a conditional body's share of the graph, an
+    /// embedded child graph's).
     fn merge(&mut self, other: Keep) {
         for b in &other.held {
             self.hold(b);
@@ -140,6 +144,9 @@ impl Keep {
         self.anchors.extend(other.anchors);
         self.functions.extend(other.functions);
         self.side_pinned.extend(other.side_pinned);
+        self.owned.extend(other.owned);
+        self.checks.extend(other.checks);
+        self.pools.extend(other.pools);
     }
 
     /// Keeps a block of the capture's own pool until the graph goes, so that it is not handed
@@ -150,6 +157,16 @@ impl Keep {
             self.anchors.push(block.clone());
         }
     }
+}
+
+/// The pools a graph's replays use — its own first, then embedded child graphs' — each once,
+/// sorted so that every graph enters their orders in the same sequence (no lock cycle).
+fn replay_pools(own: Option<&Pool>, mut others: Vec<Pool>) -> Vec<Pool> {
+    others.extend(own.cloned());
+    let key = |p: &Pool| (Arc::as_ptr(p.allocator()) as usize, p.id());
+    others.sort_by_key(key);
+    others.dedup_by_key(|p| key(p));
+    others
 }
 
 /// State of one capture shared by its capture stream, the streams recording its conditional
@@ -433,8 +450,8 @@ struct Resources {
     exec: Exec,
     /// Blocks of the graph's pool alive at the end of its capture (see [`Keep::owned`]).
     owned: Vec<Arc<BlockRef>>,
-    /// The record the graph's kernels report failed checks into.
-    check: Option<Arc<CheckRecord>>,
+    /// The records the graph's kernels report failed checks into.
+    checks: Vec<Arc<CheckRecord>>,
     /// Conditional nodes and their bodies (owned by `exec.graph`).
     conds: Vec<conditional::CondRecord>,
     held: Vec<Arc<BlockRef>>,
@@ -463,6 +480,9 @@ pub struct Graph {
     completion_lost: AtomicBool,
     /// The stream of the last replay: a replay on another stream waits for it.
     order: LastUse,
+    /// Every pool whose memory replays use (its own and embedded child graphs'), in a fixed
+    /// order: a replay is ordered after the last replay of every graph of each.
+    pools: Vec<Pool>,
     device: Device,
     pool: Option<Pool>,
     info: GraphInfo,
@@ -706,7 +726,7 @@ impl Graph {
         let mut keep = cs.keep.into_inner();
         let conds = cs.conds.into_inner();
         keep.owned = shared.live_blocks();
-        keep.check = shared.check.into_inner();
+        keep.checks.extend(shared.check.into_inner());
         let memory = GraphMemory {
             pool: pool.id(),
             peak_allocated: window.peak_allocated,
@@ -745,7 +765,7 @@ impl Graph {
             res: Some(Mutex::new(Resources {
                 exec: Exec { graph: g, exec },
                 owned: keep.owned,
-                check: keep.check,
+                checks: keep.checks,
                 conds: Vec::new(),
                 held: keep.held,
                 anchors: keep.anchors,
@@ -756,6 +776,7 @@ impl Graph {
             replayed: AtomicBool::new(false),
             completion_lost: AtomicBool::new(false),
             order: LastUse::default(),
+            pools: replay_pools(pool.as_ref(), keep.pools),
             device: device.clone(),
             pool,
             info: GraphInfo {
@@ -936,14 +957,23 @@ impl Graph {
 
     /// Everything this graph keeps alive, for a parent graph that embeds it as a child: a copy
     /// of its `CUgraph` (the parent's builder owns it) and shared handles to its resources.
-    pub(crate) fn share_for_child(&self) -> Result<(GraphHandle, Vec<Arc<BlockRef>>, Vec<Anchor>)> {
+    pub(crate) fn share_for_child(&self) -> Result<(GraphHandle, Keep)> {
         let res = self.lock();
         let copy = res.exec.graph.try_clone()?;
-        let mut anchors = res.anchors.clone();
-        if let Some(p) = &self.pool {
-            anchors.push(Arc::new(p.pin()));
+        let mut keep = Keep {
+            anchors: res.anchors.clone(),
+            owned: res.owned.clone(),
+            checks: res.checks.clone(),
+            pools: self.pools.clone(),
+            ..Keep::default()
+        };
+        for b in &res.held {
+            keep.hold(b);
         }
-        Ok((copy, res.held.clone(), anchors))
+        if let Some(p) = &self.pool {
+            keep.anchors.push(Arc::new(p.pin()));
+        }
+        Ok((copy, keep))
     }
 
     /// (rebinds, of which re-instantiations) so far.
@@ -989,11 +1019,12 @@ impl Graph {
         // Order this replay after the last one of this graph and of every graph of its pool
         // when they ran on another stream (a lock and a comparison on the same stream).
         let _graph_use = self.order.enter(stream)?;
-        let _pool_use = match &self.pool {
-            Some(p) => Some(p.order().enter(stream)?),
-            None => None,
-        };
-        if let Some(r) = &res.check {
+        let _pool_uses = self
+            .pools
+            .iter()
+            .map(|p| p.order().enter(stream))
+            .collect::<Result<Vec<_>>>()?;
+        for r in &res.checks {
             self.device.watch_check(stream, r);
         }
         if res.order_after_done {
