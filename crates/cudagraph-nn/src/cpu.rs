@@ -166,7 +166,10 @@ impl Conv {
     }
 }
 
-/// Max pooling over planes of h×w: (output, argmax index per output).
+/// Max pooling over planes of h×w: (output, argmax index per output), as PyTorch's kernels:
+/// each window starts from −inf at its first element and takes a value that is greater or
+/// NaN, so a window with NaN gives NaN (index: its last NaN), a window of −inf gives −inf
+/// (index: its first element), and every index lies inside its window.
 pub fn max_pool(
     x: &[f64],
     planes: usize,
@@ -181,11 +184,11 @@ pub fn max_pool(
     for p in 0..planes {
         for i in 0..oh {
             for j in 0..ow {
-                let mut best = (f64::MIN, 0);
+                let mut best = (f64::NEG_INFINITY, (p * h + i * s) * w + j * s);
                 for a in 0..k {
                     for b in 0..k {
                         let at = (p * h + i * s + a) * w + j * s + b;
-                        if x[at] > best.0 {
+                        if x[at] > best.0 || x[at].is_nan() {
                             best = (x[at], at);
                         }
                     }
@@ -347,6 +350,55 @@ mod tests {
             assert_eq!(*v, x[*i]);
         }
         assert_eq!(y, vec![12.0, 14.0, 15.0, 13.0]);
+    }
+
+    /// PyTorch's max-pool (CPU and CUDA kernels alike) starts from −inf at the window's first
+    /// element and takes a value when it is greater or NaN: a window with NaN gives NaN at its
+    /// last NaN, a window of −inf gives −inf at its first element; never −FLT_MAX, never an
+    /// index outside the window (issue 26, item 5).
+    #[test]
+    fn max_pool_propagates_nan_and_keeps_indices_inside_the_window() {
+        let (nan, ninf) = (f64::NAN, f64::NEG_INFINITY);
+        // Two planes of 4×4, windows 2×2 with stride 2 (top-left, top-right, bottom-left,
+        // bottom-right of each plane).
+        #[rustfmt::skip]
+        let x = vec![
+            // plane 0: NaN among numbers | two NaNs | only −inf | NaN among −inf
+            1.0, nan,   nan, 5.0,
+            3.0, 2.0,   0.0, nan,
+            ninf, ninf, ninf, ninf,
+            ninf, ninf, nan,  ninf,
+            // plane 1: +inf with NaN after it | numbers | −inf then a number | all equal
+            f64::INFINITY, 0.0,  -7.0, -3.0,
+            nan,  1.0,           -5.0, -4.0,
+            ninf, ninf,          2.0, 2.0,
+            ninf, -1.0,          2.0, 2.0,
+        ];
+        let (y, idx) = max_pool(&x, 2, 4, 4, 2, 2);
+        let window = |o: usize| {
+            let (p, r, c) = (o / 4, (o % 4) / 2, o % 2);
+            let first = (p * 4 + 2 * r) * 4 + 2 * c;
+            [first, first + 1, first + 4, first + 5]
+        };
+        for (o, &i) in idx.iter().enumerate() {
+            assert!(
+                window(o).contains(&i),
+                "output {o}: index {i} outside its window"
+            );
+            assert!(y[o].to_bits() == x[i].to_bits() || (y[o].is_nan() && x[i].is_nan()));
+        }
+        assert!(y[0].is_nan() && idx[0] == 1, "NaN among numbers");
+        assert!(y[1].is_nan() && idx[1] == 7, "the last of two NaNs");
+        assert_eq!(
+            (y[2], idx[2]),
+            (ninf, 8),
+            "a window of −inf: its first element"
+        );
+        assert!(y[3].is_nan() && idx[3] == 14, "NaN among −inf");
+        assert!(y[4].is_nan() && idx[4] == 20, "NaN after +inf");
+        assert_eq!((y[5], idx[5]), (-3.0, 19));
+        assert_eq!((y[6], idx[6]), (-1.0, 29));
+        assert_eq!((y[7], idx[7]), (2.0, 26), "ties: the first");
     }
 
     #[test]

@@ -23,6 +23,15 @@ pub enum NnError {
     /// `backward` was called on something that is not a scalar.
     #[error("backward() needs a scalar (one-element) tensor, got shape {0:?}")]
     NotScalar(Vec<usize>),
+    /// A call came out of the order its object needs: a [`crate::GraphedModule`] forward
+    /// while the previous forward's output still waits for its backward, or a backward
+    /// through a graph that an earlier backward already freed.
+    #[error("{call} called out of order: {problem}. To fix: {fix}")]
+    OutOfOrder {
+        call: &'static str,
+        problem: &'static str,
+        fix: &'static str,
+    },
     /// A call into a CUDA library loaded at run time (cuDNN, cuBLASLt) failed.
     #[error("{library}: {call} failed: {status}")]
     Library {

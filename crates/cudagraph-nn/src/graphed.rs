@@ -7,15 +7,100 @@
 //!
 //! Contract (as in PyTorch): the module runs at one fixed input shape; forward and backward
 //! calls alternate (each forward's backward runs before the next forward's replay overwrites
-//! the saved activations); backward runs on an eager stream.
+//! the saved activations); backward runs on an eager stream. Unlike PyTorch, the alternation
+//! is enforced: a forward while the previous forward's output still waits for its backward is
+//! refused (`NnError::OutOfOrder`), so gradients always come from the activations of the
+//! forward they belong to. Dropping that output (and everything computed from it) gives up its
+//! backward; a forward under [`crate::no_grad`] records nothing to wait for.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use cudagraph::{CaptureOptions, Graph, Queue, QueueExt, Stream};
 
 use crate::error::{NnError, Result};
 use crate::layers::Module;
 use crate::tensor::{Node, Parameter, Tensor};
+
+/// Whose activations the static buffers hold: the latest forward's, and whether its backward
+/// is still due. A forward may replay only when no earlier output still waits for its
+/// backward; a backward runs once, for the latest forward.
+#[derive(Default)]
+struct Turns {
+    state: Mutex<TurnState>,
+}
+
+#[derive(Default)]
+struct TurnState {
+    /// Forwards replayed so far.
+    generation: u64,
+    /// The latest forward's turn, alive while its output's autograd node is.
+    open: Weak<Turn>,
+}
+
+/// One forward's claim on the static activations, held by its output's autograd node (so it
+/// ends when the backward frees that node, or when the output is dropped unused).
+struct Turn {
+    generation: u64,
+    turns: Arc<Turns>,
+    backward_done: AtomicBool,
+}
+
+fn lock(m: &Mutex<TurnState>) -> MutexGuard<'_, TurnState> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Turns {
+    /// Claims the static activations for a new forward, or refuses while the previous
+    /// forward's backward is still due.
+    fn begin_forward(self: &Arc<Self>) -> Result<Arc<Turn>> {
+        let mut st = lock(&self.state);
+        if let Some(open) = st.open.upgrade() {
+            if !open.backward_done.load(Ordering::Acquire) {
+                return Err(NnError::OutOfOrder {
+                    call: "GraphedModule::forward",
+                    problem: "the output of the previous forward still waits for its backward, \
+                              and this replay would overwrite the activations that backward \
+                              reads",
+                    fix: "run backward through that output first, or drop it and every tensor \
+                          computed from it to give its backward up (run forwards that need no \
+                          gradient under no_grad)",
+                });
+            }
+        }
+        st.generation += 1;
+        let turn = Arc::new(Turn {
+            generation: st.generation,
+            turns: self.clone(),
+            backward_done: AtomicBool::new(false),
+        });
+        st.open = Arc::downgrade(&turn);
+        Ok(turn)
+    }
+}
+
+impl Turn {
+    /// Checks that this forward's activations are still the static ones and that its
+    /// backward has not run yet, and marks it run.
+    fn begin_backward(&self) -> Result<()> {
+        let st = lock(&self.turns.state);
+        if st.generation != self.generation {
+            return Err(NnError::OutOfOrder {
+                call: "GraphedModule backward",
+                problem: "a later forward replaced the activations of this output's forward",
+                fix: "run each forward's backward before the next forward",
+            });
+        }
+        if self.backward_done.swap(true, Ordering::AcqRel) {
+            return Err(NnError::OutOfOrder {
+                call: "GraphedModule backward",
+                problem: "this output's backward already ran",
+                fix: "run the forward again before the next backward",
+            });
+        }
+        Ok(())
+    }
+}
 
 /// A module whose forward and backward passes each replay as one graph.
 pub struct GraphedModule<M: Module> {
@@ -27,6 +112,7 @@ pub struct GraphedModule<M: Module> {
     grad_output: Arc<cudagraph::DeviceBuffer<f32>>,
     input_grad: Arc<cudagraph::DeviceBuffer<f32>>,
     param_grads: Vec<Arc<cudagraph::DeviceBuffer<f32>>>,
+    turns: Arc<Turns>,
 }
 
 impl<M: Module> GraphedModule<M> {
@@ -88,6 +174,7 @@ impl<M: Module> GraphedModule<M> {
             grad_output,
             input_grad,
             param_grads,
+            turns: Arc::default(),
         })
     }
 
@@ -102,6 +189,9 @@ impl<M: Module> GraphedModule<M> {
 
     /// Runs the module on `x` (the captured shape) by replaying the forward graph; the result
     /// flows back through the backward graph when eager autograd reaches it.
+    ///
+    /// `NnError::OutOfOrder` (nothing enqueued) while the output of the previous forward
+    /// still waits for its backward: the replay would overwrite the activations it needs.
     pub fn forward(&self, s: &Stream, x: &Tensor) -> Result<Tensor> {
         if x.shape() != self.input.shape() {
             return Err(NnError::Shape(format!(
@@ -110,6 +200,7 @@ impl<M: Module> GraphedModule<M> {
                 x.shape()
             )));
         }
+        let turn = self.turns.begin_forward()?;
         QueueExt::copy(s, x.data(), self.input.data())?;
         self.fwd.replay(s)?;
         let out = s.alloc::<f32>(self.output.numel())?;
@@ -127,13 +218,14 @@ impl<M: Module> GraphedModule<M> {
             inputs,
             name: "graphed_module",
             backward: Box::new(move |q: &dyn Queue, _nn, g| {
+                turn.begin_backward()?;
                 q.copy(g.data(), &gout)?;
                 bwd.replay_on(q.stream_handle())?;
                 let copy =
                     |src: &cudagraph::DeviceBuffer<f32>, shape: &[usize]| -> Result<Tensor> {
                         let b = q.alloc::<f32>(src.len())?;
                         q.copy(src, &b)?;
-                        Tensor::from_buffer(Arc::new(b), shape)
+                        Tensor::gradient(b, shape)
                     };
                 let mut grads = vec![Some(copy(&gin, &x_shape)?)];
                 for (pg, shape) in pgrads.iter().zip(&shapes) {
@@ -147,5 +239,58 @@ impl<M: Module> GraphedModule<M> {
             self.output.shape().to_vec(),
             Some(node),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The forward/backward alternation of a graphed module (issue 26, item 5), host side.
+    use super::*;
+
+    fn out_of_order(r: Result<impl Sized>) -> &'static str {
+        match r {
+            Err(NnError::OutOfOrder { call, .. }) => call,
+            Err(e) => panic!("another error: {e}"),
+            Ok(_) => panic!("accepted out of order"),
+        }
+    }
+
+    #[test]
+    fn a_second_forward_waits_for_the_first_forwards_backward() {
+        let turns = Arc::new(Turns::default());
+        let first = turns.begin_forward().unwrap();
+        assert_eq!(
+            out_of_order(turns.begin_forward()),
+            "GraphedModule::forward"
+        );
+        first.begin_backward().unwrap();
+        // Its node may outlive the backward a moment; the turn is over all the same.
+        let second = turns.begin_forward().unwrap();
+        drop(first);
+        second.begin_backward().unwrap();
+    }
+
+    #[test]
+    fn a_backward_runs_once_and_only_for_the_latest_forward() {
+        let turns = Arc::new(Turns::default());
+        let first = turns.begin_forward().unwrap();
+        first.begin_backward().unwrap();
+        assert_eq!(
+            out_of_order(first.begin_backward()),
+            "GraphedModule backward"
+        );
+        let _second = turns.begin_forward().unwrap();
+        assert_eq!(
+            out_of_order(first.begin_backward()),
+            "GraphedModule backward"
+        );
+    }
+
+    #[test]
+    fn dropping_an_output_gives_its_backward_up() {
+        let turns = Arc::new(Turns::default());
+        drop(turns.begin_forward().unwrap());
+        let second = turns.begin_forward().unwrap();
+        second.begin_backward().unwrap();
     }
 }

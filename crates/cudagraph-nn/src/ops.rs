@@ -23,8 +23,10 @@ fn alloc(q: &dyn Queue, n: usize) -> Result<DeviceBuffer<f32>> {
     Ok(q.alloc::<f32>(n)?)
 }
 
-fn tensor(buf: DeviceBuffer<f32>, shape: &[usize]) -> Result<Tensor> {
-    Tensor::from_buffer(Arc::new(buf), shape)
+/// A backward closure's result: a gradient in a buffer it has just allocated, which autograd
+/// may adopt or add into (see [`Tensor::gradient`]).
+fn grad_tensor(buf: DeviceBuffer<f32>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::gradient(buf, shape)
 }
 
 /// `y = x · wᵀ + b`, optionally followed by ReLU (fused into the product's epilogue).
@@ -112,7 +114,7 @@ pub fn linear(
                     None,
                     false,
                 )?;
-                Some(tensor(dx, &[m, k])?)
+                Some(grad_tensor(dx, &[m, k])?)
             } else {
                 None
             };
@@ -127,8 +129,8 @@ pub fn linear(
                 (None, Some(db)) => nn.col_sum(q, &dz, db, m, n)?,
                 (None, None) => {}
             }
-            let dw = dw.map(|dw| tensor(dw, &[n, k])).transpose()?;
-            let db = db.map(|db| tensor(db, &[n])).transpose()?;
+            let dw = dw.map(|dw| grad_tensor(dw, &[n, k])).transpose()?;
+            let db = db.map(|db| grad_tensor(db, &[n])).transpose()?;
             Ok(vec![dx, dw, db])
         }),
     };
@@ -150,7 +152,7 @@ pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         backward: Box::new(move |q, nn, g| {
             let dx = alloc(q, n)?;
             nn.relu_bwd(q, g.data(), &saved, &dx, n)?;
-            Ok(vec![Some(tensor(dx, &shape)?)])
+            Ok(vec![Some(grad_tensor(dx, &shape)?)])
         }),
     };
     Ok(Tensor::from_op_shared(y, x.shape().to_vec(), Some(node)))
@@ -228,7 +230,9 @@ fn saved_grad_loss(
 ) -> Tensor {
     let (shape, others) = (shape.to_vec(), inputs.len() - 1);
     let grads = move |grad: &Arc<DeviceBuffer<f32>>| -> Result<Vec<Option<Tensor>>> {
-        let mut v = vec![Some(Tensor::from_buffer(grad.clone(), &shape)?)];
+        // The buffer was allocated by the loss and is reachable only through its node, which
+        // autograd frees before adopting it (until then the clones keep it from adoption).
+        let mut v = vec![Some(Tensor::gradient_shared(grad.clone(), &shape)?)];
         v.extend(std::iter::repeat_n(None, others));
         Ok(v)
     };
@@ -433,21 +437,21 @@ pub fn conv2d(
             let dx = if need_x {
                 let dx = alloc(q, g.input_len()?)?;
                 conv2d_backward_data(q, nn, &g, gy.data(), &wd, &dx)?;
-                Some(tensor(dx, &[g.n, g.c, g.h, g.w])?)
+                Some(grad_tensor(dx, &[g.n, g.c, g.h, g.w])?)
             } else {
                 None
             };
             let dw = if need_w {
                 let dw = alloc(q, g.weight_len()?)?;
                 conv2d_backward_filter(q, nn, &g, gy.data(), &xd, &dw)?;
-                Some(tensor(dw, &[g.oc, g.c, g.kh, g.kw])?)
+                Some(grad_tensor(dw, &[g.oc, g.c, g.kh, g.kw])?)
             } else {
                 None
             };
             let db = if need_b {
                 let db = alloc(q, g.oc)?;
                 nn.channel_sum(q, gy.data(), &db, g.n, g.oc, oh * ow)?;
-                Some(tensor(db, &[g.oc])?)
+                Some(grad_tensor(db, &[g.oc])?)
             } else {
                 None
             };
@@ -479,7 +483,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
         backward: Box::new(move |q, nn, g| {
             let dx = q.alloc_zeroed::<f32>(n_in)?;
             nn.maxpool_bwd(q, g.data(), &idx, &dx, total)?;
-            Ok(vec![Some(tensor(dx, &in_shape)?)])
+            Ok(vec![Some(grad_tensor(dx, &in_shape)?)])
         }),
     };
     Ok(Tensor::from_op(y, vec![xs[0], xs[1], oh, ow], Some(node)))
@@ -540,7 +544,7 @@ pub fn dropout(
             let k = crate::kernels::rng::RngKernels::get(q.device())?;
             let dx = alloc(q, n)?;
             k.dropout_bwd(q, g.data(), &mask, &dx, n, scale)?;
-            Ok(vec![Some(tensor(dx, &shape)?)])
+            Ok(vec![Some(grad_tensor(dx, &shape)?)])
         }),
     };
     Ok(Tensor::from_op(y, x.shape().to_vec(), Some(node)))

@@ -6,6 +6,11 @@
 //! follow PyTorch's `zero_grad(set_to_none=True)`: a parameter whose gradient is "none" adopts
 //! the first gradient computed for it (no copy, no memset); later ones are added in place. So a
 //! captured training step needs no gradient reset kernel at all, and replays stay correct.
+//!
+//! Only a buffer autograd made for a gradient, and holds the only handle to, is ever adopted or
+//! written in place ([`Tensor::gradient`]); anything else — the tensor a caller passes to
+//! [`Tensor::backward_with`], a view or alias of it — is copied first, so accumulation and
+//! `zero_grad` never write memory the caller can still see.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -68,6 +73,9 @@ struct Inner {
     requires_grad: bool,
     node: Mutex<Option<Node>>,
     param: Option<Parameter>,
+    /// Made by autograd for a gradient (see [`Tensor::gradient`]): nothing outside autograd
+    /// has a handle to the memory other than through this tensor's `Arc`s.
+    autograd_owned: bool,
 }
 
 /// A device tensor. Cloning shares the data (like a PyTorch tensor handle). `Send + Sync`: a
@@ -132,7 +140,65 @@ impl Tensor {
             requires_grad,
             node: Mutex::new(None),
             param,
+            autograd_owned: false,
         }))
+    }
+
+    /// A gradient autograd computed into `data`, a buffer it has just allocated (a node's
+    /// backward output): autograd may adopt it as a parameter's gradient or add into it in
+    /// place, once this tensor is the only handle to it. Only for buffers nothing outside
+    /// autograd can reach (no alias, no prefix, no `Arc` handed out).
+    pub(crate) fn gradient(data: DeviceBuffer<f32>, shape: &[usize]) -> Result<Self> {
+        Self::gradient_shared(Arc::new(data), shape)
+    }
+
+    /// As [`Self::gradient`], for a buffer autograd also keeps elsewhere for now (a loss's
+    /// saved gradient, held by its node until the node is freed): adoption waits until every
+    /// other `Arc` is gone, and copies otherwise.
+    pub(crate) fn gradient_shared(data: Arc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+        if data.len() != numel(shape) {
+            return Err(NnError::Shape(format!(
+                "a gradient of {} elements cannot have shape {shape:?}",
+                data.len()
+            )));
+        }
+        Ok(Tensor(Arc::new(Inner {
+            data,
+            shape: shape.to_vec(),
+            requires_grad: false,
+            node: Mutex::new(None),
+            param: None,
+            autograd_owned: true,
+        })))
+    }
+
+    /// A gradient of ones (the implicit upstream gradient of a non-loss root), made by
+    /// autograd.
+    fn ones_gradient(q: &dyn Queue, shape: &[usize]) -> Result<Self> {
+        let b = q.alloc::<f32>(numel_checked(shape)?)?;
+        q.fill32(&b, 0, b.len(), 1.0)?;
+        Self::gradient(b, shape)
+    }
+
+    /// Whether autograd may keep this tensor's buffer as a gradient and write it later: it was
+    /// made by autograd ([`Self::gradient`]), no clone of this tensor exists, and no other
+    /// handle holds its buffer. A caller's tensor never qualifies, whatever its handle
+    /// counts: `DeviceBuffer::alias` and raw addresses share memory without sharing the `Arc`.
+    fn adoptable(&mut self) -> bool {
+        self.0.autograd_owned
+            && Arc::get_mut(&mut self.0)
+                .is_some_and(|inner| Arc::get_mut(&mut inner.data).is_some())
+    }
+
+    /// This gradient as a buffer autograd may write: itself when [`Self::adoptable`], else a
+    /// copy into a buffer of autograd's own (enqueued on `q`).
+    fn into_owned_gradient(mut self, q: &dyn Queue) -> Result<Self> {
+        if self.adoptable() {
+            return Ok(self);
+        }
+        let own = q.alloc::<f32>(self.0.data.len())?;
+        q.copy(&self.0.data, &own)?;
+        Self::gradient(own, &self.0.shape)
     }
 
     /// A new tensor computed by an operation; records `node` when any input needs a gradient.
@@ -153,10 +219,13 @@ impl Tensor {
             shape,
             node: Mutex::new(node),
             param: None,
+            autograd_owned: false,
         }))
     }
 
-    /// Same data, another shape (a view; gradients flow through unchanged).
+    /// Same data, another shape (a view; gradients flow through unchanged). A view of a
+    /// gradient autograd made is still autograd's (it is adoptable only once the original is
+    /// gone, see [`Self::adoptable`]).
     pub fn reshape(&self, shape: &[usize]) -> Result<Self> {
         if numel(shape) != self.numel() {
             return Err(NnError::Shape(format!(
@@ -180,6 +249,7 @@ impl Tensor {
             requires_grad: node.is_some(),
             node: Mutex::new(node),
             param: None,
+            autograd_owned: self.0.autograd_owned,
         })))
     }
 
@@ -237,7 +307,8 @@ impl Tensor {
     /// The upstream gradient is one. Losses hand on the gradient they saved in the forward
     /// pass as it is (no seed tensor is filled, nothing is scaled); any other root gets a
     /// seed of ones, as with `backward_with(q, ones)`. The gradients are the same bits either
-    /// way.
+    /// way. A second backward through a freed graph is `NnError::OutOfOrder` (see
+    /// [`Self::backward_with`]).
     pub fn backward(&self, q: &dyn Queue) -> Result<()> {
         self.run_backward(q, None, None)
     }
@@ -252,7 +323,13 @@ impl Tensor {
     }
 
     /// Reverse-mode autograd from this tensor with upstream gradient `grad` (same shape), as
-    /// PyTorch's `y.backward(grad)`.
+    /// PyTorch's `y.backward(grad)`. `grad` is only read: where it would become a parameter's
+    /// gradient as it is (this tensor is a parameter, or a view of one), the parameter gets a
+    /// copy, so later accumulation and `zero_grad` never write the caller's memory.
+    ///
+    /// `NnError::OutOfOrder` (nothing enqueued) when the graph reaches a tensor whose node an
+    /// earlier backward already freed, as PyTorch refuses a second backward without
+    /// `retain_graph`.
     pub fn backward_with(&self, q: &dyn Queue, grad: Tensor) -> Result<()> {
         self.run_backward(q, Some(grad), None)
     }
@@ -292,28 +369,8 @@ impl Tensor {
             }
             _ => {}
         }
+        let order = self.topological_order()?;
         let nn = Nn::get(q.device())?;
-        // Topological order by depth-first search (iterative: deep models do not overflow).
-        let mut order: Vec<Tensor> = Vec::new();
-        let mut seen: HashSet<usize> = HashSet::new();
-        let mut stack: Vec<(Tensor, bool)> = vec![(self.clone(), false)];
-        while let Some((t, expanded)) = stack.pop() {
-            if expanded {
-                order.push(t);
-                continue;
-            }
-            if !seen.insert(t.key()) {
-                continue;
-            }
-            stack.push((t.clone(), true));
-            if let Some(n) = lock(&t.0.node).as_ref() {
-                for i in &n.inputs {
-                    if i.requires_grad() && !seen.contains(&i.key()) {
-                        stack.push((i.clone(), false));
-                    }
-                }
-            }
-        }
         // With a hook, parameter leaves are accumulated as soon as every operation that uses
         // them has run (the depth-first order alone would leave them all to the end).
         let mut early = hook.as_ref().map(|_| EarlyLeaves::new(&order));
@@ -349,7 +406,7 @@ impl Tensor {
             if let Some(p) = &t.0.param {
                 let g = match g {
                     Some(g) => g,
-                    None => Tensor::full(q, t.shape(), 1.0)?,
+                    None => Tensor::ones_gradient(q, t.shape())?,
                 };
                 p.accumulate(q, &nn, g)?;
                 if let Some(e) = &mut early {
@@ -363,19 +420,24 @@ impl Tensor {
             let input_grads = match (&g, &node.unit_backward) {
                 (Some(g), _) => (node.backward)(q, &nn, g)?,
                 (None, Some(unit)) => unit(q, &nn)?,
-                (None, None) => (node.backward)(q, &nn, &Tensor::full(q, t.shape(), 1.0)?)?,
+                (None, None) => (node.backward)(q, &nn, &Tensor::ones_gradient(q, t.shape())?)?,
             };
             for (inp, ig) in node.inputs.iter().zip(input_grads) {
                 let Some(ig) = ig else { continue };
                 if !inp.requires_grad() {
                     continue;
                 }
-                match grads.get(&inp.key()) {
-                    Some(acc) => nn.add_inplace(q, acc.data(), ig.data())?,
-                    None => {
-                        grads.insert(inp.key(), ig);
+                // The first gradient is kept as it is (only read from then on); adding a second
+                // one writes the first in place, so that must be a buffer of autograd's own.
+                let acc = match grads.remove(&inp.key()) {
+                    Some(acc) => {
+                        let acc = acc.into_owned_gradient(q)?;
+                        nn.add_inplace(q, acc.data(), ig.data())?;
+                        acc
                     }
-                }
+                    None => ig,
+                };
+                grads.insert(inp.key(), acc);
             }
             if let Some(e) = &mut early {
                 let ready = e.consumed(&node.inputs);
@@ -387,6 +449,48 @@ impl Tensor {
             }
         }
         Ok(())
+    }
+
+    /// Every tensor this one depends on through tensors that need a gradient, inputs before
+    /// the tensors computed from them (depth-first, iterative: deep models do not overflow).
+    ///
+    /// A tensor that needs a gradient but has neither a node nor a parameter had its node
+    /// freed by an earlier backward: `NnError::OutOfOrder`, before any work is enqueued
+    /// (going on would silently give its inputs no gradient).
+    fn topological_order(&self) -> Result<Vec<Tensor>> {
+        let mut order: Vec<Tensor> = Vec::new();
+        let mut seen: HashSet<usize> = HashSet::new();
+        let mut stack: Vec<(Tensor, bool)> = vec![(self.clone(), false)];
+        while let Some((t, expanded)) = stack.pop() {
+            if expanded {
+                order.push(t);
+                continue;
+            }
+            if !seen.insert(t.key()) {
+                continue;
+            }
+            stack.push((t.clone(), true));
+            match lock(&t.0.node).as_ref() {
+                Some(n) => {
+                    for i in &n.inputs {
+                        if i.requires_grad() && !seen.contains(&i.key()) {
+                            stack.push((i.clone(), false));
+                        }
+                    }
+                }
+                None if t.requires_grad() && t.0.param.is_none() => {
+                    return Err(NnError::OutOfOrder {
+                        call: "backward",
+                        problem: "it reaches a tensor whose graph an earlier backward already \
+                                  ran through and freed, so that part would get no gradient",
+                        fix: "run the forward pass again before each backward, or add the \
+                              losses up and call backward once",
+                    });
+                }
+                None => {}
+            }
+        }
+        Ok(order)
     }
 }
 
@@ -599,7 +703,8 @@ impl Parameter {
 
     /// Replaces the gradient buffer (`None` clears it, like `zero_grad(true)`). For code that
     /// produces gradients outside autograd (data-parallel reduction of a parameter that got
-    /// no gradient locally); the buffer must hold one value per element.
+    /// no gradient locally); the buffer must hold one value per element. The parameter owns
+    /// it from then on: backward adds into it and `zero_grad(false)` zeroes it, in place.
     pub fn set_grad(&self, grad: Option<Arc<DeviceBuffer<f32>>>) -> Result<()> {
         if let Some(g) = &grad {
             if g.len() != self.numel() {
@@ -620,17 +725,97 @@ impl Parameter {
         match slot.as_ref() {
             Some(acc) => nn.add_inplace(q, acc, g.data()),
             None => {
-                let buf = g.0.data.clone();
-                // Adopt the buffer unless something else can still write to it.
-                *slot = Some(if Arc::strong_count(&buf) <= 2 {
-                    buf
-                } else {
-                    let own = q.alloc::<f32>(buf.len())?;
-                    q.copy(&buf, &own)?;
-                    Arc::new(own)
-                });
+                // Adopt the buffer only if it is autograd's alone; a caller's tensor is copied
+                // (accumulation and `zero_grad` write the gradient in place later).
+                *slot = Some(g.into_owned_gradient(q)?.0.data.clone());
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Host-side autograd bookkeeping (issue 26, item 5): which gradients may be adopted, and
+    //! backward through a freed graph. The tensors sit on fake blocks that nothing reads.
+    use super::*;
+    use cudagraph::BlockRef;
+
+    /// A buffer of `n` elements at a made-up address.
+    fn fake(n: usize) -> DeviceBuffer<f32> {
+        // SAFETY: no work is ever enqueued on this block and nothing reads or writes its
+        // address: these tests only count handles. `keep` holds nothing to release.
+        let block = unsafe { BlockRef::external(0x1000, 4 * n, 0, Box::new(())) };
+        DeviceBuffer::from_block(block, n).unwrap()
+    }
+
+    #[test]
+    fn only_a_gradient_autograd_made_and_holds_alone_is_adopted() {
+        // A caller's tensor never is, even when it is the only handle: its memory may be
+        // shared through `DeviceBuffer::alias` or a raw address, which no count shows.
+        let mut caller = Tensor::from_buffer(Arc::new(fake(4)), &[4]).unwrap();
+        assert!(!caller.adoptable());
+        let mut caller_view = caller.reshape(&[2, 2]).unwrap();
+        drop(caller);
+        assert!(!caller_view.adoptable());
+        let mut aliased = Tensor::from_buffer(Arc::new(caller_view.data().alias()), &[4]).unwrap();
+        assert!(!aliased.adoptable());
+
+        // Autograd's own gradient, held only here: adopted.
+        let mut g = Tensor::gradient(fake(4), &[4]).unwrap();
+        assert!(g.adoptable());
+        // Not while a clone of the tensor is alive.
+        let clone = g.clone();
+        assert!(!g.adoptable());
+        drop(clone);
+        assert!(g.adoptable());
+        // Not while its buffer has another holder (a loss node's saved gradient).
+        let saved = g.data_arc().clone();
+        assert!(!g.adoptable());
+        drop(saved);
+        assert!(g.adoptable());
+        // A view: not while the original is alive, then yes.
+        let mut view = g.reshape(&[2, 2]).unwrap();
+        assert!(!view.adoptable());
+        drop(g);
+        assert!(view.adoptable());
+    }
+
+    #[test]
+    fn a_backward_through_a_freed_graph_is_refused_before_any_work() {
+        let p = Parameter::from_buffer("w", Arc::new(fake(4)), &[4]).unwrap();
+        let y = Tensor::from_op(
+            fake(4),
+            vec![4],
+            Some(Node {
+                inputs: vec![p.tensor()],
+                backward: Box::new(|_, _, _| unreachable!("nothing runs here")),
+                unit_backward: None,
+                name: "test",
+            }),
+        );
+        let z = y.reshape(&[2, 2]).unwrap();
+        let order = z.topological_order().unwrap();
+        assert_eq!(order.len(), 3);
+        assert!(order[0].0.param.is_some(), "inputs come first");
+        assert_eq!(order[2].key(), z.key());
+        // A backward frees the nodes it runs through.
+        lock(&y.0.node).take();
+        let e = z.topological_order().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                NnError::OutOfOrder {
+                    call: "backward",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("earlier backward"), "{e}");
+        // A parameter's leaf and a tensor that needs no gradient have no graph to free.
+        assert_eq!(p.tensor().topological_order().unwrap().len(), 1);
+        let plain = Tensor::from_buffer(Arc::new(fake(1)), &[1]).unwrap();
+        assert_eq!(plain.topological_order().unwrap().len(), 1);
     }
 }
