@@ -176,7 +176,7 @@ impl Blas {
         handle_on_device(q, "cuBLAS handle", self.ctx.ordinal())?;
         on_device(
             q,
-            &[
+            [
                 ("gemm A", a.block()),
                 ("gemm B", b.block()),
                 ("gemm C", c.block()),

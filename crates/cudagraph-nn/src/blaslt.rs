@@ -1202,13 +1202,17 @@ impl BlasLt {
         }
         // The handle, A, B, C, the bias and (below) the workspace are all the queue's device's.
         handle_on_device(q, "cuBLASLt handle", self.ctx.ordinal())?;
-        let mut named = vec![
+        let operands = [
             ("gemm A", a.block()),
             ("gemm B", b.block()),
             ("gemm C", c.block()),
         ];
-        named.extend(bias.map(|v| ("gemm bias", v.block())));
-        on_device(q, &named)?;
+        on_device(
+            q,
+            operands
+                .into_iter()
+                .chain(bias.map(|v| ("gemm bias", v.block()))),
+        )?;
         let mut addrs = vec![a.addr(), b.addr(), c.addr()];
         addrs.extend(bias.map(|v| v.addr()));
         if alignment(&addrs) < s.align {
@@ -1280,7 +1284,7 @@ impl BlasLt {
                 None
             };
             if let Some(w) = &ws {
-                on_device(q, &[("cuBLASLt workspace", w.block())])?;
+                on_device(q, [("cuBLASLt workspace", w.block())])?;
             }
             for buf in [a, b, c] {
                 q.use_block(buf.block());

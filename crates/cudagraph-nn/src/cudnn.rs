@@ -495,7 +495,7 @@ impl Cudnn {
             None
         };
         if let Some(ws) = &ws {
-            on_device(q, &[("cuDNN workspace", ws.block())])?;
+            on_device(q, [("cuDNN workspace", ws.block())])?;
         }
         for buf in [p1, p2, p3] {
             q.use_block(buf.block());
@@ -556,7 +556,7 @@ impl Cudnn {
         need("conv2d bias", bias, g.oc)?;
         need("conv2d y", y, g.output_len()?)?;
         handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
-        on_device(q, &[("conv2d bias", bias.block()), ("conv2d y", y.block())])?;
+        on_device(q, [("conv2d bias", bias.block()), ("conv2d y", y.block())])?;
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;

@@ -1256,7 +1256,7 @@ impl CudnnGraph {
             None
         };
         if let Some(ws) = &ws {
-            on_device(q, &[("cuDNN workspace", ws.block())])?;
+            on_device(q, [("cuDNN workspace", ws.block())])?;
         }
         for buf in [x, w, y].into_iter().chain(bias) {
             q.use_block(buf.block());

@@ -44,10 +44,13 @@ pub(crate) fn prod(what: &'static str, dims: &[usize]) -> Result<usize> {
 /// from a CPU-test allocator) would fault there or write what it must not. The same refusals as
 /// the core's own entry points: [`cudagraph::Error::WrongDevice`] for another device's buffer,
 /// [`cudagraph::Error::NotSupported`] for a block that is not device memory.
-pub(crate) fn on_device(q: &dyn Queue, bufs: &[(&'static str, &Arc<BlockRef>)]) -> Result<()> {
+pub(crate) fn on_device<'b>(
+    q: &dyn Queue,
+    bufs: impl IntoIterator<Item = (&'static str, &'b Arc<BlockRef>)>,
+) -> Result<()> {
     let ordinal = q.device().ordinal();
-    bufs.iter()
-        .try_for_each(|&(what, block)| block_on_device(ordinal, what, block))
+    bufs.into_iter()
+        .try_for_each(|(what, block)| block_on_device(ordinal, what, block))
 }
 
 /// [`on_device`] for one block, against device `ordinal`.

@@ -118,13 +118,17 @@ impl GemmOp {
     /// (`Bias*`, length n) or the bias-gradient output (`BiasGrad`, length m).
     fn validate(&self, q: &dyn Queue, a: &Buf, b: &Buf, c: &Buf, vec: Option<&Buf>) -> Result<()> {
         self.dims().check_buffers(a, b, c, None)?;
-        let mut named = vec![
+        let operands = [
             ("gemm A", a.block()),
             ("gemm B", b.block()),
             ("gemm C", c.block()),
         ];
-        named.extend(vec.map(|v| ("gemm bias", v.block())));
-        on_device(q, &named)?;
+        on_device(
+            q,
+            operands
+                .into_iter()
+                .chain(vec.map(|v| ("gemm bias", v.block()))),
+        )?;
         let want = match self.epilogue {
             Epilogue::None => None,
             Epilogue::Bias | Epilogue::BiasRelu => Some(self.n),

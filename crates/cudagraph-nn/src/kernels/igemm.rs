@@ -138,13 +138,16 @@ pub fn conv_on_device(
         ConvDir::BackwardData => ["conv2d dy", "conv2d w", "conv2d dx"],
         ConvDir::BackwardFilter => ["conv2d dy", "conv2d x", "conv2d dw"],
     };
-    let mut named = vec![
+    let bufs = [
         (names[0], a.block()),
         (names[1], b.block()),
         (names[2], out.block()),
     ];
-    named.extend(bias.map(|v| ("conv2d bias", v.block())));
-    on_device(q, &named)
+    on_device(
+        q,
+        bufs.into_iter()
+            .chain(bias.map(|v| ("conv2d bias", v.block()))),
+    )
 }
 
 /// Output tile of one block of the implicit-GEMM kernels (rows × columns of the product).
