@@ -17,7 +17,7 @@ use cudagraph::{Device, DeviceBuffer, Queue, QueueExt};
 use cudarc::cublas::sys;
 
 use crate::error::{NnError, Result};
-use crate::extent::GemmDims;
+use crate::extent::{block_on_device, handle_on_device, on_device, GemmDims};
 
 /// Workspace bytes per stream (cuBLAS's recommendation for Hopper is up to 32 MiB; SGEMM at
 /// these sizes uses far less).
@@ -172,6 +172,16 @@ impl Blas {
             tb: tb == Trans::T,
         };
         dims.check_buffers(a, b, c, None)?;
+        // The handle, A, B, C and (below) the workspace are all the queue's device's.
+        handle_on_device(q, "cuBLAS handle", self.ctx.ordinal())?;
+        on_device(
+            q,
+            [
+                ("gemm A", a.block()),
+                ("gemm B", b.block()),
+                ("gemm C", c.block()),
+            ],
+        )?;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -206,11 +216,13 @@ impl Blas {
                 w
             }
         };
+        block_on_device(self.ctx.ordinal(), "cuBLAS workspace", &ws)?;
         q.use_block(&ws);
         let h = st.handle.0;
         // SAFETY: h is live; the stream and workspace are live device objects (the workspace is
-        // kept by `self` and, inside a capture, by the graph); A, B and C hold m·k, k·n and m·n
-        // elements (checked above), which with these leading dimensions is every element
+        // kept by `self` and, inside a capture, by the graph); the handle, A, B, C and the
+        // workspace belong to the queue's device (checked above); A, B and C hold m·k, k·n and
+        // m·n elements (checked above), which with these leading dimensions is every element
         // cuBLAS touches; alpha/beta are read before the call returns.
         unsafe {
             check(

@@ -48,6 +48,7 @@ use crate::blas::Epilogue;
 use crate::blas::Trans;
 use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
+use crate::extent::{handle_on_device, on_device};
 
 type Status = u32;
 type Ptr = *mut c_void;
@@ -1199,6 +1200,19 @@ impl BlasLt {
                 s.m, s.n, s.k
             )));
         }
+        // The handle, A, B, C, the bias and (below) the workspace are all the queue's device's.
+        handle_on_device(q, "cuBLASLt handle", self.ctx.ordinal())?;
+        let operands = [
+            ("gemm A", a.block()),
+            ("gemm B", b.block()),
+            ("gemm C", c.block()),
+        ];
+        on_device(
+            q,
+            operands
+                .into_iter()
+                .chain(bias.map(|v| ("gemm bias", v.block()))),
+        )?;
         let mut addrs = vec![a.addr(), b.addr(), c.addr()];
         addrs.extend(bias.map(|v| v.addr()));
         if alignment(&addrs) < s.align {
@@ -1269,6 +1283,9 @@ impl BlasLt {
             } else {
                 None
             };
+            if let Some(w) = &ws {
+                on_device(q, [("cuBLASLt workspace", w.block())])?;
+            }
             for buf in [a, b, c] {
                 q.use_block(buf.block());
             }
@@ -1288,7 +1305,8 @@ impl BlasLt {
             };
             // SAFETY: the handle, descriptor and layouts are live under the lock; the layouts
             // describe m×k, k×n and m×n elements in the checked buffers (and a bias of the
-            // checked length, used only with a fused epilogue); the algorithm came from
+            // checked length, used only with a fused epilogue), all of them and the workspace
+            // memory of the queue's device, the handle's (checked); the algorithm came from
             // cuBLASLt's heuristic for exactly these descriptors, or is a split-K variant of one
             // or a searched configuration that `cublasLtMatmulAlgoCheck` accepted for them
             // (alignment needs within the plan's), and gets the `workspace_size` bytes reported for it (null when none);

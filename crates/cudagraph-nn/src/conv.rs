@@ -226,7 +226,7 @@ pub fn run_conv(
     g: &ConvGeom,
     io: ConvIo<'_>,
 ) -> Result<ConvAlgo> {
-    check_io(dir, g, &io)?;
+    check_io(q, dir, g, &io)?;
     let out_len = match dir {
         ConvDir::Forward => g.output_len()?,
         ConvDir::BackwardData => g.input_len()?,
@@ -272,13 +272,17 @@ pub fn conv_with(
     g: &ConvGeom,
     io: ConvIo<'_>,
 ) -> Result<()> {
-    check_io(dir, g, &io)?;
+    check_io(q, dir, g, &io)?;
     let eng = Engines::get(q.device())?;
     conv_algo(q, nn, &eng, algo, dir, g, io)
 }
 
-fn check_io(dir: ConvDir, g: &ConvGeom, io: &ConvIo<'_>) -> Result<()> {
-    igemm::conv_roles(dir, g, (io.a, io.b, io.out), io.bias).map(drop)
+/// The buffers hold what the direction reads and writes and are memory of `q`'s device
+/// (checked before any engine runs or is measured, so a buffer of another device is a
+/// `WrongDevice` error whichever engine the registry would pick).
+fn check_io(q: &dyn Queue, dir: ConvDir, g: &ConvGeom, io: &ConvIo<'_>) -> Result<()> {
+    igemm::conv_roles(dir, g, (io.a, io.b, io.out), io.bias)?;
+    igemm::conv_on_device(q, dir, (io.a, io.b, io.out), io.bias)
 }
 
 fn conv_algo(

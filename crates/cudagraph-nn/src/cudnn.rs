@@ -23,8 +23,8 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
 use crate::error::{NnError, Result};
-use crate::extent::need;
-use crate::kernels::igemm::{conv_roles, ConvDir};
+use crate::extent::{handle_on_device, need, on_device};
+use crate::kernels::igemm::{conv_on_device, conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
 type Status = u32;
@@ -459,6 +459,9 @@ impl Cudnn {
     ) -> Result<()> {
         // (ptr1, ptr2, ptr3) in cuDNN's argument order, after checking each extent.
         let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
+        // The handle, the buffers and (below) the workspace are all the queue's device's.
+        handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
+        conv_on_device(q, dir, (a, b, out), None)?;
         let (p1, p2, p3) = match dir {
             ConvDir::Forward => (x, w, y),
             ConvDir::BackwardData => (w, y, x),
@@ -491,6 +494,9 @@ impl Cudnn {
         } else {
             None
         };
+        if let Some(ws) = &ws {
+            on_device(q, [("cuDNN workspace", ws.block())])?;
+        }
         for buf in [p1, p2, p3] {
             q.use_block(buf.block());
         }
@@ -506,7 +512,8 @@ impl Cudnn {
         let stream = q.stream_handle().raw() as Ptr;
         // SAFETY: the handle and descriptors are live (held under the lock); the descriptors
         // describe exactly the geometry whose extents were checked against the buffers above,
-        // so cuDNN reads and writes inside them; the workspace holds the `ws_bytes` cuDNN
+        // so cuDNN reads and writes inside them; the buffers and the workspace are memory of
+        // the queue's device, the handle's (checked); the workspace holds the `ws_bytes` cuDNN
         // asked for this algorithm; every buffer is kept alive and ordered by `use_block` (a
         // capture keeps them); alpha/beta are read before the call returns.
         unsafe {
@@ -548,6 +555,8 @@ impl Cudnn {
     ) -> Result<()> {
         need("conv2d bias", bias, g.oc)?;
         need("conv2d y", y, g.output_len()?)?;
+        handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
+        on_device(q, [("conv2d bias", bias.block()), ("conv2d y", y.block())])?;
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
@@ -558,8 +567,9 @@ impl Cudnn {
         let one_p = &one as *const f32 as CPtr;
         let stream = q.stream_handle().raw() as Ptr;
         // SAFETY: live handle and descriptors (held under the lock); `p.bias` describes oc
-        // values and `p.y` the forward output of `g`, both checked against the buffers above,
-        // which `use_block` keeps alive and ordered; alpha is read before the call returns.
+        // values and `p.y` the forward output of `g`, both checked against the buffers above
+        // (memory of the queue's device, the handle's), which `use_block` keeps alive and
+        // ordered; alpha is read before the call returns.
         unsafe {
             self.check((self.api.set_stream)(handle, stream), "cudnnSetStream")?;
             self.check(

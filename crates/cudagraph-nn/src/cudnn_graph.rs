@@ -37,7 +37,8 @@ use cudarc::cudnn::sys as cs;
 
 use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
-use crate::kernels::igemm::{conv_key, conv_roles, ConvDir};
+use crate::extent::{handle_on_device, on_device};
+use crate::kernels::igemm::{conv_key, conv_on_device, conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
 type Status = u32;
@@ -1189,6 +1190,9 @@ impl CudnnGraph {
         // Buffers by unique id (x, w, y), after checking each extent (and the bias: `g.oc`
         // elements, forward only).
         let (x, w, y) = conv_roles(dir, g, (a, b, out), bias)?;
+        // The handle, the buffers and (below) the workspace are all the queue's device's.
+        handle_on_device(q, "cuDNN graph API handle", self.ctx.ordinal())?;
+        conv_on_device(q, dir, (a, b, out), bias)?;
         let fused = bias.is_some();
         let mut addrs = vec![x.addr(), w.addr(), y.addr()];
         addrs.extend(bias.map(|b| b.addr()));
@@ -1251,6 +1255,9 @@ impl CudnnGraph {
         } else {
             None
         };
+        if let Some(ws) = &ws {
+            on_device(q, [("cuDNN workspace", ws.block())])?;
+        }
         for buf in [x, w, y].into_iter().chain(bias) {
             q.use_block(buf.block());
         }
@@ -1280,7 +1287,8 @@ impl CudnnGraph {
         // SAFETY: the handle, plan and variant pack are live (held under the lock); the plan
         // describes exactly the geometry (and, fused, the bias of `g.oc` elements) whose
         // extents were checked against the buffers above, at the alignment of these pointers,
-        // so cuDNN reads and writes inside them; the fused graph's intermediate is virtual (no
+        // so cuDNN reads and writes inside them; the buffers and the workspace are memory of
+        // the queue's device, the handle's (checked); the fused graph's intermediate is virtual (no
         // pointer); the workspace holds the bytes the plan asked for; every buffer is kept
         // alive and ordered by `use_block` (a capture keeps them).
         unsafe {

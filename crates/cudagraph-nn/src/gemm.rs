@@ -25,6 +25,7 @@ use crate::blas::Trans;
 use crate::blaslt::{alignment, LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
+use crate::extent::on_device;
 use crate::kernels::{
     rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Nn, ROWS_PER_BLOCK,
 };
@@ -111,10 +112,23 @@ impl GemmOp {
         }
     }
 
-    /// The buffers hold what the product reads and writes; `vec` is the bias (`Bias*`,
-    /// length n) or the bias-gradient output (`BiasGrad`, length m).
-    fn validate(&self, a: &Buf, b: &Buf, c: &Buf, vec: Option<&Buf>) -> Result<()> {
+    /// The buffers hold what the product reads and writes and are memory of `q`'s device
+    /// (checked before any engine runs or is measured, so a buffer of another device is a
+    /// `WrongDevice` error whichever engine the registry would pick); `vec` is the bias
+    /// (`Bias*`, length n) or the bias-gradient output (`BiasGrad`, length m).
+    fn validate(&self, q: &dyn Queue, a: &Buf, b: &Buf, c: &Buf, vec: Option<&Buf>) -> Result<()> {
         self.dims().check_buffers(a, b, c, None)?;
+        let operands = [
+            ("gemm A", a.block()),
+            ("gemm B", b.block()),
+            ("gemm C", c.block()),
+        ];
+        on_device(
+            q,
+            operands
+                .into_iter()
+                .chain(vec.map(|v| ("gemm bias", v.block()))),
+        )?;
         let want = match self.epilogue {
             Epilogue::None => None,
             Epilogue::Bias | Epilogue::BiasRelu => Some(self.n),
@@ -258,7 +272,7 @@ pub fn run_gemm(
     c: &Buf,
     vec: Option<&Buf>,
 ) -> Result<GemmAlgo> {
-    op.validate(a, b, c, vec)?;
+    op.validate(q, a, b, c, vec)?;
     if op.m == 0 || op.n == 0 {
         // Nothing to write (a bias gradient of m = 0 rows is empty too).
         return Ok(GemmAlgo::Cublas);
@@ -324,7 +338,7 @@ pub fn gemm_with(
     c: &Buf,
     vec: Option<&Buf>,
 ) -> Result<()> {
-    op.validate(a, b, c, vec)?;
+    op.validate(q, a, b, c, vec)?;
     if op.m == 0 || op.n == 0 {
         return Ok(());
     }

@@ -2,18 +2,29 @@
 //! the device (cross-entropy targets, eagerly and inside graphs), the bad-input matrix (each row
 //! a typed error naming the problem, the stream and pools usable afterwards, nothing leaked),
 //! documented NaN/Inf behaviour, teardown that gives every byte back to the driver, and models
-//! used from several threads at once.
+//! used from several threads at once; and (issue 26, items 5 and 7) a block used on a busy
+//! stream is not handed out again before that stream is done, for our kernels, copies, fills,
+//! cuBLAS, cuBLASLt and cuDNN alike, and library calls refuse another device's buffers and
+//! handles (two GPUs, ignored on one).
 //!
 //! Tests whose point is a deliberate driver error are named `misuse_*` (skipped by
 //! `bench/sanitize.sh`, since compute-sanitizer rightly reports the errors they provoke).
 
+use std::cell::OnceCell;
 use std::sync::{Arc, Mutex};
 
 use cudagraph::{
-    gpu_test_device, BucketPolicy, CacheOptions, CaptureOptions, Device, Error, Graph, GraphCache,
-    QueueExt, Stream,
+    gpu_test_device, BucketPolicy, CacheOptions, CaptureOptions, Device, DeviceBuffer, Error,
+    Graph, GraphCache, QueueExt, Stream,
 };
+use cudagraph_nn::blas::{Epilogue, Trans};
+use cudagraph_nn::blaslt::{LtAlgo, LtShape};
+use cudagraph_nn::conv::{conv_with, run_conv, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::{ConvAlgo, Engine, Engines, GemmAlgo};
+use cudagraph_nn::gemm::{gemm_with, GemmOp};
+use cudagraph_nn::kernels::igemm::Spin;
+use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::*;
 
 fn mlp(s: &Stream, rng: &mut Rng, dims: &[usize]) -> Sequential {
@@ -425,21 +436,43 @@ fn four_threads_train_their_own_models_graphed_like_one_thread() {
     }
 }
 
+/// One request of the graph-cache test: its rows, its input, and its own eager answer.
+struct Request {
+    rows: usize,
+    input: Vec<f32>,
+    want: Vec<f32>,
+}
+
+/// Every request has its own rows (random, drawn for that request alone) and is compared with
+/// the eager forward of exactly those rows: a request answered from another request's input, or
+/// from a stale static input, gives different rows and fails (with one shared array of inputs,
+/// where each request was a prefix of the same data, a mixed-up input gave identical rows).
+/// Tolerance 1e-5 (relative, over the request's rows): the graph runs the bucket's padded batch,
+/// which may pick another engine than the eager batch of `rows`; another request's data is off
+/// by order 1.
 #[test]
 fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let mut rng = Rng::new(15);
     let model = mlp(&s, &mut rng, &[24, 32, 6]);
-    let xs: Vec<f32> = rng.vec_normal(64 * 24);
-    // Reference: eager forward of every request size on one stream.
-    let want: Vec<Vec<f32>> = (1..=40)
-        .map(|rows| {
-            let x = Tensor::from_host(&s, &xs[..rows * 24], &[rows, 24]).unwrap();
-            no_grad(|| model.forward(&s, &x))
-                .unwrap()
-                .to_vec(&s)
-                .unwrap()
+    const THREADS: usize = 4;
+    const REQUESTS: usize = 50;
+    // requests[t][i]: thread t's i-th request.
+    let requests: Vec<Vec<Request>> = (0..THREADS)
+        .map(|t| {
+            (0..REQUESTS)
+                .map(|i| {
+                    let rows = 1 + (i * 7 + t * 3) % 40;
+                    let input = rng.vec_normal(rows * 24);
+                    let x = Tensor::from_host(&s, &input, &[rows, 24]).unwrap();
+                    let want = no_grad(|| model.forward(&s, &x))
+                        .unwrap()
+                        .to_vec(&s)
+                        .unwrap();
+                    Request { rows, input, want }
+                })
+                .collect()
         })
         .collect();
     let batched = Batched {
@@ -455,24 +488,23 @@ fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
     )
     .unwrap();
     let shared = Arc::new(Mutex::new((cache, s)));
-    let (xs, want) = (Arc::new(xs), Arc::new(want));
-    let threads: Vec<_> = (0..4)
+    let requests = Arc::new(requests);
+    let threads: Vec<_> = (0..THREADS)
         .map(|t| {
-            let (shared, xs, want, dev) = (shared.clone(), xs.clone(), want.clone(), dev.clone());
+            let (shared, requests, dev) = (shared.clone(), requests.clone(), dev.clone());
             std::thread::spawn(move || {
                 let mine = dev.new_stream().unwrap();
-                for i in 0..50 {
-                    let rows = 1 + (i * 7 + t * 3) % 40;
-                    let input = mine.alloc_from_host(&xs[..rows * 24]).unwrap();
+                for (i, Request { rows, input, want }) in requests[t].iter().enumerate() {
+                    let input = mine.alloc_from_host(input).unwrap();
                     mine.synchronize().unwrap();
                     let got = {
                         let mut g = shared.lock().unwrap();
                         let (cache, s) = &mut *g;
-                        let (out, _) = cache.run(s, &input, rows).unwrap();
+                        let (out, _) = cache.run(s, &input, *rows).unwrap();
                         s.to_vec(&out).unwrap()
                     };
-                    let e = rel_err(&got, &to_f64(&want[rows - 1]));
-                    assert!(e < 1e-5, "rows {rows}: {e}");
+                    let e = rel_err(&got, &to_f64(want));
+                    assert!(e < 1e-5, "thread {t} request {i} ({rows} rows): {e}");
                 }
             })
         })
@@ -481,25 +513,727 @@ fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
         t.join().unwrap();
     }
     let g = shared.lock().unwrap();
-    assert_eq!(g.0.stats().requests, 200);
+    assert_eq!(g.0.stats().requests, (THREADS * REQUESTS) as u64);
 }
 
+// ---- Cross-stream fencing (issue 26, item 7) ----------------------------------------------
+
+/// A NaN with a payload no computation here produces: what stream A writes into the buffer it
+/// allocates right after the block B uses was dropped.
+const POISON: u32 = 0x7fc0_0bad;
+
+/// Milliseconds stream B spins before the op under test: A's allocation, its poison fill and A's
+/// synchronisation all happen while B's op has not started. An event recorded on B just before
+/// the op says so; if it completed (a host stalled that long), the case fails rather than
+/// passing without having tested anything.
+const BUSY_MS: u64 = 200;
+
+/// One case of the cross-stream fencing tests. `x` (holding `xh`) is allocated on stream A;
+/// stream B is kept busy by the spin kernel, then `op` enqueues on B the work under test, which
+/// uses `x` and returns the buffer (of B) it computed into, if it computed from `x`. Every handle
+/// to `x` is dropped at once, and A allocates a buffer of the same length, fills it with
+/// [`POISON`] and waits for the fill: all while B's op has provably not started. The block B's op
+/// uses must not be handed out again before B's work completes, so: A's buffer is another
+/// block; B's op computes from `x`'s own data (`check` sees its output, when it read `x`); and
+/// A's buffer still holds the poison once B is done (when B's op wrote `x`).
+///
+/// Each of these fails if the op stops declaring its use of `x` on B (`Queue::use_block`): the
+/// block then goes back to A's free list at the drop, and A's next buffer of that size is that
+/// block, poisoned before B's op reads it, or overwritten by B's op after the poison.
+///
+/// Before the timed run, `op` runs once on a buffer of B: kernels compiled, library handles,
+/// plans and workspaces made (some of which synchronise), so the timed run enqueues only the
+/// op; `check` checks that run too.
+fn fenced(
+    dev: &Device,
+    what: &str,
+    xh: &[f32],
+    op: impl Fn(&Stream, &DeviceBuffer<f32>) -> Option<DeviceBuffer<f32>>,
+    check: impl Fn(&[f32]),
+) {
+    let a = dev.new_stream().unwrap();
+    let b = dev.new_stream().unwrap();
+    let spin = Spin::get(dev).unwrap();
+    let warm = b.alloc_from_host(xh).unwrap();
+    spin.spin(&b, 1_000).unwrap();
+    if let Some(out) = op(&b, &warm) {
+        check(&b.to_vec(&out).unwrap());
+    }
+    b.synchronize().unwrap();
+    drop(warm);
+
+    let x = a.alloc_from_host(xh).unwrap();
+    a.synchronize().unwrap();
+    let started = dev.new_event(false).unwrap();
+    for _ in 0..BUSY_MS / 10 {
+        spin.spin(&b, 10_000_000).unwrap();
+    }
+    b.record(&started).unwrap();
+    let out = op(&b, &x);
+    let x_addr = x.addr();
+    drop(x);
+    let p = a.alloc::<f32>(xh.len()).unwrap();
+    a.fill32(&p, 0, xh.len(), f32::from_bits(POISON)).unwrap();
+    a.synchronize().unwrap();
+    assert!(
+        !started.query().unwrap(),
+        "{what}: stream B finished spinning before A refilled the block, so this run tested \
+         nothing (raise BUSY_MS)"
+    );
+    assert_ne!(
+        p.addr(),
+        x_addr,
+        "{what}: the block was handed to stream A while B's op on it was pending"
+    );
+    b.synchronize().unwrap();
+    if let Some(out) = out {
+        check(&b.to_vec(&out).unwrap());
+    }
+    let kept = a.to_vec(&p).unwrap();
+    assert!(
+        kept.iter().all(|v| v.to_bits() == POISON),
+        "{what}: B's op wrote into the buffer A was given after the block was dropped"
+    );
+}
+
+/// Our kernel launches, reading and writing a block of another stream.
 #[test]
 fn nn_ops_on_a_buffer_from_another_stream_are_fenced() {
     let dev = gpu_test_device!();
-    let a = dev.new_stream().unwrap();
-    let b = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
     let mut rng = Rng::new(16);
-    let xh = rng.vec_normal(1 << 16);
-    let x = Tensor::from_host(&a, &xh, &[1 << 16]).unwrap();
-    a.synchronize().unwrap();
-    // Computed on B from a tensor A allocated; A's allocations right after must not reuse
-    // B's output's inputs while B runs (the block tracks B).
-    let y = relu(&b, &x).unwrap();
-    drop(x);
-    let z = Tensor::from_host(&a, &vec![0.5; 1 << 16], &[1 << 16]).unwrap();
-    let got = y.to_vec(&b).unwrap();
-    let want = cpu::relu(&to_f64(&xh));
-    assert!(rel_err(&got, &want) == 0.0);
-    assert!(z.to_vec(&a).unwrap().iter().all(|&v| v == 0.5));
+    let xh = rng.vec_normal(1 << 14);
+    let n = xh.len();
+    let want: Vec<f32> = xh.iter().map(|&v| v.max(0.0)).collect();
+    fenced(
+        &dev,
+        "relu kernel reading the block",
+        &xh,
+        |b, x| {
+            let y = b.alloc::<f32>(n).unwrap();
+            nn.relu_fwd(b, x, &y, n).unwrap();
+            Some(y)
+        },
+        |got| assert_eq!(got, &want[..], "relu kernel reading the block"),
+    );
+    let src = OnceCell::new();
+    fenced(
+        &dev,
+        "relu kernel writing the block",
+        &xh,
+        |b, x| {
+            let src = src.get_or_init(|| b.alloc_from_host(&xh).unwrap());
+            nn.relu_fwd(b, src, x, n).unwrap();
+            None
+        },
+        |_| {},
+    );
+}
+
+/// Device copies (either side), host-to-device copies and fills into a block of another stream.
+#[test]
+fn copies_and_fills_on_a_buffer_from_another_stream_are_fenced() {
+    let dev = gpu_test_device!();
+    let mut rng = Rng::new(17);
+    let xh = rng.vec_normal(1 << 14);
+    let n = xh.len();
+    fenced(
+        &dev,
+        "device copy reading the block",
+        &xh,
+        |b, x| {
+            let y = b.alloc::<f32>(n).unwrap();
+            b.copy(x, &y).unwrap();
+            Some(y)
+        },
+        |got| assert_eq!(got, &xh[..], "device copy reading the block"),
+    );
+    let src = OnceCell::new();
+    fenced(
+        &dev,
+        "device copy writing the block",
+        &xh,
+        |b, x| {
+            let src = src.get_or_init(|| b.alloc_from_host(&xh).unwrap());
+            b.copy(src, x).unwrap();
+            None
+        },
+        |_| {},
+    );
+    // A small copy from pageable memory: the driver stages it and returns with the copy queued
+    // behind B's spin (should a driver wait for the stream instead, the harness's event check
+    // fails the case rather than letting it pass untested).
+    let small = rng.vec_normal(1 << 10);
+    fenced(
+        &dev,
+        "host-to-device copy writing the block",
+        &small,
+        |b, x| {
+            b.copy_from_host(&small, x).unwrap();
+            None
+        },
+        |_| {},
+    );
+    fenced(
+        &dev,
+        "fill writing the block",
+        &xh,
+        |b, x| {
+            b.fill32(x, 0, n, 3.0f32).unwrap();
+            None
+        },
+        |_| {},
+    );
+    fenced(
+        &dev,
+        "memset writing the block",
+        &xh,
+        |b, x| {
+            b.memset_zero(x).unwrap();
+            None
+        },
+        |_| {},
+    );
+}
+
+/// The product `y[m×n] = x[m×k]·w[n×k]ᵀ` of the library cases.
+const LIB_MNK: (usize, usize, usize) = (64, 32, 256);
+
+fn lib_op() -> GemmOp {
+    let (m, n, k) = LIB_MNK;
+    GemmOp {
+        ta: Trans::N,
+        tb: Trans::T,
+        m,
+        n,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: Epilogue::None,
+    }
+}
+
+/// cuBLAS and cuBLASLt (each forced with `gemm_with`), reading the block as the product's A
+/// operand and writing it as its output. Tolerance 1e-5 against the f64 reference (fp32 sums
+/// of 256 terms); a poisoned operand gives NaN, which fails it.
+#[test]
+fn cublas_and_cublaslt_on_a_buffer_from_another_stream_are_fenced() {
+    let dev = gpu_test_device!();
+    let nn = Nn::get(&dev).unwrap();
+    Engines::get(&dev)
+        .unwrap()
+        .cublaslt()
+        .expect("cuBLASLt must be installed on the GPU test machine");
+    let (m, n, k) = LIB_MNK;
+    let op = lib_op();
+    let mut rng = Rng::new(18);
+    let xh = rng.vec_normal(m * k);
+    let wh = rng.vec_normal(n * k);
+    let want = cpu::linear(&to_f64(&xh), &to_f64(&wh), &[], m, k, n);
+    for algo in [GemmAlgo::Cublas, GemmAlgo::CublasLt(0)] {
+        let w = OnceCell::new();
+        let what = format!("{algo} reading the block");
+        fenced(
+            &dev,
+            &what,
+            &xh,
+            |b, x| {
+                let w = w.get_or_init(|| b.alloc_from_host(&wh).unwrap());
+                let y = b.alloc::<f32>(m * n).unwrap();
+                gemm_with(b, &nn, algo, &op, x, w, &y, None).unwrap();
+                Some(y)
+            },
+            |got| {
+                let e = rel_err(got, &want);
+                assert!(e < 1e-5, "{what}: {e}");
+            },
+        );
+        let inputs = OnceCell::new();
+        fenced(
+            &dev,
+            &format!("{algo} writing the block"),
+            &vec![0.0; m * n],
+            |b, y| {
+                let (x, w) = inputs.get_or_init(|| {
+                    (
+                        b.alloc_from_host(&xh).unwrap(),
+                        b.alloc_from_host(&wh).unwrap(),
+                    )
+                });
+                gemm_with(b, &nn, algo, &op, x, w, y, None).unwrap();
+                None
+            },
+            |_| {},
+        );
+    }
+}
+
+/// The convolution of the cuDNN cases: 4 images of 16 channels, 16×16, 3×3 to 16 channels,
+/// padding 1 (input and output 16384 values each).
+fn lib_geom() -> ConvGeom {
+    ConvGeom {
+        n: 4,
+        c: 16,
+        h: 16,
+        w: 16,
+        oc: 16,
+        kh: 3,
+        kw: 3,
+        stride: 1,
+        pad: 1,
+    }
+}
+
+/// cuDNN's legacy API (its first deterministic forward algorithm), its graph API (the first
+/// deterministic configuration) and `cudnnAddTensor`, reading the block (the convolution's
+/// input, the bias) and writing it (the output). Tolerance 1e-4 against the f64 reference, as
+/// for every convolution engine; a poisoned input gives NaN, which fails it.
+#[test]
+fn cudnn_on_a_buffer_from_another_stream_is_fenced() {
+    let dev = gpu_test_device!();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = Engines::get(&dev).unwrap();
+    let dnn = eng
+        .cudnn()
+        .expect("cuDNN must be installed on the GPU test machine");
+    let graph_api = eng
+        .cudnn_graph()
+        .expect("cuDNN 9 with its graph API must be installed on the GPU test machine");
+    let g = lib_geom();
+    let (x_len, w_len, y_len) = (
+        g.input_len().unwrap(),
+        g.weight_len().unwrap(),
+        g.output_len().unwrap(),
+    );
+    let s = dev.new_stream().unwrap();
+    let legacy = dnn.algos(ConvDir::Forward, &g, true, 1 << 30).unwrap()[0].algo;
+    let rank = graph_api
+        .candidates(&s, ConvDir::Forward, &g, true, 1 << 30)
+        .unwrap()[0]
+        .rank;
+    let mut rng = Rng::new(19);
+    let xh = rng.vec_normal(x_len);
+    let wh = rng.vec_normal(w_len);
+    let bh = rng.vec_normal(g.oc);
+    let reference = cpu::Conv {
+        n: g.n,
+        c: g.c,
+        h: g.h,
+        w: g.w,
+        oc: g.oc,
+        k: g.kh,
+        stride: g.stride,
+        pad: g.pad,
+    };
+    let want = reference.forward(&to_f64(&xh), &to_f64(&wh), &vec![0.0; g.oc]);
+    for algo in [ConvAlgo::Cudnn(legacy), ConvAlgo::CudnnGraph(rank)] {
+        let w = OnceCell::new();
+        let what = format!("{algo} reading the block");
+        fenced(
+            &dev,
+            &what,
+            &xh,
+            |b, x| {
+                let w = w.get_or_init(|| b.alloc_from_host(&wh).unwrap());
+                let y = b.alloc::<f32>(y_len).unwrap();
+                let io = ConvIo {
+                    a: x,
+                    b: w,
+                    out: &y,
+                    bias: None,
+                };
+                conv_with(b, &nn, algo, ConvDir::Forward, &g, io).unwrap();
+                Some(y)
+            },
+            |got| {
+                let e = rel_err(got, &want);
+                assert!(e < 1e-4, "{what}: {e}");
+            },
+        );
+        let inputs = OnceCell::new();
+        fenced(
+            &dev,
+            &format!("{algo} writing the block"),
+            &vec![0.0; y_len],
+            |b, y| {
+                let (x, w) = inputs.get_or_init(|| {
+                    (
+                        b.alloc_from_host(&xh).unwrap(),
+                        b.alloc_from_host(&wh).unwrap(),
+                    )
+                });
+                let io = ConvIo {
+                    a: x,
+                    b: w,
+                    out: y,
+                    bias: None,
+                };
+                conv_with(b, &nn, algo, ConvDir::Forward, &g, io).unwrap();
+                None
+            },
+            |_| {},
+        );
+    }
+    // cudnnAddTensor: the bias read from the block (added to zeros: exactly the bias), and the
+    // output written in place.
+    let hw = y_len / (g.n * g.oc);
+    let broadcast: Vec<f32> = (0..y_len).map(|i| bh[(i / hw) % g.oc]).collect();
+    fenced(
+        &dev,
+        "cudnnAddTensor reading the block",
+        &bh,
+        |b, bias| {
+            let y = b.alloc_zeroed::<f32>(y_len).unwrap();
+            dnn.add_bias(b, &g, bias, &y).unwrap();
+            Some(y)
+        },
+        |got| assert_eq!(got, &broadcast[..], "cudnnAddTensor reading the block"),
+    );
+    let bias = OnceCell::new();
+    fenced(
+        &dev,
+        "cudnnAddTensor writing the block",
+        &vec![0.0; y_len],
+        |b, y| {
+            let bias = bias.get_or_init(|| b.alloc_from_host(&bh).unwrap());
+            dnn.add_bias(b, &g, bias, y).unwrap();
+            None
+        },
+        |_| {},
+    );
+}
+
+// ---- Library calls check devices (issue 26, item 5) ---------------------------------------
+
+/// Device 1 for the two-GPU tests (ignored by default; run with `--ignored` on a multi-GPU
+/// machine). With fewer devices the test prints why it skips, or fails when
+/// `CUDAGRAPH_REQUIRE_GPUS` asks for two or more.
+fn second_device() -> Option<Device> {
+    let count = cudagraph::runtime::device_count().unwrap_or(0);
+    if count >= 2 {
+        return Some(Device::open(1).unwrap());
+    }
+    let var = cudagraph_nn::dist::REQUIRE_GPUS_VAR;
+    let required = std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|n| n >= 2);
+    assert!(!required, "{var} requires two GPUs, found {count}");
+    println!("skipped: needs two GPUs, found {count} (set {var}=2 to require it)");
+    None
+}
+
+/// The name `r`'s error gives the refused object, which must be a buffer or handle of device 1
+/// used with a queue of device 0.
+#[track_caller]
+fn refused<T>(case: &str, r: Result<T>) -> &'static str {
+    match r {
+        Err(NnError::Core(Error::WrongDevice {
+            what,
+            expected: 0,
+            got: 1,
+        })) => what,
+        Err(e) => panic!("{case}: expected WrongDevice (device 1 used with device 0), got: {e}"),
+        Ok(_) => panic!("{case}: device 1's object was accepted on device 0"),
+    }
+}
+
+/// A buffer of device 1 in any role of a product or a convolution on device 0 is refused with
+/// `WrongDevice` naming that role before anything runs: through the ops (`linear`, `conv2d`),
+/// through the registry forced onto each library family (`gemm` with `Engine::Cublas`,
+/// `Engine::CublasLt`, `Engine::Auto`; `run_conv`), through each library engine by name
+/// (`gemm_with`, `conv_with`), and through the library wrappers themselves (`Blas::gemm`,
+/// `BlasLt::matmul`, `Cudnn::run`, `Cudnn::add_bias`, `CudnnGraph::run`,
+/// `CudnnGraph::run_fused_bias`); a library handle of device 1 is refused on a queue of device 0.
+/// Nothing was written (the outputs keep a sentinel) and both devices still compute.
+#[test]
+#[ignore = "needs two GPUs; run with --ignored on a multi-GPU machine"]
+fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_calls() {
+    let dev = gpu_test_device!();
+    let Some(other) = second_device() else {
+        return;
+    };
+    let s = dev.new_stream().unwrap();
+    let s1 = other.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = Engines::get(&dev).unwrap();
+    let lt = eng
+        .cublaslt()
+        .expect("cuBLASLt must be installed on the GPU test machine");
+    let dnn = eng
+        .cudnn()
+        .expect("cuDNN must be installed on the GPU test machine");
+    let graph_api = eng
+        .cudnn_graph()
+        .expect("cuDNN 9 with its graph API must be installed on the GPU test machine");
+    let mut rng = Rng::new(26);
+    const SENTINEL: f32 = 7.0;
+
+    // A product y = x·wᵀ + bias: operands [x, w, y, bias], each in turn from device 1.
+    let (m, n, k) = (8, 16, 32);
+    let host = [
+        rng.vec_normal(m * k),
+        rng.vec_normal(n * k),
+        vec![SENTINEL; m * n],
+        rng.vec_normal(n),
+    ];
+    let on0: Vec<DeviceBuffer<f32>> = host.iter().map(|h| s.alloc_from_host(h).unwrap()).collect();
+    let on1: Vec<DeviceBuffer<f32>> = host
+        .iter()
+        .map(|h| s1.alloc_from_host(h).unwrap())
+        .collect();
+    let names = ["gemm A", "gemm B", "gemm C", "gemm bias"];
+    let op = GemmOp {
+        ta: Trans::N,
+        tb: Trans::T,
+        m,
+        n,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: Epilogue::Bias,
+    };
+    let shape = LtShape {
+        ta: op.ta,
+        tb: op.tb,
+        m,
+        n,
+        k,
+        epilogue: Epilogue::Bias,
+        align: 256,
+    };
+    for (role, name) in names.iter().enumerate() {
+        let pick = |i: usize| if i == role { &on1[i] } else { &on0[i] };
+        let (a, b, c, v) = (pick(0), pick(1), pick(2), pick(3));
+        for engine in [Engine::Cublas, Engine::CublasLt, Engine::Auto] {
+            let r = gemm::gemm(
+                &s,
+                &nn,
+                engine,
+                (Trans::N, Trans::T),
+                (m, n, k),
+                1.0,
+                a,
+                b,
+                0.0,
+                c,
+                Some(v),
+                false,
+            );
+            assert_eq!(&refused(&format!("gemm {engine:?}, {name}"), r), name);
+        }
+        for algo in [GemmAlgo::Cublas, GemmAlgo::CublasLt(0)] {
+            let r = gemm_with(&s, &nn, algo, &op, a, b, c, Some(v));
+            assert_eq!(&refused(&format!("gemm_with {algo}, {name}"), r), name);
+        }
+        if role < 3 {
+            let r = nn
+                .blas
+                .gemm(&s, Trans::N, Trans::T, m, n, k, 1.0, a, b, 0.0, c);
+            assert_eq!(&refused(&format!("Blas::gemm, {name}"), r), name);
+        }
+        let r = lt.matmul(&s, &shape, LtAlgo::Rank(0), 1.0, a, b, 0.0, c, Some(v));
+        assert_eq!(&refused(&format!("BlasLt::matmul, {name}"), r), name);
+    }
+    let t = |q: &Stream, i: usize, shape: &[usize]| Tensor::from_host(q, &host[i], shape).unwrap();
+    let (x0, w0, b0) = (t(&s, 0, &[m, k]), t(&s, 1, &[n, k]), t(&s, 3, &[n]));
+    let (x1, w1) = (t(&s1, 0, &[m, k]), t(&s1, 1, &[n, k]));
+    let r = linear(&s, &x1, &w0, Some(&b0), false);
+    assert_eq!(refused("linear, x from device 1", r), "gemm A");
+    let r = linear(&s, &x0, &w1, Some(&b0), true);
+    assert_eq!(refused("linear, w from device 1", r), "gemm B");
+
+    // A convolution: buffers [x, w, y, bias], each in turn from device 1, forward through every
+    // cuDNN engine; then device 1's input and output in the backward directions.
+    let g = ConvGeom {
+        n: 2,
+        c: 3,
+        h: 8,
+        w: 8,
+        oc: 4,
+        kh: 3,
+        kw: 3,
+        stride: 1,
+        pad: 1,
+    };
+    let (x_len, w_len, y_len) = (
+        g.input_len().unwrap(),
+        g.weight_len().unwrap(),
+        g.output_len().unwrap(),
+    );
+    let chost = [
+        rng.vec_normal(x_len),
+        rng.vec_normal(w_len),
+        vec![SENTINEL; y_len],
+        rng.vec_normal(g.oc),
+    ];
+    let c0: Vec<DeviceBuffer<f32>> = chost
+        .iter()
+        .map(|h| s.alloc_from_host(h).unwrap())
+        .collect();
+    let c1: Vec<DeviceBuffer<f32>> = chost
+        .iter()
+        .map(|h| s1.alloc_from_host(h).unwrap())
+        .collect();
+    let first_algo = |dir: ConvDir| dnn.algos(dir, &g, true, 1 << 30).unwrap()[0].algo;
+    let legacy = first_algo(ConvDir::Forward);
+    let rank = graph_api
+        .candidates(&s, ConvDir::Forward, &g, true, 1 << 30)
+        .unwrap()[0]
+        .rank;
+    let fused = graph_api
+        .fused_bias_candidates(&s, &g, true, 1 << 30)
+        .unwrap()
+        .first()
+        .map(|c| c.rank);
+    let mut algos = vec![ConvAlgo::Cudnn(legacy), ConvAlgo::CudnnGraph(rank)];
+    algos.extend(fused.map(ConvAlgo::CudnnGraphBias));
+    let cnames = ["conv2d x", "conv2d w", "conv2d y", "conv2d bias"];
+    for (role, name) in cnames.iter().enumerate() {
+        let pick = |i: usize| if i == role { &c1[i] } else { &c0[i] };
+        let io = ConvIo {
+            a: pick(0),
+            b: pick(1),
+            out: pick(2),
+            bias: Some(pick(3)),
+        };
+        for &algo in &algos {
+            let r = conv_with(&s, &nn, algo, ConvDir::Forward, &g, io);
+            assert_eq!(&refused(&format!("conv_with {algo}, {name}"), r), name);
+        }
+        let r = run_conv(&s, &nn, ConvDir::Forward, &g, io);
+        assert_eq!(&refused(&format!("run_conv, {name}"), r), name);
+        if role < 3 {
+            let r = dnn.run(&s, ConvDir::Forward, legacy, &g, io.a, io.b, io.out);
+            assert_eq!(&refused(&format!("Cudnn::run, {name}"), r), name);
+            let r = graph_api.run(&s, ConvDir::Forward, rank, &g, io.a, io.b, io.out);
+            assert_eq!(&refused(&format!("CudnnGraph::run, {name}"), r), name);
+        }
+        if let Some(fused) = fused {
+            let r = graph_api.run_fused_bias(&s, fused, &g, io.a, io.b, pick(3), io.out);
+            assert_eq!(
+                &refused(&format!("CudnnGraph::run_fused_bias, {name}"), r),
+                name
+            );
+        }
+        if role >= 2 {
+            let r = dnn.add_bias(&s, &g, pick(3), io.out);
+            assert_eq!(&refused(&format!("Cudnn::add_bias, {name}"), r), name);
+        }
+    }
+    // Backward directions (buffers a, b, out as `ConvIo` orders them): device 1's a or out.
+    let backward = [
+        (
+            ConvDir::BackwardData,
+            ["conv2d dy", "conv2d dx"],
+            [y_len, w_len, x_len],
+        ),
+        (
+            ConvDir::BackwardFilter,
+            ["conv2d dy", "conv2d dw"],
+            [y_len, x_len, w_len],
+        ),
+    ];
+    for (dir, [a_name, out_name], lens) in backward {
+        let algo = first_algo(dir);
+        let bufs0: Vec<DeviceBuffer<f32>> =
+            lens.iter().map(|&l| s.alloc_zeroed(l).unwrap()).collect();
+        let bufs1: Vec<DeviceBuffer<f32>> =
+            lens.iter().map(|&l| s1.alloc_zeroed(l).unwrap()).collect();
+        for (role, name) in [(0, a_name), (2, out_name)] {
+            let pick = |i: usize| if i == role { &bufs1[i] } else { &bufs0[i] };
+            let io = ConvIo {
+                a: pick(0),
+                b: pick(1),
+                out: pick(2),
+                bias: None,
+            };
+            let r = conv_with(&s, &nn, ConvAlgo::Cudnn(algo), dir, &g, io);
+            assert_eq!(
+                refused(&format!("conv_with {}, {name}", dir.name()), r),
+                name
+            );
+            let r = run_conv(&s, &nn, dir, &g, io);
+            assert_eq!(
+                refused(&format!("run_conv {}, {name}", dir.name()), r),
+                name
+            );
+        }
+    }
+    let ct =
+        |q: &Stream, i: usize, shape: &[usize]| Tensor::from_host(q, &chost[i], shape).unwrap();
+    let xs = [g.n, g.c, g.h, g.w];
+    let ws = [g.oc, g.c, g.kh, g.kw];
+    let r = conv2d(
+        &s,
+        &ct(&s1, 0, &xs),
+        &ct(&s, 1, &ws),
+        Some(&ct(&s, 3, &[g.oc])),
+        1,
+        1,
+    );
+    assert_eq!(refused("conv2d, x from device 1", r), "conv2d x");
+
+    // Handles of device 1 on a queue of device 0, every buffer of device 0.
+    let eng1 = Engines::get(&other).unwrap();
+    let (a, b, c) = (&on0[0], &on0[1], &on0[2]);
+    let r = Nn::get(&other)
+        .unwrap()
+        .blas
+        .gemm(&s, Trans::N, Trans::T, m, n, k, 1.0, a, b, 0.0, c);
+    assert_eq!(refused("cuBLAS handle of device 1", r), "cuBLAS handle");
+    let plain = LtShape {
+        epilogue: Epilogue::None,
+        ..shape
+    };
+    let r = eng1.cublaslt().expect("cuBLASLt on device 1").matmul(
+        &s,
+        &plain,
+        LtAlgo::Rank(0),
+        1.0,
+        a,
+        b,
+        0.0,
+        c,
+        None,
+    );
+    assert_eq!(refused("cuBLASLt handle of device 1", r), "cuBLASLt handle");
+    let (x, w, y) = (&c0[0], &c0[1], &c0[2]);
+    let r = eng1
+        .cudnn()
+        .expect("cuDNN on device 1")
+        .run(&s, ConvDir::Forward, legacy, &g, x, w, y);
+    assert_eq!(refused("cuDNN handle of device 1", r), "cuDNN handle");
+    let r = eng1
+        .cudnn_graph()
+        .expect("cuDNN's graph API on device 1")
+        .run(&s, ConvDir::Forward, rank, &g, x, w, y);
+    assert_eq!(
+        refused("cuDNN graph API handle of device 1", r),
+        "cuDNN graph API handle"
+    );
+
+    // Nothing ran: the outputs of device 0 keep their sentinel; then both devices compute.
+    assert!(s.to_vec(&on0[2]).unwrap().iter().all(|&v| v == SENTINEL));
+    assert!(s.to_vec(&c0[2]).unwrap().iter().all(|&v| v == SENTINEL));
+    let h = |i: usize| to_f64(&host[i]);
+    let want = cpu::linear(&h(0), &h(1), &h(3), m, k, n);
+    for (d, q, bufs) in [(&dev, &s, &on0), (&other, &s1, &on1)] {
+        let nn = Nn::get(d).unwrap();
+        gemm_with(
+            q,
+            &nn,
+            GemmAlgo::Cublas,
+            &op,
+            &bufs[0],
+            &bufs[1],
+            &bufs[2],
+            Some(&bufs[3]),
+        )
+        .unwrap();
+        let e = rel_err(&q.to_vec(&bufs[2]).unwrap(), &want);
+        assert!(e < 1e-5, "device {}: {e}", d.ordinal());
+    }
+    s.synchronize().unwrap();
+    s1.synchronize().unwrap();
 }

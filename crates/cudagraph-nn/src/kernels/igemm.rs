@@ -16,7 +16,7 @@ use std::sync::Arc;
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt};
 
 use crate::error::{NnError, Result};
-use crate::extent::need;
+use crate::extent::{need, on_device};
 use crate::kernels::ConvGeom;
 
 /// The CUDA source of the implicit-GEMM module (with the small weight-gradient kernel).
@@ -122,6 +122,32 @@ pub fn conv_roles<'a>(
         _ => {}
     }
     Ok(roles)
+}
+
+/// A direction's buffers (in the engines' order, as [`conv_roles`]) and the forward bias must be
+/// memory of `q`'s device: the check a cuDNN call makes before handing cuDNN their addresses
+/// (our kernels get it from `Queue::launch`), each buffer named by its role in the error.
+pub fn conv_on_device(
+    q: &dyn Queue,
+    dir: ConvDir,
+    (a, b, out): (&Buf, &Buf, &Buf),
+    bias: Option<&Buf>,
+) -> Result<()> {
+    let names = match dir {
+        ConvDir::Forward => ["conv2d x", "conv2d w", "conv2d y"],
+        ConvDir::BackwardData => ["conv2d dy", "conv2d w", "conv2d dx"],
+        ConvDir::BackwardFilter => ["conv2d dy", "conv2d x", "conv2d dw"],
+    };
+    let bufs = [
+        (names[0], a.block()),
+        (names[1], b.block()),
+        (names[2], out.block()),
+    ];
+    on_device(
+        q,
+        bufs.into_iter()
+            .chain(bias.map(|v| ("conv2d bias", v.block()))),
+    )
 }
 
 /// Output tile of one block of the implicit-GEMM kernels (rows × columns of the product).
