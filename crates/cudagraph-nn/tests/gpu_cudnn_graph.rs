@@ -12,7 +12,8 @@
 //! the f64 reference of convolution + bias, replays equal to eager bits, at least one fused
 //! candidate for a 3×3 forward on sm_80+ (the test prints what cuDNN listed), fused candidates
 //! refuse to run without a bias or in another direction, and none is offered inside a capture
-//! for a new key.
+//! for a new key. On sm_80+ the tests over every fused candidate fail when they checked none
+//! (an empty list is not a pass).
 //!
 //! Tolerance (‖gpu − ref‖ / ‖ref‖ against f64): 1e-4, as for every convolution engine (long fp32
 //! sums plus the transform rounding of FFT and Winograd engines). Graph against eager with the
@@ -23,6 +24,7 @@
 
 use std::sync::Arc;
 
+use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, QueueExt, Stream};
 use cudagraph_nn::conv::{conv2d_forward, conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
@@ -235,12 +237,7 @@ fn eager_equals_replays(
     for _ in 0..2 {
         graph.replay(s).unwrap();
         let got = s.to_vec(&out).unwrap();
-        assert!(
-            got.iter()
-                .zip(&eager)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{what}: replay differs from eager"
-        );
+        assert_bits_eq(&got, &eager, format_args!("{what}: replay vs eager"));
     }
     eager
 }
@@ -323,13 +320,10 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
                     conv_with(&s, &nn, algo, dir, &geom, case.io(dir, &out)).unwrap();
                     runs.push(s.to_vec(&out).unwrap());
                 }
-                assert!(
-                    runs[0]
-                        .iter()
-                        .zip(&runs[1])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{key}: {algo} ({}) differs run to run",
-                    c.tag()
+                assert_bits_eq(
+                    &runs[1],
+                    &runs[0],
+                    format_args!("{key}: {algo} ({}) run to run", c.tag()),
                 );
             }
             // Through the registry's listing, under the default (deterministic) policy.
@@ -492,6 +486,7 @@ fn registry_measures_graph_api_engines_beside_the_legacy_ones() {
         api.fused_bias_report(&geom)
             .unwrap_or_else(|| "fused set not built".into())
     );
+    require_fused_candidates(&dev, fused.len(), "listed for the registry to measure");
     for c in &fused {
         let name = ConvAlgo::CudnnGraphBias(c.rank).to_string();
         let t = e.timings.iter().find(|t| t.engine == name);
@@ -600,6 +595,29 @@ fn every_fused_bias_candidate_matches_cpu() {
         }
     }
     println!("{checked} fused candidates checked");
+    require_fused_candidates(&dev, checked, "checked against the f64 reference");
+}
+
+/// Fails a test over every fused candidate that checked none on a device where cuDNN must
+/// offer some (sm_80+: see `a_fused_bias_candidate_exists_for_a_3x3_forward_on_sm80_or_later`,
+/// and the registry's H100 table, where fused candidates of the deterministic policy won 49
+/// of 72 forward keys): a loop over an empty list passes without testing anything.
+fn require_fused_candidates(dev: &Device, checked: usize, what: &str) {
+    let cc = dev.info().compute_capability;
+    if cc < (8, 0) {
+        println!(
+            "compute capability {}.{}: no fused candidate required",
+            cc.0, cc.1
+        );
+        return;
+    }
+    assert!(
+        checked > 0,
+        "no fused convolution + bias candidate was {what} on compute capability {}.{} \
+         (cuDNN listed none for any of the fused geometries: see the reports printed above)",
+        cc.0,
+        cc.1
+    );
 }
 
 #[test]
@@ -681,6 +699,7 @@ fn fused_bias_convolution_replays_equal_eager_bit_for_bit() {
         }
     }
     println!("{checked} fused candidates replayed");
+    require_fused_candidates(&dev, checked, "replayed against its eager run");
 }
 
 #[test]

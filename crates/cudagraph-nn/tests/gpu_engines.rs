@@ -11,18 +11,28 @@
 //! order, so the relative error grows like √K·2⁻²⁴ (about 4e-6 at K = 4096); we allow 2e-5 up
 //! to K ≈ 1000 and 1e-4 beyond. Convolutions get 1e-4 everywhere: cuDNN's FFT and Winograd
 //! algorithms add transform rounding on top of the long sums (still far below a real bug, which
-//! shows as O(1)). Graph against eager with the same engines: 0 (bit-identical).
+//! shows as O(1)). Graph against eager with the same engines: 0 (bit-identical, compared with
+//! `cudagraph::testing::assert_bits_eq`).
+//!
+//! The product tests run every candidate the registry computes for each shape they cover
+//! (`gemm_candidates`, all families) besides the ones they name, so an engine the registry
+//! would choose is never left unchecked; every row of the registry's table must parse as its
+//! operation's engine (a row nothing can read is a failure, not a row to skip).
 //!
 //! The GPU machine is expected to have cuDNN and cuBLASLt: the tests that force them fail when
 //! they are missing (a skipped engine is not a tested engine).
 
+use cudagraph::testing::assert_bits_eq;
 use cudagraph::{
     gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, QueueExt, Stream,
 };
 use cudagraph_nn::blas::Trans;
+use cudagraph_nn::blaslt::alignment;
 use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
-use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, GemmAlgo, Policy};
+use cudagraph_nn::engine::{
+    BiasAlgo, CeAlgo, ConvAlgo, ConvEngine, EngineRow, Engines, GemmAlgo, Policy,
+};
 use cudagraph_nn::gemm::{
     cols_candidates, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
 };
@@ -169,6 +179,31 @@ fn is_split_k(a: &GemmAlgo) -> bool {
     matches!(a, GemmAlgo::CublasLtSplitK { .. })
 }
 
+/// Appends to `algos` every candidate the registry computes for `op` over these buffers (all
+/// families, under the engines' current policy, at the buffers' alignment) that `algos` does
+/// not hold yet; returns how many the registry listed (never none).
+fn add_registry_candidates(
+    s: &Stream,
+    eng: &Engines,
+    op: &GemmOp,
+    buffers: &[&DeviceBuffer<f32>],
+    algos: &mut Vec<GemmAlgo>,
+) -> usize {
+    let addrs: Vec<u64> = buffers.iter().map(|b| b.addr()).collect();
+    let listed = gemm_candidates(s, eng, op, Engine::Auto, alignment(&addrs)).unwrap();
+    assert!(
+        !listed.is_empty(),
+        "the registry lists nothing for {}",
+        op.key()
+    );
+    for a in &listed {
+        if !algos.contains(a) {
+            algos.push(*a);
+        }
+    }
+    listed.len()
+}
+
 /// Two graphs captured on one stream with cuBLAS and every cuBLASLt algorithm of a deep product
 /// (split-K ones need a workspace; its split-K variants too, whose in-place reduction keeps
 /// counters there), replayed interleaved on two other streams without waiting:
@@ -229,7 +264,11 @@ fn library_graphs_of_one_stream_replay_at_once_on_two() {
         s1.synchronize().unwrap();
         s2.synchronize().unwrap();
         for (i, (_, c)) in graphs.iter().enumerate() {
-            assert_eq!(s1.to_vec(c).unwrap(), eager[i], "{algo}, graph {i}");
+            assert_bits_eq(
+                &s1.to_vec(c).unwrap(),
+                &eager[i],
+                format_args!("{algo}, graph {i} vs eager"),
+            );
         }
     }
 }
@@ -256,6 +295,12 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    // The default policy, cuBLASLt's split-K variants listed too (as `lt_algos` asks).
+    eng.set_policy(Policy {
+        lt_split_k: true,
+        ..Policy::default()
+    });
     let mut rng = Rng::new(101);
     let (n, t) = (Trans::N, Trans::T);
     let shapes: &[(usize, usize, usize)] = &[
@@ -284,6 +329,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     ];
     let mut checked = 0;
     let mut split_k_checked = 0;
+    let mut registry_listed = 0;
     for &(m, nn_, k) in shapes {
         for (ta, tb) in [(n, n), (n, t), (t, n), (t, t)] {
             // The 4096-deep products only in the two layouts linear layers use most.
@@ -338,6 +384,10 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 let lt = lt_algos(&dev, &s, &op);
                 assert!(!lt.is_empty(), "cuBLASLt offers no algorithm for {op:?}");
                 algos.extend(lt);
+                // And whatever else the registry would choose from for this product.
+                let c = s.alloc::<f32>(op.m * op.n).unwrap();
+                registry_listed +=
+                    add_registry_candidates(&s, &eng, &op, &[&a, &b, &bb, &c], &mut algos);
                 for algo in algos {
                     let c = s.alloc_from_host(&c0).unwrap();
                     let v = (ep != Epilogue::None).then_some(&bb);
@@ -357,7 +407,10 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         split_k_checked > 0,
         "no cuBLASLt split-K variant was offered for any of the few-tile products"
     );
-    println!("{checked} products checked, {split_k_checked} with cuBLASLt split-K variants");
+    println!(
+        "{checked} products checked, {split_k_checked} with cuBLASLt split-K variants, \
+         {registry_listed} registry candidates among them"
+    );
     // More rows than a few-rows kernel takes: a typed error, nothing launched.
     let op = GemmOp {
         ta: n,
@@ -462,10 +515,10 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
                 assert_eq!(g.info().nodes.kernel, 1, "{algo}: one kernel node");
                 g.replay(&s).unwrap();
                 let rv = s.to_vec(&replayed).unwrap();
-                assert!(
-                    rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{algo} replay vs eager {}",
-                    op.key()
+                assert_bits_eq(
+                    &rv,
+                    &ev,
+                    format_args!("{algo} replay vs eager {}", op.key()),
                 );
             }
         }
@@ -484,10 +537,10 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
             assert_eq!(g.info().nodes.kernel, 1, "one kernel node: no reduce");
             g.replay(&s).unwrap();
             let rv = s.to_vec(&replayed).unwrap();
-            assert!(
-                rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "cluster:{splits} replay vs eager {}",
-                op.key()
+            assert_bits_eq(
+                &rv,
+                &ev,
+                format_args!("cluster:{splits} replay vs eager {}", op.key()),
             );
         }
     }
@@ -597,11 +650,7 @@ fn agrees_repeats_and_replays(
         let again = s.alloc_from_host(c0).unwrap();
         run(s, algo, &again).unwrap();
         let av = s.to_vec(&again).unwrap();
-        assert!(
-            av.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{algo} run to run {}",
-            op.key()
-        );
+        assert_bits_eq(&av, &ev, format_args!("{algo} run to run {}", op.key()));
     }
     let replayed = s.alloc_from_host(c0).unwrap();
     let (g, ()) = Graph::capture(s, CaptureOptions::new(), |cs| {
@@ -610,10 +659,10 @@ fn agrees_repeats_and_replays(
     .unwrap_or_else(|e| panic!("capturing {algo} {}: {e:?}", op.key()));
     g.replay(s).unwrap();
     let rv = s.to_vec(&replayed).unwrap();
-    assert!(
-        rv.iter().zip(&ev).all(|(x, y)| x.to_bits() == y.to_bits()),
-        "{algo} replay vs eager {}",
-        op.key()
+    assert_bits_eq(
+        &rv,
+        &ev,
+        format_args!("{algo} replay vs eager {}", op.key()),
     );
 }
 
@@ -843,6 +892,11 @@ fn bias_gradient_engines_match_cpu() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    eng.set_policy(Policy {
+        lt_split_k: true,
+        ..Policy::default()
+    });
     let mut rng = Rng::new(102);
     // Linear layer sizes (batch, out, in): dW[out×in] = dZᵀ·X, db = Σ_rows dZ.
     for &(batch, out, inf) in &[
@@ -881,6 +935,12 @@ fn bias_gradient_engines_match_cpu() {
         ];
         algos.extend(REG_ALGOS);
         algos.extend(lt_algos(&dev, &s, &op));
+        // And whatever else the registry would choose from for this product.
+        let (dw, db) = (
+            s.alloc::<f32>(out * inf).unwrap(),
+            s.alloc::<f32>(out).unwrap(),
+        );
+        add_registry_candidates(&s, &eng, &op, &[&dz, &x, &dw, &db], &mut algos);
         for algo in algos {
             let dw = s.alloc_from_host(&vec![f32::NAN; out * inf]).unwrap();
             let db = s.alloc_from_host(&vec![f32::NAN; out]).unwrap();
@@ -1273,11 +1333,11 @@ fn conv2d_matches_cpu_under_every_conv_policy() {
             check_conv_op(&s, &mut rng, g, family.name());
         }
     }
-    // The forced families show in the table with engines of that family only.
+    // The forced families show in the table with engines of that family only; every row
+    // parses as its operation's engine.
     for r in engines(&dev).table() {
-        let e: ConvAlgo = match r.entry.engine.parse() {
-            Ok(e) => e,
-            Err(_) => continue, // a product
+        let Some(e) = conv_engine_of(&r) else {
+            continue; // a product, a bias or a cross-entropy: parsed, not a convolution
         };
         for family in [
             ConvEngine::Cudnn,
@@ -1290,6 +1350,42 @@ fn conv2d_matches_cpu_under_every_conv_policy() {
             }
         }
     }
+}
+
+/// The convolution engine of a table row, `None` for a row of another operation. Every row's
+/// engine, and the engine of each of its timings, must parse as its operation's kind (told by
+/// the key: `gemm `, `conv_bias `, `conv_`, `cross_entropy `); anything else fails the test.
+fn conv_engine_of(r: &EngineRow) -> Option<ConvAlgo> {
+    fn parses<A: std::str::FromStr>(key: &str, name: &str, what: &str)
+    where
+        A::Err: std::fmt::Display,
+    {
+        if let Err(e) = name.parse::<A>() {
+            panic!("table row `{key}`: {what} `{name}` does not parse: {e}");
+        }
+    }
+    let key = r.key.as_str();
+    let names = std::iter::once((r.entry.engine.as_str(), "engine")).chain(
+        r.entry
+            .timings
+            .iter()
+            .map(|t| (t.engine.as_str(), "timed candidate")),
+    );
+    for (name, what) in names {
+        if key.starts_with("gemm ") {
+            parses::<GemmAlgo>(key, name, what);
+        } else if key.starts_with("conv_bias ") {
+            parses::<BiasAlgo>(key, name, what);
+        } else if key.starts_with("conv_") {
+            parses::<ConvAlgo>(key, name, what);
+        } else if key.starts_with("cross_entropy ") {
+            parses::<CeAlgo>(key, name, what);
+        } else {
+            panic!("table row `{key}` -> `{name}`: a key of no known operation");
+        }
+    }
+    let conv = key.starts_with("conv_") && !key.starts_with("conv_bias ");
+    conv.then(|| r.entry.engine.parse().expect("parsed above"))
 }
 
 /// A small CNN + MLP: conv(3→8, 3×3, pad 1) → ReLU → conv(8→16, 5×5, stride 2) → flatten →
@@ -1340,13 +1436,14 @@ fn replay_equals_eager(dev: &Device, what: &str) {
         .chain(std::iter::once(gy.to_vec(&s).unwrap()))
         .chain(model.parameters().iter().map(|p| grad(p, &s)))
         .collect();
+    assert_eq!(eager.len(), replayed.len(), "{what}");
     for (i, (a, b)) in eager.iter().zip(&replayed).enumerate() {
-        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same && a.len() == b.len(), "{what}: output {i} differs");
+        assert_bits_eq(b, a, format_args!("{what}: output {i}, replay vs eager"));
     }
-    // Nothing was left unmeasured: the capture used the eager choices.
+    // Nothing was left unmeasured: the capture used the eager choices; and every row parses.
     for r in engines(dev).table() {
         assert!(r.entry.measured, "{what}: {} unmeasured", r.key);
+        conv_engine_of(&r);
     }
 }
 
@@ -1436,10 +1533,7 @@ fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
     let y_same = no_grad(|| l.forward_act(&s, &x, true)).unwrap();
     assert!(!eng.entry(key).unwrap().measured);
     let same = y_same.to_vec(&s).unwrap();
-    assert!(same
-        .iter()
-        .zip(&y_graph)
-        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_bits_eq(&same, &y_graph, "eager after the capture vs replay");
     // ... until the choices are forgotten: then eager measures every candidate.
     eng.clear();
     let y_eager = no_grad(|| l.forward_act(&s, &x, true)).unwrap();

@@ -15,6 +15,7 @@
 
 use std::sync::Arc;
 
+use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, BlockRef, CaptureOptions, Device, DeviceBuffer, Graph, Stream};
 use cudagraph_nn::cpu::{rel_err, to_f64};
 use cudagraph_nn::*;
@@ -309,13 +310,14 @@ fn graphed_fused_steps_equal_eager_bit_for_bit() {
     let dev = gpu_test_device!();
     let (we, le) = train_params(&dev, false, 12);
     let (wg, lg) = train_params(&dev, true, 12);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&le), bits(&lg), "losses eager {le:?} graphed {lg:?}");
+    assert_bits_eq(
+        &lg,
+        &le,
+        format_args!("losses graphed {lg:?} vs eager {le:?}"),
+    );
+    assert_eq!(we.len(), wg.len());
     for (i, (a, b)) in we.iter().zip(&wg).enumerate() {
-        assert!(
-            bits(a) == bits(b),
-            "parameter {i} differs between eager and graphed"
-        );
+        assert_bits_eq(b, a, format_args!("parameter {i}, graphed vs eager"));
     }
 }
 
@@ -716,11 +718,15 @@ fn cross_entropy_replays_equal_eager_bit_for_bit() {
         })
         .unwrap();
         g.replay(&s).unwrap();
-        assert_eq!(lg.to_vec(&s).unwrap(), le, "{rows}x{cols}");
-        assert_eq!(
-            s.to_vec(p.grad().unwrap().as_ref()).unwrap(),
-            ge,
-            "{rows}x{cols}"
+        assert_bits_eq(
+            &lg.to_vec(&s).unwrap(),
+            &le,
+            format_args!("{rows}x{cols} loss, replay vs eager"),
+        );
+        assert_bits_eq(
+            &s.to_vec(p.grad().unwrap().as_ref()).unwrap(),
+            &ge,
+            format_args!("{rows}x{cols} gradient, replay vs eager"),
         );
     }
 }

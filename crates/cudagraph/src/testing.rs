@@ -1,8 +1,12 @@
-//! The one gate every GPU test starts with.
+//! The one gate every GPU test starts with, and the checks GPU tests share.
 //!
 //! [`gpu_or_skip`] returns the device, or prints `skipped: no CUDA device` and returns `None`
 //! so the test can return early. With `CUDAGRAPH_REQUIRE_GPU=1` (set by the GPU test runner) a
 //! missing device is a failure instead: a GPU test that skipped is not a GPU test that passed.
+//! Every other missing prerequisite (NVRTC, a fixture file, a second GPU) goes through
+//! [`skip_or_fail`], which follows the same rule. [`assert_bits_eq`] is the comparison of
+//! results documented as bit-identical (a graph replay against the eager run of the same
+//! kernels): bits, not a tolerance, with the first differing index in the message.
 
 use crate::Device;
 
@@ -23,18 +27,135 @@ fn flag(var: &str) -> bool {
 ///
 /// # Panics
 /// When no device can be opened and `CUDAGRAPH_REQUIRE_GPU=1`.
+#[track_caller]
 pub fn gpu_or_skip() -> Option<Device> {
     keep_context();
     match Device::open(0) {
         Ok(d) => Some(d),
-        Err(e) if gpu_required() => {
-            panic!("{REQUIRE_GPU_VAR}=1 but no CUDA device could be opened: {e}")
-        }
         Err(e) => {
-            println!("skipped: no CUDA device ({e})");
+            skip_or_fail(format_args!("no CUDA device ({e})"));
             None
         }
     }
+}
+
+/// Says why a test does not run: prints `skipped: REASON`, so the test can return — or, with
+/// `CUDAGRAPH_REQUIRE_GPU=1` (the GPU runner), panics with the reason, because there a
+/// missing prerequisite (NVRTC, a fixture file, a second GPU) is a failure, not a pass.
+///
+/// ```no_run
+/// # let nvrtc_found = false;
+/// if !nvrtc_found {
+///     return cudagraph::testing::skip_or_fail("NVRTC is not installed here");
+/// }
+/// ```
+///
+/// # Panics
+/// When `CUDAGRAPH_REQUIRE_GPU=1`.
+#[track_caller]
+pub fn skip_or_fail(reason: impl std::fmt::Display) {
+    let required = gpu_required().then(|| format!("{REQUIRE_GPU_VAR}=1"));
+    skip_or_fail_when(required.as_deref(), &reason.to_string());
+}
+
+/// Skips with `reason`, or panics when `required_by` names the setting that requires it.
+#[track_caller]
+fn skip_or_fail_when(required_by: Option<&str>, reason: &str) {
+    if let Some(setting) = required_by {
+        panic!("{setting}, so a missing prerequisite fails the test: {reason}");
+    }
+    println!("skipped: {reason}");
+}
+
+/// Name of the variable that makes multi-GPU tests fail, instead of skipping, when fewer GPUs
+/// are there: `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine (the same variable as the NN
+/// crate's distributed tests read).
+pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
+
+/// Devices `0..n`, or `None` (after printing why) when fewer can be opened. Fails instead when
+/// `CUDAGRAPH_REQUIRE_GPU=1` or `CUDAGRAPH_REQUIRE_GPUS` is `n` or more.
+///
+/// # Panics
+/// When fewer than `n` devices can be opened and either variable requires them.
+#[track_caller]
+pub fn gpus_or_skip(n: usize) -> Option<Vec<Device>> {
+    keep_context();
+    let mut devices = Vec::with_capacity(n);
+    for ordinal in 0..n {
+        match Device::open(ordinal) {
+            Ok(d) => devices.push(d),
+            Err(e) => {
+                let required = if gpu_required() {
+                    Some(format!("{REQUIRE_GPU_VAR}=1"))
+                } else {
+                    let want = gpus_required();
+                    (want >= n).then(|| format!("{REQUIRE_GPUS_VAR}={want}"))
+                };
+                skip_or_fail_when(
+                    required.as_deref(),
+                    &format!("needs {n} GPUs, device {ordinal} could not be opened ({e})"),
+                );
+                return None;
+            }
+        }
+    }
+    Some(devices)
+}
+
+/// How many GPUs `CUDAGRAPH_REQUIRE_GPUS` requires (0 when unset or not a number).
+fn gpus_required() -> usize {
+    std::env::var(REQUIRE_GPUS_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The first index at which `got` and `want` differ bit for bit (`f32::to_bits`: the sign of
+/// a zero and a NaN's payload count), or the shorter length when only the lengths differ;
+/// `None` when they are identical.
+pub fn first_bit_difference(got: &[f32], want: &[f32]) -> Option<usize> {
+    got.iter()
+        .zip(want)
+        .position(|(g, w)| g.to_bits() != w.to_bits())
+        .or_else(|| (got.len() != want.len()).then(|| got.len().min(want.len())))
+}
+
+/// Asserts that `got` equals `want` bit for bit: the comparison for results documented as
+/// bit-identical (a graph replay against the eager run of the same kernels, a run against a
+/// repeat of itself). A tolerance there would hide a replay that ran other kernels.
+///
+/// ```
+/// cudagraph::testing::assert_bits_eq(&[1.0, -0.0], &[1.0, -0.0], "replay vs eager");
+/// ```
+///
+/// # Panics
+/// When the lengths or any element's bits differ; the message names `what`, the first
+/// differing index with both values and their bits, and how many elements differ.
+#[track_caller]
+pub fn assert_bits_eq(got: &[f32], want: &[f32], what: impl std::fmt::Display) {
+    let Some(i) = first_bit_difference(got, want) else {
+        return;
+    };
+    if got.len() != want.len() {
+        panic!(
+            "{what}: not bit-identical: {} elements against {} expected",
+            got.len(),
+            want.len()
+        );
+    }
+    let differ = got
+        .iter()
+        .zip(want)
+        .filter(|(g, w)| g.to_bits() != w.to_bits())
+        .count();
+    let (g, w) = (got[i], want[i]);
+    panic!(
+        "{what}: not bit-identical: {differ} of {} elements differ, the first at index {i}: \
+         {g:e} ({:#010x}) against {w:e} ({:#010x})",
+        got.len(),
+        g.to_bits(),
+        w.to_bits()
+    );
 }
 
 /// Name of the variable that keeps device 0's primary context retained for the whole test
@@ -92,5 +213,56 @@ pub const SETTLE_VAR: &str = "CUDAGRAPH_TEST_SETTLE";
 pub fn settle(device: &Device) {
     if flag(SETTLE_VAR) {
         device.synchronize().expect("device synchronisation");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_slices_pass_and_the_first_difference_is_found() {
+        assert_eq!(
+            first_bit_difference(&[1.0, f32::NAN], &[1.0, f32::NAN]),
+            None
+        );
+        assert_bits_eq(&[1.0, f32::NAN, -0.0], &[1.0, f32::NAN, -0.0], "same");
+        // The sign of zero counts, and so does the last ulp.
+        assert_eq!(first_bit_difference(&[1.0, 0.0], &[1.0, -0.0]), Some(1));
+        let next = f32::from_bits(1.0f32.to_bits() + 1);
+        assert_eq!(
+            first_bit_difference(&[2.0, 1.0, 3.0], &[2.0, next, 4.0]),
+            Some(1)
+        );
+        // A length mismatch is a difference at the end of the shorter slice.
+        assert_eq!(first_bit_difference(&[1.0], &[1.0, 2.0]), Some(1));
+        assert_eq!(first_bit_difference(&[], &[5.0]), Some(0));
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "replay vs eager: not bit-identical: 2 of 3 elements differ, the first at index 1"
+    )]
+    fn a_bit_difference_names_the_first_index_and_the_count() {
+        assert_bits_eq(&[1.0, 0.0, 2.0], &[1.0, -0.0, 3.0], "replay vs eager");
+    }
+
+    #[test]
+    #[should_panic(expected = "out: not bit-identical: 2 elements against 3 expected")]
+    fn a_shorter_result_is_not_bit_identical() {
+        assert_bits_eq(&[1.0, 2.0], &[1.0, 2.0, 3.0], "out");
+    }
+
+    #[test]
+    fn a_missing_prerequisite_skips_unless_required() {
+        skip_or_fail_when(None, "NVRTC is not installed here");
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "CUDAGRAPH_REQUIRE_GPU=1, so a missing prerequisite fails the test: fixtures"
+    )]
+    fn a_missing_prerequisite_fails_when_required() {
+        skip_or_fail_when(Some("CUDAGRAPH_REQUIRE_GPU=1"), "fixtures are missing");
     }
 }

@@ -3,6 +3,7 @@
 //! explicit builder and typed errors. Each test starts with the GPU gate: without a device it
 //! prints `skipped: no CUDA device`, or fails when `CUDAGRAPH_REQUIRE_GPU=1`.
 
+use cudagraph::testing::assert_bits_eq;
 use cudagraph::*;
 
 const SRC: &str = r#"
@@ -105,10 +106,7 @@ fn replay_equals_eager_for_a_kernel_chain() {
     assert_eq!(s.to_vec(&xg).unwrap(), x0);
     g.replay(&s).unwrap();
     let replayed = s.to_vec(&xg).unwrap();
-    assert_eq!(
-        replayed, eager,
-        "graph replay must be bit-identical to eager"
-    );
+    assert_bits_eq(&replayed, &eager, "graph replay vs eager");
     assert!(max_rel(&replayed, &chain_ref(&x0, 50)) < 1e-5);
     // A second replay applies the chain again.
     g.replay(&s).unwrap();
@@ -303,7 +301,13 @@ fn misuse_illegal_call_in_capture_is_a_typed_error_and_the_stream_recovers() {
         before.allocated,
         "nothing leaked in the pool"
     );
-    // The same stream and pool capture and replay fine afterwards.
+    // The failed captures ran nothing: the input is as it was.
+    assert_bits_eq(
+        &s.to_vec(&x).unwrap(),
+        &input(n, 4),
+        "input after the failed captures",
+    );
+    // The same stream and pool capture and replay fine afterwards: the eager run's bits.
     let (g, y) = Graph::capture(&mut s, CaptureOptions::new().pool(&pool), |cs| {
         let y = cs.alloc::<f32>(n)?;
         // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
@@ -312,8 +316,17 @@ fn misuse_illegal_call_in_capture_is_a_typed_error_and_the_stream_recovers() {
     })
     .unwrap();
     g.replay(&s).unwrap();
+    let eager = s.alloc::<f32>(n).unwrap();
+    // SAFETY: the kernel touches only elements [0, n) of the buffers passed, and n is their length.
+    unsafe { s.launch(&k.scale_into, cfg(n), args![&x, &eager, 2.0f32, n as i32]) }.unwrap();
+    let got = s.to_vec(&y).unwrap();
+    assert_bits_eq(
+        &got,
+        &s.to_vec(&eager).unwrap(),
+        "replay after recovery vs eager",
+    );
     let want: Vec<f64> = input(n, 4).iter().map(|&v| 2.0 * v as f64).collect();
-    assert!(max_rel(&s.to_vec(&y).unwrap(), &want) < 1e-6);
+    assert!(max_rel(&got, &want) < 1e-6);
 }
 
 #[test]
@@ -348,8 +361,22 @@ fn failing_closure_or_panic_discards_the_capture() {
     }));
     assert!(r.is_err());
     assert!(!s.driver_is_capturing().unwrap());
+    // Neither discarded capture ran anything, and the stream works: one step of the chain
+    // gives what the same step gives on a fresh copy of the input.
+    assert_bits_eq(
+        &s.to_vec(&x).unwrap(),
+        &input(256, 5),
+        "input after the failed captures",
+    );
     chain(&s, &k, &x, 1).unwrap();
-    s.synchronize().unwrap();
+    let fresh = s.alloc_from_host(&input(256, 5)).unwrap();
+    chain(&s, &k, &fresh, 1).unwrap();
+    assert_bits_eq(
+        &s.to_vec(&x).unwrap(),
+        &s.to_vec(&fresh).unwrap(),
+        "a chain step after the failed captures vs on a fresh copy",
+    );
+    assert!(max_rel(&s.to_vec(&x).unwrap(), &chain_ref(&input(256, 5), 1)) < 1e-6);
 }
 
 #[test]
@@ -627,8 +654,8 @@ fn builder_graph_equals_captured_graph_equals_eager() {
     assert_eq!(gb.info().nodes.kernel, 2);
     gb.replay(&s).unwrap();
     let (captured, built) = (s.to_vec(&dc).unwrap(), s.to_vec(&db).unwrap());
-    assert_eq!(captured, eager);
-    assert_eq!(built, eager);
+    assert_bits_eq(&captured, &eager, "captured graph vs eager");
+    assert_bits_eq(&built, &eager, "built graph vs eager");
     let want: Vec<f64> = h
         .iter()
         .map(|&v| (v as f64 * 2.0 + 1.0) / 2.0 - 3.0)

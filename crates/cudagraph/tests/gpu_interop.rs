@@ -183,11 +183,7 @@ fn cudarc_kernels_and_allocations_capture_and_replay_like_eager() {
     }
     s.synchronize().unwrap();
     let replayed = cu.clone_dtoh(&out_g).unwrap();
-    assert_eq!(
-        replayed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        eager.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        "three replays give exactly what three eager steps gave"
-    );
+    testing::assert_bits_eq(&replayed, &eager, "three replays vs three eager steps");
     // The graph frees its cudarc allocation in every replay (the driver refuses to relaunch a
     // graph whose allocation is still live), so replays go on in constant memory.
     for _ in 0..500 {
@@ -261,10 +257,7 @@ fn cudarc_cublas_captures_and_replays_like_eager() {
     graph.replay(&s).unwrap();
     s.synchronize().unwrap();
     let replayed = cu.clone_dtoh(&c).unwrap();
-    assert_eq!(
-        replayed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        eager.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-    );
+    testing::assert_bits_eq(&replayed, &eager, "cuBLAS replay vs eager");
     drop(graph);
     drop(blas);
     drop(ws);

@@ -709,45 +709,90 @@ fn misuse_synchronising_another_stream_inside_a_capture_is_typed_and_recoverable
         add_one(cs, &k, &x)
     });
     // Either the driver allowed it (another, idle stream) and the graph is right, or the
-    // capture failed with a typed error; in both cases the stream works afterwards.
-    match r {
+    // capture failed with a typed error and ran nothing; in both cases the stream works
+    // afterwards: one more eager add lands on what the graph left (exact small integers).
+    let before = match r {
         Ok((g, ())) => {
             g.replay(&s).unwrap();
             assert_eq!(s.to_vec(&x).unwrap(), vec![2.0; 64]);
+            2.0
         }
-        Err(e) => assert!(
-            matches!(
-                e,
-                Error::CaptureFailed { .. } | Error::CaptureInvalidated { .. }
-            ),
-            "{e}"
-        ),
-    }
+        Err(e) => {
+            assert!(
+                matches!(
+                    e,
+                    Error::CaptureFailed { .. } | Error::CaptureInvalidated { .. }
+                ),
+                "{e}"
+            );
+            assert_eq!(
+                s.to_vec(&x).unwrap(),
+                vec![0.0; 64],
+                "the failed capture ran"
+            );
+            0.0
+        }
+    };
     assert!(!s.driver_is_capturing().unwrap());
     add_one(&s, &k, &x).unwrap();
     s.synchronize().unwrap();
+    assert_eq!(s.to_vec(&x).unwrap(), vec![before + 1.0; 64]);
 }
 
-/// Needs two GPUs: run on a multi-GPU machine with `--ignored` (the 2-GPU device script does).
+/// Objects of one device used with another are typed errors before anything reaches the
+/// driver: a graph replayed on the second GPU's stream, a buffer of the second GPU passed to a
+/// kernel or a copy on the first's stream, a kernel of the first launched on the second's
+/// stream. Each refusal names what was mixed up and both devices, and nothing ran: the graph's
+/// buffer and the second GPU's buffer keep their contents; the graph still replays where it
+/// belongs.
+///
+/// Needs two GPUs. It does not depend on the distributed tests or NCCL; run it alone with
+/// `cargo test -p cudagraph --test gpu_soundness -- --include-ignored --exact
+/// replay_on_a_stream_of_another_device_is_a_typed_error` (or the gathered `gpu_soundness-*`
+/// binary with the same arguments). With one GPU it skips, or fails under
+/// `CUDAGRAPH_REQUIRE_GPU=1` / `CUDAGRAPH_REQUIRE_GPUS=2`.
 #[test]
-#[ignore = "needs two GPUs; run with --ignored on a multi-GPU machine"]
+#[ignore = "needs two GPUs; run with --include-ignored on a multi-GPU machine"]
 fn replay_on_a_stream_of_another_device_is_a_typed_error() {
-    let dev = gpu_test_device!();
-    let other = Device::open(1).expect("a second GPU");
-    let k = kernels(&dev);
+    let Some(devices) = cudagraph::testing::gpus_or_skip(2) else {
+        return;
+    };
+    let (dev, other) = (&devices[0], &devices[1]);
+    let (d0, d1) = (dev.ordinal(), other.ordinal());
+    assert_ne!(d0, d1, "two distinct devices");
+    let wrong = |e: Error, what: &str, expected: usize, got: usize| match e {
+        Error::WrongDevice {
+            what: w,
+            expected: x,
+            got: g,
+        } => assert_eq!((w, x, g), (what, expected, got), "{what}"),
+        e => panic!("{what}: expected WrongDevice, got {e}"),
+    };
+    let k = kernels(dev);
     let mut s = dev.new_stream().unwrap();
     let x = s.alloc_zeroed::<f32>(64).unwrap();
     let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| add_one(cs, &k, &x)).unwrap();
     let s1 = other.new_stream().unwrap();
-    let e = g.replay(&s1).unwrap_err();
-    assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
-    // Buffers and kernels of one device are refused on the other.
-    let y = s1.alloc_zeroed::<f32>(64).unwrap();
-    // SAFETY: refused before launch (the buffer and kernel belong to the other device).
+    // A graph of device 0 on a stream of device 1.
+    wrong(g.replay(&s1).unwrap_err(), "graph", d1, d0);
+    assert_eq!(g.replays(), 0, "the refused replay is not counted");
+    // A buffer of device 1 in a kernel launch and in copies on a stream of device 0.
+    let y = s1.alloc_from_host(&[7.0f32; 64]).unwrap();
+    // SAFETY: refused before launch (the buffer belongs to the other device); add_one would
+    // touch y[0..64) only.
     let e = unsafe { s.launch(&k.add_one, cfg(64), args![&y, 64i32]) }.unwrap_err();
-    assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
-    let e = s.copy(&y, &x).unwrap_err();
-    assert!(matches!(e, Error::WrongDevice { .. }), "{e}");
+    wrong(e, "buffer", d0, d1);
+    wrong(s.copy(&y, &x).unwrap_err(), "buffer", d0, d1);
+    wrong(s.copy(&x, &y).unwrap_err(), "buffer", d0, d1);
+    // A kernel of device 0 launched on a stream of device 1, with device 1's buffer.
+    // SAFETY: refused before launch (the kernel belongs to the other device).
+    let e = unsafe { s1.launch(&k.add_one, cfg(64), args![&y, 64i32]) }.unwrap_err();
+    wrong(e, "kernel", d1, d0);
+    // Nothing ran on either device.
+    assert_eq!(s.to_vec(&x).unwrap(), vec![0.0; 64], "device 0's buffer");
+    assert_eq!(s1.to_vec(&y).unwrap(), vec![7.0; 64], "device 1's buffer");
+    // The graph replays on its own device's stream.
     g.replay(&s).unwrap();
     assert_eq!(s.to_vec(&x).unwrap(), vec![1.0; 64]);
+    assert_eq!(g.replays(), 1);
 }
