@@ -628,10 +628,11 @@ fn graph_cache_matches_eager_at_every_size_with_padding_and_fallback() {
     )
     .unwrap();
     assert_eq!(cache.entries().len(), 4);
-    let x_all = s.alloc_from_host(&rng.vec_normal(40 * 1024)).unwrap();
     for rows in 1..=40usize {
-        let (out, served) = cache.run(&mut s, &x_all, rows).unwrap();
-        let xh = s.to_vec(&x_all).unwrap();
+        // Each request has rows of its own: a stale or mixed-up input gives another answer.
+        let xh = rng.vec_normal(rows * 1024);
+        let x = s.alloc_from_host(&xh).unwrap();
+        let (out, served) = cache.run(&mut s, &x, rows).unwrap();
         let eager = no_grad(|| {
             model.forward(
                 &s,
@@ -692,10 +693,11 @@ fn lazy_graph_cache_captures_on_demand_and_evicts_over_budget() {
     let mut cache =
         GraphCache::new(&mut s, batched, BucketPolicy::PowersOfTwo { max: 64 }, opts).unwrap();
     assert!(cache.entries().is_empty());
-    let x = s.alloc_from_host(&rng.vec_normal(64 * 1024)).unwrap();
     for rows in [3usize, 50, 3, 7] {
+        // Each request has rows of its own (the second request of 3 rows too).
+        let xh = rng.vec_normal(rows * 1024);
+        let x = s.alloc_from_host(&xh).unwrap();
         let (out, _) = cache.run(&mut s, &x, rows).unwrap();
-        let xh = s.to_vec(&x).unwrap();
         let eager = no_grad(|| {
             model.forward(
                 &s,
