@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Compares two `cudagraph bench sweep --json` runs of the same points (A = before a change,
-B = after it, measured in one device call): per point and mode B µs, A µs and B/A, then the
-geometric mean of B/A and the points that moved by more than 3 %.
+"""Compares two runs of the same points measured in one device call, A (before a change, or
+one setting) and B (after it, or the other setting): per point B µs, A µs and B/A for the graph
+times, then the geometric mean of B/A and the points that moved by more than 3 %. Works on
+`cudagraph bench sweep --json` output (points by id and mode) and on `cudagraph bench --json`
+output (rows by workload and config).
 
 usage: ab_compare.py A.json B.json [LABEL_A LABEL_B]
 """
@@ -10,27 +12,34 @@ import math
 import sys
 
 
+def key(row):
+    if "id" in row:
+        return (row["id"], row["mode"])
+    return (row["workload"], row["config"])
+
+
 def main():
     if len(sys.argv) < 3:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     a, b = (json.load(open(p)) for p in sys.argv[1:3])
-    la, lb = (sys.argv[3:5] + ["A", "B"])[:2] if len(sys.argv) >= 5 else ("A", "B")
-    ref = {(r["id"], r["mode"]): r.get("graph_us") for r in a["rows"]}
+    la, lb = (sys.argv[3], sys.argv[4]) if len(sys.argv) >= 5 else ("A", "B")
+    ref = {key(r): r.get("graph_us") for r in a["rows"]}
     print(f"| point | mode | {lb} µs | {la} µs | {lb} / {la} |")
     print("|---|---|---:|---:|---:|")
     logs, moved = [], []
     for r in b["rows"]:
-        tb, ta = r.get("graph_us"), ref.get((r["id"], r["mode"]))
-        if not tb or not ta:
+        tb, ta = r.get("graph_us"), ref.get(key(r))
+        if not tb or not ta or math.isnan(tb) or math.isnan(ta):
             continue
         q = tb / ta
         logs.append(math.log(q))
-        print(f"| {r['id']} | {r['mode']} | {tb:.2f} | {ta:.2f} | {q:.3f} |")
+        name, mode = key(r)
+        print(f"| {name} | {mode} | {tb:.2f} | {ta:.2f} | {q:.3f} |")
         if abs(q - 1) > 0.03:
-            moved.append(f"{r['id']} {r['mode']} {q:.3f}")
+            moved.append(f"{name} {mode} {q:.3f}")
     if logs:
-        print(f"\nGeometric mean {lb} / {la}: {math.exp(sum(logs) / len(logs)):.3f} over {len(logs)} points.")
+        print(f"\n**Geometric mean {lb} / {la}: {math.exp(sum(logs) / len(logs)):.3f}** over {len(logs)} points.  ")
     print(f"Moved by more than 3 %: {', '.join(moved) if moved else 'none'}.")
 
 

@@ -2,12 +2,13 @@
 """Merge `cudagraph bench chain --json` and bench/raw/chain.cu output into a markdown table.
 
 usage: chain_compare.py OURS.json RAW.json COMMAND [PYTORCH.json] > table.md
+RAW.json may be "-" when the raw baseline could not be built (no nvcc): its columns read n/a.
 """
 import json
 import sys
 
 ours = json.load(open(sys.argv[1]))
-raw = json.load(open(sys.argv[2]))
+raw = json.load(open(sys.argv[2])) if sys.argv[2] != "-" else {"device": "not run", "rows": []}
 command = sys.argv[3] if len(sys.argv) > 3 else ""
 pt = json.load(open(sys.argv[4])) if len(sys.argv) > 4 else None
 rows = {r["kernels"]: r for r in raw["rows"]}
@@ -22,14 +23,16 @@ print(f"Device: {ours['device']['name']} (CUDA {ours['device']['driver_cuda_vers
 print(f"Command: `{command}`\n")
 print("| k | ours eager µs/kernel | raw eager µs/kernel | eager ratio | ours graph µs/kernel | raw graph µs/kernel | graph ratio | ours speedup |")
 print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+def ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
 for r in ours["rows"]:
-    b = rows.get(r["kernels"])
-    if not b:
-        continue
-    print(f"| {r['kernels']} | {r['eager_us_per_kernel']:.3f} | {b['eager_us_per_kernel']:.3f} | "
-          f"{r['eager_us_per_kernel'] / b['eager_us_per_kernel']:.3f} | {r['graph_us_per_kernel']:.3f} | "
-          f"{b['graph_us_per_kernel']:.3f} | {r['graph_us_per_kernel'] / b['graph_us_per_kernel']:.3f} | "
-          f"{r['speedup']:.2f}x |")
+    b = rows.get(r["kernels"], {})
+    be, bg = b.get("eager_us_per_kernel"), b.get("graph_us_per_kernel")
+    print(f"| {r['kernels']} | {r['eager_us_per_kernel']:.3f} | {fmt(be)} | "
+          f"{fmt(ratio(r['eager_us_per_kernel'], be))} | {r['graph_us_per_kernel']:.3f} | "
+          f"{fmt(bg)} | {fmt(ratio(r['graph_us_per_kernel'], bg))} | {r['speedup']:.2f}x |")
 
 pdl_rows = [r for r in ours["rows"] if "graph_pdl_us_per_kernel" in r]
 if pdl_rows:

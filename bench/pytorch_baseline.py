@@ -227,63 +227,7 @@ row("mlp-9-sizes-shared-pool", "bs=256..1", float("nan"), float("nan"), 0, right
 notes.append(f"seed MLP at nine batch sizes in one pool: reserved delta {right / 2**20:.2f} MB "
              f"(one warm-up side stream); {naive / 2**20:.2f} MB with a fresh side stream per warm-up")
 
-# 5. Seed 002's dict-of-graphs pattern at random batch sizes 1..256 (same generator as
-# `cudagraph bench cache`): graphs for 1, 4, 16, 32; anything else runs eagerly.
-def request_sizes(n):
-    x, out = 42, []
-    for _ in range(n):
-        x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
-        out.append(1 + ((x >> 33) % 256))
-    return out
-
-
-with torch.no_grad():
-    m = seed_mlp().eval()
-    x_all = torch.randn(256, 1024, device=dev)
-    graph_dict = {}
-    before = torch.cuda.memory_reserved()
-    for bs in [32, 16, 4, 1]:
-        static_input = torch.randn(bs, 1024, device=dev)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                m(static_input)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
-            static_output = m(static_input)
-        graph_dict[bs] = (g, static_input, static_output)
-    dict_mem = torch.cuda.memory_reserved() - before
-
-    def inference(data):
-        bs = data.shape[0]
-        if bs in graph_dict:
-            g, si, so = graph_dict[bs]
-            si.copy_(data)
-            g.replay()
-            return so.clone()
-        return m(data)
-
-    sizes = request_sizes(2000)
-    for n in sizes[:20]:
-        inference(x_all[:n])
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for n in sizes:
-        inference(x_all[:n])
-    torch.cuda.synchronize()
-    dict_us = (time.perf_counter() - t) * 1e6 / len(sizes)
-    t = time.perf_counter()
-    for n in sizes:
-        m(x_all[:n])
-    torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - t) * 1e6 / len(sizes)
-    row("cache-random-1..256", "2000 requests", eager_us, dict_us, 0, dict_mem, 0, 0.0)
-    notes.append(f"dict-of-graphs (sizes 1/4/16/32, eager otherwise) at random sizes 1..256: {dict_us:.2f} us/request, "
-                 f"eager {eager_us:.2f} us/request, graph memory {dict_mem / 2**20:.2f} MB")
-
-# 6. Dropout in graphs (`cudagraph bench --only dropout`): the seed MLP with Dropout(0.1) after
+# 5. Dropout in graphs (`cudagraph bench --only dropout`): the seed MLP with Dropout(0.1) after
 # each ReLU, batch 64, cross-entropy, SGD lr 0.01 without momentum, whole step graphed (PyTorch
 # registers its generator's state with the graph, so each replay draws fresh masks); and one
 # dropout op on 64x4096 alone.

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the GPU test suite and the CLI's main paths (small iteration counts),
-# one summary line per tool. Run on the GPU machine from the repository root after
-# ../shared/tools/gpu-bundle (binaries in .gpu-bin/):
+# one summary line per tool. `bash bench/device.sh sanitize` runs it and writes
+# bench/results/sanitize-DEVICE.md; it can also run alone, on the GPU machine from the
+# repository root, with the binaries of bench/bundle.sh in .gpu-bin/:
 #     bash bench/sanitize.sh                 # memcheck (leaks included), racecheck, synccheck, initcheck
 #     TOOLS="memcheck" TESTS="gpu_core gpu_nn" JOBS=4 bash bench/sanitize.sh
 #     CLI=0 TESTS="gpu_graphfeat gpu_steps" bash bench/sanitize.sh   # no CLI paths
+#     CLI=0 TESTS="gpu_engines gpu_core" FILTER="column_warp copies" bash bench/sanitize.sh
+# FILTER: libtest name filters passed to every test binary (a binary with no matching test
+# makes no GPU call and is not counted as failed).
 # Every (tool, binary or command) pair is one job; JOBS of them run at once (default 8: the GPU
 # is shared, each job is its own process). Tests named misuse_* provoke driver errors on purpose
 # (that is what they test), so they are skipped here; every other test and command must come out
 # with 0 errors from every tool (synccheck inside conditional bodies excepted, see below; those
-# tests run one at a time after the parallel batch). The library makes no driver call that fails on purpose (it does
-# not probe other libraries' kernels for their parameters on drivers before CUDA 13.2).
+# tests run one at a time after the parallel batch). The library makes no driver call that fails
+# on purpose (it does not probe other libraries' kernels for their parameters on drivers before
+# CUDA 13.2).
 # Binaries without GPU work make compute-sanitizer exit 255 ("terminated before first
 # instrumented API call"): not a failure.
 #
@@ -22,11 +27,12 @@
 #   wrote is reported although it is valid. No test builds such a graph (gpu_core's memory
 #   stats test reads its temporary with a kernel for this reason); user code that does will
 #   see those reports.
-# Logs go to $OUT/sanitize/ (or /tmp/sanitize); the summary also to $OUT/sanitize/summary.txt.
+# Logs go to $SANITIZE_LOGS (default /tmp/sanitize); the summary also to summary.txt there, and
+# one line per job (tool, label, exit code, errors, seconds, note) to jobs-summary.tsv.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
-logs=${OUT:-/tmp}/sanitize
+logs=${SANITIZE_LOGS:-/tmp/sanitize}
 mkdir -p "$logs"
 export CUDAGRAPH_REQUIRE_GPU=1 CUDAGRAPH_CACHE_DIR=${CUDAGRAPH_CACHE_DIR:-/tmp/cudagraph-sanitize-cache}
 tools=${TOOLS:-memcheck racecheck synccheck initcheck}
@@ -42,20 +48,28 @@ teardown=opening_training_and_dropping_a_device_twenty_times_returns_its_memory
 # the eight-thread capture test did not finish in 380 s under memcheck with its full counts.
 skip="--skip misuse_ --skip hundred_thousand_replays --skip ten_thousand_rebinds --skip twenty_times --skip $teardown"
 export CUDAGRAPH_TEST_QUICK=1
-# Kernels inside conditional (IF/WHILE) bodies. On the H100 (compute-sanitizer of CUDA 13.0):
+# FILTER="a b": libtest name filters for every test-binary job.
+filter=${FILTER:-}
+# Whether test name $1 matches FILTER (always, without one).
+matches() {
+  local f
+  [ -z "$filter" ] && return 0
+  for f in $filter; do [[ $1 == *"$f"* ]] && return 0; done
+  return 1
+}
+# Kernels inside conditional (IF/WHILE) bodies (compute-sanitizer of CUDA 13.0 on the H100;
+# docs/soundness.md has the details):
 # - synccheck reports "divergent threads at a barrier" where every thread reaches it in a
 #   kernel with a block barrier inside a WHILE body — a raw CUDA C++ program with the same node
-#   pattern and a plainly correct block reduction shows it too (bench/raw/while_sanitize.sh;
-#   results in bench/results/raw-while-sanitize-*.txt; racecheck also crashes that program).
+#   pattern and a plainly correct block reduction shows it too (`bash bench/device.sh
+#   while-sanitize`, bench/raw/while_sanitize.cu; racecheck also crashes that program).
 #   synccheck's results on conditional bodies are reported on a separate line, not counted.
 # - memcheck, initcheck and racecheck pass every conditional-body test run alone on the GPU, but
 #   with other instrumented processes on the GPU at the same time the WHILE tests stop at random
-#   with CUDA_ERROR_ILLEGAL_ADDRESS that no kernel is blamed for (the same test 8 times at once:
-#   5 of 8 fail under memcheck, 7 of 8 under initcheck), while 8 plain copies at once all pass
-#   and 8 copies of the raw programs at once pass under memcheck
-#   (bench/results/sanitize-2026-11-23-session5.md). Not explained. So the conditional-body
-#   tests run in `cond-*` jobs, one at a time after the parallel batch, and count like any other
-#   under memcheck, initcheck and racecheck.
+#   with CUDA_ERROR_ILLEGAL_ADDRESS that no kernel is blamed for, while plain copies of the same
+#   tests at once all pass and copies of the raw programs at once pass under memcheck. Not
+#   explained. So the conditional-body tests run in `cond-*` jobs, one at a time after the
+#   parallel batch, and count like any other under memcheck, initcheck and racecheck.
 cond_tests=(
   gpu_graphfeat:if_node_runs_its_body_only_when_the_condition_is_set
   gpu_graphfeat:while_loop_runs_until_a_kernel_in_the_body_clears_the_condition
@@ -91,7 +105,6 @@ flags() {
 run_job() {
   local tool=$1 label=$2 cmd=$3
   local log="$logs/$tool-$label.log"
-  # shellcheck disable=SC2086
   local t0=$SECONDS
   # racecheck checks shared-memory races; over the CLI paths it checks ours: products and
   # convolutions on our own kernels (cuBLAS/cuDNN kernels made the `bench` path take 401 s;
@@ -101,6 +114,8 @@ run_job() {
   if [ "$tool" = racecheck ] && [[ $label == cli-* ]]; then
     engines=(env CUDAGRAPH_GEMM=warpk CUDAGRAPH_CONV=igemm)
   fi
+  # The tool's flags and the job's command split into words on purpose.
+  # shellcheck disable=SC2046,SC2086
   timeout "$limit" "${engines[@]}" compute-sanitizer $(flags "$tool") --print-limit 50 $cmd >"$log" 2>&1
   echo $? >"$logs/$tool-$label.rc"
   echo $((SECONDS - t0)) >"$logs/$tool-$label.s"
@@ -125,11 +140,12 @@ for tool in $tools; do
       keep=0; for p in $racecheck_tests; do [ "${name%-*}" = "$p" ] && keep=1; done
       [ $keep = 1 ] || continue
     fi
-    printf '%s\t%s\t%s\n' "$tool" "$name" "$t --test-threads=1 $skip $(cond_skips "${name%-*}")" >>"$list"
+    printf '%s\t%s\t%s\n' "$tool" "$name" "$t --test-threads=1 $skip $(cond_skips "${name%-*}") $filter" >>"$list"
   done
   for c in "${cond_tests[@]}"; do
     t=$(ls .gpu-bin/tests/"${c%%:*}"-* 2>/dev/null | head -n1)
     [ -n "$t" ] || continue
+    matches "${c#*:}" || continue
     if [ -n "$tests" ]; then
       keep=0; for p in $tests; do [ "${c%%:*}" = "$p" ] && keep=1; done
       [ $keep = 1 ] || continue
@@ -139,7 +155,7 @@ for tool in $tools; do
   # The cluster kernels (distributed shared memory) under racecheck: the engine test that runs
   # only ours (gpu_engines is too long for racecheck as a whole).
   e=$(ls .gpu-bin/tests/gpu_engines-* 2>/dev/null | head -n1)
-  if [ "$tool" = racecheck ] && [ -n "$e" ] && [ -z "$tests" ]; then
+  if [ "$tool" = racecheck ] && [ -n "$e" ] && [ -z "$tests" ] && [ -z "$filter" ]; then
     printf '%s\t%s\t%s\n' "$tool" "gpu_engines-cluster" "$e --test-threads=1 --exact cluster_splits_equal_tiled_splits_and_replay_bit_for_bit" >>"$list"
   fi
   # CLI=0 leaves the CLI's paths out (a run over a few test binaries).
@@ -159,7 +175,7 @@ grep -v "$(printf '\tcond-')" "$list" | tr '\t' '\036' | xargs -P "$jobs" -d '\n
 tr '\t' '\036' <"$cond_list" | xargs -P 1 -d '\n' -I{} bash -c 'IFS=$'"'"'\036'"'"' read -r a b c <<<"$1"; run_job "$a" "$b" "$c"' _ {}
 # The teardown test alone (nothing else on the GPU), under memcheck with leak check.
 nn=$(ls .gpu-bin/tests/gpu_soundness_nn-* 2>/dev/null | head -n1)
-if [ -n "$nn" ] && [[ " $tools " == *" memcheck "* ]]; then
+if [ -n "$nn" ] && [[ " $tools " == *" memcheck "* ]] && [ -z "$tests$filter" ]; then
   run_job memcheck teardown "$nn --test-threads=1 --exact $teardown"
   printf 'memcheck\tteardown\t-\n' >>"$list"
 fi
@@ -168,7 +184,9 @@ total_all=0
 # The limit the jobs ran with (a SUMMARY_ONLY run does not know it otherwise).
 limit=$(cat "$logs/limit.txt" 2>/dev/null || echo "$limit")
 summary="$logs/summary.txt"
+table="$logs/jobs-summary.tsv"
 : >"$summary"
+: >"$table"
 for tool in $tools; do
   errors=0; runs=0; failed=0; timed_out=0; nccl=0
   c_errors=0; c_runs=0; c_failed=0
@@ -193,13 +211,16 @@ for tool in $tools; do
     elif [ "$rc" != 0 ] && ! { [ "$rc" = 255 ] && grep -q 'terminated before first instrumented API call' "$log" 2>/dev/null; }; then
       bad=1; note="exited $rc"
     fi
+    secs=$(cat "$logs/$tool-$label.s" 2>/dev/null || echo "?")
     # Conditional bodies under synccheck: reported, not counted (see above).
     if [[ $label == cond-* ]] && [ "$tool" = synccheck ]; then
+      printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$tool" "$label" "$rc" "$n" "$secs" "not counted${note:+; $note}" >>"$table"
       c_errors=$((c_errors + n)); c_runs=$((c_runs + 1)); c_failed=$((c_failed + bad))
       [ -n "$note" ] && echo "  $tool (not counted): $label $note, $n errors (see $log)" | tee -a "$summary"
       continue
     fi
     errors=$((errors + n)); runs=$((runs + 1)); failed=$((failed + bad))
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$tool" "$label" "$rc" "$n" "$secs" "$note" >>"$table"
     [ "$rc" = 124 ] && timed_out=$((timed_out + 1))
     [ -n "$note" ] && echo "  $tool: $label $note (see $log)" | tee -a "$summary"
     if grep -q 'test result: FAILED' "$log" 2>/dev/null; then
@@ -208,7 +229,7 @@ for tool in $tools; do
   done <"$list"
   echo "sanitize $tool: $errors errors over $runs runs ($failed runs failed, $timed_out of them stopped at $limit s; $nccl reported inside NCCL's own setup)" | tee -a "$summary"
   if [ "$c_runs" -gt 0 ]; then
-    echo "sanitize $tool, conditional bodies, not counted (it reports barrier divergence in a correct raw CUDA WHILE body too: bench/raw/while_sanitize.sh): $c_errors errors over $c_runs runs ($c_failed runs failed)" | tee -a "$summary"
+    echo "sanitize $tool, conditional bodies, not counted (it reports barrier divergence in a correct raw CUDA WHILE body too: bash bench/device.sh while-sanitize): $c_errors errors over $c_runs runs ($c_failed runs failed)" | tee -a "$summary"
   fi
   total_all=$((total_all + errors + failed))
 done

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Joins `cudagraph bench sweep --json` and bench/pytorch_sweep.py output into a markdown table:
+"""Joins `cudagraph bench sweep --json` and bench/pytorch_sweep.py output into a markdown table
+(no title: bench/device.sh writes the heading, device, date and command above it):
 per point and mode ours graph µs, PyTorch graph µs, ours/PyTorch and the engine we used; then
 the geometric mean of ours/PyTorch (overall and per kind), the worst point, how many points we
 win, and the optimizer points' effective bandwidth.
 
 usage: sweep_compare.py OURS.json PYTORCH.json "COMMANDS" > sweep.md
 """
-import datetime
 import json
 import math
 import sys
@@ -38,8 +38,6 @@ def main():
     commands = sys.argv[3] if len(sys.argv) > 3 else ""
     ref = {(r["id"], r["mode"]): r for r in pt["rows"]}
     d = ours["device"]
-    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    print(f"# Shape sweep: ours vs PyTorch, both graphed — {today}\n")
     print(f"Device: {d['name']} (CUDA {d['driver_cuda_version']}, {d['multiprocessors']} SMs); "
           f"PyTorch {pt.get('torch', '?')} on {pt.get('device', '?')}, same run. fp32, TF32 off, "
           f"cudnn.benchmark on, capturable optimizers.  ")

@@ -16,7 +16,7 @@
 // from how it sets the condition: a counted WHILE loop built as cudagraph builds it, with its
 // own condition kernels (PTX loaded with cuModuleLoadData, no cudadevrt), 3 rounds, each with
 // cond NULL (repeat) and with a condition buffer (while_loop_capped); see run_ptx.
-// Built and run on the GPU machine (bench/raw/while_sanitize.sh runs every tool on each):
+// Built and run on the GPU machine (`bash bench/device.sh while-sanitize` runs every tool on each):
 //     nvcc -O2 -arch=sm_90 -rdc=true bench/raw/while_sanitize.cu -lcudadevrt -lcuda \
 //         -o while_sanitize
 //     ./while_sanitize && compute-sanitizer --tool memcheck ./while_sanitize [pdl|reuse|ptx]
@@ -590,7 +590,7 @@ static int run_ptx(cudaStream_t s, cudaStream_t s2) {
     return bad;
 }
 
-// No argument: the default scenario (as in the logs of 2026-11-23); `pdl`, `reuse` or `ptx`:
+// No argument: the default scenario; `pdl`, `reuse` or `ptx`:
 // that scenario.
 int main(int argc, char** argv) {
     const char* scenario = argc > 1 ? argv[1] : "";
