@@ -45,6 +45,7 @@ PARTS=(
   "engines|60|cudagraph bench engines: the registry's choice and every candidate's time for representative shapes|ENGINES_ARGS"
   "gemm|30|cudagraph bench gemm: the workloads' products on each engine family|"
   "rebind|20|cudagraph bench rebind: copy-in vs rebind vs re-capture per request|"
+  "streams|30|cudagraph bench streams: what ordering replays of shared pools, graphs and caches across streams costs|"
   "train|60|digits training: eager, graphed, and k steps per graph launch (WHILE node), MLP and CNN|TRAIN_MODELS"
   "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED"
 )
@@ -419,6 +420,7 @@ part_engines() {
 }
 part_gemm() { simple_part gemm "Matrix products on each engine family, inside graphs ($DEVICE)" 120 bench gemm; }
 part_rebind() { simple_part rebind "A new input buffer per request: copy-in, rebind, re-capture ($DEVICE)" 120 bench rebind; }
+part_streams() { simple_part streams "Replays across streams: the cost of ordering shared pools, graphs and caches ($DEVICE)" 120 bench streams; }
 
 # simple_part PART TITLE SECONDS ARGS...: one CLI run, its output as a code block.
 simple_part() {
