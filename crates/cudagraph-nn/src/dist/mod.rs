@@ -29,7 +29,7 @@ mod threads;
 use std::time::Duration;
 
 pub use ddp::{plan_buckets, BucketInfo, DdpOptions, DistributedDataParallel};
-pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp};
+pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp, RUNTIME_CONNECT_VAR};
 pub use rendezvous::{Health, Membership, PeerMonitor};
 pub use threads::{run_threads, RankContext};
 

@@ -19,6 +19,12 @@
 //! derive their counts from something every rank has checked first:
 //! [`Communicator::all_agree`] and [`Communicator::barrier`] (fixed-size headers, then an
 //! agreed length) and [`super::DistributedDataParallel`] (the verified parameter layout).
+//!
+//! NCCL 2.22 and newer connect lazily: the first collective of each algorithm sets up its
+//! connections inside the enqueueing call, which then waits on the host for the peers to do
+//! the same — outside any watchdog, so a stalled peer hangs it. We ask NCCL to connect during
+//! the (watchdogged) initialisation instead: unless `NCCL_RUNTIME_CONNECT` is set, it is set
+//! to `0` before the library is loaded (see [`RUNTIME_CONNECT_VAR`]).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr;
@@ -105,7 +111,28 @@ fn library() -> std::result::Result<&'static Library, String> {
     ))
 }
 
+/// NCCL's switch for lazy connection setup (2.22+, default on). Unless the user set it, the
+/// first load of the library sets it to `0`, so that every connection is made inside
+/// `ncclCommInitRank`, which runs under the initialisation timeout and the peers' liveness
+/// checks; a lazily connecting collective would instead wait for its peers inside the enqueue
+/// call, where no watchdog runs. Costs what NCCL before 2.22 cost: the buffers of every
+/// algorithm are allocated at initialisation. `NCCL_RUNTIME_CONNECT=1` restores lazy
+/// connection (then a peer that stalls before the first collective of an algorithm hangs the
+/// others in that call). `cudagraph launch` sets the same default in its children.
+pub const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
+
+/// Sets [`RUNTIME_CONNECT_VAR`] to `0` unless it is set. Runs once, before the library is
+/// opened (NCCL reads the variable at its first communicator initialisation). The process
+/// environment is shared: this is the same kind of write NCCL itself makes when it loads
+/// `nccl.conf`, done once, before any NCCL thread exists.
+fn connect_at_init() {
+    if std::env::var_os(RUNTIME_CONNECT_VAR).is_none() {
+        std::env::set_var(RUNTIME_CONNECT_VAR, "0");
+    }
+}
+
 fn load() -> std::result::Result<Api, String> {
+    connect_at_init();
     let lib = library()?;
     macro_rules! sym {
         ($name:literal) => {
@@ -979,6 +1006,20 @@ mod tests {
         // An empty slice agrees with itself; a reduction of the wrong length never agrees.
         assert!(agreed(&[], &[]));
         assert!(!agreed(&[1], &agreement_pairs(&[1, 2])));
+    }
+
+    /// (issue 26, C) Loading NCCL leaves `NCCL_RUNTIME_CONNECT` set — to `0` unless the user
+    /// chose a value — so that connections are made inside the watchdogged initialisation.
+    #[test]
+    fn loading_nccl_asks_for_connections_at_initialisation() {
+        let before = std::env::var(RUNTIME_CONNECT_VAR).ok();
+        let _ = nccl_version();
+        let after = std::env::var(RUNTIME_CONNECT_VAR).ok();
+        match before {
+            // Another test of this binary may have loaded it first: then it is set already.
+            None => assert_eq!(after.as_deref(), Some("0")),
+            Some(v) => assert_eq!(after, Some(v)),
+        }
     }
 
     #[test]
