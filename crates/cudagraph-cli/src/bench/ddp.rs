@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Args;
-use cudagraph::{CaptureOptions, Device, Fork, Graph, QueueExt, Stream};
-use cudagraph_nn::dist::{DistEnv, DistOptions, ReduceOp};
+use cudagraph::{CaptureOptions, Device, Fork, Graph, Stream};
+use cudagraph_nn::dist::{DistEnv, DistOptions};
 use cudagraph_nn::{
     mse_loss, Communicator, DdpOptions, DistributedDataParallel, Layer, Linear, Module, Optimizer,
     Reduction, Rng, Sequential, Sgd, Tensor,
@@ -165,11 +165,10 @@ fn time_steps(
     repeats: usize,
     mut body: impl FnMut() -> AnyResult<()>,
 ) -> AnyResult<f64> {
-    let token = s.alloc_zeroed::<f32>(1)?;
     let mut samples = Vec::with_capacity(repeats);
     for _ in 0..repeats {
-        comm.all_reduce(s, &token, ReduceOp::Sum)?;
-        comm.synchronize(s)?;
+        // Also waits for this rank's earlier work, with the watchdog.
+        comm.barrier(s)?;
         let t = Instant::now();
         for _ in 0..iters {
             body()?;

@@ -99,6 +99,13 @@ pub struct BucketInfo {
 /// applied to a list of parameters): call [`Self::backward`] instead of `loss.backward` and
 /// every rank ends up with the average of all ranks' gradients.
 ///
+/// Every rank must make the same calls in the same order: `new`, then one `backward` per
+/// step, each eager or captured alike (a captured backward's collectives run at each
+/// replay). The sizes of the collectives come from the parameter layout, which `new`
+/// verifies across the ranks before any collective that depends on it, so they always
+/// match; a rank that skips a step leaves the others waiting, and the watchdog
+/// ([`Self::synchronize`]) turns that into an error.
+///
 /// One backward per step (there is no `no_sync` gradient accumulation yet). A parameter that
 /// gets no gradient on a rank (unused in its forward pass) contributes zeros there and
 /// receives the average like the others — so a parameter unused on every rank ends with a
@@ -157,31 +164,40 @@ impl std::fmt::Debug for DistributedDataParallel {
     }
 }
 
-/// A 64-bit FNV-1a hash of what every rank must agree on.
-fn signature(params: &[Parameter], cap: usize) -> i64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |v: u64| {
-        for b in v.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
-    eat(params.len() as u64);
-    eat(cap as u64);
-    for p in params {
-        eat(p.shape().len() as u64);
-        for &d in p.shape() {
-            eat(d as u64);
-        }
+/// Everything the collectives of [`DistributedDataParallel`] depend on, as numbers every
+/// rank must hold alike: the options (the bucket cap decides the buckets, and whether the
+/// parameters are broadcast decides whether `new` issues collectives at all), the number of
+/// parameters, and each parameter's shape (its length, then its dimensions). The encoding is
+/// exact and can be decoded again, so two layouts give the same numbers only when they are
+/// the same — equal numbers mean equal bucket plans, hence equal collective counts.
+fn layout<'a>(shapes: impl ExactSizeIterator<Item = &'a [usize]>, opts: &DdpOptions) -> Vec<i64> {
+    // Bit patterns: injective for every usize.
+    let n = |v: usize| v as u64 as i64;
+    let mut v = vec![
+        n(opts.bucket_cap_bytes),
+        i64::from(opts.broadcast_parameters),
+        n(shapes.len()),
+    ];
+    for shape in shapes {
+        v.push(n(shape.len()));
+        v.extend(shape.iter().map(|&d| n(d)));
     }
-    (h & (i64::MAX as u64)) as i64
+    v
 }
 
 impl DistributedDataParallel {
     /// Wraps `params` (a model's parameters, the same list in the same order on every rank)
     /// for data-parallel training on `comm`. Allocates the bucket buffers on `s`, checks that
-    /// every rank has the same parameter shapes, and copies rank 0's parameters to all ranks
-    /// (unless `opts` says not to), waiting for that with the communicator's watchdog.
+    /// every rank has the same parameter shapes and the same `opts` (every rank fails with
+    /// [`DistError::Mismatch`] otherwise, before any collective whose size depends on them),
+    /// and copies rank 0's parameters to all ranks (unless `opts` says not to), waiting for
+    /// that with the communicator's watchdog.
+    ///
+    /// Why DDP is safe where [`Communicator::all_reduce`] is not: every count it passes to
+    /// NCCL comes from this verified layout (a bucket's size, a parameter's size), in an
+    /// order fixed by it (bucket order), so ranks that make the same DDP calls pass the
+    /// same counts. A backward that fails after its first collective aborts the communicator
+    /// (a retry would start over at the first bucket while the peers wait in a later one).
     pub fn new(
         s: &Stream,
         comm: &Communicator,
@@ -252,10 +268,15 @@ impl DistributedDataParallel {
             bucket_of,
         };
         if comm.world_size() > 1 {
-            ddp.verify_layout(s, opts.bucket_cap_bytes)?;
+            ddp.verify_layout(s, &opts)?;
             if opts.broadcast_parameters {
                 for p in &ddp.params {
-                    comm.broadcast(s, p.data(), 0)?;
+                    // SAFETY: `verify_layout` proved that every rank wraps parameters of the
+                    // same shapes in the same order and broadcasts them too, so every rank
+                    // issues these broadcasts one parameter at a time with the same count
+                    // (`p.numel()`, the data's length), type (f32) and root, and nothing of
+                    // DDP's comes between them.
+                    unsafe { comm.broadcast(s, p.data(), 0)? };
                 }
                 comm.synchronize(s)?;
             }
@@ -263,19 +284,18 @@ impl DistributedDataParallel {
         Ok(ddp)
     }
 
-    /// Fails on every rank when the ranks' parameter lists differ (their collectives would not
-    /// match): the largest of every rank's signature (and of its negation) must be its own.
-    fn verify_layout(&self, s: &Stream, cap: usize) -> Result<()> {
-        let sig = signature(&self.params, cap);
-        let buf = s.alloc_from_host(&[sig, -sig])?;
-        self.comm.all_reduce(s, &buf, ReduceOp::Max)?;
-        self.comm.synchronize(s)?;
-        if s.to_vec(&buf)? != [sig, -sig] {
+    /// Fails on every rank when the ranks' parameter lists or options differ (their
+    /// collectives would not match): [`Communicator::all_agree`] over the exact layout.
+    fn verify_layout(&self, s: &Stream, opts: &DdpOptions) -> Result<()> {
+        let values = layout(self.params.iter().map(Parameter::shape), opts);
+        if !self.comm.all_agree(s, &values)? {
             let total: usize = self.params.iter().map(Parameter::numel).sum();
             let e = DistError::Mismatch(format!(
-                "rank {} has {} parameters ({total} elements) but another rank's list differs in count, shapes or bucket size; every rank must wrap the same model with the same DdpOptions",
+                "rank {} has {} parameters ({total} elements, bucket_cap_bytes {}, broadcast_parameters {}) but another rank's list differs in count or shapes, or its DdpOptions differ; every rank must wrap the same model with the same DdpOptions",
                 self.comm.rank(),
-                self.params.len()
+                self.params.len(),
+                opts.bucket_cap_bytes,
+                opts.broadcast_parameters
             ));
             self.comm.abort(&e.to_string());
             return Err(e.into());
@@ -326,33 +346,50 @@ impl DistributedDataParallel {
         let side = q.fork(comm_stream)?;
         let mut ready = vec![0usize; buckets.len()];
         let mut seen = vec![false; params.len()];
+        // Buckets whose reduction was started (in bucket order): a collective may be enqueued
+        // from the first one on.
         let mut next = 0usize;
-        let mut hook = |_: &dyn Queue, p: &Parameter| -> Result<()> {
-            let Some(&i) = index.get(&p.key()) else {
-                return Ok(()); // not one of ours
+        let run = || -> Result<()> {
+            let mut hook = |_: &dyn Queue, p: &Parameter| -> Result<()> {
+                let Some(&i) = index.get(&p.key()) else {
+                    return Ok(()); // not one of ours
+                };
+                if std::mem::replace(&mut seen[i], true) {
+                    return Ok(());
+                }
+                ready[bucket_of[i]] += 1;
+                while next < buckets.len() && ready[next] == buckets[next].members.len() {
+                    next += 1;
+                    reduce(&side, comm, params, &buckets[next - 1])?;
+                }
+                Ok(())
             };
-            if std::mem::replace(&mut seen[i], true) {
-                return Ok(());
+            match grad {
+                Some(grad) => output.backward_with_hook(nq, grad, &mut hook)?,
+                None => output.backward_unit_with_hook(nq, &mut hook)?,
             }
-            ready[bucket_of[i]] += 1;
-            while next < buckets.len() && ready[next] == buckets[next].members.len() {
-                reduce(&side, comm, params, &buckets[next])?;
+            // Buckets with a parameter that got no gradient here (unused in this forward
+            // pass) take part anyway, with zeros: every rank must issue the same collectives.
+            while next < buckets.len() {
                 next += 1;
+                reduce(&side, comm, params, &buckets[next - 1])?;
             }
+            side.join()?;
             Ok(())
         };
-        match grad {
-            Some(grad) => output.backward_with_hook(nq, grad, &mut hook)?,
-            None => output.backward_unit_with_hook(nq, &mut hook)?,
+        let r = run();
+        if let Err(e) = &r {
+            if next > 0 {
+                // Part of this step's collectives may be enqueued: the peers wait in a later
+                // bucket than a retry would start with, and its first collective would meet
+                // one of another size. Nothing may reach NCCL on this communicator again.
+                comm.abort(&format!(
+                    "rank {}: a data-parallel backward failed after its first collective: {e}",
+                    comm.rank()
+                ));
+            }
         }
-        // Buckets with a parameter that got no gradient here (unused in this forward pass)
-        // take part anyway, with zeros: every rank must issue the same collectives.
-        while next < buckets.len() {
-            reduce(&side, comm, params, &buckets[next])?;
-            next += 1;
-        }
-        side.join()?;
-        Ok(())
+        r
     }
 
     /// Waits for everything queued on `s` with the communicator's watchdog (see
@@ -403,8 +440,27 @@ fn reduce(
                 z
             }
         };
-        return comm.all_reduce(side, &g, ReduceOp::Avg);
+        // The count must be the verified one: the parameter's size, not whatever buffer
+        // holds its gradient.
+        if g.len() != p.numel() {
+            return Err(NnError::Shape(format!(
+                "parameter {}: a gradient of {} values for {} elements",
+                p.name(),
+                g.len(),
+                p.numel()
+            )));
+        }
+        // SAFETY: the count is `p.numel()` (checked just above), and every rank reduces this
+        // bucket — the same parameter of a layout `new` verified to be the same on every
+        // rank — at the same place: buckets go in bucket order, every bucket once per
+        // backward, and a backward that stops after its first collective aborts the
+        // communicator. f32 and the average everywhere.
+        return unsafe { comm.all_reduce(side, &g, ReduceOp::Avg) };
     };
+    debug_assert_eq!(
+        flat.len(),
+        b.members.iter().map(|&m| params[m].numel()).sum::<usize>()
+    );
     let grads: Vec<_> = b.members.iter().map(|&m| params[m].grad()).collect();
     for ((&m, &off), g) in b.members.iter().zip(&b.offsets).zip(&grads) {
         let n = params[m].numel();
@@ -413,7 +469,10 @@ fn reduce(
             None => side.memset_zero_range(flat, off, n)?,
         }
     }
-    comm.all_reduce(side, flat, ReduceOp::Avg)?;
+    // SAFETY: `flat` holds exactly the bucket's elements (allocated so in `new`), a sum of
+    // parameter sizes of the verified layout; every rank reduces the same bucket at the same
+    // place (see the in-place case above). f32 and the average everywhere.
+    unsafe { comm.all_reduce(side, flat, ReduceOp::Avg)? };
     for ((&m, &off), g) in b.members.iter().zip(&b.offsets).zip(grads) {
         let p = &params[m];
         let n = p.numel();
@@ -432,7 +491,47 @@ fn reduce(
 
 #[cfg(test)]
 mod tests {
-    use super::plan_buckets;
+    use super::{layout, plan_buckets, DdpOptions};
+
+    fn of(shapes: &[&[usize]], opts: &DdpOptions) -> Vec<i64> {
+        layout(shapes.iter().copied(), opts)
+    }
+
+    /// (issue 26, item 5) The layout every rank must agree on before DDP issues a collective
+    /// whose size depends on it: any difference in the parameters' number or shapes, or in
+    /// the options, gives other numbers.
+    #[test]
+    fn layouts_differ_whenever_the_collectives_could() {
+        let d = DdpOptions::default();
+        let no_bcast = DdpOptions {
+            broadcast_parameters: false,
+            ..d
+        };
+        let small = DdpOptions {
+            bucket_cap_bytes: 1,
+            ..d
+        };
+        let cases: Vec<Vec<i64>> = vec![
+            of(&[&[8, 4], &[4]], &d),
+            of(&[&[8, 4]], &d),             // a parameter fewer
+            of(&[&[8, 4], &[4], &[1]], &d), // a parameter more
+            of(&[&[9, 4], &[4]], &d),       // another width
+            of(&[&[4, 8], &[4]], &d),       // same sizes, other shape
+            of(&[&[32], &[4]], &d),         // same size, other rank
+            of(&[&[8], &[4, 4]], &d),       // the dims regrouped
+            of(&[&[8, 4, 4]], &d),          // ... over fewer parameters
+            of(&[&[8, 4], &[4]], &no_bcast),
+            of(&[&[8, 4], &[4]], &small),
+            of(&[], &d),
+            of(&[&[]], &d), // one scalar parameter
+        ];
+        for (i, a) in cases.iter().enumerate() {
+            for (j, b) in cases.iter().enumerate() {
+                assert_eq!(a == b, i == j, "cases {i} and {j}: {a:?} vs {b:?}");
+            }
+        }
+        assert_eq!(of(&[&[8, 4], &[4]], &d), of(&[&[8, 4], &[4]], &d));
+    }
 
     #[test]
     fn buckets_follow_reverse_parameter_order() {

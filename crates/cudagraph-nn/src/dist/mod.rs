@@ -8,9 +8,10 @@
 //!   liveness channel, so a rank that dies is noticed by the others at once, on one machine or
 //!   across machines.
 //! - [`Communicator`] (in `nccl`): an NCCL communicator on one device — in-place all-reduce
-//!   and broadcast on any [`cudagraph::Queue`] (eager or inside a capture), and a watchdog
-//!   wait that turns a dead peer, an NCCL error or a timeout into an error (aborting the
-//!   communicator) instead of a hang.
+//!   and broadcast on any [`cudagraph::Queue`] (eager or inside a capture; `unsafe`, because
+//!   NCCL trusts every rank to pass the same counts), safe agreement checks and a barrier
+//!   whose counts agree by construction, and a watchdog wait that turns a dead peer, an NCCL
+//!   error or a timeout into an error (aborting the communicator) instead of a hang.
 //! - [`DistributedDataParallel`]: gradients in buckets, each all-reduced on a communication
 //!   stream as soon as its gradients are ready, overlapping the rest of the backward pass —
 //!   eagerly, or captured with the whole step into one graph per rank.
@@ -28,7 +29,7 @@ mod threads;
 use std::time::Duration;
 
 pub use ddp::{plan_buckets, BucketInfo, DdpOptions, DistributedDataParallel};
-pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp};
+pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp, RUNTIME_CONNECT_VAR};
 pub use rendezvous::{Health, Membership, PeerMonitor};
 pub use threads::{run_threads, RankContext};
 
@@ -200,27 +201,60 @@ impl DistOptions {
 /// NCCL) are there: `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine.
 pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
 
-/// The gate of multi-GPU tests: true when `n` devices and NCCL are available; otherwise prints
-/// why the test is skipped and returns false — or panics (fails the test) when
-/// `CUDAGRAPH_REQUIRE_GPUS` is `n` or more.
-pub fn multi_gpu_or_skip(n: usize) -> bool {
-    let required = std::env::var(REQUIRE_GPUS_VAR)
+/// Whether `CUDAGRAPH_REQUIRE_GPUS` asks for `n` GPUs or more.
+fn gpus_required(n: usize) -> bool {
+    std::env::var(REQUIRE_GPUS_VAR)
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .is_some_and(|r| r >= n);
-    let problem = match cudagraph::runtime::device_count() {
-        Ok(c) if c < n => Some(format!("needs {n} GPUs, found {c}")),
-        Err(e) => Some(format!("needs {n} GPUs: {e}")),
-        Ok(_) => nccl_version().err().map(|e| e.to_string()),
-    };
-    match problem {
-        None => true,
-        Some(p) if required => panic!("{REQUIRE_GPUS_VAR} requires {n} GPUs and NCCL: {p}"),
-        Some(p) => {
-            println!("skipped: {p} (set {REQUIRE_GPUS_VAR}={n} to require it)");
-            false
+        .is_some_and(|r| r >= n)
+}
+
+/// What a test gate does with `problem` (none: run the test): skip with a message, or fail
+/// (`Err`, the panic message) when `required_by` names the variable that requires it.
+fn gate(problem: Option<String>, required_by: Option<&str>) -> std::result::Result<bool, String> {
+    match (problem, required_by) {
+        (None, _) => Ok(true),
+        (Some(p), Some(var)) => Err(format!("{var} is set, so this must not skip: {p}")),
+        (Some(p), None) => {
+            println!("skipped: {p}");
+            Ok(false)
         }
     }
+}
+
+/// The gate of multi-GPU tests: true when `n` devices and NCCL are available; otherwise prints
+/// why the test is skipped and returns false — or panics (fails the test) when
+/// `CUDAGRAPH_REQUIRE_GPUS` is `n` or more, and, for a missing NCCL on a machine that has the
+/// GPUs, also when `CUDAGRAPH_REQUIRE_GPU=1` (the GPU test runner's switch).
+pub fn multi_gpu_or_skip(n: usize) -> bool {
+    let (problem, nccl) = match cudagraph::runtime::device_count() {
+        Ok(c) if c < n => (Some(format!("needs {n} GPUs, found {c}")), false),
+        Err(e) => (Some(format!("needs {n} GPUs: {e}")), false),
+        Ok(_) => (nccl_version().err().map(|e| e.to_string()), true),
+    };
+    let required_by = if gpus_required(n) {
+        Some(REQUIRE_GPUS_VAR)
+    } else if nccl && cudagraph::testing::gpu_required() {
+        Some(cudagraph::testing::REQUIRE_GPU_VAR)
+    } else {
+        None
+    };
+    gate(problem, required_by).unwrap_or_else(|m| panic!("{m}"))
+}
+
+/// The gate of one-GPU tests that need NCCL (after the device gate): true when NCCL loads;
+/// otherwise prints why the test is skipped and returns false — or panics (fails the test)
+/// under `CUDAGRAPH_REQUIRE_GPU=1` or `CUDAGRAPH_REQUIRE_GPUS`: a GPU run that requires its
+/// tests must not count a missing NCCL as a pass.
+pub fn nccl_or_skip() -> bool {
+    let required_by = if cudagraph::testing::gpu_required() {
+        Some(cudagraph::testing::REQUIRE_GPU_VAR)
+    } else if gpus_required(1) {
+        Some(REQUIRE_GPUS_VAR)
+    } else {
+        None
+    };
+    gate(nccl_version().err().map(|e| e.to_string()), required_by).unwrap_or_else(|m| panic!("{m}"))
 }
 
 #[cfg(test)]
@@ -314,6 +348,19 @@ mod tests {
                 other => panic!("{vars:?}: expected an error about {name}, got {other:?}"),
             }
         }
+    }
+
+    /// (issue 26, item 7) A missing NCCL skips the test only when nothing requires it.
+    #[test]
+    fn the_gate_skips_only_when_nothing_requires_the_test() {
+        assert_eq!(gate(None, None), Ok(true));
+        assert_eq!(gate(None, Some("CUDAGRAPH_REQUIRE_GPU")), Ok(true));
+        assert_eq!(gate(Some("no NCCL".into()), None), Ok(false));
+        let e = gate(Some("no NCCL".into()), Some("CUDAGRAPH_REQUIRE_GPU")).unwrap_err();
+        assert!(
+            e.contains("CUDAGRAPH_REQUIRE_GPU") && e.contains("no NCCL"),
+            "{e}"
+        );
     }
 
     #[test]

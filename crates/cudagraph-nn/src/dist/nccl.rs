@@ -12,6 +12,19 @@
 //! stream while polling NCCL's asynchronous error, the peers' liveness and a timeout, and on
 //! any of them aborts the communicator (NCCL's device code then stops waiting for peers)
 //! and returns the error.
+//!
+//! The raw collectives ([`Communicator::all_reduce`], [`Communicator::broadcast`]) are
+//! `unsafe`: NCCL trusts every rank to pass the same element count, and a rank whose count
+//! differs makes it read and write past the smaller buffer. The safe ways to communicate
+//! derive their counts from something every rank has checked first:
+//! [`Communicator::all_agree`] and [`Communicator::barrier`] (fixed-size headers, then an
+//! agreed length) and [`super::DistributedDataParallel`] (the verified parameter layout).
+//!
+//! NCCL 2.22 and newer connect lazily: the first collective of each algorithm sets up its
+//! connections inside the enqueueing call, which then waits on the host for the peers to do
+//! the same — outside any watchdog, so a stalled peer hangs it. We ask NCCL to connect during
+//! the (watchdogged) initialisation instead: unless `NCCL_RUNTIME_CONNECT` is set, it is set
+//! to `0` before the library is loaded (see [`RUNTIME_CONNECT_VAR`]).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr;
@@ -98,7 +111,28 @@ fn library() -> std::result::Result<&'static Library, String> {
     ))
 }
 
+/// NCCL's switch for lazy connection setup (2.22+, default on). Unless the user set it, the
+/// first load of the library sets it to `0`, so that every connection is made inside
+/// `ncclCommInitRank`, which runs under the initialisation timeout and the peers' liveness
+/// checks; a lazily connecting collective would instead wait for its peers inside the enqueue
+/// call, where no watchdog runs. Costs what NCCL before 2.22 cost: the buffers of every
+/// algorithm are allocated at initialisation. `NCCL_RUNTIME_CONNECT=1` restores lazy
+/// connection (then a peer that stalls before the first collective of an algorithm hangs the
+/// others in that call). `cudagraph launch` sets the same default in its children.
+pub const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
+
+/// Sets [`RUNTIME_CONNECT_VAR`] to `0` unless it is set. Runs once, before the library is
+/// opened (NCCL reads the variable at its first communicator initialisation). The process
+/// environment is shared: this is the same kind of write NCCL itself makes when it loads
+/// `nccl.conf`, done once, before any NCCL thread exists.
+fn connect_at_init() {
+    if std::env::var_os(RUNTIME_CONNECT_VAR).is_none() {
+        std::env::set_var(RUNTIME_CONNECT_VAR, "0");
+    }
+}
+
 fn load() -> std::result::Result<Api, String> {
+    connect_at_init();
     let lib = library()?;
     macro_rules! sym {
         ($name:literal) => {
@@ -371,6 +405,9 @@ struct CommInner {
     /// Every NCCL call on the communicator holds this (NCCL calls on one communicator must
     /// not overlap, and the abort frees it: no call may be running then).
     calls: Mutex<()>,
+    /// Held for the whole of one safe multi-collective exchange ([`Communicator::all_agree`]),
+    /// so that two threads of one rank never interleave their halves.
+    sequence: Mutex<()>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread once its device's context is
@@ -395,7 +432,10 @@ impl Drop for CommInner {
 ///
 /// Collectives ([`Self::all_reduce`], [`Self::broadcast`]) are in place and enqueue on the
 /// queue's stream; inside a capture they become graph nodes. Every rank must issue the same
-/// collectives in the same order, captured or not alike. Wait for them with
+/// collectives in the same order, with the same counts, captured or not alike: NCCL cannot
+/// check it, so these two are `unsafe fn`s (see their `# Safety`). The safe layer on top
+/// makes the counts agree: [`Self::all_agree`], [`Self::barrier`] and
+/// [`super::DistributedDataParallel`]. Wait for them with
 /// [`Self::synchronize`], which fails instead of hanging when a peer dies or stalls: after
 /// such a failure the communicator is aborted and the process should exit (work on the
 /// device may still wait for the lost peer, and anything that synchronises the device —
@@ -552,6 +592,7 @@ impl Communicator {
                 aborted: AtomicBool::new(false),
                 abort_reason: Mutex::new(None),
                 calls: Mutex::new(()),
+                sequence: Mutex::new(()),
             }),
         };
         let mut cu_dev: c_int = -1;
@@ -654,7 +695,22 @@ impl Communicator {
     }
 
     /// Sums (or reduces with `op`) `buf` over all ranks, in place, on `q`'s stream.
-    pub fn all_reduce<T: NcclElem>(
+    ///
+    /// Checked here (typed errors, nothing enqueued): the queue and the buffer are on this
+    /// communicator's device, and the communicator was not aborted. An empty buffer enqueues
+    /// nothing. The buffer and the communicator are kept alive for as long as the work may
+    /// run (by the queue, or by the graph a capture makes).
+    ///
+    /// # Safety
+    /// Every rank of the communicator makes the matching call: `all_reduce` with the same
+    /// element count (`buf.len()`), the same element type `T` and the same `op`, at the same
+    /// place in its sequence of collectives on this communicator (a captured collective takes
+    /// its place at every replay of its graph, in replay order; calls from several threads
+    /// count in the order they reach this communicator). NCCL does not check any of it: with
+    /// different counts it reads and writes past the end of the smaller buffer — in
+    /// one-process mode ([`super::run_threads`]) another rank's buffer — and other mismatches
+    /// hang or corrupt data. [`Self::all_agree`] lets the ranks check a count first.
+    pub unsafe fn all_reduce<T: NcclElem>(
         &self,
         q: &dyn Queue,
         buf: &DeviceBuffer<T>,
@@ -670,14 +726,24 @@ impl Communicator {
             // SAFETY: `buf` holds `len` elements of `T` on this communicator's device
             // (checked in `prepare`), in place (send = receive buffer); the queue keeps the
             // buffer alive and ordered for as long as the work may run, and a capture keeps
-            // the communicator.
+            // the communicator. The peers make the matching call with the same count, type
+            // and operation (this function's contract).
             unsafe { (api.all_reduce)(addr, addr, buf.len(), T::DTYPE, op.raw(), raw, stream) }
         })?;
         self.finish(st, "ncclAllReduce")
     }
 
     /// Copies `buf` from rank `root` to every rank, in place, on `q`'s stream.
-    pub fn broadcast<T: NcclElem>(
+    ///
+    /// Checked here as in [`Self::all_reduce`], and `root` must be a rank of the world.
+    ///
+    /// # Safety
+    /// Every rank of the communicator makes the matching call: `broadcast` with the same
+    /// element count (`buf.len()`), the same element type `T` and the same `root`, at the same
+    /// place in its sequence of collectives on this communicator (as for
+    /// [`Self::all_reduce`]). With different counts NCCL writes past the end of a smaller
+    /// receiving buffer.
+    pub unsafe fn broadcast<T: NcclElem>(
         &self,
         q: &dyn Queue,
         buf: &DeviceBuffer<T>,
@@ -701,6 +767,64 @@ impl Communicator {
             unsafe { (api.broadcast)(addr, addr, buf.len(), T::DTYPE, root as c_int, raw, stream) }
         })?;
         self.finish(st, "ncclBroadcast")
+    }
+
+    /// Whether every rank passed the same `values` (the same length and the same numbers),
+    /// answered alike on every rank; waits for the answer with the watchdog (see
+    /// [`Self::synchronize`]). Eager only: `s` is a stream, not a capture.
+    ///
+    /// Safe because its counts agree by construction: first every rank reduces a header of
+    /// two numbers (the length), then — only where every rank found the lengths equal — the
+    /// values themselves, whose count is that length. Two threads of one rank calling it at
+    /// once take turns. It costs two small all-reduces and two host waits (one when the
+    /// lengths differ, or for an empty slice); a one-rank world answers `true` at once.
+    ///
+    /// For checks such as "every rank holds the same weights" (compare checksums, e.g.
+    /// `f64::to_bits` as `i64`) or "every rank built the same model".
+    pub fn all_agree(&self, s: &Stream, values: &[i64]) -> Result<bool> {
+        if self.inner.world == 1 {
+            self.check()?;
+            return Ok(true);
+        }
+        let _turn = lock(&self.inner.sequence);
+        // The length as a bit pattern: injective for any slice length.
+        let len = values.len() as u64 as i64;
+        if !self.agree_step(s, &[len])? {
+            return Ok(false);
+        }
+        if values.is_empty() {
+            return Ok(true);
+        }
+        self.agree_step(s, values)
+    }
+
+    /// One all-reduce (max) of `values` interleaved with their bitwise complements, waited
+    /// for; true when every rank passed the same `values`. The caller makes the count agree.
+    fn agree_step(&self, s: &Stream, values: &[i64]) -> Result<bool> {
+        let buf = s.alloc_from_host(&agreement_pairs(values))?;
+        // SAFETY: every rank reaches this with the same count: the header has one value on
+        // every rank, and the values' step runs only where every rank found the headers (the
+        // lengths) equal; the same type (i64) and operation (max) everywhere, and `all_agree`
+        // holds `sequence`, so this rank's two steps are not interleaved with another
+        // thread's.
+        unsafe { self.all_reduce(s, &buf, ReduceOp::Max)? };
+        self.synchronize(s)?;
+        Ok(agreed(values, &s.to_vec(&buf)?))
+    }
+
+    /// Waits until every rank has reached its `barrier` (or its [`Self::all_agree`] of an
+    /// empty slice), with the watchdog: fails instead of hanging when a peer dies or stalls.
+    /// Meeting another rank's `all_agree` of a non-empty slice instead means the ranks no
+    /// longer issue the same collectives: that aborts the communicator with
+    /// [`DistError::Mismatch`].
+    pub fn barrier(&self, s: &Stream) -> Result<()> {
+        if self.all_agree(s, &[])? {
+            return Ok(());
+        }
+        Err(self.fail_with(DistError::Mismatch(format!(
+            "rank {}'s barrier met a different collective on another rank; every rank must issue the same collectives in the same order",
+            self.inner.rank
+        ))))
     }
 
     /// Checks for failures without waiting: an earlier abort, a failed peer, NCCL's
@@ -803,6 +927,20 @@ impl Communicator {
     }
 }
 
+/// `values` interleaved with their bitwise complements: reduced with max over the ranks,
+/// the pair of a position holds the largest value and the complement of the smallest.
+/// (The complement, unlike the negation, reverses the order of every `i64`, `MIN` included.)
+fn agreement_pairs(values: &[i64]) -> Vec<i64> {
+    values.iter().flat_map(|&v| [v, !v]).collect()
+}
+
+/// Whether the max-reduction `reduced` of every rank's [`agreement_pairs`] shows that every
+/// rank had this rank's `own` values: the largest and the smallest at each position are
+/// `own`'s.
+fn agreed(own: &[i64], reduced: &[i64]) -> bool {
+    reduced == agreement_pairs(own).as_slice()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -822,6 +960,65 @@ mod tests {
                 assert!(msg.contains("CUDAGRAPH_NCCL_LIB"), "{msg}");
             }
             Err(other) => panic!("unexpected error: {other}"),
+        }
+    }
+
+    /// What `all_agree` computes from every rank's values: the max-reduction of their pairs.
+    fn reduce_max(ranks: &[Vec<i64>]) -> Vec<i64> {
+        let pairs: Vec<Vec<i64>> = ranks.iter().map(|v| agreement_pairs(v)).collect();
+        (0..pairs[0].len())
+            .map(|i| pairs.iter().map(|p| p[i]).max().unwrap())
+            .collect()
+    }
+
+    /// (issue 26, item 5) The agreement every safe collective count rests on: each rank
+    /// answers "agreed" exactly when all ranks passed the same values, extremes included
+    /// (a negation instead of the complement would let `i64::MIN` pass against `0`).
+    #[test]
+    fn agreement_holds_exactly_when_every_rank_has_the_same_values() {
+        let samples = [
+            i64::MIN,
+            i64::MIN + 1,
+            -2,
+            -1,
+            0,
+            1,
+            7,
+            i64::MAX - 1,
+            i64::MAX,
+        ];
+        for &a in &samples {
+            for &b in &samples {
+                for &c in &samples {
+                    let ranks = vec![vec![a, c], vec![b, c], vec![a, c]];
+                    let reduced = reduce_max(&ranks);
+                    for (r, own) in ranks.iter().enumerate() {
+                        assert_eq!(agreed(own, &reduced), a == b, "rank {r}: {ranks:?}");
+                    }
+                }
+            }
+        }
+        // One position differs among many: every rank sees it.
+        let mut ranks = vec![(0..100).collect::<Vec<i64>>(); 4];
+        ranks[2][57] = 58;
+        let reduced = reduce_max(&ranks);
+        assert!(ranks.iter().all(|own| !agreed(own, &reduced)));
+        // An empty slice agrees with itself; a reduction of the wrong length never agrees.
+        assert!(agreed(&[], &[]));
+        assert!(!agreed(&[1], &agreement_pairs(&[1, 2])));
+    }
+
+    /// (issue 26, C) Loading NCCL leaves `NCCL_RUNTIME_CONNECT` set — to `0` unless the user
+    /// chose a value — so that connections are made inside the watchdogged initialisation.
+    #[test]
+    fn loading_nccl_asks_for_connections_at_initialisation() {
+        let before = std::env::var(RUNTIME_CONNECT_VAR).ok();
+        let _ = nccl_version();
+        let after = std::env::var(RUNTIME_CONNECT_VAR).ok();
+        match before {
+            // Another test of this binary may have loaded it first: then it is set already.
+            None => assert_eq!(after.as_deref(), Some("0")),
+            Some(v) => assert_eq!(after, Some(v)),
         }
     }
 
