@@ -19,7 +19,7 @@ use cudagraph::memory::{format_memory_full, format_memory_line};
 use cudagraph::Fork;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
 use cudagraph_nn::datasets::{digits, permutation, Dataset};
-use cudagraph_nn::dist::{DistEnv, DistOptions, ReduceOp};
+use cudagraph_nn::dist::{DistEnv, DistOptions};
 use cudagraph_nn::{
     cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Layer, Linear, Module,
     Optimizer, Rng, Sequential, Tensor,
@@ -593,10 +593,7 @@ fn train_rank(dev: &Device, comm: &Communicator, env: &DistEnv, a: &TrainArgs) -
     let secs = t_train.elapsed().as_secs_f64();
     // Every rank must hold the same weights: compare checksums over the communicator.
     let sum = checksum(&s, &model)?;
-    let both = s.alloc_from_host(&[sum, -sum])?;
-    comm.all_reduce(&s, &both, ReduceOp::Max)?;
-    ddp.synchronize(&s)?;
-    let same = s.to_vec(&both)? == [sum, -sum];
+    let same = comm.all_agree(&s, &[sum])?;
     let (correct, n) = accuracy(&s, &model, a.model, &test)?;
     outln!(
         "rank {rank}: {mode} DDP x{world}: {total_steps} steps in {secs:.3} s ({:.1} us/step, {:.0} images/s, data copies included), last logged loss {last_loss:.4}, test accuracy {:.2}% ({correct}/{n}), parameters identical on all ranks: {}",

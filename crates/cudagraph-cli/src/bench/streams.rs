@@ -20,7 +20,6 @@ use cudagraph_nn::{no_grad, Batched, Module, Rng, Sequential, Tensor};
 use serde::Serialize;
 
 use crate::bench::workloads::seed_mlp;
-use crate::outln;
 use crate::report::median;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;

@@ -104,7 +104,7 @@ static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
 
 /// What a graph keeps alive.
 #[derive(Default)]
-struct Keep {
+pub(crate) struct Keep {
     held: Vec<Arc<BlockRef>>,
     /// Blocks of the graph's own pool still allocated when its capture ended (outputs and
     /// anything else the graph writes): the graph's until it is dropped (see [`Pool`]).
