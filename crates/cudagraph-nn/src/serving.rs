@@ -861,13 +861,31 @@ enum Mode {
 impl ModelRunner {
     /// Serves `model` (rows of shape `row_shape`, `output_row` values out) on `stream`.
     /// `buckets` = `Some(policy)` captures one graph per batch size of the policy up front
-    /// (largest first, one shared pool); `None` runs every batch eagerly.
+    /// (largest first, one shared pool) and serves each bucket the faster way, graph or eager,
+    /// as measured once ([`cudagraph::Selection::Measure`]); `None` runs every batch eagerly.
     pub fn new(
+        stream: Stream,
+        model: Sequential,
+        row_shape: Vec<usize>,
+        output_row: usize,
+        buckets: Option<BucketPolicy>,
+    ) -> Result<Self> {
+        let options = CacheOptions {
+            selection: cudagraph::Selection::Measure,
+            ..CacheOptions::default()
+        };
+        Self::with_cache_options(stream, model, row_shape, output_row, buckets, options)
+    }
+
+    /// As [`Self::new`], with the graph cache's options (`Selection::Graph` serves every
+    /// bucket by its graph; `lazy` captures a bucket on its first batch).
+    pub fn with_cache_options(
         mut stream: Stream,
         model: Sequential,
         row_shape: Vec<usize>,
         output_row: usize,
         buckets: Option<BucketPolicy>,
+        options: CacheOptions,
     ) -> Result<Self> {
         let device = stream.device().clone();
         let batched = Batched {
@@ -877,16 +895,7 @@ impl ModelRunner {
         };
         let input_row = batched.input_row();
         let mode = match buckets {
-            // Each bucket served the faster way, graph or eager, as measured once.
-            Some(policy) => Mode::Graph(GraphCache::new(
-                &mut stream,
-                batched,
-                policy,
-                CacheOptions {
-                    selection: cudagraph::Selection::Measure,
-                    ..CacheOptions::default()
-                },
-            )?),
+            Some(policy) => Mode::Graph(GraphCache::new(&mut stream, batched, policy, options)?),
             None => Mode::Eager(batched),
         };
         stream.synchronize()?;
@@ -900,7 +909,27 @@ impl ModelRunner {
     }
 
     /// Runs `rows` rows once, on the host's data, returning the outputs (waits for the stream).
+    /// `input` holds exactly `rows * input_row` values (`rows >= 1`); anything else is refused
+    /// with [`cudagraph::Error::SizeMismatch`] before anything runs (a graph would otherwise
+    /// read a prefix of a longer input as rows of the wrong width).
     pub fn run_rows(&mut self, input: &[f32], rows: usize) -> Result<BatchOutput> {
+        if rows == 0 {
+            return Err(cudagraph::Error::SizeMismatch {
+                what: "ModelRunner::run_rows rows (a batch needs at least one row)",
+                expected: 1,
+                got: 0,
+            }
+            .into());
+        }
+        let expected = rows.saturating_mul(self.input_row);
+        if input.len() != expected {
+            return Err(cudagraph::Error::SizeMismatch {
+                what: "ModelRunner::run_rows input (rows × input row values)",
+                expected,
+                got: input.len(),
+            }
+            .into());
+        }
         let x = self.stream.alloc_from_host(input)?;
         let (y, padded_rows, graphed) = match &mut self.mode {
             Mode::Graph(cache) => {
@@ -929,6 +958,7 @@ impl ModelRunner {
         }
     }
 
+    /// The device the model runs on.
     pub fn device(&self) -> &Device {
         &self.device
     }
