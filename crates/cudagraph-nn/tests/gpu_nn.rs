@@ -597,19 +597,16 @@ fn graph_cache_matches_eager_at_every_size_with_padding_and_fallback() {
     )
     .unwrap();
     assert_eq!(cache.entries().len(), 4);
-    let x_all = s.alloc_from_host(&rng.vec_normal(40 * 1024)).unwrap();
     for rows in 1..=40usize {
-        let (out, served) = cache.run(&mut s, &x_all, rows).unwrap();
-        let xh = s.to_vec(&x_all).unwrap();
-        let eager = no_grad(|| {
-            model.forward(
-                &s,
-                &Tensor::from_host(&s, &xh[..rows * 1024], &[rows, 1024]).unwrap(),
-            )
-        })
-        .unwrap()
-        .to_vec(&s)
-        .unwrap();
+        // Data of its own per request: a stale or another request's input cannot match.
+        let xh = rng.vec_normal(rows * 1024);
+        let x = s.alloc_from_host(&xh).unwrap();
+        let (out, served) = cache.run(&mut s, &x, rows).unwrap();
+        let eager =
+            no_grad(|| model.forward(&s, &Tensor::from_host(&s, &xh, &[rows, 1024]).unwrap()))
+                .unwrap()
+                .to_vec(&s)
+                .unwrap();
         let got = s.to_vec(&out).unwrap();
         assert!(
             rel_err(&got, &to_f64(&eager)) < 1e-5,
@@ -661,19 +658,16 @@ fn lazy_graph_cache_captures_on_demand_and_evicts_over_budget() {
     let mut cache =
         GraphCache::new(&mut s, batched, BucketPolicy::PowersOfTwo { max: 64 }, opts).unwrap();
     assert!(cache.entries().is_empty());
-    let x = s.alloc_from_host(&rng.vec_normal(64 * 1024)).unwrap();
     for rows in [3usize, 50, 3, 7] {
+        // Data of its own per request: a stale or another request's input cannot match.
+        let xh = rng.vec_normal(rows * 1024);
+        let x = s.alloc_from_host(&xh).unwrap();
         let (out, _) = cache.run(&mut s, &x, rows).unwrap();
-        let xh = s.to_vec(&x).unwrap();
-        let eager = no_grad(|| {
-            model.forward(
-                &s,
-                &Tensor::from_host(&s, &xh[..rows * 1024], &[rows, 1024]).unwrap(),
-            )
-        })
-        .unwrap()
-        .to_vec(&s)
-        .unwrap();
+        let eager =
+            no_grad(|| model.forward(&s, &Tensor::from_host(&s, &xh, &[rows, 1024]).unwrap()))
+                .unwrap()
+                .to_vec(&s)
+                .unwrap();
         assert!(rel_err(&s.to_vec(&out).unwrap(), &to_f64(&eager)) < 1e-5);
     }
     // A 1-byte budget keeps one graph: 4, then 64 (evicts 4), 4 again (evicts 64), 8.
