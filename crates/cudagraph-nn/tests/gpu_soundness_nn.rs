@@ -431,15 +431,23 @@ fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
     let mut s = dev.new_stream().unwrap();
     let mut rng = Rng::new(15);
     let model = mlp(&s, &mut rng, &[24, 32, 6]);
-    let xs: Vec<f32> = rng.vec_normal(64 * 24);
-    // Reference: eager forward of every request size on one stream.
-    let want: Vec<Vec<f32>> = (1..=40)
-        .map(|rows| {
-            let x = Tensor::from_host(&s, &xs[..rows * 24], &[rows, 24]).unwrap();
-            no_grad(|| model.forward(&s, &x))
-                .unwrap()
-                .to_vec(&s)
-                .unwrap()
+    // Every request (thread t, request i) has data of its own, and its eager answer on one
+    // stream: an answer from another thread's input, or a stale one, cannot match.
+    let rows_of = |t: usize, i: usize| 1 + (i * 7 + t * 3) % 40;
+    let requests: Vec<Vec<(Vec<f32>, Vec<f32>)>> = (0..4)
+        .map(|t| {
+            (0..50)
+                .map(|i| {
+                    let rows = rows_of(t, i);
+                    let xh = rng.vec_normal(rows * 24);
+                    let x = Tensor::from_host(&s, &xh, &[rows, 24]).unwrap();
+                    let want = no_grad(|| model.forward(&s, &x))
+                        .unwrap()
+                        .to_vec(&s)
+                        .unwrap();
+                    (xh, want)
+                })
+                .collect()
         })
         .collect();
     let batched = Batched {
@@ -455,15 +463,16 @@ fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
     )
     .unwrap();
     let shared = Arc::new(Mutex::new((cache, s)));
-    let (xs, want) = (Arc::new(xs), Arc::new(want));
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let (shared, xs, want, dev) = (shared.clone(), xs.clone(), want.clone(), dev.clone());
+    let threads: Vec<_> = requests
+        .into_iter()
+        .enumerate()
+        .map(|(t, mine_requests)| {
+            let (shared, dev) = (shared.clone(), dev.clone());
             std::thread::spawn(move || {
                 let mine = dev.new_stream().unwrap();
-                for i in 0..50 {
-                    let rows = 1 + (i * 7 + t * 3) % 40;
-                    let input = mine.alloc_from_host(&xs[..rows * 24]).unwrap();
+                for (i, (xh, want)) in mine_requests.into_iter().enumerate() {
+                    let rows = rows_of(t, i);
+                    let input = mine.alloc_from_host(&xh).unwrap();
                     mine.synchronize().unwrap();
                     let got = {
                         let mut g = shared.lock().unwrap();
@@ -471,8 +480,8 @@ fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
                         let (out, _) = cache.run(s, &input, rows).unwrap();
                         s.to_vec(&out).unwrap()
                     };
-                    let e = rel_err(&got, &to_f64(&want[rows - 1]));
-                    assert!(e < 1e-5, "rows {rows}: {e}");
+                    let e = rel_err(&got, &to_f64(&want));
+                    assert!(e < 1e-5, "thread {t} request {i} ({rows} rows): {e}");
                 }
             })
         })
