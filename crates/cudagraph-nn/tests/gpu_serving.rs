@@ -94,6 +94,9 @@ fn requests(seed: u64) -> Vec<(usize, Vec<f32>)> {
         .collect()
 }
 
+/// A request for the batcher test: rows, data, the eager answer.
+type Request = (usize, Vec<f32>, Vec<f32>);
+
 fn bucket_for(sizes: &[usize], rows: usize) -> Option<usize> {
     sizes.iter().copied().filter(|&b| b >= rows).min()
 }
@@ -202,7 +205,7 @@ fn a_batcher_over_a_model_runner_answers_concurrent_requests_with_their_own_rows
     s.synchronize().unwrap();
     // 4 threads × 25 requests of 1 to 12 rows, each with its own data and eager answer.
     let mut rng = Rng::new(8);
-    let work: Vec<Vec<(usize, Vec<f32>, Vec<f32>)>> = (0..4)
+    let work: Vec<Vec<Request>> = (0..4)
         .map(|t| {
             (0..25)
                 .map(|k| {
@@ -378,7 +381,7 @@ fn model_runner_refuses_misuse_with_typed_errors_and_keeps_serving() {
     ));
     // Request bodies over the limits are refused while parsing.
     let row = format!("[{}]", vec!["0.5"; IN].join(","));
-    let nine = format!("{{\"inputs\": [{}]}}", vec![row.as_str(); 9].join(","));
+    let nine = format!("{{\"inputs\": [{}]}}", [row.as_str(); 9].join(","));
     assert_eq!(
         b.parse_request(nine.as_bytes()),
         Err(ServeError::RowLimit { max: 8 })
