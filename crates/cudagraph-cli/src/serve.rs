@@ -6,13 +6,19 @@
 //!
 //! - `POST /predict` — `{"inputs": [[...], ...]}` (rows of the model's input width) →
 //!   `{"outputs": [[...], ...]}`; errors are `{"error": "..."}` with a 4xx status for bad
-//!   requests (400 malformed or empty, wrong row width, non-finite numbers; 413 more rows than
-//!   a batch holds or a body over the size limit) and 5xx for the server's (503 queue full or
-//!   shutting down, 500 model failure).
+//!   requests (400 malformed or empty, wrong row width, non-finite numbers; 408 a body that did
+//!   not arrive within `--body-timeout-s`; 413 more rows than a batch holds or a body over the
+//!   size limit) and 5xx for the server's (503 with `Retry-After` past `--max-in-flight`
+//!   requests or with the queue full, 503 shutting down, 500 model failure).
 //! - `GET /health` — 200 with the model's shape while serving, 503 otherwise.
 //! - `GET /metrics` — JSON: requests, rows, batch-size histogram, padding, latency percentiles,
 //!   device memory, HTTP rejections.
 //! - `POST /shutdown` — only with `--allow-shutdown`: graceful shutdown, as SIGINT/ctrl-c.
+//!
+//! Memory per request is bounded: a request past `--max-in-flight` is refused before its body
+//! is read (not queued), a body is read only up to the size limit and within the timeout, and
+//! [`parse_rows`](cudagraph_nn::serving::parse_rows) reads it straight into one flat buffer,
+//! stopping at the first row past the width or the row limit.
 //!
 //! Graceful shutdown stops accepting connections, answers every request already received
 //! (the worker keeps running until the HTTP server has finished), then drains the batcher.
@@ -23,10 +29,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, StatusCode};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -34,8 +39,9 @@ use clap::{Args, ValueEnum};
 use cudagraph::{BucketPolicy, Device};
 use cudagraph_nn::serving::MetricsSnapshot;
 use cudagraph_nn::{load_model, Batcher, BatcherConfig, ModelRunner, ServeError};
-use serde::{Deserialize, Serialize};
-use tokio::sync::{oneshot, Notify};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::Serialize;
+use tokio::sync::{oneshot, Notify, Semaphore};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -81,10 +87,25 @@ pub struct ServeArgs {
     /// Requests that may wait for the worker; more get 503.
     #[arg(long, default_value_t = 4096)]
     pub queue: usize,
+    /// `POST /predict` requests handled at once (reading the body, queued or running); more
+    /// get 503 with `Retry-After` at once instead of waiting. Each holds at most the body
+    /// limit (about 48 bytes per value of the largest request) while it is parsed.
+    #[arg(long, default_value_t = DEFAULT_MAX_IN_FLIGHT)]
+    pub max_in_flight: usize,
+    /// Seconds a request body may take to arrive; a slower one gets 408.
+    #[arg(long, default_value_t = DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    pub body_timeout_s: f64,
     /// Enable `POST /shutdown` (graceful shutdown over HTTP, for scripts and tests).
     #[arg(long)]
     pub allow_shutdown: bool,
 }
+
+/// `--max-in-flight`'s default: two full batches of one-row requests at the default
+/// `--max-batch`, so the next batch can gather while one runs.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 512;
+
+/// `--body-timeout-s`'s default.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the HTTP layer needs besides the batcher.
 #[derive(Clone, Debug)]
@@ -95,7 +116,12 @@ pub struct ServerOptions {
     pub ctrl_c: bool,
     /// Described in `/health` and `/metrics`.
     pub model: String,
+    /// Whether the batcher serves through graphs (described in `/health` and `/metrics`).
     pub graphs: bool,
+    /// `POST /predict` requests handled at once; more get 503 with `Retry-After`. At least 1.
+    pub max_in_flight: usize,
+    /// How long a request body may take to arrive; a slower one gets 408. More than zero.
+    pub body_timeout: Duration,
 }
 
 #[derive(Default)]
@@ -103,6 +129,8 @@ struct HttpCounters {
     received: AtomicU64,
     client_errors: AtomicU64,
     server_errors: AtomicU64,
+    over_in_flight_limit: AtomicU64,
+    body_timeouts: AtomicU64,
 }
 
 struct AppState {
@@ -110,12 +138,9 @@ struct AppState {
     opts: ServerOptions,
     stop: Arc<Notify>,
     counters: HttpCounters,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PredictRequest {
-    inputs: Vec<Vec<f32>>,
+    /// One permit per `POST /predict` in flight.
+    in_flight: Arc<Semaphore>,
+    body_limit: usize,
 }
 
 #[derive(Serialize)]
@@ -128,6 +153,15 @@ struct HttpMetrics {
     received: u64,
     client_errors: u64,
     server_errors: u64,
+    /// `POST /predict` requests being handled now, and the limit.
+    in_flight: usize,
+    max_in_flight: usize,
+    /// Requests refused with 503 because `max_in_flight` were being handled.
+    over_in_flight_limit: u64,
+    /// Requests answered 408 because the body did not arrive in time.
+    body_timeouts: u64,
+    body_limit_bytes: usize,
+    body_timeout_s: f64,
 }
 
 #[derive(Serialize)]
@@ -159,60 +193,120 @@ fn error_response(st: &AppState, status: StatusCode, message: String) -> Respons
 /// The HTTP status for a batcher's refusal.
 pub fn status_of(e: &ServeError) -> StatusCode {
     match e {
-        ServeError::TooManyRows { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        ServeError::TooManyRows { .. } | ServeError::RowLimit { .. } => {
+            StatusCode::PAYLOAD_TOO_LARGE
+        }
         e if e.is_client_error() => StatusCode::BAD_REQUEST,
         ServeError::Model(_) => StatusCode::INTERNAL_SERVER_ERROR,
         _ => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
 
-async fn predict(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    st.counters.received.fetch_add(1, Ordering::Relaxed);
-    let body = match body {
-        Ok(b) => b,
-        Err(e) => return error_response(&st, e.status(), e.body_text()),
+/// `response` with a header added.
+fn with_header(mut response: Response, name: header::HeaderName, value: &'static str) -> Response {
+    response
+        .headers_mut()
+        .insert(name, HeaderValue::from_static(value));
+    response
+}
+
+/// A refusal the client should retry after a second (503 past the in-flight limit or with
+/// the queue full).
+fn retry_later(st: &AppState, message: String) -> Response {
+    with_header(
+        error_response(st, StatusCode::SERVICE_UNAVAILABLE, message),
+        header::RETRY_AFTER,
+        "1",
+    )
+}
+
+/// A refusal before the whole body was read: the connection cannot be reused.
+fn refuse_unread(st: &AppState, status: StatusCode, message: String) -> Response {
+    with_header(
+        error_response(st, status, message),
+        header::CONNECTION,
+        "close",
+    )
+}
+
+/// Reads the body of `req`: at most the body limit (a larger declared length is refused
+/// before reading), within the body timeout.
+async fn read_body(st: &AppState, req: Request) -> Result<Bytes, Response> {
+    let limit = st.body_limit;
+    let too_large = || {
+        refuse_unread(
+            st,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the body is over the length limit of {limit} bytes (about 48 bytes per value of \
+                 a request of {} rows of {}); send fewer rows per request",
+                st.batcher.config().max_batch_rows,
+                st.batcher.input_row()
+            ),
+        )
     };
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return error_response(
-            &st,
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let read = Limited::new(req.into_body(), limit).collect();
+    match tokio::time::timeout(st.opts.body_timeout, read).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => Err(too_large()),
+        Ok(Err(e)) => Err(refuse_unread(
+            st,
             StatusCode::BAD_REQUEST,
-            "empty body; send {\"inputs\": [[...], ...]}".into(),
-        );
-    }
-    let req: PredictRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            return error_response(
-                &st,
-                StatusCode::BAD_REQUEST,
-                format!("malformed request: {e}; send {{\"inputs\": [[...], ...]}}"),
-            )
+            format!("could not read the request body: {e}"),
+        )),
+        Err(_) => {
+            st.counters.body_timeouts.fetch_add(1, Ordering::Relaxed);
+            Err(refuse_unread(
+                st,
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {:.1} s (--body-timeout-s); send \
+                     the whole body at once",
+                    st.opts.body_timeout.as_secs_f64()
+                ),
+            ))
         }
+    }
+}
+
+async fn predict(State(st): State<Arc<AppState>>, req: Request<Body>) -> Response {
+    st.counters.received.fetch_add(1, Ordering::Relaxed);
+    // Refused at once, not queued: the permit is held until the answer is ready, so at most
+    // `max_in_flight` bodies are held or parsed at a time.
+    let Ok(_permit) = st.in_flight.clone().try_acquire_owned() else {
+        st.counters
+            .over_in_flight_limit
+            .fetch_add(1, Ordering::Relaxed);
+        return retry_later(
+            &st,
+            format!(
+                "the server is handling {} requests, its limit (--max-in-flight); retry later",
+                st.opts.max_in_flight
+            ),
+        );
     };
-    let rows = req.inputs.len();
-    let width = st.batcher.input_row();
-    // Row widths first (the batcher only sees the flattened values).
-    if let Some((row, r)) = req
-        .inputs
-        .iter()
-        .enumerate()
-        .find(|(_, r)| r.len() != width)
-    {
-        let e = ServeError::RowWidth {
-            row,
-            expected: width,
-            got: r.len(),
-        };
-        return error_response(&st, status_of(&e), e.to_string());
-    }
-    let flat: Vec<f32> = req.inputs.into_iter().flatten().collect();
-    if let Err(e) = st.batcher.validate(&flat, rows) {
-        return error_response(&st, status_of(&e), e.to_string());
-    }
+    let body = match read_body(&st, req).await {
+        Ok(b) => b,
+        Err(refused) => return refused,
+    };
+    let parsed = st.batcher.parse_request(&body);
+    drop(body);
+    let rows = match parsed {
+        Ok(r) => r,
+        Err(e) => return error_response(&st, status_of(&e), e.to_string()),
+    };
     let (tx, rx) = oneshot::channel();
     st.batcher.submit(
-        flat,
-        rows,
+        rows.values,
+        rows.rows,
         Box::new(move |r| {
             // The client may have gone away; nothing to do then.
             let _ = tx.send(r);
@@ -229,6 +323,7 @@ async fn predict(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejec
                 Err(e) => error_response(&st, StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             }
         }
+        Ok(Err(e @ ServeError::Busy { .. })) => retry_later(&st, e.to_string()),
         Ok(Err(e)) => error_response(&st, status_of(&e), e.to_string()),
         Err(_) => error_response(
             &st,
@@ -270,6 +365,12 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
             received: c.received.load(Ordering::Relaxed),
             client_errors: c.client_errors.load(Ordering::Relaxed),
             server_errors: c.server_errors.load(Ordering::Relaxed),
+            in_flight: st.opts.max_in_flight - st.in_flight.available_permits(),
+            max_in_flight: st.opts.max_in_flight,
+            over_in_flight_limit: c.over_in_flight_limit.load(Ordering::Relaxed),
+            body_timeouts: c.body_timeouts.load(Ordering::Relaxed),
+            body_limit_bytes: st.body_limit,
+            body_timeout_s: st.opts.body_timeout.as_secs_f64(),
         },
     };
     match serde_json::to_vec_pretty(&m) {
@@ -304,13 +405,12 @@ fn body_limit(batcher: &Batcher) -> usize {
 }
 
 fn router(state: Arc<AppState>) -> Router {
-    let limit = body_limit(&state.batcher);
+    // `/predict` reads its body itself (limit, timeout); the others read none.
     Router::new()
         .route("/predict", post(predict))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/shutdown", post(shutdown))
-        .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 
@@ -343,12 +443,26 @@ impl ServerHandle {
     }
 }
 
-/// Binds `addr` and serves `batcher` until stopped.
+/// Binds `addr` and serves `batcher` until stopped. Refuses options out of range
+/// (`max_in_flight` 0, a zero body timeout) with `InvalidInput`.
 pub async fn start(
     batcher: Arc<Batcher>,
     addr: SocketAddr,
     opts: ServerOptions,
 ) -> std::io::Result<ServerHandle> {
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+    if opts.max_in_flight == 0 || opts.max_in_flight > Semaphore::MAX_PERMITS {
+        return Err(invalid(format!(
+            "max in-flight requests {}: use 1 to {}",
+            opts.max_in_flight,
+            Semaphore::MAX_PERMITS
+        )));
+    }
+    if opts.body_timeout.is_zero() {
+        return Err(invalid(
+            "the body timeout is zero: every request would time out; give it some time".into(),
+        ));
+    }
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let stop = Arc::new(Notify::new());
@@ -357,6 +471,8 @@ pub async fn start(
         opts: opts.clone(),
         stop: stop.clone(),
         counters: HttpCounters::default(),
+        in_flight: Arc::new(Semaphore::new(opts.max_in_flight)),
+        body_limit: body_limit(&batcher),
     });
     let signal = {
         let stop = stop.clone();
@@ -387,6 +503,19 @@ pub async fn start(
 
 /// `cudagraph serve`.
 pub fn run(ordinal: usize, a: &ServeArgs) -> AnyResult<()> {
+    let body_timeout = match Duration::try_from_secs_f64(a.body_timeout_s) {
+        Ok(t) if !t.is_zero() => t,
+        _ => {
+            return Err(format!(
+                "--body-timeout-s {}: give a positive number of seconds",
+                a.body_timeout_s
+            )
+            .into())
+        }
+    };
+    if a.max_in_flight == 0 {
+        return Err("--max-in-flight 0 would refuse every request; give at least 1".into());
+    }
     let dev = Device::open(ordinal)?;
     let s = dev.new_stream()?;
     let (desc, model) = load_model(&s, &a.model)?;
@@ -407,6 +536,8 @@ pub fn run(ordinal: usize, a: &ServeArgs) -> AnyResult<()> {
         ctrl_c: true,
         model: a.model.display().to_string(),
         graphs: !a.no_graph,
+        max_in_flight: a.max_in_flight,
+        body_timeout,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -472,6 +603,15 @@ mod tests {
     }
 
     async fn fake_server(delay: Duration, allow_shutdown: bool) -> ServerHandle {
+        fake_server_with(delay, allow_shutdown, 64, Duration::from_secs(10)).await
+    }
+
+    async fn fake_server_with(
+        delay: Duration,
+        allow_shutdown: bool,
+        max_in_flight: usize,
+        body_timeout: Duration,
+    ) -> ServerHandle {
         let b = Batcher::start(
             Fake { width: 3, delay },
             BatcherConfig {
@@ -486,10 +626,41 @@ mod tests {
             ctrl_c: false,
             model: "fake".into(),
             graphs: false,
+            max_in_flight,
+            body_timeout,
         };
         start(Arc::new(b), "127.0.0.1:0".parse().unwrap(), opts)
             .await
             .unwrap()
+    }
+
+    /// A raw connection that sent a `/predict` head declaring `length` body bytes and then
+    /// only `partial` of them (a client that stalls).
+    fn stalled_request(addr: SocketAddr, length: usize, partial: &str) -> std::net::TcpStream {
+        use std::io::Write;
+        let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            tcp,
+            "POST /predict HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Content-Length: {length}\r\n\r\n{partial}"
+        )
+        .unwrap();
+        tcp.flush().unwrap();
+        tcp
+    }
+
+    /// What the server sends on `tcp` until it closes the connection; fails after `within`.
+    fn response_until_close(tcp: &mut std::net::TcpStream, within: Duration) -> String {
+        use std::io::Read;
+        tcp.set_read_timeout(Some(within)).unwrap();
+        let mut got = Vec::new();
+        if let Err(e) = tcp.read_to_end(&mut got) {
+            panic!(
+                "no complete answer within {within:?} ({e}); got {:?}",
+                String::from_utf8_lossy(&got)
+            );
+        }
+        String::from_utf8_lossy(&got).into_owned()
     }
 
     fn json(bytes: &[u8]) -> serde_json::Value {
@@ -560,6 +731,16 @@ mod tests {
                 "row 1 has 2 values",
             ),
             (
+                "{\"inputs\": [[1,2,3],[1,2,3,4, not JSON".into(),
+                StatusCode::BAD_REQUEST,
+                "row 1 has more than 3 values",
+            ),
+            (
+                "{\"inputs\": [[1,2,3]], \"extra\": 1}".into(),
+                StatusCode::BAD_REQUEST,
+                "unknown field `extra`",
+            ),
+            (
                 "{\"inputs\": [[1,2,\"x\"]]}".into(),
                 StatusCode::BAD_REQUEST,
                 "malformed",
@@ -575,6 +756,11 @@ mod tests {
                 "finite",
             ),
             (nine_rows, StatusCode::PAYLOAD_TOO_LARGE, "at most 8 rows"),
+            (
+                format!("{{\"inputs\": [{}, [oops", ["[1,2,3]"; 8].join(",")),
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "more than 8 rows",
+            ),
             (huge, StatusCode::PAYLOAD_TOO_LARGE, "length limit"),
             (
                 "{\"inputs\": [[666, 0, 0]]}".into(),
@@ -586,12 +772,7 @@ mod tests {
             let shown = body.chars().take(40).collect::<String>();
             let (status, resp) = c.post("/predict", body.into()).await.unwrap();
             assert_eq!(status, want, "{shown}: {}", String::from_utf8_lossy(&resp));
-            let text = String::from_utf8_lossy(&resp).to_string();
-            let err = if status == StatusCode::PAYLOAD_TOO_LARGE && msg == "length limit" {
-                text
-            } else {
-                json(&resp)["error"].as_str().unwrap().to_string()
-            };
+            let err = json(&resp)["error"].as_str().unwrap().to_string();
             assert!(err.contains(msg), "{shown}: `{err}` should mention `{msg}`");
             // The server is still up after every bad request (on a fresh connection, since a
             // rejected oversized body may close this one).
@@ -604,7 +785,7 @@ mod tests {
         }
         let (_, body) = c.get("/metrics").await.unwrap();
         let m = json(&body);
-        assert_eq!(m["http"]["client_errors"], 11);
+        assert_eq!(m["http"]["client_errors"], 14);
         assert_eq!(m["http"]["server_errors"], 1);
         server.stop();
         server.wait().await.unwrap();
@@ -640,5 +821,132 @@ mod tests {
             Client::connect(addr).await.is_err(),
             "no longer listening after shutdown"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_the_in_flight_limit_requests_get_503_with_retry_after_at_once() {
+        // Bodies that never finish hold both permits; the timeout is far beyond the test.
+        let server = fake_server_with(Duration::ZERO, false, 2, Duration::from_secs(60)).await;
+        let addr = server.addr;
+        let stalled: Vec<_> = (0..2)
+            .map(|_| stalled_request(addr, 100, "{\"inputs\": [[1,"))
+            .collect();
+        let mut c = Client::connect(addr).await.unwrap();
+        let ok_body = || Bytes::from_static(b"{\"inputs\": [[1,2,3]]}");
+        // Until both stalled requests have reached the handler, a request may still pass.
+        let mut refused = None;
+        for _ in 0..500 {
+            let t0 = std::time::Instant::now();
+            let resp = c.post_response("/predict", ok_body()).await.unwrap();
+            if resp.status() == StatusCode::SERVICE_UNAVAILABLE {
+                refused = Some((resp, t0.elapsed()));
+                break;
+            }
+            assert_eq!(resp.status(), StatusCode::OK);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (resp, took) = refused.expect("a third request in flight is refused");
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+        let err = json(resp.body())["error"].as_str().unwrap().to_string();
+        assert!(
+            err.contains("handling 2 requests") && err.contains("--max-in-flight"),
+            "{err}"
+        );
+        // Refused at once, not queued behind the stalled ones.
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // Health and metrics stay available past the limit.
+        let (status, body) = c.get("/metrics").await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        let m = json(&body);
+        assert_eq!(m["http"]["in_flight"], 2);
+        assert_eq!(m["http"]["max_in_flight"], 2);
+        assert!(m["http"]["over_in_flight_limit"].as_u64().unwrap() >= 1);
+        assert_eq!(c.get("/health").await.unwrap().0, StatusCode::OK);
+        // The stalled clients go away: their permits come back and requests pass again.
+        drop(stalled);
+        let mut served = false;
+        for _ in 0..500 {
+            let (status, body) = c.post("/predict", ok_body()).await.unwrap();
+            if status == StatusCode::OK {
+                assert_eq!(json(&body)["outputs"], serde_json::json!([[6.0, 3.0]]));
+                served = true;
+                break;
+            }
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(served, "permits are released when a request ends");
+        server.stop();
+        server.wait().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_body_gets_408_and_frees_its_place() {
+        let timeout = Duration::from_millis(300);
+        // One request in flight at most: the next request passes only if the stalled one
+        // gave its permit back.
+        let server = fake_server_with(Duration::ZERO, false, 1, timeout).await;
+        let addr = server.addr;
+        for partial in ["{\"inputs\": [[1, 2", ""] {
+            let t0 = std::time::Instant::now();
+            let mut tcp = stalled_request(addr, 100, partial);
+            let answer = response_until_close(&mut tcp, Duration::from_secs(10));
+            let took = t0.elapsed();
+            assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+            assert!(answer.contains("did not arrive within 0.3 s"), "{answer}");
+            assert!(
+                took >= timeout,
+                "answered after {took:?}, before the timeout"
+            );
+            let mut c = Client::connect(addr).await.unwrap();
+            let (status, _) = c
+                .post("/predict", "{\"inputs\": [[1,2,3]]}".into())
+                .await
+                .unwrap();
+            assert_eq!(status, StatusCode::OK, "after a stalled body ({partial:?})");
+        }
+        let mut c = Client::connect(addr).await.unwrap();
+        let (_, body) = c.get("/metrics").await.unwrap();
+        let m = json(&body);
+        assert_eq!(m["http"]["body_timeouts"], 2);
+        assert_eq!(m["http"]["in_flight"], 0);
+        server.stop();
+        server.wait().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_declared_body_over_the_limit_is_refused_before_it_is_read() {
+        // The timeout is far beyond the test: an answer proves nothing waited for the body.
+        let server = fake_server_with(Duration::ZERO, false, 4, Duration::from_secs(60)).await;
+        let mut tcp = stalled_request(server.addr, 1 << 30, "{\"inputs\": [[");
+        let answer = response_until_close(&mut tcp, Duration::from_secs(10));
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("length limit"), "{answer}");
+        server.stop();
+        server.wait().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn out_of_range_options_are_refused() {
+        let b = || {
+            let fake = Fake {
+                width: 3,
+                delay: Duration::ZERO,
+            };
+            Arc::new(Batcher::start(fake, BatcherConfig::default()).unwrap())
+        };
+        let opts = |max_in_flight, body_timeout| ServerOptions {
+            allow_shutdown: false,
+            ctrl_c: false,
+            model: "fake".into(),
+            graphs: false,
+            max_in_flight,
+            body_timeout,
+        };
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        for o in [opts(0, Duration::from_secs(1)), opts(1, Duration::ZERO)] {
+            let e = start(b(), addr, o).await.err().expect("refused");
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        }
     }
 }

@@ -11,7 +11,10 @@
 //! [`Batcher::shutdown`] stops new requests, lets the worker drain the queue, and joins it.
 //!
 //! Nothing here knows about HTTP or async runtimes: answers go through a callback
-//! ([`Reply`]), so a server sends them over its own channels.
+//! ([`Reply`]), so a server sends them over its own channels. [`parse_rows`] (or
+//! [`Batcher::parse_request`]) reads a request body `{"inputs": [[...], ...]}` straight into
+//! one flat buffer, refusing it at the first value past the batcher's limits, so a server's
+//! memory per request stays bounded by those limits.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -24,7 +27,8 @@ use std::time::{Duration, Instant};
 use cudagraph::{
     BatchModel, BucketPolicy, CacheOptions, Device, GraphCache, MemoryStats, Queue, Served, Stream,
 };
-use serde::Serialize;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
 
 use crate::batched::Batched;
 use crate::error::Result;
@@ -40,6 +44,12 @@ pub enum ServeError {
     /// The request has more rows than one batch holds.
     #[error("the request has {rows} rows, but at most {max} rows fit in one batch; split it")]
     TooManyRows { rows: usize, max: usize },
+    /// A request body holds more rows than one batch: [`parse_rows`] stopped at the first row
+    /// past the limit, without reading the rest.
+    #[error(
+        "the request has more than {max} rows, but at most {max} rows fit in one batch; split it"
+    )]
+    RowLimit { max: usize },
     /// The values do not form whole rows of the model's input width.
     #[error("row {row} has {got} values, but the model takes rows of {expected}")]
     RowWidth {
@@ -47,6 +57,16 @@ pub enum ServeError {
         expected: usize,
         got: usize,
     },
+    /// A row of a request body holds more values than the model's input width: [`parse_rows`]
+    /// stopped at the first value past the width, without reading the rest.
+    #[error("row {row} has more than {expected} values, but the model takes rows of {expected}")]
+    RowTooLong { row: usize, expected: usize },
+    /// The request body is not `{"inputs": [[...], ...]}` (empty, not JSON, another shape,
+    /// a value that is not a number).
+    #[error(
+        "malformed request: {reason}; send {{\"inputs\": [[...], ...]}} with rows of {width} numbers"
+    )]
+    Malformed { reason: String, width: usize },
     /// An input value is NaN or infinite.
     #[error("input row {row}, column {column} is {value}; only finite numbers are accepted")]
     NonFinite {
@@ -75,8 +95,11 @@ impl ServeError {
             self,
             ServeError::Empty
                 | ServeError::TooManyRows { .. }
+                | ServeError::RowLimit { .. }
                 | ServeError::RowWidth { .. }
+                | ServeError::RowTooLong { .. }
                 | ServeError::NonFinite { .. }
+                | ServeError::Malformed { .. }
         )
     }
 }
@@ -316,6 +339,12 @@ impl Batcher {
         &self.config
     }
 
+    /// Parses a request body for this batcher's model: [`parse_rows`] with the model's input
+    /// width and [`BatcherConfig::max_batch_rows`].
+    pub fn parse_request(&self, body: &[u8]) -> std::result::Result<Rows, ServeError> {
+        parse_rows(body, self.input_row, self.config.max_batch_rows)
+    }
+
     /// Checks a request without queueing it: rows, width and finiteness.
     pub fn validate(&self, input: &[f32], rows: usize) -> std::result::Result<(), ServeError> {
         if rows == 0 {
@@ -444,6 +473,249 @@ impl Batcher {
 impl Drop for Batcher {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// A request's rows, parsed from its body: `rows * width` values, row after row.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Rows {
+    /// The values, row-major.
+    pub values: Vec<f32>,
+    /// Number of rows.
+    pub rows: usize,
+}
+
+/// Longest `reason` a [`ServeError::Malformed`] repeats from the parser (a message may quote
+/// the client's input, which can be as long as the body).
+const REASON_CHARS: usize = 200;
+
+/// Parses a request body `{"inputs": [[...], ...]}` (rows of `width` numbers, at most
+/// `max_rows` rows) straight into one flat `Vec<f32>`, checking as it reads.
+///
+/// Memory stays bounded by the limits, not by what the client sends: values go into a single
+/// buffer sized once (at most `width * max_rows` values, and never more than the body could
+/// spell), and parsing stops at the first value that breaks a limit without reading the rest
+/// of the body:
+/// - a row with more than `width` values: [`ServeError::RowTooLong`] (fewer:
+///   [`ServeError::RowWidth`]);
+/// - a row past `max_rows`: [`ServeError::RowLimit`];
+/// - a number outside `f32`'s range: [`ServeError::NonFinite`] (JSON has no NaN or infinity,
+///   so `NaN` is malformed);
+/// - no rows: [`ServeError::Empty`];
+/// - anything else (an empty body, not JSON, another shape, unknown or repeated fields, a
+///   value that is not a number, text after the object): [`ServeError::Malformed`], whose
+///   reason says what and where.
+///
+/// ```
+/// use cudagraph_nn::serving::{parse_rows, ServeError};
+/// let r = parse_rows(br#"{"inputs": [[1, 2], [3.5, -4]]}"#, 2, 8).unwrap();
+/// assert_eq!((r.rows, r.values), (2, vec![1.0, 2.0, 3.5, -4.0]));
+/// // Stops at the third value of row 0: the rest is never read.
+/// let e = parse_rows(br#"{"inputs": [[1, 2, 3, this is not JSON"#, 2, 8).unwrap_err();
+/// assert_eq!(e, ServeError::RowTooLong { row: 0, expected: 2 });
+/// ```
+pub fn parse_rows(body: &[u8], width: usize, max_rows: usize) -> Result<Rows, ServeError> {
+    let malformed = |reason: String| ServeError::Malformed {
+        reason: truncate(reason),
+        width,
+    };
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(malformed("empty body".into()));
+    }
+    // A value takes at least two bytes of the body (a digit and a separator).
+    let capacity = width.saturating_mul(max_rows).min(body.len() / 2 + 1);
+    let mut st = ParseState {
+        width,
+        max_rows,
+        values: Vec::with_capacity(capacity),
+        rows: 0,
+        fault: None,
+    };
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let parsed = BodySeed(&mut st)
+        .deserialize(&mut de)
+        .and_then(|()| de.end());
+    match parsed {
+        Ok(()) if st.rows == 0 => Err(ServeError::Empty),
+        Ok(()) => Ok(Rows {
+            values: st.values,
+            rows: st.rows,
+        }),
+        // A limit the visitors hit is kept typed; serde's error only carried it out.
+        Err(e) => Err(st.fault.take().unwrap_or_else(|| malformed(e.to_string()))),
+    }
+}
+
+fn truncate(mut s: String) -> String {
+    if let Some((i, _)) = s.char_indices().nth(REASON_CHARS) {
+        s.truncate(i);
+        s.push('…');
+    }
+    s
+}
+
+struct ParseState {
+    width: usize,
+    max_rows: usize,
+    values: Vec<f32>,
+    rows: usize,
+    fault: Option<ServeError>,
+}
+
+impl ParseState {
+    /// Records why parsing stops; the returned error only unwinds the deserializer.
+    fn fail<E: de::Error>(&mut self, why: ServeError) -> E {
+        let e = E::custom(&why);
+        self.fault = Some(why);
+        e
+    }
+}
+
+/// The body: an object whose only field is `inputs`.
+struct BodySeed<'a>(&'a mut ParseState);
+
+impl<'de> DeserializeSeed<'de> for BodySeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BodySeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an object {\"inputs\": [[...], ...]}")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
+        let mut seen = false;
+        while let Some(InputsField) = map.next_key()? {
+            if seen {
+                return Err(de::Error::duplicate_field("inputs"));
+            }
+            seen = true;
+            map.next_value_seed(RowsSeed(&mut *self.0))?;
+        }
+        if !seen {
+            return Err(de::Error::missing_field("inputs"));
+        }
+        Ok(())
+    }
+}
+
+/// The key `inputs`; any other is refused before its value is read.
+struct InputsField;
+
+impl<'de> Deserialize<'de> for InputsField {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        d.deserialize_identifier(InputsField)
+    }
+}
+
+impl Visitor<'_> for InputsField {
+    type Value = InputsField;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("the field `inputs`")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<InputsField, E> {
+        match v {
+            "inputs" => Ok(InputsField),
+            other => Err(E::unknown_field(other, &["inputs"])),
+        }
+    }
+}
+
+/// `inputs`: an array of at most `max_rows` rows.
+struct RowsSeed<'a>(&'a mut ParseState);
+
+impl<'de> DeserializeSeed<'de> for RowsSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for RowsSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array of rows")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
+        let st = self.0;
+        loop {
+            if st.rows == st.max_rows {
+                // Another row is one too many: refuse it before reading it.
+                let max = st.max_rows;
+                seq.next_element_seed(Refuse(&mut *st, ServeError::RowLimit { max }))?;
+                return Ok(());
+            }
+            match seq.next_element_seed(RowSeed(&mut *st))? {
+                Some(()) => st.rows += 1,
+                None => return Ok(()),
+            }
+        }
+    }
+}
+
+/// One row: exactly `width` numbers, each finite as an `f32`.
+struct RowSeed<'a>(&'a mut ParseState);
+
+impl<'de> DeserializeSeed<'de> for RowSeed<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for RowSeed<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "a row of {} numbers", self.0.width)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
+        let st = self.0;
+        let (row, width) = (st.rows, st.width);
+        let mut got = 0;
+        loop {
+            if got == width {
+                // A value past the width: refuse it before reading it.
+                let too_long = ServeError::RowTooLong {
+                    row,
+                    expected: width,
+                };
+                seq.next_element_seed(Refuse(&mut *st, too_long))?;
+                return Ok(());
+            }
+            let Some(v) = seq.next_element::<f64>()? else {
+                let short = ServeError::RowWidth {
+                    row,
+                    expected: width,
+                    got,
+                };
+                return Err(st.fail(short));
+            };
+            let x = v as f32;
+            if !x.is_finite() {
+                // JSON numbers are finite; this one is beyond f32's range.
+                let value = format!("{v:e} (beyond f32's range)");
+                return Err(st.fail(ServeError::NonFinite {
+                    row,
+                    column: got,
+                    value,
+                }));
+            }
+            st.values.push(x);
+            got += 1;
+        }
+    }
+}
+
+/// An element that must not be there: fails without reading it.
+struct Refuse<'a>(&'a mut ParseState, ServeError);
+
+impl<'de> DeserializeSeed<'de> for Refuse<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, _: D) -> std::result::Result<(), D::Error> {
+        Err(self.0.fail(self.1))
     }
 }
 
@@ -589,13 +861,31 @@ enum Mode {
 impl ModelRunner {
     /// Serves `model` (rows of shape `row_shape`, `output_row` values out) on `stream`.
     /// `buckets` = `Some(policy)` captures one graph per batch size of the policy up front
-    /// (largest first, one shared pool); `None` runs every batch eagerly.
+    /// (largest first, one shared pool) and serves each bucket the faster way, graph or eager,
+    /// as measured once ([`cudagraph::Selection::Measure`]); `None` runs every batch eagerly.
     pub fn new(
+        stream: Stream,
+        model: Sequential,
+        row_shape: Vec<usize>,
+        output_row: usize,
+        buckets: Option<BucketPolicy>,
+    ) -> Result<Self> {
+        let options = CacheOptions {
+            selection: cudagraph::Selection::Measure,
+            ..CacheOptions::default()
+        };
+        Self::with_cache_options(stream, model, row_shape, output_row, buckets, options)
+    }
+
+    /// As [`Self::new`], with the graph cache's options (`Selection::Graph` serves every
+    /// bucket by its graph; `lazy` captures a bucket on its first batch).
+    pub fn with_cache_options(
         mut stream: Stream,
         model: Sequential,
         row_shape: Vec<usize>,
         output_row: usize,
         buckets: Option<BucketPolicy>,
+        options: CacheOptions,
     ) -> Result<Self> {
         let device = stream.device().clone();
         let batched = Batched {
@@ -605,15 +895,11 @@ impl ModelRunner {
         };
         let input_row = batched.input_row();
         let mode = match buckets {
-            // Each bucket served the faster way, graph or eager, as measured once.
             Some(policy) => Mode::Graph(Box::new(GraphCache::new(
                 &mut stream,
                 batched,
                 policy,
-                CacheOptions {
-                    selection: cudagraph::Selection::Measure,
-                    ..CacheOptions::default()
-                },
+                options,
             )?)),
             None => Mode::Eager(batched),
         };
@@ -628,7 +914,27 @@ impl ModelRunner {
     }
 
     /// Runs `rows` rows once, on the host's data, returning the outputs (waits for the stream).
+    /// `input` holds exactly `rows * input_row` values (`rows >= 1`); anything else is refused
+    /// with [`cudagraph::Error::SizeMismatch`] before anything runs (a graph would otherwise
+    /// read a prefix of a longer input as rows of the wrong width).
     pub fn run_rows(&mut self, input: &[f32], rows: usize) -> Result<BatchOutput> {
+        if rows == 0 {
+            return Err(cudagraph::Error::SizeMismatch {
+                what: "ModelRunner::run_rows rows (a batch needs at least one row)",
+                expected: 1,
+                got: 0,
+            }
+            .into());
+        }
+        let expected = rows.saturating_mul(self.input_row);
+        if input.len() != expected {
+            return Err(cudagraph::Error::SizeMismatch {
+                what: "ModelRunner::run_rows input (rows × input row values)",
+                expected,
+                got: input.len(),
+            }
+            .into());
+        }
         let x = self.stream.alloc_from_host(input)?;
         let (y, padded_rows, graphed) = match &mut self.mode {
             Mode::Graph(cache) => {
@@ -657,6 +963,7 @@ impl ModelRunner {
         }
     }
 
+    /// The device the model runs on.
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -775,7 +1082,10 @@ mod tests {
                     let mut got = Vec::new();
                     for k in 0..25 {
                         let rows = 1 + (t * 7 + k) % 5;
-                        let base = (t * 1000 + k * 10) as f32;
+                        // Disjoint values per request (at most 15 from each base), so every
+                        // row of every request has its own sum: a row answered from another
+                        // request, or from a stale batch, cannot match.
+                        let base = ((t * 25 + k) * 100) as f32;
                         let rx = submit(&b, rows, base);
                         got.push((rows, base, rx));
                     }
@@ -785,6 +1095,7 @@ mod tests {
                         for r in 0..rows {
                             let start = base + (r * 3) as f32;
                             assert_eq!(out[r * 2], 3.0 * start + 3.0, "row {r} is this request's");
+                            assert!(out[r * 2 + 1] >= rows as f32, "ran in a batch that held it");
                         }
                     }
                 })
@@ -945,6 +1256,221 @@ mod tests {
             .iter()
             .any(|a| matches!(a, Err(ServeError::Busy { capacity: 2 }))));
         assert!(answers.iter().any(|a| a.is_ok()));
+    }
+
+    fn parse(body: &str) -> std::result::Result<Rows, ServeError> {
+        parse_rows(body.as_bytes(), 3, 4)
+    }
+
+    fn malformed(body: &str) -> String {
+        match parse(body) {
+            Err(ServeError::Malformed { reason, width: 3 }) => reason,
+            other => panic!("{body:?}: expected Malformed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn parse_rows_reads_rows_into_one_flat_buffer() {
+        let r = parse(" {\n\"inputs\" : [[1, 2, 3], [-1.5e0, 0.25, 4E2], [0,0,-0]] } \n").unwrap();
+        assert_eq!(r.rows, 3);
+        assert_eq!(
+            r.values,
+            vec![1.0, 2.0, 3.0, -1.5, 0.25, 400.0, 0.0, 0.0, -0.0]
+        );
+        // Exactly at the limits.
+        let full = format!("{{\"inputs\": [{}]}}", ["[1,2,3]"; 4].join(","));
+        assert_eq!(parse(&full).unwrap().rows, 4);
+        // f32 rounding as `as f32` does it.
+        let r = parse(r#"{"inputs": [[0.1, 16777217, 3.4028235e38]]}"#).unwrap();
+        assert_eq!(r.values, vec![0.1f32, 16777216.0, f32::MAX]);
+        // Width 0: rows of nothing.
+        let r = parse_rows(br#"{"inputs": [[], []]}"#, 0, 4).unwrap();
+        assert_eq!((r.rows, r.values.len()), (2, 0));
+    }
+
+    #[test]
+    fn parse_rows_stops_at_the_first_value_past_the_width() {
+        // What follows the fourth value is not JSON: the parser never reads it.
+        assert_eq!(
+            parse(r#"{"inputs": [[1, 2, 3, 4, this is not JSON"#),
+            Err(ServeError::RowTooLong {
+                row: 0,
+                expected: 3
+            })
+        );
+        assert_eq!(
+            parse(r#"{"inputs": [[1, 2, 3], [4, 5, 6], [7, 8, 9, "x"], [oops"#),
+            Err(ServeError::RowTooLong {
+                row: 2,
+                expected: 3
+            })
+        );
+        // A huge row costs nothing: no more than `width` values are kept.
+        let huge = format!("{{\"inputs\": [[{}1]]}}", "1,".repeat(1 << 20));
+        assert_eq!(
+            parse(&huge),
+            Err(ServeError::RowTooLong {
+                row: 0,
+                expected: 3
+            })
+        );
+        let e = parse(&huge).unwrap_err().to_string();
+        assert!(e.contains("more than 3 values"), "{e}");
+        // Short rows say how short.
+        assert_eq!(
+            parse(r#"{"inputs": [[1, 2, 3], [1, 2]]}"#),
+            Err(ServeError::RowWidth {
+                row: 1,
+                expected: 3,
+                got: 2
+            })
+        );
+        assert_eq!(
+            parse(r#"{"inputs": [[]]}"#),
+            Err(ServeError::RowWidth {
+                row: 0,
+                expected: 3,
+                got: 0
+            })
+        );
+    }
+
+    #[test]
+    fn parse_rows_stops_at_the_first_row_past_the_limit() {
+        // Four rows fit; the fifth is refused before it is read (it is not JSON).
+        let body = format!("{{\"inputs\": [{}, [garbage", ["[1,2,3]"; 4].join(","));
+        assert_eq!(parse(&body), Err(ServeError::RowLimit { max: 4 }));
+        let many = format!("{{\"inputs\": [{}]}}", ["[1,2,3]"; 100_000].join(","));
+        assert_eq!(parse(&many), Err(ServeError::RowLimit { max: 4 }));
+        let e = parse(&many).unwrap_err();
+        assert!(e.is_client_error());
+        assert!(e.to_string().contains("at most 4 rows"), "{e}");
+        assert_eq!(parse(r#"{"inputs": []}"#), Err(ServeError::Empty));
+    }
+
+    #[test]
+    fn parse_rows_keeps_at_most_the_limit_in_memory() {
+        // Padding cannot make the buffer grow past what the limits allow.
+        let padded = format!("{{\"inputs\": [[1,2,3]]{}}}", " ".repeat(1 << 20));
+        let r = parse(&padded).unwrap();
+        assert_eq!(r.values, vec![1.0, 2.0, 3.0]);
+        assert!(r.values.capacity() <= 3 * 4, "{}", r.values.capacity());
+        // Nor can a short body make it reserve the whole limit.
+        let r = parse_rows(br#"{"inputs": [[7]]}"#, 1, 1 << 30).unwrap();
+        assert!(r.values.capacity() <= 16, "{}", r.values.capacity());
+    }
+
+    #[test]
+    fn parse_rows_refuses_values_that_are_not_finite_f32_numbers() {
+        // Beyond f32's range: typed, with where and what.
+        match parse(r#"{"inputs": [[1, 2, 3], [4, -1e39, 6]]}"#) {
+            Err(ServeError::NonFinite { row, column, value }) => {
+                assert_eq!((row, column), (1, 1));
+                assert!(value.contains("-1e39"), "{value}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // JSON has no NaN or infinity (as before: malformed), nor numbers beyond f64.
+        for body in [
+            r#"{"inputs": [[1, 2, NaN]]}"#,
+            r#"{"inputs": [[1, 2, Infinity]]}"#,
+            r#"{"inputs": [[1, 2, -inf]]}"#,
+            r#"{"inputs": [[1, 2, 1e400]]}"#,
+        ] {
+            malformed(body);
+        }
+        // Values that are not numbers, with the place.
+        for (body, says) in [
+            (r#"{"inputs": [[1, 2, "3"]]}"#, "invalid type: string"),
+            (r#"{"inputs": [[1, null, 3]]}"#, "invalid type: null"),
+            (r#"{"inputs": [[true, 2, 3]]}"#, "invalid type: boolean"),
+            (r#"{"inputs": [[1, [2], 3]]}"#, "invalid type: sequence"),
+            (r#"{"inputs": [[1, {}, 3]]}"#, "invalid type: map"),
+            (r#"{"inputs": [1, 2, 3]}"#, "a row of 3 numbers"),
+            (r#"{"inputs": {"a": 1}}"#, "an array of rows"),
+        ] {
+            let reason = malformed(body);
+            assert!(reason.contains(says), "{body}: {reason}");
+            assert!(reason.contains("column"), "{body}: {reason}");
+        }
+    }
+
+    #[test]
+    fn parse_rows_refuses_bodies_of_another_shape() {
+        for (body, says) in [
+            ("", "empty body"),
+            (" \r\n\t ", "empty body"),
+            ("{}", "missing field `inputs`"),
+            (r#"{"input": [[1,2,3]]}"#, "unknown field `input`"),
+            (
+                r#"{"inputs": [[1,2,3]], "inputs": [[1,2,3]]}"#,
+                "duplicate field `inputs`",
+            ),
+            (r#"{"inputs": [[1,2,3]]} trailing"#, "trailing characters"),
+            (r#"{"inputs": [[1,2,3]]"#, "EOF"),
+            (r#"{"inputs": [[1, 2"#, "EOF"),
+            ("[[1, 2, 3]]", "an object"),
+            ("42", "an object"),
+            ("\u{feff}{}", "expected value"),
+            ("\u{0}", "expected value"),
+        ] {
+            let reason = malformed(body);
+            assert!(reason.contains(says), "{body:?}: {reason}");
+        }
+        // Unknown fields are refused before their value is read.
+        malformed(r#"{"junk": [[[[[[[[ not JSON"#);
+        // A message never repeats a huge input back.
+        let long_key = format!("{{\"{}\": 1}}", "k".repeat(100_000));
+        let reason = malformed(&long_key);
+        assert!(
+            reason.chars().count() <= REASON_CHARS + 1,
+            "{}",
+            reason.len()
+        );
+        let e = parse(&long_key).unwrap_err();
+        assert!(e.is_client_error());
+        assert!(e.to_string().contains("rows of 3 numbers"), "{e}");
+    }
+
+    #[test]
+    fn parse_rows_survives_deeply_nested_garbage() {
+        // Deep nesting where a body, a row list, a row or a value is expected: refused at
+        // the first bracket that does not fit, without recursing into the rest.
+        let deep = "[".repeat(1 << 20);
+        for body in [
+            deep.clone(),
+            format!("{{\"inputs\": {deep}"),
+            format!("{{\"inputs\": [{deep}"),
+            format!("{{\"inputs\": [[1, {deep}"),
+            format!("{}{}", "{\"a\":".repeat(1 << 16), "1"),
+            format!("{{\"inputs\": [[1, {}", "{\"a\":".repeat(1 << 16)),
+        ] {
+            malformed(&body);
+        }
+    }
+
+    #[test]
+    fn a_batcher_parses_requests_with_its_own_limits() {
+        let cfg = BatcherConfig {
+            max_batch_rows: 2,
+            ..BatcherConfig::default()
+        };
+        let (b, _) = sum_batcher(cfg, Duration::ZERO, None);
+        let r = b
+            .parse_request(br#"{"inputs": [[1,2,3],[4,5,6]]}"#)
+            .unwrap();
+        assert_eq!(r.rows, 2);
+        assert_eq!(
+            b.parse_request(br#"{"inputs": [[1,2,3],[4,5,6],[7"#),
+            Err(ServeError::RowLimit { max: 2 })
+        );
+        assert_eq!(
+            b.parse_request(br#"{"inputs": [[1,2,3,4"#),
+            Err(ServeError::RowTooLong {
+                row: 0,
+                expected: 3
+            })
+        );
     }
 
     #[test]

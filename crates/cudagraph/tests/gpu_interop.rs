@@ -341,7 +341,12 @@ fn a_cudarc_model_is_served_by_a_graph_cache() {
         ),
         (11, Served::Fallback),
     ] {
-        let xh = input(rows * width);
+        // Data of its own per request (`input` alone gives every request the same prefix, so
+        // a stale static input would give the same rows).
+        let xh: Vec<f32> = input(rows * width)
+            .into_iter()
+            .map(|v| v + rows as f32)
+            .collect();
         let x = s.alloc_from_host(&xh).unwrap();
         let (y, how) = cache.run(&mut s, &x, rows).unwrap();
         assert_eq!(how, served, "{rows} rows");

@@ -23,12 +23,12 @@ use cudagraph_nn::{load_model, Batched, Batcher, BatcherConfig, ModelRunner, Rng
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
-use hyper::{Request, StatusCode};
+use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde::Serialize;
 
 use crate::report::{device_report, DeviceReport};
-use crate::serve::{start, Buckets, ServerOptions};
+use crate::serve::{start, Buckets, ServerOptions, DEFAULT_BODY_TIMEOUT};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -54,25 +54,28 @@ impl Client {
         Ok(Client { sender })
     }
 
-    async fn send(&mut self, req: Request<Full<Bytes>>) -> std::io::Result<(StatusCode, Bytes)> {
+    async fn send(&mut self, req: Request<Full<Bytes>>) -> std::io::Result<Response<Bytes>> {
         self.sender.ready().await.map_err(std::io::Error::other)?;
         let resp = self
             .sender
             .send_request(req)
             .await
             .map_err(std::io::Error::other)?;
-        let status = resp.status();
-        let body = resp
-            .into_body()
+        let (head, body) = resp.into_parts();
+        let body = body
             .collect()
             .await
             .map_err(std::io::Error::other)?
             .to_bytes();
-        Ok((status, body))
+        Ok(Response::from_parts(head, body))
     }
 
-    /// `POST path` with a JSON body.
-    pub async fn post(&mut self, path: &str, body: Bytes) -> std::io::Result<(StatusCode, Bytes)> {
+    /// `POST path` with a JSON body: the whole response, headers included.
+    pub async fn post_response(
+        &mut self,
+        path: &str,
+        body: Bytes,
+    ) -> std::io::Result<Response<Bytes>> {
         let req = Request::post(path)
             .header(hyper::header::HOST, "localhost")
             .header(hyper::header::CONTENT_TYPE, "application/json")
@@ -81,13 +84,20 @@ impl Client {
         self.send(req).await
     }
 
+    /// `POST path` with a JSON body.
+    pub async fn post(&mut self, path: &str, body: Bytes) -> std::io::Result<(StatusCode, Bytes)> {
+        let resp = self.post_response(path, body).await?;
+        Ok((resp.status(), resp.into_body()))
+    }
+
     /// `GET path`.
     pub async fn get(&mut self, path: &str) -> std::io::Result<(StatusCode, Bytes)> {
         let req = Request::get(path)
             .header(hyper::header::HOST, "localhost")
             .body(Full::new(Bytes::new()))
             .map_err(std::io::Error::other)?;
-        self.send(req).await
+        let resp = self.send(req).await?;
+        Ok((resp.status(), resp.into_body()))
     }
 }
 
@@ -389,6 +399,9 @@ async fn run_mode(
         ctrl_c: false,
         model: "bench".into(),
         graphs,
+        // Each client has one request in flight; room for a reconnecting client's old one.
+        max_in_flight: a.clients.max(1) * 2,
+        body_timeout: DEFAULT_BODY_TIMEOUT,
     };
     let server = start(batcher, "127.0.0.1:0".parse()?, opts).await?;
     let addr = server.addr;
