@@ -294,7 +294,11 @@ fn out_of_memory_inside_a_capture_is_typed_and_leaves_stream_and_pool_usable() {
     })
     .unwrap();
     g.replay(&s).unwrap();
-    cudagraph::testing::assert_bits_eq(&y.to_vec(&s).unwrap(), &want, "replay after the failed capture");
+    cudagraph::testing::assert_bits_eq(
+        &y.to_vec(&s).unwrap(),
+        &want,
+        "replay after the failed capture",
+    );
     drop((g, y));
     s.synchronize().unwrap();
     assert_eq!(dev.memory_allocated(), before);
