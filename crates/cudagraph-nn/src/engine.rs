@@ -239,8 +239,7 @@ pub struct Policy {
     /// Also measure cuBLASLt's split-K variants of its first algorithms for products that
     /// leave the device idle (`CUDAGRAPH_LT_SPLITK=1`; default `false`: on the H100 they lost
     /// at all 73 products of the sweep where they were candidates, by 4 % at best and 1.8×
-    /// typically, `bench/results/registry-splitk-2026-11-24-session9.txt`, and they add to
-    /// every first call's measurement).
+    /// typically — see docs/engines.md — and they add to every first call's measurement).
     pub lt_split_k: bool,
     /// Also measure up to eight cuBLASLt configurations found by search rather than by its
     /// heuristic: every algorithm id for fp32 with each tile and stage count it supports,

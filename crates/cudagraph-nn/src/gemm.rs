@@ -52,7 +52,7 @@ pub use crate::engine::Engine;
 pub use crate::blas::Epilogue;
 
 /// The heuristic default family for a product (from `cudagraph bench gemm` on an H100,
-/// bench/results/gemm-2026-11-22.txt): for the forward layout `x·wᵀ`, split-K tiled at
+/// `bash bench/device.sh gemm`): for the forward layout `x·wᵀ`, split-K tiled at
 /// 8 ≤ m ≤ 64 and warp-K at 65 ≤ m ≤ 256; cuBLAS otherwise (its GEMV path wins at m = 1, and
 /// it wins the backward layouts).
 pub fn auto_engine(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32) -> Engine {
@@ -626,9 +626,8 @@ pub const ROWS_MAX_M: usize = 16;
 /// [`ROWS_MAX_M`]; none otherwise) and depth `k`: rows per warp the next power of two at or
 /// above m and twice that (at most 16), one or two columns per warp, and (warps per block,
 /// warps splitting K) of (4, 1), (4, 2), (8, 1), (8, 2), (8, 4) and (8, 8) where each splitting
-/// warp has a 128-wide K chunk of its own. The probe (H100, 2026-11-24,
-/// `bench/probe/gemv_probe.py`, `gemv-probe-2026-11-24-session11.txt`) found the fastest shape
-/// of each of its 36 products (m 1–8, k and n 256–4096) among these, and 8 % to 33 % faster
+/// warp has a 128-wide K chunk of its own. Measured on the H100 (docs/engines.md), the fastest
+/// shape of each of 36 products (m 1–8, k and n 256–4096) is among these, and 8 % to 33 % faster
 /// than the best 8- or 4-row kernel at each.
 pub fn cols_shapes(m: usize, k: usize) -> Vec<ColsShape> {
     if m == 0 || m > ROWS_MAX_M {

@@ -1,5 +1,5 @@
 //! GPU tests of data-parallel training. Two-GPU tests are `#[ignore]`d, so that a one-GPU
-//! suite never counts them as passed; `--include-ignored` runs them (bench/device-ddp.sh does,
+//! suite never counts them as passed; `--include-ignored` runs them (`bash bench/device.sh ddp` does,
 //! on a two-GPU machine). They start with `dist::multi_gpu_or_skip(2)`: run on a machine with
 //! one GPU or no NCCL they print why they skip, and fail there when `CUDAGRAPH_REQUIRE_GPUS=2`
 //! (set it on the two-GPU run). One-GPU tests use the usual gate.
@@ -242,7 +242,7 @@ fn comparisons_fail_on_nan_infinity_lengths_and_single_bits() {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn two_rank_graphed_training_matches_one_rank_on_the_full_batch() {
     if !dist::multi_gpu_or_skip(2) {
         return;
@@ -287,7 +287,7 @@ fn two_rank_graphed_training_matches_one_rank_on_the_full_batch() {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn ddp_eager_and_graphed_steps_agree_on_every_rank() {
     if !dist::multi_gpu_or_skip(2) {
         return;
@@ -317,7 +317,7 @@ fn ddp_eager_and_graphed_steps_agree_on_every_rank() {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn a_parameter_unused_on_one_rank_is_still_averaged() {
     if !dist::multi_gpu_or_skip(2) {
         return;
@@ -368,7 +368,7 @@ fn a_parameter_unused_on_one_rank_is_still_averaged() {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn collectives_run_eagerly_and_inside_a_graph() {
     if !dist::multi_gpu_or_skip(2) {
         return;
@@ -421,7 +421,7 @@ fn collectives_run_eagerly_and_inside_a_graph() {
 /// every rank, so the next call still pairs up), and `barrier` waits for every rank but
 /// refuses to pass for another rank's `all_agree`.
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn all_agree_answers_alike_on_every_rank_and_barriers_pair_up() {
     if !dist::multi_gpu_or_skip(2) {
         return;
@@ -474,7 +474,7 @@ fn all_agree_answers_alike_on_every_rank_and_barriers_pair_up() {
 /// collective whose size depends on it. (Before the check covered `broadcast_parameters`, a
 /// rank that did not broadcast went on while the other waited in a broadcast of its own.)
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn ddp_refuses_ranks_whose_layouts_or_options_differ() {
     if !dist::multi_gpu_or_skip(2) {
         return;
@@ -543,7 +543,7 @@ fn ddp_refuses_ranks_whose_layouts_or_options_differ() {
 }
 
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn ddp_checks_that_ranks_wrap_the_same_parameters() {
     if !dist::multi_gpu_or_skip(2) {
         return;

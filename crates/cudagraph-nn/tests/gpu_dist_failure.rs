@@ -13,7 +13,7 @@ use cudagraph_nn::dist::{self, run_threads, DistError, DistOptions, RankContext}
 use cudagraph_nn::NnError;
 
 #[test]
-#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bench/device-ddp.sh)"]
+#[ignore = "needs 2 GPUs and NCCL: run with --include-ignored (bash bench/device.sh ddp)"]
 fn a_rank_that_fails_mid_training_makes_the_other_fail_within_seconds() {
     if !dist::multi_gpu_or_skip(2) {
         return;

@@ -2,7 +2,7 @@
 //! eager, and through a [`GraphCache`] (vLLM-style buckets, padding) in its three ways —
 //! staged (the request produced straight into the static input, outputs borrowed; graph or
 //! eager chosen per bucket by measurement, and graphs only), `run_into` and `run` (copies in
-//! and out) — and, in bench/pytorch_baseline.py, PyTorch's dict-of-graphs pattern from seed
+//! and out) — and, in bench/pytorch_cache.py, PyTorch's dict-of-graphs pattern from seed
 //! 002 (exact sizes 1/4/16/32 graphed, everything else eager). Also prints each bucket's
 //! measured choice and the planner's choice of capture sizes for the request histogram.
 
@@ -34,7 +34,7 @@ pub struct CacheArgs {
     pub json: bool,
 }
 
-/// The request sizes, from the same generator as bench/pytorch_baseline.py uses.
+/// The request sizes, from the same generator as bench/pytorch_cache.py uses.
 pub fn request_sizes(n: usize) -> Vec<usize> {
     let mut x: u64 = 42;
     (0..n)

@@ -549,7 +549,7 @@ extern "C" __global__ void sgemm_nt_rows4(int m, int n, int k, const float* A,
 // finishes with log2(32) shuffle steps of at most V / 2 values, no shared memory and no barrier
 // unless ks > 1, where the ks warps of a group add their sums in shared memory in warp order.
 // Fewer rows and columns per warp than sgemm_nt_rows4/8 (R = 1 or 2 for a single row): the
-// latency-bound small-batch products finish sooner (H100, bench/probe/gemv_probe.py). Every sum
+// latency-bound small-batch products finish sooner (H100, docs/engines.md). Every sum
 // runs in a fixed order: results never depend on scheduling.
 template <int HALF, int OFF, int V>
 __device__ __forceinline__ void cols_rs(float (&v)[V], int lane) {

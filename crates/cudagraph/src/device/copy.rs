@@ -27,7 +27,7 @@ pub const MAX_KERNEL_COPY: usize = 64 << 20;
 pub const COPY_KERNEL_VAR: &str = "CUDAGRAPH_COPY_KERNEL";
 
 /// The largest copy between the device and mapped page-locked memory that runs as a kernel.
-/// Measured on the H100 (2026-11-24, `bench/probe/zero_copy.py`, the seed MLP graphed with its
+/// Measured on the H100 (docs/graphs.md; the seed MLP graphed with its
 /// input and output copies, one replay and one synchronisation per request, two runs): the
 /// kernels save 3.9–12.2 µs per request from 4 KiB to 1 MiB of input (bs 1: 32.6 → 25.1 µs and
 /// 28.6 → 23.2; bs 256: 115.6 → 104.7 and 115.5 → 105.3) and lose 6–10 µs at 8 MiB (264.3 →
