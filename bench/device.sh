@@ -47,7 +47,7 @@ PARTS=(
   "rebind|20|cudagraph bench rebind: copy-in vs rebind vs re-capture per request|"
   "streams|30|cudagraph bench streams: what ordering replays of shared pools, graphs and caches across streams costs|"
   "train|60|digits training: eager, graphed, and k steps per graph launch (WHILE node), MLP and CNN|TRAIN_MODELS"
-  "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED"
+  "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED AB_SEED_RUNS"
 )
 
 usage() {
@@ -84,7 +84,8 @@ Knobs:
   AB_BASE             binary A (default .gpu-bin/bin/cudagraph-base[.gz], from BASE= bench/bundle.sh)
   AB_ENV_A, AB_ENV_B  environment for side A / B (e.g. AB_ENV_B="CUDAGRAPH_PDL=1"; without a
                       base binary both sides run .gpu-bin/bin/cudagraph)
-  AB_KINDS            sweep kinds ("linear- mlp-"); AB_ROUNDS (2); AB_SEED=0 skips the seed rows
+  AB_KINDS            sweep kinds ("linear- mlp-"); AB_ROUNDS (2); AB_SEED=0 skips the seed rows;
+                      AB_SEED_RUNS seed runs per side (3)
   TIME_BUDGET_S       seconds for all parts of this call (570); DEVICE overrides the device tag
   CUDAGRAPH_*         passed through to the library and recorded in each result's command
 EOF
@@ -766,8 +767,19 @@ part_ab() {
     mapfile -t files < <(find "$l/parts" -name "$side-[0-9]*.json" | sort -V)
     python3 bench/sweep_merge.py --rounds "$rounds" "${files[@]}" >"$l/sweep-$side.json"
   done
+  local seed_runs=${AB_SEED_RUNS:-3} r
   if [ "${AB_SEED:-1}" != 0 ]; then
-    ab_side A seed bench --json && ab_side B seed bench --json || return 1
+    for r in $(seq "$seed_runs"); do
+      if ((r % 2 == 1)); then
+        ab_side A "seed-$r" bench --json && ab_side B "seed-$r" bench --json || return 1
+      else
+        ab_side B "seed-$r" bench --json && ab_side A "seed-$r" bench --json || return 1
+      fi
+    done
+    for side in A B; do
+      mapfile -t files < <(find "$l/parts" -name "$side-seed-[0-9]*.json" | sort -V)
+      python3 bench/sweep_merge.py --rounds "$seed_runs" "${files[@]}" >"$l/parts/$side-seed.json"
+    done
   fi
   md=$(md_path ab)
   {
@@ -779,7 +791,7 @@ part_ab() {
     python3 bench/ab_compare.py "$l/sweep-A.json" "$l/sweep-B.json" "$la" "$lb"
     if [ -f "$l/parts/B-seed.json" ]; then
       echo
-      echo "## Seed workloads, graph µs (one run per side)"
+      echo "## Seed workloads, graph µs ($seed_runs runs per side, alternating; each row keeps its fastest run)"
       echo
       python3 bench/ab_compare.py "$l/parts/A-seed.json" "$l/parts/B-seed.json" "$la" "$lb"
     fi

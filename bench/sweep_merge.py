@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Joins several sweep JSON files of one side (`cudagraph bench sweep --json` or
+"""Joins several sweep (or seed: `cudagraph bench --json`) JSON files of one side (`cudagraph bench sweep --json` or
 bench/pytorch_sweep.py, each run with `--only` on one part of the points) into one, in the
 order given: rows concatenated, seconds added, everything else from the first file.
 
@@ -31,7 +31,7 @@ def main():
     if rounds > 1:
         best = {}
         for r in rows:
-            key = (r["id"], r["mode"])
+            key = (r["id"], r["mode"]) if "id" in r else (r["workload"], r["config"])
             t = r.get("graph_us")
             old = best.get(key)
             if old is None or (t is not None and (old.get("graph_us") is None or t < old["graph_us"])):

@@ -1019,11 +1019,17 @@ impl Graph {
         // Order this replay after the last one of this graph and of every graph of its pool
         // when they ran on another stream (a lock and a comparison on the same stream).
         let _graph_use = self.order.enter(stream)?;
-        let _pool_uses = self
-            .pools
-            .iter()
-            .map(|p| p.order().enter(stream))
-            .collect::<Result<Vec<_>>>()?;
+        // Usually one pool: no allocation for it (embedded child graphs' pools go in a list).
+        let (first, rest) = match self.pools.split_first() {
+            Some((p, rest)) => (Some(p.order().enter(stream)?), rest),
+            None => (None, &[][..]),
+        };
+        let _pool_uses = (
+            first,
+            rest.iter()
+                .map(|p| p.order().enter(stream))
+                .collect::<Result<Vec<_>>>()?,
+        );
         for r in &res.checks {
             self.device.watch_check(stream, r);
         }
