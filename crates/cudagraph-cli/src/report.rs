@@ -1,9 +1,9 @@
 //! `cudagraph info` and shared output helpers.
 
 use cudagraph::{Device, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 pub struct DeviceReport {
     pub ordinal: usize,
     pub name: String,
@@ -82,6 +82,43 @@ pub fn time_us<E: From<cudagraph::Error>>(
     Ok(median(samples))
 }
 
+/// What a table prints where a value does not apply (JSON has `null` there).
+pub const NOT_APPLICABLE: &str = "–";
+
+/// `v` with `decimals` decimals, or [`NOT_APPLICABLE`].
+pub fn num(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| NOT_APPLICABLE.into(), |v| format!("{v:.decimals$}"))
+}
+
+/// The footnotes under a table: a row with values that do not apply carries a marker in the
+/// table, and its footnote says why. Rows with the same reason share one footnote.
+#[derive(Default)]
+pub struct Footnotes {
+    notes: Vec<String>,
+}
+
+impl Footnotes {
+    /// The marker (` [n]`) for the footnote `why`, numbered in order of first use.
+    pub fn mark(&mut self, why: &str) -> String {
+        let n = match self.notes.iter().position(|n| n == why) {
+            Some(i) => i + 1,
+            None => {
+                self.notes.push(why.into());
+                self.notes.len()
+            }
+        };
+        format!(" [{n}]")
+    }
+
+    /// One line per footnote, `[n] why`, in marker order.
+    pub fn lines(&self) -> impl Iterator<Item = String> + '_ {
+        self.notes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| format!("[{}] {n}", i + 1))
+    }
+}
+
 /// Median of a non-empty sample.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -95,11 +132,29 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{median, num, Footnotes, NOT_APPLICABLE};
 
     #[test]
     fn median_of_odd_and_even_samples() {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+
+    #[test]
+    fn a_missing_value_prints_a_dash() {
+        assert_eq!(num(Some(1.234), 2), "1.23");
+        assert_eq!(num(None, 2), NOT_APPLICABLE);
+    }
+
+    #[test]
+    fn footnotes_are_numbered_once_per_reason() {
+        let mut f = Footnotes::default();
+        assert_eq!(f.mark("not timed"), " [1]");
+        assert_eq!(f.mark("not compared"), " [2]");
+        assert_eq!(f.mark("not timed"), " [1]");
+        assert_eq!(
+            f.lines().collect::<Vec<_>>(),
+            ["[1] not timed", "[2] not compared"]
+        );
     }
 }

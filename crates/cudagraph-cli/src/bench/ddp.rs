@@ -25,7 +25,7 @@ use cudagraph_nn::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::report::{device_report, median, DeviceReport};
+use crate::report::{device_report, median, DeviceReport, Footnotes, NOT_APPLICABLE};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -327,12 +327,19 @@ pub fn run(a: &DdpArgs) -> AnyResult<()> {
         "graph smp/s",
         "scaling(gr)"
     );
+    let mut footnotes = Footnotes::default();
     for r in &report.rows {
-        let one = report
+        let scaling = match report
             .rows
             .iter()
             .find(|o| o.model == r.model && o.gpus == 1)
-            .map(|o| r.graph_samples_per_s / o.graph_samples_per_s);
+        {
+            Some(o) => format!("{:.2}x", r.graph_samples_per_s / o.graph_samples_per_s),
+            None => {
+                NOT_APPLICABLE.to_string()
+                    + &footnotes.mark("no 1-GPU run of this model to scale against")
+            }
+        };
         outln!(
             "{:<8} {:>4} {:>9} {:>11.1} {:>11.1} {:>7.2}x {:>14.0} {:>14.0} {:>12}",
             r.model,
@@ -343,9 +350,11 @@ pub fn run(a: &DdpArgs) -> AnyResult<()> {
             r.eager_us / r.graph_us,
             r.eager_samples_per_s,
             r.graph_samples_per_s,
-            one.map(|x| format!("{x:.2}x"))
-                .unwrap_or_else(|| "-".into())
+            scaling
         );
+    }
+    for line in footnotes.lines() {
+        outln!("{line}");
     }
     for n in &report.notes {
         outln!("note: {n}");

@@ -14,7 +14,7 @@ use cudagraph_nn::gemm::{gemm, run_gemm, split_k, Engine, Epilogue, GemmOp};
 use cudagraph_nn::{Nn, Rng};
 use serde::Serialize;
 
-use crate::report::{device_report, median, DeviceReport};
+use crate::report::{device_report, median, DeviceReport, Footnotes, NOT_APPLICABLE};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -188,10 +188,12 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
         "auto engine",
         "auto/cuBLAS"
     );
+    let mut footnotes = Footnotes::default();
     for r in &out.rows {
-        let lt = r
-            .cublaslt_us
-            .map_or("n/a".to_string(), |v| format!("{v:.2}"));
+        let lt = r.cublaslt_us.map_or_else(
+            || NOT_APPLICABLE.to_string() + &footnotes.mark("cuBLASLt did not load here"),
+            |v| format!("{v:.2}"),
+        );
         outln!(
             "{:<22} {:>5} {:>5} {:>5} {:>6} {:>9.2} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:<12} {:>7.2}x",
             r.shape,
@@ -208,6 +210,9 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
             r.auto_engine,
             r.cublas_us / r.auto_us
         );
+    }
+    for line in footnotes.lines() {
+        outln!("{line}");
     }
     Ok(())
 }

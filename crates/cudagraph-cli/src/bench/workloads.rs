@@ -13,8 +13,12 @@
 //! 5. `dropout`: the seed MLP with dropout, a whole SGD training step graphed (fresh masks on
 //!    every replay from the device-side generator), and one dropout op alone.
 //!
-//! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way.
+//! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way; with its
+//! JSON (`--pytorch FILE`) the chart (`--svg FILE`) draws PyTorch's bars beside ours.
+//! `--from-json FILE` reads the rows of an earlier `--json` run instead of measuring, to redraw
+//! the chart or reprint the table without a GPU.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
@@ -24,9 +28,13 @@ use cudagraph_nn::{
     Reduction, Rng, Sequential, Sgd, Targets, Tensor,
 };
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::report::{self, device_report, DeviceReport};
+use crate::report::{self, device_report, num, DeviceReport, Footnotes, NOT_APPLICABLE};
+
+mod chart;
+
+use chart::Baseline;
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -49,26 +57,49 @@ pub struct WorkloadArgs {
     pub json: bool,
     /// Also write a bar chart of eager vs graph time to this SVG file.
     #[arg(long)]
-    pub svg: Option<std::path::PathBuf>,
+    pub svg: Option<PathBuf>,
+    /// PyTorch's numbers for the same workloads (the JSON of bench/pytorch_baseline.py): the
+    /// chart draws PyTorch's eager and graphed bars beside ours.
+    #[arg(long, requires = "svg")]
+    pub pytorch: Option<PathBuf>,
+    /// Read the rows from this earlier `--json` output instead of measuring (no GPU needed):
+    /// redraws the chart or reprints the table. A file of bench/results holding `ours` and
+    /// `pytorch` serves as both, unless `--pytorch` names another.
+    #[arg(long)]
+    pub from_json: Option<PathBuf>,
 }
 
-/// One measured row: a workload at one configuration.
-#[derive(Serialize, Debug, Clone)]
+/// One measured row: a workload at one configuration. A value that does not apply to the
+/// row is `None` (`null` in JSON, `–` in the table), and `not_applicable` says why.
+#[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct Row {
     pub workload: String,
     pub config: String,
-    pub eager_us: f64,
-    pub graph_us: f64,
-    pub speedup: f64,
+    pub eager_us: Option<f64>,
+    pub graph_us: Option<f64>,
+    pub speedup: Option<f64>,
     /// Peak bytes allocated above the baseline during the eager runs.
-    pub eager_peak_bytes: usize,
+    pub eager_peak_bytes: Option<usize>,
     /// Bytes the graph's pool reserves.
     pub graph_pool_reserved: usize,
     /// Peak bytes the capture allocated in its pool.
     pub graph_peak_bytes: usize,
     pub capture_ms: f64,
-    pub max_rel_diff: f64,
+    /// Largest relative difference between the graphed and the eager result.
+    pub max_rel_diff: Option<f64>,
+    /// Why some of the values above do not apply (the table's footnote).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_applicable: Option<String>,
 }
+
+/// Why the Adam training row has no max diff.
+const ADAM_NOT_COMPARED: &str = "max diff not measured: Adam's moments and step count moved on \
+     during the timing, so one more eager step and one replay do not start from the same state \
+     (the GPU tests compare 100 graphed and eager Adam steps bit for bit)";
+
+/// Why the nine-sizes row has no timings.
+const MEMORY_ONLY: &str = "memory only: nine captures of the seed MLP sharing one pool; \
+     nothing is timed or compared (the pool's numbers are in the note below)";
 
 impl Row {
     /// A row for a workload measured eager and graphed, with the graph's memory and capture
@@ -79,26 +110,27 @@ impl Row {
         (eager_us, graph_us, eager_peak_bytes): (f64, f64, usize),
         dev: &Device,
         info: &cudagraph::GraphInfo,
-        max_rel_diff: f64,
+        max_rel_diff: Option<f64>,
     ) -> Self {
         Row {
             workload: workload.into(),
             config,
-            eager_us,
-            graph_us,
-            speedup: eager_us / graph_us,
-            eager_peak_bytes,
+            eager_us: Some(eager_us),
+            graph_us: Some(graph_us),
+            speedup: Some(eager_us / graph_us),
+            eager_peak_bytes: Some(eager_peak_bytes),
             graph_pool_reserved: dev.pool_stats(info.memory.pool).reserved,
             graph_peak_bytes: info.memory.peak_allocated,
             capture_ms: info.capture_time.as_secs_f64() * 1e3,
             max_rel_diff,
+            not_applicable: None,
         }
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 pub struct Report {
-    pub benchmark: &'static str,
+    pub benchmark: String,
     pub device: DeviceReport,
     pub iters: usize,
     pub repeats: usize,
@@ -202,7 +234,7 @@ fn mlp_device(
             (eager, graph, eager_peak),
             dev,
             &info,
-            max_rel(&graph_out, &eager_out),
+            Some(max_rel(&graph_out, &eager_out)),
         ));
         pb.inc(1);
     }
@@ -270,7 +302,7 @@ fn mlp_host(
             (eager, graph, eager_peak),
             dev,
             &info,
-            max_rel(&graph_out, &eager_out),
+            Some(max_rel(&graph_out, &eager_out)),
         ));
         pb.inc(1);
     }
@@ -309,19 +341,19 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
         let w_graph = s.to_vec(model.weight.data())?;
         let info = *g.info();
         // Adam's moments and step count moved on during the timing, so only SGD (stateless
-        // here) can be compared this way; gpu_nn's 100-step test covers Adam.
-        rows.push(Row::measured(
+        // here) can be compared this way.
+        let mut row = Row::measured(
             "linear-train",
             if adam { "adam".into() } else { "sgd".into() },
             times,
             dev,
             &info,
-            if adam {
-                f64::NAN
-            } else {
-                max_rel(&w_graph, &w_eager)
-            },
-        ));
+            (!adam).then(|| max_rel(&w_graph, &w_eager)),
+        );
+        if adam {
+            row.not_applicable = Some(ADAM_NOT_COMPARED.into());
+        }
+        rows.push(row);
         pb.inc(1);
     }
     Ok(())
@@ -390,7 +422,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         times,
         dev,
         &info,
-        max_rel(&w_graph, &w_eager),
+        Some(max_rel(&w_graph, &w_eager)),
     ));
     pb.inc(1);
 
@@ -415,7 +447,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         times,
         dev,
         &info,
-        max_rel(&yg, &ye),
+        Some(max_rel(&yg, &ye)),
     ));
     pb.inc(1);
     Ok(())
@@ -465,7 +497,7 @@ fn pool(
             (eager, graph, eager_peak),
             dev,
             &info,
-            max_rel(&y.to_vec(&s)?, &eager_out),
+            Some(max_rel(&y.to_vec(&s)?, &eager_out)),
         ));
         keep.push((g, y));
     }
@@ -513,17 +545,18 @@ fn mlp_pool(
     rows.push(Row {
         workload: "mlp-9-sizes-shared-pool".into(),
         config: "bs=256..1".into(),
-        eager_us: f64::NAN,
-        graph_us: f64::NAN,
-        speedup: f64::NAN,
-        eager_peak_bytes: 0,
+        eager_us: None,
+        graph_us: None,
+        speedup: None,
+        eager_peak_bytes: None,
         graph_pool_reserved: st.reserved,
         graph_peak_bytes: st.peak_allocated,
         capture_ms: keep
             .iter()
             .map(|(g, _, _)| g.info().capture_time.as_secs_f64() * 1e3)
             .sum(),
-        max_rel_diff: 0.0,
+        max_rel_diff: None,
+        not_applicable: Some(MEMORY_ONLY.into()),
     });
     // The largest working set of any one size (with split-K, not always the largest batch).
     let largest_entry = keep
@@ -545,7 +578,8 @@ fn mlp_pool(
     Ok(())
 }
 
-pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
+/// Measures the workloads `a.only` names on device `ordinal`.
+fn measure(ordinal: usize, a: &WorkloadArgs) -> AnyResult<Report> {
     let dev = Device::open(ordinal)?;
     let total = a
         .only
@@ -579,115 +613,247 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
         }
     }
     pb.finish_and_clear();
-    let report = Report {
-        benchmark: "workloads",
+    Ok(Report {
+        benchmark: "workloads".into(),
         device: device_report(&dev)?,
         iters: a.iters,
         repeats: a.repeats,
         rows,
         notes,
+    })
+}
+
+/// An earlier `--json` output, or a file of bench/results that holds it as `ours` (with
+/// PyTorch's beside it as `pytorch`, when that run has rows).
+fn read_report(path: &Path) -> AnyResult<(Report, Option<Baseline>)> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let bad = |e: serde_json::Error| {
+        format!(
+            "{}: not a `cudagraph bench --json` output: {e}",
+            path.display()
+        )
+    };
+    let mut doc: serde_json::Value = serde_json::from_str(&text).map_err(bad)?;
+    let Some(ours) = doc.get_mut("ours").map(serde_json::Value::take) else {
+        return Ok((serde_json::from_value(doc).map_err(bad)?, None));
+    };
+    let pytorch = doc
+        .get_mut("pytorch")
+        .map(serde_json::Value::take)
+        .and_then(|p| serde_json::from_value::<Baseline>(p).ok())
+        .filter(|p| !p.rows.is_empty());
+    Ok((serde_json::from_value(ours).map_err(bad)?, pytorch))
+}
+
+pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
+    // PyTorch's file is read first, so that a wrong path fails before the measurements.
+    let pytorch = a.pytorch.as_deref().map(Baseline::read).transpose()?;
+    let (report, pytorch) = match &a.from_json {
+        Some(path) => {
+            let (report, merged) = read_report(path)?;
+            (report, pytorch.or(merged))
+        }
+        None => (measure(ordinal, a)?, pytorch),
     };
     if let Some(path) = &a.svg {
-        std::fs::write(path, svg_chart(&report.rows, &report.device.name))?;
+        std::fs::write(
+            path,
+            chart::svg(&report.rows, &report.device.name, pytorch.as_ref()),
+        )?;
     }
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    outln!(
-        "cudagraph workloads on {} (CUDA {}), median of {} samples x {} iterations",
-        report.device.name,
-        report.device.driver_cuda_version,
-        a.repeats,
-        a.iters
-    );
-    outln!(
-        "{:<24} {:<26} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>9} {:>9}",
-        "workload",
-        "config",
-        "eager us",
-        "graph us",
-        "speedup",
-        "eager peak",
-        "pool resv",
-        "graph peak",
-        "capt ms",
-        "max diff"
-    );
-    let mb = |b: usize| format!("{:.2} MB", b as f64 / 1048576.0);
-    for r in &report.rows {
-        outln!(
-            "{:<24} {:<26} {:>10.2} {:>10.2} {:>7.2}x {:>12} {:>12} {:>12} {:>9.2} {:>9.1e}",
-            r.workload,
-            r.config,
-            r.eager_us,
-            r.graph_us,
-            r.speedup,
-            mb(r.eager_peak_bytes),
-            mb(r.graph_pool_reserved),
-            mb(r.graph_peak_bytes),
-            r.capture_ms,
-            r.max_rel_diff
-        );
-    }
-    for n in &report.notes {
-        outln!("note: {n}");
+    for line in table(&report) {
+        outln!("{line}");
     }
     Ok(())
 }
 
-/// A horizontal bar chart (eager vs graph µs per row), readable at a glance.
-pub fn svg_chart(rows: &[Row], device: &str) -> String {
-    let rows: Vec<_> = rows
-        .iter()
-        .filter(|r| r.eager_us.is_finite() && r.graph_us.is_finite())
-        .collect();
-    let (left, width, bar, gap) = (330.0, 520.0, 14.0, 14.0);
-    let height = 70.0 + rows.len() as f64 * (2.0 * bar + gap) + 30.0;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"22\" font-size=\"15\" font-weight=\"bold\">cudagraph: eager vs graph, µs per iteration (shorter is better)</text>\n\
-         <text x=\"10\" y=\"40\">{}</text>\n\
-         <rect x=\"{left}\" y=\"48\" width=\"12\" height=\"10\" fill=\"#b0b0b0\"/><text x=\"{}\" y=\"57\">eager</text>\n\
-         <rect x=\"{}\" y=\"48\" width=\"12\" height=\"10\" fill=\"#2a7ab9\"/><text x=\"{}\" y=\"57\">graph</text>\n",
-        left + width + 120.0,
-        xml_escape(device),
-        left + 16.0,
-        left + 70.0,
-        left + 86.0
-    );
-    let mut y = 70.0;
-    for r in rows {
-        let max = r.eager_us.max(r.graph_us).max(1e-9);
-        let label = xml_escape(&format!("{} {}", r.workload, r.config));
-        s += &format!("<text x=\"10\" y=\"{}\">{label}</text>\n", y + bar + 4.0);
-        for (i, (v, color)) in [(r.eager_us, "#b0b0b0"), (r.graph_us, "#2a7ab9")]
-            .into_iter()
-            .enumerate()
-        {
-            let yy = y + i as f64 * bar;
-            let w = (v / max * width).max(1.0);
-            s += &format!(
-                "<rect x=\"{left}\" y=\"{yy}\" width=\"{w:.1}\" height=\"{}\" fill=\"{color}\"/><text x=\"{:.1}\" y=\"{:.1}\">{v:.1} µs</text>\n",
-                bar - 2.0,
-                left + w + 6.0,
-                yy + bar - 4.0
-            );
+/// The human-readable report: a header, one line per row (`–` where a value does not apply,
+/// with a footnote under the table saying why), then the notes.
+fn table(report: &Report) -> Vec<String> {
+    let mut out = vec![
+        format!(
+            "cudagraph workloads on {} (CUDA {}), median of {} samples x {} iterations",
+            report.device.name, report.device.driver_cuda_version, report.repeats, report.iters
+        ),
+        format!(
+            "{:<24} {:<26} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>9} {:>9}",
+            "workload",
+            "config",
+            "eager us",
+            "graph us",
+            "speedup",
+            "eager peak",
+            "pool resv",
+            "graph peak",
+            "capt ms",
+            "max diff"
+        ),
+    ];
+    let mb = |b: usize| format!("{:.2} MB", b as f64 / 1048576.0);
+    let mut footnotes = Footnotes::default();
+    for r in &report.rows {
+        let mut config = r.config.clone();
+        if let Some(why) = &r.not_applicable {
+            config += &footnotes.mark(why);
         }
-        s += &format!(
-            "<text x=\"{:.1}\" y=\"{:.1}\" font-weight=\"bold\">{:.2}x</text>\n",
-            left + width + 70.0,
-            y + bar + 4.0,
+        out.push(format!(
+            "{:<24} {:<26} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>9.2} {:>9}",
+            r.workload,
+            config,
+            num(r.eager_us, 2),
+            num(r.graph_us, 2),
             r.speedup
-        );
-        y += 2.0 * bar + gap;
+                .map_or(NOT_APPLICABLE.into(), |v| format!("{v:.2}x")),
+            r.eager_peak_bytes.map_or(NOT_APPLICABLE.into(), mb),
+            mb(r.graph_pool_reserved),
+            mb(r.graph_peak_bytes),
+            r.capture_ms,
+            r.max_rel_diff
+                .map_or(NOT_APPLICABLE.into(), |v| format!("{v:.1e}")),
+        ));
     }
-    s + "</svg>\n"
+    out.extend(footnotes.lines());
+    out.extend(report.notes.iter().map(|n| format!("note: {n}")));
+    out
 }
 
-fn xml_escape(t: &str) -> String {
-    t.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) fn row(workload: &str, config: &str, eager: f64, graph: f64) -> Row {
+        Row {
+            workload: workload.into(),
+            config: config.into(),
+            eager_us: Some(eager),
+            graph_us: Some(graph),
+            speedup: Some(eager / graph),
+            eager_peak_bytes: Some(1 << 20),
+            graph_pool_reserved: 2 << 20,
+            graph_peak_bytes: 1 << 20,
+            capture_ms: 1.5,
+            max_rel_diff: Some(1e-7),
+            not_applicable: None,
+        }
+    }
+
+    fn report(rows: Vec<Row>) -> Report {
+        Report {
+            benchmark: "workloads".into(),
+            device: DeviceReport {
+                ordinal: 0,
+                name: "Test GPU".into(),
+                compute_capability: "9.0".into(),
+                multiprocessors: 132,
+                total_memory_mib: 81559.0,
+                free_memory_mib: 80000.0,
+                driver_cuda_version: "13.0".into(),
+            },
+            iters: 500,
+            repeats: 5,
+            rows,
+            notes: vec!["a note".into()],
+        }
+    }
+
+    /// The Adam row and the nine-sizes row, as the workloads build them.
+    fn rows_with_gaps() -> Vec<Row> {
+        let mut adam = row("linear-train", "adam", 50.4, 35.9);
+        adam.max_rel_diff = None;
+        adam.not_applicable = Some(ADAM_NOT_COMPARED.into());
+        let nine = Row {
+            eager_us: None,
+            graph_us: None,
+            speedup: None,
+            eager_peak_bytes: None,
+            max_rel_diff: None,
+            not_applicable: Some(MEMORY_ONLY.into()),
+            ..row("mlp-9-sizes-shared-pool", "bs=256..1", 0.0, 1.0)
+        };
+        vec![row("linear-train", "sgd", 51.1, 28.1), adam, nine]
+    }
+
+    #[test]
+    fn values_that_do_not_apply_print_a_dash_and_a_footnote() {
+        let lines = table(&report(rows_with_gaps()));
+        let text = lines.join("\n");
+        assert!(!text.contains("NaN"), "{text}");
+        let adam = lines.iter().find(|l| l.contains("adam")).unwrap();
+        assert!(adam.contains("adam [1]"), "{adam}");
+        assert!(adam.trim_end().ends_with(NOT_APPLICABLE), "{adam}");
+        assert!(adam.contains("50.40") && adam.contains("1.40x"), "{adam}");
+        let nine = lines.iter().find(|l| l.contains("mlp-9-sizes")).unwrap();
+        assert!(nine.contains("bs=256..1 [2]"), "{nine}");
+        // eager, graph, speedup, eager peak and max diff.
+        assert_eq!(nine.matches(NOT_APPLICABLE).count(), 5, "{nine}");
+        let sgd = lines.iter().find(|l| l.contains("sgd")).unwrap();
+        assert!(!sgd.contains(NOT_APPLICABLE) && !sgd.contains('['), "{sgd}");
+        // The footnotes follow the rows, then the notes.
+        let n = lines.len();
+        assert_eq!(lines[n - 3], format!("[1] {ADAM_NOT_COMPARED}"));
+        assert_eq!(lines[n - 2], format!("[2] {MEMORY_ONLY}"));
+        assert_eq!(lines[n - 1], "note: a note");
+    }
+
+    #[test]
+    fn the_dash_keeps_the_columns_aligned() {
+        let lines = table(&report(rows_with_gaps()));
+        let widths: Vec<usize> = lines[1..4].iter().map(|l| l.chars().count()).collect();
+        assert!(
+            widths.iter().all(|&w| w == widths[0]),
+            "{widths:?}\n{}",
+            lines.join("\n")
+        );
+    }
+
+    #[test]
+    fn json_has_null_where_a_value_does_not_apply() {
+        let json = serde_json::to_string_pretty(&report(rows_with_gaps())).unwrap();
+        assert!(!json.contains("NaN"), "{json}");
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let nine = &v["rows"][2];
+        for key in [
+            "eager_us",
+            "graph_us",
+            "speedup",
+            "eager_peak_bytes",
+            "max_rel_diff",
+        ] {
+            assert!(nine[key].is_null(), "{key}: {}", nine[key]);
+        }
+        assert_eq!(nine["not_applicable"], MEMORY_ONLY);
+        assert!(v["rows"][1]["max_rel_diff"].is_null());
+        assert!(v["rows"][0].get("not_applicable").is_none());
+        // And it reads back (`--from-json`).
+        let back: Report = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.rows[2].graph_us, None);
+        assert_eq!(back.rows[0].graph_us, Some(28.1));
+    }
+
+    #[test]
+    fn a_results_file_gives_both_sides() {
+        let dir = std::env::temp_dir().join(format!("cudagraph-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("seed.json");
+        let ours = serde_json::to_value(report(rows_with_gaps())).unwrap();
+        let pytorch = serde_json::json!({"torch": "2.11", "device": "Test GPU", "rows": [
+            {"workload": "linear-train", "config": "sgd", "eager_us": 523.4, "graph_us": 63.3},
+            {"workload": "mlp-9-sizes-shared-pool", "config": "bs=256..1", "eager_us": null, "graph_us": null}
+        ]});
+        let doc = serde_json::json!({"device": "h100", "ours": ours, "pytorch": pytorch});
+        std::fs::write(&path, doc.to_string()).unwrap();
+        let (r, p) = read_report(&path).unwrap();
+        assert_eq!(r.rows.len(), 3);
+        assert_eq!(p.unwrap().rows[0].graph_us, Some(63.3));
+        // A run without PyTorch (its side says why) gives ours alone.
+        let doc = serde_json::json!({"ours": ours, "pytorch": {"torch": "not run", "device": "-", "rows": [], "notes": ["failed"]}});
+        std::fs::write(&path, doc.to_string()).unwrap();
+        assert!(read_report(&path).unwrap().1.is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
