@@ -17,6 +17,16 @@ def f(v, d=1):
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}"
 
 
+def x(v, suffix=""):
+    return "–" if f(v) == "–" else f"{v:.2f}x{suffix}"
+
+
+def ratio(a, b):
+    """a / b, or None where either does not apply (None, NaN from older runs, or zero)."""
+    ok = lambda v: isinstance(v, (int, float)) and not math.isnan(v) and v != 0  # noqa: E731
+    return a / b if ok(a) and ok(b) else None
+
+
 def mb(b):
     return f"{b / 2**20:.2f}"
 
@@ -27,15 +37,28 @@ print(f"Median of {ours['repeats']} samples x {ours['iters']} iterations; µs pe
 print(f"Commands: `{commands}`\n")
 print("| workload | config | ours eager | ours graph | ours speedup | PyTorch eager | PyTorch graph | ours graph vs PyTorch graph | ours eager vs PyTorch eager | ours pool MB | PyTorch pool MB |")
 print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+footnotes = []
 for r in ours["rows"]:
     p = ref.get((r["workload"], r["config"]), {})
     pg, pe = p.get("graph_us"), p.get("eager_us")
-    vs_g = pg / r["graph_us"] if pg and r["graph_us"] and not math.isnan(r["graph_us"]) else None
-    vs_e = pe / r["eager_us"] if pe and r["eager_us"] and not math.isnan(r["eager_us"]) else None
-    print(f"| {r['workload']} | {r['config']} | {f(r['eager_us'])} | {f(r['graph_us'])} | {f(r['speedup'], 2)}x | "
-          f"{f(pe)} | {f(pg)} | {f(vs_g, 2)}x faster | {f(vs_e, 2)}x faster | {mb(r['graph_pool_reserved'])} | "
+    vs_g = ratio(pg, r.get("graph_us"))
+    vs_e = ratio(pe, r.get("eager_us"))
+    config = r["config"]
+    # Values that do not apply print as "–"; the row's footnote says why (when the missing
+    # value is one this table shows: the max diff is not among them).
+    shown = (r.get("eager_us"), r.get("graph_us"), r.get("speedup"))
+    if r.get("not_applicable") and any(v is None for v in shown):
+        if r["not_applicable"] not in footnotes:
+            footnotes.append(r["not_applicable"])
+        config += f" [{footnotes.index(r['not_applicable']) + 1}]"
+    print(f"| {r['workload']} | {config} | {f(r.get('eager_us'))} | {f(r.get('graph_us'))} | {x(r.get('speedup'))} | "
+          f"{f(pe)} | {f(pg)} | {x(vs_g, ' faster')} | {x(vs_e, ' faster')} | {mb(r['graph_pool_reserved'])} | "
           f"{mb(p.get('graph_pool_reserved', 0))} |")
 print()
+for i, n in enumerate(footnotes):
+    print(f"[{i + 1}] {n}  ")
+if footnotes:
+    print()
 for n in ours.get("notes", []):
     print(f"- ours: {n}")
 for n in pt.get("notes", []):

@@ -263,21 +263,28 @@ part_suite() {
 
 part_seed() {
   need_bin seed || return 1
-  local l=$LOGS/seed-$DEVICE md svg=$RES/seed-$DEVICE.svg ours=() extra=()
+  local l=$LOGS/seed-$DEVICE md svg=$RES/seed-$DEVICE.svg ours=() extra=() chart=()
   mkdir -p "$l"
   read -r -a extra <<<"${SEED_ARGS:-}"
-  ours=("$BIN" bench --json --svg "$svg" "${extra[@]}")
+  ours=("$BIN" bench --json "${extra[@]}")
   if ! timeout "$(tmo 200)" "${ours[@]}" >"$l/ours.json" 2>"$l/ours.log"; then
     say "seed: cudagraph bench failed: $(tail -n 3 "$l/ours.log" | tr '\n' ' ')"
     return 1
   fi
   timeout "$(tmo 200)" python3 bench/pytorch_baseline.py >"$l/pytorch.json" 2>"$l/pytorch.log" ||
     no_pytorch "$l/pytorch.json" "bench/pytorch_baseline.py failed: see logs/seed-$DEVICE/pytorch.log"
+  # The chart, drawn from both runs' JSON after both measured (PyTorch's bars beside ours; ours
+  # alone when PyTorch did not run). `cudagraph bench --from-json bench/results/seed-DEVICE.json
+  # --svg FILE` redraws it from the committed results.
+  chart=("$BIN" bench --from-json "$l/ours.json" --pytorch "$l/pytorch.json" --svg "$svg")
+  rm -f "$svg"
+  "${chart[@]}" >/dev/null 2>>"$l/ours.log" || say "seed: the chart was not drawn (logs/seed-$DEVICE/ours.log)"
   md=$(md_path seed)
   {
     header seed "Seed workloads, eager and graphed: ours and PyTorch ($DEVICE)"
     python3 bench/compare.py "$l/ours.json" "$l/pytorch.json" \
-      "${ours[*]}; python3 bench/pytorch_baseline.py"
+      "${ours[*]}; python3 bench/pytorch_baseline.py; ${chart[*]}"
+    [ -s "$svg" ] && printf '\n![ours and PyTorch, eager and graphed](%s)\n' "$(basename "$svg")"
   } >"$md"
   written "$md" "$svg" "$l"
   merge_json "$RES/seed-$DEVICE.json" seed ours="$l/ours.json" pytorch="$l/pytorch.json"

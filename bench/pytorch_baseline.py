@@ -15,6 +15,9 @@ iterations ending in one synchronisation.
 - dropout: the seed MLP with Dropout(0.1), a whole SGD training step graphed (fresh masks per
   replay), and one dropout op on 64x4096 alone.
 
+Values that do not apply (the nine-sizes row's times) are null, never NaN, so the output is
+valid JSON; `cudagraph bench --pytorch pytorch.json --svg chart.svg` draws it beside ours.
+
 usage: python3 bench/pytorch_baseline.py [--iters 500] [--repeats 5] > pytorch.json
 """
 import argparse
@@ -72,8 +75,9 @@ rows, notes = [], []
 
 
 def row(workload, config, eager, graph, eager_peak=0, pool_reserved=0, graph_peak=0, capture_ms=0.0):
+    """One row; a value that does not apply is None (null in the JSON, as in ours)."""
     rows.append(dict(workload=workload, config=config, eager_us=eager, graph_us=graph,
-                     speedup=eager / graph if graph else float("nan"), eager_peak_bytes=eager_peak,
+                     speedup=eager / graph if eager and graph else None, eager_peak_bytes=eager_peak,
                      graph_pool_reserved=pool_reserved, graph_peak_bytes=graph_peak, capture_ms=capture_ms))
 
 
@@ -223,7 +227,8 @@ def nine_sizes(fresh_side_stream):
 with torch.no_grad():
     right = nine_sizes(False)
     naive = nine_sizes(True)
-row("mlp-9-sizes-shared-pool", "bs=256..1", float("nan"), float("nan"), 0, right, 0, 0.0)
+# Memory only: nothing is timed.
+row("mlp-9-sizes-shared-pool", "bs=256..1", None, None, None, right, 0, 0.0)
 notes.append(f"seed MLP at nine batch sizes in one pool: reserved delta {right / 2**20:.2f} MB "
              f"(one warm-up side stream); {naive / 2**20:.2f} MB with a fresh side stream per warm-up")
 
@@ -279,4 +284,4 @@ with torch.no_grad():
 
 print(json.dumps(dict(benchmark="workloads-pytorch", torch=torch.__version__,
                       device=torch.cuda.get_device_name(), iters=args.iters, repeats=args.repeats,
-                      rows=rows, notes=notes), indent=1, allow_nan=True))
+                      rows=rows, notes=notes), indent=1, allow_nan=False))
