@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""PyTorch measuring the points of `cudagraph bench sweep` (bench/sweep_points.json) the same
-way (see crates/cudagraph-cli/src/bench/sweep.rs): fp32 with TF32 off, cudnn.benchmark on, a
-two-step warm-up on a side stream, one `torch.cuda.graph` capture, then the median of
-`--repeats` samples, each as many back-to-back `g.replay()` calls as fill `--sample-ms` (at least
-one; 3 samples for points slower than 50 ms), ended by one synchronisation.
+"""PyTorch measuring the points of `cudagraph bench sweep`
+(crates/cudagraph-cli/data/sweep_points.json) the same way (see
+crates/cudagraph-cli/src/bench/sweep.rs): fp32 with TF32 off, cudnn.benchmark on, a two-step
+warm-up on a side stream, one `torch.cuda.graph` capture, then the median of `--repeats`
+samples, each as many back-to-back `g.replay()` calls as fill `--sample-ms` (at least one; 3
+samples for points slower than 50 ms), ended by one synchronisation.
 
 Modes, as ours:
 - forward: the model under torch.no_grad();
@@ -14,8 +15,8 @@ Modes, as ours:
 - step (optimizer points): the optimizer step alone on preset gradients; SGD lr 1e-3, momentum
   0.9, Adam(capturable=True).
 
-usage: python3 bench/pytorch_sweep.py [--points bench/sweep_points.json] [--only ID,...]
-       [--sample-ms 10] [--repeats 5] > pytorch.json
+usage: python3 bench/pytorch_sweep.py [--points crates/cudagraph-cli/data/sweep_points.json]
+       [--only ID,...] [--sample-ms 10] [--repeats 5] > pytorch.json
 """
 import argparse
 import json
@@ -33,7 +34,8 @@ torch.backends.cudnn.benchmark = True
 
 here = os.path.dirname(os.path.abspath(__file__))
 p = argparse.ArgumentParser()
-p.add_argument("--points", default=os.path.join(here, "sweep_points.json"))
+p.add_argument("--points",
+               default=os.path.join(here, "..", "crates", "cudagraph-cli", "data", "sweep_points.json"))
 p.add_argument("--only", default="")
 p.add_argument("--sample-ms", type=float, default=10.0)
 p.add_argument("--repeats", type=int, default=5)

@@ -3,8 +3,8 @@
 //! CNNs of several depths, and optimizer steps on 0.1–100 M parameters — beside
 //! `bench/pytorch_sweep.py`, which measures the same points in PyTorch the same way.
 //!
-//! Both read the points from `bench/sweep_points.json` (this binary carries a copy from build
-//! time; `--points FILE` reads another). Per point and mode: capture once (after a two-step
+//! Both read the points from `data/sweep_points.json` in this crate (this binary carries a copy
+//! from build time; `--points FILE` reads another). Per point and mode: capture once (after a two-step
 //! warm-up on a side stream), then the median of `--repeats` samples, each as many back-to-back
 //! replays as fill `--sample-ms` (at least one), ended by one synchronisation.
 //! `bench/sweep_compare.py` joins the two JSON outputs into a markdown table.
@@ -29,11 +29,12 @@ use crate::report::{self, device_report, DeviceReport};
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 /// The points, as built into this binary.
-const POINTS: &str = include_str!("../../../../bench/sweep_points.json");
+const POINTS: &str = include_str!("../../data/sweep_points.json");
 
 #[derive(Args, Debug)]
 pub struct SweepArgs {
-    /// Points file (default: the copy of bench/sweep_points.json built into this binary).
+    /// Points file (default: the copy of crates/cudagraph-cli/data/sweep_points.json built into
+    /// this binary).
     #[arg(long)]
     pub points: Option<PathBuf>,
     /// Only points whose id contains one of these substrings (comma separated).
@@ -50,7 +51,7 @@ pub struct SweepArgs {
     pub json: bool,
 }
 
-/// One point of bench/sweep_points.json.
+/// One point of data/sweep_points.json.
 #[derive(Deserialize, Serialize, Debug, Clone)]
 pub struct Point {
     pub id: String,
