@@ -35,7 +35,7 @@ impl Baseline {
     pub fn read(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        serde_json::from_str(&text).map_err(|e| {
+        serde_json::from_str(&nan_to_null(&text)).map_err(|e| {
             format!(
                 "{}: not the JSON of bench/pytorch_baseline.py: {e}",
                 path.display()
@@ -227,6 +227,23 @@ pub fn svg(rows: &[Row], device: &str, pytorch: Option<&Baseline>) -> String {
     s + "</svg>\n"
 }
 
+/// Older runs of bench/pytorch_baseline.py wrote `NaN` (which is not JSON) where a value does
+/// not apply; it now writes `null`. Reads the old files too: a bare `NaN` value becomes `null`.
+fn nan_to_null(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("NaN") {
+        let before = rest[..i].trim_end();
+        let after = rest[i + 3..].trim_start();
+        let is_value = (before.ends_with(':') || before.ends_with(',') || before.ends_with('['))
+            && (after.starts_with(',') || after.starts_with('}') || after.starts_with(']'));
+        out += &rest[..i];
+        out += if is_value { "null" } else { "NaN" };
+        rest = &rest[i + 3..];
+    }
+    out + rest
+}
+
 fn xml_escape(t: &str) -> String {
     t.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -310,6 +327,17 @@ mod tests {
             assert_eq!(classes(&svg), ["ours-eager", "ours-graph"]);
             assert!(!svg.contains("PyTorch"));
         }
+    }
+
+    #[test]
+    fn older_pytorch_json_with_nan_reads_as_null() {
+        let old = r#"{"rows": [{"workload": "NaN-named", "config": "x", "eager_us": NaN,
+            "graph_us" :NaN, "speedup": NaN}], "notes": ["NaN stays in text"]}"#;
+        let fixed = nan_to_null(old);
+        assert!(fixed.contains(r#""workload": "NaN-named""#), "{fixed}");
+        assert!(fixed.contains("NaN stays in text"), "{fixed}");
+        let b: Baseline = serde_json::from_str(&fixed).unwrap();
+        assert_eq!((b.rows[0].eager_us, b.rows[0].graph_us), (None, None));
     }
 
     #[test]
