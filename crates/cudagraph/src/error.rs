@@ -144,6 +144,18 @@ pub enum Error {
     /// A feature the installed driver or device does not offer.
     #[error("{what} is not supported here: {detail}")]
     NotSupported { what: &'static str, detail: String },
+
+    /// An environment variable of this crate holds a value it cannot use (see
+    /// [`crate::env`]).
+    #[error("{var}={value:?} is not {expected}")]
+    InvalidEnv {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What it accepts.
+        expected: &'static str,
+    },
 }
 
 impl Error {

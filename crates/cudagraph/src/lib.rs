@@ -33,6 +33,7 @@
 //! ```
 
 pub mod device;
+pub mod env;
 pub mod error;
 pub mod graph;
 pub mod ids;

@@ -351,7 +351,7 @@ pub(crate) unsafe fn copy_mapped<Q: Queue + ?Sized>(
     src: u64,
     bytes: usize,
 ) -> Result<bool> {
-    let Some(c) = super::copy::mapped_kernel_for(q.device(), q.is_capturing(), dst, src, bytes)
+    let Some(c) = super::copy::mapped_kernel_for(q.device(), q.is_capturing(), dst, src, bytes)?
     else {
         return Ok(false);
     };
@@ -496,7 +496,7 @@ pub trait QueueExt: Queue {
             src.addr_at(src_offset)?,
             len * std::mem::size_of::<T>(),
         );
-        if let Some(c) = super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes) {
+        if let Some(c) = super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes)? {
             // SAFETY: the kernel copies `bytes` bytes from src_offset and dst_offset, in range
             // of src and dst (checked above), both addresses 16-byte aligned (checked by
             // kernel_for); both blocks were declared with use_block.
