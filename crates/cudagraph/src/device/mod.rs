@@ -35,8 +35,8 @@ use crate::memory::{
     hold_forever, source::DeviceSource, Allocator, BlockRef, DeviceBuffer, Elem, MemoryStats,
     PinnedBuffer, Pool, PoolId,
 };
-use crate::runtime::context::Quiet;
 use crate::runtime::memory as raw;
+use crate::runtime::primary::Quiet;
 use crate::runtime::{
     Context, DeviceInfo, Event, Function, Module, StreamHandle, StreamRef, WeakStream,
 };

@@ -11,8 +11,9 @@ use super::{Graph, GraphMemory, Keep};
 use crate::device::{check_device, check_range, Arg, Device};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem};
-use crate::runtime::graph::{GraphHandle, HostFn, RawNode};
+use crate::runtime::graph::{GraphHandle, HostFn};
 use crate::runtime::module::{OwnedParam, ParamValue};
+use crate::runtime::raw::RawNode;
 use crate::runtime::{Function, LaunchConfig};
 
 /// A node added to a [`GraphBuilder`].

@@ -27,7 +27,8 @@ use super::{CaptureStream, Keep};
 use crate::device::{check_device, Arg, Device, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::{BlockRef, DeviceBuffer};
-use crate::runtime::graph::{self as raw, RawGraph, RawNode};
+use crate::runtime::graph as raw;
+use crate::runtime::raw::{RawGraph, RawNode};
 use crate::runtime::{Function, LaunchConfig, Module, StreamHandle};
 
 pub use crate::runtime::graph::ConditionalKind;

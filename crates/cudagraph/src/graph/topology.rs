@@ -10,7 +10,8 @@ use std::path::Path;
 use super::conditional::{CondRecord, ConditionalKind};
 use super::{ConditionalCounts, Graph, NodeCounts};
 use crate::error::{Error, Result};
-use crate::runtime::graph::{self as raw, RawGraph};
+use crate::runtime::graph as raw;
+use crate::runtime::raw::RawGraph;
 
 impl NodeCounts {
     fn add(&mut self, o: &NodeCounts) {

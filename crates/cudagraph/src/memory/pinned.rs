@@ -9,8 +9,8 @@ use super::{bytes_for, Elem};
 use crate::error::Result;
 use std::sync::Arc;
 
-use crate::runtime::context::ContextHandle;
 use crate::runtime::memory::PinnedAlloc;
+use crate::runtime::primary::ContextHandle;
 
 /// `len` elements of `T` in page-locked host memory, zero-initialised.
 pub struct PinnedBuffer<T: Elem> {

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use super::caching::SegmentSource;
 use crate::env::{self, CachedSwitch};
 use crate::error::{Error, Result};
-use crate::runtime::context::ContextHandle;
 use crate::runtime::memory;
+use crate::runtime::primary::ContextHandle;
 
 /// Whether every segment taken from and returned to the driver is printed
 /// ([`env::TRACE_SEGMENTS`]); an error when the variable is not a switch.

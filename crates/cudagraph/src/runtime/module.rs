@@ -13,14 +13,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use super::context::{Context, ContextHandle, LOAD_PATIENCE};
-use super::nvrtc;
-use super::result::{check, driver_has, driver_symbol, raw_handle};
-use super::stream::RawStream;
+use super::primary::{ContextHandle, LOAD_PATIENCE};
+use super::raw::{RawFunction, RawModule, RawStream};
+use super::result::{check, driver_has, driver_symbol};
 use crate::error::{Error, Result};
-
-raw_handle!(RawModule, sys::CUmodule);
-raw_handle!(RawFunction, sys::CUfunction);
 
 /// What a kernel parameter holds, as far as its declaration tells.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -166,60 +162,42 @@ impl fmt::Debug for Module {
     }
 }
 
-impl Context {
-    /// Compiles `source` with NVRTC for this device (or takes it from the in-memory or disk
-    /// cache) and loads it. `name` is used in error messages and cache file names.
-    #[track_caller]
-    pub fn compile(&self, name: &str, source: &str) -> Result<Module> {
-        let key = nvrtc::cache_key(source, &self.info().arch());
-        if let Some(m) = self
-            .modules
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-        {
-            return Ok(m.clone());
-        }
-        let ptx = nvrtc::compile_cached(name, source, &self.info().arch(), key)?;
-        let module = Module::load_ptx(self, name, &ptx)?;
-        self.modules
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, module.clone());
-        Ok(module)
-    }
+/// Loads PTX text into the context `ctx` of device `ordinal` (the body of
+/// [`Module::load_ptx`], which takes the public [`super::Context`]).
+#[track_caller]
+pub(super) fn load_ptx(
+    ctx: &Arc<ContextHandle>,
+    ordinal: usize,
+    name: &str,
+    ptx: &str,
+) -> Result<Module> {
+    let image = CString::new(ptx).map_err(|_| Error::Compile {
+        module: name.into(),
+        log: "PTX text contains a NUL byte".into(),
+    })?;
+    ctx.bind()?;
+    let mut m = ptr::null_mut();
+    // Loading may synchronise the context: held off other threads' captures (bounded).
+    let _quiet = ctx.gate().quiet_within(LOAD_PATIENCE);
+    // SAFETY: image is a NUL-terminated PTX string alive for the call.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
+        "cuModuleLoadData",
+    )?;
+    Ok(Module {
+        inner: Arc::new(ModuleInner {
+            raw: RawModule(m),
+            name: name.to_string(),
+            params: ptx_entry_params(ptx),
+            functions: Mutex::new(Vec::new()),
+            ordinal,
+            ctx: ctx.clone(),
+            patience: Mutex::new(LOAD_PATIENCE),
+        }),
+    })
 }
 
 impl Module {
-    /// Loads PTX text into `ctx`.
-    #[track_caller]
-    pub fn load_ptx(ctx: &Context, name: &str, ptx: &str) -> Result<Self> {
-        let image = CString::new(ptx).map_err(|_| Error::Compile {
-            module: name.into(),
-            log: "PTX text contains a NUL byte".into(),
-        })?;
-        ctx.bind()?;
-        let mut m = ptr::null_mut();
-        // Loading may synchronise the context: held off other threads' captures (bounded).
-        let _quiet = ctx.handle.gate().quiet_within(LOAD_PATIENCE);
-        // SAFETY: image is a NUL-terminated PTX string alive for the call.
-        check(
-            unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
-            "cuModuleLoadData",
-        )?;
-        Ok(Module {
-            inner: Arc::new(ModuleInner {
-                raw: RawModule(m),
-                name: name.to_string(),
-                params: ptx_entry_params(ptx),
-                functions: Mutex::new(Vec::new()),
-                ordinal: ctx.ordinal(),
-                ctx: ctx.handle.clone(),
-                patience: Mutex::new(LOAD_PATIENCE),
-            }),
-        })
-    }
-
     /// Looks up an `extern "C" __global__` function.
     #[track_caller]
     pub fn function(&self, name: &str) -> Result<Function> {
