@@ -27,7 +27,7 @@
 //!
 //! Captures on other threads, through other allocators of the same context (every `Device`
 //! handle has its own), are kept apart by the source: the device's source releases only while
-//! it holds the context's capture gate (`runtime::context::CaptureGate`), and says "not now"
+//! it holds the context's capture gate (`runtime::primary::CaptureGate`), and says "not now"
 //! while any capture of the context is open ([`SegmentSource::may_release`]). Segments it
 //! could not release stay cached; closed pools' ones are retried at later frees.
 //!
@@ -43,11 +43,10 @@ use super::caching::{
     allocate_via, release_via, Allocation, AllocatorCore, CoreAccess, Fence, MemoryStats, PoolId,
     ReleasePlan, SegmentSource, WindowStats,
 };
-use super::{BlockRef, Pool};
 use crate::error::{Error, Result};
 
 /// Refuses eager allocations from a graph pool (see [`Allocator::allocate`]).
-fn refuse_graph_pool(pool: PoolId) -> Result<()> {
+pub(super) fn refuse_graph_pool(pool: PoolId) -> Result<()> {
     if pool != PoolId::DEFAULT {
         return Err(Error::InvalidGraph {
             problem: format!(
@@ -191,7 +190,7 @@ impl Allocator {
         allocate_via(&mut Locked(self), &*self.source, bytes, pool, stream)
     }
 
-    fn check_stream(&self, stream: StreamRef<'_>) -> Result<()> {
+    pub(super) fn check_stream(&self, stream: StreamRef<'_>) -> Result<()> {
         let got = stream.context().ordinal();
         if self.is_device_allocator() && got != self.ordinal {
             return Err(Error::WrongDevice {
@@ -201,40 +200,6 @@ impl Allocator {
             });
         }
         Ok(())
-    }
-
-    /// Allocates a shared block of the default pool, stream-ordered on `stream` (see
-    /// [`Self::allocate`]), that frees itself when its last holder drops. For library state
-    /// such as workspaces; model code allocates with `Queue::alloc`.
-    #[track_caller]
-    pub fn allocate_block(
-        self: &Arc<Self>,
-        bytes: usize,
-        stream: StreamRef<'_>,
-    ) -> Result<Arc<BlockRef>> {
-        self.check_stream(stream)?;
-        // SAFETY: the id is a real stream's (a `StreamRef`); the default pool.
-        unsafe { self.allocate_block_raw(bytes, PoolId::DEFAULT, stream.id(), 0) }
-    }
-
-    /// [`Self::allocate_block`] by raw stream id, inside capture `capture` (0 when eager):
-    /// for the crate's queues and CPU tests. Graph pools are refused as by
-    /// [`Self::allocate`].
-    ///
-    /// # Safety
-    /// As for [`Self::allocate_raw`]: `stream` is the id of the stream every use of the block
-    /// is ordered on, the block's reuse being ordered by that stream.
-    pub unsafe fn allocate_block_raw(
-        self: &Arc<Self>,
-        bytes: usize,
-        pool: PoolId,
-        stream: u64,
-        capture: u64,
-    ) -> Result<Arc<BlockRef>> {
-        refuse_graph_pool(pool)?;
-        // SAFETY: the caller's promise; graph pools were refused.
-        let a = unsafe { self.allocate_raw(bytes, pool, stream) }?;
-        Ok(BlockRef::from_allocation(self, a, stream, capture))
     }
 
     /// Returns the block at `addr` to its pool for reuse on its own stream. A closed pool's
@@ -290,11 +255,6 @@ impl Allocator {
     /// with [`Self::close_pool`]; [`Self::new_pool`] returns a handle that does so on drop.
     pub fn create_pool(&self, limit: Option<usize>) -> PoolId {
         self.lock().create_pool(limit)
-    }
-
-    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
-    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
-        Pool::new(self, limit)
     }
 
     /// The pool's handle is gone: its memory goes back to the driver now, or as its last
