@@ -153,9 +153,8 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
-impl sealed::Sealed for super::Stream {}
-// The capture queues live one layer up (`crate::graph`) and seal themselves there: this layer
-// names nothing above it.
+// `Stream` seals itself in `stream.rs`, and the capture queues one layer up (`crate::graph`):
+// this module names no queue.
 
 /// Work that runs eagerly on a [`crate::Stream`] or is recorded by a
 /// [`crate::CaptureStream`]. Write model code against `&dyn Queue` (or `&impl Queue`) and it runs
