@@ -7,7 +7,8 @@
 
 use std::sync::Arc;
 
-use super::{Graph, GraphMemory, Keep};
+use super::exec::{Graph, GraphMemory};
+use super::keep::Keep;
 use crate::device::{check_device, check_range, Arg, Device};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem};

@@ -35,11 +35,13 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
-use super::{CaptureMode, CaptureOptions, Graph};
+use super::capture::CaptureOptions;
+use super::exec::Graph;
 use crate::device::{Device, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::order::LastUse;
 use crate::memory::{DeviceBuffer, Elem, Pool};
+use crate::runtime::CaptureMode;
 
 /// A model that maps `rows` rows of input to `rows` rows of output, and can run on any queue.
 ///

@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use super::{CaptureOptions, CaptureStream, Graph, GraphInfo};
+use super::capture::{CaptureOptions, CaptureStream};
+use super::exec::{Graph, GraphInfo};
 use crate::device::{copy_mapped, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::pinned::{typed, typed_mut};

@@ -94,6 +94,15 @@ pub enum ConditionalKind {
     While,
 }
 
+/// A conditional node recorded in a capture: its kind, the node and its body graph (both
+/// owned by the captured graph).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CondRecord {
+    pub kind: ConditionalKind,
+    pub node: RawNode,
+    pub body: RawGraph,
+}
+
 /// Adds a conditional node to `info.graph` after `info`'s dependencies and returns it with
 /// its body graph (owned by the node: never destroy it).
 #[track_caller]

@@ -9,6 +9,7 @@ mod handle;
 mod nodes;
 mod rebind;
 
+pub(crate) use conditional::CondRecord;
 pub use conditional::ConditionalKind;
 pub(crate) use conditional::{
     add_conditional_node, begin_capture_to_graph, capture_info, conditional_handle_create,
