@@ -162,7 +162,7 @@ impl Device {
 
     /// Whether kernels can be launched with programmatic dependent launch here (compute
     /// capability 9.0 or later and a driver with `cuLaunchKernelEx`); see
-    /// [`Queue::launch_with`].
+    /// [`Queue::launch_with`](crate::Queue::launch_with).
     pub fn supports_pdl(&self) -> bool {
         self.info().compute_capability.0 >= 9 && crate::runtime::module::launch_ex_available()
     }
@@ -179,7 +179,7 @@ impl Device {
     }
 
     /// `len` elements of page-locked host memory, for fast asynchronous transfers
-    /// ([`Stream::pinned_scope`]).
+    /// ([`Stream::pinned_scope`](crate::Stream::pinned_scope)).
     #[track_caller]
     pub fn alloc_pinned<T: Elem>(&self, len: usize) -> Result<PinnedBuffer<T>> {
         PinnedBuffer::new(len, &self.inner.ctx.handle)
@@ -238,7 +238,7 @@ impl Device {
     /// Reports (and marks taken) a device-side check that failed (an index out of range, say)
     /// in work of any stream or graph of this device since its last report, as
     /// [`Error::DeviceCheck`](crate::Error::DeviceCheck). Only work that has completed can have raised it: call after a
-    /// synchronisation. [`Stream::synchronize`] reports only its own stream's work.
+    /// synchronisation. [`Stream::synchronize`](crate::Stream::synchronize) reports only its own stream's work.
     pub fn check_errors(&self) -> Result<()> {
         let records: Vec<Arc<CheckRecord>> = {
             let mut reg = self.registry();

@@ -100,7 +100,7 @@ impl Stream {
 
     /// Copies host data into `dst` (same length). `src` may be reused as soon as this returns:
     /// pageable memory is staged by the driver before the call returns; page-locked memory
-    /// (a [`PinnedBuffer`]'s slice, cudarc's pinned memory, a registered range) is read by an
+    /// (a [`PinnedBuffer`](crate::PinnedBuffer)'s slice, cudarc's pinned memory, a registered range) is read by an
     /// asynchronous DMA, so for it this also waits for the stream (use
     /// [`Stream::pinned_scope`] for transfers that overlap with other work).
     #[track_caller]

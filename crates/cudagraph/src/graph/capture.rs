@@ -190,7 +190,7 @@ pub struct CaptureStream<'s> {
     pub(super) scope: Option<RefCell<BodyScope>>,
     /// Conditional nodes recorded so far, at every depth.
     pub(super) conds: RefCell<Vec<CondRecord>>,
-    /// Side streams that joined this capture (see [`Fork`]).
+    /// Side streams that joined this capture (see [`Fork`](crate::Fork)).
     pub(super) sides: &'s SideList,
     /// State shared with the whole capture.
     pub(super) shared: &'s CaptureShared,

@@ -311,7 +311,7 @@ impl Graph {
     }
 
     /// [`Self::replay`] on a library's view of a stream (for layers that hold a
-    /// [`Queue::stream_handle`] rather than a [`Stream`]). Refuses a capturing stream.
+    /// [`Queue::stream_handle`](crate::Queue::stream_handle) rather than a [`Stream`]). Refuses a capturing stream.
     #[track_caller]
     pub fn replay_on(&self, stream: StreamRef<'_>) -> Result<()> {
         if stream.context().ordinal() != self.device.ordinal() {

@@ -26,7 +26,7 @@ pub(crate) struct Keep {
     pub(super) anchors: Vec<Anchor>,
     pub(super) functions: HashSet<usize>,
     /// Blocks of the capture's own pool that a side branch used (kept as anchors, see
-    /// [`SideStream`]).
+    /// [`SideStream`](crate::SideStream)).
     pub(super) side_pinned: HashSet<usize>,
 }
 

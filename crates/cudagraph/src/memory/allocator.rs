@@ -1,6 +1,6 @@
 //! The thread-safe caching allocator shared by a device, its pools and its buffers: a mutex
 //! around [`AllocatorCore`], and the lock discipline. The bookkeeping itself lives in
-//! [`super::caching`]; the handles built on it ([`Pool`], [`BlockRef`]) in [`super`].
+//! [`super::caching`]; the handles built on it ([`Pool`](super::Pool), [`BlockRef`](super::BlockRef)) in [`super`].
 //!
 //! **The lock is never held across a call into the [`SegmentSource`].** Those calls are slow
 //! (`cuMemAlloc` and `cuMemFree` take tens of microseconds to milliseconds, and
@@ -95,8 +95,8 @@ impl CoreAccess for Locked<'_> {
 
 impl Allocator {
     /// An allocator over any segment source (`HostSource` in CPU tests), reporting `ordinal`
-    /// as its blocks' [`BlockRef::device_ordinal`]. Its blocks are never device memory as far
-    /// as this crate is concerned ([`BlockRef::is_device_memory`] is false): every queue,
+    /// as its blocks' [`BlockRef::device_ordinal`](super::BlockRef::device_ordinal). Its blocks are never device memory as far
+    /// as this crate is concerned ([`BlockRef::is_device_memory`](super::BlockRef::is_device_memory) is false): every queue,
     /// graph and builder refuses them with [`crate::Error::NotSupported`]. Devices make their
     /// own allocators.
     ///
@@ -108,11 +108,11 @@ impl Allocator {
     /// ```
     ///
     /// # Safety
-    /// Code that checks buffers only by [`BlockRef::device_ordinal`] before handing their
+    /// Code that checks buffers only by [`BlockRef::device_ordinal`](super::BlockRef::device_ordinal) before handing their
     /// addresses to CUDA libraries (libraries layered on cudagraph may) would take these blocks
-    /// for device `ordinal`'s memory. No block of this allocator, nor of a [`Pool`] made from
+    /// for device `ordinal`'s memory. No block of this allocator, nor of a [`Pool`](super::Pool) made from
     /// it, may reach such code; only this crate's own entry points, which check
-    /// [`BlockRef::is_device_memory`], may be given them.
+    /// [`BlockRef::is_device_memory`](super::BlockRef::is_device_memory), may be given them.
     pub unsafe fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
         Self::with_kind(source, ordinal, false)
     }

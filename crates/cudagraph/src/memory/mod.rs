@@ -2,7 +2,7 @@
 //!
 //! Every device buffer the library hands out comes from one [`Allocator`] per device. The
 //! bookkeeping lives in [`caching`] and is tested on the CPU against real host memory
-//! ([`HostSource`]); on a GPU the same code runs over `cuMemAlloc` ([`source::DeviceSource`]).
+//! ([`HostSource`]); on a GPU the same code runs over `cuMemAlloc` (`source::DeviceSource`).
 //! Streams and kernel launches are one layer down ([`crate::runtime`]); queues and capture are
 //! above ([`crate::device`], [`crate::graph`]).
 //!

@@ -13,7 +13,7 @@
 //! and come from 2 MiB segments; larger ones come from 20 MiB segments, or from a segment of
 //! their own (rounded to 2 MiB) above 10 MiB. Small and large blocks never share a segment.
 //! Every rounding and every sum of sizes is checked: a request too large to round or to fit a
-//! limit fails with [`Error::SizeOverflow`] or [`Error::PoolLimitExceeded`], never wraps.
+//! limit fails with [`Error::SizeOverflow`](crate::Error::SizeOverflow) or [`Error::PoolLimitExceeded`](crate::Error::PoolLimitExceeded), never wraps.
 //!
 //! Calls into the source are slow (cuMemAlloc, cuMemFree, cuCtxSynchronize), so the core works
 //! in phases that the thread-safe [`crate::memory::Allocator`] runs with its lock released

@@ -10,7 +10,7 @@ use crate::ids::PoolId;
 use super::contract::SegmentSource;
 use super::sizes::Class;
 
-/// A block handed out by [`AllocatorCore::allocate`].
+/// A block handed out by [`AllocatorCore::allocate`](super::AllocatorCore::allocate).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Allocation {
     /// Address of the block's first byte.
@@ -22,10 +22,10 @@ pub struct Allocation {
 }
 
 /// Segments detached from the bookkeeping, to be given back to the source with no lock held:
-/// [`ReleasePlan::execute`], then [`AllocatorCore::finish_release`].
+/// [`ReleasePlan::execute`], then [`AllocatorCore::finish_release`](super::AllocatorCore::finish_release).
 ///
 /// While a non-empty plan is unfinished the allocator counts a release in flight (see
-/// [`AllocatorCore::releases_in_flight`]); its segments are reserved but unusable. A plan that
+/// [`AllocatorCore::releases_in_flight`](super::AllocatorCore::releases_in_flight)); its segments are reserved but unusable. A plan that
 /// is finished without being executed puts its segments back in the cache.
 #[derive(Debug, Default)]
 #[must_use = "a release plan must be finished with AllocatorCore::finish_release"]
@@ -48,7 +48,7 @@ pub struct ReleasePlan {
 #[derive(Debug)]
 pub(super) struct Detached {
     pub(super) base: u64,
-    /// The segment's [`Segment::id`] when detached.
+    /// The segment's [`Segment::id`](super::state::Segment::id) when detached.
     pub(super) id: u64,
     pub(super) size: usize,
     pub(super) released: bool,
@@ -78,7 +78,7 @@ impl ReleasePlan {
     }
 
     /// Synchronises `source` once, then releases every segment; call it with no lock held.
-    /// Failures are recorded and reported by [`AllocatorCore::finish_release`]: after a
+    /// Failures are recorded and reported by [`AllocatorCore::finish_release`](super::AllocatorCore::finish_release): after a
     /// failed synchronisation nothing is released (queued work may still use the memory).
     /// When the source does not allow releasing now, nothing is released and the plan is
     /// marked deferred (the teardown's plan waits until it may).
@@ -117,8 +117,8 @@ impl ReleasePlan {
 }
 
 /// A new segment to obtain for an allocation that missed the cache: reserved against the
-/// pool's limit from [`AllocatorCore::begin_allocate`] until [`AllocatorCore::finish_grow`]
-/// (or [`AllocatorCore::cancel_grow`]).
+/// pool's limit from [`AllocatorCore::begin_allocate`](super::AllocatorCore::begin_allocate) until [`AllocatorCore::finish_grow`](super::AllocatorCore::finish_grow)
+/// (or [`AllocatorCore::cancel_grow`](super::AllocatorCore::cancel_grow)).
 #[derive(Debug)]
 #[must_use = "a grow plan must be finished with AllocatorCore::finish_grow or cancel_grow"]
 pub struct GrowPlan {
@@ -152,7 +152,7 @@ impl GrowPlan {
     }
 }
 
-/// What [`AllocatorCore::begin_allocate`] decided.
+/// What [`AllocatorCore::begin_allocate`](super::AllocatorCore::begin_allocate) decided.
 #[derive(Debug)]
 #[must_use]
 pub enum AllocStep {

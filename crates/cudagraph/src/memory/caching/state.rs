@@ -54,7 +54,7 @@ pub(super) struct PoolState {
     pub(super) window: Option<(usize, usize)>,
 }
 
-/// The allocator state machine. Not thread-safe; [`super::Allocator`] wraps it in a mutex and
+/// The allocator state machine. Not thread-safe; [`crate::memory::Allocator`] wraps it in a mutex and
 /// runs its phases with the mutex released around every call into the source.
 pub struct AllocatorCore {
     pub(super) source: Arc<dyn SegmentSource>,

@@ -17,7 +17,7 @@ pub struct MemoryStats {
     pub peak_reserved: usize,
     /// Blocks currently handed out (pending blocks included).
     pub active_blocks: usize,
-    /// Freed blocks still waiting for fences ([`AllocatorCore::free_after`]) before reuse.
+    /// Freed blocks still waiting for fences ([`AllocatorCore::free_after`](super::AllocatorCore::free_after)) before reuse.
     pub pending_blocks: usize,
     /// Segments currently held.
     pub segments: usize,

@@ -120,7 +120,7 @@ impl GraphHandle {
     /// Adds a kernel node.
     ///
     /// # Safety
-    /// As for [`super::module::launch`]: `params` checked against `f`, `dims` against its
+    /// As for [`crate::runtime::module::launch`]: `params` checked against `f`, `dims` against its
     /// limits, and the memory the kernel reaches valid whenever the graph runs.
     #[track_caller]
     pub(crate) unsafe fn add_kernel(
