@@ -98,18 +98,22 @@ impl Device {
         })
     }
 
+    /// The device's CUDA context (its retained primary context).
     pub fn context(&self) -> &Context {
         &self.inner.ctx
     }
 
+    /// Facts read off the device when it was opened.
     pub fn info(&self) -> &DeviceInfo {
         self.inner.ctx.info()
     }
 
+    /// The device's ordinal (0 for the first GPU).
     pub fn ordinal(&self) -> usize {
         self.inner.ctx.ordinal()
     }
 
+    /// The caching allocator every buffer of this device handle comes from.
     pub fn allocator(&self) -> &Arc<Allocator> {
         &self.inner.alloc
     }

@@ -34,14 +34,22 @@ pub enum Arg<'a> {
     /// A device address. `holder` is the block it points into; `None` for addresses the
     /// library cannot see (null, or memory someone else owns).
     Ptr {
+        /// The device address.
         addr: u64,
+        /// The block it points into, if the library knows it.
         holder: Option<&'a Arc<BlockRef>>,
     },
+    /// A 32-bit signed integer.
     I32(i32),
+    /// A 32-bit unsigned integer.
     U32(u32),
+    /// A 64-bit signed integer.
     I64(i64),
+    /// A 64-bit unsigned integer (or a raw handle, as a value).
     U64(u64),
+    /// A single-precision float.
     F32(f32),
+    /// A double-precision float.
     F64(f64),
     /// A by-value struct parameter, its bytes laid out as the kernel declares the struct.
     /// Device addresses inside it are invisible to the library: the launching code must call

@@ -1,6 +1,6 @@
 //! Explicit graph building (seed 003): kernel, copy, memset, host-function and child-graph
-//! nodes with explicit dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works, validated before the driver
-//! sees them.
+//! nodes with explicit dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works,
+//! validated before the driver sees them.
 //!
 //! Dependencies can only name nodes added earlier, so a built graph is acyclic by
 //! construction; a dependency on a node that does not exist is a typed error.
@@ -73,6 +73,7 @@ impl std::fmt::Debug for GraphBuilder {
 }
 
 impl GraphBuilder {
+    /// An empty graph for `device`.
     pub fn new(device: &Device) -> Self {
         Self {
             device: device.clone(),
@@ -86,6 +87,7 @@ impl GraphBuilder {
         self.nodes.len()
     }
 
+    /// Whether no node has been added yet.
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
     }

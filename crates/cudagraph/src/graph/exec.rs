@@ -22,15 +22,22 @@ use crate::runtime::{capturing_on_this_thread, Event, StreamRef};
 /// Counts of graph nodes by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeCounts {
+    /// Kernel nodes.
     pub kernel: usize,
+    /// Copy nodes.
     pub memcpy: usize,
+    /// Memset nodes.
     pub memset: usize,
+    /// Host-function nodes.
     pub host: usize,
+    /// Child-graph nodes.
     pub child_graph: usize,
+    /// Empty nodes (joins).
     pub empty: usize,
     /// Conditional (IF / WHILE) nodes; their bodies are counted in
     /// [`GraphInfo::conditionals`].
     pub conditional: usize,
+    /// Nodes of any other kind (events, memory operations, …).
     pub other: usize,
 }
 
@@ -52,6 +59,7 @@ impl NodeCounts {
         c
     }
 
+    /// Nodes of every kind together.
     pub fn total(&self) -> usize {
         self.kernel
             + self.memcpy
@@ -82,9 +90,13 @@ pub struct GraphMemory {
 /// Facts about one graph.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GraphInfo {
+    /// Nodes of the top-level graph, by kind.
     pub nodes: NodeCounts,
+    /// How long the capture took (zero for hand-built graphs).
     pub capture_time: Duration,
+    /// How long instantiation took.
     pub instantiate_time: Duration,
+    /// Memory the graph accounts for.
     pub memory: GraphMemory,
     /// Conditional nodes at every depth, by kind, and the nodes inside their bodies.
     pub conditionals: ConditionalCounts,
@@ -95,7 +107,9 @@ pub struct GraphInfo {
 /// Conditional nodes of a graph (at any depth) and what their bodies hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConditionalCounts {
+    /// IF nodes.
     pub if_nodes: usize,
+    /// WHILE nodes.
     pub while_nodes: usize,
     /// Nodes inside conditional bodies, nested bodies included (the conditional nodes of
     /// nested conditionals among them).
@@ -389,6 +403,7 @@ impl Graph {
         Ok(())
     }
 
+    /// Facts about this graph: nodes, capture and instantiation times, memory.
     pub fn info(&self) -> &GraphInfo {
         &self.info
     }
@@ -432,6 +447,7 @@ impl Graph {
         self.lock().exec.graph.dot_print(path)
     }
 
+    /// The device the graph runs on.
     pub fn device(&self) -> &Device {
         &self.device
     }

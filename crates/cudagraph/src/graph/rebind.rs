@@ -17,9 +17,15 @@ use crate::runtime::graph::{self as raw, Remap};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RebindOutcome {
     /// The executable graph was updated in place (`nodes` nodes changed).
-    Updated { nodes: usize },
+    Updated {
+        /// Nodes whose parameters changed.
+        nodes: usize,
+    },
     /// The driver refused the in-place update; the graph was re-instantiated.
-    Reinstantiated { nodes: usize },
+    Reinstantiated {
+        /// Nodes whose parameters changed.
+        nodes: usize,
+    },
 }
 
 impl Graph {

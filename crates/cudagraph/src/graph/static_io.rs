@@ -60,10 +60,12 @@ impl<'a, O: Elem> Outputs<'a, O> {
         Some(typed(self.host.get(i)?, *self.lens.get(i)?))
     }
 
+    /// How many outputs there are.
     pub fn len(&self) -> usize {
         self.lens.len()
     }
 
+    /// Whether there are no outputs.
     pub fn is_empty(&self) -> bool {
         self.lens.is_empty()
     }
@@ -127,10 +129,12 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
         })
     }
 
+    /// Elements of each static input.
     pub fn input_lens(&self) -> Vec<usize> {
         self.inputs.iter().map(|b| b.len()).collect()
     }
 
+    /// Elements of each static output.
     pub fn output_lens(&self) -> Vec<usize> {
         self.outputs.iter().map(|b| b.len()).collect()
     }
@@ -145,10 +149,12 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
         &self.outputs
     }
 
+    /// Facts about the captured graph.
     pub fn info(&self) -> &GraphInfo {
         self.graph.info()
     }
 
+    /// The captured graph's `Debug` line (nodes, memory, times, replays).
     pub fn graph_debug(&self) -> String {
         format!("{:?}", self.graph)
     }

@@ -1,6 +1,7 @@
 //! The thread-safe caching allocator shared by a device, its pools and its buffers: a mutex
 //! around [`AllocatorCore`], and the lock discipline. The bookkeeping itself lives in
-//! [`super::caching`]; the handles built on it ([`Pool`](super::Pool), [`BlockRef`](super::BlockRef)) in [`super`].
+//! [`super::caching`]; the handles built on it ([`Pool`](super::Pool),
+//! [`BlockRef`](super::BlockRef)) in [`super`].
 //!
 //! **The lock is never held across a call into the [`SegmentSource`].** Those calls are slow
 //! (`cuMemAlloc` and `cuMemFree` take tens of microseconds to milliseconds, and

@@ -189,6 +189,7 @@ impl BlockRef {
         })
     }
 
+    /// Device address of the block's first byte.
     pub fn addr(&self) -> u64 {
         self.addr
     }
@@ -196,6 +197,7 @@ impl BlockRef {
     pub fn size(&self) -> usize {
         self.size
     }
+    /// The pool the block came from (the default pool for external memory).
     pub fn pool(&self) -> PoolId {
         self.pool
     }

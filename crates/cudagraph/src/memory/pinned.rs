@@ -40,10 +40,12 @@ impl<T: Elem> PinnedBuffer<T> {
         })
     }
 
+    /// Elements in the buffer.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the buffer holds no element.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

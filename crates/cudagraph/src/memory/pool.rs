@@ -65,10 +65,12 @@ impl Pool {
         }
     }
 
+    /// The pool's id in its allocator.
     pub fn id(&self) -> PoolId {
         self.inner.id
     }
 
+    /// Memory counters of this pool.
     pub fn stats(&self) -> MemoryStats {
         self.inner.alloc.pool_stats(self.inner.id)
     }
@@ -83,6 +85,7 @@ impl Pool {
         self.inner.alloc.set_limit(self.inner.id, limit)
     }
 
+    /// The allocator the pool belongs to.
     pub fn allocator(&self) -> &Arc<Allocator> {
         &self.inner.alloc
     }

@@ -1,4 +1,7 @@
-//! Device segments from `cuMemAlloc`, for the device's allocator.
+//! Device segments from `cuMemAlloc`, for the device's allocator: the [`SegmentSource`] every
+//! [`crate::Device`] allocates through, releasing only while it holds the context's capture
+//! gate. When to allocate or release is decided by the bookkeeping in `caching`; host memory
+//! for tests comes from `host.rs`.
 
 use std::sync::Arc;
 

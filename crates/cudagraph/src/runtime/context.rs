@@ -25,14 +25,21 @@ use crate::error::{Error, Result};
 /// Facts about a device, read once when it is opened.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceInfo {
+    /// The device's ordinal.
     pub ordinal: usize,
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
     pub name: String,
     /// Compute capability (major, minor), e.g. (9, 0) for Hopper.
     pub compute_capability: (u32, u32),
+    /// Streaming multiprocessors.
     pub multiprocessors: u32,
+    /// Device memory, in bytes.
     pub total_memory: usize,
+    /// Most threads one block may have.
     pub max_threads_per_block: u32,
+    /// Most blocks along a grid's x dimension.
     pub max_grid_x: u32,
+    /// Shared memory one block may use without opting in, in bytes.
     pub max_shared_memory_per_block: u32,
     /// Driver's CUDA version, e.g. 13000 for CUDA 13.0.
     pub driver_version: i32,
@@ -159,10 +166,12 @@ impl Context {
         })
     }
 
+    /// Facts read off the device when it was opened.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }
 
+    /// The device's ordinal.
     pub fn ordinal(&self) -> usize {
         self.info.ordinal
     }

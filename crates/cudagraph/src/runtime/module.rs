@@ -34,7 +34,9 @@ pub enum ParamKind {
 /// One declared kernel parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ParamDecl {
+    /// Bytes the parameter takes.
     pub size: usize,
+    /// What it holds, as far as its declaration tells.
     pub kind: ParamKind,
 }
 
@@ -274,6 +276,7 @@ impl Module {
         })
     }
 
+    /// The name the module was compiled or loaded under.
     pub fn name(&self) -> &str {
         &self.inner.name
     }
@@ -352,6 +355,7 @@ pub(crate) enum ParamData<'a> {
 }
 
 impl<'a> ParamValue<'a> {
+    /// An integer or pointer argument of `size` bytes: the low `size` bytes of `bits`.
     pub fn int(bits: u64, size: u8) -> Self {
         Self {
             data: ParamData::Word(bits),
@@ -359,6 +363,8 @@ impl<'a> ParamValue<'a> {
             kind: ParamKind::Int,
         }
     }
+    /// A floating-point argument of `size` bytes: the low `size` bytes of `bits` (`f32::to_bits` or
+    /// `f64::to_bits`).
     pub fn float(bits: u64, size: u8) -> Self {
         Self {
             data: ParamData::Word(bits),
@@ -405,6 +411,7 @@ impl OwnedParam {
 }
 
 impl Function {
+    /// The kernel's name.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -499,8 +506,11 @@ fn check_args(kernel: &str, decls: &[ParamDecl], args: &[ParamValue<'_>]) -> Res
 /// Grid and block shape of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
+    /// Blocks along x, y and z.
     pub grid: (u32, u32, u32),
+    /// Threads per block along x, y and z.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
     pub shared_mem_bytes: u32,
 }
 

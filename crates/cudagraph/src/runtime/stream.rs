@@ -344,6 +344,7 @@ impl StreamHandle {
         self.0.id
     }
 
+    /// The context the stream belongs to.
     pub fn context(&self) -> &Context {
         &self.0.ctx
     }
@@ -357,6 +358,8 @@ impl StreamHandle {
         StreamRef(&self.0)
     }
 
+    /// Blocks until all work enqueued on this stream has finished (no device-side check is read
+    /// here; [`crate::Stream::synchronize`] does that).
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
         self.0.ctx.bind()?;
@@ -515,6 +518,7 @@ impl<'a> StreamRef<'a> {
         self.0.id
     }
 
+    /// The context the stream belongs to.
     pub fn context(&self) -> &'a Context {
         &self.0.ctx
     }

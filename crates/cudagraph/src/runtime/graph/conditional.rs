@@ -90,7 +90,9 @@ pub(crate) fn conditional_handle_create(g: RawGraph, ctx: &Context) -> Result<u6
 /// IF (body runs once when the condition is non-zero) or WHILE (body repeats while it is).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ConditionalKind {
+    /// Runs its body once when the condition is non-zero.
     If,
+    /// Runs its body as long as the condition is non-zero, tested before each iteration.
     While,
 }
 
