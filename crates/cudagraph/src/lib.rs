@@ -6,8 +6,11 @@
 //!
 //! Layers (see ARCHITECTURE.md): [`runtime`] (context, streams, kernels; all FFI) →
 //! [`memory`] (caching allocator, pools, stats) → [`device`] (devices, streams, the `Queue`
-//! of work) → [`graph`] (capture, replay, static I/O). Kernel launches are `unsafe`: no
-//! signature says which memory a kernel touches (argument counts and kinds are checked).
+//! of work) → [`graph`] (capture, replay, static I/O); [`error`], [`ids`] and
+//! [`env`](mod@env) (every environment variable the crate reads) sit below them all,
+//! [`interop`] (cudarc) and [`testing`] (the GPU test gate) above. Kernel launches are
+//! `unsafe`: no signature says which memory a kernel touches (argument counts and kinds are
+//! checked).
 //!
 //! ```no_run
 //! use cudagraph::*;
@@ -32,7 +35,10 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod device;
+pub mod env;
 pub mod error;
 pub mod graph;
 pub mod ids;

@@ -7,20 +7,33 @@
 //! [`skip_or_fail`], which follows the same rule. [`assert_bits_eq`] is the comparison of
 //! results documented as bit-identical (a graph replay against the eager run of the same
 //! kernels): bits, not a tolerance, with the first differing index in the message.
+//!
+//! The variables these helpers read are named in [`crate::env`]; a value they cannot use
+//! fails the test that reads it, naming the variable.
 
+use crate::env;
 use crate::Device;
 
-/// Name of the variable that turns a missing GPU into a test failure.
-pub const REQUIRE_GPU_VAR: &str = "CUDAGRAPH_REQUIRE_GPU";
+/// Name of the variable that turns a missing GPU into a test failure ([`env::REQUIRE_GPU`]).
+pub use crate::env::REQUIRE_GPU as REQUIRE_GPU_VAR;
 
-/// Whether a missing GPU must fail the test.
+/// Whether a missing GPU must fail the test ([`env::REQUIRE_GPU`]).
+///
+/// # Panics
+/// When the variable is set to something other than an on/off switch.
+#[track_caller]
 pub fn gpu_required() -> bool {
-    flag(REQUIRE_GPU_VAR)
+    flag(env::REQUIRE_GPU)
 }
 
-/// Whether the test switch `var` is on (`1` or `true`).
-fn flag(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+/// Whether the test switch `var` is on (off when unset).
+///
+/// # Panics
+/// When `var` is set to something other than an on/off switch (a test helper fails the test
+/// rather than guess).
+#[track_caller]
+fn flag(var: &'static str) -> bool {
+    env::switch(var, false).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Device 0, or `None` (after printing why) when there is none and the GPU is not required.
@@ -68,9 +81,9 @@ fn skip_or_fail_when(required_by: Option<&str>, reason: &str) {
 }
 
 /// Name of the variable that makes multi-GPU tests fail, instead of skipping, when fewer GPUs
-/// are there: `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine (the same variable as the NN
-/// crate's distributed tests read).
-pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
+/// are there ([`env::REQUIRE_GPUS`]): `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine (the same
+/// variable as the NN crate's distributed tests read).
+pub use crate::env::REQUIRE_GPUS as REQUIRE_GPUS_VAR;
 
 /// Devices `0..n`, or `None` (after printing why) when fewer can be opened. Fails instead when
 /// `CUDAGRAPH_REQUIRE_GPU=1` or `CUDAGRAPH_REQUIRE_GPUS` is `n` or more.
@@ -102,11 +115,14 @@ pub fn gpus_or_skip(n: usize) -> Option<Vec<Device>> {
     Some(devices)
 }
 
-/// How many GPUs `CUDAGRAPH_REQUIRE_GPUS` requires (0 when unset or not a number).
+/// How many GPUs `CUDAGRAPH_REQUIRE_GPUS` requires (0 when unset or empty).
+///
+/// # Panics
+/// When the variable is set to something other than a whole number.
+#[track_caller]
 fn gpus_required() -> usize {
-    std::env::var(REQUIRE_GPUS_VAR)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
+    env::count(env::REQUIRE_GPUS)
+        .unwrap_or_else(|e| panic!("{e}"))
         .unwrap_or(0)
 }
 
@@ -159,17 +175,17 @@ pub fn assert_bits_eq(got: &[f32], want: &[f32], what: impl std::fmt::Display) {
 }
 
 /// Name of the variable that keeps device 0's primary context retained for the whole test
-/// process (`CUDAGRAPH_TEST_KEEP_CONTEXT=1`). Without it every test that drops its last
-/// `Device` destroys the context and the next test creates a new one, as a process that opens
-/// and closes the device would. Only the context is kept: the library's per-device state
-/// (allocator, library handles) still goes with the last `Device`.
-pub const KEEP_CONTEXT_VAR: &str = "CUDAGRAPH_TEST_KEEP_CONTEXT";
+/// process (`CUDAGRAPH_TEST_KEEP_CONTEXT=1`, [`env::TEST_KEEP_CONTEXT`]). Without it every test
+/// that drops its last `Device` destroys the context and the next test creates a new one, as a
+/// process that opens and closes the device would. Only the context is kept: the library's
+/// per-device state (allocator, library handles) still goes with the last `Device`.
+pub use crate::env::TEST_KEEP_CONTEXT as KEEP_CONTEXT_VAR;
 
 fn keep_context() {
     use std::sync::OnceLock;
     static KEPT: OnceLock<Option<crate::runtime::Context>> = OnceLock::new();
     KEPT.get_or_init(|| {
-        flag(KEEP_CONTEXT_VAR)
+        flag(env::TEST_KEEP_CONTEXT)
             .then(|| crate::runtime::Context::open(0).ok())
             .flatten()
     });
@@ -186,32 +202,39 @@ macro_rules! gpu_test_device {
     };
 }
 
-/// Name of the variable that asks GPU tests for fewer iterations (set by `bench/sanitize.sh`:
-/// under compute-sanitizer every launch costs milliseconds).
-pub const QUICK_VAR: &str = "CUDAGRAPH_TEST_QUICK";
+/// Name of the variable that asks GPU tests for fewer iterations ([`env::TEST_QUICK`], set by
+/// `bench/sanitize.sh`: under compute-sanitizer every launch costs milliseconds).
+pub use crate::env::TEST_QUICK as QUICK_VAR;
 
 /// `quick` when `CUDAGRAPH_TEST_QUICK=1`, else `full`: the iteration count of a loop whose
 /// length adds time but no coverage under instrumentation.
+///
+/// # Panics
+/// When the variable is set to something other than an on/off switch.
+#[track_caller]
 pub fn iterations(full: usize, quick: usize) -> usize {
-    if flag(QUICK_VAR) {
+    if flag(env::TEST_QUICK) {
         quick
     } else {
         full
     }
 }
 
-/// Name of the variable that makes [`settle`] synchronise the device (an experiment for runs
-/// under compute-sanitizer, whose reports inside WHILE bodies using memory allocated just before
-/// or during the capture go away, in NVIDIA/warp#1406, with a synchronisation in between).
-pub const SETTLE_VAR: &str = "CUDAGRAPH_TEST_SETTLE";
+/// Name of the variable that makes [`settle`] synchronise the device ([`env::TEST_SETTLE`]; an
+/// experiment for runs under compute-sanitizer, whose reports inside WHILE bodies using memory
+/// allocated just before or during the capture go away, in NVIDIA/warp#1406, with a
+/// synchronisation in between).
+pub use crate::env::TEST_SETTLE as SETTLE_VAR;
 
-/// Synchronises `device` when `CUDAGRAPH_TEST_SETTLE=1` (or `true`); otherwise does nothing. Tests call it
-/// between setting up buffers and capturing, and between capturing and replaying.
+/// Synchronises `device` when `CUDAGRAPH_TEST_SETTLE=1` (or `true`); otherwise does nothing.
+/// Tests call it between setting up buffers and capturing, and between capturing and replaying.
 ///
 /// # Panics
-/// When the synchronisation fails (the device reported an error).
+/// When the synchronisation fails (the device reported an error), or the variable is set to
+/// something other than an on/off switch.
+#[track_caller]
 pub fn settle(device: &Device) {
-    if flag(SETTLE_VAR) {
+    if flag(env::TEST_SETTLE) {
         device.synchronize().expect("device synchronisation");
     }
 }

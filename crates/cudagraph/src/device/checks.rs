@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
-use crate::runtime::context::ContextHandle;
 use crate::runtime::memory::MappedWords;
+use crate::runtime::primary::ContextHandle;
 
 /// Words of a record: [seq, seen, check id, value (2), bound (2), position (2), pad,
 /// lock pointer (2)].

@@ -7,12 +7,12 @@
 //! outputs of a [`crate::StaticGraph`] and the transfers of a
 //! [`crate::Stream::pinned_scope`]. Inside a graph the copy becomes a kernel node. Everything
 //! else — unaligned addresses, large copies, a machine without NVRTC, a capture before any eager
-//! use compiled the kernel ([`prepare`] compiles it ahead), or `CUDAGRAPH_COPY_KERNEL=0` — uses
-//! the driver's copy. Both give the same bytes.
-
-use std::sync::OnceLock;
+//! use compiled the kernel ([`prepare`] compiles it ahead), or `CUDAGRAPH_COPY_KERNEL=0`
+//! ([`crate::env::COPY_KERNEL`]) — uses the driver's copy. Both give the same bytes.
 
 use super::Device;
+use crate::env::{self, CachedSwitch};
+use crate::error::Result;
 use crate::runtime::{Function, LaunchConfig};
 
 /// The kernel's CUDA source.
@@ -21,10 +21,10 @@ pub const COPY_CUDA: &str = include_str!("copy.cu");
 /// The largest copy that runs as a kernel (beyond it both move bytes at about the same rate).
 pub const MAX_KERNEL_COPY: usize = 64 << 20;
 
-/// Turns the copy kernel off (`0`, `false`, `off`, `no`); on by default. Measured on the H100
-/// (2026-11-23): the seed MLP at batch 1, graphed with its copy in and out, 13.1 → 11.9 µs per
+/// The variable that turns the copy kernel off ([`env::COPY_KERNEL`]; on by default). Measured
+/// on the H100: the seed MLP at batch 1, graphed with its copy in and out, 13.1 → 11.9 µs per
 /// request; equal where the GPU work dominates.
-pub const COPY_KERNEL_VAR: &str = "CUDAGRAPH_COPY_KERNEL";
+pub use crate::env::COPY_KERNEL as COPY_KERNEL_VAR;
 
 /// The largest copy between the device and mapped page-locked memory that runs as a kernel.
 /// Measured on the H100 (docs/graphs.md; the seed MLP graphed with its
@@ -37,18 +37,11 @@ pub const MAX_MAPPED_COPY: usize = 2 << 20;
 /// The copy kernel of one device (a device extension); `None` when it could not be compiled.
 struct CopyKernel(Option<Function>);
 
-fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var(COPY_KERNEL_VAR)
-                .unwrap_or_default()
-                .trim()
-                .to_ascii_lowercase()
-                .as_str(),
-            "0" | "false" | "off" | "no"
-        )
-    })
+/// Whether copies may run as the kernel ([`env::COPY_KERNEL`], read at the first copy); an
+/// error when the variable is not a switch.
+fn enabled() -> Result<bool> {
+    static ON: CachedSwitch = CachedSwitch::new(env::COPY_KERNEL, true);
+    ON.get()
 }
 
 /// Whether a device-to-device copy of `bytes` bytes between these addresses can run as the
@@ -63,25 +56,26 @@ fn aligned(dst: u64, src: u64) -> bool {
 
 /// The kernel, compiled on the first eager use; inside a capture only a kernel compiled before
 /// is used.
-fn kernel(device: &Device, capturing: bool) -> Option<Function> {
-    if !enabled() {
-        return None;
+fn kernel(device: &Device, capturing: bool) -> Result<Option<Function>> {
+    if !enabled()? {
+        return Ok(None);
     }
     let k = if capturing {
-        device.extension_ready::<CopyKernel>()?
+        device.extension_ready::<CopyKernel>()
     } else {
         device
             .extension(|d| {
                 let m = d.compile("cudagraph_copy", COPY_CUDA).ok();
                 Ok(CopyKernel(m.and_then(|m| m.function("cg_copy").ok())))
             })
-            .ok()?
+            .ok()
     };
-    k.0.clone()
+    Ok(k.and_then(|k| k.0.clone()))
 }
 
 /// Compiles the copy kernel now (eagerly), so that a capture about to begin can use it;
-/// without NVRTC, or with `CUDAGRAPH_COPY_KERNEL=0`, it does nothing (the driver copies).
+/// without NVRTC, or with `CUDAGRAPH_COPY_KERNEL=0`, it does nothing (the driver copies). A
+/// variable that is not a switch is reported by the copies themselves.
 pub(crate) fn prepare(device: &Device) {
     let _ = kernel(device, false);
 }
@@ -104,27 +98,30 @@ pub(crate) struct KernelCopy {
     pub tail: u32,
 }
 
-fn plan(device: &Device, capturing: bool, bytes: usize) -> Option<KernelCopy> {
-    let f = kernel(device, capturing)?;
+fn plan(device: &Device, capturing: bool, bytes: usize) -> Result<Option<KernelCopy>> {
+    let Some(f) = kernel(device, capturing)? else {
+        return Ok(None);
+    };
     let words = bytes / 16;
-    Some(KernelCopy {
+    Ok(Some(KernelCopy {
         f,
         cfg: grid(device, words),
         words: words as u64,
         tail: (bytes % 16) as u32,
-    })
+    }))
 }
 
-/// This device-to-device copy as the kernel, or `None` for the driver's copy.
+/// This device-to-device copy as the kernel, or `None` for the driver's copy; an error when
+/// [`env::COPY_KERNEL`] is not a switch.
 pub(crate) fn kernel_for(
     device: &Device,
     capturing: bool,
     dst: u64,
     src: u64,
     bytes: usize,
-) -> Option<KernelCopy> {
+) -> Result<Option<KernelCopy>> {
     if !kernel_copy_fits(dst, src, bytes) {
-        return None;
+        return Ok(None);
     }
     plan(device, capturing, bytes)
 }
@@ -136,16 +133,17 @@ pub fn mapped_copy_fits(dst: u64, src: u64, bytes: usize) -> bool {
 }
 
 /// This copy between device memory and mapped page-locked memory (`dst` and `src` device-side
-/// addresses) as the kernel, or `None` for the driver's copy.
+/// addresses) as the kernel, or `None` for the driver's copy; an error when
+/// [`env::COPY_KERNEL`] is not a switch.
 pub(crate) fn mapped_kernel_for(
     device: &Device,
     capturing: bool,
     dst: u64,
     src: u64,
     bytes: usize,
-) -> Option<KernelCopy> {
+) -> Result<Option<KernelCopy>> {
     if !mapped_copy_fits(dst, src, bytes) {
-        return None;
+        return Ok(None);
     }
     plan(device, capturing, bytes)
 }

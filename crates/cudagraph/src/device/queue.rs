@@ -34,14 +34,22 @@ pub enum Arg<'a> {
     /// A device address. `holder` is the block it points into; `None` for addresses the
     /// library cannot see (null, or memory someone else owns).
     Ptr {
+        /// The device address.
         addr: u64,
+        /// The block it points into, if the library knows it.
         holder: Option<&'a Arc<BlockRef>>,
     },
+    /// A 32-bit signed integer.
     I32(i32),
+    /// A 32-bit unsigned integer.
     U32(u32),
+    /// A 64-bit signed integer.
     I64(i64),
+    /// A 64-bit unsigned integer (or a raw handle, as a value).
     U64(u64),
+    /// A single-precision float.
     F32(f32),
+    /// A double-precision float.
     F64(f64),
     /// A by-value struct parameter, its bytes laid out as the kernel declares the struct.
     /// Device addresses inside it are invisible to the library: the launching code must call
@@ -153,9 +161,8 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
-impl sealed::Sealed for super::Stream {}
-// The capture queues live one layer up (`crate::graph`) and seal themselves there: this layer
-// names nothing above it.
+// `Stream` seals itself in `stream.rs`, and the capture queues one layer up (`crate::graph`):
+// this module names no queue.
 
 /// Work that runs eagerly on a [`crate::Stream`] or is recorded by a
 /// [`crate::CaptureStream`]. Write model code against `&dyn Queue` (or `&impl Queue`) and it runs
@@ -351,7 +358,7 @@ pub(crate) unsafe fn copy_mapped<Q: Queue + ?Sized>(
     src: u64,
     bytes: usize,
 ) -> Result<bool> {
-    let Some(c) = super::copy::mapped_kernel_for(q.device(), q.is_capturing(), dst, src, bytes)
+    let Some(c) = super::copy::mapped_kernel_for(q.device(), q.is_capturing(), dst, src, bytes)?
     else {
         return Ok(false);
     };
@@ -496,7 +503,7 @@ pub trait QueueExt: Queue {
             src.addr_at(src_offset)?,
             len * std::mem::size_of::<T>(),
         );
-        if let Some(c) = super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes) {
+        if let Some(c) = super::copy::kernel_for(self.device(), self.is_capturing(), d, s, bytes)? {
             // SAFETY: the kernel copies `bytes` bytes from src_offset and dst_offset, in range
             // of src and dst (checked above), both addresses 16-byte aligned (checked by
             // kernel_for); both blocks were declared with use_block.

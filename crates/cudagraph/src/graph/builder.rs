@@ -1,18 +1,20 @@
 //! Explicit graph building (seed 003): kernel, copy, memset, host-function and child-graph
-//! nodes with explicit dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works, validated before the driver
-//! sees them.
+//! nodes with explicit dependencies, the way raw CUDA's `cudaGraphAddKernelNode` works,
+//! validated before the driver sees them.
 //!
 //! Dependencies can only name nodes added earlier, so a built graph is acyclic by
 //! construction; a dependency on a node that does not exist is a typed error.
 
 use std::sync::Arc;
 
-use super::{Graph, GraphMemory, Keep};
+use super::exec::{Graph, GraphMemory};
+use super::keep::Keep;
 use crate::device::{check_device, check_range, Arg, Device};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, Elem};
-use crate::runtime::graph::{GraphHandle, HostFn, RawNode};
+use crate::runtime::graph::{GraphHandle, HostFn};
 use crate::runtime::module::{OwnedParam, ParamValue};
+use crate::runtime::raw::RawNode;
 use crate::runtime::{Function, LaunchConfig};
 
 /// A node added to a [`GraphBuilder`].
@@ -71,6 +73,7 @@ impl std::fmt::Debug for GraphBuilder {
 }
 
 impl GraphBuilder {
+    /// An empty graph for `device`.
     pub fn new(device: &Device) -> Self {
         Self {
             device: device.clone(),
@@ -84,6 +87,7 @@ impl GraphBuilder {
         self.nodes.len()
     }
 
+    /// Whether no node has been added yet.
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
     }

@@ -35,18 +35,22 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
-use super::{CaptureMode, CaptureOptions, Graph};
+use super::capture::CaptureOptions;
+use super::exec::Graph;
 use crate::device::{Device, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::order::LastUse;
 use crate::memory::{DeviceBuffer, Elem, Pool};
+use crate::runtime::CaptureMode;
 
 /// A model that maps `rows` rows of input to `rows` rows of output, and can run on any queue.
 ///
 /// Rows must be independent: output row i may depend only on input row i (a [`GraphCache`]
 /// pads requests with stale rows whose outputs it never reads).
 pub trait BatchModel {
+    /// Element type of the input rows.
     type In: Elem;
+    /// Element type of the output rows.
     type Out: Elem;
     /// Elements per input row.
     fn input_row(&self) -> usize;
@@ -77,9 +81,15 @@ pub enum BucketPolicy {
     /// Exactly these sizes.
     Sizes(Vec<usize>),
     /// 1, 2, 4, … up to and including `max`.
-    PowersOfTwo { max: usize },
+    PowersOfTwo {
+        /// The largest size (included).
+        max: usize,
+    },
     /// 1, 2, 4, 8, then steps of 8 up to `max` (vLLM's choice).
-    Steps8 { max: usize },
+    Steps8 {
+        /// The largest size.
+        max: usize,
+    },
 }
 
 impl BucketPolicy {
@@ -131,7 +141,9 @@ pub enum Selection {
 /// What a bucket serves its requests with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Choice {
+    /// Replays of the bucket's graph.
     Graph,
+    /// The model run eagerly on the request's rows.
     Eager,
 }
 
@@ -142,6 +154,7 @@ pub struct CacheOptions {
     pub lazy: bool,
     /// Evict least-recently-used graphs when their working sets exceed this many bytes.
     pub memory_budget: Option<usize>,
+    /// Capture mode of every capture the cache makes.
     pub mode: CaptureMode,
     /// Graph always, or graph or eager per bucket by measurement.
     pub selection: Selection,
@@ -151,22 +164,37 @@ pub struct CacheOptions {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Served {
     /// A graph of exactly the request's size.
-    Exact { size: usize },
+    Exact {
+        /// The graph's batch size.
+        size: usize,
+    },
     /// A larger graph; `padded_rows` rows were padding.
-    Padded { size: usize, padded_rows: usize },
+    Padded {
+        /// The graph's batch size.
+        size: usize,
+        /// Rows computed only as padding.
+        padded_rows: usize,
+    },
     /// No graph was large enough: eager execution.
     Fallback,
     /// The bucket of `size` measured faster eagerly ([`Selection::Measure`]): the model ran
     /// eagerly on exactly the request's rows.
-    Eager { size: usize },
+    Eager {
+        /// The bucket's batch size.
+        size: usize,
+    },
 }
 
 /// Counters of a cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
+    /// Requests served.
     pub requests: u64,
+    /// Requests served by a graph of exactly their size.
     pub exact: u64,
+    /// Requests served by a larger graph, with padding rows.
     pub padded: u64,
+    /// Requests no graph was large enough for, run eagerly.
     pub fallbacks: u64,
     /// Requests served eagerly because their bucket measured faster that way.
     pub eager: u64,
@@ -174,8 +202,11 @@ pub struct CacheStats {
     pub padded_rows: u64,
     /// Rows requested.
     pub rows: u64,
+    /// Graphs captured (again after an eviction).
     pub captures: u64,
+    /// Graphs evicted to stay within the memory budget.
     pub evictions: u64,
+    /// Time spent capturing, all captures together.
     pub capture_time: Duration,
 }
 
@@ -207,11 +238,15 @@ impl fmt::Display for CacheStats {
 /// One captured size, as reported by [`GraphCache::entries`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EntryInfo {
+    /// The batch size captured.
     pub size: usize,
+    /// Nodes of its graph.
     pub nodes: usize,
+    /// How long its capture took.
     pub capture_time: Duration,
     /// Peak bytes the capture allocated in the shared pool.
     pub peak_bytes: usize,
+    /// Requests routed to this size (by graph or eagerly).
     pub hits: u64,
     /// How the bucket serves staged requests ([`GraphCache::stage`]: the rows are already in
     /// the static input).
@@ -220,9 +255,9 @@ pub struct EntryInfo {
     /// [`GraphCache::run_into`]): a graph must first copy the rows into the static input, so
     /// the copy counts against it.
     pub copy_choice: Choice,
-    /// Measured µs per graph replay and per eager forward pass at this size
-    /// ([`Selection::Measure`] only).
+    /// Measured µs per graph replay at this size ([`Selection::Measure`] only).
     pub graph_us: Option<f64>,
+    /// Measured µs per eager forward pass at this size ([`Selection::Measure`] only).
     pub eager_us: Option<f64>,
     /// Measured µs per copy of this size's rows into the static input ([`Selection::Measure`]
     /// only; NaN when there was no memory for the measurement's source buffer).
@@ -716,6 +751,7 @@ impl<M: BatchModel> GraphCache<M> {
         self.order.enter(stream.stream_handle()).map(drop)
     }
 
+    /// Counters of every request so far.
     pub fn stats(&self) -> &CacheStats {
         &self.stats
     }
@@ -754,10 +790,12 @@ impl<M: BatchModel> GraphCache<M> {
         self.input.bytes()
     }
 
+    /// The model the cache runs.
     pub fn model(&self) -> &M {
         &self.model
     }
 
+    /// The device the cache's graphs run on.
     pub fn device(&self) -> &Device {
         &self.device
     }

@@ -20,17 +20,16 @@
 //! child graphs and nested conditionals — no host functions or events (instantiation fails
 //! with the driver's error otherwise).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::{CaptureStream, Keep};
+use super::capture::{BodyScope, CaptureStream};
+use super::keep::Keep;
 use crate::device::{check_device, Arg, Device, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
-use crate::memory::{BlockRef, DeviceBuffer};
-use crate::runtime::graph::{self as raw, RawGraph, RawNode};
+use crate::memory::DeviceBuffer;
+use crate::runtime::graph::{self as raw, CondRecord, ConditionalKind};
 use crate::runtime::{Function, LaunchConfig, Module, StreamHandle};
-
-pub use crate::runtime::graph::ConditionalKind;
 
 /// The condition kernels, hand-written PTX (see the module docs). `cg_cond_set(handle, cond)`
 /// sets the handle to `*cond != 0`; `cg_loop_begin(handle, cond, counter, limit)` zeroes the
@@ -214,48 +213,6 @@ pub(crate) fn require_support(device: &Device) -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// A conditional node recorded in a capture: its kind, the node and its body graph (both
-/// owned by the captured graph).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CondRecord {
-    pub kind: ConditionalKind,
-    pub node: RawNode,
-    pub body: RawGraph,
-}
-
-/// What a stream recording a conditional body tracks: the blocks allocated inside the body,
-/// and the blocks from outside it that the body used, held until the body is recorded. A loop
-/// body runs again after it ends, so a block it reads must not be handed to a later
-/// allocation of the same body (the allocator would otherwise reuse a block freed mid-body).
-#[derive(Default)]
-pub(crate) struct BodyScope {
-    own: HashSet<usize>,
-    hold: Vec<Arc<BlockRef>>,
-    held: HashSet<usize>,
-}
-
-impl BodyScope {
-    pub(crate) fn allocated(&mut self, block: &Arc<BlockRef>) {
-        self.own.insert(Arc::as_ptr(block) as usize);
-    }
-
-    pub(crate) fn used(&mut self, block: &Arc<BlockRef>) {
-        let key = Arc::as_ptr(block) as usize;
-        if !self.own.contains(&key) && self.held.insert(key) {
-            self.hold.push(block.clone());
-        }
-    }
-
-    /// Takes over an inner body's blocks: its allocations are this body's too, and the blocks
-    /// it held stay held while this body is recorded, unless this body allocated them.
-    fn absorb(&mut self, inner: BodyScope) {
-        self.own.extend(inner.own);
-        for b in inner.hold {
-            self.used(&b);
-        }
-    }
 }
 
 /// Ends a body capture that is still open (error or panic in the body closure).

@@ -22,6 +22,7 @@ pub struct SizeHistogram {
 }
 
 impl SizeHistogram {
+    /// An empty histogram.
     pub fn new() -> Self {
         Self::default()
     }
@@ -33,10 +34,12 @@ impl SizeHistogram {
         }
     }
 
+    /// Requests by size, smallest size first.
     pub fn counts(&self) -> &BTreeMap<usize, u64> {
         &self.counts
     }
 
+    /// Requests recorded.
     pub fn total(&self) -> u64 {
         self.counts.values().sum()
     }
@@ -55,7 +58,9 @@ impl FromIterator<usize> for SizeHistogram {
 /// The memory model of one captured graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphCost {
+    /// Bytes every graph costs whatever its size.
     pub bytes_per_graph: usize,
+    /// Bytes each row of batch size adds.
     pub bytes_per_row: usize,
 }
 
@@ -71,6 +76,7 @@ impl GraphCost {
 /// A chosen set of capture sizes and what it costs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CapturePlan {
+    /// The sizes to capture, ascending.
     pub sizes: Vec<usize>,
     /// Padded rows over all recorded requests.
     pub padded_rows: u64,
@@ -78,6 +84,7 @@ pub struct CapturePlan {
     pub padding_per_request: f64,
     /// Share of computed rows that are padding.
     pub padding_fraction: f64,
+    /// Modelled bytes of all the chosen graphs together ([`GraphCost::bytes`]).
     pub memory_bytes: usize,
 }
 

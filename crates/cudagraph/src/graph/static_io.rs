@@ -5,7 +5,8 @@
 
 use std::sync::Arc;
 
-use super::{CaptureOptions, CaptureStream, Graph, GraphInfo};
+use super::capture::{CaptureOptions, CaptureStream};
+use super::exec::{Graph, GraphInfo};
 use crate::device::{copy_mapped, Queue, QueueExt, Stream};
 use crate::error::{Error, Result};
 use crate::memory::pinned::{typed, typed_mut};
@@ -59,10 +60,12 @@ impl<'a, O: Elem> Outputs<'a, O> {
         Some(typed(self.host.get(i)?, *self.lens.get(i)?))
     }
 
+    /// How many outputs there are.
     pub fn len(&self) -> usize {
         self.lens.len()
     }
 
+    /// Whether there are no outputs.
     pub fn is_empty(&self) -> bool {
         self.lens.is_empty()
     }
@@ -126,10 +129,12 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
         })
     }
 
+    /// Elements of each static input.
     pub fn input_lens(&self) -> Vec<usize> {
         self.inputs.iter().map(|b| b.len()).collect()
     }
 
+    /// Elements of each static output.
     pub fn output_lens(&self) -> Vec<usize> {
         self.outputs.iter().map(|b| b.len()).collect()
     }
@@ -144,10 +149,12 @@ impl<I: Elem, O: Elem> StaticGraph<I, O> {
         &self.outputs
     }
 
+    /// Facts about the captured graph.
     pub fn info(&self) -> &GraphInfo {
         self.graph.info()
     }
 
+    /// The captured graph's `Debug` line (nodes, memory, times, replays).
     pub fn graph_debug(&self) -> String {
         format!("{:?}", self.graph)
     }

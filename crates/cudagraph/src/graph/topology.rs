@@ -7,10 +7,10 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use super::conditional::{CondRecord, ConditionalKind};
-use super::{ConditionalCounts, Graph, NodeCounts};
+use super::exec::{ConditionalCounts, Graph, NodeCounts};
 use crate::error::{Error, Result};
-use crate::runtime::graph::{self as raw, RawGraph};
+use crate::runtime::graph::{self as raw, CondRecord, ConditionalKind};
+use crate::runtime::raw::RawGraph;
 
 impl NodeCounts {
     fn add(&mut self, o: &NodeCounts) {

@@ -1,6 +1,7 @@
 //! The thread-safe caching allocator shared by a device, its pools and its buffers: a mutex
 //! around [`AllocatorCore`], and the lock discipline. The bookkeeping itself lives in
-//! [`super::caching`]; the handles built on it ([`Pool`], [`BlockRef`]) in [`super`].
+//! [`super::caching`]; the handles built on it ([`Pool`](super::Pool),
+//! [`BlockRef`](super::BlockRef)) in [`super`].
 //!
 //! **The lock is never held across a call into the [`SegmentSource`].** Those calls are slow
 //! (`cuMemAlloc` and `cuMemFree` take tens of microseconds to milliseconds, and
@@ -27,7 +28,7 @@
 //!
 //! Captures on other threads, through other allocators of the same context (every `Device`
 //! handle has its own), are kept apart by the source: the device's source releases only while
-//! it holds the context's capture gate (`runtime::context::CaptureGate`), and says "not now"
+//! it holds the context's capture gate (`runtime::primary::CaptureGate`), and says "not now"
 //! while any capture of the context is open ([`SegmentSource::may_release`]). Segments it
 //! could not release stay cached; closed pools' ones are retried at later frees.
 //!
@@ -43,11 +44,10 @@ use super::caching::{
     allocate_via, release_via, Allocation, AllocatorCore, CoreAccess, Fence, MemoryStats, PoolId,
     ReleasePlan, SegmentSource, WindowStats,
 };
-use super::{BlockRef, Pool};
 use crate::error::{Error, Result};
 
 /// Refuses eager allocations from a graph pool (see [`Allocator::allocate`]).
-fn refuse_graph_pool(pool: PoolId) -> Result<()> {
+pub(super) fn refuse_graph_pool(pool: PoolId) -> Result<()> {
     if pool != PoolId::DEFAULT {
         return Err(Error::InvalidGraph {
             problem: format!(
@@ -96,8 +96,8 @@ impl CoreAccess for Locked<'_> {
 
 impl Allocator {
     /// An allocator over any segment source (`HostSource` in CPU tests), reporting `ordinal`
-    /// as its blocks' [`BlockRef::device_ordinal`]. Its blocks are never device memory as far
-    /// as this crate is concerned ([`BlockRef::is_device_memory`] is false): every queue,
+    /// as its blocks' [`BlockRef::device_ordinal`](super::BlockRef::device_ordinal). Its blocks are never device memory as far
+    /// as this crate is concerned ([`BlockRef::is_device_memory`](super::BlockRef::is_device_memory) is false): every queue,
     /// graph and builder refuses them with [`crate::Error::NotSupported`]. Devices make their
     /// own allocators.
     ///
@@ -109,11 +109,11 @@ impl Allocator {
     /// ```
     ///
     /// # Safety
-    /// Code that checks buffers only by [`BlockRef::device_ordinal`] before handing their
+    /// Code that checks buffers only by [`BlockRef::device_ordinal`](super::BlockRef::device_ordinal) before handing their
     /// addresses to CUDA libraries (libraries layered on cudagraph may) would take these blocks
-    /// for device `ordinal`'s memory. No block of this allocator, nor of a [`Pool`] made from
+    /// for device `ordinal`'s memory. No block of this allocator, nor of a [`Pool`](super::Pool) made from
     /// it, may reach such code; only this crate's own entry points, which check
-    /// [`BlockRef::is_device_memory`], may be given them.
+    /// [`BlockRef::is_device_memory`](super::BlockRef::is_device_memory), may be given them.
     pub unsafe fn new(source: Box<dyn SegmentSource>, ordinal: usize) -> Arc<Self> {
         Self::with_kind(source, ordinal, false)
     }
@@ -191,7 +191,7 @@ impl Allocator {
         allocate_via(&mut Locked(self), &*self.source, bytes, pool, stream)
     }
 
-    fn check_stream(&self, stream: StreamRef<'_>) -> Result<()> {
+    pub(super) fn check_stream(&self, stream: StreamRef<'_>) -> Result<()> {
         let got = stream.context().ordinal();
         if self.is_device_allocator() && got != self.ordinal {
             return Err(Error::WrongDevice {
@@ -201,40 +201,6 @@ impl Allocator {
             });
         }
         Ok(())
-    }
-
-    /// Allocates a shared block of the default pool, stream-ordered on `stream` (see
-    /// [`Self::allocate`]), that frees itself when its last holder drops. For library state
-    /// such as workspaces; model code allocates with `Queue::alloc`.
-    #[track_caller]
-    pub fn allocate_block(
-        self: &Arc<Self>,
-        bytes: usize,
-        stream: StreamRef<'_>,
-    ) -> Result<Arc<BlockRef>> {
-        self.check_stream(stream)?;
-        // SAFETY: the id is a real stream's (a `StreamRef`); the default pool.
-        unsafe { self.allocate_block_raw(bytes, PoolId::DEFAULT, stream.id(), 0) }
-    }
-
-    /// [`Self::allocate_block`] by raw stream id, inside capture `capture` (0 when eager):
-    /// for the crate's queues and CPU tests. Graph pools are refused as by
-    /// [`Self::allocate`].
-    ///
-    /// # Safety
-    /// As for [`Self::allocate_raw`]: `stream` is the id of the stream every use of the block
-    /// is ordered on, the block's reuse being ordered by that stream.
-    pub unsafe fn allocate_block_raw(
-        self: &Arc<Self>,
-        bytes: usize,
-        pool: PoolId,
-        stream: u64,
-        capture: u64,
-    ) -> Result<Arc<BlockRef>> {
-        refuse_graph_pool(pool)?;
-        // SAFETY: the caller's promise; graph pools were refused.
-        let a = unsafe { self.allocate_raw(bytes, pool, stream) }?;
-        Ok(BlockRef::from_allocation(self, a, stream, capture))
     }
 
     /// Returns the block at `addr` to its pool for reuse on its own stream. A closed pool's
@@ -290,11 +256,6 @@ impl Allocator {
     /// with [`Self::close_pool`]; [`Self::new_pool`] returns a handle that does so on drop.
     pub fn create_pool(&self, limit: Option<usize>) -> PoolId {
         self.lock().create_pool(limit)
-    }
-
-    /// Creates a graph pool handle, optionally limited to `limit` reserved bytes.
-    pub fn new_pool(self: &Arc<Self>, limit: Option<usize>) -> Pool {
-        Pool::new(self, limit)
     }
 
     /// The pool's handle is gone: its memory goes back to the driver now, or as its last

@@ -1,5 +1,6 @@
-//! Host-memory segment source for CPU tests of the allocator, and the byte views of plain
-//! element slices. The only `unsafe` in the memory layer lives here.
+//! Host-memory segment source for CPU tests of the allocator ([`HostSource`]), and the byte
+//! views of plain element slices. Device memory comes from `source.rs`; the bookkeeping over
+//! either source is in `caching`.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ pub struct HostSource {
 const ALIGN: usize = 512;
 
 impl HostSource {
+    /// A source with no capacity limit.
     pub fn new() -> Self {
         Self::default()
     }

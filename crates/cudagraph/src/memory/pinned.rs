@@ -9,8 +9,8 @@ use super::{bytes_for, Elem};
 use crate::error::Result;
 use std::sync::Arc;
 
-use crate::runtime::context::ContextHandle;
 use crate::runtime::memory::PinnedAlloc;
+use crate::runtime::primary::ContextHandle;
 
 /// `len` elements of `T` in page-locked host memory, zero-initialised.
 pub struct PinnedBuffer<T: Elem> {
@@ -40,10 +40,12 @@ impl<T: Elem> PinnedBuffer<T> {
         })
     }
 
+    /// Elements in the buffer.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the buffer holds no element.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

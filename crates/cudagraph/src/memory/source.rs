@@ -1,17 +1,21 @@
-//! Device segments from `cuMemAlloc`, for the device's allocator.
+//! Device segments from `cuMemAlloc`, for the device's allocator: the [`SegmentSource`] every
+//! [`crate::Device`] allocates through, releasing only while it holds the context's capture
+//! gate. When to allocate or release is decided by the bookkeeping in `caching`; host memory
+//! for tests comes from `host.rs`.
 
 use std::sync::Arc;
 
 use super::caching::SegmentSource;
+use crate::env::{self, CachedSwitch};
 use crate::error::{Error, Result};
-use crate::runtime::context::ContextHandle;
 use crate::runtime::memory;
+use crate::runtime::primary::ContextHandle;
 
-/// `CUDAGRAPH_TRACE_SEGMENTS=1` prints every segment taken from and returned to the driver
-/// (to match addresses in compute-sanitizer reports against the allocator's segments).
-fn trace_segments() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CUDAGRAPH_TRACE_SEGMENTS").is_ok_and(|v| v == "1"))
+/// Whether every segment taken from and returned to the driver is printed
+/// ([`env::TRACE_SEGMENTS`]); an error when the variable is not a switch.
+fn trace_segments() -> Result<bool> {
+    static ON: CachedSwitch = CachedSwitch::new(env::TRACE_SEGMENTS, false);
+    ON.get()
 }
 
 pub(crate) struct DeviceSource {
@@ -32,6 +36,9 @@ unsafe impl SegmentSource for DeviceSource {
                 reserved: 0,
             });
         }
+        // Read before the driver is asked, so a variable that is not a switch fails here
+        // without taking a segment.
+        let trace = trace_segments()?;
         self.ctx.bind()?;
         let addr = memory::mem_alloc(bytes).map_err(|e| {
             if e.is_out_of_memory() {
@@ -43,7 +50,7 @@ unsafe impl SegmentSource for DeviceSource {
                 e
             }
         })?;
-        if trace_segments() {
+        if trace {
             eprintln!("cudagraph: segment alloc {addr:#x} {bytes} bytes");
         }
         Ok(addr)
@@ -51,7 +58,9 @@ unsafe impl SegmentSource for DeviceSource {
 
     fn release(&self, addr: u64, bytes: usize) -> Result<()> {
         self.ctx.bind()?;
-        if trace_segments() {
+        // Every segment released was allocated, and allocating read the switch: an invalid
+        // value was reported there.
+        if trace_segments().unwrap_or(false) {
             eprintln!("cudagraph: segment free {addr:#x} {bytes} bytes");
         }
         // SAFETY: the allocator releases a segment once, after `synchronize` returned and with

@@ -13,9 +13,9 @@ use cudarc::driver::sys;
 
 use std::sync::Arc;
 
-use super::context::ContextHandle;
+use super::primary::ContextHandle;
+use super::raw::RawStream;
 use super::result::{check, with_relaxed_capture};
-use super::stream::RawStream;
 use crate::error::Result;
 
 /// Allocates device memory. Runs under relaxed capture mode, as PyTorch's allocator does, so a

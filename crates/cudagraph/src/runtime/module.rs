@@ -13,14 +13,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use super::context::{Context, ContextHandle, LOAD_PATIENCE};
-use super::nvrtc;
-use super::result::{check, driver_has, driver_symbol, raw_handle};
-use super::stream::RawStream;
+use super::primary::{ContextHandle, LOAD_PATIENCE};
+use super::raw::{RawFunction, RawModule, RawStream};
+use super::result::{check, driver_has, driver_symbol};
 use crate::error::{Error, Result};
-
-raw_handle!(RawModule, sys::CUmodule);
-raw_handle!(RawFunction, sys::CUfunction);
 
 /// What a kernel parameter holds, as far as its declaration tells.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -38,7 +34,9 @@ pub enum ParamKind {
 /// One declared kernel parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ParamDecl {
+    /// Bytes the parameter takes.
     pub size: usize,
+    /// What it holds, as far as its declaration tells.
     pub kind: ParamKind,
 }
 
@@ -166,60 +164,42 @@ impl fmt::Debug for Module {
     }
 }
 
-impl Context {
-    /// Compiles `source` with NVRTC for this device (or takes it from the in-memory or disk
-    /// cache) and loads it. `name` is used in error messages and cache file names.
-    #[track_caller]
-    pub fn compile(&self, name: &str, source: &str) -> Result<Module> {
-        let key = nvrtc::cache_key(source, &self.info().arch());
-        if let Some(m) = self
-            .modules
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-        {
-            return Ok(m.clone());
-        }
-        let ptx = nvrtc::compile_cached(name, source, &self.info().arch(), key)?;
-        let module = Module::load_ptx(self, name, &ptx)?;
-        self.modules
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, module.clone());
-        Ok(module)
-    }
+/// Loads PTX text into the context `ctx` of device `ordinal` (the body of
+/// [`Module::load_ptx`], which takes the public [`super::Context`]).
+#[track_caller]
+pub(super) fn load_ptx(
+    ctx: &Arc<ContextHandle>,
+    ordinal: usize,
+    name: &str,
+    ptx: &str,
+) -> Result<Module> {
+    let image = CString::new(ptx).map_err(|_| Error::Compile {
+        module: name.into(),
+        log: "PTX text contains a NUL byte".into(),
+    })?;
+    ctx.bind()?;
+    let mut m = ptr::null_mut();
+    // Loading may synchronise the context: held off other threads' captures (bounded).
+    let _quiet = ctx.gate().quiet_within(LOAD_PATIENCE);
+    // SAFETY: image is a NUL-terminated PTX string alive for the call.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
+        "cuModuleLoadData",
+    )?;
+    Ok(Module {
+        inner: Arc::new(ModuleInner {
+            raw: RawModule(m),
+            name: name.to_string(),
+            params: ptx_entry_params(ptx),
+            functions: Mutex::new(Vec::new()),
+            ordinal,
+            ctx: ctx.clone(),
+            patience: Mutex::new(LOAD_PATIENCE),
+        }),
+    })
 }
 
 impl Module {
-    /// Loads PTX text into `ctx`.
-    #[track_caller]
-    pub fn load_ptx(ctx: &Context, name: &str, ptx: &str) -> Result<Self> {
-        let image = CString::new(ptx).map_err(|_| Error::Compile {
-            module: name.into(),
-            log: "PTX text contains a NUL byte".into(),
-        })?;
-        ctx.bind()?;
-        let mut m = ptr::null_mut();
-        // Loading may synchronise the context: held off other threads' captures (bounded).
-        let _quiet = ctx.handle.gate().quiet_within(LOAD_PATIENCE);
-        // SAFETY: image is a NUL-terminated PTX string alive for the call.
-        check(
-            unsafe { sys::cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) },
-            "cuModuleLoadData",
-        )?;
-        Ok(Module {
-            inner: Arc::new(ModuleInner {
-                raw: RawModule(m),
-                name: name.to_string(),
-                params: ptx_entry_params(ptx),
-                functions: Mutex::new(Vec::new()),
-                ordinal: ctx.ordinal(),
-                ctx: ctx.handle.clone(),
-                patience: Mutex::new(LOAD_PATIENCE),
-            }),
-        })
-    }
-
     /// Looks up an `extern "C" __global__` function.
     #[track_caller]
     pub fn function(&self, name: &str) -> Result<Function> {
@@ -296,6 +276,7 @@ impl Module {
         })
     }
 
+    /// The name the module was compiled or loaded under.
     pub fn name(&self) -> &str {
         &self.inner.name
     }
@@ -374,6 +355,7 @@ pub(crate) enum ParamData<'a> {
 }
 
 impl<'a> ParamValue<'a> {
+    /// An integer or pointer argument of `size` bytes: the low `size` bytes of `bits`.
     pub fn int(bits: u64, size: u8) -> Self {
         Self {
             data: ParamData::Word(bits),
@@ -381,6 +363,8 @@ impl<'a> ParamValue<'a> {
             kind: ParamKind::Int,
         }
     }
+    /// A floating-point argument of `size` bytes: the low `size` bytes of `bits` (`f32::to_bits` or
+    /// `f64::to_bits`).
     pub fn float(bits: u64, size: u8) -> Self {
         Self {
             data: ParamData::Word(bits),
@@ -427,6 +411,7 @@ impl OwnedParam {
 }
 
 impl Function {
+    /// The kernel's name.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -521,8 +506,11 @@ fn check_args(kernel: &str, decls: &[ParamDecl], args: &[ParamValue<'_>]) -> Res
 /// Grid and block shape of a launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchConfig {
+    /// Blocks along x, y and z.
     pub grid: (u32, u32, u32),
+    /// Threads per block along x, y and z.
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
     pub shared_mem_bytes: u32,
 }
 

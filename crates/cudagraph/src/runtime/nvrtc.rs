@@ -2,11 +2,13 @@
 //! [`super::Context::compile`]) and on disk as PTX keyed by source text, target architecture
 //! and this crate's version, so a second process loads instead of recompiling.
 //!
-//! The cache directory is `$CUDAGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/cudagraph`, else
-//! `~/.cache/cudagraph`. Set `CUDAGRAPH_CACHE_DIR=off` to disable the disk cache.
+//! The cache directory is `$CUDAGRAPH_CACHE_DIR` ([`crate::env::CACHE_DIR`]), else
+//! `$XDG_CACHE_HOME/cudagraph`, else `~/.cache/cudagraph`. Set `CUDAGRAPH_CACHE_DIR=off` to
+//! disable the disk cache.
 
 use std::path::PathBuf;
 
+use crate::env;
 use crate::error::{Error, Result};
 
 /// FNV-1a over the inputs: stable across Rust versions, unlike `DefaultHasher`.
@@ -23,7 +25,7 @@ pub(crate) fn cache_key(source: &str, arch: &str) -> u64 {
 
 /// Where compiled PTX is cached, or `None` when the disk cache is off or has no home.
 pub fn cache_dir() -> Option<PathBuf> {
-    match std::env::var_os("CUDAGRAPH_CACHE_DIR") {
+    match env::value(env::CACHE_DIR) {
         Some(v) if v == "off" => None,
         Some(v) => Some(PathBuf::from(v)),
         None => std::env::var_os("XDG_CACHE_HOME")
@@ -106,7 +108,7 @@ mod tests {
 
     #[test]
     fn cache_file_names_are_sanitised() {
-        std::env::set_var("CUDAGRAPH_CACHE_DIR", "/tmp/cg-test-cache");
+        std::env::set_var(env::CACHE_DIR, "/tmp/cg-test-cache");
         let f = cache_file("my kernels/v1", "sm_90", 0xabc).unwrap();
         assert_eq!(
             f,

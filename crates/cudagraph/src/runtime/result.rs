@@ -142,19 +142,3 @@ pub fn with_relaxed_capture<R>(f: impl FnOnce() -> R) -> R {
     let _restore = Restore(mode);
     f()
 }
-
-/// Declares a `Copy` newtype around a raw driver handle. Owners (RAII types in this layer)
-/// destroy the handle; the newtype itself owns nothing.
-macro_rules! raw_handle {
-    ($name:ident, $ty:ty) => {
-        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-        pub(crate) struct $name(pub(crate) $ty);
-        // SAFETY: CUDA driver handles may be used from any thread once their context is current
-        // on that thread; every owner binds the context before each call.
-        unsafe impl Send for $name {}
-        // SAFETY: as above. Objects the driver does not synchronise internally (graphs,
-        // executable graphs) are only reached through owners that serialise access.
-        unsafe impl Sync for $name {}
-    };
-}
-pub(crate) use raw_handle;

@@ -16,7 +16,6 @@
 //! interleaves with a capture beginning on it or with it joining one.
 
 use std::any::Any;
-use std::cell::Cell;
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,26 +25,14 @@ use cudarc::driver::sys;
 
 use super::context::Context;
 use super::graph::GraphHandle;
-use super::result::{check, driver_error, raw_handle};
+use super::primary::{
+    capture_began_on_this_thread, capture_ended_on_this_thread, capturing_on_this_thread,
+};
+use super::raw::{RawEvent, RawStream};
+use super::result::{check, driver_error};
 use crate::error::{Error, Result};
 
-raw_handle!(RawStream, sys::CUstream);
-raw_handle!(RawEvent, sys::CUevent);
-
 static STREAM_IDS: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// Captures this thread has begun and not yet ended.
-    static CAPTURING: Cell<usize> = const { Cell::new(0) };
-}
-
-/// Whether this thread has a capture open. While it does, it must not call what the driver
-/// counts as unsafe during capture — synchronising, and even querying an event — or the
-/// capture is invalidated; code that would poll (the allocator's fences, graph retirement)
-/// asks this first and defers.
-pub fn capturing_on_this_thread() -> bool {
-    CAPTURING.with(|c| c.get() > 0)
-}
 
 /// How strictly the driver polices other CUDA calls while a capture is open.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -357,6 +344,7 @@ impl StreamHandle {
         self.0.id
     }
 
+    /// The context the stream belongs to.
     pub fn context(&self) -> &Context {
         &self.0.ctx
     }
@@ -370,6 +358,8 @@ impl StreamHandle {
         StreamRef(&self.0)
     }
 
+    /// Blocks until all work enqueued on this stream has finished (no device-side check is read
+    /// here; [`crate::Stream::synchronize`] does that).
     #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
         self.0.ctx.bind()?;
@@ -425,7 +415,7 @@ impl StreamHandle {
             self.0.tracked.store(false, Ordering::Release);
             return Err(e);
         }
-        CAPTURING.with(|c| c.set(c.get() + 1));
+        capture_began_on_this_thread();
         st.capturing = true;
         st.begin_fence = Some(fence);
         Ok(())
@@ -475,7 +465,7 @@ impl StreamHandle {
         let mut st = self.0.capture.lock().unwrap_or_else(|p| p.into_inner());
         let began = st.capturing;
         if began {
-            CAPTURING.with(|c| c.set(c.get().saturating_sub(1)));
+            capture_ended_on_this_thread();
         }
         let mut g = ptr::null_mut();
         // SAFETY: writes one graph handle (possibly null on failure).
@@ -528,6 +518,7 @@ impl<'a> StreamRef<'a> {
         self.0.id
     }
 
+    /// The context the stream belongs to.
     pub fn context(&self) -> &'a Context {
         &self.0.ctx
     }
