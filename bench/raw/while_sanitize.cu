@@ -390,7 +390,7 @@ static int run_reuse(cudaStream_t s, cudaStream_t s2, int** counter) {
 // kernels: the PTX text of CONDITION_PTX (crates/cudagraph/src/graph/conditional.rs, copied
 // verbatim) loaded with cuModuleLoadData, whose call to cudaGraphSetConditional the driver's
 // JIT resolves (no cudadevrt). The handle is created with default value 0 and flags 0
-// (runtime/graph.rs conditional_handle_create), cg_loop_begin runs on the capturing stream
+// (runtime/graph/ conditional_handle_create), cg_loop_begin runs on the capturing stream
 // before the node is added, cg_loop_next is the body's last kernel.
 static const char CONDITION_PTX[] = R"PTX(
 .version 7.0
