@@ -18,8 +18,8 @@ use clap::{Args, ValueEnum};
 use cudagraph::memory::{format_memory_full, format_memory_line};
 use cudagraph::Fork;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
-use cudagraph_nn::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::dist::{DistEnv, DistOptions};
+use cudagraph_nn::io::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::{
     cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Layer, Linear, Module,
     Optimizer, Rng, Sequential, Tensor,

@@ -2,7 +2,7 @@
 //! steps skipped by an IF node (README example).
 
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
-use cudagraph_nn::{datasets::digits, *};
+use cudagraph_nn::{io::datasets::digits, *};
 use std::sync::Arc;
 
 fn main() -> Result<()> {

@@ -30,47 +30,35 @@
 //! # Ok(()) }
 //! ```
 
-pub mod batched;
-pub mod blas;
-pub mod blaslt;
-pub mod conv;
+pub mod autograd;
 pub mod cpu;
-pub mod cudnn;
-pub mod cudnn_graph;
-pub mod datasets;
 pub mod dist;
 pub mod engine;
 pub mod env;
 pub mod error;
 mod extent;
-pub mod gemm;
-pub mod graphed;
+pub mod ffi;
 pub mod io;
 pub mod kernels;
-pub mod layers;
-pub mod ops;
-pub mod optim;
-pub mod rng;
-pub mod schedule;
+pub mod nn;
+pub mod random;
 pub mod serving;
-pub mod steps;
-pub mod tensor;
 
-pub use batched::Batched;
+pub use autograd::ops::{
+    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
+};
 pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
 pub use error::{NnError, Result};
-pub use graphed::GraphedModule;
 pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};
 pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
-pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
-pub use ops::{
-    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
-};
+pub use nn::batched::Batched;
+pub use nn::graphed::GraphedModule;
+pub use nn::layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 
-pub use optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
-pub use rng::{rand, randn, Generator};
-pub use schedule::Schedule;
+pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
+pub use nn::optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
+pub use nn::schedule::Schedule;
+pub use nn::steps::{step_if_finite, DeviceBatches};
+pub use random::{rand, randn, Generator};
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};
-pub use steps::{step_if_finite, DeviceBatches};
-pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

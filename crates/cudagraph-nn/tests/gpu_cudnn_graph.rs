@@ -1,4 +1,4 @@
-//! GPU tests of cuDNN's graph-API convolution engines ([`cudagraph_nn::cudnn_graph`],
+//! GPU tests of cuDNN's graph-API convolution engines ([`cudagraph_nn::ffi::cudnn_graph`],
 //! `ConvAlgo::CudnnGraph`): every candidate configuration, in all three directions, on odd
 //! geometries (1×1, 7×7, stride 2 with padding, primes, few and many channels, the shapes where
 //! PyTorch beat our legacy-API choices) against the f64 CPU reference; a captured convolution
@@ -26,10 +26,12 @@ use std::sync::Arc;
 
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, QueueExt, Stream};
-use cudagraph_nn::conv::{conv2d_forward, conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
-use cudagraph_nn::cudnn_graph::{Candidate, CudnnGraph};
+use cudagraph_nn::engine::conv::{
+    conv2d_forward, conv_candidates, conv_key, conv_with, ConvDir, ConvIo,
+};
 use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, Policy};
+use cudagraph_nn::ffi::cudnn_graph::{Candidate, CudnnGraph};
 use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::*;
 
@@ -301,7 +303,7 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
                     .join(", ")
             );
             assert!(
-                !det.is_empty() && det.len() <= cudagraph_nn::cudnn_graph::CAP,
+                !det.is_empty() && det.len() <= cudagraph_nn::ffi::cudnn_graph::CAP,
                 "{key}"
             );
             // Ranks name the same configuration under both policies.
@@ -334,7 +336,10 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
             } else {
                 Vec::new()
             };
-            assert!(fused.len() <= cudagraph_nn::cudnn_graph::FUSED_CAP, "{key}");
+            assert!(
+                fused.len() <= cudagraph_nn::ffi::cudnn_graph::FUSED_CAP,
+                "{key}"
+            );
             let listed = conv_candidates(&s, &eng, dir, &geom, bias, &Policy::default()).unwrap();
             for a in listed {
                 if let ConvAlgo::CudnnGraph(r) = a {
@@ -570,7 +575,7 @@ fn every_fused_bias_candidate_matches_cpu() {
         let cands = all_fused_candidates(&s, api, &geom);
         println!("{}", fused_report(api, &geom));
         assert!(
-            cands.len() <= 2 * cudagraph_nn::cudnn_graph::FUSED_CAP,
+            cands.len() <= 2 * cudagraph_nn::ffi::cudnn_graph::FUSED_CAP,
             "{key}"
         );
         for c in cands {

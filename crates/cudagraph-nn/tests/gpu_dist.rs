@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudagraph::{gpu_test_device, CaptureOptions, Graph, Queue, QueueExt, Stream};
+use cudagraph_nn::autograd::ops;
 use cudagraph_nn::cpu::{rel_err, to_f64};
 use cudagraph_nn::dist::{self, run_threads, DistError, DistOptions, RankContext, ReduceOp};
 use cudagraph_nn::*;

@@ -26,16 +26,16 @@ use cudagraph::testing::assert_bits_eq;
 use cudagraph::{
     gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, QueueExt, Stream,
 };
-use cudagraph_nn::blas::Trans;
-use cudagraph_nn::blaslt::alignment;
-use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
+use cudagraph_nn::engine::gemm::Trans;
+use cudagraph_nn::engine::gemm::{
+    cols_candidates, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
+};
 use cudagraph_nn::engine::{
     BiasAlgo, CeAlgo, ConvAlgo, ConvEngine, EngineRow, Engines, GemmAlgo, Policy,
 };
-use cudagraph_nn::gemm::{
-    cols_candidates, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
-};
+use cudagraph_nn::ffi::blaslt::alignment;
 use cudagraph_nn::kernels::{igemm, ConvGeom};
 use cudagraph_nn::*;
 
@@ -369,7 +369,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 }
                 if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
                     algos.push(GemmAlgo::WarpK);
-                    if m <= cudagraph_nn::gemm::ROWS_MAX_M && k % 4 == 0 {
+                    if m <= cudagraph_nn::engine::gemm::ROWS_MAX_M && k % 4 == 0 {
                         algos.extend([1, 2, 8].map(|ks| GemmAlgo::Rows { rows: 16, ks }));
                         for rows in [8u8, 4] {
                             if m <= rows as usize {
@@ -814,7 +814,7 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
             .into_iter()
             .filter(|a| matches!(a, GemmAlgo::CublasLtConfig(_)))
             .collect();
-        let shape = cudagraph_nn::blaslt::LtShape {
+        let shape = cudagraph_nn::ffi::blaslt::LtShape {
             ta: op.ta,
             tb: op.tb,
             m: op.m,
@@ -1147,7 +1147,7 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
             // Our kernels also with forced splits (covers the reduce kernel everywhere, and
             // more splits than K steps allow, which the launch trims).
             let mut all = cands.clone();
-            for t in cudagraph_nn::conv::Tile::ALL {
+            for t in cudagraph_nn::engine::conv::Tile::ALL {
                 all.push(ConvAlgo::Igemm(t, 3));
                 all.push(ConvAlgo::Igemm(t, 200));
             }
@@ -1272,7 +1272,7 @@ fn conv_bias_engines_add_exactly() {
         conv_with(&s, &nn, ConvAlgo::Cudnn(0), ConvDir::Forward, &geom, io).unwrap();
         let err = rel_err(&s.to_vec(&y).unwrap(), &y_want);
         assert!(err < 1e-5, "{geom:?}: {err}");
-        let key = cudagraph_nn::conv::conv_bias_key(&geom).unwrap();
+        let key = cudagraph_nn::engine::conv::conv_bias_key(&geom).unwrap();
         let entry = eng.entry(&key).expect("the bias choice is recorded");
         assert!(entry.measured, "{key}: {entry:?}");
         assert!(

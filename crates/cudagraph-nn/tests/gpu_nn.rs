@@ -13,8 +13,8 @@ use std::sync::Arc;
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Device, Graph, Queue, StaticGraph, Stream};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::gemm::Engine;
 use cudagraph_nn::engine::{Engines, Policy};
-use cudagraph_nn::gemm::Engine;
 use cudagraph_nn::*;
 
 fn data(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -545,8 +545,8 @@ fn gradients_accumulate_without_set_to_none() {
 
 #[test]
 fn gemm_engines_match_cpu_for_every_transpose() {
-    use cudagraph_nn::blas::Trans;
-    use cudagraph_nn::gemm::{gemm, Engine};
+    use cudagraph_nn::engine::gemm::Trans;
+    use cudagraph_nn::engine::gemm::{gemm, Engine};
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
@@ -897,8 +897,8 @@ fn relu_and_reshape_forward_and_backward_match_cpu() {
 
 #[test]
 fn warp_k_kernel_matches_cpu_on_the_forward_layout() {
-    use cudagraph_nn::blas::Trans;
-    use cudagraph_nn::gemm::{gemm, Engine};
+    use cudagraph_nn::engine::gemm::Trans;
+    use cudagraph_nn::engine::gemm::{gemm, Engine};
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudagraph::{gpu_test_device, CaptureOptions, Graph, QueueExt, Stream};
 use cudagraph_nn::kernels::rng::RngKernels;
-use cudagraph_nn::rng::{philox4x32_10, reference};
+use cudagraph_nn::random::{philox4x32_10, reference};
 use cudagraph_nn::*;
 
 const SEED: u64 = 0x1234_5678_9abc_def0;

@@ -17,12 +17,13 @@ use cudagraph::{
     gpu_test_device, BucketPolicy, CacheOptions, CaptureOptions, Device, DeviceBuffer, Error,
     Graph, GraphCache, QueueExt, Stream,
 };
-use cudagraph_nn::blas::{Epilogue, Trans};
-use cudagraph_nn::blaslt::{LtAlgo, LtShape};
-use cudagraph_nn::conv::{conv_with, run_conv, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::conv::{conv_with, run_conv, ConvDir, ConvIo};
+use cudagraph_nn::engine::gemm;
+use cudagraph_nn::engine::gemm::{gemm_with, GemmOp};
+use cudagraph_nn::engine::gemm::{Epilogue, Trans};
 use cudagraph_nn::engine::{ConvAlgo, Engine, Engines, GemmAlgo};
-use cudagraph_nn::gemm::{gemm_with, GemmOp};
+use cudagraph_nn::ffi::blaslt::{LtAlgo, LtShape};
 use cudagraph_nn::kernels::igemm::Spin;
 use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::*;

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph};
-use cudagraph_nn::blas::Trans;
+use cudagraph_nn::engine::gemm::Trans;
+use cudagraph_nn::engine::gemm::{gemm, run_gemm, split_k, Engine, Epilogue, GemmOp};
 use cudagraph_nn::engine::Engines;
-use cudagraph_nn::gemm::{gemm, run_gemm, split_k, Engine, Epilogue, GemmOp};
 use cudagraph_nn::{Nn, Rng};
 use serde::Serialize;
 

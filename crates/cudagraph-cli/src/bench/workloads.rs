@@ -398,7 +398,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
     let (m, n) = (64usize, 4096usize);
     let xo = Tensor::from_host(&s, &rng.vec_normal(m * n), &[m, n])?;
     let op = |q: &dyn cudagraph::Queue| -> cudagraph_nn::Result<Tensor> {
-        let y = cudagraph_nn::ops::dropout(q, &xo, 0.1, true, &gen)?;
+        let y = cudagraph_nn::autograd::ops::dropout(q, &xo, 0.1, true, &gen)?;
         gen.advance(q)?;
         Ok(y)
     };

@@ -28,8 +28,8 @@ use cudagraph::{DeviceBuffer, Fork, Queue, QueueExt, SideStream, Stream};
 
 use super::nccl::{Communicator, ReduceOp};
 use super::DistError;
+use crate::autograd::tensor::{Parameter, Tensor};
 use crate::error::{NnError, Result};
-use crate::tensor::{Parameter, Tensor};
 
 /// Options of [`DistributedDataParallel`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -120,7 +120,7 @@ impl CeOptions {
 /// The single-block plans where a group of lanes takes a row (more than 8 and at most 1024
 /// narrow rows): lanes a power of two below 32 giving each about 8, 4 or 2 classes, as long as
 /// the block holds every row at once (one pass, the mean included: one node). The engine
-/// registry measures them against [`ce_plan_with`]'s plan (`crate::ops::cross_entropy`).
+/// registry measures them against [`ce_plan_with`]'s plan (`crate::autograd::ops::cross_entropy`).
 /// Measured on the H100 (2026-11-23), 256 × 10 forward: 4.9 µs in 32 blocks and a sum pass,
 /// 4.0 with 2 lanes a row, 5.2 with 4 (before the last loads of a lane were batched).
 pub fn ce_group_plans(rows: usize, cols: usize) -> Vec<CePlan> {

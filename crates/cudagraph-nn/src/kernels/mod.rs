@@ -14,10 +14,10 @@ use std::sync::Arc;
 use cudagraph::QueueExt;
 use cudagraph::{args, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
-use crate::blas::Blas;
 use crate::error::{NnError, Result};
 pub use crate::extent::GemmDims;
 pub(crate) use crate::extent::{need, prod};
+use crate::ffi::blas::Blas;
 
 pub mod losses;
 pub mod optim_mt;

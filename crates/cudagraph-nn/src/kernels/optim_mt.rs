@@ -385,7 +385,7 @@ impl OptimKernels {
     }
 
     /// The schedule node: `hp[LR] = schedule(hp[BASE_LR], state[STEP])`, `program` being
-    /// [`crate::schedule::Schedule::program`]'s bytes.
+    /// [`crate::nn::schedule::Schedule::program`]'s bytes.
     pub fn lr_schedule(
         &self,
         q: &dyn Queue,

@@ -53,7 +53,7 @@ pub fn conv_candidates(
     let mut v = Vec::new();
     let allowed = |a: ConvAlgo, fam: ConvEngine| fam.allows(a);
     let collect = |fam: ConvEngine, v: &mut Vec<ConvAlgo>| -> Result<()> {
-        if allowed(ConvAlgo::Cudnn(0), fam) && crate::cudnn::supports(g) {
+        if allowed(ConvAlgo::Cudnn(0), fam) && crate::ffi::cudnn::supports(g) {
             if let Some(c) = eng.cudnn_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 // A geometry cuDNN cannot plan simply has no cuDNN candidate.
@@ -66,7 +66,7 @@ pub fn conv_candidates(
             }
         }
         // cuDNN's graph API: its engine configurations (plans built eagerly, never in a capture).
-        if allowed(ConvAlgo::CudnnGraph(0), fam) && crate::cudnn::supports(g) {
+        if allowed(ConvAlgo::CudnnGraph(0), fam) && crate::ffi::cudnn::supports(g) {
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 for a in c
@@ -82,7 +82,7 @@ pub fn conv_candidates(
         if dir == ConvDir::Forward
             && bias
             && allowed(ConvAlgo::CudnnGraphBias(0), fam)
-            && crate::cudnn::supports(g)
+            && crate::ffi::cudnn::supports(g)
         {
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
@@ -347,7 +347,7 @@ fn conv_algo(
 }
 
 /// cuDNN's legacy API, or why it cannot run here.
-fn cudnn(eng: &Engines) -> Result<&crate::cudnn::Cudnn> {
+fn cudnn(eng: &Engines) -> Result<&crate::ffi::cudnn::Cudnn> {
     eng.cudnn().ok_or_else(|| NnError::Library {
         library: "cuDNN",
         call: "dlopen",
@@ -356,7 +356,7 @@ fn cudnn(eng: &Engines) -> Result<&crate::cudnn::Cudnn> {
 }
 
 /// cuDNN's graph API, or why it cannot run here.
-fn cudnn_graph(eng: &Engines) -> Result<&crate::cudnn_graph::CudnnGraph> {
+fn cudnn_graph(eng: &Engines) -> Result<&crate::ffi::cudnn_graph::CudnnGraph> {
     eng.cudnn_graph().ok_or_else(|| NnError::Library {
         library: "cuDNN graph API",
         call: "dlopen",

@@ -442,10 +442,10 @@ impl Cudnn {
             .collect())
     }
 
-    /// Runs `algo` for one direction. Buffers by direction (as [`crate::conv`]): forward
+    /// Runs `algo` for one direction. Buffers by direction (as [`crate::engine::conv`]): forward
     /// `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`, `out = dx`;
     /// backward-filter `a = dy`, `b = x`, `out = dw`. A forward bias is added after, by the
-    /// engine [`crate::conv`] chooses ([`Cudnn::add_bias`] is one).
+    /// engine [`crate::engine::conv`] chooses ([`Cudnn::add_bias`] is one).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,

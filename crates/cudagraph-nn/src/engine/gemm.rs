@@ -21,11 +21,11 @@
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::blas::Trans;
-use crate::blaslt::{alignment, LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::on_device;
+pub use crate::ffi::blas::Trans;
+use crate::ffi::blaslt::{alignment, LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::kernels::{
     rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Nn, ROWS_PER_BLOCK,
 };
@@ -49,7 +49,7 @@ type TiledFn = fn(
 
 pub use crate::engine::Engine;
 
-pub use crate::blas::Epilogue;
+pub use crate::ffi::blas::Epilogue;
 
 /// The heuristic default family for a product (from `cudagraph bench gemm` on an H100,
 /// `bash bench/device.sh gemm`): for the forward layout `x·wᵀ`, split-K tiled at
@@ -325,7 +325,7 @@ pub fn run_gemm(
 /// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on
 /// another layout, cuBLASLt missing or without an algorithm of that rank, or without that
 /// split-K variant or searched configuration for this shape: see
-/// [`crate::blaslt::BlasLt::split_k_variants`] and [`crate::blaslt::BlasLt::search_configs`];
+/// [`crate::ffi::blaslt::BlasLt::split_k_variants`] and [`crate::ffi::blaslt::BlasLt::search_configs`];
 /// nothing runs then).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with(

@@ -2,13 +2,13 @@
 //! bias or bias+ReLU fused, the backward layouts, and the bias gradient fused into the weight
 //! gradient (`BGRADB`) where cuBLASLt offers it for fp32.
 //!
-//! As for cuDNN ([`crate::cudnn`]), cudarc's `cublaslt` feature loads the library and this
+//! As for cuDNN ([`crate::ffi::cudnn`]), cudarc's `cublaslt` feature loads the library and this
 //! module looks up each function with its C signature and raw integer status codes, all before
 //! the first call (a missing symbol means "cuBLASLt unavailable", never a panic). Compute type
 //! `CUBLAS_COMPUTE_32F` (no TF32). One handle per device; each call allocates the workspace its
 //! algorithm asks for (none for most) from the queue, so inside a capture it comes from the
 //! graph's pool and graphs never share one (unlike cuBLAS's per-stream workspace in
-//! [`crate::blas`]); algorithms are offered up to [`workspace_for`] bytes. For each
+//! [`crate::ffi::blas`]); algorithms are offered up to [`workspace_for`] bytes. For each
 //! product shape a plan keeps the descriptors and cuBLASLt's heuristic list of algorithms; the
 //! engine registry ([`crate::engine`]) measures the first few and picks one by its rank.
 //!
@@ -44,11 +44,11 @@ use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cublaslt::sys as ls;
 
-use crate::blas::Epilogue;
-use crate::blas::Trans;
-use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
 use crate::extent::{handle_on_device, on_device};
+use crate::ffi::blas::Epilogue;
+use crate::ffi::blas::Trans;
+use crate::ffi::cudnn::lib_fn;
 
 type Status = u32;
 type Ptr = *mut c_void;
@@ -508,7 +508,7 @@ fn describe(api: &Api, st: Status) -> String {
     }
 }
 
-/// A product shape as cuBLASLt plans it (row-major, as [`crate::gemm::gemm`]).
+/// A product shape as cuBLASLt plans it (row-major, as [`crate::engine::gemm::gemm`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LtShape {
     pub ta: Trans,

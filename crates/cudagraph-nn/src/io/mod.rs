@@ -38,6 +38,8 @@
 //! index and the field. Weights must be `float32` (`torch.float32`); a layer declared with
 //! `"bias": false` has no bias tensor in the file (it runs with a zero bias).
 
+pub mod datasets;
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -47,9 +49,9 @@ use serde_json::{json, Value};
 
 use cudagraph::Stream;
 
+use crate::autograd::tensor::Parameter;
 use crate::error::Result;
-use crate::layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
-use crate::tensor::Parameter;
+use crate::nn::layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
 
 pub use crate::error::IoError;
 

@@ -4,9 +4,9 @@
 //! see `data/DIGITS-LICENSE.md`), embedded in the binary.
 
 use crate::error::{NnError, Result};
-use crate::layers::Rng;
+use crate::nn::layers::Rng;
 
-const DIGITS_CSV: &str = include_str!("../data/digits.csv");
+const DIGITS_CSV: &str = include_str!("../../data/digits.csv");
 
 /// Images (row-major, `n × features`, scaled to [0, 1]) with integer labels.
 #[derive(Clone, Debug)]

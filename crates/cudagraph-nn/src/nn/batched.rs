@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use cudagraph::{BatchModel, DeviceBuffer, Queue};
 
-use crate::layers::Module;
-use crate::tensor::{no_grad, Tensor};
+use crate::autograd::tensor::{no_grad, Tensor};
+use crate::nn::layers::Module;
 
 /// A module served in batches of rows: `row_shape` is one input row's shape (e.g. `[1024]` or
 /// `[1, 8, 8]`), `output_row` the number of outputs per row. Runs without autograd.

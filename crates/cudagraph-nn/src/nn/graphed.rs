@@ -18,9 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use cudagraph::{CaptureOptions, Graph, Queue, QueueExt, Stream};
 
+use crate::autograd::tensor::{Node, Parameter, Tensor};
 use crate::error::{NnError, Result};
-use crate::layers::Module;
-use crate::tensor::{Node, Parameter, Tensor};
+use crate::nn::layers::Module;
 
 /// Whose activations the static buffers hold: the latest forward's, and whether its backward
 /// is still due. A forward may replay only when no earlier output still waits for its

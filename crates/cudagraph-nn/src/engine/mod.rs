@@ -59,6 +59,9 @@
 //! [`Engines::table`] returns every choice with the measured µs per candidate (shown by
 //! `cudagraph inspect` and `cudagraph bench engines`).
 
+pub mod conv;
+pub mod gemm;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -69,10 +72,10 @@ use cudagraph::runtime::{Context, DeviceInfo};
 use cudagraph::{CaptureOptions, Device, Event, Graph, Queue};
 use serde::{Deserialize, Serialize};
 
-use crate::blaslt::BlasLt;
-use crate::cudnn::Cudnn;
-use crate::cudnn_graph::CudnnGraph;
 use crate::error::{NnError, Result};
+use crate::ffi::blaslt::BlasLt;
+use crate::ffi::cudnn::Cudnn;
+use crate::ffi::cudnn_graph::CudnnGraph;
 use crate::kernels::igemm::{Spin, Tile};
 
 /// Name of the variable that forces the product engine family.
@@ -115,11 +118,11 @@ pub enum Engine {
     /// beta 0 only; other products fall back to `Tiled`).
     WarpK,
     /// Our kernels for few rows, the few-rows and column-warp ones (forward layout, alpha 1,
-    /// beta 0, at most [`crate::gemm::ROWS_MAX_M`] rows, k a multiple of 4; other products fall
+    /// beta 0, at most [`crate::engine::gemm::ROWS_MAX_M`] rows, k a multiple of 4; other products fall
     /// back to `Tiled`).
     Rows,
     /// Every engine available, measured per shape by the registry; before a measurement (in a
-    /// capture) the heuristic default of [`crate::gemm::auto_engine`].
+    /// capture) the heuristic default of [`crate::engine::gemm::auto_engine`].
     Auto,
 }
 
@@ -244,7 +247,7 @@ pub struct Policy {
     /// Also measure up to eight cuBLASLt configurations found by search rather than by its
     /// heuristic: every algorithm id for fp32 with each tile and stage count it supports,
     /// ranked by how well their grids fill whole waves of the device and validated by
-    /// `cublasLtMatmulAlgoCheck` ([`crate::blaslt`]'s module docs; `CUDAGRAPH_LT_SEARCH=1`;
+    /// `cublasLtMatmulAlgoCheck` ([`crate::ffi::blaslt`]'s module docs; `CUDAGRAPH_LT_SEARCH=1`;
     /// default `false`: the search adds to every first call's measurement and is measured
     /// first on the device, shown as `cublaslt:cN`).
     pub lt_search: bool,
@@ -345,11 +348,11 @@ pub enum GemmAlgo {
     /// cuBLASLt with its heuristic algorithm of this rank (epilogue fused).
     CublasLt(u8),
     /// cuBLASLt's heuristic algorithm of rank `rank` with K split `split` ways (a split-K
-    /// variant the plan kept for an under-occupied product, see [`crate::blaslt`]); shown as
+    /// variant the plan kept for an under-occupied product, see [`crate::ffi::blaslt`]); shown as
     /// `cublaslt:RANK/skSPLIT`.
     CublasLtSplitK { rank: u8, split: u8 },
     /// cuBLASLt's configuration of this index among those its search kept for the shape
-    /// ([`Policy::lt_search`], [`crate::blaslt::BlasLt::search_configs`]); shown as
+    /// ([`Policy::lt_search`], [`crate::ffi::blaslt::BlasLt::search_configs`]); shown as
     /// `cublaslt:cINDEX`.
     CublasLtConfig(u8),
     /// Our split-K tiled kernel with about this many K splits.
@@ -489,7 +492,7 @@ pub enum ConvAlgo {
     /// cuDNN with this `cudnnConvolution*Algo_t`.
     Cudnn(u32),
     /// cuDNN's graph API with the engine configuration of this rank in the key's filtered
-    /// heuristic list ([`crate::cudnn_graph`]); shown as `cudnnv8:RANK`.
+    /// heuristic list ([`crate::ffi::cudnn_graph`]); shown as `cudnnv8:RANK`.
     CudnnGraph(u8),
     /// cuDNN's graph API running the forward convolution and its bias as one operation graph
     /// (convolution, then a pointwise add of the bias), with the configuration of this rank in
@@ -581,7 +584,7 @@ impl FromStr for BiasAlgo {
     }
 }
 
-/// How a cross-entropy over narrow rows runs (`crate::ops::cross_entropy`): measured per
+/// How a cross-entropy over narrow rows runs (`crate::autograd::ops::cross_entropy`): measured per
 /// (rows, classes, gradient or not).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CeAlgo {
@@ -781,8 +784,8 @@ fn library_versions() -> String {
     let v = |r: std::result::Result<usize, String>| r.map_or("none".to_string(), |v| v.to_string());
     format!(
         "cudnn {} cublasLt {}",
-        v(crate::cudnn::version()),
-        v(crate::blaslt::version())
+        v(crate::ffi::cudnn::version()),
+        v(crate::ffi::blaslt::version())
     )
 }
 
@@ -904,7 +907,7 @@ impl Engines {
             .get_or_init(|| match self.held_off(|| CudnnGraph::open(&self.ctx)) {
                 Ok(c) => Some(c),
                 Err(why) => {
-                    crate::cudnn_graph::notice_once(&why);
+                    crate::ffi::cudnn_graph::notice_once(&why);
                     None
                 }
             })
@@ -934,7 +937,7 @@ impl Engines {
         }
         self.cublaslt
             .get_or_init(|| {
-                let ws = crate::blaslt::workspace_for(self.info.compute_capability.0);
+                let ws = crate::ffi::blaslt::workspace_for(self.info.compute_capability.0);
                 match self.held_off(|| BlasLt::open(&self.ctx, ws)) {
                     Ok(l) => Some(l),
                     Err(why) => {
@@ -1409,7 +1412,7 @@ mod tests {
         assert_eq!("cublaslt:0/sk4".parse::<GemmAlgo>().unwrap(), a);
         assert_eq!(a.family(), Engine::CublasLt);
         for rank in 0..3u8 {
-            for split in crate::blaslt::SPLITS {
+            for split in crate::ffi::blaslt::SPLITS {
                 let a = GemmAlgo::CublasLtSplitK { rank, split };
                 assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
                 assert_ne!(

@@ -6,14 +6,14 @@ use std::sync::Arc;
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::blas::Trans;
-use crate::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
+use crate::autograd::tensor::{grad_enabled, Node, Tensor};
+use crate::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
+use crate::engine::gemm::{gemm, linear_weight_grad, Engine};
 use crate::engine::{CeAlgo, Engines};
 use crate::error::{NnError, Result};
-use crate::gemm::{gemm, linear_weight_grad, Engine};
+use crate::ffi::blas::Trans;
 use crate::kernels::losses::{ce_group_plans, ce_plan_with, CeOptions, LossKernels};
 use crate::kernels::{ConvGeom, Nn};
-use crate::tensor::{grad_enabled, Node, Tensor};
 
 fn shape_err<T>(msg: String) -> Result<T> {
     Err(NnError::Shape(msg))
@@ -54,7 +54,7 @@ pub fn linear(
         return shape_err("linear: a fused ReLU needs a bias".into());
     }
     let nn = Nn::get(q.device())?;
-    let mn = crate::tensor::numel_checked(&[m, n])?;
+    let mn = crate::autograd::tensor::numel_checked(&[m, n])?;
     let y = alloc(q, mn)?;
     // The registry picks the engine per shape (within CUDAGRAPH_GEMM's family).
     gemm(
@@ -327,7 +327,7 @@ pub fn cross_entropy(
     }
     let (m, c) = (s[0], s[1]);
     let k = LossKernels::get(q.device())?;
-    let mc = crate::tensor::numel_checked(&[m, c])?;
+    let mc = crate::autograd::tensor::numel_checked(&[m, c])?;
     let loss = alloc(q, 1)?;
     let grad = if grad_enabled() && logits.requires_grad() {
         Some(Arc::new(alloc(q, mc)?))
@@ -470,7 +470,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
     let planes = xs[0] * xs[1];
     let (oh, ow) = ((xs[2] - k) / s + 1, (xs[3] - k) / s + 1);
     let nn = Nn::get(q.device())?;
-    let total = crate::tensor::numel_checked(&[planes, oh, ow])?;
+    let total = crate::autograd::tensor::numel_checked(&[planes, oh, ow])?;
     let y = alloc(q, total)?;
     let idx = Arc::new(q.alloc::<i32>(total)?);
     nn.maxpool_fwd(q, x.data(), &y, &idx, planes, (xs[2], xs[3]), k, s)?;
@@ -501,13 +501,13 @@ pub fn flatten(x: &Tensor) -> Result<Tensor> {
 /// Dropout (PyTorch's `F.dropout(x, p, training)`): in training, each element is zeroed with
 /// probability `p` and the others are scaled by `1 / (1 − p)`; otherwise (or with `p = 0`)
 /// `x` itself. The numbers come from `gen` (reserved now, drawn when the kernel runs; see
-/// [`crate::rng`]), and the keep-mask is saved (one bit per element) for the backward pass.
+/// [`crate::random`]), and the keep-mask is saved (one bit per element) for the backward pass.
 pub fn dropout(
     q: &dyn Queue,
     x: &Tensor,
     p: f32,
     training: bool,
-    gen: &crate::rng::Generator,
+    gen: &crate::random::Generator,
 ) -> Result<Tensor> {
     if !(0.0..=1.0).contains(&p) {
         return shape_err(format!(
@@ -519,7 +519,7 @@ pub fn dropout(
     }
     let n = x.numel();
     let k = crate::kernels::rng::RngKernels::get(q.device())?;
-    let (threshold, scale) = crate::rng::dropout_params(p);
+    let (threshold, scale) = crate::random::dropout_params(p);
     let offset = gen.reserve(n)?;
     let y = alloc(q, n)?;
     let mask = Arc::new(q.alloc::<u32>(n.div_ceil(32))?);

@@ -26,9 +26,9 @@ use std::sync::{Arc, Mutex};
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
+use crate::autograd::tensor::{numel_checked, Tensor};
 use crate::error::{NnError, Result};
 use crate::kernels::rng::RngKernels;
-use crate::tensor::{numel_checked, Tensor};
 
 struct Inner {
     /// `[seed, base]`.

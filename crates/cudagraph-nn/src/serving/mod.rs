@@ -30,9 +30,9 @@ use cudagraph::{
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-use crate::batched::Batched;
 use crate::error::Result;
-use crate::layers::Sequential;
+use crate::nn::batched::Batched;
+use crate::nn::layers::Sequential;
 
 /// Why a request was not answered with outputs.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -15,10 +15,10 @@ use std::sync::Arc;
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
+use crate::autograd::tensor::Parameter;
 use crate::error::{NnError, Result};
 use crate::kernels::optim_mt::{hp, state, AdamTensor, OptimKernels, SgdTensor};
-use crate::schedule::Schedule;
-use crate::tensor::Parameter;
+use crate::nn::schedule::Schedule;
 
 /// Common optimizer interface.
 pub trait Optimizer {

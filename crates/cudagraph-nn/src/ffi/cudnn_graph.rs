@@ -1,9 +1,9 @@
 //! cuDNN's graph (backend) API for convolutions (NCHW fp32): every engine and knob configuration
 //! cuDNN's heuristics offer for one direction — the API PyTorch 2.x reaches through
 //! cudnn-frontend —, as engine-registry candidates beside the legacy algorithms of
-//! [`crate::cudnn`].
+//! [`crate::ffi::cudnn`].
 //!
-//! The library is the one [`crate::cudnn`] loads (its sub-libraries checked first); the backend
+//! The library is the one [`crate::ffi::cudnn`] loads (its sub-libraries checked first); the backend
 //! functions are looked up here with their C signatures, and every value cuDNN returns is read
 //! as a raw integer (descriptor types, attribute names and types, notes, status codes), so a
 //! newer cuDNN cannot produce an invalid Rust enum. Without cuDNN 9 or its backend symbols
@@ -35,9 +35,9 @@ use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
-use crate::cudnn::lib_fn;
 use crate::error::{NnError, Result};
 use crate::extent::{handle_on_device, on_device};
+use crate::ffi::cudnn::lib_fn;
 use crate::kernels::igemm::{conv_key, conv_on_device, conv_roles, ConvDir};
 use crate::kernels::ConvGeom;
 
@@ -183,7 +183,7 @@ struct Api {
 fn load() -> std::result::Result<Api, String> {
     // Loads libcudnn and checks its sub-libraries (the shim aborts the process when one is
     // missing) before any function is called.
-    let version = crate::cudnn::version()?;
+    let version = crate::ffi::cudnn::version()?;
     if version < 90000 {
         return Err(format!(
             "cuDNN {version} is older than 9.0 (the backend attributes used are cuDNN 9's)"
@@ -215,7 +215,7 @@ fn api() -> std::result::Result<&'static Api, &'static str> {
 /// legacy path already reports.
 pub(crate) fn notice_once(why: &str) {
     static ONCE: Once = Once::new();
-    if crate::cudnn::version().is_err() {
+    if crate::ffi::cudnn::version().is_err() {
         return;
     }
     ONCE.call_once(|| {
@@ -1088,7 +1088,7 @@ impl CudnnGraph {
         deterministic: bool,
         max_workspace: usize,
     ) -> Result<Vec<Candidate>> {
-        if !crate::cudnn::supports(g) || (bias && dir != ConvDir::Forward) {
+        if !crate::ffi::cudnn::supports(g) || (bias && dir != ConvDir::Forward) {
             return Ok(Vec::new());
         }
         self.ctx.bind()?;
@@ -1138,8 +1138,8 @@ impl CudnnGraph {
     }
 
     /// Runs the configuration of rank `rank` for one direction. Buffers by direction (as
-    /// [`crate::conv`]): forward `a = x`, `b = w`, `out = y` (a bias is added after, by the
-    /// engine `crate::conv` chooses); backward-data `a = dy`, `b = w`, `out = dx`;
+    /// [`crate::engine::conv`]): forward `a = x`, `b = w`, `out = y` (a bias is added after, by the
+    /// engine `crate::engine::conv` chooses); backward-data `a = dy`, `b = w`, `out = dx`;
     /// backward-filter `a = dy`, `b = x`, `out = dw`. Inside a capture the plan must have been
     /// built before (by an eager call or an eager listing of candidates).
     #[allow(clippy::too_many_arguments)]
@@ -1182,7 +1182,7 @@ impl CudnnGraph {
         (a, b, out): (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<f32>),
         bias: Option<&DeviceBuffer<f32>>,
     ) -> Result<()> {
-        if !crate::cudnn::supports(g) {
+        if !crate::ffi::cudnn::supports(g) {
             return Err(NnError::Shape(format!(
                 "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
             )));

@@ -12,10 +12,10 @@ use std::sync::Arc;
 
 use cudagraph::{CaptureStream, DeviceBuffer, Queue, QueueExt, Stream};
 
+use crate::autograd::tensor::Tensor;
 use crate::error::{NnError, Result};
 use crate::kernels::steps::StepKernels;
-use crate::optim::Optimizer;
-use crate::tensor::Tensor;
+use crate::nn::optim::Optimizer;
 
 /// A dataset in device memory, read batch by batch by kernels: batch `b` is rows
 /// `[b·rows, (b+1)·rows)`. A cursor on the device says which batch comes next.

@@ -3,10 +3,10 @@
 
 use cudagraph::Queue;
 
+use crate::autograd::ops;
+use crate::autograd::tensor::{Parameter, Tensor};
 use crate::error::Result;
-use crate::ops;
-use crate::rng::Generator;
-use crate::tensor::{Parameter, Tensor};
+use crate::random::Generator;
 use cudagraph::Stream;
 
 /// A small deterministic generator (SplitMix64) for weights and synthetic data.
