@@ -45,7 +45,8 @@ pub mod random;
 pub mod serving;
 
 pub use autograd::ops::{
-    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
+    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, rand, randn, relu,
+    Reduction, Targets,
 };
 pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
 pub use error::{NnError, Result};
@@ -60,5 +61,5 @@ pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
 pub use nn::optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
 pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};
-pub use random::{rand, randn, Generator};
+pub use random::Generator;
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};

@@ -27,12 +27,12 @@ use std::sync::Arc;
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, QueueExt, Stream};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::conv::ConvGeom;
 use cudagraph_nn::engine::conv::{
     conv2d_forward, conv_candidates, conv_key, conv_with, ConvDir, ConvIo,
 };
 use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, Policy};
 use cudagraph_nn::ffi::cudnn_graph::{Candidate, CudnnGraph};
-use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::*;
 
 /// Workspace limit used when listing directly (the registry's: 1 GiB on an 80 GB device).

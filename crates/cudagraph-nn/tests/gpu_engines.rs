@@ -27,7 +27,9 @@ use cudagraph::{
     gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, QueueExt, Stream,
 };
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::conv::ConvGeom;
 use cudagraph_nn::engine::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
+use cudagraph_nn::engine::gemm::alignment;
 use cudagraph_nn::engine::gemm::Trans;
 use cudagraph_nn::engine::gemm::{
     cols_candidates, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
@@ -35,8 +37,7 @@ use cudagraph_nn::engine::gemm::{
 use cudagraph_nn::engine::{
     BiasAlgo, CeAlgo, ConvAlgo, ConvEngine, EngineRow, Engines, GemmAlgo, Policy,
 };
-use cudagraph_nn::ffi::blaslt::alignment;
-use cudagraph_nn::kernels::{igemm, ConvGeom};
+use cudagraph_nn::kernels::igemm;
 use cudagraph_nn::*;
 
 fn data(rng: &mut Rng, n: usize) -> Vec<f32> {

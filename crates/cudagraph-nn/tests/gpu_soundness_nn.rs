@@ -18,6 +18,7 @@ use cudagraph::{
     Graph, GraphCache, QueueExt, Stream,
 };
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::conv::ConvGeom;
 use cudagraph_nn::engine::conv::{conv_with, run_conv, ConvDir, ConvIo};
 use cudagraph_nn::engine::gemm;
 use cudagraph_nn::engine::gemm::{gemm_with, GemmOp};
@@ -25,7 +26,6 @@ use cudagraph_nn::engine::gemm::{Epilogue, Trans};
 use cudagraph_nn::engine::{ConvAlgo, Engine, Engines, GemmAlgo};
 use cudagraph_nn::ffi::blaslt::{LtAlgo, LtShape};
 use cudagraph_nn::kernels::igemm::Spin;
-use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::*;
 
 fn mlp(s: &Stream, rng: &mut Rng, dims: &[usize]) -> Sequential {
@@ -1035,8 +1035,9 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
             assert_eq!(&refused(&format!("gemm_with {algo}, {name}"), r), name);
         }
         if role < 3 {
-            let r = nn
-                .blas
+            let r = eng
+                .blas()
+                .unwrap()
                 .gemm(&s, Trans::N, Trans::T, m, n, k, 1.0, a, b, 0.0, c);
             assert_eq!(&refused(&format!("Blas::gemm, {name}"), r), name);
         }
@@ -1185,9 +1186,9 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
     // Handles of device 1 on a queue of device 0, every buffer of device 0.
     let eng1 = Engines::get(&other).unwrap();
     let (a, b, c) = (&on0[0], &on0[1], &on0[2]);
-    let r = Nn::get(&other)
+    let r = eng1
+        .blas()
         .unwrap()
-        .blas
         .gemm(&s, Trans::N, Trans::T, m, n, k, 1.0, a, b, 0.0, c);
     assert_eq!(refused("cuBLAS handle of device 1", r), "cuBLAS handle");
     let plain = LtShape {

@@ -7,11 +7,11 @@
 
 use clap::Args;
 use cudagraph::{Device, DeviceBuffer, QueueExt, Stream};
+use cudagraph_nn::engine::conv::ConvGeom;
 use cudagraph_nn::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
 use cudagraph_nn::engine::gemm::Trans;
 use cudagraph_nn::engine::gemm::{gemm, linear_weight_grad, Engine};
 use cudagraph_nn::engine::{format_table, EngineRow, Engines};
-use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::Nn;
 use serde::Serialize;
 

@@ -6,14 +6,15 @@ use std::sync::Arc;
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::autograd::tensor::{grad_enabled, Node, Tensor};
+use crate::autograd::tensor::{grad_enabled, numel_checked, Node, Tensor};
 use crate::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
-use crate::engine::gemm::{gemm, linear_weight_grad, Engine};
+use crate::engine::gemm::{gemm, linear_weight_grad, Engine, Trans};
 use crate::engine::{CeAlgo, Engines};
 use crate::error::{NnError, Result};
-use crate::ffi::blas::Trans;
+use crate::extent::ConvGeom;
 use crate::kernels::losses::{ce_group_plans, ce_plan_with, CeOptions, LossKernels};
-use crate::kernels::{ConvGeom, Nn};
+use crate::kernels::Nn;
+use crate::random::Generator;
 
 fn shape_err<T>(msg: String) -> Result<T> {
     Err(NnError::Shape(msg))
@@ -498,6 +499,20 @@ pub fn flatten(x: &Tensor) -> Result<Tensor> {
     x.reshape(&[s[0], s[1..].iter().product()])
 }
 
+/// A tensor of uniform numbers in `[0, 1)` (PyTorch's `torch.rand`).
+pub fn rand(q: &dyn Queue, gen: &Generator, shape: &[usize]) -> Result<Tensor> {
+    let b = q.alloc::<f32>(numel_checked(shape)?)?;
+    gen.fill_uniform(q, &b, 0.0, 1.0)?;
+    Tensor::from_buffer(Arc::new(b), shape)
+}
+
+/// A tensor of standard normal numbers (PyTorch's `torch.randn`).
+pub fn randn(q: &dyn Queue, gen: &Generator, shape: &[usize]) -> Result<Tensor> {
+    let b = q.alloc::<f32>(numel_checked(shape)?)?;
+    gen.fill_normal(q, &b, 0.0, 1.0)?;
+    Tensor::from_buffer(Arc::new(b), shape)
+}
+
 /// Dropout (PyTorch's `F.dropout(x, p, training)`): in training, each element is zeroed with
 /// probability `p` and the others are scaled by `1 / (1 − p)`; otherwise (or with `p = 0`)
 /// `x` itself. The numbers come from `gen` (reserved now, drawn when the kernel runs; see
@@ -507,7 +522,7 @@ pub fn dropout(
     x: &Tensor,
     p: f32,
     training: bool,
-    gen: &crate::random::Generator,
+    gen: &Generator,
 ) -> Result<Tensor> {
     if !(0.0..=1.0).contains(&p) {
         return shape_err(format!(

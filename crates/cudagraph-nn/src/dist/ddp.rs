@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use cudagraph::{DeviceBuffer, Fork, Queue, QueueExt, SideStream, Stream};
 
-use super::nccl::{Communicator, ReduceOp};
+use super::communicator::{Communicator, ReduceOp};
 use super::DistError;
 use crate::autograd::tensor::{Parameter, Tensor};
 use crate::error::{NnError, Result};

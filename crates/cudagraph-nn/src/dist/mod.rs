@@ -21,19 +21,20 @@
 //! `CUDAGRAPH_NCCL_LIB` may point at the library (e.g. a `libnccl.so.2` inside a Python
 //! environment).
 
+mod communicator;
 mod ddp;
-mod nccl;
 pub mod rendezvous;
 mod threads;
 
 use std::time::Duration;
 
+pub use communicator::{Communicator, NcclElem, ReduceOp};
 pub use ddp::{plan_buckets, BucketInfo, DdpOptions, DistributedDataParallel};
-pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp, RUNTIME_CONNECT_VAR};
 pub use rendezvous::{Health, Membership, PeerMonitor};
 pub use threads::{run_threads, RankContext};
 
 pub use crate::error::DistError;
+pub use crate::ffi::nccl::{nccl_version, RUNTIME_CONNECT_VAR};
 
 /// The variables `torchrun` (and `cudagraph launch`) set for each process.
 #[derive(Clone, Debug, PartialEq, Eq)]

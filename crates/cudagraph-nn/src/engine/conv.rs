@@ -14,9 +14,10 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::engine::{BiasAlgo, ConvAlgo, ConvEngine, Engines, Policy};
 use crate::error::{NnError, Result};
+pub use crate::extent::{conv_key, ConvDir, ConvGeom};
+pub use crate::kernels::igemm::Tile;
 use crate::kernels::igemm::{self, ConvKernels};
-pub use crate::kernels::igemm::{ConvDir, Tile};
-use crate::kernels::{ConvGeom, Nn};
+use crate::kernels::Nn;
 
 type Buf = DeviceBuffer<f32>;
 
@@ -34,8 +35,6 @@ fn macs(g: &ConvGeom) -> f64 {
 fn workspace_limit(total_memory: usize) -> usize {
     (total_memory / 8).min(1 << 30)
 }
-
-pub use crate::kernels::igemm::conv_key;
 
 /// The engines that can run a direction of `g` on this machine under `policy`, cuDNN's in its
 /// heuristic order first; with `bias` (forward only) also cuDNN's graph-API configurations
@@ -281,8 +280,8 @@ pub fn conv_with(
 /// (checked before any engine runs or is measured, so a buffer of another device is a
 /// `WrongDevice` error whichever engine the registry would pick).
 fn check_io(q: &dyn Queue, dir: ConvDir, g: &ConvGeom, io: &ConvIo<'_>) -> Result<()> {
-    igemm::conv_roles(dir, g, (io.a, io.b, io.out), io.bias)?;
-    igemm::conv_on_device(q, dir, (io.a, io.b, io.out), io.bias)
+    crate::extent::conv_roles(dir, g, (io.a, io.b, io.out), io.bias)?;
+    crate::extent::conv_on_device(q, dir, (io.a, io.b, io.out), io.bias)
 }
 
 fn conv_algo(

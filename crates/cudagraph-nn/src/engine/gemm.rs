@@ -23,9 +23,10 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::engine::{Engines, GemmAlgo, Policy};
 use crate::error::{NnError, Result};
+pub use crate::extent::alignment;
 use crate::extent::on_device;
 pub use crate::ffi::blas::Trans;
-use crate::ffi::blaslt::{alignment, LtAlgo, LtShape, MEASURED_ALGOS};
+use crate::ffi::blaslt::{LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::kernels::{
     rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Nn, ROWS_PER_BLOCK,
 };
@@ -530,7 +531,7 @@ fn run_algo(
     };
     match algo {
         GemmAlgo::Cublas => {
-            nn.blas.gemm(
+            eng.blas()?.gemm(
                 q, op.ta, op.tb, op.m, op.n, op.k, op.alpha, a, b, op.beta, c,
             )?;
             if let Some(bias) = bias {

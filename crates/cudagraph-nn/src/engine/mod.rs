@@ -66,16 +66,18 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudagraph::runtime::{Context, DeviceInfo};
 use cudagraph::{CaptureOptions, Device, Event, Graph, Queue};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{NnError, Result};
+use crate::ffi::blas::Blas;
 use crate::ffi::blaslt::BlasLt;
 use crate::ffi::cudnn::Cudnn;
 use crate::ffi::cudnn_graph::CudnnGraph;
+use crate::ffi::libraries::Libraries;
 use crate::kernels::igemm::{Spin, Tile};
 
 /// Name of the variable that forces the product engine family.
@@ -714,45 +716,21 @@ pub fn table_file(dir: &Path, device: &str, driver: i32) -> PathBuf {
     dir.join(format!("engines-{clean}-{driver}.json"))
 }
 
-/// Which library a notice or switch is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Library {
-    Cudnn,
-    CublasLt,
-}
-
-fn notice_once(lib: Library, why: &str) {
-    static CUDNN: Once = Once::new();
-    static LT: Once = Once::new();
-    let (once, text) = match lib {
-        Library::Cudnn => (&CUDNN, "cuDNN"),
-        Library::CublasLt => (&LT, "cuBLASLt"),
-    };
-    once.call_once(|| {
-        let then = match lib {
-            Library::Cudnn => "convolutions run on cudagraph's own kernels",
-            Library::CublasLt => "products run on cuBLAS and cudagraph's own kernels",
-        };
-        eprintln!("cudagraph-nn: {text} unavailable ({why}); {then}");
-    });
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The per-device engine registry (a [`Device::extension`]): policy, choices, and the library
-/// handles (cuDNN, cuBLASLt) the engines use.
+/// The per-device engine registry (a [`Device::extension`]): policy and choices. The library
+/// handles the engines use belong to the device's [`Libraries`]; the registry hands out those
+/// its policy allows.
 pub struct Engines {
     ctx: Context,
     info: DeviceInfo,
+    libs: Arc<Libraries>,
     policy: Mutex<Policy>,
     table: Mutex<BTreeMap<String, Entry>>,
     file: Option<PathBuf>,
     libraries: String,
-    cudnn: OnceLock<Option<Cudnn>>,
-    cudnn_graph: OnceLock<Option<CudnnGraph>>,
-    cublaslt: OnceLock<Option<BlasLt>>,
     /// The graph pool of the registry's timing graphs, made on first use and kept with the
     /// device; its lock serialises the graph timing of this device's measurements (the pool
     /// contract: its graphs never replay at once). Dropping each timing graph with a private
@@ -813,13 +791,11 @@ impl Engines {
         Ok(Engines {
             ctx: d.context().clone(),
             info,
+            libs: Libraries::get(d)?,
             policy: Mutex::new(policy),
             table: Mutex::new(entries),
             file,
             libraries,
-            cudnn: OnceLock::new(),
-            cudnn_graph: OnceLock::new(),
-            cublaslt: OnceLock::new(),
             timing_pool: Mutex::new(None),
             usage: Mutex::new(None),
             usage_on: std::sync::atomic::AtomicBool::new(false),
@@ -862,91 +838,58 @@ impl Engines {
         self.file.as_deref()
     }
 
+    /// The device's cuBLAS handle (made on first use).
+    pub fn blas(&self) -> Result<&Blas> {
+        self.libs.blas()
+    }
+
     /// cuDNN, when installed and allowed by the policy (opened on first use; a missing library
     /// prints one notice).
     pub fn cudnn(&self) -> Option<&Cudnn> {
-        if !self.policy().cudnn {
-            return None;
-        }
-        self.cudnn
-            .get_or_init(|| match self.held_off(|| Cudnn::open(&self.ctx)) {
-                Ok(c) => Some(c),
-                Err(why) => {
-                    notice_once(Library::Cudnn, &why);
-                    None
-                }
-            })
-            .as_ref()
-    }
-
-    /// Runs `f` with other threads' captures of this device held off (see
-    /// `Context::with_captures_held_off`): opening a library may synchronise the device behind
-    /// our back, which would invalidate those captures. Only for such leaf calls: `f` must not
-    /// wait for anything a thread about to begin a capture may hold.
-    fn held_off<R>(&self, f: impl FnOnce() -> R) -> R {
-        self.ctx.with_captures_held_off(FIRST_USE_PATIENCE, f)
+        self.policy().cudnn.then(|| self.libs.cudnn()).flatten()
     }
 
     /// cuDNN for listing candidates on `q`: as [`Engines::cudnn`], except that inside a capture
     /// a library not opened yet stays closed (opening it may allocate or synchronise, which a
     /// capture forbids); the capture then uses the other engines.
     pub(crate) fn cudnn_for(&self, q: &dyn Queue) -> Option<&Cudnn> {
-        if q.is_capturing() && self.cudnn.get().is_none() {
-            return None;
-        }
-        self.cudnn()
+        self.policy()
+            .cudnn
+            .then(|| self.libs.cudnn_for(q))
+            .flatten()
     }
 
     /// cuDNN's graph API (every engine configuration), when cuDNN 9 is installed and the
     /// policy allows cuDNN (opened on first use; an unavailable API prints one notice).
     pub fn cudnn_graph(&self) -> Option<&CudnnGraph> {
-        if !self.policy().cudnn {
-            return None;
-        }
-        self.cudnn_graph
-            .get_or_init(|| match self.held_off(|| CudnnGraph::open(&self.ctx)) {
-                Ok(c) => Some(c),
-                Err(why) => {
-                    crate::ffi::cudnn_graph::notice_once(&why);
-                    None
-                }
-            })
-            .as_ref()
+        self.policy()
+            .cudnn
+            .then(|| self.libs.cudnn_graph())
+            .flatten()
     }
 
     /// cuDNN's graph API for listing candidates on `q` (not opened inside a capture).
     pub(crate) fn cudnn_graph_for(&self, q: &dyn Queue) -> Option<&CudnnGraph> {
-        if q.is_capturing() && self.cudnn_graph.get().is_none() {
-            return None;
-        }
-        self.cudnn_graph()
+        self.policy()
+            .cudnn
+            .then(|| self.libs.cudnn_graph_for(q))
+            .flatten()
     }
 
     /// cuBLASLt for listing candidates on `q` (closed libraries stay closed in a capture).
     pub(crate) fn cublaslt_for(&self, q: &dyn Queue) -> Option<&BlasLt> {
-        if q.is_capturing() && self.cublaslt.get().is_none() {
-            return None;
-        }
-        self.cublaslt()
+        self.policy()
+            .cublaslt
+            .then(|| self.libs.cublaslt_for(q))
+            .flatten()
     }
 
     /// cuBLASLt, when installed and allowed by the policy.
     pub fn cublaslt(&self) -> Option<&BlasLt> {
-        if !self.policy().cublaslt {
-            return None;
-        }
-        self.cublaslt
-            .get_or_init(|| {
-                let ws = crate::ffi::blaslt::workspace_for(self.info.compute_capability.0);
-                match self.held_off(|| BlasLt::open(&self.ctx, ws)) {
-                    Ok(l) => Some(l),
-                    Err(why) => {
-                        notice_once(Library::CublasLt, &why);
-                        None
-                    }
-                }
-            })
-            .as_ref()
+        self.policy()
+            .cublaslt
+            .then(|| self.libs.cublaslt())
+            .flatten()
     }
 
     /// Every choice, sorted by key.
@@ -1208,10 +1151,6 @@ impl Engines {
 
 /// Candidates measured within this factor of the fastest are measured a second time.
 const REMEASURE_WITHIN: f64 = 1.3;
-
-/// How long opening a library waits for other threads' captures of the device to end before it
-/// goes ahead anyway (see `Engines::held_off`).
-pub(crate) const FIRST_USE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// Candidates whose single eager run took less than this many µs are timed as they will run,
 /// in graphs ([`graph_times`]) — without the host's time to enqueue each run.

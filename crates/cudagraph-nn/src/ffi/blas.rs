@@ -1,5 +1,6 @@
-//! cuBLAS, the only FFI in this crate. One handle per device; its workspace is a buffer from
-//! our own allocator, so cuBLAS never allocates by itself (not during a capture either).
+//! cuBLAS, through cudarc's typed bindings. One handle per device (kept by
+//! [`super::libraries::Libraries`]); its workspace is a buffer from our own allocator, so
+//! cuBLAS never allocates by itself (not during a capture either).
 //!
 //! Workspaces: eager GEMMs use one workspace per stream (in the default pool), ordered by the
 //! stream. A GEMM inside a capture gets its own workspace from the queue, that is from the
@@ -13,9 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use cudagraph::memory::{Allocator, BlockRef};
 use cudagraph::runtime::{with_relaxed_capture, Context, WeakStream};
-use cudagraph::{Device, DeviceBuffer, Queue, QueueExt};
+use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cublas::sys;
 
+use super::loader::FIRST_USE_PATIENCE;
 use crate::error::{NnError, Result};
 use crate::extent::{block_on_device, handle_on_device, on_device, GemmDims};
 
@@ -37,7 +39,7 @@ struct State {
 }
 
 /// A cuBLAS handle bound to one device. Holds the device's context and allocator, not the
-/// `Device` (it lives inside the device as an extension).
+/// `Device` (it lives inside the device, in its [`super::libraries::Libraries`]).
 pub struct Blas {
     state: Mutex<State>,
     ctx: Context,
@@ -112,7 +114,7 @@ impl Trans {
 
 impl Blas {
     /// Creates the handle (works inside a capture too: relaxed mode around creation).
-    pub fn new(device: &Device) -> Result<Self> {
+    pub fn new(ctx: &Context, alloc: &Arc<Allocator>) -> Result<Self> {
         // SAFETY: only tries to dlopen libcublas.
         if !unsafe { sys::is_culib_present() } {
             return Err(NnError::Cublas {
@@ -120,16 +122,14 @@ impl Blas {
                 status: "libcublas could not be loaded; install CUDA's cuBLAS library".into(),
             });
         }
-        device.context().bind()?;
+        ctx.bind()?;
         let mut h = std::ptr::null_mut();
         // Creating a handle may synchronise the device: held off other threads' captures.
         check(
-            device
-                .context()
-                .with_captures_held_off(crate::engine::FIRST_USE_PATIENCE, || {
-                    // SAFETY: writes one handle.
-                    with_relaxed_capture(|| unsafe { sys::cublasCreate_v2(&mut h) })
-                }),
+            ctx.with_captures_held_off(FIRST_USE_PATIENCE, || {
+                // SAFETY: writes one handle.
+                with_relaxed_capture(|| unsafe { sys::cublasCreate_v2(&mut h) })
+            }),
             "cublasCreate",
         )?;
         // Full fp32 (no TF32), to match PyTorch with TF32 off and our CPU references.
@@ -143,8 +143,8 @@ impl Blas {
                 handle: Handle(h),
                 workspaces: HashMap::new(),
             }),
-            ctx: device.context().clone(),
-            alloc: device.allocator().clone(),
+            ctx: ctx.clone(),
+            alloc: alloc.clone(),
         })
     }
 

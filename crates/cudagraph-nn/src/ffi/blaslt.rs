@@ -37,24 +37,19 @@
 //! (or no) configurations, never an error.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Mutex, OnceLock};
+use std::ffi::{c_char, c_int};
+use std::sync::Mutex;
 
 use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cublaslt::sys as ls;
 
+use super::loader::{check, describe, lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCESS};
 use crate::error::{NnError, Result};
-use crate::extent::{handle_on_device, on_device};
+use crate::extent::{alignment, handle_on_device, on_device};
 use crate::ffi::blas::Epilogue;
 use crate::ffi::blas::Trans;
-use crate::ffi::cudnn::lib_fn;
 
-type Status = u32;
-type Ptr = *mut c_void;
-type CPtr = *const c_void;
-
-const SUCCESS: Status = 0;
 const R_32F: u32 = ls::cudaDataType_t::CUDA_R_32F as u32;
 const COMPUTE_32F: u32 = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F as u32;
 const DESC_TRANSA: u32 = ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA as u32;
@@ -485,8 +480,17 @@ pub fn split_choices(fill: f64, k: usize, most: usize) -> Vec<u8> {
 }
 
 fn api() -> std::result::Result<&'static Api, &'static str> {
-    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load).as_ref().map_err(|e| e.as_str())
+    static API: Loaded<Api> = Loaded::new(load);
+    API.get()
+}
+
+// SAFETY: `status_string` is `cublasLtGetStatusString`, which returns a static NUL-terminated
+// string (or null) for any status.
+unsafe impl StatusText for Api {
+    const LIBRARY: &'static str = "cuBLASLt";
+    fn status_string(&self) -> unsafe extern "C" fn(Status) -> *const c_char {
+        self.status_string
+    }
 }
 
 /// The loaded cuBLASLt's version (e.g. 130000), or why it is unavailable.
@@ -494,18 +498,6 @@ pub fn version() -> std::result::Result<usize, String> {
     let api = api().map_err(str::to_string)?;
     // SAFETY: no arguments; returns a number.
     Ok(unsafe { (api.get_version)() })
-}
-
-fn describe(api: &Api, st: Status) -> String {
-    // SAFETY: returns a static NUL-terminated string (or null).
-    let p = unsafe { (api.status_string)(st) };
-    if p.is_null() {
-        format!("status {st}")
-    } else {
-        // SAFETY: non-null, static and NUL-terminated (cuBLASLt's contract).
-        let s = unsafe { CStr::from_ptr(p) }.to_string_lossy();
-        format!("{s} ({st})")
-    }
 }
 
 /// A product shape as cuBLASLt plans it (row-major, as [`crate::engine::gemm::gemm`]).
@@ -612,7 +604,7 @@ struct State {
 // at a time; every use holds the `BlasLt` mutex.
 unsafe impl Send for State {}
 
-/// A cuBLASLt handle bound to one device (kept by the engine registry).
+/// A cuBLASLt handle bound to one device (kept by the device's [`super::libraries::Libraries`]).
 pub struct BlasLt {
     api: &'static Api,
     ctx: Context,
@@ -631,24 +623,6 @@ impl Drop for BlasLt {
                 (self.api.destroy)(st.handle);
             }
         }
-    }
-}
-
-/// The largest power of two (at most 256) dividing every address.
-pub fn alignment(addrs: &[u64]) -> u32 {
-    let all = addrs.iter().fold(256u64, |acc, &a| acc | a);
-    (1u64 << all.trailing_zeros().min(8)) as u32
-}
-
-fn check(api: &Api, st: Status, call: &'static str) -> Result<()> {
-    if st == SUCCESS {
-        Ok(())
-    } else {
-        Err(NnError::Library {
-            library: "cuBLASLt",
-            call,
-            status: describe(api, st),
-        })
     }
 }
 
@@ -1568,13 +1542,5 @@ mod tests {
         assert_eq!(search_rank(Some((1, 1)), 132, 1, 132), (0, -20, -1));
         // No SMs reported: treated as one.
         assert_eq!(search_rank(Some((4, 4)), 8, 8, 0).0, 0);
-    }
-
-    #[test]
-    fn alignment_is_the_common_power_of_two() {
-        assert_eq!(alignment(&[0x1000, 0x2200]), 256);
-        assert_eq!(alignment(&[0x1000, 0x2210]), 16);
-        assert_eq!(alignment(&[0x1004]), 4);
-        assert_eq!(alignment(&[]), 256);
     }
 }

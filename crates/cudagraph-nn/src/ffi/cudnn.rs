@@ -7,31 +7,27 @@
 //! instead of a panic. Every symbol is resolved, and cuDNN's sub-libraries are checked to load,
 //! before any function is called (the `libcudnn` shim aborts the process when one is missing).
 //!
-//! One handle per device (inside the engine registry, holding the device's `Context`), its
-//! stream set on every call. Math type `CUDNN_FMA_MATH` (no TF32, like PyTorch with
-//! `allow_tf32 = False`). The workspace of every call comes from the caller's queue
+//! One handle per device (in the device's [`super::libraries::Libraries`], holding its
+//! `Context`), its stream set on every call. Math type `CUDNN_FMA_MATH` (no TF32, like PyTorch
+//! with `allow_tf32 = False`). The workspace of every call comes from the caller's queue
 //! (`QueueExt::alloc`): inside a capture it is taken from the graph's pool. Which algorithm
 //! runs is the engine registry's choice ([`crate::engine`]); this module lists the candidates
 //! (`cudnnGetConvolution*Algorithm_v7`, heuristic order) and runs the chosen one.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Mutex, OnceLock};
+use std::ffi::{c_char, c_int};
+use std::sync::Mutex;
 
 use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
+use super::loader::{check, describe, lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCESS};
 use crate::error::{NnError, Result};
-use crate::extent::{handle_on_device, need, on_device};
-use crate::kernels::igemm::{conv_on_device, conv_roles, ConvDir};
-use crate::kernels::ConvGeom;
+use crate::extent::{
+    conv_on_device, conv_roles, handle_on_device, need, on_device, ConvDir, ConvGeom,
+};
 
-type Status = u32;
-type Ptr = *mut c_void;
-type CPtr = *const c_void;
-
-const SUCCESS: Status = 0;
 const NCHW: u32 = cs::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as u32;
 const FLOAT: u32 = cs::cudnnDataType_t::CUDNN_DATA_FLOAT as u32;
 const CROSS_CORRELATION: u32 = cs::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION as u32;
@@ -154,21 +150,6 @@ fn sub_libraries_load() -> std::result::Result<(), String> {
     ))
 }
 
-/// Looks up the C function `$name` in a loaded library (a `libloading::Library`) as the function
-/// pointer type of the `Api` field it initialises, or returns `Err("<name> is missing (..)")`
-/// from the enclosing loader. The run-time loaders of cuDNN (legacy and graph API) and
-/// cuBLASLt share it.
-macro_rules! lib_fn {
-    ($lib:expr, $name:literal) => {
-        // SAFETY: looks the symbol up without calling it; the caller stores it in an `Api`
-        // field declared with the C prototype of the library's header for that name.
-        unsafe { $lib.get($name.as_bytes()) }
-            .map(|s| *s)
-            .map_err(|e| format!("{} is missing ({e})", $name))?
-    };
-}
-pub(crate) use lib_fn;
-
 fn load() -> std::result::Result<Api, String> {
     // SAFETY: only tries to dlopen libcudnn by its usual names.
     if !unsafe { cs::is_culib_present() } {
@@ -221,8 +202,17 @@ fn load() -> std::result::Result<Api, String> {
 
 /// The process's cuDNN functions, or why there are none.
 fn api() -> std::result::Result<&'static Api, &'static str> {
-    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load).as_ref().map_err(|e| e.as_str())
+    static API: Loaded<Api> = Loaded::new(load);
+    API.get()
+}
+
+// SAFETY: `get_error_string` is `cudnnGetErrorString`, which returns a static NUL-terminated
+// string (or null) for any status.
+unsafe impl StatusText for Api {
+    const LIBRARY: &'static str = "cuDNN";
+    fn status_string(&self) -> unsafe extern "C" fn(Status) -> *const c_char {
+        self.get_error_string
+    }
 }
 
 /// The loaded cuDNN's version (e.g. 91400 for 9.14.0), or why it is unavailable.
@@ -294,7 +284,7 @@ struct State {
 // a time; every use below holds the `Cudnn` mutex with the device's context bound.
 unsafe impl Send for State {}
 
-/// A cuDNN handle bound to one device (kept by the engine registry, a device extension).
+/// A cuDNN handle bound to one device (kept by the device's [`super::libraries::Libraries`]).
 pub struct Cudnn {
     api: &'static Api,
     ctx: Context,
@@ -665,30 +655,6 @@ fn new_plan(a: &'static Api, g: &ConvGeom) -> Result<Plan> {
         )?;
     }
     Ok(p)
-}
-
-fn check(api: &Api, st: Status, call: &'static str) -> Result<()> {
-    if st == SUCCESS {
-        Ok(())
-    } else {
-        Err(NnError::Library {
-            library: "cuDNN",
-            call,
-            status: describe(api, st),
-        })
-    }
-}
-
-fn describe(api: &Api, st: Status) -> String {
-    // SAFETY: cudnnGetErrorString returns a static NUL-terminated string (or null).
-    let p = unsafe { (api.get_error_string)(st) };
-    if p.is_null() {
-        format!("status {st}")
-    } else {
-        // SAFETY: non-null, static and NUL-terminated (cuDNN's contract).
-        let s = unsafe { CStr::from_ptr(p) }.to_string_lossy();
-        format!("{s} ({st})")
-    }
 }
 
 #[cfg(test)]

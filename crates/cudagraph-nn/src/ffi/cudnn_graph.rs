@@ -28,22 +28,20 @@
 //! engines missing, or all TF32) there are simply no fused candidates.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_void, CStr};
-use std::sync::{Mutex, Once, OnceLock};
+use std::ffi::c_char;
+use std::sync::{Mutex, Once};
 
 use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
+use super::loader::{
+    check, describe, error, lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCESS,
+};
 use crate::error::{NnError, Result};
-use crate::extent::{handle_on_device, on_device};
-use crate::ffi::cudnn::lib_fn;
-use crate::kernels::igemm::{conv_key, conv_on_device, conv_roles, ConvDir};
-use crate::kernels::ConvGeom;
-
-type Status = u32;
-type Ptr = *mut c_void;
-type CPtr = *const c_void;
+use crate::extent::{
+    alignment, conv_key, conv_on_device, conv_roles, handle_on_device, on_device, ConvDir, ConvGeom,
+};
 
 const LIBRARY: &str = "cuDNN graph API";
 const NOT_BUILT: &str = "no plan was built before the capture (run it eagerly first)";
@@ -64,7 +62,6 @@ pub const MAX_ALIGN: u32 = 16;
 /// computes it from the actual pointers all the same (and builds plans for it when eager).
 const LIST_ALIGN: u32 = MAX_ALIGN;
 
-const SUCCESS: Status = 0;
 const NOT_SUPPORTED: std::ops::RangeInclusive<Status> = 3000..=3999;
 
 // cudnnBackendDescriptorType_t
@@ -207,8 +204,17 @@ fn load() -> std::result::Result<Api, String> {
 
 /// The process's backend functions, or why there are none.
 fn api() -> std::result::Result<&'static Api, &'static str> {
-    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load).as_ref().map_err(|e| e.as_str())
+    static API: Loaded<Api> = Loaded::new(load);
+    API.get()
+}
+
+// SAFETY: `get_error_string` is `cudnnGetErrorString`, which returns a static NUL-terminated
+// string (or null) for any status.
+unsafe impl StatusText for Api {
+    const LIBRARY: &'static str = LIBRARY;
+    fn status_string(&self) -> unsafe extern "C" fn(Status) -> *const c_char {
+        self.get_error_string
+    }
 }
 
 /// Prints once why the graph API is unavailable — unless cuDNN itself is missing, which the
@@ -226,37 +232,9 @@ pub(crate) fn notice_once(why: &str) {
     });
 }
 
-fn describe(api: &Api, st: Status) -> String {
-    // SAFETY: cudnnGetErrorString returns a static NUL-terminated string (or null).
-    let p = unsafe { (api.get_error_string)(st) };
-    if p.is_null() {
-        format!("status {st}")
-    } else {
-        // SAFETY: non-null, static and NUL-terminated (cuDNN's contract).
-        let s = unsafe { CStr::from_ptr(p) }.to_string_lossy();
-        format!("{s} ({st})")
-    }
-}
-
-fn lib_err(api: &Api, st: Status, call: &'static str) -> NnError {
-    NnError::Library {
-        library: LIBRARY,
-        call,
-        status: describe(api, st),
-    }
-}
-
-/// `lib_err` for a `map_err`.
+/// The error of `call` for a `map_err`.
 fn err_of(api: &'static Api, call: &'static str) -> impl Fn(Status) -> NnError {
-    move |st| lib_err(api, st, call)
-}
-
-fn chk(api: &Api, st: Status, call: &'static str) -> Result<()> {
-    if st == SUCCESS {
-        Ok(())
-    } else {
-        Err(lib_err(api, st, call))
-    }
+    move |st| error(api, st, call)
 }
 
 /// One backend descriptor, destroyed on drop.
@@ -514,18 +492,8 @@ fn pick(
 }
 
 /// The byte alignment every pointer has, at most [`MAX_ALIGN`] (null counts as aligned).
-fn alignment(addrs: &[u64]) -> u32 {
-    addrs
-        .iter()
-        .map(|&a| {
-            if a == 0 {
-                MAX_ALIGN
-            } else {
-                (1u32 << a.trailing_zeros().min(31)).min(MAX_ALIGN)
-            }
-        })
-        .min()
-        .unwrap_or(MAX_ALIGN)
+fn plan_alignment(addrs: &[u64]) -> u32 {
+    alignment(addrs).min(MAX_ALIGN)
 }
 
 /// The text of a plan set's key, e.g. `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 align=16`
@@ -678,8 +646,8 @@ struct State {
 // a time; every use below holds the `CudnnGraph` mutex with the device's context bound.
 unsafe impl Send for State {}
 
-/// cuDNN's graph API bound to one device (kept by the engine registry, a device extension): its
-/// own cuDNN handle and the plans built so far.
+/// cuDNN's graph API bound to one device (kept by the device's
+/// [`super::libraries::Libraries`]): its own cuDNN handle and the plans built so far.
 pub struct CudnnGraph {
     api: &'static Api,
     ctx: Context,
@@ -733,7 +701,7 @@ fn tensor_of(
 ) -> Result<Desc> {
     let strides = [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1];
     let call = "cudnnBackend*(TENSOR)";
-    let t = Desc::new(api, D_TENSOR).map_err(|s| lib_err(api, s, call))?;
+    let t = Desc::new(api, D_TENSOR).map_err(|s| error(api, s, call))?;
     (|| {
         t.set_enum(A_TENSOR_DATA_TYPE, T_DATA_TYPE, DATA_FLOAT)?;
         t.set_i64(A_TENSOR_DIMENSIONS, &dims)?;
@@ -745,7 +713,7 @@ fn tensor_of(
         }
         t.finalize()
     })()
-    .map_err(|s| lib_err(api, s, call))?;
+    .map_err(|s| error(api, s, call))?;
     Ok(t)
 }
 
@@ -1196,7 +1164,7 @@ impl CudnnGraph {
         let fused = bias.is_some();
         let mut addrs = vec![x.addr(), w.addr(), y.addr()];
         addrs.extend(bias.map(|b| b.addr()));
-        let align = alignment(&addrs);
+        let align = plan_alignment(&addrs);
         let capturing = q.is_capturing();
         let name = || set_name(dir, g, fused, align);
         self.ctx.bind()?;
@@ -1292,12 +1260,12 @@ impl CudnnGraph {
         // pointer); the workspace holds the bytes the plan asked for; every buffer is kept
         // alive and ordered by `use_block` (a capture keeps them).
         unsafe {
-            chk(
+            check(
                 self.api,
                 (self.api.set_stream)(handle, stream),
                 "cudnnSetStream",
             )?;
-            chk(
+            check(
                 self.api,
                 (self.api.backend_execute)(handle, plan, pack.raw),
                 "cudnnBackendExecute",
@@ -1393,11 +1361,11 @@ mod tests {
 
     #[test]
     fn alignment_comes_from_the_pointers() {
-        assert_eq!(alignment(&[0x7f00_0000_0000, 0x7f00_0000_0100]), 16);
-        assert_eq!(alignment(&[0x7f00_0000_0100, 0x7f00_0000_0104]), 4);
-        assert_eq!(alignment(&[0x1008, 0x1000]), 8);
-        assert_eq!(alignment(&[0]), 16);
-        assert_eq!(alignment(&[]), 16);
+        assert_eq!(plan_alignment(&[0x7f00_0000_0000, 0x7f00_0000_0100]), 16);
+        assert_eq!(plan_alignment(&[0x7f00_0000_0100, 0x7f00_0000_0104]), 4);
+        assert_eq!(plan_alignment(&[0x1008, 0x1000]), 8);
+        assert_eq!(plan_alignment(&[0]), 16);
+        assert_eq!(plan_alignment(&[]), 16);
     }
 
     #[test]

@@ -5,3 +5,6 @@ pub mod blas;
 pub mod blaslt;
 pub mod cudnn;
 pub mod cudnn_graph;
+pub mod libraries;
+pub(crate) mod loader;
+pub mod nccl;

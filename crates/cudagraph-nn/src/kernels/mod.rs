@@ -1,6 +1,7 @@
 //! The NN layer's own CUDA kernels (`*.cu` beside this file, compiled together with NVRTC once
 //! per device and cached on disk by the core), and [`Nn`], the per-device context that holds
-//! them with the cuBLAS handle.
+//! them. Library handles (cuBLAS and the others) are not here: their one owner is
+//! [`crate::ffi::libraries::Libraries`].
 //!
 //! Every kernel is launched from one safe function here, after every buffer it indexes was
 //! checked against the extent the kernel will touch, computed from the same integers that go
@@ -16,8 +17,8 @@ use cudagraph::{args, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use crate::error::{NnError, Result};
 pub use crate::extent::GemmDims;
-pub(crate) use crate::extent::{need, prod};
-use crate::ffi::blas::Blas;
+pub(crate) use crate::extent::{need, prod, ConvGeom};
+use crate::ffi::libraries::Libraries;
 
 pub mod losses;
 pub mod optim_mt;
@@ -216,23 +217,24 @@ pub fn channel_sum_plan(n: usize, c: usize, hw: usize, multiprocessors: u32) -> 
     (total.div_ceil(chunk).max(1), chunk)
 }
 
-/// Per-device NN context: kernels and the cuBLAS handle. Lives as long as the device (a
-/// [`Device::extension`]), so dropping the last device handle destroys the cuBLAS handle and
-/// frees its workspaces.
+/// Per-device NN context: the kernels of the main module. Lives as long as the device (a
+/// [`Device::extension`]).
 pub struct Nn {
     pub k: Kernels,
-    pub blas: Blas,
 }
 
 impl Nn {
-    /// The context of `device`, created on first use.
+    /// The context of `device`, created on first use. The device's cuBLAS handle
+    /// ([`Libraries::blas`]) is made with it: a device without cuBLAS fails here, at first use
+    /// of the NN layer.
     pub fn get(device: &Device) -> Result<Arc<Nn>> {
         device
             .extension(|d| {
-                Ok(Nn {
-                    k: Kernels::load(d).map_err(cudagraph::Error::from)?,
-                    blas: Blas::new(d).map_err(cudagraph::Error::from)?,
-                })
+                let k = Kernels::load(d).map_err(cudagraph::Error::from)?;
+                Libraries::get(d)
+                    .and_then(|l| l.blas().map(|_| ()))
+                    .map_err(cudagraph::Error::from)?;
+                Ok(Nn { k })
             })
             .map_err(NnError::from)
     }
@@ -448,68 +450,24 @@ unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>
     pdl::launch_nn(q, f, cfg, args)
 }
 
-/// Geometry of a 2-D convolution (NCHW input, OIHW weights).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConvGeom {
-    pub n: usize,
-    pub c: usize,
-    pub h: usize,
-    pub w: usize,
-    pub oc: usize,
-    pub kh: usize,
-    pub kw: usize,
-    pub stride: usize,
-    pub pad: usize,
-}
-
-impl ConvGeom {
-    /// Output height and width; an error when the kernel does not fit the padded input.
-    pub fn out_hw(&self) -> Result<(usize, usize)> {
-        let ph = self.h.checked_add(2 * self.pad);
-        let pw = self.w.checked_add(2 * self.pad);
-        match (ph, pw) {
-            (Some(ph), Some(pw)) if self.stride > 0 && ph >= self.kh && pw >= self.kw => Ok((
-                (ph - self.kh) / self.stride + 1,
-                (pw - self.kw) / self.stride + 1,
-            )),
-            _ => Err(NnError::Shape(format!(
-                "conv2d: geometry {self:?} has no output"
-            ))),
-        }
-    }
-
-    pub fn input_len(&self) -> Result<usize> {
-        prod("conv2d input", &[self.n, self.c, self.h, self.w])
-    }
-
-    pub fn weight_len(&self) -> Result<usize> {
-        prod("conv2d weight", &[self.oc, self.c, self.kh, self.kw])
-    }
-
-    pub fn output_len(&self) -> Result<usize> {
-        let (oh, ow) = self.out_hw()?;
-        prod("conv2d output", &[self.n, self.oc, oh, ow])
-    }
-
-    /// The eleven integers every conv kernel takes, checked to fit (the weight index is
-    /// computed in 32 bits on the device, so the weight count must fit too).
-    fn ints(&self) -> Result<[i32; 11]> {
-        let (oh, ow) = self.out_hw()?;
-        int("conv2d weight count", self.weight_len()?)?;
-        Ok([
-            int("n", self.n)?,
-            int("c", self.c)?,
-            int("h", self.h)?,
-            int("w", self.w)?,
-            int("oc", self.oc)?,
-            int("kh", self.kh)?,
-            int("kw", self.kw)?,
-            int("oh", oh)?,
-            int("ow", ow)?,
-            int("stride", self.stride)?,
-            int("pad", self.pad)?,
-        ])
-    }
+/// The eleven integers every conv kernel takes, checked to fit (the weight index is
+/// computed in 32 bits on the device, so the weight count must fit too).
+pub(crate) fn conv_ints(g: &ConvGeom) -> Result<[i32; 11]> {
+    let (oh, ow) = g.out_hw()?;
+    int("conv2d weight count", g.weight_len()?)?;
+    Ok([
+        int("n", g.n)?,
+        int("c", g.c)?,
+        int("h", g.h)?,
+        int("w", g.w)?,
+        int("oc", g.oc)?,
+        int("kh", g.kh)?,
+        int("kw", g.kw)?,
+        int("oh", oh)?,
+        int("ow", ow)?,
+        int("stride", g.stride)?,
+        int("pad", g.pad)?,
+    ])
 }
 
 fn conv_args<'a>(bufs: &[Arg<'a>], ints: [i32; 11]) -> Vec<Arg<'a>> {
@@ -1219,7 +1177,7 @@ impl Nn {
         b: Option<&Buf>,
         y: &Buf,
     ) -> Result<()> {
-        let ints = g.ints()?;
+        let ints = conv_ints(g)?;
         need("conv2d x", x, g.input_len()?)?;
         need("conv2d w", w, g.weight_len()?)?;
         need("conv2d y", y, g.output_len()?)?;
@@ -1268,7 +1226,7 @@ impl Nn {
         w: &Buf,
         dx: &Buf,
     ) -> Result<()> {
-        let ints = g.ints()?;
+        let ints = conv_ints(g)?;
         need("conv2d dy", dy, g.output_len()?)?;
         need("conv2d w", w, g.weight_len()?)?;
         need("conv2d dx", dx, g.input_len()?)?;
@@ -1293,7 +1251,7 @@ impl Nn {
         x: &Buf,
         dw: &Buf,
     ) -> Result<()> {
-        let ints = g.ints()?;
+        let ints = conv_ints(g)?;
         let nw = g.weight_len()?;
         need("conv2d dy", dy, g.output_len()?)?;
         need("conv2d x", x, g.input_len()?)?;

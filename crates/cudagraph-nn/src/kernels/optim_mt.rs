@@ -184,7 +184,7 @@ pub struct AdamTensor<'a> {
 fn same_device<T: cudagraph::Elem>(q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<()> {
     let (want, got) = (q.device().ordinal(), buf.block().device_ordinal());
     if want != got {
-        return Err(crate::NnError::Core(cudagraph::Error::WrongDevice {
+        return Err(NnError::Core(cudagraph::Error::WrongDevice {
             what: "optimizer buffer",
             expected: want,
             got,

@@ -143,6 +143,23 @@ fn twins(device: &Device) -> Result<std::sync::Arc<Twins>> {
     })?)
 }
 
+/// Launches a kernel whose source begins with `CG_PDL_ENTER()` (the kernels of `rng.cu` and
+/// `steps.cu`): with PDL when it is on for the device ([`options`]).
+///
+/// # Safety
+/// The caller checked every buffer against the extent the kernel indexes with the scalars
+/// given (see the kernel's comment in its `.cu` file).
+pub(crate) unsafe fn launch_entered(
+    q: &dyn Queue,
+    f: &Function,
+    cfg: LaunchConfig,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    // SAFETY: the caller's promise; the kernel begins with CG_PDL_ENTER(), which waits for the
+    // previous kernel before any memory access.
+    Ok(q.launch_with(f, cfg, args, options(q.device()))?)
+}
+
 /// Launches one of the NN module's kernels: with PDL through its twin when PDL is on and the
 /// twin exists, else plainly.
 ///

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use super::need;
+use super::pdl::launch_entered;
 use crate::error::{NnError, Result};
 
 /// The CUDA source of the module.
@@ -61,17 +62,6 @@ fn groups(n: usize) -> LaunchConfig {
     LaunchConfig::for_elements(n.div_ceil(4), BLOCK)
 }
 
-/// Launches a kernel of this module.
-///
-/// # Safety
-/// The caller checked every buffer against the extent the kernel indexes with the scalars
-/// given (see the kernel's comment in `rng.cu`).
-unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
-    // SAFETY: the caller's promise; every kernel of rng.cu begins with CG_PDL_ENTER(), which
-    // waits for the previous kernel before any memory access.
-    Ok(q.launch_with(f, cfg, args, super::pdl::options(q.device()))?)
-}
-
 /// `state` must be a generator state: two words (seed, base).
 fn state_ok(state: &DeviceBuffer<u64>) -> Result<()> {
     need("generator state", state, 2)
@@ -101,7 +91,7 @@ impl RngKernels {
         // SAFETY: thread i < n reads input[6i..6i+6) and writes out[4i..4i+4): within 6n and 4n,
         // both checked.
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.philox_raw,
                 LaunchConfig::for_elements(n, BLOCK),
@@ -124,7 +114,7 @@ impl RngKernels {
         // SAFETY: state[0..2) is read (checked); group g writes out[4g + k] only below n
         // (checked).
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.bits,
                 groups(n),
@@ -189,7 +179,7 @@ impl RngKernels {
         need(what, out, n)?;
         // SAFETY: as for `bits`: state[0..2), out below n.
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 f,
                 groups(n),
@@ -226,7 +216,7 @@ impl RngKernels {
         // SAFETY: group g reads x and writes y below n (checked) and, in the lane with g % 8 == 0
         // and 4g < n, writes mask[g / 8] < ⌈n/32⌉ (checked); state[0..2).
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.dropout_fwd,
                 groups(n),
@@ -259,7 +249,7 @@ impl RngKernels {
         need("dropout mask", mask, n.div_ceil(32))?;
         // SAFETY: i < n reads dy[i], mask[i / 32] (< ⌈n/32⌉) and writes dx[i]; all checked.
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.dropout_bwd,
                 LaunchConfig::for_elements(n, BLOCK),
@@ -279,7 +269,7 @@ impl RngKernels {
         state_ok(state)?;
         // SAFETY: one thread updates state[1] (state holds two words, checked).
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.advance,
                 LaunchConfig::linear(1, 1),

@@ -5,7 +5,7 @@ use cudagraph::Queue;
 
 use crate::autograd::ops;
 use crate::autograd::tensor::{Parameter, Tensor};
-use crate::error::Result;
+use crate::error::{NnError, Result};
 use crate::random::Generator;
 use cudagraph::Stream;
 
@@ -253,13 +253,13 @@ impl Module for Sequential {
                             ops::dropout(q, &h, *p, true, g)?
                         }
                         (None, true) => {
-                            return Err(crate::NnError::Shape(
+                            return Err(NnError::Shape(
                                 "Sequential: a Dropout layer in training mode needs a generator; call set_generator(Generator::new(&stream, seed)?) or eval()".into(),
                             ))
                         }
                         (_, false) if (0.0..=1.0).contains(p) => h.clone(),
                         (_, false) => {
-                            return Err(crate::NnError::Shape(format!(
+                            return Err(NnError::Shape(format!(
                                 "dropout probability has to be between 0 and 1, but got {p}"
                             )))
                         }

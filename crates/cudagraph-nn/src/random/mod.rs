@@ -24,9 +24,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
+use cudagraph::{DeviceBuffer, Queue, Stream};
 
-use crate::autograd::tensor::{numel_checked, Tensor};
 use crate::error::{NnError, Result};
 use crate::kernels::rng::RngKernels;
 
@@ -164,20 +163,6 @@ impl Generator {
         k.normal(q, &self.0.state, offset, out, out.len(), mean, std)?;
         self.drew(q)
     }
-}
-
-/// A tensor of uniform numbers in `[0, 1)` (PyTorch's `torch.rand`).
-pub fn rand(q: &dyn Queue, gen: &Generator, shape: &[usize]) -> Result<Tensor> {
-    let b = q.alloc::<f32>(numel_checked(shape)?)?;
-    gen.fill_uniform(q, &b, 0.0, 1.0)?;
-    Tensor::from_buffer(Arc::new(b), shape)
-}
-
-/// A tensor of standard normal numbers (PyTorch's `torch.randn`).
-pub fn randn(q: &dyn Queue, gen: &Generator, shape: &[usize]) -> Result<Tensor> {
-    let b = q.alloc::<f32>(numel_checked(shape)?)?;
-    gen.fill_normal(q, &b, 0.0, 1.0)?;
-    Tensor::from_buffer(Arc::new(b), shape)
 }
 
 /// The kernel parameters of dropout with probability `p` (in `[0, 1]`): the 24-bit threshold

@@ -1,17 +1,10 @@
-//! NCCL, the only FFI of the `dist` module: the library is found through cudarc's loader (its
-//! `nccl-02028` bindings: `libnccl.so` on the loader path) or, failing that, at
-//! `CUDAGRAPH_NCCL_LIB` or as `libnccl.so.2`; every function we call is resolved by name
-//! once, before any is called, so a library that lacks one is a clear error rather than an
-//! abort mid-run, and we call nothing NCCL 2.28 lacks. Status codes are read as integers
-//! (a newer library may return codes this build does not know).
-//!
-//! [`Communicator`] is one rank's communicator on one device. Collectives take any
-//! [`Queue`]: eagerly they run on its stream, inside a capture they become graph nodes (and the
-//! graph keeps the communicator alive: NCCL refuses to destroy a communicator while a graph
-//! that captured it exists). [`Communicator::synchronize`] is the watchdog: it waits for a
-//! stream while polling NCCL's asynchronous error, the peers' liveness and a timeout, and on
-//! any of them aborts the communicator (NCCL's device code then stops waiting for peers)
-//! and returns the error.
+//! [`Communicator`] is one rank's NCCL communicator on one device (NCCL itself is loaded by
+//! `ffi::nccl`). Collectives take any [`Queue`]: eagerly they run on its stream, inside a
+//! capture they become graph nodes (and the graph keeps the communicator alive: NCCL refuses
+//! to destroy a communicator while a graph that captured it exists).
+//! [`Communicator::synchronize`] is the watchdog: it waits for a stream while polling NCCL's
+//! asynchronous error, the peers' liveness and a timeout, and on any of them aborts the
+//! communicator (NCCL's device code then stops waiting for peers) and returns the error.
 //!
 //! The raw collectives ([`Communicator::all_reduce`], [`Communicator::broadcast`]) are
 //! `unsafe`: NCCL trusts every rank to pass the same element count, and a rank whose count
@@ -19,234 +12,23 @@
 //! derive their counts from something every rank has checked first:
 //! [`Communicator::all_agree`] and [`Communicator::barrier`] (fixed-size headers, then an
 //! agreed length) and [`super::DistributedDataParallel`] (the verified parameter layout).
-//!
-//! NCCL 2.22 and newer connect lazily: the first collective of each algorithm sets up its
-//! connections inside the enqueueing call, which then waits on the host for the peers to do
-//! the same — outside any watchdog, so a stalled peer hangs it. We ask NCCL to connect during
-//! the (watchdogged) initialisation instead: unless `NCCL_RUNTIME_CONNECT` is set, it is set
-//! to `0` before the library is loaded (see [`RUNTIME_CONNECT_VAR`]).
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudagraph::runtime::Context;
 use cudagraph::{Device, DeviceBuffer, Elem, Event, Queue, Stream};
 use cudarc::nccl::sys;
-use libloading::Library;
 
 use super::rendezvous::{rendezvous, Health, PeerMonitor};
 use super::{DistEnv, DistError, DistOptions};
 use crate::error::{NnError, Result};
-
-/// `ncclComm_t`.
-type RawComm = *mut c_void;
-/// `ncclResult_t`, kept as the integer the library returned.
-type Status = c_int;
-
-const SUCCESS: Status = 0;
-const IN_PROGRESS: Status = 7;
-/// Oldest NCCL we accept: 2.13 has everything below (`ncclAvg` 2.10, `ncclGetLastError` and
-/// `ncclRemoteError` 2.13, `ncclCommGetAsyncError` and `ncclCommAbort` 2.4).
-const MIN_VERSION: c_int = 21300;
-
-/// The NCCL functions this module calls, resolved from the library by name.
-struct Api {
-    version: c_int,
-    get_unique_id: unsafe extern "C" fn(*mut sys::ncclUniqueId) -> Status,
-    comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, sys::ncclUniqueId, c_int) -> Status,
-    comm_destroy: unsafe extern "C" fn(RawComm) -> Status,
-    comm_abort: unsafe extern "C" fn(RawComm) -> Status,
-    comm_get_async_error: unsafe extern "C" fn(RawComm, *mut Status) -> Status,
-    comm_cu_device: unsafe extern "C" fn(RawComm, *mut c_int) -> Status,
-    all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        *mut c_void,
-    ) -> Status,
-    broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        RawComm,
-        *mut c_void,
-    ) -> Status,
-    get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
-    get_last_error: unsafe extern "C" fn(RawComm) -> *const c_char,
-}
-
-static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
-
-/// The loaded library (once per process; libraries are never unloaded).
-fn library() -> std::result::Result<&'static Library, String> {
-    let leak = |l: Library| -> &'static Library { Box::leak(Box::new(l)) };
-    if let Ok(path) = std::env::var("CUDAGRAPH_NCCL_LIB") {
-        // SAFETY: loading a shared library runs its initialisers; NCCL's have no
-        // preconditions. The user named this file as NCCL.
-        return unsafe { Library::new(&path) }
-            .map(leak)
-            .map_err(|e| format!("CUDAGRAPH_NCCL_LIB={path} could not be loaded: {e}"));
-    }
-    // SAFETY: only tries to open the library by its usual names (and closes it again).
-    if unsafe { sys::is_culib_present() } {
-        // SAFETY: present (checked above), so cudarc's loader opens it instead of panicking.
-        return Ok(unsafe { sys::culib() });
-    }
-    // The name NCCL's packages (and Python wheels) install without a development symlink.
-    // SAFETY: as for the explicit path above.
-    if let Ok(l) = unsafe { Library::new("libnccl.so.2") } {
-        return Ok(leak(l));
-    }
-    Err(format!(
-        "no NCCL library found (tried {} and libnccl.so.2)",
-        cudarc::get_lib_name_candidates("nccl").join(", ")
-    ))
-}
-
-/// NCCL's switch for lazy connection setup (2.22+, default on). Unless the user set it, the
-/// first load of the library sets it to `0`, so that every connection is made inside
-/// `ncclCommInitRank`, which runs under the initialisation timeout and the peers' liveness
-/// checks; a lazily connecting collective would instead wait for its peers inside the enqueue
-/// call, where no watchdog runs. Costs what NCCL before 2.22 cost: the buffers of every
-/// algorithm are allocated at initialisation. `NCCL_RUNTIME_CONNECT=1` restores lazy
-/// connection (then a peer that stalls before the first collective of an algorithm hangs the
-/// others in that call). `cudagraph launch` sets the same default in its children.
-pub const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
-
-/// Sets [`RUNTIME_CONNECT_VAR`] to `0` unless it is set. Runs once, before the library is
-/// opened (NCCL reads the variable at its first communicator initialisation). The process
-/// environment is shared: this is the same kind of write NCCL itself makes when it loads
-/// `nccl.conf`, done once, before any NCCL thread exists.
-fn connect_at_init() {
-    if std::env::var_os(RUNTIME_CONNECT_VAR).is_none() {
-        std::env::set_var(RUNTIME_CONNECT_VAR, "0");
-    }
-}
-
-fn load() -> std::result::Result<Api, String> {
-    connect_at_init();
-    let lib = library()?;
-    macro_rules! sym {
-        ($name:literal) => {
-            // SAFETY: the symbol is looked up, not called; its type is the C prototype from
-            // nccl.h (2.28) with enums as `int` and `ncclResult_t` read as `int`.
-            *unsafe { lib.get($name) }.map_err(|e| {
-                format!(
-                    "the library lacks {}: {e} (NCCL too old or not NCCL)",
-                    String::from_utf8_lossy(&$name[..$name.len() - 1])
-                )
-            })?
-        };
-    }
-    let get_version: unsafe extern "C" fn(*mut c_int) -> Status = sym!(b"ncclGetVersion\0");
-    let mut version = 0;
-    // SAFETY: writes one int.
-    let st = unsafe { get_version(&mut version) };
-    if st != SUCCESS {
-        return Err(format!("ncclGetVersion failed with status {st}"));
-    }
-    if version < MIN_VERSION {
-        return Err(format!(
-            "found NCCL {}, need 2.13 or newer",
-            version_string(version)
-        ));
-    }
-    Ok(Api {
-        version,
-        get_unique_id: sym!(b"ncclGetUniqueId\0"),
-        comm_init_rank: sym!(b"ncclCommInitRank\0"),
-        comm_destroy: sym!(b"ncclCommDestroy\0"),
-        comm_abort: sym!(b"ncclCommAbort\0"),
-        comm_get_async_error: sym!(b"ncclCommGetAsyncError\0"),
-        comm_cu_device: sym!(b"ncclCommCuDevice\0"),
-        all_reduce: sym!(b"ncclAllReduce\0"),
-        broadcast: sym!(b"ncclBroadcast\0"),
-        get_error_string: sym!(b"ncclGetErrorString\0"),
-        get_last_error: sym!(b"ncclGetLastError\0"),
-    })
-}
-
-fn api() -> std::result::Result<&'static Api, DistError> {
-    API.get_or_init(load)
-        .as_ref()
-        .map_err(|detail| DistError::NcclMissing {
-            detail: detail.clone(),
-        })
-}
-
-fn version_string(v: c_int) -> String {
-    format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100)
-}
-
-/// The NCCL version as `major.minor.patch`, or why NCCL cannot be used here.
-pub fn nccl_version() -> std::result::Result<String, DistError> {
-    Ok(version_string(api()?.version))
-}
-
-/// Reads a C string NCCL owns (static or thread-local), or "" for null.
-fn c_str(p: *const c_char) -> String {
-    if p.is_null() {
-        return String::new();
-    }
-    // SAFETY: NCCL returns NUL-terminated strings that stay valid at least until the next
-    // NCCL call on this thread; we copy right away.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
-
-fn nccl_error(api: &Api, status: Status, call: &'static str) -> DistError {
-    // SAFETY: ncclGetErrorString maps any code to a static string.
-    let name = c_str(unsafe { (api.get_error_string)(status) });
-    // SAFETY: ncclGetLastError only reads the library's last error message; its communicator
-    // argument is documented as unused and may be null.
-    let last = c_str(unsafe { (api.get_last_error)(ptr::null_mut()) });
-    DistError::Nccl {
-        call,
-        code: status,
-        name,
-        detail: if last.is_empty() {
-            String::new()
-        } else {
-            format!(": {last}")
-        },
-    }
-}
-
-/// A fresh NCCL unique id (rank 0 creates it; the rendezvous hands it to the others).
-fn unique_id(api: &Api, ctx: &Context) -> Result<Vec<u8>> {
-    ctx.bind()?;
-    // SAFETY: all-zero bytes are a valid `ncclUniqueId` (an array of chars).
-    let mut id: sys::ncclUniqueId = unsafe { std::mem::zeroed() };
-    // SAFETY: writes one unique id.
-    let st = unsafe { (api.get_unique_id)(&mut id) };
-    if st != SUCCESS {
-        return Err(nccl_error(api, st, "ncclGetUniqueId").into());
-    }
-    Ok(id.internal.iter().map(|&c| c as u8).collect())
-}
-
-fn id_from_bytes(b: &[u8]) -> std::result::Result<sys::ncclUniqueId, DistError> {
-    // SAFETY: all-zero bytes are a valid `ncclUniqueId`.
-    let mut id: sys::ncclUniqueId = unsafe { std::mem::zeroed() };
-    if b.len() != id.internal.len() {
-        return Err(DistError::Usage(format!(
-            "the rendezvous handed out {} bytes, an NCCL unique id has {}",
-            b.len(),
-            id.internal.len()
-        )));
-    }
-    for (d, &s) in id.internal.iter_mut().zip(b) {
-        *d = s as c_char;
-    }
-    Ok(id)
-}
+use crate::ffi::nccl::{
+    api, id_from_bytes, nccl_error, unique_id, Api, RawComm, Status, IN_PROGRESS, SUCCESS,
+};
 
 /// Where a communicator being initialised on its own thread stands.
 enum Slot {
@@ -945,24 +727,6 @@ fn agreed(own: &[i64], reduced: &[i64]) -> bool {
 mod tests {
     use super::*;
 
-    /// On a machine without NCCL this is the one clear error; with NCCL, a version.
-    #[test]
-    fn nccl_is_found_or_reported_clearly() {
-        match nccl_version() {
-            Ok(v) => {
-                let parts: Vec<&str> = v.split('.').collect();
-                assert_eq!(parts.len(), 3, "{v}");
-                assert!(parts.iter().all(|p| p.parse::<u32>().is_ok()), "{v}");
-            }
-            Err(DistError::NcclMissing { detail }) => {
-                assert!(detail.contains("libnccl"), "{detail}");
-                let msg = DistError::NcclMissing { detail }.to_string();
-                assert!(msg.contains("CUDAGRAPH_NCCL_LIB"), "{msg}");
-            }
-            Err(other) => panic!("unexpected error: {other}"),
-        }
-    }
-
     /// What `all_agree` computes from every rank's values: the max-reduction of their pairs.
     fn reduce_max(ranks: &[Vec<i64>]) -> Vec<i64> {
         let pairs: Vec<Vec<i64>> = ranks.iter().map(|v| agreement_pairs(v)).collect();
@@ -1006,32 +770,5 @@ mod tests {
         // An empty slice agrees with itself; a reduction of the wrong length never agrees.
         assert!(agreed(&[], &[]));
         assert!(!agreed(&[1], &agreement_pairs(&[1, 2])));
-    }
-
-    /// (issue 26, C) Loading NCCL leaves `NCCL_RUNTIME_CONNECT` set — to `0` unless the user
-    /// chose a value — so that connections are made inside the watchdogged initialisation.
-    #[test]
-    fn loading_nccl_asks_for_connections_at_initialisation() {
-        let before = std::env::var(RUNTIME_CONNECT_VAR).ok();
-        let _ = nccl_version();
-        let after = std::env::var(RUNTIME_CONNECT_VAR).ok();
-        match before {
-            // Another test of this binary may have loaded it first: then it is set already.
-            None => assert_eq!(after.as_deref(), Some("0")),
-            Some(v) => assert_eq!(after, Some(v)),
-        }
-    }
-
-    #[test]
-    fn unique_ids_round_trip_and_wrong_lengths_are_refused() {
-        let bytes: Vec<u8> = (0..128u32).map(|i| (i * 7) as u8).collect();
-        let id = id_from_bytes(&bytes).unwrap();
-        let back: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-        assert_eq!(back, bytes);
-        assert!(matches!(
-            id_from_bytes(&bytes[..127]),
-            Err(DistError::Usage(_))
-        ));
-        assert_eq!(version_string(22809), "2.28.9");
     }
 }
