@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt};
 
-use super::conv_ints;
+use super::conv::conv_ints;
 use crate::error::{NnError, Result};
 use crate::extent::{conv_roles, ConvDir, ConvGeom};
 
