@@ -8,7 +8,7 @@
 //! captured training step needs no gradient reset kernel at all, and replays stay correct.
 //!
 //! Only a buffer autograd made for a gradient, and holds the only handle to, is ever adopted or
-//! written in place ([`Tensor::gradient`]); anything else — the tensor a caller passes to
+//! written in place (`Tensor::gradient`); anything else — the tensor a caller passes to
 //! [`Tensor::backward_with`], a view or alias of it — is copied first, so accumulation and
 //! `zero_grad` never write memory the caller can still see.
 
@@ -225,7 +225,7 @@ impl Tensor {
 
     /// Same data, another shape (a view; gradients flow through unchanged). A view of a
     /// gradient autograd made is still autograd's (it is adoptable only once the original is
-    /// gone, see [`Self::adoptable`]).
+    /// gone, see `Tensor::adoptable`).
     pub fn reshape(&self, shape: &[usize]) -> Result<Self> {
         if numel(shape) != self.numel() {
             return Err(NnError::Shape(format!(

@@ -14,8 +14,8 @@ use crate::kernels::igemm::Tile;
 pub enum Engine {
     Cublas,
     /// cuBLASLt's heuristic top few algorithms, epilogues fused, and (when the policy asks,
-    /// [`Policy::lt_split_k`]) split-K variants of the first three where a product leaves the
-    /// device under-occupied, and ([`Policy::lt_search`]) up to eight configurations found by
+    /// [`Policy::lt_split_k`](super::Policy::lt_split_k)) split-K variants of the first three where a product leaves the
+    /// device under-occupied, and ([`Policy::lt_search`](super::Policy::lt_search)) up to eight configurations found by
     /// searching algorithm ids, tiles and stages.
     CublasLt,
     /// The tiled split-K kernel (any layout).
@@ -103,7 +103,7 @@ pub enum GemmAlgo {
     /// `cublaslt:RANK/skSPLIT`.
     CublasLtSplitK { rank: u8, split: u8 },
     /// cuBLASLt's configuration of this index among those its search kept for the shape
-    /// ([`Policy::lt_search`], [`crate::ffi::blaslt::BlasLt::search_configs`]); shown as
+    /// ([`Policy::lt_search`](super::Policy::lt_search), [`crate::ffi::blaslt::BlasLt::search_configs`]); shown as
     /// `cublaslt:cINDEX`.
     CublasLtConfig(u8),
     /// Our split-K tiled kernel with about this many K splits.

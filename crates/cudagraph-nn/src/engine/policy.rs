@@ -62,7 +62,7 @@ pub fn parse_conv_engine(v: &str) -> Result<ConvEngine> {
 }
 
 /// What the registry may choose from, per device. The default comes from the environment
-/// ([`Policy::from_env`]); [`Engines::set_policy`] changes it (tests, comparisons).
+/// ([`Policy::from_env`]); [`Engines::set_policy`](super::Engines::set_policy) changes it (tests, comparisons).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Policy {
     /// Product engines allowed (`Auto`: all).

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 /// Version of the on-disk table format (2: cuBLASLt ranks index the heuristics under the
 /// device's workspace size, 32 MiB on Hopper, where format 1 had 4 MiB; 3: short candidates
-/// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`]; 4:
+/// are ranked by their time alone in a graph as well as in a chain, [`GraphTiming`](super::GraphTiming); 4:
 /// under-occupied products also measure cuBLASLt's split-K variants, `cublaslt:R/skS`, which
 /// choices measured before never saw; 5: forward convolutions with a bias also measure cuDNN's
 /// graph API with the bias fused, `cudnnv8+bias:R`; 6: products measured under
@@ -25,7 +25,7 @@ pub(super) const FORMAT: u32 = 8;
 pub struct Timing {
     /// The candidate (`GemmAlgo`/`ConvAlgo` as text).
     pub engine: String,
-    /// The µs per run it was ranked by (see [`GraphTiming`]), `None` when it failed.
+    /// The µs per run it was ranked by (see [`GraphTiming`](super::GraphTiming)), `None` when it failed.
     pub us: Option<f64>,
     /// µs per run among `reps` runs captured in one graph (candidates timed in graphs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -53,7 +53,7 @@ pub struct Entry {
     pub(crate) checked: bool,
 }
 
-/// One row of [`Engines::table`].
+/// One row of [`Engines::table`](super::Engines::table).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct EngineRow {
     pub key: String,

@@ -4,7 +4,7 @@
 //!
 //! The NN kernels are launched with PDL only in a second compilation of the same source in
 //! which every kernel begins with `CG_PDL_ENTER()` (inserted here, by
-//! [`with_pdl_prologue`]): it lets the next kernel launch, then waits until the previous
+//! `with_pdl_prologue`): it lets the next kernel launch, then waits until the previous
 //! kernel has finished and its memory is visible, before the kernel touches any memory. So
 //! each kernel computes exactly what it computes without PDL (results are bit-identical), and
 //! no buffer is used before the work that freed or wrote it is done. Kernels of this crate's

@@ -68,7 +68,7 @@ fn state_ok(state: &DeviceBuffer<u64>) -> Result<()> {
 }
 
 impl RngKernels {
-    /// Philox4x32-10 of `n` records (`input`: counter[4], key[2] each; `out`: 4 words each).
+    /// Philox4x32-10 of `n` records (`input`: counter\[4\], key\[2\] each; `out`: 4 words each).
     pub fn philox_raw(
         &self,
         q: &dyn Queue,

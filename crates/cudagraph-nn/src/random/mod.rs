@@ -20,7 +20,7 @@
 //! no two draws share counters. Use one generator per stream of work: two streams drawing from
 //! one generator at once would read the same base.
 //!
-//! [`philox4x32_10`] and [`reference`] are the CPU reference the GPU tests compare against.
+//! [`philox4x32_10`] and [`reference`](mod@reference) are the CPU reference the GPU tests compare against.
 
 use std::sync::{Arc, Mutex};
 

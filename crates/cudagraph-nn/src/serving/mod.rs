@@ -1,6 +1,6 @@
 //! Serving a model under concurrent load: a dynamic [`Batcher`] in front of one worker thread
 //! that owns the model, and [`ModelRunner`], the worker's GPU side (a `Sequential` served
-//! through a [`GraphCache`], or eagerly).
+//! through a [`GraphCache`](cudagraph::GraphCache), or eagerly).
 //!
 //! Requests (rows of `f32`) from any number of threads are queued; the worker takes the first
 //! waiting request, then collects more until the batch holds `max_batch_rows` rows or

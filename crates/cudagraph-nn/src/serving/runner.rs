@@ -12,7 +12,7 @@ use crate::nn::layers::Sequential;
 
 /// The GPU side of serving a [`Sequential`]: rows are copied to the device, run through a
 /// [`GraphCache`] (one graph per batch bucket, padded to the next bucket) or eagerly, and
-/// copied back. Owns its stream; build it, then move it into a [`Batcher`].
+/// copied back. Owns its stream; build it, then move it into a [`Batcher`](super::Batcher).
 pub struct ModelRunner {
     stream: Stream,
     device: Device,
