@@ -11,7 +11,7 @@ fn main() -> Result<()> {
     let data = digits()?;
     let (b, k) = (64, 8); // batch size, steps per launch
     let batches = DeviceBatches::new(&s, &data.images, &data.labels, 64, b)?;
-    let mut rng = Rng::new(0);
+    let mut rng = HostRng::new(0);
     let model = Sequential::new(vec![
         Layer::Linear(Linear::new(&s, 64, 128, &mut rng)?),
         Layer::ReLU,

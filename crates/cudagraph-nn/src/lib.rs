@@ -12,7 +12,7 @@
 //! # fn main() -> Result<()> {
 //! let dev = Device::open(0)?;
 //! let mut s = dev.new_stream()?;
-//! let mut rng = Rng::new(0);
+//! let mut rng = HostRng::new(0);
 //! let model = Linear::new(&s, 1024, 1024, &mut rng)?;
 //! let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;
 //! let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
@@ -55,11 +55,11 @@ pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
 pub use nn::batched::Batched;
 pub use nn::graphed::GraphedModule;
-pub use nn::layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
+pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
 pub use nn::optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
 pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};
-pub use random::Generator;
+pub use random::{Generator, HostRng};
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};

@@ -8,8 +8,8 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::autograd::tensor::{grad_enabled, numel_checked, Node, Tensor};
 use crate::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
-use crate::engine::gemm::{gemm, linear_weight_grad, Engine, Trans};
-use crate::engine::{CeAlgo, Engines};
+use crate::engine::gemm::{gemm, linear_weight_grad, GemmFamily, Trans};
+use crate::engine::{CeEngine, Engines};
 use crate::error::{NnError, Result};
 use crate::extent::ConvGeom;
 use crate::kernels::losses::{ce_group_plans, ce_plan_with, CeOptions, LossKernels};
@@ -61,7 +61,7 @@ pub fn linear(
     gemm(
         q,
         &nn,
-        Engine::Auto,
+        GemmFamily::Auto,
         (Trans::N, Trans::T),
         (m, n, k),
         1.0,
@@ -104,7 +104,7 @@ pub fn linear(
                 gemm(
                     q,
                     nn,
-                    Engine::Auto,
+                    GemmFamily::Auto,
                     t,
                     d,
                     1.0,
@@ -125,7 +125,7 @@ pub fn linear(
             match (&dw, &db) {
                 (Some(dw), db) => {
                     let d = (m, n, k);
-                    linear_weight_grad(q, nn, Engine::Auto, d, &dz, &xd, dw, db.as_ref())?;
+                    linear_weight_grad(q, nn, GemmFamily::Auto, d, &dz, &xd, dw, db.as_ref())?;
                 }
                 (None, Some(db)) => nn.col_sum(q, &dz, db, m, n)?,
                 (None, None) => {}
@@ -274,23 +274,23 @@ fn ce_run(
     if groups.is_empty() {
         return k.cross_entropy_planned(q, &base, logits, targets, grad, loss, m, c);
     }
-    let plan_of = |a: CeAlgo| match a {
-        CeAlgo::Lanes(l) => groups
+    let plan_of = |a: CeEngine| match a {
+        CeEngine::Lanes(l) => groups
             .iter()
             .find(|p| p.lanes == l as u32)
             .copied()
             .unwrap_or(base),
-        CeAlgo::Rows => base,
+        CeEngine::Rows => base,
     };
-    let mut candidates = vec![CeAlgo::Rows];
-    candidates.extend(groups.iter().map(|p| CeAlgo::Lanes(p.lanes as u8)));
+    let mut candidates = vec![CeEngine::Rows];
+    candidates.extend(groups.iter().map(|p| CeEngine::Lanes(p.lanes as u8)));
     let eng = Engines::get(q.device())?;
     let key = format!(
         "cross_entropy rows={m} classes={c}{}",
         if grad.is_some() { " grad" } else { "" }
     );
     let mut scratch: Option<(DeviceBuffer<f32>, Option<DeviceBuffer<f32>>)> = None;
-    let algo = eng.choose(q, &key, &candidates, CeAlgo::Rows, &mut |q, a| {
+    let algo = eng.choose(q, &key, &candidates, CeEngine::Rows, &mut |q, a| {
         if scratch.is_none() {
             let g = match grad {
                 Some(g) => Some(q.alloc::<f32>(g.len())?),
@@ -533,7 +533,7 @@ pub fn dropout(
         return Ok(x.clone());
     }
     let n = x.numel();
-    let k = crate::kernels::rng::RngKernels::get(q.device())?;
+    let k = crate::kernels::philox::PhiloxKernels::get(q.device())?;
     let (threshold, scale) = crate::random::dropout_params(p);
     let offset = gen.reserve(n)?;
     let y = alloc(q, n)?;
@@ -556,7 +556,7 @@ pub fn dropout(
         inputs: vec![x.clone()],
         name: "dropout",
         backward: Box::new(move |q, _nn, g| {
-            let k = crate::kernels::rng::RngKernels::get(q.device())?;
+            let k = crate::kernels::philox::PhiloxKernels::get(q.device())?;
             let dx = alloc(q, n)?;
             k.dropout_bwd(q, g.data(), &mask, &dx, n, scale)?;
             Ok(vec![Some(grad_tensor(dx, &shape)?)])

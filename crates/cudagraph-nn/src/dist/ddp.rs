@@ -120,7 +120,7 @@ pub struct BucketInfo {
 /// let dev = Device::open(env.local_rank)?;
 /// let comm = Communicator::from_env(&dev)?;
 /// let mut s = dev.new_stream()?;
-/// let mut rng = Rng::new(0);
+/// let mut rng = HostRng::new(0);
 /// let model = Linear::new(&s, 1024, 1024, &mut rng)?;
 /// let mut ddp = DistributedDataParallel::new(&s, &comm, model.parameters(), DdpOptions::default())?;
 /// let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;

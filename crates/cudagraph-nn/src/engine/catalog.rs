@@ -1,6 +1,6 @@
-//! The names of the registry's choices: the families a policy can force ([`Engine`] for
-//! products, [`ConvEngine`] for convolutions) and the concrete candidates of each operation
-//! ([`GemmAlgo`], [`ConvAlgo`], [`BiasAlgo`], [`CeAlgo`]), each with the text it is stored and
+//! The names of the registry's choices: the families a policy can force ([`GemmFamily`] for
+//! products, [`ConvFamily`] for convolutions) and the concrete candidates of each operation
+//! ([`GemmEngine`], [`ConvEngine`], [`BiasEngine`], [`CeEngine`]), each with the text it is stored and
 //! shown as (`cublaslt:0/sk4`, `igemm:64x64:8`, ...), which parses back to it.
 
 use std::fmt;
@@ -11,7 +11,7 @@ use crate::kernels::igemm::Tile;
 
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Engine {
+pub enum GemmFamily {
     Cublas,
     /// cuBLASLt's heuristic top few algorithms, epilogues fused, and (when the policy asks,
     /// [`Policy::lt_split_k`](super::Policy::lt_split_k)) split-K variants of the first three where a product leaves the
@@ -28,27 +28,27 @@ pub enum Engine {
     /// back to `Tiled`).
     Rows,
     /// Every engine available, measured per shape by the registry; before a measurement (in a
-    /// capture) the heuristic default of [`crate::engine::gemm::auto_engine`].
+    /// capture) the heuristic default of [`crate::engine::gemm::auto_family`].
     Auto,
 }
 
-impl Engine {
+impl GemmFamily {
     /// The name `CUDAGRAPH_GEMM` uses.
     pub fn name(self) -> &'static str {
         match self {
-            Engine::Cublas => "cublas",
-            Engine::CublasLt => "cublaslt",
-            Engine::Tiled => "tiled",
-            Engine::WarpK => "warpk",
-            Engine::Rows => "rows",
-            Engine::Auto => "auto",
+            GemmFamily::Cublas => "cublas",
+            GemmFamily::CublasLt => "cublaslt",
+            GemmFamily::Tiled => "tiled",
+            GemmFamily::WarpK => "warpk",
+            GemmFamily::Rows => "rows",
+            GemmFamily::Auto => "auto",
         }
     }
 }
 
 /// Which engines convolutions may use (`CUDAGRAPH_CONV`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ConvEngine {
+pub enum ConvFamily {
     /// Every available engine, measured.
     Auto,
     /// cuDNN's algorithms (measured among them).
@@ -61,39 +61,44 @@ pub enum ConvEngine {
     Direct,
 }
 
-impl ConvEngine {
+impl ConvFamily {
     pub fn name(self) -> &'static str {
         match self {
-            ConvEngine::Auto => "auto",
-            ConvEngine::Cudnn => "cudnn",
-            ConvEngine::Ours => "ours",
-            ConvEngine::Igemm => "igemm",
-            ConvEngine::Direct => "direct",
+            ConvFamily::Auto => "auto",
+            ConvFamily::Cudnn => "cudnn",
+            ConvFamily::Ours => "ours",
+            ConvFamily::Igemm => "igemm",
+            ConvFamily::Direct => "direct",
         }
     }
 
     /// Whether `algo` belongs to this family.
-    pub fn allows(self, algo: ConvAlgo) -> bool {
+    pub fn allows(self, algo: ConvEngine) -> bool {
         matches!(
             (self, algo),
-            (ConvEngine::Auto, _)
+            (ConvFamily::Auto, _)
                 | (
-                    ConvEngine::Cudnn,
-                    ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_)
+                    ConvFamily::Cudnn,
+                    ConvEngine::Cudnn(_)
+                        | ConvEngine::CudnnGraph(_)
+                        | ConvEngine::CudnnGraphBias(_)
                 )
                 | (
-                    ConvEngine::Ours,
-                    ConvAlgo::Igemm(..) | ConvAlgo::Direct | ConvAlgo::Wgrad(_)
+                    ConvFamily::Ours,
+                    ConvEngine::Igemm(..) | ConvEngine::Direct | ConvEngine::Wgrad(_)
                 )
-                | (ConvEngine::Igemm, ConvAlgo::Igemm(..))
-                | (ConvEngine::Direct, ConvAlgo::Direct | ConvAlgo::Wgrad(_))
+                | (ConvFamily::Igemm, ConvEngine::Igemm(..))
+                | (
+                    ConvFamily::Direct,
+                    ConvEngine::Direct | ConvEngine::Wgrad(_)
+                )
         )
     }
 }
 
 /// One concrete way to run a matrix product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GemmAlgo {
+pub enum GemmEngine {
     /// cuBLAS SGEMM (+ our bias/ReLU or bias-gradient kernel).
     Cublas,
     /// cuBLASLt with its heuristic algorithm of this rank (epilogue fused).
@@ -137,38 +142,39 @@ pub enum GemmAlgo {
     },
 }
 
-impl GemmAlgo {
+impl GemmEngine {
     /// The family it belongs to.
-    pub fn family(self) -> Engine {
+    pub fn family(self) -> GemmFamily {
         match self {
-            GemmAlgo::Cublas => Engine::Cublas,
-            GemmAlgo::CublasLt(_)
-            | GemmAlgo::CublasLtSplitK { .. }
-            | GemmAlgo::CublasLtConfig(_) => Engine::CublasLt,
-            GemmAlgo::Tiled(_) | GemmAlgo::Reg(_) | GemmAlgo::Cluster(_) | GemmAlgo::Chunks(_) => {
-                Engine::Tiled
-            }
-            GemmAlgo::WarpK => Engine::WarpK,
-            GemmAlgo::Rows { .. } | GemmAlgo::Cols { .. } => Engine::Rows,
+            GemmEngine::Cublas => GemmFamily::Cublas,
+            GemmEngine::CublasLt(_)
+            | GemmEngine::CublasLtSplitK { .. }
+            | GemmEngine::CublasLtConfig(_) => GemmFamily::CublasLt,
+            GemmEngine::Tiled(_)
+            | GemmEngine::Reg(_)
+            | GemmEngine::Cluster(_)
+            | GemmEngine::Chunks(_) => GemmFamily::Tiled,
+            GemmEngine::WarpK => GemmFamily::WarpK,
+            GemmEngine::Rows { .. } | GemmEngine::Cols { .. } => GemmFamily::Rows,
         }
     }
 }
 
-impl fmt::Display for GemmAlgo {
+impl fmt::Display for GemmEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            GemmAlgo::Cublas => write!(f, "cublas"),
-            GemmAlgo::CublasLt(r) => write!(f, "cublaslt:{r}"),
-            GemmAlgo::CublasLtSplitK { rank, split } => write!(f, "cublaslt:{rank}/sk{split}"),
-            GemmAlgo::CublasLtConfig(i) => write!(f, "cublaslt:c{i}"),
-            GemmAlgo::Tiled(s) => write!(f, "tiled:{s}"),
-            GemmAlgo::Reg(s) => write!(f, "reg:{s}"),
-            GemmAlgo::Cluster(s) => write!(f, "cluster:{s}"),
-            GemmAlgo::Chunks(s) => write!(f, "chunks:{s}"),
-            GemmAlgo::WarpK => write!(f, "warpk"),
-            GemmAlgo::Rows { rows: 16, ks } => write!(f, "rows:{ks}"),
-            GemmAlgo::Rows { rows, ks } => write!(f, "rows{rows}:{ks}"),
-            GemmAlgo::Cols {
+            GemmEngine::Cublas => write!(f, "cublas"),
+            GemmEngine::CublasLt(r) => write!(f, "cublaslt:{r}"),
+            GemmEngine::CublasLtSplitK { rank, split } => write!(f, "cublaslt:{rank}/sk{split}"),
+            GemmEngine::CublasLtConfig(i) => write!(f, "cublaslt:c{i}"),
+            GemmEngine::Tiled(s) => write!(f, "tiled:{s}"),
+            GemmEngine::Reg(s) => write!(f, "reg:{s}"),
+            GemmEngine::Cluster(s) => write!(f, "cluster:{s}"),
+            GemmEngine::Chunks(s) => write!(f, "chunks:{s}"),
+            GemmEngine::WarpK => write!(f, "warpk"),
+            GemmEngine::Rows { rows: 16, ks } => write!(f, "rows:{ks}"),
+            GemmEngine::Rows { rows, ks } => write!(f, "rows{rows}:{ks}"),
+            GemmEngine::Cols {
                 rows,
                 cols,
                 warps,
@@ -178,38 +184,38 @@ impl fmt::Display for GemmAlgo {
     }
 }
 
-impl FromStr for GemmAlgo {
+impl FromStr for GemmEngine {
     type Err = NnError;
     fn from_str(s: &str) -> Result<Self> {
         let bad = || NnError::Config(format!("{s:?} is not a product engine"));
         match s.split_once(':') {
-            None if s == "cublas" => Ok(GemmAlgo::Cublas),
-            None if s == "warpk" => Ok(GemmAlgo::WarpK),
+            None if s == "cublas" => Ok(GemmEngine::Cublas),
+            None if s == "warpk" => Ok(GemmEngine::WarpK),
             Some(("cublaslt", r)) if r.starts_with('c') => {
                 // Only the canonical decimal index (no sign, no leading zeros).
                 let i: u8 = r[1..].parse().map_err(|_| bad())?;
                 match r[1..] == i.to_string() {
-                    true => Ok(GemmAlgo::CublasLtConfig(i)),
+                    true => Ok(GemmEngine::CublasLtConfig(i)),
                     false => Err(bad()),
                 }
             }
             Some(("cublaslt", r)) => match r.split_once("/sk") {
-                None => r.parse().map(GemmAlgo::CublasLt).map_err(|_| bad()),
+                None => r.parse().map(GemmEngine::CublasLt).map_err(|_| bad()),
                 Some((rank, split)) => {
                     let (rank, split) = (rank.parse(), split.parse());
                     match (rank, split) {
                         (Ok(rank), Ok(split)) if split >= 2 => {
-                            Ok(GemmAlgo::CublasLtSplitK { rank, split })
+                            Ok(GemmEngine::CublasLtSplitK { rank, split })
                         }
                         _ => Err(bad()),
                     }
                 }
             },
-            Some(("tiled", r)) => r.parse().map(GemmAlgo::Tiled).map_err(|_| bad()),
-            Some(("reg", r)) => r.parse().map(GemmAlgo::Reg).map_err(|_| bad()),
-            Some(("cluster", r)) => r.parse().map(GemmAlgo::Cluster).map_err(|_| bad()),
-            Some(("chunks", r)) => r.parse().map(GemmAlgo::Chunks).map_err(|_| bad()),
-            Some((p @ ("rows" | "rows8" | "rows4"), r)) => Ok(GemmAlgo::Rows {
+            Some(("tiled", r)) => r.parse().map(GemmEngine::Tiled).map_err(|_| bad()),
+            Some(("reg", r)) => r.parse().map(GemmEngine::Reg).map_err(|_| bad()),
+            Some(("cluster", r)) => r.parse().map(GemmEngine::Cluster).map_err(|_| bad()),
+            Some(("chunks", r)) => r.parse().map(GemmEngine::Chunks).map_err(|_| bad()),
+            Some((p @ ("rows" | "rows8" | "rows4"), r)) => Ok(GemmEngine::Rows {
                 rows: p[4..].parse().unwrap_or(16),
                 ks: r.parse().map_err(|_| bad())?,
             }),
@@ -225,7 +231,7 @@ impl FromStr for GemmAlgo {
                         Err(bad())
                     }
                 };
-                Ok(GemmAlgo::Cols {
+                Ok(GemmEngine::Cols {
                     rows: num(rows)?,
                     cols: num(cols)?,
                     warps: num(warps)?,
@@ -239,7 +245,7 @@ impl FromStr for GemmAlgo {
 
 /// One concrete way to run a convolution direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ConvAlgo {
+pub enum ConvEngine {
     /// cuDNN with this `cudnnConvolution*Algo_t`.
     Cudnn(u32),
     /// cuDNN's graph API with the engine configuration of this rank in the key's filtered
@@ -259,46 +265,48 @@ pub enum ConvAlgo {
     Wgrad(u16),
 }
 
-impl ConvAlgo {
+impl ConvEngine {
     /// The narrowest family it belongs to.
-    pub fn family(self) -> ConvEngine {
+    pub fn family(self) -> ConvFamily {
         match self {
-            ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_) => {
-                ConvEngine::Cudnn
+            ConvEngine::Cudnn(_) | ConvEngine::CudnnGraph(_) | ConvEngine::CudnnGraphBias(_) => {
+                ConvFamily::Cudnn
             }
-            ConvAlgo::Igemm(..) => ConvEngine::Igemm,
-            ConvAlgo::Direct | ConvAlgo::Wgrad(_) => ConvEngine::Direct,
+            ConvEngine::Igemm(..) => ConvFamily::Igemm,
+            ConvEngine::Direct | ConvEngine::Wgrad(_) => ConvFamily::Direct,
         }
     }
 }
 
-impl fmt::Display for ConvAlgo {
+impl fmt::Display for ConvEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ConvAlgo::Cudnn(a) => write!(f, "cudnn:{a}"),
-            ConvAlgo::CudnnGraph(r) => write!(f, "cudnnv8:{r}"),
-            ConvAlgo::CudnnGraphBias(r) => write!(f, "cudnnv8+bias:{r}"),
-            ConvAlgo::Igemm(t, s) => write!(f, "igemm:{}:{s}", t.name()),
-            ConvAlgo::Direct => write!(f, "direct"),
-            ConvAlgo::Wgrad(p) => write!(f, "wgrad:{p}"),
+            ConvEngine::Cudnn(a) => write!(f, "cudnn:{a}"),
+            ConvEngine::CudnnGraph(r) => write!(f, "cudnnv8:{r}"),
+            ConvEngine::CudnnGraphBias(r) => write!(f, "cudnnv8+bias:{r}"),
+            ConvEngine::Igemm(t, s) => write!(f, "igemm:{}:{s}", t.name()),
+            ConvEngine::Direct => write!(f, "direct"),
+            ConvEngine::Wgrad(p) => write!(f, "wgrad:{p}"),
         }
     }
 }
 
-impl FromStr for ConvAlgo {
+impl FromStr for ConvEngine {
     type Err = NnError;
     fn from_str(s: &str) -> Result<Self> {
         let bad = || NnError::Config(format!("{s:?} is not a convolution engine"));
         let parts: Vec<&str> = s.split(':').collect();
         match parts.as_slice() {
-            ["direct"] => Ok(ConvAlgo::Direct),
-            ["cudnn", a] => a.parse().map(ConvAlgo::Cudnn).map_err(|_| bad()),
-            ["cudnnv8", r] => r.parse().map(ConvAlgo::CudnnGraph).map_err(|_| bad()),
-            ["cudnnv8+bias", r] => r.parse().map(ConvAlgo::CudnnGraphBias).map_err(|_| bad()),
-            ["wgrad", p] => p.parse().map(ConvAlgo::Wgrad).map_err(|_| bad()),
+            ["direct"] => Ok(ConvEngine::Direct),
+            ["cudnn", a] => a.parse().map(ConvEngine::Cudnn).map_err(|_| bad()),
+            ["cudnnv8", r] => r.parse().map(ConvEngine::CudnnGraph).map_err(|_| bad()),
+            ["cudnnv8+bias", r] => r.parse().map(ConvEngine::CudnnGraphBias).map_err(|_| bad()),
+            ["wgrad", p] => p.parse().map(ConvEngine::Wgrad).map_err(|_| bad()),
             ["igemm", t, n] => {
                 let t = Tile::from_name(t).ok_or_else(bad)?;
-                n.parse().map(|n| ConvAlgo::Igemm(t, n)).map_err(|_| bad())
+                n.parse()
+                    .map(|n| ConvEngine::Igemm(t, n))
+                    .map_err(|_| bad())
             }
             _ => Err(bad()),
         }
@@ -308,28 +316,28 @@ impl FromStr for ConvAlgo {
 /// How a convolution's bias is added after an engine that does not fuse it (cuDNN's): measured
 /// per output shape like the convolution itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BiasAlgo {
+pub enum BiasEngine {
     /// Our `bias_planes` kernel (four elements per thread where the planes allow).
     Planes,
     /// `cudnnAddTensor`.
     CudnnAdd,
 }
 
-impl fmt::Display for BiasAlgo {
+impl fmt::Display for BiasEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            BiasAlgo::Planes => "bias:planes",
-            BiasAlgo::CudnnAdd => "bias:cudnn",
+            BiasEngine::Planes => "bias:planes",
+            BiasEngine::CudnnAdd => "bias:cudnn",
         })
     }
 }
 
-impl FromStr for BiasAlgo {
+impl FromStr for BiasEngine {
     type Err = NnError;
     fn from_str(s: &str) -> Result<Self> {
         match s {
-            "bias:planes" => Ok(BiasAlgo::Planes),
-            "bias:cudnn" => Ok(BiasAlgo::CudnnAdd),
+            "bias:planes" => Ok(BiasEngine::Planes),
+            "bias:cudnn" => Ok(BiasEngine::CudnnAdd),
             _ => Err(NnError::Config(format!("{s:?} is not a bias engine"))),
         }
     }
@@ -338,7 +346,7 @@ impl FromStr for BiasAlgo {
 /// How a cross-entropy over narrow rows runs (`crate::autograd::ops::cross_entropy`): measured per
 /// (rows, classes, gradient or not).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CeAlgo {
+pub enum CeEngine {
     /// The fixed plan (`kernels::losses::ce_plan`): a warp a row, a sum pass when the rows take
     /// more than one block.
     Rows,
@@ -346,38 +354,38 @@ pub enum CeAlgo {
     Lanes(u8),
 }
 
-impl fmt::Display for CeAlgo {
+impl fmt::Display for CeEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            CeAlgo::Rows => f.write_str("ce:rows"),
-            CeAlgo::Lanes(l) => write!(f, "ce:lanes{l}"),
+            CeEngine::Rows => f.write_str("ce:rows"),
+            CeEngine::Lanes(l) => write!(f, "ce:lanes{l}"),
         }
     }
 }
 
-impl FromStr for CeAlgo {
+impl FromStr for CeEngine {
     type Err = NnError;
     fn from_str(s: &str) -> Result<Self> {
         let bad = || NnError::Config(format!("{s:?} is not a cross-entropy plan"));
         match s.strip_prefix("ce:") {
-            Some("rows") => Ok(CeAlgo::Rows),
+            Some("rows") => Ok(CeEngine::Rows),
             Some(l) => l
                 .strip_prefix("lanes")
                 .and_then(|n| n.parse().ok())
-                .map(CeAlgo::Lanes)
+                .map(CeEngine::Lanes)
                 .ok_or_else(bad),
             None => Err(bad()),
         }
     }
 }
 
-/// What the registry stores per key: implemented by [`GemmAlgo`], [`ConvAlgo`], [`BiasAlgo`]
-/// and [`CeAlgo`].
-pub trait Algo: Copy + PartialEq + fmt::Display + FromStr {}
-impl Algo for GemmAlgo {}
-impl Algo for ConvAlgo {}
-impl Algo for BiasAlgo {}
-impl Algo for CeAlgo {}
+/// What the registry stores per key: implemented by [`GemmEngine`], [`ConvEngine`], [`BiasEngine`]
+/// and [`CeEngine`].
+pub trait Engine: Copy + PartialEq + fmt::Display + FromStr {}
+impl Engine for GemmEngine {}
+impl Engine for ConvEngine {}
+impl Engine for BiasEngine {}
+impl Engine for CeEngine {}
 
 #[cfg(test)]
 mod tests {
@@ -388,23 +396,23 @@ mod tests {
     /// it (a split below 2, missing numbers) parses.
     #[test]
     fn cublaslt_split_k_names_round_trip() {
-        let a = GemmAlgo::CublasLtSplitK { rank: 0, split: 4 };
+        let a = GemmEngine::CublasLtSplitK { rank: 0, split: 4 };
         assert_eq!(a.to_string(), "cublaslt:0/sk4");
-        assert_eq!("cublaslt:0/sk4".parse::<GemmAlgo>().unwrap(), a);
-        assert_eq!(a.family(), Engine::CublasLt);
+        assert_eq!("cublaslt:0/sk4".parse::<GemmEngine>().unwrap(), a);
+        assert_eq!(a.family(), GemmFamily::CublasLt);
         for rank in 0..3u8 {
             for split in crate::ffi::blaslt::SPLITS {
-                let a = GemmAlgo::CublasLtSplitK { rank, split };
-                assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+                let a = GemmEngine::CublasLtSplitK { rank, split };
+                assert_eq!(a.to_string().parse::<GemmEngine>().unwrap(), a);
                 assert_ne!(
-                    a.to_string().parse::<GemmAlgo>().unwrap(),
-                    GemmAlgo::CublasLt(rank)
+                    a.to_string().parse::<GemmEngine>().unwrap(),
+                    GemmEngine::CublasLt(rank)
                 );
             }
         }
         assert_eq!(
-            "cublaslt:1".parse::<GemmAlgo>().unwrap(),
-            GemmAlgo::CublasLt(1)
+            "cublaslt:1".parse::<GemmEngine>().unwrap(),
+            GemmEngine::CublasLt(1)
         );
         for bad in [
             "cublaslt:0/sk1",
@@ -416,7 +424,7 @@ mod tests {
             "cublaslt:0/sk256",
             "cublaslt:0sk4",
         ] {
-            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
+            assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
         }
     }
 
@@ -425,15 +433,15 @@ mod tests {
     /// heuristic rank of the same number, and nothing close to it parses.
     #[test]
     fn cublaslt_config_names_round_trip() {
-        let a = GemmAlgo::CublasLtConfig(3);
+        let a = GemmEngine::CublasLtConfig(3);
         assert_eq!(a.to_string(), "cublaslt:c3");
-        assert_eq!("cublaslt:c3".parse::<GemmAlgo>().unwrap(), a);
-        assert_eq!(a.family(), Engine::CublasLt);
+        assert_eq!("cublaslt:c3".parse::<GemmEngine>().unwrap(), a);
+        assert_eq!(a.family(), GemmFamily::CublasLt);
         for i in [0u8, 1, 7, 8, 42, 255] {
-            let a = GemmAlgo::CublasLtConfig(i);
-            assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
-            assert_ne!(a, GemmAlgo::CublasLt(i));
-            assert_ne!(a.to_string(), GemmAlgo::CublasLt(i).to_string());
+            let a = GemmEngine::CublasLtConfig(i);
+            assert_eq!(a.to_string().parse::<GemmEngine>().unwrap(), a);
+            assert_ne!(a, GemmEngine::CublasLt(i));
+            assert_ne!(a.to_string(), GemmEngine::CublasLt(i).to_string());
         }
         for bad in [
             "cublaslt:c",
@@ -450,51 +458,51 @@ mod tests {
             "cublasltc1",
             "cublas:c1",
         ] {
-            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
+            assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
         }
     }
 
     #[test]
     fn engine_names_round_trip() {
         for a in [
-            GemmAlgo::Cublas,
-            GemmAlgo::CublasLt(2),
-            GemmAlgo::CublasLtSplitK { rank: 0, split: 4 },
-            GemmAlgo::CublasLtSplitK { rank: 2, split: 16 },
-            GemmAlgo::CublasLtConfig(0),
-            GemmAlgo::CublasLtConfig(7),
-            GemmAlgo::Tiled(16),
-            GemmAlgo::Reg(1),
-            GemmAlgo::Reg(12),
-            GemmAlgo::Cluster(8),
-            GemmAlgo::Chunks(1),
-            GemmAlgo::WarpK,
-            GemmAlgo::Rows { rows: 16, ks: 4 },
-            GemmAlgo::Rows { rows: 8, ks: 4 },
-            GemmAlgo::Rows { rows: 4, ks: 1 },
-            GemmAlgo::Cols {
+            GemmEngine::Cublas,
+            GemmEngine::CublasLt(2),
+            GemmEngine::CublasLtSplitK { rank: 0, split: 4 },
+            GemmEngine::CublasLtSplitK { rank: 2, split: 16 },
+            GemmEngine::CublasLtConfig(0),
+            GemmEngine::CublasLtConfig(7),
+            GemmEngine::Tiled(16),
+            GemmEngine::Reg(1),
+            GemmEngine::Reg(12),
+            GemmEngine::Cluster(8),
+            GemmEngine::Chunks(1),
+            GemmEngine::WarpK,
+            GemmEngine::Rows { rows: 16, ks: 4 },
+            GemmEngine::Rows { rows: 8, ks: 4 },
+            GemmEngine::Rows { rows: 4, ks: 1 },
+            GemmEngine::Cols {
                 rows: 1,
                 cols: 2,
                 warps: 8,
                 ks: 4,
             },
-            GemmAlgo::Cols {
+            GemmEngine::Cols {
                 rows: 16,
                 cols: 1,
                 warps: 16,
                 ks: 16,
             },
         ] {
-            assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+            assert_eq!(a.to_string().parse::<GemmEngine>().unwrap(), a);
         }
-        let cols = GemmAlgo::Cols {
+        let cols = GemmEngine::Cols {
             rows: 2,
             cols: 2,
             warps: 8,
             ks: 8,
         };
         assert_eq!(cols.to_string(), "cols2x2w8:8");
-        assert_eq!(cols.family(), Engine::Rows);
+        assert_eq!(cols.family(), GemmFamily::Rows);
         for bad in [
             "cols2x2w8",
             "cols2x2:8",
@@ -504,52 +512,52 @@ mod tests {
             "cols2x2w256:1",
             "colsxw:1",
         ] {
-            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
+            assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
         }
-        assert_eq!(GemmAlgo::Rows { rows: 8, ks: 2 }.to_string(), "rows8:2");
-        assert_eq!(GemmAlgo::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");
-        assert!("rows16:2".parse::<GemmAlgo>().is_err());
-        assert_eq!(GemmAlgo::Reg(3).to_string(), "reg:3");
+        assert_eq!(GemmEngine::Rows { rows: 8, ks: 2 }.to_string(), "rows8:2");
+        assert_eq!(GemmEngine::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");
+        assert!("rows16:2".parse::<GemmEngine>().is_err());
+        assert_eq!(GemmEngine::Reg(3).to_string(), "reg:3");
         for bad in ["reg64:1", "reg:", "reg:x", "reg", "reg:-1"] {
-            assert!(bad.parse::<GemmAlgo>().is_err(), "{bad}");
+            assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
         }
-        for a in [BiasAlgo::Planes, BiasAlgo::CudnnAdd] {
-            assert_eq!(a.to_string().parse::<BiasAlgo>().unwrap(), a);
+        for a in [BiasEngine::Planes, BiasEngine::CudnnAdd] {
+            assert_eq!(a.to_string().parse::<BiasEngine>().unwrap(), a);
         }
-        for a in [CeAlgo::Rows, CeAlgo::Lanes(1), CeAlgo::Lanes(16)] {
-            assert_eq!(a.to_string().parse::<CeAlgo>().unwrap(), a);
+        for a in [CeEngine::Rows, CeEngine::Lanes(1), CeEngine::Lanes(16)] {
+            assert_eq!(a.to_string().parse::<CeEngine>().unwrap(), a);
         }
         for bad in ["bias:other", "ce:lanes", "ce:lanesx", "rows", "ce:rows2"] {
             assert!(
-                bad.parse::<BiasAlgo>().is_err() && bad.parse::<CeAlgo>().is_err(),
+                bad.parse::<BiasEngine>().is_err() && bad.parse::<CeEngine>().is_err(),
                 "{bad}"
             );
         }
         for a in [
-            ConvAlgo::Cudnn(1),
-            ConvAlgo::CudnnGraph(0),
-            ConvAlgo::CudnnGraph(255),
-            ConvAlgo::CudnnGraphBias(0),
-            ConvAlgo::CudnnGraphBias(3),
-            ConvAlgo::CudnnGraphBias(255),
-            ConvAlgo::Igemm(Tile::T32x128, 8),
-            ConvAlgo::Direct,
-            ConvAlgo::Wgrad(264),
+            ConvEngine::Cudnn(1),
+            ConvEngine::CudnnGraph(0),
+            ConvEngine::CudnnGraph(255),
+            ConvEngine::CudnnGraphBias(0),
+            ConvEngine::CudnnGraphBias(3),
+            ConvEngine::CudnnGraphBias(255),
+            ConvEngine::Igemm(Tile::T32x128, 8),
+            ConvEngine::Direct,
+            ConvEngine::Wgrad(264),
         ] {
-            assert_eq!(a.to_string().parse::<ConvAlgo>().unwrap(), a);
+            assert_eq!(a.to_string().parse::<ConvEngine>().unwrap(), a);
         }
         assert_eq!(
-            ConvAlgo::Igemm(Tile::T64x64, 1).to_string(),
+            ConvEngine::Igemm(Tile::T64x64, 1).to_string(),
             "igemm:64x64:1"
         );
-        assert!("cudnn".parse::<ConvAlgo>().is_err());
-        assert_eq!(ConvAlgo::CudnnGraph(3).to_string(), "cudnnv8:3");
-        assert!("cudnnv8:256".parse::<ConvAlgo>().is_err());
-        assert!("cudnnv8".parse::<ConvAlgo>().is_err());
-        assert_eq!(ConvAlgo::CudnnGraphBias(2).to_string(), "cudnnv8+bias:2");
+        assert!("cudnn".parse::<ConvEngine>().is_err());
+        assert_eq!(ConvEngine::CudnnGraph(3).to_string(), "cudnnv8:3");
+        assert!("cudnnv8:256".parse::<ConvEngine>().is_err());
+        assert!("cudnnv8".parse::<ConvEngine>().is_err());
+        assert_eq!(ConvEngine::CudnnGraphBias(2).to_string(), "cudnnv8+bias:2");
         assert_eq!(
-            "cudnnv8+bias:2".parse::<ConvAlgo>().unwrap(),
-            ConvAlgo::CudnnGraphBias(2)
+            "cudnnv8+bias:2".parse::<ConvEngine>().unwrap(),
+            ConvEngine::CudnnGraphBias(2)
         );
         for bad in [
             "cudnnv8+bias",
@@ -559,9 +567,9 @@ mod tests {
             "cudnnv8:bias:1",
             "cudnn+bias:1",
         ] {
-            assert!(bad.parse::<ConvAlgo>().is_err(), "{bad}");
+            assert!(bad.parse::<ConvEngine>().is_err(), "{bad}");
         }
-        assert!("tiled:x".parse::<GemmAlgo>().is_err());
-        assert!("igemm:7x7:1".parse::<ConvAlgo>().is_err());
+        assert!("tiled:x".parse::<GemmEngine>().is_err());
+        assert!("igemm:7x7:1".parse::<ConvEngine>().is_err());
     }
 }

@@ -12,7 +12,7 @@
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::engine::{BiasAlgo, ConvAlgo, ConvEngine, Engines, Policy};
+use crate::engine::{BiasEngine, ConvEngine, ConvFamily, Engines, Policy};
 use crate::error::{NnError, Result};
 pub use crate::extent::{conv_key, ConvDir, ConvGeom};
 pub use crate::kernels::igemm::Tile;
@@ -47,12 +47,12 @@ pub fn conv_candidates(
     g: &ConvGeom,
     bias: bool,
     policy: &Policy,
-) -> Result<Vec<ConvAlgo>> {
+) -> Result<Vec<ConvEngine>> {
     let family = policy.conv;
     let mut v = Vec::new();
-    let allowed = |a: ConvAlgo, fam: ConvEngine| fam.allows(a);
-    let collect = |fam: ConvEngine, v: &mut Vec<ConvAlgo>| -> Result<()> {
-        if allowed(ConvAlgo::Cudnn(0), fam) && crate::ffi::cudnn::supports(g) {
+    let allowed = |a: ConvEngine, fam: ConvFamily| fam.allows(a);
+    let collect = |fam: ConvFamily, v: &mut Vec<ConvEngine>| -> Result<()> {
+        if allowed(ConvEngine::Cudnn(0), fam) && crate::ffi::cudnn::supports(g) {
             if let Some(c) = eng.cudnn_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 // A geometry cuDNN cannot plan simply has no cuDNN candidate.
@@ -60,19 +60,19 @@ pub fn conv_candidates(
                     .algos(dir, g, policy.deterministic, limit)
                     .unwrap_or_default()
                 {
-                    v.push(ConvAlgo::Cudnn(a.algo));
+                    v.push(ConvEngine::Cudnn(a.algo));
                 }
             }
         }
         // cuDNN's graph API: its engine configurations (plans built eagerly, never in a capture).
-        if allowed(ConvAlgo::CudnnGraph(0), fam) && crate::ffi::cudnn::supports(g) {
+        if allowed(ConvEngine::CudnnGraph(0), fam) && crate::ffi::cudnn::supports(g) {
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 for a in c
                     .candidates(q, dir, g, policy.deterministic, limit)
                     .unwrap_or_default()
                 {
-                    v.push(ConvAlgo::CudnnGraph(a.rank));
+                    v.push(ConvEngine::CudnnGraph(a.rank));
                 }
             }
         }
@@ -80,7 +80,7 @@ pub fn conv_candidates(
         // the others (none when cuDNN offers no plain-fp32 engine for the fused graph).
         if dir == ConvDir::Forward
             && bias
-            && allowed(ConvAlgo::CudnnGraphBias(0), fam)
+            && allowed(ConvEngine::CudnnGraphBias(0), fam)
             && crate::ffi::cudnn::supports(g)
         {
             if let Some(c) = eng.cudnn_graph_for(q) {
@@ -89,40 +89,40 @@ pub fn conv_candidates(
                     .fused_bias_candidates(q, g, policy.deterministic, limit)
                     .unwrap_or_default()
                 {
-                    v.push(ConvAlgo::CudnnGraphBias(a.rank));
+                    v.push(ConvEngine::CudnnGraphBias(a.rank));
                 }
             }
         }
         let sms = eng.device_info().multiprocessors;
         for tile in Tile::ALL {
-            if allowed(ConvAlgo::Igemm(tile, 1), fam) && igemm::supports(dir, g, tile).is_ok() {
-                v.push(ConvAlgo::Igemm(tile, 1));
+            if allowed(ConvEngine::Igemm(tile, 1), fam) && igemm::supports(dir, g, tile).is_ok() {
+                v.push(ConvEngine::Igemm(tile, 1));
                 let s = igemm::default_splits(dir, g, tile, sms);
                 if s > 1 {
-                    v.push(ConvAlgo::Igemm(tile, s as u16));
+                    v.push(ConvEngine::Igemm(tile, s as u16));
                 }
                 if let Some(d) = igemm::deep_splits(dir, g, tile, sms) {
-                    v.push(ConvAlgo::Igemm(tile, d as u16));
+                    v.push(ConvEngine::Igemm(tile, d as u16));
                 }
             }
         }
-        let direct_ok = fam == ConvEngine::Direct || macs(g) <= DIRECT_MAX_MACS;
-        if allowed(ConvAlgo::Direct, fam) && igemm::direct_supports(g) && direct_ok {
-            v.push(ConvAlgo::Direct);
+        let direct_ok = fam == ConvFamily::Direct || macs(g) <= DIRECT_MAX_MACS;
+        if allowed(ConvEngine::Direct, fam) && igemm::direct_supports(g) && direct_ok {
+            v.push(ConvEngine::Direct);
         }
         if dir == ConvDir::BackwardFilter
-            && allowed(ConvAlgo::Wgrad(1), fam)
+            && allowed(ConvEngine::Wgrad(1), fam)
             && igemm::wgrad_small_supports(g)
         {
             for p in igemm::wgrad_parts(g, sms) {
-                v.push(ConvAlgo::Wgrad(p.min(u16::MAX as usize) as u16));
+                v.push(ConvEngine::Wgrad(p.min(u16::MAX as usize) as u16));
             }
         }
         Ok(())
     };
     collect(family, &mut v)?;
-    if v.is_empty() && family != ConvEngine::Auto {
-        collect(ConvEngine::Auto, &mut v)?;
+    if v.is_empty() && family != ConvFamily::Auto {
+        collect(ConvFamily::Auto, &mut v)?;
     }
     Ok(v)
 }
@@ -130,25 +130,28 @@ pub fn conv_candidates(
 /// The heuristic default among `candidates` (non-empty): cuDNN's first choice when cuDNN is a
 /// candidate; else the direct kernel for a forward pass over at most 32 taps per output (its
 /// fast path); else our implicit GEMM with the tile and split that suit the shape.
-pub fn default_conv_algo(
+pub fn default_conv_engine(
     dir: ConvDir,
     g: &ConvGeom,
-    candidates: &[ConvAlgo],
+    candidates: &[ConvEngine],
     sms: u32,
-) -> ConvAlgo {
-    if let Some(c) = candidates.iter().find(|a| matches!(a, ConvAlgo::Cudnn(_))) {
+) -> ConvEngine {
+    if let Some(c) = candidates
+        .iter()
+        .find(|a| matches!(a, ConvEngine::Cudnn(_)))
+    {
         return *c;
     }
     let taps = g.c.saturating_mul(g.kh).saturating_mul(g.kw);
-    if dir == ConvDir::Forward && taps <= 32 && candidates.contains(&ConvAlgo::Direct) {
-        return ConvAlgo::Direct;
+    if dir == ConvDir::Forward && taps <= 32 && candidates.contains(&ConvEngine::Direct) {
+        return ConvEngine::Direct;
     }
     let tile = igemm::default_tile(dir, g);
-    let want = ConvAlgo::Igemm(tile, igemm::default_splits(dir, g, tile, sms) as u16);
+    let want = ConvEngine::Igemm(tile, igemm::default_splits(dir, g, tile, sms) as u16);
     if candidates.contains(&want) {
         return want;
     }
-    candidates.first().copied().unwrap_or(ConvAlgo::Direct)
+    candidates.first().copied().unwrap_or(ConvEngine::Direct)
 }
 
 /// The buffers of one direction: forward `a = x`, `b = w`, `out = y`; backward-data `a = dy`,
@@ -171,7 +174,7 @@ pub fn conv2d_forward(
     w: &Buf,
     bias: Option<&Buf>,
     y: &Buf,
-) -> Result<ConvAlgo> {
+) -> Result<ConvEngine> {
     let io = ConvIo {
         a: x,
         b: w,
@@ -189,7 +192,7 @@ pub fn conv2d_backward_data(
     dy: &Buf,
     w: &Buf,
     dx: &Buf,
-) -> Result<ConvAlgo> {
+) -> Result<ConvEngine> {
     let io = ConvIo {
         a: dy,
         b: w,
@@ -207,7 +210,7 @@ pub fn conv2d_backward_filter(
     dy: &Buf,
     x: &Buf,
     dw: &Buf,
-) -> Result<ConvAlgo> {
+) -> Result<ConvEngine> {
     let io = ConvIo {
         a: dy,
         b: x,
@@ -224,7 +227,7 @@ pub fn run_conv(
     dir: ConvDir,
     g: &ConvGeom,
     io: ConvIo<'_>,
-) -> Result<ConvAlgo> {
+) -> Result<ConvEngine> {
     check_io(q, dir, g, &io)?;
     let out_len = match dir {
         ConvDir::Forward => g.output_len()?,
@@ -232,7 +235,7 @@ pub fn run_conv(
         ConvDir::BackwardFilter => g.weight_len()?,
     };
     if out_len == 0 {
-        return Ok(ConvAlgo::Direct);
+        return Ok(ConvEngine::Direct);
     }
     let eng = Engines::get(q.device())?;
     let policy = eng.policy();
@@ -241,22 +244,22 @@ pub fn run_conv(
         conv_key(dir, g, io.bias.is_some()),
         policy.conv_scope()
     );
-    if let Some(algo) = eng.lookup::<ConvAlgo>(&key) {
-        conv_algo(q, nn, &eng, algo, dir, g, io)?;
+    if let Some(algo) = eng.lookup::<ConvEngine>(&key) {
+        conv_engine(q, nn, &eng, algo, dir, g, io)?;
         return Ok(algo);
     }
     let candidates = conv_candidates(q, &eng, dir, g, io.bias.is_some(), &policy)?;
     let sms = eng.device_info().multiprocessors;
-    let default = default_conv_algo(dir, g, &candidates, sms);
+    let default = default_conv_engine(dir, g, &candidates, sms);
     let mut scratch: Option<Buf> = None;
     let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {
             scratch = Some(q.alloc::<f32>(out_len)?);
         }
         let out = scratch.as_ref().expect("allocated above");
-        conv_algo(q, nn, &eng, algo, dir, g, ConvIo { out, ..io })
+        conv_engine(q, nn, &eng, algo, dir, g, ConvIo { out, ..io })
     })?;
-    conv_algo(q, nn, &eng, algo, dir, g, io)?;
+    conv_engine(q, nn, &eng, algo, dir, g, io)?;
     Ok(algo)
 }
 
@@ -266,14 +269,14 @@ pub fn run_conv(
 pub fn conv_with(
     q: &dyn Queue,
     nn: &Nn,
-    algo: ConvAlgo,
+    algo: ConvEngine,
     dir: ConvDir,
     g: &ConvGeom,
     io: ConvIo<'_>,
 ) -> Result<()> {
     check_io(q, dir, g, &io)?;
     let eng = Engines::get(q.device())?;
-    conv_algo(q, nn, &eng, algo, dir, g, io)
+    conv_engine(q, nn, &eng, algo, dir, g, io)
 }
 
 /// The buffers hold what the direction reads and writes and are memory of `q`'s device
@@ -284,25 +287,25 @@ fn check_io(q: &dyn Queue, dir: ConvDir, g: &ConvGeom, io: &ConvIo<'_>) -> Resul
     crate::extent::conv_on_device(q, dir, (io.a, io.b, io.out), io.bias)
 }
 
-fn conv_algo(
+fn conv_engine(
     q: &dyn Queue,
     nn: &Nn,
     eng: &Engines,
-    algo: ConvAlgo,
+    algo: ConvEngine,
     dir: ConvDir,
     g: &ConvGeom,
     io: ConvIo<'_>,
 ) -> Result<()> {
     match algo {
-        ConvAlgo::Cudnn(a) => {
+        ConvEngine::Cudnn(a) => {
             cudnn(eng)?.run(q, dir, a, g, io.a, io.b, io.out)?;
             conv_bias(q, nn, eng, g, io)
         }
-        ConvAlgo::CudnnGraph(rank) => {
+        ConvEngine::CudnnGraph(rank) => {
             cudnn_graph(eng)?.run(q, dir, rank, g, io.a, io.b, io.out)?;
             conv_bias(q, nn, eng, g, io)
         }
-        ConvAlgo::CudnnGraphBias(rank) => {
+        ConvEngine::CudnnGraphBias(rank) => {
             let bias = match (dir, io.bias) {
                 (ConvDir::Forward, Some(bias)) => bias,
                 _ => {
@@ -314,7 +317,7 @@ fn conv_algo(
             };
             cudnn_graph(eng)?.run_fused_bias(q, rank, g, io.a, io.b, bias, io.out)
         }
-        ConvAlgo::Igemm(tile, splits) => {
+        ConvEngine::Igemm(tile, splits) => {
             let k = ConvKernels::get(q.device())?;
             k.conv(
                 q,
@@ -328,7 +331,7 @@ fn conv_algo(
                 io.bias,
             )
         }
-        ConvAlgo::Wgrad(parts) => {
+        ConvEngine::Wgrad(parts) => {
             if dir != ConvDir::BackwardFilter {
                 return Err(NnError::Shape(format!(
                     "{}: the small weight-gradient kernel runs only the weight gradient",
@@ -337,7 +340,7 @@ fn conv_algo(
             }
             ConvKernels::get(q.device())?.wgrad_small(q, g, io.a, io.b, io.out, parts as usize)
         }
-        ConvAlgo::Direct => match dir {
+        ConvEngine::Direct => match dir {
             ConvDir::Forward => nn.conv2d_fwd(q, g, io.a, io.b, io.bias, io.out),
             ConvDir::BackwardData => nn.conv2d_bwd_input(q, g, io.a, io.b, io.out),
             ConvDir::BackwardFilter => nn.conv2d_bwd_weight(q, g, io.a, io.b, io.out),
@@ -379,17 +382,17 @@ fn conv_bias(q: &dyn Queue, nn: &Nn, eng: &Engines, g: &ConvGeom, io: ConvIo<'_>
     };
     let (oh, ow) = g.out_hw()?;
     let hw = oh * ow;
-    let run = |q: &dyn Queue, algo: BiasAlgo, y: &Buf| match algo {
-        BiasAlgo::Planes => nn.bias_planes(q, y, bias, g.n, g.oc, hw),
-        BiasAlgo::CudnnAdd => cudnn(eng)?.add_bias(q, g, bias, y),
+    let run = |q: &dyn Queue, algo: BiasEngine, y: &Buf| match algo {
+        BiasEngine::Planes => nn.bias_planes(q, y, bias, g.n, g.oc, hw),
+        BiasEngine::CudnnAdd => cudnn(eng)?.add_bias(q, g, bias, y),
     };
     let key = conv_bias_key(g)?;
-    let mut candidates = vec![BiasAlgo::Planes];
+    let mut candidates = vec![BiasEngine::Planes];
     if eng.cudnn().is_some() {
-        candidates.push(BiasAlgo::CudnnAdd);
+        candidates.push(BiasEngine::CudnnAdd);
     }
     let mut scratch: Option<Buf> = None;
-    let algo = eng.choose(q, &key, &candidates, BiasAlgo::Planes, &mut |q, algo| {
+    let algo = eng.choose(q, &key, &candidates, BiasEngine::Planes, &mut |q, algo| {
         if scratch.is_none() {
             let s = q.alloc::<f32>(g.output_len()?)?;
             q.memset_zero(&s)?;
@@ -435,36 +438,36 @@ mod tests {
     fn heuristic_default_prefers_cudnn_then_the_small_direct_path_then_igemm() {
         let g = geom(3, 3, 1, 1);
         let ours = [
-            ConvAlgo::Igemm(Tile::T64x64, 1),
-            ConvAlgo::Igemm(Tile::T32x128, 1),
-            ConvAlgo::Direct,
+            ConvEngine::Igemm(Tile::T64x64, 1),
+            ConvEngine::Igemm(Tile::T32x128, 1),
+            ConvEngine::Direct,
         ];
-        let mut with_cudnn = vec![ConvAlgo::Cudnn(1), ConvAlgo::Cudnn(0)];
+        let mut with_cudnn = vec![ConvEngine::Cudnn(1), ConvEngine::Cudnn(0)];
         with_cudnn.extend(ours);
         assert_eq!(
-            default_conv_algo(ConvDir::Forward, &g, &with_cudnn, 132),
-            ConvAlgo::Cudnn(1)
+            default_conv_engine(ConvDir::Forward, &g, &with_cudnn, 132),
+            ConvEngine::Cudnn(1)
         );
         // 27 taps per output: the direct kernel's fast path.
         assert_eq!(
-            default_conv_algo(ConvDir::Forward, &g, &ours, 132),
-            ConvAlgo::Direct
+            default_conv_engine(ConvDir::Forward, &g, &ours, 132),
+            ConvEngine::Direct
         );
         // 16 output channels: the 32-row tile.
         let s = igemm::default_splits(ConvDir::BackwardData, &g, Tile::T32x128, 132) as u16;
         let mut cands = ours.to_vec();
-        cands.push(ConvAlgo::Igemm(Tile::T32x128, s));
-        let want = ConvAlgo::Igemm(Tile::T32x128, s);
+        cands.push(ConvEngine::Igemm(Tile::T32x128, s));
+        let want = ConvEngine::Igemm(Tile::T32x128, s);
         let big = geom(64, 3, 1, 1);
         let s2 = igemm::default_splits(ConvDir::BackwardData, &big, Tile::T64x64, 132) as u16;
         let mut cands2 = ours.to_vec();
-        cands2.push(ConvAlgo::Igemm(Tile::T64x64, s2));
+        cands2.push(ConvEngine::Igemm(Tile::T64x64, s2));
         assert_eq!(
-            default_conv_algo(ConvDir::BackwardData, &big, &cands2, 132),
-            ConvAlgo::Igemm(Tile::T64x64, s2)
+            default_conv_engine(ConvDir::BackwardData, &big, &cands2, 132),
+            ConvEngine::Igemm(Tile::T64x64, s2)
         );
         assert_eq!(
-            default_conv_algo(ConvDir::BackwardData, &g, &cands, 132),
+            default_conv_engine(ConvDir::BackwardData, &g, &cands, 132),
             want
         );
         assert_eq!(workspace_limit(80 << 30), 1 << 30);

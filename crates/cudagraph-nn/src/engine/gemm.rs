@@ -13,15 +13,15 @@
 //! column-warp kernels `sgemm_nt_cols_rRcC` (few rows: each warp a few rows × one or two columns,
 //! its sums reduce-scattered by shuffles, forward layout; [`cols_shapes`]).
 //!
-//! [`gemm`] keeps its signature: `Engine::Auto` asks the registry (within the policy's
-//! family, `CUDAGRAPH_GEMM`), any other `Engine` restricts the registry to that family.
-//! [`gemm_with`] runs one exact [`GemmAlgo`] (tests, benchmarks). Before anything is measured
-//! (inside a capture), [`auto_engine`] — the thresholds measured once on the seed shapes — is
+//! [`gemm`] keeps its signature: `GemmFamily::Auto` asks the registry (within the policy's
+//! family, `CUDAGRAPH_GEMM`), any other `GemmFamily` restricts the registry to that family.
+//! [`gemm_with`] runs one exact [`GemmEngine`] (tests, benchmarks). Before anything is measured
+//! (inside a capture), [`auto_family`] — the thresholds measured once on the seed shapes — is
 //! the heuristic default.
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::engine::{Engines, GemmAlgo, Policy};
+use crate::engine::{Engines, GemmEngine, Policy};
 use crate::error::{NnError, Result};
 pub use crate::extent::alignment;
 use crate::extent::on_device;
@@ -48,7 +48,7 @@ type TiledFn = fn(
     usize,
 ) -> Result<()>;
 
-pub use crate::engine::Engine;
+pub use crate::engine::GemmFamily;
 
 pub use crate::ffi::blas::Epilogue;
 
@@ -56,18 +56,18 @@ pub use crate::ffi::blas::Epilogue;
 /// `bash bench/device.sh gemm`): for the forward layout `x·wᵀ`, split-K tiled at
 /// 8 ≤ m ≤ 64 and warp-K at 65 ≤ m ≤ 256; cuBLAS otherwise (its GEMV path wins at m = 1, and
 /// it wins the backward layouts).
-pub fn auto_engine(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32) -> Engine {
+pub fn auto_family(ta: Trans, tb: Trans, m: usize, alpha: f32, beta: f32) -> GemmFamily {
     let forward = ta == Trans::N && tb == Trans::T;
     match m {
-        8..=64 if forward => Engine::Tiled,
-        65..=256 if forward && alpha == 1.0 && beta == 0.0 => Engine::WarpK,
-        65..=256 if forward => Engine::Tiled,
-        _ => Engine::Cublas,
+        8..=64 if forward => GemmFamily::Tiled,
+        65..=256 if forward && alpha == 1.0 && beta == 0.0 => GemmFamily::WarpK,
+        65..=256 if forward => GemmFamily::Tiled,
+        _ => GemmFamily::Cublas,
     }
 }
 
 /// The family `CUDAGRAPH_GEMM` selects (read once per process; an unknown value is an error).
-pub fn engine_from_env() -> Result<Engine> {
+pub fn family_from_env() -> Result<GemmFamily> {
     Ok(Policy::from_env()?.gemm)
 }
 
@@ -199,7 +199,7 @@ impl GemmOp {
 pub fn gemm(
     q: &dyn Queue,
     nn: &Nn,
-    engine: Engine,
+    engine: GemmFamily,
     (ta, tb): (Trans, Trans),
     (m, n, k): (usize, usize, usize),
     alpha: f32,
@@ -236,13 +236,13 @@ pub fn gemm(
 pub fn linear_weight_grad(
     q: &dyn Queue,
     nn: &Nn,
-    engine: Engine,
+    engine: GemmFamily,
     (m, n, k): (usize, usize, usize),
     dz: &Buf,
     x: &Buf,
     dw: &Buf,
     db: Option<&Buf>,
-) -> Result<GemmAlgo> {
+) -> Result<GemmEngine> {
     let op = GemmOp {
         ta: Trans::T,
         tb: Trans::N,
@@ -266,21 +266,21 @@ pub fn linear_weight_grad(
 pub fn run_gemm(
     q: &dyn Queue,
     nn: &Nn,
-    engine: Engine,
+    engine: GemmFamily,
     op: &GemmOp,
     a: &Buf,
     b: &Buf,
     c: &Buf,
     vec: Option<&Buf>,
-) -> Result<GemmAlgo> {
+) -> Result<GemmEngine> {
     op.validate(q, a, b, c, vec)?;
     if op.m == 0 || op.n == 0 {
         // Nothing to write (a bias gradient of m = 0 rows is empty too).
-        return Ok(GemmAlgo::Cublas);
+        return Ok(GemmEngine::Cublas);
     }
     let eng = Engines::get(q.device())?;
     let policy = eng.policy();
-    let family = if engine == Engine::Auto {
+    let family = if engine == GemmFamily::Auto {
         policy.gemm
     } else {
         engine
@@ -293,12 +293,12 @@ pub fn run_gemm(
         256 => format!("{}{}", op.key(), policy.gemm_scope(family)),
         a => format!("{} align={a}{}", op.key(), policy.gemm_scope(family)),
     };
-    if let Some(algo) = eng.lookup::<GemmAlgo>(&key) {
+    if let Some(algo) = eng.lookup::<GemmEngine>(&key) {
         run_algo(q, nn, &eng, algo, op, align, a, b, c, vec)?;
         return Ok(algo);
     }
     let candidates = gemm_candidates(q, &eng, op, family, align)?;
-    let default = default_algo(op, &candidates);
+    let default = default_engine(op, &candidates);
     let mut scratch: Option<(Buf, Option<Buf>)> = None;
     let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {
@@ -332,7 +332,7 @@ pub fn run_gemm(
 pub fn gemm_with(
     q: &dyn Queue,
     nn: &Nn,
-    algo: GemmAlgo,
+    algo: GemmEngine,
     op: &GemmOp,
     a: &Buf,
     b: &Buf,
@@ -356,20 +356,20 @@ pub fn gemm_candidates(
     q: &dyn Queue,
     eng: &Engines,
     op: &GemmOp,
-    family: Engine,
+    family: GemmFamily,
     align: u32,
-) -> Result<Vec<GemmAlgo>> {
-    let allowed = |e: Engine| family == Engine::Auto || family == e;
+) -> Result<Vec<GemmEngine>> {
+    let allowed = |e: GemmFamily| family == GemmFamily::Auto || family == e;
     let mut v = Vec::new();
-    if allowed(Engine::Cublas) {
-        v.push(GemmAlgo::Cublas);
+    if allowed(GemmFamily::Cublas) {
+        v.push(GemmEngine::Cublas);
     }
-    if allowed(Engine::CublasLt) && op.k > 0 {
+    if allowed(GemmFamily::CublasLt) && op.k > 0 {
         if let Some(lt) = eng.cublaslt_for(q) {
             // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
             let shape = lt_shape(op, align);
             let count = lt.algo_count(&shape).map_or(0, |(n, _)| n);
-            v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmAlgo::CublasLt(r as u8)));
+            v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
             // Split-K variants of the first few, where the product leaves the device idle,
             // when the policy asks for them (off by default: see `Policy::lt_split_k`).
             let variants = match eng.policy().lt_split_k {
@@ -379,7 +379,7 @@ pub fn gemm_candidates(
             v.extend(
                 variants
                     .into_iter()
-                    .map(|(rank, split)| GemmAlgo::CublasLtSplitK { rank, split }),
+                    .map(|(rank, split)| GemmEngine::CublasLtSplitK { rank, split }),
             );
             // Configurations found by search rather than the heuristic, when the policy asks
             // for them (off by default: see `Policy::lt_search`).
@@ -388,44 +388,44 @@ pub fn gemm_candidates(
                 false => 0,
             };
             v.extend(
-                (0..configs.min(u8::MAX as usize + 1)).map(|i| GemmAlgo::CublasLtConfig(i as u8)),
+                (0..configs.min(u8::MAX as usize + 1)).map(|i| GemmEngine::CublasLtConfig(i as u8)),
             );
         }
     }
-    if allowed(Engine::Tiled) && op.tiled_ok() {
-        v.push(GemmAlgo::Tiled(1));
+    if allowed(GemmFamily::Tiled) && op.tiled_ok() {
+        v.push(GemmEngine::Tiled(1));
         let s = split_k(op.m, op.n, op.k);
         if s > 1 {
-            v.push(GemmAlgo::Tiled(s.min(u16::MAX as usize) as u16));
+            v.push(GemmEngine::Tiled(s.min(u16::MAX as usize) as u16));
         }
     }
-    if allowed(Engine::Tiled) && op.k > 0 {
+    if allowed(GemmFamily::Tiled) && op.k > 0 {
         let sms = eng.device_info().multiprocessors;
         v.extend(
             reg_splits(op.m, op.n, op.k, sms)
                 .into_iter()
-                .map(GemmAlgo::Reg),
+                .map(GemmEngine::Reg),
         );
     }
-    if allowed(Engine::Tiled) && op.tiled_ok() && ClusterKernels::supported(q.device()) {
+    if allowed(GemmFamily::Tiled) && op.tiled_ok() && ClusterKernels::supported(q.device()) {
         let sms = eng.device_info().multiprocessors;
         v.extend(
             cluster_splits(op.m, op.n, op.k, sms)
                 .into_iter()
-                .map(GemmAlgo::Cluster),
+                .map(GemmEngine::Cluster),
         );
         if op.chunks_ok(align) {
             v.extend(
                 chunk_splits(op.m, op.n, op.k, sms)
                     .into_iter()
-                    .map(GemmAlgo::Chunks),
+                    .map(GemmEngine::Chunks),
             );
         }
     }
-    if allowed(Engine::WarpK) && op.warpk_ok() && op.tiled_ok() {
-        v.push(GemmAlgo::WarpK);
+    if allowed(GemmFamily::WarpK) && op.warpk_ok() && op.tiled_ok() {
+        v.push(GemmEngine::WarpK);
     }
-    if allowed(Engine::Rows) && op.rows_ok(align) {
+    if allowed(GemmFamily::Rows) && op.rows_ok(align) {
         // The 16-row kernel (a grid of blocks covers up to ROWS_MAX_M rows), and the
         // column-warp kernels, which won every product of m ≤ 8 the probe measured against the
         // 8- and 4-row kernels (see `cols_shapes`): those two are no longer offered.
@@ -433,7 +433,7 @@ pub fn gemm_candidates(
         let ks = rows_split(op.m, op.n, op.k, sms, 16);
         let splits = if ks > 1 { vec![ks, ks / 2] } else { vec![ks] };
         for ks in splits {
-            v.push(GemmAlgo::Rows {
+            v.push(GemmEngine::Rows {
                 rows: 16,
                 ks: ks as u8,
             });
@@ -441,33 +441,33 @@ pub fn gemm_candidates(
         v.extend(cols_candidates(op.m, op.k));
     }
     if v.is_empty() {
-        let fallback = if matches!(family, Engine::WarpK | Engine::Rows) {
-            Engine::Tiled
+        let fallback = if matches!(family, GemmFamily::WarpK | GemmFamily::Rows) {
+            GemmFamily::Tiled
         } else {
-            Engine::Auto
+            GemmFamily::Auto
         };
         if family != fallback {
             return gemm_candidates(q, eng, op, fallback, align);
         }
-        v.push(GemmAlgo::Cublas);
+        v.push(GemmEngine::Cublas);
     }
     Ok(v)
 }
 
-/// The heuristic default among `candidates` (non-empty): [`auto_engine`]'s family, else the
+/// The heuristic default among `candidates` (non-empty): [`auto_family`]'s family, else the
 /// first candidate.
-pub fn default_algo(op: &GemmOp, candidates: &[GemmAlgo]) -> GemmAlgo {
-    let want = match auto_engine(op.ta, op.tb, op.m, op.alpha, op.beta) {
-        Engine::WarpK if op.warpk_ok() => GemmAlgo::WarpK,
-        Engine::WarpK | Engine::Tiled => {
-            GemmAlgo::Tiled(split_k(op.m, op.n, op.k).min(u16::MAX as usize) as u16)
+pub fn default_engine(op: &GemmOp, candidates: &[GemmEngine]) -> GemmEngine {
+    let want = match auto_family(op.ta, op.tb, op.m, op.alpha, op.beta) {
+        GemmFamily::WarpK if op.warpk_ok() => GemmEngine::WarpK,
+        GemmFamily::WarpK | GemmFamily::Tiled => {
+            GemmEngine::Tiled(split_k(op.m, op.n, op.k).min(u16::MAX as usize) as u16)
         }
-        _ => GemmAlgo::Cublas,
+        _ => GemmEngine::Cublas,
     };
     if candidates.contains(&want) {
         want
     } else {
-        candidates.first().copied().unwrap_or(GemmAlgo::Cublas)
+        candidates.first().copied().unwrap_or(GemmEngine::Cublas)
     }
 }
 
@@ -488,7 +488,7 @@ fn run_algo(
     q: &dyn Queue,
     nn: &Nn,
     eng: &Engines,
-    algo: GemmAlgo,
+    algo: GemmEngine,
     op: &GemmOp,
     align: u32,
     a: &Buf,
@@ -530,7 +530,7 @@ fn run_algo(
         Ok(())
     };
     match algo {
-        GemmAlgo::Cublas => {
+        GemmEngine::Cublas => {
             eng.blas()?.gemm(
                 q, op.ta, op.tb, op.m, op.n, op.k, op.alpha, a, b, op.beta, c,
             )?;
@@ -539,13 +539,13 @@ fn run_algo(
             }
             bgrad(q)
         }
-        GemmAlgo::CublasLt(rank) => cublaslt(LtAlgo::Rank(rank as usize)),
-        GemmAlgo::CublasLtSplitK { rank, split } => cublaslt(LtAlgo::SplitK { rank, split }),
-        GemmAlgo::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
-        GemmAlgo::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
-        GemmAlgo::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
-        GemmAlgo::Reg(splits) => tiled(Nn::sgemm_reg, splits as usize),
-        GemmAlgo::Chunks(splits) => {
+        GemmEngine::CublasLt(rank) => cublaslt(LtAlgo::Rank(rank as usize)),
+        GemmEngine::CublasLtSplitK { rank, split } => cublaslt(LtAlgo::SplitK { rank, split }),
+        GemmEngine::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
+        GemmEngine::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
+        GemmEngine::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
+        GemmEngine::Reg(splits) => tiled(Nn::sgemm_reg, splits as usize),
+        GemmEngine::Chunks(splits) => {
             if !op.chunks_ok(align) {
                 return Err(NnError::Shape(format!(
                     "gemm: the chunked kernel runs only x·wᵀ with k a multiple of 4 and 16-byte \
@@ -566,7 +566,7 @@ fn run_algo(
                 splits as usize,
             )
         }
-        GemmAlgo::Rows { rows, ks } => {
+        GemmEngine::Rows { rows, ks } => {
             // The 16-row kernel covers up to ROWS_MAX_M rows in a grid; the 8- and 4-row ones
             // one block row.
             let most = if rows == 16 {
@@ -584,7 +584,7 @@ fn run_algo(
             let d = (ks as usize, rows as usize);
             nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, d)
         }
-        GemmAlgo::Cols {
+        GemmEngine::Cols {
             rows,
             cols,
             warps,
@@ -605,7 +605,7 @@ fn run_algo(
             };
             nn.sgemm_nt_cols(q, (op.m, op.n, op.k), a, b, c, bias, relu, shape)
         }
-        GemmAlgo::WarpK => {
+        GemmEngine::WarpK => {
             if !op.warpk_ok() {
                 return Err(NnError::Shape(format!(
                     "gemm: warp-K runs only x·wᵀ with alpha 1, beta 0 ({})",
@@ -654,12 +654,12 @@ pub fn cols_shapes(m: usize, k: usize) -> Vec<ColsShape> {
     v
 }
 
-/// [`cols_shapes`] as the registry's candidates (`GemmAlgo::Cols`).
-pub fn cols_candidates(m: usize, k: usize) -> Vec<GemmAlgo> {
+/// [`cols_shapes`] as the registry's candidates (`GemmEngine::Cols`).
+pub fn cols_candidates(m: usize, k: usize) -> Vec<GemmEngine> {
     // Every field of a shape cols_shapes offers is at most 16.
     cols_shapes(m, k)
         .into_iter()
-        .map(|c| GemmAlgo::Cols {
+        .map(|c| GemmEngine::Cols {
             rows: c.rows as u8,
             cols: c.cols as u8,
             warps: c.warps as u8,
@@ -773,14 +773,14 @@ mod tests {
         // The registry's names for them, one per shape, each parsing back to itself.
         let names = cols_candidates(1, 512);
         assert_eq!(names.len(), cols_shapes(1, 512).len());
-        assert!(names.contains(&GemmAlgo::Cols {
+        assert!(names.contains(&GemmEngine::Cols {
             rows: 2,
             cols: 2,
             warps: 8,
             ks: 4
         }));
         for a in names {
-            assert_eq!(a.to_string().parse::<GemmAlgo>().unwrap(), a);
+            assert_eq!(a.to_string().parse::<GemmEngine>().unwrap(), a);
         }
         assert!(cols_shapes(0, 512).is_empty());
         assert!(cols_shapes(ROWS_MAX_M + 1, 512).is_empty());
@@ -790,14 +790,14 @@ mod tests {
     #[test]
     fn auto_follows_the_measured_table() {
         let (n, t) = (Trans::N, Trans::T);
-        assert_eq!(auto_engine(n, t, 1, 1.0, 0.0), Engine::Cublas);
-        assert_eq!(auto_engine(n, t, 32, 1.0, 0.0), Engine::Tiled);
-        assert_eq!(auto_engine(n, t, 64, 1.0, 0.0), Engine::Tiled);
-        assert_eq!(auto_engine(n, t, 256, 1.0, 0.0), Engine::WarpK);
-        assert_eq!(auto_engine(n, t, 256, 0.5, 0.0), Engine::Tiled);
-        assert_eq!(auto_engine(n, t, 512, 1.0, 0.0), Engine::Cublas);
-        assert_eq!(auto_engine(t, n, 64, 1.0, 0.0), Engine::Cublas);
-        assert_eq!(auto_engine(n, n, 64, 1.0, 0.0), Engine::Cublas);
+        assert_eq!(auto_family(n, t, 1, 1.0, 0.0), GemmFamily::Cublas);
+        assert_eq!(auto_family(n, t, 32, 1.0, 0.0), GemmFamily::Tiled);
+        assert_eq!(auto_family(n, t, 64, 1.0, 0.0), GemmFamily::Tiled);
+        assert_eq!(auto_family(n, t, 256, 1.0, 0.0), GemmFamily::WarpK);
+        assert_eq!(auto_family(n, t, 256, 0.5, 0.0), GemmFamily::Tiled);
+        assert_eq!(auto_family(n, t, 512, 1.0, 0.0), GemmFamily::Cublas);
+        assert_eq!(auto_family(t, n, 64, 1.0, 0.0), GemmFamily::Cublas);
+        assert_eq!(auto_family(n, n, 64, 1.0, 0.0), GemmFamily::Cublas);
     }
 
     #[test]
@@ -907,34 +907,37 @@ mod tests {
     #[test]
     fn heuristic_default_is_the_former_auto_table() {
         let all = [
-            GemmAlgo::Cublas,
-            GemmAlgo::CublasLt(0),
-            GemmAlgo::Tiled(1),
-            GemmAlgo::Tiled(16),
-            GemmAlgo::Tiled(3),
-            GemmAlgo::WarpK,
+            GemmEngine::Cublas,
+            GemmEngine::CublasLt(0),
+            GemmEngine::Tiled(1),
+            GemmEngine::Tiled(16),
+            GemmEngine::Tiled(3),
+            GemmEngine::WarpK,
         ];
         let (n, t) = (Trans::N, Trans::T);
-        let d = |o: GemmOp| default_algo(&o, &all);
-        assert_eq!(d(op(n, t, 1, 1.0, 0.0, Epilogue::Bias)), GemmAlgo::Cublas);
+        let d = |o: GemmOp| default_engine(&o, &all);
+        assert_eq!(d(op(n, t, 1, 1.0, 0.0, Epilogue::Bias)), GemmEngine::Cublas);
         assert_eq!(
             d(op(n, t, 32, 1.0, 0.0, Epilogue::Bias)),
-            GemmAlgo::Tiled(16)
+            GemmEngine::Tiled(16)
         );
-        assert_eq!(d(op(n, t, 200, 1.0, 0.0, Epilogue::None)), GemmAlgo::WarpK);
+        assert_eq!(
+            d(op(n, t, 200, 1.0, 0.0, Epilogue::None)),
+            GemmEngine::WarpK
+        );
         assert_eq!(
             d(op(n, t, 200, 0.5, 0.0, Epilogue::None)),
-            GemmAlgo::Tiled(3)
+            GemmEngine::Tiled(3)
         );
         assert_eq!(
             d(op(t, n, 64, 1.0, 0.0, Epilogue::BiasGrad)),
-            GemmAlgo::Cublas
+            GemmEngine::Cublas
         );
         // A default outside the candidates (a forced family) gives the first candidate.
-        let lt = [GemmAlgo::CublasLt(0), GemmAlgo::CublasLt(1)];
+        let lt = [GemmEngine::CublasLt(0), GemmEngine::CublasLt(1)];
         assert_eq!(
-            default_algo(&op(n, t, 32, 1.0, 0.0, Epilogue::None), &lt),
-            GemmAlgo::CublasLt(0)
+            default_engine(&op(n, t, 32, 1.0, 0.0, Epilogue::None), &lt),
+            GemmEngine::CublasLt(0)
         );
     }
 }

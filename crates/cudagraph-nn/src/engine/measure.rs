@@ -7,8 +7,9 @@ use std::sync::OnceLock;
 
 use cudagraph::{CaptureOptions, Event, Graph, Queue};
 
-use super::catalog::Algo;
+use super::catalog::Engine;
 use super::registry::{lock, Engines};
+use crate::env::{self, TIMING_VAR};
 use crate::error::{NnError, Result};
 use crate::kernels::igemm::Spin;
 
@@ -20,7 +21,7 @@ impl Engines {
     /// order and keep their better time: one pass alone let the GPU's clock ramp or a noisy
     /// sample pick an engine a fifth slower (H100, 2026-11-23: a 7×7 convolution 69 → 86 µs
     /// between two runs of the same build).
-    pub(super) fn measure<A: Algo>(
+    pub(super) fn measure<A: Engine>(
         &self,
         q: &dyn Queue,
         candidates: &[A],
@@ -131,9 +132,6 @@ const GRAPH_TIMED_BELOW_US: f64 = 2000.0;
 /// is dropped without a proper measurement.
 const HOST_SLACK_US: f64 = 200.0;
 
-/// Name of the variable that says how the registry ranks candidates timed in graphs.
-pub const TIMING_VAR: &str = "CUDAGRAPH_REGISTRY_TIMING";
-
 /// How a candidate timed in graphs is ranked (`CUDAGRAPH_REGISTRY_TIMING`, read once per
 /// process). Both graphs are timed and recorded either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,8 +159,7 @@ pub fn parse_graph_timing(v: &str) -> Result<GraphTiming> {
 fn graph_timing() -> Result<GraphTiming> {
     static T: OnceLock<std::result::Result<GraphTiming, String>> = OnceLock::new();
     T.get_or_init(|| {
-        parse_graph_timing(&std::env::var(TIMING_VAR).unwrap_or_default())
-            .map_err(|e| e.to_string())
+        parse_graph_timing(&env::var(TIMING_VAR).unwrap_or_default()).map_err(|e| e.to_string())
     })
     .clone()
     .map_err(NnError::Config)

@@ -5,8 +5,8 @@
 //! (a heuristic one, or, when the policy asks, a split-K variant of one for an under-occupied
 //! product, or a configuration found by searching its algorithm ids, tiles and stages —
 //! [`Policy::lt_search`], `CUDAGRAPH_LT_SEARCH=1`), our split-K
-//! tiled or warp-K GEMM kernels ([`GemmAlgo`]); one of cuDNN's algorithms, our
-//! implicit-GEMM kernels with a tile and split count, or the direct kernels ([`ConvAlgo`]).
+//! tiled or warp-K GEMM kernels ([`GemmEngine`]); one of cuDNN's algorithms, our
+//! implicit-GEMM kernels with a tile and split count, or the direct kernels ([`ConvEngine`]).
 //! Operations describe themselves by a *key* — op, shape, layout, epilogue, and the policy's
 //! restrictions, e.g. `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu` or
 //! `conv_bwd_filter n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1` — and list the candidates that can
@@ -21,7 +21,7 @@
 //! `CUDAGRAPH_CACHE_DIR=off` disables it), so the next process starts with it.
 //!
 //! **Inside a capture nothing is measured** (a capture may not synchronise): a key without a
-//! choice gets the heuristic default (the former fixed thresholds of `Engine::Auto` for
+//! choice gets the heuristic default (the former fixed thresholds of `GemmFamily::Auto` for
 //! products, cuDNN's own first choice for convolutions) and is recorded as *unmeasured*. Later
 //! eager calls keep that choice, so the graph and the eager path give the same bits; it is
 //! never written to disk, and [`Engines::clear`] forgets it (the next eager call measures).
@@ -67,11 +67,8 @@ pub mod policy;
 mod registry;
 pub mod table;
 
-pub use catalog::{Algo, BiasAlgo, CeAlgo, ConvAlgo, ConvEngine, Engine, GemmAlgo};
-pub use measure::{parse_graph_timing, GraphTiming, TIMING_VAR};
-pub use policy::{
-    parse_conv_engine, parse_deterministic, parse_gemm_engine, Policy, CONV_VAR, DETERMINISTIC_VAR,
-    GEMM_VAR, LT_SEARCH_VAR, LT_SPLITK_VAR,
-};
+pub use catalog::{BiasEngine, CeEngine, ConvEngine, ConvFamily, Engine, GemmEngine, GemmFamily};
+pub use measure::{parse_graph_timing, GraphTiming};
+pub use policy::{parse_conv_family, parse_deterministic, parse_gemm_family, Policy};
 pub use registry::Engines;
 pub use table::{format_table, table_file, DiskTable, EngineRow, Entry, Timing};

@@ -5,31 +5,19 @@
 
 use std::sync::OnceLock;
 
-use super::catalog::{ConvEngine, Engine};
+use super::catalog::{ConvFamily, GemmFamily};
+use crate::env::{self, CONV_VAR, DETERMINISTIC_VAR, GEMM_VAR, LT_SEARCH_VAR, LT_SPLITK_VAR};
 use crate::error::{NnError, Result};
 
-/// Name of the variable that forces the product engine family.
-pub const GEMM_VAR: &str = "CUDAGRAPH_GEMM";
-/// Name of the variable that forces the convolution engine family.
-pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
-/// Name of the variable that lets the registry choose non-deterministic engines
-/// (`CUDAGRAPH_DETERMINISTIC=0`; default `1`).
-pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
-/// Also measure cuBLASLt's split-K variants (`CUDAGRAPH_LT_SPLITK=1`; see [`Policy::lt_split_k`]).
-pub const LT_SPLITK_VAR: &str = "CUDAGRAPH_LT_SPLITK";
-/// Also measure cuBLASLt configurations found by search (`CUDAGRAPH_LT_SEARCH=1`; see
-/// [`Policy::lt_search`]).
-pub const LT_SEARCH_VAR: &str = "CUDAGRAPH_LT_SEARCH";
-
 /// Parses a `CUDAGRAPH_GEMM` value.
-pub fn parse_gemm_engine(v: &str) -> Result<Engine> {
+pub fn parse_gemm_family(v: &str) -> Result<GemmFamily> {
     match v.trim().to_ascii_lowercase().as_str() {
-        "cublas" => Ok(Engine::Cublas),
-        "cublaslt" => Ok(Engine::CublasLt),
-        "tiled" => Ok(Engine::Tiled),
-        "warpk" => Ok(Engine::WarpK),
-        "rows" => Ok(Engine::Rows),
-        "auto" | "" => Ok(Engine::Auto),
+        "cublas" => Ok(GemmFamily::Cublas),
+        "cublaslt" => Ok(GemmFamily::CublasLt),
+        "tiled" => Ok(GemmFamily::Tiled),
+        "warpk" => Ok(GemmFamily::WarpK),
+        "rows" => Ok(GemmFamily::Rows),
+        "auto" | "" => Ok(GemmFamily::Auto),
         other => Err(NnError::Config(format!(
             "{GEMM_VAR}={other:?} is not an engine; use one of cublas, cublaslt, tiled, warpk, rows, auto"
         ))),
@@ -38,7 +26,7 @@ pub fn parse_gemm_engine(v: &str) -> Result<Engine> {
 
 /// Parses a `CUDAGRAPH_DETERMINISTIC` value (unset or empty: deterministic).
 pub fn parse_deterministic(v: &str) -> Result<bool> {
-    crate::env::parse_switch(
+    env::parse_switch(
         DETERMINISTIC_VAR,
         v,
         true,
@@ -48,13 +36,13 @@ pub fn parse_deterministic(v: &str) -> Result<bool> {
 }
 
 /// Parses a `CUDAGRAPH_CONV` value.
-pub fn parse_conv_engine(v: &str) -> Result<ConvEngine> {
+pub fn parse_conv_family(v: &str) -> Result<ConvFamily> {
     match v.trim().to_ascii_lowercase().as_str() {
-        "cudnn" => Ok(ConvEngine::Cudnn),
-        "ours" => Ok(ConvEngine::Ours),
-        "igemm" => Ok(ConvEngine::Igemm),
-        "direct" => Ok(ConvEngine::Direct),
-        "auto" | "" => Ok(ConvEngine::Auto),
+        "cudnn" => Ok(ConvFamily::Cudnn),
+        "ours" => Ok(ConvFamily::Ours),
+        "igemm" => Ok(ConvFamily::Igemm),
+        "direct" => Ok(ConvFamily::Direct),
+        "auto" | "" => Ok(ConvFamily::Auto),
         other => Err(NnError::Config(format!(
             "{CONV_VAR}={other:?} is not an engine; use one of cudnn, ours, igemm, direct, auto"
         ))),
@@ -66,9 +54,9 @@ pub fn parse_conv_engine(v: &str) -> Result<ConvEngine> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Policy {
     /// Product engines allowed (`Auto`: all).
-    pub gemm: Engine,
+    pub gemm: GemmFamily,
     /// Convolution engines allowed (`Auto`: all).
-    pub conv: ConvEngine,
+    pub conv: ConvFamily,
     /// Use cuDNN when it is installed (`false` behaves as if it were missing).
     pub cudnn: bool,
     /// Use cuBLASLt when it is installed (`false` behaves as if it were missing).
@@ -92,8 +80,8 @@ pub struct Policy {
 impl Default for Policy {
     fn default() -> Self {
         Policy {
-            gemm: Engine::Auto,
-            conv: ConvEngine::Auto,
+            gemm: GemmFamily::Auto,
+            conv: ConvFamily::Auto,
             cudnn: true,
             cublaslt: true,
             deterministic: true,
@@ -110,13 +98,13 @@ impl Policy {
     pub fn from_env() -> Result<Policy> {
         static ENV: OnceLock<std::result::Result<Policy, String>> = OnceLock::new();
         let parsed = ENV.get_or_init(|| {
-            let get = |name: &str| std::env::var(name).unwrap_or_default();
+            let get = |name: &str| env::var(name).unwrap_or_default();
             let switch = |var: &str, meaning: &str| {
-                crate::env::parse_switch(var, &get(var), false, meaning).map_err(|e| e.to_string())
+                env::parse_switch(var, &get(var), false, meaning).map_err(|e| e.to_string())
             };
             Ok(Policy {
-                gemm: parse_gemm_engine(&get(GEMM_VAR)).map_err(|e| e.to_string())?,
-                conv: parse_conv_engine(&get(CONV_VAR)).map_err(|e| e.to_string())?,
+                gemm: parse_gemm_family(&get(GEMM_VAR)).map_err(|e| e.to_string())?,
+                conv: parse_conv_family(&get(CONV_VAR)).map_err(|e| e.to_string())?,
                 deterministic: parse_deterministic(&get(DETERMINISTIC_VAR))
                     .map_err(|e| e.to_string())?,
                 lt_split_k: switch(
@@ -135,9 +123,9 @@ impl Policy {
 
     /// The part of a key that records this policy's restrictions for products
     /// (empty for the default).
-    pub fn gemm_scope(&self, family: Engine) -> String {
+    pub fn gemm_scope(&self, family: GemmFamily) -> String {
         let mut parts = Vec::new();
-        if family != Engine::Auto {
+        if family != GemmFamily::Auto {
             parts.push(family.name().to_string());
         }
         if !self.cublaslt {
@@ -155,7 +143,7 @@ impl Policy {
     /// The part of a key that records this policy's restrictions for convolutions.
     pub fn conv_scope(&self) -> String {
         let mut parts = Vec::new();
-        if self.conv != ConvEngine::Auto {
+        if self.conv != ConvFamily::Auto {
             parts.push(self.conv.name().to_string());
         }
         if !self.cudnn {
@@ -179,23 +167,23 @@ fn scope(parts: Vec<String>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::catalog::{ConvAlgo, GemmAlgo};
+    use crate::engine::catalog::{ConvEngine, GemmEngine};
     use crate::kernels::igemm::Tile;
 
     #[test]
     fn environment_values_parse_or_name_the_variable() {
-        assert_eq!(parse_gemm_engine("cublasLt").unwrap(), Engine::CublasLt);
-        assert_eq!(parse_gemm_engine("").unwrap(), Engine::Auto);
-        assert_eq!(parse_gemm_engine(" warpk ").unwrap(), Engine::WarpK);
-        assert_eq!(parse_gemm_engine("rows").unwrap(), Engine::Rows);
-        assert_eq!(parse_conv_engine("ours").unwrap(), ConvEngine::Ours);
-        assert_eq!(parse_conv_engine("AUTO").unwrap(), ConvEngine::Auto);
-        let e = parse_gemm_engine("cudnn").unwrap_err().to_string();
+        assert_eq!(parse_gemm_family("cublasLt").unwrap(), GemmFamily::CublasLt);
+        assert_eq!(parse_gemm_family("").unwrap(), GemmFamily::Auto);
+        assert_eq!(parse_gemm_family(" warpk ").unwrap(), GemmFamily::WarpK);
+        assert_eq!(parse_gemm_family("rows").unwrap(), GemmFamily::Rows);
+        assert_eq!(parse_conv_family("ours").unwrap(), ConvFamily::Ours);
+        assert_eq!(parse_conv_family("AUTO").unwrap(), ConvFamily::Auto);
+        let e = parse_gemm_family("cudnn").unwrap_err().to_string();
         assert!(
             e.contains("CUDAGRAPH_GEMM") && e.contains("cublaslt"),
             "{e}"
         );
-        let e = parse_conv_engine("fast").unwrap_err().to_string();
+        let e = parse_conv_family("fast").unwrap_err().to_string();
         assert!(
             e.contains("CUDAGRAPH_CONV") && e.contains("\"fast\""),
             "{e}"
@@ -213,50 +201,53 @@ mod tests {
 
     #[test]
     fn families_and_scopes() {
-        assert!(ConvEngine::Ours.allows(ConvAlgo::Direct));
-        assert!(ConvEngine::Ours.allows(ConvAlgo::Igemm(Tile::T64x64, 1)));
-        assert!(!ConvEngine::Ours.allows(ConvAlgo::Cudnn(0)));
-        assert!(!ConvEngine::Ours.allows(ConvAlgo::CudnnGraph(0)));
-        assert!(ConvEngine::Cudnn.allows(ConvAlgo::CudnnGraph(0)));
-        assert!(ConvEngine::Auto.allows(ConvAlgo::CudnnGraph(0)));
-        assert_eq!(ConvAlgo::CudnnGraph(2).family(), ConvEngine::Cudnn);
+        assert!(ConvFamily::Ours.allows(ConvEngine::Direct));
+        assert!(ConvFamily::Ours.allows(ConvEngine::Igemm(Tile::T64x64, 1)));
+        assert!(!ConvFamily::Ours.allows(ConvEngine::Cudnn(0)));
+        assert!(!ConvFamily::Ours.allows(ConvEngine::CudnnGraph(0)));
+        assert!(ConvFamily::Cudnn.allows(ConvEngine::CudnnGraph(0)));
+        assert!(ConvFamily::Auto.allows(ConvEngine::CudnnGraph(0)));
+        assert_eq!(ConvEngine::CudnnGraph(2).family(), ConvFamily::Cudnn);
         // The fused convolution + bias is cuDNN's: forcing or disabling cuDNN covers it.
-        assert_eq!(ConvAlgo::CudnnGraphBias(1).family(), ConvEngine::Cudnn);
-        assert!(ConvEngine::Cudnn.allows(ConvAlgo::CudnnGraphBias(1)));
-        assert!(ConvEngine::Auto.allows(ConvAlgo::CudnnGraphBias(1)));
-        for fam in [ConvEngine::Ours, ConvEngine::Igemm, ConvEngine::Direct] {
-            assert!(!fam.allows(ConvAlgo::CudnnGraphBias(1)), "{}", fam.name());
+        assert_eq!(ConvEngine::CudnnGraphBias(1).family(), ConvFamily::Cudnn);
+        assert!(ConvFamily::Cudnn.allows(ConvEngine::CudnnGraphBias(1)));
+        assert!(ConvFamily::Auto.allows(ConvEngine::CudnnGraphBias(1)));
+        for fam in [ConvFamily::Ours, ConvFamily::Igemm, ConvFamily::Direct] {
+            assert!(!fam.allows(ConvEngine::CudnnGraphBias(1)), "{}", fam.name());
         }
-        assert!(!ConvEngine::Igemm.allows(ConvAlgo::Direct));
-        assert_eq!(GemmAlgo::CublasLt(0).family(), Engine::CublasLt);
+        assert!(!ConvFamily::Igemm.allows(ConvEngine::Direct));
+        assert_eq!(GemmEngine::CublasLt(0).family(), GemmFamily::CublasLt);
         let p = Policy::default();
-        assert_eq!(p.gemm_scope(Engine::Auto), "");
+        assert_eq!(p.gemm_scope(GemmFamily::Auto), "");
         assert_eq!(p.conv_scope(), "");
         let p = Policy {
-            conv: ConvEngine::Ours,
+            conv: ConvFamily::Ours,
             cudnn: false,
             cublaslt: false,
             ..Policy::default()
         };
         assert_eq!(p.conv_scope(), " [ours,-cudnn]");
-        assert_eq!(p.gemm_scope(Engine::Tiled), " [tiled,-cublaslt]");
+        assert_eq!(p.gemm_scope(GemmFamily::Tiled), " [tiled,-cublaslt]");
         let p = Policy {
             lt_split_k: true,
             ..Policy::default()
         };
-        assert_eq!(p.gemm_scope(Engine::CublasLt), " [cublaslt,+splitk]");
+        assert_eq!(p.gemm_scope(GemmFamily::CublasLt), " [cublaslt,+splitk]");
         let p = Policy {
             lt_search: true,
             ..Policy::default()
         };
-        assert_eq!(p.gemm_scope(Engine::Auto), " [+search]");
-        assert_eq!(p.gemm_scope(Engine::CublasLt), " [cublaslt,+search]");
+        assert_eq!(p.gemm_scope(GemmFamily::Auto), " [+search]");
+        assert_eq!(p.gemm_scope(GemmFamily::CublasLt), " [cublaslt,+search]");
         let p = Policy {
             lt_split_k: true,
             lt_search: true,
             cublaslt: false,
             ..Policy::default()
         };
-        assert_eq!(p.gemm_scope(Engine::Auto), " [-cublaslt,+splitk,+search]");
+        assert_eq!(
+            p.gemm_scope(GemmFamily::Auto),
+            " [-cublaslt,+splitk,+search]"
+        );
     }
 }

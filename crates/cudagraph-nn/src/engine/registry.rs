@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudagraph::runtime::{Context, DeviceInfo};
 use cudagraph::{Device, Queue};
 
-use super::catalog::Algo;
+use super::catalog::Engine;
 use super::policy::Policy;
 use super::table::{identity, table_file, DiskTable, EngineRow, Entry, Timing, FORMAT};
 use crate::error::{NnError, Result};
@@ -214,7 +214,7 @@ impl Engines {
 
     /// The engine recorded for `key` if this process already checked it against the key's
     /// candidates (the fast path: callers list candidates only when this is `None`).
-    pub(crate) fn lookup<A: Algo>(&self, key: &str) -> Option<A> {
+    pub(crate) fn lookup<A: Engine>(&self, key: &str) -> Option<A> {
         let t = lock(&self.table);
         let e = t.get(key)?;
         if e.checked {
@@ -257,7 +257,7 @@ impl Engines {
     /// choice when there is a valid one (measured, or the unmeasured default a capture chose);
     /// otherwise, on an eager queue, the fastest candidate measured with `run` (which must run
     /// the candidate on scratch outputs); inside a capture `default`, recorded as unmeasured.
-    pub(crate) fn choose<A: Algo>(
+    pub(crate) fn choose<A: Engine>(
         &self,
         q: &dyn Queue,
         key: &str,

@@ -23,7 +23,7 @@ pub(super) const FORMAT: u32 = 8;
 /// One candidate's measurement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Timing {
-    /// The candidate (`GemmAlgo`/`ConvAlgo` as text).
+    /// The candidate (`GemmEngine`/`ConvEngine` as text).
     pub engine: String,
     /// The µs per run it was ranked by (see [`GraphTiming`](super::GraphTiming)), `None` when it failed.
     pub us: Option<f64>,

@@ -19,6 +19,7 @@ use cudarc::nccl::sys;
 use libloading::Library;
 
 use super::loader::{c_str, lib_fn, Loaded};
+use crate::env::{self, NCCL_LIB_VAR, RUNTIME_CONNECT_VAR};
 use crate::error::{DistError, Result};
 
 /// `ncclComm_t`.
@@ -67,12 +68,12 @@ pub(crate) struct Api {
 /// The loaded library (once per process; libraries are never unloaded).
 fn library() -> std::result::Result<&'static Library, String> {
     let leak = |l: Library| -> &'static Library { Box::leak(Box::new(l)) };
-    if let Ok(path) = std::env::var("CUDAGRAPH_NCCL_LIB") {
+    if let Some(path) = env::var(NCCL_LIB_VAR) {
         // SAFETY: loading a shared library runs its initialisers; NCCL's have no
         // preconditions. The user named this file as NCCL.
         return unsafe { Library::new(&path) }
             .map(leak)
-            .map_err(|e| format!("CUDAGRAPH_NCCL_LIB={path} could not be loaded: {e}"));
+            .map_err(|e| format!("{NCCL_LIB_VAR}={path} could not be loaded: {e}"));
     }
     // SAFETY: only tries to open the library by its usual names (and closes it again).
     if unsafe { sys::is_culib_present() } {
@@ -90,24 +91,12 @@ fn library() -> std::result::Result<&'static Library, String> {
     ))
 }
 
-/// NCCL's switch for lazy connection setup (2.22+, default on). Unless the user set it, the
-/// first load of the library sets it to `0`, so that every connection is made inside
-/// `ncclCommInitRank`, which runs under the initialisation timeout and the peers' liveness
-/// checks; a lazily connecting collective would instead wait for its peers inside the enqueue
-/// call, where no watchdog runs. Costs what NCCL before 2.22 cost: the buffers of every
-/// algorithm are allocated at initialisation. `NCCL_RUNTIME_CONNECT=1` restores lazy
-/// connection (then a peer that stalls before the first collective of an algorithm hangs the
-/// others in that call). `cudagraph launch` sets the same default in its children.
-pub const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
-
 /// Sets [`RUNTIME_CONNECT_VAR`] to `0` unless it is set. Runs once, before the library is
 /// opened (NCCL reads the variable at its first communicator initialisation). The process
 /// environment is shared: this is the same kind of write NCCL itself makes when it loads
 /// `nccl.conf`, done once, before any NCCL thread exists.
 fn connect_at_init() {
-    if std::env::var_os(RUNTIME_CONNECT_VAR).is_none() {
-        std::env::set_var(RUNTIME_CONNECT_VAR, "0");
-    }
+    env::set_default(RUNTIME_CONNECT_VAR, "0");
 }
 
 fn load() -> std::result::Result<Api, String> {
@@ -241,9 +230,9 @@ mod tests {
     /// chose a value — so that connections are made inside the watchdogged initialisation.
     #[test]
     fn loading_nccl_asks_for_connections_at_initialisation() {
-        let before = std::env::var(RUNTIME_CONNECT_VAR).ok();
+        let before = env::var(RUNTIME_CONNECT_VAR);
         let _ = nccl_version();
-        let after = std::env::var(RUNTIME_CONNECT_VAR).ok();
+        let after = env::var(RUNTIME_CONNECT_VAR);
         match before {
             // Another test of this binary may have loaded it first: then it is set already.
             None => assert_eq!(after.as_deref(), Some("0")),

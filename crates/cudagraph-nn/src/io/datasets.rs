@@ -4,7 +4,7 @@
 //! see `data/DIGITS-LICENSE.md`), embedded in the binary.
 
 use crate::error::{NnError, Result};
-use crate::nn::layers::Rng;
+use crate::random::HostRng;
 
 const DIGITS_CSV: &str = include_str!("../../data/digits.csv");
 
@@ -50,7 +50,7 @@ impl Dataset {
 
 /// A Fisher–Yates permutation of `0..n` from `seed`.
 pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
-    let mut rng = Rng::new(seed);
+    let mut rng = HostRng::new(seed);
     let mut v: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
         let j = (rng.next_u64() % (i as u64 + 1)) as usize;

@@ -10,7 +10,8 @@ use serde_json::{json, Value};
 use cudagraph::Stream;
 
 use crate::error::{IoError, Result};
-use crate::nn::layers::{Conv2d, Layer, Linear, Rng, Sequential};
+use crate::nn::layers::{Conv2d, Layer, Linear, Sequential};
+use crate::random::HostRng;
 
 /// One layer of a [`ModelDescription`] (the PyTorch module it stands for).
 #[derive(Clone, Debug, PartialEq)]
@@ -552,7 +553,7 @@ impl ModelDescription {
     }
 
     /// A model of this shape with PyTorch's default initialisation drawn from `rng`.
-    pub fn init(&self, s: &Stream, rng: &mut Rng) -> Result<Sequential> {
+    pub fn init(&self, s: &Stream, rng: &mut HostRng) -> Result<Sequential> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             layers.push(match *l {

@@ -48,7 +48,7 @@ use cudagraph::Stream;
 
 use crate::autograd::tensor::Parameter;
 use crate::error::Result;
-use crate::nn::layers::{Conv2d, Layer, Linear, Module, Sequential};
+use crate::nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 use description::product;
 
 pub use crate::error::IoError;

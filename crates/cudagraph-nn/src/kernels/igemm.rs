@@ -500,7 +500,7 @@ mod tests {
 
     #[test]
     fn fast_division_is_exact_for_every_int_dividend() {
-        let mut rng = crate::Rng::new(3);
+        let mut rng = crate::random::HostRng::new(3);
         let divisors: Vec<u32> = (1..=300)
             .chain([
                 511,

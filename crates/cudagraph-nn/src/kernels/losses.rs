@@ -18,6 +18,7 @@ use cudagraph::{
 };
 
 use super::{int, long, need, prod};
+use crate::env::{CE_GROUPS_VAR, CE_SPLIT_VAR};
 use crate::error::{NnError, Result};
 
 /// MSE problems up to this many elements run in a single block (16 elements per thread; one
@@ -75,11 +76,6 @@ const MAX_CHUNKS: usize = 32;
 /// 10.3 → 11.5 µs, 128 × 50 000 21.7 → 25.5 µs): the merge pass costs more than 3 blocks
 /// per row save.
 const MIN_SPLIT_CHUNKS: usize = 4;
-
-/// Switch of the split plan for wide rows (default on; `0` for comparisons).
-pub const CE_SPLIT_VAR: &str = "CUDAGRAPH_CE_SPLIT";
-/// Switch of lane groups for narrow rows (default on; `0` for comparisons).
-pub const CE_GROUPS_VAR: &str = "CUDAGRAPH_CE_GROUPS";
 
 /// Which of the plan's measured options are on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -28,7 +28,7 @@ pub mod igemm;
 pub mod losses;
 pub mod optim_mt;
 pub mod pdl;
-pub mod rng;
+pub mod philox;
 pub mod steps;
 
 pub use elementwise::channel_sum_plan;
@@ -76,7 +76,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_optim", optim_mt::SOURCE.to_string()),
         ("cudagraph_nn_igemm", igemm::SOURCE.to_string()),
         ("cudagraph_nn_spin", igemm::SPIN_SOURCE.to_string()),
-        ("cudagraph_nn_rng", format!("{pdl}{}", rng::SOURCE)),
+        ("cudagraph_nn_rng", format!("{pdl}{}", philox::SOURCE)),
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         (
             "cudagraph_nn_pdl",

@@ -42,7 +42,7 @@ fn env_pdl() -> bool {
     static E: OnceLock<bool> = OnceLock::new();
     *E.get_or_init(|| {
         crate::env::switch(
-            "CUDAGRAPH_PDL",
+            crate::env::PDL_VAR,
             false,
             "1 (launch with PDL) or 0 (off, the default)",
         )
@@ -143,7 +143,7 @@ fn twins(device: &Device) -> Result<std::sync::Arc<Twins>> {
     })?)
 }
 
-/// Launches a kernel whose source begins with `CG_PDL_ENTER()` (the kernels of `rng.cu` and
+/// Launches a kernel whose source begins with `CG_PDL_ENTER()` (the kernels of `philox.cu` and
 /// `steps.cu`): with PDL when it is on for the device ([`options`]).
 ///
 /// # Safety

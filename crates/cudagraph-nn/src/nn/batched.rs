@@ -1,4 +1,4 @@
-//! [`Batched`]: any [`Module`] as a [`cudagraph::BatchModel`], so it can be served through a
+//! [`Batched`]: any [`NnModule`] as a [`cudagraph::BatchModel`], so it can be served through a
 //! [`cudagraph::GraphCache`] (one graph per batch bucket, padding, eager fallback).
 
 use std::sync::Arc;
@@ -6,17 +6,17 @@ use std::sync::Arc;
 use cudagraph::{BatchModel, DeviceBuffer, Queue};
 
 use crate::autograd::tensor::{no_grad, Tensor};
-use crate::nn::layers::Module;
+use crate::nn::layers::NnModule;
 
 /// A module served in batches of rows: `row_shape` is one input row's shape (e.g. `[1024]` or
 /// `[1, 8, 8]`), `output_row` the number of outputs per row. Runs without autograd.
-pub struct Batched<M: Module> {
+pub struct Batched<M: NnModule> {
     pub module: M,
     pub row_shape: Vec<usize>,
     pub output_row: usize,
 }
 
-impl<M: Module> BatchModel for Batched<M> {
+impl<M: NnModule> BatchModel for Batched<M> {
     type In = f32;
     type Out = f32;
 

@@ -20,7 +20,7 @@ use cudagraph::{CaptureOptions, Graph, Queue, QueueExt, Stream};
 
 use crate::autograd::tensor::{Node, Parameter, Tensor};
 use crate::error::{NnError, Result};
-use crate::nn::layers::Module;
+use crate::nn::layers::NnModule;
 
 /// Whose activations the static buffers hold: the latest forward's, and whether its backward
 /// is still due. A forward may replay only when no earlier output still waits for its
@@ -103,7 +103,7 @@ impl Turn {
 }
 
 /// A module whose forward and backward passes each replay as one graph.
-pub struct GraphedModule<M: Module> {
+pub struct GraphedModule<M: NnModule> {
     module: M,
     fwd: Graph,
     bwd: Arc<Graph>,
@@ -115,7 +115,7 @@ pub struct GraphedModule<M: Module> {
     turns: Arc<Turns>,
 }
 
-impl<M: Module> GraphedModule<M> {
+impl<M: NnModule> GraphedModule<M> {
     /// Warms `module` up `warmup` times on a side stream at `input_shape`, then captures its
     /// forward and backward passes on `stream`.
     pub fn new(

@@ -1,59 +1,17 @@
 //! Layers (`Linear`, `Conv2d`, `ReLU`, `MaxPool2d`, `Flatten`) and `Sequential`, with
-//! PyTorch's default initialisation drawn from a seeded generator.
+//! PyTorch's default initialisation drawn from a seeded [`HostRng`].
 
 use cudagraph::Queue;
 
 use crate::autograd::ops;
 use crate::autograd::tensor::{Parameter, Tensor};
 use crate::error::{NnError, Result};
-use crate::random::Generator;
+use crate::random::{Generator, HostRng};
 use cudagraph::Stream;
 
-/// A small deterministic generator (SplitMix64) for weights and synthetic data.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Uniform in [-bound, bound).
-    pub fn symmetric(&mut self, bound: f32) -> f32 {
-        (self.uniform() * 2.0 - 1.0) * bound
-    }
-
-    /// Standard normal (Box–Muller).
-    pub fn normal(&mut self) -> f32 {
-        let u1 = self.uniform().max(1e-7);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
-    }
-
-    pub fn vec_normal(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.normal()).collect()
-    }
-
-    pub fn vec_symmetric(&mut self, n: usize, bound: f32) -> Vec<f32> {
-        (0..n).map(|_| self.symmetric(bound)).collect()
-    }
-}
-
-/// Something with a forward pass and parameters.
-pub trait Module {
+/// A neural-network module (PyTorch's `nn.Module`): a forward pass and its parameters. Named
+/// `NnModule` so that it is never confused with a compiled CUDA module (`cudagraph::Module`).
+pub trait NnModule {
     fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor>;
     fn parameters(&self) -> Vec<Parameter>;
 }
@@ -69,7 +27,12 @@ pub struct Linear {
 
 impl Linear {
     /// PyTorch's default init: weights and bias uniform in ±1/√in_features.
-    pub fn new(s: &Stream, in_features: usize, out_features: usize, rng: &mut Rng) -> Result<Self> {
+    pub fn new(
+        s: &Stream,
+        in_features: usize,
+        out_features: usize,
+        rng: &mut HostRng,
+    ) -> Result<Self> {
         let bound = 1.0 / (in_features as f32).sqrt();
         let w = rng.vec_symmetric(in_features * out_features, bound);
         let b = rng.vec_symmetric(out_features, bound);
@@ -97,7 +60,7 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
+impl NnModule for Linear {
     fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         self.forward_act(q, x, false)
     }
@@ -123,7 +86,7 @@ impl Conv2d {
         kernel: usize,
         stride: usize,
         padding: usize,
-        rng: &mut Rng,
+        rng: &mut HostRng,
     ) -> Result<Self> {
         let fan_in = in_channels * kernel * kernel;
         let bound = 1.0 / (fan_in as f32).sqrt();
@@ -143,7 +106,7 @@ impl Conv2d {
     }
 }
 
-impl Module for Conv2d {
+impl NnModule for Conv2d {
     fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         ops::conv2d(
             q,
@@ -227,7 +190,7 @@ impl Sequential {
     }
 }
 
-impl Module for Sequential {
+impl NnModule for Sequential {
     fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
         let mut drew = false;

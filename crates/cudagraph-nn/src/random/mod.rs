@@ -1,4 +1,7 @@
-//! Random numbers that stay random inside CUDA graphs.
+//! Random numbers: on the device, [`Generator`], a Philox generator that stays random inside
+//! CUDA graphs (its kernels are `kernels::philox`); on the host, [`HostRng`], which initialises
+//! weights and makes synthetic data. Below autograd: dropout and `rand`/`randn` draw from a
+//! `Generator`.
 //!
 //! A [`Generator`] is a counter-based Philox4x32-10 generator whose seed and base counter live
 //! in device memory (two `u64`s it owns). An op that draws numbers reserves a range of
@@ -27,7 +30,11 @@ use std::sync::{Arc, Mutex};
 use cudagraph::{DeviceBuffer, Queue, Stream};
 
 use crate::error::{NnError, Result};
-use crate::kernels::rng::RngKernels;
+use crate::kernels::philox::PhiloxKernels;
+
+mod host;
+
+pub use host::HostRng;
 
 struct Inner {
     /// `[seed, base]`.
@@ -113,14 +120,14 @@ impl Generator {
         if *p == 0 {
             return Ok(());
         }
-        RngKernels::get(q.device())?.advance(q, &self.0.state, *p)?;
+        PhiloxKernels::get(q.device())?.advance(q, &self.0.state, *p)?;
         *p = 0;
         Ok(())
     }
 
     /// Fills `out` with random 32-bit numbers.
     pub fn fill_bits(&self, q: &dyn Queue, out: &DeviceBuffer<u32>) -> Result<()> {
-        let k = RngKernels::get(q.device())?;
+        let k = PhiloxKernels::get(q.device())?;
         let offset = self.reserve(out.len())?;
         k.bits(q, &self.0.state, offset, out, out.len())?;
         self.drew(q)
@@ -139,7 +146,7 @@ impl Generator {
                 "uniform: [{low}, {high}) is not a finite interval"
             )));
         }
-        let k = RngKernels::get(q.device())?;
+        let k = PhiloxKernels::get(q.device())?;
         let offset = self.reserve(out.len())?;
         k.uniform(q, &self.0.state, offset, out, out.len(), low, high - low)?;
         self.drew(q)
@@ -158,7 +165,7 @@ impl Generator {
                 "normal: mean {mean}, std {std} (std must be finite and non-negative)"
             )));
         }
-        let k = RngKernels::get(q.device())?;
+        let k = PhiloxKernels::get(q.device())?;
         let offset = self.reserve(out.len())?;
         k.normal(q, &self.0.state, offset, out, out.len(), mean, std)?;
         self.drew(q)

@@ -220,7 +220,7 @@ fn set_attr(api: &Api, desc: Ptr, attr: u32, v: &[u8]) -> Result<()> {
 
 /// The descriptor (fp32 compute, no TF32) and the three layouts of a row-major product, as
 /// cuBLASLt's column-major view of it: Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ, so our B is cuBLASLt's A and
-/// our A its B (as in blas.rs). No handle is needed; the plan has no algorithms yet.
+/// our A its B (as in `ffi::blas`). No handle is needed; the plan has no algorithms yet.
 fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
     let dim = |v: usize| {
         i64::try_from(v)

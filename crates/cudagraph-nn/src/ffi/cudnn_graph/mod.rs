@@ -93,8 +93,8 @@ fn set_name(dir: ConvDir, g: &ConvGeom, bias: bool, align: u32) -> String {
 /// One candidate configuration of a key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Candidate {
-    /// Position in the key's filtered, deduplicated heuristic list (`ConvAlgo::CudnnGraph`, or
-    /// `ConvAlgo::CudnnGraphBias` in the fused forward's list).
+    /// Position in the key's filtered, deduplicated heuristic list (`ConvEngine::CudnnGraph`, or
+    /// `ConvEngine::CudnnGraphBias` in the fused forward's list).
     pub rank: u8,
     /// cuDNN's global engine index.
     pub engine: i64,

@@ -1,6 +1,7 @@
-//! Launchers of the random-number and dropout kernels (`rng.cu`, its own NVRTC module). Each
-//! checks every buffer against the extent its kernel indexes (checked arithmetic), then makes
-//! the promise of [`Queue::launch_with`] in one `// SAFETY:` comment. The kernels begin with
+//! Launchers of the random-number and dropout kernels of [`crate::random::Generator`]
+//! (Philox4x32-10, `philox.cu`, its own NVRTC module `cudagraph_nn_rng`). Each checks every
+//! buffer against the extent its kernel indexes (checked arithmetic), then makes the promise
+//! of [`Queue::launch_with`] in one `// SAFETY:` comment. The kernels begin with
 //! `CG_PDL_ENTER()`, so they are launched with programmatic dependent launch when it is on
 //! (see [`super::pdl`]).
 
@@ -13,13 +14,13 @@ use super::pdl::launch_entered;
 use crate::error::{NnError, Result};
 
 /// The CUDA source of the module.
-pub const SOURCE: &str = include_str!("rng.cu");
+pub const SOURCE: &str = include_str!("philox.cu");
 
 /// Threads per block (a multiple of 32: `dropout_fwd` assembles mask words within warps).
 const BLOCK: u32 = 256;
 
 /// The random-number kernels of one device (a [`Device::extension`]).
-pub struct RngKernels {
+pub struct PhiloxKernels {
     philox_raw: Function,
     bits: Function,
     uniform: Function,
@@ -29,7 +30,7 @@ pub struct RngKernels {
     advance: Function,
 }
 
-impl RngKernels {
+impl PhiloxKernels {
     /// The kernels of `device`, compiled on first use.
     pub fn get(device: &Device) -> Result<Arc<Self>> {
         Ok(device.extension(|d| {
@@ -40,7 +41,7 @@ impl RngKernels {
                     &super::module_source("cudagraph_nn_rng"),
                 )
             })?;
-            Ok(RngKernels {
+            Ok(PhiloxKernels {
                 philox_raw: m.function("philox_raw")?,
                 bits: m.function("rng_bits")?,
                 uniform: m.function("rng_uniform")?,
@@ -67,7 +68,7 @@ fn state_ok(state: &DeviceBuffer<u64>) -> Result<()> {
     need("generator state", state, 2)
 }
 
-impl RngKernels {
+impl PhiloxKernels {
     /// Philox4x32-10 of `n` records (`input`: counter\[4\], key\[2\] each; `out`: 4 words each).
     pub fn philox_raw(
         &self,
