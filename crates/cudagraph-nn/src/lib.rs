@@ -29,20 +29,46 @@
 //! println!("loss {}", loss.to_vec(&s)?[0]);
 //! # Ok(()) }
 //! ```
+//!
+//! ## Rooms
+//!
+//! Top to bottom, each importing only those below it: [`dist`] (multi-GPU data parallelism),
+//! [`serving`] (dynamic batching), [`io`] (model files, datasets), [`nn`] (layers, optimizers,
+//! schedules, graphed modules), [`autograd`] (tensors and ops), [`random`] (the device
+//! [`Generator`] and the host's [`HostRng`]), [`engine`] (the registry that picks the engine of
+//! every product and convolution), and the ground: [`env`](mod@env) (every `CUDAGRAPH_*` variable) and
+//! [`error`]. The CUDA libraries (`ffi`) and our kernels with their launchers (`kernels`) are
+//! internal.
+//!
+//! Features: `cpu-reference` adds the `cpu` module, the plain f64 references the crate's tests
+//! compare the GPU against; `internals` makes `ffi` and `kernels` public for the crate's own
+//! tests and benchmarks (not a stable API). Both are off by default.
 
 pub mod autograd;
+#[cfg(feature = "cpu-reference")]
 pub mod cpu;
 pub mod dist;
 pub mod engine;
 pub mod env;
 pub mod error;
 mod extent;
-pub mod ffi;
 pub mod io;
-pub mod kernels;
 pub mod nn;
 pub mod random;
 pub mod serving;
+
+// The internal rooms: the CUDA libraries (`ffi`) and our kernels with their launchers
+// (`kernels`). Public only with the `internals` feature, which the crate's own tests turn on.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod ffi;
+#[cfg(not(feature = "internals"))]
+mod ffi;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod kernels;
+#[cfg(not(feature = "internals"))]
+mod kernels;
 
 pub use autograd::ops::{
     conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, rand, randn, relu,

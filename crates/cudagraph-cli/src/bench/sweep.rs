@@ -15,9 +15,9 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, Stream};
+use cudagraph_nn::autograd::ops::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROWS};
 use cudagraph_nn::engine::{CeEngine, Engines};
-use cudagraph_nn::kernels::losses::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROWS};
-use cudagraph_nn::kernels::optim_mt::{CAP_L, CAP_S};
+use cudagraph_nn::nn::optim::{CAP_L, CAP_S};
 use cudagraph_nn::{
     cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, HostRng, Layer, Linear, NnModule,
     Optimizer, Parameter, Reduction, Sequential, Sgd, SgdConfig, Targets, Tensor,

@@ -1,5 +1,5 @@
 //! Differentiable operations. Each allocates its output from the queue (the capture's pool
-//! when capturing), launches its kernels through the checked functions of [`crate::kernels`],
+//! when capturing), launches its kernels through the checked functions of `crate::kernels`,
 //! and records how to compute input gradients.
 
 use std::sync::Arc;
@@ -12,7 +12,9 @@ use crate::engine::gemm::{gemm, linear_weight_grad, GemmFamily, Trans};
 use crate::engine::{CeEngine, Engines};
 use crate::error::{NnError, Result};
 use crate::extent::ConvGeom;
-use crate::kernels::losses::{ce_group_plans, ce_plan_with, CeOptions, LossKernels};
+use crate::kernels::losses::{ce_group_plans, LossKernels};
+/// How [`cross_entropy`] runs: its fixed plan for a shape and the options measured beside it.
+pub use crate::kernels::losses::{ce_plan, ce_plan_with, CeOptions, CePlan, CE_FUSED_ROWS};
 use crate::kernels::Nn;
 use crate::random::Generator;
 
@@ -93,7 +95,7 @@ pub fn linear(
             let dz = match &saved_y {
                 Some(y) => {
                     let dz = alloc(q, mn)?;
-                    nn.relu_bwd(q, g.data(), y, &dz, mn)?;
+                    nn.k.relu_bwd(q, g.data(), y, &dz, mn)?;
                     Arc::new(dz)
                 }
                 None => g.data_arc().clone(),
@@ -127,7 +129,7 @@ pub fn linear(
                     let d = (m, n, k);
                     linear_weight_grad(q, nn, GemmFamily::Auto, d, &dz, &xd, dw, db.as_ref())?;
                 }
-                (None, Some(db)) => nn.col_sum(q, &dz, db, m, n)?,
+                (None, Some(db)) => nn.k.col_sum(q, &dz, db, m, n)?,
                 (None, None) => {}
             }
             let dw = dw.map(|dw| grad_tensor(dw, &[n, k])).transpose()?;
@@ -143,7 +145,7 @@ pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
     let nn = Nn::get(q.device())?;
     let n = x.numel();
     let y = Arc::new(alloc(q, n)?);
-    nn.relu_fwd(q, x.data(), &y, n)?;
+    nn.k.relu_fwd(q, x.data(), &y, n)?;
     let saved = y.clone();
     let shape = x.shape().to_vec();
     let node = Node {
@@ -152,7 +154,7 @@ pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         name: "relu",
         backward: Box::new(move |q, nn, g| {
             let dx = alloc(q, n)?;
-            nn.relu_bwd(q, g.data(), &saved, &dx, n)?;
+            nn.k.relu_bwd(q, g.data(), &saved, &dx, n)?;
             Ok(vec![Some(grad_tensor(dx, &shape)?)])
         }),
     };
@@ -451,7 +453,7 @@ pub fn conv2d(
             };
             let db = if need_b {
                 let db = alloc(q, g.oc)?;
-                nn.channel_sum(q, gy.data(), &db, g.n, g.oc, oh * ow)?;
+                nn.k.channel_sum(q, gy.data(), &db, g.n, g.oc, oh * ow)?;
                 Some(grad_tensor(db, &[g.oc])?)
             } else {
                 None
@@ -474,7 +476,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
     let total = crate::autograd::tensor::numel_checked(&[planes, oh, ow])?;
     let y = alloc(q, total)?;
     let idx = Arc::new(q.alloc::<i32>(total)?);
-    nn.maxpool_fwd(q, x.data(), &y, &idx, planes, (xs[2], xs[3]), k, s)?;
+    nn.k.maxpool_fwd(q, x.data(), &y, &idx, planes, (xs[2], xs[3]), k, s)?;
     let in_shape = xs.to_vec();
     let n_in = x.numel();
     let node = Node {
@@ -483,7 +485,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
         name: "max_pool2d",
         backward: Box::new(move |q, nn, g| {
             let dx = q.alloc_zeroed::<f32>(n_in)?;
-            nn.maxpool_bwd(q, g.data(), &idx, &dx, total)?;
+            nn.k.maxpool_bwd(q, g.data(), &idx, &dx, total)?;
             Ok(vec![Some(grad_tensor(dx, &in_shape)?)])
         }),
     };

@@ -432,7 +432,7 @@ impl Tensor {
                 let acc = match grads.remove(&inp.key()) {
                     Some(acc) => {
                         let acc = acc.into_owned_gradient(q)?;
-                        nn.add_inplace(q, acc.data(), ig.data())?;
+                        nn.k.add_inplace(q, acc.data(), ig.data())?;
                         acc
                     }
                     None => ig,
@@ -723,7 +723,7 @@ impl Parameter {
     fn accumulate(&self, q: &dyn Queue, nn: &Nn, g: Tensor) -> Result<()> {
         let mut slot = lock(&self.0.grad);
         match slot.as_ref() {
-            Some(acc) => nn.add_inplace(q, acc, g.data()),
+            Some(acc) => nn.k.add_inplace(q, acc, g.data()),
             None => {
                 // Adopt the buffer only if it is autograd's alone; a caller's tensor is copied
                 // (accumulation and `zero_grad` write the gradient in place later).

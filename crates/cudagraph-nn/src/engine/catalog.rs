@@ -104,11 +104,11 @@ pub enum GemmEngine {
     /// cuBLASLt with its heuristic algorithm of this rank (epilogue fused).
     CublasLt(u8),
     /// cuBLASLt's heuristic algorithm of rank `rank` with K split `split` ways (a split-K
-    /// variant the plan kept for an under-occupied product, see [`crate::ffi::blaslt`]); shown as
+    /// variant the plan kept for an under-occupied product, see `crate::ffi::blaslt`); shown as
     /// `cublaslt:RANK/skSPLIT`.
     CublasLtSplitK { rank: u8, split: u8 },
     /// cuBLASLt's configuration of this index among those its search kept for the shape
-    /// ([`Policy::lt_search`](super::Policy::lt_search), [`crate::ffi::blaslt::BlasLt::search_configs`]); shown as
+    /// ([`Policy::lt_search`](super::Policy::lt_search), `crate::ffi::blaslt::BlasLt::search_configs`); shown as
     /// `cublaslt:cINDEX`.
     CublasLtConfig(u8),
     /// Our split-K tiled kernel with about this many K splits.
@@ -133,7 +133,7 @@ pub enum GemmEngine {
     Rows { rows: u8, ks: u8 },
     /// Our column-warp kernels for few rows (forward layout, alpha 1, beta 0): each warp `rows`
     /// rows × `cols` columns, `warps` warps per block, `ks` of them splitting K per column group
-    /// ([`crate::kernels::ColsShape`]); shown as `colsRxCwW:KS`.
+    /// (`crate::kernels::ColsShape`); shown as `colsRxCwW:KS`.
     Cols {
         rows: u8,
         cols: u8,
@@ -249,7 +249,7 @@ pub enum ConvEngine {
     /// cuDNN with this `cudnnConvolution*Algo_t`.
     Cudnn(u32),
     /// cuDNN's graph API with the engine configuration of this rank in the key's filtered
-    /// heuristic list ([`crate::ffi::cudnn_graph`]); shown as `cudnnv8:RANK`.
+    /// heuristic list (`crate::ffi::cudnn_graph`); shown as `cudnnv8:RANK`.
     CudnnGraph(u8),
     /// cuDNN's graph API running the forward convolution and its bias as one operation graph
     /// (convolution, then a pointwise add of the bias), with the configuration of this rank in

@@ -8,7 +8,7 @@
 //!
 //! Buffers by direction: forward reads `x`, `w` and writes `y` (+ `bias`); backward-data reads
 //! `dy`, `w` and writes `dx`; backward-filter reads `dy`, `x` and writes `dw`. The bias gradient
-//! is a channel sum ([`Nn::channel_sum`]) and not part of these.
+//! is a channel sum (`Nn::channel_sum`) and not part of these.
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
@@ -341,9 +341,9 @@ fn conv_engine(
             ConvKernels::get(q.device())?.wgrad_small(q, g, io.a, io.b, io.out, parts as usize)
         }
         ConvEngine::Direct => match dir {
-            ConvDir::Forward => nn.conv2d_fwd(q, g, io.a, io.b, io.bias, io.out),
-            ConvDir::BackwardData => nn.conv2d_bwd_input(q, g, io.a, io.b, io.out),
-            ConvDir::BackwardFilter => nn.conv2d_bwd_weight(q, g, io.a, io.b, io.out),
+            ConvDir::Forward => nn.k.conv2d_fwd(q, g, io.a, io.b, io.bias, io.out),
+            ConvDir::BackwardData => nn.k.conv2d_bwd_input(q, g, io.a, io.b, io.out),
+            ConvDir::BackwardFilter => nn.k.conv2d_bwd_weight(q, g, io.a, io.b, io.out),
         },
     }
 }
@@ -383,7 +383,7 @@ fn conv_bias(q: &dyn Queue, nn: &Nn, eng: &Engines, g: &ConvGeom, io: ConvIo<'_>
     let (oh, ow) = g.out_hw()?;
     let hw = oh * ow;
     let run = |q: &dyn Queue, algo: BiasEngine, y: &Buf| match algo {
-        BiasEngine::Planes => nn.bias_planes(q, y, bias, g.n, g.oc, hw),
+        BiasEngine::Planes => nn.k.bias_planes(q, y, bias, g.n, g.oc, hw),
         BiasEngine::CudnnAdd => cudnn(eng)?.add_bias(q, g, bias, y),
     };
     let key = conv_bias_key(g)?;

@@ -28,14 +28,14 @@ use crate::extent::on_device;
 pub use crate::ffi::blas::Trans;
 use crate::ffi::blaslt::{LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::kernels::{
-    rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Nn, ROWS_PER_BLOCK,
+    rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Kernels, Nn, ROWS_PER_BLOCK,
 };
 
 type Buf = DeviceBuffer<f32>;
 
-/// [`Nn::sgemm_tiled`] and [`Nn::sgemm_cluster`].
+/// `Kernels::sgemm_tiled` and `Kernels::sgemm_cluster`.
 type TiledFn = fn(
-    &Nn,
+    &Kernels,
     &dyn Queue,
     GemmDims,
     f32,
@@ -326,7 +326,7 @@ pub fn run_gemm(
 /// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on
 /// another layout, cuBLASLt missing or without an algorithm of that rank, or without that
 /// split-K variant or searched configuration for this shape: see
-/// [`crate::ffi::blaslt::BlasLt::split_k_variants`] and [`crate::ffi::blaslt::BlasLt::search_configs`];
+/// `crate::ffi::blaslt::BlasLt::split_k_variants` and `crate::ffi::blaslt::BlasLt::search_configs`;
 /// nothing runs then).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with(
@@ -504,14 +504,14 @@ fn run_algo(
     // Bias gradient by reduction (engines that do not fuse it): row sums of op(A) = column
     // sums of A stored k×m.
     let bgrad = |q: &dyn Queue| match (op.epilogue, vec) {
-        (Epilogue::BiasGrad, Some(db)) => nn.col_sum(q, a, db, op.k, op.m),
+        (Epilogue::BiasGrad, Some(db)) => nn.k.col_sum(q, a, db, op.k, op.m),
         _ => Ok(()),
     };
     // The tiled kernel with a reduce node, or (sm_90+) the same splits summed inside a
     // thread-block cluster: one argument list, two launchers.
     let tiled = |launch: TiledFn, splits: usize| -> Result<()> {
         let d = op.dims();
-        launch(nn, q, d, op.alpha, a, b, op.beta, c, bias, relu, splits)?;
+        launch(&nn.k, q, d, op.alpha, a, b, op.beta, c, bias, relu, splits)?;
         bgrad(q)
     };
     // cuBLASLt's algorithm of a rank, a split-K variant or a searched configuration.
@@ -535,16 +535,16 @@ fn run_algo(
                 q, op.ta, op.tb, op.m, op.n, op.k, op.alpha, a, b, op.beta, c,
             )?;
             if let Some(bias) = bias {
-                nn.bias_act(q, c, bias, op.m, op.n, relu)?;
+                nn.k.bias_act(q, c, bias, op.m, op.n, relu)?;
             }
             bgrad(q)
         }
         GemmEngine::CublasLt(rank) => cublaslt(LtAlgo::Rank(rank as usize)),
         GemmEngine::CublasLtSplitK { rank, split } => cublaslt(LtAlgo::SplitK { rank, split }),
         GemmEngine::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
-        GemmEngine::Tiled(splits) => tiled(Nn::sgemm_tiled, splits as usize),
-        GemmEngine::Cluster(splits) => tiled(Nn::sgemm_cluster, splits as usize),
-        GemmEngine::Reg(splits) => tiled(Nn::sgemm_reg, splits as usize),
+        GemmEngine::Tiled(splits) => tiled(Kernels::sgemm_tiled, splits as usize),
+        GemmEngine::Cluster(splits) => tiled(Kernels::sgemm_cluster, splits as usize),
+        GemmEngine::Reg(splits) => tiled(Kernels::sgemm_reg, splits as usize),
         GemmEngine::Chunks(splits) => {
             if !op.chunks_ok(align) {
                 return Err(NnError::Shape(format!(
@@ -553,7 +553,7 @@ fn run_algo(
                     op.key()
                 )));
             }
-            nn.sgemm_nt_chunks(
+            nn.k.sgemm_nt_chunks(
                 q,
                 (op.m, op.n, op.k),
                 op.alpha,
@@ -582,7 +582,7 @@ fn run_algo(
                 )));
             }
             let d = (ks as usize, rows as usize);
-            nn.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, d)
+            nn.k.sgemm_nt_rows(q, op.m, op.n, op.k, a, b, c, bias, relu, d)
         }
         GemmEngine::Cols {
             rows,
@@ -603,7 +603,7 @@ fn run_algo(
                 warps: warps as usize,
                 ks: ks as usize,
             };
-            nn.sgemm_nt_cols(q, (op.m, op.n, op.k), a, b, c, bias, relu, shape)
+            nn.k.sgemm_nt_cols(q, (op.m, op.n, op.k), a, b, c, bias, relu, shape)
         }
         GemmEngine::WarpK => {
             if !op.warpk_ok() {
@@ -612,7 +612,7 @@ fn run_algo(
                     op.key()
                 )));
             }
-            nn.sgemm_nt_warpk(q, op.m, op.n, op.k, a, b, c, bias, relu)
+            nn.k.sgemm_nt_warpk(q, op.m, op.n, op.k, a, b, c, bias, relu)
         }
     }
 }

@@ -59,16 +59,16 @@
 //! [`Engines::table`] returns every choice with the measured µs per candidate (shown by
 //! `cudagraph inspect` and `cudagraph bench engines`).
 
-pub mod catalog;
+mod catalog;
 pub mod conv;
 pub mod gemm;
 mod measure;
-pub mod policy;
+mod policy;
 mod registry;
-pub mod table;
+mod table;
 
 pub use catalog::{BiasEngine, CeEngine, ConvEngine, ConvFamily, Engine, GemmEngine, GemmFamily};
-pub use measure::{parse_graph_timing, GraphTiming};
-pub use policy::{parse_conv_family, parse_deterministic, parse_gemm_family, Policy};
+pub use measure::GraphTiming;
+pub use policy::Policy;
 pub use registry::Engines;
-pub use table::{format_table, table_file, DiskTable, EngineRow, Entry, Timing};
+pub use table::{format_table, EngineRow, Entry, Timing};

@@ -71,7 +71,7 @@ pub struct Policy {
     /// Also measure up to eight cuBLASLt configurations found by search rather than by its
     /// heuristic: every algorithm id for fp32 with each tile and stage count it supports,
     /// ranked by how well their grids fill whole waves of the device and validated by
-    /// `cublasLtMatmulAlgoCheck` ([`crate::ffi::blaslt`]'s module docs; `CUDAGRAPH_LT_SEARCH=1`;
+    /// `cublasLtMatmulAlgoCheck` (`crate::ffi::blaslt`'s module docs; `CUDAGRAPH_LT_SEARCH=1`;
     /// default `false`: the search adds to every first call's measurement and is measured
     /// first on the device, shown as `cublaslt:cN`).
     pub lt_search: bool,

@@ -25,7 +25,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The per-device engine registry (a [`Device::extension`]): policy and choices. The library
-/// handles the engines use belong to the device's [`Libraries`]; the registry hands out those
+/// handles the engines use belong to the device's `Libraries`; the registry hands out those
 /// its policy allows.
 pub struct Engines {
     pub(super) ctx: Context,

@@ -4,7 +4,7 @@
 
 use cudagraph::{args, Arg, DeviceBuffer, LaunchConfig, Queue};
 
-use super::{elems, int, launch, long, need, prod, Buf, ConvGeom, Nn};
+use super::{elems, int, launch, long, need, prod, Buf, ConvGeom, Kernels};
 use crate::error::{NnError, Result};
 
 /// The eleven integers every conv kernel takes, checked to fit (the weight index is
@@ -33,7 +33,7 @@ fn conv_args<'a>(bufs: &[Arg<'a>], ints: [i32; 11]) -> Vec<Arg<'a>> {
     v
 }
 
-impl Nn {
+impl Kernels {
     /// Direct NCHW convolution `y = conv(x, w) + b`.
     pub fn conv2d_fwd(
         &self,
@@ -60,10 +60,10 @@ impl Nn {
             cfg.shared_mem_bytes = weights_bytes as u32;
             // The compile-time twins take the same arguments (their sizes equal kh, kw).
             let f = match (g.kh, g.kw) {
-                (1, 1) => &self.k.conv2d_fwd_small_k1,
-                (3, 3) => &self.k.conv2d_fwd_small_k3,
-                (5, 5) => &self.k.conv2d_fwd_small_k5,
-                _ => &self.k.conv2d_fwd_small,
+                (1, 1) => &self.conv2d_fwd_small_k1,
+                (3, 3) => &self.conv2d_fwd_small_k3,
+                (5, 5) => &self.conv2d_fwd_small_k5,
+                _ => &self.conv2d_fwd_small,
             };
             // SAFETY: one thread per (n, oh, ow) reads x inside [0, H)×[0, W) of its image,
             // copies all oc·ckk weights (≤ 32 taps each, checked) into the shared memory sized
@@ -76,7 +76,7 @@ impl Nn {
             unsafe {
                 launch(
                     q,
-                    &self.k.conv2d_fwd,
+                    &self.conv2d_fwd,
                     elems(g.output_len()?),
                     &conv_args(&bufs, ints),
                 )
@@ -102,7 +102,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.conv2d_bwd_input,
+                &self.conv2d_bwd_input,
                 elems(g.input_len()?),
                 &conv_args(&[dy.into(), w.into(), dx.into()], ints),
             )
@@ -129,7 +129,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.conv2d_bwd_weight,
+                &self.conv2d_bwd_weight,
                 cfg,
                 &conv_args(&[dy.into(), x.into(), dw.into()], ints),
             )
@@ -167,7 +167,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.maxpool_fwd,
+                &self.maxpool_fwd,
                 elems(n_out),
                 args![
                     x,
@@ -205,7 +205,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.maxpool_bwd,
+                &self.maxpool_bwd,
                 elems(n_out),
                 args![dy, idx, dx, long(n_out)?, long(dx.len())?],
             )

@@ -5,10 +5,10 @@
 use cudagraph::QueueExt;
 use cudagraph::{args, LaunchConfig, Queue};
 
-use super::{elems, int, int_loop, launch, long, need, prod, Buf, Nn};
+use super::{elems, int, int_loop, launch, long, need, prod, Buf, Kernels};
 use crate::error::Result;
 
-/// How [`Nn::channel_sum`] splits each channel's `n·hw` elements: `(parts, chunk)`, about
+/// How [`Kernels::channel_sum`] splits each channel's `n·hw` elements: `(parts, chunk)`, about
 /// two blocks per multiprocessor over all channels, each part at least 4096 elements (one part
 /// — a block per channel writing the result itself — when that is all the size allows), at most
 /// 1024 parts.
@@ -21,7 +21,7 @@ pub fn channel_sum_plan(n: usize, c: usize, hw: usize, multiprocessors: u32) -> 
     (total.div_ceil(chunk).max(1), chunk)
 }
 
-impl Nn {
+impl Kernels {
     /// `y[r, c] = act(y[r, c] + b[c])` over `rows × cols`.
     pub fn bias_act(
         &self,
@@ -38,14 +38,7 @@ impl Nn {
         let (r, c) = (int("rows", rows)?, int("cols", cols)?);
         long(n)?;
         // SAFETY: y holds rows·cols elements and b holds cols: exactly what the kernel indexes.
-        unsafe {
-            launch(
-                q,
-                &self.k.bias_act,
-                elems(n),
-                args![y, b, r, c, relu as i32],
-            )
-        }
+        unsafe { launch(q, &self.bias_act, elems(n), args![y, b, r, c, relu as i32]) }
     }
 
     /// `y = max(x, 0)` over the first `n` elements.
@@ -53,7 +46,7 @@ impl Nn {
         need("relu x", x, n)?;
         need("relu y", y, n)?;
         // SAFETY: x and y hold n elements; the kernel touches i < n.
-        unsafe { launch(q, &self.k.relu_fwd, elems(n), args![x, y, long(n)?]) }
+        unsafe { launch(q, &self.relu_fwd, elems(n), args![x, y, long(n)?]) }
     }
 
     /// `dx = dy` where `y > 0`, else 0 (first `n` elements).
@@ -62,7 +55,7 @@ impl Nn {
         need("relu y", y, n)?;
         need("relu dx", dx, n)?;
         // SAFETY: all three hold n elements; the kernel touches i < n.
-        unsafe { launch(q, &self.k.relu_bwd, elems(n), args![dy, y, dx, long(n)?]) }
+        unsafe { launch(q, &self.relu_bwd, elems(n), args![dy, y, dx, long(n)?]) }
     }
 
     /// `y[n, c, p] += b[c]` over `n` images of `c` planes of `hw` elements (a convolution's
@@ -91,7 +84,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.bias_planes,
+                &self.bias_planes,
                 elems(threads),
                 args![
                     y,
@@ -111,7 +104,7 @@ impl Nn {
         let n = a.len();
         need("add b", b, n)?;
         // SAFETY: a and b hold n elements; the kernel touches i < n.
-        unsafe { launch(q, &self.k.add_inplace, elems(n), args![a, b, long(n)?]) }
+        unsafe { launch(q, &self.add_inplace, elems(n), args![a, b, long(n)?]) }
     }
 
     /// `db[c] = Σ_r dy[r, c]`.
@@ -134,7 +127,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.col_sum,
+                &self.col_sum,
                 cfg,
                 args![dy, db, int_loop("rows", rows, 256)?, int("cols", cols)?],
             )
@@ -179,7 +172,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.channel_sum,
+                &self.channel_sum,
                 cfg,
                 args![dy, out, ni, ci, hwi, chunk as i64],
             )?;
@@ -190,7 +183,7 @@ impl Nn {
             unsafe {
                 launch(
                     q,
-                    &self.k.sum_parts,
+                    &self.sum_parts,
                     LaunchConfig::for_elements(c, 256),
                     args![partial, int("parts", parts)?, db, ci],
                 )?;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudagraph::{Arg, Device, Function, LaunchConfig, Queue};
 
-use super::{elems, int, int_loop, launch, module_source, pdl, prod, Buf, GemmDims, Nn};
+use super::{elems, int, int_loop, launch, module_source, pdl, prod, Buf, GemmDims, Kernels};
 use crate::error::{NnError, Result};
 
 /// Cluster sizes of `sgemm_tiled_cluster{S}`.
@@ -79,7 +79,7 @@ impl ClusterKernels {
     }
 }
 
-/// Whether [`Nn::sgemm_reg`] reads these operands as float4s: both leading dimensions (k or m
+/// Whether [`Kernels::sgemm_reg`] reads these operands as float4s: both leading dimensions (k or m
 /// for A, k or n for B) multiples of 4 and both addresses 16-byte aligned.
 pub fn reg_vec_ok(d: GemmDims, addrs: &[u64]) -> bool {
     let lda = if d.ta { d.m } else { d.k };
@@ -87,7 +87,7 @@ pub fn reg_vec_ok(d: GemmDims, addrs: &[u64]) -> bool {
     lda % 4 == 0 && ldb % 4 == 0 && addrs.iter().all(|a| a % 16 == 0)
 }
 
-/// Whether [`Nn::sgemm_nt_rows`] can read these operands: k a multiple of 4 and every address
+/// Whether [`Kernels::sgemm_nt_rows`] can read these operands: k a multiple of 4 and every address
 /// 16-byte aligned (its loads are float4s).
 pub fn rows_ok(k: usize, addrs: &[u64]) -> bool {
     k % 4 == 0 && addrs.iter().all(|a| a % 16 == 0)
@@ -365,7 +365,7 @@ impl TiledLaunch {
     }
 }
 
-impl Nn {
+impl Kernels {
     /// The split-K tiled SGEMM with fused bias/ReLU: `C = act(alpha·op(A)·op(B) + beta·C + bias)`.
     /// K is split into (about) `splits` ranges of whole 32-wide tiles; with more than one, the
     /// partial products go to a scratch buffer (from `q`) and a reduce kernel applies the
@@ -384,7 +384,7 @@ impl Nn {
         relu: bool,
         splits: usize,
     ) -> Result<()> {
-        let kernel = &self.k.sgemm_tiled;
+        let kernel = &self.sgemm_tiled;
         self.split_k_product(
             q,
             kernel,
@@ -422,8 +422,8 @@ impl Nn {
         splits: usize,
     ) -> Result<()> {
         let kernel = match reg_vec_ok(d, &[a.addr(), b.addr()]) {
-            true => &self.k.sgemm_reg4,
-            false => &self.k.sgemm_reg,
+            true => &self.sgemm_reg4,
+            false => &self.sgemm_reg,
         };
         self.split_k_product(
             q, kernel, REG_SHAPE, d, alpha, a, b, beta, c, bias, relu, splits,
@@ -479,7 +479,7 @@ impl Nn {
             unsafe {
                 launch(
                     q,
-                    &self.k.splitk_reduce,
+                    &self.splitk_reduce,
                     elems(t.mn),
                     &[
                         p.into(),
@@ -642,7 +642,7 @@ impl Nn {
         unsafe {
             launch(
                 q,
-                &self.k.sgemm_nt_warpk,
+                &self.sgemm_nt_warpk,
                 cfg,
                 &[
                     int_loop("m", m, 1024)?.into(),
@@ -683,9 +683,9 @@ impl Nn {
             )));
         }
         let f = match per_block {
-            16 => &self.k.sgemm_nt_rows,
-            8 => &self.k.sgemm_nt_rows8,
-            4 => &self.k.sgemm_nt_rows4,
+            16 => &self.sgemm_nt_rows,
+            8 => &self.sgemm_nt_rows8,
+            4 => &self.sgemm_nt_rows4,
             _ => {
                 return Err(NnError::Shape(format!(
                     "gemm rows: {per_block} rows per block (one of {ROWS_PER_BLOCK:?})"
@@ -731,16 +731,16 @@ impl Nn {
     ) -> Result<()> {
         shape.check()?;
         let f = match (shape.rows, shape.cols) {
-            (1, 1) => &self.k.sgemm_nt_cols_r1c1,
-            (1, _) => &self.k.sgemm_nt_cols_r1c2,
-            (2, 1) => &self.k.sgemm_nt_cols_r2c1,
-            (2, _) => &self.k.sgemm_nt_cols_r2c2,
-            (4, 1) => &self.k.sgemm_nt_cols_r4c1,
-            (4, _) => &self.k.sgemm_nt_cols_r4c2,
-            (8, 1) => &self.k.sgemm_nt_cols_r8c1,
-            (8, _) => &self.k.sgemm_nt_cols_r8c2,
-            (_, 1) => &self.k.sgemm_nt_cols_r16c1,
-            _ => &self.k.sgemm_nt_cols_r16c2,
+            (1, 1) => &self.sgemm_nt_cols_r1c1,
+            (1, _) => &self.sgemm_nt_cols_r1c2,
+            (2, 1) => &self.sgemm_nt_cols_r2c1,
+            (2, _) => &self.sgemm_nt_cols_r2c2,
+            (4, 1) => &self.sgemm_nt_cols_r4c1,
+            (4, _) => &self.sgemm_nt_cols_r4c2,
+            (8, 1) => &self.sgemm_nt_cols_r8c1,
+            (8, _) => &self.sgemm_nt_cols_r8c2,
+            (_, 1) => &self.sgemm_nt_cols_r16c1,
+            _ => &self.sgemm_nt_cols_r16c2,
         };
         if !few_rows_ready("gemm cols", (m, n, k), a, b, c, bias)? {
             return Ok(());

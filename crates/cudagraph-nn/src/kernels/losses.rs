@@ -50,7 +50,7 @@ pub struct LossKernels {
     sms: u32,
 }
 
-/// How [`LossKernels::cross_entropy`] runs a problem: grid, whether one warp handles a row,
+/// How `LossKernels::cross_entropy` runs a problem: grid, whether one warp handles a row,
 /// whether a second pass reduces per-row losses, and into how many chunks each row is split
 /// across blocks (1: not split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,7 +83,7 @@ pub struct CeOptions {
     /// Wide rows (fewer than the multiprocessors) may be split across blocks.
     pub split: bool,
     /// The registry may measure plans where narrow rows share a warp (a group of lanes per
-    /// row) so that one block covers more rows in one pass ([`ce_group_plans`]).
+    /// row) so that one block covers more rows in one pass (`ce_group_plans`).
     pub groups: bool,
 }
 
@@ -375,7 +375,8 @@ impl LossKernels {
     /// `loss[0]`; with `grad`, also `grad = (softmax − onehot) / rows`. Targets outside
     /// `[0, cols)` are clamped (nothing outside a row is read) and reported through the
     /// device's error flag.
-    #[allow(clippy::too_many_arguments)]
+    // Not called by the ops, which launch by plan ([`ce_plan`]).
+    #[allow(clippy::too_many_arguments, dead_code)]
     pub fn cross_entropy(
         &self,
         q: &dyn Queue,

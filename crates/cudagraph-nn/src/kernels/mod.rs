@@ -31,11 +31,12 @@ pub mod pdl;
 pub mod philox;
 pub mod steps;
 
+pub use gemm::{rows_groups, rows_most_splits, rows_ok, ClusterKernels, ColsShape, ROWS_PER_BLOCK};
+// What only the tests use.
+#[cfg(any(test, feature = "internals"))]
 pub use elementwise::channel_sum_plan;
-pub use gemm::{
-    reg_vec_ok, rows_grid, rows_groups, rows_most_splits, rows_ok, rows_warps, ClusterKernels,
-    ColsShape, COLS_COLS, COLS_ROWS, COLS_WARPS, ROWS_PER_BLOCK,
-};
+#[cfg(any(test, feature = "internals"))]
+pub use gemm::{reg_vec_ok, rows_grid, rows_warps, COLS_COLS, COLS_ROWS, COLS_WARPS};
 
 /// The CUDA source of every NN kernel (one NVRTC module).
 pub const SOURCE: &str = concat!(
@@ -97,7 +98,8 @@ pub(crate) fn module_source(name: &str) -> String {
 
 macro_rules! kernels {
     ($($name:ident),* $(,)?) => {
-        /// The NN kernels of one device.
+        /// The NN kernels of one device, with their launchers (split by family: [`gemm`],
+        /// [`elementwise`], [`conv`]).
         pub struct Kernels { $(pub(crate) $name: Function,)* }
         impl Kernels {
             fn load(device: &Device) -> Result<Self> {
@@ -149,12 +151,22 @@ kernels!(
 /// Per-device NN context: the kernels of the main module. Lives as long as the device (a
 /// [`Device::extension`]).
 pub struct Nn {
-    pub k: Kernels,
+    pub(crate) k: Kernels,
+}
+
+/// The crate's own tests call the launchers on `Nn` directly; for everyone else `Nn` is only a
+/// handle to pass to the public operations.
+#[cfg(feature = "internals")]
+impl std::ops::Deref for Nn {
+    type Target = Kernels;
+    fn deref(&self) -> &Kernels {
+        &self.k
+    }
 }
 
 impl Nn {
     /// The context of `device`, created on first use. The device's cuBLAS handle
-    /// ([`Libraries::blas`]) is made with it: a device without cuBLAS fails here, at first use
+    /// (`Libraries::blas`) is made with it: a device without cuBLAS fails here, at first use
     /// of the NN layer.
     pub fn get(device: &Device) -> Result<Arc<Nn>> {
         device

@@ -47,7 +47,8 @@ pub mod state {
     /// Optimizer steps completed (what a schedule reads).
     pub const STEP: usize = 0;
     /// The Adam kernels' last-block ticket (0 between launches; SGD advances the step count
-    /// from one thread, as no block of its launch reads it).
+    /// from one thread, as no block of its launch reads it). Only the kernels use it.
+    #[allow(dead_code)]
     pub const TICKET: usize = 1;
     /// Length of the buffer.
     pub const LEN: usize = 2;

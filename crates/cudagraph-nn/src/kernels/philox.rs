@@ -21,6 +21,8 @@ const BLOCK: u32 = 256;
 
 /// The random-number kernels of one device (a [`Device::extension`]).
 pub struct PhiloxKernels {
+    // The raw Philox kernel is launched only by the tests (known answers).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     philox_raw: Function,
     bits: Function,
     uniform: Function,
@@ -70,6 +72,7 @@ fn state_ok(state: &DeviceBuffer<u64>) -> Result<()> {
 
 impl PhiloxKernels {
     /// Philox4x32-10 of `n` records (`input`: counter\[4\], key\[2\] each; `out`: 4 words each).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub fn philox_raw(
         &self,
         q: &dyn Queue,

@@ -18,6 +18,8 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 use crate::autograd::tensor::Parameter;
 use crate::error::{NnError, Result};
 use crate::kernels::optim_mt::{hp, state, AdamTensor, OptimKernels, SgdTensor};
+/// Tensors per table of the multi-tensor kernels: small (4 KB of kernel parameters) and large.
+pub use crate::kernels::optim_mt::{CAP_L, CAP_S};
 use crate::nn::schedule::Schedule;
 
 /// Common optimizer interface.
@@ -69,8 +71,8 @@ fn bad(what: &str) -> NnError {
 
 /// Device-side hyperparameters and counters of an optimizer.
 ///
-/// The `f32` buffer holds the slots of [`hp`] (learning rate, base learning rate, betas,
-/// epsilon, weight decay, momentum); the `u32` buffer the slots of [`state`] (steps completed
+/// The `f32` buffer holds the slots of `hp` (learning rate, base learning rate, betas,
+/// epsilon, weight decay, momentum); the `u32` buffer the slots of `state` (steps completed
 /// and the kernels' ticket). Setters write with `fill32` on the given queue: stream-ordered,
 /// no host synchronisation, legal inside a capture (where they become memset nodes that reset
 /// the value at every replay).
@@ -91,7 +93,7 @@ impl Hyperparameters {
         })
     }
 
-    /// Writes slot `slot` (one of [`hp`]'s constants) on `q`.
+    /// Writes slot `slot` (one of `hp`'s constants) on `q`.
     pub fn set(&mut self, q: &dyn Queue, slot: usize, value: f32) -> Result<()> {
         if slot >= hp::LEN {
             return Err(bad(&format!("hyperparameter slot {slot} of {}", hp::LEN)));
@@ -133,12 +135,12 @@ impl Hyperparameters {
         Ok(())
     }
 
-    /// The hyperparameter buffer (layout: [`hp`]).
+    /// The hyperparameter buffer (layout: `hp`).
     pub fn buffer(&self) -> &DeviceBuffer<f32> {
         &self.hp
     }
 
-    /// The state buffer (layout: [`state`]).
+    /// The state buffer (layout: `state`).
     pub fn state_buffer(&self) -> &DeviceBuffer<u32> {
         &self.state
     }

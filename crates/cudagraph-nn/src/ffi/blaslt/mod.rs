@@ -54,6 +54,8 @@ mod search;
 
 pub use api::version;
 use api::*;
+// What only the tests use.
+#[cfg(any(test, feature = "internals"))]
 pub use search::{
     search_rank, split_choices, SEARCH_CHECKS, SEARCH_KEPT, SEARCH_PER_TILE, SPLITS, SPLIT_K_RANKS,
 };
