@@ -16,8 +16,8 @@ use cudagraph::{Device, Queue};
 
 use super::blas::Blas;
 use super::blaslt::{self, BlasLt};
-use super::cudnn::Cudnn;
-use super::cudnn_graph::{self, CudnnGraph};
+use super::cudnn::{self, Cudnn};
+use super::cudnn_graph::CudnnGraph;
 use super::loader::FIRST_USE_PATIENCE;
 use crate::error::{NnError, Result};
 
@@ -25,19 +25,30 @@ use crate::error::{NnError, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Library {
     Cudnn,
+    CudnnGraph,
     CublasLt,
 }
 
+/// Prints once per library why it is unavailable and what runs instead — for cuDNN's graph
+/// API only when cuDNN itself is there (a missing cuDNN is reported once, by its legacy API).
 fn notice_once(lib: Library, why: &str) {
     static CUDNN: Once = Once::new();
+    static GRAPH: Once = Once::new();
     static LT: Once = Once::new();
     let (once, text) = match lib {
         Library::Cudnn => (&CUDNN, "cuDNN"),
+        Library::CudnnGraph => (&GRAPH, "cuDNN graph API"),
         Library::CublasLt => (&LT, "cuBLASLt"),
     };
+    if lib == Library::CudnnGraph && cudnn::version().is_err() {
+        return;
+    }
     once.call_once(|| {
         let then = match lib {
             Library::Cudnn => "convolutions run on cudagraph's own kernels",
+            Library::CudnnGraph => {
+                "convolutions use cuDNN's legacy API and cudagraph's own kernels"
+            }
             Library::CublasLt => "products run on cuBLAS and cudagraph's own kernels",
         };
         eprintln!("cudagraph-nn: {text} unavailable ({why}); {then}");
@@ -129,7 +140,7 @@ impl Libraries {
             .get_or_init(|| match self.held_off(|| CudnnGraph::open(&self.ctx)) {
                 Ok(c) => Some(c),
                 Err(why) => {
-                    cudnn_graph::notice_once(&why);
+                    notice_once(Library::CudnnGraph, &why);
                     None
                 }
             })

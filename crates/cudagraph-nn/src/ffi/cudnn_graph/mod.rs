@@ -28,7 +28,7 @@
 //! engines missing, or all TF32) there are simply no fused candidates.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, Once};
+use std::sync::Mutex;
 
 use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
@@ -63,21 +63,6 @@ pub const MAX_ALIGN: u32 = 16;
 /// block (256-byte aligned), so every pointer a convolution gets has [`MAX_ALIGN`]. `run`
 /// computes it from the actual pointers all the same (and builds plans for it when eager).
 const LIST_ALIGN: u32 = MAX_ALIGN;
-
-/// Prints once why the graph API is unavailable — unless cuDNN itself is missing, which the
-/// legacy path already reports.
-pub(crate) fn notice_once(why: &str) {
-    static ONCE: Once = Once::new();
-    if crate::ffi::cudnn::version().is_err() {
-        return;
-    }
-    ONCE.call_once(|| {
-        eprintln!(
-            "cudagraph-nn: cuDNN graph API unavailable ({why}); convolutions use cuDNN's \
-             legacy API and cudagraph's own kernels"
-        );
-    });
-}
 
 /// The byte alignment every pointer has, at most [`MAX_ALIGN`] (null counts as aligned).
 fn plan_alignment(addrs: &[u64]) -> u32 {
