@@ -14,8 +14,8 @@ use clap::{Args, ValueEnum};
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
 use cudagraph_nn::engine::{format_table, Engines};
 use cudagraph_nn::{
-    cross_entropy, mse_loss, no_grad, step_if_finite, Adam, DeviceBatches, Layer, Linear, Module,
-    Optimizer, Reduction, Rng, Sequential, Sgd, Tensor,
+    cross_entropy, mse_loss, no_grad, step_if_finite, Adam, DeviceBatches, HostRng, Layer, Linear,
+    NnModule, Optimizer, Reduction, Sequential, Sgd, Tensor,
 };
 
 use crate::bench::workloads::seed_mlp;
@@ -45,7 +45,7 @@ pub struct InspectArgs {
 pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(8);
+    let mut rng = HostRng::new(8);
     // Measure this workload's engines afresh (in memory; the disk table keeps other choices).
     Engines::get(&dev)?.clear();
     let graph = match a.which {

@@ -143,8 +143,8 @@ pub fn launch(a: &LaunchArgs, sink: Sink) -> Result<Outcome, String> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // NVLink SHARP (multicast) stays off unless the user asked for it; connections are
-        // made during initialisation (see `cudagraph_nn::dist::RUNTIME_CONNECT_VAR`).
-        for var in ["NCCL_NVLS_ENABLE", cudagraph_nn::dist::RUNTIME_CONNECT_VAR] {
+        // made during initialisation (see `cudagraph_nn::env::RUNTIME_CONNECT_VAR`).
+        for var in ["NCCL_NVLS_ENABLE", cudagraph_nn::env::RUNTIME_CONNECT_VAR] {
             if std::env::var_os(var).is_none() {
                 cmd.env(var, "0");
             }

@@ -18,11 +18,11 @@ use clap::{Args, ValueEnum};
 use cudagraph::memory::{format_memory_full, format_memory_line};
 use cudagraph::Fork;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
-use cudagraph_nn::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::dist::{DistEnv, DistOptions};
+use cudagraph_nn::io::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::{
-    cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Layer, Linear, Module,
-    Optimizer, Rng, Sequential, Tensor,
+    cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, HostRng, Layer, Linear,
+    NnModule, Optimizer, Sequential, Tensor,
 };
 use cudagraph_nn::{Communicator, DdpOptions, DistributedDataParallel};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -88,7 +88,7 @@ pub enum FailMode {
 fn build(
     s: &cudagraph::Stream,
     kind: ModelKind,
-    rng: &mut Rng,
+    rng: &mut HostRng,
 ) -> cudagraph_nn::Result<Sequential> {
     Ok(match kind {
         ModelKind::Cnn => Sequential::new(vec![
@@ -169,7 +169,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
     outln!("- dataloader {}", format_memory_line(&dev.memory_stats()));
-    let mut rng = Rng::new(a.seed + 1);
+    let mut rng = HostRng::new(a.seed + 1);
     let model = build(&s, a.model, &mut rng)?;
     let mut opt = Adam::new(&s, model.parameters(), a.lr, 0.0, false)?;
     outln!("- model ready {}", format_memory_line(&dev.memory_stats()));
@@ -462,7 +462,7 @@ fn train_rank(dev: &Device, comm: &Communicator, env: &DistEnv, a: &TrainArgs) -
     let data = digits()?;
     let (train, test) = data.split(0.2, a.seed);
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(a.seed + 1);
+    let mut rng = HostRng::new(a.seed + 1);
     let model = build(&s, a.model, &mut rng)?;
     let mut ddp =
         DistributedDataParallel::new(&s, comm, model.parameters(), DdpOptions::default())?;

@@ -7,7 +7,7 @@ use cudagraph_nn::*;
 fn main() -> Result<()> {
     let dev = Device::open(0)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(0);
+    let mut rng = HostRng::new(0);
     let model = Sequential::new(vec![
         Layer::Linear(Linear::new(&s, 64, 128, &mut rng)?),
         Layer::ReLU,

@@ -2,7 +2,7 @@
 //! steps skipped by an IF node (README example).
 
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
-use cudagraph_nn::{datasets::digits, *};
+use cudagraph_nn::{io::datasets::digits, *};
 use std::sync::Arc;
 
 fn main() -> Result<()> {
@@ -11,7 +11,7 @@ fn main() -> Result<()> {
     let data = digits()?;
     let (b, k) = (64, 8); // batch size, steps per launch
     let batches = DeviceBatches::new(&s, &data.images, &data.labels, 64, b)?;
-    let mut rng = Rng::new(0);
+    let mut rng = HostRng::new(0);
     let model = Sequential::new(vec![
         Layer::Linear(Linear::new(&s, 64, 128, &mut rng)?),
         Layer::ReLU,

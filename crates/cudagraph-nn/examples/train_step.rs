@@ -7,7 +7,7 @@ use cudagraph_nn::*;
 fn main() -> Result<()> {
     let dev = Device::open(0)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(0);
+    let mut rng = HostRng::new(0);
     let model = Linear::new(&s, 1024, 1024, &mut rng)?;
     let mut opt = Adam::new(&s, model.parameters(), 1e-3, 0.0, false)?;
     let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?; // static input

@@ -280,7 +280,7 @@ mod tests {
     }
 
     fn data(n: usize, seed: u64) -> Vec<f64> {
-        let mut r = crate::Rng::new(seed);
+        let mut r = crate::random::HostRng::new(seed);
         (0..n).map(|_| r.normal() as f64).collect()
     }
 

@@ -1,8 +1,71 @@
-//! On/off switches read from the environment: `1`, `true`, `yes`, `on` or `0`, `false`, `no`,
-//! `off` (any case); unset or empty means the default. Anything else is a typed error naming
-//! the variable and what its values do.
+//! The process environment, read in one place: every `CUDAGRAPH_*` variable this crate honours
+//! is named here with what it does, and every read of the environment goes through [`var`]
+//! (the modules that act on a variable parse it). On/off switches take `1`, `true`, `yes`,
+//! `on` or `0`, `false`, `no`, `off` (any case); unset or empty means the default. Anything
+//! else is a typed error naming the variable and what its values do.
 
 use crate::error::{NnError, Result};
+
+/// Forces the product engine family: `cublas`, `cublaslt`, `tiled`, `warpk`, `rows` or `auto`
+/// (the default; see `engine::Policy`).
+pub const GEMM_VAR: &str = "CUDAGRAPH_GEMM";
+/// Forces the convolution engine family: `cudnn`, `ours`, `igemm`, `direct` or `auto`.
+pub const CONV_VAR: &str = "CUDAGRAPH_CONV";
+/// Lets the registry choose non-deterministic engines (`CUDAGRAPH_DETERMINISTIC=0`; default
+/// `1`).
+pub const DETERMINISTIC_VAR: &str = "CUDAGRAPH_DETERMINISTIC";
+/// Also measure cuBLASLt's split-K variants (`CUDAGRAPH_LT_SPLITK=1`; see
+/// `engine::Policy::lt_split_k`).
+pub const LT_SPLITK_VAR: &str = "CUDAGRAPH_LT_SPLITK";
+/// Also measure cuBLASLt configurations found by search (`CUDAGRAPH_LT_SEARCH=1`; see
+/// `engine::Policy::lt_search`).
+pub const LT_SEARCH_VAR: &str = "CUDAGRAPH_LT_SEARCH";
+/// How the registry ranks candidates timed in graphs: `chain`, `single` or `both` (the
+/// default; see `engine::GraphTiming`).
+pub const TIMING_VAR: &str = "CUDAGRAPH_REGISTRY_TIMING";
+/// Launches the NN kernels with programmatic dependent launch (`1`; off by default; see
+/// `kernels::pdl`).
+pub const PDL_VAR: &str = "CUDAGRAPH_PDL";
+/// Switch of the cross-entropy's split plan for wide rows (default on; `0` for comparisons).
+pub const CE_SPLIT_VAR: &str = "CUDAGRAPH_CE_SPLIT";
+/// Switch of the cross-entropy's lane groups for narrow rows (default on; `0` for
+/// comparisons).
+pub const CE_GROUPS_VAR: &str = "CUDAGRAPH_CE_GROUPS";
+/// The NCCL library to load, by path (tried before the usual names).
+pub const NCCL_LIB_VAR: &str = "CUDAGRAPH_NCCL_LIB";
+/// Seconds the rendezvous of a multi-GPU job may take (`dist::DistOptions`).
+pub const RDZV_TIMEOUT_VAR: &str = "CUDAGRAPH_RDZV_TIMEOUT";
+/// Seconds a collective or NCCL's initialisation may take before the watchdog aborts.
+pub const DIST_TIMEOUT_VAR: &str = "CUDAGRAPH_DIST_TIMEOUT";
+/// Seconds without a peer's heartbeat before it counts as lost.
+pub const HEARTBEAT_TIMEOUT_VAR: &str = "CUDAGRAPH_HEARTBEAT_TIMEOUT";
+/// Makes multi-GPU tests fail instead of skipping when fewer GPUs (or no NCCL) are there:
+/// `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine.
+pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
+/// NCCL's switch for lazy connection setup (2.22+, default on). Unless the user set it, the
+/// first load of the library sets it to `0`, so that every connection is made inside
+/// `ncclCommInitRank`, which runs under the initialisation timeout and the peers' liveness
+/// checks; a lazily connecting collective would instead wait for its peers inside the enqueue
+/// call, where no watchdog runs. Costs what NCCL before 2.22 cost: the buffers of every
+/// algorithm are allocated at initialisation. `NCCL_RUNTIME_CONNECT=1` restores lazy
+/// connection (then a peer that stalls before the first collective of an algorithm hangs the
+/// others in that call). `cudagraph launch` sets the same default in its children.
+pub const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
+
+/// The value of `name` in the process environment (`None` when unset or not Unicode): the
+/// one place this crate reads the environment.
+pub fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// Sets `name` to `value` unless it is set. The process environment is shared: only for a
+/// default another library reads, written once, before any thread of that library exists
+/// (see [`RUNTIME_CONNECT_VAR`]).
+pub(crate) fn set_default(name: &str, value: &str) {
+    if std::env::var_os(name).is_none() {
+        std::env::set_var(name, value);
+    }
+}
 
 /// Parses the value `v` of switch `var`; `meaning` says what 1 and 0 do (for the error).
 pub fn parse_switch(var: &str, v: &str, default: bool, meaning: &str) -> Result<bool> {
@@ -17,10 +80,10 @@ pub fn parse_switch(var: &str, v: &str, default: bool, meaning: &str) -> Result<
 }
 
 /// The switch `var` as set in the environment now (see [`parse_switch`]).
-pub fn switch(var: &str, default: bool, meaning: &str) -> Result<bool> {
-    match std::env::var(var) {
-        Ok(v) => parse_switch(var, &v, default, meaning),
-        Err(_) => Ok(default),
+pub fn switch(name: &str, default: bool, meaning: &str) -> Result<bool> {
+    match var(name) {
+        Some(v) => parse_switch(name, &v, default, meaning),
+        None => Ok(default),
     }
 }
 

@@ -131,6 +131,180 @@ impl GemmDims {
     }
 }
 
+/// Geometry of a 2-D convolution (NCHW input, OIHW weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvGeom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub oc: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl ConvGeom {
+    /// Output height and width; an error when the kernel does not fit the padded input.
+    pub fn out_hw(&self) -> Result<(usize, usize)> {
+        let ph = self.h.checked_add(2 * self.pad);
+        let pw = self.w.checked_add(2 * self.pad);
+        match (ph, pw) {
+            (Some(ph), Some(pw)) if self.stride > 0 && ph >= self.kh && pw >= self.kw => Ok((
+                (ph - self.kh) / self.stride + 1,
+                (pw - self.kw) / self.stride + 1,
+            )),
+            _ => Err(NnError::Shape(format!(
+                "conv2d: geometry {self:?} has no output"
+            ))),
+        }
+    }
+
+    pub fn input_len(&self) -> Result<usize> {
+        prod("conv2d input", &[self.n, self.c, self.h, self.w])
+    }
+
+    pub fn weight_len(&self) -> Result<usize> {
+        prod("conv2d weight", &[self.oc, self.c, self.kh, self.kw])
+    }
+
+    pub fn output_len(&self) -> Result<usize> {
+        let (oh, ow) = self.out_hw()?;
+        prod("conv2d output", &[self.n, self.oc, oh, ow])
+    }
+}
+
+/// Which product of a convolution: forward (`y` from `x`, `w`), backward-data (`dx` from `dy`,
+/// `w`) or backward-filter (`dw` from `dy`, `x`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConvDir {
+    Forward,
+    BackwardData,
+    BackwardFilter,
+}
+
+impl ConvDir {
+    pub const ALL: [ConvDir; 3] = [
+        ConvDir::Forward,
+        ConvDir::BackwardData,
+        ConvDir::BackwardFilter,
+    ];
+
+    /// Short name used in engine keys: `conv_fwd`, `conv_bwd_data`, `conv_bwd_filter`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConvDir::Forward => "conv_fwd",
+            ConvDir::BackwardData => "conv_bwd_data",
+            ConvDir::BackwardFilter => "conv_bwd_filter",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            ConvDir::Forward => 0,
+            ConvDir::BackwardData => 1,
+            ConvDir::BackwardFilter => 2,
+        }
+    }
+}
+
+/// The registry key of a convolution direction (without the policy's scope), e.g.
+/// `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 bias`.
+pub fn conv_key(dir: ConvDir, g: &ConvGeom, bias: bool) -> String {
+    format!(
+        "{} n={} c={} h={} w={} oc={} k={}x{} s={} p={}{}",
+        dir.name(),
+        g.n,
+        g.c,
+        g.h,
+        g.w,
+        g.oc,
+        g.kh,
+        g.kw,
+        g.stride,
+        g.pad,
+        if bias { " bias" } else { "" }
+    )
+}
+
+/// A direction's buffers by role — input `x`, weights `w`, output `y` — from the order every
+/// engine takes them in (forward `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`,
+/// `out = dx`; backward-filter `a = dy`, `b = x`, `out = dw`), after checking each against its
+/// extent in `g` and the bias rule (forward only, `g.oc` elements).
+pub fn conv_roles<'a>(
+    dir: ConvDir,
+    g: &ConvGeom,
+    (a, b, out): (&'a Buf, &'a Buf, &'a Buf),
+    bias: Option<&Buf>,
+) -> Result<(&'a Buf, &'a Buf, &'a Buf)> {
+    let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
+    let roles = match dir {
+        ConvDir::Forward => {
+            need("conv2d x", a, x_len)?;
+            need("conv2d w", b, w_len)?;
+            need("conv2d y", out, y_len)?;
+            (a, b, out)
+        }
+        ConvDir::BackwardData => {
+            need("conv2d dy", a, y_len)?;
+            need("conv2d w", b, w_len)?;
+            need("conv2d dx", out, x_len)?;
+            (out, b, a)
+        }
+        ConvDir::BackwardFilter => {
+            need("conv2d dy", a, y_len)?;
+            need("conv2d x", b, x_len)?;
+            need("conv2d dw", out, w_len)?;
+            (b, out, a)
+        }
+    };
+    match (dir, bias) {
+        (ConvDir::Forward, Some(bias)) => need("conv2d bias", bias, g.oc)?,
+        (_, Some(_)) => {
+            return Err(NnError::Shape(format!(
+                "{}: a bias only applies to the forward direction",
+                dir.name()
+            )))
+        }
+        _ => {}
+    }
+    Ok(roles)
+}
+
+/// A direction's buffers (in the engines' order, as [`conv_roles`]) and the forward bias must be
+/// memory of `q`'s device: the check a cuDNN call makes before handing cuDNN their addresses
+/// (our kernels get it from `Queue::launch`), each buffer named by its role in the error.
+pub fn conv_on_device(
+    q: &dyn Queue,
+    dir: ConvDir,
+    (a, b, out): (&Buf, &Buf, &Buf),
+    bias: Option<&Buf>,
+) -> Result<()> {
+    let names = match dir {
+        ConvDir::Forward => ["conv2d x", "conv2d w", "conv2d y"],
+        ConvDir::BackwardData => ["conv2d dy", "conv2d w", "conv2d dx"],
+        ConvDir::BackwardFilter => ["conv2d dy", "conv2d x", "conv2d dw"],
+    };
+    let bufs = [
+        (names[0], a.block()),
+        (names[1], b.block()),
+        (names[2], out.block()),
+    ];
+    on_device(
+        q,
+        bufs.into_iter()
+            .chain(bias.map(|v| ("conv2d bias", v.block()))),
+    )
+}
+
+/// The largest power of two (at most 256) dividing every address: what the libraries may
+/// assume of the pointers they get (our allocator's blocks start 256-byte aligned).
+pub fn alignment(addrs: &[u64]) -> u32 {
+    let all = addrs.iter().fold(256u64, |acc, &a| acc | a);
+    (1u64 << all.trailing_zeros().min(8)) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,5 +355,13 @@ mod tests {
     fn device_memory_of_the_queues_device_passes() {
         owned_by(0, "gemm C", 0, true).unwrap();
         owned_by(3, "cuBLAS handle", 3, true).unwrap();
+    }
+
+    #[test]
+    fn alignment_is_the_common_power_of_two() {
+        assert_eq!(alignment(&[0x1000, 0x2200]), 256);
+        assert_eq!(alignment(&[0x1000, 0x2210]), 16);
+        assert_eq!(alignment(&[0x1004]), 4);
+        assert_eq!(alignment(&[]), 256);
     }
 }

@@ -12,7 +12,7 @@
 //! # fn main() -> Result<()> {
 //! let dev = Device::open(0)?;
 //! let mut s = dev.new_stream()?;
-//! let mut rng = Rng::new(0);
+//! let mut rng = HostRng::new(0);
 //! let model = Linear::new(&s, 1024, 1024, &mut rng)?;
 //! let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;
 //! let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
@@ -29,48 +29,63 @@
 //! println!("loss {}", loss.to_vec(&s)?[0]);
 //! # Ok(()) }
 //! ```
+//!
+//! ## Rooms
+//!
+//! Top to bottom, each importing only those below it: [`dist`] (multi-GPU data parallelism),
+//! [`serving`] (dynamic batching), [`io`] (model files, datasets), [`nn`] (layers, optimizers,
+//! schedules, graphed modules), [`autograd`] (tensors and ops), [`random`] (the device
+//! [`Generator`] and the host's [`HostRng`]), [`engine`] (the registry that picks the engine of
+//! every product and convolution), and the ground: [`env`](mod@env) (every `CUDAGRAPH_*` variable) and
+//! [`error`]. The CUDA libraries (`ffi`) and our kernels with their launchers (`kernels`) are
+//! internal.
+//!
+//! Features: `cpu-reference` adds the `cpu` module, the plain f64 references the crate's tests
+//! compare the GPU against; `internals` makes `ffi` and `kernels` public for the crate's own
+//! tests and benchmarks (not a stable API). Both are off by default.
 
-pub mod batched;
-pub mod blas;
-pub mod blaslt;
-pub mod conv;
+pub mod autograd;
+#[cfg(feature = "cpu-reference")]
 pub mod cpu;
-pub mod cudnn;
-pub mod cudnn_graph;
-pub mod datasets;
 pub mod dist;
 pub mod engine;
 pub mod env;
 pub mod error;
 mod extent;
-pub mod gemm;
-pub mod graphed;
 pub mod io;
-pub mod kernels;
-pub mod layers;
-pub mod ops;
-pub mod optim;
-pub mod rng;
-pub mod schedule;
+pub mod nn;
+pub mod random;
 pub mod serving;
-pub mod steps;
-pub mod tensor;
 
-pub use batched::Batched;
+// The internal rooms: the CUDA libraries (`ffi`) and our kernels with their launchers
+// (`kernels`). Public only with the `internals` feature, which the crate's own tests turn on.
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod ffi;
+#[cfg(not(feature = "internals"))]
+mod ffi;
+#[cfg(feature = "internals")]
+#[doc(hidden)]
+pub mod kernels;
+#[cfg(not(feature = "internals"))]
+mod kernels;
+
+pub use autograd::ops::{
+    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, rand, randn, relu,
+    Reduction, Targets,
+};
 pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
 pub use error::{NnError, Result};
-pub use graphed::GraphedModule;
 pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};
 pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
-pub use layers::{Conv2d, Layer, Linear, Module, Rng, Sequential};
-pub use ops::{
-    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, relu, Reduction, Targets,
-};
+pub use nn::batched::Batched;
+pub use nn::graphed::GraphedModule;
+pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
-pub use optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
-pub use rng::{rand, randn, Generator};
-pub use schedule::Schedule;
+pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
+pub use nn::optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
+pub use nn::schedule::Schedule;
+pub use nn::steps::{step_if_finite, DeviceBatches};
+pub use random::{Generator, HostRng};
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};
-pub use steps::{step_if_finite, DeviceBatches};
-pub use tensor::{grad_enabled, no_grad, Parameter, Tensor};

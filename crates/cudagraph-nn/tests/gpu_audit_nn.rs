@@ -87,7 +87,7 @@ fn backward_with_never_adopts_the_callers_tensor_as_a_gradient() {
 fn autograd_still_adopts_its_own_gradients_without_a_copy() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(61);
+    let mut rng = HostRng::new(61);
     let n = 1000;
     let (ph, th) = (rng.vec_normal(n), rng.vec_normal(n));
     let p = Parameter::from_host(&s, "p", &ph, &[n]).unwrap();
@@ -122,7 +122,7 @@ fn autograd_still_adopts_its_own_gradients_without_a_copy() {
 // ---- Forward and backward in order -------------------------------------------------------
 
 fn block(s: &Stream) -> Sequential {
-    let mut rng = Rng::new(21);
+    let mut rng = HostRng::new(21);
     Sequential::new(vec![
         Layer::Linear(Linear::new(s, 16, 32, &mut rng).unwrap()),
         Layer::ReLU,
@@ -131,7 +131,7 @@ fn block(s: &Stream) -> Sequential {
 }
 
 fn inputs(s: &Stream) -> (Tensor, Tensor, Tensor) {
-    let mut rng = Rng::new(22);
+    let mut rng = HostRng::new(22);
     let mut t = |shape: &[usize]| {
         Tensor::from_host(s, &rng.vec_normal(shape.iter().product()), shape).unwrap()
     };
@@ -225,8 +225,8 @@ fn graphed_module_refuses_a_second_backward_without_forward() {
 fn a_second_backward_through_a_freed_graph_is_refused() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let model = Linear::new(&s, 6, 3, &mut Rng::new(51)).unwrap();
-    let mut rng = Rng::new(52);
+    let model = Linear::new(&s, 6, 3, &mut HostRng::new(51)).unwrap();
+    let mut rng = HostRng::new(52);
     let mut t = |shape: &[usize]| {
         Tensor::from_host(&s, &rng.vec_normal(shape.iter().product()), shape).unwrap()
     };
@@ -268,7 +268,7 @@ fn max_pool_propagates_nan_and_keeps_gradients_inside_the_window() {
         ninf, ninf, 2.0,  2.0,
         ninf, -1.0, 2.0,  2.0,
     ];
-    let mut rng = Rng::new(71);
+    let mut rng = HostRng::new(71);
     let (h, w) = (7, 9);
     let mut ragged = rng.vec_normal(3 * h * w);
     for (i, v) in ragged[..h * w].iter_mut().enumerate() {

@@ -1,12 +1,12 @@
-//! GPU tests of cuDNN's graph-API convolution engines ([`cudagraph_nn::cudnn_graph`],
-//! `ConvAlgo::CudnnGraph`): every candidate configuration, in all three directions, on odd
+//! GPU tests of cuDNN's graph-API convolution engines ([`cudagraph_nn::ffi::cudnn_graph`],
+//! `ConvEngine::CudnnGraph`): every candidate configuration, in all three directions, on odd
 //! geometries (1×1, 7×7, stride 2 with padding, primes, few and many channels, the shapes where
 //! PyTorch beat our legacy-API choices) against the f64 CPU reference; a captured convolution
 //! replays the eager bits; the deterministic policy offers no configuration with cuDNN's
 //! NONDETERMINISTIC note (and those it offers give the same bits twice); a capture never builds
 //! plans; the registry measures graph-API candidates beside the others.
 //!
-//! The forward with its bias fused (`ConvAlgo::CudnnGraphBias`, convolution then a pointwise
+//! The forward with its bias fused (`ConvEngine::CudnnGraphBias`, convolution then a pointwise
 //! add in one operation graph): every fused candidate on odd geometries (13×11 with 5 → 7
 //! channels, stride 2 and padding; 1×1; the sweep's n=16 48 → 96 40×40 stride-2 point) against
 //! the f64 reference of convolution + bias, replays equal to eager bits, at least one fused
@@ -26,11 +26,13 @@ use std::sync::Arc;
 
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, QueueExt, Stream};
-use cudagraph_nn::conv::{conv2d_forward, conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
-use cudagraph_nn::cudnn_graph::{Candidate, CudnnGraph};
-use cudagraph_nn::engine::{ConvAlgo, ConvEngine, Engines, Policy};
-use cudagraph_nn::kernels::ConvGeom;
+use cudagraph_nn::engine::conv::ConvGeom;
+use cudagraph_nn::engine::conv::{
+    conv2d_forward, conv_candidates, conv_key, conv_with, ConvDir, ConvIo,
+};
+use cudagraph_nn::engine::{ConvEngine, ConvFamily, Engines, Policy};
+use cudagraph_nn::ffi::cudnn_graph::{Candidate, CudnnGraph};
 use cudagraph_nn::*;
 
 /// Workspace limit used when listing directly (the registry's: 1 GiB on an 80 GB device).
@@ -112,7 +114,7 @@ struct Case {
 }
 
 impl Case {
-    fn new(s: &Stream, rng: &mut Rng, geom: ConvGeom) -> Case {
+    fn new(s: &Stream, rng: &mut HostRng, geom: ConvGeom) -> Case {
         let cv = cpu_conv(&geom);
         let xh = rng.vec_normal(geom.input_len().unwrap());
         let wh = rng.vec_normal(geom.weight_len().unwrap());
@@ -143,7 +145,7 @@ impl Case {
 
     /// The inputs of one geometry and the f64 reference of its forward (convolution + bias)
     /// only (`want[1]` and `want[2]` empty): the fused engines run only the forward.
-    fn forward(s: &Stream, rng: &mut Rng, geom: ConvGeom) -> Case {
+    fn forward(s: &Stream, rng: &mut HostRng, geom: ConvGeom) -> Case {
         let xh = rng.vec_normal(geom.input_len().unwrap());
         let wh = rng.vec_normal(geom.weight_len().unwrap());
         let bh = rng.vec_normal(geom.oc);
@@ -180,7 +182,7 @@ fn every_graph_api_candidate_matches_cpu_in_every_direction() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     let api = graph_api(&eng);
-    let mut rng = Rng::new(301);
+    let mut rng = HostRng::new(301);
     let mut checked = 0;
     for geom in geometries() {
         let case = Case::new(&s, &mut rng, geom);
@@ -189,7 +191,7 @@ fn every_graph_api_candidate_matches_cpu_in_every_direction() {
             let cands = all_candidates(&s, api, dir, &geom);
             assert!(!cands.is_empty(), "no graph-API candidate for {key}");
             for c in cands {
-                let algo = ConvAlgo::CudnnGraph(c.rank);
+                let algo = ConvEngine::CudnnGraph(c.rank);
                 let out = s
                     .alloc_from_host(&vec![f32::NAN; case.out_len(dir)])
                     .unwrap();
@@ -219,7 +221,7 @@ fn every_graph_api_candidate_matches_cpu_in_every_direction() {
 fn eager_equals_replays(
     s: &mut Stream,
     nn: &Nn,
-    algo: ConvAlgo,
+    algo: ConvEngine,
     dir: ConvDir,
     geom: &ConvGeom,
     case: &Case,
@@ -249,7 +251,7 @@ fn graph_api_convolution_replays_equal_eager_bit_for_bit() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     let api = graph_api(&eng);
-    let mut rng = Rng::new(302);
+    let mut rng = HostRng::new(302);
     for geom in [g(2, 3, 11, 13, 5, 3, 2, 1), g(2, 64, 16, 16, 128, 3, 2, 1)] {
         let case = Case::new(&s, &mut rng, geom);
         for dir in ConvDir::ALL {
@@ -257,7 +259,7 @@ fn graph_api_convolution_replays_equal_eager_bit_for_bit() {
             let cands = api.candidates(&s, dir, &geom, true, WORKSPACE).unwrap();
             assert!(!cands.is_empty(), "{key}");
             for c in cands {
-                let algo = ConvAlgo::CudnnGraph(c.rank);
+                let algo = ConvEngine::CudnnGraph(c.rank);
                 let what = format!("{algo} ({}) {key}", c.tag());
                 let eager = eager_equals_replays(&mut s, &nn, algo, dir, &geom, &case, &what);
                 assert!(rel_err(&eager, &case.want[Case::index(dir)]) < 1e-4);
@@ -273,7 +275,7 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     let api = graph_api(&eng);
-    let mut rng = Rng::new(303);
+    let mut rng = HostRng::new(303);
     // Few channels (where cuDNN's atomics-based weight gradient is its fastest), and wide.
     for geom in [
         g(2, 3, 32, 32, 16, 3, 1, 1),
@@ -301,7 +303,7 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
                     .join(", ")
             );
             assert!(
-                !det.is_empty() && det.len() <= cudagraph_nn::cudnn_graph::CAP,
+                !det.is_empty() && det.len() <= cudagraph_nn::ffi::cudnn_graph::CAP,
                 "{key}"
             );
             // Ranks name the same configuration under both policies.
@@ -313,7 +315,7 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
             for c in &det {
                 assert!(c.deterministic() && !c.notes.contains(&4), "{key}: {c:?}");
                 // The same inputs twice: the same bits.
-                let algo = ConvAlgo::CudnnGraph(c.rank);
+                let algo = ConvEngine::CudnnGraph(c.rank);
                 let mut runs = Vec::new();
                 for _ in 0..2 {
                     let out = s.alloc::<f32>(case.out_len(dir)).unwrap();
@@ -334,16 +336,19 @@ fn deterministic_policy_offers_no_nondeterministic_graph_api_engine() {
             } else {
                 Vec::new()
             };
-            assert!(fused.len() <= cudagraph_nn::cudnn_graph::FUSED_CAP, "{key}");
+            assert!(
+                fused.len() <= cudagraph_nn::ffi::cudnn_graph::FUSED_CAP,
+                "{key}"
+            );
             let listed = conv_candidates(&s, &eng, dir, &geom, bias, &Policy::default()).unwrap();
             for a in listed {
-                if let ConvAlgo::CudnnGraph(r) = a {
+                if let ConvEngine::CudnnGraph(r) = a {
                     assert!(
                         det.iter().any(|d| d.rank == r),
                         "{key}: {a} not deterministic"
                     );
                 }
-                if let ConvAlgo::CudnnGraphBias(r) = a {
+                if let ConvEngine::CudnnGraphBias(r) = a {
                     assert!(
                         fused.iter().any(|d| d.rank == r && d.deterministic()),
                         "{key}: {a} not deterministic"
@@ -361,7 +366,7 @@ fn a_capture_uses_only_plans_built_eagerly() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     let api = graph_api(&eng);
-    let mut rng = Rng::new(304);
+    let mut rng = HostRng::new(304);
     // A geometry no other test uses: nothing built for it yet.
     let geom = g(1, 5, 10, 12, 6, 3, 1, 1);
     let case = Case::new(&s, &mut rng, geom);
@@ -374,7 +379,7 @@ fn a_capture_uses_only_plans_built_eagerly() {
         let out = cs.alloc::<f32>(case.out_len(dir))?;
         cs.memset_zero(&out)?; // a capture must issue some work
         let mut runs = Vec::new();
-        for algo in [ConvAlgo::CudnnGraph(0), ConvAlgo::CudnnGraphBias(0)] {
+        for algo in [ConvEngine::CudnnGraph(0), ConvEngine::CudnnGraphBias(0)] {
             let run = conv_with(cs, &nn, algo, dir, &geom, case.io(dir, &out));
             runs.push(run.map_err(|e| format!("{algo}: {e}")));
         }
@@ -385,7 +390,7 @@ fn a_capture_uses_only_plans_built_eagerly() {
     assert!(
         !listed
             .iter()
-            .any(|a| matches!(a, ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_))),
+            .any(|a| matches!(a, ConvEngine::CudnnGraph(_) | ConvEngine::CudnnGraphBias(_))),
         "{listed:?}"
     );
     assert!(direct.is_empty(), "{direct:?}");
@@ -396,10 +401,10 @@ fn a_capture_uses_only_plans_built_eagerly() {
     }
     // Listed eagerly, the same candidates are offered inside a capture and run there.
     let eager = conv_candidates(&s, &eng, dir, &geom, true, &policy).unwrap();
-    let graph_algos: Vec<ConvAlgo> = eager
+    let graph_algos: Vec<ConvEngine> = eager
         .iter()
         .copied()
-        .filter(|a| matches!(a, ConvAlgo::CudnnGraph(_)))
+        .filter(|a| matches!(a, ConvEngine::CudnnGraph(_)))
         .collect();
     assert!(!graph_algos.is_empty(), "{eager:?}");
     let (graph, (listed, out)) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
@@ -421,12 +426,12 @@ fn registry_measures_graph_api_engines_beside_the_legacy_ones() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     graph_api(&eng);
-    let mut rng = Rng::new(305);
+    let mut rng = HostRng::new(305);
     let geom = g(2, 64, 16, 16, 128, 3, 2, 1);
     let case = Case::new(&s, &mut rng, geom);
     eng.clear();
     let policy = Policy {
-        conv: ConvEngine::Cudnn,
+        conv: ConvFamily::Cudnn,
         ..Policy::default()
     };
     eng.set_policy(policy);
@@ -462,13 +467,13 @@ fn registry_measures_graph_api_engines_beside_the_legacy_ones() {
         "{e:?}"
     );
     // The choice is a cuDNN engine of either API, and it parses back.
-    let chosen: ConvAlgo = e.engine.parse().unwrap();
-    assert_eq!(chosen.family(), ConvEngine::Cudnn);
+    let chosen: ConvEngine = e.engine.parse().unwrap();
+    assert_eq!(chosen.family(), ConvFamily::Cudnn);
     assert_eq!(chosen, used);
     // Each measured graph-API rank names a configuration built in this process.
     let api = graph_api(&eng);
     for t in &graph_timings {
-        let Ok(ConvAlgo::CudnnGraph(r)) = t.engine.parse::<ConvAlgo>() else {
+        let Ok(ConvEngine::CudnnGraph(r)) = t.engine.parse::<ConvEngine>() else {
             panic!("{}", t.engine)
         };
         let c = api
@@ -488,7 +493,7 @@ fn registry_measures_graph_api_engines_beside_the_legacy_ones() {
     );
     require_fused_candidates(&dev, fused.len(), "listed for the registry to measure");
     for c in &fused {
-        let name = ConvAlgo::CudnnGraphBias(c.rank).to_string();
+        let name = ConvEngine::CudnnGraphBias(c.rank).to_string();
         let t = e.timings.iter().find(|t| t.engine == name);
         assert!(
             t.is_some_and(|t| t.us.is_some_and(|us| us > 0.0)),
@@ -517,7 +522,7 @@ fn no_graph_api_engine_when_cudnn_is_disabled() {
         assert!(
             !c.iter().any(|a| matches!(
                 a,
-                ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_)
+                ConvEngine::Cudnn(_) | ConvEngine::CudnnGraph(_) | ConvEngine::CudnnGraphBias(_)
             )),
             "{c:?}"
         );
@@ -561,7 +566,7 @@ fn every_fused_bias_candidate_matches_cpu() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     let api = graph_api(&eng);
-    let mut rng = Rng::new(306);
+    let mut rng = HostRng::new(306);
     let dir = ConvDir::Forward;
     let mut checked = 0;
     for geom in fused_geometries() {
@@ -570,11 +575,11 @@ fn every_fused_bias_candidate_matches_cpu() {
         let cands = all_fused_candidates(&s, api, &geom);
         println!("{}", fused_report(api, &geom));
         assert!(
-            cands.len() <= 2 * cudagraph_nn::cudnn_graph::FUSED_CAP,
+            cands.len() <= 2 * cudagraph_nn::ffi::cudnn_graph::FUSED_CAP,
             "{key}"
         );
         for c in cands {
-            let algo = ConvAlgo::CudnnGraphBias(c.rank);
+            let algo = ConvEngine::CudnnGraphBias(c.rank);
             let out = s
                 .alloc_from_host(&vec![f32::NAN; case.out_len(dir)])
                 .unwrap();
@@ -655,14 +660,15 @@ fn a_fused_bias_candidate_exists_for_a_3x3_forward_on_sm80_or_later() {
     };
     let via = conv_candidates(&s, &eng, ConvDir::Forward, &geom, true, &policy).unwrap();
     assert!(
-        via.iter().any(|a| matches!(a, ConvAlgo::CudnnGraphBias(_))),
+        via.iter()
+            .any(|a| matches!(a, ConvEngine::CudnnGraphBias(_))),
         "{via:?}"
     );
     let without = conv_candidates(&s, &eng, ConvDir::Forward, &geom, false, &policy).unwrap();
     assert!(
         !without
             .iter()
-            .any(|a| matches!(a, ConvAlgo::CudnnGraphBias(_))),
+            .any(|a| matches!(a, ConvEngine::CudnnGraphBias(_))),
         "{without:?}"
     );
 }
@@ -674,7 +680,7 @@ fn fused_bias_convolution_replays_equal_eager_bit_for_bit() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     let api = graph_api(&eng);
-    let mut rng = Rng::new(307);
+    let mut rng = HostRng::new(307);
     let dir = ConvDir::Forward;
     let mut checked = 0;
     for geom in fused_geometries() {
@@ -691,7 +697,7 @@ fn fused_bias_convolution_replays_equal_eager_bit_for_bit() {
             );
         }
         for c in cands {
-            let algo = ConvAlgo::CudnnGraphBias(c.rank);
+            let algo = ConvEngine::CudnnGraphBias(c.rank);
             let what = format!("{algo} ({}) {key}", c.tag());
             let eager = eager_equals_replays(&mut s, &nn, algo, dir, &geom, &case, &what);
             assert!(rel_err(&eager, &case.want[0]) < 1e-4, "{algo} {key}");
@@ -709,10 +715,10 @@ fn a_fused_candidate_refuses_other_directions_and_a_missing_bias() {
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
     graph_api(&eng);
-    let mut rng = Rng::new(308);
+    let mut rng = HostRng::new(308);
     let geom = g(3, 5, 13, 11, 7, 3, 2, 1);
     let case = Case::new(&s, &mut rng, geom);
-    let algo = ConvAlgo::CudnnGraphBias(0);
+    let algo = ConvEngine::CudnnGraphBias(0);
     // The forward without its bias.
     let y = s.alloc::<f32>(case.out_len(ConvDir::Forward)).unwrap();
     let io = ConvIo {
@@ -735,7 +741,7 @@ fn a_fused_candidate_refuses_other_directions_and_a_missing_bias() {
         assert!(
             !listed
                 .iter()
-                .any(|a| matches!(a, ConvAlgo::CudnnGraphBias(_))),
+                .any(|a| matches!(a, ConvEngine::CudnnGraphBias(_))),
             "{listed:?}"
         );
     }
@@ -744,7 +750,7 @@ fn a_fused_candidate_refuses_other_directions_and_a_missing_bias() {
     let e = conv_with(
         &s,
         &nn,
-        ConvAlgo::CudnnGraphBias(255),
+        ConvEngine::CudnnGraphBias(255),
         ConvDir::Forward,
         &geom,
         case.io(ConvDir::Forward, &out),

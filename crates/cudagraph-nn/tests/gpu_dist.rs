@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cudagraph::{gpu_test_device, CaptureOptions, Graph, Queue, QueueExt, Stream};
+use cudagraph_nn::autograd::ops;
 use cudagraph_nn::cpu::{rel_err, to_f64};
 use cudagraph_nn::dist::{self, run_threads, DistError, DistOptions, RankContext, ReduceOp};
 use cudagraph_nn::*;
@@ -32,7 +33,7 @@ const STEPS: usize = 12;
 const LR: f32 = 0.05;
 
 fn model(s: &Stream) -> Sequential {
-    let mut rng = Rng::new(42);
+    let mut rng = HostRng::new(42);
     Sequential::new(vec![
         Layer::Linear(Linear::new(s, IN, HIDDEN, &mut rng).unwrap()),
         Layer::ReLU,
@@ -42,7 +43,7 @@ fn model(s: &Stream) -> Sequential {
 
 /// The full batch (same on every rank; each rank takes its rows).
 fn batch() -> (Vec<f32>, Vec<f32>) {
-    let mut rng = Rng::new(7);
+    let mut rng = HostRng::new(7);
     (rng.vec_normal(BATCH * IN), rng.vec_normal(BATCH * OUT))
 }
 
@@ -326,7 +327,7 @@ fn a_parameter_unused_on_one_rank_is_still_averaged() {
     // with zeros from rank 1, and both ranks end with the same gradients.
     let grads = run_threads(&[0, 1], &opts(), |ctx: RankContext| {
         let s = ctx.device.new_stream()?;
-        let mut rng = Rng::new(3);
+        let mut rng = HostRng::new(3);
         let a = Linear::new(&s, 8, 8, &mut rng)?;
         let b = Linear::new(&s, 8, 8, &mut rng)?;
         let mut all = a.parameters();
@@ -339,7 +340,7 @@ fn a_parameter_unused_on_one_rank_is_still_averaged() {
         let mut ddp = DistributedDataParallel::new(&s, &ctx.comm, all.clone(), opts)?;
         let x = Tensor::from_host(
             &s,
-            &Rng::new(9 + ctx.rank as u64).vec_normal(4 * 8),
+            &HostRng::new(9 + ctx.rank as u64).vec_normal(4 * 8),
             &[4, 8],
         )?;
         let mut h = a.forward(&s, &x)?;
@@ -550,7 +551,7 @@ fn ddp_checks_that_ranks_wrap_the_same_parameters() {
     }
     let r = run_threads(&[0, 1], &opts(), |ctx: RankContext| {
         let s = ctx.device.new_stream()?;
-        let mut rng = Rng::new(1);
+        let mut rng = HostRng::new(1);
         let width = 8 + ctx.rank; // rank 1 built another model
         let l = Linear::new(&s, width, 4, &mut rng)?;
         DistributedDataParallel::new(&s, &ctx.comm, l.parameters(), DdpOptions::default())?;
@@ -607,8 +608,8 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     }
 
     // A weight used twice (two leaves of one parameter): reported once, after both uses.
-    let w = Linear::new(&s, 8, 8, &mut Rng::new(5)).unwrap().weight;
-    let x = Tensor::from_host(&s, &Rng::new(6).vec_normal(16), &[2, 8]).unwrap();
+    let w = Linear::new(&s, 8, 8, &mut HostRng::new(5)).unwrap().weight;
+    let x = Tensor::from_host(&s, &HostRng::new(6).vec_normal(16), &[2, 8]).unwrap();
     let out = ops::linear(
         &s,
         &ops::linear(&s, &x, &w.tensor(), None, false).unwrap(),

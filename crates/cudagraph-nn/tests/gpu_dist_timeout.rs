@@ -8,7 +8,7 @@
 //! default) that call would set up the connections itself and wait for rank 1 inside
 //! `ncclAllReduce`, on the host, where no watchdog runs: the test hung there on two H200s.
 //! Loading NCCL therefore sets `NCCL_RUNTIME_CONNECT=0` unless it is set
-//! (`dist::RUNTIME_CONNECT_VAR`), so that connections are made inside the watchdogged
+//! (`env::RUNTIME_CONNECT_VAR`), so that connections are made inside the watchdogged
 //! initialisation; with `NCCL_RUNTIME_CONNECT=1` in the environment this test can hang again
 //! (and `with_deadline` turns that into a failure).
 

@@ -26,20 +26,21 @@ use cudagraph::testing::assert_bits_eq;
 use cudagraph::{
     gpu_test_device, CaptureOptions, Device, DeviceBuffer, Graph, Queue, QueueExt, Stream,
 };
-use cudagraph_nn::blas::Trans;
-use cudagraph_nn::blaslt::alignment;
-use cudagraph_nn::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::conv::ConvGeom;
+use cudagraph_nn::engine::conv::{conv_candidates, conv_key, conv_with, ConvDir, ConvIo};
+use cudagraph_nn::engine::gemm::alignment;
+use cudagraph_nn::engine::gemm::Trans;
+use cudagraph_nn::engine::gemm::{
+    cols_candidates, gemm_candidates, gemm_with, run_gemm, Epilogue, GemmFamily, GemmOp,
+};
 use cudagraph_nn::engine::{
-    BiasAlgo, CeAlgo, ConvAlgo, ConvEngine, EngineRow, Engines, GemmAlgo, Policy,
+    BiasEngine, CeEngine, ConvEngine, ConvFamily, EngineRow, Engines, GemmEngine, Policy,
 };
-use cudagraph_nn::gemm::{
-    cols_candidates, gemm_candidates, gemm_with, run_gemm, Engine, Epilogue, GemmOp,
-};
-use cudagraph_nn::kernels::{igemm, ConvGeom};
+use cudagraph_nn::kernels::igemm;
 use cudagraph_nn::*;
 
-fn data(rng: &mut Rng, n: usize) -> Vec<f32> {
+fn data(rng: &mut HostRng, n: usize) -> Vec<f32> {
     rng.vec_normal(n)
 }
 
@@ -113,7 +114,7 @@ struct Operands {
 }
 
 impl Operands {
-    fn new(s: &Stream, rng: &mut Rng, op: &GemmOp) -> Self {
+    fn new(s: &Stream, rng: &mut HostRng, op: &GemmOp) -> Self {
         let (ah, bh, c0, bias) = (
             data(rng, op.m * op.k),
             data(rng, op.k * op.n),
@@ -158,7 +159,7 @@ fn plain_op(ta: Trans, tb: Trans, m: usize, n: usize, k: usize, epilogue: Epilog
 
 /// cuBLASLt's candidates for `op`: its heuristic ranks and the split-K variants kept for the
 /// shape (the policy is switched to list them; the test fails without cuBLASLt).
-fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
+fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmEngine> {
     let e = engines(dev);
     assert!(
         e.cublaslt().is_some(),
@@ -168,15 +169,20 @@ fn lt_algos(dev: &Device, s: &Stream, op: &GemmOp) -> Vec<GemmAlgo> {
         lt_split_k: true,
         ..e.policy()
     });
-    gemm_candidates(s, &e, op, Engine::CublasLt, 256)
+    gemm_candidates(s, &e, op, GemmFamily::CublasLt, 256)
         .unwrap()
         .into_iter()
-        .filter(|a| matches!(a, GemmAlgo::CublasLt(_) | GemmAlgo::CublasLtSplitK { .. }))
+        .filter(|a| {
+            matches!(
+                a,
+                GemmEngine::CublasLt(_) | GemmEngine::CublasLtSplitK { .. }
+            )
+        })
         .collect()
 }
 
-fn is_split_k(a: &GemmAlgo) -> bool {
-    matches!(a, GemmAlgo::CublasLtSplitK { .. })
+fn is_split_k(a: &GemmEngine) -> bool {
+    matches!(a, GemmEngine::CublasLtSplitK { .. })
 }
 
 /// Appends to `algos` every candidate the registry computes for `op` over these buffers (all
@@ -187,10 +193,10 @@ fn add_registry_candidates(
     eng: &Engines,
     op: &GemmOp,
     buffers: &[&DeviceBuffer<f32>],
-    algos: &mut Vec<GemmAlgo>,
+    algos: &mut Vec<GemmEngine>,
 ) -> usize {
     let addrs: Vec<u64> = buffers.iter().map(|b| b.addr()).collect();
-    let listed = gemm_candidates(s, eng, op, Engine::Auto, alignment(&addrs)).unwrap();
+    let listed = gemm_candidates(s, eng, op, GemmFamily::Auto, alignment(&addrs)).unwrap();
     assert!(
         !listed.is_empty(),
         "the registry lists nothing for {}",
@@ -215,7 +221,7 @@ fn library_graphs_of_one_stream_replay_at_once_on_two() {
     let mut s = dev.new_stream().unwrap();
     let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(109);
+    let mut rng = HostRng::new(109);
     let op = GemmOp {
         ta: Trans::N,
         tb: Trans::T,
@@ -228,7 +234,7 @@ fn library_graphs_of_one_stream_replay_at_once_on_two() {
     };
     let mut algos = lt_algos(&dev, &s, &op);
     assert!(!algos.is_empty());
-    algos.push(GemmAlgo::Cublas);
+    algos.push(GemmEngine::Cublas);
     for algo in algos {
         let inputs: Vec<_> = (0..2)
             .map(|_| {
@@ -288,7 +294,7 @@ fn scaled_bias_relu(ta: Trans, tb: Trans, m: usize, n: usize, k: usize) -> GemmO
 }
 
 /// The register-blocked kernel as the tests run it: unsplit and split.
-const REG_ALGOS: [GemmAlgo; 3] = [GemmAlgo::Reg(1), GemmAlgo::Reg(3), GemmAlgo::Reg(8)];
+const REG_ALGOS: [GemmEngine; 3] = [GemmEngine::Reg(1), GemmEngine::Reg(3), GemmEngine::Reg(8)];
 
 #[test]
 fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
@@ -301,7 +307,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
         lt_split_k: true,
         ..Policy::default()
     });
-    let mut rng = Rng::new(101);
+    let mut rng = HostRng::new(101);
     let (n, t) = (Trans::N, Trans::T);
     let shapes: &[(usize, usize, usize)] = &[
         (1, 1, 1),
@@ -359,22 +365,27 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
                 let o = Operands::new(&s, &mut rng, &op);
                 let want = o.want(&op);
                 let Operands { c0, a, b, bb, .. } = o;
-                let mut algos = vec![GemmAlgo::Cublas, GemmAlgo::Tiled(1), GemmAlgo::Tiled(4)];
+                let mut algos = vec![
+                    GemmEngine::Cublas,
+                    GemmEngine::Tiled(1),
+                    GemmEngine::Tiled(4),
+                ];
                 // Both register-blocked tiles, whole and split (also past K's 32-wide tiles).
                 algos.extend(REG_ALGOS);
                 // Every cluster size, also where K has fewer tiles than splits (empty splits).
-                algos.extend([2, 4, 8].map(GemmAlgo::Cluster));
+                algos.extend([2, 4, 8].map(GemmEngine::Cluster));
                 if ta == n && tb == t && k % 4 == 0 {
-                    algos.extend([1, 2, 4, 8].map(GemmAlgo::Chunks));
+                    algos.extend([1, 2, 4, 8].map(GemmEngine::Chunks));
                 }
                 if ta == n && tb == t && alpha == 1.0 && beta == 0.0 {
-                    algos.push(GemmAlgo::WarpK);
-                    if m <= cudagraph_nn::gemm::ROWS_MAX_M && k % 4 == 0 {
-                        algos.extend([1, 2, 8].map(|ks| GemmAlgo::Rows { rows: 16, ks }));
+                    algos.push(GemmEngine::WarpK);
+                    if m <= cudagraph_nn::engine::gemm::ROWS_MAX_M && k % 4 == 0 {
+                        algos.extend([1, 2, 8].map(|ks| GemmEngine::Rows { rows: 16, ks }));
                         for rows in [8u8, 4] {
                             if m <= rows as usize {
-                                algos
-                                    .extend([1, 2, 4, 8, 16].map(|ks| GemmAlgo::Rows { rows, ks }));
+                                algos.extend(
+                                    [1, 2, 4, 8, 16].map(|ks| GemmEngine::Rows { rows, ks }),
+                                );
                             }
                         }
                         // The column-warp kernels the registry offers here.
@@ -432,14 +443,14 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
             .unwrap_err()
             .to_string()
     };
-    let e = refused(GemmAlgo::Rows { rows: 4, ks: 1 });
+    let e = refused(GemmEngine::Rows { rows: 4, ks: 1 });
     assert!(e.contains("at most 4 rows"), "{e}");
     // Sixteen warps per group only with 8 or 4 rows per block.
-    let e = refused(GemmAlgo::Rows { rows: 16, ks: 16 });
+    let e = refused(GemmEngine::Rows { rows: 16, ks: 16 });
     assert!(e.contains("warps per column group"), "{e}");
     // Column-warp shapes that do not exist: three rows per warp, more K splits than warps.
     for (rows, warps, ks) in [(3, 8, 1), (4, 4, 8), (4, 32, 1)] {
-        let e = refused(GemmAlgo::Cols {
+        let e = refused(GemmEngine::Cols {
             rows,
             cols: 1,
             warps,
@@ -451,7 +462,7 @@ fn every_gemm_engine_matches_cpu_in_every_layout_and_epilogue() {
     let big = GemmOp { m: 17, ..op };
     let a17 = s.alloc::<f32>(17 * 128).unwrap();
     let c17 = s.alloc::<f32>(17 * 8).unwrap();
-    let cols = GemmAlgo::Cols {
+    let cols = GemmEngine::Cols {
         rows: 16,
         cols: 1,
         warps: 8,
@@ -477,7 +488,7 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
     );
     let mut s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(104);
+    let mut rng = HostRng::new(104);
     let (n, t) = (Trans::N, Trans::T);
     let shapes = [
         (32usize, 10usize, 256usize, n, t),
@@ -494,14 +505,14 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
         let o = Operands::new(&s, &mut rng, &op);
         let want = o.want(&op);
         let Operands { c0, a, b, bb, .. } = o;
-        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+        let run = |q: &dyn Queue, algo: GemmEngine, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
         };
         // The chunked forward kernel (x·wᵀ, k a multiple of 4): the reference, and a replay
         // equal to the eager run bit for bit, in one kernel node.
         if ta == n && tb == t && k % 4 == 0 {
             for splits in [1u8, 2, 4, 8] {
-                let algo = GemmAlgo::Chunks(splits);
+                let algo = GemmEngine::Chunks(splits);
                 let eager = s.alloc_from_host(&c0).unwrap();
                 run(&s, algo, &eager).unwrap();
                 let ev = s.to_vec(&eager).unwrap();
@@ -524,14 +535,14 @@ fn cluster_splits_equal_tiled_splits_and_replay_bit_for_bit() {
         }
         for splits in [2u8, 4, 8] {
             let tiled = s.alloc_from_host(&c0).unwrap();
-            run(&s, GemmAlgo::Tiled(splits as u16), &tiled).unwrap();
+            run(&s, GemmEngine::Tiled(splits as u16), &tiled).unwrap();
             let eager = s.alloc_from_host(&c0).unwrap();
-            run(&s, GemmAlgo::Cluster(splits), &eager).unwrap();
+            run(&s, GemmEngine::Cluster(splits), &eager).unwrap();
             let (tv, ev) = (s.to_vec(&tiled).unwrap(), s.to_vec(&eager).unwrap());
             assert_eq!(tv, ev, "cluster:{splits} vs tiled:{splits} {}", op.key());
             let replayed = s.alloc_from_host(&c0).unwrap();
             let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
-                run(cs, GemmAlgo::Cluster(splits), &replayed).map_err(Into::into)
+                run(cs, GemmEngine::Cluster(splits), &replayed).map_err(Into::into)
             })
             .unwrap();
             assert_eq!(g.info().nodes.kernel, 1, "one kernel node: no reduce");
@@ -555,7 +566,7 @@ fn register_blocked_kernel_agrees_repeats_and_replays() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(105);
+    let mut rng = HostRng::new(105);
     let (n, t) = (Trans::N, Trans::T);
     let shapes = [
         (65usize, 63usize, 47usize, n, t),
@@ -570,11 +581,11 @@ fn register_blocked_kernel_agrees_repeats_and_replays() {
         let o = Operands::new(&s, &mut rng, &op);
         let want = o.want(&op);
         let Operands { c0, a, b, bb, .. } = o;
-        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+        let run = |q: &dyn Queue, algo: GemmEngine, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
         };
         for splits in [1u16, 2, 5, 16] {
-            let algo = GemmAlgo::Reg(splits);
+            let algo = GemmEngine::Reg(splits);
             agrees_repeats_and_replays(&mut s, &run, algo, &op, &c0, &want, "f64");
         }
     }
@@ -590,7 +601,7 @@ fn column_warp_kernels_agree_repeat_and_replay() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(106);
+    let mut rng = HostRng::new(106);
     let (n, t) = (Trans::N, Trans::T);
     let shapes = [
         (1usize, 257usize, 1028usize),
@@ -605,13 +616,13 @@ fn column_warp_kernels_agree_repeat_and_replay() {
         let o = Operands::new(&s, &mut rng, &op);
         let want = o.want(&op);
         let Operands { c0, a, b, bb, .. } = o;
-        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+        let run = |q: &dyn Queue, algo: GemmEngine, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, &op, &a, &b, c, Some(&bb))
         };
         for rows in [1u8, 2, 4, 8, 16] {
             for cols in [1u8, 2] {
                 for (warps, ks) in [(4u8, 1u8), (4, 4), (8, 2), (8, 8), (16, 1), (16, 16)] {
-                    let algo = GemmAlgo::Cols {
+                    let algo = GemmEngine::Cols {
                         rows,
                         cols,
                         warps,
@@ -627,7 +638,7 @@ fn column_warp_kernels_agree_repeat_and_replay() {
 
 /// How one candidate of a product runs on a queue into an output buffer.
 type GemmRun<'a> =
-    dyn Fn(&dyn Queue, GemmAlgo, &DeviceBuffer<f32>) -> cudagraph_nn::Result<()> + 'a;
+    dyn Fn(&dyn Queue, GemmEngine, &DeviceBuffer<f32>) -> cudagraph_nn::Result<()> + 'a;
 
 /// Runs `algo` eagerly from `c0` (within `tol(op.k)` of `want`, named `against` in messages),
 /// three more times (the same bits each time), and captured into a graph replayed once (the
@@ -635,7 +646,7 @@ type GemmRun<'a> =
 fn agrees_repeats_and_replays(
     s: &mut Stream,
     run: &GemmRun<'_>,
-    algo: GemmAlgo,
+    algo: GemmEngine,
     op: &GemmOp,
     c0: &[f32],
     want: &[f64],
@@ -684,7 +695,7 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
         lt_split_k: true,
         ..Policy::default()
     });
-    let mut rng = Rng::new(110);
+    let mut rng = HostRng::new(110);
     let (n, t) = (Trans::N, Trans::T);
     let op = plain_op;
     let forward = [
@@ -704,7 +715,7 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
     ];
     let mut variants_seen = 0;
     for (i, op) in forward.iter().chain(&backward).enumerate() {
-        let algos: Vec<GemmAlgo> = lt_algos(&dev, &s, op)
+        let algos: Vec<GemmEngine> = lt_algos(&dev, &s, op)
             .into_iter()
             .filter(is_split_k)
             .collect();
@@ -720,18 +731,18 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
         let o = Operands::new(&s, &mut rng, op);
         let Operands { c0, a, b, bb, .. } = o;
         let v = (op.epilogue != Epilogue::None).then_some(&bb);
-        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+        let run = |q: &dyn Queue, algo: GemmEngine, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, op, &a, &b, c, v)
         };
         let first = s.alloc_from_host(&c0).unwrap();
-        run(&s, GemmAlgo::CublasLt(0), &first).unwrap();
+        run(&s, GemmEngine::CublasLt(0), &first).unwrap();
         let want = to_f64(&s.to_vec(&first).unwrap());
         for algo in algos {
             // Deterministic too: the registry admits it under the default policy.
             agrees_repeats_and_replays(&mut s, &run, algo, op, &c0, &want, "cublaslt:0");
         }
         // A variant the plan did not keep: an error naming it, nothing launched.
-        let absent = GemmAlgo::CublasLtSplitK {
+        let absent = GemmEngine::CublasLtSplitK {
             rank: 200,
             split: 2,
         };
@@ -750,8 +761,8 @@ fn cublaslt_split_k_variants_agree_and_replay_bit_for_bit() {
         s.alloc_zeroed::<f32>(fw.m * fw.n).unwrap(),
         s.alloc_from_host(&data(&mut rng, fw.n)).unwrap(),
     );
-    let chosen = run_gemm(&s, &nn, Engine::CublasLt, &fw, &a, &b, &c, Some(&bias)).unwrap();
-    assert_eq!(chosen.family(), Engine::CublasLt);
+    let chosen = run_gemm(&s, &nn, GemmFamily::CublasLt, &fw, &a, &b, &c, Some(&bias)).unwrap();
+    assert_eq!(chosen.family(), GemmFamily::CublasLt);
     let key = format!("{} [cublaslt,+splitk]", fw.key());
     let e = eng.entry(&key).expect("the product is recorded");
     let timed: Vec<_> = e
@@ -795,7 +806,7 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
     let lt = eng
         .cublaslt()
         .expect("cuBLASLt must be installed on the GPU test machine");
-    let mut rng = Rng::new(111);
+    let mut rng = HostRng::new(111);
     let (n, t) = (Trans::N, Trans::T);
     let op = plain_op;
     let ops = [
@@ -809,12 +820,12 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
         op(t, n, 5, 77, 259, Epilogue::None),
     ];
     for (i, op) in ops.iter().enumerate() {
-        let configs: Vec<GemmAlgo> = gemm_candidates(&s, &eng, op, Engine::CublasLt, 256)
+        let configs: Vec<GemmEngine> = gemm_candidates(&s, &eng, op, GemmFamily::CublasLt, 256)
             .unwrap()
             .into_iter()
-            .filter(|a| matches!(a, GemmAlgo::CublasLtConfig(_)))
+            .filter(|a| matches!(a, GemmEngine::CublasLtConfig(_)))
             .collect();
-        let shape = cudagraph_nn::blaslt::LtShape {
+        let shape = cudagraph_nn::ffi::blaslt::LtShape {
             ta: op.ta,
             tb: op.tb,
             m: op.m,
@@ -837,14 +848,14 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
         let want = o.want(op);
         let Operands { c0, a, b, bb, .. } = o;
         let v = (op.epilogue != Epilogue::None).then_some(&bb);
-        let run = |q: &dyn Queue, algo: GemmAlgo, c: &DeviceBuffer<f32>| {
+        let run = |q: &dyn Queue, algo: GemmEngine, c: &DeviceBuffer<f32>| {
             gemm_with(q, &nn, algo, op, &a, &b, c, v)
         };
         for algo in configs {
             agrees_repeats_and_replays(&mut s, &run, algo, op, &c0, &want, "f64");
         }
         // A configuration the plan did not keep: an error naming it, nothing launched.
-        let absent = GemmAlgo::CublasLtConfig(200);
+        let absent = GemmEngine::CublasLtConfig(200);
         let c = s.alloc_from_host(&c0).unwrap();
         let e = run(&s, absent, &c).unwrap_err().to_string();
         assert!(e.contains("c200"), "{e}");
@@ -860,8 +871,8 @@ fn cublaslt_search_configs_agree_and_replay_bit_for_bit() {
             s.alloc_from_host(&data(&mut rng, op.n)).unwrap(),
         );
         let v = (op.epilogue != Epilogue::None).then_some(&bias);
-        let chosen = run_gemm(&s, &nn, Engine::CublasLt, op, &a, &b, &c, v).unwrap();
-        assert_eq!(chosen.family(), Engine::CublasLt);
+        let chosen = run_gemm(&s, &nn, GemmFamily::CublasLt, op, &a, &b, &c, v).unwrap();
+        assert_eq!(chosen.family(), GemmFamily::CublasLt);
         let key = format!("{} [cublaslt,+search]", op.key());
         let e = eng.entry(&key).expect("the product is recorded");
         let searched: Vec<_> = e
@@ -897,7 +908,7 @@ fn bias_gradient_engines_match_cpu() {
         lt_split_k: true,
         ..Policy::default()
     });
-    let mut rng = Rng::new(102);
+    let mut rng = HostRng::new(102);
     // Linear layer sizes (batch, out, in): dW[out×in] = dZᵀ·X, db = Σ_rows dZ.
     for &(batch, out, inf) in &[
         (1usize, 1usize, 1usize),
@@ -928,10 +939,10 @@ fn bias_gradient_engines_match_cpu() {
             s.alloc_from_host(&xh).unwrap(),
         );
         let mut algos = vec![
-            GemmAlgo::Cublas,
-            GemmAlgo::Tiled(1),
-            GemmAlgo::Tiled(3),
-            GemmAlgo::Cluster(4),
+            GemmEngine::Cublas,
+            GemmEngine::Tiled(1),
+            GemmEngine::Tiled(3),
+            GemmEngine::Cluster(4),
         ];
         algos.extend(REG_ALGOS);
         algos.extend(lt_algos(&dev, &s, &op));
@@ -962,7 +973,15 @@ fn bias_gradient_engines_match_cpu() {
 }
 
 /// A Linear(+ReLU) layer forward and backward against the CPU.
-fn check_linear(s: &Stream, rng: &mut Rng, m: usize, k: usize, n: usize, relu: bool, what: &str) {
+fn check_linear(
+    s: &Stream,
+    rng: &mut HostRng,
+    m: usize,
+    k: usize,
+    n: usize,
+    relu: bool,
+    what: &str,
+) {
     let l = Linear::new(s, k, n, rng).unwrap();
     let xh = data(rng, m * k);
     let xp = Parameter::from_host(s, "x", &xh, &[m, k]).unwrap();
@@ -1006,14 +1025,14 @@ fn check_linear(s: &Stream, rng: &mut Rng, m: usize, k: usize, n: usize, relu: b
 fn linear_layers_match_cpu_under_every_gemm_policy() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(103);
+    let mut rng = HostRng::new(103);
     for family in [
-        Engine::Cublas,
-        Engine::CublasLt,
-        Engine::Tiled,
-        Engine::WarpK,
-        Engine::Rows,
-        Engine::Auto,
+        GemmFamily::Cublas,
+        GemmFamily::CublasLt,
+        GemmFamily::Tiled,
+        GemmFamily::WarpK,
+        GemmFamily::Rows,
+        GemmFamily::Auto,
     ] {
         set_policy(&dev, |p| p.gemm = family);
         for &(m, k, n, relu) in &[
@@ -1035,7 +1054,7 @@ fn linear_layers_match_cpu_under_every_gemm_policy() {
             .collect();
         assert!(!rows.is_empty(), "no {family} rows");
         for r in rows {
-            let algo: GemmAlgo = r.entry.engine.parse().unwrap();
+            let algo: GemmEngine = r.entry.engine.parse().unwrap();
             assert_eq!(
                 algo.family().name(),
                 family,
@@ -1091,9 +1110,9 @@ fn cpu_conv(g: &ConvGeom) -> cpu::Conv {
 /// for cuDNN's, some of whose plain-fp32 engines round further from the direct sum (Winograd
 /// and FFT forms; on the H100, 2026-11-23, over one input channel with 5×5 taps: `cudnn:7`
 /// forward 2.2e-4, `cudnnv8:4` weight gradient 2.3e-4, the latter with no transform note).
-fn conv_bound(algo: ConvAlgo) -> f64 {
+fn conv_bound(algo: ConvEngine) -> f64 {
     match algo {
-        ConvAlgo::Cudnn(_) | ConvAlgo::CudnnGraph(_) | ConvAlgo::CudnnGraphBias(_) => 1e-3,
+        ConvEngine::Cudnn(_) | ConvEngine::CudnnGraph(_) | ConvEngine::CudnnGraphBias(_) => 1e-3,
         _ => 1e-4,
     }
 }
@@ -1113,7 +1132,7 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
         deterministic: false,
         ..Policy::default()
     };
-    let mut rng = Rng::new(104);
+    let mut rng = HostRng::new(104);
     let mut seen_cudnn = 0;
     for g in geometries() {
         let cv = cpu_conv(&g);
@@ -1140,24 +1159,24 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
             let cands =
                 conv_candidates(&s, &eng, dir, &g, dir == ConvDir::Forward, &policy).unwrap();
             assert!(
-                cands.iter().any(|a| matches!(a, ConvAlgo::Cudnn(_))),
+                cands.iter().any(|a| matches!(a, ConvEngine::Cudnn(_))),
                 "no cuDNN algorithm for {}",
                 conv_key(dir, &g, false)
             );
             // Our kernels also with forced splits (covers the reduce kernel everywhere, and
             // more splits than K steps allow, which the launch trims).
             let mut all = cands.clone();
-            for t in cudagraph_nn::conv::Tile::ALL {
-                all.push(ConvAlgo::Igemm(t, 3));
-                all.push(ConvAlgo::Igemm(t, 200));
+            for t in cudagraph_nn::engine::conv::Tile::ALL {
+                all.push(ConvEngine::Igemm(t, 3));
+                all.push(ConvEngine::Igemm(t, 200));
             }
             // The small weight-gradient kernel in one block (writing dw itself), in a few, and
             // in more blocks than 32-pixel tiles (the launch trims empty ones).
             if dir == ConvDir::BackwardFilter && igemm::wgrad_small_supports(&g) {
-                all.extend([1, 3, 1000].map(ConvAlgo::Wgrad));
+                all.extend([1, 3, 1000].map(ConvEngine::Wgrad));
             }
             for algo in all {
-                seen_cudnn += matches!(algo, ConvAlgo::Cudnn(_)) as usize;
+                seen_cudnn += matches!(algo, ConvEngine::Cudnn(_)) as usize;
                 let (out_len, want, io_a, io_b) = match dir {
                     ConvDir::Forward => (yl, &y_want, &x, &w),
                     ConvDir::BackwardData => (xl, &dx_want, &dy, &w),
@@ -1192,14 +1211,14 @@ fn every_conv_engine_matches_cpu_forward_and_backward() {
         conv_candidates(&s, &eng, ConvDir::BackwardFilter, &long_k, false, &policy).unwrap();
     let sms = dev.info().multiprocessors;
     assert!(
-        cands.iter().any(|a| matches!(a, ConvAlgo::Igemm(t, n)
+        cands.iter().any(|a| matches!(a, ConvEngine::Igemm(t, n)
             if Some(*n as usize) == igemm::deep_splits(
                 ConvDir::BackwardFilter, &long_k, *t, sms))),
         "{cands:?}"
     );
     // Few channels: the small weight-gradient kernel is a candidate too.
     assert!(
-        cands.iter().any(|a| matches!(a, ConvAlgo::Wgrad(_))),
+        cands.iter().any(|a| matches!(a, ConvEngine::Wgrad(_))),
         "{cands:?}"
     );
 }
@@ -1227,7 +1246,7 @@ fn conv_bias_engines_add_exactly() {
         stride: 1,
         pad: 0,
     };
-    let mut rng = Rng::new(107);
+    let mut rng = HostRng::new(107);
     // Output planes of 6×6 (a multiple of 4: float4), 5×5 and 1×1 (scalar).
     for geom in [g(3, 2, 8, 7, 3), g(2, 3, 7, 5, 3), g(5, 1, 1, 9, 1)] {
         let yl = geom.output_len().unwrap();
@@ -1269,10 +1288,10 @@ fn conv_bias_engines_add_exactly() {
             out: &y,
             bias: Some(&b),
         };
-        conv_with(&s, &nn, ConvAlgo::Cudnn(0), ConvDir::Forward, &geom, io).unwrap();
+        conv_with(&s, &nn, ConvEngine::Cudnn(0), ConvDir::Forward, &geom, io).unwrap();
         let err = rel_err(&s.to_vec(&y).unwrap(), &y_want);
         assert!(err < 1e-5, "{geom:?}: {err}");
-        let key = cudagraph_nn::conv::conv_bias_key(&geom).unwrap();
+        let key = cudagraph_nn::engine::conv::conv_bias_key(&geom).unwrap();
         let entry = eng.entry(&key).expect("the bias choice is recorded");
         assert!(entry.measured, "{key}: {entry:?}");
         assert!(
@@ -1283,7 +1302,7 @@ fn conv_bias_engines_add_exactly() {
 }
 
 /// conv2d (with bias) forward and backward through autograd, against the CPU.
-fn check_conv_op(s: &Stream, rng: &mut Rng, g: &ConvGeom, what: &str) {
+fn check_conv_op(s: &Stream, rng: &mut HostRng, g: &ConvGeom, what: &str) {
     let cv = cpu_conv(g);
     let xh = data(rng, g.input_len().unwrap());
     let xp = Parameter::from_host(s, "x", &xh, &[g.n, g.c, g.h, g.w]).unwrap();
@@ -1320,13 +1339,13 @@ fn check_conv_op(s: &Stream, rng: &mut Rng, g: &ConvGeom, what: &str) {
 fn conv2d_matches_cpu_under_every_conv_policy() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(105);
+    let mut rng = HostRng::new(105);
     for family in [
-        ConvEngine::Cudnn,
-        ConvEngine::Ours,
-        ConvEngine::Igemm,
-        ConvEngine::Direct,
-        ConvEngine::Auto,
+        ConvFamily::Cudnn,
+        ConvFamily::Ours,
+        ConvFamily::Igemm,
+        ConvFamily::Direct,
+        ConvFamily::Auto,
     ] {
         set_policy(&dev, |p| p.conv = family);
         for g in geometries().iter().take(5) {
@@ -1340,10 +1359,10 @@ fn conv2d_matches_cpu_under_every_conv_policy() {
             continue; // a product, a bias or a cross-entropy: parsed, not a convolution
         };
         for family in [
-            ConvEngine::Cudnn,
-            ConvEngine::Ours,
-            ConvEngine::Igemm,
-            ConvEngine::Direct,
+            ConvFamily::Cudnn,
+            ConvFamily::Ours,
+            ConvFamily::Igemm,
+            ConvFamily::Direct,
         ] {
             if r.key.ends_with(&format!(" [{}]", family.name())) {
                 assert!(family.allows(e), "{} -> {e}", r.key);
@@ -1355,7 +1374,7 @@ fn conv2d_matches_cpu_under_every_conv_policy() {
 /// The convolution engine of a table row, `None` for a row of another operation. Every row's
 /// engine, and the engine of each of its timings, must parse as its operation's kind (told by
 /// the key: `gemm `, `conv_bias `, `conv_`, `cross_entropy `); anything else fails the test.
-fn conv_engine_of(r: &EngineRow) -> Option<ConvAlgo> {
+fn conv_engine_of(r: &EngineRow) -> Option<ConvEngine> {
     fn parses<A: std::str::FromStr>(key: &str, name: &str, what: &str)
     where
         A::Err: std::fmt::Display,
@@ -1373,13 +1392,13 @@ fn conv_engine_of(r: &EngineRow) -> Option<ConvAlgo> {
     );
     for (name, what) in names {
         if key.starts_with("gemm ") {
-            parses::<GemmAlgo>(key, name, what);
+            parses::<GemmEngine>(key, name, what);
         } else if key.starts_with("conv_bias ") {
-            parses::<BiasAlgo>(key, name, what);
+            parses::<BiasEngine>(key, name, what);
         } else if key.starts_with("conv_") {
-            parses::<ConvAlgo>(key, name, what);
+            parses::<ConvEngine>(key, name, what);
         } else if key.starts_with("cross_entropy ") {
-            parses::<CeAlgo>(key, name, what);
+            parses::<CeEngine>(key, name, what);
         } else {
             panic!("table row `{key}` -> `{name}`: a key of no known operation");
         }
@@ -1390,7 +1409,7 @@ fn conv_engine_of(r: &EngineRow) -> Option<ConvAlgo> {
 
 /// A small CNN + MLP: conv(3→8, 3×3, pad 1) → ReLU → conv(8→16, 5×5, stride 2) → flatten →
 /// Linear(+ReLU) → Linear, with an MSE loss. Returns the loss and the model.
-fn cnn(s: &Stream, rng: &mut Rng) -> Sequential {
+fn cnn(s: &Stream, rng: &mut HostRng) -> Sequential {
     Sequential::new(vec![
         Layer::Conv2d(Conv2d::new(s, 3, 8, 3, 1, 1, rng).unwrap()),
         Layer::ReLU,
@@ -1415,7 +1434,7 @@ fn step(q: &dyn Queue, model: &Sequential, x: &Tensor, t: &Tensor) -> Result<(Te
 /// Runs the CNN step eagerly, then captured and replayed, and compares everything bit for bit.
 fn replay_equals_eager(dev: &Device, what: &str) {
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(106);
+    let mut rng = HostRng::new(106);
     let model = cnn(&s, &mut rng);
     let x = Tensor::from_host(&s, &data(&mut rng, 4 * 3 * 15 * 15), &[4, 3, 15, 15]).unwrap();
     let t = Tensor::from_host(&s, &data(&mut rng, 4 * 10), &[4, 10]).unwrap();
@@ -1453,18 +1472,18 @@ fn graph_replay_equals_eager_bit_for_bit_with_the_same_engines() {
     engines(&dev).clear();
     replay_equals_eager(&dev, "auto");
     set_policy(&dev, |p| {
-        p.conv = ConvEngine::Cudnn;
-        p.gemm = Engine::CublasLt;
+        p.conv = ConvFamily::Cudnn;
+        p.gemm = GemmFamily::CublasLt;
     });
     replay_equals_eager(&dev, "cudnn+cublaslt");
     set_policy(&dev, |p| {
-        p.conv = ConvEngine::Igemm;
-        p.gemm = Engine::Tiled;
+        p.conv = ConvFamily::Igemm;
+        p.gemm = GemmFamily::Tiled;
     });
     replay_equals_eager(&dev, "igemm+tiled");
     set_policy(&dev, |p| {
-        p.conv = ConvEngine::Ours;
-        p.gemm = Engine::Rows;
+        p.conv = ConvFamily::Ours;
+        p.gemm = GemmFamily::Rows;
     });
     replay_equals_eager(&dev, "ours+rows");
 }
@@ -1473,13 +1492,13 @@ fn graph_replay_equals_eager_bit_for_bit_with_the_same_engines() {
 fn fallback_without_cudnn_and_cublaslt_runs_everything() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(107);
+    let mut rng = HostRng::new(107);
     engines(&dev).clear(); // choices loaded from disk may name the libraries
                            // Libraries "missing", our kernels forced (CUDAGRAPH_CONV=ours).
     set_policy(&dev, |p| {
         p.cudnn = false;
         p.cublaslt = false;
-        p.conv = ConvEngine::Ours;
+        p.conv = ConvFamily::Ours;
     });
     let eng = engines(&dev);
     assert!(eng.cudnn().is_none() && eng.cublaslt().is_none());
@@ -1492,8 +1511,8 @@ fn fallback_without_cudnn_and_cublaslt_runs_everything() {
     set_policy(&dev, |p| {
         p.cudnn = false;
         p.cublaslt = false;
-        p.conv = ConvEngine::Cudnn;
-        p.gemm = Engine::CublasLt;
+        p.conv = ConvFamily::Cudnn;
+        p.gemm = GemmFamily::CublasLt;
     });
     check_conv_op(&s, &mut rng, &geometries()[1], "forced cudnn, missing");
     check_linear(&s, &mut rng, 7, 13, 31, false, "forced cublaslt, missing");
@@ -1514,7 +1533,7 @@ fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
     let eng = engines(&dev);
     eng.clear();
     eng.set_policy(Policy::default()); // whatever CUDAGRAPH_GEMM/CONV say
-    let mut rng = Rng::new(108);
+    let mut rng = HostRng::new(108);
     let l = Linear::new(&s, 61, 29, &mut rng).unwrap();
     let x = Tensor::from_host(&s, &data(&mut rng, 19 * 61), &[19, 61]).unwrap();
     let key = "gemm NT m=19 n=29 k=61 a=1 b=0 ep=bias_relu";
@@ -1524,7 +1543,7 @@ fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
     .unwrap();
     let e = eng.entry(key).expect("captured product recorded");
     assert!(!e.measured && e.timings.is_empty(), "{e:?}");
-    // The heuristic default (former Engine::Auto table: split-K tiled at m = 19; one split
+    // The heuristic default (former GemmFamily::Auto table: split-K tiled at m = 19; one split
     // here); cuBLASLt was not opened inside the capture.
     assert_eq!(e.engine, "tiled:1");
     g.replay(&s).unwrap();

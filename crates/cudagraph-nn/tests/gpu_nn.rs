@@ -13,11 +13,11 @@ use std::sync::Arc;
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Device, Graph, Queue, StaticGraph, Stream};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
+use cudagraph_nn::engine::gemm::GemmFamily;
 use cudagraph_nn::engine::{Engines, Policy};
-use cudagraph_nn::gemm::Engine;
 use cudagraph_nn::*;
 
-fn data(rng: &mut Rng, n: usize) -> Vec<f32> {
+fn data(rng: &mut HostRng, n: usize) -> Vec<f32> {
     rng.vec_normal(n)
 }
 
@@ -30,7 +30,7 @@ fn grad(p: &Parameter, s: &Stream) -> Vec<f32> {
 fn linear_relu_forward_and_backward_match_cpu() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(1);
+    let mut rng = HostRng::new(1);
     for &(m, k, n, relu) in &[
         (32usize, 1024usize, 512usize, true),
         (7, 33, 10, false),
@@ -76,7 +76,7 @@ fn linear_relu_forward_and_backward_match_cpu() {
 fn input_gradient_flows_through_two_layers() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(2);
+    let mut rng = HostRng::new(2);
     let (m, k, h, n) = (5, 8, 6, 3);
     let l1 = Linear::new(&s, k, h, &mut rng).unwrap();
     let l2 = Linear::new(&s, h, n, &mut rng).unwrap();
@@ -126,7 +126,7 @@ fn input_gradient_flows_through_two_layers() {
 fn cross_entropy_matches_cpu() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(3);
+    let mut rng = HostRng::new(3);
     let (m, c) = (37, 10);
     let l = Linear::new(&s, 4, c, &mut rng).unwrap();
     let xh = data(&mut rng, m * 4);
@@ -150,7 +150,7 @@ fn cross_entropy_matches_cpu() {
 fn conv2d_and_maxpool_match_cpu() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(4);
+    let mut rng = HostRng::new(4);
     for &(n, c, h, w, oc, k, stride, pad) in &[
         (
             2usize, 3usize, 9usize, 7usize, 4usize, 3usize, 1usize, 1usize,
@@ -227,7 +227,7 @@ fn conv2d_and_maxpool_match_cpu() {
 fn maxpool_backward_routes_gradient_to_the_argmax() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(5);
+    let mut rng = HostRng::new(5);
     // conv (so the pool input needs a gradient) → pool → loss; check conv's dW.
     let conv = Conv2d::new(&s, 1, 2, 3, 1, 1, &mut rng).unwrap();
     let xh = data(&mut rng, 2 * 8 * 8);
@@ -271,7 +271,7 @@ fn maxpool_backward_routes_gradient_to_the_argmax() {
 fn optimizers_match_reference_updates() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(6);
+    let mut rng = HostRng::new(6);
     let n = 1000;
     for kind in 0..3 {
         let wh = data(&mut rng, n);
@@ -316,7 +316,7 @@ fn train_linear(
     steps: usize,
 ) -> (Vec<f32>, Vec<f32>, f32) {
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(7);
+    let mut rng = HostRng::new(7);
     let model = Linear::new(&s, 1024, 1024, &mut rng).unwrap();
     let mut opt: Box<dyn Optimizer> = if adam {
         Box::new(Adam::new(&s, model.parameters(), 1e-3, 0.0, false).unwrap())
@@ -384,7 +384,7 @@ fn graphed_training_matches_eager_for_100_steps() {
     }
 }
 
-fn seed_mlp(s: &Stream, rng: &mut Rng) -> Sequential {
+fn seed_mlp(s: &Stream, rng: &mut HostRng) -> Sequential {
     Sequential::new(vec![
         Layer::Linear(Linear::new(s, 1024, 512, rng).unwrap()),
         Layer::ReLU,
@@ -398,7 +398,7 @@ fn seed_mlp(s: &Stream, rng: &mut Rng) -> Sequential {
 fn mlp_static_graph_inference_matches_eager_and_cpu() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(8);
+    let mut rng = HostRng::new(8);
     let model = seed_mlp(&s, &mut rng);
     let params: Vec<Vec<f64>> = model
         .parameters()
@@ -462,7 +462,7 @@ fn mlp_static_graph_inference_matches_eager_and_cpu() {
 fn shared_pool_holds_nine_batch_sizes_within_1_1x_of_the_largest() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(9);
+    let mut rng = HostRng::new(9);
     let model = seed_mlp(&s, &mut rng);
     let sizes = [256usize, 128, 64, 32, 16, 8, 4, 2, 1];
     // The largest of the nine alone, each in its own pool (not only batch 256's: a size whose
@@ -510,7 +510,7 @@ fn shared_pool_holds_nine_batch_sizes_within_1_1x_of_the_largest() {
 fn gradients_accumulate_without_set_to_none() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(10);
+    let mut rng = HostRng::new(10);
     let p = Parameter::from_host(&s, "w", &data(&mut rng, 16), &[16]).unwrap();
     let t = Tensor::from_host(&s, &data(&mut rng, 16), &[16]).unwrap();
     mse_loss(&s, &p.tensor(), &t, Reduction::Sum)
@@ -545,13 +545,13 @@ fn gradients_accumulate_without_set_to_none() {
 
 #[test]
 fn gemm_engines_match_cpu_for_every_transpose() {
-    use cudagraph_nn::blas::Trans;
-    use cudagraph_nn::gemm::{gemm, Engine};
+    use cudagraph_nn::engine::gemm::Trans;
+    use cudagraph_nn::engine::gemm::{gemm, GemmFamily};
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(11);
-    for engine in [Engine::Cublas, Engine::Tiled, Engine::WarpK] {
+    let mut rng = HostRng::new(11);
+    for engine in [GemmFamily::Cublas, GemmFamily::Tiled, GemmFamily::WarpK] {
         for (ta, tb) in [
             (Trans::N, Trans::N),
             (Trans::N, Trans::T),
@@ -613,7 +613,7 @@ fn graph_cache_matches_eager_at_every_size_with_padding_and_fallback() {
     use cudagraph::{BucketPolicy, CacheOptions, GraphCache, Served};
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(12);
+    let mut rng = HostRng::new(12);
     let model = seed_mlp(&s, &mut rng);
     let batched = Batched {
         module: model.clone(),
@@ -678,7 +678,7 @@ fn lazy_graph_cache_captures_on_demand_and_evicts_over_budget() {
     use cudagraph::{BucketPolicy, CacheOptions, GraphCache};
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(13);
+    let mut rng = HostRng::new(13);
     let model = seed_mlp(&s, &mut rng);
     let batched = Batched {
         module: model.clone(),
@@ -720,14 +720,14 @@ fn lazy_graph_cache_captures_on_demand_and_evicts_over_budget() {
 fn rebind_gives_the_same_results_as_copy_in_with_cublas_and_tiled_kernels() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(14);
+    let mut rng = HostRng::new(14);
     let model = seed_mlp(&s, &mut rng);
     let engines = Engines::get(&dev).unwrap();
     let before = engines.policy();
     // Auto: whatever the registry picks (cuBLAS at small batches, whose kernels take their
     // pointers inside struct parameters); then only our tiled kernel, which every driver lets
     // rebind read.
-    for (policy, gemm) in [("auto", Engine::Auto), ("tiled", Engine::Tiled)] {
+    for (policy, gemm) in [("auto", GemmFamily::Auto), ("tiled", GemmFamily::Tiled)] {
         engines.set_policy(Policy { gemm, ..before });
         for bs in [4usize, 32] {
             let static_in =
@@ -792,7 +792,7 @@ fn graphed_module_trains_like_the_eager_module() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let build = |s: &Stream| {
-        let mut rng = Rng::new(15);
+        let mut rng = HostRng::new(15);
         let pre = Linear::new(s, 12, 16, &mut rng).unwrap();
         let mid = Sequential::new(vec![
             Layer::Linear(Linear::new(s, 16, 32, &mut rng).unwrap()),
@@ -802,7 +802,7 @@ fn graphed_module_trains_like_the_eager_module() {
         let head = Linear::new(s, 8, 4, &mut rng).unwrap();
         (pre, mid, head)
     };
-    let mut data_rng = Rng::new(16);
+    let mut data_rng = HostRng::new(16);
     let xs: Vec<Vec<f32>> = (0..10).map(|_| data_rng.vec_normal(5 * 12)).collect();
     let t = Tensor::from_host(&s, &data_rng.vec_normal(5 * 4), &[5, 4]).unwrap();
     // Eager reference.
@@ -865,7 +865,7 @@ fn graphed_module_trains_like_the_eager_module() {
 fn relu_and_reshape_forward_and_backward_match_cpu() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(17);
+    let mut rng = HostRng::new(17);
     // x is a parameter so its gradient is observable: loss = sum((relu(reshape(x)) - t)^2).
     let xh = data(&mut rng, 6 * 10);
     let p = Parameter::from_host(&s, "x", &xh, &[6, 10]).unwrap();
@@ -897,12 +897,12 @@ fn relu_and_reshape_forward_and_backward_match_cpu() {
 
 #[test]
 fn warp_k_kernel_matches_cpu_on_the_forward_layout() {
-    use cudagraph_nn::blas::Trans;
-    use cudagraph_nn::gemm::{gemm, Engine};
+    use cudagraph_nn::engine::gemm::Trans;
+    use cudagraph_nn::engine::gemm::{gemm, GemmFamily};
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(18);
+    let mut rng = HostRng::new(18);
     for &(m, n, k) in &[
         (5usize, 7usize, 3usize),
         (1, 10, 256),
@@ -934,7 +934,7 @@ fn warp_k_kernel_matches_cpu_on_the_forward_layout() {
         gemm(
             &s,
             &nn,
-            Engine::WarpK,
+            GemmFamily::WarpK,
             (Trans::N, Trans::T),
             (m, n, k),
             1.0,
@@ -960,7 +960,7 @@ fn channel_sum_matches_f64_in_one_part_and_in_many() {
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
     let sms = dev.info().multiprocessors;
-    let mut rng = Rng::new(77);
+    let mut rng = HostRng::new(77);
     let mut split = 0;
     // (n, c, hw): one part, parts inside one plane, parts across planes with odd sizes, a
     // large plane with few channels (the bias gradient of a small-channel conv on 224²).
@@ -1020,14 +1020,14 @@ fn backward_from_a_loss_skips_the_seed_and_the_scale() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let (m, k, n) = (5usize, 37usize, 11usize);
-    let mut rng = Rng::new(31);
+    let mut rng = HostRng::new(31);
     let xh = data(&mut rng, m * k);
     let th = data(&mut rng, m * n);
     let x = Tensor::from_host(&s, &xh, &[m, k]).unwrap();
     let t = Tensor::from_host(&s, &th, &[m, n]).unwrap();
     let tg = Targets::from_host(&s, &[3, 0, 10, 7, 7], n).unwrap();
     for ce in [false, true] {
-        let model = Linear::new(&s, k, n, &mut Rng::new(32)).unwrap();
+        let model = Linear::new(&s, k, n, &mut HostRng::new(32)).unwrap();
         let params = model.parameters();
         // unit: backward(); else backward_with(ones).
         let step = |q: &dyn Queue, unit: bool| -> Result<()> {

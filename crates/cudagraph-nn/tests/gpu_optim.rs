@@ -98,7 +98,7 @@ fn build(s: &Stream, params: Vec<Parameter>, kind: &Kind) -> Box<dyn Optimizer> 
 /// every tensor against the f64 reference.
 fn check_against_reference(dev: &Device, sizes: &[usize], kind: &Kind, steps: i32, seed: u64) {
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(seed);
+    let mut rng = HostRng::new(seed);
     let mut params = Vec::new();
     let mut host_w = Vec::new();
     let mut targets = Vec::new();
@@ -240,7 +240,7 @@ fn hundreds_of_tensors_take_several_launches_and_all_update() {
 fn adam_counts_steps_per_parameter_like_pytorch() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(400);
+    let mut rng = HostRng::new(400);
     let a = Parameter::from_host(&s, "a", &rng.vec_normal(10), &[10]).unwrap();
     let b = Parameter::from_host(&s, "b", &rng.vec_normal(20), &[20]).unwrap();
     let ta = Tensor::from_host(&s, &rng.vec_normal(10), &[10]).unwrap();
@@ -262,7 +262,7 @@ fn adam_counts_steps_per_parameter_like_pytorch() {
 /// Adam steps on parameters only (fused MSE + fused Adam: no cuBLAS), eager or graphed.
 fn train_params(dev: &Device, graphed: bool, steps: usize) -> (Vec<Vec<f32>>, Vec<f32>) {
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(500);
+    let mut rng = HostRng::new(500);
     let sizes = [3usize, 1000, 4097, 70001];
     let params: Vec<Parameter> = sizes
         .iter()
@@ -325,7 +325,7 @@ fn graphed_fused_steps_equal_eager_bit_for_bit() {
 fn hyperparameters_change_between_replays_without_recapture() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(600);
+    let mut rng = HostRng::new(600);
     let n = 777;
     let w0 = rng.vec_normal(n);
     let th = rng.vec_normal(n);
@@ -366,7 +366,7 @@ fn hyperparameters_change_between_replays_without_recapture() {
 fn adam_hyperparameters_set_from_the_host_reach_a_captured_step() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(650);
+    let mut rng = HostRng::new(650);
     let n = 513;
     let w0 = rng.vec_normal(n);
     let th = rng.vec_normal(n);
@@ -419,7 +419,7 @@ fn train_scheduled(
     steps: u32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(700);
+    let mut rng = HostRng::new(700);
     let model = Linear::new(&s, 16, 4, &mut rng).unwrap();
     let x = Tensor::from_host(&s, &rng.vec_normal(8 * 16), &[8, 16]).unwrap();
     let y = Tensor::from_host(&s, &rng.vec_normal(8 * 4), &[8, 4]).unwrap();
@@ -541,7 +541,7 @@ fn ce_ref(z: &[f32], tgt: &[i32], rows: usize, cols: usize) -> (f64, Vec<f64>) {
 fn cross_entropy_matches_f64_from_10_to_50000_classes() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(800);
+    let mut rng = HostRng::new(800);
     for &(rows, cols) in &[
         (1usize, 1usize),
         (1, 10),
@@ -604,7 +604,7 @@ fn every_cross_entropy_plan_matches_f64() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let k = LossKernels::get(&dev).unwrap();
-    let mut rng = Rng::new(830);
+    let mut rng = HostRng::new(830);
     let mut plans_checked = 0;
     for &(rows, cols) in &[
         (9usize, 10usize),
@@ -667,7 +667,7 @@ fn every_cross_entropy_plan_matches_f64() {
 fn cross_entropy_reports_and_clamps_bad_targets_in_every_kernel() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(810);
+    let mut rng = HostRng::new(810);
     // A warp per row, lanes groups per row, rows split across blocks, a block per row.
     for &(rows, cols) in &[(4usize, 10usize), (40, 30), (4, 5000), (200, 1500)] {
         let z = Tensor::from_host(&s, &rng.vec_normal(rows * cols), &[rows, cols]).unwrap();
@@ -698,7 +698,7 @@ fn cross_entropy_reports_and_clamps_bad_targets_in_every_kernel() {
 fn cross_entropy_replays_equal_eager_bit_for_bit() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(820);
+    let mut rng = HostRng::new(820);
     for &(rows, cols) in &[(64usize, 10usize), (300, 1000), (16, 50000)] {
         let p = Parameter::from_host(&s, "z", &rng.vec_normal(rows * cols), &[rows, cols]).unwrap();
         let tgt: Vec<i32> = (0..rows).map(|r| (r % cols) as i32).collect();
@@ -735,7 +735,7 @@ fn cross_entropy_replays_equal_eager_bit_for_bit() {
 fn mse_matches_f64_with_any_upstream_gradient() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(900);
+    let mut rng = HostRng::new(900);
     for &n in &[1usize, 7, 32768, 32769, 1_000_003] {
         for (reduction, mean) in [(Reduction::Sum, false), (Reduction::Mean, true)] {
             let (ph, th) = (rng.vec_normal(n), rng.vec_normal(n));
@@ -801,7 +801,7 @@ fn graph_cache_staged_run_into_and_measured_choice_match_eager() {
     use cudagraph::{BucketPolicy, CacheOptions, GraphCache, QueueExt, Served};
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(1000);
+    let mut rng = HostRng::new(1000);
     let model = Sequential::new(vec![
         Layer::Linear(Linear::new(&s, 64, 32, &mut rng).unwrap()),
         Layer::ReLU,

@@ -11,8 +11,8 @@
 use std::sync::Arc;
 
 use cudagraph::{gpu_test_device, CaptureOptions, Graph, QueueExt, Stream};
-use cudagraph_nn::kernels::rng::RngKernels;
-use cudagraph_nn::rng::{philox4x32_10, reference};
+use cudagraph_nn::kernels::philox::PhiloxKernels;
+use cudagraph_nn::random::{philox4x32_10, reference};
 use cudagraph_nn::*;
 
 const SEED: u64 = 0x1234_5678_9abc_def0;
@@ -28,7 +28,7 @@ fn stats(v: &[f32]) -> (f64, f64) {
 fn philox_kernel_matches_known_answers_and_the_cpu_reference() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let k = RngKernels::get(&dev).unwrap();
+    let k = PhiloxKernels::get(&dev).unwrap();
     let mut records: Vec<[u32; 6]> = vec![
         [0, 0, 0, 0, 0, 0],
         [u32::MAX; 6],
@@ -36,7 +36,7 @@ fn philox_kernel_matches_known_answers_and_the_cpu_reference() {
             0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0,
         ],
     ];
-    let mut rng = Rng::new(5);
+    let mut rng = HostRng::new(5);
     for _ in 0..1000 {
         let mut r = [0u32; 6];
         for w in &mut r {
@@ -140,7 +140,7 @@ fn dropout_keeps_one_minus_p_scales_the_rest_and_routes_gradients_through_the_ma
     let s = dev.new_stream().unwrap();
     let n = 1 << 20;
     let p = 0.3f32;
-    let mut rng = Rng::new(11);
+    let mut rng = HostRng::new(11);
     let xh = rng.vec_normal(n);
     let x = Parameter::from_host(&s, "x", &xh, &[n]).unwrap();
     let g = Generator::new(&s, SEED).unwrap();
@@ -184,7 +184,7 @@ fn dropout_keeps_one_minus_p_scales_the_rest_and_routes_gradients_through_the_ma
 }
 
 fn dropout_model(s: &Stream, seed: u64) -> Sequential {
-    let mut rng = Rng::new(3);
+    let mut rng = HostRng::new(3);
     Sequential::new(vec![
         Layer::Linear(Linear::new(s, 16, 64, &mut rng).unwrap()),
         Layer::ReLU,
@@ -198,7 +198,7 @@ fn dropout_model(s: &Stream, seed: u64) -> Sequential {
 fn eager_and_graphed_training_with_dropout_match_step_for_step() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(4);
+    let mut rng = HostRng::new(4);
     let xh = rng.vec_normal(8 * 16);
     let th = rng.vec_normal(8 * 4);
     let x = Tensor::from_host(&s, &xh, &[8, 16]).unwrap();

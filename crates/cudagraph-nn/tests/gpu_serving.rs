@@ -30,7 +30,7 @@ const TOLERANCE: f64 = 1e-5;
 
 /// Linear(48, 64) → ReLU → Linear(64, 64) → ReLU → Linear(64, 10).
 fn model(s: &Stream, seed: u64) -> Sequential {
-    let mut rng = Rng::new(seed);
+    let mut rng = HostRng::new(seed);
     Sequential::new(vec![
         Layer::Linear(Linear::new(s, IN, 64, &mut rng).unwrap()),
         Layer::ReLU,
@@ -87,7 +87,7 @@ const SIZES: [usize; 16] = [32, 3, 1, 8, 5, 17, 24, 2, 31, 7, 40, 32, 1, 13, 3, 
 
 /// One request: its rows and their data (distinct for every request).
 fn requests(seed: u64) -> Vec<(usize, Vec<f32>)> {
-    let mut rng = Rng::new(seed);
+    let mut rng = HostRng::new(seed);
     SIZES
         .iter()
         .map(|&rows| (rows, rng.vec_normal(rows * IN)))
@@ -204,7 +204,7 @@ fn a_batcher_over_a_model_runner_answers_concurrent_requests_with_their_own_rows
     let m = model(&s, 7);
     s.synchronize().unwrap();
     // 4 threads × 25 requests of 1 to 12 rows, each with its own data and eager answer.
-    let mut rng = Rng::new(8);
+    let mut rng = HostRng::new(8);
     let work: Vec<Vec<Request>> = (0..4)
         .map(|t| {
             (0..25)
@@ -290,7 +290,7 @@ fn model_runner_refuses_misuse_with_typed_errors_and_keeps_serving() {
     let s = dev.new_stream().unwrap();
     let m = model(&s, 9);
     s.synchronize().unwrap();
-    let mut rng = Rng::new(10);
+    let mut rng = HostRng::new(10);
     for graphs in [true, false] {
         let mut runner = ModelRunner::new(
             dev.new_stream().unwrap(),

@@ -17,17 +17,18 @@ use cudagraph::{
     gpu_test_device, BucketPolicy, CacheOptions, CaptureOptions, Device, DeviceBuffer, Error,
     Graph, GraphCache, QueueExt, Stream,
 };
-use cudagraph_nn::blas::{Epilogue, Trans};
-use cudagraph_nn::blaslt::{LtAlgo, LtShape};
-use cudagraph_nn::conv::{conv_with, run_conv, ConvDir, ConvIo};
 use cudagraph_nn::cpu::{self, rel_err, to_f64};
-use cudagraph_nn::engine::{ConvAlgo, Engine, Engines, GemmAlgo};
-use cudagraph_nn::gemm::{gemm_with, GemmOp};
+use cudagraph_nn::engine::conv::ConvGeom;
+use cudagraph_nn::engine::conv::{conv_with, run_conv, ConvDir, ConvIo};
+use cudagraph_nn::engine::gemm;
+use cudagraph_nn::engine::gemm::{gemm_with, GemmOp};
+use cudagraph_nn::engine::gemm::{Epilogue, Trans};
+use cudagraph_nn::engine::{ConvEngine, Engines, GemmEngine, GemmFamily};
+use cudagraph_nn::ffi::blaslt::{LtAlgo, LtShape};
 use cudagraph_nn::kernels::igemm::Spin;
-use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::*;
 
-fn mlp(s: &Stream, rng: &mut Rng, dims: &[usize]) -> Sequential {
+fn mlp(s: &Stream, rng: &mut HostRng, dims: &[usize]) -> Sequential {
     let mut layers = Vec::new();
     for w in dims.windows(2) {
         layers.push(Layer::Linear(Linear::new(s, w[0], w[1], rng).unwrap()));
@@ -55,7 +56,7 @@ fn device_check(e: &NnError) -> Option<(&'static str, i64, i64, u64)> {
 fn a_cross_entropy_target_out_of_range_is_reported_eagerly_without_an_out_of_bounds_read() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(5);
+    let mut rng = HostRng::new(5);
     let (m, c) = (16, 10);
     let z = Tensor::from_host(&s, &rng.vec_normal(m * c), &[m, c]).unwrap();
     let mut tgt: Vec<i32> = (0..m as i32).map(|i| i % c as i32).collect();
@@ -85,7 +86,7 @@ fn a_cross_entropy_target_out_of_range_is_reported_eagerly_without_an_out_of_bou
 fn a_cross_entropy_target_out_of_range_inside_a_graph_is_reported_by_the_checked_replay() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(6);
+    let mut rng = HostRng::new(6);
     let (m, c) = (8, 5);
     let model = Linear::new(&s, 4, c, &mut rng).unwrap();
     let mut opt = Sgd::new(&s, model.parameters(), 0.1, 0.0, 0.0).unwrap();
@@ -130,7 +131,7 @@ fn host_targets_are_checked_before_upload() {
 /// Creates the stream's cuBLAS workspace (kept per stream by design) so that measurements of
 /// allocated memory before and after a row compare like with like.
 fn warm(s: &Stream) {
-    let mut rng = Rng::new(99);
+    let mut rng = HostRng::new(99);
     let l = Linear::new(s, 4, 4, &mut rng).unwrap();
     l.forward(s, &Tensor::zeros(s, &[1, 4]).unwrap()).unwrap();
     s.synchronize().unwrap();
@@ -161,7 +162,7 @@ fn every_op_rejects_mismatched_shapes_with_a_typed_error() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     warm(&s);
-    let mut rng = Rng::new(7);
+    let mut rng = HostRng::new(7);
     let t = |shape: &[usize]| Tensor::zeros(&s, shape).unwrap();
     let lin = Linear::new(&s, 4, 3, &mut rng).unwrap();
     let conv = Conv2d::new(&s, 3, 2, 3, 1, 0, &mut rng).unwrap();
@@ -231,7 +232,7 @@ fn every_op_rejects_mismatched_shapes_with_a_typed_error() {
 fn zero_sized_batches_run_and_return_empty_results() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(8);
+    let mut rng = HostRng::new(8);
     let model = mlp(&s, &mut rng, &[6, 5, 3]);
     let x = Tensor::zeros(&s, &[0, 6]).unwrap();
     let y = model.forward(&s, &x).unwrap();
@@ -255,7 +256,7 @@ fn nan_and_inf_inputs_propagate_like_pytorch() {
     let y = relu(&s, &x).unwrap().to_vec(&s).unwrap();
     assert!(y[0].is_nan());
     assert_eq!(&y[1..], &[f32::INFINITY, 0.0, 0.0, 2.0]);
-    let mut rng = Rng::new(9);
+    let mut rng = HostRng::new(9);
     let lin = Linear::new(&s, 5, 2, &mut rng).unwrap();
     let out = lin.forward(&s, &x.reshape(&[1, 5]).unwrap()).unwrap();
     assert!(out.to_vec(&s).unwrap().iter().all(|v| v.is_nan()));
@@ -270,7 +271,7 @@ fn out_of_memory_inside_a_capture_is_typed_and_leaves_stream_and_pool_usable() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let pool = dev.graph_pool_handle();
-    let mut rng = Rng::new(10);
+    let mut rng = HostRng::new(10);
     let model = mlp(&s, &mut rng, &[16, 8]);
     let x = Tensor::from_host(&s, &rng.vec_normal(4 * 16), &[4, 16]).unwrap();
     // Eagerly first: the engine registry measures this product and its library creates the
@@ -308,7 +309,7 @@ fn out_of_memory_inside_a_capture_is_typed_and_leaves_stream_and_pool_usable() {
 fn a_capture_closure_that_panics_mid_backward_is_discarded_cleanly() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(11);
+    let mut rng = HostRng::new(11);
     let model = mlp(&s, &mut rng, &[8, 8, 2]);
     let x = Tensor::from_host(&s, &rng.vec_normal(4 * 8), &[4, 8]).unwrap();
     warm(&s);
@@ -338,7 +339,7 @@ fn a_capture_closure_that_panics_mid_backward_is_discarded_cleanly() {
 fn misuse_synchronising_the_device_inside_a_capture_fails_the_capture_not_the_process() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(12);
+    let mut rng = HostRng::new(12);
     let model = mlp(&s, &mut rng, &[8, 4]);
     let x = Tensor::zeros(&s, &[2, 8]).unwrap();
     let d2 = dev.clone();
@@ -365,7 +366,7 @@ fn misuse_synchronising_the_device_inside_a_capture_fails_the_capture_not_the_pr
 fn open_train_drop() {
     let dev = Device::open(0).unwrap();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(13);
+    let mut rng = HostRng::new(13);
     let model = mlp(&s, &mut rng, &[256, 512, 10]);
     let mut opt = Adam::new(&s, model.parameters(), 1e-3, 0.0, false).unwrap();
     let x = Tensor::from_host(&s, &rng.vec_normal(64 * 256), &[64, 256]).unwrap();
@@ -411,7 +412,7 @@ fn four_threads_train_their_own_models_graphed_like_one_thread() {
     let dev = gpu_test_device!();
     let run = |dev: &Device| -> Vec<f32> {
         let mut s = dev.new_stream().unwrap();
-        let mut rng = Rng::new(14);
+        let mut rng = HostRng::new(14);
         let model = mlp(&s, &mut rng, &[32, 64, 4]);
         let mut opt = Sgd::new(&s, model.parameters(), 0.05, 0.9, 0.0).unwrap();
         let x = Tensor::from_host(&s, &rng.vec_normal(16 * 32), &[16, 32]).unwrap();
@@ -461,7 +462,7 @@ struct Request {
 fn a_graph_cache_behind_a_mutex_serves_four_threads_like_one() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(15);
+    let mut rng = HostRng::new(15);
     let model = mlp(&s, &mut rng, &[24, 32, 6]);
     const THREADS: usize = 4;
     const REQUESTS: usize = 50;
@@ -608,7 +609,7 @@ fn fenced(
 fn nn_ops_on_a_buffer_from_another_stream_are_fenced() {
     let dev = gpu_test_device!();
     let nn = Nn::get(&dev).unwrap();
-    let mut rng = Rng::new(16);
+    let mut rng = HostRng::new(16);
     let xh = rng.vec_normal(1 << 14);
     let n = xh.len();
     let want: Vec<f32> = xh.iter().map(|&v| v.max(0.0)).collect();
@@ -641,7 +642,7 @@ fn nn_ops_on_a_buffer_from_another_stream_are_fenced() {
 #[test]
 fn copies_and_fills_on_a_buffer_from_another_stream_are_fenced() {
     let dev = gpu_test_device!();
-    let mut rng = Rng::new(17);
+    let mut rng = HostRng::new(17);
     let xh = rng.vec_normal(1 << 14);
     let n = xh.len();
     fenced(
@@ -733,11 +734,11 @@ fn cublas_and_cublaslt_on_a_buffer_from_another_stream_are_fenced() {
         .expect("cuBLASLt must be installed on the GPU test machine");
     let (m, n, k) = LIB_MNK;
     let op = lib_op();
-    let mut rng = Rng::new(18);
+    let mut rng = HostRng::new(18);
     let xh = rng.vec_normal(m * k);
     let wh = rng.vec_normal(n * k);
     let want = cpu::linear(&to_f64(&xh), &to_f64(&wh), &[], m, k, n);
-    for algo in [GemmAlgo::Cublas, GemmAlgo::CublasLt(0)] {
+    for algo in [GemmEngine::Cublas, GemmEngine::CublasLt(0)] {
         let w = OnceCell::new();
         let what = format!("{algo} reading the block");
         fenced(
@@ -818,7 +819,7 @@ fn cudnn_on_a_buffer_from_another_stream_is_fenced() {
         .candidates(&s, ConvDir::Forward, &g, true, 1 << 30)
         .unwrap()[0]
         .rank;
-    let mut rng = Rng::new(19);
+    let mut rng = HostRng::new(19);
     let xh = rng.vec_normal(x_len);
     let wh = rng.vec_normal(w_len);
     let bh = rng.vec_normal(g.oc);
@@ -833,7 +834,7 @@ fn cudnn_on_a_buffer_from_another_stream_is_fenced() {
         pad: g.pad,
     };
     let want = reference.forward(&to_f64(&xh), &to_f64(&wh), &vec![0.0; g.oc]);
-    for algo in [ConvAlgo::Cudnn(legacy), ConvAlgo::CudnnGraph(rank)] {
+    for algo in [ConvEngine::Cudnn(legacy), ConvEngine::CudnnGraph(rank)] {
         let w = OnceCell::new();
         let what = format!("{algo} reading the block");
         fenced(
@@ -920,7 +921,7 @@ fn second_device() -> Option<Device> {
     if count >= 2 {
         return Some(Device::open(1).unwrap());
     }
-    let var = cudagraph_nn::dist::REQUIRE_GPUS_VAR;
+    let var = cudagraph_nn::env::REQUIRE_GPUS_VAR;
     let required = std::env::var(var)
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
@@ -947,8 +948,8 @@ fn refused<T>(case: &str, r: Result<T>) -> &'static str {
 
 /// A buffer of device 1 in any role of a product or a convolution on device 0 is refused with
 /// `WrongDevice` naming that role before anything runs: through the ops (`linear`, `conv2d`),
-/// through the registry forced onto each library family (`gemm` with `Engine::Cublas`,
-/// `Engine::CublasLt`, `Engine::Auto`; `run_conv`), through each library engine by name
+/// through the registry forced onto each library family (`gemm` with `GemmFamily::Cublas`,
+/// `GemmFamily::CublasLt`, `GemmFamily::Auto`; `run_conv`), through each library engine by name
 /// (`gemm_with`, `conv_with`), and through the library wrappers themselves (`Blas::gemm`,
 /// `BlasLt::matmul`, `Cudnn::run`, `Cudnn::add_bias`, `CudnnGraph::run`,
 /// `CudnnGraph::run_fused_bias`); a library handle of device 1 is refused on a queue of device 0.
@@ -973,7 +974,7 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
     let graph_api = eng
         .cudnn_graph()
         .expect("cuDNN 9 with its graph API must be installed on the GPU test machine");
-    let mut rng = Rng::new(26);
+    let mut rng = HostRng::new(26);
     const SENTINEL: f32 = 7.0;
 
     // A product y = x·wᵀ + bias: operands [x, w, y, bias], each in turn from device 1.
@@ -1012,7 +1013,7 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
     for (role, name) in names.iter().enumerate() {
         let pick = |i: usize| if i == role { &on1[i] } else { &on0[i] };
         let (a, b, c, v) = (pick(0), pick(1), pick(2), pick(3));
-        for engine in [Engine::Cublas, Engine::CublasLt, Engine::Auto] {
+        for engine in [GemmFamily::Cublas, GemmFamily::CublasLt, GemmFamily::Auto] {
             let r = gemm::gemm(
                 &s,
                 &nn,
@@ -1029,13 +1030,14 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
             );
             assert_eq!(&refused(&format!("gemm {engine:?}, {name}"), r), name);
         }
-        for algo in [GemmAlgo::Cublas, GemmAlgo::CublasLt(0)] {
+        for algo in [GemmEngine::Cublas, GemmEngine::CublasLt(0)] {
             let r = gemm_with(&s, &nn, algo, &op, a, b, c, Some(v));
             assert_eq!(&refused(&format!("gemm_with {algo}, {name}"), r), name);
         }
         if role < 3 {
-            let r = nn
-                .blas
+            let r = eng
+                .blas()
+                .unwrap()
                 .gemm(&s, Trans::N, Trans::T, m, n, k, 1.0, a, b, 0.0, c);
             assert_eq!(&refused(&format!("Blas::gemm, {name}"), r), name);
         }
@@ -1093,8 +1095,8 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
         .unwrap()
         .first()
         .map(|c| c.rank);
-    let mut algos = vec![ConvAlgo::Cudnn(legacy), ConvAlgo::CudnnGraph(rank)];
-    algos.extend(fused.map(ConvAlgo::CudnnGraphBias));
+    let mut algos = vec![ConvEngine::Cudnn(legacy), ConvEngine::CudnnGraph(rank)];
+    algos.extend(fused.map(ConvEngine::CudnnGraphBias));
     let cnames = ["conv2d x", "conv2d w", "conv2d y", "conv2d bias"];
     for (role, name) in cnames.iter().enumerate() {
         let pick = |i: usize| if i == role { &c1[i] } else { &c0[i] };
@@ -1155,7 +1157,7 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
                 out: pick(2),
                 bias: None,
             };
-            let r = conv_with(&s, &nn, ConvAlgo::Cudnn(algo), dir, &g, io);
+            let r = conv_with(&s, &nn, ConvEngine::Cudnn(algo), dir, &g, io);
             assert_eq!(
                 refused(&format!("conv_with {}, {name}", dir.name()), r),
                 name
@@ -1184,9 +1186,9 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
     // Handles of device 1 on a queue of device 0, every buffer of device 0.
     let eng1 = Engines::get(&other).unwrap();
     let (a, b, c) = (&on0[0], &on0[1], &on0[2]);
-    let r = Nn::get(&other)
+    let r = eng1
+        .blas()
         .unwrap()
-        .blas
         .gemm(&s, Trans::N, Trans::T, m, n, k, 1.0, a, b, 0.0, c);
     assert_eq!(refused("cuBLAS handle of device 1", r), "cuBLAS handle");
     let plain = LtShape {
@@ -1230,7 +1232,7 @@ fn misuse_a_buffer_of_another_device_is_refused_by_cublas_cublaslt_and_cudnn_cal
         gemm_with(
             q,
             &nn,
-            GemmAlgo::Cublas,
+            GemmEngine::Cublas,
             &op,
             &bufs[0],
             &bufs[1],

@@ -14,7 +14,7 @@ const ROWS: usize = 8;
 const BATCHES: usize = 7;
 
 fn mlp(s: &Stream) -> Sequential {
-    let mut rng = Rng::new(21);
+    let mut rng = HostRng::new(21);
     Sequential::new(vec![
         Layer::Linear(Linear::new(s, FEATURES, 32, &mut rng).unwrap()),
         Layer::ReLU,
@@ -23,7 +23,7 @@ fn mlp(s: &Stream) -> Sequential {
 }
 
 fn data() -> (Vec<f32>, Vec<i32>) {
-    let mut rng = Rng::new(22);
+    let mut rng = HostRng::new(22);
     let n = BATCHES * ROWS;
     let images = rng.vec_normal(n * FEATURES);
     let labels = (0..n).map(|_| (rng.next_u64() % 4) as i32).collect();
@@ -135,11 +135,11 @@ fn an_if_node_skips_the_optimizer_step_when_anything_is_not_finite() {
         "conditional nodes need a CUDA 12.4+ driver"
     );
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(31);
+    let mut rng = HostRng::new(31);
     let xh = rng.vec_normal(4 * 8);
     let th = rng.vec_normal(4 * 3);
     let make = |s: &Stream| {
-        let mut r = Rng::new(32);
+        let mut r = HostRng::new(32);
         Linear::new(s, 8, 3, &mut r).unwrap()
     };
     let x = s.alloc_from_host(&xh).unwrap();
@@ -199,7 +199,7 @@ fn an_if_node_skips_the_optimizer_step_when_anything_is_not_finite() {
 
 /// The seed MLP (1024 → 512 → 256 → 10) at batch 32: forward and an SGD step.
 fn seed_mlp(s: &Stream) -> (Sequential, Sgd) {
-    let mut rng = Rng::new(41);
+    let mut rng = HostRng::new(41);
     let m = Sequential::new(vec![
         Layer::Linear(Linear::new(s, 1024, 512, &mut rng).unwrap()),
         Layer::ReLU,
@@ -215,7 +215,7 @@ fn seed_mlp(s: &Stream) -> (Sequential, Sgd) {
 fn programmatic_launch_of_nn_kernels_is_bit_identical_to_plain_launch() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(42);
+    let mut rng = HostRng::new(42);
     let x = Tensor::from_host(&s, &rng.vec_normal(32 * 1024), &[32, 1024]).unwrap();
     let t = Tensor::from_host(&s, &rng.vec_normal(32 * 10), &[32, 10]).unwrap();
     let mut results = Vec::new();

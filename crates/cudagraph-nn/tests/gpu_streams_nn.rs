@@ -11,7 +11,7 @@ use cudagraph::{
 };
 use cudagraph_nn::*;
 
-fn mlp(s: &Stream, rng: &mut Rng, dims: &[usize]) -> Sequential {
+fn mlp(s: &Stream, rng: &mut HostRng, dims: &[usize]) -> Sequential {
     let mut layers = Vec::new();
     for w in dims.windows(2) {
         layers.push(Layer::Linear(Linear::new(s, w[0], w[1], rng).unwrap()));
@@ -42,7 +42,7 @@ fn rows_of(i: usize, max: usize) -> usize {
 fn a_graph_cache_behind_a_mutex_serves_two_streams_like_one() {
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(26);
+    let mut rng = HostRng::new(26);
     const WIDTH: usize = 1024;
     const MAX: usize = 256;
     let requests: usize = cudagraph::testing::iterations(10_000, 200);

@@ -14,7 +14,7 @@ use cudagraph::{
     plan_capture_sizes, BatchModel, BucketPolicy, CacheOptions, Device, GraphCache, GraphCost,
     QueueExt, SizeHistogram, Stream,
 };
-use cudagraph_nn::{no_grad, Batched, Module, Rng, Tensor};
+use cudagraph_nn::{no_grad, Batched, HostRng, NnModule, Tensor};
 use serde::Serialize;
 
 use crate::bench::workloads::seed_mlp;
@@ -126,7 +126,7 @@ fn staged<M: BatchModel>(c: &mut GraphCache<M>, s: &mut Stream, rows: usize) -> 
 pub fn run(ordinal: usize, a: &CacheArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(6);
+    let mut rng = HostRng::new(6);
     let model = seed_mlp(&s, &mut rng)?;
     let x = s.alloc_from_host(&rng.vec_normal(256 * 1024))?;
     let sizes = request_sizes(a.requests);

@@ -20,8 +20,8 @@ use clap::Args;
 use cudagraph::{CaptureOptions, Device, Fork, Graph, Stream};
 use cudagraph_nn::dist::{DistEnv, DistOptions};
 use cudagraph_nn::{
-    mse_loss, Communicator, DdpOptions, DistributedDataParallel, Layer, Linear, Module, Optimizer,
-    Reduction, Rng, Sequential, Sgd, Tensor,
+    mse_loss, Communicator, DdpOptions, DistributedDataParallel, HostRng, Layer, Linear, NnModule,
+    Optimizer, Reduction, Sequential, Sgd, Tensor,
 };
 use serde::{Deserialize, Serialize};
 
@@ -92,7 +92,7 @@ struct Job {
 
 impl Job {
     fn new(s: &Stream, comm: &Communicator, name: &str) -> AnyResult<(Job, String, usize)> {
-        let mut rng = Rng::new(1);
+        let mut rng = HostRng::new(1);
         let (layers, batch, width_in, width_out, reduction, config) = match name {
             "linear" => (
                 vec![Layer::Linear(Linear::new(s, 1024, 1024, &mut rng)?)],
@@ -125,7 +125,7 @@ impl Job {
         let ddp = DistributedDataParallel::new(s, comm, model.parameters(), DdpOptions::default())?;
         let opt = Sgd::new(s, model.parameters(), 1e-4, 0.0, 0.0)?;
         // Each rank its own data.
-        let mut data = Rng::new(100 + comm.rank() as u64);
+        let mut data = HostRng::new(100 + comm.rank() as u64);
         let x = Tensor::from_host(s, &data.vec_normal(batch * width_in), &[batch, width_in])?;
         let y = Tensor::from_host(s, &data.vec_normal(batch * width_out), &[batch, width_out])?;
         Ok((

@@ -7,11 +7,11 @@
 
 use clap::Args;
 use cudagraph::{Device, DeviceBuffer, QueueExt, Stream};
-use cudagraph_nn::blas::Trans;
-use cudagraph_nn::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
+use cudagraph_nn::engine::conv::ConvGeom;
+use cudagraph_nn::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
+use cudagraph_nn::engine::gemm::Trans;
+use cudagraph_nn::engine::gemm::{gemm, linear_weight_grad, GemmFamily};
 use cudagraph_nn::engine::{format_table, EngineRow, Engines};
-use cudagraph_nn::gemm::{gemm, linear_weight_grad, Engine};
-use cudagraph_nn::kernels::ConvGeom;
 use cudagraph_nn::Nn;
 use serde::Serialize;
 
@@ -104,7 +104,7 @@ pub fn measure(dev: &Device, quick: bool, cached: bool) -> AnyResult<Vec<EngineR
             zeros(&s, n)?,
         );
         let (nt, nn_) = ((Trans::N, Trans::T), (Trans::N, Trans::N));
-        let auto = Engine::Auto;
+        let auto = GemmFamily::Auto;
         gemm(
             &s,
             &nn,

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph};
-use cudagraph_nn::blas::Trans;
+use cudagraph_nn::engine::gemm::Trans;
+use cudagraph_nn::engine::gemm::{gemm, run_gemm, split_k, Epilogue, GemmFamily, GemmOp};
 use cudagraph_nn::engine::Engines;
-use cudagraph_nn::gemm::{gemm, run_gemm, split_k, Engine, Epilogue, GemmOp};
-use cudagraph_nn::{Nn, Rng};
+use cudagraph_nn::{HostRng, Nn};
 use serde::Serialize;
 
 use crate::report::{device_report, median, DeviceReport, Footnotes, NOT_APPLICABLE};
@@ -61,7 +61,7 @@ const SHAPES: &[(usize, usize, usize, bool, bool, &str)] = &[
 pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
     let nn = Nn::get(dev)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(5);
+    let mut rng = HostRng::new(5);
     let mut rows = Vec::new();
     for &(m, n, k, ta, tb, name) in SHAPES {
         let a = s.alloc_from_host(&rng.vec_normal(m * k))?;
@@ -72,17 +72,17 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
         let mut us = [f64::NAN; 6];
         let mut auto_engine = String::new();
         for (slot, engine) in [
-            Engine::Cublas,
-            Engine::CublasLt,
-            Engine::Tiled,
-            Engine::WarpK,
-            Engine::Rows,
-            Engine::Auto,
+            GemmFamily::Cublas,
+            GemmFamily::CublasLt,
+            GemmFamily::Tiled,
+            GemmFamily::WarpK,
+            GemmFamily::Rows,
+            GemmFamily::Auto,
         ]
         .into_iter()
         .enumerate()
         {
-            if engine == Engine::CublasLt && !has_lt {
+            if engine == GemmFamily::CublasLt && !has_lt {
                 continue;
             }
             // Eager first: the registry measures the engines of this family.
@@ -97,7 +97,7 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
                 epilogue: Epilogue::None,
             };
             let chosen = run_gemm(&s, &nn, engine, &op, &a, &b, &c, None)?;
-            if engine == Engine::Auto {
+            if engine == GemmFamily::Auto {
                 auto_engine = chosen.to_string();
             }
             let (g, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {

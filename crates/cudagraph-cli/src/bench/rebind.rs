@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt};
-use cudagraph_nn::{no_grad, Module, Rng, Tensor};
+use cudagraph_nn::{no_grad, HostRng, NnModule, Tensor};
 
 use crate::bench::workloads::seed_mlp;
 use crate::report::median;
@@ -25,7 +25,7 @@ pub struct RebindArgs {
 pub fn run(ordinal: usize, a: &RebindArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(7);
+    let mut rng = HostRng::new(7);
     let model = seed_mlp(&s, &mut rng)?;
     let bs = a.batch;
     let inputs: Vec<_> = (0..2)

@@ -19,7 +19,7 @@ use clap::Args;
 use cudagraph::{BatchModel, Device, MemoryStats};
 use cudagraph_nn::io::ModelDescription;
 use cudagraph_nn::serving::percentile;
-use cudagraph_nn::{load_model, Batched, Batcher, BatcherConfig, ModelRunner, Rng, Sequential};
+use cudagraph_nn::{load_model, Batched, Batcher, BatcherConfig, HostRng, ModelRunner, Sequential};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
@@ -259,7 +259,7 @@ fn templates(
         output_row: desc.output_row(),
     };
     let (irow, orow) = (desc.input_row(), desc.output_row());
-    let mut rng = Rng::new(a.seed);
+    let mut rng = HostRng::new(a.seed);
     let span = (a.max_rows - a.min_rows + 1) as u64;
     let mut out = Vec::with_capacity(a.templates);
     for _ in 0..a.templates.max(1) {
@@ -288,7 +288,7 @@ async fn client_loop(
     orow: usize,
 ) -> ClientStats {
     let mut st = ClientStats::default();
-    let mut rng = Rng::new(seed);
+    let mut rng = HostRng::new(seed);
     let mut client = match Client::connect(addr).await {
         Ok(c) => c,
         Err(e) => {
@@ -531,7 +531,7 @@ pub fn run(ordinal: usize, a: &ServeBenchArgs) -> AnyResult<()> {
         }
         None => {
             let d = default_description();
-            let m = d.init(&s, &mut Rng::new(a.seed))?;
+            let m = d.init(&s, &mut HostRng::new(a.seed))?;
             (d, m, "built-in MLP 64-256-256-256-256-10".to_string())
         }
     };

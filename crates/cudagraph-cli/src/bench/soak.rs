@@ -13,7 +13,8 @@ use cudagraph::{
     BucketPolicy, CacheOptions, CaptureOptions, Device, DeviceBuffer, Graph, GraphCache, Stream,
 };
 use cudagraph_nn::{
-    mse_loss, no_grad, Batched, Linear, Module, Optimizer, Reduction, Rng, Sequential, Sgd, Tensor,
+    mse_loss, no_grad, Batched, HostRng, Linear, NnModule, Optimizer, Reduction, Sequential, Sgd,
+    Tensor,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -152,7 +153,7 @@ fn eager(
 pub fn run(ordinal: usize, a: &SoakArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(1);
+    let mut rng = HostRng::new(1);
     let n = a.requests.max(10);
 
     // The training step, captured once.

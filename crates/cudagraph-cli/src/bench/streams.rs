@@ -16,7 +16,7 @@ use clap::Args;
 use cudagraph::{
     BucketPolicy, CacheOptions, CaptureOptions, Device, Graph, GraphCache, Pool, QueueExt, Stream,
 };
-use cudagraph_nn::{no_grad, Batched, Module, Rng, Sequential, Tensor};
+use cudagraph_nn::{no_grad, Batched, HostRng, NnModule, Sequential, Tensor};
 use serde::Serialize;
 
 use crate::bench::workloads::seed_mlp;
@@ -78,7 +78,7 @@ pub fn run(ordinal: usize, a: &StreamsArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let mut s = dev.new_stream()?;
     let (s1, s2) = (dev.new_stream()?, dev.new_stream()?);
-    let mut rng = Rng::new(7);
+    let mut rng = HostRng::new(7);
     let model = seed_mlp(&s, &mut rng)?;
     let x = Tensor::from_host(&s, &rng.vec_normal(1024), &[1, 1024])?;
     // Eager warm-up: the engine registry measures the shapes before any capture.

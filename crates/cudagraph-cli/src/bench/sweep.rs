@@ -15,12 +15,12 @@ use std::time::Instant;
 
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, Queue, Stream};
-use cudagraph_nn::engine::{CeAlgo, Engines};
-use cudagraph_nn::kernels::losses::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROWS};
-use cudagraph_nn::kernels::optim_mt::{CAP_L, CAP_S};
+use cudagraph_nn::autograd::ops::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROWS};
+use cudagraph_nn::engine::{CeEngine, Engines};
+use cudagraph_nn::nn::optim::{CAP_L, CAP_S};
 use cudagraph_nn::{
-    cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, Layer, Linear, Module, Optimizer,
-    Parameter, Reduction, Rng, Sequential, Sgd, SgdConfig, Targets, Tensor,
+    cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, HostRng, Layer, Linear, NnModule,
+    Optimizer, Parameter, Reduction, Sequential, Sgd, SgdConfig, Targets, Tensor,
 };
 use serde::{Deserialize, Serialize};
 
@@ -190,10 +190,10 @@ pub fn engine_label(spec: &Spec, mode: &str, sms: u32, used: &[(String, String)]
             let lanes = used
                 .iter()
                 .rev()
-                .find_map(|(_, e)| e.parse::<CeAlgo>().ok());
+                .find_map(|(_, e)| e.parse::<CeEngine>().ok());
             match lanes {
-                Some(CeAlgo::Lanes(l)) => return format!("ce {l} lanes/row, 1 block"),
-                Some(CeAlgo::Rows) | None => {}
+                Some(CeEngine::Lanes(l)) => return format!("ce {l} lanes/row, 1 block"),
+                Some(CeEngine::Rows) | None => {}
             }
             format!(
                 "ce {}{}",
@@ -289,7 +289,7 @@ fn measure(
     time_graph(s, &g, a)
 }
 
-fn tensor(s: &Stream, rng: &mut Rng, shape: &[usize]) -> cudagraph_nn::Result<Tensor> {
+fn tensor(s: &Stream, rng: &mut HostRng, shape: &[usize]) -> cudagraph_nn::Result<Tensor> {
     let n = shape.iter().product();
     Tensor::from_host(s, &rng.vec_normal(n), shape)
 }
@@ -305,7 +305,7 @@ fn targets(
 
 fn mlp(
     s: &Stream,
-    rng: &mut Rng,
+    rng: &mut HostRng,
     input: usize,
     width: usize,
     depth: usize,
@@ -324,7 +324,7 @@ fn mlp(
 
 fn cnn(
     s: &Stream,
-    rng: &mut Rng,
+    rng: &mut HostRng,
     (image, in_channels, channels, depth, classes): (usize, usize, usize, usize, usize),
 ) -> cudagraph_nn::Result<Sequential> {
     let mut layers = Vec::new();
@@ -354,7 +354,7 @@ fn run_point(
     spec: &Spec,
     mode: &str,
 ) -> AnyResult<f64> {
-    let mut rng = Rng::new(7);
+    let mut rng = HostRng::new(7);
     let train = mode == "train";
     let sgd = |s: &Stream, params, lr| {
         Sgd::with_config(

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt, StaticGraph, Stream};
 use cudagraph_nn::{
-    cross_entropy, mse_loss, no_grad, Adam, Conv2d, Generator, Layer, Linear, Module, Optimizer,
-    Reduction, Rng, Sequential, Sgd, Targets, Tensor,
+    cross_entropy, mse_loss, no_grad, Adam, Conv2d, Generator, HostRng, Layer, Linear, NnModule,
+    Optimizer, Reduction, Sequential, Sgd, Targets, Tensor,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -179,7 +179,7 @@ fn max_rel(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-pub fn seed_mlp(s: &Stream, rng: &mut Rng) -> cudagraph_nn::Result<Sequential> {
+pub fn seed_mlp(s: &Stream, rng: &mut HostRng) -> cudagraph_nn::Result<Sequential> {
     Ok(Sequential::new(vec![
         Layer::Linear(Linear::new(s, 1024, 512, rng)?),
         Layer::ReLU,
@@ -199,7 +199,7 @@ fn mlp_device(
     pb: &ProgressBar,
 ) -> AnyResult<()> {
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(2);
+    let mut rng = HostRng::new(2);
     let model = seed_mlp(&s, &mut rng)?;
     for &bs in &a.batch_sizes {
         pb.set_message(format!("mlp bs {bs}"));
@@ -250,7 +250,7 @@ fn mlp_host(
     pb: &ProgressBar,
 ) -> AnyResult<()> {
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(2);
+    let mut rng = HostRng::new(2);
     let model = seed_mlp(&s, &mut rng)?;
     for &bs in &a.batch_sizes {
         pb.set_message(format!("mlp bs {bs}"));
@@ -313,7 +313,7 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
     for adam in [false, true] {
         pb.set_message(if adam { "train adam" } else { "train sgd" });
         let mut s = dev.new_stream()?;
-        let mut rng = Rng::new(1);
+        let mut rng = HostRng::new(1);
         let model = Linear::new(&s, 1024, 1024, &mut rng)?;
         let mut opt: Box<dyn Optimizer> = if adam {
             Box::new(Adam::new(&s, model.parameters(), 1e-3, 0.0, false)?)
@@ -367,7 +367,7 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
 fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) -> AnyResult<()> {
     pb.set_message("dropout train");
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(3);
+    let mut rng = HostRng::new(3);
     let seed = 7;
     let gen = Generator::new(&s, seed)?;
     let model = Sequential::new(vec![
@@ -430,7 +430,7 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
     let (m, n) = (64usize, 4096usize);
     let xo = Tensor::from_host(&s, &rng.vec_normal(m * n), &[m, n])?;
     let op = |q: &dyn cudagraph::Queue| -> cudagraph_nn::Result<Tensor> {
-        let y = cudagraph_nn::ops::dropout(q, &xo, 0.1, true, &gen)?;
+        let y = cudagraph_nn::autograd::ops::dropout(q, &xo, 0.1, true, &gen)?;
         gen.advance(q)?;
         Ok(y)
     };
@@ -462,13 +462,13 @@ fn pool(
 ) -> AnyResult<()> {
     pb.set_message("pool");
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(3);
+    let mut rng = HostRng::new(3);
     let pool = dev.new_pool_with_limit(1 << 30);
     let lin = Linear::new(&s, 1000, 500, &mut rng)?;
     let conv = Conv2d::new(&s, 3, 64, 3, 1, 0, &mut rng)?;
     let x1 = Tensor::from_host(&s, &rng.vec_normal(32 * 1000), &[32, 1000])?;
     let x2 = Tensor::from_host(&s, &rng.vec_normal(16 * 3 * 224 * 224), &[16, 3, 224, 224])?;
-    let models: [(&str, &dyn Module, &Tensor); 2] = [
+    let models: [(&str, &dyn NnModule, &Tensor); 2] = [
         ("linear-1000x500-bs32", &lin, &x1),
         ("conv2d-3x64-16x3x224x224", &conv, &x2),
     ];
@@ -521,7 +521,7 @@ fn mlp_pool(
 ) -> AnyResult<()> {
     pb.set_message("mlp-pool");
     let mut s = dev.new_stream()?;
-    let mut rng = Rng::new(4);
+    let mut rng = HostRng::new(4);
     let model = seed_mlp(&s, &mut rng)?;
     let sizes = [256usize, 192, 128, 64, 32, 16, 8, 4, 1];
     let single = {

@@ -26,10 +26,10 @@ use std::sync::Arc;
 
 use cudagraph::{DeviceBuffer, Fork, Queue, QueueExt, SideStream, Stream};
 
-use super::nccl::{Communicator, ReduceOp};
+use super::communicator::{Communicator, ReduceOp};
 use super::DistError;
+use crate::autograd::tensor::{Parameter, Tensor};
 use crate::error::{NnError, Result};
-use crate::tensor::{Parameter, Tensor};
 
 /// Options of [`DistributedDataParallel`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,7 +120,7 @@ pub struct BucketInfo {
 /// let dev = Device::open(env.local_rank)?;
 /// let comm = Communicator::from_env(&dev)?;
 /// let mut s = dev.new_stream()?;
-/// let mut rng = Rng::new(0);
+/// let mut rng = HostRng::new(0);
 /// let model = Linear::new(&s, 1024, 1024, &mut rng)?;
 /// let mut ddp = DistributedDataParallel::new(&s, &comm, model.parameters(), DdpOptions::default())?;
 /// let mut opt = Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?;

@@ -21,19 +21,23 @@
 //! `CUDAGRAPH_NCCL_LIB` may point at the library (e.g. a `libnccl.so.2` inside a Python
 //! environment).
 
+mod communicator;
 mod ddp;
-mod nccl;
 pub mod rendezvous;
 mod threads;
 
 use std::time::Duration;
 
+pub use communicator::{Communicator, NcclElem, ReduceOp};
 pub use ddp::{plan_buckets, BucketInfo, DdpOptions, DistributedDataParallel};
-pub use nccl::{nccl_version, Communicator, NcclElem, ReduceOp, RUNTIME_CONNECT_VAR};
 pub use rendezvous::{Health, Membership, PeerMonitor};
 pub use threads::{run_threads, RankContext};
 
+use crate::env::{
+    self, DIST_TIMEOUT_VAR, HEARTBEAT_TIMEOUT_VAR, RDZV_TIMEOUT_VAR, REQUIRE_GPUS_VAR,
+};
 pub use crate::error::DistError;
+pub use crate::ffi::nccl::nccl_version;
 
 /// The variables `torchrun` (and `cudagraph launch`) set for each process.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,7 +59,7 @@ impl DistEnv {
     /// Reads the launch variables from the process environment. `Ok(None)` when neither
     /// `RANK` nor `WORLD_SIZE` is set (not launched for distributed work).
     pub fn from_env() -> Result<Option<Self>, DistError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_lookup(env::var)
     }
 
     /// [`Self::from_env`] over any variable lookup (tests).
@@ -172,7 +176,7 @@ impl Default for DistOptions {
 impl DistOptions {
     /// Defaults, overridden by the environment variables named on the type.
     pub fn from_env() -> Result<Self, DistError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_lookup(env::var)
     }
 
     /// [`Self::from_env`] over any variable lookup (tests).
@@ -190,21 +194,16 @@ impl DistOptions {
                 },
             }
         };
-        o.rendezvous_timeout = secs("CUDAGRAPH_RDZV_TIMEOUT", o.rendezvous_timeout)?;
-        o.timeout = secs("CUDAGRAPH_DIST_TIMEOUT", o.timeout)?;
-        o.heartbeat_timeout = secs("CUDAGRAPH_HEARTBEAT_TIMEOUT", o.heartbeat_timeout)?;
+        o.rendezvous_timeout = secs(RDZV_TIMEOUT_VAR, o.rendezvous_timeout)?;
+        o.timeout = secs(DIST_TIMEOUT_VAR, o.timeout)?;
+        o.heartbeat_timeout = secs(HEARTBEAT_TIMEOUT_VAR, o.heartbeat_timeout)?;
         Ok(o)
     }
 }
 
-/// Variable that makes multi-GPU tests fail instead of skipping when fewer GPUs (or no
-/// NCCL) are there: `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine.
-pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
-
 /// Whether `CUDAGRAPH_REQUIRE_GPUS` asks for `n` GPUs or more.
 fn gpus_required(n: usize) -> bool {
-    std::env::var(REQUIRE_GPUS_VAR)
-        .ok()
+    env::var(REQUIRE_GPUS_VAR)
         .and_then(|v| v.trim().parse::<usize>().ok())
         .is_some_and(|r| r >= n)
 }

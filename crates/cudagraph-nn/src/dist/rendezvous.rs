@@ -129,8 +129,7 @@ impl Hello {
 }
 
 fn host_name() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
+    crate::env::var("HOSTNAME")
         .filter(|h| !h.is_empty())
         .or_else(|| {
             std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -7,7 +7,7 @@ use std::panic::AssertUnwindSafe;
 
 use cudagraph::Device;
 
-use super::nccl::Communicator;
+use super::communicator::Communicator;
 use super::{DistError, DistOptions};
 use crate::error::{NnError, Result};
 

@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt};
 
+use super::conv::conv_ints;
 use crate::error::{NnError, Result};
-use crate::extent::{need, on_device};
-use crate::kernels::ConvGeom;
+use crate::extent::{conv_roles, ConvDir, ConvGeom};
 
 /// The CUDA source of the implicit-GEMM module (with the small weight-gradient kernel).
 pub const SOURCE: &str = concat!(include_str!("igemm.cu"), include_str!("wgrad.cu"));
@@ -26,129 +26,6 @@ pub const SOURCE: &str = concat!(include_str!("igemm.cu"), include_str!("wgrad.c
 pub const SPIN_SOURCE: &str = include_str!("spin.cu");
 
 type Buf = DeviceBuffer<f32>;
-
-/// Which product of a convolution: forward (`y` from `x`, `w`), backward-data (`dx` from `dy`,
-/// `w`) or backward-filter (`dw` from `dy`, `x`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ConvDir {
-    Forward,
-    BackwardData,
-    BackwardFilter,
-}
-
-impl ConvDir {
-    pub const ALL: [ConvDir; 3] = [
-        ConvDir::Forward,
-        ConvDir::BackwardData,
-        ConvDir::BackwardFilter,
-    ];
-
-    /// Short name used in engine keys: `conv_fwd`, `conv_bwd_data`, `conv_bwd_filter`.
-    pub fn name(self) -> &'static str {
-        match self {
-            ConvDir::Forward => "conv_fwd",
-            ConvDir::BackwardData => "conv_bwd_data",
-            ConvDir::BackwardFilter => "conv_bwd_filter",
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            ConvDir::Forward => 0,
-            ConvDir::BackwardData => 1,
-            ConvDir::BackwardFilter => 2,
-        }
-    }
-}
-
-/// The registry key of a convolution direction (without the policy's scope), e.g.
-/// `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 bias`.
-pub fn conv_key(dir: ConvDir, g: &ConvGeom, bias: bool) -> String {
-    format!(
-        "{} n={} c={} h={} w={} oc={} k={}x{} s={} p={}{}",
-        dir.name(),
-        g.n,
-        g.c,
-        g.h,
-        g.w,
-        g.oc,
-        g.kh,
-        g.kw,
-        g.stride,
-        g.pad,
-        if bias { " bias" } else { "" }
-    )
-}
-
-/// A direction's buffers by role — input `x`, weights `w`, output `y` — from the order every
-/// engine takes them in (forward `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`,
-/// `out = dx`; backward-filter `a = dy`, `b = x`, `out = dw`), after checking each against its
-/// extent in `g` and the bias rule (forward only, `g.oc` elements).
-pub fn conv_roles<'a>(
-    dir: ConvDir,
-    g: &ConvGeom,
-    (a, b, out): (&'a Buf, &'a Buf, &'a Buf),
-    bias: Option<&Buf>,
-) -> Result<(&'a Buf, &'a Buf, &'a Buf)> {
-    let (x_len, w_len, y_len) = (g.input_len()?, g.weight_len()?, g.output_len()?);
-    let roles = match dir {
-        ConvDir::Forward => {
-            need("conv2d x", a, x_len)?;
-            need("conv2d w", b, w_len)?;
-            need("conv2d y", out, y_len)?;
-            (a, b, out)
-        }
-        ConvDir::BackwardData => {
-            need("conv2d dy", a, y_len)?;
-            need("conv2d w", b, w_len)?;
-            need("conv2d dx", out, x_len)?;
-            (out, b, a)
-        }
-        ConvDir::BackwardFilter => {
-            need("conv2d dy", a, y_len)?;
-            need("conv2d x", b, x_len)?;
-            need("conv2d dw", out, w_len)?;
-            (b, out, a)
-        }
-    };
-    match (dir, bias) {
-        (ConvDir::Forward, Some(bias)) => need("conv2d bias", bias, g.oc)?,
-        (_, Some(_)) => {
-            return Err(NnError::Shape(format!(
-                "{}: a bias only applies to the forward direction",
-                dir.name()
-            )))
-        }
-        _ => {}
-    }
-    Ok(roles)
-}
-
-/// A direction's buffers (in the engines' order, as [`conv_roles`]) and the forward bias must be
-/// memory of `q`'s device: the check a cuDNN call makes before handing cuDNN their addresses
-/// (our kernels get it from `Queue::launch`), each buffer named by its role in the error.
-pub fn conv_on_device(
-    q: &dyn Queue,
-    dir: ConvDir,
-    (a, b, out): (&Buf, &Buf, &Buf),
-    bias: Option<&Buf>,
-) -> Result<()> {
-    let names = match dir {
-        ConvDir::Forward => ["conv2d x", "conv2d w", "conv2d y"],
-        ConvDir::BackwardData => ["conv2d dy", "conv2d w", "conv2d dx"],
-        ConvDir::BackwardFilter => ["conv2d dy", "conv2d x", "conv2d dw"],
-    };
-    let bufs = [
-        (names[0], a.block()),
-        (names[1], b.block()),
-        (names[2], out.block()),
-    ];
-    on_device(
-        q,
-        bufs.into_iter()
-            .chain(bias.map(|v| ("conv2d bias", v.block()))),
-    )
-}
 
 /// Output tile of one block of the implicit-GEMM kernels (rows × columns of the product).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -217,7 +94,7 @@ const MAX_DIM: usize = i32::MAX as usize - 256;
 /// Whether the implicit-GEMM kernels can run this geometry (every index fits their integer
 /// types, the grid fits), or why not.
 pub fn supports(dir: ConvDir, g: &ConvGeom, tile: Tile) -> Result<()> {
-    g.ints()?; // every dimension fits an int, and the weight count
+    conv_ints(g)?; // every dimension fits an int, and the weight count
     let (m, n, k) = gemm_shape(dir, g)?;
     let too_big = |what: &str, v: usize| {
         Err(NnError::Shape(format!(
@@ -257,7 +134,7 @@ pub fn supports(dir: ConvDir, g: &ConvGeom, tile: Tile) -> Result<()> {
 /// Whether the direct kernels (`conv.cu`) can run this geometry: every dimension and the
 /// weight count fit their `int`s.
 pub fn direct_supports(g: &ConvGeom) -> bool {
-    g.ints().is_ok()
+    conv_ints(g).is_ok()
 }
 
 /// A split count that gives the device about two waves of blocks while each split keeps at
@@ -313,7 +190,7 @@ pub fn wgrad_small_supports(g: &ConvGeom) -> bool {
         return false;
     };
     let fits = |v: Result<usize>| v.is_ok_and(|v| v <= MAX_DIM);
-    g.ints().is_ok()
+    conv_ints(g).is_ok()
         && m.saturating_mul(n) <= WGRAD_MAX_OUTPUTS
         && m + n <= WGRAD_MAX_ROWS
         && k.saturating_mul(2) <= MAX_DIM
@@ -437,7 +314,7 @@ impl ConvKernels {
         bias: Option<&Buf>,
     ) -> Result<()> {
         supports(dir, g, tile)?;
-        let ints = g.ints()?;
+        let ints = conv_ints(g)?;
         conv_roles(dir, g, (a, b, out), bias)?;
         // The kernel's operands: src_a, src_b (see igemm.cu) and the output.
         let (src_a, src_b) = match dir {
@@ -518,7 +395,7 @@ impl ConvKernels {
         out: &Buf,
         bias: Option<&Buf>,
     ) -> Result<()> {
-        let ints = g.ints()?;
+        let ints = conv_ints(g)?;
         let mut rargs: Vec<Arg<'_>> = vec![
             partial.into(),
             Arg::I32(int("splits", splits)?),
@@ -578,7 +455,7 @@ impl ConvKernels {
         } else {
             None
         };
-        let ints = g.ints()?;
+        let ints = conv_ints(g)?;
         let mut args: Vec<Arg<'_>> =
             vec![dy.into(), x.into(), partial.as_ref().unwrap_or(dw).into()];
         args.extend(ints.map(Arg::I32));
@@ -623,7 +500,7 @@ mod tests {
 
     #[test]
     fn fast_division_is_exact_for_every_int_dividend() {
-        let mut rng = crate::Rng::new(3);
+        let mut rng = crate::random::HostRng::new(3);
         let divisors: Vec<u32> = (1..=300)
             .chain([
                 511,

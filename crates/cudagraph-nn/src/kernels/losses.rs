@@ -18,6 +18,7 @@ use cudagraph::{
 };
 
 use super::{int, long, need, prod};
+use crate::env::{CE_GROUPS_VAR, CE_SPLIT_VAR};
 use crate::error::{NnError, Result};
 
 /// MSE problems up to this many elements run in a single block (16 elements per thread; one
@@ -49,7 +50,7 @@ pub struct LossKernels {
     sms: u32,
 }
 
-/// How [`LossKernels::cross_entropy`] runs a problem: grid, whether one warp handles a row,
+/// How `LossKernels::cross_entropy` runs a problem: grid, whether one warp handles a row,
 /// whether a second pass reduces per-row losses, and into how many chunks each row is split
 /// across blocks (1: not split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,18 +77,13 @@ const MAX_CHUNKS: usize = 32;
 /// per row save.
 const MIN_SPLIT_CHUNKS: usize = 4;
 
-/// Switch of the split plan for wide rows (default on; `0` for comparisons).
-pub const CE_SPLIT_VAR: &str = "CUDAGRAPH_CE_SPLIT";
-/// Switch of lane groups for narrow rows (default on; `0` for comparisons).
-pub const CE_GROUPS_VAR: &str = "CUDAGRAPH_CE_GROUPS";
-
 /// Which of the plan's measured options are on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CeOptions {
     /// Wide rows (fewer than the multiprocessors) may be split across blocks.
     pub split: bool,
     /// The registry may measure plans where narrow rows share a warp (a group of lanes per
-    /// row) so that one block covers more rows in one pass ([`ce_group_plans`]).
+    /// row) so that one block covers more rows in one pass (`ce_group_plans`).
     pub groups: bool,
 }
 
@@ -120,7 +116,7 @@ impl CeOptions {
 /// The single-block plans where a group of lanes takes a row (more than 8 and at most 1024
 /// narrow rows): lanes a power of two below 32 giving each about 8, 4 or 2 classes, as long as
 /// the block holds every row at once (one pass, the mean included: one node). The engine
-/// registry measures them against [`ce_plan_with`]'s plan (`crate::ops::cross_entropy`).
+/// registry measures them against [`ce_plan_with`]'s plan (`crate::autograd::ops::cross_entropy`).
 /// Measured on the H100 (2026-11-23), 256 × 10 forward: 4.9 µs in 32 blocks and a sum pass,
 /// 4.0 with 2 lanes a row, 5.2 with 4 (before the last loads of a lane were batched).
 pub fn ce_group_plans(rows: usize, cols: usize) -> Vec<CePlan> {
@@ -379,7 +375,8 @@ impl LossKernels {
     /// `loss[0]`; with `grad`, also `grad = (softmax − onehot) / rows`. Targets outside
     /// `[0, cols)` are clamped (nothing outside a row is read) and reported through the
     /// device's error flag.
-    #[allow(clippy::too_many_arguments)]
+    // Not called by the ops, which launch by plan ([`ce_plan`]).
+    #[allow(clippy::too_many_arguments, dead_code)]
     pub fn cross_entropy(
         &self,
         q: &dyn Queue,

@@ -47,7 +47,8 @@ pub mod state {
     /// Optimizer steps completed (what a schedule reads).
     pub const STEP: usize = 0;
     /// The Adam kernels' last-block ticket (0 between launches; SGD advances the step count
-    /// from one thread, as no block of its launch reads it).
+    /// from one thread, as no block of its launch reads it). Only the kernels use it.
+    #[allow(dead_code)]
     pub const TICKET: usize = 1;
     /// Length of the buffer.
     pub const LEN: usize = 2;
@@ -184,7 +185,7 @@ pub struct AdamTensor<'a> {
 fn same_device<T: cudagraph::Elem>(q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<()> {
     let (want, got) = (q.device().ordinal(), buf.block().device_ordinal());
     if want != got {
-        return Err(crate::NnError::Core(cudagraph::Error::WrongDevice {
+        return Err(NnError::Core(cudagraph::Error::WrongDevice {
             what: "optimizer buffer",
             expected: want,
             got,
@@ -385,7 +386,7 @@ impl OptimKernels {
     }
 
     /// The schedule node: `hp[LR] = schedule(hp[BASE_LR], state[STEP])`, `program` being
-    /// [`crate::schedule::Schedule::program`]'s bytes.
+    /// [`crate::nn::schedule::Schedule::program`]'s bytes.
     pub fn lr_schedule(
         &self,
         q: &dyn Queue,

@@ -4,7 +4,7 @@
 //!
 //! The NN kernels are launched with PDL only in a second compilation of the same source in
 //! which every kernel begins with `CG_PDL_ENTER()` (inserted here, by
-//! [`with_pdl_prologue`]): it lets the next kernel launch, then waits until the previous
+//! `with_pdl_prologue`): it lets the next kernel launch, then waits until the previous
 //! kernel has finished and its memory is visible, before the kernel touches any memory. So
 //! each kernel computes exactly what it computes without PDL (results are bit-identical), and
 //! no buffer is used before the work that freed or wrote it is done. Kernels of this crate's
@@ -42,7 +42,7 @@ fn env_pdl() -> bool {
     static E: OnceLock<bool> = OnceLock::new();
     *E.get_or_init(|| {
         crate::env::switch(
-            "CUDAGRAPH_PDL",
+            crate::env::PDL_VAR,
             false,
             "1 (launch with PDL) or 0 (off, the default)",
         )
@@ -141,6 +141,23 @@ fn twins(device: &Device) -> Result<std::sync::Arc<Twins>> {
         }
         Ok(Twins(fns))
     })?)
+}
+
+/// Launches a kernel whose source begins with `CG_PDL_ENTER()` (the kernels of `philox.cu` and
+/// `steps.cu`): with PDL when it is on for the device ([`options`]).
+///
+/// # Safety
+/// The caller checked every buffer against the extent the kernel indexes with the scalars
+/// given (see the kernel's comment in its `.cu` file).
+pub(crate) unsafe fn launch_entered(
+    q: &dyn Queue,
+    f: &Function,
+    cfg: LaunchConfig,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    // SAFETY: the caller's promise; the kernel begins with CG_PDL_ENTER(), which waits for the
+    // previous kernel before any memory access.
+    Ok(q.launch_with(f, cfg, args, options(q.device()))?)
 }
 
 /// Launches one of the NN module's kernels: with PDL through its twin when PDL is on and the

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use super::need;
+use super::pdl::launch_entered;
 use crate::error::{NnError, Result};
 
 /// The CUDA source of the module.
@@ -48,15 +49,6 @@ fn int(what: &'static str, v: usize) -> Result<i32> {
 fn mul(what: &'static str, a: usize, b: usize) -> Result<usize> {
     a.checked_mul(b)
         .ok_or_else(|| NnError::Shape(format!("{what}: {a} × {b} overflows")))
-}
-
-/// Launches a kernel of this module.
-///
-/// # Safety
-/// The caller checked every buffer against the extent the kernel indexes.
-unsafe fn launch(q: &dyn Queue, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
-    // SAFETY: the caller's promise; every kernel of steps.cu begins with CG_PDL_ENTER().
-    Ok(q.launch_with(f, cfg, args, super::pdl::options(q.device()))?)
 }
 
 impl StepKernels {
@@ -108,7 +100,7 @@ impl StepKernels {
         // and labels[b·rows + i] for i < rows, below batches·rows (both checked); writes x below
         // rows·features and y below rows (checked); reads cursor[0].
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.gather,
                 LaunchConfig::linear(1, 1024),
@@ -127,7 +119,7 @@ impl StepKernels {
         // SAFETY: one thread reads and writes cursor[0] and writes cond[0] when given (both
         // checked to hold one element).
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.advance,
                 LaunchConfig::linear(1, 1),
@@ -148,7 +140,7 @@ impl StepKernels {
         need("loop condition", cond, 1)?;
         // SAFETY: one thread reads cursor[0] and writes cond[0] (both checked).
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.batches_left,
                 LaunchConfig::linear(1, 1),
@@ -176,7 +168,7 @@ impl StepKernels {
             .map_err(|_| NnError::Shape("check_finite: too many elements".into()))?;
         // SAFETY: i < n = x.len() reads x[i]; one write of flag[0] (checked).
         unsafe {
-            launch(
+            launch_entered(
                 q,
                 &self.check_finite,
                 LaunchConfig::for_elements(x.len(), 256),

@@ -37,7 +37,7 @@ pub struct Trainer {
 
 impl Trainer {
     pub fn new(s: &Stream, comm: &Communicator) -> Result<Self> {
-        let mut rng = Rng::new(11);
+        let mut rng = HostRng::new(11);
         let model = Sequential::new(vec![
             Layer::Linear(Linear::new(s, 64, 64, &mut rng)?),
             Layer::ReLU,
@@ -45,7 +45,7 @@ impl Trainer {
         ]);
         let ddp = DistributedDataParallel::new(s, comm, model.parameters(), DdpOptions::default())?;
         let opt = Sgd::new(s, model.parameters(), 0.01, 0.0, 0.0)?;
-        let mut data = Rng::new(100 + comm.rank() as u64);
+        let mut data = HostRng::new(100 + comm.rank() as u64);
         let x = Tensor::from_host(s, &data.vec_normal(16 * 64), &[16, 64])?;
         let y = Tensor::from_host(s, &data.vec_normal(16 * 8), &[16, 8])?;
         Ok(Trainer {

@@ -1,0 +1,4 @@
+//! Tensors and reverse-mode autograd, and the differentiable operations on them.
+
+pub mod ops;
+pub mod tensor;

@@ -1,0 +1,354 @@
+//! [`Engines`], the per-device registry: the policy in force, every key's choice (measured on
+//! the first eager call, the heuristic default inside a capture), the disk table it loads and
+//! merges into, and the usage log benchmarks read.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudagraph::runtime::{Context, DeviceInfo};
+use cudagraph::{Device, Queue};
+
+use super::catalog::Engine;
+use super::policy::Policy;
+use super::table::{identity, table_file, DiskTable, EngineRow, Entry, Timing, FORMAT};
+use crate::error::{NnError, Result};
+use crate::ffi::blas::Blas;
+use crate::ffi::blaslt::BlasLt;
+use crate::ffi::cudnn::Cudnn;
+use crate::ffi::cudnn_graph::CudnnGraph;
+use crate::ffi::libraries::Libraries;
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The per-device engine registry (a [`Device::extension`]): policy and choices. The library
+/// handles the engines use belong to the device's `Libraries`; the registry hands out those
+/// its policy allows.
+pub struct Engines {
+    pub(super) ctx: Context,
+    info: DeviceInfo,
+    libs: Arc<Libraries>,
+    policy: Mutex<Policy>,
+    table: Mutex<BTreeMap<String, Entry>>,
+    file: Option<PathBuf>,
+    libraries: String,
+    /// The graph pool of the registry's timing graphs, made on first use and kept with the
+    /// device; its lock serialises the graph timing of this device's measurements (the pool
+    /// contract: its graphs never replay at once). Dropping each timing graph with a private
+    /// pool closed that pool, a release that synchronises the context, per candidate: with
+    /// other threads capturing at the same time, captures were invalidated and the process
+    /// crashed inside cuCtxSynchronize (H100, 2026-11-24: gpu_engines with parallel test
+    /// threads failed 6 of 8 runs, 0 of 8 with graph timing off).
+    pub(super) timing_pool: Mutex<Option<cudagraph::memory::Pool>>,
+    /// When on ([`Engines::start_usage_log`]): every (key, engine) served, in order.
+    usage: Mutex<Option<Vec<(String, String)>>>,
+    usage_on: std::sync::atomic::AtomicBool,
+}
+
+impl fmt::Debug for Engines {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Engines({} #{}, {} choices, {})",
+            self.info.name,
+            self.info.ordinal,
+            lock(&self.table).len(),
+            self.libraries
+        )
+    }
+}
+
+/// A string naming the installed library versions (part of the disk table's identity).
+fn library_versions() -> String {
+    let v = |r: std::result::Result<usize, String>| r.map_or("none".to_string(), |v| v.to_string());
+    format!(
+        "cudnn {} cublasLt {}",
+        v(crate::ffi::cudnn::version()),
+        v(crate::ffi::blaslt::version())
+    )
+}
+
+impl Engines {
+    /// The registry of `device`, created on first use (reads the environment's policy and the
+    /// disk table).
+    pub fn get(device: &Device) -> Result<Arc<Engines>> {
+        device
+            .extension(|d| Engines::new(d).map_err(cudagraph::Error::from))
+            .map_err(NnError::from)
+    }
+
+    fn new(d: &Device) -> Result<Engines> {
+        let policy = Policy::from_env()?;
+        let info = d.info().clone();
+        let libraries = library_versions();
+        let file = cudagraph::runtime::nvrtc::cache_dir()
+            .map(|dir| table_file(&dir, &info.name, info.driver_version));
+        let entries = file
+            .as_deref()
+            .and_then(DiskTable::load)
+            .filter(|t| identity(t, &info, &libraries))
+            .map(|t| t.entries)
+            .unwrap_or_default();
+        Ok(Engines {
+            ctx: d.context().clone(),
+            info,
+            libs: Libraries::get(d)?,
+            policy: Mutex::new(policy),
+            table: Mutex::new(entries),
+            file,
+            libraries,
+            timing_pool: Mutex::new(None),
+            usage: Mutex::new(None),
+            usage_on: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn same_identity(&self, t: &DiskTable) -> bool {
+        identity(t, &self.info, &self.libraries)
+    }
+
+    /// The current policy.
+    pub fn policy(&self) -> Policy {
+        *lock(&self.policy)
+    }
+
+    /// Replaces the policy (keys record restrictions, so choices made under another policy stay
+    /// cached under their own keys).
+    pub fn set_policy(&self, p: Policy) {
+        *lock(&self.policy) = p;
+    }
+
+    /// Forgets every choice in memory, so the next eager use of each key measures it again
+    /// (the disk table keeps its entries; new measurements replace theirs).
+    pub fn clear(&self) {
+        lock(&self.table).clear();
+    }
+
+    /// The device's facts.
+    pub fn device_info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The installed library versions, e.g. `cudnn 91400 cublasLt 130000`.
+    pub fn libraries(&self) -> &str {
+        &self.libraries
+    }
+
+    /// Where the measured choices are stored (`None`: disk cache off).
+    pub fn table_path(&self) -> Option<&Path> {
+        self.file.as_deref()
+    }
+
+    /// The device's cuBLAS handle (made on first use).
+    pub fn blas(&self) -> Result<&Blas> {
+        self.libs.blas()
+    }
+
+    /// cuDNN, when installed and allowed by the policy (opened on first use; a missing library
+    /// prints one notice).
+    pub fn cudnn(&self) -> Option<&Cudnn> {
+        self.policy().cudnn.then(|| self.libs.cudnn()).flatten()
+    }
+
+    /// cuDNN for listing candidates on `q`: as [`Engines::cudnn`], except that inside a capture
+    /// a library not opened yet stays closed (opening it may allocate or synchronise, which a
+    /// capture forbids); the capture then uses the other engines.
+    pub(crate) fn cudnn_for(&self, q: &dyn Queue) -> Option<&Cudnn> {
+        self.policy()
+            .cudnn
+            .then(|| self.libs.cudnn_for(q))
+            .flatten()
+    }
+
+    /// cuDNN's graph API (every engine configuration), when cuDNN 9 is installed and the
+    /// policy allows cuDNN (opened on first use; an unavailable API prints one notice).
+    pub fn cudnn_graph(&self) -> Option<&CudnnGraph> {
+        self.policy()
+            .cudnn
+            .then(|| self.libs.cudnn_graph())
+            .flatten()
+    }
+
+    /// cuDNN's graph API for listing candidates on `q` (not opened inside a capture).
+    pub(crate) fn cudnn_graph_for(&self, q: &dyn Queue) -> Option<&CudnnGraph> {
+        self.policy()
+            .cudnn
+            .then(|| self.libs.cudnn_graph_for(q))
+            .flatten()
+    }
+
+    /// cuBLASLt for listing candidates on `q` (closed libraries stay closed in a capture).
+    pub(crate) fn cublaslt_for(&self, q: &dyn Queue) -> Option<&BlasLt> {
+        self.policy()
+            .cublaslt
+            .then(|| self.libs.cublaslt_for(q))
+            .flatten()
+    }
+
+    /// cuBLASLt, when installed and allowed by the policy.
+    pub fn cublaslt(&self) -> Option<&BlasLt> {
+        self.policy()
+            .cublaslt
+            .then(|| self.libs.cublaslt())
+            .flatten()
+    }
+
+    /// Every choice, sorted by key.
+    pub fn table(&self) -> Vec<EngineRow> {
+        lock(&self.table)
+            .iter()
+            .map(|(k, e)| EngineRow {
+                key: k.clone(),
+                entry: e.clone(),
+            })
+            .collect()
+    }
+
+    /// The choice recorded for `key`, if any.
+    pub fn entry(&self, key: &str) -> Option<Entry> {
+        lock(&self.table).get(key).cloned()
+    }
+
+    /// The engine recorded for `key` if this process already checked it against the key's
+    /// candidates (the fast path: callers list candidates only when this is `None`).
+    pub(crate) fn lookup<A: Engine>(&self, key: &str) -> Option<A> {
+        let t = lock(&self.table);
+        let e = t.get(key)?;
+        if e.checked {
+            let a = e.engine.parse().ok();
+            if a.is_some() {
+                self.log_use(key, &e.engine);
+            }
+            a
+        } else {
+            None
+        }
+    }
+
+    /// Starts recording which engine every product and convolution uses (for benchmarks that
+    /// report it per workload); [`Self::take_usage_log`] returns and clears the record.
+    pub fn start_usage_log(&self) {
+        *lock(&self.usage) = Some(Vec::new());
+        self.usage_on
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The (key, engine) pairs served since [`Self::start_usage_log`] (or the last take), in
+    /// order; empty when logging is off.
+    pub fn take_usage_log(&self) -> Vec<(String, String)> {
+        lock(&self.usage)
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    fn log_use(&self, key: &str, engine: &str) {
+        if self.usage_on.load(std::sync::atomic::Ordering::Acquire) {
+            if let Some(v) = lock(&self.usage).as_mut() {
+                v.push((key.to_string(), engine.to_string()));
+            }
+        }
+    }
+
+    /// The engine for `key` among `candidates` (non-empty; `default` among them): the recorded
+    /// choice when there is a valid one (measured, or the unmeasured default a capture chose);
+    /// otherwise, on an eager queue, the fastest candidate measured with `run` (which must run
+    /// the candidate on scratch outputs); inside a capture `default`, recorded as unmeasured.
+    pub(crate) fn choose<A: Engine>(
+        &self,
+        q: &dyn Queue,
+        key: &str,
+        candidates: &[A],
+        default: A,
+        run: &mut dyn FnMut(&dyn Queue, A) -> Result<()>,
+    ) -> Result<A> {
+        let Some(&first) = candidates.first() else {
+            return Ok(default);
+        };
+        let default = if candidates.contains(&default) {
+            default
+        } else {
+            first
+        };
+        if let Some(e) = lock(&self.table).get_mut(key) {
+            if let Ok(a) = e.engine.parse::<A>() {
+                if candidates.contains(&a) {
+                    e.checked = true;
+                    self.log_use(key, &e.engine);
+                    return Ok(a);
+                }
+            }
+        }
+        if q.is_capturing() || candidates.len() == 1 {
+            let entry = Entry {
+                engine: default.to_string(),
+                measured: candidates.len() == 1,
+                timings: Vec::new(),
+                checked: true,
+            };
+            lock(&self.table).insert(key.to_string(), entry);
+            self.log_use(key, &default.to_string());
+            return Ok(default);
+        }
+        let timings = self.measure(q, candidates, run)?;
+        let best = timings
+            .iter()
+            .filter_map(|(a, t)| t.as_ref().ok().map(|m| (*a, m.us)))
+            .min_by(|x, y| x.1.total_cmp(&y.1))
+            .map(|(a, _)| a);
+        let Some(best) = best else {
+            let why: Vec<String> = timings
+                .iter()
+                .map(|(a, t)| format!("{a}: {}", t.as_ref().err().map_or("?", |e| e)))
+                .collect();
+            return Err(NnError::Library {
+                library: "engine registry",
+                call: "measure",
+                status: format!("no engine could run {key}: {}", why.join("; ")),
+            });
+        };
+        let entry = Entry {
+            engine: best.to_string(),
+            measured: true,
+            timings: timings
+                .iter()
+                .map(|(a, t)| Timing {
+                    engine: a.to_string(),
+                    us: t.as_ref().ok().map(|m| m.us),
+                    chain_us: t.as_ref().ok().and_then(|m| m.chain),
+                    single_us: t.as_ref().ok().and_then(|m| m.single),
+                    error: t.as_ref().err().cloned(),
+                })
+                .collect(),
+            checked: true,
+        };
+        self.log_use(key, &best.to_string());
+        let measured: Vec<(String, Entry)> = {
+            let mut t = lock(&self.table);
+            t.insert(key.to_string(), entry);
+            t.iter()
+                .filter(|(_, e)| e.measured && !e.timings.is_empty())
+                .map(|(k, e)| (k.clone(), e.clone()))
+                .collect()
+        };
+        if let Some(path) = &self.file {
+            // Merge into what is on disk (another process, or choices forgotten by `clear`).
+            let mut table = DiskTable::load(path)
+                .filter(|t| self.same_identity(t))
+                .unwrap_or_else(|| DiskTable {
+                    format: FORMAT,
+                    device: self.info.name.clone(),
+                    driver: self.info.driver_version,
+                    libraries: self.libraries.clone(),
+                    entries: BTreeMap::new(),
+                });
+            table.entries.extend(measured);
+            // A table that cannot be written only costs a measurement next time.
+            let _ = table.save(path);
+        }
+        Ok(best)
+    }
+}

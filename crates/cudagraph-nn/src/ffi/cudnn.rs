@@ -1,0 +1,745 @@
+//! cuDNN convolutions (forward, backward-data, backward-filter; NCHW fp32), loaded at run time.
+//!
+//! cudarc's `cudnn` feature finds and loads `libcudnn` (dynamic loading: nothing is needed at
+//! build time); the functions themselves are looked up here, each with its C signature and raw
+//! integer status codes and enums, so a newer cuDNN that returns a code our bindings do not
+//! know cannot produce an invalid Rust enum, and a missing symbol is a clear "cuDNN unavailable"
+//! instead of a panic. Every symbol is resolved, and cuDNN's sub-libraries are checked to load,
+//! before any function is called (the `libcudnn` shim aborts the process when one is missing).
+//!
+//! One handle per device (in the device's [`super::libraries::Libraries`], holding its
+//! `Context`), its stream set on every call. Math type `CUDNN_FMA_MATH` (no TF32, like PyTorch
+//! with `allow_tf32 = False`). The workspace of every call comes from the caller's queue
+//! (`QueueExt::alloc`): inside a capture it is taken from the graph's pool. Which algorithm
+//! runs is the engine registry's choice ([`crate::engine`]); this module lists the candidates
+//! (`cudnnGetConvolution*Algorithm_v7`, heuristic order) and runs the chosen one.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int};
+use std::sync::Mutex;
+
+use cudagraph::runtime::{with_relaxed_capture, Context};
+use cudagraph::{DeviceBuffer, Queue, QueueExt};
+use cudarc::cudnn::sys as cs;
+
+use super::loader::{check, describe, lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCESS};
+use crate::error::{NnError, Result};
+use crate::extent::{
+    conv_on_device, conv_roles, handle_on_device, need, on_device, ConvDir, ConvGeom,
+};
+
+const NCHW: u32 = cs::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as u32;
+const FLOAT: u32 = cs::cudnnDataType_t::CUDNN_DATA_FLOAT as u32;
+const CROSS_CORRELATION: u32 = cs::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION as u32;
+const DEFAULT_MATH: u32 = cs::cudnnMathType_t::CUDNN_DEFAULT_MATH as u32;
+const FMA_MATH: u32 = cs::cudnnMathType_t::CUDNN_FMA_MATH as u32;
+const DETERMINISTIC: u32 = cs::cudnnDeterminism_t::CUDNN_DETERMINISTIC as u32;
+
+/// `cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t` (the three share one layout), with raw
+/// integers where the header has enums.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AlgoPerf {
+    algo: u32,
+    status: Status,
+    time: f32,
+    memory: usize,
+    determinism: u32,
+    math_type: u32,
+    reserved: [c_int; 3],
+}
+
+/// (handle, desc1, desc2, conv, desc3, requested, returned, results)
+type FindFn =
+    unsafe extern "C" fn(Ptr, Ptr, Ptr, Ptr, Ptr, c_int, *mut c_int, *mut AlgoPerf) -> Status;
+/// (handle, desc1, desc2, conv, desc3, algo, bytes)
+type WorkspaceFn = unsafe extern "C" fn(Ptr, Ptr, Ptr, Ptr, Ptr, u32, *mut usize) -> Status;
+/// (handle, alpha, desc1, ptr1, desc2, ptr2, conv, algo, workspace, bytes, beta, desc3, ptr3)
+type ConvFn = unsafe extern "C" fn(
+    Ptr,
+    CPtr,
+    Ptr,
+    CPtr,
+    Ptr,
+    CPtr,
+    Ptr,
+    u32,
+    Ptr,
+    usize,
+    CPtr,
+    Ptr,
+    Ptr,
+) -> Status;
+
+/// The cuDNN functions this module calls, with the signatures of cuDNN 8/9's headers.
+struct Api {
+    get_version: unsafe extern "C" fn() -> usize,
+    get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
+    create: unsafe extern "C" fn(*mut Ptr) -> Status,
+    destroy: unsafe extern "C" fn(Ptr) -> Status,
+    set_stream: unsafe extern "C" fn(Ptr, Ptr) -> Status,
+    create_tensor: unsafe extern "C" fn(*mut Ptr) -> Status,
+    set_tensor_4d: unsafe extern "C" fn(Ptr, u32, u32, c_int, c_int, c_int, c_int) -> Status,
+    destroy_tensor: unsafe extern "C" fn(Ptr) -> Status,
+    create_filter: unsafe extern "C" fn(*mut Ptr) -> Status,
+    set_filter_4d: unsafe extern "C" fn(Ptr, u32, u32, c_int, c_int, c_int, c_int) -> Status,
+    destroy_filter: unsafe extern "C" fn(Ptr) -> Status,
+    create_conv: unsafe extern "C" fn(*mut Ptr) -> Status,
+    set_conv_2d:
+        unsafe extern "C" fn(Ptr, c_int, c_int, c_int, c_int, c_int, c_int, u32, u32) -> Status,
+    set_conv_math: unsafe extern "C" fn(Ptr, u32) -> Status,
+    destroy_conv: unsafe extern "C" fn(Ptr) -> Status,
+    output_dim: unsafe extern "C" fn(
+        Ptr,
+        Ptr,
+        Ptr,
+        *mut c_int,
+        *mut c_int,
+        *mut c_int,
+        *mut c_int,
+    ) -> Status,
+    find: [FindFn; 3],
+    workspace: [WorkspaceFn; 3],
+    run: [ConvFn; 3],
+    add_tensor: unsafe extern "C" fn(Ptr, CPtr, Ptr, CPtr, CPtr, Ptr, Ptr) -> Status,
+}
+
+/// The sub-libraries the convolution API needs, by cuDNN major version. cuDNN's `libcudnn` is
+/// a shim that loads them on first use and aborts the process when one is missing, so they are
+/// checked (loaded by name, as the shim does) before any cuDNN function is called.
+const SUB_LIBRARIES: [&[&str]; 2] = [
+    &[
+        "libcudnn_graph.so.9",
+        "libcudnn_ops.so.9",
+        "libcudnn_cnn.so.9",
+        "libcudnn_heuristic.so.9",
+        "libcudnn_engines_precompiled.so.9",
+        "libcudnn_engines_runtime_compiled.so.9",
+    ],
+    &[
+        "libcudnn_ops_infer.so.8",
+        "libcudnn_ops_train.so.8",
+        "libcudnn_cnn_infer.so.8",
+        "libcudnn_cnn_train.so.8",
+    ],
+];
+
+/// Whether one complete set of sub-libraries loads; `Err` names what is missing.
+fn sub_libraries_load() -> std::result::Result<(), String> {
+    let mut missing = Vec::new();
+    for set in SUB_LIBRARIES {
+        let mut absent = Vec::new();
+        for &name in set {
+            // SAFETY: loading a cuDNN library runs only its (and its dependencies')
+            // initialisers, which have no preconditions.
+            match unsafe { libloading::Library::new(name) } {
+                // Kept loaded: the shim loads it next anyway, and unloading libraries that
+                // hold CUDA runtime state is best avoided.
+                Ok(lib) => std::mem::forget(lib),
+                Err(_) => absent.push(name),
+            }
+        }
+        if absent.is_empty() {
+            return Ok(());
+        }
+        missing.push(absent.join(", "));
+    }
+    Err(format!(
+        "libcudnn is there but its sub-libraries are not (missing: {})",
+        missing.join("; or for cuDNN 8: ")
+    ))
+}
+
+fn load() -> std::result::Result<Api, String> {
+    // SAFETY: only tries to dlopen libcudnn by its usual names.
+    if !unsafe { cs::is_culib_present() } {
+        return Err("libcudnn could not be loaded".into());
+    }
+    sub_libraries_load()?;
+    // SAFETY: the library loads (checked above), so `culib` returns it instead of panicking.
+    let lib = unsafe { cs::culib() };
+    let api = Api {
+        get_version: lib_fn!(lib, "cudnnGetVersion"),
+        get_error_string: lib_fn!(lib, "cudnnGetErrorString"),
+        create: lib_fn!(lib, "cudnnCreate"),
+        destroy: lib_fn!(lib, "cudnnDestroy"),
+        set_stream: lib_fn!(lib, "cudnnSetStream"),
+        create_tensor: lib_fn!(lib, "cudnnCreateTensorDescriptor"),
+        set_tensor_4d: lib_fn!(lib, "cudnnSetTensor4dDescriptor"),
+        destroy_tensor: lib_fn!(lib, "cudnnDestroyTensorDescriptor"),
+        create_filter: lib_fn!(lib, "cudnnCreateFilterDescriptor"),
+        set_filter_4d: lib_fn!(lib, "cudnnSetFilter4dDescriptor"),
+        destroy_filter: lib_fn!(lib, "cudnnDestroyFilterDescriptor"),
+        create_conv: lib_fn!(lib, "cudnnCreateConvolutionDescriptor"),
+        set_conv_2d: lib_fn!(lib, "cudnnSetConvolution2dDescriptor"),
+        set_conv_math: lib_fn!(lib, "cudnnSetConvolutionMathType"),
+        destroy_conv: lib_fn!(lib, "cudnnDestroyConvolutionDescriptor"),
+        output_dim: lib_fn!(lib, "cudnnGetConvolution2dForwardOutputDim"),
+        find: [
+            lib_fn!(lib, "cudnnGetConvolutionForwardAlgorithm_v7"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardDataAlgorithm_v7"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardFilterAlgorithm_v7"),
+        ],
+        workspace: [
+            lib_fn!(lib, "cudnnGetConvolutionForwardWorkspaceSize"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardDataWorkspaceSize"),
+            lib_fn!(lib, "cudnnGetConvolutionBackwardFilterWorkspaceSize"),
+        ],
+        run: [
+            lib_fn!(lib, "cudnnConvolutionForward"),
+            lib_fn!(lib, "cudnnConvolutionBackwardData"),
+            lib_fn!(lib, "cudnnConvolutionBackwardFilter"),
+        ],
+        add_tensor: lib_fn!(lib, "cudnnAddTensor"),
+    };
+    // SAFETY: no arguments; returns a number.
+    let v = unsafe { (api.get_version)() };
+    if v < 8000 {
+        return Err(format!("cuDNN {v} is too old (8.0 or newer is needed)"));
+    }
+    Ok(api)
+}
+
+/// The process's cuDNN functions, or why there are none.
+fn api() -> std::result::Result<&'static Api, &'static str> {
+    static API: Loaded<Api> = Loaded::new(load);
+    API.get()
+}
+
+// SAFETY: `get_error_string` is `cudnnGetErrorString`, which returns a static NUL-terminated
+// string (or null) for any status.
+unsafe impl StatusText for Api {
+    const LIBRARY: &'static str = "cuDNN";
+    fn status_string(&self) -> unsafe extern "C" fn(Status) -> *const c_char {
+        self.get_error_string
+    }
+}
+
+/// The loaded cuDNN's version (e.g. 91400 for 9.14.0), or why it is unavailable.
+pub fn version() -> std::result::Result<usize, String> {
+    let api = api().map_err(str::to_string)?;
+    // SAFETY: no arguments; returns a number.
+    Ok(unsafe { (api.get_version)() })
+}
+
+fn index(dir: ConvDir) -> usize {
+    match dir {
+        ConvDir::Forward => 0,
+        ConvDir::BackwardData => 1,
+        ConvDir::BackwardFilter => 2,
+    }
+}
+
+/// One cuDNN algorithm for a direction and geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlgoInfo {
+    /// The `cudnnConvolution*Algo_t` value.
+    pub algo: u32,
+    /// Workspace bytes it needs.
+    pub workspace: usize,
+    /// Whether cuDNN promises bit-identical results run to run.
+    pub deterministic: bool,
+}
+
+/// Descriptors of one geometry.
+struct Plan {
+    api: &'static Api,
+    x: Ptr,
+    w: Ptr,
+    y: Ptr,
+    bias: Ptr,
+    conv: Ptr,
+    /// Algorithms by direction, in cuDNN's heuristic order (filled on first request).
+    algos: [Option<Vec<AlgoInfo>>; 3],
+    /// Workspace bytes by (direction, algorithm).
+    workspace: HashMap<(usize, u32), usize>,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created by the matching create call (or is still null)
+        // and is destroyed once, here; the owner has bound the context.
+        unsafe {
+            for t in [self.x, self.y, self.bias] {
+                if !t.is_null() {
+                    (self.api.destroy_tensor)(t);
+                }
+            }
+            if !self.w.is_null() {
+                (self.api.destroy_filter)(self.w);
+            }
+            if !self.conv.is_null() {
+                (self.api.destroy_conv)(self.conv);
+            }
+        }
+    }
+}
+
+struct State {
+    handle: Ptr,
+    plans: HashMap<[usize; 9], Plan>,
+}
+
+// SAFETY: the handle and descriptors are plain cuDNN objects, usable from any thread one call at
+// a time; every use below holds the `Cudnn` mutex with the device's context bound.
+unsafe impl Send for State {}
+
+/// A cuDNN handle bound to one device (kept by the device's [`super::libraries::Libraries`]).
+pub struct Cudnn {
+    api: &'static Api,
+    ctx: Context,
+    state: Mutex<State>,
+}
+
+impl Drop for Cudnn {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if self.ctx.bind().is_ok() {
+            st.plans.clear();
+            // SAFETY: created by cudnnCreate, destroyed once, here; no call is in flight (we
+            // own the state exclusively).
+            unsafe {
+                (self.api.destroy)(st.handle);
+            }
+        } else {
+            // Without the context the descriptors cannot be destroyed safely; leak them.
+            std::mem::forget(std::mem::take(&mut st.plans));
+        }
+    }
+}
+
+fn key(g: &ConvGeom) -> [usize; 9] {
+    [g.n, g.c, g.h, g.w, g.oc, g.kh, g.kw, g.stride, g.pad]
+}
+
+fn ci(what: &str, v: usize) -> Result<c_int> {
+    c_int::try_from(v).map_err(|_| NnError::Shape(format!("cuDNN: {what} = {v} exceeds an int")))
+}
+
+/// Whether cuDNN's legacy API can describe this geometry: positive dimensions, every tensor
+/// below 2^31 elements.
+pub fn supports(g: &ConvGeom) -> bool {
+    let Ok((oh, ow)) = g.out_hw() else {
+        return false;
+    };
+    let fits = |d: [usize; 4]| {
+        d.iter().all(|&v| v > 0)
+            && d.iter()
+                .try_fold(1usize, |a, &b| a.checked_mul(b))
+                .is_some_and(|v| v <= i32::MAX as usize)
+    };
+    fits([g.n, g.c, g.h, g.w])
+        && fits([g.oc, g.c, g.kh, g.kw])
+        && fits([g.n, g.oc, oh, ow])
+        && i32::try_from(g.stride).is_ok()
+        && i32::try_from(g.pad).is_ok()
+}
+
+impl Cudnn {
+    /// Loads cuDNN and creates a handle for `ctx`'s device. `Err` carries why cuDNN is
+    /// unavailable (the caller prints it once and uses its own kernels).
+    pub fn open(ctx: &Context) -> std::result::Result<Cudnn, String> {
+        let api = api().map_err(str::to_string)?;
+        ctx.bind().map_err(|e| e.to_string())?;
+        let mut h: Ptr = std::ptr::null_mut();
+        // SAFETY: writes one handle. Relaxed capture mode: creation may allocate.
+        let st = with_relaxed_capture(|| unsafe { (api.create)(&mut h) });
+        if st != SUCCESS || h.is_null() {
+            return Err(format!("cudnnCreate failed: {}", describe(api, st)));
+        }
+        Ok(Cudnn {
+            api,
+            ctx: ctx.clone(),
+            state: Mutex::new(State {
+                handle: h,
+                plans: HashMap::new(),
+            }),
+        })
+    }
+
+    fn check(&self, st: Status, call: &'static str) -> Result<()> {
+        check(self.api, st, call)
+    }
+
+    /// The descriptors of `g`, created on first use.
+    fn plan<'s>(&self, st: &'s mut State, g: &ConvGeom) -> Result<&'s mut Plan> {
+        if !supports(g) {
+            return Err(NnError::Shape(format!(
+                "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
+            )));
+        }
+        Ok(match st.plans.entry(key(g)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_plan(self.api, g)?),
+        })
+    }
+
+    /// (desc1, desc2, desc3) of a direction, in the order cuDNN's calls take them.
+    fn descs(p: &Plan, dir: ConvDir) -> (Ptr, Ptr, Ptr) {
+        match dir {
+            ConvDir::Forward => (p.x, p.w, p.y),
+            ConvDir::BackwardData => (p.w, p.y, p.x),
+            ConvDir::BackwardFilter => (p.x, p.y, p.w),
+        }
+    }
+
+    /// cuDNN's algorithms for a direction and geometry, in its heuristic order: only those
+    /// that run without tensor cores (FMA), need at most `max_workspace` bytes and, with
+    /// `deterministic`, give bit-identical results run to run.
+    pub fn algos(
+        &self,
+        dir: ConvDir,
+        g: &ConvGeom,
+        deterministic: bool,
+        max_workspace: usize,
+    ) -> Result<Vec<AlgoInfo>> {
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let p = self.plan(&mut st, g)?;
+        let d = index(dir);
+        if p.algos[d].is_none() {
+            let (d1, d2, d3) = Self::descs(p, dir);
+            let mut perf = [AlgoPerf::default(); 16];
+            let mut got: c_int = 0;
+            // SAFETY: live handle and descriptors; cuDNN writes at most `requested` (16)
+            // entries into `perf` and their count into `got`.
+            self.check(
+                unsafe {
+                    (self.api.find[d])(handle, d1, d2, p.conv, d3, 16, &mut got, perf.as_mut_ptr())
+                },
+                "cudnnGetConvolution*Algorithm_v7",
+            )?;
+            let got = (got.max(0) as usize).min(perf.len());
+            let mut list: Vec<AlgoInfo> = Vec::new();
+            for r in &perf[..got] {
+                let fma = r.math_type == FMA_MATH || r.math_type == DEFAULT_MATH;
+                if r.status == SUCCESS && fma && !list.iter().any(|a| a.algo == r.algo) {
+                    list.push(AlgoInfo {
+                        algo: r.algo,
+                        workspace: r.memory,
+                        deterministic: r.determinism == DETERMINISTIC,
+                    });
+                }
+            }
+            p.algos[d] = Some(list);
+        }
+        Ok(p.algos[d]
+            .iter()
+            .flatten()
+            .filter(|a| (a.deterministic || !deterministic) && a.workspace <= max_workspace)
+            .copied()
+            .collect())
+    }
+
+    /// Runs `algo` for one direction. Buffers by direction (as [`crate::engine::conv`]): forward
+    /// `a = x`, `b = w`, `out = y`; backward-data `a = dy`, `b = w`, `out = dx`;
+    /// backward-filter `a = dy`, `b = x`, `out = dw`. A forward bias is added after, by the
+    /// engine [`crate::engine::conv`] chooses ([`Cudnn::add_bias`] is one).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        algo: u32,
+        g: &ConvGeom,
+        a: &DeviceBuffer<f32>,
+        b: &DeviceBuffer<f32>,
+        out: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        // (ptr1, ptr2, ptr3) in cuDNN's argument order, after checking each extent.
+        let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
+        // The handle, the buffers and (below) the workspace are all the queue's device's.
+        handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
+        conv_on_device(q, dir, (a, b, out), None)?;
+        let (p1, p2, p3) = match dir {
+            ConvDir::Forward => (x, w, y),
+            ConvDir::BackwardData => (w, y, x),
+            ConvDir::BackwardFilter => (x, y, w),
+        };
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let p = self.plan(&mut st, g)?;
+        let d = index(dir);
+        let (d1, d2, d3) = Self::descs(p, dir);
+        let ws_bytes = match p.workspace.get(&(d, algo)) {
+            Some(&b) => b,
+            None => {
+                let mut bytes = 0usize;
+                // SAFETY: live handle and descriptors; writes one size. An algorithm cuDNN
+                // does not support here is an error status, not a call.
+                self.check(
+                    unsafe {
+                        (self.api.workspace[d])(handle, d1, d2, p.conv, d3, algo, &mut bytes)
+                    },
+                    "cudnnGetConvolution*WorkspaceSize",
+                )?;
+                p.workspace.insert((d, algo), bytes);
+                bytes
+            }
+        };
+        let ws = if ws_bytes > 0 {
+            Some(q.alloc::<u8>(ws_bytes)?)
+        } else {
+            None
+        };
+        if let Some(ws) = &ws {
+            on_device(q, [("cuDNN workspace", ws.block())])?;
+        }
+        for buf in [p1, p2, p3] {
+            q.use_block(buf.block());
+        }
+        if let Some(ws) = &ws {
+            q.use_block(ws.block());
+        }
+        let (one, zero) = (1.0f32, 0.0f32);
+        let one_p = &one as *const f32 as CPtr;
+        let zero_p = &zero as *const f32 as CPtr;
+        let ws_p = ws
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
+        let stream = q.stream_handle().raw() as Ptr;
+        // SAFETY: the handle and descriptors are live (held under the lock); the descriptors
+        // describe exactly the geometry whose extents were checked against the buffers above,
+        // so cuDNN reads and writes inside them; the buffers and the workspace are memory of
+        // the queue's device, the handle's (checked); the workspace holds the `ws_bytes` cuDNN
+        // asked for this algorithm; every buffer is kept alive and ordered by `use_block` (a
+        // capture keeps them); alpha/beta are read before the call returns.
+        unsafe {
+            self.check((self.api.set_stream)(handle, stream), "cudnnSetStream")?;
+            self.check(
+                (self.api.run[d])(
+                    handle,
+                    one_p,
+                    d1,
+                    p1.addr() as CPtr,
+                    d2,
+                    p2.addr() as CPtr,
+                    p.conv,
+                    algo,
+                    ws_p,
+                    ws_bytes,
+                    zero_p,
+                    d3,
+                    p3.addr() as Ptr,
+                ),
+                match dir {
+                    ConvDir::Forward => "cudnnConvolutionForward",
+                    ConvDir::BackwardData => "cudnnConvolutionBackwardData",
+                    ConvDir::BackwardFilter => "cudnnConvolutionBackwardFilter",
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `y += bias` broadcast over the images and pixels of a forward output of `g`
+    /// (`cudnnAddTensor`).
+    pub fn add_bias(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        bias: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        need("conv2d bias", bias, g.oc)?;
+        need("conv2d y", y, g.output_len()?)?;
+        handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
+        on_device(q, [("conv2d bias", bias.block()), ("conv2d y", y.block())])?;
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let p = self.plan(&mut st, g)?;
+        q.use_block(bias.block());
+        q.use_block(y.block());
+        let one = 1.0f32;
+        let one_p = &one as *const f32 as CPtr;
+        let stream = q.stream_handle().raw() as Ptr;
+        // SAFETY: live handle and descriptors (held under the lock); `p.bias` describes oc
+        // values and `p.y` the forward output of `g`, both checked against the buffers above
+        // (memory of the queue's device, the handle's), which `use_block` keeps alive and
+        // ordered; alpha is read before the call returns.
+        unsafe {
+            self.check((self.api.set_stream)(handle, stream), "cudnnSetStream")?;
+            self.check(
+                (self.api.add_tensor)(
+                    handle,
+                    one_p,
+                    p.bias,
+                    bias.addr() as CPtr,
+                    one_p,
+                    p.y,
+                    y.addr() as Ptr,
+                ),
+                "cudnnAddTensor",
+            )
+        }
+    }
+}
+
+/// The descriptors of `g` (no handle needed).
+fn new_plan(a: &'static Api, g: &ConvGeom) -> Result<Plan> {
+    let chk = |st, call| check(a, st, call);
+    let (oh, ow) = g.out_hw()?;
+    let mut p = Plan {
+        api: a,
+        x: std::ptr::null_mut(),
+        w: std::ptr::null_mut(),
+        y: std::ptr::null_mut(),
+        bias: std::ptr::null_mut(),
+        conv: std::ptr::null_mut(),
+        algos: [None, None, None],
+        workspace: HashMap::new(),
+    };
+    let (n, c, h, w) = (ci("n", g.n)?, ci("c", g.c)?, ci("h", g.h)?, ci("w", g.w)?);
+    let (oc, kh, kw) = (ci("oc", g.oc)?, ci("kh", g.kh)?, ci("kw", g.kw)?);
+    let (s, pad, ohi, owi) = (
+        ci("stride", g.stride)?,
+        ci("pad", g.pad)?,
+        ci("oh", oh)?,
+        ci("ow", ow)?,
+    );
+    // SAFETY: each create writes one descriptor into `p` (destroyed by Plan's Drop, also on
+    // the early returns); each set call receives a live descriptor and plain integers.
+    unsafe {
+        chk((a.create_tensor)(&mut p.x), "cudnnCreateTensorDescriptor")?;
+        chk((a.create_tensor)(&mut p.y), "cudnnCreateTensorDescriptor")?;
+        chk(
+            (a.create_tensor)(&mut p.bias),
+            "cudnnCreateTensorDescriptor",
+        )?;
+        chk((a.create_filter)(&mut p.w), "cudnnCreateFilterDescriptor")?;
+        chk(
+            (a.create_conv)(&mut p.conv),
+            "cudnnCreateConvolutionDescriptor",
+        )?;
+        chk(
+            (a.set_tensor_4d)(p.x, NCHW, FLOAT, n, c, h, w),
+            "cudnnSetTensor4dDescriptor",
+        )?;
+        chk(
+            (a.set_filter_4d)(p.w, FLOAT, NCHW, oc, c, kh, kw),
+            "cudnnSetFilter4dDescriptor",
+        )?;
+        chk(
+            (a.set_conv_2d)(p.conv, pad, pad, s, s, 1, 1, CROSS_CORRELATION, FLOAT),
+            "cudnnSetConvolution2dDescriptor",
+        )?;
+        // No TF32: only FMA kernels.
+        chk(
+            (a.set_conv_math)(p.conv, FMA_MATH),
+            "cudnnSetConvolutionMathType",
+        )?;
+        let (mut dn, mut dc, mut dh, mut dw) = (0, 0, 0, 0);
+        chk(
+            (a.output_dim)(p.conv, p.x, p.w, &mut dn, &mut dc, &mut dh, &mut dw),
+            "cudnnGetConvolution2dForwardOutputDim",
+        )?;
+        if (dn, dc, dh, dw) != (n, oc, ohi, owi) {
+            return Err(NnError::Library {
+                library: "cuDNN",
+                call: "cudnnGetConvolution2dForwardOutputDim",
+                status: format!(
+                    "output {dn}×{dc}×{dh}×{dw}, expected {n}×{oc}×{ohi}×{owi} for {g:?}"
+                ),
+            });
+        }
+        chk(
+            (a.set_tensor_4d)(p.y, NCHW, FLOAT, n, oc, ohi, owi),
+            "cudnnSetTensor4dDescriptor",
+        )?;
+        chk(
+            (a.set_tensor_4d)(p.bias, NCHW, FLOAT, 1, oc, 1, 1),
+            "cudnnSetTensor4dDescriptor",
+        )?;
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn perf_struct_matches_the_header_layout() {
+        // int algo; cudnnStatus_t status; float time; size_t memory; cudnnDeterminism_t;
+        // cudnnMathType_t; int reserved[3];
+        assert_eq!(std::mem::size_of::<AlgoPerf>(), 48);
+        assert_eq!(std::mem::offset_of!(AlgoPerf, memory), 16);
+        assert_eq!(std::mem::offset_of!(AlgoPerf, math_type), 28);
+    }
+
+    /// Where cuDNN is installed (the GPU machine), every symbol resolves and the library
+    /// answers; elsewhere the reason it is unavailable is a message, not a panic.
+    #[test]
+    fn every_symbol_resolves_where_cudnn_is_installed() {
+        match api() {
+            Ok(api) => {
+                // SAFETY: no arguments.
+                let v = unsafe { (api.get_version)() };
+                assert!(v >= 8000, "version {v}");
+                assert!(describe(api, SUCCESS).contains("SUCCESS"));
+                println!("cuDNN {v}");
+            }
+            Err(why) => println!("cuDNN unavailable here: {why}"),
+        }
+    }
+
+    /// Where cuDNN is installed: the descriptors of odd geometries are accepted and cuDNN
+    /// computes the same output size as `ConvGeom::out_hw` (descriptors need no GPU).
+    #[test]
+    fn descriptors_match_our_geometry_where_cudnn_is_installed() {
+        let Ok(api) = api() else {
+            println!("cuDNN unavailable here");
+            return;
+        };
+        let g = |n, c, h, w, oc, kh, kw, stride, pad| ConvGeom {
+            n,
+            c,
+            h,
+            w,
+            oc,
+            kh,
+            kw,
+            stride,
+            pad,
+        };
+        for geom in [
+            g(1, 1, 8, 8, 1, 1, 1, 1, 0),
+            g(2, 3, 11, 13, 5, 3, 3, 2, 1),
+            g(3, 7, 9, 9, 4, 7, 7, 1, 1),
+            g(1, 16, 17, 17, 33, 5, 5, 2, 0),
+            g(2, 5, 6, 7, 3, 2, 3, 1, 0),
+        ] {
+            let p = new_plan(api, &geom).unwrap();
+            assert!(!p.x.is_null() && !p.w.is_null() && !p.y.is_null() && !p.conv.is_null());
+        }
+        // A geometry cuDNN cannot describe is an error, not a crash.
+        assert!(new_plan(api, &g(1, 1, 2, 2, 1, 3, 3, 1, 0)).is_err());
+    }
+
+    #[test]
+    fn geometry_support_is_checked_without_cudnn() {
+        let g = ConvGeom {
+            n: 2,
+            c: 3,
+            h: 8,
+            w: 8,
+            oc: 4,
+            kh: 3,
+            kw: 3,
+            stride: 1,
+            pad: 1,
+        };
+        assert!(supports(&g));
+        assert!(!supports(&ConvGeom { n: 0, ..g }));
+        assert!(!supports(&ConvGeom {
+            n: 1 << 20,
+            c: 64,
+            h: 64,
+            w: 64,
+            ..g
+        }));
+    }
+}

@@ -1,0 +1,501 @@
+//! Bring your own model: PyTorch `state_dict`s in safetensors files, in and out, and a small
+//! JSON model description, so a [`Sequential`] can be built and served without code.
+//!
+//! Everything that touches only files and host memory ([`ModelDescription`], [`read_state_dict`],
+//! [`serialize_state_dict`]) works and is tested without a GPU; [`build_sequential`],
+//! [`state_dict`], [`load_model`] and [`save_model`] move the weights to and from a device.
+//!
+//! # The model description
+//!
+//! A JSON file next to the weights (`mlp.json` beside `mlp.safetensors`) lists one row's input
+//! shape (without the batch dimension) and the layers in order, exactly as the PyTorch
+//! `nn.Sequential` lists its modules, so layer `i`'s parameters are PyTorch's `i.weight` and
+//! `i.bias`:
+//!
+//! ```json
+//! {
+//!   "input": [1, 28, 28],
+//!   "layers": [
+//!     {"conv2d": {"in": 1, "out": 8, "kernel": 3, "stride": 1, "padding": 1}},
+//!     "relu",
+//!     "max_pool2d",
+//!     "flatten",
+//!     {"linear": [1568, 10]}
+//!   ]
+//! }
+//! ```
+//!
+//! | layer | PyTorch module | fields (defaults) |
+//! |---|---|---|
+//! | `{"linear": [in, out]}` or `{"linear": {"in", "out", "bias": true}}` | `nn.Linear(in, out, bias)` | weight `[out, in]`, bias `[out]` |
+//! | `{"conv2d": {"in", "out", "kernel", "stride": 1, "padding": 0, "bias": true}}` | `nn.Conv2d(in, out, kernel, stride, padding, bias=bias)` (square kernel) | weight `[out, in, k, k]`, bias `[out]` |
+//! | `"relu"` | `nn.ReLU()` | — |
+//! | `"max_pool2d"` or `{"max_pool2d": {"kernel": 2, "stride": kernel}}` | `nn.MaxPool2d(kernel, stride)` | — |
+//! | `"flatten"` | `nn.Flatten()` | — |
+//! | `{"dropout": {"p": 0.5}}` or `"dropout"` (p = 0.5) | `nn.Dropout(p)` | — |
+//!
+//! Shapes are checked layer by layer when the description is read; an error names the layer
+//! index and the field. Weights must be `float32` (`torch.float32`); a layer declared with
+//! `"bias": false` has no bias tensor in the file (it runs with a zero bias).
+pub mod datasets;
+mod description;
+mod weights;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use cudagraph::Stream;
+
+use crate::autograd::tensor::Parameter;
+use crate::error::Result;
+use crate::nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
+use description::product;
+
+pub use crate::error::IoError;
+pub use description::{LayerSpec, ModelDescription, ParamSpec};
+pub use weights::{read_state_dict, read_tensors, serialize_state_dict, HostTensor};
+
+/// Builds the model `desc` describes with the given parameters (as [`read_state_dict`]
+/// returns them). Layers declared without a bias get a zero bias.
+pub fn build_sequential(
+    s: &Stream,
+    desc: &ModelDescription,
+    params: &[HostTensor],
+) -> Result<Sequential> {
+    let by_name: HashMap<&str, &HostTensor> = params.iter().map(|t| (t.name.as_str(), t)).collect();
+    let get = |name: String, layer: usize, shape: &[usize]| -> Result<Vec<f32>> {
+        let t = by_name.get(name.as_str()).ok_or(IoError::MissingTensor {
+            name: name.clone(),
+            layer,
+            available: format!("{} parameters", params.len()),
+        })?;
+        if t.shape != shape || product(shape) != Some(t.data.len()) {
+            return Err(IoError::ShapeMismatch {
+                name,
+                layer,
+                expected: shape.to_vec(),
+                found: t.shape.clone(),
+            }
+            .into());
+        }
+        Ok(t.data.clone())
+    };
+    let mut layers = Vec::with_capacity(desc.layers.len());
+    for (i, l) in desc.layers.iter().enumerate() {
+        layers.push(match *l {
+            LayerSpec::Linear {
+                in_features,
+                out_features,
+                bias,
+            } => {
+                let w = get(format!("{i}.weight"), i, &[out_features, in_features])?;
+                let b = if bias {
+                    get(format!("{i}.bias"), i, &[out_features])?
+                } else {
+                    vec![0.0; out_features]
+                };
+                Layer::Linear(Linear::from_host(s, &w, &b, in_features, out_features)?)
+            }
+            LayerSpec::Conv2d {
+                in_channels,
+                out_channels,
+                kernel,
+                stride,
+                padding,
+                bias,
+            } => {
+                let wshape = [out_channels, in_channels, kernel, kernel];
+                let w = get(format!("{i}.weight"), i, &wshape)?;
+                let b = if bias {
+                    get(format!("{i}.bias"), i, &[out_channels])?
+                } else {
+                    vec![0.0; out_channels]
+                };
+                Layer::Conv2d(Conv2d {
+                    weight: Parameter::from_host(s, "weight", &w, &wshape)?,
+                    bias: Parameter::from_host(s, "bias", &b, &[out_channels])?,
+                    stride,
+                    padding,
+                })
+            }
+            LayerSpec::ReLU => Layer::ReLU,
+            LayerSpec::MaxPool2d { kernel, stride } => Layer::MaxPool2d { kernel, stride },
+            LayerSpec::Flatten => Layer::Flatten,
+            LayerSpec::Dropout { p } => Layer::Dropout { p },
+        });
+    }
+    // Loaded models serve: dropout is the identity until the caller switches to training.
+    let mut model = Sequential::new(layers);
+    model.eval();
+    Ok(model)
+}
+
+/// The model's parameters on the host, named as PyTorch names an `nn.Sequential`'s state_dict
+/// (`"{layer}.weight"`, `"{layer}.bias"`). Waits for `s`.
+pub fn state_dict(s: &Stream, model: &Sequential) -> Result<Vec<HostTensor>> {
+    let mut out = Vec::new();
+    for (i, l) in model.layers.iter().enumerate() {
+        for p in l_params(l) {
+            out.push(HostTensor {
+                name: format!("{i}.{}", p.name()),
+                shape: p.shape().to_vec(),
+                data: s.to_vec(p.data())?,
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn l_params(l: &Layer) -> Vec<Parameter> {
+    match l {
+        Layer::Linear(l) => l.parameters(),
+        Layer::Conv2d(c) => c.parameters(),
+        _ => Vec::new(),
+    }
+}
+
+/// Where a model's two files are: the description (`.json`) and the weights (`.safetensors`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelFiles {
+    pub description: PathBuf,
+    pub weights: PathBuf,
+}
+
+impl ModelFiles {
+    /// The files for `path`: a directory holds `model.json` and `model.safetensors`; a path
+    /// ending in `.json` or `.safetensors` (or with no extension) names both by its stem.
+    pub fn locate(path: &Path) -> Self {
+        if path.is_dir() {
+            return Self {
+                description: path.join("model.json"),
+                weights: path.join("model.safetensors"),
+            };
+        }
+        let stem = match path.extension().and_then(|e| e.to_str()) {
+            Some("json") | Some("safetensors") => path.with_extension(""),
+            _ => path.to_path_buf(),
+        };
+        let with = |ext: &str| {
+            let mut s = stem.clone().into_os_string();
+            s.push(ext);
+            PathBuf::from(s)
+        };
+        Self {
+            description: with(".json"),
+            weights: with(".safetensors"),
+        }
+    }
+}
+
+fn read_file(path: &Path) -> std::result::Result<Vec<u8>, IoError> {
+    std::fs::read(path).map_err(|source| IoError::File {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> std::result::Result<(), IoError> {
+    std::fs::write(path, bytes).map_err(|source| IoError::File {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Reads a model's description and weights (see [`ModelFiles::locate`]) and builds it on `s`.
+pub fn load_model(s: &Stream, path: &Path) -> Result<(ModelDescription, Sequential)> {
+    let files = ModelFiles::locate(path);
+    let desc = ModelDescription::read(&files.description)?;
+    let bytes = read_file(&files.weights)?;
+    let params = read_state_dict(&bytes, &desc, &files.weights.display().to_string())?;
+    let model = build_sequential(s, &desc, &params)?;
+    Ok((desc, model))
+}
+
+/// Writes `model` (rows of shape `input`) as a description and a safetensors file PyTorch
+/// loads into the same `nn.Sequential` (`model.load_state_dict(load_file(...))`).
+pub fn save_model(
+    s: &Stream,
+    model: &Sequential,
+    input: Vec<usize>,
+    path: &Path,
+) -> Result<ModelFiles> {
+    let desc = ModelDescription::from_sequential(model, input)?;
+    let files = ModelFiles::locate(path);
+    let bytes = serialize_state_dict(&state_dict(s, model)?)?;
+    write_file(&files.weights, &bytes)?;
+    write_file(&files.description, desc.to_json().as_bytes())?;
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use safetensors::tensor::{Dtype, TensorView};
+    use serde_json::{json, Value};
+
+    use super::*;
+
+    const CNN: &str = r#"{
+        "input": [1, 28, 28],
+        "layers": [
+            {"conv2d": {"in": 1, "out": 4, "kernel": 3, "padding": 1}},
+            "relu",
+            "max_pool2d",
+            {"conv2d": {"in": 4, "out": 8, "kernel": 3}},
+            "relu",
+            {"max_pool2d": {"kernel": 2}},
+            "flatten",
+            {"linear": [288, 32]},
+            "relu",
+            {"linear": {"in": 32, "out": 10, "bias": false}}
+        ]
+    }"#;
+
+    fn layer_err(text: &str) -> (usize, String, String) {
+        match ModelDescription::from_json(text) {
+            Err(IoError::Layer {
+                layer,
+                kind,
+                problem,
+            }) => (layer, kind, problem),
+            other => panic!("expected a layer error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn description_infers_shapes_and_pytorch_names() {
+        let d = ModelDescription::from_json(CNN).unwrap();
+        assert_eq!(d.shapes()[1], vec![4, 28, 28]);
+        assert_eq!(d.shapes()[3], vec![4, 14, 14]);
+        assert_eq!(d.shapes()[4], vec![8, 12, 12]);
+        assert_eq!(d.shapes()[6], vec![8, 6, 6]);
+        assert_eq!(d.output_shape(), &[10]);
+        assert_eq!((d.input_row(), d.output_row()), (784, 10));
+        let names: Vec<String> = d.parameters().into_iter().map(|p| p.name).collect();
+        assert_eq!(
+            names,
+            ["0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias", "9.weight"]
+        );
+        assert_eq!(d.parameters()[2].shape, vec![8, 4, 3, 3]);
+        // The canonical JSON reads back to the same description.
+        assert_eq!(ModelDescription::from_json(&d.to_json()).unwrap(), d);
+    }
+
+    #[test]
+    fn description_errors_name_the_layer_and_field() {
+        let (i, kind, p) = layer_err(r#"{"input": [4], "layers": [{"linear": [5, 3]}]}"#);
+        assert_eq!((i, kind.as_str()), (0, "linear"));
+        assert!(p.contains("`in` is 5") && p.contains("4 values"), "{p}");
+
+        let (i, _, p) = layer_err(
+            r#"{"input": [1, 8, 8], "layers": ["relu", {"conv2d": {"in": 1, "out": 2}}]}"#,
+        );
+        assert_eq!(i, 1);
+        assert!(p.contains("missing field `kernel`"), "{p}");
+
+        let (i, _, p) = layer_err(
+            r#"{"input": [1, 8, 8], "layers": [{"conv2d": {"in": 1, "out": 2, "kernal": 3}}]}"#,
+        );
+        assert_eq!(i, 0);
+        assert!(p.contains("unknown field `kernal`"), "{p}");
+
+        let (i, kind, p) = layer_err(r#"{"input": [1, 8, 8], "layers": [{"linear": [64, 2]}]}"#);
+        assert_eq!((i, kind.as_str()), (0, "linear"));
+        assert!(p.contains("flatten"), "{p}");
+
+        let (i, _, p) = layer_err(r#"{"input": [3], "layers": ["relu", "softmax"]}"#);
+        assert_eq!(i, 1);
+        assert!(p.contains("unknown layer `softmax`"), "{p}");
+
+        let (_, _, p) =
+            layer_err(r#"{"input": [1, 2, 2], "layers": ["max_pool2d", "max_pool2d"]}"#);
+        assert!(p.contains("larger than the input 1x1"), "{p}");
+
+        let (_, _, p) = layer_err(
+            r#"{"input": [2, 4, 4], "layers": [{"conv2d": {"in": 2, "out": 2, "kernel": 3, "stride": 0}}]}"#,
+        );
+        assert!(p.contains("`stride` must be at least 1"), "{p}");
+
+        let (_, _, p) = layer_err(r#"{"input": [3], "layers": [{"linear": [3]}]}"#);
+        assert!(p.contains("two numbers"), "{p}");
+
+        let (_, _, p) = layer_err(r#"{"input": [3], "layers": [["linear"]]}"#);
+        assert!(p.contains("expected a layer name"), "{p}");
+
+        // Whole-file problems.
+        for bad in [
+            "not json",
+            r#"{"layers": []}"#,
+            r#"{"input": [3], "layers": []}"#,
+            r#"{"input": [0], "layers": ["relu"]}"#,
+            r#"{"input": [3], "layers": ["relu"], "extra": 1}"#,
+        ] {
+            assert!(
+                matches!(
+                    ModelDescription::from_json(bad),
+                    Err(IoError::Description(_))
+                ),
+                "{bad}"
+            );
+        }
+        // Sizes whose product overflows are errors, not wrapped numbers.
+        let huge = format!(
+            r#"{{"input": [{}, {}], "layers": ["flatten"]}}"#,
+            usize::MAX / 2,
+            4
+        );
+        assert!(ModelDescription::from_json(&huge).is_err());
+    }
+
+    fn tensor(name: &str, shape: &[usize], seed: f32) -> HostTensor {
+        let n: usize = shape.iter().product();
+        HostTensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            data: (0..n).map(|i| seed + i as f32 * 0.25 - 3.0).collect(),
+        }
+    }
+
+    fn mlp() -> ModelDescription {
+        ModelDescription::from_json(
+            r#"{"input": [3], "layers": [{"linear": [3, 4]}, "relu", {"linear": [4, 2]}]}"#,
+        )
+        .unwrap()
+    }
+
+    fn mlp_state() -> Vec<HostTensor> {
+        vec![
+            tensor("0.weight", &[4, 3], 1.0),
+            tensor("0.bias", &[4], 2.0),
+            tensor("2.weight", &[2, 4], 3.0),
+            tensor("2.bias", &[2], 4.0),
+        ]
+    }
+
+    #[test]
+    fn state_dict_round_trips_through_the_file_format() {
+        let state = mlp_state();
+        let bytes = serialize_state_dict(&state).unwrap();
+        // The format: 8-byte little-endian header length, JSON header, raw data.
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        assert_eq!(header["__metadata__"]["format"], "pt");
+        assert_eq!(header["0.weight"]["dtype"], "F32");
+        assert_eq!(header["0.weight"]["shape"], json!([4, 3]));
+        let back = read_state_dict(&bytes, &mlp(), "test").unwrap();
+        assert_eq!(back, state, "bit-exact, in parameter order");
+        let mut all = read_tensors(&bytes, "test").unwrap();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(all.len(), 4);
+    }
+
+    #[test]
+    fn state_dict_errors_are_typed() {
+        let d = mlp();
+        // Missing.
+        let mut s = mlp_state();
+        s.remove(1);
+        match read_state_dict(&serialize_state_dict(&s).unwrap(), &d, "f") {
+            Err(IoError::MissingTensor {
+                name,
+                layer,
+                available,
+            }) => {
+                assert_eq!((name.as_str(), layer), ("0.bias", 0));
+                assert!(available.contains("0.weight"), "{available}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Extra.
+        let mut s = mlp_state();
+        s.push(tensor("4.weight", &[1], 0.0));
+        s.push(tensor("model.head", &[1], 0.0));
+        match read_state_dict(&serialize_state_dict(&s).unwrap(), &d, "f") {
+            Err(IoError::ExtraTensors { names }) => assert_eq!(names, ["4.weight", "model.head"]),
+            other => panic!("{other:?}"),
+        }
+        // Shape.
+        let mut s = mlp_state();
+        s[2] = tensor("2.weight", &[4, 2], 0.0);
+        match read_state_dict(&serialize_state_dict(&s).unwrap(), &d, "f") {
+            Err(IoError::ShapeMismatch {
+                name,
+                layer,
+                expected,
+                found,
+            }) => {
+                assert_eq!((name.as_str(), layer), ("2.weight", 2));
+                assert_eq!((expected, found), (vec![2, 4], vec![4, 2]));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Dtype: an F64 tensor written by the crate directly.
+        let f64s: Vec<u8> = (0..4).flat_map(|i| (i as f64).to_le_bytes()).collect();
+        let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
+        let other: Vec<Vec<u8>> = mlp_state()
+            .iter()
+            .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        for (t, b) in mlp_state().iter().zip(&other) {
+            if t.name != "0.bias" {
+                views.push((
+                    t.name.clone(),
+                    TensorView::new(Dtype::F32, t.shape.clone(), b).unwrap(),
+                ));
+            }
+        }
+        views.push((
+            "0.bias".into(),
+            TensorView::new(Dtype::F64, vec![4], &f64s).unwrap(),
+        ));
+        let bytes = safetensors::tensor::serialize(views, None).unwrap();
+        match read_state_dict(&bytes, &d, "f") {
+            Err(e @ IoError::DtypeMismatch { .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains("0.bias") && msg.contains("F64"), "{msg}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Not a safetensors file at all, or truncated.
+        assert!(matches!(
+            read_state_dict(b"hello", &d, "f"),
+            Err(IoError::Format { .. })
+        ));
+        let good = serialize_state_dict(&mlp_state()).unwrap();
+        assert!(matches!(
+            read_state_dict(&good[..good.len() - 3], &d, "f"),
+            Err(IoError::Format { .. })
+        ));
+        // Duplicate names and wrong lengths cannot be saved.
+        let mut s = mlp_state();
+        s.push(tensor("0.bias", &[4], 0.0));
+        assert!(serialize_state_dict(&s).is_err());
+        let mut s = mlp_state();
+        s[0].data.pop();
+        assert!(serialize_state_dict(&s).is_err());
+    }
+
+    #[test]
+    fn bias_free_layers_need_no_bias_tensor() {
+        let d = ModelDescription::from_json(
+            r#"{"input": [3], "layers": [{"linear": {"in": 3, "out": 2, "bias": false}}]}"#,
+        )
+        .unwrap();
+        let s = vec![tensor("0.weight", &[2, 3], 0.0)];
+        assert_eq!(
+            read_state_dict(&serialize_state_dict(&s).unwrap(), &d, "f").unwrap(),
+            s
+        );
+    }
+
+    #[test]
+    fn model_files_are_found_by_stem_or_directory() {
+        let f = ModelFiles::locate(Path::new("/models/mlp.json"));
+        assert_eq!(f.weights, PathBuf::from("/models/mlp.safetensors"));
+        let f = ModelFiles::locate(Path::new("/models/mlp.safetensors"));
+        assert_eq!(f.description, PathBuf::from("/models/mlp.json"));
+        let f = ModelFiles::locate(Path::new("/models/mlp.v2"));
+        assert_eq!(f.description, PathBuf::from("/models/mlp.v2.json"));
+        let dir = std::env::temp_dir();
+        assert_eq!(ModelFiles::locate(&dir).description, dir.join("model.json"));
+    }
+}

@@ -1,0 +1,157 @@
+//! PyTorch `state_dict`s in safetensors files: read into f32 host tensors in the order a
+//! [`ModelDescription`] needs them (every name, shape and dtype checked), and written back with
+//! PyTorch's metadata.
+
+use std::collections::{BTreeSet, HashMap};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+
+use super::description::{product, ModelDescription};
+use crate::error::IoError;
+
+/// A named f32 tensor in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+fn format_err(what: &str, e: impl std::fmt::Display) -> IoError {
+    IoError::Format {
+        what: what.to_string(),
+        detail: e.to_string(),
+    }
+}
+
+/// Every tensor of a safetensors file as f32 host tensors, sorted by name (for inputs and
+/// outputs stored next to a model; a tensor that is not F32 is an error).
+pub fn read_tensors(bytes: &[u8], what: &str) -> std::result::Result<Vec<HostTensor>, IoError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| format_err(what, e))?;
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|name| {
+            let t = st.tensor(&name).map_err(|e| format_err(what, e))?;
+            decode(&name, &t)
+        })
+        .collect()
+}
+
+fn decode(name: &str, t: &TensorView<'_>) -> std::result::Result<HostTensor, IoError> {
+    if t.dtype() != Dtype::F32 {
+        return Err(IoError::DtypeMismatch {
+            name: name.to_string(),
+            found: format!("{:?}", t.dtype()),
+        });
+    }
+    // Little-endian f32; the data may sit at any alignment inside the file.
+    let data = t
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok(HostTensor {
+        name: name.to_string(),
+        shape: t.shape().to_vec(),
+        data,
+    })
+}
+
+/// Reads the parameters `desc` needs from a safetensors file's bytes (PyTorch's
+/// `safetensors.torch.save_file(model.state_dict(), ...)`), in [`ModelDescription::parameters`]
+/// order. Fails on a missing tensor, a tensor the model does not use, a shape or a dtype
+/// mismatch; `what` names the file in errors.
+pub fn read_state_dict(
+    bytes: &[u8],
+    desc: &ModelDescription,
+    what: &str,
+) -> std::result::Result<Vec<HostTensor>, IoError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| format_err(what, e))?;
+    let mut available: Vec<&str> = st.names();
+    available.sort_unstable();
+    let specs = desc.parameters();
+    let mut out = Vec::with_capacity(specs.len());
+    for p in &specs {
+        let t = st.tensor(&p.name).map_err(|_| IoError::MissingTensor {
+            name: p.name.clone(),
+            layer: p.layer,
+            available: if available.is_empty() {
+                "no tensors".into()
+            } else {
+                let shown: Vec<&str> = available.iter().take(12).copied().collect();
+                format!(
+                    "{}{}",
+                    shown.join(", "),
+                    if available.len() > 12 { ", ..." } else { "" }
+                )
+            },
+        })?;
+        if t.dtype() != Dtype::F32 {
+            return Err(IoError::DtypeMismatch {
+                name: p.name.clone(),
+                found: format!("{:?}", t.dtype()),
+            });
+        }
+        if t.shape() != p.shape.as_slice() {
+            return Err(IoError::ShapeMismatch {
+                name: p.name.clone(),
+                layer: p.layer,
+                expected: p.shape.clone(),
+                found: t.shape().to_vec(),
+            });
+        }
+        out.push(decode(&p.name, &t)?);
+    }
+    let used: BTreeSet<&str> = specs.iter().map(|p| p.name.as_str()).collect();
+    let extra: Vec<String> = available
+        .iter()
+        .filter(|n| !used.contains(*n))
+        .map(|n| n.to_string())
+        .collect();
+    if !extra.is_empty() {
+        return Err(IoError::ExtraTensors { names: extra });
+    }
+    Ok(out)
+}
+
+/// The bytes of a safetensors file holding `tensors` (F32, little-endian), with PyTorch's
+/// `{"format": "pt"}` metadata so `safetensors.torch.load_file` reads it as a state_dict.
+pub fn serialize_state_dict(tensors: &[HostTensor]) -> std::result::Result<Vec<u8>, IoError> {
+    let mut seen = BTreeSet::new();
+    let mut bytes = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        if !seen.insert(t.name.as_str()) {
+            return Err(format_err(
+                "state_dict to save",
+                format!("tensor name `{}` appears twice", t.name),
+            ));
+        }
+        if product(&t.shape) != Some(t.data.len()) {
+            return Err(IoError::ShapeMismatch {
+                name: t.name.clone(),
+                layer: 0,
+                expected: t.shape.clone(),
+                found: vec![t.data.len()],
+            });
+        }
+        bytes.push(
+            t.data
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        );
+    }
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            TensorView::new(Dtype::F32, t.shape.clone(), b)
+                .map(|v| (t.name.clone(), v))
+                .map_err(|e| format_err("state_dict to save", e))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::tensor::serialize(views, Some(meta)).map_err(|e| format_err("state_dict", e))
+}
