@@ -6,7 +6,7 @@ Writes, for an MLP and a small CNN built as ``nn.Sequential`` with a fixed seed:
 - ``NAME.safetensors``: ``model.state_dict()`` as PyTorch saves it
   (``safetensors.torch.save_file``; names ``0.weight``, ``0.bias``, ...);
 - ``NAME.json``: the model description cudagraph builds the model from
-  (see ``crates/cudagraph-nn/src/io.rs``);
+  (see ``crates/cudagraph-nn/src/io/``);
 - ``NAME.io.safetensors``: ``input`` (fixed, seeded), ``output`` (PyTorch's forward on the
   chosen device, fp32, TF32 off) and ``reference`` (the forward in float64 on the CPU, stored
   as f32).

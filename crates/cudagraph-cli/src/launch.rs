@@ -1,8 +1,6 @@
 //! `cudagraph launch --nproc N -- <command...>`: starts N local processes of one distributed
 //! job, the way `torchrun` does — each gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (and, unless set, `NCCL_NVLS_ENABLE=0`
-//! and `NCCL_RUNTIME_CONNECT=0`, which makes NCCL connect inside the watchdogged
-//! initialisation rather than in a first collective where no watchdog runs) —
+//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (and `NCCL_NVLS_ENABLE=0` unless set) —
 //! prefixes every output line with its rank, and propagates failure: when one process exits
 //! with an error, the others are stopped and the launcher exits with that process's status.
 //! With `--nnodes`/`--node-rank` the same command on every machine forms one job.
@@ -142,12 +140,9 @@ pub fn launch(a: &LaunchArgs, sink: Sink) -> Result<Outcome, String> {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // NVLink SHARP (multicast) stays off unless the user asked for it; connections are
-        // made during initialisation (see `cudagraph_nn::env::RUNTIME_CONNECT_VAR`).
-        for var in ["NCCL_NVLS_ENABLE", cudagraph_nn::env::RUNTIME_CONNECT_VAR] {
-            if std::env::var_os(var).is_none() {
-                cmd.env(var, "0");
-            }
+        // NVLink SHARP (multicast) stays off unless the user asked for it.
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            cmd.env("NCCL_NVLS_ENABLE", "0");
         }
         match cmd.spawn() {
             Ok(mut c) => {
@@ -288,7 +283,7 @@ mod tests {
         let out = launch(
             &args(
                 3,
-                "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR\"; echo \"port $MASTER_PORT nvls ${NCCL_NVLS_ENABLE:-unset} connect ${NCCL_RUNTIME_CONNECT:-unset}\" >&2",
+                "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR\"; echo \"port $MASTER_PORT nvls ${NCCL_NVLS_ENABLE:-unset}\" >&2",
             ),
             sink,
         )
@@ -315,11 +310,7 @@ mod tests {
                 "{err:?}"
             );
             if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-                assert!(err.2.contains(" nvls 0 "), "{err:?}");
-            }
-            // (issue 26) NCCL connects during the watchdogged initialisation.
-            if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
-                assert!(err.2.ends_with(" connect 0"), "{err:?}");
+                assert!(err.2.ends_with(" nvls 0"), "{err:?}");
             }
         }
         // One port for the whole job.

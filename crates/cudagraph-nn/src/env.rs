@@ -42,29 +42,10 @@ pub const HEARTBEAT_TIMEOUT_VAR: &str = "CUDAGRAPH_HEARTBEAT_TIMEOUT";
 /// Makes multi-GPU tests fail instead of skipping when fewer GPUs (or no NCCL) are there:
 /// `CUDAGRAPH_REQUIRE_GPUS=2` on a two-GPU machine.
 pub const REQUIRE_GPUS_VAR: &str = "CUDAGRAPH_REQUIRE_GPUS";
-/// NCCL's switch for lazy connection setup (2.22+, default on). Unless the user set it, the
-/// first load of the library sets it to `0`, so that every connection is made inside
-/// `ncclCommInitRank`, which runs under the initialisation timeout and the peers' liveness
-/// checks; a lazily connecting collective would instead wait for its peers inside the enqueue
-/// call, where no watchdog runs. Costs what NCCL before 2.22 cost: the buffers of every
-/// algorithm are allocated at initialisation. `NCCL_RUNTIME_CONNECT=1` restores lazy
-/// connection (then a peer that stalls before the first collective of an algorithm hangs the
-/// others in that call). `cudagraph launch` sets the same default in its children.
-pub const RUNTIME_CONNECT_VAR: &str = "NCCL_RUNTIME_CONNECT";
-
 /// The value of `name` in the process environment (`None` when unset or not Unicode): the
 /// one place this crate reads the environment.
 pub fn var(name: &str) -> Option<String> {
     std::env::var(name).ok()
-}
-
-/// Sets `name` to `value` unless it is set. The process environment is shared: only for a
-/// default another library reads, written once, before any thread of that library exists
-/// (see [`RUNTIME_CONNECT_VAR`]).
-pub(crate) fn set_default(name: &str, value: &str) {
-    if std::env::var_os(name).is_none() {
-        std::env::set_var(name, value);
-    }
 }
 
 /// Parses the value `v` of switch `var`; `meaning` says what 1 and 0 do (for the error).

@@ -529,6 +529,13 @@ fn ddp_refuses_ranks_whose_layouts_or_options_differ() {
                     Err(NnError::Dist(DistError::Mismatch(m))) => {
                         format!("mismatch (aborted: {}): {m}", ctx.comm.is_aborted())
                     }
+                    // The other rank found the disagreement first and aborted the
+                    // communicator: this rank hears it as that rank's failure.
+                    Err(NnError::Dist(DistError::PeerFailed(m)))
+                        if m.contains("ranks disagree") =>
+                    {
+                        format!("mismatch (aborted: {}): {m}", ctx.comm.is_aborted())
+                    }
                     other => format!("{other:?}"),
                 },
             )

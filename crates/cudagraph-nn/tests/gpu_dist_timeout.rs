@@ -3,14 +3,10 @@
 //! hanging. Its own binary: after an abort the device may still be draining the aborted
 //! collective. Gate: `dist::multi_gpu_or_skip(2)` (see `gpu_dist.rs`).
 //!
-//! The stall comes before rank 0's first training step, whose bucket all-reduce may be the
-//! first collective of its NCCL algorithm. With NCCL's lazy connection setup (2.22+, on by
-//! default) that call would set up the connections itself and wait for rank 1 inside
-//! `ncclAllReduce`, on the host, where no watchdog runs: the test hung there on two H200s.
-//! Loading NCCL therefore sets `NCCL_RUNTIME_CONNECT=0` unless it is set
-//! (`env::RUNTIME_CONNECT_VAR`), so that connections are made inside the watchdogged
-//! initialisation; with `NCCL_RUNTIME_CONNECT=1` in the environment this test can hang again
-//! (and `with_deadline` turns that into a failure).
+//! Known to hang on two H200s (the runner stops it): the stall comes before rank 0's first
+//! training step, and rank 0 blocks before its watchdog runs. NCCL's lazy connection setup
+//! (2.22+) was the first suspect, but with `NCCL_RUNTIME_CONNECT=0` it hangs the same, and
+//! `with_deadline` does not end it either; see docs/multi-gpu.md.
 
 mod common;
 

@@ -1108,7 +1108,7 @@ fn cpu_conv(g: &ConvGeom) -> cpu::Conv {
 
 /// The bound on a convolution engine's error against the f64 reference: 1e-4 for ours; 1e-3
 /// for cuDNN's, some of whose plain-fp32 engines round further from the direct sum (Winograd
-/// and FFT forms; on the H100, 2026-11-23, over one input channel with 5×5 taps: `cudnn:7`
+/// and FFT forms; on the H100, over one input channel with 5×5 taps: `cudnn:7`
 /// forward 2.2e-4, `cudnnv8:4` weight gradient 2.3e-4, the latter with no transform note).
 fn conv_bound(algo: ConvEngine) -> f64 {
     match algo {

@@ -619,7 +619,7 @@ fn run_algo(
 
 /// The most rows the few-rows kernel is offered for. Every block reads its rows of the input
 /// for only a few columns, so the input's traffic grows with the rows: measured on the H100
-/// (`bench gemm`, 2026-11-23) it wins at 8 rows (3.9 µs against 5.8 for split-K tiled and 6.5
+/// (`bench gemm`) it wins at 8 rows (3.9 µs against 5.8 for split-K tiled and 6.5
 /// for cuBLAS, 512 × 1024 weights) and only ties or loses from 32 rows on.
 pub const ROWS_MAX_M: usize = 16;
 

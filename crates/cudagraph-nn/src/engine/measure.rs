@@ -19,7 +19,7 @@ impl Engines {
     /// and it captures, else a few runs queued behind a spin kernel. The
     /// candidates within [`REMEASURE_WITHIN`] of the fastest are then timed again in reverse
     /// order and keep their better time: one pass alone let the GPU's clock ramp or a noisy
-    /// sample pick an engine a fifth slower (H100, 2026-11-23: a 7×7 convolution 69 → 86 µs
+    /// sample pick an engine a fifth slower (H100: a 7×7 convolution 69 → 86 µs
     /// between two runs of the same build).
     pub(super) fn measure<A: Engine>(
         &self,
@@ -120,8 +120,8 @@ const REMEASURE_WITHIN: f64 = 1.3;
 
 /// Candidates whose single eager run took less than this many µs are timed as they will run,
 /// in graphs ([`graph_times`]) — without the host's time to enqueue each run.
-/// Eager back-to-back runs ranked short products differently from their graphs (H100,
-/// 2026-11-23: the 8 × 256 → 256 forward product chose `rows8:2` by eager time in two
+/// Eager back-to-back runs ranked short products differently from their graphs (on the H100
+/// the 8 × 256 → 256 forward product chose `rows8:2` by eager time in two
 /// machines' runs, 4.5 µs graphed, where `cublaslt:0`, chosen in a third, took 3.7–3.9 µs
 /// graphed), and counted the host time of cuDNN's legacy calls (cuDNN 9.14: about 60 µs for a
 /// `cudnnAddTensor` of 131 072 elements) against them, so that `cudnn:7`, 21 µs graphed for a
@@ -198,7 +198,7 @@ impl Measured {
 /// event after it, so the graphs read finished inputs). `chain`: `reps` runs captured into one
 /// graph, replayed three times after an untimed replay, µs per run. `single`: one run captured
 /// alone, its graph replayed max(`reps`, 10) times back to back behind a spin kernel (so the
-/// host's launch rate is not what is timed), µs per replay. The two rank short kernels differently (H100, 2026-11-24: the 8 × 256 → 256
+/// host's launch rate is not what is timed), µs per replay. The two rank short kernels differently (H100: the 8 × 256 → 256
 /// product's `rows8:1` took 3.7 µs per run in a chain and 4.5 as a graph of its own, where
 /// cuBLASLt's first algorithm was slower in a chain and took 3.7–3.9 alone); `timing` says
 /// which ranks.

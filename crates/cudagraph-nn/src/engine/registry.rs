@@ -40,7 +40,7 @@ pub struct Engines {
     /// contract: its graphs never replay at once). Dropping each timing graph with a private
     /// pool closed that pool, a release that synchronises the context, per candidate: with
     /// other threads capturing at the same time, captures were invalidated and the process
-    /// crashed inside cuCtxSynchronize (H100, 2026-11-24: gpu_engines with parallel test
+    /// crashed inside cuCtxSynchronize (H100: gpu_engines with parallel test
     /// threads failed 6 of 8 runs, 0 of 8 with graph timing off).
     pub(super) timing_pool: Mutex<Option<cudagraph::memory::Pool>>,
     /// When on ([`Engines::start_usage_log`]): every (key, engine) served, in order.

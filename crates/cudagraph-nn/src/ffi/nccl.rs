@@ -4,12 +4,6 @@
 //! library that lacks one is a clear error rather than an abort mid-run, and we call nothing
 //! NCCL 2.28 lacks. Status codes are read as integers (a newer library may return codes this
 //! build does not know). The communicator built on it lives in `dist`.
-//!
-//! NCCL 2.22 and newer connect lazily: the first collective of each algorithm sets up its
-//! connections inside the enqueueing call, which then waits on the host for the peers to do
-//! the same — outside any watchdog, so a stalled peer hangs it. We ask NCCL to connect during
-//! the (watchdogged) initialisation instead: unless `NCCL_RUNTIME_CONNECT` is set, it is set
-//! to `0` before the library is loaded (see [`RUNTIME_CONNECT_VAR`]).
 
 use std::ffi::{c_char, c_int, c_void};
 use std::ptr;
@@ -19,7 +13,7 @@ use cudarc::nccl::sys;
 use libloading::Library;
 
 use super::loader::{c_str, lib_fn, Loaded};
-use crate::env::{self, NCCL_LIB_VAR, RUNTIME_CONNECT_VAR};
+use crate::env::{self, NCCL_LIB_VAR};
 use crate::error::{DistError, Result};
 
 /// `ncclComm_t`.
@@ -91,16 +85,7 @@ fn library() -> std::result::Result<&'static Library, String> {
     ))
 }
 
-/// Sets [`RUNTIME_CONNECT_VAR`] to `0` unless it is set. Runs once, before the library is
-/// opened (NCCL reads the variable at its first communicator initialisation). The process
-/// environment is shared: this is the same kind of write NCCL itself makes when it loads
-/// `nccl.conf`, done once, before any NCCL thread exists.
-fn connect_at_init() {
-    env::set_default(RUNTIME_CONNECT_VAR, "0");
-}
-
 fn load() -> std::result::Result<Api, String> {
-    connect_at_init();
     let lib = library()?;
     // Every symbol gets the C prototype from nccl.h (2.28), with enums as `int` and
     // `ncclResult_t` read as `int`.
@@ -223,20 +208,6 @@ mod tests {
                 assert!(msg.contains("CUDAGRAPH_NCCL_LIB"), "{msg}");
             }
             Err(other) => panic!("unexpected error: {other}"),
-        }
-    }
-
-    /// (issue 26, C) Loading NCCL leaves `NCCL_RUNTIME_CONNECT` set — to `0` unless the user
-    /// chose a value — so that connections are made inside the watchdogged initialisation.
-    #[test]
-    fn loading_nccl_asks_for_connections_at_initialisation() {
-        let before = env::var(RUNTIME_CONNECT_VAR);
-        let _ = nccl_version();
-        let after = env::var(RUNTIME_CONNECT_VAR);
-        match before {
-            // Another test of this binary may have loaded it first: then it is set already.
-            None => assert_eq!(after.as_deref(), Some("0")),
-            Some(v) => assert_eq!(after, Some(v)),
         }
     }
 

@@ -70,8 +70,8 @@ pub struct CePlan {
 const MIN_CHUNK: usize = 1024;
 /// Most chunks per row (one warp merges a row's chunks, a lane each).
 const MAX_CHUNKS: usize = 32;
-/// Fewest chunks worth splitting a row into. Measured on the H100 (2026-11-23, device-diag.sh,
-/// beside the block-per-row plan): 9 and 17 chunks per row were faster (32 × 10 000 forward
+/// Fewest chunks worth splitting a row into. Measured on the H100 (beside the block-per-row
+/// plan): 9 and 17 chunks per row were faster (32 × 10 000 forward
 /// 10.3 → 8.9 µs, 16 × 50 000 21.1 → 11.1 µs), 3 chunks slower (128 × 10 000 forward
 /// 10.3 → 11.5 µs, 128 × 50 000 21.7 → 25.5 µs): the merge pass costs more than 3 blocks
 /// per row save.
@@ -117,7 +117,7 @@ impl CeOptions {
 /// narrow rows): lanes a power of two below 32 giving each about 8, 4 or 2 classes, as long as
 /// the block holds every row at once (one pass, the mean included: one node). The engine
 /// registry measures them against [`ce_plan_with`]'s plan (`crate::autograd::ops::cross_entropy`).
-/// Measured on the H100 (2026-11-23), 256 × 10 forward: 4.9 µs in 32 blocks and a sum pass,
+/// Measured on the H100, 256 × 10 forward: 4.9 µs in 32 blocks and a sum pass,
 /// 4.0 with 2 lanes a row, 5.2 with 4 (before the last loads of a lane were batched).
 pub fn ce_group_plans(rows: usize, cols: usize) -> Vec<CePlan> {
     if rows <= (BLOCK / 32) as usize || cols > WARP_ROW_MAX {
@@ -176,7 +176,7 @@ pub fn ce_plan_with(rows: usize, cols: usize, sms: u32, o: CeOptions) -> CePlan 
         }
     }
     // Up to 32 narrow rows: one block of a warp per row does the rows and the mean (one node
-    // instead of a row pass and a sum pass). Measured on the H100 (2026-11-23): 32 × 10
+    // instead of a row pass and a sum pass). Measured on the H100: 32 × 10
     // forward 5.0 → 4.5 µs; two rows per warp in sequence lose (64 × 100 forward 5.5 → 8.2 µs).
     if warp_rows && rows > (BLOCK / 32) as usize && rows <= (WIDE_BLOCK / 32) as usize {
         return CePlan {

@@ -64,7 +64,7 @@ pub use search::{
 /// on, 4 MiB before (the sizes cuBLAS's documentation recommends; PyTorch's default on Hopper
 /// is 32 MiB too). The heuristics offer split-K algorithms only within the workspace: with
 /// 4 MiB, the 512 × 4096 → 1024 forward product measured 147 µs with the best of six on the
-/// H100 where PyTorch's single pick took 132 µs (2026-11-23).
+/// H100 where PyTorch's single pick took 132 µs.
 pub fn workspace_for(major: u32) -> usize {
     if major >= 9 {
         32 << 20
@@ -79,7 +79,7 @@ const HEURISTIC_ALGOS: usize = 16;
 
 /// How many of cuBLASLt's heuristic algorithms the engine registry measures: twelve, so that a
 /// product where PyTorch's single heuristic pick and ours tie (the sweep's 512- and 128-row
-/// forward products, 2026-11-23 and -24, at six) gets more chances at a faster one; measuring
+/// forward products, at six) gets more chances at a faster one; measuring
 /// costs a few milliseconds per shape, once.
 pub const MEASURED_ALGOS: usize = 12;
 
