@@ -53,6 +53,27 @@ pub(crate) fn on_device<'b>(
         .try_for_each(|(what, block)| block_on_device(ordinal, what, block))
 }
 
+/// [`on_device`] for a product's operands: A, B, C and the bias (or bias-gradient) vector.
+pub(crate) fn gemm_on_device(
+    q: &dyn Queue,
+    a: &Buf,
+    b: &Buf,
+    c: &Buf,
+    vec: Option<&Buf>,
+) -> Result<()> {
+    let operands = [
+        ("gemm A", a.block()),
+        ("gemm B", b.block()),
+        ("gemm C", c.block()),
+    ];
+    on_device(
+        q,
+        operands
+            .into_iter()
+            .chain(vec.map(|v| ("gemm bias", v.block()))),
+    )
+}
+
 /// [`on_device`] for one block, against device `ordinal`.
 pub(crate) fn block_on_device(ordinal: usize, what: &'static str, block: &BlockRef) -> Result<()> {
     owned_by(

@@ -24,7 +24,7 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use crate::engine::{Engines, GemmEngine, Policy};
 use crate::error::{NnError, Result};
 pub use crate::extent::alignment;
-use crate::extent::on_device;
+use crate::extent::gemm_on_device;
 pub use crate::ffi::blas::Trans;
 use crate::ffi::blaslt::{LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::kernels::{
@@ -119,17 +119,7 @@ impl GemmOp {
     /// (`Bias*`, length n) or the bias-gradient output (`BiasGrad`, length m).
     fn validate(&self, q: &dyn Queue, a: &Buf, b: &Buf, c: &Buf, vec: Option<&Buf>) -> Result<()> {
         self.dims().check_buffers(a, b, c, None)?;
-        let operands = [
-            ("gemm A", a.block()),
-            ("gemm B", b.block()),
-            ("gemm C", c.block()),
-        ];
-        on_device(
-            q,
-            operands
-                .into_iter()
-                .chain(vec.map(|v| ("gemm bias", v.block()))),
-        )?;
+        gemm_on_device(q, a, b, c, vec)?;
         let want = match self.epilogue {
             Epilogue::None => None,
             Epilogue::Bias | Epilogue::BiasRelu => Some(self.n),

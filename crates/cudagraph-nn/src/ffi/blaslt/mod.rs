@@ -45,7 +45,7 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use super::loader::{check, describe, CPtr, Ptr, SUCCESS};
 use crate::error::{NnError, Result};
-use crate::extent::{alignment, handle_on_device, on_device};
+use crate::extent::{alignment, gemm_on_device, handle_on_device, on_device};
 use crate::ffi::blas::Epilogue;
 use crate::ffi::blas::Trans;
 
@@ -523,17 +523,7 @@ impl BlasLt {
         }
         // The handle, A, B, C, the bias and (below) the workspace are all the queue's device's.
         handle_on_device(q, "cuBLASLt handle", self.ctx.ordinal())?;
-        let operands = [
-            ("gemm A", a.block()),
-            ("gemm B", b.block()),
-            ("gemm C", c.block()),
-        ];
-        on_device(
-            q,
-            operands
-                .into_iter()
-                .chain(bias.map(|v| ("gemm bias", v.block()))),
-        )?;
+        gemm_on_device(q, a, b, c, bias)?;
         let mut addrs = vec![a.addr(), b.addr(), c.addr()];
         addrs.extend(bias.map(|v| v.addr()));
         if alignment(&addrs) < s.align {
