@@ -35,10 +35,20 @@
 //! | `{"dropout": {"p": 0.5}}` or `"dropout"` (p = 0.5) | `nn.Dropout(p)` | — |
 //!
 //! Shapes are checked layer by layer when the description is read; an error names the layer
-//! index and the field. Weights must be `float32` (`torch.float32`); a layer declared with
-//! `"bias": false` has no bias tensor in the file (it runs with a zero bias).
+//! index and the field. A layer declared with `"bias": false` has no bias tensor in the file
+//! (it runs with a zero bias).
+//!
+//! # Dtypes
+//!
+//! Weights may be `F32`, `BF16` or `F16` (`torch.float32`, `torch.bfloat16`, `torch.float16`;
+//! one file may mix them) and load as the model's f32 parameters, exactly. [`save_model`] writes
+//! F32; [`save_model_with`] and [`SaveOptions`] write [`Dtype::Bf16`] or [`Dtype::F16`],
+//! rounding to nearest even as PyTorch does, and refuse a finite value the target cannot hold
+//! ([`IoError::Overflow`]). Any other dtype (`F64`, `I64`, `U8`, …) is an
+//! [`IoError::DtypeMismatch`] naming the tensor.
 pub mod datasets;
 mod description;
+mod dtype;
 mod weights;
 
 use std::collections::HashMap;
@@ -53,7 +63,10 @@ use description::product;
 
 pub use crate::error::IoError;
 pub use description::{LayerSpec, ModelDescription, ParamSpec};
-pub use weights::{read_state_dict, read_tensors, serialize_state_dict, HostTensor};
+pub use dtype::Dtype;
+pub use weights::{
+    read_state_dict, read_tensors, serialize_state_dict, serialize_state_dict_as, HostTensor,
+};
 
 /// Builds the model `desc` describes with the given parameters (as [`read_state_dict`]
 /// returns them). Layers declared without a bias get a zero bias.
@@ -211,17 +224,38 @@ pub fn load_model(s: &Stream, path: &Path) -> Result<(ModelDescription, Sequenti
     Ok((desc, model))
 }
 
+/// How [`save_model_with`] writes the weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SaveOptions {
+    /// The dtype every tensor is stored in: [`Dtype::F32`] (the default, exact), or
+    /// [`Dtype::Bf16`] / [`Dtype::F16`] (half the bytes, rounded to nearest even).
+    pub dtype: Dtype,
+}
+
 /// Writes `model` (rows of shape `input`) as a description and a safetensors file PyTorch
-/// loads into the same `nn.Sequential` (`model.load_state_dict(load_file(...))`).
+/// loads into the same `nn.Sequential` (`model.load_state_dict(load_file(...))`), in F32.
 pub fn save_model(
     s: &Stream,
     model: &Sequential,
     input: Vec<usize>,
     path: &Path,
 ) -> Result<ModelFiles> {
+    save_model_with(s, model, input, path, SaveOptions::default())
+}
+
+/// [`save_model`] with options: `SaveOptions { dtype: Dtype::Bf16 }` stores the weights as
+/// BF16 (PyTorch loads them with `load_state_dict`, which converts to the module's dtype). A
+/// weight that overflows the chosen dtype is an [`IoError::Overflow`], and nothing is written.
+pub fn save_model_with(
+    s: &Stream,
+    model: &Sequential,
+    input: Vec<usize>,
+    path: &Path,
+    options: SaveOptions,
+) -> Result<ModelFiles> {
     let desc = ModelDescription::from_sequential(model, input)?;
     let files = ModelFiles::locate(path);
-    let bytes = serialize_state_dict(&state_dict(s, model)?)?;
+    let bytes = serialize_state_dict_as(&state_dict(s, model)?, options.dtype)?;
     write_file(&files.weights, &bytes)?;
     write_file(&files.description, desc.to_json().as_bytes())?;
     Ok(files)
