@@ -33,7 +33,6 @@ pub enum Dtype {
     F16,
 }
 
-
 impl Dtype {
     /// Every supported dtype, widest first.
     pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
@@ -108,7 +107,11 @@ impl FromStr for Dtype {
 /// The f32 values of a tensor's little-endian bytes stored as `dtype` (exact: every BF16 and
 /// F16 value is an f32). The bytes may sit at any alignment inside the file.
 pub(crate) fn widen(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
-    let u16s = || bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u16s = || {
+        bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
     match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)
@@ -187,8 +190,20 @@ mod tests {
             .filter(|v| v.is_finite())
             .collect();
         out.extend([
-            0.0, -0.0, 1.0, -2.0, 0.1, 1.0 / 3.0, 65504.0, 65519.0, -65519.0, 6.1e-5, 5.9e-8,
-            1e-40, 3.0e38, -1e-30,
+            0.0,
+            -0.0,
+            1.0,
+            -2.0,
+            0.1,
+            1.0 / 3.0,
+            65504.0,
+            65519.0,
+            -65519.0,
+            6.1e-5,
+            5.9e-8,
+            1e-40,
+            3.0e38,
+            -1e-30,
         ]);
         out
     }
@@ -208,7 +223,10 @@ mod tests {
             match bad.parse::<Dtype>() {
                 Err(e @ IoError::DtypeName { .. }) => {
                     let msg = e.to_string();
-                    assert!(msg.contains(&format!("`{bad}`")) && msg.contains("bf16"), "{msg}");
+                    assert!(
+                        msg.contains(&format!("`{bad}`")) && msg.contains("bf16"),
+                        "{msg}"
+                    );
                 }
                 other => panic!("{bad}: {other:?}"),
             }

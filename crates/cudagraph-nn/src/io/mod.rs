@@ -548,7 +548,12 @@ mod tests {
             .collect();
         let f32_w: Vec<f32> = (0..8).map(|i| i as f32 * 0.1).collect();
         let bytes = hand_written(&[
-            ("0.bias", "F16", vec![4], le16(&[0x3C00, 0xC000, 0x7BFF, 0x0001])),
+            (
+                "0.bias",
+                "F16",
+                vec![4],
+                le16(&[0x3C00, 0xC000, 0x7BFF, 0x0001]),
+            ),
             ("0.weight", "BF16", vec![4, 3], le16(&bf16_w)),
             ("2.bias", "F16", vec![2], le16(&[0x3555, 0xFC00])),
             (
@@ -582,7 +587,11 @@ mod tests {
         // mlp_state's values are multiples of 0.25 below 16: exact in both half types.
         let state = mlp_state();
         let f32_len = serialize_state_dict(&state).unwrap().len();
-        for (d, name) in [(Dtype::Bf16, "BF16"), (Dtype::F16, "F16"), (Dtype::F32, "F32")] {
+        for (d, name) in [
+            (Dtype::Bf16, "BF16"),
+            (Dtype::F16, "F16"),
+            (Dtype::F32, "F32"),
+        ] {
             let bytes = serialize_state_dict_as(&state, d).unwrap();
             let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
             let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
@@ -603,8 +612,8 @@ mod tests {
         let mut s = mlp_state();
         s[0].data = (0..12).map(|i| 1.0 / (i as f32 + 3.0)).collect();
         for (d, rel) in [(Dtype::Bf16, 2f32.powi(-8)), (Dtype::F16, 2f32.powi(-11))] {
-            let back = read_state_dict(&serialize_state_dict_as(&s, d).unwrap(), &mlp(), "t")
-                .unwrap();
+            let back =
+                read_state_dict(&serialize_state_dict_as(&s, d).unwrap(), &mlp(), "t").unwrap();
             for (x, y) in s[0].data.iter().zip(&back[0].data) {
                 let reference = match d {
                     Dtype::Bf16 => half::bf16::from_f32(*x).to_f32(),
@@ -629,7 +638,13 @@ mod tests {
 
     #[test]
     fn unsupported_dtypes_are_refused_by_name() {
-        for (dtype, size) in [("I64", 8), ("F64", 8), ("U8", 1), ("F8_E4M3", 1), ("I32", 4)] {
+        for (dtype, size) in [
+            ("I64", 8),
+            ("F64", 8),
+            ("U8", 1),
+            ("F8_E4M3", 1),
+            ("I32", 4),
+        ] {
             let state = mlp_state();
             let mut tensors: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = state
                 .iter()
