@@ -108,9 +108,22 @@ pub enum IoError {
         expected: Vec<usize>,
         found: Vec<usize>,
     },
-    /// A parameter is not `float32`.
-    #[error("weights: tensor `{name}` is {found}, but only F32 (torch.float32) is supported; call `model.float()` before saving")]
+    /// A tensor's dtype is not one the weights may have: F32, BF16 or F16 (`io::Dtype`).
+    #[error("weights: tensor `{name}` is {found}, but the supported dtypes are F32 (torch.float32), BF16 (torch.bfloat16) and F16 (torch.float16); convert it (`model.float()`) before saving")]
     DtypeMismatch { name: String, found: String },
+    /// Saving in a narrower dtype (`dtype`: `"bf16"` or `"f16"`, whose largest finite value is
+    /// `max`): element `index` of tensor `name` is finite but would become infinite.
+    #[error("weights: tensor `{name}` element {index} is {value}, which overflows {dtype} (largest finite value {max}); save it in f32 or bf16, or scale the weights")]
+    Overflow {
+        name: String,
+        dtype: &'static str,
+        max: f32,
+        index: usize,
+        value: f32,
+    },
+    /// A dtype name (as a command-line flag gives it) is not one of ours.
+    #[error("unknown dtype `{given}`; expected f32, bf16 or f16")]
+    DtypeName { given: String },
 }
 
 impl From<IoError> for cudagraph::Error {

@@ -16,10 +16,17 @@ use std::path::{Path, PathBuf};
 
 use cudagraph::testing::{assert_bits_eq, skip_or_fail};
 use cudagraph::{gpu_test_device, BucketPolicy, CacheOptions, Device, GraphCache};
-use cudagraph_nn::io::{read_state_dict, read_tensors, HostTensor};
+use cudagraph_nn::io::{
+    read_state_dict, read_tensors, save_model_with, Dtype, HostTensor, SaveOptions,
+};
 use cudagraph_nn::*;
 
 const TOLERANCE: f64 = 1e-5;
+
+/// Outputs of the model whose weights were saved as BF16 against the f32 model: each weight
+/// moves by at most 2^-8 relative (BF16's unit roundoff), independently, so the outputs move by
+/// a few 2^-9 relative; 2e-2 leaves room for cancellation.
+const BF16_TOLERANCE: f64 = 2e-2;
 
 /// The fixtures: `$CUDAGRAPH_PYTORCH_FIXTURES`, else this crate's `tests/data/pytorch` where it
 /// was built, else the same path below the current directory (test binaries carried to the GPU
@@ -150,6 +157,30 @@ fn check_pytorch_model(dev: &Device, name: &str) {
             .expect("saved under PyTorch's name");
         assert_eq!(s, t, "{name}: {} round trip", t.name);
     }
+    let _ = std::fs::remove_file(&files.weights);
+    let _ = std::fs::remove_file(&files.description);
+
+    // Saved as BF16: every parameter is the `half` crate's round-to-nearest-even of ours, and
+    // the reloaded model stays within BF16_TOLERANCE of the f32 outputs.
+    let bf16 = SaveOptions { dtype: Dtype::Bf16 };
+    let files = save_model_with(&s, &model, desc.input().to_vec(), &tmp, bf16).unwrap();
+    let (desc3, model3) = load_model(&s, &tmp).unwrap();
+    let saved = read_tensors(&std::fs::read(&files.weights).unwrap(), "saved bf16").unwrap();
+    for t in &original {
+        let s = saved.iter().find(|s| s.name == t.name).unwrap();
+        let rounded: Vec<f32> = t
+            .data
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        assert_eq!(s.data, rounded, "{name}: {} as bf16", t.name);
+    }
+    let e_bf16 = rel_err(&forward(dev, &model3, &desc3, &x), &got);
+    println!("{name}: weights saved as bf16, relative error vs f32 {e_bf16:.2e}");
+    assert!(
+        e_bf16 <= BF16_TOLERANCE,
+        "{name}: bf16 weights {e_bf16:.3e}"
+    );
     let _ = std::fs::remove_file(&files.weights);
     let _ = std::fs::remove_file(&files.description);
 }

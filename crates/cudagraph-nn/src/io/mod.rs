@@ -35,10 +35,20 @@
 //! | `{"dropout": {"p": 0.5}}` or `"dropout"` (p = 0.5) | `nn.Dropout(p)` | — |
 //!
 //! Shapes are checked layer by layer when the description is read; an error names the layer
-//! index and the field. Weights must be `float32` (`torch.float32`); a layer declared with
-//! `"bias": false` has no bias tensor in the file (it runs with a zero bias).
+//! index and the field. A layer declared with `"bias": false` has no bias tensor in the file
+//! (it runs with a zero bias).
+//!
+//! # Dtypes
+//!
+//! Weights may be `F32`, `BF16` or `F16` (`torch.float32`, `torch.bfloat16`, `torch.float16`;
+//! one file may mix them) and load as the model's f32 parameters, exactly. [`save_model`] writes
+//! F32; [`save_model_with`] and [`SaveOptions`] write [`Dtype::Bf16`] or [`Dtype::F16`],
+//! rounding to nearest even as PyTorch does, and refuse a finite value the target cannot hold
+//! ([`IoError::Overflow`]). Any other dtype (`F64`, `I64`, `U8`, …) is an
+//! [`IoError::DtypeMismatch`] naming the tensor.
 pub mod datasets;
 mod description;
+mod dtype;
 mod weights;
 
 use std::collections::HashMap;
@@ -53,7 +63,10 @@ use description::product;
 
 pub use crate::error::IoError;
 pub use description::{LayerSpec, ModelDescription, ParamSpec};
-pub use weights::{read_state_dict, read_tensors, serialize_state_dict, HostTensor};
+pub use dtype::Dtype;
+pub use weights::{
+    read_state_dict, read_tensors, serialize_state_dict, serialize_state_dict_as, HostTensor,
+};
 
 /// Builds the model `desc` describes with the given parameters (as [`read_state_dict`]
 /// returns them). Layers declared without a bias get a zero bias.
@@ -211,17 +224,38 @@ pub fn load_model(s: &Stream, path: &Path) -> Result<(ModelDescription, Sequenti
     Ok((desc, model))
 }
 
+/// How [`save_model_with`] writes the weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SaveOptions {
+    /// The dtype every tensor is stored in: [`Dtype::F32`] (the default, exact), or
+    /// [`Dtype::Bf16`] / [`Dtype::F16`] (half the bytes, rounded to nearest even).
+    pub dtype: Dtype,
+}
+
 /// Writes `model` (rows of shape `input`) as a description and a safetensors file PyTorch
-/// loads into the same `nn.Sequential` (`model.load_state_dict(load_file(...))`).
+/// loads into the same `nn.Sequential` (`model.load_state_dict(load_file(...))`), in F32.
 pub fn save_model(
     s: &Stream,
     model: &Sequential,
     input: Vec<usize>,
     path: &Path,
 ) -> Result<ModelFiles> {
+    save_model_with(s, model, input, path, SaveOptions::default())
+}
+
+/// [`save_model`] with options: `SaveOptions { dtype: Dtype::Bf16 }` stores the weights as
+/// BF16 (PyTorch loads them with `load_state_dict`, which converts to the module's dtype). A
+/// weight that overflows the chosen dtype is an [`IoError::Overflow`], and nothing is written.
+pub fn save_model_with(
+    s: &Stream,
+    model: &Sequential,
+    input: Vec<usize>,
+    path: &Path,
+    options: SaveOptions,
+) -> Result<ModelFiles> {
     let desc = ModelDescription::from_sequential(model, input)?;
     let files = ModelFiles::locate(path);
-    let bytes = serialize_state_dict(&state_dict(s, model)?)?;
+    let bytes = serialize_state_dict_as(&state_dict(s, model)?, options.dtype)?;
     write_file(&files.weights, &bytes)?;
     write_file(&files.description, desc.to_json().as_bytes())?;
     Ok(files)
@@ -229,7 +263,7 @@ pub fn save_model(
 
 #[cfg(test)]
 mod tests {
-    use safetensors::tensor::{Dtype, TensorView};
+    use safetensors::tensor::{Dtype as FileDtype, TensorView};
     use serde_json::{json, Value};
 
     use super::*;
@@ -439,13 +473,13 @@ mod tests {
             if t.name != "0.bias" {
                 views.push((
                     t.name.clone(),
-                    TensorView::new(Dtype::F32, t.shape.clone(), b).unwrap(),
+                    TensorView::new(FileDtype::F32, t.shape.clone(), b).unwrap(),
                 ));
             }
         }
         views.push((
             "0.bias".into(),
-            TensorView::new(Dtype::F64, vec![4], &f64s).unwrap(),
+            TensorView::new(FileDtype::F64, vec![4], &f64s).unwrap(),
         ));
         let bytes = safetensors::tensor::serialize(views, None).unwrap();
         match read_state_dict(&bytes, &d, "f") {
@@ -472,6 +506,170 @@ mod tests {
         let mut s = mlp_state();
         s[0].data.pop();
         assert!(serialize_state_dict(&s).is_err());
+    }
+
+    /// A safetensors file built byte by byte, as `safetensors.torch.save_file` lays it out
+    /// (8-byte little-endian header length, the JSON header padded with spaces to a multiple
+    /// of 8, then the tensors' little-endian bytes), independent of the crate's serializer.
+    fn hand_written(tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+        let mut header = String::from(r#"{"__metadata__":{"format":"pt"}"#);
+        let mut data = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            let start = data.len();
+            data.extend_from_slice(bytes);
+            header += &format!(
+                r#","{name}":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[{start},{}]}}"#,
+                data.len()
+            );
+        }
+        header.push('}');
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(header.as_bytes());
+        out.extend(data);
+        out
+    }
+
+    fn le16(bits: &[u16]) -> Vec<u8> {
+        bits.iter().flat_map(|b| b.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn bf16_and_f16_files_load_as_exact_f32() {
+        // Hand-checked bit patterns. bf16: 0x3F80 = 1.0, 0xC000 = -2.0, 0x4049 = 3.140625,
+        // 0x0001 = 2^-133 (subnormal). f16: 0x3C00 = 1.0, 0xC000 = -2.0, 0x7BFF = 65504,
+        // 0x0001 = 2^-24 (subnormal), 0x3555 = 0.333251953125.
+        let bf16_w: Vec<u16> = [0x3F80, 0xC000, 0x4049, 0x0001, 0x8000, 0x3F00]
+            .into_iter()
+            .cycle()
+            .take(12)
+            .collect();
+        let f32_w: Vec<f32> = (0..8).map(|i| i as f32 * 0.1).collect();
+        let bytes = hand_written(&[
+            (
+                "0.bias",
+                "F16",
+                vec![4],
+                le16(&[0x3C00, 0xC000, 0x7BFF, 0x0001]),
+            ),
+            ("0.weight", "BF16", vec![4, 3], le16(&bf16_w)),
+            ("2.bias", "F16", vec![2], le16(&[0x3555, 0xFC00])),
+            (
+                "2.weight",
+                "F32",
+                vec![2, 4],
+                f32_w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        ]);
+        let got = read_state_dict(&bytes, &mlp(), "hand-written").unwrap();
+        let names: Vec<&str> = got.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["0.weight", "0.bias", "2.weight", "2.bias"]);
+        let tiny = f32::from_bits(0x0001_0000); // 2^-133
+        assert_eq!(
+            got[0].data[..6],
+            [1.0, -2.0, 3.140625, tiny, -0.0, 0.5],
+            "bf16 widened exactly"
+        );
+        assert_eq!(got[0].shape, [4, 3]);
+        assert_eq!(got[1].data, [1.0, -2.0, 65504.0, 2f32.powi(-24)]);
+        assert_eq!(got[2].data, f32_w, "f32 bit-exact");
+        assert_eq!(got[3].data, [0.333_251_95, f32::NEG_INFINITY]);
+        // `read_tensors` widens the same way.
+        let all = read_tensors(&bytes, "hand-written").unwrap();
+        assert_eq!(all.len(), 4);
+        assert_eq!(all[0].data, got[1].data, "0.bias first by name");
+    }
+
+    #[test]
+    fn state_dict_saves_as_bf16_and_f16() {
+        // mlp_state's values are multiples of 0.25 below 16: exact in both half types.
+        let state = mlp_state();
+        let f32_len = serialize_state_dict(&state).unwrap().len();
+        for (d, name) in [
+            (Dtype::Bf16, "BF16"),
+            (Dtype::F16, "F16"),
+            (Dtype::F32, "F32"),
+        ] {
+            let bytes = serialize_state_dict_as(&state, d).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+            assert_eq!(header["__metadata__"]["format"], "pt");
+            assert_eq!(header["0.weight"]["dtype"], name);
+            let at = |i: usize| header["0.weight"]["data_offsets"][i].as_u64().unwrap() as usize;
+            assert_eq!(at(1) - at(0), 12 * d.size(), "{d}: 12 values");
+            let data_len = bytes.len() - 8 - n;
+            assert_eq!(data_len, 26 * d.size(), "{d}: 26 values");
+            assert_eq!(read_state_dict(&bytes, &mlp(), "t").unwrap(), state, "{d}");
+            if d == Dtype::F32 {
+                assert_eq!(bytes.len(), f32_len);
+            }
+        }
+        // Values between representable ones round to the nearest: within the unit roundoff,
+        // 2^-8 relative for bf16 (8 significant bits) and 2^-11 for f16 (11), and the stored
+        // bits are the `half` crate's.
+        let mut s = mlp_state();
+        s[0].data = (0..12).map(|i| 1.0 / (i as f32 + 3.0)).collect();
+        for (d, rel) in [(Dtype::Bf16, 2f32.powi(-8)), (Dtype::F16, 2f32.powi(-11))] {
+            let back =
+                read_state_dict(&serialize_state_dict_as(&s, d).unwrap(), &mlp(), "t").unwrap();
+            for (x, y) in s[0].data.iter().zip(&back[0].data) {
+                let reference = match d {
+                    Dtype::Bf16 => half::bf16::from_f32(*x).to_f32(),
+                    _ => half::f16::from_f32(*x).to_f32(),
+                };
+                assert_eq!(*y, reference, "{d} {x}");
+                assert!((y - x).abs() <= rel * x.abs(), "{d} {x} -> {y}");
+            }
+        }
+        // A weight past f16's range is refused, naming the tensor and the element; bf16 holds it.
+        let mut s = mlp_state();
+        s[3].data[1] = 70000.0;
+        match serialize_state_dict_as(&s, Dtype::F16) {
+            Err(e @ IoError::Overflow { .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains("`2.bias` element 1 is 70000"), "{msg}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(serialize_state_dict_as(&s, Dtype::Bf16).is_ok());
+    }
+
+    #[test]
+    fn unsupported_dtypes_are_refused_by_name() {
+        for (dtype, size) in [
+            ("I64", 8),
+            ("F64", 8),
+            ("U8", 1),
+            ("F8_E4M3", 1),
+            ("I32", 4),
+        ] {
+            let state = mlp_state();
+            let mut tensors: Vec<(&str, &str, Vec<usize>, Vec<u8>)> = state
+                .iter()
+                .map(|t| {
+                    let b = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    (t.name.as_str(), "F32", t.shape.clone(), b)
+                })
+                .collect();
+            tensors[3] = ("2.bias", dtype, vec![2], vec![0u8; 2 * size]);
+            let bytes = hand_written(&tensors);
+            for result in [
+                read_state_dict(&bytes, &mlp(), "f").map(|_| ()),
+                read_tensors(&bytes, "f").map(|_| ()),
+            ] {
+                match result {
+                    Err(e @ IoError::DtypeMismatch { .. }) => {
+                        let msg = e.to_string();
+                        for part in ["`2.bias`", dtype, "F32", "BF16", "F16"] {
+                            assert!(msg.contains(part), "{part}: {msg}");
+                        }
+                    }
+                    other => panic!("{dtype}: {other:?}"),
+                }
+            }
+        }
     }
 
     #[test]

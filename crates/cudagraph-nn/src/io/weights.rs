@@ -1,12 +1,13 @@
 //! PyTorch `state_dict`s in safetensors files: read into f32 host tensors in the order a
-//! [`ModelDescription`] needs them (every name, shape and dtype checked), and written back with
-//! PyTorch's metadata.
+//! [`ModelDescription`] needs them (every name, shape and dtype checked; F32, BF16 and F16
+//! widened exactly), and written back with PyTorch's metadata in F32, BF16 or F16.
 
 use std::collections::{BTreeSet, HashMap};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{SafeTensors, TensorView};
 
 use super::description::{product, ModelDescription};
+use super::dtype::{narrow, widen, Dtype};
 use crate::error::IoError;
 
 /// A named f32 tensor in host memory.
@@ -25,7 +26,8 @@ fn format_err(what: &str, e: impl std::fmt::Display) -> IoError {
 }
 
 /// Every tensor of a safetensors file as f32 host tensors, sorted by name (for inputs and
-/// outputs stored next to a model; a tensor that is not F32 is an error).
+/// outputs stored next to a model). F32, BF16 and F16 tensors are widened to f32 exactly; any
+/// other dtype is an [`IoError::DtypeMismatch`].
 pub fn read_tensors(bytes: &[u8], what: &str) -> std::result::Result<Vec<HostTensor>, IoError> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| format_err(what, e))?;
     let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
@@ -40,29 +42,22 @@ pub fn read_tensors(bytes: &[u8], what: &str) -> std::result::Result<Vec<HostTen
 }
 
 fn decode(name: &str, t: &TensorView<'_>) -> std::result::Result<HostTensor, IoError> {
-    if t.dtype() != Dtype::F32 {
-        return Err(IoError::DtypeMismatch {
-            name: name.to_string(),
-            found: format!("{:?}", t.dtype()),
-        });
-    }
-    // Little-endian f32; the data may sit at any alignment inside the file.
-    let data = t
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    let dtype = Dtype::from_file(t.dtype()).ok_or_else(|| IoError::DtypeMismatch {
+        name: name.to_string(),
+        found: format!("{:?}", t.dtype()),
+    })?;
     Ok(HostTensor {
         name: name.to_string(),
         shape: t.shape().to_vec(),
-        data,
+        data: widen(dtype, t.data()),
     })
 }
 
 /// Reads the parameters `desc` needs from a safetensors file's bytes (PyTorch's
 /// `safetensors.torch.save_file(model.state_dict(), ...)`), in [`ModelDescription::parameters`]
-/// order. Fails on a missing tensor, a tensor the model does not use, a shape or a dtype
-/// mismatch; `what` names the file in errors.
+/// order, as f32: F32, BF16 and F16 tensors (a file may mix them) are widened exactly. Fails on
+/// a missing tensor, a tensor the model does not use, a shape mismatch or another dtype; `what`
+/// names the file in errors.
 pub fn read_state_dict(
     bytes: &[u8],
     desc: &ModelDescription,
@@ -88,7 +83,7 @@ pub fn read_state_dict(
                 )
             },
         })?;
-        if t.dtype() != Dtype::F32 {
+        if Dtype::from_file(t.dtype()).is_none() {
             return Err(IoError::DtypeMismatch {
                 name: p.name.clone(),
                 found: format!("{:?}", t.dtype()),
@@ -116,9 +111,21 @@ pub fn read_state_dict(
     Ok(out)
 }
 
-/// The bytes of a safetensors file holding `tensors` (F32, little-endian), with PyTorch's
+/// The bytes of a safetensors file holding `tensors` in F32 (little-endian), with PyTorch's
 /// `{"format": "pt"}` metadata so `safetensors.torch.load_file` reads it as a state_dict.
+/// [`serialize_state_dict_as`] writes BF16 or F16.
 pub fn serialize_state_dict(tensors: &[HostTensor]) -> std::result::Result<Vec<u8>, IoError> {
+    serialize_state_dict_as(tensors, Dtype::F32)
+}
+
+/// [`serialize_state_dict`] with every tensor stored as `dtype`. Narrowing to BF16 or F16
+/// rounds to nearest even, as PyTorch's `tensor.to(torch.bfloat16)` does; a finite value that
+/// the target cannot hold (beyond 65504 in F16) is an [`IoError::Overflow`] naming the tensor,
+/// the first such element and its value. NaN stays NaN, ±inf stays ±inf.
+pub fn serialize_state_dict_as(
+    tensors: &[HostTensor],
+    dtype: Dtype,
+) -> std::result::Result<Vec<u8>, IoError> {
     let mut seen = BTreeSet::new();
     let mut bytes = Vec::with_capacity(tensors.len());
     for t in tensors {
@@ -136,18 +143,13 @@ pub fn serialize_state_dict(tensors: &[HostTensor]) -> std::result::Result<Vec<u
                 found: vec![t.data.len()],
             });
         }
-        bytes.push(
-            t.data
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<u8>>(),
-        );
+        bytes.push(narrow(&t.name, dtype, &t.data)?);
     }
     let views = tensors
         .iter()
         .zip(&bytes)
         .map(|(t, b)| {
-            TensorView::new(Dtype::F32, t.shape.clone(), b)
+            TensorView::new(dtype.to_file(), t.shape.clone(), b)
                 .map(|v| (t.name.clone(), v))
                 .map_err(|e| format_err("state_dict to save", e))
         })
