@@ -77,6 +77,7 @@ pub use autograd::ops::{
 pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
 pub use error::{NnError, Result};
 pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, ModelFiles};
+pub use kernels::cast;
 pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
 pub use nn::batched::Batched;

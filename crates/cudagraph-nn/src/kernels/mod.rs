@@ -21,6 +21,7 @@ pub use crate::extent::GemmDims;
 pub(crate) use crate::extent::{need, prod, ConvGeom};
 use crate::ffi::libraries::Libraries;
 
+pub mod cast;
 pub mod conv;
 pub mod elementwise;
 pub mod gemm;
@@ -79,6 +80,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_spin", igemm::SPIN_SOURCE.to_string()),
         ("cudagraph_nn_rng", format!("{pdl}{}", philox::SOURCE)),
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
+        ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

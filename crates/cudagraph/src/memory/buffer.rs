@@ -1,4 +1,5 @@
-//! Typed device memory: [`Elem`] (the element types a buffer may hold), [`bytes_for`]
+//! Typed device memory: [`Elem`] (the element types a buffer may hold: the plain integers and
+//! floats, and the `half` crate's [`bf16`](half::bf16) and [`f16`](half::f16)), [`bytes_for`]
 //! (checked sizes) and [`DeviceBuffer`] (a typed view of a [`BlockRef`], its length checked
 //! against the block). Blocks themselves are in `block.rs`.
 
@@ -40,6 +41,9 @@ macro_rules! elem {
     )*};
 }
 elem!(f32, f64, i8, u8, i16, u16, i32, u32, i64, u64);
+// The `half` crate's 16-bit floats: `#[repr(transparent)]` over a `u16`, so plain numbers with
+// the device's layout (every bit pattern is some bf16 or f16 value, NaNs included).
+elem!(half::bf16, half::f16);
 
 /// Bytes of `len` elements of `T`, or the typed error for a count that does not fit.
 pub fn bytes_for<T>(what: &'static str, len: usize) -> Result<usize> {

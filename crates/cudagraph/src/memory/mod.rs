@@ -43,6 +43,9 @@ pub use caching::{
     AllocStep, Allocation, AllocatorCore, Fence, GrowPlan, MemoryStats, ReleasePlan, SegmentSource,
     WindowStats,
 };
+/// The 16-bit float element types (the `half` crate's), for `DeviceBuffer<bf16>` and
+/// `DeviceBuffer<f16>` without a direct dependency on `half`.
+pub use half::{bf16, f16};
 pub use host::HostSource;
 pub use pinned::PinnedBuffer;
 pub use pool::Pool;

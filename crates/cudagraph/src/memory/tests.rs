@@ -97,6 +97,89 @@ fn buffer_views_are_checked_against_the_block() {
 }
 
 #[test]
+fn half_floats_are_two_byte_elements_with_their_bit_patterns_as_bytes() {
+    assert_eq!(bytes_for::<bf16>("x", 0).unwrap(), 0);
+    assert_eq!(bytes_for::<bf16>("x", 3).unwrap(), 6);
+    assert_eq!(bytes_for::<f16>("x", 1000).unwrap(), 2000);
+    assert!(matches!(
+        bytes_for::<bf16>("x", usize::MAX / 2 + 1),
+        Err(Error::SizeOverflow { count, elem_size: 2, .. }) if count == usize::MAX / 2 + 1
+    ));
+    assert!(matches!(
+        bytes_for::<f16>("x", usize::MAX),
+        Err(Error::SizeOverflow { elem_size: 2, .. })
+    ));
+
+    // The bytes are the little-endian bit patterns, every one of them a value (NaNs included),
+    // and writing bytes back gives the same values.
+    let b = [
+        bf16::from_f32(1.0),
+        bf16::from_f32(-2.5),
+        bf16::NAN,
+        bf16::INFINITY,
+        bf16::from_bits(0x0001),
+    ];
+    let bytes = bf16::as_bytes(&b).to_vec();
+    assert_eq!(bytes.len(), 10);
+    assert_eq!(&bytes[..4], &[0x80, 0x3f, 0x20, 0xc0]);
+    for (v, pair) in b.iter().zip(bytes.chunks(2)) {
+        assert_eq!(v.to_bits(), u16::from_le_bytes([pair[0], pair[1]]));
+    }
+    let mut back = [bf16::ZERO; 5];
+    bf16::as_bytes_mut(&mut back).copy_from_slice(&bytes);
+    assert_eq!(
+        back.map(|v| v.to_bits()),
+        b.map(|v| v.to_bits()),
+        "bit for bit"
+    );
+
+    let h = [
+        f16::from_f32(1.0),
+        f16::from_f32(-2.5),
+        f16::MAX,
+        f16::NEG_INFINITY,
+        f16::from_bits(0x7e01),
+    ];
+    let bytes = f16::as_bytes(&h).to_vec();
+    assert_eq!(&bytes[..4], &[0x00, 0x3c, 0x00, 0xc1]);
+    let mut back = [f16::ZERO; 5];
+    f16::as_bytes_mut(&mut back).copy_from_slice(&bytes);
+    assert_eq!(back.map(|v| v.to_bits()), h.map(|v| v.to_bits()));
+    // Every bit pattern round-trips through the byte view.
+    let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let mut again = vec![f16::ZERO; all.len()];
+    f16::as_bytes_mut(&mut again).copy_from_slice(f16::as_bytes(&all));
+    assert!(all
+        .iter()
+        .zip(&again)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+#[test]
+fn half_float_buffer_views_count_two_bytes_an_element() {
+    let a = host_allocator();
+    let block = BlockRef::from_allocation(
+        &a,
+        unsafe { a.allocate_raw(1000, PoolId::DEFAULT, 1) }.unwrap(),
+        1,
+        0,
+    );
+    assert_eq!(block.size(), 1024);
+    let buf = DeviceBuffer::<bf16>::from_block(block.clone(), 512).unwrap();
+    assert_eq!(buf.bytes(), 1024);
+    assert!(matches!(
+        DeviceBuffer::<f16>::from_block(block.clone(), 513),
+        Err(Error::OutOfRange { end: 1026, .. })
+    ));
+    assert!(matches!(
+        DeviceBuffer::<f16>::from_block(block.clone(), usize::MAX / 2 + 1),
+        Err(Error::SizeOverflow { elem_size: 2, .. })
+    ));
+    assert_eq!(buf.addr_at(10).unwrap(), buf.addr() + 20);
+    assert_eq!(buf.prefix(7).unwrap().bytes(), 14);
+}
+
+#[test]
 fn a_block_used_on_another_stream_waits_for_its_fence() {
     use std::sync::atomic::{AtomicBool, Ordering};
     struct Flag(Arc<AtomicBool>);

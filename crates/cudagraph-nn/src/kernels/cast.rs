@@ -1,0 +1,187 @@
+//! Casts between f32 and the 16-bit floats bf16 and f16 on raw device buffers: [`to_bf16`],
+//! [`to_f16`], [`from_bf16`], [`from_f16`]. The kernels (`cast.cu`, its own NVRTC module) are
+//! one template instantiated per pair of types.
+//!
+//! Narrowing rounds to nearest, ties to even, as `__float2bfloat16_rn` / `__float2half_rn`
+//! (and PyTorch's `.to(torch.bfloat16)` / `.to(torch.float16)` on the device): values past the
+//! largest finite one become ±inf, tiny ones ±0 or a subnormal, the sign of zero is kept, and a
+//! NaN becomes the canonical NaN `0x7FFF`. Widening is exact. The bits equal the `half`
+//! crate's conversions on the host for every non-NaN value.
+//!
+//! Each function casts all of `src` into `dst`, which must have the same length (a typed
+//! [`SizeMismatch`](cudagraph::Error::SizeMismatch) otherwise). They are enqueued on `q`, an
+//! eager stream or a capture alike; an empty pair enqueues nothing.
+
+use std::sync::Arc;
+
+use cudagraph::memory::{bf16, f16};
+use cudagraph::{Arg, Device, DeviceBuffer, Elem, Function, LaunchConfig, Queue};
+
+use crate::error::{NnError, Result};
+
+/// The CUDA source of the module.
+pub const SOURCE: &str = include_str!("cast.cu");
+
+/// Threads per block of every cast.
+const BLOCK: u32 = 256;
+/// Most blocks of one cast; the kernels stride over the rest (enough to fill any device).
+const MAX_BLOCKS: usize = 65_536;
+
+/// The cast kernels of one device (a [`Device::extension`]).
+pub struct CastKernels {
+    f32_bf16: Function,
+    f32_f16: Function,
+    bf16_f32: Function,
+    f16_f32: Function,
+}
+
+impl CastKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        Ok(device.extension(|d| {
+            // Relaxed capture mode: the first use may be inside a capture (module loading).
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_cast",
+                    &super::module_source("cudagraph_nn_cast"),
+                )
+            })?;
+            Ok(CastKernels {
+                f32_bf16: m.function("cast_f32_bf16")?,
+                f32_f16: m.function("cast_f32_f16")?,
+                bf16_f32: m.function("cast_bf16_f32")?,
+                f16_f32: m.function("cast_f16_f32")?,
+            })
+        })?)
+    }
+}
+
+/// The element count of a cast from `src` to `dst`: their common length, as the kernel's
+/// `long long`. A typed error when the lengths differ.
+pub(crate) fn cast_len(what: &'static str, src: usize, dst: usize) -> Result<i64> {
+    if src != dst {
+        return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+            what,
+            expected: src,
+            got: dst,
+        }));
+    }
+    i64::try_from(src).map_err(|_| NnError::Shape(format!("{what}: {src} elements exceed i64")))
+}
+
+/// The launch of a cast of `n` elements: `BLOCK` threads a block, at most `MAX_BLOCKS` blocks
+/// (the kernel strides over the rest).
+pub(crate) fn cast_config(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS);
+    LaunchConfig::linear(blocks as u32, BLOCK)
+}
+
+/// Launches cast kernel `f` from `src` to `dst` after checking their lengths.
+fn cast<A: Elem, B: Elem>(
+    q: &dyn Queue,
+    f: &Function,
+    what: &'static str,
+    src: &DeviceBuffer<A>,
+    dst: &DeviceBuffer<B>,
+) -> Result<()> {
+    let n = cast_len(what, src.len(), dst.len())?;
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: `f` is one of `cast.cu`'s kernels, whose parameters are (const A* src, B* dst,
+    // long long n) with A and B of the sizes of these element types (4 bytes for float, 2 for
+    // bf16_t / f16_t); it reads src[i] and writes dst[i] for i < n only, and n = src.len() =
+    // dst.len() (checked above).
+    unsafe {
+        Ok(q.launch(
+            f,
+            cast_config(src.len()),
+            &[src.into(), dst.into(), Arg::I64(n)],
+        )?)
+    }
+}
+
+/// `dst[i] = bf16(src[i])`, rounded to nearest even (see the module's documentation).
+pub fn to_bf16(q: &dyn Queue, src: &DeviceBuffer<f32>, dst: &DeviceBuffer<bf16>) -> Result<()> {
+    let k = CastKernels::get(q.device())?;
+    cast(q, &k.f32_bf16, "cast f32 → bf16", src, dst)
+}
+
+/// `dst[i] = f16(src[i])`, rounded to nearest even (see the module's documentation).
+pub fn to_f16(q: &dyn Queue, src: &DeviceBuffer<f32>, dst: &DeviceBuffer<f16>) -> Result<()> {
+    let k = CastKernels::get(q.device())?;
+    cast(q, &k.f32_f16, "cast f32 → f16", src, dst)
+}
+
+/// `dst[i] = f32(src[i])`, exact.
+pub fn from_bf16(q: &dyn Queue, src: &DeviceBuffer<bf16>, dst: &DeviceBuffer<f32>) -> Result<()> {
+    let k = CastKernels::get(q.device())?;
+    cast(q, &k.bf16_f32, "cast bf16 → f32", src, dst)
+}
+
+/// `dst[i] = f32(src[i])`, exact.
+pub fn from_f16(q: &dyn Queue, src: &DeviceBuffer<f16>, dst: &DeviceBuffer<f32>) -> Result<()> {
+    let k = CastKernels::get(q.device())?;
+    cast(q, &k.f16_f32, "cast f16 → f32", src, dst)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cast_needs_equal_lengths() {
+        assert_eq!(cast_len("c", 0, 0).unwrap(), 0);
+        assert_eq!(cast_len("c", 12345, 12345).unwrap(), 12345);
+        let e = cast_len("cast f32 → bf16", 10, 9).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                NnError::Core(cudagraph::Error::SizeMismatch {
+                    what: "cast f32 → bf16",
+                    expected: 10,
+                    got: 9
+                })
+            ),
+            "{e:?}"
+        );
+        assert!(cast_len("c", 9, 10).is_err(), "a longer destination too");
+        assert!(cast_len("c", usize::MAX, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn the_launch_covers_every_element_with_a_bounded_grid() {
+        let c = cast_config(1);
+        assert_eq!((c.grid.0, c.block.0), (1, BLOCK));
+        assert_eq!(cast_config(256).grid.0, 1);
+        assert_eq!(cast_config(257).grid.0, 2);
+        // Past MAX_BLOCKS blocks the kernel's grid-stride loop covers the rest.
+        assert_eq!(cast_config(usize::MAX).grid.0 as usize, MAX_BLOCKS);
+        assert_eq!(cast_config(0).grid.0, 1);
+    }
+
+    #[test]
+    fn the_source_instantiates_every_launched_kernel_from_one_template() {
+        for name in [
+            "cast_f32_bf16",
+            "cast_f32_f16",
+            "cast_bf16_f32",
+            "cast_f16_f32",
+        ] {
+            assert!(
+                SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            SOURCE
+                .matches("template <typename From, typename To>")
+                .count(),
+            1
+        );
+        assert!(
+            !SOURCE.contains("#include"),
+            "no header: NVRTC has no include path here"
+        );
+    }
+}
