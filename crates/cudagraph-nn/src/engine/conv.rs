@@ -57,7 +57,7 @@ pub fn conv_candidates(
                 let limit = workspace_limit(eng.device_info().total_memory);
                 // A geometry cuDNN cannot plan simply has no cuDNN candidate.
                 for a in c
-                    .algos(dir, g, policy.deterministic, limit)
+                    .algos_math(dir, g, policy.deterministic, limit, policy.tf32_conv)
                     .unwrap_or_default()
                 {
                     v.push(ConvEngine::Cudnn(a.algo));
@@ -298,7 +298,8 @@ fn conv_engine(
 ) -> Result<()> {
     match algo {
         ConvEngine::Cudnn(a) => {
-            cudnn(eng)?.run(q, dir, a, g, io.a, io.b, io.out)?;
+            let tf32 = eng.policy().tf32_conv;
+            cudnn(eng)?.run_math(q, dir, a, g, io.a, io.b, io.out, tf32)?;
             conv_bias(q, nn, eng, g, io)
         }
         ConvEngine::CudnnGraph(rank) => {
