@@ -69,7 +69,7 @@ pub fn conv_candidates(
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 for a in c
-                    .candidates(q, dir, g, policy.deterministic, limit)
+                    .candidates_math(q, dir, g, policy.deterministic, limit, policy.tf32_conv)
                     .unwrap_or_default()
                 {
                     v.push(ConvEngine::CudnnGraph(a.rank));
@@ -86,7 +86,7 @@ pub fn conv_candidates(
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 for a in c
-                    .fused_bias_candidates(q, g, policy.deterministic, limit)
+                    .fused_bias_candidates_math(q, g, policy.deterministic, limit, policy.tf32_conv)
                     .unwrap_or_default()
                 {
                     v.push(ConvEngine::CudnnGraphBias(a.rank));
@@ -303,7 +303,8 @@ fn conv_engine(
             conv_bias(q, nn, eng, g, io)
         }
         ConvEngine::CudnnGraph(rank) => {
-            cudnn_graph(eng)?.run(q, dir, rank, g, io.a, io.b, io.out)?;
+            let tf32 = eng.policy().tf32_conv;
+            cudnn_graph(eng)?.run_math(q, dir, rank, g, io.a, io.b, io.out, tf32)?;
             conv_bias(q, nn, eng, g, io)
         }
         ConvEngine::CudnnGraphBias(rank) => {
@@ -316,7 +317,8 @@ fn conv_engine(
                     )))
                 }
             };
-            cudnn_graph(eng)?.run_fused_bias(q, rank, g, io.a, io.b, bias, io.out)
+            let tf32 = eng.policy().tf32_conv;
+            cudnn_graph(eng)?.run_fused_bias_math(q, rank, g, io.a, io.b, bias, io.out, tf32)
         }
         ConvEngine::Igemm(tile, splits) => {
             let k = ConvKernels::get(q.device())?;
