@@ -159,6 +159,18 @@ impl Policy {
         parsed.clone().map_err(NnError::Config)
     }
 
+    /// The TF32 switches as shown by `cudagraph inspect` and `cudagraph bench engines`, e.g.
+    /// `TF32 products off, convolutions off` (PyTorch's `torch.backends.cuda.matmul.allow_tf32`
+    /// and `torch.backends.cudnn.allow_tf32`).
+    pub fn tf32_summary(&self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        format!(
+            "TF32 products {}, convolutions {}",
+            on(self.tf32_matmul),
+            on(self.tf32_conv)
+        )
+    }
+
     /// The part of a key that records this policy's restrictions for products
     /// (empty for the default).
     pub fn gemm_scope(&self, family: GemmFamily) -> String {
@@ -332,6 +344,11 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(p.conv_scope(), " [nondeterministic,+tf32]");
+        assert_eq!(p.tf32_summary(), "TF32 products off, convolutions on");
+        assert_eq!(
+            Policy::default().tf32_summary(),
+            "TF32 products off, convolutions off"
+        );
         assert_eq!(p.gemm_scope(GemmFamily::Auto), "");
     }
 }
