@@ -162,8 +162,9 @@ impl CudnnGraph {
         })
     }
 
-    /// The set of (dir, g, bias fused or not, align), built now when missing and `may_build`
+    /// The set of (dir, g, bias fused or not, align, TF32 allowed or not), built now when missing and `may_build`
     /// (never inside a capture: finalizing may compile, allocate or synchronise).
+    #[allow(clippy::too_many_arguments)]
     fn set<'s>(
         &self,
         st: &'s mut State,
