@@ -1636,6 +1636,15 @@ fn tf32_switches_keep_fp32_bits_off_and_stay_close_on() {
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
     let eng = engines(&dev);
+    // The default policy comes back however this test ends, so a failure here does not leave
+    // TF32 on for the tests after it.
+    struct Restore(std::sync::Arc<Engines>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            self.0.set_policy(Policy::default());
+        }
+    }
+    let _restore = Restore(eng.clone());
     assert!(
         eng.cublaslt().is_some(),
         "cuBLASLt is expected on the GPU machine"
@@ -1753,5 +1762,4 @@ fn tf32_switches_keep_fp32_bits_off_and_stay_close_on() {
         let err = rel_err(&s.to_vec(&c).unwrap(), &want);
         assert!(err < 1e-2, "{algo} 1024³ with TF32: {err}");
     }
-    set_policy(&dev, |_| {});
 }
