@@ -151,7 +151,11 @@ pub fn run(ordinal: usize, a: &InspectArgs) -> AnyResult<()> {
         i.instantiate_time.as_secs_f64() * 1e3
     );
     let engines = Engines::get(&dev)?;
-    outln!("engines ({}):", engines.libraries());
+    outln!(
+        "engines ({}; {}):",
+        engines.libraries(),
+        engines.policy().tf32_summary()
+    );
     outln!("{}", format_table(&engines.table()).trim_end());
     graph.write_dot(&a.dot)?;
     outln!("DOT written to {}", a.dot.display());

@@ -20,6 +20,14 @@ pub const LT_SPLITK_VAR: &str = "CUDAGRAPH_LT_SPLITK";
 /// Also measure cuBLASLt configurations found by search (`CUDAGRAPH_LT_SEARCH=1`; see
 /// `engine::Policy::lt_search`).
 pub const LT_SEARCH_VAR: &str = "CUDAGRAPH_LT_SEARCH";
+/// Lets matrix products use TF32 tensor cores (cuBLAS `CUBLAS_TF32_TENSOR_OP_MATH`, cuBLASLt
+/// `CUBLAS_COMPUTE_32F_FAST_TF32`), like PyTorch's `torch.backends.cuda.matmul.allow_tf32`
+/// (`CUDAGRAPH_TF32_MATMUL=1`; default off: f32 means f32; see `engine::Policy::tf32_matmul`).
+pub const TF32_MATMUL_VAR: &str = "CUDAGRAPH_TF32_MATMUL";
+/// Lets convolutions use TF32 tensor cores (cuDNN), like PyTorch's
+/// `torch.backends.cudnn.allow_tf32` (`CUDAGRAPH_TF32_CONV=1`; default off; see
+/// `engine::Policy::tf32_conv`).
+pub const TF32_CONV_VAR: &str = "CUDAGRAPH_TF32_CONV";
 /// How the registry ranks candidates timed in graphs: `chain`, `single` or `both` (the
 /// default; see `engine::GraphTiming`).
 pub const TIMING_VAR: &str = "CUDAGRAPH_REGISTRY_TIMING";

@@ -1596,3 +1596,170 @@ fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
     );
     println!("{text}");
 }
+
+/// Row-major `A·B` (m×k by k×n) in f64, on every host core (the 1024³ reference of the TF32
+/// test: about 10⁹ multiply-adds).
+fn matmul_f64(ah: &[f32], bh: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let bt: Vec<f64> = (0..n * k).map(|e| bh[(e % k) * n + e / k] as f64).collect();
+    let mut out = vec![0.0f64; m * n];
+    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
+    let rows = m.div_ceil(threads).max(1);
+    std::thread::scope(|sc| {
+        for (chunk, o) in out.chunks_mut(rows * n).enumerate() {
+            let bt = &bt;
+            sc.spawn(move || {
+                for (r, orow) in o.chunks_mut(n).enumerate() {
+                    let i = chunk * rows + r;
+                    let arow: Vec<f64> = ah[i * k..(i + 1) * k].iter().map(|&v| v as f64).collect();
+                    for (j, v) in orow.iter_mut().enumerate() {
+                        let bcol = &bt[j * k..(j + 1) * k];
+                        *v = arow.iter().zip(bcol).map(|(x, y)| x * y).sum();
+                    }
+                }
+            });
+        }
+    });
+    out
+}
+
+/// The TF32 switches ([`Policy::tf32_matmul`], [`Policy::tf32_conv`], PyTorch's two
+/// `allow_tf32`): off, a product (through cuBLAS, cuBLASLt and the registry) and a convolution
+/// (through the registry) give exactly the bits of the default policy, also after running with
+/// them on (TF32 plans and choices are kept apart: the registry's keys carry `+tf32`). On, a
+/// 1024×1024×1024 product through cuBLAS and through cuBLASLt agrees with the f64 reference
+/// within 1e-2 relative (‖gpu − ref‖ / ‖ref‖; TF32 rounds the inputs to a 10-bit mantissa,
+/// 2⁻¹¹ ≈ 5e-4 relative per input), and the convolution within 1e-2 as well; bit-identity is
+/// not required with them on.
+#[test]
+fn tf32_switches_keep_fp32_bits_off_and_stay_close_on() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = engines(&dev);
+    // The default policy comes back however this test ends, so a failure here does not leave
+    // TF32 on for the tests after it.
+    struct Restore(std::sync::Arc<Engines>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            self.0.set_policy(Policy::default());
+        }
+    }
+    let _restore = Restore(eng.clone());
+    assert!(
+        eng.cublaslt().is_some(),
+        "cuBLASLt is expected on the GPU machine"
+    );
+    let mut rng = HostRng::new(281);
+    // A product, forced through each library and through the registry.
+    let op = plain_op(Trans::N, Trans::N, 96, 160, 544, Epilogue::None);
+    let ops = Operands::new(&s, &mut rng, &op);
+    let run = |algo: Option<GemmEngine>| -> Vec<f32> {
+        let c = s.alloc_zeroed::<f32>(op.m * op.n).unwrap();
+        match algo {
+            Some(algo) => gemm_with(&s, &nn, algo, &op, &ops.a, &ops.b, &c, None).unwrap(),
+            None => cudagraph_nn::engine::gemm::gemm(
+                &s,
+                &nn,
+                GemmFamily::Auto,
+                (op.ta, op.tb),
+                (op.m, op.n, op.k),
+                1.0,
+                &ops.a,
+                &ops.b,
+                0.0,
+                &c,
+                None,
+                false,
+            )
+            .unwrap(),
+        }
+        s.to_vec(&c).unwrap()
+    };
+    let engines_run = [
+        None,
+        Some(GemmEngine::Cublas),
+        Some(GemmEngine::CublasLt(0)),
+    ];
+    // A convolution through the registry.
+    let g = ConvGeom {
+        n: 2,
+        c: 32,
+        h: 16,
+        w: 16,
+        oc: 64,
+        kh: 3,
+        kw: 3,
+        stride: 1,
+        pad: 1,
+    };
+    let (xh, wh) = (
+        data(&mut rng, g.input_len().unwrap()),
+        data(&mut rng, g.weight_len().unwrap()),
+    );
+    let (x, w) = (
+        s.alloc_from_host(&xh).unwrap(),
+        s.alloc_from_host(&wh).unwrap(),
+    );
+    let conv = || -> Vec<f32> {
+        let y = s.alloc_zeroed::<f32>(g.output_len().unwrap()).unwrap();
+        cudagraph_nn::engine::conv::conv2d_forward(&s, &nn, &g, &x, &w, None, &y).unwrap();
+        s.to_vec(&y).unwrap()
+    };
+
+    set_policy(&dev, |_| {});
+    let base: Vec<Vec<f32>> = engines_run.iter().map(|&a| run(a)).collect();
+    let base_conv = conv();
+    let want = ops.want(&op);
+    let cv = cpu_conv(&g);
+    let want_conv = cv.forward(&to_f64(&xh), &to_f64(&wh), &vec![0.0; g.oc]);
+
+    // On: close to the reference, under keys of their own.
+    set_policy(&dev, |p| {
+        p.tf32_matmul = true;
+        p.tf32_conv = true;
+    });
+    for a in engines_run {
+        let err = rel_err(&run(a), &want);
+        assert!(err < 1e-2, "{a:?} with TF32: {err}");
+    }
+    let err = rel_err(&conv(), &want_conv);
+    assert!(err < 1e-2, "convolution with TF32: {err}");
+    let keys: Vec<String> = eng.table().into_iter().map(|r| r.key).collect();
+    assert!(
+        keys.iter()
+            .any(|k| k.starts_with("gemm ") && k.ends_with("[+tf32]")),
+        "{keys:?}"
+    );
+    assert!(
+        keys.iter()
+            .any(|k| k.starts_with("conv_fwd ") && k.ends_with("[+tf32]")),
+        "{keys:?}"
+    );
+
+    // Off again (set explicitly): the default policy's bits exactly.
+    set_policy(&dev, |p| {
+        p.tf32_matmul = false;
+        p.tf32_conv = false;
+    });
+    for (&a, b) in engines_run.iter().zip(&base) {
+        assert_bits_eq(&run(a), b, format_args!("{a:?}, TF32 off vs default"));
+    }
+    assert_bits_eq(&conv(), &base_conv, "convolution, TF32 off vs default");
+
+    // 1024³ with TF32 on through cuBLAS and cuBLASLt: within 1e-2 of the f64 reference.
+    let n = 1024;
+    let (ah, bh) = (data(&mut rng, n * n), data(&mut rng, n * n));
+    let want = matmul_f64(&ah, &bh, n, n, n);
+    let big = plain_op(Trans::N, Trans::N, n, n, n, Epilogue::None);
+    let (a, b) = (
+        s.alloc_from_host(&ah).unwrap(),
+        s.alloc_from_host(&bh).unwrap(),
+    );
+    set_policy(&dev, |p| p.tf32_matmul = true);
+    for algo in [GemmEngine::Cublas, GemmEngine::CublasLt(0)] {
+        let c = s.alloc_zeroed::<f32>(n * n).unwrap();
+        gemm_with(&s, &nn, algo, &big, &a, &b, &c, None).unwrap();
+        let err = rel_err(&s.to_vec(&c).unwrap(), &want);
+        assert!(err < 1e-2, "{algo} 1024³ with TF32: {err}");
+    }
+}

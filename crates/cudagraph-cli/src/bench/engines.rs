@@ -163,6 +163,9 @@ pub fn run(ordinal: usize, a: &EnginesArgs) -> AnyResult<()> {
         device: DeviceReport,
         libraries: &'a str,
         policy: String,
+        /// The TF32 switches (products; convolutions), as PyTorch's `allow_tf32` pair.
+        tf32_matmul: bool,
+        tf32_conv: bool,
         rows: Vec<EngineRow>,
     }
     let out = Out {
@@ -170,6 +173,8 @@ pub fn run(ordinal: usize, a: &EnginesArgs) -> AnyResult<()> {
         device: device_report(&dev)?,
         libraries: eng.libraries(),
         policy: format!("{:?}", eng.policy()),
+        tf32_matmul: eng.policy().tf32_matmul,
+        tf32_conv: eng.policy().tf32_conv,
         rows,
     };
     if a.json {
@@ -177,9 +182,10 @@ pub fn run(ordinal: usize, a: &EnginesArgs) -> AnyResult<()> {
         return Ok(());
     }
     outln!(
-        "engine choices on {} ({}), µs per run measured eagerly; {}",
+        "engine choices on {} ({}; {}), µs per run measured eagerly; {}",
         out.device.name,
         out.libraries,
+        eng.policy().tf32_summary(),
         match eng.table_path() {
             Some(p) => format!("cached in {}", p.display()),
             None => "disk cache off".into(),

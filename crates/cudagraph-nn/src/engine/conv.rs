@@ -57,7 +57,7 @@ pub fn conv_candidates(
                 let limit = workspace_limit(eng.device_info().total_memory);
                 // A geometry cuDNN cannot plan simply has no cuDNN candidate.
                 for a in c
-                    .algos(dir, g, policy.deterministic, limit)
+                    .algos_math(dir, g, policy.deterministic, limit, policy.tf32_conv)
                     .unwrap_or_default()
                 {
                     v.push(ConvEngine::Cudnn(a.algo));
@@ -69,7 +69,7 @@ pub fn conv_candidates(
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 for a in c
-                    .candidates(q, dir, g, policy.deterministic, limit)
+                    .candidates_math(q, dir, g, policy.deterministic, limit, policy.tf32_conv)
                     .unwrap_or_default()
                 {
                     v.push(ConvEngine::CudnnGraph(a.rank));
@@ -86,7 +86,7 @@ pub fn conv_candidates(
             if let Some(c) = eng.cudnn_graph_for(q) {
                 let limit = workspace_limit(eng.device_info().total_memory);
                 for a in c
-                    .fused_bias_candidates(q, g, policy.deterministic, limit)
+                    .fused_bias_candidates_math(q, g, policy.deterministic, limit, policy.tf32_conv)
                     .unwrap_or_default()
                 {
                     v.push(ConvEngine::CudnnGraphBias(a.rank));
@@ -298,11 +298,13 @@ fn conv_engine(
 ) -> Result<()> {
     match algo {
         ConvEngine::Cudnn(a) => {
-            cudnn(eng)?.run(q, dir, a, g, io.a, io.b, io.out)?;
+            let tf32 = eng.policy().tf32_conv;
+            cudnn(eng)?.run_math(q, dir, a, g, io.a, io.b, io.out, tf32)?;
             conv_bias(q, nn, eng, g, io)
         }
         ConvEngine::CudnnGraph(rank) => {
-            cudnn_graph(eng)?.run(q, dir, rank, g, io.a, io.b, io.out)?;
+            let tf32 = eng.policy().tf32_conv;
+            cudnn_graph(eng)?.run_math(q, dir, rank, g, io.a, io.b, io.out, tf32)?;
             conv_bias(q, nn, eng, g, io)
         }
         ConvEngine::CudnnGraphBias(rank) => {
@@ -315,7 +317,8 @@ fn conv_engine(
                     )))
                 }
             };
-            cudnn_graph(eng)?.run_fused_bias(q, rank, g, io.a, io.b, bias, io.out)
+            let tf32 = eng.policy().tf32_conv;
+            cudnn_graph(eng)?.run_fused_bias_math(q, rank, g, io.a, io.b, bias, io.out, tf32)
         }
         ConvEngine::Igemm(tile, splits) => {
             let k = ConvKernels::get(q.device())?;

@@ -358,12 +358,13 @@ pub fn gemm_candidates(
         if let Some(lt) = eng.cublaslt_for(q) {
             // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
             let shape = lt_shape(op, align);
-            let count = lt.algo_count(&shape).map_or(0, |(n, _)| n);
+            let tf32 = eng.policy().tf32_matmul;
+            let count = lt.algo_count_math(&shape, tf32).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
             // Split-K variants of the first few, where the product leaves the device idle,
             // when the policy asks for them (off by default: see `Policy::lt_split_k`).
             let variants = match eng.policy().lt_split_k {
-                true => lt.split_k_variants(&shape).unwrap_or_default(),
+                true => lt.split_k_variants_math(&shape, tf32).unwrap_or_default(),
                 false => Vec::new(),
             };
             v.extend(
@@ -374,7 +375,7 @@ pub fn gemm_candidates(
             // Configurations found by search rather than the heuristic, when the policy asks
             // for them (off by default: see `Policy::lt_search`).
             let configs = match eng.policy().lt_search {
-                true => lt.search_configs(&shape).map_or(0, |c| c.len()),
+                true => lt.search_configs_math(&shape, tf32).map_or(0, |c| c.len()),
                 false => 0,
             };
             v.extend(
@@ -513,7 +514,8 @@ fn run_algo(
         })?;
         let shape = lt_shape(op, align);
         let (alpha, beta) = (op.alpha, op.beta);
-        let fused = lt.matmul(q, &shape, which, alpha, a, b, beta, c, vec)?;
+        let tf32 = eng.policy().tf32_matmul;
+        let fused = lt.matmul_math(q, &shape, tf32, which, alpha, a, b, beta, c, vec)?;
         if !fused {
             bgrad(q)?;
         }
@@ -521,8 +523,9 @@ fn run_algo(
     };
     match algo {
         GemmEngine::Cublas => {
-            eng.blas()?.gemm(
-                q, op.ta, op.tb, op.m, op.n, op.k, op.alpha, a, b, op.beta, c,
+            let tf32 = eng.policy().tf32_matmul;
+            eng.blas()?.gemm_math(
+                q, op.ta, op.tb, op.m, op.n, op.k, op.alpha, a, b, op.beta, c, tf32,
             )?;
             if let Some(bias) = bias {
                 nn.k.bias_act(q, c, bias, op.m, op.n, relu)?;

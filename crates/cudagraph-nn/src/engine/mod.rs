@@ -45,6 +45,11 @@
 //! cannot run an operation (a missing library, warp-K on a backward layout) falls back to the
 //! heuristic default over what can. [`Engines::set_policy`] does the same per device.
 //!
+//! **TF32 off by default.** [`Policy::tf32_matmul`] (`CUDAGRAPH_TF32_MATMUL=1`) lets cuBLAS and
+//! cuBLASLt use TF32 tensor cores, [`Policy::tf32_conv`] (`CUDAGRAPH_TF32_CONV=1`) lets cuDNN,
+//! like PyTorch's two `allow_tf32` switches; keys then end in `+tf32`, so a choice made with a
+//! switch on never serves a call with it off. Our kernels never use TF32.
+//!
 //! **Timed as they replay.** A candidate whose single eager run takes under 2 ms is timed in
 //! graphs: as a chain of runs captured in one graph (its cost inside a longer graph) and as a
 //! graph of one run replayed back to back (its cost as a graph of its own). It is ranked by the

@@ -1,12 +1,16 @@
 //! [`Policy`]: what the registry may choose from — the families forced by `CUDAGRAPH_GEMM`
 //! and `CUDAGRAPH_CONV`, libraries on or off, deterministic engines only unless
-//! `CUDAGRAPH_DETERMINISTIC=0`, cuBLASLt's opt-in split-K variants and searched configurations
+//! `CUDAGRAPH_DETERMINISTIC=0`, cuBLASLt's opt-in split-K variants and searched configurations,
+//! the two TF32 switches (`CUDAGRAPH_TF32_MATMUL`, `CUDAGRAPH_TF32_CONV`, both off by default)
 //! — and the part of a registry key that records its restrictions.
 
 use std::sync::OnceLock;
 
 use super::catalog::{ConvFamily, GemmFamily};
-use crate::env::{self, CONV_VAR, DETERMINISTIC_VAR, GEMM_VAR, LT_SEARCH_VAR, LT_SPLITK_VAR};
+use crate::env::{
+    self, CONV_VAR, DETERMINISTIC_VAR, GEMM_VAR, LT_SEARCH_VAR, LT_SPLITK_VAR, TF32_CONV_VAR,
+    TF32_MATMUL_VAR,
+};
 use crate::error::{NnError, Result};
 
 /// Parses a `CUDAGRAPH_GEMM` value.
@@ -32,6 +36,26 @@ pub fn parse_deterministic(v: &str) -> Result<bool> {
         true,
         "1 (only bit-reproducible engines, the default) or 0 (also cuDNN's non-deterministic \
          algorithms)",
+    )
+}
+
+/// Parses a `CUDAGRAPH_TF32_MATMUL` value (unset or empty: off).
+pub fn parse_tf32_matmul(v: &str) -> Result<bool> {
+    env::parse_switch(
+        TF32_MATMUL_VAR,
+        v,
+        false,
+        "1 (matrix products may use TF32 tensor cores) or 0 (full fp32, the default)",
+    )
+}
+
+/// Parses a `CUDAGRAPH_TF32_CONV` value (unset or empty: off).
+pub fn parse_tf32_conv(v: &str) -> Result<bool> {
+    env::parse_switch(
+        TF32_CONV_VAR,
+        v,
+        false,
+        "1 (convolutions may use TF32 tensor cores) or 0 (full fp32, the default)",
     )
 }
 
@@ -75,6 +99,15 @@ pub struct Policy {
     /// default `false`: the search adds to every first call's measurement and is measured
     /// first on the device, shown as `cublaslt:cN`).
     pub lt_search: bool,
+    /// Matrix products through cuBLAS and cuBLASLt may use TF32 tensor cores (10-bit
+    /// mantissa), like PyTorch's `torch.backends.cuda.matmul.allow_tf32`
+    /// (`CUDAGRAPH_TF32_MATMUL=1`; default `false`: f32 means f32, bit for bit as without the
+    /// switch). Our own kernels never use TF32; they stay candidates either way.
+    pub tf32_matmul: bool,
+    /// Convolutions through cuDNN may use TF32 tensor cores, like PyTorch's
+    /// `torch.backends.cudnn.allow_tf32` (`CUDAGRAPH_TF32_CONV=1`; default `false`; PyTorch's
+    /// default is `true`).
+    pub tf32_conv: bool,
 }
 
 impl Default for Policy {
@@ -87,13 +120,16 @@ impl Default for Policy {
             deterministic: true,
             lt_split_k: false,
             lt_search: false,
+            tf32_matmul: false,
+            tf32_conv: false,
         }
     }
 }
 
 impl Policy {
     /// The default policy with `CUDAGRAPH_GEMM`, `CUDAGRAPH_CONV`, `CUDAGRAPH_DETERMINISTIC`,
-    /// `CUDAGRAPH_LT_SPLITK` and `CUDAGRAPH_LT_SEARCH` applied (read once per process; an
+    /// `CUDAGRAPH_LT_SPLITK`, `CUDAGRAPH_LT_SEARCH`, `CUDAGRAPH_TF32_MATMUL` and
+    /// `CUDAGRAPH_TF32_CONV` applied (read once per process; an
     /// invalid value is an error every time).
     pub fn from_env() -> Result<Policy> {
         static ENV: OnceLock<std::result::Result<Policy, String>> = OnceLock::new();
@@ -115,10 +151,24 @@ impl Policy {
                     LT_SEARCH_VAR,
                     "1 (also measure cuBLASLt configurations found by search) or 0 (the default)",
                 )?,
+                tf32_matmul: parse_tf32_matmul(&get(TF32_MATMUL_VAR)).map_err(|e| e.to_string())?,
+                tf32_conv: parse_tf32_conv(&get(TF32_CONV_VAR)).map_err(|e| e.to_string())?,
                 ..Policy::default()
             })
         });
         parsed.clone().map_err(NnError::Config)
+    }
+
+    /// The TF32 switches as shown by `cudagraph inspect` and `cudagraph bench engines`, e.g.
+    /// `TF32 products off, convolutions off` (PyTorch's `torch.backends.cuda.matmul.allow_tf32`
+    /// and `torch.backends.cudnn.allow_tf32`).
+    pub fn tf32_summary(&self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        format!(
+            "TF32 products {}, convolutions {}",
+            on(self.tf32_matmul),
+            on(self.tf32_conv)
+        )
     }
 
     /// The part of a key that records this policy's restrictions for products
@@ -137,6 +187,10 @@ impl Policy {
         if self.lt_search {
             parts.push("+search".into());
         }
+        // A choice measured with TF32 allowed never serves a key without it (and vice versa).
+        if self.tf32_matmul {
+            parts.push("+tf32".into());
+        }
         scope(parts)
     }
 
@@ -151,6 +205,9 @@ impl Policy {
         }
         if !self.deterministic {
             parts.push("nondeterministic".into());
+        }
+        if self.tf32_conv {
+            parts.push("+tf32".into());
         }
         scope(parts)
     }
@@ -249,5 +306,49 @@ mod tests {
             p.gemm_scope(GemmFamily::Auto),
             " [-cublaslt,+splitk,+search]"
         );
+    }
+
+    #[test]
+    fn tf32_switches_parse_default_off_and_enter_the_keys() {
+        assert!(!parse_tf32_matmul("").unwrap());
+        assert!(parse_tf32_matmul("on").unwrap());
+        assert!(!parse_tf32_matmul("0").unwrap());
+        assert!(parse_tf32_conv(" TRUE ").unwrap());
+        assert!(!parse_tf32_conv("off").unwrap());
+        let e = parse_tf32_matmul("fast").unwrap_err().to_string();
+        assert!(
+            e.contains("CUDAGRAPH_TF32_MATMUL") && e.contains("\"fast\""),
+            "{e}"
+        );
+        let e = parse_tf32_conv("2").unwrap_err().to_string();
+        assert!(e.contains("CUDAGRAPH_TF32_CONV"), "{e}");
+        let p = Policy::default();
+        assert!(!p.tf32_matmul && !p.tf32_conv);
+        // Off: the keys are exactly as before the switches existed.
+        assert_eq!(p.gemm_scope(GemmFamily::Auto), "");
+        assert_eq!(p.conv_scope(), "");
+        let p = Policy {
+            tf32_matmul: true,
+            ..Policy::default()
+        };
+        assert_eq!(p.gemm_scope(GemmFamily::Auto), " [+tf32]");
+        assert_eq!(p.gemm_scope(GemmFamily::Cublas), " [cublas,+tf32]");
+        assert_eq!(
+            p.conv_scope(),
+            "",
+            "the products' switch leaves convolutions alone"
+        );
+        let p = Policy {
+            tf32_conv: true,
+            deterministic: false,
+            ..Policy::default()
+        };
+        assert_eq!(p.conv_scope(), " [nondeterministic,+tf32]");
+        assert_eq!(p.tf32_summary(), "TF32 products off, convolutions on");
+        assert_eq!(
+            Policy::default().tf32_summary(),
+            "TF32 products off, convolutions off"
+        );
+        assert_eq!(p.gemm_scope(GemmFamily::Auto), "");
     }
 }

@@ -17,7 +17,10 @@ use serde::{Deserialize, Serialize};
 /// `CUDAGRAPH_LT_SEARCH=1` may record cuBLASLt's searched configurations, `cublaslt:cN`, which
 /// a reader of format 5 cannot parse; 7: products also measure our register-blocked kernel,
 /// `reg:S`, which choices measured before never saw; 8: products of few rows measure our
-/// column-warp kernels, `colsRxCwW:KS`, instead of the 8- and 4-row kernels).
+/// column-warp kernels, `colsRxCwW:KS`, instead of the 8- and 4-row kernels). The TF32
+/// switches needed no new format: a choice made with one on has its own key (ending in
+/// `+tf32`, [`Policy::gemm_scope`](super::Policy::gemm_scope)), and keys without it are
+/// unchanged and mean what they meant.
 pub(super) const FORMAT: u32 = 8;
 
 /// One candidate's measurement.

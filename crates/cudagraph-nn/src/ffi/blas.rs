@@ -132,7 +132,8 @@ impl Blas {
             }),
             "cublasCreate",
         )?;
-        // Full fp32 (no TF32), to match PyTorch with TF32 off and our CPU references.
+        // Full fp32 (no TF32), to match PyTorch with TF32 off and our CPU references; each
+        // product sets the mode it was asked for ([`Blas::gemm_math`]).
         // SAFETY: h is a live handle.
         check(
             unsafe { sys::cublasSetMathMode(h, sys::cublasMath_t::CUBLAS_DEFAULT_MATH) },
@@ -148,7 +149,8 @@ impl Blas {
         })
     }
 
-    /// Row-major `C[m×n] = alpha · op(A) · op(B) + beta · C`, where op(A) is m×k and op(B) k×n.
+    /// Row-major `C[m×n] = alpha · op(A) · op(B) + beta · C`, where op(A) is m×k and op(B) k×n,
+    /// in full fp32 (no TF32).
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
@@ -163,6 +165,28 @@ impl Blas {
         b: &DeviceBuffer<f32>,
         beta: f32,
         c: &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        self.gemm_math(q, ta, tb, m, n, k, alpha, a, b, beta, c, false)
+    }
+
+    /// As [`Blas::gemm`], with TF32 tensor cores allowed when `tf32`
+    /// (`CUBLAS_TF32_TENSOR_OP_MATH`; otherwise `CUBLAS_DEFAULT_MATH`, full fp32). The handle's
+    /// math mode is set on every call, under the handle's lock.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_math(
+        &self,
+        q: &dyn Queue,
+        ta: Trans,
+        tb: Trans,
+        m: usize,
+        n: usize,
+        k: usize,
+        alpha: f32,
+        a: &DeviceBuffer<f32>,
+        b: &DeviceBuffer<f32>,
+        beta: f32,
+        c: &DeviceBuffer<f32>,
+        tf32: bool,
     ) -> Result<()> {
         let dims = GemmDims {
             m,
@@ -219,12 +243,18 @@ impl Blas {
         block_on_device(self.ctx.ordinal(), "cuBLAS workspace", &ws)?;
         q.use_block(&ws);
         let h = st.handle.0;
+        let math = if tf32 {
+            sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
         // SAFETY: h is live; the stream and workspace are live device objects (the workspace is
         // kept by `self` and, inside a capture, by the graph); the handle, A, B, C and the
         // workspace belong to the queue's device (checked above); A, B and C hold m·k, k·n and
         // m·n elements (checked above), which with these leading dimensions is every element
         // cuBLAS touches; alpha/beta are read before the call returns.
         unsafe {
+            check(sys::cublasSetMathMode(h, math), "cublasSetMathMode")?;
             check(
                 sys::cublasSetStream_v2(h, stream.raw() as sys::cudaStream_t),
                 "cublasSetStream",

@@ -9,7 +9,8 @@
 //!
 //! One handle per device (in the device's [`super::libraries::Libraries`], holding its
 //! `Context`), its stream set on every call. Math type `CUDNN_FMA_MATH` (no TF32, like PyTorch
-//! with `allow_tf32 = False`). The workspace of every call comes from the caller's queue
+//! with `allow_tf32 = False`), or `CUDNN_DEFAULT_MATH` where the caller allows TF32 (the
+//! `*_math` methods' `tf32`, [`crate::engine::Policy::tf32_conv`]; separate descriptors). The workspace of every call comes from the caller's queue
 //! (`QueueExt::alloc`): inside a capture it is taken from the graph's pool. Which algorithm
 //! runs is the engine registry's choice ([`crate::engine`]); this module lists the candidates
 //! (`cudnnGetConvolution*Algorithm_v7`, heuristic order) and runs the chosen one.
@@ -33,6 +34,7 @@ const FLOAT: u32 = cs::cudnnDataType_t::CUDNN_DATA_FLOAT as u32;
 const CROSS_CORRELATION: u32 = cs::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION as u32;
 const DEFAULT_MATH: u32 = cs::cudnnMathType_t::CUDNN_DEFAULT_MATH as u32;
 const FMA_MATH: u32 = cs::cudnnMathType_t::CUDNN_FMA_MATH as u32;
+const TENSOR_OP_MATH: u32 = cs::cudnnMathType_t::CUDNN_TENSOR_OP_MATH as u32;
 const DETERMINISTIC: u32 = cs::cudnnDeterminism_t::CUDNN_DETERMINISTIC as u32;
 
 /// `cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t` (the three share one layout), with raw
@@ -277,7 +279,8 @@ impl Drop for Plan {
 
 struct State {
     handle: Ptr,
-    plans: HashMap<[usize; 9], Plan>,
+    /// Descriptors per geometry and TF32 allowance.
+    plans: HashMap<([usize; 9], bool), Plan>,
 }
 
 // SAFETY: the handle and descriptors are plain cuDNN objects, usable from any thread one call at
@@ -362,15 +365,15 @@ impl Cudnn {
     }
 
     /// The descriptors of `g`, created on first use.
-    fn plan<'s>(&self, st: &'s mut State, g: &ConvGeom) -> Result<&'s mut Plan> {
+    fn plan<'s>(&self, st: &'s mut State, g: &ConvGeom, tf32: bool) -> Result<&'s mut Plan> {
         if !supports(g) {
             return Err(NnError::Shape(format!(
                 "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
             )));
         }
-        Ok(match st.plans.entry(key(g)) {
+        Ok(match st.plans.entry((key(g), tf32)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_plan(self.api, g)?),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_plan(self.api, g, tf32)?),
         })
     }
 
@@ -393,10 +396,24 @@ impl Cudnn {
         deterministic: bool,
         max_workspace: usize,
     ) -> Result<Vec<AlgoInfo>> {
+        self.algos_math(dir, g, deterministic, max_workspace, false)
+    }
+
+    /// As [`Cudnn::algos`]; with `tf32`, of the descriptors that allow TF32 tensor cores
+    /// (`CUDNN_DEFAULT_MATH`), also the algorithms that use them (never those that convert
+    /// to half precision).
+    pub fn algos_math(
+        &self,
+        dir: ConvDir,
+        g: &ConvGeom,
+        deterministic: bool,
+        max_workspace: usize,
+        tf32: bool,
+    ) -> Result<Vec<AlgoInfo>> {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let p = self.plan(&mut st, g)?;
+        let p = self.plan(&mut st, g, tf32)?;
         let d = index(dir);
         if p.algos[d].is_none() {
             let (d1, d2, d3) = Self::descs(p, dir);
@@ -413,7 +430,9 @@ impl Cudnn {
             let got = (got.max(0) as usize).min(perf.len());
             let mut list: Vec<AlgoInfo> = Vec::new();
             for r in &perf[..got] {
-                let fma = r.math_type == FMA_MATH || r.math_type == DEFAULT_MATH;
+                let fma = r.math_type == FMA_MATH
+                    || r.math_type == DEFAULT_MATH
+                    || (tf32 && r.math_type == TENSOR_OP_MATH);
                 if r.status == SUCCESS && fma && !list.iter().any(|a| a.algo == r.algo) {
                     list.push(AlgoInfo {
                         algo: r.algo,
@@ -447,6 +466,23 @@ impl Cudnn {
         b: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
     ) -> Result<()> {
+        self.run_math(q, dir, algo, g, a, b, out, false)
+    }
+
+    /// As [`Cudnn::run`], with the descriptors that allow TF32 tensor cores when `tf32` (an
+    /// algorithm of [`Cudnn::algos_math`] with the same `tf32`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_math(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        algo: u32,
+        g: &ConvGeom,
+        a: &DeviceBuffer<f32>,
+        b: &DeviceBuffer<f32>,
+        out: &DeviceBuffer<f32>,
+        tf32: bool,
+    ) -> Result<()> {
         // (ptr1, ptr2, ptr3) in cuDNN's argument order, after checking each extent.
         let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
         // The handle, the buffers and (below) the workspace are all the queue's device's.
@@ -460,7 +496,7 @@ impl Cudnn {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let p = self.plan(&mut st, g)?;
+        let p = self.plan(&mut st, g, tf32)?;
         let d = index(dir);
         let (d1, d2, d3) = Self::descs(p, dir);
         let ws_bytes = match p.workspace.get(&(d, algo)) {
@@ -550,7 +586,7 @@ impl Cudnn {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let p = self.plan(&mut st, g)?;
+        let p = self.plan(&mut st, g, false)?;
         q.use_block(bias.block());
         q.use_block(y.block());
         let one = 1.0f32;
@@ -578,8 +614,8 @@ impl Cudnn {
     }
 }
 
-/// The descriptors of `g` (no handle needed).
-fn new_plan(a: &'static Api, g: &ConvGeom) -> Result<Plan> {
+/// The descriptors of `g` (no handle needed); TF32 allowed only when `tf32`.
+fn new_plan(a: &'static Api, g: &ConvGeom, tf32: bool) -> Result<Plan> {
     let chk = |st, call| check(a, st, call);
     let (oh, ow) = g.out_hw()?;
     let mut p = Plan {
@@ -626,9 +662,11 @@ fn new_plan(a: &'static Api, g: &ConvGeom) -> Result<Plan> {
             (a.set_conv_2d)(p.conv, pad, pad, s, s, 1, 1, CROSS_CORRELATION, FLOAT),
             "cudnnSetConvolution2dDescriptor",
         )?;
-        // No TF32: only FMA kernels.
+        // No TF32 (only FMA kernels) unless allowed: then cuDNN's default, which for fp32
+        // data lets it use TF32 tensor cores.
+        let math = if tf32 { DEFAULT_MATH } else { FMA_MATH };
         chk(
-            (a.set_conv_math)(p.conv, FMA_MATH),
+            (a.set_conv_math)(p.conv, math),
             "cudnnSetConvolutionMathType",
         )?;
         let (mut dn, mut dc, mut dh, mut dw) = (0, 0, 0, 0);
@@ -712,11 +750,11 @@ mod tests {
             g(1, 16, 17, 17, 33, 5, 5, 2, 0),
             g(2, 5, 6, 7, 3, 2, 3, 1, 0),
         ] {
-            let p = new_plan(api, &geom).unwrap();
+            let p = new_plan(api, &geom, false).unwrap();
             assert!(!p.x.is_null() && !p.w.is_null() && !p.y.is_null() && !p.conv.is_null());
         }
         // A geometry cuDNN cannot describe is an error, not a crash.
-        assert!(new_plan(api, &g(1, 1, 2, 2, 1, 3, 3, 1, 0)).is_err());
+        assert!(new_plan(api, &g(1, 1, 2, 2, 1, 3, 3, 1, 0), false).is_err());
     }
 
     #[test]

@@ -10,6 +10,8 @@ use super::super::loader::{lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCES
 
 pub(super) const R_32F: u32 = ls::cudaDataType_t::CUDA_R_32F as u32;
 pub(super) const COMPUTE_32F: u32 = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F as u32;
+pub(super) const COMPUTE_32F_FAST_TF32: u32 =
+    ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32 as u32;
 pub(super) const DESC_TRANSA: u32 =
     ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA as u32;
 pub(super) const DESC_TRANSB: u32 =

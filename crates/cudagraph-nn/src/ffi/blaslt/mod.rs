@@ -5,7 +5,9 @@
 //! As for cuDNN ([`crate::ffi::cudnn`]), cudarc's `cublaslt` feature loads the library and this
 //! module looks up each function with its C signature and raw integer status codes, all before
 //! the first call (a missing symbol means "cuBLASLt unavailable", never a panic). Compute type
-//! `CUBLAS_COMPUTE_32F` (no TF32). One handle per device; each call allocates the workspace its
+//! `CUBLAS_COMPUTE_32F` (no TF32), or `CUBLAS_COMPUTE_32F_FAST_TF32` where the caller allows
+//! TF32 (the `*_math` methods' `tf32`; [`crate::engine::Policy::tf32_matmul`]), each with its
+//! own plans. One handle per device; each call allocates the workspace its
 //! algorithm asks for (none for most) from the queue, so inside a capture it comes from the
 //! graph's pool and graphs never share one (unlike cuBLAS's per-stream workspace in
 //! [`crate::ffi::blas`]); algorithms are offered up to [`workspace_for`] bytes. For each
@@ -150,6 +152,8 @@ struct Plan {
     search: Option<Vec<SearchConfig>>,
     /// Whether the bias gradient is fused (`BGRADB`); otherwise the caller reduces it.
     fused_bgrad: bool,
+    /// The descriptor's compute type (`COMPUTE_32F`, or `COMPUTE_32F_FAST_TF32` with TF32).
+    compute: u32,
 }
 
 /// A heuristic algorithm with its K split `split` ways, as `cublasLtMatmulAlgoCheck` accepted
@@ -180,7 +184,8 @@ impl Drop for Plan {
 
 struct State {
     handle: Ptr,
-    plans: HashMap<LtShape, Plan>,
+    /// Plans per shape and TF32 allowance.
+    plans: HashMap<(LtShape, bool), Plan>,
 }
 
 // SAFETY: the handle and descriptors are plain cuBLASLt objects usable from any thread one call
@@ -220,10 +225,10 @@ fn set_attr(api: &Api, desc: Ptr, attr: u32, v: &[u8]) -> Result<()> {
     )
 }
 
-/// The descriptor (fp32 compute, no TF32) and the three layouts of a row-major product, as
+/// The descriptor (fp32 compute; TF32 tensor cores allowed only when `tf32`) and the three layouts of a row-major product, as
 /// cuBLASLt's column-major view of it: Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ, so our B is cuBLASLt's A and
 /// our A its B (as in `ffi::blas`). No handle is needed; the plan has no algorithms yet.
-fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
+fn describe_shape(a: &'static Api, s: &LtShape, tf32: bool) -> Result<Plan> {
     let dim = |v: usize| {
         i64::try_from(v)
             .ok()
@@ -241,6 +246,11 @@ fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
         split_k: None,
         search: None,
         fused_bgrad: false,
+        compute: if tf32 {
+            COMPUTE_32F_FAST_TF32
+        } else {
+            COMPUTE_32F
+        },
     };
     let (la_rows, la_cols) = if s.tb == Trans::N { (n, k) } else { (k, n) };
     let (lb_rows, lb_cols) = if s.ta == Trans::N { (k, m) } else { (m, k) };
@@ -250,7 +260,7 @@ fn describe_shape(a: &'static Api, s: &LtShape) -> Result<Plan> {
     unsafe {
         check(
             a,
-            (a.desc_create)(&mut p.desc, COMPUTE_32F, R_32F),
+            (a.desc_create)(&mut p.desc, p.compute, R_32F),
             "cublasLtMatmulDescCreate",
         )?;
         check(
@@ -337,8 +347,8 @@ impl BlasLt {
     }
 
     /// Descriptors of `s` and cuBLASLt's heuristic algorithms for them.
-    fn new_plan(&self, handle: Ptr, s: &LtShape) -> Result<Plan> {
-        let mut p = describe_shape(self.api, s)?;
+    fn new_plan(&self, handle: Ptr, s: &LtShape, tf32: bool) -> Result<Plan> {
+        let mut p = describe_shape(self.api, s, tf32)?;
         let wanted = match s.epilogue {
             Epilogue::None => EPI_DEFAULT,
             Epilogue::Bias => EPI_BIAS,
@@ -415,24 +425,32 @@ impl BlasLt {
     fn with_plan<R>(
         &self,
         s: &LtShape,
+        tf32: bool,
         which: LtAlgo,
         f: impl FnOnce(Ptr, &Plan) -> Result<R>,
     ) -> Result<R> {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let plan = match st.plans.entry(*s) {
+        let plan = match st.plans.entry((*s, tf32)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.new_plan(handle, s)?),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(self.new_plan(handle, s, tf32)?)
+            }
         };
         self.prepare(handle, plan, s, which);
         f(handle, plan)
     }
 
     /// How many heuristic algorithms cuBLASLt offers for `s` (0: none; use another engine),
-    /// and whether the bias gradient is fused.
+    /// and whether the bias gradient is fused (full fp32).
     pub fn algo_count(&self, s: &LtShape) -> Result<(usize, bool)> {
-        self.with_plan(s, LtAlgo::Rank(0), |_, p| {
+        self.algo_count_math(s, false)
+    }
+
+    /// As [`BlasLt::algo_count`], for the plan with TF32 allowed when `tf32`.
+    pub fn algo_count_math(&self, s: &LtShape, tf32: bool) -> Result<(usize, bool)> {
+        self.with_plan(s, tf32, LtAlgo::Rank(0), |_, p| {
             Ok((p.algos.len(), p.fused_bgrad))
         })
     }
@@ -441,8 +459,13 @@ impl BlasLt {
     /// made on the first call for the shape (empty when no algorithm is under-occupied or the
     /// library cannot make them).
     pub fn split_k_variants(&self, s: &LtShape) -> Result<Vec<(u8, u8)>> {
+        self.split_k_variants_math(s, false)
+    }
+
+    /// As [`BlasLt::split_k_variants`], for the plan with TF32 allowed when `tf32`.
+    pub fn split_k_variants_math(&self, s: &LtShape, tf32: bool) -> Result<Vec<(u8, u8)>> {
         let which = LtAlgo::SplitK { rank: 0, split: 0 };
-        self.with_plan(s, which, |_, p| {
+        self.with_plan(s, tf32, which, |_, p| {
             Ok(p.split_k
                 .iter()
                 .flatten()
@@ -455,7 +478,12 @@ impl BlasLt {
     /// call for the shape; [`LtAlgo::Config`] indexes this list (empty when the library cannot
     /// search or nothing passed the check).
     pub fn search_configs(&self, s: &LtShape) -> Result<Vec<LtConfig>> {
-        self.with_plan(s, LtAlgo::Config(0), |_, p| {
+        self.search_configs_math(s, false)
+    }
+
+    /// As [`BlasLt::search_configs`], for the plan with TF32 allowed when `tf32`.
+    pub fn search_configs_math(&self, s: &LtShape, tf32: bool) -> Result<Vec<LtConfig>> {
+        self.with_plan(s, tf32, LtAlgo::Config(0), |_, p| {
             Ok(p.search.iter().flatten().map(|c| c.info).collect())
         })
     }
@@ -466,12 +494,31 @@ impl BlasLt {
     /// [`BlasLt::search_configs`]); any other is an error and nothing runs. `bias` is the bias of
     /// `Bias`/`BiasRelu` (length n) or the output of `BiasGrad` (length m, the rows of op(A)).
     /// Returns whether the bias gradient was computed (with `BiasGrad`, `false` means the
-    /// caller must reduce it).
+    /// caller must reduce it). Full fp32; [`BlasLt::matmul_math`] may allow TF32.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
         q: &dyn Queue,
         s: &LtShape,
+        which: LtAlgo,
+        alpha: f32,
+        a: &DeviceBuffer<f32>,
+        b: &DeviceBuffer<f32>,
+        beta: f32,
+        c: &DeviceBuffer<f32>,
+        bias: Option<&DeviceBuffer<f32>>,
+    ) -> Result<bool> {
+        self.matmul_math(q, s, false, which, alpha, a, b, beta, c, bias)
+    }
+
+    /// As [`BlasLt::matmul`], with the plan that allows TF32 tensor cores when `tf32`
+    /// (`CUBLAS_COMPUTE_32F_FAST_TF32`; its algorithm ranks are that plan's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_math(
+        &self,
+        q: &dyn Queue,
+        s: &LtShape,
+        tf32: bool,
         which: LtAlgo,
         alpha: f32,
         a: &DeviceBuffer<f32>,
@@ -534,7 +581,7 @@ impl BlasLt {
             )));
         }
         let stream = q.stream_handle();
-        self.with_plan(s, which, |handle, p| {
+        self.with_plan(s, tf32, which, |handle, p| {
             let algo = match which {
                 LtAlgo::Rank(rank) => p.algos.get(rank).ok_or_else(|| NnError::Library {
                     library: "cuBLASLt",
@@ -716,7 +763,9 @@ mod tests {
                 epilogue: Epilogue::Bias,
                 align: 16,
             };
-            let p = describe_shape(api, &s).unwrap();
+            let p = describe_shape(api, &s, false).unwrap();
+            let t = describe_shape(api, &s, true).unwrap();
+            assert_eq!((p.compute, t.compute), (COMPUTE_32F, COMPUTE_32F_FAST_TF32));
             for e in [EPI_DEFAULT, EPI_BIAS, EPI_RELU_BIAS, EPI_BGRADB] {
                 set_attr(api, p.desc, DESC_EPILOGUE, &e.to_ne_bytes()).unwrap();
             }
@@ -737,6 +786,7 @@ mod tests {
                 epilogue: Epilogue::None,
                 align: 256,
             },
+            false,
         )
         .unwrap();
         assert!(set_attr(api, p.desc, DESC_EPILOGUE, &[1u8]).is_err());
@@ -750,7 +800,7 @@ mod tests {
             epilogue: Epilogue::None,
             align: 256,
         };
-        assert!(describe_shape(api, &empty).is_err());
+        assert!(describe_shape(api, &empty, false).is_err());
     }
 
     /// The attribute and scheme numbers split-K variants use are the cuBLASLt 12/13 header's

@@ -285,7 +285,7 @@ impl BlasLt {
         let st = unsafe {
             (search.get_ids)(
                 handle,
-                COMPUTE_32F,
+                p.compute,
                 R_32F,
                 R_32F,
                 R_32F,
@@ -319,15 +319,7 @@ impl BlasLt {
             // SAFETY: as above; `algo` is a whole writable cublasLtMatmulAlgo_t.
             let st = unsafe {
                 (search.init)(
-                    handle,
-                    COMPUTE_32F,
-                    R_32F,
-                    R_32F,
-                    R_32F,
-                    R_32F,
-                    R_32F,
-                    id,
-                    &mut algo,
+                    handle, p.compute, R_32F, R_32F, R_32F, R_32F, R_32F, id, &mut algo,
                 )
             };
             if st != SUCCESS {

@@ -107,8 +107,8 @@ impl Candidate {
 
 struct State {
     handle: Ptr,
-    /// Built sets, or why a key has none.
-    sets: HashMap<SetKey, std::result::Result<Set, String>>,
+    /// Built sets per key and TF32 allowance, or why a key has none.
+    sets: HashMap<(SetKey, bool), std::result::Result<Set, String>>,
 }
 
 // SAFETY: the handle and descriptors are plain cuDNN objects, usable from any thread one call at
@@ -162,8 +162,9 @@ impl CudnnGraph {
         })
     }
 
-    /// The set of (dir, g, bias fused or not, align), built now when missing and `may_build`
+    /// The set of (dir, g, bias fused or not, align, TF32 allowed or not), built now when missing and `may_build`
     /// (never inside a capture: finalizing may compile, allocate or synchronise).
+    #[allow(clippy::too_many_arguments)]
     fn set<'s>(
         &self,
         st: &'s mut State,
@@ -171,15 +172,17 @@ impl CudnnGraph {
         g: &ConvGeom,
         bias: bool,
         align: u32,
+        tf32: bool,
         may_build: bool,
     ) -> Option<&'s mut std::result::Result<Set, String>> {
-        let key = set_key(dir, g, bias, align);
+        let key = (set_key(dir, g, bias, align), tf32);
         if !st.sets.contains_key(&key) {
             if !may_build {
                 return None;
             }
             let handle = st.handle;
-            let built = with_relaxed_capture(|| build_set(self.api, handle, dir, g, bias, align));
+            let built =
+                with_relaxed_capture(|| build_set(self.api, handle, dir, g, bias, align, tf32));
             st.sets.insert(key, built.map_err(|e| e.to_string()));
         }
         st.sets.get_mut(&key)
@@ -197,7 +200,21 @@ impl CudnnGraph {
         deterministic: bool,
         max_workspace: usize,
     ) -> Result<Vec<Candidate>> {
-        self.list(q, dir, g, false, deterministic, max_workspace)
+        self.candidates_math(q, dir, g, deterministic, max_workspace, false)
+    }
+
+    /// As [`CudnnGraph::candidates`]; with `tf32`, from the list that also admits TF32
+    /// tensor-core engines ([`crate::engine::Policy::tf32_conv`]; its ranks are its own).
+    pub fn candidates_math(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        g: &ConvGeom,
+        deterministic: bool,
+        max_workspace: usize,
+        tf32: bool,
+    ) -> Result<Vec<Candidate>> {
+        self.list(q, dir, g, false, deterministic, max_workspace, tf32)
     }
 
     /// The candidate configurations of the forward convolution of `g` with its bias fused
@@ -210,9 +227,30 @@ impl CudnnGraph {
         deterministic: bool,
         max_workspace: usize,
     ) -> Result<Vec<Candidate>> {
-        self.list(q, ConvDir::Forward, g, true, deterministic, max_workspace)
+        self.fused_bias_candidates_math(q, g, deterministic, max_workspace, false)
     }
 
+    /// As [`CudnnGraph::fused_bias_candidates`], admitting TF32 engines when `tf32`.
+    pub fn fused_bias_candidates_math(
+        &self,
+        q: &dyn Queue,
+        g: &ConvGeom,
+        deterministic: bool,
+        max_workspace: usize,
+        tf32: bool,
+    ) -> Result<Vec<Candidate>> {
+        self.list(
+            q,
+            ConvDir::Forward,
+            g,
+            true,
+            deterministic,
+            max_workspace,
+            tf32,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn list(
         &self,
         q: &dyn Queue,
@@ -221,13 +259,14 @@ impl CudnnGraph {
         bias: bool,
         deterministic: bool,
         max_workspace: usize,
+        tf32: bool,
     ) -> Result<Vec<Candidate>> {
         if !crate::ffi::cudnn::supports(g) || (bias && dir != ConvDir::Forward) {
             return Ok(Vec::new());
         }
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match self.set(&mut st, dir, g, bias, LIST_ALIGN, !q.is_capturing()) {
+        match self.set(&mut st, dir, g, bias, LIST_ALIGN, tf32, !q.is_capturing()) {
             None => Ok(Vec::new()),
             Some(Ok(set)) => Ok(set.candidates(deterministic, max_workspace)),
             Some(Err(why)) => Err(NnError::Library {
@@ -252,7 +291,7 @@ impl CudnnGraph {
 
     fn describe_set(&self, dir: ConvDir, g: &ConvGeom, bias: bool, rank: u8) -> Option<Candidate> {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        match st.sets.get(&set_key(dir, g, bias, LIST_ALIGN))? {
+        match st.sets.get(&(set_key(dir, g, bias, LIST_ALIGN), false))? {
             Ok(set) => set.candidate(rank),
             Err(_) => None,
         }
@@ -263,7 +302,7 @@ impl CudnnGraph {
     /// not be built; `None` before it was listed (for reports and device-test diagnostics).
     pub fn fused_bias_report(&self, g: &ConvGeom) -> Option<String> {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let key = set_key(ConvDir::Forward, g, true, LIST_ALIGN);
+        let key = (set_key(ConvDir::Forward, g, true, LIST_ALIGN), false);
         let name = set_name(ConvDir::Forward, g, true, LIST_ALIGN);
         Some(match st.sets.get(&key)? {
             Err(why) => format!("{name}: no operation graph: {why}"),
@@ -287,7 +326,23 @@ impl CudnnGraph {
         b: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
     ) -> Result<()> {
-        self.execute(q, dir, rank, g, (a, b, out), None)
+        self.execute(q, dir, rank, g, (a, b, out), None, false)
+    }
+
+    /// As [`CudnnGraph::run`], with a rank of [`CudnnGraph::candidates_math`]'s list for `tf32`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_math(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        rank: u8,
+        g: &ConvGeom,
+        a: &DeviceBuffer<f32>,
+        b: &DeviceBuffer<f32>,
+        out: &DeviceBuffer<f32>,
+        tf32: bool,
+    ) -> Result<()> {
+        self.execute(q, dir, rank, g, (a, b, out), None, tf32)
     }
 
     /// Runs the fused configuration of rank `rank`: `y = conv(x, w) + bias` in one cuDNN
@@ -304,9 +359,27 @@ impl CudnnGraph {
         bias: &DeviceBuffer<f32>,
         y: &DeviceBuffer<f32>,
     ) -> Result<()> {
-        self.execute(q, ConvDir::Forward, rank, g, (x, w, y), Some(bias))
+        self.run_fused_bias_math(q, rank, g, x, w, bias, y, false)
     }
 
+    /// As [`CudnnGraph::run_fused_bias`], with a rank of
+    /// [`CudnnGraph::fused_bias_candidates_math`]'s list for `tf32`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fused_bias_math(
+        &self,
+        q: &dyn Queue,
+        rank: u8,
+        g: &ConvGeom,
+        x: &DeviceBuffer<f32>,
+        w: &DeviceBuffer<f32>,
+        bias: &DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+        tf32: bool,
+    ) -> Result<()> {
+        self.execute(q, ConvDir::Forward, rank, g, (x, w, y), Some(bias), tf32)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn execute(
         &self,
         q: &dyn Queue,
@@ -315,6 +388,7 @@ impl CudnnGraph {
         g: &ConvGeom,
         (a, b, out): (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<f32>),
         bias: Option<&DeviceBuffer<f32>>,
+        tf32: bool,
     ) -> Result<()> {
         if !crate::ffi::cudnn::supports(g) {
             return Err(NnError::Shape(format!(
@@ -336,7 +410,7 @@ impl CudnnGraph {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let set = match self.set(&mut st, dir, g, fused, align, !capturing) {
+        let set = match self.set(&mut st, dir, g, fused, align, tf32, !capturing) {
             Some(Ok(set)) => set,
             Some(Err(why)) => {
                 return Err(NnError::Library {
@@ -483,10 +557,20 @@ mod tests {
             info(17, &[(25, 0)], &[5, 6]),     // Winograd: kept
             info(1, &[(2, 6), (3, 0)], &[]),   // duplicate
         ];
-        assert_eq!(select(&infos), vec![1, 2, 3, 5, 6]);
+        assert_eq!(select(&infos, false), vec![1, 2, 3, 5, 6]);
+        // With TF32 allowed the tensor-core engine is kept too (first, in heuristic order).
+        assert_eq!(select(&infos, true), vec![0, 1, 2, 3, 5, 6]);
+        // Never down-converted inputs or reduced-precision reductions, TF32 or not.
+        let lossy = vec![
+            info(2, &[], &[0, 1]),
+            info(3, &[], &[2]),
+            info(4, &[], &[0]),
+        ];
+        assert_eq!(select(&lossy, true), vec![2]);
+        assert!(select(&lossy, false).is_empty());
         // At most 256 (ranks are u8).
         let many: Vec<ConfigInfo> = (0..400).map(|e| info(e, &[], &[])).collect();
-        assert_eq!(select(&many).len(), 256);
+        assert_eq!(select(&many, false).len(), 256);
         assert_eq!(tag(20, &[(2, 6), (3, 0)]), "eng20 k2=6 k3=0");
         assert_eq!(tag(0, &[]), "eng0");
     }

@@ -32,6 +32,21 @@ pub(super) fn fp32_fma(notes: &[i32]) -> bool {
     })
 }
 
+/// Whether an engine with these numerical notes may run when TF32 is allowed (`tf32`,
+/// [`crate::engine::Policy::tf32_conv`]) or not: plain fp32 ([`fp32_fma`]), or, with `tf32`,
+/// also tensor cores (TF32 for fp32 data) — never down-converted inputs or a
+/// reduced-precision reduction.
+pub(super) fn admitted(notes: &[i32], tf32: bool) -> bool {
+    fp32_fma(notes)
+        || (tf32
+            && !notes.iter().any(|&n| {
+                matches!(
+                    n,
+                    NOTE_DOWN_CONVERT_INPUTS | NOTE_REDUCED_PRECISION_REDUCTION
+                )
+            }))
+}
+
 pub(super) fn nondeterministic(notes: &[i32]) -> bool {
     notes.contains(&NOTE_NONDETERMINISTIC)
 }
@@ -45,14 +60,15 @@ pub(super) fn tag(engine: i64, knobs: &[(i32, i64)]) -> String {
     s
 }
 
-/// The configurations kept, as indices into `infos` (heuristic order): plain fp32 only, the
-/// first of each (engine, knobs), at most 256 (ranks are `u8`).
-pub(super) fn select(infos: &[ConfigInfo]) -> Vec<usize> {
+/// The configurations kept, as indices into `infos` (heuristic order): plain fp32 only (with
+/// `tf32`, also TF32 tensor cores: [`admitted`]), the first of each (engine, knobs), at most
+/// 256 (ranks are `u8`).
+pub(super) fn select(infos: &[ConfigInfo], tf32: bool) -> Vec<usize> {
     let mut seen = std::collections::HashSet::new();
     infos
         .iter()
         .enumerate()
-        .filter(|(_, c)| fp32_fma(&c.notes))
+        .filter(|(_, c)| admitted(&c.notes, tf32))
         .filter(|(_, c)| seen.insert((c.engine, c.knobs.clone())))
         .map(|(i, _)| i)
         .take(u8::MAX as usize + 1)
@@ -390,6 +406,7 @@ pub(super) fn build_set(
     g: &ConvGeom,
     bias: bool,
     align: u32,
+    tf32: bool,
 ) -> Result<Set> {
     let (mut tensors, conv, op) = build_op(api, dir, g, align, bias)?;
     let mut ops = vec![op];
@@ -436,14 +453,14 @@ pub(super) fn build_set(
         heuristics.push(he);
     }
     let infos: Vec<ConfigInfo> = found.iter().map(|(i, _)| i.clone()).collect();
-    let keep = select(&infos);
+    let keep = select(&infos, tf32);
     let listed = infos
         .iter()
         .enumerate()
         .map(|(i, c)| {
             let fate = match keep.iter().position(|&k| k == i) {
                 Some(rank) => format!("rank {rank}"),
-                None if !fp32_fma(&c.notes) => "dropped (not plain fp32)".to_string(),
+                None if !admitted(&c.notes, tf32) => "dropped (not plain fp32)".to_string(),
                 None => "dropped (repeated)".to_string(),
             };
             format!(
