@@ -8,6 +8,7 @@ use std::path::PathBuf;
 /// Result alias for the NN layer.
 pub type Result<T, E = NnError> = std::result::Result<T, E>;
 
+/// Every error of the NN layer; [`Result`]'s default error type.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum NnError {
@@ -19,7 +20,12 @@ pub enum NnError {
     Shape(String),
     /// A cuBLAS call failed.
     #[error("{call} failed: {status}")]
-    Cublas { call: &'static str, status: String },
+    Cublas {
+        /// The cuBLAS function that failed, e.g. `cublasSgemm_v2`.
+        call: &'static str,
+        /// The `cublasStatus_t` it returned, as text.
+        status: String,
+    },
     /// `backward` was called on something that is not a scalar.
     #[error("backward() needs a scalar (one-element) tensor, got shape {0:?}")]
     NotScalar(Vec<usize>),
@@ -28,15 +34,21 @@ pub enum NnError {
     /// through a graph that an earlier backward already freed.
     #[error("{call} called out of order: {problem}. To fix: {fix}")]
     OutOfOrder {
+        /// The method called out of order.
         call: &'static str,
+        /// What state made the call invalid.
         problem: &'static str,
+        /// What the caller should do instead.
         fix: &'static str,
     },
     /// A call into a CUDA library loaded at run time (cuDNN, cuBLASLt) failed.
     #[error("{library}: {call} failed: {status}")]
     Library {
+        /// The library, e.g. `cuDNN` or `cuBLASLt`.
         library: &'static str,
+        /// The library function that failed.
         call: &'static str,
+        /// The status it returned, as text.
         status: String,
     },
     /// A configuration value (an environment variable such as `CUDAGRAPH_GEMM`) is invalid.
@@ -73,57 +85,90 @@ pub enum IoError {
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     File {
+        /// The file.
         path: PathBuf,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
     /// The bytes are not a safetensors file.
     #[error("{what} is not a valid safetensors file: {detail}")]
-    Format { what: String, detail: String },
+    Format {
+        /// Which file or buffer, for the message.
+        what: String,
+        /// What is wrong with its bytes.
+        detail: String,
+    },
     /// The description as a whole is malformed (not JSON, missing `input` or `layers`).
     #[error("model description: {0}")]
     Description(String),
     /// One layer of the description is malformed or does not fit the shape before it.
     #[error("model description, layer {layer} ({kind}): {problem}")]
     Layer {
+        /// The layer's index in the description's `layers` list (from 0).
         layer: usize,
+        /// The layer's `type` (e.g. `linear`, `conv2d`).
         kind: String,
+        /// What is wrong with it.
         problem: String,
     },
     /// A parameter the model needs is not in the weights file.
     #[error("weights: tensor `{name}` (layer {layer}) is missing; the file has {available}. Was the state_dict saved from the nn.Sequential itself (names like `0.weight`)?")]
     MissingTensor {
+        /// The tensor's name, e.g. `0.weight`.
         name: String,
+        /// The index of the layer that needs it.
         layer: usize,
+        /// The names the file does have, comma-separated.
         available: String,
     },
     /// The weights file has tensors the model does not use.
     #[error("weights: the file has tensors the description does not use: {}; check the layer list (every module of the nn.Sequential, in order, including relu/max_pool2d/flatten)", names.join(", "))]
-    ExtraTensors { names: Vec<String> },
+    ExtraTensors {
+        /// The unused tensors' names.
+        names: Vec<String>,
+    },
     /// A parameter has another shape than the description implies.
     #[error("weights: tensor `{name}` has shape {found:?}, but layer {layer} needs {expected:?}")]
     ShapeMismatch {
+        /// The tensor's name.
         name: String,
+        /// The index of the layer that owns it.
         layer: usize,
+        /// The shape the layer needs.
         expected: Vec<usize>,
+        /// The shape in the file.
         found: Vec<usize>,
     },
     /// A tensor's dtype is not one the weights may have: F32, BF16 or F16 (`io::Dtype`).
     #[error("weights: tensor `{name}` is {found}, but the supported dtypes are F32 (torch.float32), BF16 (torch.bfloat16) and F16 (torch.float16); convert it (`model.float()`) before saving")]
-    DtypeMismatch { name: String, found: String },
+    DtypeMismatch {
+        /// The tensor's name.
+        name: String,
+        /// Its dtype as the safetensors header spells it (e.g. `F64`).
+        found: String,
+    },
     /// Saving in a narrower dtype (`dtype`: `"bf16"` or `"f16"`, whose largest finite value is
     /// `max`): element `index` of tensor `name` is finite but would become infinite.
     #[error("weights: tensor `{name}` element {index} is {value}, which overflows {dtype} (largest finite value {max}); save it in f32 or bf16, or scale the weights")]
     Overflow {
+        /// The tensor's name.
         name: String,
+        /// The target dtype, `"bf16"` or `"f16"`.
         dtype: &'static str,
+        /// The target dtype's largest finite value.
         max: f32,
+        /// The flat index of the first element that overflows.
         index: usize,
+        /// That element's f32 value.
         value: f32,
     },
     /// A dtype name (as a command-line flag gives it) is not one of ours.
     #[error("unknown dtype `{given}`; expected f32, bf16 or f16")]
-    DtypeName { given: String },
+    DtypeName {
+        /// The name as given.
+        given: String,
+    },
 }
 
 impl From<IoError> for cudagraph::Error {
@@ -138,30 +183,50 @@ impl From<IoError> for cudagraph::Error {
 pub enum DistError {
     /// The NCCL library could not be loaded, lacks a function we call, or is too old.
     #[error("NCCL is not available: {detail}. Install NCCL 2.13 or newer so that libnccl.so is on the loader path, or set CUDAGRAPH_NCCL_LIB to the library's path")]
-    NcclMissing { detail: String },
+    NcclMissing {
+        /// Why loading failed (the loader's message or the missing symbol).
+        detail: String,
+    },
 
     /// An NCCL call failed.
     #[error("{call} failed: {name} ({code}){detail}")]
     Nccl {
+        /// The NCCL function that failed, e.g. `ncclAllReduce`.
         call: &'static str,
+        /// The `ncclResult_t` it returned.
         code: i32,
+        /// That code's name (from `ncclGetErrorString`).
         name: String,
+        /// Extra context (NCCL's last error message), empty or starting with a separator.
         detail: String,
     },
 
     /// A launch variable is missing or malformed.
     #[error("environment variable {var}: {problem}")]
-    Env { var: &'static str, problem: String },
+    Env {
+        /// The variable's name, e.g. `RANK`.
+        var: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
 
     /// The rendezvous failed (wrong world size, duplicate rank, unreachable rank 0...).
     #[error("rendezvous at {addr}: {problem}")]
-    Rendezvous { addr: String, problem: String },
+    Rendezvous {
+        /// The rendezvous address (`host:port` of rank 0).
+        addr: String,
+        /// What went wrong.
+        problem: String,
+    },
 
     /// Something did not finish in time.
     #[error("{what} did not finish within {secs:.0} s: {hint}")]
     Timeout {
+        /// The operation that timed out.
         what: String,
+        /// The time limit, in seconds.
         secs: f64,
+        /// What to check or which variable raises the limit.
         hint: String,
     },
 
@@ -173,7 +238,10 @@ pub enum DistError {
     /// be used any more. Exit the process: the device may still hold work that waits for a
     /// peer.
     #[error("the NCCL communicator was aborted: {reason}")]
-    Aborted { reason: String },
+    Aborted {
+        /// The error, timeout or peer failure that caused the abort.
+        reason: String,
+    },
 
     /// Ranks disagree about something that must be identical (the model's parameters).
     #[error("ranks disagree: {0}")]

@@ -155,14 +155,23 @@ impl GemmDims {
 /// Geometry of a 2-D convolution (NCHW input, OIHW weights).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvGeom {
+    /// Batch size.
     pub n: usize,
+    /// Input channels.
     pub c: usize,
+    /// Input height.
     pub h: usize,
+    /// Input width.
     pub w: usize,
+    /// Output channels (filters).
     pub oc: usize,
+    /// Kernel height.
     pub kh: usize,
+    /// Kernel width.
     pub kw: usize,
+    /// Stride, the same along both axes.
     pub stride: usize,
+    /// Zero padding on each side, the same along both axes.
     pub pad: usize,
 }
 
@@ -182,14 +191,17 @@ impl ConvGeom {
         }
     }
 
+    /// Elements of the input, `n·c·h·w`; an error on overflow.
     pub fn input_len(&self) -> Result<usize> {
         prod("conv2d input", &[self.n, self.c, self.h, self.w])
     }
 
+    /// Elements of the weights, `oc·c·kh·kw`; an error on overflow.
     pub fn weight_len(&self) -> Result<usize> {
         prod("conv2d weight", &[self.oc, self.c, self.kh, self.kw])
     }
 
+    /// Elements of the output, `n·oc·oh·ow`; an error when there is no output or on overflow.
     pub fn output_len(&self) -> Result<usize> {
         let (oh, ow) = self.out_hw()?;
         prod("conv2d output", &[self.n, self.oc, oh, ow])
@@ -200,12 +212,16 @@ impl ConvGeom {
 /// `w`) or backward-filter (`dw` from `dy`, `x`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ConvDir {
+    /// `y` from `x` and `w`.
     Forward,
+    /// `dx` from `dy` and `w`.
     BackwardData,
+    /// `dw` from `dy` and `x`.
     BackwardFilter,
 }
 
 impl ConvDir {
+    /// The three directions, forward first.
     pub const ALL: [ConvDir; 3] = [
         ConvDir::Forward,
         ConvDir::BackwardData,

@@ -18,27 +18,44 @@ use crate::random::HostRng;
 pub enum LayerSpec {
     /// `nn.Linear(in_features, out_features, bias)`.
     Linear {
+        /// Size of each input row.
         in_features: usize,
+        /// Size of each output row.
         out_features: usize,
+        /// Whether the layer has a bias (`{layer}.bias` in the weights).
         bias: bool,
     },
     /// `nn.Conv2d(in_channels, out_channels, kernel, stride, padding, bias=bias)`.
     Conv2d {
+        /// Input channels.
         in_channels: usize,
+        /// Output channels.
         out_channels: usize,
+        /// Side of the square kernel.
         kernel: usize,
+        /// Stride, the same along both axes.
         stride: usize,
+        /// Zero padding on each side.
         padding: usize,
+        /// Whether the layer has a bias (`{layer}.bias` in the weights).
         bias: bool,
     },
     /// `nn.ReLU()`.
     ReLU,
     /// `nn.MaxPool2d(kernel, stride)`.
-    MaxPool2d { kernel: usize, stride: usize },
+    MaxPool2d {
+        /// Window side.
+        kernel: usize,
+        /// Step between windows.
+        stride: usize,
+    },
     /// `nn.Flatten()`.
     Flatten,
     /// `nn.Dropout(p)` (the identity in eval mode, which serving uses).
-    Dropout { p: f32 },
+    Dropout {
+        /// Probability of zeroing an element in training.
+        p: f32,
+    },
 }
 
 impl LayerSpec {
@@ -60,7 +77,9 @@ impl LayerSpec {
 pub struct ParamSpec {
     /// PyTorch's name in the `nn.Sequential`'s state_dict: `"{layer}.weight"` or `"{layer}.bias"`.
     pub name: String,
+    /// The index of the layer that owns it.
     pub layer: usize,
+    /// Its shape (PyTorch's layout: `[out, in]` or `[out, in, k, k]` for weights).
     pub shape: Vec<usize>,
 }
 
@@ -451,6 +470,7 @@ impl ModelDescription {
         &self.input
     }
 
+    /// The layers, in order.
     pub fn layers(&self) -> &[LayerSpec] {
         &self.layers
     }

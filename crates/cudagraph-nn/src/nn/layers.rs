@@ -12,16 +12,22 @@ use cudagraph::Stream;
 /// A neural-network module (PyTorch's `nn.Module`): a forward pass and its parameters. Named
 /// `NnModule` so that it is never confused with a compiled CUDA module (`cudagraph::Module`).
 pub trait NnModule {
+    /// Runs the module on `x`, enqueuing its work on `q` (an eager stream or a capture).
     fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor>;
+    /// The module's trainable parameters, in a fixed order (weights before biases).
     fn parameters(&self) -> Vec<Parameter>;
 }
 
 /// `y = x wᵀ + b` (PyTorch's `nn.Linear`).
 #[derive(Clone, Debug)]
 pub struct Linear {
+    /// `[out_features, in_features]`.
     pub weight: Parameter,
+    /// `[out_features]`.
     pub bias: Parameter,
+    /// Size of each input row.
     pub in_features: usize,
+    /// Size of each output row.
     pub out_features: usize,
 }
 
@@ -55,6 +61,7 @@ impl Linear {
         })
     }
 
+    /// The forward pass, with a fused ReLU when `relu` is true.
     pub fn forward_act(&self, q: &dyn Queue, x: &Tensor, relu: bool) -> Result<Tensor> {
         ops::linear(q, x, &self.weight.tensor(), Some(&self.bias.tensor()), relu)
     }
@@ -72,13 +79,18 @@ impl NnModule for Linear {
 /// 2-D convolution (PyTorch's `nn.Conv2d`, square kernel).
 #[derive(Clone, Debug)]
 pub struct Conv2d {
+    /// `[out_channels, in_channels, kernel, kernel]`.
     pub weight: Parameter,
+    /// `[out_channels]`.
     pub bias: Parameter,
+    /// Stride, the same along both axes.
     pub stride: usize,
+    /// Zero padding on each side, the same along both axes.
     pub padding: usize,
 }
 
 impl Conv2d {
+    /// PyTorch's default init: weights and bias uniform in ±1/√(in_channels·kernel²).
     pub fn new(
         s: &Stream,
         in_channels: usize,
@@ -125,17 +137,25 @@ impl NnModule for Conv2d {
 /// One layer of a [`Sequential`].
 #[derive(Clone, Debug)]
 pub enum Layer {
+    /// A fully connected layer.
     Linear(Linear),
+    /// A 2-D convolution.
     Conv2d(Conv2d),
+    /// `max(x, 0)` elementwise; fused into a preceding `Linear`.
     ReLU,
+    /// Max pooling over `kernel×kernel` windows (PyTorch's `nn.MaxPool2d`, no padding).
     MaxPool2d {
+        /// Window side.
         kernel: usize,
+        /// Step between windows.
         stride: usize,
     },
+    /// `[n, ...] -> [n, prod(...)]` (PyTorch's `nn.Flatten()`).
     Flatten,
     /// Dropout with probability `p` in training mode, the identity in eval mode (numbers from
     /// the `Sequential`'s generator: [`Sequential::set_generator`]).
     Dropout {
+        /// Probability of zeroing an element, in `[0, 1]`.
         p: f32,
     },
 }
@@ -144,12 +164,14 @@ pub enum Layer {
 /// Training mode by default ([`Sequential::eval`] switches dropout off).
 #[derive(Clone, Debug, Default)]
 pub struct Sequential {
+    /// The layers, in the order the forward pass applies them.
     pub layers: Vec<Layer>,
     eval: bool,
     generator: Option<Generator>,
 }
 
 impl Sequential {
+    /// Layers in training mode, with no generator.
     pub fn new(layers: Vec<Layer>) -> Self {
         Self {
             layers,
@@ -171,6 +193,7 @@ impl Sequential {
         self
     }
 
+    /// The dropout generator, `None` until [`Self::set_generator`].
     pub fn generator(&self) -> Option<&Generator> {
         self.generator.as_ref()
     }
@@ -185,6 +208,7 @@ impl Sequential {
         self.eval = true;
     }
 
+    /// True in training mode (dropout active).
     pub fn is_training(&self) -> bool {
         !self.eval
     }

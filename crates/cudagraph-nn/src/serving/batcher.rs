@@ -67,6 +67,7 @@ struct MetricsState {
 pub struct SizeBucket {
     /// Batches in this bucket have at most this many rows (and more than the previous bucket's).
     pub le: usize,
+    /// Batches run with a size in this bucket.
     pub batches: u64,
 }
 
@@ -79,24 +80,33 @@ pub struct MetricsSnapshot {
     pub rows: u64,
     /// Requests answered with an error by the worker (model failures).
     pub errors: u64,
+    /// Batches run.
     pub batches: u64,
+    /// Batches that replayed a captured graph.
     pub graphed_batches: u64,
+    /// Batches run eagerly (no graph for their size).
     pub eager_batches: u64,
     /// Rows computed only as padding, and their share of all computed rows.
     pub padded_rows: u64,
+    /// `padded_rows` over all computed rows, in `[0, 1]`.
     pub padding_fraction: f64,
     /// Average rows per batch.
     pub mean_batch_rows: f64,
+    /// Batches run per size bucket (powers of two up to the largest batch).
     pub batch_size_histogram: Vec<SizeBucket>,
     /// Latency from `submit` to the answer, over the last 65536 requests, in microseconds.
     pub latency_p50_us: f64,
+    /// 95th percentile latency, in microseconds.
     pub latency_p95_us: f64,
+    /// 99th percentile latency, in microseconds.
     pub latency_p99_us: f64,
+    /// Largest latency, in microseconds.
     pub latency_max_us: f64,
     /// Requests waiting in the queue now.
     pub queued: usize,
     /// Device memory after the first batch and after the latest one.
     pub memory_at_start: Option<MemorySnapshot>,
+    /// Device memory after the latest batch; `None` before the first batch.
     pub memory: Option<MemorySnapshot>,
 }
 
@@ -181,14 +191,17 @@ impl Batcher {
         })
     }
 
+    /// Values per input row of the model.
     pub fn input_row(&self) -> usize {
         self.input_row
     }
 
+    /// Values per output row of the model.
     pub fn output_row(&self) -> usize {
         self.output_row
     }
 
+    /// The configuration in use (`max_batch_rows` and `queue_capacity` raised to at least 1).
     pub fn config(&self) -> &BatcherConfig {
         &self.config
     }

@@ -38,40 +38,67 @@ pub enum ServeError {
     Empty,
     /// The request has more rows than one batch holds.
     #[error("the request has {rows} rows, but at most {max} rows fit in one batch; split it")]
-    TooManyRows { rows: usize, max: usize },
+    TooManyRows {
+        /// Rows in the request.
+        rows: usize,
+        /// The largest batch size.
+        max: usize,
+    },
     /// A request body holds more rows than one batch: [`parse_rows`] stopped at the first row
     /// past the limit, without reading the rest.
     #[error(
         "the request has more than {max} rows, but at most {max} rows fit in one batch; split it"
     )]
-    RowLimit { max: usize },
+    RowLimit {
+        /// The largest batch size.
+        max: usize,
+    },
     /// The values do not form whole rows of the model's input width.
     #[error("row {row} has {got} values, but the model takes rows of {expected}")]
     RowWidth {
+        /// The first row that does not fit (from 0).
         row: usize,
+        /// The model's input width.
         expected: usize,
+        /// Values found in that row.
         got: usize,
     },
     /// A row of a request body holds more values than the model's input width: [`parse_rows`]
     /// stopped at the first value past the width, without reading the rest.
     #[error("row {row} has more than {expected} values, but the model takes rows of {expected}")]
-    RowTooLong { row: usize, expected: usize },
+    RowTooLong {
+        /// The row (from 0).
+        row: usize,
+        /// The model's input width.
+        expected: usize,
+    },
     /// The request body is not `{"inputs": [[...], ...]}` (empty, not JSON, another shape,
     /// a value that is not a number).
     #[error(
         "malformed request: {reason}; send {{\"inputs\": [[...], ...]}} with rows of {width} numbers"
     )]
-    Malformed { reason: String, width: usize },
+    Malformed {
+        /// What is wrong with the body.
+        reason: String,
+        /// The model's input width, for the hint.
+        width: usize,
+    },
     /// An input value is NaN or infinite.
     #[error("input row {row}, column {column} is {value}; only finite numbers are accepted")]
     NonFinite {
+        /// The row (from 0).
         row: usize,
+        /// The column within the row (from 0).
         column: usize,
+        /// The value as text (`NaN`, `inf`, ...).
         value: String,
     },
     /// The queue is full (back-pressure): retry later.
     #[error("the server is at capacity ({capacity} requests queued); retry later")]
-    Busy { capacity: usize },
+    Busy {
+        /// The queue's capacity in requests.
+        capacity: usize,
+    },
     /// The batcher is shutting down and takes no new requests.
     #[error("the server is shutting down")]
     ShuttingDown,
@@ -117,6 +144,7 @@ pub struct MemorySnapshot {
     pub allocated: usize,
     /// Bytes held from the driver (PyTorch's `memory_reserved`).
     pub reserved: usize,
+    /// Most bytes handed out at once (PyTorch's `max_memory_allocated`).
     pub peak_allocated: usize,
     /// Bytes the graphs' shared pool reserves (0 when eager).
     pub graph_pool_reserved: usize,
