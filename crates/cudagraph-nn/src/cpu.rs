@@ -41,6 +41,7 @@ pub fn linear_backward(
     (dx, dw, db)
 }
 
+/// `max(x, 0)` elementwise.
 pub fn relu(x: &[f64]) -> Vec<f64> {
     x.iter().map(|v| v.max(0.0)).collect()
 }
@@ -55,6 +56,7 @@ pub fn mse(p: &[f64], t: &[f64], mean: bool) -> f64 {
     }
 }
 
+/// Gradient of [`mse`] with respect to `p`: `2·(p − t)`, divided by the length when `mean`.
 pub fn mse_grad(p: &[f64], t: &[f64], mean: bool) -> Vec<f64> {
     let scale = if mean { 1.0 / p.len() as f64 } else { 1.0 };
     p.iter()
@@ -83,17 +85,26 @@ pub fn cross_entropy(z: &[f64], tgt: &[usize], m: usize, c: usize) -> (f64, Vec<
 /// Convolution geometry: (n, c, h, w, oc, k, stride, pad).
 #[derive(Clone, Copy, Debug)]
 pub struct Conv {
+    /// Batch size.
     pub n: usize,
+    /// Input channels.
     pub c: usize,
+    /// Input height.
     pub h: usize,
+    /// Input width.
     pub w: usize,
+    /// Output channels.
     pub oc: usize,
+    /// Side of the square kernel.
     pub k: usize,
+    /// Stride, the same along both axes.
     pub stride: usize,
+    /// Zero padding on each side.
     pub pad: usize,
 }
 
 impl Conv {
+    /// Output height and width (the kernel must fit the padded input).
     pub fn out_hw(&self) -> (usize, usize) {
         (
             (self.h + 2 * self.pad - self.k) / self.stride + 1,
@@ -108,6 +119,7 @@ impl Conv {
             .then_some((ih as usize, iw as usize))
     }
 
+    /// `y[n, oc, oh, ow]` from NCHW `x`, OIHW weights `wt` and bias `b` (one per output channel).
     pub fn forward(&self, x: &[f64], wt: &[f64], b: &[f64]) -> Vec<f64> {
         let (oh_n, ow_n) = self.out_hw();
         let mut y = vec![0.0; self.n * self.oc * oh_n * ow_n];
@@ -252,6 +264,7 @@ pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// Widens every value to f64.
 pub fn to_f64(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
 }

@@ -116,10 +116,15 @@ fn owned_by(expected: usize, what: &'static str, got: usize, device_memory: bool
 /// k×n (`tb`: B is stored n×k).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmDims {
+    /// Rows of C (and of op(A)).
     pub m: usize,
+    /// Columns of C (and of op(B)).
     pub n: usize,
+    /// The inner dimension: columns of op(A), rows of op(B).
     pub k: usize,
+    /// Whether A is stored transposed (k×m).
     pub ta: bool,
+    /// Whether B is stored transposed (n×k).
     pub tb: bool,
 }
 

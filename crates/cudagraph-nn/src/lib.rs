@@ -44,6 +44,8 @@
 //! compare the GPU against; `internals` makes `ffi` and `kernels` public for the crate's own
 //! tests and benchmarks (not a stable API). Both are off by default.
 
+#![warn(missing_docs)]
+
 pub mod autograd;
 #[cfg(feature = "cpu-reference")]
 pub mod cpu;

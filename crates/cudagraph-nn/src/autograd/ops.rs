@@ -164,7 +164,9 @@ pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
 /// How a loss reduces over elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reduction {
+    /// The sum of the terms (PyTorch's `reduction='sum'`).
     Sum,
+    /// The sum divided by the number of terms (PyTorch's `reduction='mean'`).
     Mean,
 }
 

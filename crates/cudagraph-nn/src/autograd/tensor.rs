@@ -272,22 +272,28 @@ impl Tensor {
         Self::from_buffer(Arc::new(b), shape)
     }
 
+    /// The dimensions, outermost first (row-major).
     pub fn shape(&self) -> &[usize] {
         &self.0.shape
     }
 
+    /// Number of elements, the product of the shape.
     pub fn numel(&self) -> usize {
         numel(&self.0.shape)
     }
 
+    /// The values on the device, row-major.
     pub fn data(&self) -> &DeviceBuffer<f32> {
         &self.0.data
     }
 
+    /// The values' buffer as the shared handle the tensor holds.
     pub fn data_arc(&self) -> &Arc<DeviceBuffer<f32>> {
         &self.0.data
     }
 
+    /// Whether gradients flow back through this tensor (a parameter, or computed from one while
+    /// gradients were enabled).
     pub fn requires_grad(&self) -> bool {
         self.0.requires_grad
     }
@@ -633,6 +639,7 @@ impl Parameter {
         })))
     }
 
+    /// The parameter's name, e.g. `weight` or `bias`.
     pub fn name(&self) -> &str {
         &self.0.name
     }
@@ -647,10 +654,12 @@ impl Parameter {
         Arc::ptr_eq(&self.0, &other.0)
     }
 
+    /// The dimensions, outermost first (row-major).
     pub fn shape(&self) -> &[usize] {
         &self.0.shape
     }
 
+    /// Number of elements, the product of the shape.
     pub fn numel(&self) -> usize {
         numel(&self.0.shape)
     }
@@ -665,6 +674,7 @@ impl Parameter {
         )
     }
 
+    /// The values on the device, row-major.
     pub fn data(&self) -> &DeviceBuffer<f32> {
         &self.0.data
     }

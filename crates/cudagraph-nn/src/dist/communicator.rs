@@ -150,9 +150,13 @@ nccl_elem!(i8 => 0, u8 => 1, i32 => 2, u32 => 3, i64 => 4, u64 => 5, f32 => 7, f
 /// A reduction (`ncclRedOp_t`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
+    /// Elementwise sum over ranks.
     Sum,
+    /// Elementwise product over ranks.
     Prod,
+    /// Elementwise maximum over ranks.
     Max,
+    /// Elementwise minimum over ranks.
     Min,
     /// Sum divided by the number of ranks (NCCL 2.10+).
     Avg,

@@ -174,7 +174,9 @@ impl Health {
 /// The result of a rendezvous.
 #[derive(Debug)]
 pub struct Membership {
+    /// This process's rank, in `0..world_size`.
     pub rank: usize,
+    /// Number of ranks in the group.
     pub world_size: usize,
     /// What rank 0 handed out (the NCCL unique id).
     pub payload: Vec<u8>,

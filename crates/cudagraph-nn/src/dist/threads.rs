@@ -14,9 +14,13 @@ use crate::error::{NnError, Result};
 /// What each rank's closure gets in [`run_threads`].
 #[derive(Clone, Debug)]
 pub struct RankContext {
+    /// This thread's rank, in `0..world_size`.
     pub rank: usize,
+    /// Number of ranks (threads).
     pub world_size: usize,
+    /// The GPU this rank drives.
     pub device: Device,
+    /// This rank's communicator.
     pub comm: Communicator,
 }
 

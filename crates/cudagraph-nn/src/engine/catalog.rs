@@ -12,6 +12,7 @@ use crate::kernels::igemm::Tile;
 /// A family of product engines (the registry measures within it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmFamily {
+    /// cuBLAS SGEMM, with our bias/ReLU and bias-gradient kernels.
     Cublas,
     /// cuBLASLt's heuristic top few algorithms, epilogues fused, and (when the policy asks,
     /// [`Policy::lt_split_k`](super::Policy::lt_split_k)) split-K variants of the first three where a product leaves the
@@ -62,6 +63,7 @@ pub enum ConvFamily {
 }
 
 impl ConvFamily {
+    /// The name `CUDAGRAPH_CONV` uses.
     pub fn name(self) -> &'static str {
         match self {
             ConvFamily::Auto => "auto",
@@ -106,7 +108,12 @@ pub enum GemmEngine {
     /// cuBLASLt's heuristic algorithm of rank `rank` with K split `split` ways (a split-K
     /// variant the plan kept for an under-occupied product, see `crate::ffi::blaslt`); shown as
     /// `cublaslt:RANK/skSPLIT`.
-    CublasLtSplitK { rank: u8, split: u8 },
+    CublasLtSplitK {
+        /// Rank of the algorithm in cuBLASLt's heuristic list (0: its first choice).
+        rank: u8,
+        /// Number of K splits (at least 2).
+        split: u8,
+    },
     /// cuBLASLt's configuration of this index among those its search kept for the shape
     /// ([`Policy::lt_search`](super::Policy::lt_search), `crate::ffi::blaslt::BlasLt::search_configs`); shown as
     /// `cublaslt:cINDEX`.
@@ -130,14 +137,23 @@ pub enum GemmEngine {
     /// most that many, two K chunks in flight per warp (shown as `rows8:KS`, `rows4:KS`; no
     /// longer offered by the registry, where the column-warp kernels won every product the
     /// probe measured, but runnable by name).
-    Rows { rows: u8, ks: u8 },
+    Rows {
+        /// Rows per block: 16, 8 or 4.
+        rows: u8,
+        /// Warps splitting K per group of four columns.
+        ks: u8,
+    },
     /// Our column-warp kernels for few rows (forward layout, alpha 1, beta 0): each warp `rows`
     /// rows × `cols` columns, `warps` warps per block, `ks` of them splitting K per column group
     /// (`crate::kernels::ColsShape`); shown as `colsRxCwW:KS`.
     Cols {
+        /// Rows per warp.
         rows: u8,
+        /// Columns per warp.
         cols: u8,
+        /// Warps per block.
         warps: u8,
+        /// Warps splitting K per column group.
         ks: u8,
     },
 }

@@ -158,8 +158,11 @@ pub fn default_conv_engine(
 /// `b = w`, `out = dx`; backward-filter `a = dy`, `b = x`, `out = dw`.
 #[derive(Clone, Copy)]
 pub struct ConvIo<'a> {
+    /// First input: `x` (forward) or `dy` (both backward directions).
     pub a: &'a Buf,
+    /// Second input: `w` (forward, backward-data) or `x` (backward-filter).
     pub b: &'a Buf,
+    /// Output: `y`, `dx` or `dw`.
     pub out: &'a Buf,
     /// Forward only.
     pub bias: Option<&'a Buf>,

@@ -75,13 +75,21 @@ pub fn family_from_env() -> Result<GemmFamily> {
 /// is stored k×m), op(B) k×n (`tb`: B is stored n×k).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmOp {
+    /// Whether A is stored transposed (k×m).
     pub ta: Trans,
+    /// Whether B is stored transposed (n×k).
     pub tb: Trans,
+    /// Rows of C (and of op(A)).
     pub m: usize,
+    /// Columns of C (and of op(B)).
     pub n: usize,
+    /// The inner dimension: columns of op(A), rows of op(B).
     pub k: usize,
+    /// Scale of the product.
     pub alpha: f32,
+    /// Scale of the existing C (0: C is overwritten).
     pub beta: f32,
+    /// What is applied after the product (bias, ReLU, bias gradient).
     pub epilogue: Epilogue,
 }
 

@@ -59,7 +59,9 @@ pub struct Entry {
 /// One row of [`Engines::table`](super::Engines::table).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct EngineRow {
+    /// The product or convolution the row is about, as the registry keys it.
     pub key: String,
+    /// The chosen engine and the candidates' timings.
     #[serde(flatten)]
     pub entry: Entry,
 }

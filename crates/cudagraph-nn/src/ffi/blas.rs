@@ -75,13 +75,16 @@ fn check(status: sys::cublasStatus_t, call: &'static str) -> Result<()> {
 /// `N` (as stored) or `T` (transposed) for a row-major operand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Trans {
+    /// The operand as stored.
     N,
+    /// The operand transposed.
     T,
 }
 
 /// What a product does after `alpha·op(A)·op(B) + beta·C`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Epilogue {
+    /// Nothing: the product's result as it is.
     None,
     /// `+ bias[j]` (length n).
     Bias,

@@ -11,17 +11,23 @@ const DIGITS_CSV: &str = include_str!("../../data/digits.csv");
 /// Images (row-major, `n × features`, scaled to [0, 1]) with integer labels.
 #[derive(Clone, Debug)]
 pub struct Dataset {
+    /// `len() × features` pixel values in [0, 1], row-major.
     pub images: Vec<f32>,
+    /// One class index per image, in `0..classes`.
     pub labels: Vec<i32>,
+    /// Values per image (64 for the 8×8 digits).
     pub features: usize,
+    /// Number of classes (10 for the digits).
     pub classes: usize,
 }
 
 impl Dataset {
+    /// Number of images.
     pub fn len(&self) -> usize {
         self.labels.len()
     }
 
+    /// Whether there are no images.
     pub fn is_empty(&self) -> bool {
         self.labels.is_empty()
     }

@@ -170,7 +170,9 @@ fn l_params(l: &Layer) -> Vec<Parameter> {
 /// Where a model's two files are: the description (`.json`) and the weights (`.safetensors`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelFiles {
+    /// The JSON description of the layers.
     pub description: PathBuf,
+    /// The safetensors file of the parameters.
     pub weights: PathBuf,
 }
 

@@ -13,8 +13,11 @@ use crate::error::IoError;
 /// A named f32 tensor in host memory.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
+    /// The name in the safetensors file, e.g. `0.weight`.
     pub name: String,
+    /// The dimensions, outermost first.
     pub shape: Vec<usize>,
+    /// The values, row-major; as many as the product of `shape`.
     pub data: Vec<f32>,
 }
 

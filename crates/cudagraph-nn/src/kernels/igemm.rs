@@ -39,6 +39,7 @@ pub enum Tile {
 }
 
 impl Tile {
+    /// The three tiles, the general one first.
     pub const ALL: [Tile; 3] = [Tile::T64x64, Tile::T32x128, Tile::T128x32];
 
     /// (rows, columns) of the tile.
@@ -67,6 +68,7 @@ impl Tile {
         }
     }
 
+    /// The tile of a [`Self::name`], `None` for any other string.
     pub fn from_name(s: &str) -> Option<Tile> {
         Tile::ALL.into_iter().find(|t| t.name() == s)
     }

@@ -55,13 +55,17 @@ pub struct LossKernels {
 /// across blocks (1: not split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CePlan {
+    /// Blocks in the grid.
     pub grid: u32,
     /// Threads per block.
     pub block: u32,
+    /// Whether one warp handles a row (else one block per row or chunk).
     pub warp_rows: bool,
     /// Lanes per row of the warp-row kernel (a power of two up to 32).
     pub lanes: u32,
+    /// Whether a second pass reduces the per-row losses.
     pub two_pass: bool,
+    /// Chunks each row is split into across blocks (1: not split).
     pub chunks: u32,
 }
 

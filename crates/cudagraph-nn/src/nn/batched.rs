@@ -11,8 +11,11 @@ use crate::nn::layers::NnModule;
 /// A module served in batches of rows: `row_shape` is one input row's shape (e.g. `[1024]` or
 /// `[1, 8, 8]`), `output_row` the number of outputs per row. Runs without autograd.
 pub struct Batched<M: NnModule> {
+    /// The module to run.
     pub module: M,
+    /// One input row's shape, without the batch dimension.
     pub row_shape: Vec<usize>,
+    /// Output values per row.
     pub output_row: usize,
 }
 

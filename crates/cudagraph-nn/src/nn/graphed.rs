@@ -178,6 +178,7 @@ impl<M: NnModule> GraphedModule<M> {
         })
     }
 
+    /// The wrapped module.
     pub fn module(&self) -> &M {
         &self.module
     }

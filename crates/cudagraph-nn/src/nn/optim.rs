@@ -33,6 +33,7 @@ pub trait Optimizer {
     }
     /// One update of every parameter that has a gradient.
     fn step(&mut self, q: &dyn Queue) -> Result<()>;
+    /// The parameters the optimizer updates, in the order it was given them.
     fn params(&self) -> &[Parameter];
 
     /// The device-side hyperparameters, for optimizers that keep them there.
@@ -208,8 +209,11 @@ fn check_distinct(params: &[Parameter]) -> Result<()> {
 /// SGD's hyperparameters (PyTorch's names; dampening 0, no Nesterov).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdConfig {
+    /// Learning rate.
     pub lr: f32,
+    /// Momentum factor (0: plain SGD).
     pub momentum: f32,
+    /// L2 penalty: `weight_decay·w` is added to the gradient (0: none).
     pub weight_decay: f32,
 }
 
@@ -344,10 +348,15 @@ impl Optimizer for Sgd {
 /// Adam's hyperparameters (PyTorch's names). `decoupled` selects AdamW's weight decay.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamConfig {
+    /// Learning rate.
     pub lr: f32,
+    /// Decay rate of the running mean of gradients (PyTorch's `betas[0]`).
     pub beta1: f32,
+    /// Decay rate of the running mean of squared gradients (PyTorch's `betas[1]`).
     pub beta2: f32,
+    /// Added to the denominator for numerical stability.
     pub eps: f32,
+    /// Weight decay factor (0: none); how it applies depends on `decoupled`.
     pub weight_decay: f32,
     /// AdamW: decay the weights directly (`w ← w·(1 − lr·wd)`) instead of adding `wd·w` to
     /// the gradient.

@@ -44,15 +44,31 @@ pub enum Term {
     /// `lr · factor`.
     Factor(f64),
     /// `lr · gamma^⌊t / step_size⌋` (PyTorch's `StepLR`).
-    Step { step_size: u32, gamma: f64 },
+    Step {
+        /// Steps between decays.
+        step_size: u32,
+        /// Multiplier applied at each decay.
+        gamma: f64,
+    },
     /// `lr · gamma^t` (`ExponentialLR`).
-    Exponential { gamma: f64 },
+    Exponential {
+        /// Multiplier applied every step.
+        gamma: f64,
+    },
     /// `eta_min + (lr − eta_min)·(1 + cos(π·t / t_max)) / 2` (`CosineAnnealingLR`'s closed form).
-    Cosine { t_max: u32, eta_min: f64 },
+    Cosine {
+        /// Steps of a half cosine period (from `lr` down to `eta_min`).
+        t_max: u32,
+        /// The smallest learning rate.
+        eta_min: f64,
+    },
     /// `lr · (start + (end − start)·min(t, total_iters) / total_iters)` (`LinearLR`).
     Linear {
+        /// Multiplier at step 0.
         start_factor: f64,
+        /// Multiplier from `total_iters` on.
         end_factor: f64,
+        /// Steps over which the multiplier moves from start to end.
         total_iters: u32,
     },
 }

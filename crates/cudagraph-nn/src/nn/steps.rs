@@ -113,10 +113,12 @@ impl DeviceBatches {
         Ok(s.to_vec(&self.cursor)?[0])
     }
 
+    /// Number of batches per epoch.
     pub fn batches(&self) -> usize {
         self.batches
     }
 
+    /// Rows per batch.
     pub fn rows(&self) -> usize {
         self.rows
     }

@@ -7,10 +7,12 @@
 pub struct HostRng(u64);
 
 impl HostRng {
+    /// A generator whose sequence is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
         HostRng(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
@@ -36,10 +38,12 @@ impl HostRng {
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
     }
 
+    /// `n` standard normal values.
     pub fn vec_normal(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.normal()).collect()
     }
 
+    /// `n` values uniform in [-bound, bound).
     pub fn vec_symmetric(&mut self, n: usize, bound: f32) -> Vec<f32> {
         (0..n).map(|_| self.symmetric(bound)).collect()
     }
