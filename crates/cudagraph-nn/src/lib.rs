@@ -50,6 +50,7 @@ pub mod autograd;
 #[cfg(feature = "cpu-reference")]
 pub mod cpu;
 pub mod dist;
+pub mod dtype;
 pub mod engine;
 pub mod env;
 pub mod error;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 /// The floors, lowest first; a room may import only rooms of lower floors (and itself).
 const FLOORS: &[&[&str]] = &[
-    &["error", "extent", "env"],
+    &["error", "extent", "env", "dtype"],
     &["ffi"],
     &["kernels"],
     &["engine"],

@@ -7,62 +7,13 @@
 //! become ±inf in the target is refused ([`IoError::Overflow`]); NaN stays NaN and ±inf stays
 //! ±inf.
 
-use std::fmt;
-use std::str::FromStr;
-
 use half::{bf16, f16};
 use safetensors::tensor::Dtype as FileDtype;
 
+pub use crate::dtype::Dtype;
 use crate::error::IoError;
 
-/// The element type of a safetensors tensor that [`read_state_dict`](super::read_state_dict)
-/// accepts and [`serialize_state_dict_as`](super::serialize_state_dict_as) writes.
-///
-/// Shown and parsed as PyTorch's short names: `"f32"`, `"bf16"`, `"f16"` (parsing also takes
-/// `"float32"`, `"bfloat16"`, `"float16"`, and is case-insensitive), so a command-line flag can
-/// take it as it is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// `torch.float32`: safetensors `F32`. The default, and the parameters' own type.
-    #[default]
-    F32,
-    /// `torch.bfloat16`: safetensors `BF16` (8 exponent bits, 8 significant bits).
-    Bf16,
-    /// `torch.float16`: safetensors `F16` (5 exponent bits, 11 significant bits, largest
-    /// finite value 65504).
-    F16,
-}
-
 impl Dtype {
-    /// Every supported dtype, widest first.
-    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
-
-    /// The short name: `"f32"`, `"bf16"` or `"f16"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        }
-    }
-
-    /// Bytes per element in a file.
-    pub fn size(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::Bf16 | Dtype::F16 => 2,
-        }
-    }
-
-    /// The largest finite value: `f32::MAX`, about 3.39e38 for bf16, 65504 for f16.
-    pub fn max_finite(self) -> f32 {
-        match self {
-            Dtype::F32 => f32::MAX,
-            Dtype::Bf16 => bf16::MAX.to_f32(),
-            Dtype::F16 => f16::MAX.to_f32(),
-        }
-    }
-
     /// The dtype as the safetensors header writes it.
     pub(crate) fn to_file(self) -> FileDtype {
         match self {
@@ -79,27 +30,6 @@ impl Dtype {
             FileDtype::BF16 => Some(Dtype::Bf16),
             FileDtype::F16 => Some(Dtype::F16),
             _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Dtype {
-    type Err = IoError;
-
-    fn from_str(s: &str) -> Result<Self, IoError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f32" | "float32" | "fp32" => Ok(Dtype::F32),
-            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
-            "f16" | "float16" | "fp16" | "half" => Ok(Dtype::F16),
-            _ => Err(IoError::DtypeName {
-                given: s.to_string(),
-            }),
         }
     }
 }

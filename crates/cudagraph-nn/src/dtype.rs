@@ -1,0 +1,144 @@
+//! Element types: [`Dtype`] names one (f32, bf16, f16), [`Float`] is the host type of each
+//! (`f32` and the `half` crate's `bf16` and `f16`). Arithmetic on them always accumulates in f32.
+
+use std::fmt;
+use std::str::FromStr;
+
+use half::{bf16, f16};
+
+use crate::error::IoError;
+
+/// An element type: of a tensor, of a product's operands, of a safetensors tensor that
+/// [`read_state_dict`](crate::io::read_state_dict) accepts and
+/// [`serialize_state_dict_as`](crate::io::serialize_state_dict_as) writes.
+///
+/// Shown and parsed as PyTorch's short names: `"f32"`, `"bf16"`, `"f16"` (parsing also takes
+/// `"float32"`, `"bfloat16"`, `"float16"`, and is case-insensitive), so a command-line flag can
+/// take it as it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// `torch.float32`: safetensors `F32`. The default, and the parameters' own type.
+    #[default]
+    F32,
+    /// `torch.bfloat16`: safetensors `BF16` (8 exponent bits, 8 significant bits).
+    Bf16,
+    /// `torch.float16`: safetensors `F16` (5 exponent bits, 11 significant bits, largest
+    /// finite value 65504).
+    F16,
+}
+
+impl Dtype {
+    /// Every supported dtype, widest first.
+    pub const ALL: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
+
+    /// The short name: `"f32"`, `"bf16"` or `"f16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+
+    /// Bytes per element (on the device and in a file).
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
+
+    /// The largest finite value: `f32::MAX`, about 3.39e38 for bf16, 65504 for f16.
+    pub fn max_finite(self) -> f32 {
+        match self {
+            Dtype::F32 => f32::MAX,
+            Dtype::Bf16 => bf16::MAX.to_f32(),
+            Dtype::F16 => f16::MAX.to_f32(),
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Dtype {
+    type Err = IoError;
+
+    fn from_str(s: &str) -> Result<Self, IoError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "fp32" => Ok(Dtype::F32),
+            "bf16" | "bfloat16" => Ok(Dtype::Bf16),
+            "f16" | "float16" | "fp16" | "half" => Ok(Dtype::F16),
+            _ => Err(IoError::DtypeName {
+                given: s.to_string(),
+            }),
+        }
+    }
+}
+
+/// The host type of a [`Dtype`]: `f32`, [`bf16`] or [`f16`] (sealed: exactly those three).
+pub trait Float: cudagraph::Elem + sealed::Sealed {
+    /// The dtype of this type.
+    const DTYPE: Dtype;
+    /// The value as an f32 (exact).
+    fn to_f32(self) -> f32;
+    /// The nearest value to `v` (ties to even; past the largest finite value, ±inf).
+    fn from_f32(v: f32) -> Self;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+impl Float for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Float for bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl Float for f16 {
+    const DTYPE: Dtype = Dtype::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_sizes_match_the_host_types() {
+        for d in Dtype::ALL {
+            assert_eq!(d.name().parse::<Dtype>().unwrap(), d);
+        }
+        assert_eq!(Dtype::Bf16.size(), std::mem::size_of::<bf16>());
+        assert_eq!(Dtype::F16.size(), std::mem::size_of::<f16>());
+        assert_eq!(<f16 as Float>::DTYPE, Dtype::F16);
+        assert_eq!(<bf16 as Float>::from_f32(1.5).to_f32(), 1.5);
+        assert!("f64".parse::<Dtype>().is_err());
+    }
+}
