@@ -1,9 +1,12 @@
 //! Element types: [`Dtype`] names one (f32, bf16, f16), [`Float`] is the host type of each
 //! (`f32` and the `half` crate's `bf16` and `f16`). Arithmetic on them always accumulates in f32.
 
+use std::any::Any;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
+use cudagraph::DeviceBuffer;
 use half::{bf16, f16};
 
 use crate::error::IoError;
@@ -87,6 +90,8 @@ pub trait Float: cudagraph::Elem + sealed::Sealed {
     fn to_f32(self) -> f32;
     /// The nearest value to `v` (ties to even; past the largest finite value, ±inf).
     fn from_f32(v: f32) -> Self;
+    /// A buffer of this type as a [`TypedBuffer`].
+    fn typed(buf: Arc<DeviceBuffer<Self>>) -> TypedBuffer;
 }
 
 mod sealed {
@@ -98,6 +103,9 @@ mod sealed {
 
 impl Float for f32 {
     const DTYPE: Dtype = Dtype::F32;
+    fn typed(buf: Arc<DeviceBuffer<Self>>) -> TypedBuffer {
+        TypedBuffer::F32(buf)
+    }
     fn to_f32(self) -> f32 {
         self
     }
@@ -108,6 +116,9 @@ impl Float for f32 {
 
 impl Float for bf16 {
     const DTYPE: Dtype = Dtype::Bf16;
+    fn typed(buf: Arc<DeviceBuffer<Self>>) -> TypedBuffer {
+        TypedBuffer::Bf16(buf)
+    }
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -118,11 +129,66 @@ impl Float for bf16 {
 
 impl Float for f16 {
     const DTYPE: Dtype = Dtype::F16;
+    fn typed(buf: Arc<DeviceBuffer<Self>>) -> TypedBuffer {
+        TypedBuffer::F16(buf)
+    }
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
+    }
+}
+
+/// A shared device buffer of any [`Dtype`]: what a tensor holds, and the 16-bit copies of
+/// parameters that optimizers and autocast keep.
+#[derive(Clone, Debug)]
+pub enum TypedBuffer {
+    /// f32 elements.
+    F32(Arc<DeviceBuffer<f32>>),
+    /// bf16 elements.
+    Bf16(Arc<DeviceBuffer<bf16>>),
+    /// f16 elements.
+    F16(Arc<DeviceBuffer<f16>>),
+}
+
+impl TypedBuffer {
+    /// The element type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            TypedBuffer::F32(_) => Dtype::F32,
+            TypedBuffer::Bf16(_) => Dtype::Bf16,
+            TypedBuffer::F16(_) => Dtype::F16,
+        }
+    }
+
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        match self {
+            TypedBuffer::F32(b) => b.len(),
+            TypedBuffer::Bf16(b) => b.len(),
+            TypedBuffer::F16(b) => b.len(),
+        }
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer as one of `T`, or `None` when its dtype is another.
+    pub fn get<T: Float>(&self) -> Option<&Arc<DeviceBuffer<T>>> {
+        let any: &dyn Any = match self {
+            TypedBuffer::F32(b) => b,
+            TypedBuffer::Bf16(b) => b,
+            TypedBuffer::F16(b) => b,
+        };
+        any.downcast_ref::<Arc<DeviceBuffer<T>>>()
+    }
+
+    /// Wraps a buffer of `T`.
+    pub fn new<T: Float>(buf: Arc<DeviceBuffer<T>>) -> Self {
+        T::typed(buf)
     }
 }
 
