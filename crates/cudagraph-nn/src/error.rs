@@ -51,6 +51,19 @@ pub enum NnError {
         /// The status it returned, as text.
         status: String,
     },
+    /// A tensor or buffer of another element type than the operation takes.
+    #[error(
+        "{what} holds {found} elements where {expected} was needed; convert it with \
+         `Tensor::to_dtype`, or run the operation inside `autocast`"
+    )]
+    Dtype {
+        /// What had the wrong type, e.g. `tensor` or `linear: weight`.
+        what: &'static str,
+        /// The element type needed (`f32`, `bf16` or `f16`).
+        expected: &'static str,
+        /// The element type given.
+        found: &'static str,
+    },
     /// A configuration value (an environment variable such as `CUDAGRAPH_GEMM`) is invalid.
     #[error("configuration: {0}")]
     Config(String),

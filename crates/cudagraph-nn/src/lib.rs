@@ -87,7 +87,9 @@ pub use nn::batched::Batched;
 pub use nn::graphed::GraphedModule;
 pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
+pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
+pub use dtype::{Dtype, Float, TypedBuffer};
 pub use nn::optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
 pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};

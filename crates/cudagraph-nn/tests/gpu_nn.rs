@@ -284,7 +284,7 @@ fn optimizers_match_reference_updates() {
         };
         let mut w = to_f64(&wh);
         let (mut b0, mut b1) = (vec![0.0; n], vec![0.0; n]);
-        let th = to_f64(&s.to_vec(target.data()).unwrap());
+        let th = to_f64(&s.to_vec(target.data().unwrap()).unwrap());
         for t in 1..=5 {
             opt.zero_grad(&s, true).unwrap();
             mse_loss(&s, &p.tensor(), &target, Reduction::Mean)
@@ -427,7 +427,7 @@ fn mlp_static_graph_inference_matches_eager_and_cpu() {
                 no_grad(|| {
                     let x = Tensor::from_buffer(Arc::new(ins[0].alias()), &[bs, 1024])?;
                     let y = model.forward(cs, &x)?;
-                    Ok(vec![y.data().alias()])
+                    Ok(vec![y.data()?.alias()])
                 })
             },
         )

@@ -130,7 +130,7 @@ fn a_graph_that_draws_advances_its_generator_on_every_replay() {
     let out = s.alloc_zeroed::<f32>(N).unwrap();
     let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         let t = rand(cs, &gen, &[N])?;
-        cs.copy(t.data(), &out)
+        cs.copy(t.data()?, &out)
     })
     .unwrap();
     assert_eq!(gen.pending(), 0, "the capture advances at its end");
@@ -169,7 +169,7 @@ fn an_explicit_advance_inside_the_capture_adds_no_second_advance() {
     let out = s.alloc_zeroed::<f32>(N).unwrap();
     let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
         let t = rand(cs, &gen, &[N])?;
-        cs.copy(t.data(), &out)?;
+        cs.copy(t.data()?, &out)?;
         Ok(gen.advance(cs)?)
     })
     .unwrap();

@@ -219,10 +219,10 @@ fn mlp_device(
             Ok(no_grad(|| model.forward(cs, &sx))?)
         })?;
         let request = |s: &Stream| -> AnyResult<cudagraph::DeviceBuffer<f32>> {
-            s.copy(x.data(), &static_in)?;
+            s.copy(x.data()?, &static_in)?;
             g.replay(s)?;
             let out = s.alloc::<f32>(bs * 10)?;
-            s.copy(static_out.data(), &out)?;
+            s.copy(static_out.data()?, &out)?;
             Ok(out)
         };
         let graph_out = s.to_vec(&request(&s)?)?;
@@ -267,7 +267,7 @@ fn mlp_host(
                 let y = no_grad(|| {
                     model.forward(sc.stream(), &Tensor::from_buffer(Arc::new(x), &[bs, 1024])?)
                 })?;
-                sc.download(y.data(), out)
+                sc.download(y.data()?, out)
             })?;
             Ok(())
         };
@@ -284,7 +284,7 @@ fn mlp_host(
             |cs, ins| {
                 no_grad(|| {
                     let x = Tensor::from_buffer(Arc::new(ins[0].alias()), &[bs, 1024])?;
-                    Ok(vec![model.forward(cs, &x)?.data().alias()])
+                    Ok(vec![model.forward(cs, &x)?.data()?.alias()])
                 })
             },
         )?;

@@ -4,9 +4,12 @@
 
 use std::sync::Arc;
 
+use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
+use crate::autograd::autocast::widen;
 use crate::autograd::tensor::{grad_enabled, numel_checked, Node, Tensor};
+use crate::dtype::{Dtype, Float, TypedBuffer};
 use crate::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
 use crate::engine::gemm::{gemm, linear_weight_grad, GemmFamily, Trans};
 use crate::engine::{CeEngine, Engines};
@@ -15,6 +18,7 @@ use crate::extent::ConvGeom;
 use crate::kernels::losses::{ce_group_plans, LossKernels};
 /// How [`cross_entropy`] runs: its fixed plan for a shape and the options measured beside it.
 pub use crate::kernels::losses::{ce_plan, ce_plan_with, CeOptions, CePlan, CE_FUSED_ROWS};
+use crate::kernels::lowp::LowpKernels;
 use crate::kernels::Nn;
 use crate::random::Generator;
 
@@ -67,11 +71,11 @@ pub fn linear(
         (Trans::N, Trans::T),
         (m, n, k),
         1.0,
-        x.data(),
-        w.data(),
+        x.data()?,
+        w.data()?,
         0.0,
         &y,
-        b.map(|b| b.data()),
+        b.map(|b| b.data()).transpose()?,
         relu,
     )?;
     let mut inputs = vec![x.clone(), w.clone()];
@@ -80,7 +84,7 @@ pub fn linear(
     }
     let y = Arc::new(y);
     let saved_y = relu.then(|| y.clone());
-    let (xd, wd) = (x.data_arc().clone(), w.data_arc().clone());
+    let (xd, wd) = (x.data_arc()?.clone(), w.data_arc()?.clone());
     let (need_x, need_w, need_b) = (
         x.requires_grad(),
         w.requires_grad(),
@@ -95,10 +99,10 @@ pub fn linear(
             let dz = match &saved_y {
                 Some(y) => {
                     let dz = alloc(q, mn)?;
-                    nn.k.relu_bwd(q, g.data(), y, &dz, mn)?;
+                    nn.k.relu_bwd(q, g.data()?, y, &dz, mn)?;
                     Arc::new(dz)
                 }
-                None => g.data_arc().clone(),
+                None => g.data_arc()?.clone(),
             };
             let dx = if need_x {
                 let dx = alloc(q, m * k)?;
@@ -140,12 +144,20 @@ pub fn linear(
     Ok(Tensor::from_op_shared(y, vec![m, n], Some(node)))
 }
 
-/// `max(x, 0)`.
+/// `max(x, 0)`, in the input's type (NaN kept).
 pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        Dtype::F32 => relu_f32(q, x),
+        Dtype::Bf16 => relu_lowp::<bf16>(q, x),
+        Dtype::F16 => relu_lowp::<f16>(q, x),
+    }
+}
+
+fn relu_f32(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
     let nn = Nn::get(q.device())?;
     let n = x.numel();
     let y = Arc::new(alloc(q, n)?);
-    nn.k.relu_fwd(q, x.data(), &y, n)?;
+    nn.k.relu_fwd(q, x.data()?, &y, n)?;
     let saved = y.clone();
     let shape = x.shape().to_vec();
     let node = Node {
@@ -154,11 +166,38 @@ pub fn relu(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
         name: "relu",
         backward: Box::new(move |q, nn, g| {
             let dx = alloc(q, n)?;
-            nn.k.relu_bwd(q, g.data(), &saved, &dx, n)?;
+            nn.k.relu_bwd(q, g.data()?, &saved, &dx, n)?;
             Ok(vec![Some(grad_tensor(dx, &shape)?)])
         }),
     };
     Ok(Tensor::from_op_shared(y, x.shape().to_vec(), Some(node)))
+}
+
+fn relu_lowp<T: Float>(q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
+    let k = LowpKernels::get(q.device())?;
+    let n = x.numel();
+    let y = Arc::new(q.alloc::<T>(n)?);
+    k.relu_fwd(q, x.data_as::<T>()?, &y)?;
+    let saved = y.clone();
+    let shape = x.shape().to_vec();
+    let node = Node {
+        unit_backward: None,
+        inputs: vec![x.clone()],
+        name: "relu",
+        backward: Box::new(move |q, _nn, g| {
+            let dx = Arc::new(q.alloc::<T>(n)?);
+            LowpKernels::get(q.device())?.relu_bwd(q, g.data_as::<T>()?, &saved, &dx)?;
+            Ok(vec![Some(Tensor::gradient_typed(
+                TypedBuffer::new(dx),
+                &shape,
+            )?)])
+        }),
+    };
+    Ok(Tensor::from_op_typed(
+        TypedBuffer::new(y),
+        x.shape().to_vec(),
+        Some(node),
+    ))
 }
 
 /// How a loss reduces over elements.
@@ -188,6 +227,8 @@ pub fn mse_loss(
             target.shape()
         ));
     }
+    // An f32 op under autocast: a 16-bit prediction is widened first (exact).
+    let (pred, target) = (&widen(q, pred)?, &widen(q, target)?);
     let k = LossKernels::get(q.device())?;
     let n = pred.numel();
     let scale = match reduction {
@@ -202,8 +243,8 @@ pub fn mse_loss(
     };
     k.mse(
         q,
-        pred.data(),
-        target.data(),
+        pred.data()?,
+        target.data()?,
         grad.as_deref(),
         &loss,
         n,
@@ -247,7 +288,7 @@ fn saved_grad_loss(
         backward: Box::new({
             let (grad, grads) = (grad.clone(), grads.clone());
             move |q, _nn, g| {
-                LossKernels::get(q.device())?.scale_by(q, &grad, g.data(), grad.len())?;
+                LossKernels::get(q.device())?.scale_by(q, &grad, g.data()?, grad.len())?;
                 grads(&grad)
             }
         }),
@@ -331,6 +372,8 @@ pub fn cross_entropy(
         ));
     }
     let (m, c) = (s[0], s[1]);
+    // An f32 op under autocast: 16-bit logits are widened first (exact).
+    let logits = &widen(q, logits)?;
     let k = LossKernels::get(q.device())?;
     let mc = crate::autograd::tensor::numel_checked(&[m, c])?;
     let loss = alloc(q, 1)?;
@@ -342,7 +385,7 @@ pub fn cross_entropy(
     ce_run(
         q,
         &k,
-        logits.data(),
+        logits.data()?,
         targets,
         grad.as_deref(),
         &loss,
@@ -423,12 +466,20 @@ pub fn conv2d(
     let nn = Nn::get(q.device())?;
     let y = alloc(q, g.output_len()?)?;
     // The registry picks the engine per geometry (within CUDAGRAPH_CONV's family).
-    conv2d_forward(q, &nn, &g, x.data(), w.data(), b.map(|b| b.data()), &y)?;
+    conv2d_forward(
+        q,
+        &nn,
+        &g,
+        x.data()?,
+        w.data()?,
+        b.map(|b| b.data()).transpose()?,
+        &y,
+    )?;
     let mut inputs = vec![x.clone(), w.clone()];
     if let Some(b) = b {
         inputs.push(b.clone());
     }
-    let (xd, wd) = (x.data_arc().clone(), w.data_arc().clone());
+    let (xd, wd) = (x.data_arc()?.clone(), w.data_arc()?.clone());
     let (need_x, need_w, need_b) = (
         x.requires_grad(),
         w.requires_grad(),
@@ -441,21 +492,21 @@ pub fn conv2d(
         backward: Box::new(move |q, nn, gy| {
             let dx = if need_x {
                 let dx = alloc(q, g.input_len()?)?;
-                conv2d_backward_data(q, nn, &g, gy.data(), &wd, &dx)?;
+                conv2d_backward_data(q, nn, &g, gy.data()?, &wd, &dx)?;
                 Some(grad_tensor(dx, &[g.n, g.c, g.h, g.w])?)
             } else {
                 None
             };
             let dw = if need_w {
                 let dw = alloc(q, g.weight_len()?)?;
-                conv2d_backward_filter(q, nn, &g, gy.data(), &xd, &dw)?;
+                conv2d_backward_filter(q, nn, &g, gy.data()?, &xd, &dw)?;
                 Some(grad_tensor(dw, &[g.oc, g.c, g.kh, g.kw])?)
             } else {
                 None
             };
             let db = if need_b {
                 let db = alloc(q, g.oc)?;
-                nn.k.channel_sum(q, gy.data(), &db, g.n, g.oc, oh * ow)?;
+                nn.k.channel_sum(q, gy.data()?, &db, g.n, g.oc, oh * ow)?;
                 Some(grad_tensor(db, &[g.oc])?)
             } else {
                 None
@@ -478,7 +529,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
     let total = crate::autograd::tensor::numel_checked(&[planes, oh, ow])?;
     let y = alloc(q, total)?;
     let idx = Arc::new(q.alloc::<i32>(total)?);
-    nn.k.maxpool_fwd(q, x.data(), &y, &idx, planes, (xs[2], xs[3]), k, s)?;
+    nn.k.maxpool_fwd(q, x.data()?, &y, &idx, planes, (xs[2], xs[3]), k, s)?;
     let in_shape = xs.to_vec();
     let n_in = x.numel();
     let node = Node {
@@ -487,7 +538,7 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
         name: "max_pool2d",
         backward: Box::new(move |q, nn, g| {
             let dx = q.alloc_zeroed::<f32>(n_in)?;
-            nn.k.maxpool_bwd(q, g.data(), &idx, &dx, total)?;
+            nn.k.maxpool_bwd(q, g.data()?, &idx, &dx, total)?;
             Ok(vec![Some(grad_tensor(dx, &in_shape)?)])
         }),
     };
@@ -546,7 +597,7 @@ pub fn dropout(
         q,
         gen.state(),
         offset,
-        x.data(),
+        x.data()?,
         &y,
         &mask,
         n,
@@ -562,7 +613,7 @@ pub fn dropout(
         backward: Box::new(move |q, _nn, g| {
             let k = crate::kernels::philox::PhiloxKernels::get(q.device())?;
             let dx = alloc(q, n)?;
-            k.dropout_bwd(q, g.data(), &mask, &dx, n, scale)?;
+            k.dropout_bwd(q, g.data()?, &mask, &dx, n, scale)?;
             Ok(vec![Some(grad_tensor(dx, &shape)?)])
         }),
     };

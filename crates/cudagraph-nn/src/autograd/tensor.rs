@@ -1,4 +1,4 @@
-//! Tensors (f32, contiguous, row-major) and reverse-mode autograd.
+//! Tensors (f32, bf16 or f16; contiguous, row-major) and reverse-mode autograd.
 //!
 //! Every operation that has an input needing a gradient records a node (its inputs and a
 //! backward closure) on its output, as PyTorch does. [`Tensor::backward`] walks the nodes from a
@@ -18,7 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
+use crate::dtype::{Dtype, Float, TypedBuffer};
 use crate::error::{NnError, Result};
+use crate::kernels::lowp::LowpKernels;
 use crate::kernels::Nn;
 
 thread_local! {
@@ -68,7 +70,7 @@ pub(crate) struct Node {
 }
 
 struct Inner {
-    data: Arc<DeviceBuffer<f32>>,
+    data: TypedBuffer,
     shape: Vec<usize>,
     requires_grad: bool,
     node: Mutex<Option<Node>>,
@@ -88,8 +90,12 @@ impl fmt::Debug for Tensor {
         let op = lock(&self.0.node).as_ref().map(|n| n.name);
         write!(
             f,
-            "Tensor{:?}{}{}",
+            "Tensor{:?}{}{}{}",
             self.0.shape,
+            match self.dtype() {
+                Dtype::F32 => String::new(),
+                d => format!(" {d}"),
+            },
             if self.0.requires_grad {
                 " requires_grad"
             } else {
@@ -119,6 +125,12 @@ pub(crate) fn numel_checked(shape: &[usize]) -> Result<usize> {
 impl Tensor {
     /// Wraps a device buffer (no gradient). The buffer's length must match the shape.
     pub fn from_buffer(data: Arc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+        Self::from_typed(TypedBuffer::F32(data), shape)
+    }
+
+    /// Wraps a device buffer of any element type (no gradient). The buffer's length must
+    /// match the shape.
+    pub fn from_typed(data: TypedBuffer, shape: &[usize]) -> Result<Self> {
         if data.len() != numel(shape) {
             return Err(NnError::Shape(format!(
                 "a buffer of {} elements cannot have shape {shape:?}",
@@ -129,7 +141,7 @@ impl Tensor {
     }
 
     fn leaf(
-        data: Arc<DeviceBuffer<f32>>,
+        data: TypedBuffer,
         shape: Vec<usize>,
         requires_grad: bool,
         param: Option<Parameter>,
@@ -156,6 +168,11 @@ impl Tensor {
     /// saved gradient, held by its node until the node is freed): adoption waits until every
     /// other `Arc` is gone, and copies otherwise.
     pub(crate) fn gradient_shared(data: Arc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
+        Self::gradient_typed(TypedBuffer::F32(data), shape)
+    }
+
+    /// As [`Self::gradient_shared`], for a buffer of any element type.
+    pub(crate) fn gradient_typed(data: TypedBuffer, shape: &[usize]) -> Result<Self> {
         if data.len() != numel(shape) {
             return Err(NnError::Shape(format!(
                 "a gradient of {} elements cannot have shape {shape:?}",
@@ -174,10 +191,16 @@ impl Tensor {
 
     /// A gradient of ones (the implicit upstream gradient of a non-loss root), made by
     /// autograd.
-    fn ones_gradient(q: &dyn Queue, shape: &[usize]) -> Result<Self> {
+    fn ones_gradient(q: &dyn Queue, shape: &[usize], dtype: Dtype) -> Result<Self> {
         let b = q.alloc::<f32>(numel_checked(shape)?)?;
         q.fill32(&b, 0, b.len(), 1.0)?;
-        Self::gradient(b, shape)
+        match dtype {
+            Dtype::F32 => Self::gradient(b, shape),
+            d => Self::gradient_typed(
+                crate::kernels::cast::cast_new(q, &TypedBuffer::F32(Arc::new(b)), d)?,
+                shape,
+            ),
+        }
     }
 
     /// Whether autograd may keep this tensor's buffer as a gradient and write it later: it was
@@ -186,8 +209,11 @@ impl Tensor {
     /// counts: `DeviceBuffer::alias` and raw addresses share memory without sharing the `Arc`.
     fn adoptable(&mut self) -> bool {
         self.0.autograd_owned
-            && Arc::get_mut(&mut self.0)
-                .is_some_and(|inner| Arc::get_mut(&mut inner.data).is_some())
+            && Arc::get_mut(&mut self.0).is_some_and(|inner| match &mut inner.data {
+                TypedBuffer::F32(b) => Arc::get_mut(b).is_some(),
+                TypedBuffer::Bf16(b) => Arc::get_mut(b).is_some(),
+                TypedBuffer::F16(b) => Arc::get_mut(b).is_some(),
+            })
     }
 
     /// This gradient as a buffer autograd may write: itself when [`Self::adoptable`], else a
@@ -196,9 +222,17 @@ impl Tensor {
         if self.adoptable() {
             return Ok(self);
         }
-        let own = q.alloc::<f32>(self.0.data.len())?;
-        q.copy(&self.0.data, &own)?;
-        Self::gradient(own, &self.0.shape)
+        fn copy<T: Float>(q: &dyn Queue, b: &DeviceBuffer<T>) -> Result<TypedBuffer> {
+            let own = q.alloc::<T>(b.len())?;
+            q.copy(b, &own)?;
+            Ok(TypedBuffer::new(Arc::new(own)))
+        }
+        let own = match &self.0.data {
+            TypedBuffer::F32(b) => copy(q, b)?,
+            TypedBuffer::Bf16(b) => copy(q, b)?,
+            TypedBuffer::F16(b) => copy(q, b)?,
+        };
+        Self::gradient_typed(own, &self.0.shape)
     }
 
     /// A new tensor computed by an operation; records `node` when any input needs a gradient.
@@ -212,6 +246,11 @@ impl Tensor {
         shape: Vec<usize>,
         node: Option<Node>,
     ) -> Self {
+        Self::from_op_typed(TypedBuffer::F32(data), shape, node)
+    }
+
+    /// As [`Self::from_op_shared`], for an output of any element type.
+    pub(crate) fn from_op_typed(data: TypedBuffer, shape: Vec<usize>, node: Option<Node>) -> Self {
         let node = node.filter(|n| grad_enabled() && n.inputs.iter().any(|t| t.requires_grad()));
         Tensor(Arc::new(Inner {
             data,
@@ -255,8 +294,14 @@ impl Tensor {
 
     /// Copies host data into a new tensor (eager).
     pub fn from_host(s: &Stream, data: &[f32], shape: &[usize]) -> Result<Self> {
+        Self::from_host_as(s, data, shape)
+    }
+
+    /// Copies host data of any element type (`f32`, `half::bf16`, `half::f16`) into a new
+    /// tensor of that type (eager).
+    pub fn from_host_as<T: Float>(s: &Stream, data: &[T], shape: &[usize]) -> Result<Self> {
         let buf = s.alloc_from_host(data)?;
-        Self::from_buffer(Arc::new(buf), shape)
+        Self::from_typed(TypedBuffer::new(Arc::new(buf)), shape)
     }
 
     /// A zero-filled tensor.
@@ -282,13 +327,38 @@ impl Tensor {
         numel(&self.0.shape)
     }
 
-    /// The values on the device, row-major.
-    pub fn data(&self) -> &DeviceBuffer<f32> {
-        &self.0.data
+    /// The parameter this tensor is a leaf of ([`Parameter::tensor`]), if any.
+    pub fn param(&self) -> Option<&Parameter> {
+        self.0.param.as_ref()
     }
 
-    /// The values' buffer as the shared handle the tensor holds.
-    pub fn data_arc(&self) -> &Arc<DeviceBuffer<f32>> {
+    /// The element type.
+    pub fn dtype(&self) -> Dtype {
+        self.0.data.dtype()
+    }
+
+    /// The values on the device, row-major, of an f32 tensor (`NnError::Dtype` for another
+    /// element type: see [`Self::data_as`]).
+    pub fn data(&self) -> Result<&DeviceBuffer<f32>> {
+        Ok(self.data_as::<f32>()?)
+    }
+
+    /// The values' buffer of an f32 tensor as the shared handle the tensor holds.
+    pub fn data_arc(&self) -> Result<&Arc<DeviceBuffer<f32>>> {
+        self.data_as::<f32>()
+    }
+
+    /// The values' buffer as one of `T`; `NnError::Dtype` when the tensor holds another type.
+    pub fn data_as<T: Float>(&self) -> Result<&Arc<DeviceBuffer<T>>> {
+        self.0.data.get::<T>().ok_or(NnError::Dtype {
+            what: "tensor",
+            expected: T::DTYPE.name(),
+            found: self.dtype().name(),
+        })
+    }
+
+    /// The values' buffer, whatever its element type.
+    pub fn buffer(&self) -> &TypedBuffer {
         &self.0.data
     }
 
@@ -298,9 +368,13 @@ impl Tensor {
         self.0.requires_grad
     }
 
-    /// Waits for the stream and returns the values.
+    /// Waits for the stream and returns the values as f32 (exact for every element type).
     pub fn to_vec(&self, s: &Stream) -> Result<Vec<f32>> {
-        Ok(s.to_vec(&self.0.data)?)
+        Ok(match &self.0.data {
+            TypedBuffer::F32(b) => s.to_vec(b)?,
+            TypedBuffer::Bf16(b) => s.to_vec(b)?.into_iter().map(|v| v.to_f32()).collect(),
+            TypedBuffer::F16(b) => s.to_vec(b)?.into_iter().map(|v| v.to_f32()).collect(),
+        })
     }
 
     fn key(&self) -> usize {
@@ -412,7 +486,7 @@ impl Tensor {
             if let Some(p) = &t.0.param {
                 let g = match g {
                     Some(g) => g,
-                    None => Tensor::ones_gradient(q, t.shape())?,
+                    None => Tensor::ones_gradient(q, t.shape(), t.dtype())?,
                 };
                 p.accumulate(q, &nn, g)?;
                 if let Some(e) = &mut early {
@@ -426,7 +500,9 @@ impl Tensor {
             let input_grads = match (&g, &node.unit_backward) {
                 (Some(g), _) => (node.backward)(q, &nn, g)?,
                 (None, Some(unit)) => unit(q, &nn)?,
-                (None, None) => (node.backward)(q, &nn, &Tensor::ones_gradient(q, t.shape())?)?,
+                (None, None) => {
+                    (node.backward)(q, &nn, &Tensor::ones_gradient(q, t.shape(), t.dtype())?)?
+                }
             };
             for (inp, ig) in node.inputs.iter().zip(input_grads) {
                 let Some(ig) = ig else { continue };
@@ -438,7 +514,7 @@ impl Tensor {
                 let acc = match grads.remove(&inp.key()) {
                     Some(acc) => {
                         let acc = acc.into_owned_gradient(q)?;
-                        nn.k.add_inplace(q, acc.data(), ig.data())?;
+                        add_into(q, &nn, acc.buffer(), ig.buffer())?;
                         acc
                     }
                     None => ig,
@@ -605,6 +681,24 @@ impl EarlyLeaves {
     }
 }
 
+/// `acc += g` for two gradients of one element type (f32 accumulation).
+fn add_into(q: &dyn Queue, nn: &Nn, acc: &TypedBuffer, g: &TypedBuffer) -> Result<()> {
+    match (acc, g) {
+        (TypedBuffer::F32(a), TypedBuffer::F32(b)) => nn.k.add_inplace(q, a, b),
+        (TypedBuffer::Bf16(a), TypedBuffer::Bf16(b)) => {
+            LowpKernels::get(q.device())?.add_inplace(q, a.as_ref(), b.as_ref())
+        }
+        (TypedBuffer::F16(a), TypedBuffer::F16(b)) => {
+            LowpKernels::get(q.device())?.add_inplace(q, a.as_ref(), b.as_ref())
+        }
+        (a, b) => Err(NnError::Dtype {
+            what: "gradient",
+            expected: a.dtype().name(),
+            found: b.dtype().name(),
+        }),
+    }
+}
+
 struct ParamInner {
     name: String,
     data: Arc<DeviceBuffer<f32>>,
@@ -667,7 +761,7 @@ impl Parameter {
     /// The parameter as a tensor that records gradients.
     pub fn tensor(&self) -> Tensor {
         Tensor::leaf(
-            self.0.data.clone(),
+            TypedBuffer::F32(self.0.data.clone()),
             self.0.shape.clone(),
             true,
             Some(self.clone()),
@@ -733,11 +827,12 @@ impl Parameter {
     fn accumulate(&self, q: &dyn Queue, nn: &Nn, g: Tensor) -> Result<()> {
         let mut slot = lock(&self.0.grad);
         match slot.as_ref() {
-            Some(acc) => nn.k.add_inplace(q, acc, g.data()),
+            Some(acc) => nn.k.add_inplace(q, acc, g.data()?),
             None => {
                 // Adopt the buffer only if it is autograd's alone; a caller's tensor is copied
                 // (accumulation and `zero_grad` write the gradient in place later).
-                *slot = Some(g.into_owned_gradient(q)?.0.data.clone());
+                let own = g.into_owned_gradient(q)?;
+                *slot = Some(own.data_arc()?.clone());
                 Ok(())
             }
         }
@@ -768,7 +863,8 @@ mod tests {
         let mut caller_view = caller.reshape(&[2, 2]).unwrap();
         drop(caller);
         assert!(!caller_view.adoptable());
-        let mut aliased = Tensor::from_buffer(Arc::new(caller_view.data().alias()), &[4]).unwrap();
+        let mut aliased =
+            Tensor::from_buffer(Arc::new(caller_view.data().unwrap().alias()), &[4]).unwrap();
         assert!(!aliased.adoptable());
 
         // Autograd's own gradient, held only here: adopted.
@@ -780,7 +876,7 @@ mod tests {
         drop(clone);
         assert!(g.adoptable());
         // Not while its buffer has another holder (a loss node's saved gradient).
-        let saved = g.data_arc().clone();
+        let saved = g.data_arc().unwrap().clone();
         assert!(!g.adoptable());
         drop(saved);
         assert!(g.adoptable());

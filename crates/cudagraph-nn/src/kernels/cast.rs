@@ -15,8 +15,9 @@
 use std::sync::Arc;
 
 use cudagraph::memory::{bf16, f16};
-use cudagraph::{Arg, Device, DeviceBuffer, Elem, Function, LaunchConfig, Queue};
+use cudagraph::{Arg, Device, DeviceBuffer, Elem, Function, LaunchConfig, Queue, QueueExt};
 
+use crate::dtype::{Dtype, TypedBuffer};
 use crate::error::{NnError, Result};
 
 /// The CUDA source of the module.
@@ -123,6 +124,38 @@ pub fn from_bf16(q: &dyn Queue, src: &DeviceBuffer<bf16>, dst: &DeviceBuffer<f32
 pub fn from_f16(q: &dyn Queue, src: &DeviceBuffer<f16>, dst: &DeviceBuffer<f32>) -> Result<()> {
     let k = CastKernels::get(q.device())?;
     cast(q, &k.f16_f32, "cast f16 → f32", src, dst)
+}
+
+/// A new buffer holding `src` converted to `to` (allocated on `q`): narrowing rounds to
+/// nearest even, widening is exact, bf16 ↔ f16 goes through f32 (exact, then one rounding).
+/// The same type gives `src` itself (no copy).
+pub(crate) fn cast_new(q: &dyn Queue, src: &TypedBuffer, to: Dtype) -> Result<TypedBuffer> {
+    let n = src.len();
+    Ok(match (src, to) {
+        (s, d) if s.dtype() == d => s.clone(),
+        (TypedBuffer::F32(s), Dtype::Bf16) => {
+            let d = q.alloc::<bf16>(n)?;
+            to_bf16(q, s, &d)?;
+            TypedBuffer::Bf16(Arc::new(d))
+        }
+        (TypedBuffer::F32(s), Dtype::F16) => {
+            let d = q.alloc::<f16>(n)?;
+            to_f16(q, s, &d)?;
+            TypedBuffer::F16(Arc::new(d))
+        }
+        (TypedBuffer::Bf16(s), d) => {
+            let w = q.alloc::<f32>(n)?;
+            from_bf16(q, s, &w)?;
+            cast_new(q, &TypedBuffer::F32(Arc::new(w)), d)?
+        }
+        (TypedBuffer::F16(s), d) => {
+            let w = q.alloc::<f32>(n)?;
+            from_f16(q, s, &w)?;
+            cast_new(q, &TypedBuffer::F32(Arc::new(w)), d)?
+        }
+        // Every (F32, d) with d != F32 is above.
+        (TypedBuffer::F32(s), _) => TypedBuffer::F32(s.clone()),
+    })
 }
 
 #[cfg(test)]

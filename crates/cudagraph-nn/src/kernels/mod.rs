@@ -27,6 +27,7 @@ pub mod elementwise;
 pub mod gemm;
 pub mod igemm;
 pub mod losses;
+pub mod lowp;
 pub mod optim_mt;
 pub mod pdl;
 pub mod philox;
@@ -81,6 +82,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_rng", format!("{pdl}{}", philox::SOURCE)),
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
+        ("cudagraph_nn_lowp", lowp::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

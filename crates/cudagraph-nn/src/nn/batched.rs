@@ -42,7 +42,7 @@ impl<M: NnModule> BatchModel for Batched<M> {
             shape.extend(&self.row_shape);
             let x = Tensor::from_buffer(Arc::new(input.alias()), &shape)?;
             let y = self.module.forward(q, &x)?;
-            Ok(y.data().alias())
+            Ok(y.data()?.alias())
         })
     }
 }

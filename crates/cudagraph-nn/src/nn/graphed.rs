@@ -164,7 +164,7 @@ impl<M: NnModule> GraphedModule<M> {
         let input_grad = take(&input)?;
         let param_grads = params.iter().map(take).collect::<Result<Vec<_>>>()?;
         // The output the caller sees is detached from the captured autograd nodes.
-        let output = Tensor::from_buffer(output.data_arc().clone(), output.shape())?;
+        let output = Tensor::from_buffer(output.data_arc()?.clone(), output.shape())?;
         Ok(Self {
             module,
             fwd,
@@ -202,10 +202,10 @@ impl<M: NnModule> GraphedModule<M> {
             )));
         }
         let turn = self.turns.begin_forward()?;
-        QueueExt::copy(s, x.data(), self.input.data())?;
+        QueueExt::copy(s, x.data()?, self.input.data())?;
         self.fwd.replay(s)?;
         let out = s.alloc::<f32>(self.output.numel())?;
-        QueueExt::copy(s, self.output.data(), &out)?;
+        QueueExt::copy(s, self.output.data()?, &out)?;
         let params = self.module.parameters();
         let mut inputs = vec![x.clone()];
         inputs.extend(params.iter().map(Parameter::tensor));
@@ -220,7 +220,7 @@ impl<M: NnModule> GraphedModule<M> {
             name: "graphed_module",
             backward: Box::new(move |q: &dyn Queue, _nn, g| {
                 turn.begin_backward()?;
-                q.copy(g.data(), &gout)?;
+                q.copy(g.data()?, &gout)?;
                 bwd.replay_on(q.stream_handle())?;
                 let copy =
                     |src: &cudagraph::DeviceBuffer<f32>, shape: &[usize]| -> Result<Tensor> {

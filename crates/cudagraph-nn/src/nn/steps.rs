@@ -192,7 +192,7 @@ pub fn step_if_finite<O: Optimizer + ?Sized>(
     let sk = StepKernels::get(cs.device())?;
     let flag = Arc::new(cs.alloc::<u32>(1)?);
     cs.fill32(&flag, 0, 1, 1u32)?;
-    sk.check_finite(cs, loss.data(), &flag)?;
+    sk.check_finite(cs, loss.data()?, &flag)?;
     for p in opt.params() {
         if let Some(g) = p.grad() {
             sk.check_finite(cs, &g, &flag)?;

@@ -1,0 +1,248 @@
+//! Elementwise kernels and reductions on bf16 and f16 buffers (`lowp.cu`, compiled after
+//! `cast.cu` as its own NVRTC module): one CUDA template per operation instantiated per 16-bit
+//! type. Values are widened to f32, computed in f32 and rounded to nearest even once on store;
+//! sums accumulate in f32 in a fixed order (deterministic).
+//!
+//! Every launcher is generic over [`Float`] and checks the element type (bf16 or f16; an f32
+//! buffer is `NnError::Dtype`, its kernels are [`Nn`](super::Nn)'s) and every extent first.
+
+use std::sync::Arc;
+
+use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+
+use crate::dtype::{Dtype, Float};
+use crate::error::{NnError, Result};
+use crate::extent::{need, prod};
+
+/// The CUDA source of the module (after the cast module's conversions).
+pub fn source() -> String {
+    format!("{}{}", super::cast::SOURCE, include_str!("lowp.cu"))
+}
+
+/// One kernel per 16-bit type.
+struct Pair {
+    bf16: Function,
+    f16: Function,
+}
+
+impl Pair {
+    fn load(m: &cudagraph::Module, name: &str) -> Result<Self> {
+        Ok(Pair {
+            bf16: m.function(&format!("{name}_bf16"))?,
+            f16: m.function(&format!("{name}_f16"))?,
+        })
+    }
+
+    /// The kernel for `T`; f32 is not this module's.
+    fn of<T: Float>(&self, what: &'static str) -> Result<&Function> {
+        match T::DTYPE {
+            Dtype::Bf16 => Ok(&self.bf16),
+            Dtype::F16 => Ok(&self.f16),
+            Dtype::F32 => Err(NnError::Dtype {
+                what,
+                expected: "bf16 or f16",
+                found: "f32",
+            }),
+        }
+    }
+}
+
+/// The 16-bit kernels of one device (a [`Device::extension`]).
+pub struct LowpKernels {
+    add_inplace: Pair,
+    relu_fwd: Pair,
+    relu_bwd: Pair,
+    col_sum: Pair,
+    col_sum_f32: Pair,
+}
+
+/// Threads per block of the elementwise kernels.
+const BLOCK: u32 = 256;
+/// Most blocks of one elementwise launch; the kernels stride over the rest.
+const MAX_BLOCKS: usize = 65_536;
+
+fn elems(n: usize) -> LaunchConfig {
+    LaunchConfig::linear(
+        n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32,
+        BLOCK,
+    )
+}
+
+fn long(what: &'static str, n: usize) -> Result<Arg<'static>> {
+    Ok(Arg::I64(i64::try_from(n).map_err(|_| {
+        NnError::Shape(format!("{what}: {n} elements exceed i64"))
+    })?))
+}
+
+fn int(what: &'static str, n: usize) -> Result<Arg<'static>> {
+    Ok(Arg::I32(i32::try_from(n).map_err(|_| {
+        NnError::Shape(format!("{what}: {n} exceeds the kernel's i32"))
+    })?))
+}
+
+impl LowpKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        Ok(device.extension(|d| {
+            // Relaxed capture mode: the first use may be inside a capture (module loading).
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_lowp",
+                    &super::module_source("cudagraph_nn_lowp"),
+                )
+            })?;
+            Ok(LowpKernels {
+                add_inplace: Pair::load(&m, "add_inplace")?,
+                relu_fwd: Pair::load(&m, "relu_fwd")?,
+                relu_bwd: Pair::load(&m, "relu_bwd")?,
+                col_sum: Pair::load(&m, "col_sum")?,
+                col_sum_f32: Pair {
+                    bf16: m.function("col_sum_bf16_f32")?,
+                    f16: m.function("col_sum_f16_f32")?,
+                },
+            })
+        })?)
+    }
+
+    /// `a[i] += b[i]` for every element of `a` (`b` at least as long).
+    pub fn add_inplace<T: Float>(
+        &self,
+        q: &dyn Queue,
+        a: &DeviceBuffer<T>,
+        b: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        let f = self.add_inplace.of::<T>("add_inplace")?;
+        let n = a.len();
+        need("add_inplace b", b, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: add_inplace_{bf16,f16}(T* a, const T* b, long long n) reads a[i], b[i] and
+        // writes a[i] for i < n only; both hold n elements of the kernel's 2-byte type.
+        unsafe { Ok(q.launch(f, elems(n), &[a.into(), b.into(), long("add_inplace", n)?])?) }
+    }
+
+    /// `y[i] = max(x[i], 0)` over `x` (NaN kept); `y` as long.
+    pub fn relu_fwd<T: Float>(
+        &self,
+        q: &dyn Queue,
+        x: &DeviceBuffer<T>,
+        y: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        let f = self.relu_fwd.of::<T>("relu")?;
+        let n = x.len();
+        need("relu y", y, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: relu_fwd_{bf16,f16}(const T* x, T* y, long long n) touches i < n only; both
+        // buffers hold n elements.
+        unsafe { Ok(q.launch(f, elems(n), &[x.into(), y.into(), long("relu", n)?])?) }
+    }
+
+    /// `dx[i] = dy[i]` where `y[i] > 0`, else 0, over `dy` (`y`, `dx` as long).
+    pub fn relu_bwd<T: Float>(
+        &self,
+        q: &dyn Queue,
+        dy: &DeviceBuffer<T>,
+        y: &DeviceBuffer<T>,
+        dx: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        let f = self.relu_bwd.of::<T>("relu backward")?;
+        let n = dy.len();
+        need("relu backward y", y, n)?;
+        need("relu backward dx", dx, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: relu_bwd_{bf16,f16}(const T* dy, const T* y, T* dx, long long n) touches
+        // i < n only; the three buffers hold n elements.
+        unsafe {
+            Ok(q.launch(
+                f,
+                elems(n),
+                &[dy.into(), y.into(), dx.into(), long("relu backward", n)?],
+            )?)
+        }
+    }
+
+    /// `db[c] = Σ_r dy[r, c]` for `dy: [rows, cols]`, summed in f32 in a fixed order, stored
+    /// as `O` (`T` itself, or f32).
+    pub fn col_sum<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        dy: &DeviceBuffer<T>,
+        db: &DeviceBuffer<O>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let f = if O::DTYPE == Dtype::F32 {
+            self.col_sum_f32.of::<T>("col_sum")?
+        } else if O::DTYPE == T::DTYPE {
+            self.col_sum.of::<T>("col_sum")?
+        } else {
+            return Err(NnError::Dtype {
+                what: "col_sum output",
+                expected: T::DTYPE.name(),
+                found: O::DTYPE.name(),
+            });
+        };
+        need("col_sum dy", dy, prod("col_sum", &[rows, cols])?)?;
+        need("col_sum db", db, cols)?;
+        if cols == 0 {
+            return Ok(());
+        }
+        let (r, c) = (int("col_sum rows", rows)?, int("col_sum cols", cols)?);
+        let grid = u32::try_from(cols)
+            .map_err(|_| NnError::Shape(format!("col_sum: {cols} columns exceed the grid")))?;
+        // SAFETY: col_sum_*(const T* dy, O* db, int rows, int cols): block c < cols reads
+        // dy[r·cols + c] for r < rows and writes db[c]; the extents were checked above, the
+        // block is 256 threads (the kernel's shared array).
+        unsafe {
+            Ok(q.launch(
+                f,
+                LaunchConfig::linear(grid, 256),
+                &[dy.into(), db.into(), r, c],
+            )?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_is_instantiated_for_both_types() {
+        let src = source();
+        for k in [
+            "add_inplace",
+            "relu_fwd",
+            "relu_bwd",
+            "col_sum",
+            "col_sum_##S##_f32",
+        ] {
+            let name = if k.contains("##") {
+                k.to_string()
+            } else {
+                format!("{k}_##S")
+            };
+            assert!(src.contains(&format!("void {name}(")), "{name}");
+        }
+        assert!(src.contains("LOWP_INSTANCES(bf16_t, bf16)"));
+        assert!(src.contains("LOWP_INSTANCES(f16_t, f16)"));
+        assert!(
+            !src.contains("#include"),
+            "no header: NVRTC has no include path here"
+        );
+    }
+
+    #[test]
+    fn launches_are_bounded_and_integers_checked() {
+        assert_eq!(elems(1).grid.0, 1);
+        assert_eq!(elems(usize::MAX).grid.0 as usize, MAX_BLOCKS);
+        assert!(long("x", usize::MAX).is_err());
+        assert!(int("x", 1 << 31).is_err());
+        assert!(int("x", (1 << 31) - 1).is_ok());
+    }
+}
