@@ -174,3 +174,58 @@ fn misuse_reading_a_16_bit_tensor_as_f32_is_a_dtype_error() {
     // A shape that does not match the values.
     assert!(Tensor::from_host_as(&s, &[f16::ONE; 7], &[2, 4]).is_err());
 }
+
+#[test]
+fn sixteen_bit_max_pool_selects_exactly_and_routes_gradients_to_the_argmax() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let (n, c, h, w, k, st) = (2, 3, 9, 7, 3, 2);
+    let v = HostRng::new(5).vec_normal(n * c * h * w);
+    let (oh, ow) = ((h - k) / st + 1, (w - k) / st + 1);
+    for d in [Dtype::Bf16, Dtype::F16] {
+        let p = Parameter::from_host(&s, "x", &v, &[n, c, h, w]).unwrap();
+        let x = p.tensor().to_dtype(&s, d).unwrap();
+        let y = max_pool2d(&s, &x, k, st).unwrap();
+        assert_eq!((y.dtype(), y.shape()), (d, &[n, c, oh, ow][..]));
+        let got = y.to_vec(&s).unwrap();
+        // Upstream gradient 2·y (from sum(y²)): every input gets 2·y at the outputs whose
+        // window maximum it is (overlapping windows add), rounded to d once.
+        let loss = mse_loss(
+            &s,
+            &y,
+            &Tensor::zeros(&s, &[n, c, oh, ow]).unwrap(),
+            Reduction::Sum,
+        )
+        .unwrap();
+        loss.backward(&s).unwrap();
+        let grad = s.to_vec(&p.grad().unwrap()).unwrap();
+        let mut want_grad = vec![0f64; v.len()];
+        for pl in 0..n * c {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let (mut best, mut arg) = (f32::NEG_INFINITY, 0);
+                    for a in 0..k {
+                        for b in 0..k {
+                            let idx = (pl * h + i * st + a) * w + j * st + b;
+                            let val = round_to(d, v[idx]);
+                            if val > best {
+                                best = val;
+                                arg = idx;
+                            }
+                        }
+                    }
+                    let o = (pl * oh + i) * ow + j;
+                    assert!(same(got[o], best), "{d} y[{o}]");
+                    want_grad[arg] += round_to(d, 2.0 * best) as f64;
+                }
+            }
+        }
+        for (i, (g, w)) in grad.iter().zip(&want_grad).enumerate() {
+            let w = round_to(d, *w as f32);
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{d} dx[{i}]: {g} vs {w}"
+            );
+        }
+    }
+}

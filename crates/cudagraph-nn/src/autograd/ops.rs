@@ -523,6 +523,11 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
     if xs.len() != 4 || k == 0 || s == 0 || xs[2] < k || xs[3] < k {
         return shape_err(format!("max_pool2d: input {xs:?}, window {k}, stride {s}"));
     }
+    match x.dtype() {
+        Dtype::F32 => {}
+        Dtype::Bf16 => return max_pool2d_lowp::<bf16>(q, x, k, s),
+        Dtype::F16 => return max_pool2d_lowp::<f16>(q, x, k, s),
+    }
     let planes = xs[0] * xs[1];
     let (oh, ow) = ((xs[2] - k) / s + 1, (xs[3] - k) / s + 1);
     let nn = Nn::get(q.device())?;
@@ -543,6 +548,38 @@ pub fn max_pool2d(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tenso
         }),
     };
     Ok(Tensor::from_op(y, vec![xs[0], xs[1], oh, ow], Some(node)))
+}
+
+/// [`max_pool2d`] of a 16-bit tensor: values selected as they are; the backward pass scatters
+/// into an f32 gradient (atomic adds) and rounds it to the input's type once.
+fn max_pool2d_lowp<T: Float>(q: &dyn Queue, x: &Tensor, k: usize, s: usize) -> Result<Tensor> {
+    let xs = x.shape();
+    let planes = numel_checked(&xs[..2])?;
+    let (oh, ow) = ((xs[2] - k) / s + 1, (xs[3] - k) / s + 1);
+    let lk = LowpKernels::get(q.device())?;
+    let total = numel_checked(&[planes, oh, ow])?;
+    let y = Arc::new(q.alloc::<T>(total)?);
+    let idx = Arc::new(q.alloc::<i32>(total)?);
+    lk.maxpool_fwd(q, x.data_as::<T>()?, &y, &idx, planes, (xs[2], xs[3]), k, s)?;
+    let in_shape = xs.to_vec();
+    let n_in = x.numel();
+    let node = Node {
+        unit_backward: None,
+        inputs: vec![x.clone()],
+        name: "max_pool2d",
+        backward: Box::new(move |q, _nn, g| {
+            let lk = LowpKernels::get(q.device())?;
+            let dx = q.alloc_zeroed::<f32>(n_in)?;
+            lk.maxpool_bwd(q, g.data_as::<T>()?, &idx, &dx, total)?;
+            let dx = crate::kernels::cast::cast_new(q, &TypedBuffer::F32(Arc::new(dx)), T::DTYPE)?;
+            Ok(vec![Some(Tensor::gradient_typed(dx, &in_shape)?)])
+        }),
+    };
+    Ok(Tensor::from_op_typed(
+        TypedBuffer::new(y),
+        vec![xs[0], xs[1], oh, ow],
+        Some(node),
+    ))
 }
 
 /// `[n, ...] -> [n, prod(...)]`.

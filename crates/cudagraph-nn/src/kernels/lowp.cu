@@ -46,6 +46,44 @@ __device__ __forceinline__ void col_sum_n(const T* dy, O* db, int rows, int cols
     if (threadIdx.x == 0) db[c] = from_f32<O>(part[0]);
 }
 
+// Max pooling over planes as maxpool_fwd in pool.cu (the same rule: start at -inf, take a
+// value that is greater or NaN; idx keeps the argmax), values compared in f32 and stored as
+// they are (no rounding).
+template <typename T>
+__device__ __forceinline__ void maxpool_fwd_n(const T* x, T* y, int* idx, int planes, int H, int W,
+                                              int K, int S, int OH, int OW) {
+    LOWP_LOOP(i, (long long)planes * OH * OW) {
+        int ow = (int)(i % OW);
+        long long t = i / OW;
+        int oh = (int)(t % OH);
+        int p = (int)(t / OH);
+        float best = __int_as_float(0xff800000);
+        int arg = (p * H + oh * S) * W + ow * S;
+        for (int a = 0; a < K; a++)
+            for (int b = 0; b < K; b++) {
+                int h = oh * S + a, w = ow * S + b;
+                if (h < H && w < W) {
+                    int j = (p * H + h) * W + w;
+                    float v = to_f32(x[j]);
+                    if (v > best || v != v) { best = v; arg = j; }
+                }
+            }
+        y[i] = x[arg];
+        idx[i] = arg;
+    }
+}
+
+// dx[idx[i]] += dy[i] into an f32 gradient (zeroed by the caller; cast to T afterwards).
+template <typename T>
+__device__ __forceinline__ void maxpool_bwd_n(const T* dy, const int* idx, float* dx, long long n,
+                                              long long n_in) {
+    LOWP_LOOP(i, n) {
+        long long j = idx[i];
+        j = j < 0 ? 0 : (j >= n_in ? n_in - 1 : j);
+        atomicAdd(&dx[j], to_f32(dy[i]));
+    }
+}
+
 #define LOWP_INSTANCES(T, S)                                                                 \
     extern "C" __global__ void add_inplace_##S(T* a, const T* b, long long n) {              \
         add_inplace_n<T>(a, b, n);                                                           \
@@ -61,6 +99,14 @@ __device__ __forceinline__ void col_sum_n(const T* dy, O* db, int rows, int cols
     }                                                                                        \
     extern "C" __global__ void col_sum_##S##_f32(const T* dy, float* db, int rows, int cols) { \
         col_sum_n<T, float>(dy, db, rows, cols);                                             \
+    }                                                                                        \
+    extern "C" __global__ void maxpool_fwd_##S(const T* x, T* y, int* idx, int planes, int H, \
+                                               int W, int K, int S_, int OH, int OW) {       \
+        maxpool_fwd_n<T>(x, y, idx, planes, H, W, K, S_, OH, OW);                            \
+    }                                                                                        \
+    extern "C" __global__ void maxpool_bwd_##S(const T* dy, const int* idx, float* dx,       \
+                                               long long n, long long n_in) {                \
+        maxpool_bwd_n<T>(dy, idx, dx, n, n_in);                                              \
     }
 
 LOWP_INSTANCES(bf16_t, bf16)

@@ -54,6 +54,8 @@ pub struct LowpKernels {
     relu_bwd: Pair,
     col_sum: Pair,
     col_sum_f32: Pair,
+    maxpool_fwd: Pair,
+    maxpool_bwd: Pair,
 }
 
 /// Threads per block of the elementwise kernels.
@@ -96,6 +98,8 @@ impl LowpKernels {
                 relu_fwd: Pair::load(&m, "relu_fwd")?,
                 relu_bwd: Pair::load(&m, "relu_bwd")?,
                 col_sum: Pair::load(&m, "col_sum")?,
+                maxpool_fwd: Pair::load(&m, "maxpool_fwd")?,
+                maxpool_bwd: Pair::load(&m, "maxpool_bwd")?,
                 col_sum_f32: Pair {
                     bf16: m.function("col_sum_bf16_f32")?,
                     f16: m.function("col_sum_f16_f32")?,
@@ -205,6 +209,89 @@ impl LowpKernels {
                 &[dy.into(), db.into(), r, c],
             )?)
         }
+    }
+}
+
+impl LowpKernels {
+    /// Max pooling of `planes` planes of `h × w` (window `k`, stride `s`) from `x` into `y`,
+    /// with the argmax of each output in `idx`; returns the output size `(oh, ow)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn maxpool_fwd<T: Float>(
+        &self,
+        q: &dyn Queue,
+        x: &DeviceBuffer<T>,
+        y: &DeviceBuffer<T>,
+        idx: &DeviceBuffer<i32>,
+        planes: usize,
+        (h, w): (usize, usize),
+        k: usize,
+        s: usize,
+    ) -> Result<(usize, usize)> {
+        let f = self.maxpool_fwd.of::<T>("max_pool2d")?;
+        if k == 0 || s == 0 || h < k || w < k {
+            return Err(NnError::Shape(format!(
+                "max_pool2d: {h}×{w} input, window {k}, stride {s}"
+            )));
+        }
+        let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
+        let n_in = prod("max_pool2d input", &[planes, h, w])?;
+        let n_out = prod("max_pool2d output", &[planes, oh, ow])?;
+        // The kernel indexes inputs with int.
+        int("max_pool2d input size", n_in)?;
+        need("max_pool2d x", x, n_in)?;
+        need("max_pool2d y", y, n_out)?;
+        need("max_pool2d idx", idx, n_out)?;
+        if n_out == 0 {
+            return Ok((oh, ow));
+        }
+        let dims = [
+            int("planes", planes)?,
+            int("h", h)?,
+            int("w", w)?,
+            int("k", k)?,
+            int("s", s)?,
+            int("oh", oh)?,
+            int("ow", ow)?,
+        ];
+        let mut args = vec![x.into(), y.into(), idx.into()];
+        args.extend(dims);
+        // SAFETY: maxpool_fwd_{bf16,f16}(const T* x, T* y, int* idx, int planes, int H, int W,
+        // int K, int S, int OH, int OW): output i < planes·oh·ow (the extent of y and idx,
+        // checked) reads x at rows < h and columns < w of its plane (< planes·h·w, checked,
+        // within int).
+        unsafe { Ok(q.launch(f, elems(n_out), &args).map(|_| (oh, ow))?) }
+    }
+
+    /// Adds `dy[i]` into the f32 gradient `dx` at `idx[i]` (clamped into `dx`), for the first
+    /// `n_out` outputs.
+    pub fn maxpool_bwd<T: Float>(
+        &self,
+        q: &dyn Queue,
+        dy: &DeviceBuffer<T>,
+        idx: &DeviceBuffer<i32>,
+        dx: &DeviceBuffer<f32>,
+        n_out: usize,
+    ) -> Result<()> {
+        let f = self.maxpool_bwd.of::<T>("max_pool2d backward")?;
+        need("max_pool2d dy", dy, n_out)?;
+        need("max_pool2d idx", idx, n_out)?;
+        if dx.is_empty() {
+            return Err(NnError::Shape("max_pool2d: empty input gradient".into()));
+        }
+        if n_out == 0 {
+            return Ok(());
+        }
+        let args = [
+            dy.into(),
+            idx.into(),
+            dx.into(),
+            long("max_pool2d", n_out)?,
+            long("max_pool2d", dx.len())?,
+        ];
+        // SAFETY: maxpool_bwd_{bf16,f16}(const T* dy, const int* idx, float* dx, long long n,
+        // long long n_in) reads dy[i], idx[i] for i < n (both hold n, checked) and adds into
+        // dx[j] with j clamped into [0, n_in), n_in = dx.len() > 0.
+        unsafe { Ok(q.launch(f, elems(n_out), &args)?) }
     }
 }
 
