@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 PARTS=(
   "suite|120|the GPU test suite (.gpu-bin/run-tests.sh, GPU required); with 2+ GPUs the two-GPU tests too|SUITE_ARGS TEST_TIMEOUT_S SUITE_TIMEOUT_S"
   "seed|150|the seed workloads eager and graphed (cudagraph bench) beside bench/pytorch_baseline.py; + .json, .svg|SEED_ARGS"
-  "sweep|150|221 shapes, forward and training, both graphed, kinds alternating between ours and bench/pytorch_sweep.py; + .json|SWEEP_ROUNDS SWEEP_KINDS"
+  "sweep|150|the shape grid, forward and training, both graphed, kinds alternating between ours and bench/pytorch_sweep.py; SWEEP_DTYPE=bf16|f16 runs both under autocast and writes sweep-DTYPE-DEVICE.md; + .json|SWEEP_ROUNDS SWEEP_KINDS SWEEP_DTYPE"
   "chain|60|k dependent tiny kernels, eager and graphed, with PDL: ours, raw CUDA (bench/raw/chain.cu, needs nvcc), PyTorch; + .json|"
   "cache|60|the seed MLP at random batch sizes through a GraphCache beside bench/pytorch_cache.py (dict of graphs); + .json|CACHE_COLD"
   "serve|60|cudagraph bench serve: 64 clients against the dynamic batcher, graph vs eager|SERVE_DURATION_S SERVE_CLIENTS"
@@ -293,15 +293,21 @@ part_seed() {
 
 part_sweep() {
   need_bin sweep || return 1
-  local l=$LOGS/sweep-$DEVICE md rounds=${SWEEP_ROUNDS:-1} kinds=${SWEEP_KINDS:-linear- conv- ce- mlp- cnn- opt-}
+  local dtype=${SWEEP_DTYPE:-f32} name=sweep
+  case $dtype in
+    f32) ;;
+    bf16 | f16) name=sweep-$dtype ;;
+    *) say "sweep: SWEEP_DTYPE must be f32, bf16 or f16, not '$dtype'"; return 1 ;;
+  esac
+  local l=$LOGS/$name-$DEVICE md rounds=${SWEEP_ROUNDS:-1} kinds=${SWEEP_KINDS:-linear- conv- ce- mlp- cnn- opt-}
   local i=0 round kind
   rm -rf "$l"
   mkdir -p "$l/parts"
   sweep_side() { # side kind index
     local cmd
-    if [ "$1" = ours ]; then cmd=("$BIN" bench sweep --json --only "$2"); else cmd=(python3 bench/pytorch_sweep.py --only "$2"); fi
+    if [ "$1" = ours ]; then cmd=("$BIN" bench sweep --json --dtype "$dtype" --only "$2"); else cmd=(python3 bench/pytorch_sweep.py --dtype "$dtype" --only "$2"); fi
     timeout "$(tmo 240)" "${cmd[@]}" >"$l/parts/$1-$3.json" 2>>"$l/$1.log" && return 0
-    say "sweep: $1 failed or ran out of time on kind $2 (see logs/sweep-$DEVICE/$1.log)"
+    say "sweep: $1 failed or ran out of time on kind $2 (see logs/$name-$DEVICE/$1.log)"
     return 1
   }
   for round in $(seq "$rounds"); do
@@ -321,14 +327,14 @@ part_sweep() {
     mapfile -t files < <(find "$l/parts" -name "$side-*.json" | sort -V)
     python3 bench/sweep_merge.py --rounds "$rounds" "${files[@]}" >"$l/$side.json"
   done
-  md=$(md_path sweep)
+  md=$(md_path "$name")
   {
-    header sweep "Shape sweep, both graphed: ours and PyTorch ($DEVICE)"
+    header sweep "Shape sweep in $dtype, both graphed: ours and PyTorch ($DEVICE)"
     python3 bench/sweep_compare.py "$l/ours.json" "$l/pytorch.json" \
-      "per kind K, sides alternating: $BIN bench sweep --json --only K; python3 bench/pytorch_sweep.py --only K"
+      "per kind K, sides alternating: $BIN bench sweep --json --dtype $dtype --only K; python3 bench/pytorch_sweep.py --dtype $dtype --only K"
   } >"$md"
   written "$md" "$l"
-  merge_json "$RES/sweep-$DEVICE.json" sweep ours="$l/ours.json" pytorch="$l/pytorch.json"
+  merge_json "$RES/$name-$DEVICE.json" sweep ours="$l/ours.json" pytorch="$l/pytorch.json"
   say "sweep: $(grep -E '^\*\*Geometric' "$md" | tr -d '*')"
 }
 

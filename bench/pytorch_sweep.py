@@ -39,7 +39,18 @@ p.add_argument("--points",
 p.add_argument("--only", default="")
 p.add_argument("--sample-ms", type=float, default=10.0)
 p.add_argument("--repeats", type=int, default=5)
+p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
+               help="bf16/f16: every forward pass and loss under torch.autocast (f32 masters)")
 args = p.parse_args()
+AUTOCAST = {"bf16": torch.bfloat16, "f16": torch.float16}.get(args.dtype)
+
+
+def mixed(fn):
+    """fn() under torch.autocast of --dtype (as `cudagraph bench sweep --dtype`)."""
+    if AUTOCAST is None:
+        return fn()
+    with torch.autocast("cuda", dtype=AUTOCAST):
+        return fn()
 dev = torch.device("cuda")
 torch.manual_seed(0)
 
@@ -120,7 +131,7 @@ def cnn(image, cin, ch, depth, classes):
 def train_step(loss_fn, opt):
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn()
+        loss = mixed(loss_fn)
         loss.backward()
         opt.step()
     return step
@@ -129,7 +140,7 @@ def train_step(loss_fn, opt):
 def forward_step(fn):
     def step():
         with torch.no_grad():
-            fn()
+            mixed(fn)
     return step
 
 
@@ -225,7 +236,7 @@ for pt in points:
         print(f"{pt['id']} {mode}: {row['graph_us']}", file=sys.stderr, flush=True)
         rows.append(row)
 
-print(json.dumps(dict(benchmark="sweep", side="pytorch", torch=torch.__version__,
+print(json.dumps(dict(benchmark="sweep", side="pytorch", dtype=args.dtype, torch=torch.__version__,
                       device=torch.cuda.get_device_name(), sample_ms=args.sample_ms,
                       repeats=args.repeats, seconds=time.perf_counter() - started, rows=rows),
                  indent=1, allow_nan=True))

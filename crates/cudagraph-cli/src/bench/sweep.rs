@@ -19,8 +19,8 @@ use cudagraph_nn::autograd::ops::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROW
 use cudagraph_nn::engine::{CeEngine, Engines};
 use cudagraph_nn::nn::optim::{CAP_L, CAP_S};
 use cudagraph_nn::{
-    cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, HostRng, Layer, Linear, NnModule,
-    Optimizer, Parameter, Reduction, Sequential, Sgd, SgdConfig, Targets, Tensor,
+    autocast, cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, Dtype, HostRng, Layer,
+    Linear, NnModule, Optimizer, Parameter, Reduction, Sequential, Sgd, SgdConfig, Targets, Tensor,
 };
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +49,11 @@ pub struct SweepArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Element type of the products and convolutions: `f32` (exact f32, TF32 off), or `bf16` /
+    /// `f16` — every forward pass and loss inside `autocast` (parameters stay f32 masters),
+    /// as `bench/pytorch_sweep.py --dtype` runs PyTorch's under `torch.autocast`.
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
 }
 
 /// One point of data/sweep_points.json.
@@ -149,6 +154,8 @@ pub struct Row {
 pub struct Report {
     pub benchmark: &'static str,
     pub side: &'static str,
+    /// The element type of products and convolutions (`--dtype`).
+    pub dtype: String,
     pub device: DeviceReport,
     pub sample_ms: f64,
     pub repeats: usize,
@@ -346,6 +353,14 @@ fn cnn(
     Ok(Sequential::new(layers))
 }
 
+/// `f` inside an autocast scope of `--dtype` (for f32: as it is).
+fn mixed<R>(a: &SweepArgs, f: impl FnOnce() -> R) -> R {
+    match a.dtype {
+        Dtype::F32 => f(),
+        d => autocast(d, f),
+    }
+}
+
 /// Measures one point in one mode: µs per graph replay.
 fn run_point(
     dev: &Device,
@@ -372,12 +387,17 @@ fn run_point(
             let x = tensor(s, &mut rng, &[m, k])?;
             let y = tensor(s, &mut rng, &[m, n])?;
             if !train {
-                return measure(dev, s, a, |q| no_grad(|| model.forward(q, &x)).map(drop));
+                return measure(dev, s, a, |q| {
+                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
+                });
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Mean)?.backward(q)?;
+                mixed(a, || {
+                    mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Mean)
+                })?
+                .backward(q)?;
                 opt.step(q)
             })
         }
@@ -395,12 +415,17 @@ fn run_point(
             let oh = (hw + 2 * pad - k) / stride + 1;
             let y = tensor(s, &mut rng, &[n, oc, oh, oh])?;
             if !train {
-                return measure(dev, s, a, |q| no_grad(|| model.forward(q, &x)).map(drop));
+                return measure(dev, s, a, |q| {
+                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
+                });
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Mean)?.backward(q)?;
+                mixed(a, || {
+                    mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Mean)
+                })?
+                .backward(q)?;
                 opt.step(q)
             })
         }
@@ -435,12 +460,14 @@ fn run_point(
             let x = tensor(s, &mut rng, &[batch, input])?;
             let t = targets(s, batch, classes)?;
             if !train {
-                return measure(dev, s, a, |q| no_grad(|| model.forward(q, &x)).map(drop));
+                return measure(dev, s, a, |q| {
+                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
+                });
             }
             let mut opt = Adam::with_config(s, model.parameters(), AdamConfig::default())?;
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                cross_entropy(q, &model.forward(q, &x)?, &t)?.backward(q)?;
+                mixed(a, || cross_entropy(q, &model.forward(q, &x)?, &t))?.backward(q)?;
                 opt.step(q)
             })
         }
@@ -456,7 +483,9 @@ fn run_point(
             let x = tensor(s, &mut rng, &[batch, in_channels, image, image])?;
             let t = targets(s, batch, classes)?;
             if !train {
-                return measure(dev, s, a, |q| no_grad(|| model.forward(q, &x)).map(drop));
+                return measure(dev, s, a, |q| {
+                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
+                });
             }
             let cfg = SgdConfig {
                 lr: 0.01,
@@ -466,7 +495,7 @@ fn run_point(
             let mut opt = Sgd::with_config(s, model.parameters(), cfg)?;
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                cross_entropy(q, &model.forward(q, &x)?, &t)?.backward(q)?;
+                mixed(a, || cross_entropy(q, &model.forward(q, &x)?, &t))?.backward(q)?;
                 opt.step(q)
             })
         }
@@ -567,6 +596,7 @@ pub fn run(ordinal: usize, a: &SweepArgs) -> AnyResult<()> {
     let report = Report {
         benchmark: "sweep",
         side: "ours",
+        dtype: a.dtype.to_string(),
         device: device_report(&dev)?,
         sample_ms: a.sample_ms,
         repeats: a.repeats,
@@ -600,7 +630,17 @@ mod tests {
     fn the_built_in_points_parse_and_cover_the_grid() {
         let p = parse_points(POINTS).unwrap();
         let count = |f: &dyn Fn(&Spec) -> bool| p.iter().filter(|x| f(&x.spec)).count();
-        assert_eq!(count(&|s| matches!(s, Spec::Linear { .. })), 45);
+        assert_eq!(count(&|s| matches!(s, Spec::Linear { .. })), 47);
+        assert!(
+            count(&|s| matches!(
+                s,
+                Spec::Linear {
+                    m: 4096,
+                    k: 4096,
+                    n: 4096
+                }
+            )) == 1
+        );
         let convs = count(&|s| matches!(s, Spec::Conv2d { .. }));
         assert!((30..=60).contains(&convs), "{convs} conv points");
         assert!(count(&|s| matches!(s, Spec::CrossEntropy { classes: 50000, .. })) > 0);
