@@ -21,8 +21,8 @@ use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
 use cudagraph_nn::dist::{DistEnv, DistOptions};
 use cudagraph_nn::io::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::{
-    cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, HostRng, Layer, Linear,
-    NnModule, Optimizer, Sequential, Tensor,
+    autocast, cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Dtype, HostRng,
+    Layer, Linear, NnModule, Optimizer, Sequential, Tensor,
 };
 use cudagraph_nn::{Communicator, DdpOptions, DistributedDataParallel};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -55,6 +55,10 @@ pub struct TrainArgs {
     pub log_every: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Element type of the products and convolutions: `f32`, or `bf16` / `f16` (forward pass
+    /// and loss inside `autocast`; parameters and optimizer state stay f32).
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
     /// Run up to K training steps per graph launch (implies --graph): the epoch's data stays
     /// on the device and a WHILE node loops over the steps, loading each batch with a kernel.
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
@@ -123,9 +127,10 @@ fn accuracy(
     model: &Sequential,
     kind: ModelKind,
     test: &Dataset,
+    dtype: Dtype,
 ) -> AnyResult<(usize, usize)> {
     let x = Tensor::from_host(s, &test.images, &input_shape(kind, test.len()))?;
-    let logits = no_grad(|| model.forward(s, &x))?.to_vec(s)?;
+    let logits = no_grad(|| autocast(dtype, || model.forward(s, &x)))?.to_vec(s)?;
     let correct = logits
         .chunks(test.classes)
         .zip(&test.labels)
@@ -159,8 +164,12 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         None => "basic",
     };
     outln!(
-        "#### {mode} ({:?} on UCI digits, batch {}, Adam lr {})",
+        "#### {mode} ({:?} on UCI digits, {}, batch {}, Adam lr {})",
         a.model,
+        match a.dtype {
+            Dtype::F32 => "f32".to_string(),
+            d => format!("{d} autocast"),
+        },
         a.batch_size,
         a.lr
     );
@@ -198,8 +207,9 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     );
     let step = |q: &dyn Queue, opt: &mut Adam| -> cudagraph_nn::Result<Tensor> {
         opt.zero_grad(q, true)?;
-        let logits = model.forward(q, &x)?;
-        let loss = cross_entropy(q, &logits, &y_static)?;
+        let loss = autocast(a.dtype, || {
+            cross_entropy(q, &model.forward(q, &x)?, &y_static)
+        })?;
         loss.backward(q)?;
         opt.step(q)?;
         Ok(loss)
@@ -235,8 +245,9 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
                 return step(cs, opt);
             }
             opt.zero_grad(cs, true)?;
-            let logits = model.forward(cs, &x)?;
-            let loss = cross_entropy(cs, &logits, &y_static)?;
+            let loss = autocast(a.dtype, || {
+                cross_entropy(cs, &model.forward(cs, &x)?, &y_static)
+            })?;
             loss.backward(cs)?;
             step_if_finite(cs, opt, &loss)?;
             Ok(loss)
@@ -342,7 +353,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
             last_loss = loss.to_vec(&s)?[0];
         }
     }
-    let (correct, n) = accuracy(&s, &model, a.model, &test)?;
+    let (correct, n) = accuracy(&s, &model, a.model, &test, a.dtype)?;
     outln!(
         "{mode}: {total_steps} steps in {:.3} s ({:.1} us/step, data copies included), last logged loss {last_loss:.4}",
         secs,
@@ -594,7 +605,7 @@ fn train_rank(dev: &Device, comm: &Communicator, env: &DistEnv, a: &TrainArgs) -
     // Every rank must hold the same weights: compare checksums over the communicator.
     let sum = checksum(&s, &model)?;
     let same = comm.all_agree(&s, &[sum])?;
-    let (correct, n) = accuracy(&s, &model, a.model, &test)?;
+    let (correct, n) = accuracy(&s, &model, a.model, &test, a.dtype)?;
     outln!(
         "rank {rank}: {mode} DDP x{world}: {total_steps} steps in {secs:.3} s ({:.1} us/step, {:.0} images/s, data copies included), last logged loss {last_loss:.4}, test accuracy {:.2}% ({correct}/{n}), parameters identical on all ranks: {}",
         secs * 1e6 / total_steps as f64,
