@@ -101,7 +101,7 @@ pub fn gemm_lowp<T: Float, O: Float>(
         run_lowp(q, &eng, algo, op, align, a, b, c, vec)?;
         return Ok(algo);
     }
-    let candidates = lowp_candidates::<T, O>(q, &eng, op, family, align)?;
+    let candidates = candidates_in::<T, O>(q, &eng, op, family, align)?;
     let Some(&default) = candidates.first() else {
         return Err(no_engine(op, &key, eng.cublaslt_for(q).is_some()));
     };
@@ -127,6 +127,47 @@ pub fn gemm_lowp<T: Float, O: Float>(
     })?;
     run_lowp(q, &eng, algo, op, align, a, b, c, vec)?;
     Ok(algo)
+}
+
+/// Runs `op` with exactly `algo`, without the registry (tests, benchmarks): the checks of
+/// [`gemm_lowp`], then an error where `algo` cannot run the product (one of our fp32 kernels,
+/// cuBLAS with a fused bias, a cuBLASLt rank, variant or configuration the plan does not
+/// have); nothing runs then.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_lowp_with<T: Float, O: Float>(
+    q: &dyn Queue,
+    _nn: &Nn,
+    algo: GemmEngine,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+) -> Result<()> {
+    validate(q, op, a, b, c, vec)?;
+    if op.m == 0 || op.n == 0 {
+        return Ok(());
+    }
+    let eng = Engines::get(q.device())?;
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    run_lowp(q, &eng, algo, op, alignment(&addrs), a, b, c, vec)
+}
+
+/// The engines the registry measures for `op` with operands of `T` and a result of `O` on
+/// `q`'s device under its policy, for pointers aligned to `align` bytes
+/// ([`alignment`](crate::engine::gemm::alignment)): cuBLASLt's first, then cuBLAS (see the
+/// module docs). Empty where nothing can run it.
+pub fn lowp_candidates<T: Float, O: Float>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    align: u32,
+) -> Result<Vec<GemmEngine>> {
+    check_dtypes(T::DTYPE, O::DTYPE)?;
+    check_op(op)?;
+    let eng = Engines::get(q.device())?;
+    let family = lowp_family(eng.policy().gemm, op.epilogue);
+    candidates_in::<T, O>(q, &eng, op, family, align)
 }
 
 /// The registry key of a half-precision product without the alignment and policy parts:
@@ -266,7 +307,7 @@ fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
 /// The engines that can run `op` with these types within `family`, cuBLASLt's heuristic
 /// algorithms first (the first is the default inside a capture), then its opt-in variants,
 /// then cuBLAS. Inside a capture, cuBLASLt is a candidate only if it was opened before.
-fn lowp_candidates<T: Float, O: Float>(
+fn candidates_in<T: Float, O: Float>(
     q: &dyn Queue,
     eng: &Engines,
     op: &GemmOp,
