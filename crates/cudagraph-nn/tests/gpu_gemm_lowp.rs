@@ -248,6 +248,10 @@ fn inputs<T: Float>(s: &Stream, op: &GemmOp, seed: u64) -> Inputs<T> {
     }
 }
 
+/// Runs a product into the given result and vector.
+type RunInto<'a, O> =
+    dyn FnMut(&DeviceBuffer<O>, Option<&DeviceBuffer<O>>) -> cudagraph_nn::Result<()> + 'a;
+
 /// One product run by `run` (an engine or the registry) on fresh outputs, then checked.
 fn run_and_check<T: Float, O: Float>(
     s: &Stream,
@@ -255,7 +259,7 @@ fn run_and_check<T: Float, O: Float>(
     op: &GemmOp,
     inp: &Inputs<T>,
     rng: &mut HostRng,
-    run: &mut dyn FnMut(&DeviceBuffer<O>, Option<&DeviceBuffer<O>>) -> cudagraph_nn::Result<()>,
+    run: &mut RunInto<'_, O>,
 ) {
     let hc0: Vec<O> = if op.beta != 0.0 {
         values::<O>(rng, op.m * op.n)

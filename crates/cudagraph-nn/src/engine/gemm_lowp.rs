@@ -5,8 +5,7 @@
 //!
 //! Candidates, measured per key like the fp32 ones (the key adds the element types:
 //! `gemm NT m=4096 n=4096 k=4096 a=1 b=0 ep=bias in=bf16 out=f32`): cuBLASLt's heuristic
-//! algorithms for the shape and types (the first
-//! [`MEASURED_ALGOS`](crate::ffi::blaslt::MEASURED_ALGOS), as for fp32), with
+//! algorithms for the shape and types (the first twelve, as for fp32), with
 //! `CUDAGRAPH_LT_SPLITK=1` their split-K variants and with `CUDAGRAPH_LT_SEARCH=1` searched
 //! configurations, and cuBLAS's `cublasGemmEx` for products without a fused bias (what
 //! `torch.matmul` calls on bf16 tensors). Epilogues: none, bias, bias+ReLU, bias+GELU (GELU in
@@ -156,7 +155,7 @@ pub fn gemm_lowp_with<T: Float, O: Float>(
 
 /// The engines the registry measures for `op` with operands of `T` and a result of `O` on
 /// `q`'s device under its policy, for pointers aligned to `align` bytes
-/// ([`alignment`](crate::engine::gemm::alignment)): cuBLASLt's first, then cuBLAS (see the
+/// ([`crate::engine::gemm::alignment`]): cuBLASLt's first, then cuBLAS (see the
 /// module docs). Empty where nothing can run it.
 pub fn lowp_candidates<T: Float, O: Float>(
     q: &dyn Queue,
