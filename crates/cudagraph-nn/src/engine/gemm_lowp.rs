@@ -233,8 +233,9 @@ pub fn check_dtypes(input: Dtype, output: Dtype) -> Result<()> {
     }
 }
 
-/// Every check before anything runs: element types, the GELU-free epilogue rules of
-/// [`GemmOp`], lengths, devices, k and alpha of a bias gradient.
+/// Every check before anything runs: element types, k and the alpha of a bias gradient
+/// ([`check_op`]), lengths, the epilogue's vector (its length; A transposed for a bias
+/// gradient) and devices.
 fn validate<T: Float, O: Float>(
     q: &dyn Queue,
     op: &GemmOp,
