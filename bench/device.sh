@@ -44,6 +44,7 @@ PARTS=(
   "while-sanitize|90|the raw CUDA WHILE-body program (bench/raw/while_sanitize.cu, needs nvcc) plainly and under every tool|"
   "engines|60|cudagraph bench engines: the registry's choice and every candidate's time for representative shapes|ENGINES_ARGS"
   "gemm|30|cudagraph bench gemm: the workloads' products on each engine family|"
+  "gemm-lowp|150|cudagraph bench gemm --dtype bf16 and f16 (squares 1024³–8192³ and the workloads' products on tensor cores) beside bench/pytorch_gemm.py (torch.matmul, graphed too): µs, TFLOP/s, ratio, the large-product targets; + .json|GEMM_LOWP_DTYPES"
   "rebind|20|cudagraph bench rebind: copy-in vs rebind vs re-capture per request|"
   "streams|30|cudagraph bench streams: what ordering replays of shared pools, graphs and caches across streams costs|"
   "train|60|digits training: eager, graphed, and k steps per graph launch (WHILE node), MLP and CNN|TRAIN_MODELS"
@@ -80,6 +81,7 @@ Knobs:
   SANITIZE_JOBS (8), SANITIZE_JOB_LIMIT_S (300)
   RACECHECK_BIN       test binary to split (gpu_nn); RACECHECK_JOBS (4)
   ENGINES_ARGS        e.g. --quick
+  GEMM_LOWP_DTYPES    dtypes of the gemm-lowp part ("bf16 f16")
   TRAIN_MODELS        "mlp cnn"
   AB_BASE             binary A (default .gpu-bin/bin/cudagraph-base[.gz], from BASE= bench/bundle.sh)
   AB_ENV_A, AB_ENV_B  environment for side A / B (e.g. AB_ENV_B="CUDAGRAPH_PDL=1"; without a
@@ -433,6 +435,71 @@ part_engines() {
   simple_part engines "The engine registry's choices ($DEVICE)" 300 bench engines "${extra[@]}"
 }
 part_gemm() { simple_part gemm "Matrix products on each engine family, inside graphs ($DEVICE)" 120 bench gemm; }
+
+# Half-precision products, ours and torch.matmul in one call. The side that goes first
+# alternates between dtypes (ours first for the first), so neither always runs on a cooler
+# GPU; PyTorch times our rows' shapes when ours ran first, its built-in copy of the CLI's list
+# otherwise.
+part_gemm_lowp() {
+  need_bin gemm-lowp || return 1
+  local l=$LOGS/gemm-lowp-$DEVICE md dt i=0 bad=0 merged=() measured=()
+  rm -rf "$l"
+  mkdir -p "$l"
+  lowp_ours() { # dtype
+    timeout "$(tmo 240)" "$BIN" bench gemm --dtype "$1" --json >"$l/ours-$1.json" 2>"$l/ours-$1.log" && return 0
+    say "gemm-lowp: $BIN bench gemm --dtype $1 failed or ran out of time: $(tail -n 3 "$l/ours-$1.log" | tr '\n' ' ')"
+    rm -f "$l/ours-$1.json"
+    return 1
+  }
+  lowp_pytorch() { # dtype
+    local from=()
+    [ -s "$l/ours-$1.json" ] && from=(--shapes-from "$l/ours-$1.json")
+    timeout "$(tmo 240)" python3 bench/pytorch_gemm.py --dtype "$1" "${from[@]}" >"$l/pytorch-$1.json" 2>"$l/pytorch-$1.log" && return 0
+    say "gemm-lowp: bench/pytorch_gemm.py --dtype $1 failed or ran out of time (logs/gemm-lowp-$DEVICE/pytorch-$1.log)"
+    no_pytorch "$l/pytorch-$1.json" "bench/pytorch_gemm.py --dtype $1 failed: see logs/gemm-lowp-$DEVICE/pytorch-$1.log"
+    return 0
+  }
+  for dt in ${GEMM_LOWP_DTYPES:-bf16 f16}; do
+    case $dt in
+      bf16 | f16) ;;
+      *)
+        say "gemm-lowp: unknown dtype '$dt' in GEMM_LOWP_DTYPES (bf16 or f16)"
+        bad=1
+        continue
+        ;;
+    esac
+    if ((i % 2 == 0)); then
+      lowp_ours "$dt" && lowp_pytorch "$dt"
+    else
+      lowp_pytorch "$dt"
+      lowp_ours "$dt"
+    fi
+    i=$((i + 1))
+    if [ -s "$l/ours-$dt.json" ]; then
+      measured+=("$dt")
+      merged+=("ours_$dt=$l/ours-$dt.json" "pytorch_$dt=$l/pytorch-$dt.json")
+    else
+      bad=1
+    fi
+  done
+  md=$(md_path gemm-lowp)
+  {
+    header gemm-lowp "Half-precision products on tensor cores: ours and torch.matmul, both graphed ($DEVICE)"
+    echo "Per dtype D: \`$BIN bench gemm --dtype D --json\` and \`python3 bench/pytorch_gemm.py --dtype D --shapes-from OURS.json\`"
+    echo "(PyTorch first for every second dtype, with its built-in copy of the shapes). Ratio = ours µs / PyTorch µs."
+    [ ${#measured[@]} -gt 0 ] || { echo; echo "No dtype was measured: see bench/results/logs/gemm-lowp-$DEVICE/."; }
+    for dt in "${measured[@]}"; do
+      echo
+      echo "## $dt"
+      echo
+      python3 bench/gemm_compare.py "$l/ours-$dt.json" "$l/pytorch-$dt.json" || echo "(no table: bench/gemm_compare.py failed)"
+    done
+  } >"$md"
+  written "$md" "$l"
+  [ ${#merged[@]} -gt 0 ] && merge_json "$RES/gemm-lowp-$DEVICE.json" gemm-lowp "${merged[@]}"
+  say "gemm-lowp: $(grep -E '^- target' "$md" | sed 's/^- //' | paste -sd ';' -)"
+  [ "$bad" = 0 ]
+}
 part_rebind() { simple_part rebind "A new input buffer per request: copy-in, rebind, re-capture ($DEVICE)" 120 bench rebind; }
 part_streams() { simple_part streams "Replays across streams: the cost of ordering shared pools, graphs and caches ($DEVICE)" 120 bench streams; }
 

@@ -85,7 +85,8 @@ enum BenchCommand {
     /// What ordering replays across streams costs: graphs of one pool on one stream and on
     /// two, graphs of separate pools, a graph cache served from one stream and from two.
     Streams(bench::streams::StreamsArgs),
-    /// The workloads' matrix products: cuBLAS vs the tiled split-K kernel.
+    /// The workloads' matrix products on each engine family; `--dtype bf16|f16`: half-precision
+    /// products on tensor cores (squares to 8192³ and the workloads' shapes, TFLOP/s).
     Gemm(bench::gemm::GemmArgs),
     /// The seed workloads (the default).
     Workloads(bench::workloads::WorkloadArgs),

@@ -70,6 +70,18 @@ pub enum NnError {
     /// The device cannot run what was asked (e.g. thread-block clusters before sm_90).
     #[error("not supported on this device: {0}")]
     Unsupported(String),
+    /// An operation was asked for something it does not do on any device: element types it
+    /// does not take (`engine::gemm_lowp` with f32 operands), an epilogue its engines lack
+    /// (GELU in an f32 product).
+    #[error("{op}: {what} is not supported. To fix: {fix}")]
+    NotSupported {
+        /// The operation, e.g. `gemm_lowp`.
+        op: &'static str,
+        /// What it was asked for, e.g. `operands of f32`.
+        what: String,
+        /// What the caller should do instead.
+        fix: &'static str,
+    },
     /// A data file could not be read or parsed.
     #[error("dataset: {0}")]
     Data(String),

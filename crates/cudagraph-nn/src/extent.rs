@@ -53,13 +53,15 @@ pub(crate) fn on_device<'b>(
         .try_for_each(|(what, block)| block_on_device(ordinal, what, block))
 }
 
-/// [`on_device`] for a product's operands: A, B, C and the bias (or bias-gradient) vector.
-pub(crate) fn gemm_on_device(
+/// [`on_device`] for a product's operands: A, B, C and the bias (or bias-gradient) vector, of
+/// any element types (A and B of one, C and the vector of another, as in a half-precision
+/// product with an f32 result).
+pub(crate) fn gemm_on_device<T: cudagraph::Elem, O: cudagraph::Elem>(
     q: &dyn Queue,
-    a: &Buf,
-    b: &Buf,
-    c: &Buf,
-    vec: Option<&Buf>,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
 ) -> Result<()> {
     let operands = [
         ("gemm A", a.block()),

@@ -3,14 +3,22 @@
 //! (`auto`), each timed as 20 products captured in one graph and replayed (so launch overhead is
 //! out of the numbers). Each family runs once eagerly first, so the registry has measured the
 //! variants inside it (split counts, cuBLASLt's algorithms) before the capture.
+//!
+//! `--dtype bf16|f16`: half-precision products on tensor cores (`engine::gemm_lowp`, operands
+//! and result in that type, f32 accumulation) — the squares 1024³ to 8192³ and the workloads'
+//! shapes, each run once eagerly (the registry measures its candidates), then timed as
+//! [`PRODUCTS_PER_GRAPH`] products in one graph, replayed between CUDA events: µs per product,
+//! TFLOP/s and the engine chosen. `bench/pytorch_gemm.py` times `torch.matmul` the same way.
 
 use std::time::Instant;
 
 use clap::Args;
-use cudagraph::{CaptureOptions, Device, Graph};
+use cudagraph::memory::{bf16, f16};
+use cudagraph::{CaptureOptions, Device, Event, Graph, Queue, QueueExt};
+use cudagraph_nn::dtype::{Dtype, Float};
 use cudagraph_nn::engine::gemm::Trans;
 use cudagraph_nn::engine::gemm::{gemm, run_gemm, split_k, Epilogue, GemmFamily, GemmOp};
-use cudagraph_nn::engine::Engines;
+use cudagraph_nn::engine::{gemm_lowp, Engines};
 use cudagraph_nn::{HostRng, Nn};
 use serde::Serialize;
 
@@ -23,6 +31,10 @@ pub struct GemmArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Element type of the products: f32 (every engine family, the default), or bf16 / f16
+    /// (tensor cores: the squares 1024³–8192³ and the workloads' shapes, µs and TFLOP/s).
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
 }
 
 #[derive(Serialize)]
@@ -151,6 +163,14 @@ pub fn measure(dev: &Device) -> AnyResult<Vec<GemmRow>> {
 }
 
 pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
+    match a.dtype {
+        Dtype::F32 => run_f32(ordinal, a),
+        Dtype::Bf16 => run_lowp::<bf16>(ordinal, a),
+        Dtype::F16 => run_lowp::<f16>(ordinal, a),
+    }
+}
+
+fn run_f32(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
     let rows = measure(&dev)?;
     #[derive(Serialize)]
@@ -213,6 +233,171 @@ pub fn run(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
     }
     for line in footnotes.lines() {
         outln!("{line}");
+    }
+    Ok(())
+}
+
+/// Products captured in each timed graph.
+pub const PRODUCTS_PER_GRAPH: usize = 20;
+
+/// The square products timed in half precision, besides the workloads' shapes.
+pub const SQUARES: [usize; 4] = [1024, 2048, 4096, 8192];
+
+/// One half-precision product's time.
+#[derive(Serialize)]
+pub struct LowpRow {
+    pub shape: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// Whether A is stored transposed (k×m), as `ta` of `GemmOp`.
+    pub ta: bool,
+    /// Whether B is stored transposed (n×k).
+    pub tb: bool,
+    /// µs per product (median of the samples).
+    pub us: f64,
+    /// 2·m·n·k / time.
+    pub tflops: f64,
+    /// The registry's engine.
+    pub engine: String,
+}
+
+/// The shapes timed in half precision: the squares, then the workloads' products.
+pub fn lowp_shapes() -> Vec<(usize, usize, usize, bool, bool, String)> {
+    let mut v: Vec<_> = SQUARES
+        .iter()
+        .map(|&d| (d, d, d, false, false, format!("square {d}")))
+        .collect();
+    v.extend(
+        SHAPES
+            .iter()
+            .map(|&(m, n, k, ta, tb, name)| (m, n, k, ta, tb, name.to_string())),
+    );
+    v
+}
+
+/// Times every shape of [`lowp_shapes`] with operands and result of `T`.
+pub fn measure_lowp<T: Float>(dev: &Device) -> AnyResult<Vec<LowpRow>> {
+    let nn = Nn::get(dev)?;
+    let mut s = dev.new_stream()?;
+    let mut rng = HostRng::new(5);
+    let (e0, e1) = (
+        Event::new(dev.context(), true)?,
+        Event::new(dev.context(), true)?,
+    );
+    let mut rows = Vec::new();
+    for (m, n, k, ta, tb, name) in lowp_shapes() {
+        let data = |rng: &mut HostRng, len: usize| -> Vec<T> {
+            rng.vec_normal(len).into_iter().map(T::from_f32).collect()
+        };
+        let a = s.alloc_from_host(&data(&mut rng, m * k))?;
+        let b = s.alloc_from_host(&data(&mut rng, k * n))?;
+        let c = s.alloc::<T>(m * n)?;
+        let t = |x: bool| if x { Trans::T } else { Trans::N };
+        let op = GemmOp {
+            ta: t(ta),
+            tb: t(tb),
+            m,
+            n,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: Epilogue::None,
+        };
+        // Eager first: the registry measures the candidates; the graph replays its choice.
+        let engine = gemm_lowp(&s, &nn, &op, &a, &b, &c, None)?;
+        let (g, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
+            for _ in 0..PRODUCTS_PER_GRAPH {
+                gemm_lowp(cs, &nn, &op, &a, &b, &c, None)?;
+            }
+            Ok(())
+        })?;
+        let replays = |s: &cudagraph::Stream, reps: usize| -> AnyResult<f64> {
+            s.stream_handle().record(&e0)?;
+            for _ in 0..reps {
+                g.replay(s)?;
+            }
+            s.stream_handle().record(&e1)?;
+            e1.synchronize()?;
+            Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / (reps * PRODUCTS_PER_GRAPH) as f64)
+        };
+        g.replay(&s)?;
+        // One replay sets how many make a sample of about 50 ms (at least one, at most 50).
+        let once = replays(&s, 1)? * PRODUCTS_PER_GRAPH as f64;
+        let reps = ((50_000.0 / once.max(1.0)).ceil() as usize).clamp(1, 50);
+        let mut samples = Vec::new();
+        for _ in 0..5 {
+            samples.push(replays(&s, reps)?);
+        }
+        let us = median(samples);
+        rows.push(LowpRow {
+            shape: name,
+            m,
+            n,
+            k,
+            ta,
+            tb,
+            us,
+            tflops: 2.0 * (m * n) as f64 * k as f64 / (us * 1e6),
+            engine: engine.to_string(),
+        });
+    }
+    Ok(rows)
+}
+
+fn run_lowp<T: Float>(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
+    let dev = Device::open(ordinal)?;
+    let rows = measure_lowp::<T>(&dev)?;
+    #[derive(Serialize)]
+    struct Out {
+        benchmark: &'static str,
+        dtype: &'static str,
+        products_per_graph: usize,
+        device: DeviceReport,
+        rows: Vec<LowpRow>,
+    }
+    let out = Out {
+        benchmark: "gemm",
+        dtype: T::DTYPE.name(),
+        products_per_graph: PRODUCTS_PER_GRAPH,
+        device: device_report(&dev)?,
+        rows,
+    };
+    if a.json {
+        outln!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    outln!(
+        "{} products on {} (operands and result {}, f32 accumulation), µs per product inside \
+         a graph of {}",
+        out.dtype,
+        out.device.name,
+        out.dtype,
+        out.products_per_graph
+    );
+    outln!(
+        "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10} {:>9}  engine",
+        "shape",
+        "m",
+        "n",
+        "k",
+        "layout",
+        "µs",
+        "TFLOP/s"
+    );
+    for r in &out.rows {
+        let l = |t: bool| if t { 'T' } else { 'N' };
+        outln!(
+            "{:<22} {:>5} {:>5} {:>5} {:>6} {:>10.2} {:>9.1}  {}",
+            r.shape,
+            r.m,
+            r.n,
+            r.k,
+            format!("{}{}", l(r.ta), l(r.tb)),
+            r.us,
+            r.tflops,
+            r.engine
+        );
     }
     Ok(())
 }

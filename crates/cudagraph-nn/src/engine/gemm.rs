@@ -126,11 +126,24 @@ impl GemmOp {
     /// `WrongDevice` error whichever engine the registry would pick); `vec` is the bias
     /// (`Bias*`, length n) or the bias-gradient output (`BiasGrad`, length m).
     fn validate(&self, q: &dyn Queue, a: &Buf, b: &Buf, c: &Buf, vec: Option<&Buf>) -> Result<()> {
+        if self.epilogue == Epilogue::BiasGelu {
+            return Err(NnError::NotSupported {
+                op: "gemm",
+                what: "a GELU epilogue in an f32 product".into(),
+                fix: "run the product in bf16 or f16 (engine::gemm_lowp), or apply GELU after it",
+            });
+        }
         self.dims().check_buffers(a, b, c, None)?;
         gemm_on_device(q, a, b, c, vec)?;
-        let want = match self.epilogue {
+        self.check_vec(vec.map(|v| v.len()))
+    }
+
+    /// The length the epilogue's vector needs: the bias (`Bias*`, n) or the bias-gradient
+    /// output (`BiasGrad`, m; A must be transposed: `dW = dZᵀ·X`); `None` without one.
+    pub(crate) fn vec_len(&self) -> Result<Option<usize>> {
+        Ok(match self.epilogue {
             Epilogue::None => None,
-            Epilogue::Bias | Epilogue::BiasRelu => Some(self.n),
+            Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGelu => Some(self.n),
             Epilogue::BiasGrad => {
                 if self.ta != Trans::T {
                     return Err(NnError::Shape(
@@ -139,14 +152,19 @@ impl GemmOp {
                 }
                 Some(self.m)
             }
-        };
-        match (want, vec) {
+        })
+    }
+
+    /// A vector of `got` elements (or none) is what the epilogue needs ([`Self::vec_len`]).
+    pub(crate) fn check_vec(&self, got: Option<usize>) -> Result<()> {
+        let want = self.vec_len()?;
+        match (want, got) {
             (None, None) => Ok(()),
-            (Some(n), Some(v)) if v.len() >= n => Ok(()),
+            (Some(n), Some(v)) if v >= n => Ok(()),
             (Some(n), Some(v)) => Err(NnError::Core(cudagraph::Error::SizeMismatch {
                 what: "gemm bias",
                 expected: n,
-                got: v.len(),
+                got: v,
             })),
             (Some(_), None) => Err(NnError::Shape(format!(
                 "gemm: epilogue {:?} needs a bias vector",
@@ -499,6 +517,14 @@ fn run_algo(
         Epilogue::Bias => (vec, false),
         Epilogue::BiasRelu => (vec, true),
         Epilogue::None | Epilogue::BiasGrad => (None, false),
+        // Refused by `GemmOp::validate` before any engine runs.
+        Epilogue::BiasGelu => {
+            return Err(NnError::NotSupported {
+                op: "gemm",
+                what: "a GELU epilogue in an f32 product".into(),
+                fix: "run the product in bf16 or f16 (engine::gemm_lowp)",
+            })
+        }
     };
     // Bias gradient by reduction (engines that do not fuse it): row sums of op(A) = column
     // sums of A stored k×m.

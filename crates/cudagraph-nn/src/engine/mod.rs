@@ -61,18 +61,25 @@
 //! is opened on first eager use, never inside a capture (opening may allocate or synchronise):
 //! a capture that comes first chooses among the other engines.
 //!
+//! **Half precision.** [`gemm_lowp()`] runs products with bf16 or f16 operands and a result of
+//! their type or f32 on tensor cores (f32 accumulation): the same registry, with keys that
+//! name the element types (`… ep=bias in=bf16 out=f32`), measuring cuBLASLt's heuristic
+//! algorithms for those types and cuBLAS's `cublasGemmEx` (see [`gemm_lowp`](mod@gemm_lowp)).
+//!
 //! [`Engines::table`] returns every choice with the measured µs per candidate (shown by
 //! `cudagraph inspect` and `cudagraph bench engines`).
 
 mod catalog;
 pub mod conv;
 pub mod gemm;
+pub mod gemm_lowp;
 mod measure;
 mod policy;
 mod registry;
 mod table;
 
 pub use catalog::{BiasEngine, CeEngine, ConvEngine, ConvFamily, Engine, GemmEngine, GemmFamily};
+pub use gemm_lowp::gemm_lowp;
 pub use measure::GraphTiming;
 pub use policy::Policy;
 pub use registry::Engines;

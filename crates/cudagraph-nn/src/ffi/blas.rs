@@ -18,8 +18,9 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cublas::sys;
 
 use super::loader::FIRST_USE_PATIENCE;
+use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
-use crate::extent::{block_on_device, handle_on_device, on_device, GemmDims};
+use crate::extent::{block_on_device, handle_on_device, need, on_device, prod, GemmDims};
 
 /// Workspace bytes per stream (cuBLAS's recommendation for Hopper is up to 32 MiB; SGEMM at
 /// these sizes uses far less).
@@ -72,6 +73,20 @@ fn check(status: sys::cublasStatus_t, call: &'static str) -> Result<()> {
     }
 }
 
+/// A dimension as cuBLAS's `int`.
+fn to_i32(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| NnError::Shape(format!("gemm dimension {v} exceeds i32")))
+}
+
+/// cuBLAS's name of an element type.
+fn cuda_type(d: Dtype) -> sys::cudaDataType {
+    match d {
+        Dtype::F32 => sys::cudaDataType::CUDA_R_32F,
+        Dtype::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        Dtype::F16 => sys::cudaDataType::CUDA_R_16F,
+    }
+}
+
 /// `N` (as stored) or `T` (transposed) for a row-major operand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Trans {
@@ -90,6 +105,11 @@ pub enum Epilogue {
     Bias,
     /// `+ bias[j]`, then ReLU.
     BiasRelu,
+    /// `+ bias[j]`, then GELU in its tanh approximation, cuBLASLt's (`CUBLASLT_EPILOGUE_GELU_BIAS`):
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, PyTorch's `gelu(approximate="tanh")`, not
+    /// the exact erf form. Half-precision products only
+    /// ([`crate::engine::gemm_lowp()`]); the f32 engines refuse it.
+    BiasGelu,
     /// Also writes the row sums of op(A) (length m): the bias gradient of a Linear layer when
     /// the product is its weight gradient `dW = dZᵀ·X` (A = dZ, transposed).
     BiasGrad,
@@ -101,6 +121,7 @@ impl Epilogue {
             Epilogue::None => "none",
             Epilogue::Bias => "bias",
             Epilogue::BiasRelu => "bias_relu",
+            Epilogue::BiasGelu => "bias_gelu",
             Epilogue::BiasGrad => "bias_grad",
         }
     }
@@ -212,16 +233,142 @@ impl Blas {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let to_i32 = |v: usize| {
-            i32::try_from(v).map_err(|_| NnError::Shape(format!("gemm dimension {v} exceeds i32")))
-        };
         let (mi, ni, ki) = (to_i32(m)?, to_i32(n)?, to_i32(k)?);
         // Column-major view: Cᵀ (n×m) = op(B)ᵀ · op(A)ᵀ, so B goes first.
         let lda = if ta == Trans::N { ki } else { mi };
         let ldb = if tb == Trans::N { ni } else { ki };
+        let math = if tf32 {
+            sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            sys::cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
         q.use_block(a.block());
         q.use_block(b.block());
         q.use_block(c.block());
+        self.on_handle(q, math, |h| {
+            // SAFETY: h is live and bound to the queue's stream with a live workspace
+            // (`on_handle`); the handle, A, B and C belong to the queue's device (checked
+            // above); A, B and C hold m·k, k·n and m·n elements (checked above), which with
+            // these leading dimensions is every element cuBLAS touches; alpha/beta are read
+            // before the call returns.
+            unsafe {
+                check(
+                    sys::cublasSgemm_v2(
+                        h,
+                        tb.op(),
+                        ta.op(),
+                        ni,
+                        mi,
+                        ki,
+                        &alpha,
+                        b.addr() as *const f32,
+                        ldb,
+                        a.addr() as *const f32,
+                        lda,
+                        &beta,
+                        c.addr() as *mut f32,
+                        ni,
+                    ),
+                    "cublasSgemm",
+                )
+            }
+        })
+    }
+
+    /// Row-major `C[m×n] = alpha · op(A) · op(B) + beta · C` with A and B in bf16 or f16 (the
+    /// same type) and C in that type or f32 (`cublasGemmEx`): tensor cores, products
+    /// accumulated in f32 (`CUBLAS_COMPUTE_32F`, alpha and beta f32), and no reduction of
+    /// partial sums in 16 bits (`CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION`; PyTorch
+    /// allows those by default). Other types are a [`NnError::NotSupported`] error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_ex<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        ta: Trans,
+        tb: Trans,
+        (m, n, k): (usize, usize, usize),
+        alpha: f32,
+        a: &DeviceBuffer<T>,
+        b: &DeviceBuffer<T>,
+        beta: f32,
+        c: &DeviceBuffer<O>,
+    ) -> Result<()> {
+        let (ab, cd) = (cuda_type(T::DTYPE), cuda_type(O::DTYPE));
+        if T::DTYPE == Dtype::F32 || (O::DTYPE != T::DTYPE && O::DTYPE != Dtype::F32) {
+            return Err(NnError::NotSupported {
+                op: "cublasGemmEx",
+                what: format!("operands of {} with a result of {}", T::DTYPE, O::DTYPE),
+                fix: "pass bf16 or f16 operands with a result of the same type or f32 (f32 \
+                      products go through Blas::gemm_math)",
+            });
+        }
+        need("gemm A", a, prod("gemm A", &[m, k])?)?;
+        need("gemm B", b, prod("gemm B", &[k, n])?)?;
+        need("gemm C", c, prod("gemm C", &[m, n])?)?;
+        handle_on_device(q, "cuBLAS handle", self.ctx.ordinal())?;
+        on_device(
+            q,
+            [
+                ("gemm A", a.block()),
+                ("gemm B", b.block()),
+                ("gemm C", c.block()),
+            ],
+        )?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (mi, ni, ki) = (to_i32(m)?, to_i32(n)?, to_i32(k)?);
+        // cuBLAS wants leading dimensions of at least one, also for k = 0.
+        let lda = if ta == Trans::N { ki } else { mi }.max(1);
+        let ldb = if tb == Trans::N { ni } else { ki }.max(1);
+        q.use_block(a.block());
+        q.use_block(b.block());
+        q.use_block(c.block());
+        let math = sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
+        self.on_handle(q, math, |h| {
+            // SAFETY: as in `gemm_math`: h is live on the queue's stream with a live
+            // workspace; A, B and C are the queue's device's memory and hold m·k, k·n and m·n
+            // elements of the types named (checked above: `cuda_type` of their element
+            // types), every element cuBLAS touches with these leading dimensions; alpha and
+            // beta are f32, as CUBLAS_COMPUTE_32F reads them, before the call returns.
+            unsafe {
+                check(
+                    sys::cublasGemmEx(
+                        h,
+                        tb.op(),
+                        ta.op(),
+                        ni,
+                        mi,
+                        ki,
+                        &alpha as *const f32 as *const std::ffi::c_void,
+                        b.addr() as *const std::ffi::c_void,
+                        ab,
+                        ldb,
+                        a.addr() as *const std::ffi::c_void,
+                        ab,
+                        lda,
+                        &beta as *const f32 as *const std::ffi::c_void,
+                        c.addr() as *mut std::ffi::c_void,
+                        cd,
+                        ni,
+                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    ),
+                    "cublasGemmEx",
+                )
+            }
+        })
+    }
+
+    /// Runs `f` with the handle bound to `q`'s stream, its math mode set to `math` and a
+    /// workspace: the stream's own for eager work, one from the graph's pool inside a capture
+    /// (see the module notes), under the handle's lock.
+    fn on_handle(
+        &self,
+        q: &dyn Queue,
+        math: sys::cublasMath_t,
+        f: impl FnOnce(sys::cublasHandle_t) -> Result<()>,
+    ) -> Result<()> {
         self.ctx.bind()?;
         let stream = q.stream_handle();
         // Inside a capture: the graph's own workspace (see the module notes). Dropped after
@@ -246,16 +393,9 @@ impl Blas {
         block_on_device(self.ctx.ordinal(), "cuBLAS workspace", &ws)?;
         q.use_block(&ws);
         let h = st.handle.0;
-        let math = if tf32 {
-            sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
         // SAFETY: h is live; the stream and workspace are live device objects (the workspace is
-        // kept by `self` and, inside a capture, by the graph); the handle, A, B, C and the
-        // workspace belong to the queue's device (checked above); A, B and C hold m·k, k·n and
-        // m·n elements (checked above), which with these leading dimensions is every element
-        // cuBLAS touches; alpha/beta are read before the call returns.
+        // kept by `self` and, inside a capture, by the graph) of the handle's device, and the
+        // workspace holds WORKSPACE_BYTES bytes.
         unsafe {
             check(sys::cublasSetMathMode(h, math), "cublasSetMathMode")?;
             check(
@@ -266,26 +406,8 @@ impl Blas {
                 sys::cublasSetWorkspace_v2(h, ws.addr() as *mut _, WORKSPACE_BYTES),
                 "cublasSetWorkspace",
             )?;
-            check(
-                sys::cublasSgemm_v2(
-                    h,
-                    tb.op(),
-                    ta.op(),
-                    ni,
-                    mi,
-                    ki,
-                    &alpha,
-                    b.addr() as *const f32,
-                    ldb,
-                    a.addr() as *const f32,
-                    lda,
-                    &beta,
-                    c.addr() as *mut f32,
-                    ni,
-                ),
-                "cublasSgemm",
-            )
         }
+        f(h)
     }
 
     /// Bytes held for the workspaces of live streams.

@@ -7,8 +7,11 @@ use std::ffi::{c_char, c_int};
 use cudarc::cublaslt::sys as ls;
 
 use super::super::loader::{lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCESS};
+use crate::dtype::Dtype;
 
 pub(super) const R_32F: u32 = ls::cudaDataType_t::CUDA_R_32F as u32;
+pub(super) const R_16F: u32 = ls::cudaDataType_t::CUDA_R_16F as u32;
+pub(super) const R_16BF: u32 = ls::cudaDataType_t::CUDA_R_16BF as u32;
 pub(super) const COMPUTE_32F: u32 = ls::cublasComputeType_t::CUBLAS_COMPUTE_32F as u32;
 pub(super) const COMPUTE_32F_FAST_TF32: u32 =
     ls::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32 as u32;
@@ -20,6 +23,10 @@ pub(super) const DESC_EPILOGUE: u32 =
     ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE as u32;
 pub(super) const DESC_BIAS_POINTER: u32 =
     ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER as u32;
+pub(super) const DESC_BIAS_DATA_TYPE: u32 =
+    ls::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE as u32;
+pub(super) const PREF_REDUCTION_SCHEME_MASK: u32 =
+    ls::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK as u32;
 pub(super) const PREF_MAX_WORKSPACE: u32 =
     ls::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES as u32;
 pub(super) const PREF_ALIGN_A: u32 =
@@ -27,6 +34,7 @@ pub(super) const PREF_ALIGN_A: u32 =
 pub(super) const EPI_DEFAULT: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT as u32;
 pub(super) const EPI_BIAS: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
 pub(super) const EPI_RELU_BIAS: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS as u32;
+pub(super) const EPI_GELU_BIAS: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS as u32;
 pub(super) const EPI_BGRADB: u32 = ls::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB as u32;
 pub(super) const OP_N: i32 = 0;
 pub(super) const OP_T: i32 = 1;
@@ -60,6 +68,15 @@ pub(super) const REDUCE_COMPUTE_TYPE: u32 =
     ls::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
 pub(super) const REDUCE_OUTPUT_TYPE: u32 =
     ls::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32;
+
+/// cuBLASLt's name (`cudaDataType_t`) of an element type.
+pub(super) fn cuda_type(d: Dtype) -> u32 {
+    match d {
+        Dtype::F32 => R_32F,
+        Dtype::Bf16 => R_16BF,
+        Dtype::F16 => R_16F,
+    }
+}
 
 /// `cublasLtMatmulHeuristicResult_t` with the status as a raw integer.
 #[repr(C)]

@@ -37,6 +37,24 @@
 //! until [`SEARCH_KEPT`] are accepted, at most [`SEARCH_PER_TILE`] per tile. The registry
 //! measures the kept ones as `cublaslt:cINDEX`. A missing symbol or a refused call means fewer
 //! (or no) configurations, never an error.
+//!
+//! **Half precision** ([`LtTypes`], [`BlasLt::matmul_typed`]). A and B in bf16 or f16 (the same
+//! type), C and D in that type or f32, compute `CUBLAS_COMPUTE_32F` (tensor cores, products
+//! accumulated in f32) with f32 alpha and beta: the combinations cuBLASLt's `cublasLtMatmul`
+//! table lists for these types. Each (shape, types) has its own plan, heuristic list,
+//! split-K variants and searched configurations. The bias (or bias-gradient) vector is of the
+//! D type, as cuBLASLt assumes unless `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE` says otherwise;
+//! an f32 vector with a 16-bit D sets that attribute, and cuBLASLt then offers algorithms for
+//! it or none (its documentation names only IMMA and FP8 kernels as taking another bias type;
+//! the plan simply has no algorithms then). Epilogues: none, bias, bias+ReLU, bias+GELU
+//! (`CUBLASLT_EPILOGUE_GELU_BIAS`, GELU's tanh approximation) and the fused bias gradient
+//! (`BGRADB`) where the heuristic offers it. With a 16-bit D the heuristic and the split-K
+//! variants keep only algorithms that add split-K partial sums in the compute type
+//! (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK`): the in-place and output-type schemes would
+//! add them in bf16 or f16. Alignment: the preference states the pointers' alignment (256 bytes
+//! for the allocator's blocks), and leading dimensions that are no multiple of 16 bytes (odd
+//! k or n) leave the heuristic the algorithms that allow them; a shape for which it has none
+//! has no candidates (the caller's typed error).
 
 use std::collections::HashMap;
 use std::ffi::c_int;
@@ -46,8 +64,9 @@ use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use super::loader::{check, describe, CPtr, Ptr, SUCCESS};
+use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
-use crate::extent::{alignment, gemm_on_device, handle_on_device, on_device};
+use crate::extent::{alignment, handle_on_device, need, on_device, prod};
 use crate::ffi::blas::Epilogue;
 use crate::ffi::blas::Trans;
 
@@ -96,6 +115,67 @@ pub struct LtShape {
     pub epilogue: Epilogue,
     /// Largest power of two (at most 256) dividing every pointer passed.
     pub align: u32,
+}
+
+/// The element types of a product as cuBLASLt plans it: A and B (`ab`), C and D (`cd`), the
+/// bias or bias-gradient vector (`bias`). Compute and scale are f32 for every combination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LtTypes {
+    /// A and B.
+    pub ab: Dtype,
+    /// C and D.
+    pub cd: Dtype,
+    /// The bias or bias-gradient vector (the D type unless an epilogue's vector is f32).
+    pub bias: Dtype,
+}
+
+impl LtTypes {
+    /// Everything f32: the fp32 (and TF32) products.
+    pub const F32: LtTypes = LtTypes {
+        ab: Dtype::F32,
+        cd: Dtype::F32,
+        bias: Dtype::F32,
+    };
+
+    /// The types of a product with operands of `ab`, result of `cd` and, for an epilogue with
+    /// a vector, a vector of `bias` (`None`: the D type), if cuBLASLt multiplies them: all f32,
+    /// or A and B in bf16 or f16 with C and D of that type or f32 and a vector of the D type
+    /// or f32. Anything else is [`NnError::NotSupported`].
+    pub fn new(ab: Dtype, cd: Dtype, bias: Option<Dtype>) -> Result<LtTypes> {
+        let bias = bias.unwrap_or(cd);
+        let ok = match ab {
+            Dtype::F32 => cd == Dtype::F32 && bias == Dtype::F32,
+            Dtype::Bf16 | Dtype::F16 => {
+                (cd == ab || cd == Dtype::F32) && (bias == cd || bias == Dtype::F32)
+            }
+        };
+        if !ok {
+            return Err(NnError::NotSupported {
+                op: "cuBLASLt product",
+                what: format!("operands of {ab} with a result of {cd} and a vector of {bias}"),
+                fix: "use all f32, or bf16/f16 operands with a result of the same type or f32 \
+                      and a vector of the result's type or f32",
+            });
+        }
+        Ok(LtTypes { ab, cd, bias })
+    }
+
+    /// The types a plan is made for: the vector's type only where `epilogue` has a vector
+    /// (otherwise the D type), so that products without one share a plan.
+    pub fn for_epilogue(self, epilogue: Epilogue) -> LtTypes {
+        match epilogue {
+            Epilogue::None => LtTypes {
+                bias: self.cd,
+                ..self
+            },
+            _ => self,
+        }
+    }
+
+    /// Whether C and D are 16-bit.
+    fn narrow_output(self) -> bool {
+        self.cd != Dtype::F32
+    }
 }
 
 /// A configuration found by the search (see the module docs), as
@@ -154,6 +234,8 @@ struct Plan {
     fused_bgrad: bool,
     /// The descriptor's compute type (`COMPUTE_32F`, or `COMPUTE_32F_FAST_TF32` with TF32).
     compute: u32,
+    /// The element types of its layouts and vector.
+    types: LtTypes,
 }
 
 /// A heuristic algorithm with its K split `split` ways, as `cublasLtMatmulAlgoCheck` accepted
@@ -184,8 +266,8 @@ impl Drop for Plan {
 
 struct State {
     handle: Ptr,
-    /// Plans per shape and TF32 allowance.
-    plans: HashMap<(LtShape, bool), Plan>,
+    /// Plans per shape, element types and TF32 allowance.
+    plans: HashMap<(LtShape, LtTypes, bool), Plan>,
 }
 
 // SAFETY: the handle and descriptors are plain cuBLASLt objects usable from any thread one call
@@ -225,10 +307,19 @@ fn set_attr(api: &Api, desc: Ptr, attr: u32, v: &[u8]) -> Result<()> {
     )
 }
 
-/// The descriptor (fp32 compute; TF32 tensor cores allowed only when `tf32`) and the three layouts of a row-major product, as
+/// The descriptor (fp32 compute and scale; TF32 tensor cores allowed only when `tf32`, which
+/// only all-f32 `types` take) and the three layouts of a row-major product of `types`, as
 /// cuBLASLt's column-major view of it: Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ, so our B is cuBLASLt's A and
-/// our A its B (as in `ffi::blas`). No handle is needed; the plan has no algorithms yet.
-fn describe_shape(a: &'static Api, s: &LtShape, tf32: bool) -> Result<Plan> {
+/// our A its B (as in `ffi::blas`). A vector type other than the D type is set as
+/// `CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE`. No handle is needed; the plan has no algorithms yet.
+fn describe_shape(a: &'static Api, s: &LtShape, types: LtTypes, tf32: bool) -> Result<Plan> {
+    if tf32 && types != LtTypes::F32 {
+        return Err(NnError::NotSupported {
+            op: "cuBLASLt product",
+            what: format!("TF32 with operands of {}", types.ab),
+            fix: "TF32 applies to f32 products only; pass tf32 = false",
+        });
+    }
     let dim = |v: usize| {
         i64::try_from(v)
             .ok()
@@ -251,7 +342,9 @@ fn describe_shape(a: &'static Api, s: &LtShape, tf32: bool) -> Result<Plan> {
         } else {
             COMPUTE_32F
         },
+        types,
     };
+    let (ab, cd) = (cuda_type(types.ab), cuda_type(types.cd));
     let (la_rows, la_cols) = if s.tb == Trans::N { (n, k) } else { (k, n) };
     let (lb_rows, lb_cols) = if s.ta == Trans::N { (k, m) } else { (m, k) };
     let op = |t: Trans| if t == Trans::N { OP_N } else { OP_T };
@@ -265,22 +358,27 @@ fn describe_shape(a: &'static Api, s: &LtShape, tf32: bool) -> Result<Plan> {
         )?;
         check(
             a,
-            (a.layout_create)(&mut p.a, R_32F, la_rows as u64, la_cols as u64, la_rows),
+            (a.layout_create)(&mut p.a, ab, la_rows as u64, la_cols as u64, la_rows),
             "cublasLtMatrixLayoutCreate",
         )?;
         check(
             a,
-            (a.layout_create)(&mut p.b, R_32F, lb_rows as u64, lb_cols as u64, lb_rows),
+            (a.layout_create)(&mut p.b, ab, lb_rows as u64, lb_cols as u64, lb_rows),
             "cublasLtMatrixLayoutCreate",
         )?;
         check(
             a,
-            (a.layout_create)(&mut p.c, R_32F, n as u64, m as u64, n),
+            (a.layout_create)(&mut p.c, cd, n as u64, m as u64, n),
             "cublasLtMatrixLayoutCreate",
         )?;
     }
     set_attr(a, p.desc, DESC_TRANSA, &op(s.tb).to_ne_bytes())?;
     set_attr(a, p.desc, DESC_TRANSB, &op(s.ta).to_ne_bytes())?;
+    if types.bias != types.cd {
+        // i32, a cudaDataType_t.
+        let t = cuda_type(types.bias) as i32;
+        set_attr(a, p.desc, DESC_BIAS_DATA_TYPE, &t.to_ne_bytes())?;
+    }
     Ok(p)
 }
 
@@ -296,9 +394,14 @@ impl Drop for Preference<'_> {
     }
 }
 
-/// A preference for at most `ws_bytes` of workspace and pointers aligned to `align` bytes (A,
-/// B, C and D).
-fn preference(a: &Api, align: u32, ws_bytes: usize) -> Result<Preference<'_>> {
+/// A preference for at most `ws_bytes` of workspace, pointers aligned to `align` bytes (A,
+/// B, C and D) and, where `reductions` is given, split-K reductions of those schemes only.
+fn preference(
+    a: &Api,
+    align: u32,
+    ws_bytes: usize,
+    reductions: Option<u32>,
+) -> Result<Preference<'_>> {
     let mut p: Ptr = std::ptr::null_mut();
     // SAFETY: writes one preference handle.
     check(
@@ -319,6 +422,10 @@ fn preference(a: &Api, align: u32, ws_bytes: usize) -> Result<Preference<'_>> {
     set(PREF_MAX_WORKSPACE, &(ws_bytes as u64).to_ne_bytes())?;
     for i in 0..4 {
         set(PREF_ALIGN_A + i, &align.to_ne_bytes())?;
+    }
+    if let Some(mask) = reductions {
+        // u32, a mask of cublasLtReductionScheme_t.
+        set(PREF_REDUCTION_SCHEME_MASK, &mask.to_ne_bytes())?;
     }
     Ok(pref)
 }
@@ -346,13 +453,14 @@ impl BlasLt {
         })
     }
 
-    /// Descriptors of `s` and cuBLASLt's heuristic algorithms for them.
-    fn new_plan(&self, handle: Ptr, s: &LtShape, tf32: bool) -> Result<Plan> {
-        let mut p = describe_shape(self.api, s, tf32)?;
+    /// Descriptors of `s` for `types` and cuBLASLt's heuristic algorithms for them.
+    fn new_plan(&self, handle: Ptr, s: &LtShape, types: LtTypes, tf32: bool) -> Result<Plan> {
+        let mut p = describe_shape(self.api, s, types, tf32)?;
         let wanted = match s.epilogue {
             Epilogue::None => EPI_DEFAULT,
             Epilogue::Bias => EPI_BIAS,
             Epilogue::BiasRelu => EPI_RELU_BIAS,
+            Epilogue::BiasGelu => EPI_GELU_BIAS,
             Epilogue::BiasGrad => EPI_BGRADB,
         };
         p.algos = self.heuristic(handle, &p, wanted, s.align)?;
@@ -390,7 +498,9 @@ impl BlasLt {
     ) -> Result<Vec<HeuristicResult>> {
         let a = self.api;
         set_attr(a, p.desc, DESC_EPILOGUE, &epilogue.to_ne_bytes())?;
-        let pref = preference(a, align, self.ws_bytes)?;
+        // With a 16-bit D, split-K partial sums are added in the compute type only.
+        let reductions = p.types.narrow_output().then_some(REDUCE_COMPUTE_TYPE);
+        let pref = preference(a, align, self.ws_bytes, reductions)?;
         let mut out = [HeuristicResult::default(); HEURISTIC_ALGOS];
         let mut got: c_int = 0;
         // SAFETY: the handle, descriptor, layouts and preference are live; cuBLASLt writes at
@@ -425,17 +535,19 @@ impl BlasLt {
     fn with_plan<R>(
         &self,
         s: &LtShape,
+        types: LtTypes,
         tf32: bool,
         which: LtAlgo,
         f: impl FnOnce(Ptr, &Plan) -> Result<R>,
     ) -> Result<R> {
+        let types = types.for_epilogue(s.epilogue);
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let plan = match st.plans.entry((*s, tf32)) {
+        let plan = match st.plans.entry((*s, types, tf32)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(self.new_plan(handle, s, tf32)?)
+                e.insert(self.new_plan(handle, s, types, tf32)?)
             }
         };
         self.prepare(handle, plan, s, which);
@@ -450,7 +562,14 @@ impl BlasLt {
 
     /// As [`BlasLt::algo_count`], for the plan with TF32 allowed when `tf32`.
     pub fn algo_count_math(&self, s: &LtShape, tf32: bool) -> Result<(usize, bool)> {
-        self.with_plan(s, tf32, LtAlgo::Rank(0), |_, p| {
+        self.with_plan(s, LtTypes::F32, tf32, LtAlgo::Rank(0), |_, p| {
+            Ok((p.algos.len(), p.fused_bgrad))
+        })
+    }
+
+    /// As [`BlasLt::algo_count`], for the plan of `types` ([`LtTypes::new`]; no TF32).
+    pub fn algo_count_typed(&self, s: &LtShape, types: LtTypes) -> Result<(usize, bool)> {
+        self.with_plan(s, types, false, LtAlgo::Rank(0), |_, p| {
             Ok((p.algos.len(), p.fused_bgrad))
         })
     }
@@ -464,8 +583,22 @@ impl BlasLt {
 
     /// As [`BlasLt::split_k_variants`], for the plan with TF32 allowed when `tf32`.
     pub fn split_k_variants_math(&self, s: &LtShape, tf32: bool) -> Result<Vec<(u8, u8)>> {
+        self.split_k_variants_of(s, LtTypes::F32, tf32)
+    }
+
+    /// As [`BlasLt::split_k_variants`], for the plan of `types` (no TF32).
+    pub fn split_k_variants_typed(&self, s: &LtShape, types: LtTypes) -> Result<Vec<(u8, u8)>> {
+        self.split_k_variants_of(s, types, false)
+    }
+
+    fn split_k_variants_of(
+        &self,
+        s: &LtShape,
+        types: LtTypes,
+        tf32: bool,
+    ) -> Result<Vec<(u8, u8)>> {
         let which = LtAlgo::SplitK { rank: 0, split: 0 };
-        self.with_plan(s, tf32, which, |_, p| {
+        self.with_plan(s, types, tf32, which, |_, p| {
             Ok(p.split_k
                 .iter()
                 .flatten()
@@ -483,7 +616,14 @@ impl BlasLt {
 
     /// As [`BlasLt::search_configs`], for the plan with TF32 allowed when `tf32`.
     pub fn search_configs_math(&self, s: &LtShape, tf32: bool) -> Result<Vec<LtConfig>> {
-        self.with_plan(s, tf32, LtAlgo::Config(0), |_, p| {
+        self.with_plan(s, LtTypes::F32, tf32, LtAlgo::Config(0), |_, p| {
+            Ok(p.search.iter().flatten().map(|c| c.info).collect())
+        })
+    }
+
+    /// As [`BlasLt::search_configs`], for the plan of `types` (no TF32).
+    pub fn search_configs_typed(&self, s: &LtShape, types: LtTypes) -> Result<Vec<LtConfig>> {
+        self.with_plan(s, types, false, LtAlgo::Config(0), |_, p| {
             Ok(p.search.iter().flatten().map(|c| c.info).collect())
         })
     }
@@ -527,28 +667,54 @@ impl BlasLt {
         c: &DeviceBuffer<f32>,
         bias: Option<&DeviceBuffer<f32>>,
     ) -> Result<bool> {
-        let len = |dims: [usize; 2]| {
-            dims[0]
-                .checked_mul(dims[1])
-                .ok_or_else(|| NnError::Shape(format!("cuBLASLt: {dims:?} overflows")))
-        };
-        let need = |what: &'static str, buf: &DeviceBuffer<f32>, n: usize| {
-            if buf.len() < n {
-                Err(NnError::Core(cudagraph::Error::SizeMismatch {
-                    what,
-                    expected: n,
-                    got: buf.len(),
-                }))
-            } else {
-                Ok(())
-            }
-        };
-        need("gemm A", a, len([s.m, s.k])?)?;
-        need("gemm B", b, len([s.k, s.n])?)?;
-        need("gemm C", c, len([s.m, s.n])?)?;
+        self.matmul_inner(q, s, tf32, which, alpha, a, b, beta, c, bias)
+    }
+
+    /// As [`BlasLt::matmul`] for the element types of the buffers: A and B of `T`, C and D of
+    /// `O`, the bias (or bias-gradient output) of `V` ([`LtTypes::new`] says which
+    /// combinations; any other is [`NnError::NotSupported`] and nothing runs). Algorithm ranks,
+    /// split-K variants and searched configurations are those of the plan of these types
+    /// (`algo_count_typed` and its siblings); compute and scale f32, no TF32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_typed<T: Float, O: Float, V: Float>(
+        &self,
+        q: &dyn Queue,
+        s: &LtShape,
+        which: LtAlgo,
+        alpha: f32,
+        a: &DeviceBuffer<T>,
+        b: &DeviceBuffer<T>,
+        beta: f32,
+        c: &DeviceBuffer<O>,
+        bias: Option<&DeviceBuffer<V>>,
+    ) -> Result<bool> {
+        self.matmul_inner(q, s, false, which, alpha, a, b, beta, c, bias)
+    }
+
+    /// The product on the plan of the buffers' element types (and TF32 when `tf32`): every
+    /// length, device and alignment checked, then `cublasLtMatmul`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_inner<T: Float, O: Float, V: Float>(
+        &self,
+        q: &dyn Queue,
+        s: &LtShape,
+        tf32: bool,
+        which: LtAlgo,
+        alpha: f32,
+        a: &DeviceBuffer<T>,
+        b: &DeviceBuffer<T>,
+        beta: f32,
+        c: &DeviceBuffer<O>,
+        bias: Option<&DeviceBuffer<V>>,
+    ) -> Result<bool> {
+        // The plan's layouts and vector are of exactly these element types.
+        let types = LtTypes::new(T::DTYPE, O::DTYPE, bias.map(|_| V::DTYPE))?;
+        need("gemm A", a, prod("cuBLASLt A", &[s.m, s.k])?)?;
+        need("gemm B", b, prod("cuBLASLt B", &[s.k, s.n])?)?;
+        need("gemm C", c, prod("cuBLASLt C", &[s.m, s.n])?)?;
         let bias_len = match s.epilogue {
             Epilogue::None => 0,
-            Epilogue::Bias | Epilogue::BiasRelu => s.n,
+            Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGelu => s.n,
             Epilogue::BiasGrad => s.m,
         };
         match (bias, bias_len) {
@@ -570,7 +736,17 @@ impl BlasLt {
         }
         // The handle, A, B, C, the bias and (below) the workspace are all the queue's device's.
         handle_on_device(q, "cuBLASLt handle", self.ctx.ordinal())?;
-        gemm_on_device(q, a, b, c, bias)?;
+        let operands = [
+            ("gemm A", a.block()),
+            ("gemm B", b.block()),
+            ("gemm C", c.block()),
+        ];
+        on_device(
+            q,
+            operands
+                .into_iter()
+                .chain(bias.map(|v| ("gemm bias", v.block()))),
+        )?;
         let mut addrs = vec![a.addr(), b.addr(), c.addr()];
         addrs.extend(bias.map(|v| v.addr()));
         if alignment(&addrs) < s.align {
@@ -581,7 +757,7 @@ impl BlasLt {
             )));
         }
         let stream = q.stream_handle();
-        self.with_plan(s, tf32, which, |handle, p| {
+        self.with_plan(s, types, tf32, which, |handle, p| {
             let algo = match which {
                 LtAlgo::Rank(rank) => p.algos.get(rank).ok_or_else(|| NnError::Library {
                     library: "cuBLASLt",
@@ -628,7 +804,7 @@ impl BlasLt {
             };
             let fused = match s.epilogue {
                 Epilogue::None => false,
-                Epilogue::Bias | Epilogue::BiasRelu => true,
+                Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGelu => true,
                 Epilogue::BiasGrad => p.fused_bgrad,
             };
             // The algorithm's own workspace, from the queue (the graph's pool inside a capture):
@@ -644,8 +820,8 @@ impl BlasLt {
             if let Some(w) = &ws {
                 on_device(q, [("cuBLASLt workspace", w.block())])?;
             }
-            for buf in [a, b, c] {
-                q.use_block(buf.block());
+            for block in [a.block(), b.block(), c.block()] {
+                q.use_block(block);
             }
             if let Some(w) = &ws {
                 q.use_block(w.block());
@@ -662,8 +838,10 @@ impl BlasLt {
                 0
             };
             // SAFETY: the handle, descriptor and layouts are live under the lock; the layouts
-            // describe m×k, k×n and m×n elements in the checked buffers (and a bias of the
-            // checked length, used only with a fused epilogue), all of them and the workspace
+            // describe m×k, k×n and m×n elements of the buffers' own element types (the plan
+            // is keyed by `types`, derived from T, O and V above) in the checked buffers (and a
+            // bias of the checked length and of the plan's vector type, used only with a fused
+            // epilogue), all of them and the workspace
             // memory of the queue's device, the handle's (checked); the algorithm came from
             // cuBLASLt's heuristic for exactly these descriptors, or is a split-K variant of one
             // or a searched configuration that `cublasLtMatmulAlgoCheck` accepted for them
@@ -763,16 +941,23 @@ mod tests {
                 epilogue: Epilogue::Bias,
                 align: 16,
             };
-            let p = describe_shape(api, &s, false).unwrap();
-            let t = describe_shape(api, &s, true).unwrap();
+            let p = describe_shape(api, &s, LtTypes::F32, false).unwrap();
+            let t = describe_shape(api, &s, LtTypes::F32, true).unwrap();
             assert_eq!((p.compute, t.compute), (COMPUTE_32F, COMPUTE_32F_FAST_TF32));
-            for e in [EPI_DEFAULT, EPI_BIAS, EPI_RELU_BIAS, EPI_BGRADB] {
+            for e in [
+                EPI_DEFAULT,
+                EPI_BIAS,
+                EPI_RELU_BIAS,
+                EPI_GELU_BIAS,
+                EPI_BGRADB,
+            ] {
                 set_attr(api, p.desc, DESC_EPILOGUE, &e.to_ne_bytes()).unwrap();
             }
             set_attr(api, p.desc, DESC_BIAS_POINTER, &0x1000u64.to_ne_bytes()).unwrap();
         }
         for align in [4, 16, 256] {
-            preference(api, align, workspace_for(9)).unwrap();
+            preference(api, align, workspace_for(9), None).unwrap();
+            preference(api, align, workspace_for(9), Some(REDUCE_COMPUTE_TYPE)).unwrap();
         }
         // A wrongly sized value is rejected (so the sizes above are the checked ones).
         let p = describe_shape(
@@ -786,6 +971,7 @@ mod tests {
                 epilogue: Epilogue::None,
                 align: 256,
             },
+            LtTypes::F32,
             false,
         )
         .unwrap();
@@ -800,7 +986,61 @@ mod tests {
             epilogue: Epilogue::None,
             align: 256,
         };
-        assert!(describe_shape(api, &empty, false).is_err());
+        assert!(describe_shape(api, &empty, LtTypes::F32, false).is_err());
+    }
+
+    /// Where cuBLASLt is installed: the half-precision layouts, an f32 vector type with a
+    /// 16-bit D and the GELU epilogue are described without a GPU; TF32 is refused for them.
+    #[test]
+    fn half_precision_descriptors_are_accepted_where_cublaslt_is_installed() {
+        let Ok(api) = api() else {
+            println!("cuBLASLt unavailable here");
+            return;
+        };
+        let s = LtShape {
+            ta: Trans::N,
+            tb: Trans::T,
+            m: 3,
+            n: 7,
+            k: 13,
+            epilogue: Epilogue::BiasGelu,
+            align: 256,
+        };
+        for ab in [Dtype::Bf16, Dtype::F16] {
+            for cd in [ab, Dtype::F32] {
+                let t = LtTypes::new(ab, cd, None).unwrap();
+                let p = describe_shape(api, &s, t, false).unwrap();
+                assert_eq!((p.types, p.compute), (t, COMPUTE_32F));
+                set_attr(api, p.desc, DESC_EPILOGUE, &EPI_GELU_BIAS.to_ne_bytes()).unwrap();
+                assert!(describe_shape(api, &s, t, true).is_err());
+                // An f32 vector with a 16-bit D: described, or refused with a typed error
+                // (cuBLASLt documents that type only for IMMA and FP8 kernels).
+                let f = LtTypes::new(ab, cd, Some(Dtype::F32)).unwrap();
+                match describe_shape(api, &s, f, false) {
+                    Ok(p) => assert_eq!(p.types, f),
+                    Err(e) => assert!(matches!(e, NnError::Library { .. }), "{e}"),
+                }
+            }
+        }
+    }
+
+    /// The numbers the half-precision plans use are the cuBLASLt 12/13 header's
+    /// (cudaDataType_t, cublasLtMatmulDescAttributes_t, cublasLtEpilogue_t,
+    /// cublasLtMatmulPreferenceAttributes_t).
+    #[test]
+    fn half_precision_attributes_have_the_header_values() {
+        assert_eq!((R_32F, R_16F, R_16BF), (0, 2, 14));
+        assert_eq!(
+            (
+                cuda_type(Dtype::F32),
+                cuda_type(Dtype::F16),
+                cuda_type(Dtype::Bf16)
+            ),
+            (0, 2, 14)
+        );
+        assert_eq!(DESC_BIAS_DATA_TYPE, 26);
+        assert_eq!((EPI_GELU_BIAS, EPI_BGRADB), (36, 512));
+        assert_eq!(PREF_REDUCTION_SCHEME_MASK, 3);
     }
 
     /// The attribute and scheme numbers split-K variants use are the cuBLASLt 12/13 header's

@@ -7,6 +7,7 @@ use std::ffi::c_int;
 use super::super::loader::{Ptr, SUCCESS};
 use super::api::*;
 use super::{BlasLt, LtConfig, LtShape, Plan, SearchConfig, SplitVariant};
+use crate::dtype::Dtype;
 
 /// How many of the first heuristic algorithms get split-K variants.
 pub const SPLIT_K_RANKS: usize = 3;
@@ -24,8 +25,9 @@ pub(super) const MIN_K_PER_SPLIT: usize = 32;
 /// The reduction schemes a variant tries, in order: in place (the output buffer, with counters
 /// in the workspace that keep the splits in sequence, as the header puts it), then partial
 /// results in the workspace in the compute type, then in the output type, each reduced in a
-/// separate step (the same type here: fp32). The first one the algorithm supports and
-/// `cublasLtMatmulAlgoCheck` accepts within the workspace is kept. None is described as using
+/// separate step (the same type for fp32 products; for a bf16 or f16 output only the compute
+/// type is tried). The first one the algorithm supports and `cublasLtMatmulAlgoCheck` accepts
+/// within the workspace is kept. None is described as using
 /// atomics; the GPU tests check that repeated runs and graph replays give the same bits.
 pub(super) const REDUCTION_ORDER: [u32; 3] =
     [REDUCE_INPLACE, REDUCE_COMPUTE_TYPE, REDUCE_OUTPUT_TYPE];
@@ -199,9 +201,13 @@ impl BlasLt {
                 None => base.waves_count as f64,
             };
             for split in split_choices(fill, s.k, SPLITS_PER_RANK[rank]) {
+                // With a 16-bit D, only partial sums kept in the compute type (f32): the other
+                // schemes add them in the output type.
+                let narrow = p.types.cd != Dtype::F32;
                 let accepted = REDUCTION_ORDER
                     .into_iter()
                     .filter(|&scheme| mask & scheme != 0)
+                    .filter(|&scheme| !narrow || scheme == REDUCE_COMPUTE_TYPE)
                     .find_map(|scheme| self.check_variant(api, handle, p, s, base, split, scheme));
                 let Some(result) = accepted else { continue };
                 let duplicate = p.algos.iter().any(|a| a.algo == result.algo)
@@ -278,6 +284,8 @@ impl BlasLt {
             return Vec::new();
         };
         let sms = self.ctx.info().multiprocessors.max(1) as usize;
+        // The plan's types: scale f32, A and B, C and D.
+        let (ab, cd) = (cuda_type(p.types.ab), cuda_type(p.types.cd));
         let mut ids = [0 as c_int; SEARCH_IDS];
         let mut got: c_int = 0;
         // SAFETY: the handle is live (the caller holds the state lock); cuBLASLt writes at most
@@ -287,10 +295,10 @@ impl BlasLt {
                 handle,
                 p.compute,
                 R_32F,
-                R_32F,
-                R_32F,
-                R_32F,
-                R_32F,
+                ab,
+                ab,
+                cd,
+                cd,
                 SEARCH_IDS as c_int,
                 ids.as_mut_ptr(),
                 &mut got,
@@ -317,11 +325,8 @@ impl BlasLt {
         for &id in ids {
             let mut algo = [0u64; 8];
             // SAFETY: as above; `algo` is a whole writable cublasLtMatmulAlgo_t.
-            let st = unsafe {
-                (search.init)(
-                    handle, p.compute, R_32F, R_32F, R_32F, R_32F, R_32F, id, &mut algo,
-                )
-            };
+            let st =
+                unsafe { (search.init)(handle, p.compute, R_32F, ab, ab, cd, cd, id, &mut algo) };
             if st != SUCCESS {
                 continue;
             }

@@ -1,0 +1,621 @@
+//! Half-precision matrix products on tensor cores: [`gemm_lowp`] runs a [`GemmOp`] with A and
+//! B in bf16 or f16 and C (and the epilogue's vector) in that type or f32, products
+//! accumulated in f32, by the engine the registry measured for its key. The fp32 products
+//! stay in [`crate::engine::gemm`] (`run_gemm`); no kernel of ours runs here.
+//!
+//! Candidates, measured per key like the fp32 ones (the key adds the element types:
+//! `gemm NT m=4096 n=4096 k=4096 a=1 b=0 ep=bias in=bf16 out=f32`): cuBLASLt's heuristic
+//! algorithms for the shape and types (the first twelve, as for fp32), with
+//! `CUDAGRAPH_LT_SPLITK=1` their split-K variants and with `CUDAGRAPH_LT_SEARCH=1` searched
+//! configurations, and cuBLAS's `cublasGemmEx` for products without a fused bias (what
+//! `torch.matmul` calls on bf16 tensors). Epilogues: none, bias, bias+ReLU, bias+GELU (GELU in
+//! cuBLASLt's tanh approximation, `gelu(approximate="tanh")` in PyTorch) and the bias gradient,
+//! fused by cuBLASLt (`BGRADB`) where it offers that for the types, otherwise a second product
+//! `db = 1ᵀ·A` on the same libraries (f32 accumulation there too). Inside a capture with
+//! nothing measured for the key, cuBLASLt's first heuristic algorithm runs (cuBLAS where
+//! cuBLASLt is unavailable).
+//!
+//! No partial sum is ever added in 16 bits: cuBLASLt keeps only algorithms whose split-K
+//! reductions are in the compute type when D is bf16 or f16, and cuBLAS runs with
+//! `CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION`.
+//!
+//! ```no_run
+//! use cudagraph::memory::bf16;
+//! use cudagraph::{Device, QueueExt};
+//! use cudagraph_nn::engine::gemm::{Epilogue, GemmOp, Trans};
+//! use cudagraph_nn::engine::gemm_lowp;
+//! use cudagraph_nn::Nn;
+//! # fn main() -> cudagraph_nn::Result<()> {
+//! let dev = Device::open(0)?;
+//! let s = dev.new_stream()?;
+//! let nn = Nn::get(&dev)?;
+//! let (m, n, k) = (64, 1024, 512);
+//! let x = s.alloc_from_host(&vec![bf16::from_f32(0.5); m * k])?;
+//! let w = s.alloc_from_host(&vec![bf16::from_f32(0.25); n * k])?;
+//! let bias = s.alloc_from_host(&vec![bf16::from_f32(1.0); n])?;
+//! let y = s.alloc::<bf16>(m * n)?;
+//! // y = gelu(x·wᵀ + bias), x: [m, k], w: [n, k].
+//! let op = GemmOp {
+//!     ta: Trans::N,
+//!     tb: Trans::T,
+//!     m,
+//!     n,
+//!     k,
+//!     alpha: 1.0,
+//!     beta: 0.0,
+//!     epilogue: Epilogue::BiasGelu,
+//! };
+//! let engine = gemm_lowp(&s, &nn, &op, &x, &w, &y, Some(&bias))?;
+//! println!("ran on {engine}");
+//! # Ok(()) }
+//! ```
+
+use cudagraph::{DeviceBuffer, Queue, QueueExt};
+
+use crate::dtype::{Dtype, Float};
+use crate::engine::gemm::{Epilogue, GemmOp, Trans};
+use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
+use crate::error::{NnError, Result};
+use crate::extent::{alignment, gemm_on_device, need, prod};
+use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
+use crate::kernels::Nn;
+
+/// Row-major `C[m×n] = epilogue(alpha·op(A)·op(B) + beta·C)` with A and B of `T` (bf16 or
+/// f16) and C of `O` (`T` or f32), on tensor cores with f32 accumulation, by the registry's
+/// engine for the product's key (measured on the first eager call; see the module docs).
+/// Conventions as [`run_gemm`](crate::engine::gemm::run_gemm): op(A) is m×k (`ta`: A stored
+/// k×m), op(B) k×n (`tb`: B stored n×k); `vec` is the bias (`Bias`, `BiasRelu`, `BiasGelu`,
+/// length n) or the bias-gradient output (`BiasGrad`, length m, A transposed, alpha 1).
+/// Returns the engine that ran.
+///
+/// Errors, before anything runs: `T` = f32 or `O` neither `T` nor f32
+/// ([`NnError::NotSupported`]: f32 products go through `run_gemm`), a buffer shorter than the
+/// product needs or a vector that does not match the epilogue (`SizeMismatch`, `Shape`), a
+/// buffer of another device (`WrongDevice`), k = 0, and a product no engine can run here (an
+/// epilogue without cuBLASLt, e.g. inside a capture before cuBLASLt was opened by an eager
+/// call; a shape cuBLASLt has no algorithm for).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_lowp<T: Float, O: Float>(
+    q: &dyn Queue,
+    _nn: &Nn,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+) -> Result<GemmEngine> {
+    validate(q, op, a, b, c, vec)?;
+    if op.m == 0 || op.n == 0 {
+        // Nothing to write (as `run_gemm`).
+        return Ok(GemmEngine::Cublas);
+    }
+    let eng = Engines::get(q.device())?;
+    let policy = eng.policy();
+    let family = lowp_family(policy.gemm, op.epilogue);
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    let align = alignment(&addrs);
+    let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
+    if let Some(algo) = eng.lookup::<GemmEngine>(&key) {
+        run_lowp(q, &eng, algo, op, align, a, b, c, vec)?;
+        return Ok(algo);
+    }
+    let candidates = candidates_in::<T, O>(q, &eng, op, family, align)?;
+    let Some(&default) = candidates.first() else {
+        return Err(no_engine(op, &key, eng.cublaslt_for(q).is_some()));
+    };
+    let mut scratch: Option<(DeviceBuffer<O>, Option<DeviceBuffer<O>>)> = None;
+    let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
+        if scratch.is_none() {
+            let cs = q.alloc::<O>(op.m * op.n)?;
+            if op.beta != 0.0 {
+                q.memset_zero(&cs)?;
+            }
+            let vs = match op.epilogue {
+                Epilogue::BiasGrad => Some(q.alloc::<O>(op.m)?),
+                _ => None,
+            };
+            scratch = Some((cs, vs));
+        }
+        let (cs, vs) = scratch.as_ref().expect("allocated above");
+        let v = match op.epilogue {
+            Epilogue::BiasGrad => vs.as_ref(),
+            _ => vec,
+        };
+        run_lowp(q, &eng, algo, op, align, a, b, cs, v)
+    })?;
+    run_lowp(q, &eng, algo, op, align, a, b, c, vec)?;
+    Ok(algo)
+}
+
+/// Runs `op` with exactly `algo`, without the registry (tests, benchmarks): the checks of
+/// [`gemm_lowp`], then an error where `algo` cannot run the product (one of our fp32 kernels,
+/// cuBLAS with a fused bias, a cuBLASLt rank, variant or configuration the plan does not
+/// have); nothing runs then.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_lowp_with<T: Float, O: Float>(
+    q: &dyn Queue,
+    _nn: &Nn,
+    algo: GemmEngine,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+) -> Result<()> {
+    validate(q, op, a, b, c, vec)?;
+    if op.m == 0 || op.n == 0 {
+        return Ok(());
+    }
+    let eng = Engines::get(q.device())?;
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    run_lowp(q, &eng, algo, op, alignment(&addrs), a, b, c, vec)
+}
+
+/// The engines the registry measures for `op` with operands of `T` and a result of `O` on
+/// `q`'s device under its policy, for pointers aligned to `align` bytes
+/// ([`crate::engine::gemm::alignment`]): cuBLASLt's first, then cuBLAS (see the
+/// module docs). Empty where nothing can run it.
+pub fn lowp_candidates<T: Float, O: Float>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    align: u32,
+) -> Result<Vec<GemmEngine>> {
+    check_dtypes(T::DTYPE, O::DTYPE)?;
+    check_op(op)?;
+    let eng = Engines::get(q.device())?;
+    let family = lowp_family(eng.policy().gemm, op.epilogue);
+    candidates_in::<T, O>(q, &eng, op, family, align)
+}
+
+/// The registry key of a half-precision product without the alignment and policy parts:
+/// [`GemmOp::key`] and the element types, e.g.
+/// `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias in=bf16 out=f32`.
+pub fn key(op: &GemmOp, input: Dtype, output: Dtype) -> String {
+    format!("{} in={input} out={output}", op.key())
+}
+
+/// The whole key: [`key`], the pointers' alignment where it is not the allocator's 256
+/// bytes, and the policy's restrictions that apply to half-precision products (the family
+/// `family`, cuBLASLt off, split-K, search; not TF32, which changes nothing here).
+fn registry_key(
+    op: &GemmOp,
+    input: Dtype,
+    output: Dtype,
+    align: u32,
+    policy: &Policy,
+    family: GemmFamily,
+) -> String {
+    let scope = Policy {
+        tf32_matmul: false,
+        ..*policy
+    }
+    .gemm_scope(family);
+    match align {
+        256 => format!("{}{scope}", key(op, input, output)),
+        a => format!("{} align={a}{scope}", key(op, input, output)),
+    }
+}
+
+/// The family a policy's `CUDAGRAPH_GEMM` means for a half-precision product: cuBLAS or
+/// cuBLASLt alone where it names one of them (cuBLAS only for products without a fused bias,
+/// which it cannot add), every engine otherwise (our kernels are fp32 only).
+pub fn lowp_family(policy: GemmFamily, epilogue: Epilogue) -> GemmFamily {
+    match policy {
+        GemmFamily::CublasLt => GemmFamily::CublasLt,
+        GemmFamily::Cublas if cublas_runs(epilogue) => GemmFamily::Cublas,
+        _ => GemmFamily::Auto,
+    }
+}
+
+/// Whether cuBLAS can run a product with `epilogue` (no fused bias: the bias gradient is a
+/// second product).
+fn cublas_runs(epilogue: Epilogue) -> bool {
+    matches!(epilogue, Epilogue::None | Epilogue::BiasGrad)
+}
+
+/// `T` and `O` are a pair [`gemm_lowp`] takes: `T` bf16 or f16, `O` the same or f32.
+pub fn check_dtypes(input: Dtype, output: Dtype) -> Result<()> {
+    match input {
+        Dtype::F32 => Err(NnError::NotSupported {
+            op: "gemm_lowp",
+            what: format!("operands of f32 (with a result of {output})"),
+            fix: "run f32 products with engine::gemm::run_gemm",
+        }),
+        t if output == t || output == Dtype::F32 => Ok(()),
+        t => Err(NnError::NotSupported {
+            op: "gemm_lowp",
+            what: format!("operands of {t} with a result of {output}"),
+            fix: "ask for a result of the operands' type or f32 (cast one side first to mix \
+                  bf16 and f16)",
+        }),
+    }
+}
+
+/// Every check before anything runs: element types, k and the alpha of a bias gradient
+/// ([`check_op`]), lengths, the epilogue's vector (its length; A transposed for a bias
+/// gradient) and devices.
+fn validate<T: Float, O: Float>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+) -> Result<()> {
+    check_dtypes(T::DTYPE, O::DTYPE)?;
+    check_op(op)?;
+    need("gemm A", a, prod("gemm A", &[op.m, op.k])?)?;
+    need("gemm B", b, prod("gemm B", &[op.k, op.n])?)?;
+    need("gemm C", c, prod("gemm C", &[op.m, op.n])?)?;
+    op.check_vec(vec.map(|v| v.len()))?;
+    gemm_on_device(q, a, b, c, vec)
+}
+
+/// What [`gemm_lowp`] refuses of an op whatever its buffers: k = 0 with something to write
+/// (cuBLASLt multiplies no empty operands), a bias gradient scaled by alpha (the fused and
+/// the separate reduction would disagree on whether alpha applies).
+pub fn check_op(op: &GemmOp) -> Result<()> {
+    if op.k == 0 && op.m > 0 && op.n > 0 {
+        return Err(NnError::Shape(format!(
+            "gemm_lowp: k = 0 (nothing to multiply) in {}; scale C directly instead",
+            op.key()
+        )));
+    }
+    if op.epilogue == Epilogue::BiasGrad && op.alpha != 1.0 {
+        return Err(NnError::Shape(format!(
+            "gemm_lowp: a fused bias gradient needs alpha 1 (got {}); scale the product \
+             separately",
+            op.alpha
+        )));
+    }
+    Ok(())
+}
+
+fn no_engine(op: &GemmOp, key: &str, have_lt: bool) -> NnError {
+    let why = if have_lt {
+        "cuBLASLt offers no algorithm for this shape and these types (its heuristic returned \
+         none: a misaligned leading dimension with this epilogue?), and cuBLAS adds no fused \
+         bias"
+    } else if matches!(op.epilogue, Epilogue::None | Epilogue::BiasGrad) {
+        "neither cuBLASLt nor cuBLAS can run it"
+    } else {
+        "a fused bias needs cuBLASLt, which is missing, disabled by the engine policy, or \
+         not opened yet inside this capture (run the product once eagerly before capturing)"
+    };
+    NnError::Library {
+        library: "engine registry",
+        call: "gemm_lowp",
+        status: format!("no engine can run {key}: {why}"),
+    }
+}
+
+/// The shape cuBLASLt plans.
+fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
+    LtShape {
+        ta: op.ta,
+        tb: op.tb,
+        m: op.m,
+        n: op.n,
+        k: op.k,
+        epilogue: op.epilogue,
+        align,
+    }
+}
+
+/// The engines that can run `op` with these types within `family`, cuBLASLt's heuristic
+/// algorithms first (the first is the default inside a capture), then its opt-in variants,
+/// then cuBLAS. Inside a capture, cuBLASLt is a candidate only if it was opened before.
+fn candidates_in<T: Float, O: Float>(
+    q: &dyn Queue,
+    eng: &Engines,
+    op: &GemmOp,
+    family: GemmFamily,
+    align: u32,
+) -> Result<Vec<GemmEngine>> {
+    let allowed = |e: GemmFamily| family == GemmFamily::Auto || family == e;
+    let mut v = Vec::new();
+    if allowed(GemmFamily::CublasLt) {
+        if let Some(lt) = eng.cublaslt_for(q) {
+            let shape = lt_shape(op, align);
+            let types = LtTypes::new(T::DTYPE, O::DTYPE, None)?;
+            // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
+            let count = lt.algo_count_typed(&shape, types).map_or(0, |(n, _)| n);
+            v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
+            if count > 0 && eng.policy().lt_split_k {
+                let variants = lt.split_k_variants_typed(&shape, types).unwrap_or_default();
+                v.extend(
+                    variants
+                        .into_iter()
+                        .map(|(rank, split)| GemmEngine::CublasLtSplitK { rank, split }),
+                );
+            }
+            if eng.policy().lt_search {
+                let configs = lt
+                    .search_configs_typed(&shape, types)
+                    .map_or(0, |c| c.len());
+                v.extend(
+                    (0..configs.min(u8::MAX as usize + 1))
+                        .map(|i| GemmEngine::CublasLtConfig(i as u8)),
+                );
+            }
+        }
+    }
+    if allowed(GemmFamily::Cublas) && cublas_runs(op.epilogue) {
+        v.push(GemmEngine::Cublas);
+    }
+    Ok(v)
+}
+
+/// cuBLASLt, or why it is not there.
+fn cublaslt(eng: &Engines) -> Result<&BlasLt> {
+    eng.cublaslt().ok_or_else(|| NnError::Library {
+        library: "cuBLASLt",
+        call: "dlopen",
+        status: "unavailable (missing, or disabled by the engine policy)".into(),
+    })
+}
+
+/// Runs `op` with exactly `algo`.
+#[allow(clippy::too_many_arguments)]
+fn run_lowp<T: Float, O: Float>(
+    q: &dyn Queue,
+    eng: &Engines,
+    algo: GemmEngine,
+    op: &GemmOp,
+    align: u32,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+) -> Result<()> {
+    let which = match algo {
+        GemmEngine::Cublas => {
+            if !cublas_runs(op.epilogue) {
+                return Err(NnError::NotSupported {
+                    op: "gemm_lowp",
+                    what: format!("cuBLAS with a fused bias ({})", op.key()),
+                    fix: "use a cuBLASLt engine for products with a bias epilogue",
+                });
+            }
+            let (dims, (alpha, beta)) = ((op.m, op.n, op.k), (op.alpha, op.beta));
+            eng.blas()?
+                .gemm_ex(q, op.ta, op.tb, dims, alpha, a, b, beta, c)?;
+            return match (op.epilogue, vec) {
+                (Epilogue::BiasGrad, Some(db)) => bias_grad(q, eng, op, a, db),
+                _ => Ok(()),
+            };
+        }
+        GemmEngine::CublasLt(rank) => LtAlgo::Rank(rank as usize),
+        GemmEngine::CublasLtSplitK { rank, split } => LtAlgo::SplitK { rank, split },
+        GemmEngine::CublasLtConfig(i) => LtAlgo::Config(i),
+        other => {
+            return Err(NnError::NotSupported {
+                op: "gemm_lowp",
+                what: format!("engine {other} (our kernels are fp32 only)"),
+                fix: "use cuBLAS or a cuBLASLt engine for half-precision products",
+            })
+        }
+    };
+    let lt = cublaslt(eng)?;
+    let shape = lt_shape(op, align);
+    let fused = lt.matmul_typed(q, &shape, which, op.alpha, a, b, op.beta, c, vec)?;
+    match (op.epilogue, vec) {
+        (Epilogue::BiasGrad, Some(db)) if !fused => bias_grad(q, eng, op, a, db),
+        _ => Ok(()),
+    }
+}
+
+/// The bias gradient where no engine fused it: the row sums of op(A) (A stored k×m) as the
+/// product `db[1×m] = 1[1×k]·A[k×m]`, on cuBLASLt's first algorithm where it has one (cuBLAS
+/// otherwise), accumulated in f32 and rounded once to `O`. The ones come from the queue (the
+/// graph's pool inside a capture), filled by a memset node.
+fn bias_grad<T: Float, O: Float>(
+    q: &dyn Queue,
+    eng: &Engines,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    db: &DeviceBuffer<O>,
+) -> Result<()> {
+    let ones = ones::<T>(q, op.k)?;
+    let sum = GemmOp {
+        ta: Trans::N,
+        tb: Trans::N,
+        m: 1,
+        n: op.m,
+        k: op.k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue: Epilogue::None,
+    };
+    let align = alignment(&[ones.addr(), a.addr(), db.addr()]);
+    let shape = lt_shape(&sum, align);
+    if let Some(lt) = eng.cublaslt_for(q) {
+        let types = LtTypes::new(T::DTYPE, O::DTYPE, None)?;
+        if lt.algo_count_typed(&shape, types).is_ok_and(|(n, _)| n > 0) {
+            let none = None::<&DeviceBuffer<O>>;
+            lt.matmul_typed(q, &shape, LtAlgo::Rank(0), 1.0, &ones, a, 0.0, db, none)?;
+            return Ok(());
+        }
+    }
+    let dims = (sum.m, sum.n, sum.k);
+    eng.blas()?
+        .gemm_ex(q, sum.ta, sum.tb, dims, 1.0, &ones, a, 0.0, db)
+}
+
+/// `len` ones of `T` (one memset of 32-bit words holding two each).
+fn ones<T: Float>(q: &dyn Queue, len: usize) -> Result<DeviceBuffer<T>> {
+    let one = T::from_f32(1.0);
+    let bytes = T::as_bytes(std::slice::from_ref(&one));
+    let half = u16::from_le_bytes([bytes[0], bytes.get(1).copied().unwrap_or(0)]) as u32;
+    let words = len.div_ceil(2).max(1);
+    let block = q.alloc_block(prod("gemm_lowp ones", &[words, 4])?)?;
+    let w = DeviceBuffer::<u32>::from_block(block.clone(), words)?;
+    q.fill32(&w, 0, words, half | (half << 16))?;
+    Ok(DeviceBuffer::<T>::from_block(block, len)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(ep: Epilogue) -> GemmOp {
+        GemmOp {
+            ta: Trans::N,
+            tb: Trans::T,
+            m: 32,
+            n: 512,
+            k: 1024,
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: ep,
+        }
+    }
+
+    #[test]
+    fn keys_add_the_element_types_to_the_f32_key() {
+        assert_eq!(
+            key(&op(Epilogue::Bias), Dtype::Bf16, Dtype::F32),
+            "gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias in=bf16 out=f32"
+        );
+        assert_eq!(
+            key(&op(Epilogue::BiasGelu), Dtype::F16, Dtype::F16),
+            "gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_gelu in=f16 out=f16"
+        );
+        // Alignment and policy parts follow, as for f32; TF32 is not one of them.
+        let p = Policy::default();
+        let o = op(Epilogue::None);
+        assert_eq!(
+            registry_key(&o, Dtype::Bf16, Dtype::Bf16, 256, &p, GemmFamily::Auto),
+            "gemm NT m=32 n=512 k=1024 a=1 b=0 ep=none in=bf16 out=bf16"
+        );
+        let tf32 = Policy {
+            tf32_matmul: true,
+            ..p
+        };
+        assert_eq!(
+            registry_key(&o, Dtype::Bf16, Dtype::Bf16, 256, &tf32, GemmFamily::Auto),
+            registry_key(&o, Dtype::Bf16, Dtype::Bf16, 256, &p, GemmFamily::Auto)
+        );
+        let k = registry_key(&o, Dtype::F16, Dtype::F32, 16, &p, GemmFamily::CublasLt);
+        assert!(k.starts_with("gemm NT m=32 n=512 k=1024 a=1 b=0 ep=none in=f16 out=f32 align=16"));
+        assert!(k.contains("cublaslt"), "{k}");
+        // Different types never share a key.
+        assert_ne!(
+            key(&o, Dtype::Bf16, Dtype::Bf16),
+            key(&o, Dtype::Bf16, Dtype::F32)
+        );
+        assert_ne!(
+            key(&o, Dtype::Bf16, Dtype::F32),
+            key(&o, Dtype::F16, Dtype::F32)
+        );
+    }
+
+    #[test]
+    fn only_half_precision_operands_with_their_own_or_an_f32_result_are_taken() {
+        for (i, o) in [
+            (Dtype::Bf16, Dtype::Bf16),
+            (Dtype::Bf16, Dtype::F32),
+            (Dtype::F16, Dtype::F16),
+            (Dtype::F16, Dtype::F32),
+        ] {
+            check_dtypes(i, o).unwrap();
+            LtTypes::new(i, o, None).unwrap();
+            LtTypes::new(i, o, Some(Dtype::F32)).unwrap();
+        }
+        for (i, o) in [
+            (Dtype::F32, Dtype::F32),
+            (Dtype::F32, Dtype::Bf16),
+            (Dtype::Bf16, Dtype::F16),
+            (Dtype::F16, Dtype::Bf16),
+        ] {
+            let e = check_dtypes(i, o).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    NnError::NotSupported {
+                        op: "gemm_lowp",
+                        ..
+                    }
+                ),
+                "{i} → {o}: {e}"
+            );
+        }
+        let e = check_dtypes(Dtype::F32, Dtype::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("run_gemm"), "{e}");
+        // cuBLASLt's table: f32 with f32 only; a vector of a third type is refused.
+        assert!(LtTypes::new(Dtype::F32, Dtype::Bf16, None).is_err());
+        assert!(LtTypes::new(Dtype::F32, Dtype::F32, Some(Dtype::Bf16)).is_err());
+        assert!(LtTypes::new(Dtype::Bf16, Dtype::Bf16, Some(Dtype::F16)).is_err());
+        assert!(LtTypes::new(Dtype::Bf16, Dtype::F32, Some(Dtype::Bf16)).is_err());
+        assert_eq!(
+            LtTypes::new(Dtype::F32, Dtype::F32, None).unwrap(),
+            LtTypes::F32
+        );
+        // Products without a vector share the plan of their D type's vector.
+        let t = LtTypes::new(Dtype::Bf16, Dtype::Bf16, Some(Dtype::F32)).unwrap();
+        assert_eq!(t.for_epilogue(Epilogue::None).bias, Dtype::Bf16);
+        assert_eq!(t.for_epilogue(Epilogue::Bias).bias, Dtype::F32);
+    }
+
+    #[test]
+    fn the_policy_family_restricts_to_the_libraries_that_can_run_the_product() {
+        use GemmFamily as F;
+        assert_eq!(lowp_family(F::Auto, Epilogue::Bias), F::Auto);
+        assert_eq!(lowp_family(F::CublasLt, Epilogue::None), F::CublasLt);
+        assert_eq!(lowp_family(F::Cublas, Epilogue::None), F::Cublas);
+        assert_eq!(lowp_family(F::Cublas, Epilogue::BiasGrad), F::Cublas);
+        // cuBLAS adds no bias, our kernels run no half precision: every engine.
+        assert_eq!(lowp_family(F::Cublas, Epilogue::BiasGelu), F::Auto);
+        for f in [F::Tiled, F::WarpK, F::Rows] {
+            assert_eq!(lowp_family(f, Epilogue::None), F::Auto);
+        }
+    }
+
+    #[test]
+    fn empty_depths_and_scaled_bias_gradients_are_refused() {
+        let o = GemmOp {
+            k: 0,
+            ..op(Epilogue::None)
+        };
+        assert!(matches!(check_op(&o), Err(NnError::Shape(_))));
+        // Nothing to write: no error.
+        check_op(&GemmOp { m: 0, ..o }).unwrap();
+        let g = GemmOp {
+            ta: Trans::T,
+            tb: Trans::N,
+            alpha: 0.5,
+            ..op(Epilogue::BiasGrad)
+        };
+        assert!(matches!(check_op(&g), Err(NnError::Shape(_))));
+        check_op(&GemmOp { alpha: 1.0, ..g }).unwrap();
+    }
+
+    #[test]
+    fn vectors_follow_the_epilogue() {
+        let o = op(Epilogue::BiasGelu);
+        assert_eq!(o.vec_len().unwrap(), Some(512));
+        o.check_vec(Some(512)).unwrap();
+        assert!(matches!(
+            o.check_vec(Some(511)),
+            Err(NnError::Core(cudagraph::Error::SizeMismatch { .. }))
+        ));
+        assert!(matches!(o.check_vec(None), Err(NnError::Shape(_))));
+        let none = op(Epilogue::None);
+        assert!(matches!(none.check_vec(Some(512)), Err(NnError::Shape(_))));
+        // The bias gradient needs A transposed, and m entries.
+        assert!(matches!(
+            op(Epilogue::BiasGrad).check_vec(Some(32)),
+            Err(NnError::Shape(_))
+        ));
+        let g = GemmOp {
+            ta: Trans::T,
+            tb: Trans::N,
+            ..op(Epilogue::BiasGrad)
+        };
+        g.check_vec(Some(32)).unwrap();
+    }
+}
