@@ -59,7 +59,6 @@ impl AutocastOptions {
     }
 }
 
-#[allow(dead_code)] // used by the 16-bit products
 struct Scope {
     dtype: Dtype,
     /// Casts made in this scope, by parameter.
@@ -146,7 +145,6 @@ pub fn autocast_dtype() -> Option<Dtype> {
 /// `t` itself as its autograd input: `t`'s own buffer when it has that type, else for a
 /// parameter inside an autocast scope the scope's copy or cached cast, else a new cast (not
 /// differentiable by itself: the op computes `t`'s gradient in `t`'s type).
-#[allow(dead_code)] // used by the 16-bit products
 pub(crate) fn values_in(q: &dyn Queue, t: &Tensor, dtype: Dtype) -> Result<TypedBuffer> {
     if t.dtype() == dtype {
         return Ok(t.buffer().clone());
@@ -178,7 +176,6 @@ pub(crate) fn values_in(q: &dyn Queue, t: &Tensor, dtype: Dtype) -> Result<Typed
 
 /// The type a lower-precision op (product, convolution) runs in for `inputs`: the autocast
 /// scope's, else their common type (`NnError::Dtype` naming `what` when they differ).
-#[allow(dead_code)] // used by the 16-bit products
 pub(crate) fn compute_dtype(what: &'static str, inputs: &[&Tensor]) -> Result<Dtype> {
     if let Some(d) = autocast_dtype() {
         return Ok(d);

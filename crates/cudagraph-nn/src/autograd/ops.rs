@@ -7,7 +7,8 @@ use std::sync::Arc;
 use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::autograd::autocast::widen;
+use crate::autograd::autocast::{compute_dtype, widen};
+use crate::autograd::mixed::linear_lowp;
 use crate::autograd::tensor::{grad_enabled, numel_checked, Node, Tensor};
 use crate::dtype::{Dtype, Float, TypedBuffer};
 use crate::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
@@ -38,6 +39,11 @@ fn grad_tensor(buf: DeviceBuffer<f32>, shape: &[usize]) -> Result<Tensor> {
 
 /// `y = x · wᵀ + b`, optionally followed by ReLU (fused into the product's epilogue).
 /// `x: [m, k]`, `w: [n, k]` (PyTorch's Linear layout), `b: [n]`.
+///
+/// Inside [`autocast`](crate::autocast) the product runs in the scope's type (bf16 or f16, on
+/// tensor cores, f32 accumulation) whatever the inputs' types, and `y` has that type; outside
+/// it the inputs must share one type (`NnError::Dtype` otherwise), which is `y`'s. Each input's
+/// gradient comes in its own type.
 pub fn linear(
     q: &dyn Queue,
     x: &Tensor,
@@ -59,6 +65,12 @@ pub fn linear(
     }
     if relu && b.is_none() {
         return shape_err("linear: a fused ReLU needs a bias".into());
+    }
+    let mut all = vec![x, w];
+    all.extend(b);
+    match compute_dtype("linear", &all)? {
+        Dtype::F32 => {}
+        d => return linear_lowp(q, (x, w, b), relu, (m, k, n), d),
     }
     let nn = Nn::get(q.device())?;
     let mn = crate::autograd::tensor::numel_checked(&[m, n])?;
