@@ -1,4 +1,5 @@
 //! Tensors and reverse-mode autograd, and the differentiable operations on them.
 
 pub mod ops;
+pub mod scale;
 pub mod tensor;
