@@ -82,7 +82,7 @@ impl FromStr for Dtype {
     }
 }
 
-/// The host type of a [`Dtype`]: `f32`, [`bf16`] or [`f16`] (sealed: exactly those three).
+/// The host type of a [`Dtype`]: `f32`, [`bf16`] or [`f16`](struct@f16) (sealed: exactly those three).
 pub trait Float: cudagraph::Elem + sealed::Sealed {
     /// The dtype of this type.
     const DTYPE: Dtype;

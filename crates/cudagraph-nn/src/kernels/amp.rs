@@ -165,13 +165,7 @@ impl AmpKernels {
             return Ok(());
         }
         let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS);
-        let x_arg = match x {
-            Some(x) => x.into(),
-            None => Arg::Ptr {
-                addr: 0,
-                holder: None,
-            },
-        };
+        let x_arg = Arg::opt(x);
         // SAFETY: the kernel writes y[i] and reads x[i] (when x is not null) for i < n, both of
         // n elements (checked), and reads s[0] (checked); all on this device.
         unsafe {

@@ -257,14 +257,7 @@ fn copy_kind<'a>(copies: impl Iterator<Item = Option<CopyRef<'a>>>) -> Result<us
 /// The kernel arguments of `amp`: the buffer (or null), the flag's index, `unscale`.
 fn amp_args<'a>(amp: Option<&AmpArgs<'a>>) -> Result<[Arg<'a>; 3]> {
     Ok(match amp {
-        None => [
-            Arg::Ptr {
-                addr: 0,
-                holder: None,
-            },
-            Arg::I32(0),
-            Arg::I32(0),
-        ],
+        None => [Arg::NULL, Arg::I32(0), Arg::I32(0)],
         Some(a) => [
             a.buf.into(),
             Arg::I32(i32::try_from(a.found).map_err(|_| bad_amp(a))?),
