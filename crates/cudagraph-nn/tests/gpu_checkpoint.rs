@@ -20,7 +20,6 @@ use cudagraph_nn::*;
 const IN: usize = 32;
 const HIDDEN: usize = 64;
 const OUT: usize = 10;
-const ROWS: usize = 16;
 /// The loss multiplier of each step: step 2 overflows.
 const KS: [f32; 9] = [1.0, 1.0, 1e38, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
 
@@ -38,8 +37,11 @@ fn schedule() -> Schedule {
 }
 
 impl Run {
-    /// A model initialised from `seed`; the data is the same for every seed.
-    fn new(s: &Stream, seed: u64) -> Self {
+    /// A model initialised from `seed`, batches of `rows` rows (the same data for every
+    /// seed). Each test uses its own row count: the engine registry then measures each of its
+    /// products once, in its own test, and every later call runs the engine chosen then, even
+    /// while other tests run beside it.
+    fn new(s: &Stream, seed: u64, rows: usize) -> Self {
         let mut rng = HostRng::new(seed);
         let l1 = Linear::new(s, IN, HIDDEN, &mut rng).unwrap();
         let l2 = Linear::new(s, HIDDEN, OUT, &mut rng).unwrap();
@@ -68,8 +70,8 @@ impl Run {
         let batches = (0..3)
             .map(|_| {
                 (
-                    Tensor::from_host(s, &data.vec_normal(ROWS * IN), &[ROWS, IN]).unwrap(),
-                    Tensor::from_host(s, &data.vec_normal(ROWS * OUT), &[ROWS, OUT]).unwrap(),
+                    Tensor::from_host(s, &data.vec_normal(rows * IN), &[rows, IN]).unwrap(),
+                    Tensor::from_host(s, &data.vec_normal(rows * OUT), &[rows, OUT]).unwrap(),
                 )
             })
             .collect();
@@ -192,7 +194,7 @@ fn load(s: &Stream, run: &mut Run, path: &Path) -> Result<()> {
 
 fn uninterrupted(dev: &Device) -> Snapshot {
     let s = dev.new_stream().unwrap();
-    let mut run = Run::new(&s, 1);
+    let mut run = Run::new(&s, 1, 16);
     for i in 0..KS.len() {
         run.step(&s, i);
     }
@@ -207,14 +209,14 @@ fn a_resumed_run_continues_bit_for_bit() {
         let s = dev.new_stream().unwrap();
         let path = temp_file(&format!("resume{stop}"));
         {
-            let mut first = Run::new(&s, 1);
+            let mut first = Run::new(&s, 1, 16);
             for i in 0..stop {
                 first.step(&s, i);
             }
             save(&s, &first, &path);
         }
         // Another initialisation, so that everything the run needs must come from the file.
-        let mut second = Run::new(&s, 2);
+        let mut second = Run::new(&s, 2, 16);
         assert_ne!(second.snapshot(&s).params, want.params);
         load(&s, &mut second, &path).unwrap();
         for i in stop..KS.len() {
@@ -245,13 +247,13 @@ fn loading_restores_the_saved_state_exactly_and_recomputes_the_copies() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let path = temp_file("restore");
-    let mut first = Run::new(&s, 3);
+    let mut first = Run::new(&s, 3, 12);
     for i in 0..4 {
         first.step(&s, i);
     }
     save(&s, &first, &path);
     let saved = first.snapshot(&s);
-    let mut second = Run::new(&s, 4);
+    let mut second = Run::new(&s, 4, 12);
     load(&s, &mut second, &path).unwrap();
     std::fs::remove_file(&path).ok();
     assert_eq!(second.snapshot(&s), saved);
@@ -354,12 +356,12 @@ fn misuse_a_checkpoint_that_does_not_fit_is_a_typed_error_and_changes_nothing() 
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let path = temp_file("misuse");
-    let mut run = Run::new(&s, 8);
+    let mut run = Run::new(&s, 8, 8);
     run.step(&s, 0);
     save(&s, &run, &path);
 
     // Another optimizer kind.
-    let mut other = Run::new(&s, 9);
+    let mut other = Run::new(&s, 9, 8);
     let before = other.snapshot(&s);
     let params = other.params();
     let mut sgd = Sgd::new(&s, params.clone(), 0.1, 0.9, 0.0).unwrap();
