@@ -150,21 +150,20 @@ fn make_copies(
     dtype: Option<Dtype>,
 ) -> Result<Option<Vec<TypedBuffer>>> {
     let Some(dtype) = dtype else { return Ok(None) };
+    if dtype == Dtype::F32 {
+        return Err(AmpError::CopyDtype { dtype: "f32" }.into());
+    }
     let mut out = Vec::with_capacity(params.len());
     for p in params {
         let n = p.numel();
-        out.push(match dtype {
-            Dtype::F32 => return Err(AmpError::CopyDtype { dtype: "f32" }.into()),
-            Dtype::Bf16 => {
-                let b = s.alloc::<bf16>(n)?;
-                cast::to_bf16(s, p.data(), &b)?;
-                TypedBuffer::Bf16(Arc::new(b))
-            }
-            Dtype::F16 => {
-                let b = s.alloc::<f16>(n)?;
-                cast::to_f16(s, p.data(), &b)?;
-                TypedBuffer::F16(Arc::new(b))
-            }
+        out.push(if dtype == Dtype::F16 {
+            let b = s.alloc::<f16>(n)?;
+            cast::to_f16(s, p.data(), &b)?;
+            TypedBuffer::F16(Arc::new(b))
+        } else {
+            let b = s.alloc::<bf16>(n)?;
+            cast::to_bf16(s, p.data(), &b)?;
+            TypedBuffer::Bf16(Arc::new(b))
         });
     }
     Ok(Some(out))
