@@ -91,6 +91,10 @@ pub enum NnError {
     /// Multi-GPU work failed: NCCL, the launch environment, the rendezvous, or a peer.
     #[error(transparent)]
     Dist(#[from] DistError),
+    /// A mixed-precision training setup is invalid: a GradScaler's configuration, an
+    /// optimizer's 16-bit copies, a clipping bound.
+    #[error(transparent)]
+    Amp(#[from] AmpError),
 }
 
 /// Lets NN code run inside `Graph::capture` closures with `?`.
@@ -188,6 +192,9 @@ pub enum IoError {
         /// That element's f32 value.
         value: f32,
     },
+    /// A training checkpoint does not match the model, optimizer or scaler it is loaded into.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// A dtype name (as a command-line flag gives it) is not one of ours.
     #[error("unknown dtype `{given}`; expected f32, bf16 or f16")]
     DtypeName {
@@ -198,6 +205,111 @@ pub enum IoError {
 
 impl From<IoError> for cudagraph::Error {
     fn from(e: IoError) -> Self {
+        cudagraph::Error::External(Box::new(e))
+    }
+}
+
+/// What is wrong with a mixed-precision training setup (`nn::scaler`, the optimizers' 16-bit
+/// copies, `nn::clip`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AmpError {
+    /// An optimizer's model copies must be 16-bit: the parameters themselves are the f32
+    /// masters.
+    #[error(
+        "optimizer copies must be bf16 or f16 (the parameters are the f32 masters), not {dtype}"
+    )]
+    CopyDtype {
+        /// The dtype asked for (`"f32"`).
+        dtype: &'static str,
+    },
+    /// A GradScaler setting is out of its range.
+    #[error("GradScaler: {name} = {value} is invalid; it must be {rule}")]
+    ScalerConfig {
+        /// The setting, by PyTorch's name (`init_scale`, `growth_factor`, ...).
+        name: &'static str,
+        /// The value given.
+        value: f64,
+        /// The range it must lie in.
+        rule: &'static str,
+    },
+    /// More optimizers were stepped between two `update()` calls than a scaler keeps
+    /// found-inf flags for.
+    #[error("GradScaler: more than {max} optimizers stepped between two update() calls")]
+    TooManyOptimizers {
+        /// The most a scaler takes.
+        max: usize,
+    },
+    /// The optimizer cannot read the scaler's device flag, so a step could not be skipped
+    /// without a host read.
+    #[error(
+        "GradScaler: this optimizer cannot step under a device-side scaler (Sgd and Adam can)"
+    )]
+    NotScalable,
+    /// `clip_grad_norm`'s bound must be a number ≥ 0 (infinity: no clipping).
+    #[error("clip_grad_norm: max_norm = {0} is invalid; it must be ≥ 0 (inf: no clipping)")]
+    MaxNorm(f32),
+}
+
+/// What is wrong with a training checkpoint (`io::checkpoint`) for the model, optimizer and
+/// scaler it is loaded into.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// The file is not a checkpoint of a version this build reads.
+    #[error("checkpoint: format `{format}` version `{version}`; this build reads `cudagraph-checkpoint` version {supported}")]
+    Version {
+        /// The `format` metadata found (empty when absent).
+        format: String,
+        /// The `version` metadata found (empty when absent).
+        version: String,
+        /// The version this build writes and reads.
+        supported: u32,
+    },
+    /// A tensor the model, optimizer or scaler needs is not in the file.
+    #[error("checkpoint: tensor `{name}` is missing (the file has {available})")]
+    Missing {
+        /// The tensor's name, e.g. `optim.exp_avg.3`.
+        name: String,
+        /// How many tensors the file has, and the first names.
+        available: String,
+    },
+    /// The file has tensors nothing being loaded uses.
+    #[error("checkpoint: the file has tensors the model, optimizer and scaler do not use: {}", names.join(", "))]
+    Extra {
+        /// Their names.
+        names: Vec<String>,
+    },
+    /// A tensor has another shape or dtype than what it is loaded into.
+    #[error("checkpoint: tensor `{name}` is {found}, but {expected} is needed")]
+    Mismatch {
+        /// The tensor's name.
+        name: String,
+        /// What the loading side needs (dtype and shape).
+        expected: String,
+        /// What the file has.
+        found: String,
+    },
+    /// The file was saved from another kind of object or setting.
+    #[error("checkpoint: {what} was saved as `{found}`, but `{expected}` is being loaded")]
+    Kind {
+        /// What differs (`optimizer`, `scaler`, `schedule`, ...).
+        what: &'static str,
+        /// What the loading side has.
+        expected: String,
+        /// What the file says.
+        found: String,
+    },
+}
+
+impl From<CheckpointError> for NnError {
+    fn from(e: CheckpointError) -> Self {
+        NnError::Io(IoError::Checkpoint(e))
+    }
+}
+
+impl From<AmpError> for cudagraph::Error {
+    fn from(e: AmpError) -> Self {
         cudagraph::Error::External(Box::new(e))
     }
 }

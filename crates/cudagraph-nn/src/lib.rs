@@ -88,9 +88,17 @@ pub use nn::graphed::GraphedModule;
 pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
 pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
-pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
 pub use dtype::{Dtype, Float, TypedBuffer};
-pub use nn::optim::{Adam, AdamConfig, Hyperparameters, Optimizer, Sgd, SgdConfig};
+pub use autograd::scale::scale_by_device;
+pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
+pub use error::{AmpError, CheckpointError};
+pub use io::checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, CheckpointMut};
+pub use nn::clip::clip_grad_norm;
+pub use nn::optim::{
+    Adam, AdamConfig, Hyperparameters, OptimOptions, Optimizer, ScaledStep, Sgd, SgdConfig,
+    StateBuffer,
+};
+pub use nn::scaler::{GradScaler, GradScalerConfig, ScalerState};
 pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};
 pub use random::{Generator, HostRng};

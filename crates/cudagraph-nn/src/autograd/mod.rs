@@ -3,4 +3,5 @@
 pub mod autocast;
 mod mixed;
 pub mod ops;
+pub mod scale;
 pub mod tensor;

@@ -10,7 +10,8 @@
 //! The launchers of the main module's kernels are methods of [`Nn`], by family: products
 //! ([`gemm`]), elementwise and reductions ([`elementwise`]), direct convolution and pooling
 //! ([`conv`]); the other modules have their own per-device holders (implicit-GEMM convolution
-//! [`igemm`], losses, fused optimizers, the generator's kernels, training steps, PDL twins).
+//! [`igemm`], losses, fused optimizers, loss scaling and clipping ([`amp`]), the generator's
+//! kernels, training steps, PDL twins).
 
 use std::sync::Arc;
 
@@ -21,6 +22,7 @@ pub use crate::extent::GemmDims;
 pub(crate) use crate::extent::{need, prod, ConvGeom};
 use crate::ffi::libraries::Libraries;
 
+pub mod amp;
 pub mod cast;
 pub mod conv;
 pub mod elementwise;
@@ -76,7 +78,8 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
                 include_str!("gemm_cluster.cu")
             ),
         ),
-        ("cudagraph_nn_optim", optim_mt::SOURCE.to_string()),
+        ("cudagraph_nn_optim", optim_mt::module_source()),
+        ("cudagraph_nn_amp", amp::module_source()),
         ("cudagraph_nn_igemm", igemm::SOURCE.to_string()),
         ("cudagraph_nn_spin", igemm::SPIN_SOURCE.to_string()),
         ("cudagraph_nn_rng", format!("{pdl}{}", philox::SOURCE)),

@@ -1,20 +1,23 @@
 // Multi-tensor optimizer kernels (PyTorch's multi_tensor_apply design, one launch for all
 // parameters of a step) and the learning-rate schedule node. Compiled as their own NVRTC
-// module; launched only from the checked functions in optim_mt.rs.
-//
-// Every launch gets a by-value table of up to CAP tensors: their pointers, element counts, and
-// the prefix sums of their chunk counts. The grid strides over the chunks of all tensors; a
-// block finds its chunk's tensor by binary search over the prefix sums (uniform across the
-// block, so the parameter-space reads broadcast). Inside a chunk, 16-byte loads when every
-// pointer of the tensor is 16-byte aligned (chunks start at multiples of 4 elements), then a
-// scalar tail.
+// module after cast.cu (the f32 -> bf16/f16 rounding of the 16-bit model copies) and
+// mt_table.cu (the table, the GradScaler's slots); launched only from the checked functions
+// in optim_mt.rs.
 //
 // Hyperparameters are read from a small device buffer (hp) so that a captured step follows
 // values set between replays. The optimizer's counters live in `state`: [0] steps completed,
 // [1] a ticket. The last block of a launch (the one that draws the final ticket) advances the
 // counters after every block has read them, so one launch both uses and increments them.
-
-#define MT_BLOCK 256
+//
+// Loss scaling (a GradScaler's `amp` buffer, or null): when amp[AMP_FOUND + found] is set, an
+// earlier pass found an inf or NaN among the gradients and every block returns at once, so
+// nothing changes (parameters, moments, step counts: PyTorch's skipped step). With `unscale`,
+// each gradient is multiplied by 1/scale as it is loaded and written back unscaled (as
+// PyTorch's fused optimizers do with grad_scale).
+//
+// 16-bit copies (KIND 1: bf16, 2: f16; 0: none): the last pointer of each tensor is its model
+// copy, written with the new parameter value rounded to nearest even by cast.cu's from_f32,
+// so the copy has the bits kernels::cast would give the master.
 
 #define HP_LR 0
 #define HP_BASE_LR 1
@@ -26,38 +29,6 @@
 
 #define ST_STEP 0
 #define ST_TICKET 1
-
-#define CAP_S 64
-#define CAP_L 512
-
-template <int D, int CAP>
-struct MtTable {
-    float* p[D][CAP];
-    long long n[CAP];
-    unsigned int chunk0[CAP + 1];  // chunk0[i]: first chunk of tensor i; chunk0[count]: total
-    unsigned int slot[CAP];        // index into the per-tensor step counters (Adam)
-    int count;
-};
-
-// The Rust side lays the table out as 8·((D + 2)·CAP + 1) bytes (CAP even).
-static_assert(sizeof(MtTable<3, CAP_S>) == 8 * (5 * CAP_S + 1), "sgd table layout");
-static_assert(sizeof(MtTable<3, CAP_L>) == 8 * (5 * CAP_L + 1), "sgd table layout");
-static_assert(sizeof(MtTable<4, CAP_S>) == 8 * (6 * CAP_S + 1), "adam table layout");
-static_assert(sizeof(MtTable<4, CAP_L>) == 8 * (6 * CAP_L + 1), "adam table layout");
-
-template <int D, int CAP>
-__device__ __forceinline__ int mt_tensor_of(const MtTable<D, CAP>& t, unsigned int c) {
-    int lo = 0, hi = t.count - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (t.chunk0[mid] <= c) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
-__device__ __forceinline__ bool mt_aligned16(const void* p) {
-    return (((unsigned long long)p) & 15ull) == 0ull;
-}
 
 // After all of a block's work: the block that draws the last ticket advances the per-tensor
 // step counters of this table (when `steps` is given), the optimizer's step count (when
@@ -83,6 +54,39 @@ __device__ void mt_finish(const MtTable<D, CAP>& t, unsigned int* state, unsigne
     }
 }
 
+// ---- 16-bit model copies ----
+
+template <int KIND> __device__ __forceinline__ unsigned int copy_bits(float w);
+template <> __device__ __forceinline__ unsigned int copy_bits<0>(float) { return 0u; }
+template <> __device__ __forceinline__ unsigned int copy_bits<1>(float w) { return from_f32<bf16_t>(w).bits; }
+template <> __device__ __forceinline__ unsigned int copy_bits<2>(float w) { return from_f32<f16_t>(w).bits; }
+
+// c[j] = w rounded (nothing without a copy).
+template <int KIND>
+__device__ __forceinline__ void copy_store(float* c, long long j, float w) {
+    if (KIND != 0) reinterpret_cast<unsigned short*>(c)[j] = (unsigned short)copy_bits<KIND>(w);
+}
+
+// c[j..j+4) = w rounded, one 8-byte store (c 8-byte aligned, j a multiple of 4).
+template <int KIND>
+__device__ __forceinline__ void copy_store4(float* c, long long j, float4 w) {
+    if (KIND != 0) {
+        uint2 v;
+        v.x = copy_bits<KIND>(w.x) | (copy_bits<KIND>(w.y) << 16);
+        v.y = copy_bits<KIND>(w.z) | (copy_bits<KIND>(w.w) << 16);
+        *reinterpret_cast<uint2*>(reinterpret_cast<unsigned short*>(c) + j) = v;
+    }
+}
+
+// Whether the scaler found an inf or NaN gradient (the step is skipped).
+__device__ __forceinline__ bool amp_skip(const float* amp, int found) {
+    return amp != 0 && amp[AMP_FOUND + found] != 0.0f;
+}
+
+__device__ __forceinline__ void unscale4(float4& g, float inv) {
+    g.x *= inv; g.y *= inv; g.z *= inv; g.w *= inv;
+}
+
 // ---- SGD (momentum, weight decay; dampening 0, nesterov off: PyTorch's defaults) ----
 
 __device__ __forceinline__ void sgd_elem(float& w, float g, float* b, float lr, float mom, float wd) {
@@ -91,8 +95,12 @@ __device__ __forceinline__ void sgd_elem(float& w, float g, float* b, float lr, 
     w = w - lr * d;
 }
 
-template <int CAP>
-__device__ void sgd_body(const MtTable<3, CAP>& t, const float* hp, unsigned int* state, int chunk, int advance) {
+// Table depth 4: parameter, gradient, momentum buffer (or null), 16-bit copy (or null).
+template <int CAP, int KIND>
+__device__ void sgd_body(const MtTable<4, CAP>& t, const float* hp, unsigned int* state, const float* amp,
+        int found, int unscale, int chunk, int advance) {
+    if (amp_skip(amp, found)) return;
+    const float inv = unscale ? amp_inv_scale(amp) : 1.0f;
     const float lr = hp[HP_LR], mom = hp[HP_MOMENTUM], wd = hp[HP_WD];
     const unsigned int total = t.chunk0[t.count];
     for (unsigned int c = blockIdx.x; c < total; c += gridDim.x) {
@@ -101,13 +109,18 @@ __device__ void sgd_body(const MtTable<3, CAP>& t, const float* hp, unsigned int
         const long long start = (long long)(c - t.chunk0[i]) * chunk;
         const long long end = min(n, start + (long long)chunk);
         float* w = t.p[0][i];
-        const float* g = t.p[1][i];
+        float* g = t.p[1][i];
         float* buf = t.p[2][i];
-        const bool vec = mt_aligned16(w) && mt_aligned16(g) && mt_aligned16(buf);
+        float* cp = t.p[3][i];
+        const bool vec = mt_aligned16(w) && mt_aligned16(g) && mt_aligned16(buf) && (KIND == 0 || mt_aligned8(cp));
         const long long vend = vec ? start + ((end - start) & ~3ll) : start;
         for (long long j = start + 4ll * threadIdx.x; j < vend; j += 4ll * blockDim.x) {
             float4 wv = *reinterpret_cast<float4*>(w + j);
-            const float4 gv = *reinterpret_cast<const float4*>(g + j);
+            float4 gv = *reinterpret_cast<const float4*>(g + j);
+            if (unscale) {
+                unscale4(gv, inv);
+                *reinterpret_cast<float4*>(g + j) = gv;
+            }
             if (buf != 0) {
                 float4 bv = *reinterpret_cast<float4*>(buf + j);
                 sgd_elem(wv.x, gv.x, &bv.x, lr, mom, wd);
@@ -122,11 +135,17 @@ __device__ void sgd_body(const MtTable<3, CAP>& t, const float* hp, unsigned int
                 sgd_elem(wv.w, gv.w, 0, lr, mom, wd);
             }
             *reinterpret_cast<float4*>(w + j) = wv;
+            copy_store4<KIND>(cp, j, wv);
         }
         for (long long j = vend + threadIdx.x; j < end; j += blockDim.x) {
-            float wj = w[j];
-            sgd_elem(wj, g[j], buf != 0 ? buf + j : 0, lr, mom, wd);
+            float wj = w[j], gj = g[j];
+            if (unscale) {
+                gj *= inv;
+                g[j] = gj;
+            }
+            sgd_elem(wj, gj, buf != 0 ? buf + j : 0, lr, mom, wd);
             w[j] = wj;
+            copy_store<KIND>(cp, j, wj);
         }
     }
     // No block of an SGD launch reads the step count (only later kernels do: the schedule), so
@@ -135,15 +154,19 @@ __device__ void sgd_body(const MtTable<3, CAP>& t, const float* hp, unsigned int
     if (advance && blockIdx.x == 0 && threadIdx.x == 0) state[ST_STEP] += 1u;
 }
 
-extern "C" __global__ void __launch_bounds__(MT_BLOCK) sgd_mt_s(const __grid_constant__ MtTable<3, CAP_S> t,
-        const float* hp, unsigned int* state, int chunk, int advance) {
-    sgd_body(t, hp, state, chunk, advance);
-}
+#define SGD_KERNEL(NAME, CAP, KIND)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MT_BLOCK) NAME(const __grid_constant__ MtTable<4, CAP> t, \
+            const float* hp, unsigned int* state, const float* amp, int found, int unscale, int chunk,     \
+            int advance) {                                                                           \
+        sgd_body<CAP, KIND>(t, hp, state, amp, found, unscale, chunk, advance);                      \
+    }
 
-extern "C" __global__ void __launch_bounds__(MT_BLOCK) sgd_mt_l(const __grid_constant__ MtTable<3, CAP_L> t,
-        const float* hp, unsigned int* state, int chunk, int advance) {
-    sgd_body(t, hp, state, chunk, advance);
-}
+SGD_KERNEL(sgd_mt_s, CAP_S, 0)
+SGD_KERNEL(sgd_mt_l, CAP_L, 0)
+SGD_KERNEL(sgd_mt_s_bf16, CAP_S, 1)
+SGD_KERNEL(sgd_mt_l_bf16, CAP_L, 1)
+SGD_KERNEL(sgd_mt_s_f16, CAP_S, 2)
+SGD_KERNEL(sgd_mt_l_f16, CAP_L, 2)
 
 // ---- Adam / AdamW (PyTorch's fused update; per-tensor step counts, capturable) ----
 
@@ -157,9 +180,14 @@ __device__ __forceinline__ void adam_elem(float& w, float g, float& m, float& v,
     w = w - step_size * m / denom;
 }
 
-template <int CAP>
-__device__ void adam_body(const MtTable<4, CAP>& t, const float* hp, unsigned int* state, unsigned int* steps,
-        int chunk, int advance, int decoupled) {
+// Table depth 5: parameter, gradient, first and second moments, 16-bit copy (or null).
+template <int CAP, int KIND>
+__device__ void adam_body(const MtTable<5, CAP>& t, const float* hp, unsigned int* state, unsigned int* steps,
+        const float* amp, int found, int unscale, int chunk, int advance, int decoupled) {
+    // Uniform over the grid: either every block returns here (nothing changes, the counters
+    // included, and the ticket stays 0) or none does.
+    if (amp_skip(amp, found)) return;
+    const float inv = unscale ? amp_inv_scale(amp) : 1.0f;
     const float lr = hp[HP_LR], b1 = hp[HP_BETA1], b2 = hp[HP_BETA2], eps = hp[HP_EPS], wd = hp[HP_WD];
     const unsigned int total = t.chunk0[t.count];
     for (unsigned int c = blockIdx.x; c < total; c += gridDim.x) {
@@ -168,21 +196,27 @@ __device__ void adam_body(const MtTable<4, CAP>& t, const float* hp, unsigned in
         const long long start = (long long)(c - t.chunk0[i]) * chunk;
         const long long end = min(n, start + (long long)chunk);
         float* w = t.p[0][i];
-        const float* g = t.p[1][i];
+        float* g = t.p[1][i];
         float* m = t.p[2][i];
         float* v = t.p[3][i];
+        float* cp = t.p[4][i];
         // This step's number for this tensor (its counter is advanced after the launch).
         const float step = (float)(steps[t.slot[i]] + 1u);
         const float bc1 = 1.0f - powf(b1, step);
         const float bc2_sqrt = sqrtf(1.0f - powf(b2, step));
         const float step_size = lr / bc1;
-        const bool vec = mt_aligned16(w) && mt_aligned16(g) && mt_aligned16(m) && mt_aligned16(v);
+        const bool vec = mt_aligned16(w) && mt_aligned16(g) && mt_aligned16(m) && mt_aligned16(v)
+            && (KIND == 0 || mt_aligned8(cp));
         const long long vend = vec ? start + ((end - start) & ~3ll) : start;
         for (long long j = start + 4ll * threadIdx.x; j < vend; j += 4ll * blockDim.x) {
             float4 wv = *reinterpret_cast<float4*>(w + j);
-            const float4 gv = *reinterpret_cast<const float4*>(g + j);
+            float4 gv = *reinterpret_cast<const float4*>(g + j);
             float4 mv = *reinterpret_cast<float4*>(m + j);
             float4 vv = *reinterpret_cast<float4*>(v + j);
+            if (unscale) {
+                unscale4(gv, inv);
+                *reinterpret_cast<float4*>(g + j) = gv;
+            }
             adam_elem(wv.x, gv.x, mv.x, vv.x, lr, b1, b2, eps, wd, step_size, bc2_sqrt, decoupled);
             adam_elem(wv.y, gv.y, mv.y, vv.y, lr, b1, b2, eps, wd, step_size, bc2_sqrt, decoupled);
             adam_elem(wv.z, gv.z, mv.z, vv.z, lr, b1, b2, eps, wd, step_size, bc2_sqrt, decoupled);
@@ -190,25 +224,35 @@ __device__ void adam_body(const MtTable<4, CAP>& t, const float* hp, unsigned in
             *reinterpret_cast<float4*>(w + j) = wv;
             *reinterpret_cast<float4*>(m + j) = mv;
             *reinterpret_cast<float4*>(v + j) = vv;
+            copy_store4<KIND>(cp, j, wv);
         }
         for (long long j = vend + threadIdx.x; j < end; j += blockDim.x) {
-            float wj = w[j], mj = m[j], vj = v[j];
-            adam_elem(wj, g[j], mj, vj, lr, b1, b2, eps, wd, step_size, bc2_sqrt, decoupled);
+            float wj = w[j], gj = g[j], mj = m[j], vj = v[j];
+            if (unscale) {
+                gj *= inv;
+                g[j] = gj;
+            }
+            adam_elem(wj, gj, mj, vj, lr, b1, b2, eps, wd, step_size, bc2_sqrt, decoupled);
             w[j] = wj; m[j] = mj; v[j] = vj;
+            copy_store<KIND>(cp, j, wj);
         }
     }
     mt_finish(t, state, steps, advance);
 }
 
-extern "C" __global__ void __launch_bounds__(MT_BLOCK) adam_mt_s(const __grid_constant__ MtTable<4, CAP_S> t,
-        const float* hp, unsigned int* state, unsigned int* steps, int chunk, int advance, int decoupled) {
-    adam_body(t, hp, state, steps, chunk, advance, decoupled);
-}
+#define ADAM_KERNEL(NAME, CAP, KIND)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MT_BLOCK) NAME(const __grid_constant__ MtTable<5, CAP> t, \
+            const float* hp, unsigned int* state, unsigned int* steps, const float* amp, int found,        \
+            int unscale, int chunk, int advance, int decoupled) {                                    \
+        adam_body<CAP, KIND>(t, hp, state, steps, amp, found, unscale, chunk, advance, decoupled);   \
+    }
 
-extern "C" __global__ void __launch_bounds__(MT_BLOCK) adam_mt_l(const __grid_constant__ MtTable<4, CAP_L> t,
-        const float* hp, unsigned int* state, unsigned int* steps, int chunk, int advance, int decoupled) {
-    adam_body(t, hp, state, steps, chunk, advance, decoupled);
-}
+ADAM_KERNEL(adam_mt_s, CAP_S, 0)
+ADAM_KERNEL(adam_mt_l, CAP_L, 0)
+ADAM_KERNEL(adam_mt_s_bf16, CAP_S, 1)
+ADAM_KERNEL(adam_mt_l_bf16, CAP_L, 1)
+ADAM_KERNEL(adam_mt_s_f16, CAP_S, 2)
+ADAM_KERNEL(adam_mt_l_f16, CAP_L, 2)
 
 // ---- Learning-rate schedule: hp[LR] = schedule(hp[BASE_LR], steps completed) ----
 // Evaluated in double, with the same operations as the host (`Schedule::lr` in schedule.rs).

@@ -1,24 +1,38 @@
 //! Multi-tensor optimizer kernels (`optim_mt.cu`, their own NVRTC module) and their checked
 //! launchers: one launch updates every parameter of a step, as PyTorch's `multi_tensor_apply`
-//! (`_fused_adam`, `_fused_sgd`) does.
+//! (`_fused_adam`, `_fused_sgd`) does — optionally unscaling the gradients for a GradScaler
+//! (and skipping the whole step on the device when it found an inf or NaN) and writing 16-bit
+//! model copies of the new parameters in the same pass.
 //!
 //! The tensors travel in a by-value table (a struct parameter: pointers, element counts,
-//! chunk prefix sums). Pointers inside a struct are invisible to the library, so the launchers
+//! chunk prefix sums; `mt_table.cu`, shared with the scaler and clipping kernels of
+//! [`super::amp`]). Pointers inside a struct are invisible to the library, so the launchers
 //! here check every length written into the table against its buffer, check each buffer's
 //! device, and call [`Queue::use_block`] for every buffer (a graph keeps them alive, eager
-//! streams order their reuse). Tables hold up to [`CAP_S`] tensors (about 3 KB of parameters,
-//! cheap for eager launches) or [`CAP_L`] (about 24 KB, within CUDA 12.1+'s 32 KB limit); more
-//! tensors take more launches.
+//! streams order their reuse). Tables hold up to [`CAP_S`] tensors (about 3.5 KB of
+//! parameters, cheap for eager launches) or [`CAP_L`] (about 28 KB, within CUDA 12.1+'s 32 KB
+//! limit); more tensors take more launches.
 
 use std::sync::Arc;
 
-use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+use cudagraph::memory::{bf16, f16};
+use cudagraph::{Arg, BlockRef, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use super::need;
+use crate::dtype::Dtype;
 use crate::error::{NnError, Result};
 
-/// The kernels' source.
+/// The optimizer kernels' own source (the module compiles [`module_source`]).
 pub const SOURCE: &str = include_str!("optim_mt.cu");
+
+/// The multi-tensor table and the GradScaler's slots, shared with the `amp` module.
+pub const TABLE_SOURCE: &str = include_str!("mt_table.cu");
+
+/// The optimizer module's source as compiled: `cast.cu` (the rounding of the 16-bit copies,
+/// the very code of [`super::cast`]), `mt_table.cu`, `optim_mt.cu`.
+pub fn module_source() -> String {
+    format!("{}{}{}", super::cast::SOURCE, TABLE_SOURCE, SOURCE)
+}
 
 /// Tensors per table in the small kernels.
 pub const CAP_S: usize = 64;
@@ -89,6 +103,13 @@ pub fn chunk_elems(total: u64, sms: u32) -> u32 {
     per.clamp(1024, 65536) as u32
 }
 
+/// The grid of a launch over table `t` on `sms` multiprocessors: one block per chunk, at most
+/// eight blocks per multiprocessor (the blocks stride over the rest).
+pub fn grid_for(t: &Table, sms: u32) -> LaunchConfig {
+    let grid = (t.chunks as u64).clamp(1, sms.max(1) as u64 * 8) as u32;
+    LaunchConfig::linear(grid, BLOCK)
+}
+
 /// Lays `entries` out in tables of at most `cap_large` tensors (a table with at most
 /// [`CAP_S`] uses the small layout), chunks of `chunk` elements. Zero-length tensors are left
 /// out. Always returns at least one table (an empty one when nothing is left), so a launch
@@ -152,12 +173,126 @@ fn layout<const D: usize>(group: &[&TableEntry<D>], chunk: u32, cap_large: usize
     })
 }
 
-/// The optimizer kernels of one device (a [`Device::extension`]).
+/// Slots of a GradScaler's device buffer (`f32`): the scale, then one found-inf flag per
+/// optimizer stepped between two updates (the kernels' `AMP_SCALE`, `AMP_FOUND`).
+pub mod amp_slots {
+    /// The loss scale.
+    pub const SCALE: usize = 0;
+    /// The first found-inf flag (0.0 or 1.0); optimizer `k` of an iteration uses `FOUND + k`.
+    pub const FOUND: usize = 1;
+}
+
+/// How an optimizer launch takes part in loss scaling: the scaler's device buffer (layout
+/// [`amp_slots`]), which found-inf flag decides whether the step is skipped, and whether the
+/// kernel multiplies the gradients by 1/scale as it loads them (writing them back unscaled).
+#[derive(Clone, Copy)]
+pub struct AmpArgs<'a> {
+    pub buf: &'a DeviceBuffer<f32>,
+    pub found: usize,
+    pub unscale: bool,
+}
+
+/// A 16-bit model copy of a parameter, written by the update.
+#[derive(Clone, Copy)]
+pub enum CopyRef<'a> {
+    Bf16(&'a DeviceBuffer<bf16>),
+    F16(&'a DeviceBuffer<f16>),
+}
+
+impl CopyRef<'_> {
+    fn dtype(&self) -> Dtype {
+        match self {
+            CopyRef::Bf16(_) => Dtype::Bf16,
+            CopyRef::F16(_) => Dtype::F16,
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            CopyRef::Bf16(b) => b.len(),
+            CopyRef::F16(b) => b.len(),
+        }
+    }
+    fn addr(&self) -> u64 {
+        match self {
+            CopyRef::Bf16(b) => b.addr(),
+            CopyRef::F16(b) => b.addr(),
+        }
+    }
+    fn block(&self) -> &Arc<BlockRef> {
+        match self {
+            CopyRef::Bf16(b) => b.block(),
+            CopyRef::F16(b) => b.block(),
+        }
+    }
+    fn device_ordinal(&self) -> usize {
+        self.block().device_ordinal()
+    }
+}
+
+/// The copy kind every tensor of one launch shares (0: none, 1: bf16, 2: f16: the kernels'
+/// `KIND`), or a typed error when they differ.
+fn copy_kind<'a>(copies: impl Iterator<Item = Option<CopyRef<'a>>>) -> Result<usize> {
+    let mut kind = None;
+    for c in copies {
+        let k = match c.map(|c| c.dtype()) {
+            None => 0,
+            Some(Dtype::Bf16) => 1,
+            Some(_) => 2,
+        };
+        match kind {
+            None => kind = Some(k),
+            Some(prev) if prev != k => {
+                return Err(NnError::Shape(
+                    "optimizer: every tensor of one update needs the same kind of 16-bit copy \
+                     (all bf16, all f16, or none)"
+                        .into(),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(kind.unwrap_or(0))
+}
+
+/// The kernel arguments of `amp`: the buffer (or null), the flag's index, `unscale`.
+fn amp_args<'a>(amp: Option<&AmpArgs<'a>>) -> Result<[Arg<'a>; 3]> {
+    Ok(match amp {
+        None => [Arg::NULL, Arg::I32(0), Arg::I32(0)],
+        Some(a) => [
+            a.buf.into(),
+            Arg::I32(i32::try_from(a.found).map_err(|_| bad_amp(a))?),
+            Arg::I32(a.unscale as i32),
+        ],
+    })
+}
+
+fn bad_amp(a: &AmpArgs<'_>) -> NnError {
+    NnError::Shape(format!(
+        "optimizer: found-inf flag {} of a scaler buffer of {} values",
+        a.found,
+        a.buf.len()
+    ))
+}
+
+/// The scaler buffer must hold the scale and the flag the launch reads.
+fn check_amp(q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
+    if let Some(a) = amp {
+        let need_len = amp_slots::FOUND
+            .checked_add(a.found)
+            .and_then(|i| i.checked_add(1))
+            .ok_or_else(|| bad_amp(a))?;
+        if a.buf.len() < need_len {
+            return Err(bad_amp(a));
+        }
+        same_device(q, a.buf)?;
+    }
+    Ok(())
+}
+
+/// The optimizer kernels of one device (a [`Device::extension`]): `[copy kind][small, large]`.
 pub struct OptimKernels {
-    sgd_s: Function,
-    sgd_l: Function,
-    adam_s: Function,
-    adam_l: Function,
+    sgd: [[Function; 2]; 3],
+    adam: [[Function; 2]; 3],
     schedule: Function,
     /// Multiprocessors (grid sizing).
     sms: u32,
@@ -165,25 +300,33 @@ pub struct OptimKernels {
     large_params: bool,
 }
 
-/// One SGD tensor: parameter, gradient, momentum buffer (when the optimizer keeps them).
+/// One SGD tensor: parameter, gradient, momentum buffer (when the optimizer keeps them), 16-bit
+/// copy (when it keeps them).
 pub struct SgdTensor<'a> {
     pub w: &'a DeviceBuffer<f32>,
     pub g: &'a DeviceBuffer<f32>,
     pub buf: Option<&'a DeviceBuffer<f32>>,
+    pub copy: Option<CopyRef<'a>>,
 }
 
-/// One Adam tensor: parameter, gradient, moments, and its slot in the step counters.
+/// One Adam tensor: parameter, gradient, moments, its slot in the step counters, and its
+/// 16-bit copy (when the optimizer keeps them).
 pub struct AdamTensor<'a> {
     pub w: &'a DeviceBuffer<f32>,
     pub g: &'a DeviceBuffer<f32>,
     pub m: &'a DeviceBuffer<f32>,
     pub v: &'a DeviceBuffer<f32>,
     pub slot: u32,
+    pub copy: Option<CopyRef<'a>>,
 }
 
 /// `buf` must be memory of `q`'s device.
-fn same_device<T: cudagraph::Elem>(q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<()> {
-    let (want, got) = (q.device().ordinal(), buf.block().device_ordinal());
+pub(crate) fn same_device<T: cudagraph::Elem>(q: &dyn Queue, buf: &DeviceBuffer<T>) -> Result<()> {
+    same_ordinal(q, buf.block().device_ordinal())
+}
+
+fn same_ordinal(q: &dyn Queue, got: usize) -> Result<()> {
+    let want = q.device().ordinal();
     if want != got {
         return Err(NnError::Core(cudagraph::Error::WrongDevice {
             what: "optimizer buffer",
@@ -194,20 +337,50 @@ fn same_device<T: cudagraph::Elem>(q: &dyn Queue, buf: &DeviceBuffer<T>) -> Resu
     Ok(())
 }
 
+/// A copy must have one element per parameter element and live on `q`'s device.
+fn check_copy(q: &dyn Queue, copy: Option<CopyRef<'_>>, n: usize) -> Result<()> {
+    if let Some(c) = copy {
+        if c.len() < n {
+            return Err(NnError::Core(cudagraph::Error::SizeMismatch {
+                what: "optimizer 16-bit copy",
+                expected: n,
+                got: c.len(),
+            }));
+        }
+        same_ordinal(q, c.device_ordinal())?;
+    }
+    Ok(())
+}
+
 impl OptimKernels {
     /// The kernels of `device`, compiled on first use.
     pub fn get(device: &Device) -> Result<Arc<OptimKernels>> {
         device
             .extension(|d| {
-                let m = d.compile(
-                    "cudagraph_nn_optim",
-                    &super::module_source("cudagraph_nn_optim"),
-                )?;
+                // Relaxed capture mode: the first use may be inside a capture (module loading).
+                let m = cudagraph::runtime::with_relaxed_capture(|| {
+                    d.compile(
+                        "cudagraph_nn_optim",
+                        &super::module_source("cudagraph_nn_optim"),
+                    )
+                })?;
+                let pair = |name: &str| -> cudagraph::Result<[Function; 2]> {
+                    Ok([
+                        m.function(&name.replace("{}", "s"))?,
+                        m.function(&name.replace("{}", "l"))?,
+                    ])
+                };
                 Ok(OptimKernels {
-                    sgd_s: m.function("sgd_mt_s")?,
-                    sgd_l: m.function("sgd_mt_l")?,
-                    adam_s: m.function("adam_mt_s")?,
-                    adam_l: m.function("adam_mt_l")?,
+                    sgd: [
+                        pair("sgd_mt_{}")?,
+                        pair("sgd_mt_{}_bf16")?,
+                        pair("sgd_mt_{}_f16")?,
+                    ],
+                    adam: [
+                        pair("adam_mt_{}")?,
+                        pair("adam_mt_{}_bf16")?,
+                        pair("adam_mt_{}_f16")?,
+                    ],
                     schedule: m.function("lr_schedule")?,
                     sms: d.info().multiprocessors,
                     large_params: d.info().driver_version >= 12010,
@@ -216,6 +389,7 @@ impl OptimKernels {
             .map_err(NnError::from)
     }
 
+    /// The most tensors one launch's table may hold on this device.
     fn cap_large(&self) -> usize {
         if self.large_params {
             CAP_L
@@ -225,8 +399,7 @@ impl OptimKernels {
     }
 
     fn grid(&self, t: &Table) -> LaunchConfig {
-        let grid = (t.chunks as u64).clamp(1, self.sms.max(1) as u64 * 8) as u32;
-        LaunchConfig::linear(grid, BLOCK)
+        grid_for(t, self.sms)
     }
 
     fn check_small_bufs(hp: &DeviceBuffer<f32>, state: &DeviceBuffer<u32>) -> Result<()> {
@@ -236,16 +409,22 @@ impl OptimKernels {
 
     /// One SGD update of every tensor (PyTorch's rule: `d = g + wd·w`, with momentum
     /// `buf = momentum·buf + d; d = buf`, then `w -= lr·d`), hyperparameters read from `hp`;
-    /// advances the step count in `state` when `advance`.
+    /// advances the step count in `state` when `advance`. With `amp`, the whole update is
+    /// skipped on the device when the scaler's flag is set, and the gradients are unscaled
+    /// as they are loaded when `amp.unscale`. Copies, when given (all of one kind), receive
+    /// the new parameter values rounded to nearest even.
     pub fn sgd(
         &self,
         q: &dyn Queue,
         tensors: &[SgdTensor<'_>],
         hp: &DeviceBuffer<f32>,
         state: &DeviceBuffer<u32>,
+        amp: Option<&AmpArgs<'_>>,
         advance: bool,
     ) -> Result<()> {
         Self::check_small_bufs(hp, state)?;
+        check_amp(q, amp)?;
+        let kind = copy_kind(tensors.iter().map(|t| t.copy))?;
         let mut entries = Vec::with_capacity(tensors.len());
         for t in tensors {
             let n = t.w.len();
@@ -256,8 +435,14 @@ impl OptimKernels {
                 need("sgd momentum buffer", b, n)?;
                 same_device(q, b)?;
             }
-            entries.push(TableEntry::<3> {
-                addrs: [t.w.addr(), t.g.addr(), t.buf.map_or(0, |b| b.addr())],
+            check_copy(q, t.copy, n)?;
+            entries.push(TableEntry::<4> {
+                addrs: [
+                    t.w.addr(),
+                    t.g.addr(),
+                    t.buf.map_or(0, |b| b.addr()),
+                    t.copy.map_or(0, |c| c.addr()),
+                ],
                 n: n as u64,
                 slot: 0,
             });
@@ -271,18 +456,20 @@ impl OptimKernels {
             if let Some(b) = t.buf {
                 q.use_block(b.block());
             }
+            if let Some(c) = t.copy {
+                q.use_block(c.block());
+            }
         }
+        let [amp_buf, found, unscale] = amp_args(amp)?;
         let last = tables.len() - 1;
         for (i, t) in tables.iter().enumerate() {
-            let f = if t.cap == CAP_S {
-                &self.sgd_s
-            } else {
-                &self.sgd_l
-            };
-            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient
-            // and momentum buffer (checked above; a null momentum pointer is never touched),
-            // all on this queue's device and kept alive/ordered by `use_block`; the kernel
-            // touches p[d][i][0..n) only, hp[0..8) (checked) and state[0..2) (checked).
+            let f = &self.sgd[kind][(t.cap != CAP_S) as usize];
+            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
+            // momentum buffer and copy (checked above; a null momentum or copy pointer is never
+            // touched, and the copy kind matches the kernel), all on this queue's device and
+            // kept alive/ordered by `use_block`; the kernel touches p[d][i][0..n) only,
+            // hp[0..8) and state[0..2) (checked), and reads amp[0] and amp[1 + found] (checked
+            // by check_amp; a null amp is never read).
             unsafe {
                 super::launch(
                     q,
@@ -292,6 +479,9 @@ impl OptimKernels {
                         Arg::Bytes(&t.bytes),
                         hp.into(),
                         state.into(),
+                        amp_buf,
+                        found,
+                        unscale,
                         Arg::I32(chunk as i32),
                         Arg::I32((advance && i == last) as i32),
                     ],
@@ -302,7 +492,8 @@ impl OptimKernels {
     }
 
     /// One Adam (or, `decoupled`, AdamW) update of every tensor, PyTorch's fused rule; the
-    /// step number of tensor `i` is `steps[slot_i] + 1` and is advanced by the launch.
+    /// step number of tensor `i` is `steps[slot_i] + 1` and is advanced by the launch. `amp`
+    /// and copies as for [`Self::sgd`]; a skipped update advances no counter.
     #[allow(clippy::too_many_arguments)]
     pub fn adam(
         &self,
@@ -311,10 +502,13 @@ impl OptimKernels {
         hp: &DeviceBuffer<f32>,
         state: &DeviceBuffer<u32>,
         steps: &DeviceBuffer<u32>,
+        amp: Option<&AmpArgs<'_>>,
         decoupled: bool,
         advance: bool,
     ) -> Result<()> {
         Self::check_small_bufs(hp, state)?;
+        check_amp(q, amp)?;
+        let kind = copy_kind(tensors.iter().map(|t| t.copy))?;
         let mut entries = Vec::with_capacity(tensors.len());
         let mut seen_slots = std::collections::HashSet::new();
         for t in tensors {
@@ -338,8 +532,15 @@ impl OptimKernels {
             for b in [t.w, t.g, t.m, t.v] {
                 same_device(q, b)?;
             }
-            entries.push(TableEntry::<4> {
-                addrs: [t.w.addr(), t.g.addr(), t.m.addr(), t.v.addr()],
+            check_copy(q, t.copy, n)?;
+            entries.push(TableEntry::<5> {
+                addrs: [
+                    t.w.addr(),
+                    t.g.addr(),
+                    t.m.addr(),
+                    t.v.addr(),
+                    t.copy.map_or(0, |c| c.addr()),
+                ],
                 n: n as u64,
                 slot: t.slot,
             });
@@ -352,19 +553,21 @@ impl OptimKernels {
             for b in [t.w, t.g, t.m, t.v] {
                 q.use_block(b.block());
             }
+            if let Some(c) = t.copy {
+                q.use_block(c.block());
+            }
         }
+        q.use_block(steps.block());
+        let [amp_buf, found, unscale] = amp_args(amp)?;
         let last = tables.len() - 1;
         for (i, t) in tables.iter().enumerate() {
-            let f = if t.cap == CAP_S {
-                &self.adam_s
-            } else {
-                &self.adam_l
-            };
+            let f = &self.adam[kind][(t.cap != CAP_S) as usize];
             // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
-            // m and v buffers (checked above), all on this queue's device and kept
-            // alive/ordered by `use_block`; slots are distinct and below steps.len()
-            // (checked); the kernel touches p[d][i][0..n), steps[slot_i], hp[0..8) and
-            // state[0..2) (both checked).
+            // m, v and copy buffers (checked above; the copy kind matches the kernel, a null
+            // copy is never touched), all on this queue's device and kept alive/ordered by
+            // `use_block`; slots are distinct and below steps.len() (checked); the kernel
+            // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
+            // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).
             unsafe {
                 super::launch(
                     q,
@@ -375,6 +578,9 @@ impl OptimKernels {
                         hp.into(),
                         state.into(),
                         steps.into(),
+                        amp_buf,
+                        found,
+                        unscale,
                         Arg::I32(chunk as i32),
                         Arg::I32((advance && i == last) as i32),
                         Arg::I32(decoupled as i32),
@@ -429,18 +635,58 @@ mod tests {
 
     #[test]
     fn table_sizes_match_the_kernel_layout() {
-        // sizeof(MtTable<D, CAP>) as static_assert'ed in optim_mt.cu.
-        assert_eq!(table_bytes(3, CAP_S), 2568);
+        // sizeof(MtTable<D, CAP>) as static_assert'ed in mt_table.cu.
+        assert_eq!(table_bytes(1, CAP_S), 1544);
         assert_eq!(table_bytes(4, CAP_S), 3080);
-        assert_eq!(table_bytes(4, CAP_L), 24584);
+        assert_eq!(table_bytes(5, CAP_S), 3592);
+        assert_eq!(table_bytes(5, CAP_L), 28680);
         assert!(
-            table_bytes(4, CAP_S) <= 4096,
-            "small tables fit the classic 4 KB"
+            table_bytes(5, CAP_S) + 64 <= 4096,
+            "small tables and the other parameters fit the classic 4 KB"
         );
         assert!(
-            table_bytes(4, CAP_L) <= 32764,
-            "large tables fit CUDA 12.1's limit"
+            table_bytes(5, CAP_L) + 64 <= 32764,
+            "large tables and the other parameters fit CUDA 12.1's limit"
         );
+        for (d, cap) in [
+            (1, CAP_S),
+            (1, CAP_L),
+            (4, CAP_S),
+            (4, CAP_L),
+            (5, CAP_S),
+            (5, CAP_L),
+        ] {
+            assert!(
+                TABLE_SOURCE.contains(&format!(
+                    "sizeof(MtTable<{d}, {}>) == 8 * ({} * {} + 1)",
+                    if cap == CAP_S { "CAP_S" } else { "CAP_L" },
+                    d + 2,
+                    if cap == CAP_S { "CAP_S" } else { "CAP_L" },
+                )),
+                "mt_table.cu asserts the layout of depth {d}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_launch_takes_one_kind_of_copy() {
+        assert_eq!(copy_kind([None, None].into_iter()).unwrap(), 0);
+        assert_eq!(copy_kind(std::iter::empty()).unwrap(), 0);
+    }
+
+    #[test]
+    fn the_module_rounds_copies_with_the_cast_kernels_own_code() {
+        let m = module_source();
+        assert!(m.starts_with(super::super::cast::SOURCE));
+        assert!(m.contains("from_f32<bf16_t>") && m.contains("from_f32<f16_t>"));
+        for k in [
+            "sgd_mt_s_bf16",
+            "sgd_mt_l_f16",
+            "adam_mt_s_f16",
+            "adam_mt_l_bf16",
+        ] {
+            assert!(m.contains(&format!("_KERNEL({k},")), "{k}");
+        }
     }
 
     #[test]

@@ -1,9 +1,11 @@
-//! Layers, optimizers, learning-rate schedules, training steps on the device, graphed modules
-//! and batched serving models.
+//! Layers, optimizers, loss scaling, gradient clipping, learning-rate schedules, training
+//! steps on the device, graphed modules and batched serving models.
 
 pub mod batched;
+pub mod clip;
 pub mod graphed;
 pub mod layers;
 pub mod optim;
+pub mod scaler;
 pub mod schedule;
 pub mod steps;

@@ -9,15 +9,28 @@
 //! `set_schedule` runs as a one-thread kernel at the start of each `step()` (and so inside a
 //! captured step), computing the learning rate from the device step counter.
 //!
-//! What is not here: dampening, Nesterov momentum, AMSGrad, `maximize`, parameter groups.
+//! Mixed precision ([`OptimOptions`]): the parameters stay f32 (the masters) and their
+//! gradients f32; with `copies: Some(Dtype::Bf16)` (or `F16`) the optimizer also keeps a
+//! 16-bit copy of every parameter ([`Optimizer::copies`]), made from the masters at
+//! construction and rewritten by the same fused kernel that updates them: each copy element
+//! is the new master value rounded to nearest even, bit for bit what
+//! [`crate::cast::to_bf16`] / [`crate::cast::to_f16`] would give. Under a
+//! [`GradScaler`](crate::nn::scaler::GradScaler) the same kernel also unscales the gradients
+//! and skips the whole update on the device when the scaler found an inf or NaN.
+//!
+//! What is not here: dampening, Nesterov momentum, AMSGrad, `maximize`, parameter groups,
+//! parameters stored in 16 bits without f32 masters.
 
 use std::sync::Arc;
 
+use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
 use crate::autograd::tensor::Parameter;
-use crate::error::{NnError, Result};
-use crate::kernels::optim_mt::{hp, state, AdamTensor, OptimKernels, SgdTensor};
+use crate::dtype::{Dtype, TypedBuffer};
+use crate::error::{AmpError, NnError, Result};
+use crate::kernels::cast;
+use crate::kernels::optim_mt::{hp, state, AdamTensor, AmpArgs, CopyRef, OptimKernels, SgdTensor};
 /// Tensors per table of the multi-tensor kernels: small (4 KB of kernel parameters) and large.
 pub use crate::kernels::optim_mt::{CAP_L, CAP_S};
 use crate::nn::schedule::Schedule;
@@ -60,6 +73,136 @@ pub trait Optimizer {
             .set_schedule(schedule);
         Ok(())
     }
+
+    /// The 16-bit model copies ([`OptimOptions::copies`]), one per parameter in
+    /// [`Self::params`] order, or `None` when the optimizer keeps none.
+    ///
+    /// Each step rewrites every copy whose parameter it updates. Writing a master by other
+    /// means (loading weights, `copy_from_host` into [`Parameter::data`]) leaves its copy
+    /// stale until the next step updates that parameter; [`Self::refresh_copies`] makes
+    /// them equal again at once.
+    fn copies(&self) -> Option<Vec<(Parameter, TypedBuffer)>> {
+        None
+    }
+
+    /// Rewrites every 16-bit copy from its master (a cast per parameter, enqueued on `q`;
+    /// nothing without copies).
+    fn refresh_copies(&self, q: &dyn Queue) -> Result<()> {
+        let _ = q;
+        Ok(())
+    }
+
+    /// One update under a GradScaler: [`GradScaler::step`](crate::nn::scaler::GradScaler::step)
+    /// calls it after checking the gradients on the device. The optimizers of this crate
+    /// unscale in their fused kernel and skip the update on the device when the scaler
+    /// found an inf or NaN; any other optimizer cannot ([`AmpError::NotScalable`]).
+    fn step_scaled(&mut self, q: &dyn Queue, scaling: &ScaledStep<'_>) -> Result<()> {
+        let _ = (q, scaling);
+        Err(AmpError::NotScalable.into())
+    }
+
+    /// The algorithm, for checkpoints: `"sgd"`, `"adam"` or `"adamw"` here; `None` for an
+    /// optimizer that cannot be checkpointed.
+    fn kind(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The per-parameter state, for checkpoints: named device buffers in a fixed order
+    /// (`exp_avg.<i>`, `exp_avg_sq.<i>`, `steps` for Adam; `momentum_buffer.<i>` for SGD
+    /// with momentum), `i` being the parameter's index in [`Self::params`]. The
+    /// hyperparameters and the step count are [`Self::hyperparameters`]. Loading a
+    /// checkpoint writes these buffers in place.
+    fn state_buffers(&self) -> Vec<(String, StateBuffer<'_>)> {
+        Vec::new()
+    }
+}
+
+/// One device buffer of an optimizer's state ([`Optimizer::state_buffers`]).
+#[derive(Clone, Copy, Debug)]
+pub enum StateBuffer<'a> {
+    /// f32 values (moments, momentum buffers).
+    F32(&'a DeviceBuffer<f32>),
+    /// u32 values (per-parameter step counts).
+    U32(&'a DeviceBuffer<u32>),
+}
+
+/// What a [`GradScaler`](crate::nn::scaler::GradScaler) hands the optimizer's step: its
+/// device buffer, the found-inf flag that decides whether the step runs, and whether the
+/// gradients are still scaled. Made only by the scaler.
+pub struct ScaledStep<'a> {
+    pub(crate) amp: AmpArgs<'a>,
+}
+
+/// Options beyond the hyperparameters, shared by [`Sgd::with_options`] and
+/// [`Adam::with_options`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OptimOptions {
+    /// Keep a 16-bit copy of every parameter ([`Dtype::Bf16`] or [`Dtype::F16`]), written
+    /// by the fused update (see the module documentation); [`Dtype::F32`] is
+    /// [`AmpError::CopyDtype`]. `None` (the default): no copies.
+    pub copies: Option<Dtype>,
+}
+
+/// The 16-bit copies of `params` in `dtype`, cast from the masters on `s`.
+fn make_copies(
+    s: &Stream,
+    params: &[Parameter],
+    dtype: Option<Dtype>,
+) -> Result<Option<Vec<TypedBuffer>>> {
+    let Some(dtype) = dtype else { return Ok(None) };
+    if dtype == Dtype::F32 {
+        return Err(AmpError::CopyDtype { dtype: "f32" }.into());
+    }
+    let mut out = Vec::with_capacity(params.len());
+    for p in params {
+        let n = p.numel();
+        out.push(if dtype == Dtype::F16 {
+            let b = s.alloc::<f16>(n)?;
+            cast::to_f16(s, p.data(), &b)?;
+            TypedBuffer::F16(Arc::new(b))
+        } else {
+            let b = s.alloc::<bf16>(n)?;
+            cast::to_bf16(s, p.data(), &b)?;
+            TypedBuffer::Bf16(Arc::new(b))
+        });
+    }
+    Ok(Some(out))
+}
+
+/// Casts every master into its copy on `q`.
+fn refresh(q: &dyn Queue, params: &[Parameter], copies: Option<&Vec<TypedBuffer>>) -> Result<()> {
+    for (p, c) in params.iter().zip(copies.into_iter().flatten()) {
+        match c {
+            TypedBuffer::Bf16(b) => cast::to_bf16(q, p.data(), b)?,
+            TypedBuffer::F16(b) => cast::to_f16(q, p.data(), b)?,
+            TypedBuffer::F32(_) => {}
+        }
+    }
+    Ok(())
+}
+
+fn copy_ref(copies: Option<&Vec<TypedBuffer>>, i: usize) -> Option<CopyRef<'_>> {
+    match copies?.get(i)? {
+        TypedBuffer::Bf16(b) => Some(CopyRef::Bf16(b)),
+        TypedBuffer::F16(b) => Some(CopyRef::F16(b)),
+        TypedBuffer::F32(_) => None,
+    }
+}
+
+fn pair_copies(
+    params: &[Parameter],
+    copies: Option<&Vec<TypedBuffer>>,
+) -> Option<Vec<(Parameter, TypedBuffer)>> {
+    copies.map(|c| params.iter().cloned().zip(c.iter().cloned()).collect())
+}
+
+/// The parameters that have a gradient, with their index.
+fn with_grads(params: &[Parameter]) -> Vec<(usize, Arc<DeviceBuffer<f32>>)> {
+    params
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
+        .collect()
 }
 
 fn no_hyper() -> NnError {
@@ -133,6 +276,16 @@ impl Hyperparameters {
     /// Sets the device step count (what a schedule reads), e.g. to resume training.
     pub fn set_step_count(&mut self, q: &dyn Queue, steps: u32) -> Result<()> {
         q.fill32(&self.state, state::STEP, 1, steps)?;
+        Ok(())
+    }
+
+    /// Writes every slot and the step count (resuming from a checkpoint): the device values
+    /// with stream-ordered writes on `s`, and the host's copy of the slots.
+    pub fn restore(&mut self, s: &Stream, values: [f32; hp::LEN], steps: u32) -> Result<()> {
+        s.copy_from_host(&values, &self.hp)?;
+        s.fill32(&self.state, state::STEP, 1, steps)?;
+        s.fill32(&self.state, state::TICKET, 1, 0u32)?;
+        self.host = values;
         Ok(())
     }
 
@@ -232,6 +385,7 @@ impl Default for SgdConfig {
 pub struct Sgd {
     params: Vec<Parameter>,
     bufs: Vec<Option<DeviceBuffer<f32>>>,
+    copies: Option<Vec<TypedBuffer>>,
     hyper: Hyperparameters,
 }
 
@@ -258,6 +412,16 @@ impl Sgd {
     /// SGD from a [`SgdConfig`]. Momentum buffers exist when `momentum != 0` (then
     /// [`Self::set_momentum`] can change it later; without them it must stay 0).
     pub fn with_config(s: &Stream, params: Vec<Parameter>, cfg: SgdConfig) -> Result<Self> {
+        Self::with_options(s, params, cfg, OptimOptions::default())
+    }
+
+    /// SGD from a [`SgdConfig`] with [`OptimOptions`] (16-bit copies of the parameters).
+    pub fn with_options(
+        s: &Stream,
+        params: Vec<Parameter>,
+        cfg: SgdConfig,
+        options: OptimOptions,
+    ) -> Result<Self> {
         check_lr(cfg.lr)?;
         check_nonneg("momentum", cfg.momentum)?;
         check_nonneg("weight decay", cfg.weight_decay)?;
@@ -278,6 +442,7 @@ impl Sgd {
         v[hp::MOMENTUM] = cfg.momentum;
         v[hp::WEIGHT_DECAY] = cfg.weight_decay;
         Ok(Self {
+            copies: make_copies(s, &params, options.copies)?,
             params,
             bufs,
             hyper: Hyperparameters::new(s, v)?,
@@ -311,25 +476,31 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn step(&mut self, q: &dyn Queue) -> Result<()> {
+impl Sgd {
+    fn update(&mut self, q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
         let k = OptimKernels::get(q.device())?;
         self.hyper.before_step(q, &k)?;
-        let grads: Vec<(usize, Arc<DeviceBuffer<f32>>)> = self
-            .params
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
-            .collect();
+        let grads = with_grads(&self.params);
         let tensors: Vec<SgdTensor<'_>> = grads
             .iter()
             .map(|(i, g)| SgdTensor {
                 w: self.params[*i].data(),
                 g,
                 buf: self.bufs[*i].as_ref(),
+                copy: copy_ref(self.copies.as_ref(), *i),
             })
             .collect();
-        k.sgd(q, &tensors, &self.hyper.hp, &self.hyper.state, true)
+        k.sgd(q, &tensors, &self.hyper.hp, &self.hyper.state, amp, true)
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, q: &dyn Queue) -> Result<()> {
+        self.update(q, None)
+    }
+
+    fn step_scaled(&mut self, q: &dyn Queue, scaling: &ScaledStep<'_>) -> Result<()> {
+        self.update(q, Some(&scaling.amp))
     }
 
     fn params(&self) -> &[Parameter] {
@@ -342,6 +513,29 @@ impl Optimizer for Sgd {
 
     fn hyperparameters_mut(&mut self) -> Option<&mut Hyperparameters> {
         Some(&mut self.hyper)
+    }
+
+    fn copies(&self) -> Option<Vec<(Parameter, TypedBuffer)>> {
+        pair_copies(&self.params, self.copies.as_ref())
+    }
+
+    fn refresh_copies(&self, q: &dyn Queue) -> Result<()> {
+        refresh(q, &self.params, self.copies.as_ref())
+    }
+
+    fn kind(&self) -> Option<&'static str> {
+        Some("sgd")
+    }
+
+    fn state_buffers(&self) -> Vec<(String, StateBuffer<'_>)> {
+        self.bufs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| {
+                b.as_ref()
+                    .map(|b| (format!("momentum_buffer.{i}"), StateBuffer::F32(b)))
+            })
+            .collect()
     }
 }
 
@@ -395,6 +589,7 @@ pub struct Adam {
     m: Vec<DeviceBuffer<f32>>,
     v: Vec<DeviceBuffer<f32>>,
     steps: DeviceBuffer<u32>,
+    copies: Option<Vec<TypedBuffer>>,
     decoupled: bool,
     hyper: Hyperparameters,
 }
@@ -423,6 +618,17 @@ impl Adam {
 
     /// Adam from an [`AdamConfig`].
     pub fn with_config(s: &Stream, params: Vec<Parameter>, cfg: AdamConfig) -> Result<Self> {
+        Self::with_options(s, params, cfg, OptimOptions::default())
+    }
+
+    /// Adam (AdamW when `cfg.decoupled`) from an [`AdamConfig`] with [`OptimOptions`]
+    /// (16-bit copies of the parameters).
+    pub fn with_options(
+        s: &Stream,
+        params: Vec<Parameter>,
+        cfg: AdamConfig,
+        options: OptimOptions,
+    ) -> Result<Self> {
         check_lr(cfg.lr)?;
         check_beta("beta1", cfg.beta1)?;
         check_beta("beta2", cfg.beta2)?;
@@ -441,6 +647,7 @@ impl Adam {
             m: params.iter().map(zeros).collect::<Result<_, _>>()?,
             v: params.iter().map(zeros).collect::<Result<_, _>>()?,
             steps: s.alloc_zeroed::<u32>(params.len().max(1))?,
+            copies: make_copies(s, &params, options.copies)?,
             params,
             decoupled: cfg.decoupled,
             hyper: Hyperparameters::new(s, v)?,
@@ -500,16 +707,11 @@ impl Adam {
     }
 }
 
-impl Optimizer for Adam {
-    fn step(&mut self, q: &dyn Queue) -> Result<()> {
+impl Adam {
+    fn update(&mut self, q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
         let k = OptimKernels::get(q.device())?;
         self.hyper.before_step(q, &k)?;
-        let grads: Vec<(usize, Arc<DeviceBuffer<f32>>)> = self
-            .params
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
-            .collect();
+        let grads = with_grads(&self.params);
         let tensors = grads
             .iter()
             .map(|(i, g)| {
@@ -519,6 +721,7 @@ impl Optimizer for Adam {
                     m: &self.m[*i],
                     v: &self.v[*i],
                     slot: u32::try_from(*i).map_err(|_| bad("more than 2^32 parameters"))?,
+                    copy: copy_ref(self.copies.as_ref(), *i),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -528,9 +731,20 @@ impl Optimizer for Adam {
             &self.hyper.hp,
             &self.hyper.state,
             &self.steps,
+            amp,
             self.decoupled,
             true,
         )
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self, q: &dyn Queue) -> Result<()> {
+        self.update(q, None)
+    }
+
+    fn step_scaled(&mut self, q: &dyn Queue, scaling: &ScaledStep<'_>) -> Result<()> {
+        self.update(q, Some(&scaling.amp))
     }
 
     fn params(&self) -> &[Parameter] {
@@ -543,5 +757,29 @@ impl Optimizer for Adam {
 
     fn hyperparameters_mut(&mut self) -> Option<&mut Hyperparameters> {
         Some(&mut self.hyper)
+    }
+
+    fn copies(&self) -> Option<Vec<(Parameter, TypedBuffer)>> {
+        pair_copies(&self.params, self.copies.as_ref())
+    }
+
+    fn refresh_copies(&self, q: &dyn Queue) -> Result<()> {
+        refresh(q, &self.params, self.copies.as_ref())
+    }
+
+    fn kind(&self) -> Option<&'static str> {
+        Some(if self.decoupled { "adamw" } else { "adam" })
+    }
+
+    fn state_buffers(&self) -> Vec<(String, StateBuffer<'_>)> {
+        let mut out = Vec::with_capacity(2 * self.params.len() + 1);
+        for (i, m) in self.m.iter().enumerate() {
+            out.push((format!("exp_avg.{i}"), StateBuffer::F32(m)));
+        }
+        for (i, v) in self.v.iter().enumerate() {
+            out.push((format!("exp_avg_sq.{i}"), StateBuffer::F32(v)));
+        }
+        out.push(("steps".to_string(), StateBuffer::U32(&self.steps)));
+        out
     }
 }
