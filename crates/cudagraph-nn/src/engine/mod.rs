@@ -71,6 +71,7 @@
 
 mod catalog;
 pub mod conv;
+pub mod conv_lowp;
 pub mod gemm;
 pub mod gemm_lowp;
 mod measure;
