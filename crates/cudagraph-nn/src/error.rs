@@ -85,17 +85,6 @@ pub enum NnError {
     /// A data file could not be read or parsed.
     #[error("dataset: {0}")]
     Data(String),
-    /// An operation was given buffers of an element type it does not take (the
-    /// half-precision convolutions given f32, say): `instead` names what does.
-    #[error("{op} does not take {got} buffers: {instead}")]
-    DtypeNotSupported {
-        /// The operation, e.g. `conv2d_lowp_forward`.
-        op: &'static str,
-        /// The element type it was given.
-        got: crate::dtype::Dtype,
-        /// What to use instead.
-        instead: &'static str,
-    },
     /// A model's files (description or safetensors weights) are unreadable or do not match.
     #[error(transparent)]
     Io(#[from] IoError),

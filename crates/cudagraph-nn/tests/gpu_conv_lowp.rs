@@ -748,19 +748,10 @@ fn misuse_is_a_typed_error() {
         s.alloc_zeroed::<f32>(yl).unwrap(),
     );
     let e = conv2d_lowp_forward(&s, &nn, &sh, l, &x32, &w32, None, false, &y32).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            NnError::DtypeNotSupported {
-                got: Dtype::F32,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(matches!(e, NnError::Dtype { found: "f32", .. }), "{e}");
     assert!(e.to_string().contains("engine::conv"), "{e}");
     let e = conv2d_lowp_backward_data(&s, &nn, &sh, l, &y32, &w32, &x32).unwrap_err();
-    assert!(matches!(e, NnError::DtypeNotSupported { .. }), "{e}");
+    assert!(matches!(e, NnError::Dtype { .. }), "{e}");
     // Short buffers.
     let short = s.alloc_zeroed::<bf16>(xl - 1).unwrap();
     let e = conv2d_lowp_forward(&s, &nn, &sh, l, &short, &w, None, false, &y).unwrap_err();
@@ -830,7 +821,7 @@ fn misuse_is_a_typed_error() {
     };
     assert!(matches!(
         run_conv_lowp(&s, &nn, &f16_op, io),
-        Err(NnError::DtypeNotSupported { .. })
+        Err(NnError::Dtype { .. })
     ));
     let relu_back = LowpOp {
         dir: ConvDir::BackwardData,
@@ -877,10 +868,10 @@ fn misuse_is_a_typed_error() {
     }
     // The transposes take no f16 → bf16 pair, and refuse short buffers.
     let h = s.alloc_zeroed::<f16>(xl).unwrap();
-    let k = cudagraph_nn::kernels::conv_lowp::LowpKernels::get(&dev).unwrap();
+    let k = cudagraph_nn::kernels::conv_lowp::ConvLowpKernels::get(&dev).unwrap();
     assert!(matches!(
         k.transpose(&s, 2, 3, 64, &h, &x),
-        Err(NnError::DtypeNotSupported { .. })
+        Err(NnError::Dtype { .. })
     ));
     assert!(matches!(
         relayout(&s, (2, 3, 8, 8), Layout::Nchw, Layout::Nhwc, &x, &short),

@@ -4,7 +4,8 @@
 //! ([`crate::engine`]) measured fastest for its key. Products of 16-bit values are exact in
 //! f32 and every sum is f32 (cuDNN's `PSEUDO_BFLOAT16`/`PSEUDO_HALF` configurations, as
 //! PyTorch runs them); one rounding into the output's type. The f32 convolutions are
-//! [`crate::engine::conv`]'s: these functions refuse f32 buffers with a typed error.
+//! [`crate::engine::conv`]'s: these functions refuse f32 buffers with a typed error
+//! (`NnError::Dtype`, naming the f32 function).
 //!
 //! **Candidates** ([`conv_lowp_candidates`]), per direction, shape, dtype, layout and
 //! epilogue: cuDNN's legacy algorithms (`cudnn:A`) and graph-API configurations
@@ -47,7 +48,7 @@ use crate::engine::{ConvFamily, Engines, Policy};
 use crate::error::{NnError, Result};
 pub use crate::extent::{ConvDir, ConvGeom, ConvShape, Layout};
 pub use crate::ffi::cudnn_graph::LowpOp;
-use crate::kernels::conv_lowp::LowpKernels;
+use crate::kernels::conv_lowp::ConvLowpKernels;
 use crate::kernels::Nn;
 
 /// Above this many multiply-adds our direct kernels are not measured (unless forced, or no
@@ -183,14 +184,13 @@ pub fn conv_lowp_key(op: &LowpOp) -> String {
     )
 }
 
-/// `T` must be bf16 or f16: f32 is a typed error naming the f32 path.
-fn half_only<T: Float>(op: &'static str) -> Result<()> {
+/// `T` must be bf16 or f16: f32 is a typed error, `what` naming the f32 path.
+fn half_only<T: Float>(what: &'static str) -> Result<()> {
     if T::DTYPE == Dtype::F32 {
-        return Err(NnError::DtypeNotSupported {
-            op,
-            got: Dtype::F32,
-            instead: "f32 convolutions run through engine::conv (conv2d_forward, \
-                      conv2d_backward_data, conv2d_backward_filter)",
+        return Err(NnError::Dtype {
+            what,
+            expected: "bf16 or f16",
+            found: "f32",
         });
     }
     Ok(())
@@ -199,20 +199,20 @@ fn half_only<T: Float>(op: &'static str) -> Result<()> {
 /// `op` describes buffers of `T` and `O` (and a bias exactly when it has one): a typed error
 /// otherwise.
 fn check_op<T: Float, O: Float>(op: &LowpOp, bias: bool) -> Result<()> {
-    half_only::<T>("conv2d_lowp")?;
+    half_only::<T>("conv2d_lowp (f32 convolutions: engine::conv::run_conv)")?;
     if op.dtype != T::DTYPE {
-        return Err(NnError::DtypeNotSupported {
-            op: "conv2d_lowp",
-            got: T::DTYPE,
-            instead: "input buffers of the op's dtype",
+        return Err(NnError::Dtype {
+            what: "conv2d_lowp: an input",
+            expected: op.dtype.name(),
+            found: T::DTYPE.name(),
         });
     }
     let out = if op.out_f32 { Dtype::F32 } else { op.dtype };
     if O::DTYPE != out {
-        return Err(NnError::DtypeNotSupported {
-            op: "conv2d_lowp",
-            got: O::DTYPE,
-            instead: "an output of the inputs' dtype, or f32 for a weight gradient with out_f32",
+        return Err(NnError::Dtype {
+            what: "conv2d_lowp: the output (f32 only for a weight gradient with out_f32)",
+            expected: out.name(),
+            found: O::DTYPE.name(),
         });
     }
     if op.out_f32 && op.dir != ConvDir::BackwardFilter {
@@ -253,7 +253,7 @@ pub fn conv2d_lowp_forward<T: Float>(
     relu: bool,
     y: &DeviceBuffer<T>,
 ) -> Result<LowpEngine> {
-    half_only::<T>("conv2d_lowp_forward")?;
+    half_only::<T>("conv2d_lowp_forward (f32: engine::conv::conv2d_forward)")?;
     let op = LowpOp {
         dir: ConvDir::Forward,
         shape: *shape,
@@ -283,7 +283,7 @@ pub fn conv2d_lowp_backward_data<T: Float>(
     w: &DeviceBuffer<T>,
     dx: &DeviceBuffer<T>,
 ) -> Result<LowpEngine> {
-    half_only::<T>("conv2d_lowp_backward_data")?;
+    half_only::<T>("conv2d_lowp_backward_data (f32: engine::conv::conv2d_backward_data)")?;
     let op = LowpOp {
         dir: ConvDir::BackwardData,
         shape: *shape,
@@ -314,7 +314,7 @@ pub fn conv2d_lowp_backward_filter<T: Float>(
     x: &DeviceBuffer<T>,
     dw: &DeviceBuffer<T>,
 ) -> Result<LowpEngine> {
-    half_only::<T>("conv2d_lowp_backward_filter")?;
+    half_only::<T>("conv2d_lowp_backward_filter (f32: engine::conv::conv2d_backward_filter)")?;
     let op = LowpOp {
         dir: ConvDir::BackwardFilter,
         shape: *shape,
@@ -347,7 +347,9 @@ pub fn conv2d_lowp_backward_filter_f32<T: Float>(
     x: &DeviceBuffer<T>,
     dw: &DeviceBuffer<f32>,
 ) -> Result<LowpEngine> {
-    half_only::<T>("conv2d_lowp_backward_filter_f32")?;
+    half_only::<T>(
+        "conv2d_lowp_backward_filter_f32 (f32 inputs: engine::conv::conv2d_backward_filter)",
+    )?;
     let op = LowpOp {
         dir: ConvDir::BackwardFilter,
         shape: *shape,
@@ -440,7 +442,7 @@ pub fn faster_layout<T: Float>(
     dir: ConvDir,
     shape: &ConvShape,
 ) -> Result<Layout> {
-    half_only::<T>("faster_layout")?;
+    half_only::<T>("faster_layout (f32 convolutions run NCHW: engine::conv)")?;
     let op = LowpOp {
         dir,
         shape: *shape,
@@ -484,7 +486,7 @@ pub fn relayout<T: Float>(
     let hw = h
         .checked_mul(w)
         .ok_or_else(|| NnError::Shape(format!("relayout: {h}×{w} overflows")))?;
-    LowpKernels::get(q.device())?.relayout(q, (n, c, hw), from, to, src, dst)
+    ConvLowpKernels::get(q.device())?.relayout(q, (n, c, hw), from, to, src, dst)
 }
 
 /// Weights `oc × c × kh × kw` from `OIHW` (with [`Layout::Nchw`]) to `OHWI` (with
@@ -498,7 +500,7 @@ pub fn relayout_weights<T: Float>(
     dst: &DeviceBuffer<T>,
 ) -> Result<()> {
     half_only::<T>("relayout_weights")?;
-    let k = LowpKernels::get(q.device())?;
+    let k = ConvLowpKernels::get(q.device())?;
     let khw = kh
         .checked_mul(kw)
         .ok_or_else(|| NnError::Shape(format!("relayout_weights: {kh}×{kw} overflows")))?;
@@ -507,7 +509,7 @@ pub fn relayout_weights<T: Float>(
 
 /// Weights from `from` to `to` as [`relayout_weights`] (any pair the transposes take).
 fn weights<A: Float, B: Float>(
-    k: &LowpKernels,
+    k: &ConvLowpKernels,
     q: &dyn Queue,
     (oc, c, khw): (usize, usize, usize),
     from: Layout,
@@ -677,7 +679,7 @@ fn lowp_engine<T: Float, O: Float>(
     op: &LowpOp,
     io: LowpIo<'_, T, O>,
 ) -> Result<()> {
-    let k = LowpKernels::get(q.device())?;
+    let k = ConvLowpKernels::get(q.device())?;
     match algo.kind {
         LowpKind::Widen => return widen(q, nn, &k, op, io),
         LowpKind::Direct if algo.layout != op.layout => {
@@ -742,7 +744,7 @@ fn lowp_engine<T: Float, O: Float>(
 fn in_layout<T: Float, O: Float>(
     q: &dyn Queue,
     eng: &Engines,
-    k: &LowpKernels,
+    k: &ConvLowpKernels,
     algo: LowpEngine,
     op: &LowpOp,
     io: LowpIo<'_, T, O>,
@@ -754,10 +756,10 @@ fn in_layout<T: Float, O: Float>(
     };
     match algo.kind {
         LowpKind::Cudnn(a) => {
-            let out = same::<O, T>(io.out).ok_or_else(|| NnError::DtypeNotSupported {
-                op: "cuDNN legacy half-precision convolution",
-                got: O::DTYPE,
-                instead: "an output of the inputs' dtype (an f32 dw runs on other engines)",
+            let out = same::<O, T>(io.out).ok_or_else(|| NnError::Dtype {
+                what: "cuDNN's legacy half-precision convolution: the output",
+                expected: T::DTYPE.name(),
+                found: O::DTYPE.name(),
             })?;
             cudnn(eng)?.run_lowp(q, op.dir, a, &op.shape, op.layout, io.a, io.b, out)?;
         }
@@ -782,10 +784,10 @@ fn in_layout<T: Float, O: Float>(
         }
     }
     if op.dir == ConvDir::Forward && (op.bias || op.relu) {
-        let y = same::<O, T>(io.out).ok_or_else(|| NnError::DtypeNotSupported {
-            op: "conv2d bias",
-            got: O::DTYPE,
-            instead: "a forward output of the inputs' dtype",
+        let y = same::<O, T>(io.out).ok_or_else(|| NnError::Dtype {
+            what: "conv2d_lowp: the forward's output",
+            expected: T::DTYPE.name(),
+            found: O::DTYPE.name(),
         })?;
         let (oh, ow) = op.shape.out_hw()?;
         let g = &op.shape.geom;
@@ -799,7 +801,7 @@ fn in_layout<T: Float, O: Float>(
 fn widen<T: Float, O: Float>(
     q: &dyn Queue,
     nn: &Nn,
-    k: &LowpKernels,
+    k: &ConvLowpKernels,
     op: &LowpOp,
     io: LowpIo<'_, T, O>,
 ) -> Result<()> {
@@ -876,10 +878,10 @@ fn widen_flat<T: Float>(
     } else if let Some(s) = same::<T, f16>(&src) {
         crate::kernels::cast::from_f16(q, s, dst)
     } else {
-        Err(NnError::DtypeNotSupported {
-            op: "conv2d widen",
-            got: T::DTYPE,
-            instead: "bf16 or f16 inputs",
+        Err(NnError::Dtype {
+            what: "conv2d_lowp widen: an input",
+            expected: "bf16 or f16",
+            found: T::DTYPE.name(),
         })
     }
 }
@@ -1038,15 +1040,13 @@ mod tests {
                 },
                 false
             ),
-            Err(NnError::DtypeNotSupported {
-                got: Dtype::F32,
-                ..
-            })
+            Err(NnError::Dtype { found: "f32", .. })
         ));
         assert!(matches!(
             check_op::<f16, f16>(&o, false),
-            Err(NnError::DtypeNotSupported {
-                got: Dtype::F16,
+            Err(NnError::Dtype {
+                found: "bf16",
+                expected: "f16",
                 ..
             })
         ));
@@ -1068,7 +1068,7 @@ mod tests {
         d.relu = false;
         d.out_f32 = true;
         assert!(check_op::<bf16, f32>(&d, false).is_err(), "f32 dx");
-        let e = half_only::<f32>("conv2d_lowp_forward")
+        let e = half_only::<f32>("conv2d_lowp_forward (f32: engine::conv::conv2d_forward)")
             .unwrap_err()
             .to_string();
         assert!(e.contains("engine::conv") && e.contains("f32"), "{e}");

@@ -298,10 +298,10 @@ impl Spec {
             Dtype::Bf16 => BFLOAT16,
             Dtype::F16 => HALF,
             Dtype::F32 => {
-                return Err(NnError::DtypeNotSupported {
-                    op: "cuDNN half-precision convolution",
-                    got: dtype,
-                    instead: "fp32 convolutions run through Cudnn::run (engine::conv)",
+                return Err(NnError::Dtype {
+                    what: "cuDNN half-precision convolution (fp32: Cudnn::run)",
+                    expected: "bf16 or f16",
+                    found: "f32",
                 })
             }
         };

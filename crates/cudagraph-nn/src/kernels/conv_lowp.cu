@@ -4,89 +4,10 @@
 // three directions — the engine of last resort, for shapes no cuDNN engine takes —, every sum
 // in f32.
 //
-// The 16-bit conversions below are a copy of cast.cu's (the NVRTC compile has no include path):
-// narrowing rounds to nearest even (inf past the largest finite value, canonical NaN 0x7FFF),
-// widening is exact. Same-type "conversions" are bit copies, so a transpose moves bits.
-
-struct bf16_t { unsigned short bits; };
-struct f16_t { unsigned short bits; };
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-
-__device__ __forceinline__ float to_f32(bf16_t x) {
-    return __uint_as_float((unsigned int)x.bits << 16);
-}
-
-__device__ __forceinline__ float to_f32(f16_t x) {
-    unsigned int h = x.bits;
-    unsigned int sign = (h & 0x8000u) << 16;
-    unsigned int exp = (h >> 10) & 0x1fu;
-    unsigned int man = h & 0x3ffu;
-    if (exp == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));  // inf, NaN
-    if (exp != 0u) return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
-    if (man == 0u) return __uint_as_float(sign);  // ±0
-    // Subnormal: man · 2^-24, exact in f32 (an integer below 2^10 times a power of two).
-    float v = (float)man * 5.9604644775390625e-8f;
-    return __uint_as_float(sign | __float_as_uint(v));
-}
-
-template <typename To> __device__ __forceinline__ To from_f32(float x);
-
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-
-template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float x) {
-    unsigned int u = __float_as_uint(x);
-    bf16_t r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.bits = 0x7fffu;
-        return r;
-    }
-    // Round to nearest even on the 16 bits dropped; a carry moves into the exponent, past the
-    // largest finite value to inf (0x7f80 / 0xff80). Cannot overflow 32 bits: u ≤ 0xff800000.
-    u += 0x7fffu + ((u >> 16) & 1u);
-    r.bits = (unsigned short)(u >> 16);
-    return r;
-}
-
-template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float x) {
-    unsigned int u = __float_as_uint(x);
-    unsigned int sign = (u >> 16) & 0x8000u;
-    unsigned int a = u & 0x7fffffffu;
-    f16_t r;
-    if (a > 0x7f800000u) {
-        r.bits = 0x7fffu;
-        return r;
-    }
-    if (a >= 0x477ff000u) {
-        // ≥ 65520 (halfway between 65504, the largest finite f16, and 2^16): rounds to inf.
-        r.bits = (unsigned short)(sign | 0x7c00u);
-        return r;
-    }
-    int exp = (int)(a >> 23) - 127 + 15;  // the f16 biased exponent
-    unsigned int man = a & 0x7fffffu;
-    unsigned int out;
-    if (exp >= 1) {
-        // Normal: keep 10 of the 23 mantissa bits; a carry out of the mantissa moves into the
-        // exponent (at most to 0x7bff + 1 = 0x7c00, excluded above).
-        out = ((unsigned int)exp << 10) | (man >> 13);
-        unsigned int rest = man & 0x1fffu;
-        if (rest > 0x1000u || (rest == 0x1000u && (out & 1u))) out += 1u;
-    } else if (exp >= -10) {
-        // Subnormal result: the full significand (hidden bit included) shifted right by
-        // 14 - exp ∈ [14, 24]; rounding up from the largest subnormal gives the smallest normal.
-        unsigned int sig = man | 0x800000u;
-        unsigned int shift = (unsigned int)(14 - exp);
-        out = sig >> shift;
-        unsigned int rest = sig & ((1u << shift) - 1u);
-        unsigned int halfway = 1u << (shift - 1u);
-        if (rest > halfway || (rest == halfway && (out & 1u))) out += 1u;
-    } else {
-        // Below 2^-25, half the smallest subnormal: ±0.
-        out = 0u;
-    }
-    r.bits = (unsigned short)(sign | out);
-    return r;
-}
+// Compiled after cast.cu, whose bf16_t / f16_t types and to_f32 / from_f32 conversions it uses
+// (the NVRTC compile has no include path): narrowing rounds to nearest even (inf past the
+// largest finite value, canonical NaN 0x7FFF), widening is exact. Same-type "conversions" are
+// bit copies, so a transpose moves bits.
 
 template <typename From, typename To>
 __device__ __forceinline__ To convert(From x) { return from_f32<To>(to_f32(x)); }

@@ -1,5 +1,5 @@
-//! The half-precision convolutions' own kernels (`conv_lowp.cu`, its own NVRTC module
-//! `cudagraph_nn_conv_lowp`): layout transposes between `NCHW` and `NHWC` (and between `OIHW`
+//! The half-precision convolutions' own kernels (`conv_lowp.cu`, compiled after `cast.cu` as
+//! its own NVRTC module `cudagraph_nn_conv_lowp`): layout transposes between `NCHW` and `NHWC` (and between `OIHW`
 //! and `OHWI` weights), widening bf16/f16 to f32 on the way where asked; the bias and ReLU
 //! after a convolution that did not fuse them; and direct convolutions in all three
 //! directions in either layout with any stride, padding and dilation — the engine of last
@@ -18,8 +18,10 @@ use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod, ConvDir, ConvShape, Layout};
 
-/// The CUDA source of the module.
-pub const SOURCE: &str = include_str!("conv_lowp.cu");
+/// The CUDA source of the module: `conv_lowp.cu` after the cast module's conversions.
+pub fn source() -> String {
+    format!("{}{}", super::cast::SOURCE, include_str!("conv_lowp.cu"))
+}
 
 /// Threads per block of the elementwise and direct kernels (a whole number of warps: the
 /// weight-gradient kernel gives each element a warp).
@@ -28,7 +30,7 @@ const BLOCK: u32 = 256;
 const MAX_BLOCKS: usize = 1 << 16;
 
 /// The module's kernels on one device (a [`Device::extension`]).
-pub struct LowpKernels {
+pub struct ConvLowpKernels {
     /// (bf16→bf16, f16→f16, bf16→f32, f16→f32, f32→f32).
     transpose: [Function; 5],
     /// bf16, f16.
@@ -44,10 +46,10 @@ fn half_index(op: &'static str, d: Dtype) -> Result<usize> {
     match d {
         Dtype::Bf16 => Ok(0),
         Dtype::F16 => Ok(1),
-        Dtype::F32 => Err(NnError::DtypeNotSupported {
-            op,
-            got: d,
-            instead: "bf16 or f16 buffers (f32 convolutions run through engine::conv)",
+        Dtype::F32 => Err(NnError::Dtype {
+            what: op,
+            expected: "bf16 or f16",
+            found: d.name(),
         }),
     }
 }
@@ -95,9 +97,9 @@ pub(crate) fn direct_ints(s: &ConvShape, layout: Layout) -> Result<[i32; 13]> {
     ])
 }
 
-impl LowpKernels {
+impl ConvLowpKernels {
     /// The kernels of `device`, compiled (or loaded from the NVRTC cache) on first use.
-    pub fn get(device: &Device) -> Result<Arc<LowpKernels>> {
+    pub fn get(device: &Device) -> Result<Arc<ConvLowpKernels>> {
         device
             .extension(|d| {
                 // Relaxed capture mode: the first use may be inside a capture (module loading).
@@ -108,7 +110,7 @@ impl LowpKernels {
                     )
                 })?;
                 let f = |n: &str| m.function(n);
-                Ok(LowpKernels {
+                Ok(ConvLowpKernels {
                     transpose: [
                         f("lowp_transpose_bf16_bf16")?,
                         f("lowp_transpose_f16_f16")?,
@@ -153,10 +155,10 @@ impl LowpKernels {
             (Dtype::F16, Dtype::F32) => &self.transpose[3],
             (Dtype::F32, Dtype::F32) => &self.transpose[4],
             (_, to) => {
-                return Err(NnError::DtypeNotSupported {
-                    op: "layout transpose",
-                    got: to,
-                    instead: "a destination of the source's type, or f32",
+                return Err(NnError::Dtype {
+                    what: "layout transpose: the destination",
+                    expected: "the source's type, or f32",
+                    found: to.name(),
                 })
             }
         };
@@ -202,7 +204,7 @@ impl LowpKernels {
     }
 
     /// An activation of `n × c × hw` from `from` to `to` layout (a copy when they are the
-    /// same), converted from `A` to `B` as [`LowpKernels::transpose`].
+    /// same), converted from `A` to `B` as [`ConvLowpKernels::transpose`].
     #[allow(clippy::too_many_arguments)]
     pub fn relayout<A: Float, B: Float>(
         &self,
@@ -291,10 +293,10 @@ impl LowpKernels {
             (_, o) if o == T::DTYPE => false,
             (ConvDir::BackwardFilter, Dtype::F32) => true,
             (_, o) => {
-                return Err(NnError::DtypeNotSupported {
-                    op: "direct half-precision convolution",
-                    got: o,
-                    instead: "an output of the inputs' type (or f32 for the weight gradient)",
+                return Err(NnError::Dtype {
+                    what: "direct half-precision convolution: the output",
+                    expected: "the inputs' type (or f32 for the weight gradient)",
+                    found: o.name(),
                 })
             }
         };
@@ -412,10 +414,10 @@ mod tests {
             "lowp_conv_bwd_filter_f16_f32",
         ] {
             assert!(
-                SOURCE.contains(&format!("extern \"C\" __global__ void {name}(")),
+                source().contains(&format!("extern \"C\" __global__ void {name}(")),
                 "{name}"
             );
         }
-        assert!(!SOURCE.contains("#include"));
+        assert!(!source().contains("#include"));
     }
 }

@@ -84,7 +84,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         ("cudagraph_nn_lowp", lowp::source()),
-        ("cudagraph_nn_conv_lowp", conv_lowp::SOURCE.to_string()),
+        ("cudagraph_nn_conv_lowp", conv_lowp::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

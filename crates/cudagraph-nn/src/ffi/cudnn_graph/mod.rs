@@ -148,10 +148,10 @@ impl LowpOp {
             Dtype::Bf16 => DATA_BFLOAT16,
             Dtype::F16 => DATA_HALF,
             Dtype::F32 => {
-                return Err(NnError::DtypeNotSupported {
-                    op: "cuDNN graph API half-precision convolution",
-                    got: Dtype::F32,
-                    instead: "fp32 convolutions run through CudnnGraph::run (engine::conv)",
+                return Err(NnError::Dtype {
+                    what: "cuDNN graph API half-precision convolution (fp32: CudnnGraph::run)",
+                    expected: "bf16 or f16",
+                    found: "f32",
                 })
             }
         };
@@ -395,15 +395,18 @@ impl CudnnGraph {
     ) -> Result<()> {
         op.spec(LIST_ALIGN)?;
         let want_out = if op.out_f32 { Dtype::F32 } else { op.dtype };
-        if T::DTYPE != op.dtype || O::DTYPE != want_out {
-            return Err(NnError::DtypeNotSupported {
-                op: "CudnnGraph::run_lowp",
-                got: if T::DTYPE != op.dtype {
-                    T::DTYPE
-                } else {
-                    O::DTYPE
-                },
-                instead: "buffers of the op's dtype (and an f32 dw only with out_f32)",
+        if T::DTYPE != op.dtype {
+            return Err(NnError::Dtype {
+                what: "CudnnGraph::run_lowp: an input",
+                expected: op.dtype.name(),
+                found: T::DTYPE.name(),
+            });
+        }
+        if O::DTYPE != want_out {
+            return Err(NnError::Dtype {
+                what: "CudnnGraph::run_lowp: the output (f32 only for a dw with out_f32)",
+                expected: want_out.name(),
+                found: O::DTYPE.name(),
             });
         }
         if bias.is_some() != op.bias {
