@@ -1045,8 +1045,8 @@ mod tests {
         assert!(matches!(
             check_op::<f16, f16>(&o, false),
             Err(NnError::Dtype {
-                found: "bf16",
-                expected: "f16",
+                found: "f16",
+                expected: "bf16",
                 ..
             })
         ));
