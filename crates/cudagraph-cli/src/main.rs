@@ -88,6 +88,9 @@ enum BenchCommand {
     /// The workloads' matrix products on each engine family; `--dtype bf16|f16`: half-precision
     /// products on tensor cores (squares to 8192³ and the workloads' shapes, TFLOP/s).
     Gemm(bench::gemm::GemmArgs),
+    /// Convolutions at real image sizes (ResNet-50 at batch 32) in f32, bf16 or f16: µs,
+    /// TFLOP/s and the engine (and layout) the registry chose, per direction.
+    Conv(bench::conv::ConvArgs),
     /// The seed workloads (the default).
     Workloads(bench::workloads::WorkloadArgs),
     /// A long run (10^6 training-step replays and graph-cache requests) that must leave memory flat.
@@ -115,6 +118,7 @@ fn main() -> ExitCode {
             Some(BenchCommand::Rebind(args)) => bench::rebind::run(cli.device, &args),
             Some(BenchCommand::Streams(args)) => bench::streams::run(cli.device, &args),
             Some(BenchCommand::Gemm(args)) => bench::gemm::run(cli.device, &args),
+            Some(BenchCommand::Conv(args)) => bench::conv::run(cli.device, &args),
             Some(BenchCommand::Workloads(args)) => bench::workloads::run(cli.device, &args),
             Some(BenchCommand::Soak(args)) => bench::soak::run(cli.device, &args),
             Some(BenchCommand::Serve(args)) => bench::serve::run(cli.device, &args),

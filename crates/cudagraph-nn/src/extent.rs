@@ -349,6 +349,228 @@ pub fn alignment(addrs: &[u64]) -> u32 {
     (1u64 << all.trailing_zeros().min(8)) as u32
 }
 
+/// How a convolution's tensors are laid out in memory: activations `NCHW` (channels before
+/// pixels, PyTorch's default) or `NHWC` (channels last: each pixel's channels adjacent), and
+/// the weights to match — `OIHW` with `NCHW`, `OHWI` (cuDNN's `KRSC`) with `NHWC`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// Activations `[n, c, h, w]`, weights `[oc, c, kh, kw]`.
+    #[default]
+    Nchw,
+    /// Activations `[n, h, w, c]`, weights `[oc, kh, kw, c]`.
+    Nhwc,
+}
+
+impl Layout {
+    /// Both layouts, `NCHW` first.
+    pub const ALL: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
+
+    /// `"nchw"` or `"nhwc"` (as in registry keys and engine names).
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Nchw => "nchw",
+            Layout::Nhwc => "nhwc",
+        }
+    }
+
+    /// The other layout.
+    pub fn other(self) -> Layout {
+        match self {
+            Layout::Nchw => Layout::Nhwc,
+            Layout::Nhwc => Layout::Nchw,
+        }
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Layout {
+    type Err = NnError;
+    fn from_str(s: &str) -> Result<Layout> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "nchw" => Ok(Layout::Nchw),
+            "nhwc" => Ok(Layout::Nhwc),
+            _ => Err(NnError::Config(format!(
+                "{s:?} is not a layout; use nchw or nhwc"
+            ))),
+        }
+    }
+}
+
+/// A convolution's geometry ([`ConvGeom`]) with its dilation: kernel taps `dilation` pixels
+/// apart (1: adjacent, as [`ConvGeom`] alone describes), the same along both axes, as
+/// PyTorch's `dilation`. The half-precision convolutions take it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvShape {
+    /// Sizes, stride and padding.
+    pub geom: ConvGeom,
+    /// Distance between kernel taps, at least 1.
+    pub dilation: usize,
+}
+
+impl From<ConvGeom> for ConvShape {
+    fn from(geom: ConvGeom) -> ConvShape {
+        ConvShape { geom, dilation: 1 }
+    }
+}
+
+impl ConvShape {
+    /// `geom` with dilation `dilation`.
+    pub fn new(geom: ConvGeom, dilation: usize) -> ConvShape {
+        ConvShape { geom, dilation }
+    }
+
+    /// Height and width the dilated kernel spans: `dilation·(k − 1) + 1`.
+    pub fn span(&self) -> Result<(usize, usize)> {
+        let g = &self.geom;
+        let span = |k: usize| {
+            k.checked_sub(1)
+                .and_then(|k1| k1.checked_mul(self.dilation))
+                .and_then(|v| v.checked_add(1))
+        };
+        match (span(g.kh), span(g.kw)) {
+            (Some(sh), Some(sw)) if self.dilation > 0 => Ok((sh, sw)),
+            _ => Err(NnError::Shape(format!(
+                "conv2d: geometry {self:?} has no kernel (a zero size or dilation)"
+            ))),
+        }
+    }
+
+    /// Output height and width; an error when the dilated kernel does not fit the padded
+    /// input (or a size, the stride or the dilation is zero).
+    pub fn out_hw(&self) -> Result<(usize, usize)> {
+        let g = &self.geom;
+        let (sh, sw) = self.span()?;
+        let ph = g.pad.checked_mul(2).and_then(|p| g.h.checked_add(p));
+        let pw = g.pad.checked_mul(2).and_then(|p| g.w.checked_add(p));
+        match (ph, pw) {
+            (Some(ph), Some(pw)) if g.stride > 0 && ph >= sh && pw >= sw => {
+                Ok(((ph - sh) / g.stride + 1, (pw - sw) / g.stride + 1))
+            }
+            _ => Err(NnError::Shape(format!(
+                "conv2d: geometry {self:?} has no output"
+            ))),
+        }
+    }
+
+    /// Elements of the input, `n·c·h·w` (either layout).
+    pub fn input_len(&self) -> Result<usize> {
+        self.geom.input_len()
+    }
+
+    /// Elements of the weights, `oc·c·kh·kw` (either layout).
+    pub fn weight_len(&self) -> Result<usize> {
+        self.geom.weight_len()
+    }
+
+    /// Elements of the output, `n·oc·oh·ow` (either layout).
+    pub fn output_len(&self) -> Result<usize> {
+        let (oh, ow) = self.out_hw()?;
+        prod("conv2d output", &[self.geom.n, self.geom.oc, oh, ow])
+    }
+
+    /// Multiply-adds of one direction (the same for all three); `None` without an output.
+    pub fn macs(&self) -> Option<f64> {
+        let y = self.output_len().ok()? as f64;
+        Some(y * (self.geom.c * self.geom.kh * self.geom.kw) as f64)
+    }
+}
+
+/// One buffer of a convolution by role, after its extent was checked: what it is (for
+/// errors), its address and its block.
+#[derive(Clone, Copy)]
+pub(crate) struct RoleBuf<'a> {
+    pub(crate) what: &'static str,
+    pub(crate) addr: u64,
+    pub(crate) block: &'a Arc<BlockRef>,
+}
+
+impl<'a> RoleBuf<'a> {
+    pub(crate) fn of<T: cudagraph::Elem>(
+        what: &'static str,
+        b: &'a DeviceBuffer<T>,
+    ) -> RoleBuf<'a> {
+        RoleBuf {
+            what,
+            addr: b.addr(),
+            block: b.block(),
+        }
+    }
+}
+
+/// [`conv_roles`] for a [`ConvShape`] and buffers of any element types (inputs `T`, output
+/// `O`): each checked against its extent (the same in both layouts), the bias (forward only)
+/// against `oc`; returns `[x, w, y]` (`dx`, `dw`, `dy` by direction) and the bias, every one
+/// checked to be memory of `q`'s device.
+#[allow(clippy::type_complexity)]
+pub(crate) fn shape_roles<'a, T: cudagraph::Elem, O: cudagraph::Elem>(
+    q: &dyn Queue,
+    dir: ConvDir,
+    s: &ConvShape,
+    (a, b, out): (
+        &'a DeviceBuffer<T>,
+        &'a DeviceBuffer<T>,
+        &'a DeviceBuffer<O>,
+    ),
+    bias: Option<&'a DeviceBuffer<T>>,
+) -> Result<([RoleBuf<'a>; 3], Option<RoleBuf<'a>>)> {
+    let (x_len, w_len, y_len) = (s.input_len()?, s.weight_len()?, s.output_len()?);
+    let roles = match dir {
+        ConvDir::Forward => {
+            need("conv2d x", a, x_len)?;
+            need("conv2d w", b, w_len)?;
+            need("conv2d y", out, y_len)?;
+            [
+                RoleBuf::of("conv2d x", a),
+                RoleBuf::of("conv2d w", b),
+                RoleBuf::of("conv2d y", out),
+            ]
+        }
+        ConvDir::BackwardData => {
+            need("conv2d dy", a, y_len)?;
+            need("conv2d w", b, w_len)?;
+            need("conv2d dx", out, x_len)?;
+            [
+                RoleBuf::of("conv2d dx", out),
+                RoleBuf::of("conv2d w", b),
+                RoleBuf::of("conv2d dy", a),
+            ]
+        }
+        ConvDir::BackwardFilter => {
+            need("conv2d dy", a, y_len)?;
+            need("conv2d x", b, x_len)?;
+            need("conv2d dw", out, w_len)?;
+            [
+                RoleBuf::of("conv2d x", b),
+                RoleBuf::of("conv2d dw", out),
+                RoleBuf::of("conv2d dy", a),
+            ]
+        }
+    };
+    let bias = match (dir, bias) {
+        (ConvDir::Forward, Some(bias)) => {
+            need("conv2d bias", bias, s.geom.oc)?;
+            Some(RoleBuf::of("conv2d bias", bias))
+        }
+        (_, Some(_)) => {
+            return Err(NnError::Shape(format!(
+                "{}: a bias only applies to the forward direction",
+                dir.name()
+            )))
+        }
+        (_, None) => None,
+    };
+    on_device(
+        q,
+        roles.iter().chain(bias.as_ref()).map(|r| (r.what, r.block)),
+    )?;
+    Ok((roles, bias))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,5 +629,40 @@ mod tests {
         assert_eq!(alignment(&[0x1000, 0x2210]), 16);
         assert_eq!(alignment(&[0x1004]), 4);
         assert_eq!(alignment(&[]), 256);
+    }
+
+    #[test]
+    fn dilated_shapes_span_and_output() {
+        let g = ConvGeom {
+            n: 2,
+            c: 3,
+            h: 11,
+            w: 13,
+            oc: 5,
+            kh: 3,
+            kw: 3,
+            stride: 2,
+            pad: 1,
+        };
+        let plain = ConvShape::from(g);
+        assert_eq!(plain.out_hw().unwrap(), g.out_hw().unwrap());
+        let d2 = ConvShape::new(g, 2);
+        assert_eq!(d2.span().unwrap(), (5, 5));
+        // (11 + 2 - 5) / 2 + 1 = 5, (13 + 2 - 5) / 2 + 1 = 6.
+        assert_eq!(d2.out_hw().unwrap(), (5, 6));
+        assert_eq!(d2.output_len().unwrap(), 2 * 5 * 5 * 6);
+        assert!(ConvShape::new(g, 0).out_hw().is_err());
+        assert!(
+            ConvShape::new(g, 7).out_hw().is_err(),
+            "span 15 > 13 padded"
+        );
+        assert!(ConvShape::new(g, usize::MAX).out_hw().is_err());
+        assert!(ConvShape::new(ConvGeom { kh: 0, ..g }, 1).out_hw().is_err());
+        assert_eq!("NHWC".parse::<Layout>().unwrap(), Layout::Nhwc);
+        assert!("chwn".parse::<Layout>().is_err());
+        for l in Layout::ALL {
+            assert_eq!(l.name().parse::<Layout>().unwrap(), l);
+            assert_eq!(l.other().other(), l);
+        }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod chain;
+pub mod conv;
 pub mod ddp;
 pub mod engines;
 pub mod gemm;

@@ -32,7 +32,7 @@ fn macs(g: &ConvGeom) -> f64 {
 }
 
 /// The largest workspace a cuDNN candidate may ask for: 1 GiB, or an eighth of the device.
-fn workspace_limit(total_memory: usize) -> usize {
+pub(crate) fn workspace_limit(total_memory: usize) -> usize {
     (total_memory / 8).min(1 << 30)
 }
 

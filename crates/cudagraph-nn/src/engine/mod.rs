@@ -65,12 +65,17 @@
 //! their type or f32 on tensor cores (f32 accumulation): the same registry, with keys that
 //! name the element types (`… ep=bias in=bf16 out=f32`), measuring cuBLASLt's heuristic
 //! algorithms for those types and cuBLAS's `cublasGemmEx` (see [`gemm_lowp`](mod@gemm_lowp)).
+//! [`conv_lowp`] runs bf16/f16 convolutions (fp32 accumulation) the same way, with keys that
+//! name dtype and layout and engines named `LAYOUT:KIND` ([`conv_lowp::LowpEngine`]): cuDNN in
+//! the caller's layout and in the other one with the transposes timed in, so the faster layout
+//! is chosen by measurement.
 //!
 //! [`Engines::table`] returns every choice with the measured µs per candidate (shown by
 //! `cudagraph inspect` and `cudagraph bench engines`).
 
 mod catalog;
 pub mod conv;
+pub mod conv_lowp;
 pub mod gemm;
 pub mod gemm_lowp;
 mod measure;

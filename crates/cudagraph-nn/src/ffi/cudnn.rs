@@ -1,4 +1,5 @@
-//! cuDNN convolutions (forward, backward-data, backward-filter; NCHW fp32), loaded at run time.
+//! cuDNN convolutions (forward, backward-data, backward-filter; NCHW fp32, and bf16/f16 in NCHW
+//! or NHWC with fp32 accumulation), loaded at run time.
 //!
 //! cudarc's `cudnn` feature finds and loads `libcudnn` (dynamic loading: nothing is needed at
 //! build time); the functions themselves are looked up here, each with its C signature and raw
@@ -14,7 +15,15 @@
 //! (`QueueExt::alloc`): inside a capture it is taken from the graph's pool. Which algorithm
 //! runs is the engine registry's choice ([`crate::engine`]); this module lists the candidates
 //! (`cudnnGetConvolution*Algorithm_v7`, heuristic order) and runs the chosen one.
-
+//!
+//! **Half precision** ([`Cudnn::algos_lowp`], [`Cudnn::run_lowp`]): x, w and y in bf16 or f16
+//! with an fp32 compute type — cuDNN's `PSEUDO_BFLOAT16_CONFIG` and `PSEUDO_HALF_CONFIG`, what
+//! PyTorch runs for bf16/f16 convolutions —, math type `CUDNN_TENSOR_OP_MATH` (tensor cores
+//! where an algorithm has them; never `..._ALLOW_CONVERSION`), tensors `NCHW` or `NHWC`
+//! (weights `KRSC` then), with a dilation. cuDNN's algorithm list is its own word on what runs
+//! for a type, layout and channel count: a configuration it cannot run (a misaligned channel
+//! count on a tensor-core algorithm) simply is not listed, or fails its workspace query, and
+//! the registry measures what remains.
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 use std::sync::Mutex;
@@ -24,17 +33,24 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use cudarc::cudnn::sys as cs;
 
 use super::loader::{check, describe, lib_fn, CPtr, Loaded, Ptr, Status, StatusText, SUCCESS};
+use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 use crate::extent::{
-    conv_on_device, conv_roles, handle_on_device, need, on_device, ConvDir, ConvGeom,
+    conv_on_device, conv_roles, handle_on_device, need, on_device, shape_roles, ConvDir, ConvGeom,
+    ConvShape, Layout, RoleBuf,
 };
 
 const NCHW: u32 = cs::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as u32;
+const NHWC: u32 = cs::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC as u32;
 const FLOAT: u32 = cs::cudnnDataType_t::CUDNN_DATA_FLOAT as u32;
+const HALF: u32 = cs::cudnnDataType_t::CUDNN_DATA_HALF as u32;
+const BFLOAT16: u32 = cs::cudnnDataType_t::CUDNN_DATA_BFLOAT16 as u32;
 const CROSS_CORRELATION: u32 = cs::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION as u32;
 const DEFAULT_MATH: u32 = cs::cudnnMathType_t::CUDNN_DEFAULT_MATH as u32;
 const FMA_MATH: u32 = cs::cudnnMathType_t::CUDNN_FMA_MATH as u32;
 const TENSOR_OP_MATH: u32 = cs::cudnnMathType_t::CUDNN_TENSOR_OP_MATH as u32;
+const TENSOR_OP_MATH_ALLOW_CONVERSION: u32 =
+    cs::cudnnMathType_t::CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION as u32;
 const DETERMINISTIC: u32 = cs::cudnnDeterminism_t::CUDNN_DETERMINISTIC as u32;
 
 /// `cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t` (the three share one layout), with raw
@@ -243,6 +259,113 @@ pub struct AlgoInfo {
     pub deterministic: bool,
 }
 
+/// What one set of descriptors describes: the geometry with its dilation, the data type of
+/// x, w and y, the tensor format, and the math allowed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Spec {
+    shape: ConvShape,
+    /// `cudnnDataType_t` of x, w and y (the compute type is always FLOAT).
+    dtype: u32,
+    /// `cudnnTensorFormat_t` of x, y and the filter.
+    format: u32,
+    /// fp32 only: TF32 tensor cores allowed.
+    tf32: bool,
+}
+
+/// The plan cache's key of a [`Spec`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    dims: [usize; 10],
+    dtype: u32,
+    format: u32,
+    tf32: bool,
+}
+
+impl Spec {
+    /// fp32 NCHW without dilation (the f32 engines' descriptors).
+    fn f32(g: &ConvGeom, tf32: bool) -> Spec {
+        Spec {
+            shape: ConvShape::from(*g),
+            dtype: FLOAT,
+            format: NCHW,
+            tf32,
+        }
+    }
+
+    /// bf16 or f16 data (fp32 compute) in `layout`; an error for any other dtype.
+    fn lowp(shape: &ConvShape, dtype: Dtype, layout: Layout) -> Result<Spec> {
+        let dtype = match dtype {
+            Dtype::Bf16 => BFLOAT16,
+            Dtype::F16 => HALF,
+            Dtype::F32 => {
+                return Err(NnError::Dtype {
+                    what: "cuDNN half-precision convolution (fp32: Cudnn::run)",
+                    expected: "bf16 or f16",
+                    found: "f32",
+                })
+            }
+        };
+        Ok(Spec {
+            shape: *shape,
+            dtype,
+            format: match layout {
+                Layout::Nchw => NCHW,
+                Layout::Nhwc => NHWC,
+            },
+            tf32: false,
+        })
+    }
+
+    fn half(&self) -> bool {
+        self.dtype != FLOAT
+    }
+
+    fn key(&self) -> PlanKey {
+        let g = &self.shape.geom;
+        PlanKey {
+            dims: [
+                g.n,
+                g.c,
+                g.h,
+                g.w,
+                g.oc,
+                g.kh,
+                g.kw,
+                g.stride,
+                g.pad,
+                self.shape.dilation,
+            ],
+            dtype: self.dtype,
+            format: self.format,
+            tf32: self.tf32,
+        }
+    }
+
+    /// The convolution descriptor's math type: tensor cores for half data (their products
+    /// of 16-bit values are exact, accumulated in fp32), FMA for fp32 unless TF32 is allowed.
+    fn math(&self) -> u32 {
+        if self.half() {
+            TENSOR_OP_MATH
+        } else if self.tf32 {
+            DEFAULT_MATH
+        } else {
+            FMA_MATH
+        }
+    }
+
+    /// Whether an algorithm cuDNN listed with `math_type` computes as this spec allows.
+    fn admits(&self, math_type: u32) -> bool {
+        if self.half() {
+            // Half data: any math but the one that converts fp32 inputs down.
+            math_type != TENSOR_OP_MATH_ALLOW_CONVERSION
+        } else {
+            math_type == FMA_MATH
+                || math_type == DEFAULT_MATH
+                || (self.tf32 && math_type == TENSOR_OP_MATH)
+        }
+    }
+}
+
 /// Descriptors of one geometry.
 struct Plan {
     api: &'static Api,
@@ -279,8 +402,8 @@ impl Drop for Plan {
 
 struct State {
     handle: Ptr,
-    /// Descriptors per geometry and TF32 allowance.
-    plans: HashMap<([usize; 9], bool), Plan>,
+    /// Descriptors per geometry, data type, format and TF32 allowance.
+    plans: HashMap<PlanKey, Plan>,
 }
 
 // SAFETY: the handle and descriptors are plain cuDNN objects, usable from any thread one call at
@@ -311,10 +434,6 @@ impl Drop for Cudnn {
     }
 }
 
-fn key(g: &ConvGeom) -> [usize; 9] {
-    [g.n, g.c, g.h, g.w, g.oc, g.kh, g.kw, g.stride, g.pad]
-}
-
 fn ci(what: &str, v: usize) -> Result<c_int> {
     c_int::try_from(v).map_err(|_| NnError::Shape(format!("cuDNN: {what} = {v} exceeds an int")))
 }
@@ -322,7 +441,13 @@ fn ci(what: &str, v: usize) -> Result<c_int> {
 /// Whether cuDNN's legacy API can describe this geometry: positive dimensions, every tensor
 /// below 2^31 elements.
 pub fn supports(g: &ConvGeom) -> bool {
-    let Ok((oh, ow)) = g.out_hw() else {
+    supports_shape(&ConvShape::from(*g))
+}
+
+/// [`supports`] for a geometry with a dilation (which must fit an int too).
+pub fn supports_shape(s: &ConvShape) -> bool {
+    let g = &s.geom;
+    let Ok((oh, ow)) = s.out_hw() else {
         return false;
     };
     let fits = |d: [usize; 4]| {
@@ -336,6 +461,7 @@ pub fn supports(g: &ConvGeom) -> bool {
         && fits([g.n, g.oc, oh, ow])
         && i32::try_from(g.stride).is_ok()
         && i32::try_from(g.pad).is_ok()
+        && i32::try_from(s.dilation).is_ok()
 }
 
 impl Cudnn {
@@ -364,16 +490,19 @@ impl Cudnn {
         check(self.api, st, call)
     }
 
-    /// The descriptors of `g`, created on first use.
-    fn plan<'s>(&self, st: &'s mut State, g: &ConvGeom, tf32: bool) -> Result<&'s mut Plan> {
-        if !supports(g) {
+    /// The descriptors of `spec`, created on first use.
+    fn plan<'s>(&self, st: &'s mut State, spec: &Spec) -> Result<&'s mut Plan> {
+        if !supports_shape(&spec.shape) {
             return Err(NnError::Shape(format!(
-                "cuDNN cannot describe the convolution {g:?} (empty or over 2^31 elements)"
+                "cuDNN cannot describe the convolution {:?} (empty or over 2^31 elements)",
+                spec.shape
             )));
         }
-        Ok(match st.plans.entry((key(g), tf32)) {
+        Ok(match st.plans.entry(spec.key()) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(new_plan(self.api, g, tf32)?),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(new_plan_spec(self.api, spec)?)
+            }
         })
     }
 
@@ -410,10 +539,37 @@ impl Cudnn {
         max_workspace: usize,
         tf32: bool,
     ) -> Result<Vec<AlgoInfo>> {
+        self.algos_spec(dir, &Spec::f32(g, tf32), deterministic, max_workspace)
+    }
+
+    /// cuDNN's algorithms for one direction of a half-precision convolution (`dtype` bf16 or
+    /// f16 for x, w and y, fp32 compute, tensors in `layout`), in its heuristic order, chosen
+    /// as [`Cudnn::algos`] chooses but admitting tensor-core algorithms. A `dtype` of f32 is
+    /// a typed error (fp32 has [`Cudnn::algos_math`]).
+    pub fn algos_lowp(
+        &self,
+        dir: ConvDir,
+        shape: &ConvShape,
+        dtype: Dtype,
+        layout: Layout,
+        deterministic: bool,
+        max_workspace: usize,
+    ) -> Result<Vec<AlgoInfo>> {
+        let spec = Spec::lowp(shape, dtype, layout)?;
+        self.algos_spec(dir, &spec, deterministic, max_workspace)
+    }
+
+    fn algos_spec(
+        &self,
+        dir: ConvDir,
+        spec: &Spec,
+        deterministic: bool,
+        max_workspace: usize,
+    ) -> Result<Vec<AlgoInfo>> {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let p = self.plan(&mut st, g, tf32)?;
+        let p = self.plan(&mut st, spec)?;
         let d = index(dir);
         if p.algos[d].is_none() {
             let (d1, d2, d3) = Self::descs(p, dir);
@@ -430,10 +586,10 @@ impl Cudnn {
             let got = (got.max(0) as usize).min(perf.len());
             let mut list: Vec<AlgoInfo> = Vec::new();
             for r in &perf[..got] {
-                let fma = r.math_type == FMA_MATH
-                    || r.math_type == DEFAULT_MATH
-                    || (tf32 && r.math_type == TENSOR_OP_MATH);
-                if r.status == SUCCESS && fma && !list.iter().any(|a| a.algo == r.algo) {
+                if r.status == SUCCESS
+                    && spec.admits(r.math_type)
+                    && !list.iter().any(|a| a.algo == r.algo)
+                {
                     list.push(AlgoInfo {
                         algo: r.algo,
                         workspace: r.memory,
@@ -483,11 +639,54 @@ impl Cudnn {
         out: &DeviceBuffer<f32>,
         tf32: bool,
     ) -> Result<()> {
-        // (ptr1, ptr2, ptr3) in cuDNN's argument order, after checking each extent.
+        // Each extent checked, the buffers by role.
         let (x, w, y) = conv_roles(dir, g, (a, b, out), None)?;
-        // The handle, the buffers and (below) the workspace are all the queue's device's.
         handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
         conv_on_device(q, dir, (a, b, out), None)?;
+        let roles = [
+            RoleBuf::of("conv2d x", x),
+            RoleBuf::of("conv2d w", w),
+            RoleBuf::of("conv2d y", y),
+        ];
+        self.run_roles(q, dir, algo, &Spec::f32(g, tf32), roles)
+    }
+
+    /// Runs `algo` (of [`Cudnn::algos_lowp`] for the same `shape` and `layout`) for one
+    /// direction of a half-precision convolution: x, w and y of `T` (bf16 or f16; f32 is a
+    /// typed error), in `layout` (`NHWC`: weights `OHWI`), fp32 accumulation. Buffers by
+    /// direction as [`Cudnn::run`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_lowp<T: Float>(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        algo: u32,
+        shape: &ConvShape,
+        layout: Layout,
+        a: &DeviceBuffer<T>,
+        b: &DeviceBuffer<T>,
+        out: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        let spec = Spec::lowp(shape, T::DTYPE, layout)?;
+        handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
+        let (roles, _) = shape_roles(q, dir, shape, (a, b, out), None)?;
+        self.run_roles(q, dir, algo, &spec, roles)
+    }
+
+    /// Runs `algo` on buffers `[x, w, y]` (by role) whose extents and device were checked
+    /// against `spec`'s geometry.
+    fn run_roles(
+        &self,
+        q: &dyn Queue,
+        dir: ConvDir,
+        algo: u32,
+        spec: &Spec,
+        [x, w, y]: [RoleBuf<'_>; 3],
+    ) -> Result<()> {
+        // The handle, the buffers (checked by the callers) and (below) the workspace are all
+        // the queue's device's.
+        handle_on_device(q, "cuDNN handle", self.ctx.ordinal())?;
+        // (ptr1, ptr2, ptr3) in cuDNN's argument order.
         let (p1, p2, p3) = match dir {
             ConvDir::Forward => (x, w, y),
             ConvDir::BackwardData => (w, y, x),
@@ -496,7 +695,7 @@ impl Cudnn {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let p = self.plan(&mut st, g, tf32)?;
+        let p = self.plan(&mut st, spec)?;
         let d = index(dir);
         let (d1, d2, d3) = Self::descs(p, dir);
         let ws_bytes = match p.workspace.get(&(d, algo)) {
@@ -524,7 +723,7 @@ impl Cudnn {
             on_device(q, [("cuDNN workspace", ws.block())])?;
         }
         for buf in [p1, p2, p3] {
-            q.use_block(buf.block());
+            q.use_block(buf.block);
         }
         if let Some(ws) = &ws {
             q.use_block(ws.block());
@@ -537,8 +736,10 @@ impl Cudnn {
             .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
         let stream = q.stream_handle().raw() as Ptr;
         // SAFETY: the handle and descriptors are live (held under the lock); the descriptors
-        // describe exactly the geometry whose extents were checked against the buffers above,
-        // so cuDNN reads and writes inside them; the buffers and the workspace are memory of
+        // describe exactly the geometry whose extents the callers checked against the buffers
+        // (the same element count in either layout, elements of the spec's data type: `f32`
+        // for the fp32 spec, `T` whose dtype made the half spec), so cuDNN reads and writes
+        // inside them; alpha and beta are floats, as cuDNN takes them for fp32 compute; the buffers and the workspace are memory of
         // the queue's device, the handle's (checked); the workspace holds the `ws_bytes` cuDNN
         // asked for this algorithm; every buffer is kept alive and ordered by `use_block` (a
         // capture keeps them); alpha/beta are read before the call returns.
@@ -549,16 +750,16 @@ impl Cudnn {
                     handle,
                     one_p,
                     d1,
-                    p1.addr() as CPtr,
+                    p1.addr as CPtr,
                     d2,
-                    p2.addr() as CPtr,
+                    p2.addr as CPtr,
                     p.conv,
                     algo,
                     ws_p,
                     ws_bytes,
                     zero_p,
                     d3,
-                    p3.addr() as Ptr,
+                    p3.addr as Ptr,
                 ),
                 match dir {
                     ConvDir::Forward => "cudnnConvolutionForward",
@@ -586,7 +787,7 @@ impl Cudnn {
         self.ctx.bind()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let handle = st.handle;
-        let p = self.plan(&mut st, g, false)?;
+        let p = self.plan(&mut st, &Spec::f32(g, false))?;
         q.use_block(bias.block());
         q.use_block(y.block());
         let one = 1.0f32;
@@ -614,10 +815,17 @@ impl Cudnn {
     }
 }
 
-/// The descriptors of `g` (no handle needed); TF32 allowed only when `tf32`.
+/// The fp32 NCHW descriptors of `g` (no handle needed); TF32 allowed only when `tf32`.
+#[cfg(test)]
 fn new_plan(a: &'static Api, g: &ConvGeom, tf32: bool) -> Result<Plan> {
+    new_plan_spec(a, &Spec::f32(g, tf32))
+}
+
+/// The descriptors of `spec` (no handle needed).
+fn new_plan_spec(a: &'static Api, spec: &Spec) -> Result<Plan> {
     let chk = |st, call| check(a, st, call);
-    let (oh, ow) = g.out_hw()?;
+    let g = &spec.shape.geom;
+    let (oh, ow) = spec.shape.out_hw()?;
     let mut p = Plan {
         api: a,
         x: std::ptr::null_mut(),
@@ -636,6 +844,8 @@ fn new_plan(a: &'static Api, g: &ConvGeom, tf32: bool) -> Result<Plan> {
         ci("oh", oh)?,
         ci("ow", ow)?,
     );
+    let dil = ci("dilation", spec.shape.dilation)?;
+    let (fmt, dt) = (spec.format, spec.dtype);
     // SAFETY: each create writes one descriptor into `p` (destroyed by Plan's Drop, also on
     // the early returns); each set call receives a live descriptor and plain integers.
     unsafe {
@@ -650,23 +860,26 @@ fn new_plan(a: &'static Api, g: &ConvGeom, tf32: bool) -> Result<Plan> {
             (a.create_conv)(&mut p.conv),
             "cudnnCreateConvolutionDescriptor",
         )?;
+        // Dimensions are always given as (n, c, h, w) and (k, c, r, s); the format says how
+        // they lie in memory (NHWC: channels last, the filter KRSC).
         chk(
-            (a.set_tensor_4d)(p.x, NCHW, FLOAT, n, c, h, w),
+            (a.set_tensor_4d)(p.x, fmt, dt, n, c, h, w),
             "cudnnSetTensor4dDescriptor",
         )?;
         chk(
-            (a.set_filter_4d)(p.w, FLOAT, NCHW, oc, c, kh, kw),
+            (a.set_filter_4d)(p.w, dt, fmt, oc, c, kh, kw),
             "cudnnSetFilter4dDescriptor",
         )?;
+        // The compute type is FLOAT for every data type (fp32, PSEUDO_HALF,
+        // PSEUDO_BFLOAT16 configurations).
         chk(
-            (a.set_conv_2d)(p.conv, pad, pad, s, s, 1, 1, CROSS_CORRELATION, FLOAT),
+            (a.set_conv_2d)(p.conv, pad, pad, s, s, dil, dil, CROSS_CORRELATION, FLOAT),
             "cudnnSetConvolution2dDescriptor",
         )?;
-        // No TF32 (only FMA kernels) unless allowed: then cuDNN's default, which for fp32
-        // data lets it use TF32 tensor cores.
-        let math = if tf32 { DEFAULT_MATH } else { FMA_MATH };
+        // fp32: no TF32 (only FMA kernels) unless allowed, then cuDNN's default, which for
+        // fp32 data lets it use TF32 tensor cores. Half data: tensor cores.
         chk(
-            (a.set_conv_math)(p.conv, math),
+            (a.set_conv_math)(p.conv, spec.math()),
             "cudnnSetConvolutionMathType",
         )?;
         let (mut dn, mut dc, mut dh, mut dw) = (0, 0, 0, 0);
@@ -679,16 +892,17 @@ fn new_plan(a: &'static Api, g: &ConvGeom, tf32: bool) -> Result<Plan> {
                 library: "cuDNN",
                 call: "cudnnGetConvolution2dForwardOutputDim",
                 status: format!(
-                    "output {dn}×{dc}×{dh}×{dw}, expected {n}×{oc}×{ohi}×{owi} for {g:?}"
+                    "output {dn}×{dc}×{dh}×{dw}, expected {n}×{oc}×{ohi}×{owi} for {:?}",
+                    spec.shape
                 ),
             });
         }
         chk(
-            (a.set_tensor_4d)(p.y, NCHW, FLOAT, n, oc, ohi, owi),
+            (a.set_tensor_4d)(p.y, fmt, dt, n, oc, ohi, owi),
             "cudnnSetTensor4dDescriptor",
         )?;
         chk(
-            (a.set_tensor_4d)(p.bias, NCHW, FLOAT, 1, oc, 1, 1),
+            (a.set_tensor_4d)(p.bias, fmt, dt, 1, oc, 1, 1),
             "cudnnSetTensor4dDescriptor",
         )?;
     }

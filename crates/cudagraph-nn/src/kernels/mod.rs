@@ -25,6 +25,7 @@ use crate::ffi::libraries::Libraries;
 pub mod amp;
 pub mod cast;
 pub mod conv;
+pub mod conv_lowp;
 pub mod elementwise;
 pub mod gemm;
 pub mod igemm;
@@ -86,6 +87,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         ("cudagraph_nn_lowp", lowp::source()),
+        ("cudagraph_nn_conv_lowp", conv_lowp::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

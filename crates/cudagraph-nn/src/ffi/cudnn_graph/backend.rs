@@ -84,8 +84,11 @@ pub(super) const A_ENGINE_BEHAVIOR_NOTE: u32 = 1305;
 
 // Values.
 pub(super) const DATA_FLOAT: i32 = 0;
+pub(super) const DATA_HALF: i32 = 2;
+pub(super) const DATA_BFLOAT16: i32 = 9;
 pub(super) const CROSS_CORRELATION: i32 = 1;
 pub(super) const POINTWISE_ADD: i32 = 0;
+pub(super) const POINTWISE_RELU_FWD: i32 = 100;
 pub(super) const HEUR_INSTANT: i32 = 0;
 pub(super) const HEUR_FALLBACK: i32 = 2;
 pub(super) const NOTE_TENSOR_CORE: i32 = 0;
@@ -101,6 +104,8 @@ pub(super) const UID_Y: i64 = 3;
 pub(super) const UID_BIAS: i64 = 4;
 /// The fused forward's convolution output: virtual (never in memory, never in a variant pack).
 pub(super) const UID_CONV_OUT: i64 = 5;
+/// The fused forward's biased output before its ReLU (virtual).
+pub(super) const UID_EPILOGUE: i64 = 6;
 
 /// Knob choices read per configuration (cuDNN 9 has 44 knob types).
 pub(super) const MAX_KNOBS: usize = 64;

@@ -26,6 +26,17 @@
 //! (`cudnnv8+bias:RANK`). Its configurations are filtered, ranked and built the same way, at
 //! most [`FUSED_CAP`] per key; where cuDNN offers no plain-fp32 engine for it (runtime-fusion
 //! engines missing, or all TF32) there are simply no fused candidates.
+//!
+//! **Half precision** ([`LowpOp`]: [`CudnnGraph::lowp_candidates`], [`CudnnGraph::run_lowp`]):
+//! x, w and y in bf16 or f16 with an fp32 compute type (cuDNN's `PSEUDO_BFLOAT16` and
+//! `PSEUDO_HALF` configurations, PyTorch's choice for these types), tensors `NCHW` or `NHWC`
+//! (filters `KRSC`), any dilation; the weight gradient may also be written in fp32 from 16-bit
+//! `x` and `dy` (where cuDNN has an engine for that mix; otherwise the list is empty). Engines
+//! with tensor cores are admitted, those that down-convert inputs or reduce in reduced
+//! precision are not. A forward may fuse its bias and a ReLU: convolution into a virtual fp32
+//! tensor, the bias added and the ReLU applied in fp32, one rounding into `y`
+//! (`[1, K, 1, 1]` bias of the input type). Each (op, alignment) has its own plan set, listed,
+//! built and ranked as the fp32 ones.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -34,9 +45,11 @@ use cudagraph::runtime::{with_relaxed_capture, Context};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use super::loader::{check, describe, Ptr, SUCCESS};
+use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 use crate::extent::{
-    alignment, conv_key, conv_on_device, conv_roles, handle_on_device, on_device, ConvDir, ConvGeom,
+    alignment, conv_key, conv_on_device, conv_roles, handle_on_device, on_device, shape_roles,
+    ConvDir, ConvGeom, ConvShape, Layout, RoleBuf,
 };
 
 mod backend;
@@ -105,10 +118,112 @@ impl Candidate {
     }
 }
 
+/// One half-precision convolution as an operation graph: direction, geometry with dilation,
+/// element type of x, w and y (bf16 or f16), layout, and what the graph adds beyond the
+/// convolution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowpOp {
+    /// Which product.
+    pub dir: ConvDir,
+    /// Geometry and dilation.
+    pub shape: ConvShape,
+    /// Element type of the inputs and (unless `out_f32`) the output: bf16 or f16.
+    pub dtype: Dtype,
+    /// `NCHW` (filters `OIHW`) or `NHWC` (filters `OHWI`).
+    pub layout: Layout,
+    /// Backward-filter only: `dw` in fp32 (from 16-bit `x` and `dy`).
+    pub out_f32: bool,
+    /// Forward only: `y = conv + bias` in one graph (bias `[oc]` of `dtype`).
+    pub bias: bool,
+    /// Forward only: ReLU applied (after the bias) in the same graph.
+    pub relu: bool,
+}
+
+impl LowpOp {
+    /// The graph's description at pointer alignment `align`; a typed error for what the op
+    /// cannot be (an fp32 dtype, an fp32 output outside the weight gradient, an epilogue
+    /// outside the forward).
+    fn spec(&self, align: u32) -> Result<OpSpec> {
+        let io_type = match self.dtype {
+            Dtype::Bf16 => DATA_BFLOAT16,
+            Dtype::F16 => DATA_HALF,
+            Dtype::F32 => {
+                return Err(NnError::Dtype {
+                    what: "cuDNN graph API half-precision convolution (fp32: CudnnGraph::run)",
+                    expected: "bf16 or f16",
+                    found: "f32",
+                })
+            }
+        };
+        if self.out_f32 && self.dir != ConvDir::BackwardFilter {
+            return Err(NnError::Shape(format!(
+                "{}: only the weight gradient may be written in f32",
+                self.dir.name()
+            )));
+        }
+        if (self.bias || self.relu) && self.dir != ConvDir::Forward {
+            return Err(NnError::Shape(format!(
+                "{}: a bias or ReLU is fused only into the forward direction",
+                self.dir.name()
+            )));
+        }
+        let g = &self.shape.geom;
+        Ok(OpSpec {
+            dir: self.dir,
+            dims: [
+                g.n,
+                g.c,
+                g.h,
+                g.w,
+                g.oc,
+                g.kh,
+                g.kw,
+                g.stride,
+                g.pad,
+                self.shape.dilation,
+            ],
+            io_type,
+            out_type: if self.out_f32 { DATA_FLOAT } else { io_type },
+            nhwc: self.layout == Layout::Nhwc,
+            bias: self.bias,
+            relu: self.relu,
+            align,
+            tf32: false,
+        })
+    }
+
+    /// The text of its plan set, e.g.
+    /// `conv_fwd n=8 c=3 h=32 w=32 oc=16 k=3x3 s=1 p=1 d=1 bf16 nhwc +bias+relu align=16`.
+    pub fn name(&self, align: u32) -> String {
+        let g = &self.shape.geom;
+        format!(
+            "{} n={} c={} h={} w={} oc={} k={}x{} s={} p={} d={} {} {}{}{}{} align={align}",
+            self.dir.name(),
+            g.n,
+            g.c,
+            g.h,
+            g.w,
+            g.oc,
+            g.kh,
+            g.kw,
+            g.stride,
+            g.pad,
+            self.shape.dilation,
+            self.dtype,
+            self.layout,
+            if self.out_f32 { " dw=f32" } else { "" },
+            if self.bias { " +bias" } else { "" },
+            if self.relu { " +relu" } else { "" },
+        )
+    }
+}
+
 struct State {
     handle: Ptr,
     /// Built sets per key and TF32 allowance, or why a key has none.
     sets: HashMap<(SetKey, bool), std::result::Result<Set, String>>,
+    /// Built half-precision sets per op and alignment, or why one has none.
+    lowp_sets: HashMap<OpSpec, std::result::Result<Set, String>>,
 }
 
 // SAFETY: the handle and descriptors are plain cuDNN objects, usable from any thread one call at
@@ -128,6 +243,7 @@ impl Drop for CudnnGraph {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         if self.ctx.bind().is_ok() {
             st.sets.clear();
+            st.lowp_sets.clear();
             // SAFETY: created by cudnnCreate, destroyed once, here, after every descriptor
             // that refers to it; no call is in flight (we own the state exclusively).
             unsafe {
@@ -136,6 +252,7 @@ impl Drop for CudnnGraph {
         } else {
             // Without the context the objects cannot be destroyed safely; leak them.
             std::mem::forget(std::mem::take(&mut st.sets));
+            std::mem::forget(std::mem::take(&mut st.lowp_sets));
         }
     }
 }
@@ -158,6 +275,7 @@ impl CudnnGraph {
             state: Mutex::new(State {
                 handle: h,
                 sets: HashMap::new(),
+                lowp_sets: HashMap::new(),
             }),
         })
     }
@@ -186,6 +304,154 @@ impl CudnnGraph {
             st.sets.insert(key, built.map_err(|e| e.to_string()));
         }
         st.sets.get_mut(&key)
+    }
+
+    /// The half-precision set of `spec`, built now when missing and `may_build` (as
+    /// [`CudnnGraph::set`]).
+    fn lowp_set<'s>(
+        &self,
+        st: &'s mut State,
+        spec: &OpSpec,
+        may_build: bool,
+    ) -> Option<&'s mut std::result::Result<Set, String>> {
+        if !st.lowp_sets.contains_key(spec) {
+            if !may_build {
+                return None;
+            }
+            let handle = st.handle;
+            let built = with_relaxed_capture(|| build_set_spec(self.api, handle, spec));
+            st.lowp_sets.insert(*spec, built.map_err(|e| e.to_string()));
+        }
+        st.lowp_sets.get_mut(spec)
+    }
+
+    /// The candidate configurations of a half-precision convolution `op`, in heuristic order:
+    /// fp32 accumulation (tensor cores admitted), at most `max_workspace` bytes of workspace,
+    /// deterministic ones only with `deterministic`; at most [`CAP`] ([`FUSED_CAP`] with an
+    /// epilogue). Plans are built on the first eager call; inside a capture only plans built
+    /// before are offered. Empty where cuDNN has no engine for the op (a layout, channel
+    /// count or type mix it cannot run).
+    pub fn lowp_candidates(
+        &self,
+        q: &dyn Queue,
+        op: &LowpOp,
+        deterministic: bool,
+        max_workspace: usize,
+    ) -> Result<Vec<Candidate>> {
+        let spec = op.spec(LIST_ALIGN)?;
+        if !crate::ffi::cudnn::supports_shape(&op.shape) {
+            return Ok(Vec::new());
+        }
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match self.lowp_set(&mut st, &spec, !q.is_capturing()) {
+            None => Ok(Vec::new()),
+            Some(Ok(set)) => Ok(set.candidates(deterministic, max_workspace)),
+            Some(Err(why)) => Err(NnError::Library {
+                library: LIBRARY,
+                call: "operation graph",
+                status: format!("{}: {why}", op.name(LIST_ALIGN)),
+            }),
+        }
+    }
+
+    /// What rank `rank` of `op`'s list runs, when its plan was built in this process.
+    pub fn describe_lowp(&self, op: &LowpOp, rank: u8) -> Option<Candidate> {
+        let spec = op.spec(LIST_ALIGN).ok()?;
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match st.lowp_sets.get(&spec)? {
+            Ok(set) => set.candidate(rank),
+            Err(_) => None,
+        }
+    }
+
+    /// Every configuration cuDNN's heuristics listed for `op` and what became of it, or why
+    /// the operation graph could not be built; `None` before it was listed.
+    pub fn lowp_report(&self, op: &LowpOp) -> Option<String> {
+        let spec = op.spec(LIST_ALIGN).ok()?;
+        let name = op.name(LIST_ALIGN);
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        Some(match st.lowp_sets.get(&spec)? {
+            Err(why) => format!("{name}: no operation graph: {why}"),
+            Ok(set) => set.report(&name),
+        })
+    }
+
+    /// Runs configuration `rank` of `op`'s list. Buffers by direction as [`CudnnGraph::run`]
+    /// (`a`, `b` of `T`; `out` of `O`: `T`, or f32 for the weight gradient with
+    /// `op.out_f32`), the bias (`op.bias`: `oc` elements of `T`) with the forward. The element
+    /// types must be the op's (a typed error otherwise). Inside a capture the plan must have
+    /// been built before.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_lowp<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        op: &LowpOp,
+        rank: u8,
+        a: &DeviceBuffer<T>,
+        b: &DeviceBuffer<T>,
+        out: &DeviceBuffer<O>,
+        bias: Option<&DeviceBuffer<T>>,
+    ) -> Result<()> {
+        op.spec(LIST_ALIGN)?;
+        let want_out = if op.out_f32 { Dtype::F32 } else { op.dtype };
+        if T::DTYPE != op.dtype {
+            return Err(NnError::Dtype {
+                what: "CudnnGraph::run_lowp: an input",
+                expected: op.dtype.name(),
+                found: T::DTYPE.name(),
+            });
+        }
+        if O::DTYPE != want_out {
+            return Err(NnError::Dtype {
+                what: "CudnnGraph::run_lowp: the output (f32 only for a dw with out_f32)",
+                expected: want_out.name(),
+                found: O::DTYPE.name(),
+            });
+        }
+        if bias.is_some() != op.bias {
+            return Err(NnError::Shape(format!(
+                "{}: the op {} a bias",
+                op.name(LIST_ALIGN),
+                if op.bias { "needs" } else { "has no" }
+            )));
+        }
+        if !crate::ffi::cudnn::supports_shape(&op.shape) {
+            return Err(NnError::Shape(format!(
+                "cuDNN cannot describe the convolution {:?} (empty or over 2^31 elements)",
+                op.shape
+            )));
+        }
+        handle_on_device(q, "cuDNN graph API handle", self.ctx.ordinal())?;
+        let (roles, bias) = shape_roles(q, op.dir, &op.shape, (a, b, out), bias)?;
+        let mut addrs: Vec<u64> = roles.iter().map(|r| r.addr).collect();
+        addrs.extend(bias.map(|b| b.addr));
+        let align = plan_alignment(&addrs);
+        let spec = op.spec(align)?;
+        let capturing = q.is_capturing();
+        let name = || op.name(align);
+        self.ctx.bind()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let handle = st.handle;
+        let set = match self.lowp_set(&mut st, &spec, !capturing) {
+            Some(Ok(set)) => set,
+            Some(Err(why)) => {
+                return Err(NnError::Library {
+                    library: LIBRARY,
+                    call: "operation graph",
+                    status: format!("{}: {why}", name()),
+                })
+            }
+            None => {
+                return Err(NnError::Library {
+                    library: LIBRARY,
+                    call: "execution plan",
+                    status: format!("{}: {NOT_BUILT}", name()),
+                })
+            }
+        };
+        let (plan, ws_bytes) = self.plan_of(handle, set, rank, &name(), capturing)?;
+        self.launch(q, handle, plan, ws_bytes, roles, bias)
     }
 
     /// The candidate configurations of one direction of `g`, in heuristic order: plain fp32
@@ -427,37 +693,64 @@ impl CudnnGraph {
                 })
             }
         };
+        let (plan, ws_bytes) = self.plan_of(handle, set, rank, &name(), capturing)?;
+        let roles = [
+            RoleBuf::of("conv2d x", x),
+            RoleBuf::of("conv2d w", w),
+            RoleBuf::of("conv2d y", y),
+        ];
+        let bias = bias.map(|b| RoleBuf::of("conv2d bias", b));
+        self.launch(q, handle, plan, ws_bytes, roles, bias)
+    }
+
+    /// The plan of configuration `rank` of `set` (built now when untried and not
+    /// `capturing`) and its workspace bytes; `name` names the set in errors.
+    fn plan_of(
+        &self,
+        handle: Ptr,
+        set: &mut Set,
+        rank: u8,
+        name: &str,
+        capturing: bool,
+    ) -> Result<(Ptr, usize)> {
+        let listed = set.configs.len();
         let Some(c) = set.configs.get_mut(rank as usize) else {
             return Err(NnError::Library {
                 library: LIBRARY,
                 call: "execution plan",
-                status: format!(
-                    "{}: no configuration of rank {rank} ({} listed)",
-                    name(),
-                    set.configs.len()
-                ),
+                status: format!("{name}: no configuration of rank {rank} ({listed} listed)"),
             });
         };
         if matches!(c.slot, Slot::Untried) && !capturing {
             with_relaxed_capture(|| fill_slot(self.api, handle, c));
         }
-        let (plan, ws_bytes) = match &c.slot {
-            Slot::Built { plan, workspace } => (plan.raw, *workspace),
-            Slot::Failed(why) => {
-                return Err(NnError::Library {
-                    library: LIBRARY,
-                    call: "cudnnBackendFinalize(EXECUTION_PLAN)",
-                    status: format!("{} rank {rank} ({}): {why}", name(), c.info_tag()),
-                })
-            }
-            Slot::Untried => {
-                return Err(NnError::Library {
-                    library: LIBRARY,
-                    call: "execution plan",
-                    status: format!("{} rank {rank}: {NOT_BUILT}", name()),
-                })
-            }
-        };
+        match &c.slot {
+            Slot::Built { plan, workspace } => Ok((plan.raw, *workspace)),
+            Slot::Failed(why) => Err(NnError::Library {
+                library: LIBRARY,
+                call: "cudnnBackendFinalize(EXECUTION_PLAN)",
+                status: format!("{name} rank {rank} ({}): {why}", c.info_tag()),
+            }),
+            Slot::Untried => Err(NnError::Library {
+                library: LIBRARY,
+                call: "execution plan",
+                status: format!("{name} rank {rank}: {NOT_BUILT}"),
+            }),
+        }
+    }
+
+    /// Executes `plan` on buffers `[x, w, y]` (by role) and the bias, whose extents and
+    /// device the callers checked against the plan's graph, with a workspace of `ws_bytes`
+    /// from `q`. The caller holds the state's lock (the plan lives in it).
+    fn launch(
+        &self,
+        q: &dyn Queue,
+        handle: Ptr,
+        plan: Ptr,
+        ws_bytes: usize,
+        [x, w, y]: [RoleBuf<'_>; 3],
+        bias: Option<RoleBuf<'_>>,
+    ) -> Result<()> {
         let ws = if ws_bytes > 0 {
             Some(q.alloc::<u8>(ws_bytes)?)
         } else {
@@ -467,7 +760,7 @@ impl CudnnGraph {
             on_device(q, [("cuDNN workspace", ws.block())])?;
         }
         for buf in [x, w, y].into_iter().chain(bias) {
-            q.use_block(buf.block());
+            q.use_block(buf.block);
         }
         if let Some(ws) = &ws {
             q.use_block(ws.block());
@@ -476,10 +769,10 @@ impl CudnnGraph {
             .as_ref()
             .map_or(std::ptr::null_mut(), |w| w.addr() as Ptr);
         let mut uids = vec![UID_X, UID_W, UID_Y];
-        let mut ptrs = vec![x.addr() as Ptr, w.addr() as Ptr, y.addr() as Ptr];
+        let mut ptrs = vec![x.addr as Ptr, w.addr as Ptr, y.addr as Ptr];
         if let Some(bias) = bias {
             uids.push(UID_BIAS);
-            ptrs.push(bias.addr() as Ptr);
+            ptrs.push(bias.addr as Ptr);
         }
         let e = |call| err_of(self.api, call);
         let pack =
@@ -492,10 +785,11 @@ impl CudnnGraph {
         })()
         .map_err(e("cudnnBackend*(VARIANT_PACK)"))?;
         let stream = q.stream_handle().raw() as Ptr;
-        // SAFETY: the handle, plan and variant pack are live (held under the lock); the plan
-        // describes exactly the geometry (and, fused, the bias of `g.oc` elements) whose
-        // extents were checked against the buffers above, at the alignment of these pointers,
-        // so cuDNN reads and writes inside them; the buffers and the workspace are memory of
+        // SAFETY: the handle, plan and variant pack are live (held under the lock by the
+        // caller); the plan describes exactly the geometry (and, fused, the bias of `oc`
+        // elements) whose extents the callers checked against the buffers, with the element
+        // types the callers checked (f32, or the op's dtype), at the alignment of these
+        // pointers, so cuDNN reads and writes inside them; the buffers and the workspace are memory of
         // the queue's device, the handle's (checked); the fused graph's intermediate is virtual (no
         // pointer); the workspace holds the bytes the plan asked for; every buffer is kept
         // alive and ordered by `use_block` (a capture keeps them).

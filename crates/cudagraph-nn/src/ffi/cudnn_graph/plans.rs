@@ -1,12 +1,13 @@
-//! Operation graphs and their plans: the convolution (and the fused forward's bias addition)
-//! as backend descriptors, cuDNN's heuristic lists read and filtered to plain fp32, and the
-//! plan [`Set`] of one key with its execution plans built in rank order.
+//! Operation graphs and their plans: the convolution (and the fused forward's epilogue: bias
+//! addition, ReLU) as backend descriptors of any data type and layout ([`OpSpec`]), cuDNN's
+//! heuristic lists read and filtered (plain fp32 for fp32 data; fp32 accumulation for half
+//! data), and the plan [`Set`] of one key with its execution plans built in rank order.
 
 use super::super::loader::{describe, error, Ptr, Status};
 use super::backend::*;
 use super::{Candidate, CAP, FUSED_CAP};
 use crate::error::{NnError, Result};
-use crate::extent::{ConvDir, ConvGeom};
+use crate::extent::{ConvDir, ConvGeom, ConvShape};
 
 /// What the heuristics say about one engine configuration (raw integers as cuDNN gave them).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,12 +64,18 @@ pub(super) fn tag(engine: i64, knobs: &[(i32, i64)]) -> String {
 /// The configurations kept, as indices into `infos` (heuristic order): plain fp32 only (with
 /// `tf32`, also TF32 tensor cores: [`admitted`]), the first of each (engine, knobs), at most
 /// 256 (ranks are `u8`).
+#[cfg(test)]
 pub(super) fn select(infos: &[ConfigInfo], tf32: bool) -> Vec<usize> {
+    select_by(infos, |notes| admitted(notes, tf32))
+}
+
+/// [`select`] with the admission rule `admit` (on an engine's numerical notes).
+pub(super) fn select_by(infos: &[ConfigInfo], admit: impl Fn(&[i32]) -> bool) -> Vec<usize> {
     let mut seen = std::collections::HashSet::new();
     infos
         .iter()
         .enumerate()
-        .filter(|(_, c)| admitted(&c.notes, tf32))
+        .filter(|(_, c)| admit(&c.notes))
         .filter(|(_, c)| seen.insert((c.engine, c.knobs.clone())))
         .map(|(i, _)| i)
         .take(u8::MAX as usize + 1)
@@ -118,9 +125,9 @@ pub(super) struct Set {
     pub(super) listed: Vec<String>,
     pub(super) _heuristics: Vec<Desc>,
     pub(super) _graph: Desc,
-    /// The convolution, then the bias addition of the fused forward.
+    /// The convolution, then the epilogue of the fused forward (bias addition, ReLU).
     pub(super) _ops: Vec<Desc>,
-    pub(super) _pointwise: Option<Desc>,
+    pub(super) _pointwise: Vec<Desc>,
     pub(super) _conv: Desc,
     pub(super) _tensors: Vec<Desc>,
 }
@@ -214,14 +221,109 @@ pub(super) fn i64_of(what: &str, v: usize) -> Result<i64> {
     i64::try_from(v).map_err(|_| NnError::Shape(format!("cuDNN: {what} = {v} exceeds an int64")))
 }
 
+/// What one operation graph describes: the direction, the geometry with its dilation, the data
+/// types, the layout, the epilogue fused into a forward, the pointers' alignment, and which
+/// engines are admitted. The key of its plan set too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct OpSpec {
+    pub(super) dir: ConvDir,
+    /// n, c, h, w, oc, kh, kw, stride, pad, dilation.
+    pub(super) dims: [usize; 10],
+    /// `cudnnDataType_t` of the inputs (and of the bias), and of the direction's output.
+    pub(super) io_type: i32,
+    pub(super) out_type: i32,
+    /// Channels-last tensors (`NHWC`, filters `KRSC`).
+    pub(super) nhwc: bool,
+    /// Forward only: the bias added (`[1, K, 1, 1]`, broadcast), then `relu` applied, inside
+    /// the graph; the convolution's output is then a virtual fp32 tensor.
+    pub(super) bias: bool,
+    pub(super) relu: bool,
+    pub(super) align: u32,
+    /// fp32 data only: TF32 tensor-core engines admitted.
+    pub(super) tf32: bool,
+}
+
+impl OpSpec {
+    /// fp32 NCHW without dilation; with `bias`, the forward with its bias fused.
+    pub(super) fn f32(dir: ConvDir, g: &ConvGeom, bias: bool, align: u32, tf32: bool) -> OpSpec {
+        OpSpec {
+            dir,
+            dims: [g.n, g.c, g.h, g.w, g.oc, g.kh, g.kw, g.stride, g.pad, 1],
+            io_type: DATA_FLOAT,
+            out_type: DATA_FLOAT,
+            nhwc: false,
+            bias,
+            relu: false,
+            align,
+            tf32,
+        }
+    }
+
+    pub(super) fn shape(&self) -> ConvShape {
+        let d = self.dims;
+        ConvShape {
+            geom: ConvGeom {
+                n: d[0],
+                c: d[1],
+                h: d[2],
+                w: d[3],
+                oc: d[4],
+                kh: d[5],
+                kw: d[6],
+                stride: d[7],
+                pad: d[8],
+            },
+            dilation: d[9],
+        }
+    }
+
+    /// Whether the graph ends in an epilogue (then the convolution's output is virtual).
+    pub(super) fn fused(&self) -> bool {
+        self.bias || self.relu
+    }
+
+    /// Half-precision inputs.
+    pub(super) fn half(&self) -> bool {
+        self.io_type != DATA_FLOAT
+    }
+
+    /// Whether an engine with these numerical notes may run this graph: fp32 data as
+    /// [`admitted`] says; half data with fp32 accumulation — tensor cores welcome, never
+    /// down-converted inputs nor a reduced-precision reduction.
+    pub(super) fn admits(&self, notes: &[i32]) -> bool {
+        if self.half() {
+            !notes.iter().any(|&n| {
+                matches!(
+                    n,
+                    NOTE_DOWN_CONVERT_INPUTS | NOTE_REDUCED_PRECISION_REDUCTION
+                )
+            })
+        } else {
+            admitted(notes, self.tf32)
+        }
+    }
+
+    /// The data type of the x, w and y tensors (the direction's output has `out_type`).
+    fn types(&self) -> [i32; 3] {
+        let (i, o) = (self.io_type, self.out_type);
+        match self.dir {
+            ConvDir::Forward => [i, i, o],
+            ConvDir::BackwardData => [o, i, i],
+            ConvDir::BackwardFilter => [i, o, i],
+        }
+    }
+}
+
 /// A finalized fp32 NCHW-packed tensor descriptor (for `[1, K, 1, 1]` the strides are
 /// `[K, 1, 1, 1]`).
+#[cfg(test)]
 pub(super) fn tensor(api: &'static Api, dims: [i64; 4], uid: i64, align: u32) -> Result<Desc> {
     tensor_of(api, dims, uid, align, false)
 }
 
 /// [`tensor`], virtual when `is_virtual`: an intermediate of an operation graph that cuDNN
 /// keeps to itself (no memory, not in the variant pack).
+#[cfg(test)]
 pub(super) fn tensor_of(
     api: &'static Api,
     dims: [i64; 4],
@@ -229,13 +331,36 @@ pub(super) fn tensor_of(
     align: u32,
     is_virtual: bool,
 ) -> Result<Desc> {
-    let strides = [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1];
+    tensor_typed(api, dims, uid, align, is_virtual, DATA_FLOAT, false)
+}
+
+/// The strides of packed `dims` (`[n, c, h, w]`, or `[k, c, r, s]` for a filter): NCHW, or
+/// channels last (`nhwc`: NHWC, filters KRSC; `[1, K, 1, 1]` gets `[K, 1, K, K]`).
+pub(super) fn strides(dims: [i64; 4], nhwc: bool) -> [i64; 4] {
+    let [_, c, h, w] = dims;
+    if nhwc {
+        [c * h * w, 1, w * c, c]
+    } else {
+        [c * h * w, h * w, w, 1]
+    }
+}
+
+/// A finalized packed tensor descriptor of any data type and layout.
+pub(super) fn tensor_typed(
+    api: &'static Api,
+    dims: [i64; 4],
+    uid: i64,
+    align: u32,
+    is_virtual: bool,
+    data_type: i32,
+    nhwc: bool,
+) -> Result<Desc> {
     let call = "cudnnBackend*(TENSOR)";
     let t = Desc::new(api, D_TENSOR).map_err(|s| error(api, s, call))?;
     (|| {
-        t.set_enum(A_TENSOR_DATA_TYPE, T_DATA_TYPE, DATA_FLOAT)?;
+        t.set_enum(A_TENSOR_DATA_TYPE, T_DATA_TYPE, data_type)?;
         t.set_i64(A_TENSOR_DIMENSIONS, &dims)?;
-        t.set_i64(A_TENSOR_STRIDES, &strides)?;
+        t.set_i64(A_TENSOR_STRIDES, &strides(dims, nhwc))?;
         t.set_i64(A_TENSOR_UNIQUE_ID, &[uid])?;
         t.set_i64(A_TENSOR_BYTE_ALIGNMENT, &[align as i64])?;
         if is_virtual {
@@ -299,6 +424,7 @@ pub(super) fn fill_slot(api: &'static Api, handle: Ptr, c: &mut Config) {
 /// The convolution operation of one direction and what it refers to: (x, w, y) tensors, the
 /// convolution descriptor, the operation (all finalized; no handle needed). With `fused`
 /// (forward only) its output is the virtual tensor [`UID_CONV_OUT`] the bias is added to.
+#[cfg(test)]
 pub(super) fn build_op(
     api: &'static Api,
     dir: ConvDir,
@@ -306,31 +432,44 @@ pub(super) fn build_op(
     align: u32,
     fused: bool,
 ) -> Result<(Vec<Desc>, Desc, Desc)> {
-    if fused && dir != ConvDir::Forward {
+    build_conv(api, &OpSpec::f32(dir, g, fused, align, false))
+}
+
+/// The convolution operation of `spec` (its epilogue aside): (x, w, y) tensors of the spec's
+/// types and layout, the convolution descriptor (fp32 compute, the spec's stride, padding and
+/// dilation), the operation. A fused forward writes the virtual fp32 tensor [`UID_CONV_OUT`].
+pub(super) fn build_conv(api: &'static Api, spec: &OpSpec) -> Result<(Vec<Desc>, Desc, Desc)> {
+    let dir = spec.dir;
+    if spec.fused() && dir != ConvDir::Forward {
         return Err(NnError::Shape(format!(
-            "{}: a bias is fused only into the forward direction",
+            "{}: a bias or activation is fused only into the forward direction",
             dir.name()
         )));
     }
-    let (oh, ow) = g.out_hw()?;
+    let shape = spec.shape();
+    let g = &shape.geom;
+    let (oh, ow) = shape.out_hw()?;
     let v = |what, x| i64_of(what, x);
     let (n, c, h, w) = (v("n", g.n)?, v("c", g.c)?, v("h", g.h)?, v("w", g.w)?);
     let (oc, kh, kw) = (v("oc", g.oc)?, v("kh", g.kh)?, v("kw", g.kw)?);
-    let (s, p, oh, ow) = (
+    let (s, p, d, oh, ow) = (
         v("stride", g.stride)?,
         v("pad", g.pad)?,
+        v("dilation", shape.dilation)?,
         v("oh", oh)?,
         v("ow", ow)?,
     );
-    let (y_uid, y_virtual) = if fused {
-        (UID_CONV_OUT, true)
+    let [tx, tw, ty] = spec.types();
+    let (y_uid, y_virtual, ty) = if spec.fused() {
+        (UID_CONV_OUT, true, DATA_FLOAT)
     } else {
-        (UID_Y, false)
+        (UID_Y, false, ty)
     };
+    let (a, nhwc) = (spec.align, spec.nhwc);
     let tensors = vec![
-        tensor(api, [n, c, h, w], UID_X, align)?,
-        tensor(api, [oc, c, kh, kw], UID_W, align)?,
-        tensor_of(api, [n, oc, oh, ow], y_uid, align, y_virtual)?,
+        tensor_typed(api, [n, c, h, w], UID_X, a, false, tx, nhwc)?,
+        tensor_typed(api, [oc, c, kh, kw], UID_W, a, false, tw, nhwc)?,
+        tensor_typed(api, [n, oc, oh, ow], y_uid, a, y_virtual, ty, nhwc)?,
     ];
     let e = |call| err_of(api, call);
     let conv = Desc::new(api, D_CONVOLUTION).map_err(e("cudnnBackendCreateDescriptor"))?;
@@ -338,7 +477,7 @@ pub(super) fn build_op(
         conv.set_enum(A_CONV_COMP_TYPE, T_DATA_TYPE, DATA_FLOAT)?;
         conv.set_enum(A_CONV_MODE, T_CONVOLUTION_MODE, CROSS_CORRELATION)?;
         conv.set_i64(A_CONV_SPATIAL_DIMS, &[2])?;
-        conv.set_i64(A_CONV_DILATIONS, &[1, 1])?;
+        conv.set_i64(A_CONV_DILATIONS, &[d, d])?;
         conv.set_i64(A_CONV_FILTER_STRIDES, &[s, s])?;
         conv.set_i64(A_CONV_PRE_PADDINGS, &[p, p])?;
         conv.set_i64(A_CONV_POST_PADDINGS, &[p, p])?;
@@ -360,26 +499,19 @@ pub(super) fn build_op(
     Ok((tensors, conv, op))
 }
 
-/// The bias addition of the fused forward: `y = conv_out + bias`, the bias `[1, K, 1, 1]`
-/// broadcast over batch and pixels, added in fp32. Returns the (bias, y) tensors, the
-/// pointwise descriptor and the operation (all finalized; no handle needed).
-pub(super) fn build_bias_add(
+/// One pointwise operation `y = mode(x[, b])` computed in fp32: its pointwise descriptor and
+/// the operation (both finalized).
+fn build_pointwise(
     api: &'static Api,
-    g: &ConvGeom,
-    align: u32,
-    conv_out: &Desc,
-) -> Result<(Vec<Desc>, Desc, Desc)> {
-    let (oh, ow) = g.out_hw()?;
-    let v = |what, x| i64_of(what, x);
-    let (n, oc, oh, ow) = (v("n", g.n)?, v("oc", g.oc)?, v("oh", oh)?, v("ow", ow)?);
-    let tensors = vec![
-        tensor(api, [1, oc, 1, 1], UID_BIAS, align)?,
-        tensor(api, [n, oc, oh, ow], UID_Y, align)?,
-    ];
+    mode: i32,
+    x: &Desc,
+    b: Option<&Desc>,
+    y: &Desc,
+) -> Result<(Desc, Desc)> {
     let e = |call| err_of(api, call);
     let pw = Desc::new(api, D_POINTWISE).map_err(e("cudnnBackendCreateDescriptor"))?;
     (|| {
-        pw.set_enum(A_POINTWISE_MODE, T_POINTWISE_MODE, POINTWISE_ADD)?;
+        pw.set_enum(A_POINTWISE_MODE, T_POINTWISE_MODE, mode)?;
         pw.set_enum(A_POINTWISE_MATH_PREC, T_DATA_TYPE, DATA_FLOAT)?;
         pw.finalize()
     })()
@@ -387,13 +519,96 @@ pub(super) fn build_bias_add(
     let op = Desc::new(api, D_OP_POINTWISE).map_err(e("cudnnBackendCreateDescriptor"))?;
     (|| {
         op.set_descs(A_OP_POINTWISE_PW_DESCRIPTOR, &[&pw])?;
-        op.set_descs(A_OP_POINTWISE_XDESC, &[conv_out])?;
-        op.set_descs(A_OP_POINTWISE_BDESC, &[&tensors[0]])?;
-        op.set_descs(A_OP_POINTWISE_YDESC, &[&tensors[1]])?;
+        op.set_descs(A_OP_POINTWISE_XDESC, &[x])?;
+        if let Some(b) = b {
+            op.set_descs(A_OP_POINTWISE_BDESC, &[b])?;
+        }
+        op.set_descs(A_OP_POINTWISE_YDESC, &[y])?;
         op.finalize()
     })()
     .map_err(e("cudnnBackend*(OPERATION_POINTWISE)"))?;
-    Ok((tensors, pw, op))
+    Ok((pw, op))
+}
+
+/// The bias addition of the fused forward: `y = conv_out + bias`, the bias `[1, K, 1, 1]`
+/// broadcast over batch and pixels, added in fp32. Returns the (bias, y) tensors, the
+/// pointwise descriptor and the operation (all finalized; no handle needed).
+#[cfg(test)]
+pub(super) fn build_bias_add(
+    api: &'static Api,
+    g: &ConvGeom,
+    align: u32,
+    conv_out: &Desc,
+) -> Result<(Vec<Desc>, Desc, Desc)> {
+    let (tensors, mut pws, mut ops) = build_epilogue(
+        api,
+        &OpSpec::f32(ConvDir::Forward, g, true, align, false),
+        conv_out,
+    )?;
+    match (pws.pop(), ops.pop()) {
+        (Some(pw), Some(op)) => Ok((tensors, pw, op)),
+        _ => Err(NnError::Shape("no bias addition was built".into())),
+    }
+}
+
+/// The epilogue of a fused forward, after the convolution's virtual fp32 output `conv_out`:
+/// the bias added (`[1, K, 1, 1]` of the input type, broadcast), then ReLU, each in fp32, the
+/// last one writing `y` (the spec's output type and layout); intermediates are virtual fp32.
+/// Returns the tensors made (bias, intermediate, y), the pointwise descriptors and the
+/// operations in graph order (all finalized; no handle needed).
+pub(super) fn build_epilogue(
+    api: &'static Api,
+    spec: &OpSpec,
+    conv_out: &Desc,
+) -> Result<(Vec<Desc>, Vec<Desc>, Vec<Desc>)> {
+    let shape = spec.shape();
+    let g = &shape.geom;
+    let (oh, ow) = shape.out_hw()?;
+    let v = |what, x| i64_of(what, x);
+    let (n, oc, oh, ow) = (v("n", g.n)?, v("oc", g.oc)?, v("oh", oh)?, v("ow", ow)?);
+    let (a, nhwc) = (spec.align, spec.nhwc);
+    let y_dims = [n, oc, oh, ow];
+    let mut tensors = Vec::new();
+    let (mut pws, mut ops) = (Vec::new(), Vec::new());
+    // Which tensor the next step reads: index into `tensors`, or the convolution's output.
+    let mut input: Option<usize> = None;
+    let steps = [(spec.bias, POINTWISE_ADD), (spec.relu, POINTWISE_RELU_FWD)];
+    let last = steps.iter().rposition(|s| s.0);
+    for (i, &(on, mode)) in steps.iter().enumerate() {
+        if !on {
+            continue;
+        }
+        let bias = if mode == POINTWISE_ADD {
+            tensors.push(tensor_typed(
+                api,
+                [1, oc, 1, 1],
+                UID_BIAS,
+                a,
+                false,
+                spec.io_type,
+                nhwc,
+            )?);
+            Some(tensors.len() - 1)
+        } else {
+            None
+        };
+        let out = if Some(i) == last {
+            tensor_typed(api, y_dims, UID_Y, a, false, spec.out_type, nhwc)?
+        } else {
+            tensor_typed(api, y_dims, UID_EPILOGUE, a, true, DATA_FLOAT, nhwc)?
+        };
+        tensors.push(out);
+        let y = tensors.len() - 1;
+        let x = match input {
+            Some(t) => &tensors[t],
+            None => conv_out,
+        };
+        let (pw, op) = build_pointwise(api, mode, x, bias.map(|b| &tensors[b]), &tensors[y])?;
+        pws.push(pw);
+        ops.push(op);
+        input = Some(y);
+    }
+    Ok((tensors, pws, ops))
 }
 
 /// The operation graph of one direction (with `bias`: the forward with its bias fused), its
@@ -408,16 +623,21 @@ pub(super) fn build_set(
     align: u32,
     tf32: bool,
 ) -> Result<Set> {
-    let (mut tensors, conv, op) = build_op(api, dir, g, align, bias)?;
+    build_set_spec(api, handle, &OpSpec::f32(dir, g, bias, align, tf32))
+}
+
+/// [`build_set`] for any [`OpSpec`]: its configurations admitted by [`OpSpec::admits`].
+pub(super) fn build_set_spec(api: &'static Api, handle: Ptr, spec: &OpSpec) -> Result<Set> {
+    let (mut tensors, conv, op) = build_conv(api, spec)?;
     let mut ops = vec![op];
-    let mut pointwise = None;
-    if bias {
-        let (more, pw, add) = build_bias_add(api, g, align, &tensors[2])?;
+    let mut pointwise = Vec::new();
+    if spec.fused() {
+        let (more, pws, eps) = build_epilogue(api, spec, &tensors[2])?;
         tensors.extend(more);
-        ops.push(add);
-        pointwise = Some(pw);
+        ops.extend(eps);
+        pointwise = pws;
     }
-    let cap = if bias { FUSED_CAP } else { CAP };
+    let cap = if spec.fused() { FUSED_CAP } else { CAP };
     let e = |call| err_of(api, call);
     let graph = Desc::new(api, D_OPERATION_GRAPH).map_err(e("cudnnBackendCreateDescriptor"))?;
     (|| {
@@ -453,14 +673,19 @@ pub(super) fn build_set(
         heuristics.push(he);
     }
     let infos: Vec<ConfigInfo> = found.iter().map(|(i, _)| i.clone()).collect();
-    let keep = select(&infos, tf32);
+    let keep = select_by(&infos, |notes| spec.admits(notes));
+    let refused = if spec.half() {
+        "dropped (reduced precision)"
+    } else {
+        "dropped (not plain fp32)"
+    };
     let listed = infos
         .iter()
         .enumerate()
         .map(|(i, c)| {
             let fate = match keep.iter().position(|&k| k == i) {
                 Some(rank) => format!("rank {rank}"),
-                None if !admitted(&c.notes, tf32) => "dropped (not plain fp32)".to_string(),
+                None if !spec.admits(&c.notes) => refused.to_string(),
                 None => "dropped (repeated)".to_string(),
             };
             format!(
