@@ -83,14 +83,15 @@ pub use io::{load_model, save_model, IoError, LayerSpec, ModelDescription, Model
 pub use kernels::cast;
 pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
+pub use nn::autocast::AutocastModule;
 pub use nn::batched::Batched;
 pub use nn::graphed::GraphedModule;
 pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
 pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
-pub use dtype::{Dtype, Float, TypedBuffer};
 pub use autograd::scale::scale_by_device;
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
+pub use dtype::{Dtype, Float, TypedBuffer};
 pub use error::{AmpError, CheckpointError};
 pub use io::checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, CheckpointMut};
 pub use nn::clip::clip_grad_norm;

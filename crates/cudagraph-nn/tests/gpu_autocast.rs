@@ -11,6 +11,8 @@
 //! from the device's own output), then the products accumulate in f32 with no rounding to 16
 //! bits: |g − ref| ≤ 1e-5·Σ|a||b| (k ≤ 1024 terms, f32 unit roundoff 6e-8).
 
+#![allow(clippy::needless_range_loop)] // index loops mirror the formulas
+
 use std::sync::Arc;
 
 use cudagraph::memory::{bf16, f16};
@@ -409,4 +411,148 @@ fn misuse_mixing_element_types_outside_autocast_is_a_dtype_error() {
     let y = autocast(Dtype::F16, || linear(&s, &x, &w, None, false)).unwrap();
     assert_eq!(y.dtype(), Dtype::F16);
     assert_eq!(y.to_vec(&s).unwrap(), vec![4.0; 6]);
+}
+
+#[test]
+fn autocast_conv2d_matches_an_f64_reference_and_its_master_gradients_are_f32() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let (n, c, h, oc, k, pad) = (2, 8, 9, 16, 3, 1);
+    let mut rng = HostRng::new(21);
+    let (xv, wv, bv) = (
+        rng.vec_normal(n * c * h * h),
+        rng.vec_normal(oc * c * k * k)
+            .into_iter()
+            .map(|v| v * 0.2)
+            .collect::<Vec<_>>(),
+        rng.vec_normal(oc),
+    );
+    for d in [Dtype::Bf16, Dtype::F16] {
+        let xp = Parameter::from_host(&s, "x", &xv, &[n, c, h, h]).unwrap();
+        let w = Parameter::from_host(&s, "w", &wv, &[oc, c, k, k]).unwrap();
+        let b = Parameter::from_host(&s, "b", &bv, &[oc]).unwrap();
+        let y = autocast(d, || {
+            conv2d(&s, &xp.tensor(), &w.tensor(), Some(&b.tensor()), 1, pad)
+        })
+        .unwrap();
+        assert_eq!((y.dtype(), y.shape()), (d, &[n, oc, h, h][..]));
+        let loss = mse_loss(
+            &s,
+            &y,
+            &Tensor::zeros(&s, &[n, oc, h, h]).unwrap(),
+            Reduction::Sum,
+        )
+        .unwrap();
+        loss.backward(&s).unwrap();
+        let yg = y.to_vec(&s).unwrap();
+        let r = |v: &[f32]| {
+            v.iter()
+                .map(|&a| round_to(d, a) as f64)
+                .collect::<Vec<f64>>()
+        };
+        let (xr, wr, br) = (r(&xv), r(&wv), r(&bv));
+        let at = |img: usize, ch: usize, i: isize, j: isize| -> f64 {
+            if i < 0 || j < 0 || i >= h as isize || j >= h as isize {
+                0.0
+            } else {
+                xr[((img * c + ch) * h + i as usize) * h + j as usize]
+            }
+        };
+        let g: Vec<f64> = yg.iter().map(|&v| round_to(d, 2.0 * v) as f64).collect();
+        let mut dw_ref = vec![0f64; wv.len()];
+        let mut dw_mag = vec![0f64; wv.len()];
+        for img in 0..n {
+            for o in 0..oc {
+                for i in 0..h {
+                    for j in 0..h {
+                        let (mut acc, mut mag) = (br[o], br[o].abs());
+                        let e = ((img * oc + o) * h + i) * h + j;
+                        for ch in 0..c {
+                            for a in 0..k {
+                                for bb in 0..k {
+                                    let xv = at(
+                                        img,
+                                        ch,
+                                        (i + a) as isize - pad as isize,
+                                        (j + bb) as isize - pad as isize,
+                                    );
+                                    let wi = ((o * c + ch) * k + a) * k + bb;
+                                    acc += xv * wr[wi];
+                                    mag += (xv * wr[wi]).abs();
+                                    dw_ref[wi] += g[e] * xv;
+                                    dw_mag[wi] += (g[e] * xv).abs();
+                                }
+                            }
+                        }
+                        let got = yg[e] as f64;
+                        // cuDNN may pick Winograd or FFT engines, whose error grows with the window's
+                        // magnitude: 4 units of the output type relative to Σ|x||w|.
+                        let tol = 2.0 * unit(d) * acc.abs() + 4.0 * unit(d) * mag;
+                        assert!((got - acc).abs() <= tol, "{d} y[{e}]: {got} vs {acc}");
+                    }
+                }
+            }
+        }
+        let dw = s.to_vec(&w.grad().unwrap()).unwrap();
+        for (i, (got, want)) in dw.iter().zip(&dw_ref).enumerate() {
+            let tol = 4.0 * unit(d) * dw_mag[i] + 1e-30;
+            assert!(
+                (*got as f64 - want).abs() <= tol,
+                "{d} dw[{i}]: {got} vs {want}"
+            );
+        }
+        let db = s.to_vec(&b.grad().unwrap()).unwrap();
+        for o in 0..oc {
+            let want: f64 = (0..n)
+                .flat_map(|img| (0..h * h).map(move |p| (img, p)))
+                .map(|(img, p)| g[(img * oc + o) * h * h + p])
+                .sum();
+            let mag: f64 = (0..n)
+                .flat_map(|img| (0..h * h).map(move |p| (img, p)))
+                .map(|(img, p)| g[(img * oc + o) * h * h + p].abs())
+                .sum();
+            assert!(
+                (db[o] as f64 - want).abs() <= 1e-5 * mag + 1e-30,
+                "{d} db[{o}]"
+            );
+        }
+        assert!(xp.grad().is_some(), "{d}: the input's gradient flows too");
+    }
+}
+
+#[test]
+fn an_autocast_module_serves_with_copies_made_once_and_f32_outputs() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let mut rng = HostRng::new(22);
+    let model = Sequential::new(vec![
+        Layer::Linear(Linear::new(&s, 64, 128, &mut rng).unwrap()),
+        Layer::ReLU,
+        Layer::Linear(Linear::new(&s, 128, 10, &mut rng).unwrap()),
+    ]);
+    let x = Tensor::from_host(&s, &rng.vec_normal(32 * 64), &[32, 64]).unwrap();
+    let want = no_grad(|| autocast(Dtype::Bf16, || model.forward(&s, &x)))
+        .unwrap()
+        .to_vec(&s)
+        .unwrap();
+    let m = AutocastModule::new(&s, model, Dtype::Bf16).unwrap();
+    let y = no_grad(|| m.forward(&s, &x)).unwrap();
+    assert_eq!(y.dtype(), Dtype::F32);
+    assert_bits_eq(
+        &y.to_vec(&s).unwrap(),
+        &want,
+        "copies made once vs casts per call",
+    );
+    // Captured: only the input cast and the products, no weight casts.
+    let (g, out) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+        Ok(no_grad(|| m.forward(cs, &x))?)
+    })
+    .unwrap();
+    g.replay(&s).unwrap();
+    assert_bits_eq(&out.to_vec(&s).unwrap(), &want, "replay");
+    let f32m = AutocastModule::new(&s, m.module().clone(), Dtype::F32).unwrap();
+    assert_eq!(
+        no_grad(|| f32m.forward(&s, &x)).unwrap().dtype(),
+        Dtype::F32
+    );
 }

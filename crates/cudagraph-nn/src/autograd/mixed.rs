@@ -1,5 +1,6 @@
-//! The lower-precision forms of the products: [`linear`](super::ops::linear) when it runs in
-//! bf16 or f16 (inside [`autocast`](super::autocast::autocast), or on 16-bit tensors).
+//! The lower-precision forms of the products and convolutions: [`linear`](super::ops::linear)
+//! and [`conv2d`](super::ops::conv2d) when they run in bf16 or f16 (inside
+//! [`autocast`](super::autocast::autocast), or on 16-bit tensors).
 //!
 //! The operands are the 16-bit values of the inputs (a parameter's cached cast or copy inside
 //! autocast); the autograd inputs stay the tensors the caller passed, and each gets its
@@ -15,10 +16,16 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 use crate::autograd::autocast::values_in;
 use crate::autograd::tensor::{Node, Tensor};
 use crate::dtype::{Dtype, Float, TypedBuffer};
+use crate::engine::conv_lowp::{
+    conv2d_lowp_backward_data, conv2d_lowp_backward_filter, conv2d_lowp_backward_filter_f32,
+    conv2d_lowp_forward, ConvShape, Layout,
+};
 use crate::engine::gemm::{GemmOp, Trans};
 use crate::engine::gemm_lowp::gemm_lowp;
 use crate::error::{NnError, Result};
+use crate::extent::ConvGeom;
 use crate::ffi::blas::Epilogue;
+use crate::kernels::cast::cast_new;
 use crate::kernels::lowp::LowpKernels;
 use crate::kernels::Nn;
 
@@ -186,7 +193,122 @@ fn product_into<T: Float>(
         // A gradient for an input of the other 16-bit type: computed in T, then converted.
         let c = Arc::new(q.alloc::<T>(len)?);
         gemm_lowp::<T, T>(q, nn, op, a, b, &c, None)?;
-        crate::kernels::cast::cast_new(q, &TypedBuffer::new(c), out)?
+        cast_new(q, &TypedBuffer::new(c), out)?
     };
     Tensor::gradient_typed(buf, shape)
+}
+
+/// `conv2d` computed in `dtype` (bf16 or f16) on `g`'s geometry (checked by the caller),
+/// NCHW tensors; cuDNN's NHWC engines compete inside the registry (with their transposes).
+pub(crate) fn conv2d_lowp(
+    q: &dyn Queue,
+    (x, w, b): (&Tensor, &Tensor, Option<&Tensor>),
+    g: ConvGeom,
+    dtype: Dtype,
+) -> Result<Tensor> {
+    match dtype {
+        Dtype::Bf16 => conv2d_as::<bf16>(q, (x, w, b), g),
+        Dtype::F16 => conv2d_as::<f16>(q, (x, w, b), g),
+        Dtype::F32 => Err(NnError::Dtype {
+            what: "conv2d_lowp",
+            expected: "bf16 or f16",
+            found: "f32",
+        }),
+    }
+}
+
+fn conv2d_as<T: Float>(
+    q: &dyn Queue,
+    (x, w, b): (&Tensor, &Tensor, Option<&Tensor>),
+    g: ConvGeom,
+) -> Result<Tensor> {
+    let nn = Nn::get(q.device())?;
+    let shape = ConvShape::from(g);
+    let (oh, ow) = g.out_hw()?;
+    let xl = of::<T>(&values_in(q, x, T::DTYPE)?)?;
+    let wl = of::<T>(&values_in(q, w, T::DTYPE)?)?;
+    let bl = b
+        .map(|b| values_in(q, b, T::DTYPE).and_then(|v| of::<T>(&v)))
+        .transpose()?;
+    let y = Arc::new(q.alloc::<T>(g.output_len()?)?);
+    conv2d_lowp_forward::<T>(
+        q,
+        &nn,
+        &shape,
+        Layout::Nchw,
+        &xl,
+        &wl,
+        bl.as_deref(),
+        false,
+        &y,
+    )?;
+    let mut inputs = vec![x.clone(), w.clone()];
+    if let Some(b) = b {
+        inputs.push(b.clone());
+    }
+    let (dx_type, dw_type, db_type) = (x.dtype(), w.dtype(), b.map(|b| b.dtype()));
+    let (need_x, need_w, need_b) = (
+        x.requires_grad(),
+        w.requires_grad(),
+        b.is_some_and(|b| b.requires_grad()),
+    );
+    let node = Node {
+        unit_backward: None,
+        inputs,
+        name: "conv2d",
+        backward: Box::new(move |q, nn, gy| {
+            let gy = gy.data_as::<T>()?;
+            // dX in T, then in x's type.
+            let dx = if need_x {
+                let dx = Arc::new(q.alloc::<T>(g.input_len()?)?);
+                conv2d_lowp_backward_data::<T>(q, nn, &shape, Layout::Nchw, gy, &wl, &dx)?;
+                let dx = cast_new(q, &TypedBuffer::new(dx), dx_type)?;
+                Some(Tensor::gradient_typed(dx, &[g.n, g.c, g.h, g.w])?)
+            } else {
+                None
+            };
+            // dW straight in w's type (f32 for a master weight).
+            let dw = if need_w {
+                let dims = [g.oc, g.c, g.kh, g.kw];
+                let dw = if dw_type == Dtype::F32 {
+                    let dw = Arc::new(q.alloc::<f32>(g.weight_len()?)?);
+                    conv2d_lowp_backward_filter_f32::<T>(
+                        q,
+                        nn,
+                        &shape,
+                        Layout::Nchw,
+                        gy,
+                        &xl,
+                        &dw,
+                    )?;
+                    TypedBuffer::new(dw)
+                } else {
+                    let dw = Arc::new(q.alloc::<T>(g.weight_len()?)?);
+                    conv2d_lowp_backward_filter::<T>(q, nn, &shape, Layout::Nchw, gy, &xl, &dw)?;
+                    cast_new(q, &TypedBuffer::new(dw), dw_type)?
+                };
+                Some(Tensor::gradient_typed(dw, &dims)?)
+            } else {
+                None
+            };
+            // db = Σ over images and pixels, in f32 from the widened gradient.
+            let db = match (need_b, db_type) {
+                (true, Some(bt)) => {
+                    let wide = cast_new(q, &TypedBuffer::new(gy.clone()), Dtype::F32)?;
+                    let wide = of::<f32>(&wide)?;
+                    let db = Arc::new(q.alloc::<f32>(g.oc)?);
+                    nn.k.channel_sum(q, &wide, &db, g.n, g.oc, oh * ow)?;
+                    let db = cast_new(q, &TypedBuffer::new(db), bt)?;
+                    Some(Tensor::gradient_typed(db, &[g.oc])?)
+                }
+                _ => None,
+            };
+            Ok(vec![dx, dw, db])
+        }),
+    };
+    Ok(Tensor::from_op_typed(
+        TypedBuffer::new(y),
+        vec![g.n, g.oc, oh, ow],
+        Some(node),
+    ))
 }

@@ -8,7 +8,7 @@ use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::autograd::autocast::{compute_dtype, widen};
-use crate::autograd::mixed::linear_lowp;
+use crate::autograd::mixed::{conv2d_lowp, linear_lowp};
 use crate::autograd::tensor::{grad_enabled, numel_checked, Node, Tensor};
 use crate::dtype::{Dtype, Float, TypedBuffer};
 use crate::engine::conv::{conv2d_backward_data, conv2d_backward_filter, conv2d_forward};
@@ -440,6 +440,10 @@ impl Targets {
 }
 
 /// NCHW convolution: `x: [n, c, h, w]`, `w: [oc, c, kh, kw]`, `b: [oc]`.
+///
+/// Inside [`autocast`](crate::autocast) it runs in the scope's type (bf16 or f16, cuDNN on
+/// tensor cores with f32 accumulation, NHWC engines competing) and `y` has that type; outside
+/// it the inputs must share one type. Each input's gradient comes in its own type.
 pub fn conv2d(
     q: &dyn Queue,
     x: &Tensor,
@@ -474,6 +478,12 @@ pub fn conv2d(
                 g.oc
             ));
         }
+    }
+    let mut all = vec![x, w];
+    all.extend(b);
+    match compute_dtype("conv2d", &all)? {
+        Dtype::F32 => {}
+        d => return conv2d_lowp(q, (x, w, b), g, d),
     }
     let nn = Nn::get(q.device())?;
     let y = alloc(q, g.output_len()?)?;

@@ -1,6 +1,7 @@
 //! Layers, optimizers, loss scaling, gradient clipping, learning-rate schedules, training
 //! steps on the device, graphed modules and batched serving models.
 
+pub mod autocast;
 pub mod batched;
 pub mod clip;
 pub mod graphed;

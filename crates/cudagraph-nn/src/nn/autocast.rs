@@ -1,0 +1,82 @@
+//! [`AutocastModule`]: a module whose forward pass runs under [`autocast`](crate::autocast)
+//! with 16-bit copies of its parameters made once, not per call — for inference and serving,
+//! where the weights do not change between calls (PyTorch users get the same from
+//! `torch.autocast` around a model whose weights they converted once). Outputs come back as
+//! f32, so a caller (a [`Batched`](crate::Batched) model, a server) sees the same element type
+//! whatever the precision inside.
+
+use cudagraph::Queue;
+
+use crate::autograd::autocast::{autocast_with, AutocastOptions};
+use crate::autograd::tensor::{Parameter, Tensor};
+use crate::dtype::{Dtype, TypedBuffer};
+use crate::error::Result;
+use crate::kernels::cast::cast_new;
+use crate::nn::layers::NnModule;
+
+/// `module` run in `dtype` (see the module documentation). With `Dtype::F32` it is `module`
+/// itself, with nothing copied.
+pub struct AutocastModule<M: NnModule> {
+    module: M,
+    dtype: Dtype,
+    copies: Vec<(Parameter, TypedBuffer)>,
+}
+
+impl<M: NnModule> AutocastModule<M> {
+    /// Wraps `module`, casting each parameter to `dtype` once, on `q` (round to nearest
+    /// even).
+    pub fn new(q: &dyn Queue, module: M, dtype: Dtype) -> Result<Self> {
+        let mut m = Self {
+            module,
+            dtype,
+            copies: Vec::new(),
+        };
+        m.refresh(q)?;
+        Ok(m)
+    }
+
+    /// Casts the parameters again, on `q`: after their values changed (training, loading).
+    /// A graph captured before keeps reading the old copies; capture again after this.
+    pub fn refresh(&mut self, q: &dyn Queue) -> Result<()> {
+        self.copies = match self.dtype {
+            Dtype::F32 => Vec::new(),
+            d => self
+                .module
+                .parameters()
+                .into_iter()
+                .map(|p| {
+                    let c = cast_new(q, p.tensor().buffer(), d)?;
+                    Ok((p, c))
+                })
+                .collect::<Result<_>>()?,
+        };
+        Ok(())
+    }
+
+    /// The type products and convolutions run in.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The wrapped module.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+}
+
+impl<M: NnModule> NnModule for AutocastModule<M> {
+    fn forward(&self, q: &dyn Queue, x: &Tensor) -> Result<Tensor> {
+        if self.dtype == Dtype::F32 {
+            return self.module.forward(q, x);
+        }
+        let options = AutocastOptions {
+            dtype: self.dtype,
+            copies: self.copies.clone(),
+        };
+        autocast_with(options, || self.module.forward(q, x))??.to_dtype(q, Dtype::F32)
+    }
+
+    fn parameters(&self) -> Vec<Parameter> {
+        self.module.parameters()
+    }
+}
