@@ -36,9 +36,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use clap::{Args, ValueEnum};
-use cudagraph::{BucketPolicy, Device};
+use cudagraph::{BucketPolicy, CacheOptions, Device};
 use cudagraph_nn::serving::MetricsSnapshot;
-use cudagraph_nn::{load_model, Batcher, BatcherConfig, ModelRunner, ServeError};
+use cudagraph_nn::{load_model, Batcher, BatcherConfig, Dtype, ModelRunner, ServeError};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Serialize;
 use tokio::sync::{oneshot, Notify, Semaphore};
@@ -98,6 +98,10 @@ pub struct ServeArgs {
     /// Enable `POST /shutdown` (graceful shutdown over HTTP, for scripts and tests).
     #[arg(long)]
     pub allow_shutdown: bool,
+    /// Element type of the products and convolutions: f32 (exact), or bf16 / f16 on tensor
+    /// cores (weights cast once at start; requests and responses stay f32 JSON).
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
 }
 
 /// `--max-in-flight`'s default: two full batches of one-row requests at the default
@@ -521,7 +525,18 @@ pub fn run(ordinal: usize, a: &ServeArgs) -> AnyResult<()> {
     let (desc, model) = load_model(&s, &a.model)?;
     let t0 = std::time::Instant::now();
     let buckets = (!a.no_graph).then(|| a.buckets.policy(a.max_batch));
-    let runner = ModelRunner::new(s, model, desc.input().to_vec(), desc.output_row(), buckets)?;
+    let options = CacheOptions {
+        selection: cudagraph::Selection::Measure,
+        ..CacheOptions::default()
+    };
+    let runner = ModelRunner::with_dtype(
+        s,
+        model,
+        (desc.input().to_vec(), desc.output_row()),
+        buckets,
+        options,
+        a.dtype,
+    )?;
     let captured = runner.cache().map(|c| c.entries().len()).unwrap_or(0);
     let batcher = Arc::new(Batcher::start(
         runner,

@@ -765,7 +765,8 @@ fn misuse_is_a_typed_error() {
         ),
         "{e}"
     );
-    let e = conv2d_lowp_backward_filter(&s, &nn, &sh, l, &y, &x, &short).unwrap_err();
+    let short_w = s.alloc_zeroed::<bf16>(wl - 1).unwrap();
+    let e = conv2d_lowp_backward_filter(&s, &nn, &sh, l, &y, &x, &short_w).unwrap_err();
     assert!(
         matches!(e, NnError::Core(cudagraph::Error::SizeMismatch { .. })),
         "{e}"

@@ -407,3 +407,46 @@ fn model_runner_refuses_misuse_with_typed_errors_and_keeps_serving() {
     assert!(e <= TOLERANCE, "{e:.3e}");
     assert_eq!(b.metrics().requests, 1);
 }
+
+/// A runner in bf16/f16 answers like the model run eagerly under autocast with its weights
+/// cast once: a padded or exact bucket runs the same kernels on the same rows (bit for bit
+/// where the batch size matches; across batch sizes within 1e-2 relative L2, the 16-bit
+/// output's rounding), and inputs and outputs stay f32.
+#[test]
+fn a_16_bit_model_runner_answers_like_the_model_under_autocast() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let m = model(&s, 11);
+    s.synchronize().unwrap();
+    for d in [Dtype::Bf16, Dtype::F16] {
+        let mut runner = ModelRunner::with_dtype(
+            dev.new_stream().unwrap(),
+            m.clone(),
+            (vec![IN], OUT),
+            Some(BucketPolicy::PowersOfTwo { max: MAX }),
+            CacheOptions {
+                selection: Selection::Graph,
+                ..CacheOptions::default()
+            },
+            d,
+        )
+        .unwrap();
+        let reference = AutocastModule::new(&s, m.clone(), d).unwrap();
+        let mut rng = HostRng::new(12);
+        for rows in [1, 3, 8, 17, 32] {
+            let x = rng.vec_normal(rows * IN);
+            let got = runner.run_rows(&x, rows).unwrap().output;
+            let xt = Tensor::from_host(&s, &x, &[rows, IN]).unwrap();
+            let want = no_grad(|| reference.forward(&s, &xt))
+                .unwrap()
+                .to_vec(&s)
+                .unwrap();
+            assert_eq!(got.len(), want.len());
+            let err = rel_err(&got, &to_f64(&want));
+            assert!(err <= 1e-2, "{d} rows {rows}: relative error {err}");
+            if rows.is_power_of_two() {
+                cudagraph::testing::assert_bits_eq(&got, &want, format_args!("{d} rows {rows}"));
+            }
+        }
+    }
+}

@@ -16,9 +16,11 @@ use clap::Args;
 use cudagraph::memory::{bf16, f16};
 use cudagraph::{CaptureOptions, Device, Event, Graph, Queue, QueueExt};
 use cudagraph_nn::dtype::{Dtype, Float};
+use cudagraph_nn::engine::gemm::alignment;
 use cudagraph_nn::engine::gemm::Trans;
 use cudagraph_nn::engine::gemm::{gemm, run_gemm, split_k, Epilogue, GemmFamily, GemmOp};
-use cudagraph_nn::engine::{gemm_lowp, Engines};
+use cudagraph_nn::engine::gemm_lowp::{gemm_lowp_with, lowp_candidates};
+use cudagraph_nn::engine::{gemm_lowp, Engines, GemmEngine};
 use cudagraph_nn::{HostRng, Nn};
 use serde::Serialize;
 
@@ -35,6 +37,10 @@ pub struct GemmArgs {
     /// (tensor cores: the squares 1024³–8192³ and the workloads' shapes, µs and TFLOP/s).
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
+    /// bf16/f16: also time every candidate the registry measured, the same way as its choice
+    /// (a graph of products, replayed), for products of at least this many GFLOP (0: all).
+    #[arg(long, value_name = "GFLOP")]
+    pub candidates: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -260,6 +266,9 @@ pub struct LowpRow {
     pub tflops: f64,
     /// The registry's engine.
     pub engine: String,
+    /// With `--candidates`: every candidate's µs per product, timed like the choice.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<(String, f64)>,
 }
 
 /// The shapes timed in half precision: the squares, then the workloads' products.
@@ -276,8 +285,9 @@ pub fn lowp_shapes() -> Vec<(usize, usize, usize, bool, bool, String)> {
     v
 }
 
-/// Times every shape of [`lowp_shapes`] with operands and result of `T`.
-pub fn measure_lowp<T: Float>(dev: &Device) -> AnyResult<Vec<LowpRow>> {
+/// Times every shape of [`lowp_shapes`] with operands and result of `T` (and every candidate
+/// of products of at least `candidates` GFLOP).
+pub fn measure_lowp<T: Float>(dev: &Device, candidates: Option<f64>) -> AnyResult<Vec<LowpRow>> {
     let nn = Nn::get(dev)?;
     let mut s = dev.new_stream()?;
     let mut rng = HostRng::new(5);
@@ -306,30 +316,47 @@ pub fn measure_lowp<T: Float>(dev: &Device) -> AnyResult<Vec<LowpRow>> {
         };
         // Eager first: the registry measures the candidates; the graph replays its choice.
         let engine = gemm_lowp(&s, &nn, &op, &a, &b, &c, None)?;
-        let (g, ()) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
-            for _ in 0..PRODUCTS_PER_GRAPH {
-                gemm_lowp(cs, &nn, &op, &a, &b, &c, None)?;
+        let time = |s: &mut cudagraph::Stream, algo: Option<GemmEngine>| -> AnyResult<f64> {
+            let (g, ()) = Graph::capture(s, CaptureOptions::new().upload(true), |cs| {
+                for _ in 0..PRODUCTS_PER_GRAPH {
+                    match algo {
+                        None => gemm_lowp(cs, &nn, &op, &a, &b, &c, None).map(drop)?,
+                        Some(e) => gemm_lowp_with(cs, &nn, e, &op, &a, &b, &c, None)?,
+                    }
+                }
+                Ok(())
+            })?;
+            let replays = |s: &cudagraph::Stream, reps: usize| -> AnyResult<f64> {
+                s.stream_handle().record(&e0)?;
+                for _ in 0..reps {
+                    g.replay(s)?;
+                }
+                s.stream_handle().record(&e1)?;
+                e1.synchronize()?;
+                Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / (reps * PRODUCTS_PER_GRAPH) as f64)
+            };
+            g.replay(s)?;
+            // One replay sets how many make a sample of about 50 ms (at least one, at most 50).
+            let once = replays(s, 1)? * PRODUCTS_PER_GRAPH as f64;
+            let reps = ((50_000.0 / once.max(1.0)).ceil() as usize).clamp(1, 50);
+            let mut samples = Vec::new();
+            for _ in 0..5 {
+                samples.push(replays(s, reps)?);
             }
-            Ok(())
-        })?;
-        let replays = |s: &cudagraph::Stream, reps: usize| -> AnyResult<f64> {
-            s.stream_handle().record(&e0)?;
-            for _ in 0..reps {
-                g.replay(s)?;
-            }
-            s.stream_handle().record(&e1)?;
-            e1.synchronize()?;
-            Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / (reps * PRODUCTS_PER_GRAPH) as f64)
+            Ok(median(samples))
         };
-        g.replay(&s)?;
-        // One replay sets how many make a sample of about 50 ms (at least one, at most 50).
-        let once = replays(&s, 1)? * PRODUCTS_PER_GRAPH as f64;
-        let reps = ((50_000.0 / once.max(1.0)).ceil() as usize).clamp(1, 50);
-        let mut samples = Vec::new();
-        for _ in 0..5 {
-            samples.push(replays(&s, reps)?);
+        let us = time(&mut s, None)?;
+        let gflop = 2.0 * (m * n) as f64 * k as f64 / 1e9;
+        let mut timed = Vec::new();
+        if candidates.is_some_and(|min| gflop >= min) {
+            let align = alignment(&[a.addr(), b.addr(), c.addr()]);
+            for e in lowp_candidates::<T, T>(&s, &op, align)? {
+                match time(&mut s, Some(e)) {
+                    Ok(t) => timed.push((e.to_string(), t)),
+                    Err(err) => timed.push((format!("{e} ({err})"), f64::NAN)),
+                }
+            }
         }
-        let us = median(samples);
         rows.push(LowpRow {
             shape: name,
             m,
@@ -340,6 +367,7 @@ pub fn measure_lowp<T: Float>(dev: &Device) -> AnyResult<Vec<LowpRow>> {
             us,
             tflops: 2.0 * (m * n) as f64 * k as f64 / (us * 1e6),
             engine: engine.to_string(),
+            candidates: timed,
         });
     }
     Ok(rows)
@@ -347,7 +375,7 @@ pub fn measure_lowp<T: Float>(dev: &Device) -> AnyResult<Vec<LowpRow>> {
 
 fn run_lowp<T: Float>(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
     let dev = Device::open(ordinal)?;
-    let rows = measure_lowp::<T>(&dev)?;
+    let rows = measure_lowp::<T>(&dev, a.candidates)?;
     #[derive(Serialize)]
     struct Out {
         benchmark: &'static str,
@@ -398,6 +426,9 @@ fn run_lowp<T: Float>(ordinal: usize, a: &GemmArgs) -> AnyResult<()> {
             r.tflops,
             r.engine
         );
+        for (e, us) in &r.candidates {
+            outln!("{:<22} {:>33.2}  candidate {e}", "", us);
+        }
     }
     Ok(())
 }

@@ -6,9 +6,14 @@ use cudagraph::{
 };
 
 use super::{BatchOutput, BatchRunner, MemorySnapshot};
+use crate::dtype::Dtype;
 use crate::error::Result;
+use crate::nn::autocast::AutocastModule;
 use crate::nn::batched::Batched;
 use crate::nn::layers::Sequential;
+
+/// What a [`ModelRunner`] serves: the model, in the precision it was asked for.
+pub type RunnerModel = Batched<AutocastModule<Sequential>>;
 
 /// The GPU side of serving a [`Sequential`]: rows are copied to the device, run through a
 /// [`GraphCache`] (one graph per batch bucket, padded to the next bucket) or eagerly, and
@@ -22,8 +27,8 @@ pub struct ModelRunner {
 }
 
 enum Mode {
-    Graph(Box<GraphCache<Batched<Sequential>>>),
-    Eager(Batched<Sequential>),
+    Graph(Box<GraphCache<RunnerModel>>),
+    Eager(RunnerModel),
 }
 
 impl ModelRunner {
@@ -48,16 +53,37 @@ impl ModelRunner {
     /// As [`Self::new`], with the graph cache's options (`Selection::Graph` serves every
     /// bucket by its graph; `lazy` captures a bucket on its first batch).
     pub fn with_cache_options(
-        mut stream: Stream,
+        stream: Stream,
         model: Sequential,
         row_shape: Vec<usize>,
         output_row: usize,
         buckets: Option<BucketPolicy>,
         options: CacheOptions,
     ) -> Result<Self> {
+        Self::with_dtype(
+            stream,
+            model,
+            (row_shape, output_row),
+            buckets,
+            options,
+            Dtype::F32,
+        )
+    }
+
+    /// As [`Self::with_cache_options`], with the products and convolutions in `dtype`: bf16
+    /// or f16 run the model under autocast with 16-bit copies of its weights made once
+    /// ([`AutocastModule`]); inputs and outputs stay f32.
+    pub fn with_dtype(
+        mut stream: Stream,
+        model: Sequential,
+        (row_shape, output_row): (Vec<usize>, usize),
+        buckets: Option<BucketPolicy>,
+        options: CacheOptions,
+        dtype: Dtype,
+    ) -> Result<Self> {
         let device = stream.device().clone();
         let batched = Batched {
-            module: model,
+            module: AutocastModule::new(&stream, model, dtype)?,
             row_shape,
             output_row,
         };
@@ -124,7 +150,7 @@ impl ModelRunner {
     }
 
     /// The graph cache, when serving graphs.
-    pub fn cache(&self) -> Option<&GraphCache<Batched<Sequential>>> {
+    pub fn cache(&self) -> Option<&GraphCache<RunnerModel>> {
         match &self.mode {
             Mode::Graph(c) => Some(c),
             Mode::Eager(_) => None,
