@@ -44,10 +44,11 @@ PARTS=(
   "while-sanitize|90|the raw CUDA WHILE-body program (bench/raw/while_sanitize.cu, needs nvcc) plainly and under every tool|"
   "engines|60|cudagraph bench engines: the registry's choice and every candidate's time for representative shapes|ENGINES_ARGS"
   "gemm|30|cudagraph bench gemm: the workloads' products on each engine family|"
-  "gemm-lowp|150|cudagraph bench gemm --dtype bf16 and f16 (squares 1024³–8192³ and the workloads' products on tensor cores) beside bench/pytorch_gemm.py (torch.matmul, graphed too): µs, TFLOP/s, ratio, the large-product targets; + .json|GEMM_LOWP_DTYPES"
+  "gemm-lowp|150|cudagraph bench gemm --dtype bf16 and f16 (squares 1024³–8192³ and the workloads' products on tensor cores) beside bench/pytorch_gemm.py (torch.matmul, graphed too): µs, TFLOP/s, ratio, the large-product targets; GEMM_LOWP_CANDIDATES=G also times every candidate of products of at least G GFLOP (in the .json); + .json|GEMM_LOWP_DTYPES GEMM_LOWP_CANDIDATES"
   "rebind|20|cudagraph bench rebind: copy-in vs rebind vs re-capture per request|"
   "streams|30|cudagraph bench streams: what ordering replays of shared pools, graphs and caches across streams costs|"
   "train|60|digits training: eager, graphed, and k steps per graph launch (WHILE node), MLP and CNN|TRAIN_MODELS"
+  "precision|90|digits training graphed in f32, bf16 autocast and f16 autocast with the loss scaler, PRECISION_SEEDS seeds each: mean test accuracy and µs per step|PRECISION_SEEDS TRAIN_MODELS"
   "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED AB_SEED_RUNS"
 )
 
@@ -446,7 +447,9 @@ part_gemm_lowp() {
   rm -rf "$l"
   mkdir -p "$l"
   lowp_ours() { # dtype
-    timeout "$(tmo 240)" "$BIN" bench gemm --dtype "$1" --json >"$l/ours-$1.json" 2>"$l/ours-$1.log" && return 0
+    local extra=()
+    [ -n "${GEMM_LOWP_CANDIDATES:-}" ] && extra=(--candidates "$GEMM_LOWP_CANDIDATES")
+    timeout "$(tmo 240)" "$BIN" bench gemm --dtype "$1" --json "${extra[@]}" >"$l/ours-$1.json" 2>"$l/ours-$1.log" && return 0
     say "gemm-lowp: $BIN bench gemm --dtype $1 failed or ran out of time: $(tail -n 3 "$l/ours-$1.log" | tr '\n' ' ')"
     rm -f "$l/ours-$1.json"
     return 1
@@ -556,6 +559,58 @@ PY
   done
   written "$md" "$l"
   say "train: $(grep -c '^| .* | `' "$md") runs$([ "$bad" = 1 ] && echo ", some failed")"
+  [ "$bad" = 0 ]
+}
+
+part_precision() {
+  need_bin train || return 1
+  local l=$LOGS/precision-$DEVICE md model dtype seed log bad=0 seeds=${PRECISION_SEEDS:-5}
+  mkdir -p "$l"
+  md=$(md_path precision)
+  for model in ${TRAIN_MODELS:-mlp cnn}; do
+    for dtype in f32 bf16 f16; do
+      for seed in $(seq 0 $((seeds - 1))); do
+        log="$l/$model-$dtype-$seed.log"
+        timeout "$(tmo 60)" "$BIN" train --graph --model "$model" --dtype "$dtype" --seed "$seed" >"$log" 2>&1 || bad=1
+      done
+    done
+  done
+  {
+    header precision "Digits training in f32, bf16 and f16, graphed ($DEVICE)"
+    echo "\`$BIN train --graph --model M --dtype D --seed S\` for S = 0…$((seeds - 1)): 30 epochs, batch 64, Adam lr 2e-3;"
+    echo "bf16 and f16 run the forward pass and loss under autocast (f32 masters), f16 with the loss scaler."
+    echo
+    python3 - "$l" "$seeds" <<'PY'
+import pathlib, re, statistics, sys
+logs, seeds = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+print("| model | dtype | mean test accuracy | min – max | µs/step (median) | runs |")
+print("|---|---|---:|---:|---:|---:|")
+base = {}
+for model in ["mlp", "cnn"]:
+    for dtype in ["f32", "bf16", "f16"]:
+        acc, us = [], []
+        for seed in range(seeds):
+            f = logs / f"{model}-{dtype}-{seed}.log"
+            if not f.exists():
+                continue
+            t = f.read_text()
+            a = re.search(r"test accuracy: ([0-9.]+)%", t)
+            u = re.search(r"\(([0-9.]+) us/step", t)
+            if a and u:
+                acc.append(float(a.group(1)))
+                us.append(float(u.group(1)))
+        if not acc:
+            continue
+        mean = statistics.mean(acc)
+        if dtype == "f32":
+            base[model] = mean
+        delta = f" ({mean - base[model]:+.2f})" if dtype != "f32" and model in base else ""
+        print(f"| {model} | {dtype} | {mean:.2f}%{delta} | {min(acc):.2f} – {max(acc):.2f} | "
+              f"{statistics.median(us):.1f} | {len(acc)} |")
+PY
+  } >"$md"
+  written "$md" "$l"
+  say "precision: $(grep -c '^| [mc]' "$md") rows$([ "$bad" = 1 ] && echo ", some runs failed")"
   [ "$bad" = 0 ]
 }
 

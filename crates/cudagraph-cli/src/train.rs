@@ -21,8 +21,8 @@ use cudagraph::{CaptureOptions, Device, Graph, Queue, QueueExt};
 use cudagraph_nn::dist::{DistEnv, DistOptions};
 use cudagraph_nn::io::datasets::{digits, permutation, Dataset};
 use cudagraph_nn::{
-    autocast, cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Dtype, HostRng,
-    Layer, Linear, NnModule, Optimizer, Sequential, Tensor,
+    autocast, cross_entropy, no_grad, step_if_finite, Adam, Conv2d, DeviceBatches, Dtype,
+    GradScaler, GradScalerConfig, HostRng, Layer, Linear, NnModule, Optimizer, Sequential, Tensor,
 };
 use cudagraph_nn::{Communicator, DdpOptions, DistributedDataParallel};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -151,6 +151,13 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     if a.batch_size == 0 || a.log_every == 0 {
         return Err("--batch-size and --log-every must be at least 1".into());
     }
+    if a.skip_nonfinite && a.dtype == Dtype::F16 {
+        return Err(
+            "--dtype f16 trains with a loss scaler, which already skips steps with \
+                    inf or NaN gradients: leave out --skip-nonfinite"
+                .into(),
+        );
+    }
     if a.nproc > 0 {
         return launch_ranks(a);
     }
@@ -205,13 +212,25 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
         "- static input allocated delta {:.4} MB",
         (dev.memory_stats().allocated - before) as f64 / 1048576.0
     );
+    // f16 trains with a loss scaler (f16's range ends at 65504; bf16 and f32 need none): the
+    // scale, the inf check and the skipped steps all on the device.
+    let scaler = GradScaler::new(
+        &s,
+        GradScalerConfig {
+            enabled: a.dtype == Dtype::F16,
+            ..GradScalerConfig::default()
+        },
+    )?;
+    let scaler = std::cell::RefCell::new(scaler);
     let step = |q: &dyn Queue, opt: &mut Adam| -> cudagraph_nn::Result<Tensor> {
         opt.zero_grad(q, true)?;
         let loss = autocast(a.dtype, || {
             cross_entropy(q, &model.forward(q, &x)?, &y_static)
         })?;
-        loss.backward(q)?;
-        opt.step(q)?;
+        let mut scaler = scaler.borrow_mut();
+        scaler.scale(q, &loss)?.backward(q)?;
+        scaler.step(q, opt)?;
+        scaler.update(q)?;
         Ok(loss)
     };
     // Warm-up: three steps on the first batch, on a side stream (seed 001), in both modes, so
