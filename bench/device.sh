@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 PARTS=(
   "suite|120|the GPU test suite (.gpu-bin/run-tests.sh, GPU required); with 2+ GPUs the two-GPU tests too|SUITE_ARGS TEST_TIMEOUT_S SUITE_TIMEOUT_S"
   "seed|150|the seed workloads eager and graphed (cudagraph bench) beside bench/pytorch_baseline.py; + .json, .svg|SEED_ARGS"
-  "sweep|150|the shape grid, forward and training, both graphed, kinds alternating between ours and bench/pytorch_sweep.py; SWEEP_DTYPE=bf16|f16 runs both under autocast and writes sweep-DTYPE-DEVICE.md; + .json|SWEEP_ROUNDS SWEEP_KINDS SWEEP_DTYPE"
+  "sweep|150|the shape grid, forward and training, both graphed, kinds alternating between ours and bench/pytorch_sweep.py; SWEEP_DTYPE=bf16 (or f16) runs both under autocast and writes sweep-DTYPE-DEVICE.md; + .json|SWEEP_ROUNDS SWEEP_KINDS SWEEP_DTYPE"
   "chain|60|k dependent tiny kernels, eager and graphed, with PDL: ours, raw CUDA (bench/raw/chain.cu, needs nvcc), PyTorch; + .json|"
   "cache|60|the seed MLP at random batch sizes through a GraphCache beside bench/pytorch_cache.py (dict of graphs); + .json|CACHE_COLD"
   "serve|60|cudagraph bench serve: 64 clients against the dynamic batcher, graph vs eager|SERVE_DURATION_S SERVE_CLIENTS"

@@ -1373,7 +1373,8 @@ fn conv2d_matches_cpu_under_every_conv_policy() {
 
 /// The convolution engine of a table row, `None` for a row of another operation. Every row's
 /// engine, and the engine of each of its timings, must parse as its operation's kind (told by
-/// the key: `gemm `, `conv_bias `, `conv_`, `cross_entropy `); anything else fails the test.
+/// the key: `gemm `, `conv_bias `, `conv_` — with a 16-bit type after it, a half-precision
+/// convolution —, `cross_entropy `); anything else fails the test.
 fn conv_engine_of(r: &EngineRow) -> Option<ConvEngine> {
     fn parses<A: std::str::FromStr>(key: &str, name: &str, what: &str)
     where
@@ -1395,6 +1396,10 @@ fn conv_engine_of(r: &EngineRow) -> Option<ConvEngine> {
             parses::<GemmEngine>(key, name, what);
         } else if key.starts_with("conv_bias ") {
             parses::<BiasEngine>(key, name, what);
+        } else if key.starts_with("conv_") && matches!(key.split(' ').nth(1), Some("bf16" | "f16"))
+        {
+            // A half-precision convolution (engine::conv_lowp): layout and engine kind.
+            parses::<cudagraph_nn::engine::conv_lowp::LowpEngine>(key, name, what);
         } else if key.starts_with("conv_") {
             parses::<ConvEngine>(key, name, what);
         } else if key.starts_with("cross_entropy ") {
@@ -1403,7 +1408,8 @@ fn conv_engine_of(r: &EngineRow) -> Option<ConvEngine> {
             panic!("table row `{key}` -> `{name}`: a key of no known operation");
         }
     }
-    let conv = key.starts_with("conv_") && !key.starts_with("conv_bias ");
+    let lowp = matches!(key.split(' ').nth(1), Some("bf16" | "f16"));
+    let conv = key.starts_with("conv_") && !key.starts_with("conv_bias ") && !lowp;
     conv.then(|| r.entry.engine.parse().expect("parsed above"))
 }
 

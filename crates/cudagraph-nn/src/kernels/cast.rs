@@ -71,10 +71,18 @@ pub(crate) fn cast_len(what: &'static str, src: usize, dst: usize) -> Result<i64
 }
 
 /// The launch of a cast of `n` elements: `BLOCK` threads a block, at most `MAX_BLOCKS` blocks
-/// (the kernel strides over the rest).
-pub(crate) fn cast_config(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS);
+/// (the kernel strides over the rest); with `vec`, one thread per group of four.
+pub(crate) fn cast_config(n: usize, vec: bool) -> LaunchConfig {
+    let work = if vec { n.div_ceil(4) } else { n };
+    let blocks = work.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS);
     LaunchConfig::linear(blocks as u32, BLOCK)
+}
+
+/// Whether a cast from `src` to `dst` may move groups of four elements: both addresses aligned
+/// to four of their elements (16 bytes of f32, 8 of a 16-bit type).
+fn vectorizable<A: Elem, B: Elem>(src: &DeviceBuffer<A>, dst: &DeviceBuffer<B>) -> bool {
+    src.addr() % (4 * std::mem::size_of::<A>() as u64) == 0
+        && dst.addr() % (4 * std::mem::size_of::<B>() as u64) == 0
 }
 
 /// Launches cast kernel `f` from `src` to `dst` after checking their lengths.
@@ -89,15 +97,17 @@ fn cast<A: Elem, B: Elem>(
     if n == 0 {
         return Ok(());
     }
+    let vec = vectorizable(src, dst);
     // SAFETY: `f` is one of `cast.cu`'s kernels, whose parameters are (const A* src, B* dst,
-    // long long n) with A and B of the sizes of these element types (4 bytes for float, 2 for
-    // bf16_t / f16_t); it reads src[i] and writes dst[i] for i < n only, and n = src.len() =
-    // dst.len() (checked above).
+    // long long n, int vec) with A and B of the sizes of these element types (4 bytes for
+    // float, 2 for bf16_t / f16_t); it reads src[i] and writes dst[i] for i < n only, and
+    // n = src.len() = dst.len() (checked above). With vec = 1 it moves groups of four as one
+    // access of 4·size bytes, and both addresses are aligned to that (checked above).
     unsafe {
         Ok(q.launch(
             f,
-            cast_config(src.len()),
-            &[src.into(), dst.into(), Arg::I64(n)],
+            cast_config(src.len(), vec),
+            &[src.into(), dst.into(), Arg::I64(n), Arg::I32(vec as i32)],
         )?)
     }
 }
@@ -184,13 +194,17 @@ mod tests {
 
     #[test]
     fn the_launch_covers_every_element_with_a_bounded_grid() {
-        let c = cast_config(1);
+        let c = cast_config(1, false);
         assert_eq!((c.grid.0, c.block.0), (1, BLOCK));
-        assert_eq!(cast_config(256).grid.0, 1);
-        assert_eq!(cast_config(257).grid.0, 2);
+        assert_eq!(cast_config(256, false).grid.0, 1);
+        assert_eq!(cast_config(257, false).grid.0, 2);
+        // Groups of four: a quarter of the threads.
+        assert_eq!(cast_config(1024, true).grid.0, 1);
+        assert_eq!(cast_config(1025, true).grid.0, 2);
         // Past MAX_BLOCKS blocks the kernel's grid-stride loop covers the rest.
-        assert_eq!(cast_config(usize::MAX).grid.0 as usize, MAX_BLOCKS);
-        assert_eq!(cast_config(0).grid.0, 1);
+        assert_eq!(cast_config(usize::MAX, false).grid.0 as usize, MAX_BLOCKS);
+        assert_eq!(cast_config(usize::MAX, true).grid.0 as usize, MAX_BLOCKS);
+        assert_eq!(cast_config(0, false).grid.0, 1);
     }
 
     #[test]

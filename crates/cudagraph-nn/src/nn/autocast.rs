@@ -10,6 +10,7 @@ use cudagraph::Queue;
 use crate::autograd::autocast::{autocast_with, AutocastOptions};
 use crate::autograd::tensor::{Parameter, Tensor};
 use crate::dtype::{Dtype, TypedBuffer};
+use crate::engine::Engines;
 use crate::error::Result;
 use crate::kernels::cast::cast_new;
 use crate::nn::layers::NnModule;
@@ -25,7 +26,13 @@ pub struct AutocastModule<M: NnModule> {
 impl<M: NnModule> AutocastModule<M> {
     /// Wraps `module`, casting each parameter to `dtype` once, on `q` (round to nearest
     /// even).
+    /// Also opens cuBLASLt on `q`'s device for a 16-bit `dtype`, so that the module's first
+    /// forward may be inside a capture (the fused 16-bit products need it, and a library
+    /// cannot be opened inside a capture).
     pub fn new(q: &dyn Queue, module: M, dtype: Dtype) -> Result<Self> {
+        if dtype != Dtype::F32 {
+            let _ = Engines::get(q.device())?.cublaslt();
+        }
         let mut m = Self {
             module,
             dtype,
