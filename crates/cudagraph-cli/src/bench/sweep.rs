@@ -19,8 +19,9 @@ use cudagraph_nn::autograd::ops::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROW
 use cudagraph_nn::engine::{CeEngine, Engines};
 use cudagraph_nn::nn::optim::{CAP_L, CAP_S};
 use cudagraph_nn::{
-    autocast, cross_entropy, mse_loss, no_grad, Adam, AdamConfig, Conv2d, Dtype, HostRng, Layer,
-    Linear, NnModule, Optimizer, Parameter, Reduction, Sequential, Sgd, SgdConfig, Targets, Tensor,
+    autocast, autocast_with, cross_entropy, mse_loss, no_grad, Adam, AdamConfig, AutocastOptions,
+    Conv2d, Dtype, HostRng, Layer, Linear, NnModule, OptimOptions, Optimizer, Parameter, Reduction,
+    Sequential, Sgd, SgdConfig, Targets, Tensor, TypedBuffer,
 };
 use serde::{Deserialize, Serialize};
 
@@ -50,8 +51,9 @@ pub struct SweepArgs {
     #[arg(long)]
     pub json: bool,
     /// Element type of the products and convolutions: `f32` (exact f32, TF32 off), or `bf16` /
-    /// `f16` — every forward pass and loss inside `autocast` (parameters stay f32 masters),
-    /// as `bench/pytorch_sweep.py --dtype` runs PyTorch's under `torch.autocast`.
+    /// `f16` — every forward pass and loss inside `autocast` (parameters stay f32 masters;
+    /// training steps keep 16-bit copies updated by the fused optimizer, so no weight is cast
+    /// per step), as `bench/pytorch_sweep.py --dtype` runs PyTorch's under `torch.autocast`.
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
 }
@@ -358,6 +360,28 @@ fn mixed<R>(a: &SweepArgs, f: impl FnOnce() -> R) -> R {
     autocast(a.dtype, f)
 }
 
+/// The optimizer options of a training step in `--dtype`: bf16/f16 keep 16-bit copies of the
+/// parameters, updated by the fused step, which the forward pass uses instead of casting the
+/// weights (PyTorch's autocast casts them again every step).
+fn optim_options(a: &SweepArgs) -> OptimOptions {
+    OptimOptions {
+        copies: (a.dtype != Dtype::F32).then_some(a.dtype),
+    }
+}
+
+/// `f` inside an autocast scope of `--dtype` that uses the optimizer's 16-bit `copies`.
+fn mixed_with<R>(
+    a: &SweepArgs,
+    copies: &[(Parameter, TypedBuffer)],
+    f: impl FnOnce() -> cudagraph_nn::Result<R>,
+) -> cudagraph_nn::Result<R> {
+    let options = AutocastOptions {
+        dtype: a.dtype,
+        copies: copies.to_vec(),
+    };
+    autocast_with(options, f)?
+}
+
 /// Measures one point in one mode: µs per graph replay.
 fn run_point(
     dev: &Device,
@@ -369,13 +393,14 @@ fn run_point(
     let mut rng = HostRng::new(7);
     let train = mode == "train";
     let sgd = |s: &Stream, params, lr| {
-        Sgd::with_config(
+        Sgd::with_options(
             s,
             params,
             SgdConfig {
                 lr,
                 ..SgdConfig::default()
             },
+            optim_options(a),
         )
     };
     match *spec {
@@ -389,9 +414,10 @@ fn run_point(
                 });
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
+            let copies = opt.copies().unwrap_or_default();
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                mixed(a, || {
+                mixed_with(a, &copies, || {
                     mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Mean)
                 })?
                 .backward(q)?;
@@ -417,9 +443,10 @@ fn run_point(
                 });
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
+            let copies = opt.copies().unwrap_or_default();
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                mixed(a, || {
+                mixed_with(a, &copies, || {
                     mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Mean)
                 })?
                 .backward(q)?;
@@ -461,10 +488,17 @@ fn run_point(
                     no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
                 });
             }
-            let mut opt = Adam::with_config(s, model.parameters(), AdamConfig::default())?;
+            let mut opt = Adam::with_options(
+                s,
+                model.parameters(),
+                AdamConfig::default(),
+                optim_options(a),
+            )?;
+            let copies = opt.copies().unwrap_or_default();
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                mixed(a, || cross_entropy(q, &model.forward(q, &x)?, &t))?.backward(q)?;
+                mixed_with(a, &copies, || cross_entropy(q, &model.forward(q, &x)?, &t))?
+                    .backward(q)?;
                 opt.step(q)
             })
         }
@@ -489,10 +523,12 @@ fn run_point(
                 momentum: 0.9,
                 weight_decay: 0.0,
             };
-            let mut opt = Sgd::with_config(s, model.parameters(), cfg)?;
+            let mut opt = Sgd::with_options(s, model.parameters(), cfg, optim_options(a))?;
+            let copies = opt.copies().unwrap_or_default();
             measure(dev, s, a, |q| {
                 opt.zero_grad(q, true)?;
-                mixed(a, || cross_entropy(q, &model.forward(q, &x)?, &t))?.backward(q)?;
+                mixed_with(a, &copies, || cross_entropy(q, &model.forward(q, &x)?, &t))?
+                    .backward(q)?;
                 opt.step(q)
             })
         }
