@@ -79,6 +79,10 @@ def operand(rows, cols, transposed):
     return torch.randn(rows, cols, device=dev, dtype=dtype)
 
 
+# Microseconds of replays before the samples of each shape.
+WARM_US = 200_000
+
+
 def time_graph(g):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -94,6 +98,9 @@ def time_graph(g):
     torch.cuda.synchronize()
     once = sample(1) * PRODUCTS_PER_GRAPH
     reps = min(50, max(1, math.ceil(SAMPLE_US / max(once, 1.0))))
+    # Warm-up of at least WARM_US of replays, so that every shape is timed at the clocks and
+    # power state of sustained work (as `cudagraph bench gemm --dtype` does).
+    sample(max(1, math.ceil(WARM_US / max(once, 1.0))))
     return statistics.median(sample(reps) for _ in range(SAMPLES))
 
 

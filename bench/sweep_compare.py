@@ -38,8 +38,16 @@ def main():
     commands = sys.argv[3] if len(sys.argv) > 3 else ""
     ref = {(r["id"], r["mode"]): r for r in pt["rows"]}
     d = ours["device"]
+    dtype = ours.get("dtype", "f32")
+    if dtype == "f32":
+        precision = "fp32, TF32 off"
+    else:
+        precision = (f"{dtype} autocast, f32 master weights. PyTorch: `torch.autocast` around "
+                     f"every forward pass and loss (weights cast in every call and step). Ours: "
+                     f"`autocast`; forward points serve an `AutocastModule` (weights cast once), "
+                     f"training steps use the fused optimizer's {dtype} copies (no weight cast)")
     print(f"Device: {d['name']} (CUDA {d['driver_cuda_version']}, {d['multiprocessors']} SMs); "
-          f"PyTorch {pt.get('torch', '?')} on {pt.get('device', '?')}, same run. fp32, TF32 off, "
+          f"PyTorch {pt.get('torch', '?')} on {pt.get('device', '?')}, same run. {precision}, "
           f"cudnn.benchmark on, capturable optimizers.  ")
     det = ours.get("deterministic", True)
     print("Ours: deterministic engines only (the default; PyTorch's default allows cuDNN's "

@@ -229,3 +229,32 @@ fn sixteen_bit_max_pool_selects_exactly_and_routes_gradients_to_the_argmax() {
         }
     }
 }
+
+#[test]
+fn sixteen_bit_dropout_is_the_f32_dropout_of_the_widened_values_rounded_once() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let v = HostRng::new(6).vec_normal(5000);
+    for d in [Dtype::Bf16, Dtype::F16] {
+        let x = Tensor::from_host(&s, &v, &[50, 100])
+            .unwrap()
+            .to_dtype(&s, d)
+            .unwrap();
+        let (g1, g2) = (
+            Generator::new(&s, 77).unwrap(),
+            Generator::new(&s, 77).unwrap(),
+        );
+        let y = dropout(&s, &x, 0.3, true, &g1).unwrap();
+        assert_eq!(y.dtype(), d);
+        let wide = dropout(&s, &x.to_dtype(&s, Dtype::F32).unwrap(), 0.3, true, &g2).unwrap();
+        let (got, want) = (y.to_vec(&s).unwrap(), wide.to_vec(&s).unwrap());
+        let zeros = got.iter().filter(|v| **v == 0.0).count();
+        assert!(
+            (1200..1800).contains(&zeros),
+            "{d}: {zeros} of 5000 dropped at p = 0.3"
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), round_to(d, *w).to_bits(), "{d} [{i}]");
+        }
+    }
+}

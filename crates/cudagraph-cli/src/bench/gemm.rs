@@ -285,6 +285,9 @@ pub fn lowp_shapes() -> Vec<(usize, usize, usize, bool, bool, String)> {
     v
 }
 
+/// Microseconds of replays before the samples of each half-precision shape.
+const WARM_US: f64 = 200_000.0;
+
 /// Times every shape of [`lowp_shapes`] with operands and result of `T` (and every candidate
 /// of products of at least `candidates` GFLOP).
 pub fn measure_lowp<T: Float>(dev: &Device, candidates: Option<f64>) -> AnyResult<Vec<LowpRow>> {
@@ -339,6 +342,9 @@ pub fn measure_lowp<T: Float>(dev: &Device, candidates: Option<f64>) -> AnyResul
             // One replay sets how many make a sample of about 50 ms (at least one, at most 50).
             let once = replays(s, 1)? * PRODUCTS_PER_GRAPH as f64;
             let reps = ((50_000.0 / once.max(1.0)).ceil() as usize).clamp(1, 50);
+            // 200 ms of replays first: every shape and candidate is timed at the clocks and
+            // power state of sustained work (bench/pytorch_gemm.py does the same).
+            replays(s, ((WARM_US / once.max(1.0)).ceil() as usize).max(1))?;
             let mut samples = Vec::new();
             for _ in 0..5 {
                 samples.push(replays(s, reps)?);

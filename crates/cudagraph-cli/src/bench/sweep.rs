@@ -19,9 +19,9 @@ use cudagraph_nn::autograd::ops::{ce_plan, ce_plan_with, CeOptions, CE_FUSED_ROW
 use cudagraph_nn::engine::{CeEngine, Engines};
 use cudagraph_nn::nn::optim::{CAP_L, CAP_S};
 use cudagraph_nn::{
-    autocast, autocast_with, cross_entropy, mse_loss, no_grad, Adam, AdamConfig, AutocastOptions,
-    Conv2d, Dtype, HostRng, Layer, Linear, NnModule, OptimOptions, Optimizer, Parameter, Reduction,
-    Sequential, Sgd, SgdConfig, Targets, Tensor, TypedBuffer,
+    autocast_with, cross_entropy, mse_loss, no_grad, Adam, AdamConfig, AutocastModule,
+    AutocastOptions, Conv2d, Dtype, HostRng, Layer, Linear, NnModule, OptimOptions, Optimizer,
+    Parameter, Reduction, Sequential, Sgd, SgdConfig, Targets, Tensor, TypedBuffer,
 };
 use serde::{Deserialize, Serialize};
 
@@ -355,11 +355,6 @@ fn cnn(
     Ok(Sequential::new(layers))
 }
 
-/// `f` inside an autocast scope of `--dtype` (a scope of f32 is no autocast).
-fn mixed<R>(a: &SweepArgs, f: impl FnOnce() -> R) -> R {
-    autocast(a.dtype, f)
-}
-
 /// The optimizer options of a training step in `--dtype`: bf16/f16 keep 16-bit copies of the
 /// parameters, updated by the fused step, which the forward pass uses instead of casting the
 /// weights (PyTorch's autocast casts them again every step).
@@ -409,9 +404,8 @@ fn run_point(
             let x = tensor(s, &mut rng, &[m, k])?;
             let y = tensor(s, &mut rng, &[m, n])?;
             if !train {
-                return measure(dev, s, a, |q| {
-                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
-                });
+                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
             let copies = opt.copies().unwrap_or_default();
@@ -438,9 +432,8 @@ fn run_point(
             let oh = (hw + 2 * pad - k) / stride + 1;
             let y = tensor(s, &mut rng, &[n, oc, oh, oh])?;
             if !train {
-                return measure(dev, s, a, |q| {
-                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
-                });
+                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
             let copies = opt.copies().unwrap_or_default();
@@ -484,9 +477,8 @@ fn run_point(
             let x = tensor(s, &mut rng, &[batch, input])?;
             let t = targets(s, batch, classes)?;
             if !train {
-                return measure(dev, s, a, |q| {
-                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
-                });
+                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let mut opt = Adam::with_options(
                 s,
@@ -514,9 +506,8 @@ fn run_point(
             let x = tensor(s, &mut rng, &[batch, in_channels, image, image])?;
             let t = targets(s, batch, classes)?;
             if !train {
-                return measure(dev, s, a, |q| {
-                    no_grad(|| mixed(a, || model.forward(q, &x))).map(drop)
-                });
+                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let cfg = SgdConfig {
                 lr: 0.01,
@@ -542,7 +533,7 @@ fn run_point(
                 mse_loss(&*s, &p.tensor(), &zeros, Reduction::Sum)?.backward(&*s)?;
             }
             let mut o: Box<dyn Optimizer> = match opt {
-                OptKind::Sgd => Box::new(sgd(s, params, 1e-3)?),
+                OptKind::Sgd => Box::new(Sgd::new(s, params, 1e-3, 0.0, 0.0)?),
                 OptKind::Momentum => Box::new(Sgd::with_config(
                     s,
                     params,

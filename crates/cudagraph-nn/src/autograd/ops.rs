@@ -643,6 +643,12 @@ pub fn dropout(
             "dropout probability has to be between 0 and 1, but got {p}"
         ));
     }
+    if x.dtype() != Dtype::F32 && training && p != 0.0 {
+        // A 16-bit tensor: the mask and scaling in f32 between exact widening and one rounding
+        // back (differentiable through both casts).
+        let wide = x.to_dtype(q, Dtype::F32)?;
+        return dropout(q, &wide, p, training, gen)?.to_dtype(q, x.dtype());
+    }
     if !training || p == 0.0 {
         return Ok(x.clone());
     }
