@@ -88,6 +88,7 @@ pub use nn::batched::Batched;
 pub use nn::graphed::GraphedModule;
 pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
+pub use autograd::attention::{AttentionShape, KvCache};
 pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
 pub use autograd::scale::scale_by_device;
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};

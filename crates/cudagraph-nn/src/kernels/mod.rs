@@ -23,6 +23,7 @@ pub(crate) use crate::extent::{need, prod, ConvGeom};
 use crate::ffi::libraries::Libraries;
 
 pub mod amp;
+pub mod attention;
 pub mod cast;
 pub mod conv;
 pub mod conv_lowp;
@@ -87,6 +88,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         ("cudagraph_nn_lowp", lowp::source()),
+        ("cudagraph_nn_attention", attention::source()),
         ("cudagraph_nn_conv_lowp", conv_lowp::source()),
         (
             "cudagraph_nn_pdl",

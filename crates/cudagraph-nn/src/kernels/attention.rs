@@ -1,0 +1,346 @@
+//! Attention over a key/value cache (`attention.cu`, its own NVRTC module, compiled after the
+//! device-check prologue and `cast.cu`): [`AttentionKernels::attend`] — every query token
+//! attends to the cache positions up to its own, grouped-query heads, f32 softmax and sums —
+//! and [`AttentionKernels::append`], which writes new keys and values at their positions. One
+//! template per kernel, instantiated for f32, bf16 and f16.
+//!
+//! Positions are device data (one i32 per query token), so a captured decode step stays valid
+//! as sequences grow: the launch only fixes the shapes. A position outside `[0, max_len)` is
+//! reported through the stream's check record (the next synchronisation returns it as a typed
+//! error) and touches no memory outside the cache.
+
+use std::sync::Arc;
+
+use cudagraph::{register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+
+use crate::dtype::{Dtype, Float};
+use crate::error::{NnError, Result};
+use crate::extent::{need, prod};
+
+/// The shapes of one attention call: `batch` sequences of `tokens` query tokens, `heads` query
+/// heads over `kv_heads` key/value heads (`heads` a multiple of it), caches of `max_len`
+/// positions, head dimension `head_dim` (at most [`MAX_HEAD_DIM`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Query tokens per sequence in this call (1 when decoding).
+    pub tokens: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention: each serves `heads / kv_heads` query heads).
+    pub kv_heads: usize,
+    /// Positions each cache holds.
+    pub max_len: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+/// The largest head dimension the kernels take (32 lanes × 8 values).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Warps per attention block (as `ATT_WARPS` in the kernel).
+const WARPS: u32 = 4;
+
+impl AttentionShape {
+    /// Elements of the queries (and of the output): `batch · tokens · heads · head_dim`.
+    pub fn query_len(&self) -> Result<usize> {
+        prod(
+            "attention queries",
+            &[self.batch, self.tokens, self.heads, self.head_dim],
+        )
+    }
+
+    /// Elements of one cache: `batch · kv_heads · max_len · head_dim`.
+    pub fn cache_len(&self) -> Result<usize> {
+        prod(
+            "attention cache",
+            &[self.batch, self.kv_heads, self.max_len, self.head_dim],
+        )
+    }
+
+    /// Elements of the new keys (and values) of one call: `batch · tokens · kv_heads · head_dim`.
+    pub fn new_kv_len(&self) -> Result<usize> {
+        prod(
+            "attention new keys",
+            &[self.batch, self.tokens, self.kv_heads, self.head_dim],
+        )
+    }
+
+    /// Positions of one call: `batch · tokens`.
+    pub fn positions_len(&self) -> Result<usize> {
+        prod("attention positions", &[self.batch, self.tokens])
+    }
+
+    /// Checks the shape: every size positive, `heads` a multiple of `kv_heads`, `head_dim` at
+    /// most [`MAX_HEAD_DIM`], every count within the kernels' integers.
+    pub fn validate(&self) -> Result<()> {
+        let s = self;
+        if [
+            s.batch, s.tokens, s.heads, s.kv_heads, s.max_len, s.head_dim,
+        ]
+        .contains(&0)
+        {
+            return Err(NnError::Shape(format!("attention: a zero size in {s:?}")));
+        }
+        if s.heads % s.kv_heads != 0 {
+            return Err(NnError::Shape(format!(
+                "attention: {} query heads cannot share {} key/value heads evenly",
+                s.heads, s.kv_heads
+            )));
+        }
+        if s.head_dim > MAX_HEAD_DIM {
+            return Err(NnError::Shape(format!(
+                "attention: head dimension {} is over the kernels' {MAX_HEAD_DIM}",
+                s.head_dim
+            )));
+        }
+        for (what, v) in [
+            ("batch", s.batch),
+            ("tokens", s.tokens),
+            ("heads", s.heads),
+            ("max_len", s.max_len),
+        ] {
+            if v > 65_535 && what != "heads" || i32::try_from(v).is_err() {
+                return Err(NnError::Shape(format!(
+                    "attention: {what} = {v} is over the launch grid's limit"
+                )));
+            }
+        }
+        // The element counts must fit i64 (checked products); per-row indices are i64 inside.
+        s.query_len()?;
+        s.cache_len()?;
+        Ok(())
+    }
+}
+
+/// The attention kernels of one device (a [`Device::extension`]).
+pub struct AttentionKernels {
+    attend: [Function; 3],
+    append: [Function; 3],
+    check: u32,
+}
+
+fn slot<T: Float>() -> usize {
+    match T::DTYPE {
+        Dtype::F32 => 0,
+        Dtype::Bf16 => 1,
+        Dtype::F16 => 2,
+    }
+}
+
+/// The CUDA source of the module.
+pub fn source() -> String {
+    format!(
+        "{}{}{}",
+        cudagraph::DEVICE_CHECK_CUDA,
+        super::cast::SOURCE,
+        include_str!("attention.cu")
+    )
+}
+
+impl AttentionKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        Ok(device.extension(|d| {
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_attention",
+                    &super::module_source("cudagraph_nn_attention"),
+                )
+            })?;
+            let f = |name: &str| -> cudagraph::Result<[Function; 3]> {
+                Ok([
+                    m.function(&format!("{name}_f32"))?,
+                    m.function(&format!("{name}_bf16"))?,
+                    m.function(&format!("{name}_f16"))?,
+                ])
+            };
+            Ok(AttentionKernels {
+                attend: f("attend_kv")?,
+                append: f("kv_append")?,
+                check: register_check("attention position"),
+            })
+        })?)
+    }
+
+    /// `out = softmax(q·kᵀ · scale) · v` per query token and head, over the cache positions
+    /// `0..=pos` of its sequence (`pos` = `positions[b·tokens + t]`, its key and value already
+    /// in the cache). Buffers as [`AttentionShape`] describes; `positions` holds
+    /// `batch · tokens` values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        query: &DeviceBuffer<T>,
+        k_cache: &DeviceBuffer<T>,
+        v_cache: &DeviceBuffer<T>,
+        positions: &DeviceBuffer<i32>,
+        out: &DeviceBuffer<T>,
+        scale: f32,
+    ) -> Result<()> {
+        shape.validate()?;
+        let (ql, cl, pl) = (
+            shape.query_len()?,
+            shape.cache_len()?,
+            shape.positions_len()?,
+        );
+        need("attention query", query, ql)?;
+        need("attention output", out, ql)?;
+        need("attention key cache", k_cache, cl)?;
+        need("attention value cache", v_cache, cl)?;
+        need("attention positions", positions, pl)?;
+        let s = shape;
+        let cfg = LaunchConfig {
+            grid: (s.heads as u32, s.tokens as u32, s.batch as u32),
+            block: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let i = |v: usize| Arg::I32(v as i32);
+        // SAFETY: attend_kv_{f32,bf16,f16}(const T* q, const T* kc, const T* vc, const int* pos,
+        // T* out, int B, int Tq, int H, int Hkv, int Tmax, int D, float scale, cg_check* flag,
+        // unsigned check): block (h, t, b) reads q and writes out at row (b·Tq + t)·H + h of D
+        // elements (< query_len, checked for both), reads pos[b·Tq + t] (< positions_len,
+        // checked), and reads cache rows ((b·Hkv + h/(H/Hkv))·Tmax + p)·D for p < Tmax only
+        // (out-of-range positions read nothing; cache_len checked for both caches); D ≤ 256 and
+        // every size fits i32 (validated); the grid is within limits (validated).
+        unsafe {
+            Ok(q.launch(
+                &self.attend[slot::<T>()],
+                cfg,
+                &[
+                    query.into(),
+                    k_cache.into(),
+                    v_cache.into(),
+                    positions.into(),
+                    out.into(),
+                    i(s.batch),
+                    i(s.tokens),
+                    i(s.heads),
+                    i(s.kv_heads),
+                    i(s.max_len),
+                    i(s.head_dim),
+                    Arg::F32(scale),
+                    q.check_flag_arg()?,
+                    Arg::U32(self.check),
+                ],
+            )?)
+        }
+    }
+
+    /// Writes `new_k`, `new_v` (`[batch, tokens, kv_heads, head_dim]`) into the caches at
+    /// each token's position (`positions[b·tokens + t]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn append<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        new_k: &DeviceBuffer<T>,
+        new_v: &DeviceBuffer<T>,
+        k_cache: &DeviceBuffer<T>,
+        v_cache: &DeviceBuffer<T>,
+        positions: &DeviceBuffer<i32>,
+    ) -> Result<()> {
+        shape.validate()?;
+        let (nl, cl, pl) = (
+            shape.new_kv_len()?,
+            shape.cache_len()?,
+            shape.positions_len()?,
+        );
+        need("attention new keys", new_k, nl)?;
+        need("attention new values", new_v, nl)?;
+        need("attention key cache", k_cache, cl)?;
+        need("attention value cache", v_cache, cl)?;
+        need("attention positions", positions, pl)?;
+        let blocks = nl.div_ceil(256).clamp(1, 65_536) as u32;
+        let s = shape;
+        let i = |v: usize| Arg::I32(v as i32);
+        // SAFETY: kv_append_{f32,bf16,f16}(const T* kn, const T* vn, T* kc, T* vc, const int*
+        // pos, int B, int Tq, int Hkv, int Tmax, int D, cg_check* flag, unsigned check): element
+        // i < B·Tq·Hkv·D (new_kv_len, checked for both inputs) is written to the caches at row
+        // ((b·Hkv + kvh)·Tmax + p)·D with 0 ≤ p < Tmax only (cache_len checked for both), reading
+        // pos[b·Tq + t] (positions_len checked); sizes fit i32 (validated), the loop strides.
+        unsafe {
+            Ok(q.launch(
+                &self.append[slot::<T>()],
+                LaunchConfig::linear(blocks, 256),
+                &[
+                    new_k.into(),
+                    new_v.into(),
+                    k_cache.into(),
+                    v_cache.into(),
+                    positions.into(),
+                    i(s.batch),
+                    i(s.tokens),
+                    i(s.kv_heads),
+                    i(s.max_len),
+                    i(s.head_dim),
+                    q.check_flag_arg()?,
+                    Arg::U32(self.check),
+                ],
+            )?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> AttentionShape {
+        AttentionShape {
+            batch: 2,
+            tokens: 3,
+            heads: 8,
+            kv_heads: 2,
+            max_len: 16,
+            head_dim: 64,
+        }
+    }
+
+    #[test]
+    fn shapes_are_checked_before_anything_runs() {
+        assert!(shape().validate().is_ok());
+        assert_eq!(shape().query_len().unwrap(), 2 * 3 * 8 * 64);
+        assert_eq!(shape().cache_len().unwrap(), 2 * 2 * 16 * 64);
+        assert_eq!(shape().new_kv_len().unwrap(), 2 * 3 * 2 * 64);
+        for bad in [
+            AttentionShape {
+                kv_heads: 3,
+                ..shape()
+            },
+            AttentionShape {
+                head_dim: 257,
+                ..shape()
+            },
+            AttentionShape {
+                tokens: 0,
+                ..shape()
+            },
+            AttentionShape {
+                batch: 70_000,
+                ..shape()
+            },
+            AttentionShape {
+                max_len: usize::MAX,
+                ..shape()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_source_instantiates_both_kernels_for_every_type() {
+        let src = source();
+        for inst in [
+            "ATT_INSTANCES(float, f32)",
+            "ATT_INSTANCES(bf16_t, bf16)",
+            "ATT_INSTANCES(f16_t, f16)",
+        ] {
+            assert!(src.contains(inst), "{inst}");
+        }
+        assert!(!src.contains("#include"));
+    }
+}
