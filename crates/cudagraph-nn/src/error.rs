@@ -271,6 +271,9 @@ pub enum HfError {
         /// Its dtype as the safetensors header spells it.
         found: String,
     },
+    /// A `tokenizer.json` could not be read, or text could not be encoded or ids decoded.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
     /// The same tensor is in two files.
     #[error("weights: tensor `{name}` is in both {first} and {second}")]
     Duplicate {

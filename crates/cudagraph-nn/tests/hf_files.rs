@@ -762,3 +762,30 @@ fn gpu_uploads_equal_host_values() {
         }
     }
 }
+
+/// With the `tokenizers` feature: a hand-written word-level `tokenizer.json` encodes and
+/// decodes, unknown words become the unknown token, and a malformed file is a typed error.
+#[cfg(feature = "tokenizers")]
+#[test]
+fn tokenizer_json_round_trips() {
+    use cudagraph_nn::io::hf::HfTokenizer;
+    let json = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"hello": 0, "world": 1, "[UNK]": 2},
+                  "unk_token": "[UNK]"},
+    });
+    let dir = temp_dir("tok");
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let t = HfTokenizer::read(&dir).unwrap();
+    assert_eq!(t.vocab_size(), 3);
+    assert_eq!(t.encode("hello world hello", false).unwrap(), [0, 1, 0]);
+    assert_eq!(t.encode("world of", true).unwrap(), [1, 2]);
+    assert_eq!(t.decode(&[0, 1], false).unwrap(), "hello world");
+    assert!(matches!(
+        HfTokenizer::from_bytes(b"{}"),
+        Err(IoError::Hf(HfError::Tokenizer(_)))
+    ));
+    std::fs::remove_dir_all(dir).unwrap();
+}

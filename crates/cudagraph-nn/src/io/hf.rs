@@ -5,7 +5,9 @@
 //! [`DecoderWeights`], which [`DecoderWeights::upload_parameters`] and
 //! [`DecoderWeights::upload_as`] put on a device.
 //!
-//! Everything but the uploads works and is tested without a GPU.
+//! Everything but the uploads works and is tested without a GPU. With the `tokenizers` feature,
+//! `HfTokenizer` turns text into token ids and back through the folder's `tokenizer.json`;
+//! without it, token ids as `Vec<u32>` are the interface.
 //!
 //! # Names and layouts
 //!
@@ -836,4 +838,59 @@ fn check_index(map: &BTreeMap<String, String>, files: &[(String, Vec<u8>)]) -> I
         .into());
     }
     Ok(())
+}
+
+/// A Hugging Face tokenizer (`tokenizer.json`): text to token ids and back. Needs the
+/// `tokenizers` feature.
+#[cfg(feature = "tokenizers")]
+pub struct HfTokenizer(tokenizers::Tokenizer);
+
+#[cfg(feature = "tokenizers")]
+impl HfTokenizer {
+    /// Reads a model folder's `tokenizer.json` (or the file itself, when `path` is one).
+    pub fn read(path: &Path) -> IoResult<Self> {
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
+        Self::from_bytes(&read_file(&file)?)
+    }
+
+    /// Parses the bytes of a `tokenizer.json`.
+    pub fn from_bytes(bytes: &[u8]) -> IoResult<Self> {
+        tokenizers::Tokenizer::from_bytes(bytes)
+            .map(Self)
+            .map_err(|e| HfError::Tokenizer(e.to_string()).into())
+    }
+
+    /// The token ids of `text`, with the special tokens the tokenizer's post-processor adds
+    /// (a BOS token for Llama) when `special` is true.
+    pub fn encode(&self, text: &str, special: bool) -> IoResult<Vec<u32>> {
+        self.0
+            .encode(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| HfError::Tokenizer(e.to_string()).into())
+    }
+
+    /// The text of `ids`, leaving out special tokens when `skip_special` is true.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> IoResult<String> {
+        self.0
+            .decode(ids, skip_special)
+            .map_err(|e| HfError::Tokenizer(e.to_string()).into())
+    }
+
+    /// The number of tokens, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.0.get_vocab_size(true)
+    }
+}
+
+#[cfg(feature = "tokenizers")]
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
 }
