@@ -201,6 +201,89 @@ pub enum IoError {
         /// The name as given.
         given: String,
     },
+    /// A Hugging Face model folder (`config.json`, safetensors weights) is not one this build
+    /// reads (`io::hf`).
+    #[error(transparent)]
+    Hf(#[from] HfError),
+}
+
+/// What is wrong with a Hugging Face model folder (`io::hf`): its `config.json`, its
+/// safetensors weights (one file or shards with an index), or the two together.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HfError {
+    /// `config.json` is not JSON, or a field is missing or of the wrong type or range.
+    #[error("config.json: `{field}` {problem}")]
+    Config {
+        /// The field, by its name in the file (`""` for the file as a whole).
+        field: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// `config.json` asks for something this build does not run.
+    #[error("config.json: `{field}` = {value} is not supported; supported: {supported}")]
+    Unsupported {
+        /// The field, by its name in the file (`rope_scaling.rope_type`, ...).
+        field: String,
+        /// Its value as JSON.
+        value: String,
+        /// What is supported instead.
+        supported: String,
+    },
+    /// The folder has neither `model.safetensors` nor `model.safetensors.index.json`.
+    #[error("{}: no model.safetensors and no model.safetensors.index.json", dir.display())]
+    NoWeights {
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// `model.safetensors.index.json` is malformed or does not match its shards.
+    #[error("model.safetensors.index.json: {0}")]
+    Index(String),
+    /// Tensors the model needs are in no weights file.
+    #[error("weights: missing tensors: {}", names.join(", "))]
+    MissingTensors {
+        /// Their names, sorted.
+        names: Vec<String>,
+    },
+    /// The weights hold tensors the model does not use.
+    #[error("weights: tensors this {model} model does not use: {}", names.join(", "))]
+    ExtraTensors {
+        /// The config's `model_type`.
+        model: String,
+        /// Their names, sorted.
+        names: Vec<String>,
+    },
+    /// A tensor's shape does not match the config.
+    #[error("weights: tensor `{name}` has shape {found:?}, but the config needs {expected:?}")]
+    Shape {
+        /// The tensor's name in the file.
+        name: String,
+        /// The shape the config implies (as stored in the file).
+        expected: Vec<usize>,
+        /// The shape in the file.
+        found: Vec<usize>,
+    },
+    /// A tensor is stored in a dtype other than F32, BF16 or F16.
+    #[error("weights: tensor `{name}` is {found}; supported: F32, BF16, F16")]
+    Dtype {
+        /// The tensor's name in the file.
+        name: String,
+        /// Its dtype as the safetensors header spells it.
+        found: String,
+    },
+    /// A `tokenizer.json` could not be read, or text could not be encoded or ids decoded.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The same tensor is in two files.
+    #[error("weights: tensor `{name}` is in both {first} and {second}")]
+    Duplicate {
+        /// The tensor's name.
+        name: String,
+        /// One file.
+        first: String,
+        /// The other.
+        second: String,
+    },
 }
 
 impl From<IoError> for cudagraph::Error {

@@ -93,7 +93,7 @@ pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOp
 pub use autograd::scale::scale_by_device;
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
 pub use dtype::{Dtype, Float, TypedBuffer};
-pub use error::{AmpError, CheckpointError};
+pub use error::{AmpError, CheckpointError, HfError};
 pub use io::checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, CheckpointMut};
 pub use nn::clip::clip_grad_norm;
 pub use nn::optim::{

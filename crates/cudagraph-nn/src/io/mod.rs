@@ -50,6 +50,7 @@ pub mod checkpoint;
 pub mod datasets;
 mod description;
 mod dtype;
+pub mod hf;
 mod weights;
 
 use std::collections::HashMap;
@@ -62,7 +63,7 @@ use crate::error::Result;
 use crate::nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 use description::product;
 
-pub use crate::error::IoError;
+pub use crate::error::{HfError, IoError};
 pub use description::{LayerSpec, ModelDescription, ParamSpec};
 pub use dtype::Dtype;
 pub use weights::{

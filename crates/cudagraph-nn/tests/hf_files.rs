@@ -1,0 +1,791 @@
+//! Hugging Face model folders (`io::hf`): synthetic GPT-2 and Llama configs and safetensors
+//! files (two layers, tiny sizes; one file and shards; tied and untied heads; BF16 and F32),
+//! written with the `safetensors` crate into a temporary folder and read back, value for value;
+//! and every error the reader names. The last test uploads to a GPU (skipped without one): the
+//! device copies equal the host values bit for bit.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudagraph::gpu_test_device;
+use cudagraph_nn::io::hf::{DecoderConfig, DecoderWeights, TensorSpec};
+use cudagraph_nn::io::{Dtype, HfError, IoError};
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype as FileDtype, TensorView};
+use serde_json::{json, Value};
+
+/// A fresh empty folder under the system's temporary directory.
+fn temp_dir(tag: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "cudagraph-hf-{tag}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn gpt2_config(tied: bool) -> Value {
+    json!({
+        "model_type": "gpt2", "n_embd": 8, "n_layer": 2, "n_head": 2, "n_positions": 16,
+        "vocab_size": 11, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+        "tie_word_embeddings": tied, "torch_dtype": "float32", "n_inner": null,
+    })
+}
+
+fn llama_config(tied: bool) -> Value {
+    json!({
+        "model_type": "llama", "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 64,
+        "vocab_size": 13, "tie_word_embeddings": tied, "hidden_act": "silu",
+        "attention_bias": false, "mlp_bias": false, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    })
+}
+
+fn parse(v: &Value) -> DecoderConfig {
+    DecoderConfig::from_json(&v.to_string()).unwrap()
+}
+
+/// Distinct values per tensor (seeded by the name), exact in BF16: small integers over 8.
+fn values(name: &str, n: usize) -> Vec<f32> {
+    let seed = name
+        .bytes()
+        .fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+    (0..n)
+        .map(|i| ((seed.wrapping_add(i as u32 * 13)) % 61) as f32 / 8.0 - 3.0)
+        .collect()
+}
+
+fn encode(dtype: FileDtype, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        FileDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        FileDtype::BF16 => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        FileDtype::F16 => v
+            .iter()
+            .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
+        FileDtype::F64 => v.iter().flat_map(|x| f64::from(*x).to_le_bytes()).collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A file's tensors: name, dtype, shape, values.
+type Entries = Vec<(String, FileDtype, Vec<usize>, Vec<f32>)>;
+
+/// The tensors `cfg` needs, by their file names (`prefix` before GPT-2's), in `dtype`.
+fn entries(cfg: &DecoderConfig, dtype: FileDtype, prefix: &str) -> Entries {
+    cfg.tensors()
+        .into_iter()
+        .map(|TensorSpec { name, shape, .. }| {
+            let n = shape.iter().product();
+            let v = values(&name, n);
+            (format!("{prefix}{name}"), dtype, shape, v)
+        })
+        .collect()
+}
+
+fn serialize(entries: &[(String, FileDtype, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+    let bytes: Vec<Vec<u8>> = entries.iter().map(|e| encode(e.1, &e.3)).collect();
+    let views: Vec<(String, TensorView<'_>)> = entries
+        .iter()
+        .zip(&bytes)
+        .map(|(e, b)| (e.0.clone(), TensorView::new(e.1, e.2.clone(), b).unwrap()))
+        .collect();
+    safetensors::tensor::serialize(views, None).unwrap()
+}
+
+fn write_folder(dir: &Path, config: &Value, shards: &[Entries]) {
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    if shards.len() == 1 {
+        std::fs::write(dir.join("model.safetensors"), serialize(&shards[0])).unwrap();
+        return;
+    }
+    let mut map = serde_json::Map::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len());
+        for e in shard {
+            map.insert(e.0.clone(), Value::from(file.clone()));
+        }
+        std::fs::write(dir.join(&file), serialize(shard)).unwrap();
+    }
+    let index = json!({"metadata": {"total_size": 0}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+fn hf_err(r: Result<impl std::fmt::Debug, IoError>) -> HfError {
+    match r {
+        Err(IoError::Hf(e)) => e,
+        other => panic!("expected an HfError, got {other:?}"),
+    }
+}
+
+fn config_err(v: &Value) -> HfError {
+    hf_err(DecoderConfig::from_json(&v.to_string()))
+}
+
+#[test]
+fn configs_parse_with_defaults() {
+    let DecoderConfig::Gpt2(g) = parse(&gpt2_config(true)) else {
+        panic!()
+    };
+    assert_eq!((g.n_embd, g.n_layer, g.n_head, g.n_inner), (8, 2, 2, 32));
+    assert_eq!((g.n_positions, g.vocab_size), (16, 11));
+    assert!(g.tie_word_embeddings);
+    assert_eq!(g.dtype, Some(Dtype::F32));
+    // GPT-2's defaults: tied head, epsilon 1e-5, gelu_new.
+    let mut min = gpt2_config(true);
+    for f in [
+        "tie_word_embeddings",
+        "layer_norm_epsilon",
+        "activation_function",
+        "torch_dtype",
+    ] {
+        min.as_object_mut().unwrap().remove(f);
+    }
+    let DecoderConfig::Gpt2(m) = parse(&min) else {
+        panic!()
+    };
+    assert!(m.tie_word_embeddings && m.layer_norm_epsilon == 1e-5 && m.dtype.is_none());
+
+    let c = parse(&llama_config(false));
+    assert_eq!((c.model_type(), c.layers(), c.tied()), ("llama", 2, false));
+    let DecoderConfig::Llama(l) = c else { panic!() };
+    assert_eq!(
+        (l.num_attention_heads, l.num_key_value_heads, l.head_dim),
+        (4, 2, 4)
+    );
+    assert_eq!((l.rope_theta, l.dtype), (500000.0, Some(Dtype::Bf16)));
+    let r = l.rope_scaling.unwrap();
+    assert_eq!(
+        (r.factor, r.low_freq_factor, r.high_freq_factor),
+        (8.0, 1.0, 4.0)
+    );
+    assert_eq!(r.original_max_position_embeddings, 32);
+
+    // Llama defaults: kv heads = heads, head_dim = hidden / heads, untied, no scaling; the old
+    // `type` key and "default" scaling; `dtype` as newer files write it; an explicit head_dim.
+    let mut v = llama_config(false);
+    let o = v.as_object_mut().unwrap();
+    for f in [
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "torch_dtype",
+    ] {
+        o.remove(f);
+    }
+    o.insert("rope_scaling".into(), json!({"type": "default"}));
+    o.insert("dtype".into(), json!("float16"));
+    o.insert("head_dim".into(), json!(8));
+    let DecoderConfig::Llama(l) = parse(&v) else {
+        panic!()
+    };
+    assert_eq!(
+        (l.num_key_value_heads, l.head_dim, l.rms_norm_eps),
+        (4, 8, 1e-6)
+    );
+    assert!(!l.tie_word_embeddings && l.rope_scaling.is_none());
+    assert_eq!(l.dtype, Some(Dtype::F16));
+    let spec = parse(&v).tensors();
+    let q = spec
+        .iter()
+        .find(|s| s.name.ends_with("0.self_attn.q_proj.weight"));
+    assert_eq!(q.unwrap().shape, vec![32, 16]);
+    let o = spec
+        .iter()
+        .find(|s| s.name.ends_with("0.self_attn.o_proj.weight"));
+    assert_eq!(o.unwrap().shape, vec![16, 32]);
+
+    // Mistral without a sliding window is a Llama.
+    let mut v = llama_config(true);
+    v["model_type"] = json!("mistral");
+    v["sliding_window"] = Value::Null;
+    assert_eq!(parse(&v).model_type(), "mistral");
+}
+
+#[test]
+fn unsupported_configs_name_field_value_and_alternatives() {
+    let cases: Vec<(Value, &str, &str, &str)> = vec![
+        (
+            json!({"model_type": "qwen2"}),
+            "model_type",
+            "\"qwen2\"",
+            "llama",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+                v
+            },
+            "rope_scaling.rope_type",
+            "\"yarn\"",
+            "llama3",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["attention_bias"] = json!(true);
+                v
+            },
+            "attention_bias",
+            "true",
+            "false",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["mlp_bias"] = json!(true);
+                v
+            },
+            "mlp_bias",
+            "true",
+            "false",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["model_type"] = json!("mistral");
+                v["sliding_window"] = json!(4096);
+                v
+            },
+            "sliding_window",
+            "4096",
+            "null",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["hidden_act"] = json!("gelu");
+                v
+            },
+            "hidden_act",
+            "\"gelu\"",
+            "silu",
+        ),
+        (
+            {
+                let mut v = gpt2_config(true);
+                v["activation_function"] = json!("relu");
+                v
+            },
+            "activation_function",
+            "\"relu\"",
+            "gelu_new",
+        ),
+        (
+            {
+                let mut v = gpt2_config(true);
+                v["torch_dtype"] = json!("float64");
+                v
+            },
+            "torch_dtype",
+            "\"float64\"",
+            "bfloat16",
+        ),
+    ];
+    for (v, field, value, supported) in cases {
+        let e = config_err(&v);
+        let msg = e.to_string();
+        match &e {
+            HfError::Unsupported {
+                field: f, value: x, ..
+            } => assert_eq!((f.as_str(), x.as_str()), (field, value), "{msg}"),
+            other => panic!("{field}: {other:?}"),
+        }
+        assert!(msg.contains(supported), "{msg}");
+    }
+
+    // Malformed fields: missing, wrong type, inconsistent heads.
+    let mut v = gpt2_config(true);
+    v.as_object_mut().unwrap().remove("n_embd");
+    let cases = vec![
+        (v, "n_embd", "missing"),
+        (
+            {
+                let mut v = llama_config(false);
+                v["num_key_value_heads"] = json!(3);
+                v
+            },
+            "num_key_value_heads",
+            "does not divide",
+        ),
+        (
+            {
+                let mut v = gpt2_config(true);
+                v["n_head"] = json!(3);
+                v
+            },
+            "n_head",
+            "does not divide",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["vocab_size"] = json!("13");
+                v
+            },
+            "vocab_size",
+            "positive integer",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["rope_scaling"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("low_freq_factor");
+                v
+            },
+            "rope_scaling.low_freq_factor",
+            "missing",
+        ),
+        (json!({"n_embd": 8}), "model_type", "missing"),
+    ];
+    for (v, field, problem) in cases {
+        match config_err(&v) {
+            HfError::Config {
+                field: f,
+                problem: p,
+            } => {
+                assert_eq!(f, field);
+                assert!(p.contains(problem), "{field}: {p}");
+            }
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        hf_err(DecoderConfig::from_json("{not json")),
+        HfError::Config { .. }
+    ));
+}
+
+/// Reads `dir` and checks every tensor against `want` (by canonical name), transposing GPT-2's
+/// `Conv1D` weights.
+fn check_values(w: &DecoderWeights, want: &Entries, prefix: &str) {
+    let specs: BTreeMap<String, TensorSpec> = w
+        .config
+        .tensors()
+        .into_iter()
+        .map(|s| (s.name.clone(), s))
+        .collect();
+    assert_eq!(w.tensors.len(), specs.len());
+    for (name, dtype, shape, v) in want {
+        let name = name.strip_prefix(prefix).unwrap();
+        let t = w.get(name).unwrap_or_else(|| panic!("{name}"));
+        assert_eq!(t.dtype, file_dtype(*dtype), "{name}");
+        let got = t.to_f32();
+        if specs[name].transpose {
+            let (r, c) = (shape[0], shape[1]);
+            assert_eq!(t.shape, vec![c, r], "{name}");
+            for i in 0..r {
+                for j in 0..c {
+                    assert_eq!(got[j * r + i], v[i * c + j], "{name}[{i},{j}]");
+                }
+            }
+        } else {
+            assert_eq!(&t.shape, shape, "{name}");
+            assert_eq!(&got, v, "{name}");
+        }
+    }
+}
+
+fn file_dtype(d: FileDtype) -> Dtype {
+    match d {
+        FileDtype::F32 => Dtype::F32,
+        FileDtype::BF16 => Dtype::Bf16,
+        FileDtype::F16 => Dtype::F16,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn gpt2_single_file_tied_and_untied() {
+    // Tied, with the `transformer.` prefix and the old attention-mask buffers HF ignores.
+    let cfg = parse(&gpt2_config(true));
+    let dir = temp_dir("gpt2-tied");
+    let mut e = entries(&cfg, FileDtype::F32, "transformer.");
+    let want = e.clone();
+    e.push((
+        "transformer.h.0.attn.bias".into(),
+        FileDtype::F32,
+        vec![1, 1, 16, 16],
+        vec![1.0; 256],
+    ));
+    e.push((
+        "transformer.h.1.attn.masked_bias".into(),
+        FileDtype::F32,
+        vec![],
+        vec![-1e4],
+    ));
+    // A tied file may still store the head; it is dropped as HF drops it.
+    e.push((
+        "lm_head.weight".into(),
+        FileDtype::F32,
+        vec![11, 8],
+        values("wte.weight", 88),
+    ));
+    write_folder(&dir, &gpt2_config(true), &[e]);
+    let w = DecoderWeights::read(&dir).unwrap();
+    assert!(w.get("lm_head.weight").is_none());
+    check_values(&w, &want, "transformer.");
+    // c_attn: stored [8, 24] (Conv1D), loaded [24, 8] like nn.Linear.
+    assert_eq!(w.get("h.0.attn.c_attn.weight").unwrap().shape, vec![24, 8]);
+    assert_eq!(w.get("h.1.mlp.c_fc.weight").unwrap().shape, vec![32, 8]);
+    assert_eq!(w.get("h.1.mlp.c_proj.weight").unwrap().shape, vec![8, 32]);
+
+    // Untied, without the prefix, in BF16: the head is loaded.
+    let cfg = parse(&gpt2_config(false));
+    let dir = temp_dir("gpt2-untied");
+    let e = entries(&cfg, FileDtype::BF16, "");
+    write_folder(&dir, &gpt2_config(false), std::slice::from_ref(&e));
+    let w = DecoderWeights::read(&dir).unwrap();
+    assert_eq!(w.get("lm_head.weight").unwrap().shape, vec![11, 8]);
+    check_values(&w, &e, "");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn llama_sharded_and_single_bf16_and_f32() {
+    for (tied, dtype, shards) in [
+        (false, FileDtype::BF16, 3),
+        (true, FileDtype::F32, 2),
+        (false, FileDtype::F32, 1),
+        (true, FileDtype::BF16, 1),
+    ] {
+        let cfg_json = llama_config(tied);
+        let cfg = parse(&cfg_json);
+        let dir = temp_dir("llama");
+        let mut e = entries(&cfg, dtype, "");
+        // Old Llama files carry the rotary frequencies as a buffer: ignored.
+        e.push((
+            "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+            FileDtype::F32,
+            vec![2],
+            vec![1.0, 0.5],
+        ));
+        let per = e.len().div_ceil(shards);
+        let parts: Vec<Entries> = e.chunks(per).map(|c| c.to_vec()).collect();
+        write_folder(&dir, &cfg_json, &parts);
+        let w = DecoderWeights::read(&dir).unwrap();
+        e.pop();
+        check_values(&w, &e, "");
+        assert_eq!(w.get("lm_head.weight").is_some(), !tied);
+        assert_eq!(
+            w.get("model.layers.1.self_attn.k_proj.weight")
+                .unwrap()
+                .shape,
+            vec![8, 16]
+        );
+        // 16-bit host vectors: the file's own bits, or rounded from f32.
+        let t = w.get("model.norm.weight").unwrap();
+        let as_bf16 = t.to_vec::<bf16>("model.norm.weight").unwrap();
+        let as_f16 = t.to_vec::<f16>("model.norm.weight").unwrap();
+        let as_f32 = t.to_vec::<f32>("model.norm.weight").unwrap();
+        for ((a, b), c) in as_bf16.iter().zip(&as_f16).zip(&as_f32) {
+            assert_eq!(a.to_f32(), *c);
+            assert_eq!(b.to_f32(), *c);
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn weight_errors_are_typed_and_list_every_name() {
+    let cfg_json = llama_config(false);
+    let cfg = parse(&cfg_json);
+    let full = entries(&cfg, FileDtype::BF16, "");
+    let from = |e: &Entries| {
+        DecoderWeights::from_files(
+            parse(&cfg_json),
+            &[("model.safetensors".into(), serialize(e))],
+        )
+    };
+
+    // Missing: every one listed.
+    let e: Entries = full
+        .iter()
+        .filter(|x| !x.0.contains("layers.1.mlp") && x.0 != "lm_head.weight")
+        .cloned()
+        .collect();
+    match hf_err(from(&e)) {
+        HfError::MissingTensors { names } => assert_eq!(
+            names,
+            [
+                "model.layers.1.mlp.gate_proj.weight",
+                "model.layers.1.mlp.up_proj.weight",
+                "model.layers.1.mlp.down_proj.weight",
+                "lm_head.weight",
+            ]
+        ),
+        other => panic!("{other:?}"),
+    }
+
+    // Extra: every one listed, sorted (a third layer, a bias).
+    let mut e = full.clone();
+    e.push((
+        "model.layers.2.input_layernorm.weight".into(),
+        FileDtype::BF16,
+        vec![16],
+        vec![0.0; 16],
+    ));
+    e.push((
+        "model.layers.0.self_attn.q_proj.bias".into(),
+        FileDtype::BF16,
+        vec![16],
+        vec![0.0; 16],
+    ));
+    match hf_err(from(&e)) {
+        HfError::ExtraTensors { model, names } => {
+            assert_eq!(model, "llama");
+            assert_eq!(
+                names,
+                [
+                    "model.layers.0.self_attn.q_proj.bias",
+                    "model.layers.2.input_layernorm.weight"
+                ]
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Wrong shape (k_proj as if there were no GQA).
+    let mut e = full.clone();
+    let k = e
+        .iter_mut()
+        .find(|x| x.0 == "model.layers.0.self_attn.k_proj.weight")
+        .unwrap();
+    k.2 = vec![16, 16];
+    k.3 = vec![0.5; 256];
+    match hf_err(from(&e)) {
+        HfError::Shape {
+            name,
+            expected,
+            found,
+        } => {
+            assert_eq!(name, "model.layers.0.self_attn.k_proj.weight");
+            assert_eq!((expected, found), (vec![8, 16], vec![16, 16]));
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Unsupported dtype.
+    let mut e = full.clone();
+    e.iter_mut().find(|x| x.0 == "model.norm.weight").unwrap().1 = FileDtype::F64;
+    match hf_err(from(&e)) {
+        HfError::Dtype { name, found } => {
+            assert_eq!(
+                (name.as_str(), found.as_str()),
+                ("model.norm.weight", "F64")
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // The same tensor in two shards.
+    let norm: Entries = full
+        .iter()
+        .filter(|x| x.0 == "model.norm.weight")
+        .cloned()
+        .collect();
+    let r = DecoderWeights::from_files(
+        parse(&cfg_json),
+        &[
+            ("a.safetensors".into(), serialize(&full)),
+            ("b.safetensors".into(), serialize(&norm)),
+        ],
+    );
+    assert!(
+        matches!(hf_err(r), HfError::Duplicate { ref name, .. } if name == "model.norm.weight")
+    );
+
+    // Not a safetensors file.
+    let r = DecoderWeights::from_files(parse(&cfg_json), &[("x".into(), b"garbage".to_vec())]);
+    assert!(matches!(r, Err(IoError::Format { .. })), "{r:?}");
+
+    // GPT-2: a Conv1D weight stored as nn.Linear would store it is a shape error.
+    let g = parse(&gpt2_config(true));
+    let mut e = entries(&g, FileDtype::F32, "");
+    let c = e
+        .iter_mut()
+        .find(|x| x.0 == "h.1.attn.c_attn.weight")
+        .unwrap();
+    c.2 = vec![24, 8];
+    let r = DecoderWeights::from_files(g, &[("m".into(), serialize(&e))]);
+    match hf_err(r) {
+        HfError::Shape {
+            expected, found, ..
+        } => assert_eq!((expected, found), (vec![8, 24], vec![24, 8])),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn folder_and_index_errors() {
+    let cfg_json = llama_config(true);
+    let cfg = parse(&cfg_json);
+    let e = entries(&cfg, FileDtype::F32, "");
+
+    // No weights at all.
+    let dir = temp_dir("empty");
+    std::fs::write(dir.join("config.json"), cfg_json.to_string()).unwrap();
+    assert!(matches!(
+        hf_err(DecoderWeights::read(&dir)),
+        HfError::NoWeights { .. }
+    ));
+    // No config.
+    let none = temp_dir("none");
+    assert!(matches!(
+        DecoderWeights::read(&none),
+        Err(IoError::File { .. })
+    ));
+
+    // An index that puts a tensor in the wrong shard.
+    let dir = temp_dir("index");
+    let half = e.len() / 2;
+    write_folder(&dir, &cfg_json, &[e[..half].to_vec(), e[half..].to_vec()]);
+    let index = dir.join("model.safetensors.index.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&index).unwrap()).unwrap();
+    v["weight_map"]["model.norm.weight"] = json!("model-00001-of-00002.safetensors");
+    std::fs::write(&index, v.to_string()).unwrap();
+    match hf_err(DecoderWeights::read(&dir)) {
+        HfError::Index(m) => assert!(m.contains("model.norm.weight"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // An index naming a file outside the folder.
+    v["weight_map"]["model.norm.weight"] = json!("../elsewhere.safetensors");
+    std::fs::write(&index, v.to_string()).unwrap();
+    assert!(matches!(
+        hf_err(DecoderWeights::read(&dir)),
+        HfError::Index(_)
+    ));
+    // An index without a weight_map.
+    std::fs::write(&index, "{}").unwrap();
+    assert!(matches!(
+        hf_err(DecoderWeights::read(&dir)),
+        HfError::Index(_)
+    ));
+    // A missing shard file.
+    v["weight_map"]["model.norm.weight"] = json!("model-00009-of-00009.safetensors");
+    std::fs::write(&index, v.to_string()).unwrap();
+    assert!(matches!(
+        DecoderWeights::read(&dir),
+        Err(IoError::File { .. })
+    ));
+    for d in [dir, none] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+/// On a GPU: f32 parameters equal the host values widened; typed uploads equal the host
+/// vectors bit for bit, in each dtype (BF16 file → f16 rounds on the host, as `to_vec` does).
+#[test]
+fn gpu_uploads_equal_host_values() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let cfg_json = llama_config(false);
+    let cfg = parse(&cfg_json);
+    let e = entries(&cfg, FileDtype::BF16, "");
+    let w = DecoderWeights::from_files(cfg, &[("m".into(), serialize(&e))]).unwrap();
+    let params = w.upload_parameters(&s).unwrap();
+    assert_eq!(params.len(), w.tensors.len());
+    for (name, t) in &w.tensors {
+        let p = &params[name];
+        assert_eq!(p.shape(), t.shape.as_slice(), "{name}");
+        let got = s.to_vec(p.data()).unwrap();
+        let want = t.to_f32();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}"
+        );
+    }
+    for dtype in Dtype::ALL {
+        let up = w.upload_as(&s, dtype).unwrap();
+        for (name, t) in &w.tensors {
+            let d = &up[name];
+            assert_eq!(
+                (d.shape.as_slice(), d.buffer.dtype()),
+                (t.shape.as_slice(), dtype)
+            );
+            let bits: Vec<u32> = match dtype {
+                Dtype::F32 => s
+                    .to_vec(d.buffer.get::<f32>().unwrap())
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect(),
+                Dtype::Bf16 => s
+                    .to_vec(d.buffer.get::<bf16>().unwrap())
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits() as u32)
+                    .collect(),
+                Dtype::F16 => s
+                    .to_vec(d.buffer.get::<f16>().unwrap())
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits() as u32)
+                    .collect(),
+            };
+            let want: Vec<u32> = match dtype {
+                Dtype::F32 => t
+                    .to_vec::<f32>(name)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect(),
+                Dtype::Bf16 => t
+                    .to_vec::<bf16>(name)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits() as u32)
+                    .collect(),
+                Dtype::F16 => t
+                    .to_vec::<f16>(name)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits() as u32)
+                    .collect(),
+            };
+            assert_eq!(bits, want, "{name} {dtype}");
+        }
+    }
+}
+
+/// With the `tokenizers` feature: a hand-written word-level `tokenizer.json` encodes and
+/// decodes, unknown words become the unknown token, and a malformed file is a typed error.
+#[cfg(feature = "tokenizers")]
+#[test]
+fn tokenizer_json_round_trips() {
+    use cudagraph_nn::io::hf::HfTokenizer;
+    let json = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"hello": 0, "world": 1, "[UNK]": 2},
+                  "unk_token": "[UNK]"},
+    });
+    let dir = temp_dir("tok");
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let t = HfTokenizer::read(&dir).unwrap();
+    assert_eq!(t.vocab_size(), 3);
+    assert_eq!(t.encode("hello world hello", false).unwrap(), [0, 1, 0]);
+    assert_eq!(t.encode("world of", true).unwrap(), [1, 2]);
+    assert_eq!(t.decode(&[0, 1], false).unwrap(), "hello world");
+    assert!(matches!(
+        HfTokenizer::from_bytes(b"{}"),
+        Err(IoError::Hf(HfError::Tokenizer(_)))
+    ));
+    std::fs::remove_dir_all(dir).unwrap();
+}
