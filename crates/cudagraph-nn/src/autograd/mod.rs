@@ -1,7 +1,10 @@
-//! Tensors and reverse-mode autograd, and the differentiable operations on them.
+//! Tensors and reverse-mode autograd, and the differentiable operations on them (`ops`: the
+//! products, convolutions, losses; `transformer`: norms, activations, rotary embeddings and
+//! embedding lookup).
 
 pub mod autocast;
 mod mixed;
 pub mod ops;
 pub mod scale;
 pub mod tensor;
+pub mod transformer;
