@@ -294,7 +294,8 @@ impl TransformerKernels {
             dy.into(),
             x.into(),
             w.into(),
-            Arg::opt(mean),
+            // RMSNorm: no mean; the kernel does not read it (rstd stands in, never null).
+            mean.unwrap_or(rstd).into(),
             rstd.into(),
             dx.into(),
             Arg::I32(c),
@@ -335,7 +336,8 @@ impl TransformerKernels {
         let args = [
             dy.into(),
             x.into(),
-            Arg::opt(mean),
+            // RMSNorm: no mean; the kernel does not read it (rstd stands in, never null).
+            mean.unwrap_or(rstd).into(),
             rstd.into(),
             dw.into(),
             Arg::opt(db),
