@@ -92,6 +92,10 @@ pub use autograd::attention::{AttentionShape, KvCache};
 pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
 pub use autograd::scale::scale_by_device;
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
+pub use autograd::transformer::{
+    embedding, gelu, layer_norm, llama3_frequency_scale, rms_norm, rope_inv_freq, rotary, silu,
+    swiglu, Llama3RopeScaling, Rope, RopeLayout,
+};
 pub use dtype::{Dtype, Float, TypedBuffer};
 pub use error::{AmpError, CheckpointError, HfError};
 pub use io::checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, CheckpointMut};

@@ -169,7 +169,7 @@ fn configs_parse_with_defaults() {
         (r.factor, r.low_freq_factor, r.high_freq_factor),
         (8.0, 1.0, 4.0)
     );
-    assert_eq!(r.original_max_position_embeddings, 32);
+    assert_eq!(r.original_max_position_embeddings, 32.0);
 
     // Llama defaults: kv heads = heads, head_dim = hidden / heads, untied, no scaling; the old
     // `type` key and "default" scaling; `dtype` as newer files write it; an explicit head_dim.

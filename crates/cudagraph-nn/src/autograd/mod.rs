@@ -1,4 +1,6 @@
-//! Tensors and reverse-mode autograd, and the differentiable operations on them.
+//! Tensors and reverse-mode autograd, and the differentiable operations on them (`ops`: the
+//! products, convolutions, losses; `transformer`: norms, activations, rotary embeddings and
+//! embedding lookup).
 
 pub mod attention;
 pub mod autocast;
@@ -6,3 +8,4 @@ mod mixed;
 pub mod ops;
 pub mod scale;
 pub mod tensor;
+pub mod transformer;

@@ -38,6 +38,9 @@ use serde_json::{Map, Value};
 use super::dtype::{narrow, widen, Dtype};
 use super::{read_file, IoError};
 use crate::autograd::tensor::Parameter;
+/// Llama 3's rotary frequency scaling (`rope_scaling` with `rope_type: "llama3"`), as the
+/// rotary embedding takes it.
+pub use crate::autograd::transformer::Llama3RopeScaling;
 use crate::dtype::{Float, TypedBuffer};
 use crate::error::{HfError, Result};
 
@@ -108,19 +111,6 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// `torch_dtype` / `dtype`, when given.
     pub dtype: Option<Dtype>,
-}
-
-/// Llama 3's rotary frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Llama3RopeScaling {
-    /// `factor`: how much longer the context is than in pre-training.
-    pub factor: f64,
-    /// `low_freq_factor`.
-    pub low_freq_factor: f64,
-    /// `high_freq_factor`.
-    pub high_freq_factor: f64,
-    /// `original_max_position_embeddings`.
-    pub original_max_position_embeddings: usize,
 }
 
 /// One tensor a decoder needs: its name and its shape as stored in the file.
@@ -512,7 +502,8 @@ fn rope_scaling(v: Option<&Value>) -> IoResult<Option<Llama3RopeScaling>> {
                 factor: f.f64_or("factor", f64::NAN)?,
                 low_freq_factor: f.f64_or("low_freq_factor", f64::NAN)?,
                 high_freq_factor: f.f64_or("high_freq_factor", f64::NAN)?,
-                original_max_position_embeddings: f.usize("original_max_position_embeddings")?,
+                original_max_position_embeddings: f.usize("original_max_position_embeddings")?
+                    as f64,
             };
             for (name, x) in [
                 ("factor", s.factor),

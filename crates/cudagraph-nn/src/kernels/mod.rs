@@ -36,6 +36,7 @@ pub mod optim_mt;
 pub mod pdl;
 pub mod philox;
 pub mod steps;
+pub mod transformer;
 
 pub use gemm::{rows_groups, rows_most_splits, rows_ok, ClusterKernels, ColsShape, ROWS_PER_BLOCK};
 // What only the tests use.
@@ -90,6 +91,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_lowp", lowp::source()),
         ("cudagraph_nn_attention", attention::source()),
         ("cudagraph_nn_conv_lowp", conv_lowp::source()),
+        ("cudagraph_nn_transformer", transformer::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),
