@@ -6,6 +6,11 @@
 //! cuBLAS with a workspace from our own pool, and every op works on an eager `Stream` or a
 //! `CaptureStream` alike (model code takes `&dyn cudagraph::Queue`).
 //!
+//! Tensors are f32, bf16 or f16 ([`Dtype`]); [`autocast`] runs products and convolutions in
+//! bf16/f16 on tensor cores with f32 master weights, [`GradScaler`] scales f16 losses on the
+//! device, and the first transformer pieces are here ([`layer_norm`], [`rms_norm`], [`rotary`],
+//! [`KvCache`], [`io::hf`]): see `docs/precision.md` and `docs/transformers.md`.
+//!
 //! ```no_run
 //! use cudagraph::{CaptureOptions, Device, Graph};
 //! use cudagraph_nn::*;
