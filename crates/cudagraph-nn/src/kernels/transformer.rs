@@ -22,6 +22,7 @@ pub fn source() -> String {
 }
 
 /// Every kernel of the module, without its type suffix (`_f32`, `_bf16`, `_f16`).
+#[cfg(any(test, feature = "internals"))]
 pub const KERNELS: [&str; 13] = [
     "ln_fwd",
     "norm_bwd_dx",
