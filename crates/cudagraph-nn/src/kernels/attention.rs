@@ -11,11 +11,12 @@
 
 use std::sync::Arc;
 
-use cudagraph::{register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue};
 
-use crate::dtype::{Dtype, Float};
+use crate::dtype::Float;
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
+use crate::kernels::{grid_stride, ByType};
 
 /// The shapes of one attention call: `batch` sequences of `tokens` query tokens, `heads` query
 /// heads over `kv_heads` key/value heads (`heads` a multiple of it), caches of `max_len`
@@ -116,17 +117,9 @@ impl AttentionShape {
 
 /// The attention kernels of one device (a [`Device::extension`]).
 pub struct AttentionKernels {
-    attend: [Function; 3],
-    append: [Function; 3],
+    attend: ByType,
+    append: ByType,
     check: u32,
-}
-
-fn slot<T: Float>() -> usize {
-    match T::DTYPE {
-        Dtype::F32 => 0,
-        Dtype::Bf16 => 1,
-        Dtype::F16 => 2,
-    }
 }
 
 /// The CUDA source of the module.
@@ -149,16 +142,9 @@ impl AttentionKernels {
                     &super::module_source("cudagraph_nn_attention"),
                 )
             })?;
-            let f = |name: &str| -> cudagraph::Result<[Function; 3]> {
-                Ok([
-                    m.function(&format!("{name}_f32"))?,
-                    m.function(&format!("{name}_bf16"))?,
-                    m.function(&format!("{name}_f16"))?,
-                ])
-            };
             Ok(AttentionKernels {
-                attend: f("attend_kv")?,
-                append: f("kv_append")?,
+                attend: ByType::load(&m, "attend_kv")?,
+                append: ByType::load(&m, "kv_append")?,
                 check: register_check("attention position"),
             })
         })?)
@@ -207,7 +193,7 @@ impl AttentionKernels {
         // every size fits i32 (validated); the grid is within limits (validated).
         unsafe {
             Ok(q.launch(
-                &self.attend[slot::<T>()],
+                self.attend.of::<T>("attention")?,
                 cfg,
                 &[
                     query.into(),
@@ -253,7 +239,6 @@ impl AttentionKernels {
         need("attention key cache", k_cache, cl)?;
         need("attention value cache", v_cache, cl)?;
         need("attention positions", positions, pl)?;
-        let blocks = nl.div_ceil(256).clamp(1, 65_536) as u32;
         let s = shape;
         let i = |v: usize| Arg::I32(v as i32);
         // SAFETY: kv_append_{f32,bf16,f16}(const T* kn, const T* vn, T* kc, T* vc, const int*
@@ -263,8 +248,8 @@ impl AttentionKernels {
         // pos[b·Tq + t] (positions_len checked); sizes fit i32 (validated), the loop strides.
         unsafe {
             Ok(q.launch(
-                &self.append[slot::<T>()],
-                LaunchConfig::linear(blocks, 256),
+                self.append.of::<T>("attention append")?,
+                grid_stride(nl),
                 &[
                     new_k.into(),
                     new_v.into(),

@@ -19,14 +19,10 @@ use cudagraph::{Arg, Device, DeviceBuffer, Elem, Function, LaunchConfig, Queue, 
 
 use crate::dtype::{Dtype, TypedBuffer};
 use crate::error::{NnError, Result};
+use crate::kernels::grid_stride;
 
 /// The CUDA source of the module.
 pub const SOURCE: &str = include_str!("cast.cu");
-
-/// Threads per block of every cast.
-const BLOCK: u32 = 256;
-/// Most blocks of one cast; the kernels stride over the rest (enough to fill any device).
-const MAX_BLOCKS: usize = 65_536;
 
 /// The cast kernels of one device (a [`Device::extension`]).
 pub struct CastKernels {
@@ -70,12 +66,10 @@ pub(crate) fn cast_len(what: &'static str, src: usize, dst: usize) -> Result<i64
     i64::try_from(src).map_err(|_| NnError::Shape(format!("{what}: {src} elements exceed i64")))
 }
 
-/// The launch of a cast of `n` elements: `BLOCK` threads a block, at most `MAX_BLOCKS` blocks
-/// (the kernel strides over the rest); with `vec`, one thread per group of four.
+/// The launch of a cast of `n` elements, grid-stride: one thread per element, or with `vec`
+/// per group of four.
 pub(crate) fn cast_config(n: usize, vec: bool) -> LaunchConfig {
-    let work = if vec { n.div_ceil(4) } else { n };
-    let blocks = work.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS);
-    LaunchConfig::linear(blocks as u32, BLOCK)
+    grid_stride(if vec { n.div_ceil(4) } else { n })
 }
 
 /// Whether a cast from `src` to `dst` may move groups of four elements: both addresses aligned
@@ -171,6 +165,7 @@ pub(crate) fn cast_new(q: &dyn Queue, src: &TypedBuffer, to: Dtype) -> Result<Ty
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::{STRIDE_BLOCK, STRIDE_MAX_BLOCKS};
 
     #[test]
     fn a_cast_needs_equal_lengths() {
@@ -195,15 +190,21 @@ mod tests {
     #[test]
     fn the_launch_covers_every_element_with_a_bounded_grid() {
         let c = cast_config(1, false);
-        assert_eq!((c.grid.0, c.block.0), (1, BLOCK));
+        assert_eq!((c.grid.0, c.block.0), (1, STRIDE_BLOCK));
         assert_eq!(cast_config(256, false).grid.0, 1);
         assert_eq!(cast_config(257, false).grid.0, 2);
         // Groups of four: a quarter of the threads.
         assert_eq!(cast_config(1024, true).grid.0, 1);
         assert_eq!(cast_config(1025, true).grid.0, 2);
-        // Past MAX_BLOCKS blocks the kernel's grid-stride loop covers the rest.
-        assert_eq!(cast_config(usize::MAX, false).grid.0 as usize, MAX_BLOCKS);
-        assert_eq!(cast_config(usize::MAX, true).grid.0 as usize, MAX_BLOCKS);
+        // Past STRIDE_MAX_BLOCKS blocks the kernel's grid-stride loop covers the rest.
+        assert_eq!(
+            cast_config(usize::MAX, false).grid.0 as usize,
+            STRIDE_MAX_BLOCKS
+        );
+        assert_eq!(
+            cast_config(usize::MAX, true).grid.0 as usize,
+            STRIDE_MAX_BLOCKS
+        );
         assert_eq!(cast_config(0, false).grid.0, 1);
     }
 

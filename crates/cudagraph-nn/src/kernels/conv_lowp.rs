@@ -17,17 +17,15 @@ use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod, ConvDir, ConvShape, Layout};
+use crate::kernels::{grid_stride, int, STRIDE_MAX_BLOCKS};
 
 /// The CUDA source of the module: `conv_lowp.cu` after the cast module's conversions.
 pub fn source() -> String {
     format!("{}{}", super::cast::SOURCE, include_str!("conv_lowp.cu"))
 }
 
-/// Threads per block of the elementwise and direct kernels (a whole number of warps: the
-/// weight-gradient kernel gives each element a warp).
-const BLOCK: u32 = 256;
-/// Most blocks of one grid-stride launch (enough to fill any device).
-const MAX_BLOCKS: usize = 1 << 16;
+// The elementwise and direct kernels launch grid-stride (`grid_stride`): blocks of 256
+// threads, a whole number of warps, as the weight-gradient kernel needs (a warp per element).
 
 /// The module's kernels on one device (a [`Device::extension`]).
 pub struct ConvLowpKernels {
@@ -52,18 +50,6 @@ fn half_index(op: &'static str, d: Dtype) -> Result<usize> {
             found: d.name(),
         }),
     }
-}
-
-fn int(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
-}
-
-/// A grid-stride launch over `n` items of `BLOCK` threads each.
-fn grid(n: usize) -> LaunchConfig {
-    LaunchConfig::linear(
-        n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32,
-        BLOCK,
-    )
 }
 
 /// The integers of a direct convolution, as the kernels take them: N, C, H, W, K, R, S, OH,
@@ -174,7 +160,7 @@ impl ConvLowpKernels {
         let tiles = rows.div_ceil(32) * cols.div_ceil(32);
         let cfg = LaunchConfig {
             grid: (
-                tiles.clamp(1, MAX_BLOCKS) as u32,
+                tiles.clamp(1, STRIDE_MAX_BLOCKS) as u32,
                 batches.clamp(1, 65_535) as u32,
                 1,
             ),
@@ -259,7 +245,7 @@ impl ConvLowpKernels {
         unsafe {
             q.launch(
                 f,
-                grid(len),
+                grid_stride(len),
                 &[
                     y.into(),
                     Arg::opt(bias),
@@ -307,13 +293,13 @@ impl ConvLowpKernels {
                 need("conv2d x", a, x_len)?;
                 need("conv2d w", b, w_len)?;
                 need("conv2d y", out, y_len)?;
-                (&self.fwd[t], y_len, grid(y_len))
+                (&self.fwd[t], y_len, grid_stride(y_len))
             }
             ConvDir::BackwardData => {
                 need("conv2d dy", a, y_len)?;
                 need("conv2d w", b, w_len)?;
                 need("conv2d dx", out, x_len)?;
-                (&self.bwd_data[t], x_len, grid(x_len))
+                (&self.bwd_data[t], x_len, grid_stride(x_len))
             }
             ConvDir::BackwardFilter => {
                 need("conv2d dy", a, y_len)?;
@@ -324,7 +310,7 @@ impl ConvLowpKernels {
                     .checked_mul(32)
                     .ok_or_else(|| NnError::Shape(format!("conv2d dw: {w_len} warps overflow")))?;
                 let f = &self.bwd_filter[if wide { 2 + t } else { t }];
-                (f, w_len, grid(threads))
+                (f, w_len, grid_stride(threads))
             }
         };
         if out_len == 0 {
@@ -386,10 +372,10 @@ mod tests {
 
     #[test]
     fn grids_are_bounded_and_whole_warps() {
-        assert_eq!(grid(0).grid.0, 1);
-        assert_eq!(grid(257).grid.0, 2);
-        assert_eq!(grid(usize::MAX).grid.0 as usize, MAX_BLOCKS);
-        assert_eq!(BLOCK % 32, 0);
+        assert_eq!(grid_stride(0).grid.0, 1);
+        assert_eq!(grid_stride(257).grid.0, 2);
+        assert_eq!(grid_stride(usize::MAX).grid.0 as usize, STRIDE_MAX_BLOCKS);
+        assert_eq!(crate::kernels::STRIDE_BLOCK % 32, 0);
         assert!(half_index("t", Dtype::F32).is_err());
         assert_eq!(half_index("t", Dtype::F16).unwrap(), 1);
     }

@@ -18,6 +18,7 @@ use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueE
 use super::conv::conv_ints;
 use crate::error::{NnError, Result};
 use crate::extent::{conv_roles, ConvDir, ConvGeom};
+use crate::kernels::int;
 
 /// The CUDA source of the implicit-GEMM module (with the small weight-gradient kernel).
 pub const SOURCE: &str = concat!(include_str!("igemm.cu"), include_str!("wgrad.cu"));
@@ -266,10 +267,6 @@ impl Spin {
         }
         Ok(())
     }
-}
-
-fn int(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
 }
 
 impl ConvKernels {

@@ -97,7 +97,7 @@ __device__ __forceinline__ void maxpool_bwd_n(const T* dy, const int* idx, float
     extern "C" __global__ void col_sum_##S(const T* dy, T* db, int rows, int cols) {         \
         col_sum_n<T, T>(dy, db, rows, cols);                                                 \
     }                                                                                        \
-    extern "C" __global__ void col_sum_##S##_f32(const T* dy, float* db, int rows, int cols) { \
+    extern "C" __global__ void col_sum_wide_##S(const T* dy, float* db, int rows, int cols) { \
         col_sum_n<T, float>(dy, db, rows, cols);                                             \
     }                                                                                        \
     extern "C" __global__ void maxpool_fwd_##S(const T* x, T* y, int* idx, int planes, int H, \

@@ -8,78 +8,27 @@
 
 use std::sync::Arc;
 
-use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+use cudagraph::{Arg, Device, DeviceBuffer, LaunchConfig, Queue};
 
 use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
+use crate::kernels::{count, grid_stride, int, ByType};
 
 /// The CUDA source of the module (after the cast module's conversions).
 pub fn source() -> String {
     format!("{}{}", super::cast::SOURCE, include_str!("lowp.cu"))
 }
 
-/// One kernel per 16-bit type.
-struct Pair {
-    bf16: Function,
-    f16: Function,
-}
-
-impl Pair {
-    fn load(m: &cudagraph::Module, name: &str) -> Result<Self> {
-        Ok(Pair {
-            bf16: m.function(&format!("{name}_bf16"))?,
-            f16: m.function(&format!("{name}_f16"))?,
-        })
-    }
-
-    /// The kernel for `T`; f32 is not this module's.
-    fn of<T: Float>(&self, what: &'static str) -> Result<&Function> {
-        match T::DTYPE {
-            Dtype::Bf16 => Ok(&self.bf16),
-            Dtype::F16 => Ok(&self.f16),
-            Dtype::F32 => Err(NnError::Dtype {
-                what,
-                expected: "bf16 or f16",
-                found: "f32",
-            }),
-        }
-    }
-}
-
 /// The 16-bit kernels of one device (a [`Device::extension`]).
 pub struct LowpKernels {
-    add_inplace: Pair,
-    relu_fwd: Pair,
-    relu_bwd: Pair,
-    col_sum: Pair,
-    col_sum_f32: Pair,
-    maxpool_fwd: Pair,
-    maxpool_bwd: Pair,
-}
-
-/// Threads per block of the elementwise kernels.
-const BLOCK: u32 = 256;
-/// Most blocks of one elementwise launch; the kernels stride over the rest.
-const MAX_BLOCKS: usize = 65_536;
-
-fn elems(n: usize) -> LaunchConfig {
-    LaunchConfig::linear(
-        n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32,
-        BLOCK,
-    )
-}
-
-fn long(what: &'static str, n: usize) -> Result<Arg<'static>> {
-    Ok(Arg::I64(i64::try_from(n).map_err(|_| {
-        NnError::Shape(format!("{what}: {n} elements exceed i64"))
-    })?))
-}
-
-fn int(what: &'static str, n: usize) -> Result<Arg<'static>> {
-    Ok(Arg::I32(i32::try_from(n).map_err(|_| {
-        NnError::Shape(format!("{what}: {n} exceeds the kernel's i32"))
-    })?))
+    add_inplace: ByType,
+    relu_fwd: ByType,
+    relu_bwd: ByType,
+    col_sum: ByType,
+    col_sum_f32: ByType,
+    maxpool_fwd: ByType,
+    maxpool_bwd: ByType,
 }
 
 impl LowpKernels {
@@ -94,16 +43,13 @@ impl LowpKernels {
                 )
             })?;
             Ok(LowpKernels {
-                add_inplace: Pair::load(&m, "add_inplace")?,
-                relu_fwd: Pair::load(&m, "relu_fwd")?,
-                relu_bwd: Pair::load(&m, "relu_bwd")?,
-                col_sum: Pair::load(&m, "col_sum")?,
-                maxpool_fwd: Pair::load(&m, "maxpool_fwd")?,
-                maxpool_bwd: Pair::load(&m, "maxpool_bwd")?,
-                col_sum_f32: Pair {
-                    bf16: m.function("col_sum_bf16_f32")?,
-                    f16: m.function("col_sum_f16_f32")?,
-                },
+                add_inplace: ByType::load_half(&m, "add_inplace")?,
+                relu_fwd: ByType::load_half(&m, "relu_fwd")?,
+                relu_bwd: ByType::load_half(&m, "relu_bwd")?,
+                col_sum: ByType::load_half(&m, "col_sum")?,
+                maxpool_fwd: ByType::load_half(&m, "maxpool_fwd")?,
+                maxpool_bwd: ByType::load_half(&m, "maxpool_bwd")?,
+                col_sum_f32: ByType::load_half(&m, "col_sum_wide")?,
             })
         })?)
     }
@@ -123,7 +69,13 @@ impl LowpKernels {
         }
         // SAFETY: add_inplace_{bf16,f16}(T* a, const T* b, long long n) reads a[i], b[i] and
         // writes a[i] for i < n only; both hold n elements of the kernel's 2-byte type.
-        unsafe { Ok(q.launch(f, elems(n), &[a.into(), b.into(), long("add_inplace", n)?])?) }
+        unsafe {
+            Ok(q.launch(
+                f,
+                grid_stride(n),
+                &[a.into(), b.into(), count("add_inplace", n)?],
+            )?)
+        }
     }
 
     /// `y[i] = max(x[i], 0)` over `x` (NaN kept); `y` as long.
@@ -141,7 +93,7 @@ impl LowpKernels {
         }
         // SAFETY: relu_fwd_{bf16,f16}(const T* x, T* y, long long n) touches i < n only; both
         // buffers hold n elements.
-        unsafe { Ok(q.launch(f, elems(n), &[x.into(), y.into(), long("relu", n)?])?) }
+        unsafe { Ok(q.launch(f, grid_stride(n), &[x.into(), y.into(), count("relu", n)?])?) }
     }
 
     /// `dx[i] = dy[i]` where `y[i] > 0`, else 0, over `dy` (`y`, `dx` as long).
@@ -164,8 +116,8 @@ impl LowpKernels {
         unsafe {
             Ok(q.launch(
                 f,
-                elems(n),
-                &[dy.into(), y.into(), dx.into(), long("relu backward", n)?],
+                grid_stride(n),
+                &[dy.into(), y.into(), dx.into(), count("relu backward", n)?],
             )?)
         }
     }
@@ -196,7 +148,10 @@ impl LowpKernels {
         if cols == 0 {
             return Ok(());
         }
-        let (r, c) = (int("col_sum rows", rows)?, int("col_sum cols", cols)?);
+        let (r, c) = (
+            Arg::I32(int("col_sum rows", rows)?),
+            Arg::I32(int("col_sum cols", cols)?),
+        );
         let grid = u32::try_from(cols)
             .map_err(|_| NnError::Shape(format!("col_sum: {cols} columns exceed the grid")))?;
         // SAFETY: col_sum_*(const T* dy, O* db, int rows, int cols): block c < cols reads
@@ -245,13 +200,13 @@ impl LowpKernels {
             return Ok((oh, ow));
         }
         let dims = [
-            int("planes", planes)?,
-            int("h", h)?,
-            int("w", w)?,
-            int("k", k)?,
-            int("s", s)?,
-            int("oh", oh)?,
-            int("ow", ow)?,
+            Arg::I32(int("planes", planes)?),
+            Arg::I32(int("h", h)?),
+            Arg::I32(int("w", w)?),
+            Arg::I32(int("k", k)?),
+            Arg::I32(int("s", s)?),
+            Arg::I32(int("oh", oh)?),
+            Arg::I32(int("ow", ow)?),
         ];
         let mut args = vec![x.into(), y.into(), idx.into()];
         args.extend(dims);
@@ -259,7 +214,7 @@ impl LowpKernels {
         // int K, int S, int OH, int OW): output i < planes·oh·ow (the extent of y and idx,
         // checked) reads x at rows < h and columns < w of its plane (< planes·h·w, checked,
         // within int).
-        unsafe { Ok(q.launch(f, elems(n_out), &args).map(|_| (oh, ow))?) }
+        unsafe { Ok(q.launch(f, grid_stride(n_out), &args).map(|_| (oh, ow))?) }
     }
 
     /// Adds `dy[i]` into the f32 gradient `dx` at `idx[i]` (clamped into `dx`), for the first
@@ -285,13 +240,13 @@ impl LowpKernels {
             dy.into(),
             idx.into(),
             dx.into(),
-            long("max_pool2d", n_out)?,
-            long("max_pool2d", dx.len())?,
+            count("max_pool2d", n_out)?,
+            count("max_pool2d", dx.len())?,
         ];
         // SAFETY: maxpool_bwd_{bf16,f16}(const T* dy, const int* idx, float* dx, long long n,
         // long long n_in) reads dy[i], idx[i] for i < n (both hold n, checked) and adds into
         // dx[j] with j clamped into [0, n_in), n_in = dx.len() > 0.
-        unsafe { Ok(q.launch(f, elems(n_out), &args)?) }
+        unsafe { Ok(q.launch(f, grid_stride(n_out), &args)?) }
     }
 }
 
@@ -307,13 +262,9 @@ mod tests {
             "relu_fwd",
             "relu_bwd",
             "col_sum",
-            "col_sum_##S##_f32",
+            "col_sum_wide",
         ] {
-            let name = if k.contains("##") {
-                k.to_string()
-            } else {
-                format!("{k}_##S")
-            };
+            let name = format!("{k}_##S");
             assert!(src.contains(&format!("void {name}(")), "{name}");
         }
         assert!(src.contains("LOWP_INSTANCES(bf16_t, bf16)"));
@@ -326,9 +277,12 @@ mod tests {
 
     #[test]
     fn launches_are_bounded_and_integers_checked() {
-        assert_eq!(elems(1).grid.0, 1);
-        assert_eq!(elems(usize::MAX).grid.0 as usize, MAX_BLOCKS);
-        assert!(long("x", usize::MAX).is_err());
+        assert_eq!(grid_stride(1).grid.0, 1);
+        assert_eq!(
+            grid_stride(usize::MAX).grid.0 as usize,
+            crate::kernels::STRIDE_MAX_BLOCKS
+        );
+        assert!(count("x", usize::MAX).is_err());
         assert!(int("x", 1 << 31).is_err());
         assert!(int("x", (1 << 31) - 1).is_ok());
     }

@@ -197,8 +197,68 @@ impl Nn {
 type Buf = DeviceBuffer<f32>;
 
 /// `v` as a kernel `int`.
-fn int(what: &'static str, v: usize) -> Result<i32> {
+pub(crate) fn int(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
+}
+
+/// `n` elements as a kernel `long long` count, `what` naming them in the error.
+pub(crate) fn count(what: &str, n: usize) -> Result<Arg<'static>> {
+    Ok(Arg::I64(i64::try_from(n).map_err(|_| {
+        NnError::Shape(format!("{what}: {n} elements exceed i64"))
+    })?))
+}
+
+/// Threads per block of a grid-stride launch ([`grid_stride`]).
+pub(crate) const STRIDE_BLOCK: u32 = 256;
+/// Most blocks of a grid-stride launch; the kernel's loop strides over the rest.
+pub(crate) const STRIDE_MAX_BLOCKS: usize = 65_536;
+
+/// A launch of [`STRIDE_BLOCK`] threads a block over `n` items for a kernel that strides over
+/// the grid: one thread per item up to [`STRIDE_MAX_BLOCKS`] blocks, at least one block.
+pub(crate) fn grid_stride(n: usize) -> LaunchConfig {
+    let blocks = n
+        .div_ceil(STRIDE_BLOCK as usize)
+        .clamp(1, STRIDE_MAX_BLOCKS);
+    LaunchConfig::linear(blocks as u32, STRIDE_BLOCK)
+}
+
+/// One kernel per element type, loaded by name plus its type suffix (`_f32`, `_bf16`,
+/// `_f16`); modules of 16-bit kernels only have no f32 one.
+pub(crate) struct ByType {
+    f32: Option<Function>,
+    bf16: Function,
+    f16: Function,
+}
+
+impl ByType {
+    /// `name_f32`, `name_bf16` and `name_f16` of `m`.
+    pub(crate) fn load(m: &cudagraph::Module, name: &str) -> Result<Self> {
+        let mut k = Self::load_half(m, name)?;
+        k.f32 = Some(m.function(&format!("{name}_f32"))?);
+        Ok(k)
+    }
+
+    /// `name_bf16` and `name_f16` of `m` (no f32 kernel).
+    pub(crate) fn load_half(m: &cudagraph::Module, name: &str) -> Result<Self> {
+        Ok(ByType {
+            f32: None,
+            bf16: m.function(&format!("{name}_bf16"))?,
+            f16: m.function(&format!("{name}_f16"))?,
+        })
+    }
+
+    /// The kernel for `T`; `NnError::Dtype` naming `what` when there is none for f32.
+    pub(crate) fn of<T: crate::dtype::Float>(&self, what: &'static str) -> Result<&Function> {
+        match T::DTYPE {
+            crate::dtype::Dtype::Bf16 => Ok(&self.bf16),
+            crate::dtype::Dtype::F16 => Ok(&self.f16),
+            crate::dtype::Dtype::F32 => self.f32.as_ref().ok_or(NnError::Dtype {
+                what,
+                expected: "bf16 or f16",
+                found: "f32",
+            }),
+        }
+    }
 }
 
 /// `v` as the bound of a kernel loop `for (int i = start; i < v; i += step)` with

@@ -9,6 +9,7 @@ use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 use super::need;
 use super::pdl::launch_entered;
 use crate::error::{NnError, Result};
+use crate::kernels::int;
 
 /// The CUDA source of the module.
 pub const SOURCE: &str = include_str!("steps.cu");
@@ -40,10 +41,6 @@ impl StepKernels {
             })
         })?)
     }
-}
-
-fn int(what: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| NnError::Shape(format!("{what} = {v} exceeds a 32-bit int")))
 }
 
 fn mul(what: &'static str, a: usize, b: usize) -> Result<usize> {

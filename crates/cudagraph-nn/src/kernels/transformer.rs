@@ -10,11 +10,12 @@
 
 use std::sync::Arc;
 
-use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+use cudagraph::{Arg, Device, DeviceBuffer, LaunchConfig, Queue};
 
-use crate::dtype::{Dtype, Float};
+use crate::dtype::Float;
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
+use crate::kernels::{count, grid_stride, int, ByType};
 
 /// The CUDA source of the module (after the cast module's conversions).
 pub fn source() -> String {
@@ -39,56 +40,10 @@ pub const KERNELS: [&str; 13] = [
     "embed_bwd",
 ];
 
-/// One kernel per element type.
-struct Trio {
-    f32: Function,
-    bf16: Function,
-    f16: Function,
-}
-
-impl Trio {
-    fn load(m: &cudagraph::Module, name: &str) -> Result<Self> {
-        Ok(Trio {
-            f32: m.function(&format!("{name}_f32"))?,
-            bf16: m.function(&format!("{name}_bf16"))?,
-            f16: m.function(&format!("{name}_f16"))?,
-        })
-    }
-
-    fn of<T: Float>(&self) -> &Function {
-        match T::DTYPE {
-            Dtype::F32 => &self.f32,
-            Dtype::Bf16 => &self.bf16,
-            Dtype::F16 => &self.f16,
-        }
-    }
-}
-
 /// Threads of the row kernels (`TF_ROW_THREADS` in the source: one block per row).
 const ROW_THREADS: u32 = 256;
-/// Threads per block of the elementwise kernels.
-const BLOCK: u32 = 256;
-/// Most blocks of one elementwise launch; the kernels stride over the rest.
-const MAX_BLOCKS: usize = 65_536;
 /// Columns one block of the weight-gradient kernel covers.
 const WB_COLS: usize = 32;
-
-fn elems(n: usize) -> LaunchConfig {
-    LaunchConfig::linear(
-        n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32,
-        BLOCK,
-    )
-}
-
-fn long(what: &'static str, n: usize) -> Result<Arg<'static>> {
-    Ok(Arg::I64(i64::try_from(n).map_err(|_| {
-        NnError::Shape(format!("{what}: {n} elements exceed i64"))
-    })?))
-}
-
-fn int(what: &'static str, n: usize) -> Result<i32> {
-    i32::try_from(n).map_err(|_| NnError::Shape(format!("{what}: {n} exceeds the kernel's i32")))
-}
 
 /// A grid of `n` blocks (`n ≥ 1`, within the grid's x limit).
 fn grid(what: &'static str, n: usize) -> Result<u32> {
@@ -142,19 +97,19 @@ impl RopeDims {
 
 /// The transformer kernels of one device (a [`Device::extension`]).
 pub struct TransformerKernels {
-    ln_fwd: Trio,
-    norm_bwd_dx: Trio,
-    norm_bwd_wb: Trio,
-    rms_fwd: Trio,
-    gelu_fwd: Trio,
-    gelu_bwd: Trio,
-    silu_fwd: Trio,
-    silu_bwd: Trio,
-    swiglu_fwd: Trio,
-    swiglu_bwd: Trio,
-    rope: Trio,
-    embed_fwd: Trio,
-    embed_bwd: Trio,
+    ln_fwd: ByType,
+    norm_bwd_dx: ByType,
+    norm_bwd_wb: ByType,
+    rms_fwd: ByType,
+    gelu_fwd: ByType,
+    gelu_bwd: ByType,
+    silu_fwd: ByType,
+    silu_bwd: ByType,
+    swiglu_fwd: ByType,
+    swiglu_bwd: ByType,
+    rope: ByType,
+    embed_fwd: ByType,
+    embed_bwd: ByType,
 }
 
 impl TransformerKernels {
@@ -168,7 +123,7 @@ impl TransformerKernels {
                     &super::module_source("cudagraph_nn_transformer"),
                 )
             })?;
-            let t = |name: &str| Trio::load(&m, name);
+            let t = |name: &str| ByType::load(&m, name);
             Ok(TransformerKernels {
                 ln_fwd: t("ln_fwd")?,
                 norm_bwd_dx: t("norm_bwd_dx")?,
@@ -228,7 +183,7 @@ impl TransformerKernels {
         // x[r·cols + c], w[c], b[c] (b null: not read) and writes y[r·cols + c] for c < cols,
         // mean[r], rstd[r]; x, y hold rows·cols, w and b cols, mean and rstd rows (checked);
         // 256 threads, the kernel's shared array.
-        unsafe { Ok(q.launch(self.ln_fwd.of::<T>(), cfg, &args)?) }
+        unsafe { Ok(q.launch(self.ln_fwd.of::<T>("ln_fwd")?, cfg, &args)?) }
     }
 
     /// RMSNorm over the last dimension of `x: [rows, cols]` into `y` with weight `w`
@@ -263,7 +218,7 @@ impl TransformerKernels {
         ];
         // SAFETY: rms_fwd_*(x, w, y, rstd, cols, eps): block r < rows reads x[r·cols + c],
         // w[c] and writes y[r·cols + c] for c < cols and rstd[r]; extents checked above.
-        unsafe { Ok(q.launch(self.rms_fwd.of::<T>(), cfg, &args)?) }
+        unsafe { Ok(q.launch(self.rms_fwd.of::<T>("rms_fwd")?, cfg, &args)?) }
     }
 
     /// The input gradient of LayerNorm (`mean` given) or RMSNorm (`mean` = `None`):
@@ -305,7 +260,7 @@ impl TransformerKernels {
         // SAFETY: norm_bwd_dx_*(dy, x, w, mean, rstd, dx, cols, centered): block r < rows
         // reads dy, x at r·cols + c and w[c] for c < cols, rstd[r], mean[r] only when
         // centered (= mean given), and writes dx[r·cols + c]; extents checked above.
-        unsafe { Ok(q.launch(self.norm_bwd_dx.of::<T>(), cfg, &args)?) }
+        unsafe { Ok(q.launch(self.norm_bwd_dx.of::<T>("norm_bwd_dx")?, cfg, &args)?) }
     }
 
     /// The weight gradient `dw[c] = Σ_r dy · xhat` (and with `db`, `db[c] = Σ_r dy`) of
@@ -350,7 +305,7 @@ impl TransformerKernels {
         // c = block·32 + lane, only when c < cols, reads dy, x at r·cols + c, rstd[r] and (when
         // centered, mean given) mean[r] for r < rows, and writes dw[c] and (non-null) db[c];
         // extents checked above; 256 threads (the kernel's 8 × 32 shared arrays).
-        unsafe { Ok(q.launch(self.norm_bwd_wb.of::<T>(), cfg, &args)?) }
+        unsafe { Ok(q.launch(self.norm_bwd_wb.of::<T>("norm_bwd_wb")?, cfg, &args)?) }
     }
 
     /// `y = gelu(x)` over `x` (exact, or with `tanh_approx` PyTorch's tanh form); `y` as long.
@@ -369,11 +324,11 @@ impl TransformerKernels {
         let args = [
             x.into(),
             y.into(),
-            long("gelu", n)?,
+            count("gelu", n)?,
             Arg::I32(tanh_approx as i32),
         ];
         // SAFETY: gelu_fwd_*(x, y, n, tanh) touches i < n only; both hold n elements.
-        unsafe { Ok(q.launch(self.gelu_fwd.of::<T>(), elems(n), &args)?) }
+        unsafe { Ok(q.launch(self.gelu_fwd.of::<T>("gelu_fwd")?, grid_stride(n), &args)?) }
     }
 
     /// `dx = dy · gelu'(x)` over `dy` (`x`, `dx` as long).
@@ -395,11 +350,11 @@ impl TransformerKernels {
             dy.into(),
             x.into(),
             dx.into(),
-            long("gelu backward", n)?,
+            count("gelu backward", n)?,
             Arg::I32(tanh_approx as i32),
         ];
         // SAFETY: gelu_bwd_*(dy, x, dx, n, tanh) touches i < n only; the three hold n.
-        unsafe { Ok(q.launch(self.gelu_bwd.of::<T>(), elems(n), &args)?) }
+        unsafe { Ok(q.launch(self.gelu_bwd.of::<T>("gelu_bwd")?, grid_stride(n), &args)?) }
     }
 
     /// `y = x · σ(x)` over `x`; `y` as long.
@@ -417,9 +372,9 @@ impl TransformerKernels {
         // SAFETY: silu_fwd_*(x, y, n) touches i < n only; both hold n elements.
         unsafe {
             Ok(q.launch(
-                self.silu_fwd.of::<T>(),
-                elems(n),
-                &[x.into(), y.into(), long("silu", n)?],
+                self.silu_fwd.of::<T>("silu_fwd")?,
+                grid_stride(n),
+                &[x.into(), y.into(), count("silu", n)?],
             )?)
         }
     }
@@ -438,9 +393,9 @@ impl TransformerKernels {
         if n == 0 {
             return Ok(());
         }
-        let args = [dy.into(), x.into(), dx.into(), long("silu backward", n)?];
+        let args = [dy.into(), x.into(), dx.into(), count("silu backward", n)?];
         // SAFETY: silu_bwd_*(dy, x, dx, n) touches i < n only; the three hold n.
-        unsafe { Ok(q.launch(self.silu_bwd.of::<T>(), elems(n), &args)?) }
+        unsafe { Ok(q.launch(self.silu_bwd.of::<T>("silu_bwd")?, grid_stride(n), &args)?) }
     }
 
     /// `y = silu(gate) · up` over `gate` (`up`, `y` as long).
@@ -457,9 +412,15 @@ impl TransformerKernels {
         if n == 0 {
             return Ok(());
         }
-        let args = [gate.into(), up.into(), y.into(), long("swiglu", n)?];
+        let args = [gate.into(), up.into(), y.into(), count("swiglu", n)?];
         // SAFETY: swiglu_fwd_*(gate, up, y, n) touches i < n only; the three hold n.
-        unsafe { Ok(q.launch(self.swiglu_fwd.of::<T>(), elems(n), &args)?) }
+        unsafe {
+            Ok(q.launch(
+                self.swiglu_fwd.of::<T>("swiglu_fwd")?,
+                grid_stride(n),
+                &args,
+            )?)
+        }
     }
 
     /// `dgate = dy · up · silu'(gate)`, `dup = dy · silu(gate)` over `dy` (every buffer as
@@ -485,10 +446,16 @@ impl TransformerKernels {
             up.into(),
             dgate.into(),
             dup.into(),
-            long("swiglu backward", n)?,
+            count("swiglu backward", n)?,
         ];
         // SAFETY: swiglu_bwd_*(dy, gate, up, dgate, dup, n) touches i < n only; all hold n.
-        unsafe { Ok(q.launch(self.swiglu_bwd.of::<T>(), elems(n), &args)?) }
+        unsafe {
+            Ok(q.launch(
+                self.swiglu_bwd.of::<T>("swiglu_bwd")?,
+                grid_stride(n),
+                &args,
+            )?)
+        }
     }
 
     /// Rotary position embedding of `x` into `y` (`[tokens, heads, head_dim]`) at the
@@ -530,7 +497,7 @@ impl TransformerKernels {
         // runs i < tokens·heads·head_dim/2; each reads pos[t] (t < tokens), inv_freq[k]
         // (k < rot/2) and x, writes y at indices below tokens·heads·head_dim (head_dim and rot
         // even, rot ≤ head_dim: checked); extents checked above.
-        unsafe { Ok(q.launch(self.rope.of::<T>(), elems(n / 2), &args)?) }
+        unsafe { Ok(q.launch(self.rope.of::<T>("rope")?, grid_stride(n / 2), &args)?) }
     }
 
     /// `y[t, :] = w[ids[t], :]` for `t < tokens` (`w: [vocab, dim]`); an id outside
@@ -566,7 +533,7 @@ impl TransformerKernels {
         // SAFETY: embed_fwd_*(ids, w, y, tokens, dim, vocab) runs i < tokens·dim (y's
         // extent), reads ids[t] (t < tokens) and w[id·dim + c] only for 0 ≤ id < vocab,
         // c < dim (within vocab·dim); extents checked above.
-        unsafe { Ok(q.launch(self.embed_fwd.of::<T>(), elems(n), &args)?) }
+        unsafe { Ok(q.launch(self.embed_fwd.of::<T>("embed_fwd")?, grid_stride(n), &args)?) }
     }
 
     /// `dw[ids[t], :] = Σ` of `dy[t', :]` over the tokens `t'` with that id, into the f32
@@ -599,7 +566,7 @@ impl TransformerKernels {
         // SAFETY: embed_bwd_*(ids, dy, dw, tokens, dim, vocab) runs i < tokens·dim, reads
         // ids[u] and dy[u·dim + c] for u < tokens, c < dim, and writes dw[id·dim + c] only for
         // 0 ≤ id < vocab; extents checked above.
-        unsafe { Ok(q.launch(self.embed_bwd.of::<T>(), elems(n), &args)?) }
+        unsafe { Ok(q.launch(self.embed_bwd.of::<T>("embed_bwd")?, grid_stride(n), &args)?) }
     }
 }
 
