@@ -183,6 +183,30 @@ pub struct ConvGeom {
 }
 
 impl ConvGeom {
+    /// A square image (`hw × hw`) and a square `k × k` kernel: `n` images of `c` channels to
+    /// `oc`, with `stride` and `pad` on both axes.
+    pub fn square(
+        n: usize,
+        c: usize,
+        hw: usize,
+        oc: usize,
+        k: usize,
+        stride: usize,
+        pad: usize,
+    ) -> Self {
+        ConvGeom {
+            n,
+            c,
+            h: hw,
+            w: hw,
+            oc,
+            kh: k,
+            kw: k,
+            stride,
+            pad,
+        }
+    }
+
     /// Output height and width; an error when the kernel does not fit the padded input.
     pub fn out_hw(&self) -> Result<(usize, usize)> {
         let ph = self.h.checked_add(2 * self.pad);

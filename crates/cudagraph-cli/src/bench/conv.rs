@@ -83,17 +83,7 @@ pub struct ConvRow {
 
 /// (geometry, what): ResNet-50 at batch 32 (224×224 input), then the workloads' small CNNs.
 fn shapes(quick: bool) -> Vec<(ConvGeom, &'static str)> {
-    let g = |n, c, hw, oc, k, stride, pad| ConvGeom {
-        n,
-        c,
-        h: hw,
-        w: hw,
-        oc,
-        kh: k,
-        kw: k,
-        stride,
-        pad,
-    };
+    let g = ConvGeom::square;
     let all = vec![
         (g(32, 3, 224, 64, 7, 2, 3), "resnet50 stem 7x7/2"),
         (g(32, 64, 56, 64, 3, 1, 1), "resnet50 l1 3x3 64"),

@@ -52,17 +52,7 @@ fn linear_shapes(quick: bool) -> Vec<(usize, usize, usize)> {
 /// Convolutions: (n, c, h=w, oc, kernel, stride, pad, what).
 #[allow(clippy::type_complexity)]
 fn conv_shapes(quick: bool) -> Vec<(ConvGeom, &'static str)> {
-    let g = |n, c, hw, oc, k, stride, pad| ConvGeom {
-        n,
-        c,
-        h: hw,
-        w: hw,
-        oc,
-        kh: k,
-        kw: k,
-        stride,
-        pad,
-    };
+    let g = ConvGeom::square;
     let all = vec![
         (g(8, 3, 32, 16, 3, 1, 1), "small CNN conv1"),
         (g(64, 1, 28, 6, 5, 1, 0), "LeNet conv1"),

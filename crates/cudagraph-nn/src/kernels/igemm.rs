@@ -533,31 +533,9 @@ mod tests {
         }
     }
 
-    fn geom(
-        n: usize,
-        c: usize,
-        hw: usize,
-        oc: usize,
-        k: usize,
-        stride: usize,
-        pad: usize,
-    ) -> ConvGeom {
-        ConvGeom {
-            n,
-            c,
-            h: hw,
-            w: hw,
-            oc,
-            kh: k,
-            kw: k,
-            stride,
-            pad,
-        }
-    }
-
     #[test]
     fn product_shapes_follow_the_direction() {
-        let g = geom(2, 3, 8, 5, 3, 1, 1); // 8x8 output
+        let g = ConvGeom::square(2, 3, 8, 5, 3, 1, 1); // 8x8 output
         assert_eq!(gemm_shape(ConvDir::Forward, &g).unwrap(), (5, 128, 27));
         assert_eq!(gemm_shape(ConvDir::BackwardData, &g).unwrap(), (3, 128, 45));
         assert_eq!(
@@ -568,13 +546,13 @@ mod tests {
 
     #[test]
     fn splits_fill_the_device_only_when_blocks_are_few() {
-        let big = geom(64, 64, 56, 64, 3, 1, 1);
+        let big = ConvGeom::square(64, 64, 56, 64, 3, 1, 1);
         assert_eq!(default_splits(ConvDir::Forward, &big, Tile::T64x64, 132), 1);
         // Backward-filter of a small kernel: one 64x64 block, K = 64·56·56.
         let s = default_splits(ConvDir::BackwardFilter, &big, Tile::T64x64, 132);
         assert!(s > 1 && s <= 64, "{s}");
         // Tiny K never splits below four steps.
-        let tiny = geom(1, 1, 4, 1, 1, 1, 0);
+        let tiny = ConvGeom::square(1, 1, 4, 1, 1, 1, 0);
         assert_eq!(
             default_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
             1
@@ -600,7 +578,7 @@ mod tests {
     #[test]
     fn deep_splits_only_where_k_is_long_and_blocks_few() {
         // Weight gradient of 3 → 16 channels, 3×3, over 2 × 224²: one 32x128 block, K = 100 352.
-        let small_c = geom(2, 3, 224, 16, 3, 1, 1);
+        let small_c = ConvGeom::square(2, 3, 224, 16, 3, 1, 1);
         let d = default_splits(ConvDir::BackwardFilter, &small_c, Tile::T32x128, 132);
         assert_eq!(d, 64);
         assert_eq!(
@@ -608,10 +586,10 @@ mod tests {
             Some(512)
         );
         // A forward pass with many output blocks: no split, no deeper one.
-        let big = geom(64, 64, 56, 64, 3, 1, 1);
+        let big = ConvGeom::square(64, 64, 56, 64, 3, 1, 1);
         assert_eq!(deep_splits(ConvDir::Forward, &big, Tile::T64x64, 132), None);
         // Short K: capped by four K steps per split, never deeper than the default.
-        let tiny = geom(1, 1, 4, 1, 1, 1, 0);
+        let tiny = ConvGeom::square(1, 1, 4, 1, 1, 1, 0);
         assert_eq!(
             deep_splits(ConvDir::BackwardFilter, &tiny, Tile::T64x64, 132),
             None
@@ -620,9 +598,9 @@ mod tests {
 
     #[test]
     fn unsupported_sizes_are_errors_not_launches() {
-        let ok = geom(1, 3, 8, 4, 3, 1, 1);
+        let ok = ConvGeom::square(1, 3, 8, 4, 3, 1, 1);
         assert!(supports(ConvDir::Forward, &ok, Tile::T64x64).is_ok());
-        let huge = geom(1 << 16, 64, 256, 64, 3, 1, 1); // N·OH·OW > 2^31
+        let huge = ConvGeom::square(1 << 16, 64, 256, 64, 3, 1, 1); // N·OH·OW > 2^31
         assert!(supports(ConvDir::Forward, &huge, Tile::T64x64).is_err());
         assert_eq!(default_tile(ConvDir::Forward, &ok), Tile::T32x128);
         assert_eq!(Tile::from_name("128x32"), Some(Tile::T128x32));
