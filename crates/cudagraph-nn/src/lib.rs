@@ -79,7 +79,7 @@ pub mod kernels;
 mod kernels;
 
 pub use autograd::ops::{
-    conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, rand, randn, relu,
+    add, conv2d, cross_entropy, dropout, flatten, linear, max_pool2d, mse_loss, rand, randn, relu,
     Reduction, Targets,
 };
 pub use dist::{Communicator, DdpOptions, DistributedDataParallel};
@@ -90,10 +90,12 @@ pub use kernels::pdl::{pdl_enabled, set_pdl};
 pub use kernels::Nn;
 pub use nn::autocast::AutocastModule;
 pub use nn::batched::Batched;
+pub use nn::gpt::{Gpt, GptConfig};
 pub use nn::graphed::GraphedModule;
 pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
 pub use autograd::attention::{AttentionShape, KvCache};
+pub use autograd::causal::causal_attention;
 pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
 pub use autograd::scale::scale_by_device;
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};

@@ -195,6 +195,20 @@ const EXPECTED: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "cudagraph_nn_causal",
+        &[
+            "causal_fwd_f32",
+            "causal_fwd_bf16",
+            "causal_fwd_f16",
+            "causal_bwd_q_f32",
+            "causal_bwd_q_bf16",
+            "causal_bwd_q_f16",
+            "causal_bwd_kv_f32",
+            "causal_bwd_kv_bf16",
+            "causal_bwd_kv_f16",
+        ],
+    ),
+    (
         "cudagraph_nn_pdl",
         &["sgemm_tiled", "relu_fwd", "maxpool_bwd"],
     ),

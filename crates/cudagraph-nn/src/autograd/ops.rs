@@ -684,3 +684,60 @@ pub fn dropout(
     };
     Ok(Tensor::from_op(y, x.shape().to_vec(), Some(node)))
 }
+
+/// `a + b` for two tensors of one shape (a residual connection), as PyTorch's `a + b`: in
+/// their type when they share one; otherwise both are widened to f32 first (PyTorch's type
+/// promotion: a 16-bit tensor plus an f32 one, or bf16 plus f16, gives f32), also inside
+/// autocast (`add` is on none of its lists). Computed in f32 and rounded once. The gradient of
+/// each input is the output's gradient (in the input's own type through the widening).
+pub fn add(q: &dyn Queue, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() != b.shape() {
+        return shape_err(format!("add: {:?} and {:?} differ", a.shape(), b.shape()));
+    }
+    if a.dtype() != b.dtype() {
+        return add(q, &widen(q, a)?, &widen(q, b)?);
+    }
+    let n = a.numel();
+    let y = match (a.buffer(), b.buffer()) {
+        (TypedBuffer::F32(x), TypedBuffer::F32(z)) => {
+            let y = q.alloc::<f32>(n)?;
+            q.copy_range(x, 0, &y, 0, n)?;
+            Nn::get(q.device())?.k.add_inplace(q, &y, z)?;
+            TypedBuffer::new(Arc::new(y))
+        }
+        (TypedBuffer::Bf16(x), TypedBuffer::Bf16(z)) => add_lowp(q, x, z, n)?,
+        (TypedBuffer::F16(x), TypedBuffer::F16(z)) => add_lowp(q, x, z, n)?,
+        (x, z) => {
+            return Err(NnError::Dtype {
+                what: "add",
+                expected: x.dtype().name(),
+                found: z.dtype().name(),
+            })
+        }
+    };
+    let (need_a, need_b) = (a.requires_grad(), b.requires_grad());
+    let node = Node {
+        unit_backward: None,
+        inputs: vec![a.clone(), b.clone()],
+        name: "add",
+        // Both inputs get the upstream gradient itself: autograd copies a shared gradient
+        // before it adds into it, so handing it to both is safe.
+        backward: Box::new(move |_q, _nn, g| {
+            Ok(vec![need_a.then(|| g.clone()), need_b.then(|| g.clone())])
+        }),
+    };
+    Ok(Tensor::from_op_typed(y, a.shape().to_vec(), Some(node)))
+}
+
+/// `x + z` (first `n` elements) into a new 16-bit buffer.
+fn add_lowp<T: Float>(
+    q: &dyn Queue,
+    x: &DeviceBuffer<T>,
+    z: &DeviceBuffer<T>,
+    n: usize,
+) -> Result<TypedBuffer> {
+    let y = q.alloc::<T>(n)?;
+    q.copy_range(x, 0, &y, 0, n)?;
+    LowpKernels::get(q.device())?.add_inplace(q, &y, z)?;
+    Ok(TypedBuffer::new(Arc::new(y)))
+}

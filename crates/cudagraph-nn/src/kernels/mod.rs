@@ -25,6 +25,7 @@ use crate::ffi::libraries::Libraries;
 pub mod amp;
 pub mod attention;
 pub mod cast;
+pub mod causal;
 pub mod conv;
 pub mod conv_lowp;
 pub mod elementwise;
@@ -92,6 +93,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_attention", attention::source()),
         ("cudagraph_nn_conv_lowp", conv_lowp::source()),
         ("cudagraph_nn_transformer", transformer::source()),
+        ("cudagraph_nn_causal", causal::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

@@ -4,6 +4,7 @@
 pub mod autocast;
 pub mod batched;
 pub mod clip;
+pub mod gpt;
 pub mod graphed;
 pub mod layers;
 pub mod optim;
