@@ -935,6 +935,60 @@ part_ab() {
   say "ab: $(grep -E '^\*\*Geometric' "$md" | tr -d '*' | tr '\n' ' ')"
 }
 
+# ---------------------------------------------------------------- part copy (self-contained)
+
+PARTS+=("copy|150|a 4-layer GPT-2-shaped model learns a copy task, the whole step in one graph: cudagraph train copy beside bench/copy_task_torch.py (torch.autocast bf16, torch.cuda.graph, AdamW capturable); final accuracy and µs per step|COPY_ARGS COPY_DTYPES")
+
+part_copy() {
+  need_bin copy || return 1
+  local l=$LOGS/copy-$DEVICE md dtype bad=0
+  mkdir -p "$l"
+  md=$(md_path copy)
+  for dtype in ${COPY_DTYPES:-bf16}; do
+    # shellcheck disable=SC2086 # COPY_ARGS splits into words on purpose
+    timeout "$(tmo 240)" "$BIN" train copy --dtype "$dtype" ${COPY_ARGS:-} >"$l/ours-$dtype.log" 2>&1 || bad=1
+    # shellcheck disable=SC2086
+    timeout -k 10 "$(tmo 240)" python3 bench/copy_task_torch.py --dtype "$dtype" ${COPY_ARGS:-} >"$l/pytorch-$dtype.log" 2>&1 || bad=1
+  done
+  {
+    header copy "GPT-2-shaped training on a copy task, one graph per step ($DEVICE)"
+    echo "\`$BIN train copy --dtype D ${COPY_ARGS:-}\` beside \`python3 bench/copy_task_torch.py --dtype D ${COPY_ARGS:-}\`:"
+    echo "the whole step (forward under autocast, cross-entropy, backward, clip_grad_norm, AdamW) captured once and replayed;"
+    echo "µs per step between progress lines (batch copies into the static inputs included)."
+    echo
+    echo "| dtype | side | µs/step | final accuracy (repeated half, fresh sequences) | last progress line |"
+    echo "|---|---|---:|---:|---|"
+    for dtype in ${COPY_DTYPES:-bf16}; do
+      python3 - "$l/ours-$dtype.log" "$l/pytorch-$dtype.log" "$dtype" <<'PY'
+import re, sys
+for side, path in [("cudagraph", sys.argv[1]), ("PyTorch", sys.argv[2])]:
+    try:
+        text = open(path).read()
+    except OSError:
+        text = ""
+    us = re.search(r": ([0-9.]+) us/step", text)
+    acc = re.search(r"final accuracy: ([0-9.]+%)", text)
+    steps = [x for x in text.splitlines() if x.startswith("step ")]
+    print(f"| {sys.argv[3]} | {side} | {us.group(1) if us else '–'} | {acc.group(1) if acc else '–'} | "
+          f"{steps[-1].strip() if steps else 'no run (see the log)'} |")
+PY
+    done
+    for dtype in ${COPY_DTYPES:-bf16}; do
+      echo
+      echo "### Ours, $dtype"
+      echo
+      code_block "$l/ours-$dtype.log"
+      echo
+      echo "### PyTorch, $dtype"
+      echo
+      code_block "$l/pytorch-$dtype.log"
+    done
+  } >"$md"
+  written "$md" "$l"
+  say "copy: $(grep -cE '^\| (bf16|f32) \| ' "$md") rows$([ "$bad" = 1 ] && echo ", some runs failed")"
+  [ "$bad" = 0 ]
+}
+
 # ---------------------------------------------------------------- main
 
 pack() {

@@ -17,6 +17,7 @@ macro_rules! outln {
 }
 
 mod bench;
+mod copy_task;
 mod inspect;
 mod launch;
 mod report;
@@ -60,8 +61,14 @@ enum Command {
         workloads: bench::workloads::WorkloadArgs,
     },
     /// Train a small CNN (or MLP) on the UCI handwritten digits, eager or graphed, with
-    /// per-phase memory logs.
-    Train(train::TrainArgs),
+    /// per-phase memory logs; `train copy`: a GPT-2-shaped model on a synthetic copy task.
+    #[command(args_conflicts_with_subcommands = true)]
+    Train {
+        #[command(subcommand)]
+        which: Option<TrainCommand>,
+        #[command(flatten)]
+        args: train::TrainArgs,
+    },
     /// Capture a workload and show its graph: node counts, memory, times, DOT (and SVG).
     Inspect(inspect::InspectArgs),
     /// Serve a model (safetensors weights + JSON description) over HTTP with dynamic batching
@@ -72,6 +79,13 @@ enum Command {
     /// MASTER_PORT for each, prefixes their output with the rank, and stops them all when one
     /// fails (exiting with its status).
     Launch(launch::LaunchArgs),
+}
+
+#[derive(Subcommand)]
+enum TrainCommand {
+    /// A GPT-2-shaped model (4 layers by default) learns to repeat a block of random tokens,
+    /// the whole step (bf16 autocast forward, backward, clipping, AdamW) in one CUDA graph.
+    Copy(copy_task::CopyArgs),
 }
 
 #[derive(Subcommand)]
@@ -127,7 +141,10 @@ fn main() -> ExitCode {
             Some(BenchCommand::Ddp(args)) => bench::ddp::run(&args),
             None => bench::workloads::run(cli.device, &workloads),
         },
-        Command::Train(args) => train::run(cli.device, &args),
+        Command::Train { which, args } => match which {
+            Some(TrainCommand::Copy(copy)) => copy_task::run(cli.device, &copy),
+            None => train::run(cli.device, &args),
+        },
         Command::Inspect(args) => inspect::run(cli.device, &args),
         Command::Serve(args) => serve::run(cli.device, &args),
         Command::Launch(args) => match launch::run(&args) {
