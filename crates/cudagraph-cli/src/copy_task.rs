@@ -114,12 +114,13 @@ fn accuracy(a: &CopyArgs, logits: &[f32], targets: &[i32]) -> (usize, usize) {
 
 fn check(a: &CopyArgs) -> AnyResult<()> {
     if a.layers == 0 || a.heads == 0 || a.hidden % a.heads.max(1) != 0 {
-        return Err("--layers and --heads must be at least 1, with --heads dividing --hidden".into());
+        return Err(
+            "--layers and --heads must be at least 1, with --heads dividing --hidden".into(),
+        );
     }
     if a.seq == 0 || a.batch == 0 || a.steps == 0 || a.log_every == 0 || a.vocab < 2 {
         return Err(
-            "--seq, --batch, --steps and --log-every must be at least 1, --vocab at least 2"
-                .into(),
+            "--seq, --batch, --steps and --log-every must be at least 1, --vocab at least 2".into(),
         );
     }
     if a.dtype == Dtype::F16 {

@@ -95,8 +95,8 @@ pub use nn::graphed::GraphedModule;
 pub use nn::layers::{Conv2d, Layer, Linear, NnModule, Sequential};
 
 pub use autograd::attention::{AttentionShape, KvCache};
-pub use autograd::causal::causal_attention;
 pub use autograd::autocast::{autocast, autocast_dtype, autocast_with, AutocastOptions};
+pub use autograd::causal::causal_attention;
 pub use autograd::scale::scale_by_device;
 pub use autograd::tensor::{grad_enabled, no_grad, Parameter, Tensor};
 pub use autograd::transformer::{

@@ -112,8 +112,9 @@ fn reference(
                     p[t][s] = (sc[s] - m).exp() / z;
                 }
                 for d in 0..hd {
-                    out[row(t) * c + h * hd + d] =
-                        (0..=t).map(|s| p[t][s] * qkv[at(row(s), 2, h, d)] as f64).sum();
+                    out[row(t) * c + h * hd + d] = (0..=t)
+                        .map(|s| p[t][s] * qkv[at(row(s), 2, h, d)] as f64)
+                        .sum();
                 }
             }
             for t in 0..tokens {

@@ -206,7 +206,10 @@ fn parameters_are_gpt2s() {
         ("h.1.mlp.c_proj.weight", 0.02 / 6f64.sqrt()),
     ] {
         let got = std(n);
-        assert!((got - want).abs() < 0.1 * want, "{n}: std {got}, want {want}");
+        assert!(
+            (got - want).abs() < 0.1 * want,
+            "{n}: std {got}, want {want}"
+        );
     }
     assert!(s
         .to_vec(by_name("h.0.ln_1.weight").data())

@@ -15,9 +15,9 @@ use cudagraph::{Queue, QueueExt};
 use crate::autograd::tensor::{Node, Tensor};
 use crate::dtype::{Dtype, Float, TypedBuffer};
 use crate::error::{NnError, Result};
-use crate::kernels::causal::{CausalKernels, CausalShape};
 /// The largest head dimension [`causal_attention`] takes.
 pub use crate::kernels::causal::CAUSAL_MAX_HEAD_DIM;
+use crate::kernels::causal::{CausalKernels, CausalShape};
 
 /// Causal multi-head self-attention of `batch` sequences, as GPT-2's attention block between
 /// its two projections (`c_attn` and `c_proj`).
@@ -32,12 +32,7 @@ pub use crate::kernels::causal::CAUSAL_MAX_HEAD_DIM;
 ///
 /// `NnError::Shape` when the rows are not a multiple of `batch`, the width is not three times
 /// a multiple of `heads`, or `head_dim` exceeds [`CAUSAL_MAX_HEAD_DIM`].
-pub fn causal_attention(
-    q: &dyn Queue,
-    qkv: &Tensor,
-    batch: usize,
-    heads: usize,
-) -> Result<Tensor> {
+pub fn causal_attention(q: &dyn Queue, qkv: &Tensor, batch: usize, heads: usize) -> Result<Tensor> {
     let &[rows, width] = qkv.shape() else {
         return Err(NnError::Shape(format!(
             "causal_attention: input {:?} is not [batch · tokens, 3 · hidden]",
@@ -81,10 +76,10 @@ fn causal_as<T: Float>(q: &dyn Queue, qkv: &Tensor, shape: CausalShape) -> Resul
         inputs: vec![qkv.clone()],
         name: "causal_attention",
         backward: Box::new(move |q, _nn, g| {
+            let dout = g.data_as::<T>()?;
             let k = CausalKernels::get(q.device())?;
             let delta = q.alloc::<f32>(shape.stats_len()?)?;
             let dx = q.alloc::<T>(shape.qkv_len()?)?;
-            let dout = g.data_as::<T>()?;
             k.backward(q, &shape, (&x, &saved, &lse), dout, &delta, &dx, scale)?;
             Ok(vec![Some(Tensor::gradient_typed(
                 TypedBuffer::new(Arc::new(dx)),

@@ -172,7 +172,13 @@ impl CausalKernels {
         // d < D (C = H·D; within qkv_len, checked), writes out[(b·T + t)·C + h·D + d]
         // (out_len, checked) and lse[(b·H + h)·T + t] (stats_len, checked); the grid covers
         // h < H, b < B exactly (validated within the grid), D ≤ 128, sizes within int.
-        unsafe { Ok(q.launch(self.fwd.of::<T>("causal attention")?, shape.config()?, &args)?) }
+        unsafe {
+            Ok(q.launch(
+                self.fwd.of::<T>("causal attention")?,
+                shape.config()?,
+                &args,
+            )?)
+        }
     }
 
     /// The gradient `dqkv` of the packed projections from the output's gradient `dout`, the
@@ -255,10 +261,7 @@ mod tests {
         }
         assert!(!src.contains("#include"), "NVRTC has no include path here");
         assert!(src.contains(&format!("#define CA_WARPS {WARPS}")));
-        assert!(src.contains(&format!(
-            "#define CA_SLOTS {}",
-            CAUSAL_MAX_HEAD_DIM / 32
-        )));
+        assert!(src.contains(&format!("#define CA_SLOTS {}", CAUSAL_MAX_HEAD_DIM / 32)));
     }
 
     #[test]
@@ -278,10 +281,7 @@ mod tests {
             CausalShape { batch: 0, ..s },
             CausalShape { tokens: 0, ..s },
             CausalShape { head_dim: 129, ..s },
-            CausalShape {
-                heads: 70_000,
-                ..s
-            },
+            CausalShape { heads: 70_000, ..s },
             CausalShape {
                 tokens: i32::MAX as usize,
                 ..s
