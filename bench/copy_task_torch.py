@@ -14,7 +14,7 @@ is copied into the static inputs first. TF32 off. µs per step: the intervals be
 lines, each ended by a synchronisation (the reads of the loss and logits left out), as ours.
 
 usage: python3 bench/copy_task_torch.py [--layers 4] [--hidden 256] [--heads 4] [--seq 32]
-       [--vocab 64] [--batch 32] [--steps 2000] [--lr 1e-3] [--clip 1.0] [--dtype bf16|f32]
+       [--vocab 64] [--batch 32] [--steps 3000] [--lr 1e-3] [--clip 1.0] [--dtype bf16|f32]
        [--seed 0] [--log-every 100] [--eager]
 """
 import argparse
@@ -35,7 +35,7 @@ p.add_argument("--heads", type=int, default=4)
 p.add_argument("--seq", type=int, default=32)
 p.add_argument("--vocab", type=int, default=64)
 p.add_argument("--batch", type=int, default=32)
-p.add_argument("--steps", type=int, default=2000)
+p.add_argument("--steps", type=int, default=3000)
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--clip", type=float, default=1.0)
 p.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")

@@ -42,7 +42,7 @@ pub struct CopyArgs {
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Training steps (each on fresh sequences).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 3000)]
     pub steps: usize,
     /// AdamW learning rate (betas 0.9, 0.999, weight decay 0.01).
     #[arg(long, default_value_t = 1e-3)]
