@@ -281,3 +281,56 @@ pub fn run(ordinal: usize, a: &CopyArgs) -> AnyResult<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        copy: CopyArgs,
+    }
+
+    fn args(extra: &[&str]) -> CopyArgs {
+        let mut v = vec!["copy"];
+        v.extend(extra);
+        Cli::parse_from(v).copy
+    }
+
+    #[test]
+    fn sequences_repeat_their_block_and_target_the_repeated_half() {
+        let a = args(&["--seq", "4", "--batch", "2", "--vocab", "5"]);
+        let (ids, tgt) = sequences(&a, &mut HostRng::new(1), 3);
+        assert_eq!((ids.len(), tgt.len()), (3 * 2 * 8, 3 * 2 * 8));
+        for (s, t) in ids.chunks(8).zip(tgt.chunks(8)) {
+            assert_eq!(s[..4], s[4..], "a block and its repeat");
+            assert!(
+                s.iter().all(|&x| (1..5).contains(&x)),
+                "tokens from 1..vocab"
+            );
+            // Positions 3..=6 predict the repeat; the others the blank.
+            assert_eq!(t[3..7], s[4..8]);
+            assert!(t[..3].iter().chain(&t[7..]).all(|&x| x == 0));
+        }
+    }
+
+    #[test]
+    fn accuracy_counts_the_repeated_half_only() {
+        let a = args(&["--seq", "2", "--batch", "1", "--vocab", "3"]);
+        // Four tokens; rows 1 and 2 are scored. Logits pick class 2 everywhere.
+        let logits: Vec<f32> = (0..4).flat_map(|_| [0.0, 0.5, 1.0]).collect();
+        assert_eq!(accuracy(&a, &logits, &[0, 2, 1, 0]), (1, 2));
+        assert_eq!(accuracy(&a, &logits, &[2, 2, 2, 2]), (2, 2));
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_device_work() {
+        assert!(check(&args(&[])).is_ok());
+        assert!(check(&args(&["--heads", "3"])).is_err());
+        assert!(check(&args(&["--seq", "0"])).is_err());
+        assert!(check(&args(&["--vocab", "1"])).is_err());
+        assert!(check(&args(&["--dtype", "f16"])).is_err());
+    }
+}
