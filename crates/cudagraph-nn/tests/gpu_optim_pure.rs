@@ -255,7 +255,7 @@ fn check_sgd<T: Float>(s: &Stream, momentum: f32) {
             for j in 0..n {
                 let mut d = g0[j] + wd64 * w0[j];
                 if momentum != 0.0 {
-                    d = mom64 * b0[j] as f64 + d;
+                    d += mom64 * b0[j] as f64;
                     b_ref[j] = d;
                 }
                 w_ref[j] = w0[j] - lr64 * d;
