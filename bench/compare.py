@@ -33,6 +33,11 @@ def mb(b):
 
 print(f"Device: {ours['device']['name']} (CUDA {ours['device']['driver_cuda_version']}); "
       f"PyTorch {pt['torch']} on {pt['device']}, same run.  ")
+dtype = ours.get("dtype", "f32")
+if dtype != "f32" or pt.get("dtype", "f32") != "f32":
+    print(f"Precision: ours {dtype}, PyTorch {pt.get('dtype', 'f32')} autocast with f32 master "
+          f"weights (f16: a loss scaler on both sides; PyTorch's training steps use fused "
+          f"optimizers, which its scaler steps without a host read).  ")
 print(f"Median of {ours['repeats']} samples x {ours['iters']} iterations; µs per iteration.  ")
 print(f"Commands: `{commands}`\n")
 print("| workload | config | ours eager | ours graph | ours speedup | PyTorch eager | PyTorch graph | ours graph vs PyTorch graph | ours eager vs PyTorch eager | ours pool MB | PyTorch pool MB |")

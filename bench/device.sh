@@ -32,7 +32,7 @@ export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 # part|seconds it needs at least|what it runs|knobs (environment variables it reads)
 PARTS=(
   "suite|120|the GPU test suite (.gpu-bin/run-tests.sh, GPU required); with 2+ GPUs the two-GPU tests too|SUITE_ARGS TEST_TIMEOUT_S SUITE_TIMEOUT_S"
-  "seed|150|the seed workloads eager and graphed (cudagraph bench) beside bench/pytorch_baseline.py; + .json, .svg|SEED_ARGS"
+  "seed|150|the seed workloads eager and graphed (cudagraph bench) beside bench/pytorch_baseline.py; SEED_DTYPE=bf16 (or f16) runs both under autocast and writes seed-DTYPE-DEVICE.md; + .json, .svg|SEED_ARGS SEED_DTYPE"
   "sweep|150|the shape grid, forward and training, both graphed, kinds alternating between ours and bench/pytorch_sweep.py; SWEEP_DTYPE=bf16 (or f16) runs both under autocast and writes sweep-DTYPE-DEVICE.md; + .json|SWEEP_ROUNDS SWEEP_KINDS SWEEP_DTYPE"
   "chain|60|k dependent tiny kernels, eager and graphed, with PDL: ours, raw CUDA (bench/raw/chain.cu, needs nvcc), PyTorch; + .json|"
   "cache|60|the seed MLP at random batch sizes through a GraphCache beside bench/pytorch_cache.py (dict of graphs); + .json|CACHE_COLD"
@@ -71,6 +71,7 @@ Knobs:
   SUITE_ARGS          libtest arguments for every test binary (e.g. a name filter)
   TEST_TIMEOUT_S      seconds one test binary may run (300)
   SEED_ARGS           extra arguments for `cudagraph bench` (e.g. --only mlp,train)
+  SEED_DTYPE          f32 (default), bf16 or f16: both sides of the seed part under autocast
   SWEEP_ROUNDS        runs of every kind per side; each point keeps its faster run (1)
   SWEEP_KINDS         kinds of points ("linear- conv- ce- mlp- cnn- opt-")
   CACHE_COLD=1        start from an empty engine registry and kernel cache
@@ -266,32 +267,40 @@ part_suite() {
 
 part_seed() {
   need_bin seed || return 1
-  local l=$LOGS/seed-$DEVICE md svg=$RES/seed-$DEVICE.svg ours=() extra=() chart=()
+  # SEED_DTYPE=bf16|f16: both sides under autocast (`--dtype`), results in seed-DTYPE-DEVICE.*.
+  local dtype=${SEED_DTYPE:-f32} name=seed dt=() title=""
+  case $dtype in
+    f32) ;;
+    bf16 | f16) name=seed-$dtype dt=(--dtype "$dtype") title=" in $dtype autocast" ;;
+    *) say "seed: SEED_DTYPE must be f32, bf16 or f16, not '$dtype'"; return 1 ;;
+  esac
+  local l=$LOGS/$name-$DEVICE md svg=$RES/$name-$DEVICE.svg ours=() extra=() chart=() pt=()
   mkdir -p "$l"
   read -r -a extra <<<"${SEED_ARGS:-}"
-  ours=("$BIN" bench --json "${extra[@]}")
+  ours=("$BIN" bench --json "${dt[@]}" "${extra[@]}")
+  pt=(python3 bench/pytorch_baseline.py "${dt[@]}")
   if ! timeout "$(tmo 200)" "${ours[@]}" >"$l/ours.json" 2>"$l/ours.log"; then
-    say "seed: cudagraph bench failed: $(tail -n 3 "$l/ours.log" | tr '\n' ' ')"
+    say "$name: cudagraph bench failed: $(tail -n 3 "$l/ours.log" | tr '\n' ' ')"
     return 1
   fi
-  timeout "$(tmo 200)" python3 bench/pytorch_baseline.py >"$l/pytorch.json" 2>"$l/pytorch.log" ||
-    no_pytorch "$l/pytorch.json" "bench/pytorch_baseline.py failed: see logs/seed-$DEVICE/pytorch.log"
+  timeout "$(tmo 200)" "${pt[@]}" >"$l/pytorch.json" 2>"$l/pytorch.log" ||
+    no_pytorch "$l/pytorch.json" "bench/pytorch_baseline.py failed: see logs/$name-$DEVICE/pytorch.log"
   # The chart, drawn from both runs' JSON after both measured (PyTorch's bars beside ours; ours
   # alone when PyTorch did not run). `cudagraph bench --from-json bench/results/seed-DEVICE.json
   # --svg FILE` redraws it from the committed results.
   chart=("$BIN" bench --from-json "$l/ours.json" --pytorch "$l/pytorch.json" --svg "$svg")
   rm -f "$svg"
-  "${chart[@]}" >/dev/null 2>>"$l/ours.log" || say "seed: the chart was not drawn (logs/seed-$DEVICE/ours.log)"
-  md=$(md_path seed)
+  "${chart[@]}" >/dev/null 2>>"$l/ours.log" || say "$name: the chart was not drawn (logs/$name-$DEVICE/ours.log)"
+  md=$(md_path "$name")
   {
-    header seed "Seed workloads, eager and graphed: ours and PyTorch ($DEVICE)"
+    header seed "Seed workloads$title, eager and graphed: ours and PyTorch ($DEVICE)"
     python3 bench/compare.py "$l/ours.json" "$l/pytorch.json" \
-      "${ours[*]}; python3 bench/pytorch_baseline.py; ${chart[*]}"
+      "${ours[*]}; ${pt[*]}; ${chart[*]}"
     [ -s "$svg" ] && printf '\n![ours and PyTorch, eager and graphed](%s)\n' "$(basename "$svg")"
   } >"$md"
   written "$md" "$svg" "$l"
-  merge_json "$RES/seed-$DEVICE.json" seed ours="$l/ours.json" pytorch="$l/pytorch.json"
-  say "seed: $(grep -cE '^\| [a-z]' "$md") rows; mlp-inference bs=32 graph: $(awk -F'|' '$2 ~ /mlp-inference/ && $3 ~ /bs=32 / {print $5 " µs ours, " $8 " µs PyTorch"}' "$md")"
+  merge_json "$RES/$name-$DEVICE.json" seed ours="$l/ours.json" pytorch="$l/pytorch.json"
+  say "$name: $(grep -cE '^\| [a-z]' "$md") rows; mlp-inference bs=32 graph: $(awk -F'|' '$2 ~ /mlp-inference/ && $3 ~ /bs=32 / {print $5 " µs ours, " $8 " µs PyTorch"}' "$md")"
 }
 
 part_sweep() {

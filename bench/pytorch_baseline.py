@@ -15,10 +15,18 @@ iterations ending in one synchronisation.
 - dropout: the seed MLP with Dropout(0.1), a whole SGD training step graphed (fresh masks per
   replay), and one dropout op on 64x4096 alone.
 
+--dtype bf16 (or f16), as `cudagraph bench --dtype`: every forward pass and loss under
+torch.autocast with f32 master weights; the host round trip's output is widened to f32 inside
+the graph (`.float()`), the other inference outputs stay 16-bit. Training steps in f16 scale the
+loss with a GradScaler and use fused optimizers (SGD(fused=True), Adam(fused=True,
+capturable=True)): only those take the scaler's found-inf flag on the device, so the step
+captures (a non-fused optimizer under a scaler reads the flag on the host). The dropout op alone
+stays f32 (autocast leaves dropout in its input's type).
+
 Values that do not apply (the nine-sizes row's times) are null, never NaN, so the output is
 valid JSON; `cudagraph bench --pytorch pytorch.json --svg chart.svg` draws it beside ours.
 
-usage: python3 bench/pytorch_baseline.py [--iters 500] [--repeats 5] > pytorch.json
+usage: python3 bench/pytorch_baseline.py [--iters 500] [--repeats 5] [--dtype f32|bf16|f16] > pytorch.json
 """
 import argparse
 import json
@@ -35,9 +43,45 @@ p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=500)
 p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--batch-sizes", default="1,4,8,16,32,256")
+p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
+               help="bf16/f16: every forward pass and loss under torch.autocast (f32 masters)")
 args = p.parse_args()
 dev = torch.device("cuda")
 torch.manual_seed(0)
+AUTOCAST = {"bf16": torch.bfloat16, "f16": torch.float16}.get(args.dtype)
+SCALED = args.dtype == "f16"
+
+
+def mixed(fn):
+    """fn() under torch.autocast of --dtype (as `cudagraph bench --dtype`)."""
+    if AUTOCAST is None:
+        return fn()
+    with torch.autocast("cuda", dtype=AUTOCAST):
+        return fn()
+
+
+def sgd(params, lr):
+    # f16: fused, the SGD a GradScaler steps inside a capture; otherwise the default.
+    return torch.optim.SGD(params, lr=lr, fused=True) if SCALED else torch.optim.SGD(params, lr=lr)
+
+
+def adam(params, lr):
+    if SCALED:
+        return torch.optim.Adam(params, lr=lr, capturable=True, fused=True)
+    return torch.optim.Adam(params, lr=lr, capturable=True)
+
+
+def new_scaler():
+    """A training workload's loss scaler: enabled for f16 only (disabled, every call passes
+    through)."""
+    return torch.amp.GradScaler("cuda", enabled=SCALED)
+
+
+def scaled_step(loss, opt, scaler):
+    """backward, optimizer step and scale update of a training step's unscaled loss."""
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
 
 
 def time_us(body, iters=args.iters):
@@ -89,20 +133,20 @@ with torch.no_grad():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        e = time_us(lambda: model(x))
+        e = time_us(lambda: mixed(lambda: model(x)))
         eager_peak = torch.cuda.max_memory_allocated() - base
         static_in = torch.zeros(bs, 1024, device=dev)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                model(static_in)
+                mixed(lambda: model(static_in))
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         with torch.cuda.graph(g):
-            static_out = model(static_in)
+            static_out = mixed(lambda: model(static_in))
         cap = (time.perf_counter() - t0) * 1e3
         reserved = torch.cuda.memory_reserved() - before
 
@@ -121,7 +165,8 @@ with torch.no_grad():
         out_host = torch.empty(bs, 10).pin_memory()
 
         def eager():
-            out_host.copy_(model(x_host.to(dev, non_blocking=True)), non_blocking=True)
+            y = mixed(lambda: model(x_host.to(dev, non_blocking=True))).float()
+            out_host.copy_(y, non_blocking=True)
             torch.cuda.current_stream().synchronize()
 
         torch.cuda.synchronize()
@@ -134,13 +179,13 @@ with torch.no_grad():
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                model(static_in)
+                mixed(lambda: model(static_in)).float()
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         with torch.cuda.graph(g):
-            static_out = model(static_in)
+            static_out = mixed(lambda: model(static_in)).float()
         cap = (time.perf_counter() - t0) * 1e3
         reserved = torch.cuda.memory_reserved() - before
 
@@ -156,18 +201,15 @@ with torch.no_grad():
 # 2. Training steps
 for opt_name in ["sgd", "adam"]:
     lin = torch.nn.Linear(1024, 1024).to(dev)
-    if opt_name == "sgd":
-        opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
-    else:
-        opt = torch.optim.Adam(lin.parameters(), lr=1e-3, capturable=True)
+    opt = sgd(lin.parameters(), 1e-3) if opt_name == "sgd" else adam(lin.parameters(), 1e-3)
+    scaler = new_scaler()
     x = torch.randn(64, 1024, device=dev)
     y = torch.randn(64, 1024, device=dev)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = (lin(x) - y).pow(2).sum()
-        loss.backward()
-        opt.step()
+        loss = mixed(lambda: (lin(x) - y).pow(2).sum())
+        scaled_step(loss, opt, scaler)
         return loss
 
     g, static_loss = graphed_step_row("linear-train", opt_name, step, opt)
@@ -182,16 +224,16 @@ with torch.no_grad():
     keep = []
     before_all = torch.cuda.memory_reserved()
     for name, m, x in [("linear-1000x500-bs32", lin, x1), ("conv2d-3x64-16x3x224x224", conv, x2)]:
-        m(x)
+        mixed(lambda: m(x))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        e = time_us(lambda: m(x), min(args.iters, 200))
+        e = time_us(lambda: mixed(lambda: m(x)), min(args.iters, 200))
         eager_peak = torch.cuda.max_memory_allocated() - base
         g = torch.cuda.CUDAGraph()
         t0 = time.perf_counter()
         with torch.cuda.graph(g, pool=pool):
-            out = m(x)
+            out = mixed(lambda: m(x))
         cap = (time.perf_counter() - t0) * 1e3
         gr = time_us(g.replay, min(args.iters, 200))
         keep.append((g, out))
@@ -215,11 +257,11 @@ def nine_sizes(fresh_side_stream):
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                m(x)
+                mixed(lambda: m(x))
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool):
-            y = m(x)
+            y = mixed(lambda: m(x))
         keep.append((g, x, y))
     return torch.cuda.memory_reserved() - before
 
@@ -241,7 +283,8 @@ drop = torch.nn.Sequential(
     torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Dropout(0.1),
     torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Dropout(0.1),
     torch.nn.Linear(256, 10)).to(dev).train()
-opt = torch.optim.SGD(drop.parameters(), lr=0.01)
+opt = sgd(drop.parameters(), 0.01)
+drop_scaler = new_scaler()
 xd = torch.randn(64, 1024, device=dev)
 yd = torch.tensor([(i * 7) % 10 for i in range(64)], device=dev)
 lossf = torch.nn.CrossEntropyLoss()
@@ -249,9 +292,8 @@ lossf = torch.nn.CrossEntropyLoss()
 
 def drop_step():
     opt.zero_grad(set_to_none=True)
-    loss = lossf(drop(xd), yd)
-    loss.backward()
-    opt.step()
+    loss = mixed(lambda: lossf(drop(xd), yd))
+    scaled_step(loss, opt, drop_scaler)
     return loss
 
 
@@ -282,6 +324,6 @@ with torch.no_grad():
     gr = time_us(g.replay)
     row("dropout-op", "64x4096-p0.1", e, gr, eager_peak, torch.cuda.memory_reserved() - before, 0, cap)
 
-print(json.dumps(dict(benchmark="workloads-pytorch", torch=torch.__version__,
+print(json.dumps(dict(benchmark="workloads-pytorch", dtype=args.dtype, torch=torch.__version__,
                       device=torch.cuda.get_device_name(), iters=args.iters, repeats=args.repeats,
                       rows=rows, notes=notes), indent=1, allow_nan=False))

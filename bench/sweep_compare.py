@@ -44,8 +44,9 @@ def main():
     else:
         precision = (f"{dtype} autocast, f32 master weights. PyTorch: `torch.autocast` around "
                      f"every forward pass and loss (weights cast in every call and step). Ours: "
-                     f"`autocast`; forward points serve an `AutocastModule` (weights cast once), "
-                     f"training steps use the fused optimizer's {dtype} copies (no weight cast)")
+                     f"`autocast`; forward points serve an `AutocastModule` (weights cast once, "
+                     f"outputs in {dtype} as PyTorch's), training steps use the fused "
+                     f"optimizer's {dtype} copies (no weight cast)")
     print(f"Device: {d['name']} (CUDA {d['driver_cuda_version']}, {d['multiprocessors']} SMs); "
           f"PyTorch {pt.get('torch', '?')} on {pt.get('device', '?')}, same run. {precision}, "
           f"cudnn.benchmark on, capturable optimizers.  ")

@@ -556,3 +556,61 @@ fn an_autocast_module_serves_with_copies_made_once_and_f32_outputs() {
         Dtype::F32
     );
 }
+
+#[test]
+fn an_autocast_module_keeping_its_output_returns_the_16_bit_bits_before_the_widening() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    for d in [Dtype::Bf16, Dtype::F16] {
+        let mut rng = HostRng::new(23);
+        let model = Sequential::new(vec![
+            Layer::Linear(Linear::new(&s, 64, 128, &mut rng).unwrap()),
+            Layer::ReLU,
+            Layer::Linear(Linear::new(&s, 128, 10, &mut rng).unwrap()),
+        ]);
+        let x = Tensor::from_host(&s, &rng.vec_normal(32 * 64), &[32, 64]).unwrap();
+        let widened = AutocastModule::new(&s, model.clone(), d).unwrap();
+        assert!(!widened.keeps_output(), "f32 outputs by default");
+        let want = no_grad(|| widened.forward(&s, &x)).unwrap();
+        assert_eq!(want.dtype(), Dtype::F32);
+        let want = want.to_vec(&s).unwrap();
+        let kept = AutocastModule::new(&s, model, d).unwrap().keep_output(true);
+        assert!(kept.keeps_output());
+        let y = no_grad(|| kept.forward(&s, &x)).unwrap();
+        assert_eq!(y.dtype(), d, "{d}: the output in the compute type");
+        assert_eq!(y.shape(), &[32, 10]);
+        // The 16-bit bits themselves: narrowing the widened output is exact (it came from
+        // these very values), so they must equal it element for element.
+        let bits: Vec<u16> = match d {
+            Dtype::Bf16 => s
+                .to_vec(y.data_as::<bf16>().unwrap())
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect(),
+            _ => s
+                .to_vec(y.data_as::<f16>().unwrap())
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect(),
+        };
+        let want_bits: Vec<u16> = want
+            .iter()
+            .map(|&v| match d {
+                Dtype::Bf16 => bf16::from_f32(v).to_bits(),
+                _ => f16::from_f32(v).to_bits(),
+            })
+            .collect();
+        assert_eq!(bits, want_bits, "{d}: kept output vs the widened one");
+        assert_bits_eq(&y.to_vec(&s).unwrap(), &want, "kept output widened");
+        // Captured: replay gives the same bits, and no cast of the output runs.
+        let (g, out) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+            Ok(no_grad(|| kept.forward(cs, &x))?)
+        })
+        .unwrap();
+        g.replay(&s).unwrap();
+        assert_eq!(out.dtype(), d);
+        assert_bits_eq(&out.to_vec(&s).unwrap(), &want, "replay of the kept output");
+    }
+}

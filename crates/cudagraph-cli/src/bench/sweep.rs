@@ -52,6 +52,7 @@ pub struct SweepArgs {
     pub json: bool,
     /// Element type of the products and convolutions: `f32` (exact f32, TF32 off), or `bf16` /
     /// `f16` — every forward pass and loss inside `autocast` (parameters stay f32 masters;
+    /// forward points return their output in the 16-bit type, as PyTorch's autocast does;
     /// training steps keep 16-bit copies updated by the fused optimizer, so no weight is cast
     /// per step), as `bench/pytorch_sweep.py --dtype` runs PyTorch's under `torch.autocast`.
     #[arg(long, default_value = "f32")]
@@ -364,6 +365,17 @@ fn optim_options(a: &SweepArgs) -> OptimOptions {
     }
 }
 
+/// A forward point's model under `--dtype`: 16-bit copies of the weights made once, and the
+/// output kept in the compute type, as `torch.autocast` returns it (no widening cast over the
+/// output, which PyTorch's side does not pay either).
+fn serving<M: NnModule>(
+    s: &Stream,
+    model: M,
+    a: &SweepArgs,
+) -> cudagraph_nn::Result<AutocastModule<M>> {
+    Ok(AutocastModule::new(s, model, a.dtype)?.keep_output(true))
+}
+
 /// `f` inside an autocast scope of `--dtype` that uses the optimizer's 16-bit `copies`.
 fn mixed_with<R>(
     a: &SweepArgs,
@@ -404,7 +416,7 @@ fn run_point(
             let x = tensor(s, &mut rng, &[m, k])?;
             let y = tensor(s, &mut rng, &[m, n])?;
             if !train {
-                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                let m = serving(s, model, a)?;
                 return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
@@ -432,7 +444,7 @@ fn run_point(
             let oh = (hw + 2 * pad - k) / stride + 1;
             let y = tensor(s, &mut rng, &[n, oc, oh, oh])?;
             if !train {
-                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                let m = serving(s, model, a)?;
                 return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let mut opt = sgd(s, model.parameters(), 1e-3)?;
@@ -477,7 +489,7 @@ fn run_point(
             let x = tensor(s, &mut rng, &[batch, input])?;
             let t = targets(s, batch, classes)?;
             if !train {
-                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                let m = serving(s, model, a)?;
                 return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let mut opt = Adam::with_options(
@@ -506,7 +518,7 @@ fn run_point(
             let x = tensor(s, &mut rng, &[batch, in_channels, image, image])?;
             let t = targets(s, batch, classes)?;
             if !train {
-                let m = AutocastModule::new(&*s, model, a.dtype)?;
+                let m = serving(s, model, a)?;
                 return measure(dev, s, a, |q| no_grad(|| m.forward(q, &x)).map(drop));
             }
             let cfg = SgdConfig {

@@ -13,6 +13,15 @@
 //! 5. `dropout`: the seed MLP with dropout, a whole SGD training step graphed (fresh masks on
 //!    every replay from the device-side generator), and one dropout op alone.
 //!
+//! `--dtype bf16` (or `f16`) runs them in mixed precision, as `bench/pytorch_baseline.py
+//! --dtype` runs PyTorch's under `torch.autocast`: every forward pass and loss inside
+//! [`autocast`](cudagraph_nn::autocast); inference models are [`AutocastModule`]s (weights cast
+//! once; outputs kept in the 16-bit type, except the host round trip's, widened to f32 inside
+//! the graph on both sides); training steps keep 16-bit copies of the parameters updated by the
+//! fused optimizer (as `bench sweep --dtype`), and in f16 scale the loss with a [`GradScaler`]
+//! (PyTorch's, with fused optimizers, the ones its scaler can step inside a capture). The
+//! dropout op alone stays f32 (autocast leaves dropout in its input's type).
+//!
 //! `bench/pytorch_baseline.py` does the same work in PyTorch, measured the same way; with its
 //! JSON (`--pytorch FILE`) the chart (`--svg FILE`) draws PyTorch's bars beside ours.
 //! `--from-json FILE` reads the rows of an earlier `--json` run instead of measuring, to redraw
@@ -24,8 +33,10 @@ use std::sync::Arc;
 use clap::Args;
 use cudagraph::{CaptureOptions, Device, Graph, QueueExt, StaticGraph, Stream};
 use cudagraph_nn::{
-    cross_entropy, mse_loss, no_grad, Adam, Conv2d, Generator, HostRng, Layer, Linear, NnModule,
-    Optimizer, Reduction, Sequential, Sgd, Targets, Tensor,
+    autocast_with, cross_entropy, mse_loss, no_grad, Adam, AdamConfig, AutocastModule,
+    AutocastOptions, Conv2d, Dtype, Generator, GradScaler, GradScalerConfig, HostRng, Layer,
+    Linear, NnModule, OptimOptions, Optimizer, Parameter, Reduction, Sequential, Sgd, SgdConfig,
+    Targets, Tensor, TypedBuffer,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -67,6 +78,11 @@ pub struct WorkloadArgs {
     /// `pytorch` serves as both, unless `--pytorch` names another.
     #[arg(long)]
     pub from_json: Option<PathBuf>,
+    /// Element type of the products and convolutions: `f32` (exact f32, TF32 off), or `bf16` /
+    /// `f16`: every forward pass and loss inside `autocast` with f32 master weights (see the
+    /// module documentation), as `bench/pytorch_baseline.py --dtype` runs PyTorch's.
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
 }
 
 /// One measured row: a workload at one configuration. A value that does not apply to the
@@ -131,11 +147,95 @@ impl Row {
 #[derive(Serialize, Deserialize)]
 pub struct Report {
     pub benchmark: String,
+    /// The element type of products and convolutions (`--dtype`; absent in older files: f32).
+    #[serde(default = "f32_name")]
+    pub dtype: String,
     pub device: DeviceReport,
     pub iters: usize,
     pub repeats: usize,
     pub rows: Vec<Row>,
     pub notes: Vec<String>,
+}
+
+fn f32_name() -> String {
+    Dtype::F32.to_string()
+}
+
+/// An inference model in `--dtype`: with bf16/f16 an [`AutocastModule`] (16-bit weight copies
+/// made once) whose output stays in the 16-bit type when `keep_output` (as `torch.autocast`
+/// returns it) and is widened to f32 otherwise; with f32 the model itself, unchanged.
+fn inference<M: NnModule>(
+    s: &Stream,
+    model: M,
+    a: &WorkloadArgs,
+    keep_output: bool,
+) -> cudagraph_nn::Result<AutocastModule<M>> {
+    Ok(AutocastModule::new(s, model, a.dtype)?.keep_output(keep_output))
+}
+
+/// The optimizer options of a training step in `--dtype`: bf16/f16 keep 16-bit copies of the
+/// parameters, updated by the fused step and used by the forward pass instead of casts.
+fn optim_options(a: &WorkloadArgs) -> OptimOptions {
+    OptimOptions {
+        copies: (a.dtype != Dtype::F32).then_some(a.dtype),
+    }
+}
+
+/// The loss scaler of a training step in `--dtype`: PyTorch's defaults, enabled for f16 only
+/// (disabled, every call passes through: the f32 and bf16 steps are what they were without it).
+fn scaler(s: &Stream, a: &WorkloadArgs) -> cudagraph_nn::Result<GradScaler> {
+    GradScaler::new(
+        s,
+        GradScalerConfig {
+            enabled: a.dtype == Dtype::F16,
+            ..GradScalerConfig::default()
+        },
+    )
+}
+
+/// `f` (a forward pass and its loss) inside an autocast scope of `--dtype` that uses the
+/// optimizer's 16-bit `copies` (with f32: autocast off, `f` as it is).
+fn mixed<R>(
+    a: &WorkloadArgs,
+    copies: &[(Parameter, TypedBuffer)],
+    f: impl FnOnce() -> cudagraph_nn::Result<R>,
+) -> cudagraph_nn::Result<R> {
+    let options = AutocastOptions {
+        dtype: a.dtype,
+        copies: copies.to_vec(),
+    };
+    autocast_with(options, f)?
+}
+
+/// The backward pass and update of a training step from its unscaled `loss`: scaled,
+/// stepped and the scale updated by `scaler` (pass-through unless f16).
+fn scaled_step(
+    q: &dyn cudagraph::Queue,
+    scaler: &std::cell::RefCell<GradScaler>,
+    opt: &mut dyn Optimizer,
+    loss: &Tensor,
+) -> cudagraph_nn::Result<()> {
+    let mut scaler = scaler.borrow_mut();
+    scaler.scale(q, loss)?.backward(q)?;
+    scaler.step(q, opt)?;
+    scaler.update(q)
+}
+
+/// A copy of `t`'s elements, in its own type (PyTorch's `static_output.clone()`).
+fn clone_values(s: &Stream, t: &Tensor) -> AnyResult<TypedBuffer> {
+    fn copy<T: cudagraph_nn::Float>(
+        s: &Stream,
+        b: &Arc<cudagraph::DeviceBuffer<T>>,
+    ) -> AnyResult<TypedBuffer> {
+        let out = s.alloc::<T>(b.len())?;
+        s.copy(b, &out)?;
+        Ok(TypedBuffer::new(Arc::new(out)))
+    }
+    match t.buffer() {
+        TypedBuffer::F32(b) => copy(s, b),
+        TypedBuffer::Bf16(b) => copy(s, b),
+        TypedBuffer::F16(b) => copy(s, b),
+    }
 }
 
 /// The workloads' timing: three warm-up calls, then [`report::time_us`].
@@ -201,6 +301,7 @@ fn mlp_device(
     let mut s = dev.new_stream()?;
     let mut rng = HostRng::new(2);
     let model = seed_mlp(&s, &mut rng)?;
+    let model = inference(&s, model, a, true)?;
     for &bs in &a.batch_sizes {
         pb.set_message(format!("mlp bs {bs}"));
         let x = Tensor::from_host(&s, &rng.vec_normal(bs * 1024), &[bs, 1024])?;
@@ -218,14 +319,12 @@ fn mlp_device(
         let (g, static_out) = Graph::capture(&mut s, CaptureOptions::new().upload(true), |cs| {
             Ok(no_grad(|| model.forward(cs, &sx))?)
         })?;
-        let request = |s: &Stream| -> AnyResult<cudagraph::DeviceBuffer<f32>> {
+        let request = |s: &Stream| -> AnyResult<TypedBuffer> {
             s.copy(x.data()?, &static_in)?;
             g.replay(s)?;
-            let out = s.alloc::<f32>(bs * 10)?;
-            s.copy(static_out.data()?, &out)?;
-            Ok(out)
+            clone_values(s, &static_out)
         };
-        let graph_out = s.to_vec(&request(&s)?)?;
+        let graph_out = Tensor::from_typed(request(&s)?, &[bs, 10])?.to_vec(&s)?;
         let graph = time_us(&s, a.iters, a.repeats, || request(&s).map(|_| ()))?;
         let info = *g.info();
         rows.push(Row::measured(
@@ -252,6 +351,8 @@ fn mlp_host(
     let mut s = dev.new_stream()?;
     let mut rng = HostRng::new(2);
     let model = seed_mlp(&s, &mut rng)?;
+    // The output goes to f32 host memory: widened to f32 on the device, inside the graph.
+    let model = inference(&s, model, a, false)?;
     for &bs in &a.batch_sizes {
         pb.set_message(format!("mlp bs {bs}"));
         let xh = rng.vec_normal(bs * 1024);
@@ -316,27 +417,53 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
         let mut rng = HostRng::new(1);
         let model = Linear::new(&s, 1024, 1024, &mut rng)?;
         let mut opt: Box<dyn Optimizer> = if adam {
-            Box::new(Adam::new(&s, model.parameters(), 1e-3, 0.0, false)?)
+            let cfg = AdamConfig {
+                lr: 1e-3,
+                ..AdamConfig::default()
+            };
+            Box::new(Adam::with_options(
+                &s,
+                model.parameters(),
+                cfg,
+                optim_options(a),
+            )?)
         } else {
-            Box::new(Sgd::new(&s, model.parameters(), 1e-3, 0.0, 0.0)?)
+            let cfg = SgdConfig {
+                lr: 1e-3,
+                momentum: 0.0,
+                weight_decay: 0.0,
+            };
+            Box::new(Sgd::with_options(
+                &s,
+                model.parameters(),
+                cfg,
+                optim_options(a),
+            )?)
         };
+        let copies = opt.copies().unwrap_or_default();
+        let scaler = std::cell::RefCell::new(scaler(&s, a)?);
         let x = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
         let y = Tensor::from_host(&s, &rng.vec_normal(64 * 1024), &[64, 1024])?;
         let step = |q: &dyn cudagraph::Queue,
                     opt: &mut Box<dyn Optimizer>|
          -> cudagraph_nn::Result<Tensor> {
             opt.zero_grad(q, true)?;
-            let loss = mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Sum)?;
-            loss.backward(q)?;
-            opt.step(q)?;
+            let loss = mixed(a, &copies, || {
+                mse_loss(q, &model.forward(q, &x)?, &y, Reduction::Sum)
+            })?;
+            scaled_step(q, &scaler, &mut **opt, &loss)?;
             Ok(loss)
         };
         let (times, g, _loss) = eager_then_graph(dev, &mut s, a, |q| step(q, &mut opt))?;
-        // Same code, same data: one more eager step and one replay from equal weights agree.
+        // Same code, same data: one more eager step and one replay from equal weights (their
+        // 16-bit copies recast, the scaler's state put back) agree.
         let w0 = s.to_vec(model.weight.data())?;
+        let scale0 = scaler.borrow().state_dict(&s)?;
         step(&s, &mut opt)?;
         let w_eager = s.to_vec(model.weight.data())?;
         s.copy_from_host(&w0, model.weight.data())?;
+        opt.refresh_copies(&s)?;
+        scaler.borrow_mut().load_state_dict(&s, &scale0)?;
         g.replay(&s)?;
         let w_graph = s.to_vec(model.weight.data())?;
         let info = *g.info();
@@ -380,16 +507,22 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         Layer::Linear(Linear::new(&s, 256, 10, &mut rng)?),
     ])
     .with_generator(gen.clone());
-    let mut opt = Sgd::new(&s, model.parameters(), 0.01, 0.0, 0.0)?;
+    let cfg = SgdConfig {
+        lr: 0.01,
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    let mut opt = Sgd::with_options(&s, model.parameters(), cfg, optim_options(a))?;
+    let copies = opt.copies().unwrap_or_default();
+    let scaler = std::cell::RefCell::new(scaler(&s, a)?);
     let (bs, classes) = (64usize, 10usize);
     let x = Tensor::from_host(&s, &rng.vec_normal(bs * 1024), &[bs, 1024])?;
     let labels: Vec<i32> = (0..bs).map(|i| ((i * 7) % classes) as i32).collect();
     let y = Targets::from_host(&s, &labels, classes)?;
     let step = |q: &dyn cudagraph::Queue, opt: &mut Sgd| -> cudagraph_nn::Result<Tensor> {
         opt.zero_grad(q, true)?;
-        let loss = cross_entropy(q, &model.forward(q, &x)?, &y)?;
-        loss.backward(q)?;
-        opt.step(q)?;
+        let loss = mixed(a, &copies, || cross_entropy(q, &model.forward(q, &x)?, &y))?;
+        scaled_step(q, &scaler, opt, &loss)?;
         Ok(loss)
     };
     let (times, g, _loss) = eager_then_graph(dev, &mut s, a, |q| step(q, &mut opt))?;
@@ -406,12 +539,15 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
         .iter()
         .map(|p| s.to_vec(p.data()))
         .collect::<Result<Vec<_>, _>>()?;
+    let scale0 = scaler.borrow().state_dict(&s)?;
     gen.manual_seed(&s, seed)?;
     step(&s, &mut opt)?;
     let w_eager = s.to_vec(first)?;
     for (p, v) in params.iter().zip(&start) {
         s.copy_from_host(v, p.data())?;
     }
+    opt.refresh_copies(&s)?;
+    scaler.borrow_mut().load_state_dict(&s, &scale0)?;
     gen.manual_seed(&s, seed)?;
     g.replay(&s)?;
     let w_graph = s.to_vec(first)?;
@@ -464,8 +600,8 @@ fn pool(
     let mut s = dev.new_stream()?;
     let mut rng = HostRng::new(3);
     let pool = dev.new_pool_with_limit(1 << 30);
-    let lin = Linear::new(&s, 1000, 500, &mut rng)?;
-    let conv = Conv2d::new(&s, 3, 64, 3, 1, 0, &mut rng)?;
+    let lin = inference(&s, Linear::new(&s, 1000, 500, &mut rng)?, a, true)?;
+    let conv = inference(&s, Conv2d::new(&s, 3, 64, 3, 1, 0, &mut rng)?, a, true)?;
     let x1 = Tensor::from_host(&s, &rng.vec_normal(32 * 1000), &[32, 1000])?;
     let x2 = Tensor::from_host(&s, &rng.vec_normal(16 * 3 * 224 * 224), &[16, 3, 224, 224])?;
     let models: [(&str, &dyn NnModule, &Tensor); 2] = [
@@ -515,6 +651,7 @@ fn pool(
 
 fn mlp_pool(
     dev: &Device,
+    a: &WorkloadArgs,
     rows: &mut Vec<Row>,
     pb: &ProgressBar,
     notes: &mut Vec<String>,
@@ -522,7 +659,7 @@ fn mlp_pool(
     pb.set_message("mlp-pool");
     let mut s = dev.new_stream()?;
     let mut rng = HostRng::new(4);
-    let model = seed_mlp(&s, &mut rng)?;
+    let model = inference(&s, seed_mlp(&s, &mut rng)?, a, true)?;
     let sizes = [256usize, 192, 128, 64, 32, 16, 8, 4, 1];
     let single = {
         let x = Tensor::from_host(&s, &rng.vec_normal(256 * 1024), &[256, 1024])?;
@@ -602,7 +739,7 @@ fn measure(ordinal: usize, a: &WorkloadArgs) -> AnyResult<Report> {
             "mlp-host" => mlp_host(&dev, a, &mut rows, &pb)?,
             "train" => train(&dev, a, &mut rows, &pb)?,
             "pool" => pool(&dev, a, &mut rows, &pb, &mut notes)?,
-            "mlp-pool" => mlp_pool(&dev, &mut rows, &pb, &mut notes)?,
+            "mlp-pool" => mlp_pool(&dev, a, &mut rows, &pb, &mut notes)?,
             "dropout" => dropout(&dev, a, &mut rows, &pb)?,
             other => {
                 return Err(format!(
@@ -615,6 +752,7 @@ fn measure(ordinal: usize, a: &WorkloadArgs) -> AnyResult<Report> {
     pb.finish_and_clear();
     Ok(Report {
         benchmark: "workloads".into(),
+        dtype: a.dtype.to_string(),
         device: device_report(&dev)?,
         iters: a.iters,
         repeats: a.repeats,
@@ -677,8 +815,16 @@ pub fn run(ordinal: usize, a: &WorkloadArgs) -> AnyResult<()> {
 fn table(report: &Report) -> Vec<String> {
     let mut out = vec![
         format!(
-            "cudagraph workloads on {} (CUDA {}), median of {} samples x {} iterations",
-            report.device.name, report.device.driver_cuda_version, report.repeats, report.iters
+            "cudagraph workloads on {} (CUDA {}), {}, median of {} samples x {} iterations",
+            report.device.name,
+            report.device.driver_cuda_version,
+            if report.dtype == "f32" {
+                "f32".to_string()
+            } else {
+                format!("{} autocast", report.dtype)
+            },
+            report.repeats,
+            report.iters
         ),
         format!(
             "{:<24} {:<26} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>9} {:>9}",
@@ -745,6 +891,7 @@ mod tests {
     fn report(rows: Vec<Row>) -> Report {
         Report {
             benchmark: "workloads".into(),
+            dtype: "f32".into(),
             device: DeviceReport {
                 ordinal: 0,
                 name: "Test GPU".into(),
@@ -833,6 +980,19 @@ mod tests {
         let back: Report = serde_json::from_str(&json).unwrap();
         assert_eq!(back.rows[2].graph_us, None);
         assert_eq!(back.rows[0].graph_us, Some(28.1));
+    }
+
+    #[test]
+    fn the_precision_is_in_the_report_and_older_reports_read_as_f32() {
+        let mut r = report(rows_with_gaps());
+        assert!(table(&r)[0].contains(", f32, "), "{}", table(&r)[0]);
+        r.dtype = "bf16".into();
+        assert!(table(&r)[0].contains("bf16 autocast"), "{}", table(&r)[0]);
+        let mut v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["dtype"], "bf16");
+        v.as_object_mut().unwrap().remove("dtype");
+        let back: Report = serde_json::from_value(v).unwrap();
+        assert_eq!(back.dtype, "f32");
     }
 
     #[test]

@@ -26,6 +26,8 @@ struct MtTable {
 // The Rust side lays the table out as 8·((D + 2)·CAP + 1) bytes (CAP even).
 static_assert(sizeof(MtTable<1, CAP_S>) == 8 * (3 * CAP_S + 1), "depth-1 table layout");
 static_assert(sizeof(MtTable<1, CAP_L>) == 8 * (3 * CAP_L + 1), "depth-1 table layout");
+static_assert(sizeof(MtTable<3, CAP_S>) == 8 * (5 * CAP_S + 1), "pure sgd table layout");
+static_assert(sizeof(MtTable<3, CAP_L>) == 8 * (5 * CAP_L + 1), "pure sgd table layout");
 static_assert(sizeof(MtTable<4, CAP_S>) == 8 * (6 * CAP_S + 1), "sgd table layout");
 static_assert(sizeof(MtTable<4, CAP_L>) == 8 * (6 * CAP_L + 1), "sgd table layout");
 static_assert(sizeof(MtTable<5, CAP_S>) == 8 * (7 * CAP_S + 1), "adam table layout");

@@ -254,6 +254,102 @@ ADAM_KERNEL(adam_mt_l_bf16, CAP_L, 1)
 ADAM_KERNEL(adam_mt_s_f16, CAP_S, 2)
 ADAM_KERNEL(adam_mt_l_f16, CAP_L, 2)
 
+// ---- Pure 16-bit parameters (no f32 master) ----
+// The parameter and its gradient are stored in T (bf16_t or f16_t); the moments or momentum
+// buffers are f32. Each element: w and g widened (exact), the f32 update of the kernels above
+// (the same sgd_elem / adam_elem), the new w rounded once to nearest even by cast.cu's
+// from_f32 (the bits kernels::cast gives). With `unscale`, the unscaled gradient is written
+// back rounded to T. Scalar loops: 2-byte loads, coalesced across a warp.
+
+// Table depth 3: parameter (T), gradient (T), momentum buffer (f32, or null).
+template <typename T, int CAP>
+__device__ void sgd_pure_body(const MtTable<3, CAP>& t, const float* hp, unsigned int* state, const float* amp,
+        int found, int unscale, int chunk, int advance) {
+    if (amp_skip(amp, found)) return;
+    const float inv = unscale ? amp_inv_scale(amp) : 1.0f;
+    const float lr = hp[HP_LR], mom = hp[HP_MOMENTUM], wd = hp[HP_WD];
+    const unsigned int total = t.chunk0[t.count];
+    for (unsigned int c = blockIdx.x; c < total; c += gridDim.x) {
+        const int i = mt_tensor_of(t, c);
+        const long long n = t.n[i];
+        const long long start = (long long)(c - t.chunk0[i]) * chunk;
+        const long long end = min(n, start + (long long)chunk);
+        T* w = reinterpret_cast<T*>(t.p[0][i]);
+        T* g = reinterpret_cast<T*>(t.p[1][i]);
+        float* buf = t.p[2][i];
+        for (long long j = start + threadIdx.x; j < end; j += blockDim.x) {
+            float wj = to_f32(w[j]), gj = to_f32(g[j]);
+            if (unscale) {
+                gj *= inv;
+                g[j] = from_f32<T>(gj);
+            }
+            sgd_elem(wj, gj, buf != 0 ? buf + j : 0, lr, mom, wd);
+            w[j] = from_f32<T>(wj);
+        }
+    }
+    if (advance && blockIdx.x == 0 && threadIdx.x == 0) state[ST_STEP] += 1u;
+}
+
+#define SGD_PURE_KERNEL(NAME, CAP, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(MT_BLOCK) NAME(const __grid_constant__ MtTable<3, CAP> t, \
+            const float* hp, unsigned int* state, const float* amp, int found, int unscale, int chunk,     \
+            int advance) {                                                                           \
+        sgd_pure_body<T, CAP>(t, hp, state, amp, found, unscale, chunk, advance);                    \
+    }
+
+SGD_PURE_KERNEL(sgd_pure_mt_s_bf16, CAP_S, bf16_t)
+SGD_PURE_KERNEL(sgd_pure_mt_l_bf16, CAP_L, bf16_t)
+SGD_PURE_KERNEL(sgd_pure_mt_s_f16, CAP_S, f16_t)
+SGD_PURE_KERNEL(sgd_pure_mt_l_f16, CAP_L, f16_t)
+
+// Table depth 4: parameter (T), gradient (T), first and second moments (f32).
+template <typename T, int CAP>
+__device__ void adam_pure_body(const MtTable<4, CAP>& t, const float* hp, unsigned int* state, unsigned int* steps,
+        const float* amp, int found, int unscale, int chunk, int advance, int decoupled) {
+    if (amp_skip(amp, found)) return;
+    const float inv = unscale ? amp_inv_scale(amp) : 1.0f;
+    const float lr = hp[HP_LR], b1 = hp[HP_BETA1], b2 = hp[HP_BETA2], eps = hp[HP_EPS], wd = hp[HP_WD];
+    const unsigned int total = t.chunk0[t.count];
+    for (unsigned int c = blockIdx.x; c < total; c += gridDim.x) {
+        const int i = mt_tensor_of(t, c);
+        const long long n = t.n[i];
+        const long long start = (long long)(c - t.chunk0[i]) * chunk;
+        const long long end = min(n, start + (long long)chunk);
+        T* w = reinterpret_cast<T*>(t.p[0][i]);
+        T* g = reinterpret_cast<T*>(t.p[1][i]);
+        float* m = t.p[2][i];
+        float* v = t.p[3][i];
+        const float step = (float)(steps[t.slot[i]] + 1u);
+        const float bc1 = 1.0f - powf(b1, step);
+        const float bc2_sqrt = sqrtf(1.0f - powf(b2, step));
+        const float step_size = lr / bc1;
+        for (long long j = start + threadIdx.x; j < end; j += blockDim.x) {
+            float wj = to_f32(w[j]), gj = to_f32(g[j]), mj = m[j], vj = v[j];
+            if (unscale) {
+                gj *= inv;
+                g[j] = from_f32<T>(gj);
+            }
+            adam_elem(wj, gj, mj, vj, lr, b1, b2, eps, wd, step_size, bc2_sqrt, decoupled);
+            w[j] = from_f32<T>(wj);
+            m[j] = mj;
+            v[j] = vj;
+        }
+    }
+    mt_finish(t, state, steps, advance);
+}
+
+#define ADAM_PURE_KERNEL(NAME, CAP, T)                                                               \
+    extern "C" __global__ void __launch_bounds__(MT_BLOCK) NAME(const __grid_constant__ MtTable<4, CAP> t, \
+            const float* hp, unsigned int* state, unsigned int* steps, const float* amp, int found,        \
+            int unscale, int chunk, int advance, int decoupled) {                                    \
+        adam_pure_body<T, CAP>(t, hp, state, steps, amp, found, unscale, chunk, advance, decoupled); \
+    }
+
+ADAM_PURE_KERNEL(adam_pure_mt_s_bf16, CAP_S, bf16_t)
+ADAM_PURE_KERNEL(adam_pure_mt_l_bf16, CAP_L, bf16_t)
+ADAM_PURE_KERNEL(adam_pure_mt_s_f16, CAP_S, f16_t)
+ADAM_PURE_KERNEL(adam_pure_mt_l_f16, CAP_L, f16_t)
+
 // ---- Learning-rate schedule: hp[LR] = schedule(hp[BASE_LR], steps completed) ----
 // Evaluated in double, with the same operations as the host (`Schedule::lr` in schedule.rs).
 

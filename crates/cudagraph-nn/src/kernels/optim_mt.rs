@@ -2,7 +2,9 @@
 //! launchers: one launch updates every parameter of a step, as PyTorch's `multi_tensor_apply`
 //! (`_fused_adam`, `_fused_sgd`) does — optionally unscaling the gradients for a GradScaler
 //! (and skipping the whole step on the device when it found an inf or NaN) and writing 16-bit
-//! model copies of the new parameters in the same pass.
+//! model copies of the new parameters in the same pass. [`OptimKernels::sgd_pure`] and
+//! [`OptimKernels::adam_pure`] update parameters stored only in bf16 or f16 (no f32 master):
+//! f32 arithmetic and f32 moments, one rounding of the new parameter per step.
 //!
 //! The tensors travel in a by-value table (a struct parameter: pointers, element counts,
 //! chunk prefix sums; `mt_table.cu`, shared with the scaler and clipping kernels of
@@ -19,7 +21,7 @@ use cudagraph::memory::{bf16, f16};
 use cudagraph::{Arg, BlockRef, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use super::need;
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 
 /// The optimizer kernels' own source (the module compiles [`module_source`]).
@@ -293,6 +295,12 @@ fn check_amp(q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
 pub struct OptimKernels {
     sgd: [[Function; 2]; 3],
     adam: [[Function; 2]; 3],
+    /// Pure 16-bit updates: `[bf16, f16][small, large]`. Until a [`crate::Parameter`] can
+    /// hold 16-bit data, only the GPU tests launch them (with the `internals` feature).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
+    sgd_pure: [[Function; 2]; 2],
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
+    adam_pure: [[Function; 2]; 2],
     schedule: Function,
     /// Multiprocessors (grid sizing).
     sms: u32,
@@ -318,6 +326,41 @@ pub struct AdamTensor<'a> {
     pub v: &'a DeviceBuffer<f32>,
     pub slot: u32,
     pub copy: Option<CopyRef<'a>>,
+}
+
+/// One SGD tensor of a pure 16-bit update: parameter and gradient stored in `T` (bf16 or f16;
+/// no f32 master), the f32 momentum buffer when the optimizer keeps them.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))]
+pub struct PureSgdTensor<'a, T: Float> {
+    pub w: &'a DeviceBuffer<T>,
+    pub g: &'a DeviceBuffer<T>,
+    pub buf: Option<&'a DeviceBuffer<f32>>,
+}
+
+/// One Adam tensor of a pure 16-bit update: parameter and gradient stored in `T` (bf16 or
+/// f16; no f32 master), f32 moments, and its slot in the step counters.
+#[cfg_attr(not(feature = "internals"), allow(dead_code))]
+pub struct PureAdamTensor<'a, T: Float> {
+    pub w: &'a DeviceBuffer<T>,
+    pub g: &'a DeviceBuffer<T>,
+    pub m: &'a DeviceBuffer<f32>,
+    pub v: &'a DeviceBuffer<f32>,
+    pub slot: u32,
+}
+
+/// The index of `T` among the pure 16-bit kernels (`[bf16, f16]`); f32 parameters are the
+/// ordinary updates' ([`OptimKernels::sgd`], [`OptimKernels::adam`]).
+#[cfg_attr(not(feature = "internals"), allow(dead_code))]
+fn pure_index<T: Float>(what: &'static str) -> Result<usize> {
+    match T::DTYPE {
+        Dtype::Bf16 => Ok(0),
+        Dtype::F16 => Ok(1),
+        Dtype::F32 => Err(NnError::Dtype {
+            what,
+            expected: "bf16 or f16 (f32 parameters: OptimKernels::sgd / adam)",
+            found: Dtype::F32.name(),
+        }),
+    }
 }
 
 /// `buf` must be memory of `q`'s device.
@@ -381,6 +424,8 @@ impl OptimKernels {
                         pair("adam_mt_{}_bf16")?,
                         pair("adam_mt_{}_f16")?,
                     ],
+                    sgd_pure: [pair("sgd_pure_mt_{}_bf16")?, pair("sgd_pure_mt_{}_f16")?],
+                    adam_pure: [pair("adam_pure_mt_{}_bf16")?, pair("adam_pure_mt_{}_f16")?],
                     schedule: m.function("lr_schedule")?,
                     sms: d.info().multiprocessors,
                     large_params: d.info().driver_version >= 12010,
@@ -565,6 +610,174 @@ impl OptimKernels {
             // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
             // m, v and copy buffers (checked above; the copy kind matches the kernel, a null
             // copy is never touched), all on this queue's device and kept alive/ordered by
+            // `use_block`; slots are distinct and below steps.len() (checked); the kernel
+            // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
+            // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).
+            unsafe {
+                super::launch(
+                    q,
+                    f,
+                    self.grid(t),
+                    &[
+                        Arg::Bytes(&t.bytes),
+                        hp.into(),
+                        state.into(),
+                        steps.into(),
+                        amp_buf,
+                        found,
+                        unscale,
+                        Arg::I32(chunk as i32),
+                        Arg::I32((advance && i == last) as i32),
+                        Arg::I32(decoupled as i32),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One SGD update of parameters stored only in `T` (bf16 or f16; `NnError::Dtype` for
+    /// f32): each element widened, [`Self::sgd`]'s f32 rule (momentum buffers in f32), the
+    /// new value rounded once to nearest even. `amp` as for [`Self::sgd`] (an unscaled
+    /// gradient is written back rounded to `T`).
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
+    pub fn sgd_pure<T: Float>(
+        &self,
+        q: &dyn Queue,
+        tensors: &[PureSgdTensor<'_, T>],
+        hp: &DeviceBuffer<f32>,
+        state: &DeviceBuffer<u32>,
+        amp: Option<&AmpArgs<'_>>,
+        advance: bool,
+    ) -> Result<()> {
+        let ty = pure_index::<T>("pure 16-bit sgd: parameter")?;
+        Self::check_small_bufs(hp, state)?;
+        check_amp(q, amp)?;
+        let mut entries = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let n = t.w.len();
+            need("sgd grad", t.g, n)?;
+            same_device(q, t.w)?;
+            same_device(q, t.g)?;
+            if let Some(b) = t.buf {
+                need("sgd momentum buffer", b, n)?;
+                same_device(q, b)?;
+            }
+            entries.push(TableEntry::<3> {
+                addrs: [t.w.addr(), t.g.addr(), t.buf.map_or(0, |b| b.addr())],
+                n: n as u64,
+                slot: 0,
+            });
+        }
+        let total: u64 = entries.iter().map(|e| e.n).sum();
+        let chunk = chunk_elems(total, self.sms);
+        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        for t in tensors {
+            q.use_block(t.w.block());
+            q.use_block(t.g.block());
+            if let Some(b) = t.buf {
+                q.use_block(b.block());
+            }
+        }
+        let [amp_buf, found, unscale] = amp_args(amp)?;
+        let last = tables.len() - 1;
+        for (i, t) in tables.iter().enumerate() {
+            let f = &self.sgd_pure[ty][(t.cap != CAP_S) as usize];
+            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient
+            // and momentum buffer (checked above; a null momentum pointer is never touched),
+            // the parameter and gradient of the kernel's 16-bit type (`ty` from `T`), all on
+            // this queue's device and kept alive/ordered by `use_block`; the kernel touches
+            // p[d][i][0..n) only, hp[0..8) and state[0..2) (checked), and reads amp[0] and
+            // amp[1 + found] (checked by check_amp; a null amp is never read).
+            unsafe {
+                super::launch(
+                    q,
+                    f,
+                    self.grid(t),
+                    &[
+                        Arg::Bytes(&t.bytes),
+                        hp.into(),
+                        state.into(),
+                        amp_buf,
+                        found,
+                        unscale,
+                        Arg::I32(chunk as i32),
+                        Arg::I32((advance && i == last) as i32),
+                    ],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One Adam (or, `decoupled`, AdamW) update of parameters stored only in `T` (bf16 or
+    /// f16; `NnError::Dtype` for f32): each element widened, [`Self::adam`]'s f32 rule with
+    /// f32 moments, the new value rounded once to nearest even. Step counters and `amp` as
+    /// for [`Self::adam`].
+    #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
+    pub fn adam_pure<T: Float>(
+        &self,
+        q: &dyn Queue,
+        tensors: &[PureAdamTensor<'_, T>],
+        hp: &DeviceBuffer<f32>,
+        state: &DeviceBuffer<u32>,
+        steps: &DeviceBuffer<u32>,
+        amp: Option<&AmpArgs<'_>>,
+        decoupled: bool,
+        advance: bool,
+    ) -> Result<()> {
+        let ty = pure_index::<T>("pure 16-bit adam: parameter")?;
+        Self::check_small_bufs(hp, state)?;
+        check_amp(q, amp)?;
+        let mut entries = Vec::with_capacity(tensors.len());
+        let mut seen_slots = std::collections::HashSet::new();
+        for t in tensors {
+            let n = t.w.len();
+            need("adam grad", t.g, n)?;
+            need("adam m", t.m, n)?;
+            need("adam v", t.v, n)?;
+            if t.slot as usize >= steps.len() {
+                return Err(NnError::Shape(format!(
+                    "adam: step slot {} of {} counters",
+                    t.slot,
+                    steps.len()
+                )));
+            }
+            if !seen_slots.insert(t.slot) {
+                return Err(NnError::Shape(format!(
+                    "adam: step slot {} used twice in one update",
+                    t.slot
+                )));
+            }
+            same_device(q, t.w)?;
+            same_device(q, t.g)?;
+            same_device(q, t.m)?;
+            same_device(q, t.v)?;
+            entries.push(TableEntry::<4> {
+                addrs: [t.w.addr(), t.g.addr(), t.m.addr(), t.v.addr()],
+                n: n as u64,
+                slot: t.slot,
+            });
+        }
+        same_device(q, steps)?;
+        let total: u64 = entries.iter().map(|e| e.n).sum();
+        let chunk = chunk_elems(total, self.sms);
+        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        for t in tensors {
+            q.use_block(t.w.block());
+            q.use_block(t.g.block());
+            q.use_block(t.m.block());
+            q.use_block(t.v.block());
+        }
+        q.use_block(steps.block());
+        let [amp_buf, found, unscale] = amp_args(amp)?;
+        let last = tables.len() - 1;
+        for (i, t) in tables.iter().enumerate() {
+            let f = &self.adam_pure[ty][(t.cap != CAP_S) as usize];
+            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
+            // m and v (checked above), the parameter and gradient of the kernel's 16-bit type
+            // (`ty` from `T`), all on this queue's device and kept alive/ordered by
             // `use_block`; slots are distinct and below steps.len() (checked); the kernel
             // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
             // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).

@@ -2,8 +2,10 @@
 //! with 16-bit copies of its parameters made once, not per call — for inference and serving,
 //! where the weights do not change between calls (PyTorch users get the same from
 //! `torch.autocast` around a model whose weights they converted once). Outputs come back as
-//! f32, so a caller (a [`Batched`](crate::Batched) model, a server) sees the same element type
-//! whatever the precision inside.
+//! f32 by default, so a caller (a [`Batched`](crate::Batched) model, a server) sees the same
+//! element type whatever the precision inside; [`AutocastModule::keep_output`] returns them
+//! as the module made them (a product's or convolution's output in the 16-bit type), as
+//! `torch.autocast` does, with no widening cast over the whole output.
 
 use cudagraph::Queue;
 
@@ -21,6 +23,7 @@ pub struct AutocastModule<M: NnModule> {
     module: M,
     dtype: Dtype,
     copies: Vec<(Parameter, TypedBuffer)>,
+    keep_output: bool,
 }
 
 impl<M: NnModule> AutocastModule<M> {
@@ -37,6 +40,7 @@ impl<M: NnModule> AutocastModule<M> {
             module,
             dtype,
             copies: Vec::new(),
+            keep_output: false,
         };
         m.refresh(q)?;
         Ok(m)
@@ -60,6 +64,22 @@ impl<M: NnModule> AutocastModule<M> {
         Ok(())
     }
 
+    /// With `keep`, [`forward`](NnModule::forward) returns the module's output in the type
+    /// the module made it in — for a module ending in a product or convolution, `dtype` — as
+    /// `torch.autocast` does, instead of widening it to f32 (the default: a cast over the
+    /// whole output). The values are the same: widening is exact, so the kept output widened
+    /// is bit for bit the default output.
+    pub fn keep_output(mut self, keep: bool) -> Self {
+        self.keep_output = keep;
+        self
+    }
+
+    /// Whether outputs are returned in the type the module made them in
+    /// ([`AutocastModule::keep_output`]) rather than as f32.
+    pub fn keeps_output(&self) -> bool {
+        self.keep_output
+    }
+
     /// The type products and convolutions run in.
     pub fn dtype(&self) -> Dtype {
         self.dtype
@@ -80,7 +100,12 @@ impl<M: NnModule> NnModule for AutocastModule<M> {
             dtype: self.dtype,
             copies: self.copies.clone(),
         };
-        autocast_with(options, || self.module.forward(q, x))??.to_dtype(q, Dtype::F32)
+        let y = autocast_with(options, || self.module.forward(q, x))??;
+        if self.keep_output {
+            Ok(y)
+        } else {
+            y.to_dtype(q, Dtype::F32)
+        }
     }
 
     fn parameters(&self) -> Vec<Parameter> {
