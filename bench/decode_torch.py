@@ -9,11 +9,11 @@ exactly the decode step is timed:
   per (prompt, batch): a StaticCache of max_cache_len = prompt + steps; random prompt ids
   (seeded); an eager prefill (logits of the last position only); then decode steps, each
   `torch.compiler.cudagraph_mark_step_begin()`, the compiled step (forward of one token per
-  sequence at `cache_position`, greedy argmax on the device), the next ids copied into the
-  input buffer and the position advanced on the device. --warmup steps first (the first
-  compiles, the next records the CUDA graph, the rest replay); then the position goes back to
-  the prompt's end and --steps steps are timed with CUDA events, --repeats times; the median
-  is reported.
+  sequence, greedy argmax on the device) and the next ids copied into the input buffer.
+  --warmup steps first (the first compiles, the next records the CUDA graph, the rest replay);
+  then the cache is rewound to the prompt's end (its per-layer length tensors, or the
+  cache_position we pass on transformers versions that take one) and --steps steps are timed
+  with CUDA events, --repeats times; the median is reported.
 
 Output (--json FILE, and a table on stdout): a JSON list with one object per (prompt, batch),
 the fields `cudagraph bench decode --json` writes:
@@ -67,6 +67,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--no-fullgraph", action="store_true", help="allow graph breaks in the compiled step")
+    p.add_argument("--mode", default="reduce-overhead", help="torch.compile mode (the reference: reduce-overhead)")
+    p.add_argument("--device", default="cuda", help="cuda; cpu (with --mode default) only to smoke-test the script")
     args = p.parse_args()
     if args.warmup < 3:
         die("--warmup must be at least 3 (compile, record, replay)")
@@ -76,12 +78,13 @@ def main():
     import transformers
     from transformers import AutoModelForCausalLM, StaticCache
 
-    if not torch.cuda.is_available():
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
         die("no CUDA device")
-    dev = torch.device("cuda")
     dt = DTYPES[args.dtype]
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.cuda.get_device_name(0)}", file=sys.stderr)
+          f"{torch.cuda.get_device_name(0) if cuda else dev}, torch.compile mode {args.mode}", file=sys.stderr)
 
     # Recompilation for each (prompt, batch) shape is expected: let dynamo keep them all.
     for name, value in (("cache_size_limit", 256), ("recompile_limit", 256),
@@ -103,6 +106,11 @@ def main():
         keep = {"num_logits_to_keep": 1}
     else:
         die("the model's forward takes neither logits_to_keep nor num_logits_to_keep")
+    # transformers 5.x renamed past_key_values to cache (the old name still works, with a
+    # warning); later 5.x releases track the cache's length in the cache (a device tensor per
+    # layer) and dropped cache_position. Pass what this version's forward names.
+    cache_arg = "cache" if "cache" in fwd_params else "past_key_values"
+    takes_position = "cache_position" in fwd_params
 
     def make_cache(max_len, batch):
         try:
@@ -111,11 +119,35 @@ def main():
             return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len,
                                device=dev, dtype=dt)
 
-    def step(ids, pos, cache):
-        out = model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True, **keep)
-        return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+    def forward(ids, pos, cache):
+        kw = {cache_arg: cache}
+        if takes_position:
+            kw["cache_position"] = pos
+        return model(input_ids=ids, use_cache=True, **kw, **keep)
 
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=not args.no_fullgraph, dynamic=False)
+    def step(ids, pos, cache):
+        return forward(ids, pos, cache).logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+    def rewind(cache, pos, length):
+        """Back to `length` cached positions: our position tensor and, where transformers keeps
+        the length in the cache itself, each layer's (in place: their addresses are static)."""
+        pos.fill_(length)
+        for layer in getattr(cache, "layers", []):
+            n = getattr(layer, "cumulative_length", None)
+            if isinstance(n, torch.Tensor):
+                n.fill_(length)
+            elif n is not None:
+                layer.cumulative_length = length
+
+    def cached_length(cache):
+        n = cache.get_seq_length()
+        return int(n.item()) if isinstance(n, torch.Tensor) else int(n)
+
+    compiled = torch.compile(step, mode=args.mode, fullgraph=not args.no_fullgraph, dynamic=False)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
 
     def skips():
         from torch._dynamo.utils import counters
@@ -132,10 +164,11 @@ def main():
             cache = make_cache(max_len, batch)
             prompt_ids = torch.randint(0, vocab, (batch, prompt), generator=gen).to(dev)
             with torch.no_grad():
-                out = model(input_ids=prompt_ids, past_key_values=cache,
-                            cache_position=torch.arange(prompt, device=dev), use_cache=True, **keep)
+                out = forward(prompt_ids, torch.arange(prompt, device=dev), cache)
                 ids = out.logits[:, -1, :].argmax(dim=-1, keepdim=True).contiguous()
             del out
+            if cached_length(cache) != prompt:
+                die(f"after the prefill the cache holds {cached_length(cache)} positions, not {prompt}")
             pos = torch.tensor([prompt], device=dev, dtype=torch.long)
 
             def run_step():
@@ -144,37 +177,42 @@ def main():
                 ids.copy_(nxt)
                 pos.add_(1)
 
-            torch.cuda.synchronize()
+            sync()
             skips0 = skips()
-            reserved0 = torch.cuda.memory_reserved()
-            allocated0 = torch.cuda.memory_allocated()
+            reserved0 = torch.cuda.memory_reserved() if cuda else 0
+            allocated0 = torch.cuda.memory_allocated() if cuda else 0
             t0 = time.perf_counter()
             with torch.no_grad():
                 for _ in range(args.warmup):
                     run_step()
-            torch.cuda.synchronize()
+            sync()
             capture_ms = (time.perf_counter() - t0) * 1e3
-            graph_mib = (torch.cuda.memory_reserved() - reserved0) / 2**20
-            allocated_mib = (torch.cuda.memory_allocated() - allocated0) / 2**20
+            graph_mib = ((torch.cuda.memory_reserved() if cuda else 0) - reserved0) / 2**20
+            allocated_mib = ((torch.cuda.memory_allocated() if cuda else 0) - allocated0) / 2**20
             if skips() != skips0:
                 die(f"inductor skipped CUDA graphs for prompt {prompt}, batch {batch} "
                     "(run with TORCH_LOGS=perf_hints to see why)")
 
             samples = []
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.no_grad():
                 for _ in range(args.repeats):
-                    pos.fill_(prompt)
-                    torch.cuda.synchronize()
-                    start.record()
+                    rewind(cache, pos, prompt)
+                    sync()
+                    if cuda:
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    t = time.perf_counter()
                     for _ in range(args.steps):
                         run_step()
-                    end.record()
-                    torch.cuda.synchronize()
-                    samples.append(start.elapsed_time(end) / args.steps)
-            last = int(pos.item())
-            if last != prompt + args.steps:
-                die(f"position ended at {last}, expected {prompt + args.steps}")
+                    if cuda:
+                        end.record()
+                        sync()
+                        samples.append(start.elapsed_time(end) / args.steps)
+                    else:
+                        samples.append((time.perf_counter() - t) * 1e3 / args.steps)
+            for name, last in (("our position", int(pos.item())), ("the cache's length", cached_length(cache))):
+                if last != prompt + args.steps:
+                    die(f"{name} ended at {last}, expected {prompt + args.steps}")
             ms = statistics.median(samples)
             row = {
                 "prompt": prompt,
@@ -192,7 +230,7 @@ def main():
             print(f"prompt {prompt:5d} batch {batch:3d}: {ms:8.3f} ms/step {row['tokens_per_s']:10.0f} tok/s "
                   f"capture {capture_ms:9.0f} ms graph {graph_mib:8.1f} MiB", flush=True)
             del cache, prompt_ids, ids, pos
-            torch.cuda.synchronize()
+            sync()
 
     if args.json:
         with open(args.json, "w") as f:

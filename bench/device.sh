@@ -966,7 +966,7 @@ part_decode() {
   decode_side() {
     local label=$1 log=$2 json=$3
     shift 3
-    timeout "$(tmo 400)" "$@" >"$log" 2>&1 && [ -s "$json" ] && return 0
+    timeout "$(tmo 480)" "$@" >"$log" 2>&1 && [ -s "$json" ] && return 0
     say "decode: $label failed or ran out of time: $(tail -n 3 "$log" | tr '\n' ' ')"
     rm -f "$json"
     return 1

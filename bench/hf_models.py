@@ -18,6 +18,10 @@ Shapes:
   llama-tiny  Llama, 3 layers, hidden 128, 4 query heads and 2 key/value heads (head_dim 32),
               intermediate 256, vocab 1000, llama3 rope_scaling with original_max_position 64
               (so positions of the parity rows, up to 160, are in the scaled range), tied.
+  The tiny shapes' weights are drawn with initializer_range 0.1 (not 0.02: logits spread wider,
+  so greedy tokens are decided by clear margins), and their biases and norm weights are random
+  too (transformers starts them at 0 and 1): 0 or 1 plus 0.1 times a normal draw, so a parity
+  check sees every term.
 
 config.json is written in the form checkpoints on the Hub have (`rope_theta` and
 `rope_scaling` at the top level, `torch_dtype`), not the form transformers 5.x's
@@ -104,7 +108,7 @@ SHAPES = {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
         "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
+        "initializer_range": 0.1,
         "scale_attn_weights": True,
         "tie_word_embeddings": True,
         "bos_token_id": 0,
@@ -135,7 +139,7 @@ SHAPES = {
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "initializer_range": 0.02,
+        "initializer_range": 0.1,
         "tie_word_embeddings": True,
         "bos_token_id": 0,
         "eos_token_id": 0,
@@ -198,7 +202,7 @@ def main():
     args = p.parse_args()
 
     stamp = json.dumps(
-        {"shape": args.shape, "dtype": args.dtype, "seed": args.seed, "shards": args.max_shard_size,
+        {"recipe": 2, "shape": args.shape, "dtype": args.dtype, "seed": args.seed, "shards": args.max_shard_size,
          "config": config_dict(args.shape, args.dtype)},
         sort_keys=True,
     )
@@ -226,6 +230,14 @@ def main():
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg)
+    if args.shape.endswith("-tiny"):
+        # transformers initialises biases to 0 and norm weights to 1; give them random values
+        # too, so that the parity check sees every term of the forward.
+        with torch.no_grad():
+            for name, t in model.named_parameters():
+                if t.dim() == 1:
+                    base = 1.0 if name.endswith(".weight") else 0.0
+                    t.copy_(base + 0.1 * torch.randn(t.shape, device=t.device, dtype=t.dtype))
     model = model.to(getattr(torch, DTYPES[args.dtype])).eval()
     n_params = sum(t.numel() for t in model.parameters())
     for name, t in model.named_parameters():

@@ -73,20 +73,28 @@ def main():
     if limit is not None and max(lens) + args.decode_steps > limit:
         die(f"prompt {max(lens)} + {args.decode_steps} steps exceeds the model's {limit} positions")
 
+    # transformers 5.x renamed past_key_values to cache (the old name still works, with a warning).
+    import inspect
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def cache_of(out):
+        c = getattr(out, "cache", None)
+        return c if c is not None else getattr(out, "past_key_values", None)
+
     gen = torch.Generator().manual_seed(args.seed)
     tensors = {}
     with torch.no_grad():
         for b, n in enumerate(lens):
             prompt = torch.randint(0, vocab, (1, n), generator=gen).to(dev)
             out = model(input_ids=prompt, use_cache=True)
-            past = out.past_key_values
+            past = cache_of(out)
             if past is None:
                 die("the model returned no KV cache")
             nxt = out.logits[:, -1, :].float().argmax(dim=-1, keepdim=True)
             generated = [nxt]
             for _ in range(args.decode_steps - 1):
-                out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(input_ids=nxt, use_cache=True, **{cache_arg: past})
+                past = cache_of(out)
                 nxt = out.logits[:, -1, :].float().argmax(dim=-1, keepdim=True)
                 generated.append(nxt)
             ids = torch.cat([prompt] + generated, dim=1)
