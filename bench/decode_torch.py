@@ -29,7 +29,8 @@ and, PyTorch's only: allocated_mib (memory_allocated growth over the warm-up), s
 (every repeat's ms per step), warmup, repeats.
 
 Fails (non-zero exit) when compilation fails, when inductor skipped CUDA graphs for the step
-(its counter `cudagraph_skips`), or when the model's dtype is not --dtype.
+(its counter `cudagraph_skips`), when dynamo compiled again during the timed steps, when the
+cache's length is not where it should be, or when the model's dtype is not --dtype.
 
 usage: python3 bench/decode_torch.py --model DIR --dtype bf16 --batches 1,8,32,64
            --prompts 128,1024 --steps 64 --json FILE [--warmup 4] [--repeats 3] [--seed 0]
@@ -77,6 +78,9 @@ def main():
 
     import transformers
     from transformers import AutoModelForCausalLM, StaticCache
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no progress bars in the logs
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -153,6 +157,10 @@ def main():
         from torch._dynamo.utils import counters
         return int(counters["inductor"].get("cudagraph_skips", 0))
 
+    def graphs():
+        from torch._dynamo.utils import counters
+        return int(counters["stats"].get("unique_graphs", 0))
+
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for prompt in ints(args.prompts):
@@ -193,6 +201,7 @@ def main():
                 die(f"inductor skipped CUDA graphs for prompt {prompt}, batch {batch} "
                     "(run with TORCH_LOGS=perf_hints to see why)")
 
+            graphs0 = graphs()
             samples = []
             with torch.no_grad():
                 for _ in range(args.repeats):
@@ -210,6 +219,9 @@ def main():
                         samples.append(start.elapsed_time(end) / args.steps)
                     else:
                         samples.append((time.perf_counter() - t) * 1e3 / args.steps)
+            if graphs() != graphs0 or skips() != skips0:
+                die(f"the step was compiled again (or ran without CUDA graphs) during the timed steps "
+                    f"for prompt {prompt}, batch {batch}: raise --warmup, or see TORCH_LOGS=recompiles")
             for name, last in (("our position", int(pos.item())), ("the cache's length", cached_length(cache))):
                 if last != prompt + args.steps:
                     die(f"{name} ended at {last}, expected {prompt + args.steps}")

@@ -1023,7 +1023,7 @@ part_decode() {
     echo "Commands:"
     echo
     # shellcheck disable=SC2016 # the backquotes are Markdown
-    printf -- '- `%s`\n' "${cmds[@]}"
+    [ ${#cmds[@]} -gt 0 ] && printf -- '- `%s`\n' "${cmds[@]}"
     [ ${#notes[@]} -gt 0 ] && printf -- '- %s\n' "${notes[@]}"
   } >"$md"
   written "$md" "$l"
@@ -1078,7 +1078,7 @@ part_parity() {
     echo "Commands (REF: the reference file, in the logs):"
     echo
     # shellcheck disable=SC2016 # the backquotes are Markdown
-    printf -- '- `%s`\n' "${cmds[@]}"
+    [ ${#cmds[@]} -gt 0 ] && printf -- '- `%s`\n' "${cmds[@]}"
     for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny}; do
       for dt in ${PARITY_DTYPES:-f32 bf16}; do
         [ -s "$l/$m-$dt.parity.log" ] || continue

@@ -215,6 +215,9 @@ def main():
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no progress bars in the logs
 
     os.makedirs(args.out, exist_ok=True)
     for name in os.listdir(args.out):

@@ -51,6 +51,9 @@ def main():
 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no progress bars in the logs
 
     lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
     if args.rows < 1 or not lens or min(lens) < 1 or args.decode_steps < 1:
