@@ -50,6 +50,8 @@ PARTS=(
   "train|60|digits training: eager, graphed, and k steps per graph launch (WHILE node), MLP and CNN|TRAIN_MODELS"
   "precision|90|digits training graphed in f32, bf16 autocast and f16 autocast with the loss scaler, PRECISION_SEEDS seeds each: mean test accuracy and µs per step|PRECISION_SEEDS TRAIN_MODELS"
   "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED AB_SEED_RUNS"
+  "decode|300|cudagraph bench decode beside bench/decode_torch.py (transformers, StaticCache, torch.compile reduce-overhead), random-init gpt2-small and llama-1b from bench/hf_models.py; PyTorch compiles per shape, so one model per call (DECODE_MODELS=llama-1b); + .json|DECODE_MODELS DECODE_BATCHES DECODE_PROMPTS DECODE_STEPS DECODE_DTYPE"
+  "parity|90|tiny GPT-2 and Llama folders in f32 and bf16, Hugging Face logits (bench/hf_reference.py) then cudagraph bench parity; fails on any mismatch|PARITY_MODELS PARITY_DTYPES PARITY_ROWS PARITY_STEPS"
 )
 
 usage() {
@@ -90,6 +92,10 @@ Knobs:
                       base binary both sides run .gpu-bin/bin/cudagraph)
   AB_KINDS            sweep kinds ("linear- mlp-"); AB_ROUNDS (2); AB_SEED=0 skips the seed rows;
                       AB_SEED_RUNS seed runs per side (3)
+  DECODE_MODELS       "gpt2-small llama-1b"; DECODE_BATCHES (1,8,32,64); DECODE_PROMPTS (128,1024);
+  DECODE_STEPS        timed decode steps (64); DECODE_DTYPE (bf16); the folders live in /tmp/cg-hf/
+  PARITY_MODELS       "gpt2-tiny llama-tiny"; PARITY_DTYPES ("f32 bf16"); PARITY_ROWS (3);
+  PARITY_STEPS        decode steps per row (32)
   TIME_BUDGET_S       seconds for all parts of this call (570); DEVICE overrides the device tag
   CUDAGRAPH_*         passed through to the library and recorded in each result's command
 EOF
@@ -995,6 +1001,167 @@ PY
   } >"$md"
   written "$md" "$l"
   say "copy: $(grep -cE '^\| (bf16|f32) \| ' "$md") rows$([ "$bad" = 1 ] && echo ", some runs failed")"
+  [ "$bad" = 0 ]
+}
+
+# ---------------------------------------------------------------- parts decode and parity (self-contained)
+
+# Random-init Hugging Face folders (bench/hf_models.py) live here, one per shape and dtype,
+# and are reused while they hold the same shape, dtype and seed.
+HF_DIR=${HF_DIR:-/tmp/cg-hf}
+
+# hf_folder SHAPE DTYPE LOG: makes (or reuses) the folder and prints its path.
+hf_folder() {
+  local dir=$HF_DIR/$1-$2
+  timeout "$(tmo 300)" python3 bench/hf_models.py --shape "$1" --dtype "$2" --out "$dir" --reuse >>"$3" 2>&1 ||
+    return 1
+  echo "$dir"
+}
+
+part_decode() {
+  need_bin decode || return 1
+  local l=$LOGS/decode-$DEVICE md dtype=${DECODE_DTYPE:-bf16} batches=${DECODE_BATCHES:-1,8,32,64}
+  local prompts=${DECODE_PROMPTS:-128,1024} steps=${DECODE_STEPS:-64} m dir i=0 bad=0 notes=()
+  local cmp=() merged=() cmds=() o p v
+  rm -rf "$l"
+  mkdir -p "$l"
+  # decode_side LABEL LOG JSON CMD...: one side's run; on failure its JSON is removed.
+  decode_side() {
+    local label=$1 log=$2 json=$3
+    shift 3
+    timeout "$(tmo 480)" "$@" >"$log" 2>&1 && [ -s "$json" ] && return 0
+    say "decode: $label failed or ran out of time: $(tail -n 3 "$log" | tr '\n' ' ')"
+    rm -f "$json"
+    return 1
+  }
+  for m in ${DECODE_MODELS:-gpt2-small llama-1b}; do
+    case $m in
+      gpt2-small | llama-1b | gpt2-tiny | llama-tiny) ;;
+      *)
+        say "decode: unknown model '$m' in DECODE_MODELS (gpt2-small llama-1b gpt2-tiny llama-tiny)"
+        bad=1
+        continue
+        ;;
+    esac
+    if ! dir=$(hf_folder "$m" "$dtype" "$l/$m-folder.log"); then
+      say "decode: bench/hf_models.py --shape $m --dtype $dtype failed: $(tail -n 3 "$l/$m-folder.log" | tr '\n' ' ')"
+      bad=1
+      continue
+    fi
+    o=("$BIN" bench decode --model "$dir" --dtype "$dtype" --batches "$batches" --prompts "$prompts"
+      --steps "$steps" --json "$l/$m-ours.json")
+    p=(python3 bench/decode_torch.py --model "$dir" --dtype "$dtype" --batches "$batches" --prompts "$prompts"
+      --steps "$steps" --json "$l/$m-pytorch.json")
+    cmds+=("python3 bench/hf_models.py --shape $m --dtype $dtype --out $dir; ${o[*]}; ${p[*]}")
+    # Which side goes first alternates between models, so neither always meets a cooler GPU.
+    if ((i % 2 == 0)); then
+      decode_side "$m, ours" "$l/$m-ours.log" "$l/$m-ours.json" "${o[@]}" || bad=1
+      decode_side "$m, PyTorch" "$l/$m-pytorch.log" "$l/$m-pytorch.json" "${p[@]}" || bad=1
+    else
+      decode_side "$m, PyTorch" "$l/$m-pytorch.log" "$l/$m-pytorch.json" "${p[@]}" || bad=1
+      decode_side "$m, ours" "$l/$m-ours.log" "$l/$m-ours.json" "${o[@]}" || bad=1
+    fi
+    i=$((i + 1))
+    v=$(grep -m 1 '^torch ' "$l/$m-pytorch.log" 2>/dev/null) && notes+=("$m, PyTorch side: $v")
+    cmp+=("$m" "$([ -s "$l/$m-ours.json" ] && echo "$l/$m-ours.json" || echo -)"
+      "$([ -s "$l/$m-pytorch.json" ] && echo "$l/$m-pytorch.json" || echo -)")
+    merged+=("$m-ours=$l/$m-ours.json" "$m-pytorch=$l/$m-pytorch.json")
+  done
+  md=$(md_path decode)
+  {
+    header decode "Graphed decode, ours and Hugging Face transformers with torch.compile ($DEVICE)"
+    echo "Random-init weights (bench/hf_models.py, seed 0) in $dtype, the same folder for both sides;"
+    echo "random prompt ids; prompts $prompts, batches $batches, $steps timed decode steps each."
+    echo "PyTorch: \`AutoModelForCausalLM\`, a \`StaticCache\` of prompt + steps positions, eager"
+    echo "prefill, the one-token step (with the greedy argmax) under"
+    echo "\`torch.compile(mode=\"reduce-overhead\", dynamic=False)\`, median of 3 runs of the timed steps"
+    echo "(bench/decode_torch.py). gpt2-small has 2048 positions (GPT-2 has 1024) so that 1024 + 64 fit."
+    echo
+    if [ ${#cmp[@]} -gt 0 ]; then
+      python3 bench/decode_compare.py "${cmp[@]}"
+    else
+      echo "No model ran."
+    fi
+    echo
+    echo "Commands:"
+    echo
+    # shellcheck disable=SC2016 # the backquotes are Markdown
+    [ ${#cmds[@]} -gt 0 ] && printf -- '- `%s`\n' "${cmds[@]}"
+    [ ${#notes[@]} -gt 0 ] && printf -- '- %s\n' "${notes[@]}"
+  } >"$md"
+  written "$md" "$l"
+  [ ${#merged[@]} -gt 0 ] && merge_json "$RES/decode-$DEVICE.json" decode "${merged[@]}"
+  say "decode: $(grep -cE '^\| (gpt2|llama)' "$md") rows; $(grep -c 'NOT met' "$md") targets not met$([ "$bad" = 1 ] && echo " (some steps failed)")"
+  [ "$bad" = 0 ]
+}
+
+part_parity() {
+  need_bin parity || return 1
+  local l=$LOGS/parity-$DEVICE md m dt dir ref rc bad=0 n=0 ok=0 rows=() cmds=()
+  local nrows=${PARITY_ROWS:-3} steps=${PARITY_STEPS:-32} base
+  rm -rf "$l"
+  mkdir -p "$l"
+  for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny}; do
+    for dt in ${PARITY_DTYPES:-f32 bf16}; do
+      n=$((n + 1))
+      base=$l/$m-$dt
+      if ! dir=$(hf_folder "$m" "$dt" "$base.folder.log"); then
+        rows+=("| $m | $dt | bench/hf_models.py failed | $(tail -n 1 "$base.folder.log" | tr '|' '/') |")
+        bad=1
+        continue
+      fi
+      ref=$base.reference.safetensors
+      cmds+=("python3 bench/hf_models.py --shape $m --dtype $dt --out $dir; python3 bench/hf_reference.py --model $dir --out REF --dtype $dt --rows $nrows --decode-steps $steps; $BIN bench parity --model $dir --reference REF --dtype $dt")
+      if ! timeout "$(tmo 150)" python3 bench/hf_reference.py --model "$dir" --out "$ref" --dtype "$dt" \
+        --rows "$nrows" --decode-steps "$steps" >"$base.reference.log" 2>&1; then
+        rows+=("| $m | $dt | bench/hf_reference.py failed | $(tail -n 1 "$base.reference.log" | tr '|' '/') |")
+        bad=1
+        continue
+      fi
+      timeout "$(tmo 150)" "$BIN" bench parity --model "$dir" --reference "$ref" --dtype "$dt" >"$base.parity.log" 2>&1
+      rc=$?
+      if [ "$rc" -eq 0 ]; then ok=$((ok + 1)); else bad=1; fi
+      rows+=("| $m | $dt | $rc | $(grep -v '^[[:space:]]*$' "$base.parity.log" | tail -n 1 | tr '|' '/') |")
+    done
+  done
+  md=$(md_path parity)
+  {
+    header parity "Teacher-forced logits and greedy tokens against Hugging Face ($DEVICE)"
+    echo "Random-init tiny folders (bench/hf_models.py, seed 0) in each dtype; bench/hf_reference.py: $nrows"
+    echo "rows of random prompts (57, 128, 20 tokens), each alone greedy-generating $steps tokens with"
+    echo "transformers, then one teacher-forced forward over prompt + generated ids (TF32 off). \`cudagraph"
+    echo "bench parity\` prefills each prompt, feeds the rest one step at a time, alone and batched, and"
+    echo "compares every logit row (f32 1e-4 relative, bf16 2e-2) and the greedy tokens where the"
+    echo "top-2 margin exceeds the tolerance. Exit status 0: all agree."
+    echo
+    echo "| model | dtype | exit status | summary (last line) |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+    echo
+    echo "Commands (REF: the reference file, in the logs):"
+    echo
+    # shellcheck disable=SC2016 # the backquotes are Markdown
+    [ ${#cmds[@]} -gt 0 ] && printf -- '- `%s`\n' "${cmds[@]}"
+    for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny}; do
+      for dt in ${PARITY_DTYPES:-f32 bf16}; do
+        [ -s "$l/$m-$dt.parity.log" ] || continue
+        echo
+        echo "### $m, $dt"
+        echo
+        echo "Hugging Face's side:"
+        echo
+        code_block "$l/$m-$dt.reference.log"
+        echo
+        echo "Ours:"
+        echo
+        echo '```'
+        tail -n 40 "$l/$m-$dt.parity.log"
+        echo '```'
+      done
+    done
+  } >"$md"
+  written "$md" "$l"
+  say "parity: $ok of $n model and dtype pairs agree with Hugging Face"
   [ "$bad" = 0 ]
 }
 
