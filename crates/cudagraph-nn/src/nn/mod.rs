@@ -7,6 +7,7 @@ pub mod clip;
 pub mod graphed;
 pub mod layers;
 pub mod optim;
+pub mod sampling;
 pub mod scaler;
 pub mod schedule;
 pub mod steps;
