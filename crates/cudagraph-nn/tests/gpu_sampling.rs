@@ -17,7 +17,7 @@ use cudagraph::{gpu_test_device, CaptureOptions, Error, Graph, QueueExt, Stream}
 use cudagraph_nn::nn::sampling::{reference, NO_LOGIT_CHECK};
 use cudagraph_nn::*;
 
-const SEED: u64 = 0x5eed_0f_5a3b1e;
+const SEED: u64 = 0x5eed_0f5a_3b1e;
 
 fn params(temperature: f32, top_k: u32, top_p: f32) -> SamplingParams {
     SamplingParams {

@@ -18,7 +18,7 @@
 //! Sums are integer, so no reduction order matters. The top-p comparison is
 //! `(f64) mass_before < (f64) top_p · (f64) total`. The draw takes the row's 64-bit Philox
 //! number `r` (counter `base + offset + row`, words x and y) and picks, in token-id order, the
-//! first kept token whose running weight exceeds `⌊r · total / 2^64⌋`. [`reference`] reproduces
+//! first kept token whose running weight exceeds `⌊r · total / 2^64⌋`. [`reference`](mod@reference) reproduces
 //! every choice bit for bit on the CPU.
 //!
 //! **NaN and infinities.** A NaN logit is never chosen (nor counted by top-k). `+inf` logits
@@ -189,7 +189,10 @@ impl Sampler {
         if rows == 0 {
             return Ok(());
         }
-        crate::extent::need("sample logits", logits, rows * self.vocab)?;
+        let cells = rows
+            .checked_mul(self.vocab)
+            .ok_or_else(|| NnError::Shape("sample: too many logits".into()))?;
+        crate::extent::need("sample logits", logits, cells)?;
         crate::extent::need("sampled tokens", tokens, rows)?;
         let offset = gen.reserve(rows * 4)?;
         self.k.sample(
@@ -419,7 +422,7 @@ pub mod reference {
             z - m
         };
         let t = e * f32::from_bits(0x3fb8_aa3b);
-        if !(t >= -32.0) {
+        if t.is_nan() || t < -32.0 {
             return 0;
         }
         let n = t.floor();
