@@ -426,3 +426,48 @@ fn misuse_is_a_typed_error() {
     }
     assert_eq!(&s.to_vec(&tokens).unwrap()[..2], &[0, 0]);
 }
+
+#[test]
+fn sampling_cost_per_step_is_printed() {
+    // Not a pass/fail check: prints the device time of one sample call (a graph of 20 calls,
+    // replayed 5 times after a warm-up) per vocabulary, batch and setting, for the docs.
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let modes = [
+        ("greedy", SamplingParams::greedy()),
+        ("temperature", params(0.8, 0, 1.0)),
+        ("top-k 50 + top-p 0.9", params(0.8, 50, 0.9)),
+        ("top-p 0.9", params(0.8, 0, 0.9)),
+    ];
+    for vocab in [50_257usize, 128_256] {
+        for rows in [1usize, 8, 32] {
+            let mut rng = HostRng::new(3);
+            let logits = s.alloc_from_host(&rng.vec_normal(rows * vocab)).unwrap();
+            let tokens = Arc::new(s.alloc_zeroed::<i32>(rows).unwrap());
+            for (name, p) in modes {
+                let sampler = Sampler::new(&s, rows, vocab).unwrap();
+                for r in 0..rows {
+                    sampler.set(&s, r, &p).unwrap();
+                }
+                let gen = Generator::new(&s, 1).unwrap();
+                let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                    for _ in 0..20 {
+                        sampler.sample(cs, &logits, rows, &gen, &tokens)?;
+                        gen.advance(cs)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                g.replay(&s).unwrap();
+                s.synchronize().unwrap();
+                let t0 = std::time::Instant::now();
+                for _ in 0..5 {
+                    g.replay(&s).unwrap();
+                }
+                s.synchronize().unwrap();
+                let us = t0.elapsed().as_secs_f64() * 1e6 / 100.0;
+                eprintln!("sample: vocab {vocab}, {rows} rows, {name}: {us:.1} us per call");
+            }
+        }
+    }
+}

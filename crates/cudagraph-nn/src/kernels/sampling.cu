@@ -42,10 +42,11 @@ __device__ __forceinline__ float samp_unkey(unsigned int k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// The row's value i: the logit divided by the temperature (t > 0), or the logit (t = 0).
+// The row's value i: the logit times `t`, the reciprocal of the temperature (within an ulp of
+// the division, and cheaper), or the logit when t = 0 (greedy).
 __device__ __forceinline__ float samp_z(const float* row, int i, float t) {
     float x = row[i];
-    return t > 0.0f ? __fdiv_rn(x, t) : x;
+    return t > 0.0f ? __fmul_rn(x, t) : x;
 }
 
 // Fixed-point exp(z - m) in units of 2^-32 (z <= m, neither NaN; m may be +inf, then the +inf
@@ -143,13 +144,33 @@ __device__ void samp_select(samp_shared& s, const float* row, int vocab, float t
         for (int b = threadIdx.x; b < SAMP_BINS; b += SAMP_THREADS) s.bins[b] = 0ull;
         __syncthreads();
         const unsigned int prefix = s.prefix;
-        for (int i = threadIdx.x; i < vocab; i += SAMP_THREADS) {
-            float z = samp_z(row, i, t);
-            if (!samp_kept(i, z, kk, ik, 0u, SAMP_NONE)) continue;
-            unsigned int k = samp_key(z);
-            if (level > 0 && (k >> (shift + 8)) != (prefix >> (shift + 8))) continue;
-            unsigned long long q = mass ? samp_weight(z, m) : 1ull;
-            if (q) atomicAdd(&s.bins[(k >> shift) & 255u], q);
+        // Whole warps walk the row (lane i of each 32), so that lanes adding to the same bin
+        // (most of a row shares a few exponents at the first level) are summed in the warp
+        // first and the bin takes one atomic add per warp and digit.
+        for (int base = (threadIdx.x >> 5) * 32; base < vocab; base += SAMP_THREADS) {
+            const int i = base + lane;
+            unsigned int digit = SAMP_BINS;
+            unsigned long long q = 0ull;
+            if (i < vocab) {
+                float z = samp_z(row, i, t);
+                if (samp_kept(i, z, kk, ik, 0u, SAMP_NONE)) {
+                    unsigned int k = samp_key(z);
+                    if (level == 0 || (k >> (shift + 8)) == (prefix >> (shift + 8))) {
+                        q = mass ? samp_weight(z, m) : 1ull;
+                        if (q) digit = (k >> shift) & 255u;
+                    }
+                }
+            }
+            // Past the first level most warps hold nothing under the prefix: skip the match.
+            if (!__any_sync(0xffffffffu, digit < SAMP_BINS)) continue;
+            const unsigned int peers = __match_any_sync(0xffffffffu, digit);
+            if (digit < SAMP_BINS) {
+                // Every lane of a group has the same mask and runs the same loop.
+                unsigned long long sum = 0ull;
+                for (unsigned int left = peers; left; left &= left - 1u)
+                    sum += __shfl_sync(peers, q, __ffs(left) - 1);
+                if (lane == __ffs(peers) - 1) atomicAdd(&s.bins[digit], sum);
+            }
         }
         __syncthreads();
         if (threadIdx.x < 32) {
@@ -245,8 +266,9 @@ extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
     if (r >= rows) return;
     const float* row = logits + (long long)r * vocab;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // From here on t is 1 / temperature (0: greedy).
     float t = temp[r];
-    if (!(t > 0.0f)) t = 0.0f;
+    t = t > 0.0f ? __fdiv_rn(1.0f, t) : 0.0f;
     // Pass 1: the best (key, lowest id) and the number of non-NaN values.
     unsigned int bk = 0u;
     int bi = SAMP_NONE;
