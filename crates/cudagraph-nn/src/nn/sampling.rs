@@ -702,6 +702,190 @@ mod tests {
         assert!(checked > 500, "{checked}");
     }
 
+    /// The kernel's algorithm step by step on the CPU (radix select over 8-bit digits, tie cuts
+    /// by id, the chunked draw of 1024 "threads"), to check it against the sort-based
+    /// reference.
+    fn kernel_emulation(logits: &[f32], p: &SamplingParams, bits: u64) -> Option<i32> {
+        const NONE: usize = usize::MAX;
+        let v = logits.len();
+        let t = if p.temperature > 0.0 {
+            1.0 / p.temperature
+        } else {
+            0.0
+        };
+        let z = |i: usize| if t > 0.0 { logits[i] * t } else { logits[i] };
+        let (mut bk, mut bi, mut nv) = (0u32, NONE, 0u64);
+        for i in 0..v {
+            if z(i).is_nan() {
+                continue;
+            }
+            nv += 1;
+            if key(z(i)) > bk {
+                bk = key(z(i));
+                bi = i;
+            }
+        }
+        if bk <= key(f32::NEG_INFINITY) {
+            return None;
+        }
+        if t == 0.0 {
+            return Some(bi as i32);
+        }
+        let m = unkey(bk);
+        let cand = |i: usize, kk: u32, ik: usize| {
+            let zi = z(i);
+            !zi.is_nan() && (key(zi) > kk || (key(zi) == kk && i <= ik))
+        };
+        // Largest K with Q(key >= K) reaching the target; (K, Q(> K), Q(== K)).
+        let select = |mass: bool, count: u64, kk: u32, ik: usize| {
+            let (mut prefix, mut above, mut eq) = (0u32, 0u64, 0u64);
+            let mut target = 0.0f64;
+            for level in 0..4 {
+                let shift = 24 - 8 * level;
+                let mut bins = [0u64; 256];
+                for i in 0..v {
+                    if !cand(i, kk, ik) {
+                        continue;
+                    }
+                    let k = key(z(i));
+                    if level > 0 && (k >> (shift + 8)) != (prefix >> (shift + 8)) {
+                        continue;
+                    }
+                    bins[((k >> shift) & 255) as usize] += if mass { weight(z(i), m) } else { 1 };
+                }
+                if mass && level == 0 {
+                    target = p.top_p as f64 * bins.iter().sum::<u64>() as f64;
+                }
+                let mut c = above;
+                for b in (0..256).rev() {
+                    let h = if mass {
+                        (c + bins[b]) as f64 >= target
+                    } else {
+                        c + bins[b] >= count
+                    };
+                    if h {
+                        prefix |= (b as u32) << shift;
+                        above = c;
+                        eq = bins[b];
+                        break;
+                    }
+                    c += bins[b];
+                }
+            }
+            (prefix, above, eq, target)
+        };
+        let tie_cut = |key_at: u32, kk: u32, ik: usize, r: u64| {
+            let mut c = 0;
+            (0..v)
+                .find(|&i| {
+                    if cand(i, kk, ik) && key(z(i)) == key_at {
+                        c += 1;
+                    }
+                    c == r
+                })
+                .unwrap()
+        };
+        let (mut kk, mut ik) = (0u32, NONE);
+        let k = p.top_k as u64;
+        if k > 0 && k < nv {
+            let (kx, above, eq, _) = select(false, k, 0, NONE);
+            kk = kx;
+            if k - above < eq {
+                ik = tie_cut(kk, 0, NONE, k - above);
+            }
+        }
+        let (mut kp, mut ip) = (0u32, NONE);
+        if p.top_p < 1.0 {
+            let (kx, above, eq_mass, pm) = select(true, 0, kk, ik);
+            kp = kx;
+            let w = weight(unkey(kp), m);
+            let n_eq = if w > 0 { eq_mass / w } else { 1 };
+            let (mut lo, mut hi) = (1u64, n_eq);
+            while lo < hi {
+                let mid = lo + (hi - lo).div_ceil(2);
+                if ((above + (mid - 1) * w) as f64) < pm {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            if lo < n_eq {
+                ip = tie_cut(kp, kk, ik, lo);
+            }
+        }
+        let kept = |i: usize| cand(i, kk, ik) && cand(i, kp, ip);
+        let chunk = v.div_ceil(1024);
+        let sums: Vec<u64> = (0..1024)
+            .map(|th| {
+                let lo = (th * chunk).min(v);
+                (lo..(lo + chunk).min(v))
+                    .filter(|&i| kept(i))
+                    .map(|i| weight(z(i), m))
+                    .sum()
+            })
+            .collect();
+        let total: u64 = sums.iter().sum();
+        let target = ((bits as u128 * total as u128) >> 64) as u64;
+        let mut before = 0;
+        for (th, &mine) in sums.iter().enumerate() {
+            if before <= target && target < before + mine {
+                let lo = (th * chunk).min(v);
+                let mut c = before;
+                for i in lo..(lo + chunk).min(v) {
+                    if kept(i) {
+                        c += weight(z(i), m);
+                        if c > target {
+                            return Some(i as i32);
+                        }
+                    }
+                }
+            }
+            before += mine;
+        }
+        unreachable!("the draw found no token")
+    }
+
+    #[test]
+    fn the_kernels_algorithm_picks_the_reference_tokens() {
+        let mut rng = crate::random::HostRng::new(77);
+        let settings = [
+            SamplingParams::greedy(),
+            params(0.7, 0, 1.0),
+            params(1.0, 5, 1.0),
+            params(1.3, 0, 0.9),
+            params(0.9, 50, 0.8),
+            params(2.0, 1, 1.0),
+            params(1.0, 3, 0.5),
+            params(0.5, 0, 0.3),
+            params(1.0, 200, 0.97),
+        ];
+        for case in 0..400 {
+            let vocab = 1 + (rng.next_u64() % 3000) as usize;
+            // Coarse steps make long runs of equal values (thresholds inside ties).
+            let step = [1.0 / 64.0, 0.5, 2.0][case % 3];
+            let l: Vec<f32> = (0..vocab)
+                .map(|i| {
+                    if case % 5 == 4 && i % 13 == 3 {
+                        f32::NAN
+                    } else if case % 7 == 6 && i % 11 == 5 {
+                        f32::NEG_INFINITY
+                    } else {
+                        (rng.symmetric(8.0) / step).floor() * step
+                    }
+                })
+                .collect();
+            let p = settings[case % settings.len()];
+            for _ in 0..3 {
+                let bits = rng.next_u64();
+                assert_eq!(
+                    kernel_emulation(&l, &p, bits),
+                    sample_row(&l, &p, bits),
+                    "case {case}, vocab {vocab}, {p:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn draws_follow_the_softmax() {
         // 200k draws with evenly spread 64-bit numbers: the frequencies equal the softmax to
