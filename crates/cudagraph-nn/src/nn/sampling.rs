@@ -799,7 +799,7 @@ mod tests {
             let (kx, above, eq_mass, pm) = select(true, 0, kk, ik);
             kp = kx;
             let w = weight(unkey(kp), m);
-            let n_eq = if w > 0 { eq_mass / w } else { 1 };
+            let n_eq = eq_mass.checked_div(w).unwrap_or(1);
             let (mut lo, mut hi) = (1u64, n_eq);
             while lo < hi {
                 let mid = lo + (hi - lo).div_ceil(2);
