@@ -111,6 +111,7 @@ pub use nn::optim::{
     Adam, AdamConfig, Hyperparameters, OptimOptions, Optimizer, ScaledStep, Sgd, SgdConfig,
     StateBuffer,
 };
+pub use nn::sampling::{DecodeState, Sampler, SamplingParams};
 pub use nn::scaler::{GradScaler, GradScalerConfig, ScalerState};
 pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};

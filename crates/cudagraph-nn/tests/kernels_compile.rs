@@ -10,6 +10,16 @@ use cudagraph_nn::kernels::module_sources;
 /// Kernels each module's loader asks for (its `m.function(..)` calls).
 const EXPECTED: &[(&str, &[&str])] = &[
     (
+        "cudagraph_nn_sampling",
+        &[
+            "sample_rows",
+            "sampling_set",
+            "decode_start",
+            "decode_stop",
+            "decode_advance",
+        ],
+    ),
+    (
         "cudagraph_nn",
         &[
             "sgemm_tiled",

@@ -36,6 +36,7 @@ pub mod lowp;
 pub mod optim_mt;
 pub mod pdl;
 pub mod philox;
+pub mod sampling;
 pub mod steps;
 pub mod transformer;
 
@@ -88,6 +89,10 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_spin", igemm::SPIN_SOURCE.to_string()),
         ("cudagraph_nn_rng", format!("{pdl}{}", philox::SOURCE)),
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
+        (
+            "cudagraph_nn_sampling",
+            format!("{check}{}", sampling::SOURCE),
+        ),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         ("cudagraph_nn_lowp", lowp::source()),
         ("cudagraph_nn_attention", attention::source()),

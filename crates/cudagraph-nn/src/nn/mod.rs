@@ -8,6 +8,7 @@ pub mod gpt;
 pub mod graphed;
 pub mod layers;
 pub mod optim;
+pub mod sampling;
 pub mod scaler;
 pub mod schedule;
 pub mod steps;

@@ -1,0 +1,444 @@
+// Token sampling and decode bookkeeping (sampling.rs). Compiled as its own module after the
+// device-check prologue. Everything here is deterministic: reductions are integer (counts and
+// fixed-point weights) or a fixed-order pairwise choice, and the arithmetic that decides a
+// token uses only correctly rounded f32 operations (__f*_rn, no contraction), so the CPU
+// reference (nn::sampling::reference) reproduces every choice bit for bit.
+//
+// One block of SAMP_THREADS threads per row. A value's order key is its f32 bits mapped so
+// that unsigned order is float order (-0 counts as +0; NaN is never a candidate). A
+// candidate's weight is a fixed-point exp(z - max): samp_weight, 2^32 for the maximum, 0 below
+// 2^-32 of it. Top-k and top-p thresholds are found by radix select over the keys (four
+// passes of 8-bit digits, a shared histogram of counts or of weights each), ties at the
+// threshold are cut by token id (lowest first), and the draw walks the kept weights in token
+// id order: the first token whose running weight exceeds floor(r * W) with r a 64-bit Philox
+// number and W the kept weight.
+#define SAMP_THREADS 1024
+#define SAMP_WARPS (SAMP_THREADS / 32)
+#define SAMP_BINS 256
+#define SAMP_NONE 0x7fffffff
+
+__device__ __forceinline__ uint4 samp_philox(uint4 c, uint2 k) {
+#pragma unroll
+    for (int r = 0; r < 10; r++) {
+        if (r > 0) {
+            k.x += 0x9E3779B9u;
+            k.y += 0xBB67AE85u;
+        }
+        unsigned int hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        unsigned int hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    }
+    return c;
+}
+
+// The order key of a value that is not NaN.
+__device__ __forceinline__ unsigned int samp_key(float z) {
+    unsigned int b = __float_as_uint(z == 0.0f ? 0.0f : z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The value of an order key.
+__device__ __forceinline__ float samp_unkey(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The row's value i: the logit times `t`, the reciprocal of the temperature (within an ulp of
+// the division, and cheaper), or the logit when t = 0 (greedy).
+__device__ __forceinline__ float samp_z(const float* row, int i, float t) {
+    float x = row[i];
+    return t > 0.0f ? __fmul_rn(x, t) : x;
+}
+
+// Fixed-point exp(z - m) in units of 2^-32 (z <= m, neither NaN; m may be +inf, then the +inf
+// values weigh 2^32 and the rest 0): 2^(n + f) with n = floor(t), t = (z - m) * log2(e), and
+// 2^f by its degree-7 Taylor polynomial in correctly rounded fused multiply-adds; 0 for t < -32.
+__device__ __forceinline__ unsigned long long samp_weight(float z, float m) {
+    float e;
+    if (isinf(m) && m > 0.0f) e = (z == m) ? 0.0f : __uint_as_float(0xff800000u);
+    else e = __fsub_rn(z, m);
+    float t = __fmul_rn(e, __uint_as_float(0x3fb8aa3bu));
+    if (!(t >= -32.0f)) return 0ull;
+    float n = floorf(t);
+    float f = __fsub_rn(t, n);
+    float p = __uint_as_float(0x377fe5feu);
+    p = __fmaf_rn(p, f, __uint_as_float(0x39218489u));
+    p = __fmaf_rn(p, f, __uint_as_float(0x3aaec3ffu));
+    p = __fmaf_rn(p, f, __uint_as_float(0x3c1d955bu));
+    p = __fmaf_rn(p, f, __uint_as_float(0x3d635847u));
+    p = __fmaf_rn(p, f, __uint_as_float(0x3e75fdf0u));
+    p = __fmaf_rn(p, f, __uint_as_float(0x3f317218u));
+    p = __fmaf_rn(p, f, 1.0f);
+    unsigned int mant = (unsigned int)__fmul_rn(p, 8388608.0f);
+    if (mant > 0xffffffu) mant = 0xffffffu;
+    int sh = (int)n + 9;
+    unsigned long long w = mant;
+    return sh >= 0 ? (w << sh) : (w >> (-sh));
+}
+
+struct samp_shared {
+    unsigned long long bins[SAMP_BINS];
+    unsigned long long warp[SAMP_WARPS];
+    unsigned int wkey[SAMP_WARPS];
+    int wid[SAMP_WARPS];
+    unsigned int prefix;
+    unsigned long long above, eq, total;
+    double pmass;
+    int found;
+};
+
+// Block-wide exclusive scan of one u64 per thread (thread order); every thread gets the total.
+__device__ unsigned long long samp_scan(samp_shared& s, unsigned long long v,
+                                        unsigned long long* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long inc = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        unsigned long long o = __shfl_up_sync(0xffffffffu, inc, d);
+        if (lane >= d) inc += o;
+    }
+    __syncthreads();
+    if (lane == 31) s.warp[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        unsigned long long w = s.warp[lane];
+        unsigned long long wi = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned long long o = __shfl_up_sync(0xffffffffu, wi, d);
+            if (lane >= d) wi += o;
+        }
+        s.warp[lane] = wi - w;
+        if (lane == 31) s.total = wi;
+    }
+    __syncthreads();
+    unsigned long long r = s.warp[warp] + inc - v;
+    *total = s.total;
+    __syncthreads();
+    return r;
+}
+
+// Whether value (i, z) of the row is a candidate after top-k (key above kk, or equal with an
+// id up to ik) and kept by top-p (the same with kp, ip).
+__device__ __forceinline__ bool samp_kept(int i, float z, unsigned int kk, int ik, unsigned int kp,
+                                          int ip) {
+    if (isnan(z)) return false;
+    unsigned int k = samp_key(z);
+    return (k > kk || (k == kk && i <= ik)) && (k > kp || (k == kp && i <= ip));
+}
+
+// Radix select, descending: the largest key K such that Q(key >= K) reaches the target, Q
+// summing 1 (mass = false: target `count`) or the weight (mass = true: (double) Q >= p_mass,
+// p_mass = top_p * (double) the total weight, from the first level's histogram) over the
+// candidates of (kk, ik). Leaves K in s.prefix, Q(key > K) in s.above, Q(key == K) in s.eq
+// and, with mass, p_mass in s.pmass.
+__device__ void samp_select(samp_shared& s, const float* row, int vocab, float t, float m,
+                            bool mass, unsigned long long count, float top_p, unsigned int kk,
+                            int ik) {
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        s.prefix = 0u;
+        s.above = 0ull;
+    }
+    for (int level = 0; level < 4; level++) {
+        const int shift = 24 - 8 * level;
+        for (int b = threadIdx.x; b < SAMP_BINS; b += SAMP_THREADS) s.bins[b] = 0ull;
+        __syncthreads();
+        const unsigned int prefix = s.prefix;
+        // Whole warps walk the row (lane i of each 32), so that lanes adding to the same bin
+        // (most of a row shares a few exponents at the first level) are summed in the warp
+        // first and the bin takes one atomic add per warp and digit.
+        for (int base = (threadIdx.x >> 5) * 32; base < vocab; base += SAMP_THREADS) {
+            const int i = base + lane;
+            unsigned int digit = SAMP_BINS;
+            unsigned long long q = 0ull;
+            if (i < vocab) {
+                float z = samp_z(row, i, t);
+                if (samp_kept(i, z, kk, ik, 0u, SAMP_NONE)) {
+                    unsigned int k = samp_key(z);
+                    if (level == 0 || (k >> (shift + 8)) == (prefix >> (shift + 8))) {
+                        q = mass ? samp_weight(z, m) : 1ull;
+                        if (q) digit = (k >> shift) & 255u;
+                    }
+                }
+            }
+            // Past the first level most warps hold nothing under the prefix: skip the match.
+            if (!__any_sync(0xffffffffu, digit < SAMP_BINS)) continue;
+            const unsigned int peers = __match_any_sync(0xffffffffu, digit);
+            if (digit < SAMP_BINS) {
+                // Every lane of a group has the same mask and runs the same loop.
+                unsigned long long sum = 0ull;
+                for (unsigned int left = peers; left; left &= left - 1u)
+                    sum += __shfl_sync(peers, q, __ffs(left) - 1);
+                if (lane == __ffs(peers) - 1) atomicAdd(&s.bins[digit], sum);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l holds bins 255 - 8l down to 248 - 8l (descending key order).
+            unsigned long long sum = 0ull;
+#pragma unroll
+            for (int j = 0; j < 8; j++) sum += s.bins[255 - 8 * lane - j];
+            unsigned long long inc = sum;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                unsigned long long o = __shfl_up_sync(0xffffffffu, inc, d);
+                if (lane >= d) inc += o;
+            }
+            unsigned long long all = __shfl_sync(0xffffffffu, inc, 31);
+            double target = 0.0;
+            if (mass && level == 0) {
+                target = (double)top_p * (double)all;
+                if (lane == 0) s.pmass = target;
+            } else if (mass) {
+                target = s.pmass;
+            }
+            const unsigned long long above = s.above;
+            bool hit = mass ? ((double)(above + inc) >= target) : (above + inc >= count);
+            unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+            int first = ballot ? __ffs(ballot) - 1 : 31;
+            if (lane == first) {
+                unsigned long long c = above + inc - sum;
+                int digit = 248 - 8 * lane;
+                unsigned long long eq = s.bins[digit];
+                for (int j = 0; j < 8; j++) {
+                    int b = 255 - 8 * lane - j;
+                    unsigned long long q = s.bins[b];
+                    bool h = mass ? ((double)(c + q) >= target) : (c + q >= count);
+                    if (h) {
+                        digit = b;
+                        eq = q;
+                        break;
+                    }
+                    c += q;
+                }
+                s.prefix = prefix | ((unsigned int)digit << shift);
+                s.above = c;
+                s.eq = eq;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// The id of the r-th (1-based) value in id order with key `key` among the candidates of (kk,
+// ik): threads own contiguous chunks of the row, an exclusive scan of their counts finds the
+// owner, which walks its chunk.
+__device__ int samp_tie_cut(samp_shared& s, const float* row, int vocab, float t, unsigned int key,
+                            unsigned int kk, int ik, unsigned long long r) {
+    const int chunk = (vocab + SAMP_THREADS - 1) / SAMP_THREADS;
+    const int lo = min(vocab, (int)threadIdx.x * chunk), hi = min(vocab, lo + chunk);
+    unsigned long long n = 0ull;
+    for (int i = lo; i < hi; i++) {
+        float z = samp_z(row, i, t);
+        if (samp_kept(i, z, kk, ik, 0u, SAMP_NONE) && samp_key(z) == key) n++;
+    }
+    unsigned long long total;
+    unsigned long long before = samp_scan(s, n, &total);
+    if (threadIdx.x == 0) s.found = SAMP_NONE;
+    __syncthreads();
+    if (before < r && r <= before + n) {
+        unsigned long long c = before;
+        for (int i = lo; i < hi; i++) {
+            float z = samp_z(row, i, t);
+            if (samp_kept(i, z, kk, ik, 0u, SAMP_NONE) && samp_key(z) == key && ++c == r) {
+                s.found = i;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    int id = s.found;
+    __syncthreads();
+    return id;
+}
+
+// tokens[r] for rows r < rows (grid: one block of SAMP_THREADS per row) from logits [rows,
+// vocab]: greedy when temp[r] = 0, else the temperature / top-k / top-p draw described above
+// with the 64-bit number of Philox counter state[1] + offset + r (lanes x: high, y: low word).
+// A row with no value above -inf (all NaN or -inf) gets token 0 and is reported (value 0,
+// bound vocab, position the row).
+extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
+        const float* logits, int rows, int vocab, const float* temp, const unsigned int* topk,
+        const float* topp, const unsigned long long* state, unsigned long long offset, int* tokens,
+        cg_check* flag, unsigned int check) {
+    __shared__ samp_shared s;
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* row = logits + (long long)r * vocab;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // From here on t is 1 / temperature (0: greedy).
+    float t = temp[r];
+    t = t > 0.0f ? __fdiv_rn(1.0f, t) : 0.0f;
+    // Pass 1: the best (key, lowest id) and the number of non-NaN values.
+    unsigned int bk = 0u;
+    int bi = SAMP_NONE;
+    unsigned long long nv = 0ull;
+    for (int i = threadIdx.x; i < vocab; i += SAMP_THREADS) {
+        float z = samp_z(row, i, t);
+        if (isnan(z)) continue;
+        nv++;
+        unsigned int k = samp_key(z);
+        if (k > bk) {
+            bk = k;
+            bi = i;
+        }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        unsigned int ok = __shfl_xor_sync(0xffffffffu, bk, d);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, d);
+        if (ok > bk || (ok == bk && oi < bi)) {
+            bk = ok;
+            bi = oi;
+        }
+    }
+    if (lane == 0) {
+        s.wkey[warp] = bk;
+        s.wid[warp] = bi;
+    }
+    unsigned long long nvalid;
+    samp_scan(s, nv, &nvalid);
+    if (warp == 0) {
+        bk = s.wkey[lane];
+        bi = s.wid[lane];
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) {
+            unsigned int ok = __shfl_xor_sync(0xffffffffu, bk, d);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, d);
+            if (ok > bk || (ok == bk && oi < bi)) {
+                bk = ok;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            s.wkey[0] = bk;
+            s.wid[0] = bi;
+        }
+    }
+    __syncthreads();
+    bk = s.wkey[0];
+    bi = s.wid[0];
+    if (bk <= samp_key(__uint_as_float(0xff800000u))) {
+        if (threadIdx.x == 0) {
+            tokens[r] = 0;
+            cg_report(flag, check, 0, vocab, (unsigned long long)r);
+        }
+        return;
+    }
+    if (t == 0.0f) {
+        if (threadIdx.x == 0) tokens[r] = bi;
+        return;
+    }
+    const float m = samp_unkey(bk);
+    // Top-k: the k-th key in descending order, ties cut by id.
+    unsigned int kk = 0u;
+    int ik = SAMP_NONE;
+    const unsigned long long k = topk[r];
+    if (k > 0ull && k < nvalid) {
+        samp_select(s, row, vocab, t, m, false, k, 1.0f, 0u, SAMP_NONE);
+        kk = s.prefix;
+        unsigned long long keep = k - s.above, eq = s.eq;
+        __syncthreads();
+        if (keep < eq) ik = samp_tie_cut(s, row, vocab, t, kk, 0u, SAMP_NONE, keep);
+    }
+    // Top-p: the smallest prefix in (key descending, id ascending) order whose weight reaches
+    // top_p of the candidates' weight; the value that crosses is kept.
+    unsigned int kp = 0u;
+    int ip = SAMP_NONE;
+    const float p = topp[r];
+    if (p < 1.0f) {
+        samp_select(s, row, vocab, t, m, true, 0ull, p, kk, ik);
+        kp = s.prefix;
+        unsigned long long above = s.above, eq_mass = s.eq;
+        const double p_mass = s.pmass;
+        __syncthreads();
+        unsigned long long w = samp_weight(samp_unkey(kp), m);
+        unsigned long long n_eq = w ? eq_mass / w : 1ull;
+        // Kept ties: the t-th (1-based) is kept while (double)(above + (t - 1) w) < p_mass;
+        // the first always is. Binary search for the count.
+        unsigned long long lo = 1ull, hi = n_eq;
+        while (lo < hi) {
+            unsigned long long mid = lo + (hi - lo + 1ull) / 2ull;
+            if ((double)(above + (mid - 1ull) * w) < p_mass) lo = mid;
+            else hi = mid - 1ull;
+        }
+        if (lo < n_eq) ip = samp_tie_cut(s, row, vocab, t, kp, kk, ik, lo);
+    }
+    // The draw: token id order over the kept values.
+    const int chunk = (vocab + SAMP_THREADS - 1) / SAMP_THREADS;
+    const int lo = min(vocab, (int)threadIdx.x * chunk), hi = min(vocab, lo + chunk);
+    unsigned long long mine = 0ull;
+    for (int i = lo; i < hi; i++) {
+        float z = samp_z(row, i, t);
+        if (samp_kept(i, z, kk, ik, kp, ip)) mine += samp_weight(z, m);
+    }
+    unsigned long long total;
+    unsigned long long before = samp_scan(s, mine, &total);
+    unsigned long long idx = state[1] + offset + (unsigned long long)r;
+    unsigned long long seed = state[0];
+    uint4 g = samp_philox(make_uint4((unsigned int)idx, (unsigned int)(idx >> 32), 0u, 0u),
+                          make_uint2((unsigned int)seed, (unsigned int)(seed >> 32)));
+    unsigned long long r64 = ((unsigned long long)g.x << 32) | g.y;
+    unsigned long long target = __umul64hi(r64, total);
+    if (before <= target && target < before + mine) {
+        unsigned long long c = before;
+        for (int i = lo; i < hi; i++) {
+            float z = samp_z(row, i, t);
+            if (!samp_kept(i, z, kk, ik, kp, ip)) continue;
+            c += samp_weight(z, m);
+            if (c > target) {
+                tokens[r] = i;
+                break;
+            }
+        }
+    }
+}
+
+// One row's sampling settings (a single thread).
+extern "C" __global__ void sampling_set(float* temp, unsigned int* topk, float* topp, int row,
+                                        float t, unsigned int k, float p) {
+    temp[row] = t;
+    topk[row] = k;
+    topp[row] = p;
+}
+
+// A sequence joins row `row`: next position, not finished, nothing generated, limit `limit`,
+// its history cleared to -1 (one block).
+extern "C" __global__ void decode_start(int* positions, int* finished, int* generated, int* limit,
+                                        int* history, int max_new, int row, int position,
+                                        int new_tokens) {
+    if (threadIdx.x == 0) {
+        positions[row] = position;
+        finished[row] = new_tokens > 0 ? 0 : 1;
+        generated[row] = 0;
+        limit[row] = new_tokens;
+    }
+    for (int j = threadIdx.x; j < max_new; j += blockDim.x)
+        history[(long long)row * max_new + j] = -1;
+}
+
+// A sequence leaves row `row` (a single thread).
+extern "C" __global__ void decode_stop(int* finished, int row) {
+    finished[row] = 1;
+}
+
+// After sampling, rows r < rows: an unfinished row records tokens[r] at history[r, generated],
+// passes it on in ids[r] and its position in pos_out[r], advances, and finishes on an eos id or
+// at its limit. A finished row is left as it is.
+extern "C" __global__ void decode_advance(const int* tokens, int rows, int* ids, int* pos_out,
+                                          int* positions, int* finished, int* generated,
+                                          const int* limit, int* history, int max_new,
+                                          const int* eos, int n_eos) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows || finished[r]) return;
+    int tok = tokens[r];
+    int g = generated[r];
+    if (g >= 0 && g < max_new) history[(long long)r * max_new + g] = tok;
+    ids[r] = tok;
+    pos_out[r] = positions[r];
+    positions[r] += 1;
+    generated[r] = g + 1;
+    bool stop = g + 1 >= limit[r];
+    for (int e = 0; e < n_eos; e++) stop = stop || tok == eos[e];
+    if (stop) finished[r] = 1;
+}
