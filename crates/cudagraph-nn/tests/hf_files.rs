@@ -789,3 +789,30 @@ fn tokenizer_json_round_trips() {
     ));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// transformers 5 writes the rotary settings as one `rope_parameters` object (theta included):
+/// the same model as the `rope_theta` + `rope_scaling` form, and a bad entry named by its path.
+#[test]
+fn rope_parameters_read_like_rope_theta_and_rope_scaling() {
+    let old = parse(&llama_config(false));
+    let mut v = llama_config(false);
+    let o = v.as_object_mut().unwrap();
+    let mut p = o.remove("rope_scaling").unwrap();
+    p["rope_theta"] = o.remove("rope_theta").unwrap();
+    o.insert("rope_parameters".into(), p);
+    assert_eq!(parse(&v), old);
+
+    // "default" with a theta: no scaling, that theta.
+    v["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1234.0});
+    let DecoderConfig::Llama(l) = parse(&v) else {
+        panic!()
+    };
+    assert_eq!((l.rope_theta, l.rope_scaling), (1234.0, None));
+
+    v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 10.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "original_max_position_embeddings": 32});
+    let e = DecoderConfig::from_json(&v.to_string())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rope_parameters.high_freq_factor"), "{e}");
+}

@@ -341,6 +341,33 @@ impl DecoderConfig {
         if heads.checked_mul(head_dim).is_none() {
             return Err(config_err("head_dim", "is too large"));
         }
+        // transformers 5 writes `rope_parameters` (theta and scaling in one object); older
+        // files and the Hub's checkpoints have `rope_theta` and `rope_scaling`.
+        let (rope_theta, rope_scaling) = match f.get("rope_parameters") {
+            Some(p) => {
+                let obj = p.as_object().ok_or_else(|| {
+                    config_err("rope_parameters", format!("is {p}; expected an object"))
+                })?;
+                let inner = Fields {
+                    obj,
+                    prefix: "rope_parameters.",
+                };
+                let theta = match inner.get("rope_theta") {
+                    Some(_) => inner.f64_or("rope_theta", 10000.0)?,
+                    None => f.f64_or("rope_theta", 10000.0)?,
+                };
+                let scaling = if inner.get("rope_type").or(inner.get("type")).is_some() {
+                    rope_scaling("rope_parameters", Some(p))?
+                } else {
+                    None
+                };
+                (theta, scaling)
+            }
+            None => (
+                f.f64_or("rope_theta", 10000.0)?,
+                rope_scaling("rope_scaling", f.get("rope_scaling"))?,
+            ),
+        };
         Ok(LlamaConfig {
             model_type: model_type.to_string(),
             hidden_size,
@@ -350,8 +377,8 @@ impl DecoderConfig {
             num_key_value_heads: kv_heads,
             head_dim,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
-            rope_theta: f.f64_or("rope_theta", 10000.0)?,
-            rope_scaling: rope_scaling(f.get("rope_scaling"))?,
+            rope_theta,
+            rope_scaling,
             max_position_embeddings: f.usize("max_position_embeddings")?,
             vocab_size: f.usize("vocab_size")?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
@@ -478,22 +505,20 @@ impl DecoderConfig {
     }
 }
 
-fn rope_scaling(v: Option<&Value>) -> IoResult<Option<Llama3RopeScaling>> {
+fn rope_scaling(field: &str, v: Option<&Value>) -> IoResult<Option<Llama3RopeScaling>> {
     let Some(v) = v else { return Ok(None) };
-    let obj = v.as_object().ok_or_else(|| {
-        config_err(
-            "rope_scaling",
-            format!("is {v}; expected an object or null"),
-        )
-    })?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| config_err(field, format!("is {v}; expected an object or null")))?;
+    let prefix = format!("{field}.");
     let f = Fields {
         obj,
-        prefix: "rope_scaling.",
+        prefix: &prefix,
     };
     let (field, kind) = match (f.get("rope_type"), f.get("type")) {
-        (Some(t), _) => ("rope_scaling.rope_type", t),
-        (None, Some(t)) => ("rope_scaling.type", t),
-        (None, None) => return Err(config_err("rope_scaling.rope_type", "is missing")),
+        (Some(t), _) => (f.name("rope_type"), t),
+        (None, Some(t)) => (f.name("type"), t),
+        (None, None) => return Err(config_err(&f.name("rope_type"), "is missing")),
     };
     match kind.as_str() {
         Some("default") => Ok(None),
@@ -516,7 +541,7 @@ fn rope_scaling(v: Option<&Value>) -> IoResult<Option<Llama3RopeScaling>> {
             }
             if s.high_freq_factor <= s.low_freq_factor {
                 return Err(config_err(
-                    "rope_scaling.high_freq_factor",
+                    &f.name("high_freq_factor"),
                     format!(
                         "is {}, which must exceed low_freq_factor = {}",
                         s.high_freq_factor, s.low_freq_factor
@@ -525,7 +550,7 @@ fn rope_scaling(v: Option<&Value>) -> IoResult<Option<Llama3RopeScaling>> {
             }
             Ok(Some(s))
         }
-        _ => Err(unsupported(field, kind, "null, \"default\", \"llama3\"")),
+        _ => Err(unsupported(&field, kind, "null, \"default\", \"llama3\"")),
     }
 }
 
