@@ -105,6 +105,7 @@ pub use dtype::{Dtype, Float, TypedBuffer};
 pub use error::{AmpError, CheckpointError, HfError};
 pub use io::checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, CheckpointMut};
 pub use nn::clip::clip_grad_norm;
+pub use serving::decoder::{Decoder, DecoderCache, LogitsFor};
 pub use nn::optim::{
     Adam, AdamConfig, Hyperparameters, OptimOptions, Optimizer, ScaledStep, Sgd, SgdConfig,
     StateBuffer,

@@ -195,6 +195,23 @@ const EXPECTED: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "cudagraph_nn_decoder",
+        &[
+            "dec_embed_f32",
+            "dec_embed_bf16",
+            "dec_embed_f16",
+            "dec_norm_f32",
+            "dec_norm_bf16",
+            "dec_norm_f16",
+            "dec_qkv_f32",
+            "dec_qkv_bf16",
+            "dec_qkv_f16",
+            "dec_swiglu_f32",
+            "dec_swiglu_bf16",
+            "dec_swiglu_f16",
+        ],
+    ),
+    (
         "cudagraph_nn_pdl",
         &["sgemm_tiled", "relu_fwd", "maxpool_bwd"],
     ),
