@@ -105,7 +105,6 @@ pub use dtype::{Dtype, Float, TypedBuffer};
 pub use error::{AmpError, CheckpointError, HfError};
 pub use io::checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, CheckpointMut};
 pub use nn::clip::clip_grad_norm;
-pub use serving::decoder::{Decoder, DecoderCache, LogitsFor};
 pub use nn::optim::{
     Adam, AdamConfig, Hyperparameters, OptimOptions, Optimizer, ScaledStep, Sgd, SgdConfig,
     StateBuffer,
@@ -114,4 +113,5 @@ pub use nn::scaler::{GradScaler, GradScalerConfig, ScalerState};
 pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};
 pub use random::{Generator, HostRng};
+pub use serving::decoder::{Decoder, DecoderCache, LogitsFor};
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};

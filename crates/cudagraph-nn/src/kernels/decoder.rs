@@ -208,8 +208,16 @@ impl DecoderKernels {
             .checked_mul(stride)
             .and_then(|v| v.checked_add(off + 1))
             .ok_or_else(|| NnError::Shape("decoder norm: rows overflow".into()))?;
-        need("decoder norm input", x, prod("decoder norm input", &[x_rows, cols])?)?;
-        need("decoder norm output", y, prod("decoder norm output", &[rows, cols])?)?;
+        need(
+            "decoder norm input",
+            x,
+            prod("decoder norm input", &[x_rows, cols])?,
+        )?;
+        need(
+            "decoder norm output",
+            y,
+            prod("decoder norm output", &[rows, cols])?,
+        )?;
         need("decoder norm weight", w, cols)?;
         if let Some(b) = b {
             if rms {
@@ -297,13 +305,7 @@ impl DecoderKernels {
         // (n·H + hh)·D + j (+ D/2) (< ql, checked) or the caches at ((sl·Hkv + kvh)·Tmax + p)·D
         // + j (+ D/2) only for 0 ≤ sl < S, 0 ≤ p < Tmax (< cl, checked); every size fits int
         // (checked), the element index is long long; D even (checked).
-        unsafe {
-            Ok(q.launch(
-                self.qkv.of::<T>("decoder qkv")?,
-                grid_stride(pl / 2),
-                &args,
-            )?)
-        }
+        unsafe { Ok(q.launch(self.qkv.of::<T>("decoder qkv")?, grid_stride(pl / 2), &args)?) }
     }
 
     /// `y[r, c] = silu(gu[r, c]) · gu[r, m + c]` for `gu: [rows, 2m]`, `y: [rows, m]`.
@@ -315,7 +317,11 @@ impl DecoderKernels {
         (rows, m): (usize, usize),
     ) -> Result<()> {
         let n = prod("decoder swiglu", &[rows, m])?;
-        need("decoder swiglu input", gu, prod("decoder swiglu input", &[n, 2])?)?;
+        need(
+            "decoder swiglu input",
+            gu,
+            prod("decoder swiglu input", &[n, 2])?,
+        )?;
         need("decoder swiglu output", y, n)?;
         if n == 0 {
             return Ok(());
@@ -370,10 +376,7 @@ mod tests {
             slots: 4,
             max_len: 32,
         };
-        assert_eq!(
-            d.lens().unwrap(),
-            (6 * 8 * 16, 6 * 4 * 16, 4 * 2 * 32 * 16)
-        );
+        assert_eq!(d.lens().unwrap(), (6 * 8 * 16, 6 * 4 * 16, 4 * 2 * 32 * 16));
         for bad in [
             QkvDims { head_dim: 15, ..d },
             QkvDims { rows: 0, ..d },

@@ -226,7 +226,12 @@ fn upload<T: Float>(s: &Stream, v: &[T]) -> Result<DeviceBuffer<T>> {
 
 /// A norm weight (and bias) rounded to the model's dtype, as Hugging Face's `model.to(dtype)`
 /// does, and kept in f32 for the norm kernel (exact).
-fn norm<T: Float>(s: &Stream, w: &DecoderWeights, weight: &str, bias: Option<&str>) -> Result<Norm> {
+fn norm<T: Float>(
+    s: &Stream,
+    w: &DecoderWeights,
+    weight: &str,
+    bias: Option<&str>,
+) -> Result<Norm> {
     let f = |name: &str| -> Result<DeviceBuffer<f32>> {
         let v: Vec<f32> = host::<T>(w, name)?.into_iter().map(T::to_f32).collect();
         upload(s, &v)
@@ -625,7 +630,15 @@ impl Decoder {
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
             linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false, false)?;
             let freq = self.inv_freq.as_ref();
-            dk.qkv(q, &qkv_dims, &qkv, freq, (io.positions, io.slots), &qh, caches)?;
+            dk.qkv(
+                q,
+                &qkv_dims,
+                &qkv,
+                freq,
+                (io.positions, io.slots),
+                &qh,
+                caches,
+            )?;
             let s = Some(io.slots);
             ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
             let w = (&blk.o_w, blk.o_b.as_ref());
