@@ -10,7 +10,7 @@
 //! Tolerances, relative to the largest |logit| of the reference:
 //! - f32: 1e-4. The products accumulate in f32 over at most 256 terms, softmax and norms are f32
 //!   (`__expf`, a few ulp), the rotary angle is an f32 product: errors of order 1e-6 relative.
-//! - bf16: 2e-2. Activations are rounded to bf16 (8-bit mantissa, relative 2⁻⁹ ≈ 2e-3) after
+//! - bf16 (and f16, three more mantissa bits): 2e-2. Activations are rounded to bf16 (8-bit mantissa, relative 2⁻⁹ ≈ 2e-3) after
 //!   every operation, about a dozen roundings a layer over two layers; as random errors they
 //!   add to about 1e-2 of an activation in the worst component, and a logit, a 64-term dot
 //!   product of the final hidden state with the head, averages them further. The reference uses
@@ -412,7 +412,7 @@ fn prefill_then_decode_matches_the_reference() {
     let s = dev.new_stream().unwrap();
     for (name, json) in models() {
         let w = weights(json, 7);
-        for dt in [Dtype::F32, Dtype::Bf16] {
+        for dt in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             let what = format!("{name} {dt}");
             let dec = Decoder::from_weights(&s, &w, dt).unwrap();
             assert_eq!(dec.vocab(), VOCAB);

@@ -58,7 +58,7 @@ use crate::dtype::{Dtype, Float};
 use crate::engine::gemm::{run_gemm, Epilogue, GemmFamily, GemmOp, Trans};
 use crate::engine::gemm_lowp::gemm_lowp;
 use crate::error::{NnError, Result};
-use crate::extent::need;
+use crate::extent::{need, on_device};
 use crate::io::hf::{DecoderConfig, DecoderWeights};
 use crate::kernels::attention::{AttentionKernels, AttentionShape};
 use crate::kernels::decoder::{DecoderKernels, QkvDims};
@@ -421,8 +421,10 @@ impl Decoder {
             Dtype::Bf16 => Weights::Bf16(model::<bf16>(s, weights, &dims)?),
             Dtype::F16 => Weights::F16(model::<f16>(s, weights, &dims)?),
         };
-        // Compile the kernels now (eager), not inside a first captured step.
+        // Compile the kernels and open cuBLASLt now (eager), not inside a first captured step
+        // (a capture cannot open a library; the 16-bit products with a fused bias need it).
         let dev = s.device();
+        let _ = crate::engine::Engines::get(dev)?.cublaslt();
         DecoderKernels::get(dev)?;
         AttentionKernels::get(dev)?;
         TransformerKernels::get(dev)?;
@@ -493,6 +495,11 @@ impl Decoder {
     /// (the residual stream and the layer's activations, about
     /// `rows · tokens · (3·d + (H + 2·Hkv)·D + 2·H·D + 3·m)` elements) are allocated from `q`
     /// on each call (from the graph's pool inside a capture).
+    ///
+    /// Before capturing a step, run one eager call of the same `(rows, tokens)` and
+    /// `logits_for`: the matrix-product engines are measured and chosen on the first eager
+    /// call of each shape, and a capture then records the same ones (without that, a capture
+    /// runs the heuristic default, which eager calls may not match bit for bit).
     ///
     /// Errors before anything runs: buffers shorter than the call needs (`SizeMismatch`),
     /// `rows` or `tokens` zero, `rows` past the cache's slots, `tokens` past its `max_len`, a
@@ -588,6 +595,22 @@ impl Decoder {
             Nn::get(dev)?,
         );
         let (rows, tokens) = (io.rows, io.tokens);
+        // Every buffer of the call, the weights and the caches are memory of q's device.
+        let mut blocks = vec![
+            ("decoder token ids", io.ids.block()),
+            ("decoder positions", io.positions.block()),
+            ("decoder cache slots", io.slots.block()),
+            ("decoder logits", io.logits.block()),
+            ("decoder weights", m.wte.block()),
+        ];
+        for kv in &io.cache.layers {
+            let (k, v) = kv.caches::<T>()?;
+            blocks.extend([
+                ("decoder key cache", k.block()),
+                ("decoder value cache", v.block()),
+            ]);
+        }
+        on_device(q, blocks)?;
         let n = rows * tokens;
         let qd = d.heads * d.head_dim;
         let x = q.alloc::<T>(n * d.d)?;
