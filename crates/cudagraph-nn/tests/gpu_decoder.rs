@@ -810,3 +810,66 @@ fn misuse_is_a_typed_error() {
     f(&ids, &pos, &slots, (2, 2), LogitsFor::Last, &logits).unwrap();
     s.synchronize().unwrap();
 }
+
+/// The decoder's attention kernel (keys over threads, chunks of 1024 keys) against the KV
+/// cache's (head dimension over lanes) on caches longer than one chunk, head dimensions that do
+/// and do not divide the block (64, 80, 128, 256), rows mapped to slots out of order: equal
+/// within f32 rounding (1e-5 of the largest |output|; the two sum in different orders), and
+/// within one unit of bf16's last place (at most 2⁻⁷ of the value) in bf16.
+#[test]
+fn the_two_attention_kernels_agree_on_long_caches() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for d in [64, 80, 128, 256] {
+        agree::<f32>(&s, d, 1e-5);
+    }
+    agree::<bf16>(&s, 64, 1.0 / 128.0);
+}
+
+fn agree<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, tol: f64) {
+    use cudagraph::Queue;
+    use cudagraph_nn::kernels::attention::AttentionKernels;
+    use cudagraph_nn::kernels::decoder::DecoderKernels;
+    let shape = AttentionShape {
+        batch: 2,
+        slots: 3,
+        tokens: 2,
+        heads: 4,
+        kv_heads: 2,
+        max_len: 2600,
+        head_dim: d,
+    };
+    let mut rng = Lcg(d as u64);
+    let mut random = |n: usize| -> DeviceBuffer<T> {
+        let v: Vec<T> = (0..n).map(|_| T::from_f32(rng.next() as f32)).collect();
+        s.alloc_from_host(&v).unwrap()
+    };
+    let q = random(shape.query_len().unwrap());
+    let k = random(shape.cache_len().unwrap());
+    let v = random(shape.cache_len().unwrap());
+    let pos = buf(s, &[0, 1, 1500, 2599]);
+    let slots = buf(s, &[2, 0]);
+    let n = shape.query_len().unwrap();
+    let (oa, ob) = (s.alloc::<T>(n).unwrap(), s.alloc::<T>(n).unwrap());
+    let scale = 1.0 / (d as f32).sqrt();
+    AttentionKernels::get(s.device())
+        .unwrap()
+        .attend(s, &shape, &q, (&k, &v), &pos, Some(&slots), &oa, scale)
+        .unwrap();
+    DecoderKernels::get(s.device())
+        .unwrap()
+        .attend(s, &shape, &q, (&k, &v), (&pos, &slots), &ob, scale)
+        .unwrap();
+    let (a, b) = (s.to_vec(&oa).unwrap(), s.to_vec(&ob).unwrap());
+    s.synchronize().unwrap();
+    let big = a.iter().fold(0.0f64, |m, x| m.max(x.to_f32().abs() as f64));
+    assert!(big > 0.0, "head_dim {d}: all zero");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let (x, y) = (x.to_f32() as f64, y.to_f32() as f64);
+        assert!(
+            (x - y).abs() <= tol * big,
+            "head_dim {d} {}: element {i}: {x} (KV cache's) vs {y} (decoder's)",
+            T::DTYPE
+        );
+    }
+}

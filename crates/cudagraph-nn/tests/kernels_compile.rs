@@ -209,6 +209,9 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "dec_swiglu_f32",
             "dec_swiglu_bf16",
             "dec_swiglu_f16",
+            "dec_attend_f32",
+            "dec_attend_bf16",
+            "dec_attend_f16",
         ],
     ),
     (

@@ -1,9 +1,10 @@
-// The decoder's fused inference kernels (nn::decoder): token (+ position) embedding, LayerNorm
-// or RMSNorm over rows picked with a stride, the split of a packed q|k|v product with rotary
-// embedding and the key/value cache write, and SwiGLU over a packed gate|up product. One
-// template per operation instantiated for float, bf16_t and f16_t (compiled after the
-// device-check prologue and cast.cu). Values are widened to f32, computed in f32 and rounded
-// to nearest even once on store; reductions run in a fixed order (deterministic).
+// The decoder's fused inference kernels (serving::decoder): token (+ position) embedding,
+// LayerNorm or RMSNorm over rows picked with a stride, the split of a packed q|k|v product
+// with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
+// and attention over the cache with the keys spread over the threads (decode). One template
+// per operation instantiated for float, bf16_t and f16_t (compiled after the device-check
+// prologue and cast.cu). Values are widened to f32, computed in f32 and rounded to nearest
+// even once on store; reductions run in a fixed order (deterministic).
 
 #define DEC_LOOP(i, n)                                                                     \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
@@ -153,6 +154,103 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
     }
 }
 
+// ---- Attention over the cache, one query token and head per block ----------------------------
+
+// Threads of the attention kernel (the launcher uses exactly this) and keys per chunk.
+#define DA_THREADS 256
+#define DA_CHUNK 1024
+#define DA_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float dec_block_max(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = DA_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + s]);
+        __syncthreads();
+    }
+    float m = sh[0];
+    __syncthreads();
+    return m;
+}
+
+// As attend_kv (attention.cu), same layouts and checks, with the keys spread over the threads
+// instead of the head dimension: q [B, Tq, H, D], caches [S, Hkv, Tmax, D], pos [B, Tq], slot
+// [B]; block (h, tq, b) attends to positions 0..=p of slot slot[b]. Keys go in chunks of
+// DA_CHUNK: every thread scores whole keys (q in shared memory), the block takes the chunk's
+// max (a running max over chunks rescales the sums, online softmax), then thread (g, d) with
+// d = tid % D and g = tid / D < G = DA_THREADS / D sums w · v over the chunk's keys g, g + G,
+// ... for component d; the G partial sums are added in a fixed order at the end
+// (deterministic). f32 throughout, rounded once. D <= 256.
+template <typename T>
+__device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* __restrict__ kc,
+                                             const T* __restrict__ vc, const int* __restrict__ pos,
+                                             const int* __restrict__ slot, T* __restrict__ out,
+                                             int Tq, int H, int Hkv, int S, int Tmax, int D,
+                                             float scale, cg_check* flag, unsigned int check,
+                                             unsigned int slot_check) {
+    __shared__ float sq[256];
+    __shared__ float sw[DA_CHUNK];
+    __shared__ float sred[DA_THREADS];
+    const int h = blockIdx.x, tq = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int kvh = h / (H / Hkv);
+    const long long qrow = (((long long)b * Tq + tq) * H + h) * D;
+    const int p = pos[(long long)b * Tq + tq];
+    const int sl = slot[b];
+    const bool slot_ok = sl >= 0 && sl < S;
+    const bool valid = slot_ok && p >= 0 && p < Tmax;
+    if (!slot_ok && tid == 0 && tq == 0 && h == 0) cg_report(flag, slot_check, sl, S, b);
+    if (slot_ok && !valid && tid == 0)
+        cg_report(flag, check, p, Tmax, (unsigned long long)b * Tq + tq);
+    for (int d = tid; d < D; d += DA_THREADS) sq[d] = to_f32(q[qrow + d]) * scale;
+    __syncthreads();
+    const int G = DA_THREADS / D;
+    const int g = tid / D, dd = tid % D;
+    const bool active = g < G;
+    const long long base = ((long long)(slot_ok ? sl : 0) * Hkv + kvh) * Tmax * D;
+    const int last = valid ? p : -1;
+    float m = DA_NEG_INF, acc = 0.0f, l = 0.0f;
+    for (int c0 = 0; c0 <= last; c0 += DA_CHUNK) {
+        const int n = min(DA_CHUNK, last + 1 - c0);
+        float mx = DA_NEG_INF;
+        for (int j = tid; j < n; j += DA_THREADS) {
+            const T* kr = kc + base + (long long)(c0 + j) * D;
+            float s = 0.0f;
+#pragma unroll 8
+            for (int d = 0; d < D; d++) s += sq[d] * to_f32(kr[d]);
+            sw[j] = s;
+            mx = fmaxf(mx, s);
+        }
+        const float mn = fmaxf(m, dec_block_max(mx, sred));
+        const float corr = __expf(m - mn);  // 0 when m is -inf
+        for (int j = tid; j < n; j += DA_THREADS) sw[j] = __expf(sw[j] - mn);
+        __syncthreads();
+        acc *= corr;
+        l *= corr;
+        if (active) {
+            const T* vr = vc + base + (long long)c0 * D + dd;
+            for (int j = g; j < n; j += G) {
+                const float w = sw[j];
+                acc += w * to_f32(vr[(long long)j * D]);
+                l += w;
+            }
+        }
+        m = mn;
+        __syncthreads();
+    }
+    sred[tid] = active ? acc : 0.0f;
+    if (active && dd == 0) sw[g] = l;
+    __syncthreads();
+    if (tid < D) {
+        float a = 0.0f, ll = 0.0f;
+        for (int k = 0; k < G; k++) {
+            a += sred[k * D + tid];
+            ll += sw[k];
+        }
+        out[qrow + tid] = from_f32<T>(ll > 0.0f ? a / ll : 0.0f);
+    }
+}
+
 #define DEC_INSTANCES(T, S)                                                                   \
     extern "C" __global__ void dec_embed_##S(const int* ids, const T* wte, const T* wpe,       \
                                              const int* pos, T* y, int tokens, int dim,        \
@@ -176,6 +274,13 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
     }                                                                                         \
     extern "C" __global__ void dec_swiglu_##S(const T* gu, T* y, int N, int M) {              \
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS) dec_attend_##S(                  \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out, int Tq, \
+        int H, int Hkv, int NS, int Tmax, int D, float scale, cg_check* flag,                 \
+        unsigned int check, unsigned int slot_check) {                                        \
+        dec_attend_n<T>(q, kc, vc, pos, slot, out, Tq, H, Hkv, NS, Tmax, D, scale, flag, check, \
+                        slot_check);                                                          \
     }
 
 DEC_INSTANCES(float, f32)

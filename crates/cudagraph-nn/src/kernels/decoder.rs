@@ -18,14 +18,23 @@ use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue};
 use crate::dtype::Float;
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
+use crate::kernels::attention::AttentionShape;
 use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
 #[cfg(any(test, feature = "internals"))]
-pub const KERNELS: [&str; 4] = ["dec_embed", "dec_norm", "dec_qkv", "dec_swiglu"];
+pub const KERNELS: [&str; 5] = [
+    "dec_embed",
+    "dec_norm",
+    "dec_qkv",
+    "dec_swiglu",
+    "dec_attend",
+];
 
 /// Threads of the norm kernel (`DEC_ROW_THREADS`).
 const ROW_THREADS: u32 = 256;
+/// Threads of the attention kernel (`DA_THREADS`).
+const ATTEND_THREADS: u32 = 256;
 
 /// The CUDA source of the module.
 pub fn source() -> String {
@@ -101,6 +110,7 @@ pub struct DecoderKernels {
     norm: ByType,
     qkv: ByType,
     swiglu: ByType,
+    attend: ByType,
     id_check: u32,
     pos_check: u32,
     cache_pos_check: u32,
@@ -122,6 +132,7 @@ impl DecoderKernels {
                 norm: ByType::load(&m, "dec_norm")?,
                 qkv: ByType::load(&m, "dec_qkv")?,
                 swiglu: ByType::load(&m, "dec_swiglu")?,
+                attend: ByType::load(&m, "dec_attend")?,
                 id_check: register_check("decoder token id"),
                 pos_check: register_check("decoder position embedding"),
                 cache_pos_check: register_check("attention position"),
@@ -344,6 +355,77 @@ impl DecoderKernels {
     }
 }
 
+impl DecoderKernels {
+    /// `out = softmax(q·kᵀ · scale) · v` per query token and head over the positions
+    /// `0..=positions[b·tokens + t]` of the slot `slots[b]`: the result of
+    /// [`AttentionKernels::attend`](crate::kernels::attention::AttentionKernels::attend) (same
+    /// layouts, checks and reports), with the keys spread over the block's threads rather than
+    /// the head dimension — one warp reduction per chunk of keys instead of one per key, for
+    /// decode steps over long caches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        query: &DeviceBuffer<T>,
+        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
+        out: &DeviceBuffer<T>,
+        scale: f32,
+    ) -> Result<()> {
+        shape.validate()?;
+        let (ql, cl, pl) = (
+            shape.query_len()?,
+            shape.cache_len()?,
+            shape.positions_len()?,
+        );
+        need("attention query", query, ql)?;
+        need("attention output", out, ql)?;
+        need("attention key cache", k_cache, cl)?;
+        need("attention value cache", v_cache, cl)?;
+        need("attention positions", positions, pl)?;
+        need("attention cache slots", slots, shape.batch)?;
+        let s = shape;
+        let cfg = LaunchConfig {
+            grid: (s.heads as u32, s.tokens as u32, s.batch as u32),
+            block: (ATTEND_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let i = |v: usize| Arg::I32(v as i32);
+        // SAFETY: dec_attend_*(q, kc, vc, pos, slot, out, Tq, H, Hkv, S, Tmax, D, scale, flag,
+        // check, slot_check): block (h, t, b) reads q and writes out at row (b·Tq + t)·H + h of
+        // D elements (< query_len, checked for both), reads pos[b·Tq + t] (< positions_len,
+        // checked) and slot[b] (batch values, checked), and reads cache rows
+        // ((sl·Hkv + h/(H/Hkv))·Tmax + j)·D, j ≤ p, for 0 ≤ sl < S, 0 ≤ p < Tmax only
+        // (cache_len = S·Hkv·Tmax·D checked for both caches); D ≤ 256 (its shared q), every
+        // size fits i32 and the grid is within limits (validated); 256 threads.
+        unsafe {
+            Ok(q.launch(
+                self.attend.of::<T>("decoder attention")?,
+                cfg,
+                &[
+                    query.into(),
+                    k_cache.into(),
+                    v_cache.into(),
+                    positions.into(),
+                    slots.into(),
+                    out.into(),
+                    i(s.tokens),
+                    i(s.heads),
+                    i(s.kv_heads),
+                    i(s.slots),
+                    i(s.max_len),
+                    i(s.head_dim),
+                    Arg::F32(scale),
+                    q.check_flag_arg()?,
+                    Arg::U32(self.cache_pos_check),
+                    Arg::U32(self.slot_check),
+                ],
+            )?)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -363,6 +445,8 @@ mod tests {
         }
         assert!(!src.contains("#include"));
         assert!(src.contains("#define DEC_ROW_THREADS 256"));
+        assert!(src.contains("#define DA_THREADS 256"));
+        assert_eq!((ROW_THREADS, ATTEND_THREADS), (256, 256));
     }
 
     #[test]

@@ -65,6 +65,12 @@ use crate::kernels::decoder::{DecoderKernels, QkvDims};
 use crate::kernels::transformer::TransformerKernels;
 use crate::kernels::Nn;
 
+/// Which attention kernel the decoder runs: the decoder module's (`true`: keys spread over a
+/// block's threads, one reduction per chunk of keys — fast on long caches) or the KV cache's
+/// (`false`: the head dimension over a warp's lanes, one reduction per key). Both give the
+/// same results within f32 rounding.
+const KEYS_OVER_THREADS: bool = true;
+
 /// Which tokens [`Decoder::forward`] computes logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitsFor {
@@ -662,8 +668,13 @@ impl Decoder {
                 &qh,
                 caches,
             )?;
-            let s = Some(io.slots);
-            ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
+            if KEYS_OVER_THREADS {
+                let at = (io.positions, io.slots);
+                dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
+            } else {
+                let s = Some(io.slots);
+                ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
+            }
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &x, (n, d.d, qd), true, false)?;
             let n2 = (&blk.norm2.w, blk.norm2.b.as_ref());
