@@ -229,6 +229,7 @@ __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* _
         l *= corr;
         if (active) {
             const T* vr = vc + base + (long long)c0 * D + dd;
+#pragma unroll 4
             for (int j = g; j < n; j += G) {
                 const float w = sw[j];
                 acc += w * to_f32(vr[(long long)j * D]);
