@@ -730,6 +730,13 @@ mod tests {
     use crate::io::hf::{Gpt2Config, LlamaConfig};
 
     #[test]
+    fn the_model_and_its_cache_move_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Decoder>();
+        send_sync::<DecoderCache>();
+    }
+
+    #[test]
     fn dims_follow_the_config() {
         let g = DecoderConfig::Gpt2(Gpt2Config {
             n_embd: 64,
