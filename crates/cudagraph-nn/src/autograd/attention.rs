@@ -49,6 +49,7 @@ impl KvCache {
     ) -> Result<Self> {
         let shape = AttentionShape {
             batch,
+            slots: batch,
             tokens: 1,
             heads: kv_heads,
             kv_heads,
@@ -78,15 +79,32 @@ impl KvCache {
         self.max_len
     }
 
-    /// The shape of a call with `query` `[batch, tokens, heads, head_dim]`.
+    /// Sequence slots.
+    pub fn slots(&self) -> usize {
+        self.batch
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Elements per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// The shape of a call with `query` `[rows, tokens, heads, head_dim]`: `rows` must be the
+    /// cache's slots unless a slot map (`mapped`) says where each row goes.
     fn shape_for(
         &self,
         what: &'static str,
         t: &Tensor,
         heads_dim: usize,
+        mapped: bool,
     ) -> Result<AttentionShape> {
         let s = t.shape();
-        if s.len() != 4 || s[0] != self.batch || s[3] != self.head_dim {
+        if s.len() != 4 || (!mapped && s[0] != self.batch) || s[3] != self.head_dim {
             return Err(NnError::Shape(format!(
                 "attention {what}: {s:?} for a cache of {} sequences of head dimension {}",
                 self.batch, self.head_dim
@@ -106,7 +124,8 @@ impl KvCache {
             )));
         }
         Ok(AttentionShape {
-            batch: self.batch,
+            batch: s[0],
+            slots: self.batch,
             tokens: s[1],
             heads: s[2],
             kv_heads: self.kv_heads,
@@ -124,7 +143,23 @@ impl KvCache {
         values: &Tensor,
         positions: &DeviceBuffer<i32>,
     ) -> Result<()> {
-        let shape = self.shape_for("keys", keys, 2)?;
+        self.append_rows(q, keys, values, positions, None)
+    }
+
+    /// As [`KvCache::append`] for `rows` rows (`[rows, tokens, kv_heads, head_dim]`) each
+    /// written to the slot `slots[b]` (device data, at least `rows` values, read when the
+    /// kernel runs; `None`: row `b` is slot `b`). A slot outside `[0, slots)` is reported
+    /// through the stream's check record, like a position outside the cache, and its row
+    /// writes nothing.
+    pub fn append_rows(
+        &self,
+        q: &dyn Queue,
+        keys: &Tensor,
+        values: &Tensor,
+        positions: &DeviceBuffer<i32>,
+        slots: Option<&DeviceBuffer<i32>>,
+    ) -> Result<()> {
+        let shape = self.shape_for("keys", keys, 2, slots.is_some())?;
         if values.shape() != keys.shape() || values.dtype() != keys.dtype() {
             return Err(NnError::Shape(format!(
                 "attention: values {:?} ({}) for keys {:?} ({})",
@@ -135,35 +170,39 @@ impl KvCache {
             )));
         }
         let k = AttentionKernels::get(q.device())?;
+        let io = (keys, values, positions, slots);
         match self.dtype {
-            Dtype::F32 => self.append_as::<f32>(q, &k, &shape, keys, values, positions),
-            Dtype::Bf16 => self.append_as::<bf16>(q, &k, &shape, keys, values, positions),
-            Dtype::F16 => self.append_as::<f16>(q, &k, &shape, keys, values, positions),
+            Dtype::F32 => self.append_as::<f32>(q, &k, &shape, io),
+            Dtype::Bf16 => self.append_as::<bf16>(q, &k, &shape, io),
+            Dtype::F16 => self.append_as::<f16>(q, &k, &shape, io),
         }
     }
 
+    #[allow(clippy::type_complexity)]
     fn append_as<T: Float>(
         &self,
         q: &dyn Queue,
         k: &AttentionKernels,
         shape: &AttentionShape,
-        keys: &Tensor,
-        values: &Tensor,
-        positions: &DeviceBuffer<i32>,
+        (keys, values, positions, slots): (
+            &Tensor,
+            &Tensor,
+            &DeviceBuffer<i32>,
+            Option<&DeviceBuffer<i32>>,
+        ),
     ) -> Result<()> {
-        let (kc, vc) = self.caches::<T>()?;
         k.append(
             q,
             shape,
-            keys.data_as::<T>()?,
-            values.data_as::<T>()?,
-            kc,
-            vc,
+            (keys.data_as::<T>()?, values.data_as::<T>()?),
+            self.caches::<T>()?,
             positions,
+            slots,
         )
     }
 
-    fn caches<T: Float>(&self) -> Result<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
+    /// The key and value buffers as `T` (`NnError::Dtype` for another type).
+    pub(crate) fn caches<T: Float>(&self) -> Result<(&DeviceBuffer<T>, &DeviceBuffer<T>)> {
         let err = || NnError::Dtype {
             what: "attention cache",
             expected: T::DTYPE.name(),
@@ -186,18 +225,34 @@ impl KvCache {
         positions: &DeviceBuffer<i32>,
         scale: f32,
     ) -> Result<Tensor> {
+        self.attend_rows(q, query, positions, None, scale)
+    }
+
+    /// As [`KvCache::attend`] for `rows` rows (`query` `[rows, tokens, heads, head_dim]`),
+    /// row `b` reading the slot `slots[b]` (device data, at least `rows` values; `None`: row
+    /// `b` is slot `b`). A slot outside `[0, slots)` is reported through the stream's check
+    /// record and its row's output is zero.
+    pub fn attend_rows(
+        &self,
+        q: &dyn Queue,
+        query: &Tensor,
+        positions: &DeviceBuffer<i32>,
+        slots: Option<&DeviceBuffer<i32>>,
+        scale: f32,
+    ) -> Result<Tensor> {
         if query.requires_grad() && crate::autograd::tensor::grad_enabled() {
             return Err(NnError::Unsupported(
                 "attention over a KV cache is inference only: run it under no_grad".into(),
             ));
         }
-        let shape = self.shape_for("query", query, 0)?;
+        let shape = self.shape_for("query", query, 0, slots.is_some())?;
         shape.validate()?;
         let k = AttentionKernels::get(q.device())?;
+        let io = (query, positions, slots);
         let out = match self.dtype {
-            Dtype::F32 => self.attend_as::<f32>(q, &k, &shape, query, positions, scale)?,
-            Dtype::Bf16 => self.attend_as::<bf16>(q, &k, &shape, query, positions, scale)?,
-            Dtype::F16 => self.attend_as::<f16>(q, &k, &shape, query, positions, scale)?,
+            Dtype::F32 => self.attend_as::<f32>(q, &k, &shape, io, scale)?,
+            Dtype::Bf16 => self.attend_as::<bf16>(q, &k, &shape, io, scale)?,
+            Dtype::F16 => self.attend_as::<f16>(q, &k, &shape, io, scale)?,
         };
         Tensor::from_typed(out, query.shape())
     }
@@ -207,19 +262,17 @@ impl KvCache {
         q: &dyn Queue,
         k: &AttentionKernels,
         shape: &AttentionShape,
-        query: &Tensor,
-        positions: &DeviceBuffer<i32>,
+        (query, positions, slots): (&Tensor, &DeviceBuffer<i32>, Option<&DeviceBuffer<i32>>),
         scale: f32,
     ) -> Result<TypedBuffer> {
-        let (kc, vc) = self.caches::<T>()?;
         let out = Arc::new(q.alloc::<T>(shape.query_len()?)?);
         k.attend(
             q,
             shape,
             query.data_as::<T>()?,
-            kc,
-            vc,
+            self.caches::<T>()?,
             positions,
+            slots,
             &out,
             scale,
         )?;

@@ -2,11 +2,13 @@
 // cache positions 0..=its own position (causal), with grouped-query heads. Compiled after
 // cast.cu (bf16_t / f16_t and the f32 conversions) and the device-check prologue.
 //
-// Layouts (row-major): q and out [B, Tq, H, D]; k_cache and v_cache [B, Hkv, Tmax, D];
-// pos [B, Tq] i32, the absolute position of each query token (its key and value already in
-// the cache). Positions live in device memory, so one captured decode step stays valid as the
-// sequences grow. A position outside [0, Tmax) is reported through the stream's check record
-// and the query attends to nothing (its output is zero): no read outside the cache.
+// Layouts (row-major): q and out [B, Tq, H, D] (B rows of Tq tokens); k_cache and v_cache
+// [S, Hkv, Tmax, D] (S sequence slots); pos [B, Tq] i32, the absolute position of each query
+// token (its key and value already in the cache); slot [B] i32, the cache slot of each row
+// (null: row b is slot b, and B <= S). Positions and slots live in device memory, so one
+// captured decode step stays valid as the sequences grow. A slot outside [0, S) or a position
+// outside [0, Tmax) is reported through the stream's check record and the query attends to
+// nothing (its output is zero): no read outside the cache.
 //
 // One block of ATT_WARPS warps per (query token, head): each warp takes every ATT_WARPS-th key,
 // its lanes split the head dimension (D <= 32 * ATT_SLOTS), a shuffle sum gives the score, and
@@ -20,9 +22,10 @@
 template <typename T>
 __device__ __forceinline__ void attend_kv(const T* __restrict__ q, const T* __restrict__ kc,
                                           const T* __restrict__ vc, const int* __restrict__ pos,
-                                          T* __restrict__ out, int B, int Tq, int H, int Hkv,
-                                          int Tmax, int D, float scale, cg_check* flag,
-                                          unsigned int check) {
+                                          const int* __restrict__ slot, T* __restrict__ out,
+                                          int B, int Tq, int H, int Hkv, int S, int Tmax, int D,
+                                          float scale, cg_check* flag, unsigned int check,
+                                          unsigned int slot_check) {
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][32 * ATT_SLOTS];
     const int h = blockIdx.x, tq = blockIdx.y, b = blockIdx.z;
@@ -30,8 +33,12 @@ __device__ __forceinline__ void attend_kv(const T* __restrict__ q, const T* __re
     const int kvh = h / (H / Hkv);
     const long long qrow = (((long long)b * Tq + tq) * H + h) * D;
     int p = pos[(long long)b * Tq + tq];
-    bool valid = p >= 0 && p < Tmax;
-    if (!valid && threadIdx.x == 0) cg_report(flag, check, p, Tmax, (unsigned long long)b * Tq + tq);
+    const int sl = slot ? slot[b] : b;
+    const bool slot_ok = sl >= 0 && sl < S;
+    bool valid = slot_ok && p >= 0 && p < Tmax;
+    if (!slot_ok && threadIdx.x == 0 && tq == 0 && h == 0) cg_report(flag, slot_check, sl, S, b);
+    if (slot_ok && !valid && threadIdx.x == 0)
+        cg_report(flag, check, p, Tmax, (unsigned long long)b * Tq + tq);
     float qv[ATT_SLOTS], acc[ATT_SLOTS];
 #pragma unroll
     for (int i = 0; i < ATT_SLOTS; i++) {
@@ -40,7 +47,7 @@ __device__ __forceinline__ void attend_kv(const T* __restrict__ q, const T* __re
         acc[i] = 0.0f;
     }
     float m = ATT_NEG_INF, l = 0.0f;
-    const long long base = ((long long)b * Hkv + kvh) * Tmax * D;
+    const long long base = ((long long)(slot_ok ? sl : 0) * Hkv + kvh) * Tmax * D;
     const int last = valid ? p : -1;
     for (int t = warp; t <= last; t += ATT_WARPS) {
         const T* kr = kc + base + (long long)t * D;
@@ -89,13 +96,16 @@ __device__ __forceinline__ void attend_kv(const T* __restrict__ q, const T* __re
     }
 }
 
-// k_cache[b, kvh, pos[b, t], :] = k_new[b, t, kvh, :] (and the same for v), one thread per
-// element; a position outside [0, Tmax) is reported and its row skipped.
+// k_cache[slot[b], kvh, pos[b, t], :] = k_new[b, t, kvh, :] (and the same for v), one thread
+// per element; a slot outside [0, S) or a position outside [0, Tmax) is reported and its row
+// skipped.
 template <typename T>
 __device__ __forceinline__ void kv_append_n(const T* __restrict__ kn, const T* __restrict__ vn,
                                             T* __restrict__ kc, T* __restrict__ vc,
-                                            const int* __restrict__ pos, int B, int Tq, int Hkv,
-                                            int Tmax, int D, cg_check* flag, unsigned int check) {
+                                            const int* __restrict__ pos,
+                                            const int* __restrict__ slot, int B, int Tq, int Hkv,
+                                            int S, int Tmax, int D, cg_check* flag,
+                                            unsigned int check, unsigned int slot_check) {
     const long long n = (long long)B * Tq * Hkv * D;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -105,11 +115,16 @@ __device__ __forceinline__ void kv_append_n(const T* __restrict__ kn, const T* _
         long long bt = r / Hkv;  // b * Tq + t
         int b = (int)(bt / Tq);
         int p = pos[bt];
+        const int sl = slot ? slot[b] : b;
+        if (sl < 0 || sl >= S) {
+            if (d == 0 && kvh == 0 && bt % Tq == 0) cg_report(flag, slot_check, sl, S, b);
+            continue;
+        }
         if (p < 0 || p >= Tmax) {
             if (d == 0 && kvh == 0) cg_report(flag, check, p, Tmax, (unsigned long long)bt);
             continue;
         }
-        long long dst = (((long long)b * Hkv + kvh) * Tmax + p) * D + d;
+        long long dst = (((long long)sl * Hkv + kvh) * Tmax + p) * D + d;
         kc[dst] = kn[i];
         vc[dst] = vn[i];
     }
@@ -117,14 +132,18 @@ __device__ __forceinline__ void kv_append_n(const T* __restrict__ kn, const T* _
 
 #define ATT_INSTANCES(T, S)                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS) attend_kv_##S(               \
-        const T* q, const T* kc, const T* vc, const int* pos, T* out, int B, int Tq, int H,     \
-        int Hkv, int Tmax, int D, float scale, cg_check* flag, unsigned int check) {            \
-        attend_kv<T>(q, kc, vc, pos, out, B, Tq, H, Hkv, Tmax, D, scale, flag, check);          \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out, int B,   \
+        int Tq, int H, int Hkv, int NS, int Tmax, int D, float scale, cg_check* flag,           \
+        unsigned int check, unsigned int slot_check) {                                          \
+        attend_kv<T>(q, kc, vc, pos, slot, out, B, Tq, H, Hkv, NS, Tmax, D, scale, flag, check, \
+                     slot_check);                                                               \
     }                                                                                           \
     extern "C" __global__ void kv_append_##S(const T* kn, const T* vn, T* kc, T* vc,           \
-                                             const int* pos, int B, int Tq, int Hkv, int Tmax,  \
-                                             int D, cg_check* flag, unsigned int check) {       \
-        kv_append_n<T>(kn, vn, kc, vc, pos, B, Tq, Hkv, Tmax, D, flag, check);                  \
+                                             const int* pos, const int* slot, int B, int Tq,    \
+                                             int Hkv, int NS, int Tmax, int D, cg_check* flag,  \
+                                             unsigned int check, unsigned int slot_check) {     \
+        kv_append_n<T>(kn, vn, kc, vc, pos, slot, B, Tq, Hkv, NS, Tmax, D, flag, check,         \
+                       slot_check);                                                             \
     }
 
 ATT_INSTANCES(float, f32)

@@ -4,10 +4,12 @@
 //! and [`AttentionKernels::append`], which writes new keys and values at their positions. One
 //! template per kernel, instantiated for f32, bf16 and f16.
 //!
-//! Positions are device data (one i32 per query token), so a captured decode step stays valid
-//! as sequences grow: the launch only fixes the shapes. A position outside `[0, max_len)` is
-//! reported through the stream's check record (the next synchronisation returns it as a typed
-//! error) and touches no memory outside the cache.
+//! Positions are device data (one i32 per query token), and so are the cache slots of the rows
+//! (one i32 per row, or none: row `b` is slot `b`), so a captured decode step stays valid as
+//! sequences grow and move between slots: the launch only fixes the shapes. A slot outside
+//! `[0, slots)` or a position outside `[0, max_len)` is reported through the stream's check
+//! record (the next synchronisation returns it as a typed error) and touches no memory outside
+//! the cache.
 
 use std::sync::Arc;
 
@@ -18,13 +20,17 @@ use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
 use crate::kernels::{grid_stride, ByType};
 
-/// The shapes of one attention call: `batch` sequences of `tokens` query tokens, `heads` query
-/// heads over `kv_heads` key/value heads (`heads` a multiple of it), caches of `max_len`
-/// positions, head dimension `head_dim` (at most [`MAX_HEAD_DIM`]).
+/// The shapes of one attention call: `batch` rows (sequences) of `tokens` query tokens,
+/// `heads` query heads over `kv_heads` key/value heads (`heads` a multiple of it), caches of
+/// `slots` sequence slots of `max_len` positions, head dimension `head_dim` (at most
+/// [`MAX_HEAD_DIM`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
-    /// Sequences.
+    /// Rows (sequences) of this call.
     pub batch: usize,
+    /// Sequence slots of the caches (each row is mapped to one of them; without a slot map,
+    /// row `b` is slot `b` and `batch ≤ slots`).
+    pub slots: usize,
     /// Query tokens per sequence in this call (1 when decoding).
     pub tokens: usize,
     /// Query heads.
@@ -52,11 +58,11 @@ impl AttentionShape {
         )
     }
 
-    /// Elements of one cache: `batch · kv_heads · max_len · head_dim`.
+    /// Elements of one cache: `slots · kv_heads · max_len · head_dim`.
     pub fn cache_len(&self) -> Result<usize> {
         prod(
             "attention cache",
-            &[self.batch, self.kv_heads, self.max_len, self.head_dim],
+            &[self.slots, self.kv_heads, self.max_len, self.head_dim],
         )
     }
 
@@ -78,7 +84,7 @@ impl AttentionShape {
     pub fn validate(&self) -> Result<()> {
         let s = self;
         if [
-            s.batch, s.tokens, s.heads, s.kv_heads, s.max_len, s.head_dim,
+            s.batch, s.slots, s.tokens, s.heads, s.kv_heads, s.max_len, s.head_dim,
         ]
         .contains(&0)
         {
@@ -101,8 +107,9 @@ impl AttentionShape {
             ("tokens", s.tokens),
             ("heads", s.heads),
             ("max_len", s.max_len),
+            ("slots", s.slots),
         ] {
-            if v > 65_535 && what != "heads" || i32::try_from(v).is_err() {
+            if v > 65_535 && what != "heads" && what != "slots" || i32::try_from(v).is_err() {
                 return Err(NnError::Shape(format!(
                     "attention: {what} = {v} is over the launch grid's limit"
                 )));
@@ -120,6 +127,7 @@ pub struct AttentionKernels {
     attend: ByType,
     append: ByType,
     check: u32,
+    slot_check: u32,
 }
 
 /// The CUDA source of the module.
@@ -146,27 +154,30 @@ impl AttentionKernels {
                 attend: ByType::load(&m, "attend_kv")?,
                 append: ByType::load(&m, "kv_append")?,
                 check: register_check("attention position"),
+                slot_check: register_check("attention cache slot"),
             })
         })?)
     }
 
     /// `out = softmax(q·kᵀ · scale) · v` per query token and head, over the cache positions
-    /// `0..=pos` of its sequence (`pos` = `positions[b·tokens + t]`, its key and value already
-    /// in the cache). Buffers as [`AttentionShape`] describes; `positions` holds
-    /// `batch · tokens` values.
+    /// `0..=pos` of its row's slot (`pos` = `positions[b·tokens + t]`, its key and value
+    /// already in the cache; the slot `slots[b]`, or `b` without a slot map). Buffers as
+    /// [`AttentionShape`] describes; `positions` holds `batch · tokens` values, `slots`
+    /// `batch`.
     #[allow(clippy::too_many_arguments)]
     pub fn attend<T: Float>(
         &self,
         q: &dyn Queue,
         shape: &AttentionShape,
         query: &DeviceBuffer<T>,
-        k_cache: &DeviceBuffer<T>,
-        v_cache: &DeviceBuffer<T>,
+        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
         positions: &DeviceBuffer<i32>,
+        slots: Option<&DeviceBuffer<i32>>,
         out: &DeviceBuffer<T>,
         scale: f32,
     ) -> Result<()> {
         shape.validate()?;
+        check_slots(shape, slots)?;
         let (ql, cl, pl) = (
             shape.query_len()?,
             shape.cache_len()?,
@@ -185,12 +196,14 @@ impl AttentionKernels {
         };
         let i = |v: usize| Arg::I32(v as i32);
         // SAFETY: attend_kv_{f32,bf16,f16}(const T* q, const T* kc, const T* vc, const int* pos,
-        // T* out, int B, int Tq, int H, int Hkv, int Tmax, int D, float scale, cg_check* flag,
-        // unsigned check): block (h, t, b) reads q and writes out at row (b·Tq + t)·H + h of D
-        // elements (< query_len, checked for both), reads pos[b·Tq + t] (< positions_len,
-        // checked), and reads cache rows ((b·Hkv + h/(H/Hkv))·Tmax + p)·D for p < Tmax only
-        // (out-of-range positions read nothing; cache_len checked for both caches); D ≤ 256 and
-        // every size fits i32 (validated); the grid is within limits (validated).
+        // const int* slot, T* out, int B, int Tq, int H, int Hkv, int S, int Tmax, int D,
+        // float scale, cg_check* flag, unsigned check, unsigned slot_check): block (h, t, b)
+        // reads q and writes out at row (b·Tq + t)·H + h of D elements (< query_len, checked for
+        // both), reads pos[b·Tq + t] (< positions_len, checked) and slot[b] (slot map: at least
+        // B values, checked; null: b < B ≤ S, checked), and reads cache rows
+        // ((sl·Hkv + h/(H/Hkv))·Tmax + p)·D for 0 ≤ sl < S, 0 ≤ p < Tmax only (anything else
+        // reads nothing; cache_len = S·Hkv·Tmax·D checked for both caches); D ≤ 256 and every
+        // size fits i32 (validated); the grid is within limits (validated).
         unsafe {
             Ok(q.launch(
                 self.attend.of::<T>("attention")?,
@@ -200,35 +213,39 @@ impl AttentionKernels {
                     k_cache.into(),
                     v_cache.into(),
                     positions.into(),
+                    Arg::opt(slots),
                     out.into(),
                     i(s.batch),
                     i(s.tokens),
                     i(s.heads),
                     i(s.kv_heads),
+                    i(s.slots),
                     i(s.max_len),
                     i(s.head_dim),
                     Arg::F32(scale),
                     q.check_flag_arg()?,
                     Arg::U32(self.check),
+                    Arg::U32(self.slot_check),
                 ],
             )?)
         }
     }
 
     /// Writes `new_k`, `new_v` (`[batch, tokens, kv_heads, head_dim]`) into the caches at
-    /// each token's position (`positions[b·tokens + t]`).
+    /// each token's position (`positions[b·tokens + t]`) in its row's slot (`slots[b]`, or `b`
+    /// without a slot map).
     #[allow(clippy::too_many_arguments)]
     pub fn append<T: Float>(
         &self,
         q: &dyn Queue,
         shape: &AttentionShape,
-        new_k: &DeviceBuffer<T>,
-        new_v: &DeviceBuffer<T>,
-        k_cache: &DeviceBuffer<T>,
-        v_cache: &DeviceBuffer<T>,
+        (new_k, new_v): (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
         positions: &DeviceBuffer<i32>,
+        slots: Option<&DeviceBuffer<i32>>,
     ) -> Result<()> {
         shape.validate()?;
+        check_slots(shape, slots)?;
         let (nl, cl, pl) = (
             shape.new_kv_len()?,
             shape.cache_len()?,
@@ -242,10 +259,12 @@ impl AttentionKernels {
         let s = shape;
         let i = |v: usize| Arg::I32(v as i32);
         // SAFETY: kv_append_{f32,bf16,f16}(const T* kn, const T* vn, T* kc, T* vc, const int*
-        // pos, int B, int Tq, int Hkv, int Tmax, int D, cg_check* flag, unsigned check): element
-        // i < B·Tq·Hkv·D (new_kv_len, checked for both inputs) is written to the caches at row
-        // ((b·Hkv + kvh)·Tmax + p)·D with 0 ≤ p < Tmax only (cache_len checked for both), reading
-        // pos[b·Tq + t] (positions_len checked); sizes fit i32 (validated), the loop strides.
+        // pos, const int* slot, int B, int Tq, int Hkv, int S, int Tmax, int D, cg_check* flag,
+        // unsigned check, unsigned slot_check): element i < B·Tq·Hkv·D (new_kv_len, checked for
+        // both inputs) is written to the caches at row ((sl·Hkv + kvh)·Tmax + p)·D with
+        // 0 ≤ sl < S and 0 ≤ p < Tmax only (cache_len = S·Hkv·Tmax·D checked for both),
+        // reading pos[b·Tq + t] (positions_len checked) and slot[b] (at least B values, checked;
+        // null: b < B ≤ S, checked); sizes fit i32 (validated), the loop strides.
         unsafe {
             Ok(q.launch(
                 self.append.of::<T>("attention append")?,
@@ -256,16 +275,31 @@ impl AttentionKernels {
                     k_cache.into(),
                     v_cache.into(),
                     positions.into(),
+                    Arg::opt(slots),
                     i(s.batch),
                     i(s.tokens),
                     i(s.kv_heads),
+                    i(s.slots),
                     i(s.max_len),
                     i(s.head_dim),
                     q.check_flag_arg()?,
                     Arg::U32(self.check),
+                    Arg::U32(self.slot_check),
                 ],
             )?)
         }
+    }
+}
+
+/// The slot map of a call: at least `batch` values, or (none) `batch ≤ slots`.
+fn check_slots(shape: &AttentionShape, slots: Option<&DeviceBuffer<i32>>) -> Result<()> {
+    match slots {
+        Some(m) => need("attention cache slots", m, shape.batch),
+        None if shape.batch <= shape.slots => Ok(()),
+        None => Err(NnError::Shape(format!(
+            "attention: {} rows for a cache of {} slots (without a slot map, row b is slot b)",
+            shape.batch, shape.slots
+        ))),
     }
 }
 
@@ -276,6 +310,7 @@ mod tests {
     fn shape() -> AttentionShape {
         AttentionShape {
             batch: 2,
+            slots: 2,
             tokens: 3,
             heads: 8,
             kv_heads: 2,
@@ -301,6 +336,10 @@ mod tests {
             },
             AttentionShape {
                 tokens: 0,
+                ..shape()
+            },
+            AttentionShape {
+                slots: 0,
                 ..shape()
             },
             AttentionShape {

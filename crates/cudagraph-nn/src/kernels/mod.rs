@@ -28,6 +28,7 @@ pub mod cast;
 pub mod causal;
 pub mod conv;
 pub mod conv_lowp;
+pub mod decoder;
 pub mod elementwise;
 pub mod gemm;
 pub mod igemm;
@@ -99,6 +100,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_conv_lowp", conv_lowp::source()),
         ("cudagraph_nn_transformer", transformer::source()),
         ("cudagraph_nn_causal", causal::source()),
+        ("cudagraph_nn_decoder", decoder::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

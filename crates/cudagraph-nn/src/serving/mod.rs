@@ -17,6 +17,7 @@
 //! memory per request stays bounded by those limits.
 
 mod batcher;
+pub mod decoder;
 mod parse;
 mod runner;
 #[cfg(test)]

@@ -1,0 +1,475 @@
+//! The decoder's fused inference kernels (`decoder.cu`, its own NVRTC module, compiled after the
+//! device-check prologue and `cast.cu`), used by [`crate::nn::decoder`]: token (+ learned
+//! position) embedding in one kernel, LayerNorm / RMSNorm of rows picked with a stride (the
+//! last token of every row, for the output head), the split of a packed q|k|v product with the
+//! rotary embedding and the key/value cache write in one kernel, and SwiGLU over a packed
+//! gate|up product. One template per kernel, instantiated for f32, bf16 and f16; f32 math,
+//! one rounding on store.
+//!
+//! Token ids, positions and cache slots are device data (a captured step stays valid when they
+//! change between replays). An id outside the vocabulary, a position outside the table or the
+//! cache, or a slot outside the cache is reported through the stream's check record (a typed
+//! error at the next synchronisation) and touches no memory outside the buffers.
+
+use std::sync::Arc;
+
+use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue};
+
+use crate::dtype::Float;
+use crate::error::{NnError, Result};
+use crate::extent::{need, prod};
+use crate::kernels::attention::AttentionShape;
+use crate::kernels::{grid_stride, int, int_loop, ByType};
+
+/// Every kernel of the module, without its type suffix.
+#[cfg(any(test, feature = "internals"))]
+pub const KERNELS: [&str; 5] = [
+    "dec_embed",
+    "dec_norm",
+    "dec_qkv",
+    "dec_swiglu",
+    "dec_attend",
+];
+
+/// Threads of the norm kernel (`DEC_ROW_THREADS`).
+const ROW_THREADS: u32 = 256;
+/// Threads of the attention kernel (`DA_THREADS`).
+const ATTEND_THREADS: u32 = 256;
+
+/// The CUDA source of the module.
+pub fn source() -> String {
+    format!(
+        "{}{}{}",
+        cudagraph::DEVICE_CHECK_CUDA,
+        super::cast::SOURCE,
+        include_str!("decoder.cu")
+    )
+}
+
+/// The geometry of one packed q|k|v split ([`DecoderKernels::qkv`]): `rows · tokens` tokens of
+/// `heads + 2 · kv_heads` heads of `head_dim` components, into caches of `slots` slots of
+/// `max_len` positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QkvDims {
+    /// Rows (sequences) of the call.
+    pub rows: usize,
+    /// Tokens per row.
+    pub tokens: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Components per head (even).
+    pub head_dim: usize,
+    /// Slots of the caches.
+    pub slots: usize,
+    /// Positions per slot.
+    pub max_len: usize,
+}
+
+impl QkvDims {
+    /// `(packed len, query len, cache len)`, checked (every size positive, `head_dim` even,
+    /// sizes within the kernel's ints).
+    pub fn lens(&self) -> Result<(usize, usize, usize)> {
+        let d = self;
+        if [
+            d.rows, d.tokens, d.heads, d.kv_heads, d.head_dim, d.slots, d.max_len,
+        ]
+        .contains(&0)
+            || d.head_dim % 2 != 0
+        {
+            return Err(NnError::Shape(format!(
+                "decoder qkv: every size positive and head_dim even in {d:?}"
+            )));
+        }
+        let n = prod("decoder qkv tokens", &[d.rows, d.tokens])?;
+        let all = d.heads + 2 * d.kv_heads;
+        for (w, v) in [
+            ("tokens", n),
+            ("heads", all),
+            ("head_dim", d.head_dim),
+            ("slots", d.slots),
+            ("max_len", d.max_len),
+        ] {
+            int(w, v)?;
+        }
+        Ok((
+            prod("decoder qkv", &[n, all, d.head_dim])?,
+            prod("decoder queries", &[n, d.heads, d.head_dim])?,
+            prod(
+                "decoder cache",
+                &[d.slots, d.kv_heads, d.max_len, d.head_dim],
+            )?,
+        ))
+    }
+}
+
+/// The decoder kernels of one device (a [`Device::extension`]).
+pub struct DecoderKernels {
+    embed: ByType,
+    norm: ByType,
+    qkv: ByType,
+    swiglu: ByType,
+    attend: ByType,
+    id_check: u32,
+    pos_check: u32,
+    cache_pos_check: u32,
+    slot_check: u32,
+}
+
+impl DecoderKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        Ok(device.extension(|d| {
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_decoder",
+                    &super::module_source("cudagraph_nn_decoder"),
+                )
+            })?;
+            Ok(DecoderKernels {
+                embed: ByType::load(&m, "dec_embed")?,
+                norm: ByType::load(&m, "dec_norm")?,
+                qkv: ByType::load(&m, "dec_qkv")?,
+                swiglu: ByType::load(&m, "dec_swiglu")?,
+                attend: ByType::load(&m, "dec_attend")?,
+                id_check: register_check("decoder token id"),
+                pos_check: register_check("decoder position embedding"),
+                cache_pos_check: register_check("attention position"),
+                slot_check: register_check("attention cache slot"),
+            })
+        })?)
+    }
+
+    /// `y[t, :] = wte[ids[t], :]` (`+ wpe[pos[t], :]` with `wpe`) for `t < tokens`
+    /// (`wte: [vocab, dim]`, `wpe: [npos, dim]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed<T: Float>(
+        &self,
+        q: &dyn Queue,
+        ids: &DeviceBuffer<i32>,
+        wte: &DeviceBuffer<T>,
+        wpe: Option<(&DeviceBuffer<T>, &DeviceBuffer<i32>, usize)>,
+        y: &DeviceBuffer<T>,
+        (tokens, dim, vocab): (usize, usize, usize),
+    ) -> Result<()> {
+        let n = prod("decoder embedding", &[tokens, dim])?;
+        need("decoder token ids", ids, tokens)?;
+        need("decoder token embedding", wte, prod("wte", &[vocab, dim])?)?;
+        need("decoder embedding output", y, n)?;
+        let npos = match wpe {
+            Some((w, pos, npos)) => {
+                need("decoder position embedding", w, prod("wpe", &[npos, dim])?)?;
+                need("decoder positions", pos, tokens)?;
+                npos
+            }
+            None => 0,
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            ids.into(),
+            wte.into(),
+            Arg::opt(wpe.map(|w| w.0)),
+            Arg::opt(wpe.map(|w| w.1)),
+            y.into(),
+            Arg::I32(int("decoder tokens", tokens)?),
+            Arg::I32(int("decoder width", dim)?),
+            Arg::I32(int("decoder vocabulary", vocab)?),
+            Arg::I32(int("decoder positions", npos)?),
+            q.check_flag_arg()?,
+            Arg::U32(self.id_check),
+            Arg::U32(self.pos_check),
+        ];
+        // SAFETY: dec_embed_*(ids, wte, wpe, pos, y, tokens, dim, vocab, npos, flag, id_check,
+        // pos_check) runs i < tokens·dim (y's extent, checked), reads ids[t] (t < tokens,
+        // checked), wte[id·dim + c] only for 0 ≤ id < vocab (vocab·dim checked) and, with wpe
+        // (not null only with pos), pos[t] and wpe[p·dim + c] only for 0 ≤ p < npos (checked);
+        // sizes fit int (checked), the element index is long long.
+        unsafe {
+            Ok(q.launch(
+                self.embed.of::<T>("decoder embedding")?,
+                grid_stride(n),
+                &args,
+            )?)
+        }
+    }
+
+    /// `y[r, :]` = LayerNorm (`b` given or not, `rms` false) or RMSNorm (`rms`, no bias) of
+    /// row `r · stride + off` of `x` (`[·, cols]`), for `r < rows`; `w`, `b`: `[cols]` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm<T: Float>(
+        &self,
+        q: &dyn Queue,
+        x: &DeviceBuffer<T>,
+        (w, b): (&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>),
+        y: &DeviceBuffer<T>,
+        (rows, cols): (usize, usize),
+        (stride, off): (usize, usize),
+        (eps, rms): (f32, bool),
+    ) -> Result<()> {
+        if rows == 0 || cols == 0 || stride == 0 || off >= stride {
+            return Err(NnError::Shape(format!(
+                "decoder norm: {rows} rows of {cols}, stride {stride}, offset {off}"
+            )));
+        }
+        // The last row read is (rows - 1)·stride + off.
+        let x_rows = (rows - 1)
+            .checked_mul(stride)
+            .and_then(|v| v.checked_add(off + 1))
+            .ok_or_else(|| NnError::Shape("decoder norm: rows overflow".into()))?;
+        need(
+            "decoder norm input",
+            x,
+            prod("decoder norm input", &[x_rows, cols])?,
+        )?;
+        need(
+            "decoder norm output",
+            y,
+            prod("decoder norm output", &[rows, cols])?,
+        )?;
+        need("decoder norm weight", w, cols)?;
+        if let Some(b) = b {
+            if rms {
+                return Err(NnError::Shape("decoder norm: RMSNorm has no bias".into()));
+            }
+            need("decoder norm bias", b, cols)?;
+        }
+        let grid = u32::try_from(rows)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| NnError::Shape(format!("decoder norm: {rows} rows exceed the grid")))?;
+        let args = [
+            x.into(),
+            w.into(),
+            Arg::opt(b),
+            y.into(),
+            Arg::I32(int_loop("decoder norm cols", cols, ROW_THREADS as usize)?),
+            Arg::F32(eps),
+            Arg::I32(rms as i32),
+            Arg::I32(int("decoder norm stride", stride)?),
+            Arg::I32(int("decoder norm offset", off)?),
+        ];
+        // SAFETY: dec_norm_*(x, w, b, y, cols, eps, rms, stride, off): block r < rows reads
+        // x[(r·stride + off)·cols + c] (below x_rows·cols, checked), w[c], b[c] (b null: not
+        // read) and writes y[r·cols + c] for c < cols (rows·cols checked); 256 threads, the
+        // kernel's shared array; cols plus the loop step within int.
+        unsafe {
+            Ok(q.launch(
+                self.norm.of::<T>("decoder norm")?,
+                LaunchConfig::linear(grid, ROW_THREADS),
+                &args,
+            )?)
+        }
+    }
+
+    /// Splits `qkv` (`[rows·tokens, heads + 2·kv_heads, head_dim]`) into `q_out`
+    /// (`[rows·tokens, heads, head_dim]`) and the caches (`[slots, kv_heads, max_len,
+    /// head_dim]`) at slot `slots[b]` and position `positions[n]`; with `inv_freq`
+    /// (`head_dim / 2` frequencies) queries and keys are rotated (rotate-half).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv<T: Float>(
+        &self,
+        q: &dyn Queue,
+        d: &QkvDims,
+        qkv: &DeviceBuffer<T>,
+        inv_freq: Option<&DeviceBuffer<f32>>,
+        (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
+        q_out: &DeviceBuffer<T>,
+        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
+    ) -> Result<()> {
+        let (pl, ql, cl) = d.lens()?;
+        need("decoder qkv", qkv, pl)?;
+        need("decoder queries", q_out, ql)?;
+        need("decoder key cache", k_cache, cl)?;
+        need("decoder value cache", v_cache, cl)?;
+        need("decoder positions", positions, d.rows * d.tokens)?;
+        need("decoder cache slots", slots, d.rows)?;
+        if let Some(f) = inv_freq {
+            need("decoder rotary frequencies", f, d.head_dim / 2)?;
+        }
+        let i = |v: usize| Arg::I32(v as i32);
+        let args = [
+            qkv.into(),
+            Arg::opt(inv_freq),
+            positions.into(),
+            slots.into(),
+            q_out.into(),
+            k_cache.into(),
+            v_cache.into(),
+            i(d.rows * d.tokens),
+            i(d.tokens),
+            i(d.heads),
+            i(d.kv_heads),
+            i(d.head_dim),
+            i(d.slots),
+            i(d.max_len),
+            q.check_flag_arg()?,
+            Arg::U32(self.cache_pos_check),
+            Arg::U32(self.slot_check),
+        ];
+        // SAFETY: dec_qkv_*(qkv, inv_freq, pos, slot, q_out, kc, vc, N, Tq, H, Hkv, D, S, Tmax,
+        // flag, pos_check, slot_check) runs i < N·(H + 2Hkv)·D/2; thread (n, hh, j) reads
+        // qkv[(n·(H+2Hkv) + hh)·D + j (+ D/2)] (< pl, checked), pos[n] (N checked), slot[n/Tq]
+        // (rows checked), inv_freq[j] (j < D/2, checked when not null), writes q_out at
+        // (n·H + hh)·D + j (+ D/2) (< ql, checked) or the caches at ((sl·Hkv + kvh)·Tmax + p)·D
+        // + j (+ D/2) only for 0 ≤ sl < S, 0 ≤ p < Tmax (< cl, checked); every size fits int
+        // (checked), the element index is long long; D even (checked).
+        unsafe { Ok(q.launch(self.qkv.of::<T>("decoder qkv")?, grid_stride(pl / 2), &args)?) }
+    }
+
+    /// `y[r, c] = silu(gu[r, c]) · gu[r, m + c]` for `gu: [rows, 2m]`, `y: [rows, m]`.
+    pub fn swiglu<T: Float>(
+        &self,
+        q: &dyn Queue,
+        gu: &DeviceBuffer<T>,
+        y: &DeviceBuffer<T>,
+        (rows, m): (usize, usize),
+    ) -> Result<()> {
+        let n = prod("decoder swiglu", &[rows, m])?;
+        need(
+            "decoder swiglu input",
+            gu,
+            prod("decoder swiglu input", &[n, 2])?,
+        )?;
+        need("decoder swiglu output", y, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            gu.into(),
+            y.into(),
+            Arg::I32(int("decoder swiglu rows", rows)?),
+            Arg::I32(int("decoder swiglu width", prod("decoder swiglu", &[m, 2])?)? / 2),
+        ];
+        // SAFETY: dec_swiglu_*(gu, y, N, M) runs i < N·M (y's extent, checked), reads
+        // gu[r·2M + c] and gu[r·2M + M + c] for r < N, c < M (2·N·M checked); N and 2M fit int.
+        unsafe {
+            Ok(q.launch(
+                self.swiglu.of::<T>("decoder swiglu")?,
+                grid_stride(n),
+                &args,
+            )?)
+        }
+    }
+}
+
+impl DecoderKernels {
+    /// `out = softmax(q·kᵀ · scale) · v` per query token and head over the positions
+    /// `0..=positions[b·tokens + t]` of the slot `slots[b]`: the result of
+    /// [`AttentionKernels::attend`](crate::kernels::attention::AttentionKernels::attend) (same
+    /// layouts, checks and reports), with the keys spread over the block's threads rather than
+    /// the head dimension — one warp reduction per chunk of keys instead of one per key, for
+    /// decode steps over long caches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        query: &DeviceBuffer<T>,
+        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
+        out: &DeviceBuffer<T>,
+        scale: f32,
+    ) -> Result<()> {
+        shape.validate()?;
+        let (ql, cl, pl) = (
+            shape.query_len()?,
+            shape.cache_len()?,
+            shape.positions_len()?,
+        );
+        need("attention query", query, ql)?;
+        need("attention output", out, ql)?;
+        need("attention key cache", k_cache, cl)?;
+        need("attention value cache", v_cache, cl)?;
+        need("attention positions", positions, pl)?;
+        need("attention cache slots", slots, shape.batch)?;
+        let s = shape;
+        let cfg = LaunchConfig {
+            grid: (s.heads as u32, s.tokens as u32, s.batch as u32),
+            block: (ATTEND_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let i = |v: usize| Arg::I32(v as i32);
+        // SAFETY: dec_attend_*(q, kc, vc, pos, slot, out, Tq, H, Hkv, S, Tmax, D, scale, flag,
+        // check, slot_check): block (h, t, b) reads q and writes out at row (b·Tq + t)·H + h of
+        // D elements (< query_len, checked for both), reads pos[b·Tq + t] (< positions_len,
+        // checked) and slot[b] (batch values, checked), and reads cache rows
+        // ((sl·Hkv + h/(H/Hkv))·Tmax + j)·D, j ≤ p, for 0 ≤ sl < S, 0 ≤ p < Tmax only
+        // (cache_len = S·Hkv·Tmax·D checked for both caches); D ≤ 256 (its shared q), every
+        // size fits i32 and the grid is within limits (validated); 256 threads.
+        unsafe {
+            Ok(q.launch(
+                self.attend.of::<T>("decoder attention")?,
+                cfg,
+                &[
+                    query.into(),
+                    k_cache.into(),
+                    v_cache.into(),
+                    positions.into(),
+                    slots.into(),
+                    out.into(),
+                    i(s.tokens),
+                    i(s.heads),
+                    i(s.kv_heads),
+                    i(s.slots),
+                    i(s.max_len),
+                    i(s.head_dim),
+                    Arg::F32(scale),
+                    q.check_flag_arg()?,
+                    Arg::U32(self.cache_pos_check),
+                    Arg::U32(self.slot_check),
+                ],
+            )?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_is_instantiated_for_three_types() {
+        let src = source();
+        for k in KERNELS {
+            assert!(src.contains(&format!("{k}_##S(")), "{k}");
+        }
+        for inst in [
+            "DEC_INSTANCES(float, f32)",
+            "DEC_INSTANCES(bf16_t, bf16)",
+            "DEC_INSTANCES(f16_t, f16)",
+        ] {
+            assert!(src.contains(inst), "{inst}");
+        }
+        assert!(!src.contains("#include"));
+        assert!(src.contains("#define DEC_ROW_THREADS 256"));
+        assert!(src.contains("#define DA_THREADS 256"));
+        assert_eq!((ROW_THREADS, ATTEND_THREADS), (256, 256));
+    }
+
+    #[test]
+    fn qkv_geometry_is_checked() {
+        let d = QkvDims {
+            rows: 2,
+            tokens: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            slots: 4,
+            max_len: 32,
+        };
+        assert_eq!(d.lens().unwrap(), (6 * 8 * 16, 6 * 4 * 16, 4 * 2 * 32 * 16));
+        for bad in [
+            QkvDims { head_dim: 15, ..d },
+            QkvDims { rows: 0, ..d },
+            QkvDims {
+                max_len: 1 << 40,
+                ..d
+            },
+        ] {
+            assert!(bad.lens().is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,875 @@
+//! GPU tests of the decoder language model (`Decoder`, `DecoderCache`): tiny random GPT-2 and
+//! Llama models (two layers, width 64, four heads; Llama with two key/value heads, Llama 3
+//! rotary scaling and an untied head; vocabulary 97) written as safetensors bytes in memory and
+//! read through `DecoderWeights::from_files`, checked against an f64 CPU forward of the whole
+//! model written here from the Hugging Face definitions: a prefill with every token's logits,
+//! decode steps one token at a time, rows of different lengths padded as the contract says
+//! (equal to each row run alone), a decode step captured once and replayed with advancing
+//! positions (equal to eager bit for bit), loading from a folder, and misuse as typed errors.
+//!
+//! Tolerances, relative to the largest |logit| of the reference:
+//! - f32: 1e-4. The products accumulate in f32 over at most 256 terms, softmax and norms are f32
+//!   (`__expf`, a few ulp), the rotary angle is an f32 product: errors of order 1e-6 relative.
+//! - bf16 (and f16, three more mantissa bits): 2e-2. Activations are rounded to bf16 (8-bit mantissa, relative 2⁻⁹ ≈ 2e-3) after
+//!   every operation, about a dozen roundings a layer over two layers; as random errors they
+//!   add to about 1e-2 of an activation in the worst component, and a logit, a 64-term dot
+//!   product of the final hidden state with the head, averages them further. The reference uses
+//!   the same bf16-rounded weights, so only activation rounding differs.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudagraph::memory::bf16;
+use cudagraph::testing::assert_bits_eq;
+use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, QueueExt, Stream};
+use cudagraph_nn::io::hf::{DecoderConfig, DecoderWeights};
+use cudagraph_nn::*;
+use safetensors::tensor::{Dtype as FileDtype, TensorView};
+
+const VOCAB: usize = 97;
+
+const GPT2: &str = r#"{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+    "n_positions": 32, "vocab_size": 97, "layer_norm_epsilon": 1e-5}"#;
+
+const LLAMA: &str = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64,
+    "vocab_size": 97, "tie_word_embeddings": false,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+
+/// A deterministic uniform generator in [-1, 1).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+}
+
+/// Random f32 weights for every tensor of `config`, as one safetensors file's bytes: norm
+/// weights near 1, small biases, embeddings of ±0.5, projections scaled by 1/√fan-in.
+fn safetensors_bytes(config: &DecoderConfig, seed: u64) -> Vec<u8> {
+    let mut rng = Lcg(seed);
+    let specs = config.tensors();
+    let data: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|spec| {
+            let n: usize = spec.shape.iter().product();
+            let name = &spec.name;
+            let fan_in = if spec.transpose {
+                spec.shape[0]
+            } else {
+                *spec.shape.last().unwrap()
+            };
+            let one_d = spec.shape.len() == 1;
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    let u = rng.next();
+                    let x = if one_d && name.ends_with("weight") {
+                        1.0 + 0.2 * u
+                    } else if one_d {
+                        0.1 * u
+                    } else if name.contains("wte")
+                        || name.contains("wpe")
+                        || name.contains("embed_tokens")
+                        || name.contains("lm_head")
+                    {
+                        0.5 * u
+                    } else {
+                        1.7 * u / (fan_in as f64).sqrt()
+                    };
+                    x as f32
+                })
+                .collect();
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        })
+        .collect();
+    let views: Vec<(String, TensorView<'_>)> = specs
+        .iter()
+        .zip(&data)
+        .map(|(s, b)| {
+            (
+                s.name.clone(),
+                TensorView::new(FileDtype::F32, s.shape.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::tensor::serialize(views, None).unwrap()
+}
+
+fn weights(json: &str, seed: u64) -> DecoderWeights {
+    let config = DecoderConfig::from_json(json).unwrap();
+    let bytes = safetensors_bytes(&config, seed);
+    DecoderWeights::from_files(config, &[("model.safetensors".into(), bytes)]).unwrap()
+}
+
+fn round_to(d: Dtype, v: f32) -> f64 {
+    match d {
+        Dtype::F32 => v as f64,
+        Dtype::Bf16 => bf16::from_f32(v).to_f32() as f64,
+        Dtype::F16 => half::f16::from_f32(v).to_f32() as f64,
+    }
+}
+
+/// The f64 reference model: the weights rounded to the decoder's dtype (as the decoder and
+/// Hugging Face's `model.to(dtype)` hold them), every activation in f64.
+struct Reference {
+    w: DecoderWeights,
+    dt: Dtype,
+}
+
+impl Reference {
+    fn get(&self, name: &str) -> Vec<f64> {
+        self.w
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .to_f32()
+            .into_iter()
+            .map(|v| round_to(self.dt, v))
+            .collect()
+    }
+
+    /// `x · Wᵀ (+ b)` for `W: [out, in]`.
+    fn linear(&self, x: &[f64], w: &str, b: Option<&str>) -> Vec<f64> {
+        let w = self.get(w);
+        let k = x.len();
+        let out = w.len() / k;
+        let b = b.map(|b| self.get(b));
+        (0..out)
+            .map(|o| {
+                let s: f64 = (0..k).map(|i| w[o * k + i] * x[i]).sum();
+                s + b.as_ref().map_or(0.0, |b| b[o])
+            })
+            .collect()
+    }
+
+    fn norm(&self, x: &[f64], w: &str, b: Option<&str>, eps: f64, rms: bool) -> Vec<f64> {
+        let n = x.len() as f64;
+        let mu = if rms { 0.0 } else { x.iter().sum::<f64>() / n };
+        let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / n;
+        let rs = 1.0 / (var + eps).sqrt();
+        let w = self.get(w);
+        let b = b.map(|b| self.get(b));
+        (0..x.len())
+            .map(|i| (x[i] - mu) * rs * w[i] + b.as_ref().map_or(0.0, |b| b[i]))
+            .collect()
+    }
+
+    /// Logits `[ids.len()][VOCAB]` of the sequence `ids` at positions `0..`.
+    fn forward(&self, ids: &[i32]) -> Vec<Vec<f64>> {
+        let cfg = &self.w.config;
+        let gpt2 = matches!(cfg, DecoderConfig::Gpt2(_));
+        let (d, heads, kv_heads, hd, eps, layers) = match cfg {
+            DecoderConfig::Gpt2(c) => (
+                c.n_embd,
+                c.n_head,
+                c.n_head,
+                c.n_embd / c.n_head,
+                c.layer_norm_epsilon,
+                c.n_layer,
+            ),
+            DecoderConfig::Llama(c) => (
+                c.hidden_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rms_norm_eps,
+                c.num_hidden_layers,
+            ),
+        };
+        let inv_freq: Vec<f64> = match cfg {
+            DecoderConfig::Gpt2(_) => vec![],
+            DecoderConfig::Llama(c) => (0..hd / 2)
+                .map(|j| {
+                    let f = c.rope_theta.powf(-((2 * j) as f64) / hd as f64);
+                    match &c.rope_scaling {
+                        None => f,
+                        Some(s) => {
+                            let old = s.original_max_position_embeddings;
+                            let wl = 2.0 * std::f64::consts::PI / f;
+                            if wl < old / s.high_freq_factor {
+                                f
+                            } else if wl > old / s.low_freq_factor {
+                                f / s.factor
+                            } else {
+                                let sm = (old / wl - s.low_freq_factor)
+                                    / (s.high_freq_factor - s.low_freq_factor);
+                                (1.0 - sm) * f / s.factor + sm * f
+                            }
+                        }
+                    }
+                })
+                .collect(),
+        };
+        let rope = |v: &mut [f64], pos: usize| {
+            for j in 0..hd / 2 {
+                let (sn, cs) = (pos as f64 * inv_freq[j]).sin_cos();
+                let (a, b) = (v[j], v[j + hd / 2]);
+                v[j] = a * cs - b * sn;
+                v[j + hd / 2] = b * cs + a * sn;
+            }
+        };
+        let l = ids.len();
+        let (wte_name, prefix) = if gpt2 {
+            ("wte.weight", "h.")
+        } else {
+            ("model.embed_tokens.weight", "model.layers.")
+        };
+        let wte = self.get(wte_name);
+        let wpe = gpt2.then(|| self.get("wpe.weight"));
+        let mut x: Vec<Vec<f64>> = (0..l)
+            .map(|t| {
+                let id = ids[t] as usize;
+                (0..d)
+                    .map(|c| wte[id * d + c] + wpe.as_ref().map_or(0.0, |p| p[t * d + c]))
+                    .collect()
+            })
+            .collect();
+        for i in 0..layers {
+            let p = |n: &str| format!("{prefix}{i}.{n}");
+            let mut q = vec![vec![0.0; heads * hd]; l];
+            let mut k = vec![vec![0.0; kv_heads * hd]; l];
+            let mut v = vec![vec![0.0; kv_heads * hd]; l];
+            for t in 0..l {
+                if gpt2 {
+                    let h = self.norm(&x[t], &p("ln_1.weight"), Some(&p("ln_1.bias")), eps, false);
+                    let qkv =
+                        self.linear(&h, &p("attn.c_attn.weight"), Some(&p("attn.c_attn.bias")));
+                    q[t].copy_from_slice(&qkv[..d]);
+                    k[t].copy_from_slice(&qkv[d..2 * d]);
+                    v[t].copy_from_slice(&qkv[2 * d..]);
+                } else {
+                    let h = self.norm(&x[t], &p("input_layernorm.weight"), None, eps, true);
+                    q[t] = self.linear(&h, &p("self_attn.q_proj.weight"), None);
+                    k[t] = self.linear(&h, &p("self_attn.k_proj.weight"), None);
+                    v[t] = self.linear(&h, &p("self_attn.v_proj.weight"), None);
+                    for hh in 0..heads {
+                        rope(&mut q[t][hh * hd..(hh + 1) * hd], t);
+                    }
+                    for hh in 0..kv_heads {
+                        rope(&mut k[t][hh * hd..(hh + 1) * hd], t);
+                    }
+                }
+            }
+            let scale = 1.0 / (hd as f64).sqrt();
+            for t in 0..l {
+                let mut att = vec![0.0; heads * hd];
+                for hh in 0..heads {
+                    let kh = hh / (heads / kv_heads);
+                    let qv = &q[t][hh * hd..(hh + 1) * hd];
+                    let s: Vec<f64> = (0..=t)
+                        .map(|j| {
+                            let kv = &k[j][kh * hd..(kh + 1) * hd];
+                            qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>() * scale
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for j in 0..=t {
+                        for c in 0..hd {
+                            att[hh * hd + c] += e[j] / z * v[j][kh * hd + c];
+                        }
+                    }
+                }
+                let (o, b) = if gpt2 {
+                    (p("attn.c_proj.weight"), Some(p("attn.c_proj.bias")))
+                } else {
+                    (p("self_attn.o_proj.weight"), None)
+                };
+                let o = self.linear(&att, &o, b.as_deref());
+                for c in 0..d {
+                    x[t][c] += o[c];
+                }
+                let y = if gpt2 {
+                    let h = self.norm(&x[t], &p("ln_2.weight"), Some(&p("ln_2.bias")), eps, false);
+                    let a: Vec<f64> = self
+                        .linear(&h, &p("mlp.c_fc.weight"), Some(&p("mlp.c_fc.bias")))
+                        .into_iter()
+                        .map(|u| {
+                            let c = (2.0 / std::f64::consts::PI).sqrt();
+                            0.5 * u * (1.0 + (c * (u + 0.044715 * u * u * u)).tanh())
+                        })
+                        .collect();
+                    self.linear(&a, &p("mlp.c_proj.weight"), Some(&p("mlp.c_proj.bias")))
+                } else {
+                    let h = self.norm(
+                        &x[t],
+                        &p("post_attention_layernorm.weight"),
+                        None,
+                        eps,
+                        true,
+                    );
+                    let g = self.linear(&h, &p("mlp.gate_proj.weight"), None);
+                    let u = self.linear(&h, &p("mlp.up_proj.weight"), None);
+                    let a: Vec<f64> = g
+                        .iter()
+                        .zip(&u)
+                        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                        .collect();
+                    self.linear(&a, &p("mlp.down_proj.weight"), None)
+                };
+                for c in 0..d {
+                    x[t][c] += y[c];
+                }
+            }
+        }
+        let head = if cfg.tied() {
+            wte_name
+        } else {
+            "lm_head.weight"
+        };
+        (0..l)
+            .map(|t| {
+                let h = if gpt2 {
+                    self.norm(&x[t], "ln_f.weight", Some("ln_f.bias"), eps, false)
+                } else {
+                    self.norm(&x[t], "model.norm.weight", None, eps, true)
+                };
+                self.linear(&h, head, None)
+            })
+            .collect()
+    }
+}
+
+fn tolerance(dt: Dtype) -> f64 {
+    match dt {
+        Dtype::F32 => 1e-4,
+        _ => 2e-2,
+    }
+}
+
+/// `got` (`rows × VOCAB`) against `want`, within the dtype's tolerance relative to the
+/// largest |logit| of `want`.
+fn check(dt: Dtype, got: &[f32], want: &[Vec<f64>], what: &str) {
+    assert_eq!(got.len(), want.len() * VOCAB, "{what}: length");
+    let scale = want
+        .iter()
+        .flatten()
+        .fold(0.0f64, |m, v| m.max(v.abs()))
+        .max(1e-3);
+    let tol = tolerance(dt) * scale;
+    for (r, row) in want.iter().enumerate() {
+        for (c, w) in row.iter().enumerate() {
+            let g = got[r * VOCAB + c] as f64;
+            assert!(
+                (g - w).abs() <= tol && g.is_finite(),
+                "{what}: row {r} logit {c}: {g} vs {w} (tolerance {tol})"
+            );
+        }
+    }
+}
+
+fn ids_of(seed: u64, n: usize) -> Vec<i32> {
+    let mut rng = Lcg(seed);
+    (0..n)
+        .map(|_| ((rng.next() + 1.0) * 0.5 * VOCAB as f64) as i32 % VOCAB as i32)
+        .collect()
+}
+
+fn buf(s: &Stream, v: &[i32]) -> DeviceBuffer<i32> {
+    s.alloc_from_host(v).unwrap()
+}
+
+/// Runs one call eagerly and returns the logits.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    s: &Stream,
+    dec: &Decoder,
+    cache: &DecoderCache,
+    ids: &[i32],
+    pos: &[i32],
+    slots: &[i32],
+    (rows, tokens): (usize, usize),
+    lf: LogitsFor,
+) -> Vec<f32> {
+    let out_rows = match lf {
+        LogitsFor::All => rows * tokens,
+        LogitsFor::Last => rows,
+    };
+    let logits = s.alloc::<f32>(out_rows * VOCAB).unwrap();
+    let (i, p, sl) = (buf(s, ids), buf(s, pos), buf(s, slots));
+    dec.forward(s, cache, &i, &p, &sl, (rows, tokens), lf, &logits)
+        .unwrap();
+    let v = s.to_vec(&logits).unwrap();
+    s.synchronize().unwrap();
+    v
+}
+
+fn models() -> [(&'static str, &'static str); 2] {
+    [("gpt2", GPT2), ("llama", LLAMA)]
+}
+
+/// (1) a prefill with every token's logits, then (2) decode steps one token at a time, each
+/// equal to the reference on the whole sequence so far; in slot 1 of a two-slot cache.
+#[test]
+fn prefill_then_decode_matches_the_reference() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for (name, json) in models() {
+        let w = weights(json, 7);
+        for dt in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            let what = format!("{name} {dt}");
+            let dec = Decoder::from_weights(&s, &w, dt).unwrap();
+            assert_eq!(dec.vocab(), VOCAB);
+            assert_eq!(dec.dtype(), dt);
+            let reference = Reference { w: w.clone(), dt };
+            let cache = dec.new_cache(&s, 2, 24).unwrap();
+            let mut seq = ids_of(11, 7);
+            let pos: Vec<i32> = (0..7).collect();
+            let got = run(&s, &dec, &cache, &seq, &pos, &[1], (1, 7), LogitsFor::All);
+            check(
+                dt,
+                &got,
+                &reference.forward(&seq),
+                &format!("{what} prefill"),
+            );
+            for (step, tok) in ids_of(12, 6).into_iter().enumerate() {
+                let p = seq.len() as i32;
+                seq.push(tok);
+                let got = run(
+                    &s,
+                    &dec,
+                    &cache,
+                    &[tok],
+                    &[p],
+                    &[1],
+                    (1, 1),
+                    LogitsFor::Last,
+                );
+                let want = reference.forward(&seq);
+                check(
+                    dt,
+                    &got,
+                    &want[want.len() - 1..],
+                    &format!("{what} decode step {step}"),
+                );
+            }
+            // Last on a prefill: the last token's row of All.
+            let cache2 = dec.new_cache(&s, 1, 24).unwrap();
+            let last = run(
+                &s,
+                &dec,
+                &cache2,
+                &seq[..5],
+                &pos[..5],
+                &[0],
+                (1, 5),
+                LogitsFor::Last,
+            );
+            let want = reference.forward(&seq[..5]);
+            check(
+                dt,
+                &last,
+                &want[4..],
+                &format!("{what} prefill, last token"),
+            );
+        }
+    }
+}
+
+/// (3) Rows of different lengths in one call, padded at their end with positions continuing
+/// past the real length, in slots out of order, equal each row run alone; then one batched
+/// decode step (each row's next token at its real length, overwriting the padded keys) equals
+/// the reference on each row's sequence.
+#[test]
+fn rows_of_different_lengths_equal_each_row_alone() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for (name, json) in models() {
+        let w = weights(json, 21);
+        for dt in [Dtype::F32, Dtype::Bf16] {
+            let what = format!("{name} {dt}");
+            let dec = Decoder::from_weights(&s, &w, dt).unwrap();
+            let reference = Reference { w: w.clone(), dt };
+            let lens = [5usize, 3, 6];
+            let slots = [2i32, 0, 1];
+            let tokens = 6;
+            let seqs: Vec<Vec<i32>> = lens
+                .iter()
+                .enumerate()
+                .map(|(b, &l)| ids_of(30 + b as u64, l))
+                .collect();
+            let (mut ids, mut pos) = (Vec::new(), Vec::new());
+            for seq in &seqs {
+                // The real tokens, then padding (any id) at the positions that follow.
+                ids.extend(seq.iter().copied().chain(std::iter::repeat(3)).take(tokens));
+                pos.extend(0..tokens as i32);
+            }
+            let cache = dec.new_cache(&s, 3, 16).unwrap();
+            let got = run(
+                &s,
+                &dec,
+                &cache,
+                &ids,
+                &pos,
+                &slots,
+                (3, tokens),
+                LogitsFor::All,
+            );
+            for (b, seq) in seqs.iter().enumerate() {
+                let alone_cache = dec.new_cache(&s, 1, 16).unwrap();
+                let n = lens[b];
+                let alone = run(
+                    &s,
+                    &dec,
+                    &alone_cache,
+                    seq,
+                    &pos[..n],
+                    &[0],
+                    (1, n),
+                    LogitsFor::All,
+                );
+                let mine = &got[b * tokens * VOCAB..(b * tokens + n) * VOCAB];
+                let want = reference.forward(seq);
+                check(dt, mine, &want, &format!("{what} row {b} in the batch"));
+                check(dt, &alone, &want, &format!("{what} row {b} alone"));
+                // Same kernels, same row: within the tolerance of each other too.
+                let scale = want.iter().flatten().fold(0.0f64, |m, v| m.max(v.abs()));
+                for (i, (a, c)) in mine.iter().zip(&alone).enumerate() {
+                    assert!(
+                        ((a - c).abs() as f64) <= tolerance(dt) * scale,
+                        "{what} row {b}: element {i}: {a} batched, {c} alone"
+                    );
+                }
+            }
+            // One decode step for all rows at their real lengths.
+            let next = ids_of(40, 3);
+            let step_pos: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let got = run(
+                &s,
+                &dec,
+                &cache,
+                &next,
+                &step_pos,
+                &slots,
+                (3, 1),
+                LogitsFor::Last,
+            );
+            for (b, seq) in seqs.iter().enumerate() {
+                let mut full = seq.clone();
+                full.push(next[b]);
+                let want = reference.forward(&full);
+                check(
+                    dt,
+                    &got[b * VOCAB..(b + 1) * VOCAB],
+                    &want[want.len() - 1..],
+                    &format!("{what} row {b} decode after padding"),
+                );
+            }
+        }
+    }
+}
+
+/// (4) One decode step of two rows captured once; replays with new ids and advancing
+/// positions equal the same step run eagerly on a second cache, bit for bit.
+#[test]
+fn a_captured_decode_step_replays_like_eager() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    for (name, json) in models() {
+        let w = weights(json, 51);
+        for dt in [Dtype::F32, Dtype::Bf16] {
+            let what = format!("{name} {dt}");
+            let dec = Decoder::from_weights(&s, &w, dt).unwrap();
+            let graphed = dec.new_cache(&s, 2, 20).unwrap();
+            let eager = dec.new_cache(&s, 2, 20).unwrap();
+            let scratch = dec.new_cache(&s, 2, 20).unwrap();
+            let prompt = ids_of(52, 8);
+            let ppos: Vec<i32> = (0..4).chain(0..4).collect();
+            for c in [&graphed, &eager] {
+                run(
+                    &s,
+                    &dec,
+                    c,
+                    &prompt,
+                    &ppos,
+                    &[0, 1],
+                    (2, 4),
+                    LogitsFor::Last,
+                );
+            }
+            // An eager step of the captured shapes first: the product engines are measured
+            // and chosen before the capture, so eager and replay run the same ones.
+            run(
+                &s,
+                &dec,
+                &scratch,
+                &[1, 2],
+                &[0, 0],
+                &[0, 1],
+                (2, 1),
+                LogitsFor::Last,
+            );
+            let ids = buf(&s, &[0, 0]);
+            let pos = buf(&s, &[4, 4]);
+            let slots = buf(&s, &[0, 1]);
+            let out_g = s.alloc::<f32>(2 * VOCAB).unwrap();
+            let out_e = s.alloc::<f32>(2 * VOCAB).unwrap();
+            let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                dec.forward(
+                    cs,
+                    &graphed,
+                    &ids,
+                    &pos,
+                    &slots,
+                    (2, 1),
+                    LogitsFor::Last,
+                    &out_g,
+                )?;
+                Ok(())
+            })
+            .unwrap();
+            for step in 0..5 {
+                let tok = ids_of(60 + step as u64, 2);
+                s.copy_from_host(&tok, &ids).unwrap();
+                s.copy_from_host(&[4 + step, 4 + step], &pos).unwrap();
+                g.replay(&s).unwrap();
+                dec.forward(
+                    &s,
+                    &eager,
+                    &ids,
+                    &pos,
+                    &slots,
+                    (2, 1),
+                    LogitsFor::Last,
+                    &out_e,
+                )
+                .unwrap();
+                let (a, b) = (s.to_vec(&out_g).unwrap(), s.to_vec(&out_e).unwrap());
+                s.synchronize().unwrap();
+                assert_bits_eq(&a, &b, format_args!("{what} step {step}"));
+                assert!(a.iter().all(|v| v.is_finite()), "{what} step {step}");
+            }
+        }
+    }
+}
+
+fn temp_dir() -> std::path::PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!(
+        "cudagraph-decoder-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `Decoder::load` reads a folder and gives the same logits as `from_weights`; a folder
+/// without weights is an `Io` error naming it.
+#[test]
+fn a_folder_loads_like_the_weights_it_holds() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let dir = temp_dir();
+    std::fs::write(dir.join("config.json"), LLAMA).unwrap();
+    let config = DecoderConfig::from_json(LLAMA).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors_bytes(&config, 71),
+    )
+    .unwrap();
+    let loaded = Decoder::load(&s, &dir, Dtype::Bf16).unwrap();
+    let built = Decoder::from_weights(&s, &weights(LLAMA, 71), Dtype::Bf16).unwrap();
+    assert_eq!(loaded.config(), built.config());
+    assert_eq!(loaded.max_positions(), 64);
+    let ids = ids_of(72, 5);
+    let pos: Vec<i32> = (0..5).collect();
+    let a = run(
+        &s,
+        &loaded,
+        &loaded.new_cache(&s, 1, 8).unwrap(),
+        &ids,
+        &pos,
+        &[0],
+        (1, 5),
+        LogitsFor::All,
+    );
+    let b = run(
+        &s,
+        &built,
+        &built.new_cache(&s, 1, 8).unwrap(),
+        &ids,
+        &pos,
+        &[0],
+        (1, 5),
+        LogitsFor::All,
+    );
+    assert_bits_eq(&a, &b, "loaded vs built");
+    let empty = temp_dir();
+    assert!(matches!(
+        Decoder::load(&s, &empty, Dtype::F32),
+        Err(NnError::Io(_))
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&empty);
+}
+
+/// (5) Misuse: short buffers, rows past the slots, tokens past the cache, a cache of another
+/// dtype, a cache longer than the model's positions: typed errors before anything runs; a
+/// slot outside the cache and a token id outside the vocabulary (device data): reported at
+/// the next synchronisation.
+#[test]
+fn misuse_is_a_typed_error() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let w = weights(GPT2, 81);
+    let dec = Decoder::from_weights(&s, &w, Dtype::F32).unwrap();
+    let dec16 = Decoder::from_weights(&s, &w, Dtype::Bf16).unwrap();
+    let cache = dec.new_cache(&s, 2, 8).unwrap();
+    let ids = buf(&s, &[1, 2, 3, 4]);
+    let pos = buf(&s, &[0, 1, 0, 1]);
+    let slots = buf(&s, &[0, 1]);
+    let logits = s.alloc::<f32>(4 * VOCAB).unwrap();
+    let short = s.alloc::<f32>(4 * VOCAB - 1).unwrap();
+    let size =
+        |r: Result<()>| matches!(r, Err(NnError::Core(cudagraph::Error::SizeMismatch { .. })));
+    let f =
+        |i: &DeviceBuffer<i32>,
+         p: &DeviceBuffer<i32>,
+         sl: &DeviceBuffer<i32>,
+         rt,
+         lf,
+         out: &DeviceBuffer<f32>| { dec.forward(&s, &cache, i, p, sl, rt, lf, out) };
+    assert!(f(&ids, &pos, &slots, (2, 2), LogitsFor::All, &logits).is_ok());
+    s.synchronize().unwrap();
+    assert!(size(f(&ids, &pos, &slots, (2, 2), LogitsFor::All, &short)));
+    assert!(f(&ids, &pos, &slots, (2, 2), LogitsFor::Last, &short).is_ok());
+    let one = buf(&s, &[0]);
+    assert!(size(f(&ids, &pos, &one, (2, 2), LogitsFor::Last, &logits)));
+    assert!(size(f(
+        &one,
+        &pos,
+        &slots,
+        (2, 2),
+        LogitsFor::Last,
+        &logits
+    )));
+    assert!(size(f(
+        &ids,
+        &one,
+        &slots,
+        (2, 2),
+        LogitsFor::Last,
+        &logits
+    )));
+    let three = buf(&s, &[0, 1, 1]);
+    assert!(matches!(
+        f(&ids, &pos, &three, (3, 1), LogitsFor::Last, &logits),
+        Err(NnError::Shape(_))
+    ));
+    let long_ids = buf(&s, &[0; 9]);
+    let long_logits = s.alloc::<f32>(9 * VOCAB).unwrap();
+    assert!(matches!(
+        f(
+            &long_ids,
+            &long_ids,
+            &slots,
+            (1, 9),
+            LogitsFor::All,
+            &long_logits
+        ),
+        Err(NnError::Shape(_))
+    ));
+    assert!(matches!(
+        f(&ids, &pos, &slots, (0, 2), LogitsFor::All, &logits),
+        Err(NnError::Shape(_))
+    ));
+    let cache16 = dec16.new_cache(&s, 2, 8).unwrap();
+    assert!(matches!(
+        dec.forward(
+            &s,
+            &cache16,
+            &ids,
+            &pos,
+            &slots,
+            (2, 2),
+            LogitsFor::All,
+            &logits
+        ),
+        Err(NnError::Dtype { .. })
+    ));
+    assert!(matches!(dec.new_cache(&s, 1, 33), Err(NnError::Shape(_))));
+    s.synchronize().unwrap();
+    // Device data: a slot outside the cache, then an id outside the vocabulary.
+    let bad_slot = buf(&s, &[0, 2]);
+    f(&ids, &pos, &bad_slot, (2, 2), LogitsFor::Last, &logits).unwrap();
+    let e = s.synchronize().unwrap_err();
+    assert!(e.to_string().contains("attention cache slot"), "{e}");
+    let bad_id = buf(&s, &[1, 2, 3, VOCAB as i32]);
+    f(&bad_id, &pos, &slots, (2, 2), LogitsFor::Last, &logits).unwrap();
+    let e = s.synchronize().unwrap_err();
+    assert!(e.to_string().contains("decoder token id"), "{e}");
+    // The stream stays usable.
+    f(&ids, &pos, &slots, (2, 2), LogitsFor::Last, &logits).unwrap();
+    s.synchronize().unwrap();
+}
+
+/// The decoder's attention kernel (keys over threads, chunks of 1024 keys) against the KV
+/// cache's (head dimension over lanes) on caches longer than one chunk, head dimensions that do
+/// and do not divide the block (64, 80, 128, 256), rows mapped to slots out of order: equal
+/// within f32 rounding (1e-5 of the largest |output|; the two sum in different orders), and
+/// within one unit of bf16's last place (at most 2⁻⁷ of the value) in bf16.
+#[test]
+fn the_two_attention_kernels_agree_on_long_caches() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for d in [64, 80, 128, 256] {
+        agree::<f32>(&s, d, 1e-5);
+    }
+    agree::<bf16>(&s, 64, 1.0 / 128.0);
+}
+
+fn agree<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, tol: f64) {
+    use cudagraph::Queue;
+    use cudagraph_nn::kernels::attention::AttentionKernels;
+    use cudagraph_nn::kernels::decoder::DecoderKernels;
+    let shape = AttentionShape {
+        batch: 2,
+        slots: 3,
+        tokens: 2,
+        heads: 4,
+        kv_heads: 2,
+        max_len: 2600,
+        head_dim: d,
+    };
+    let mut rng = Lcg(d as u64);
+    let mut random = |n: usize| -> DeviceBuffer<T> {
+        let v: Vec<T> = (0..n).map(|_| T::from_f32(rng.next() as f32)).collect();
+        s.alloc_from_host(&v).unwrap()
+    };
+    let q = random(shape.query_len().unwrap());
+    let k = random(shape.cache_len().unwrap());
+    let v = random(shape.cache_len().unwrap());
+    let pos = buf(s, &[0, 1, 1500, 2599]);
+    let slots = buf(s, &[2, 0]);
+    let n = shape.query_len().unwrap();
+    let (oa, ob) = (s.alloc::<T>(n).unwrap(), s.alloc::<T>(n).unwrap());
+    let scale = 1.0 / (d as f32).sqrt();
+    AttentionKernels::get(s.device())
+        .unwrap()
+        .attend(s, &shape, &q, (&k, &v), &pos, Some(&slots), &oa, scale)
+        .unwrap();
+    DecoderKernels::get(s.device())
+        .unwrap()
+        .attend(s, &shape, &q, (&k, &v), (&pos, &slots), &ob, scale)
+        .unwrap();
+    let (a, b) = (s.to_vec(&oa).unwrap(), s.to_vec(&ob).unwrap());
+    s.synchronize().unwrap();
+    let big = a.iter().fold(0.0f64, |m, x| m.max(x.to_f32().abs() as f64));
+    assert!(big > 0.0, "head_dim {d}: all zero");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let (x, y) = (x.to_f32() as f64, y.to_f32() as f64);
+        assert!(
+            (x - y).abs() <= tol * big,
+            "head_dim {d} {}: element {i}: {x} (KV cache's) vs {y} (decoder's)",
+            T::DTYPE
+        );
+    }
+}
