@@ -18,6 +18,7 @@ macro_rules! outln {
 
 mod bench;
 mod copy_task;
+mod generate;
 mod inspect;
 mod launch;
 mod report;
@@ -74,6 +75,9 @@ enum Command {
     /// Serve a model (safetensors weights + JSON description) over HTTP with dynamic batching
     /// through a graph cache (`--no-graph`: eager).
     Serve(serve::ServeArgs),
+    /// Generate tokens from a Hugging Face decoder (GPT-2, Llama family): the prompt prefilled
+    /// eagerly, every decode step replayed from a captured graph.
+    Generate(generate::GenerateArgs),
     /// Start the local processes of a distributed job, like torchrun: `cudagraph launch
     /// --nproc 2 -- <command...>` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     /// MASTER_PORT for each, prefixes their output with the rank, and stops them all when one
@@ -116,6 +120,11 @@ enum BenchCommand {
     Sweep(bench::sweep::SweepArgs),
     /// The engine registry's choices (cuDNN, cuBLASLt, cuBLAS, ours) for representative shapes.
     Engines(bench::engines::EnginesArgs),
+    /// Decode steps of a Hugging Face decoder (one captured step per batch) after prompts of
+    /// given lengths: ms per step and tokens/s (beside bench/decode_torch.py).
+    Decode(bench::decode::DecodeArgs),
+    /// Our decoder's logits and greedy tokens against Hugging Face's (bench/hf_reference.py).
+    Parity(bench::parity::ParityArgs),
     /// Data-parallel training on 1 and 2 GPUs (one process per GPU, NCCL), eager vs graph.
     Ddp(bench::ddp::DdpArgs),
 }
@@ -139,6 +148,8 @@ fn main() -> ExitCode {
             Some(BenchCommand::Sweep(args)) => bench::sweep::run(cli.device, &args),
             Some(BenchCommand::Engines(args)) => bench::engines::run(cli.device, &args),
             Some(BenchCommand::Ddp(args)) => bench::ddp::run(&args),
+            Some(BenchCommand::Decode(args)) => bench::decode::run(cli.device, &args),
+            Some(BenchCommand::Parity(args)) => bench::parity::run(cli.device, &args),
             None => bench::workloads::run(cli.device, &workloads),
         },
         Command::Train { which, args } => match which {
@@ -147,6 +158,7 @@ fn main() -> ExitCode {
         },
         Command::Inspect(args) => inspect::run(cli.device, &args),
         Command::Serve(args) => serve::run(cli.device, &args),
+        Command::Generate(args) => generate::run(cli.device, &args),
         Command::Launch(args) => match launch::run(&args) {
             // The job's own status, as torchrun passes it on.
             Ok(code) => return ExitCode::from(code.clamp(0, 255) as u8),

@@ -117,4 +117,5 @@ pub use nn::schedule::Schedule;
 pub use nn::steps::{step_if_finite, DeviceBatches};
 pub use random::{Generator, HostRng};
 pub use serving::decoder::{Decoder, DecoderCache, LogitsFor};
+pub use serving::generation::{Finished, Generation, GenerationOptions, GenerationStats, Request};
 pub use serving::{BatchRunner, Batcher, BatcherConfig, ModelRunner, ServeError};

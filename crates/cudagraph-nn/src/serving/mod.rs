@@ -15,9 +15,15 @@
 //! [`Batcher::parse_request`]) reads a request body `{"inputs": [[...], ...]}` straight into
 //! one flat buffer, refusing it at the first value past the batcher's limits, so a server's
 //! memory per request stays bounded by those limits.
+//!
+//! Language models: [`decoder::Decoder`] runs GPT-2 and Llama-family decoders from Hugging Face
+//! folders on a KV cache built for graphs, and [`generation::Generation`] is the step-by-step
+//! generation loop over it (sequences join and leave between steps; one captured decode step
+//! per batch bucket).
 
 mod batcher;
 pub mod decoder;
+pub mod generation;
 mod parse;
 mod runner;
 #[cfg(test)]

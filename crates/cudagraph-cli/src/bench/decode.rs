@@ -1,0 +1,167 @@
+//! `cudagraph bench decode`: ms per decode step and tokens/s of a Hugging Face decoder, one
+//! captured step per batch, after prompts of given lengths (beside `bench/decode_torch.py`,
+//! which times Hugging Face transformers with a static cache and
+//! `torch.compile(mode="reduce-overhead")` on the same files).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use cudagraph::{Device, Event, Queue};
+use cudagraph_nn::SamplingParams;
+use cudagraph_nn::{Decoder, Generation, GenerationOptions, Request};
+use cudagraph_nn::{Dtype, HostRng};
+use serde::Serialize;
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// A Hugging Face model folder: config.json and model.safetensors (or shards).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Element type of the weights and activations.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: Dtype,
+    /// Batch sizes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 8, 32, 64])]
+    pub batches: Vec<usize>,
+    /// Prompt lengths (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![128usize, 1024])]
+    pub prompts: Vec<usize>,
+    /// Timed decode steps per (prompt, batch).
+    #[arg(long, default_value_t = 64)]
+    pub steps: usize,
+    /// Untimed decode steps before them.
+    #[arg(long, default_value_t = 8)]
+    pub warmup: usize,
+    /// Run the steps eagerly instead of replaying captured steps.
+    #[arg(long)]
+    pub no_graph: bool,
+    /// Seed of the random prompts (and the sampler; decoding is greedy).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also write the rows as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Row {
+    model: String,
+    dtype: String,
+    prompt: usize,
+    batch: usize,
+    graphs: bool,
+    ms_per_step: f64,
+    tokens_per_s: f64,
+    prefill_ms: f64,
+    capture_ms: f64,
+    graph_mib: f64,
+}
+
+pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
+    let (batches, prompts) = (&a.batches, &a.prompts);
+    if a.steps == 0 || batches.contains(&0) || prompts.contains(&0) {
+        return Err("--steps, --batches and --prompts must be at least 1".into());
+    }
+    let dev = Device::open(device)?;
+    let mut s = dev.new_stream()?;
+    let t = Instant::now();
+    let decoder = Arc::new(Decoder::load(&s, &a.model, a.dtype)?);
+    s.synchronize()?;
+    let name = a.model.file_name().map_or_else(
+        || a.model.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    );
+    outln!(
+        "{name}: {} layers, vocab {}, {} weights, loaded in {:.1} s; {} timed steps after {} warm-up",
+        decoder.config().layers(),
+        decoder.vocab(),
+        a.dtype,
+        t.elapsed().as_secs_f64(),
+        a.steps,
+        a.warmup
+    );
+    outln!(
+        "{:>7} {:>6} {:>12} {:>12} {:>11} {:>11} {:>10}",
+        "prompt",
+        "batch",
+        "ms/step",
+        "tokens/s",
+        "prefill ms",
+        "capture ms",
+        "graph MiB"
+    );
+    let (e0, e1) = (
+        Event::new(dev.context(), true)?,
+        Event::new(dev.context(), true)?,
+    );
+    let mut rng = HostRng::new(a.seed);
+    let mut rows = Vec::new();
+    for &prompt in prompts {
+        for &batch in batches {
+            let max_new = a.warmup + a.steps;
+            let mut opts = GenerationOptions::new(batch, prompt + max_new);
+            opts.buckets = vec![batch];
+            opts.graphs = !a.no_graph;
+            opts.seed = a.seed;
+            let mut gen = Generation::new(&mut s, decoder.clone(), opts)?;
+            let vocab = decoder.vocab() as u64;
+            let requests: Vec<Request> = (0..batch)
+                .map(|_| Request {
+                    prompt: (0..prompt)
+                        .map(|_| (rng.next_u64() % vocab) as i32)
+                        .collect(),
+                    max_new,
+                    sampling: SamplingParams::greedy(),
+                })
+                .collect();
+            s.synchronize()?;
+            let t = Instant::now();
+            gen.join(&s, &requests)?;
+            s.synchronize()?;
+            let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+            for _ in 0..a.warmup {
+                gen.step(&s)?;
+            }
+            s.stream_handle().record(&e0)?;
+            for _ in 0..a.steps {
+                gen.step(&s)?;
+            }
+            s.stream_handle().record(&e1)?;
+            e1.synchronize()?;
+            let ms = e0.elapsed_ms(&e1)? as f64 / a.steps as f64;
+            let stats = gen.stats();
+            let row = Row {
+                model: name.clone(),
+                dtype: a.dtype.to_string(),
+                prompt,
+                batch,
+                graphs: !a.no_graph,
+                ms_per_step: ms,
+                tokens_per_s: batch as f64 * 1e3 / ms,
+                prefill_ms,
+                capture_ms: stats.capture_time.as_secs_f64() * 1e3,
+                graph_mib: stats.graph_bytes as f64 / (1 << 20) as f64,
+            };
+            outln!(
+                "{:>7} {:>6} {:>12.4} {:>12.0} {:>11.1} {:>11.1} {:>10.1}",
+                row.prompt,
+                row.batch,
+                row.ms_per_step,
+                row.tokens_per_s,
+                row.prefill_ms,
+                row.capture_ms,
+                row.graph_mib
+            );
+            rows.push(row);
+            drop(gen);
+        }
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+    }
+    Ok(())
+}

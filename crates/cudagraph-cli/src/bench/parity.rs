@@ -1,0 +1,373 @@
+//! `cudagraph bench parity`: our decoder's logits against Hugging Face's, from a reference file
+//! written by `bench/hf_reference.py` (safetensors: `ids.{b}` [len_b] and `logits.{b}`
+//! [len_b, vocab] per row, metadata `rows`, `prompt_lens`, `decode_steps`).
+//!
+//! Three checks, each failing the command:
+//! 1. **alone**: each row by itself — its prompt prefilled in one call, then one call per
+//!    continuation token (teacher forcing) — every logit row within the tolerance;
+//! 2. **batched**: all rows in one batch of mixed lengths (prompts padded to the longest), the
+//!    same comparison;
+//! 3. **generated**: greedy generation through [`Generation`] (captured decode steps) from the
+//!    prompts equals Hugging Face's greedy tokens up to the first step whose top-2 margin is
+//!    within twice the tolerance (after it the two may diverge legitimately).
+//!
+//! Error measure, per logit row: `max |ours - ref| / max |ref|`. A row's greedy token is
+//! compared where the reference's top-2 margin exceeds twice the allowed absolute error
+//! (`tol · max |ref|`): then no error within the tolerance can change the argmax.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+use cudagraph::{Device, QueueExt, Stream};
+use cudagraph_nn::Dtype;
+use cudagraph_nn::SamplingParams;
+use cudagraph_nn::{Decoder, Generation, GenerationOptions, LogitsFor, Request};
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Args, Debug)]
+pub struct ParityArgs {
+    /// The Hugging Face model folder the reference was computed from.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The reference file (bench/hf_reference.py).
+    #[arg(long)]
+    pub reference: PathBuf,
+    /// Element type to run in (the reference's, normally).
+    #[arg(long, default_value = "f32")]
+    pub dtype: Dtype,
+    /// Relative tolerance on the logits (default: 1e-4 for f32, 2e-2 for bf16/f16).
+    #[arg(long)]
+    pub tolerance: Option<f64>,
+}
+
+/// One row of the reference.
+struct RefRow {
+    ids: Vec<i32>,
+    prompt: usize,
+    /// `[ids.len(), vocab]`.
+    logits: Vec<f32>,
+}
+
+fn read_reference(path: &PathBuf) -> AnyResult<(Vec<RefRow>, usize)> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)?;
+    let meta: HashMap<String, String> = header.metadata().clone().unwrap_or_default();
+    let get = |k: &str| {
+        meta.get(k)
+            .cloned()
+            .ok_or_else(|| format!("{}: metadata has no `{k}`", path.display()))
+    };
+    let rows: usize = get("rows")?.parse()?;
+    let prompts: Vec<usize> = get("prompt_lens")?
+        .split(',')
+        .map(|x| x.trim().parse())
+        .collect::<Result<_, _>>()?;
+    if prompts.len() != rows {
+        return Err(format!(
+            "{}: {} prompt lengths for {rows} rows",
+            path.display(),
+            prompts.len()
+        )
+        .into());
+    }
+    let st = SafeTensors::deserialize(&bytes)?;
+    let mut out = Vec::new();
+    let mut vocab = 0;
+    for (b, &prompt) in prompts.iter().enumerate() {
+        let ids = st.tensor(&format!("ids.{b}"))?;
+        let ids: Vec<i32> = match ids.dtype() {
+            StDtype::I32 => ids
+                .data()
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            StDtype::I64 => ids
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")) as i32)
+                .collect(),
+            d => return Err(format!("ids.{b}: dtype {d:?}, expected I32 or I64").into()),
+        };
+        let l = st.tensor(&format!("logits.{b}"))?;
+        if l.dtype() != StDtype::F32 || l.shape().len() != 2 || l.shape()[0] != ids.len() {
+            return Err(format!(
+                "logits.{b}: {:?} {:?}, expected F32 [{}, vocab]",
+                l.dtype(),
+                l.shape(),
+                ids.len()
+            )
+            .into());
+        }
+        vocab = l.shape()[1];
+        if prompt == 0 || prompt > ids.len() {
+            return Err(format!("row {b}: prompt length {prompt} of {} ids", ids.len()).into());
+        }
+        let logits = l
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        out.push(RefRow {
+            ids,
+            prompt,
+            logits,
+        });
+    }
+    Ok((out, vocab))
+}
+
+/// The comparison of logit rows against the reference.
+#[derive(Default)]
+struct Tally {
+    rows: usize,
+    worst: f64,
+    greedy_checked: usize,
+    greedy_failed: usize,
+    failed_rows: usize,
+}
+
+fn argmax(v: &[f32]) -> (usize, f32, f32) {
+    let mut best = (0, f32::NEG_INFINITY);
+    let mut second = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > best.1 {
+            second = best.1;
+            best = (i, x);
+        } else if x > second {
+            second = x;
+        }
+    }
+    (best.0, best.1, second)
+}
+
+impl Tally {
+    fn row(&mut self, ours: &[f32], reference: &[f32], tol: f64) {
+        let scale = reference.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+        let err = ours
+            .iter()
+            .zip(reference)
+            .fold(0f64, |m, (&a, &r)| m.max((a as f64 - r as f64).abs()))
+            / scale.max(f64::MIN_POSITIVE);
+        let err = if ours.iter().any(|x| !x.is_finite()) {
+            f64::INFINITY
+        } else {
+            err
+        };
+        self.rows += 1;
+        self.worst = self.worst.max(err);
+        if err > tol {
+            self.failed_rows += 1;
+        }
+        let (want, top, second) = argmax(reference);
+        if (top - second) as f64 > 2.0 * tol * scale {
+            self.greedy_checked += 1;
+            if argmax(ours).0 != want {
+                self.greedy_failed += 1;
+            }
+        }
+    }
+
+    fn ok(&self) -> bool {
+        self.failed_rows == 0 && self.greedy_failed == 0
+    }
+}
+
+/// Runs rows `rows` through `decoder` with teacher forcing — prompts prefilled in one call
+/// (padded to the longest), then one call per continuation token — and compares every logit
+/// row with the reference.
+fn teacher_forced(
+    s: &Stream,
+    decoder: &Decoder,
+    reference: &[&RefRow],
+    vocab: usize,
+    tol: f64,
+) -> AnyResult<Tally> {
+    let n = reference.len();
+    let max_len = reference.iter().map(|r| r.ids.len()).max().unwrap_or(1);
+    let cache = decoder.new_cache(s, n, max_len)?;
+    let slots = s.alloc_from_host(&(0..n as i32).collect::<Vec<_>>())?;
+    let mut tally = Tally::default();
+    let longest = reference.iter().map(|r| r.prompt).max().unwrap_or(1);
+    let (mut ids, mut pos) = (Vec::new(), Vec::new());
+    for r in reference {
+        for t in 0..longest {
+            ids.push(if t < r.prompt { r.ids[t] } else { 0 });
+            pos.push(t as i32);
+        }
+    }
+    let logits = s.alloc::<f32>(n * longest * vocab)?;
+    decoder.forward(
+        s,
+        &cache,
+        &s.alloc_from_host(&ids)?,
+        &s.alloc_from_host(&pos)?,
+        &slots,
+        (n, longest),
+        LogitsFor::All,
+        &logits,
+    )?;
+    let host = s.to_vec(&logits)?;
+    for (b, r) in reference.iter().enumerate() {
+        for t in 0..r.prompt {
+            let at = (b * longest + t) * vocab;
+            tally.row(
+                &host[at..at + vocab],
+                &r.logits[t * vocab..(t + 1) * vocab],
+                tol,
+            );
+        }
+    }
+    // Continuation tokens, one call per step; a row whose continuation ended repeats its last
+    // token (not compared).
+    let steps = reference
+        .iter()
+        .map(|r| r.ids.len() - r.prompt)
+        .max()
+        .unwrap_or(0);
+    let logits = s.alloc::<f32>(n * vocab)?;
+    for j in 0..steps {
+        let (mut ids, mut pos) = (Vec::new(), Vec::new());
+        for r in reference {
+            let t = (r.prompt + j).min(r.ids.len() - 1);
+            ids.push(r.ids[t]);
+            pos.push(t as i32);
+        }
+        decoder.forward(
+            s,
+            &cache,
+            &s.alloc_from_host(&ids)?,
+            &s.alloc_from_host(&pos)?,
+            &slots,
+            (n, 1),
+            LogitsFor::All,
+            &logits,
+        )?;
+        let host = s.to_vec(&logits)?;
+        for (b, r) in reference.iter().enumerate() {
+            let t = r.prompt + j;
+            if t < r.ids.len() {
+                tally.row(
+                    &host[b * vocab..(b + 1) * vocab],
+                    &r.logits[t * vocab..(t + 1) * vocab],
+                    tol,
+                );
+            }
+        }
+    }
+    Ok(tally)
+}
+
+/// Greedy generation through captured steps, against the reference's continuation up to the
+/// first step whose reference margin is within `2 · tol · max |ref|`. Returns (tokens
+/// compared, tokens that differ).
+fn generated(
+    s: &mut Stream,
+    decoder: &Arc<Decoder>,
+    reference: &[RefRow],
+    vocab: usize,
+    tol: f64,
+) -> AnyResult<(usize, usize)> {
+    let max_len = reference.iter().map(|r| r.ids.len()).max().unwrap_or(1);
+    let mut gen = Generation::new(
+        s,
+        decoder.clone(),
+        GenerationOptions::new(reference.len(), max_len),
+    )?;
+    let requests: Vec<Request> = reference
+        .iter()
+        .map(|r| Request {
+            prompt: r.ids[..r.prompt].to_vec(),
+            max_new: r.ids.len() - r.prompt,
+            sampling: SamplingParams::greedy(),
+        })
+        .collect();
+    let out = gen.generate(s, &requests, 8)?;
+    let (mut compared, mut differ) = (0, 0);
+    for (r, ours) in reference.iter().zip(&out) {
+        for (j, &tok) in ours.iter().enumerate() {
+            let t = r.prompt + j;
+            // Logits at position t - 1 chose token t.
+            let row = &r.logits[(t - 1) * vocab..t * vocab];
+            let scale = row.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+            let (_, top, second) = argmax(row);
+            if ((top - second) as f64) <= 2.0 * tol * scale || t >= r.ids.len() {
+                break;
+            }
+            compared += 1;
+            if tok != r.ids[t] {
+                differ += 1;
+                break;
+            }
+        }
+    }
+    Ok((compared, differ))
+}
+
+pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
+    let tol = a.tolerance.unwrap_or(match a.dtype {
+        Dtype::F32 => 1e-4,
+        _ => 2e-2,
+    });
+    let (reference, vocab) = read_reference(&a.reference)?;
+    let dev = Device::open(device)?;
+    let mut s = dev.new_stream()?;
+    let decoder = Arc::new(Decoder::load(&s, &a.model, a.dtype)?);
+    if decoder.vocab() != vocab {
+        return Err(format!(
+            "the reference has {vocab} logits per token, the model a vocabulary of {}",
+            decoder.vocab()
+        )
+        .into());
+    }
+    outln!(
+        "{}: {} rows (prompts {}), {}, tolerance {tol:e} relative to each row's largest logit",
+        a.model.display(),
+        reference.len(),
+        reference
+            .iter()
+            .map(|r| r.prompt.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
+        a.dtype
+    );
+    let mut ok = true;
+    let mut report = |what: &str, t: &Tally| {
+        outln!(
+            "{what:<10} {:>5} logit rows, worst error {:.2e}, {} over tolerance; greedy {} of {} checked agree",
+            t.rows,
+            t.worst,
+            t.failed_rows,
+            t.greedy_checked - t.greedy_failed,
+            t.greedy_checked
+        );
+        ok &= t.ok();
+    };
+    let mut alone = Tally::default();
+    for r in &reference {
+        let t = teacher_forced(&s, &decoder, &[r], vocab, tol)?;
+        alone.rows += t.rows;
+        alone.worst = alone.worst.max(t.worst);
+        alone.failed_rows += t.failed_rows;
+        alone.greedy_checked += t.greedy_checked;
+        alone.greedy_failed += t.greedy_failed;
+    }
+    report("alone", &alone);
+    let all: Vec<&RefRow> = reference.iter().collect();
+    report("batched", &teacher_forced(&s, &decoder, &all, vocab, tol)?);
+    let (compared, differ) = generated(&mut s, &decoder, &reference, vocab, tol)?;
+    outln!(
+        "{:<10} {compared} greedy tokens compared (up to each row's first low-margin step), {differ} differ",
+        "generated"
+    );
+    ok &= differ == 0;
+    if ok {
+        outln!("parity: ok");
+        Ok(())
+    } else {
+        Err("parity: logits or greedy tokens differ from the reference beyond the tolerance".into())
+    }
+}

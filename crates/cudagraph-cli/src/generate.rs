@@ -1,0 +1,139 @@
+//! `cudagraph generate`: text (or token ids) from a Hugging Face decoder folder, the prompt
+//! prefilled eagerly and every decode step replayed from a captured graph.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use cudagraph::Device;
+use cudagraph_nn::Dtype;
+use cudagraph_nn::SamplingParams;
+use cudagraph_nn::{Decoder, Generation, GenerationOptions, Request};
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// A Hugging Face model folder: config.json, model.safetensors (or shards), and
+    /// tokenizer.json for `--prompt` (with the `tokenizers` feature).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The prompt as token ids (comma-separated).
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompt")]
+    pub prompt_ids: Vec<i32>,
+    /// The prompt as text (needs tokenizer.json and a build with `--features tokenizers`).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Element type of the weights and activations.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: Dtype,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Keep the smallest set of tokens whose probability reaches p (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Token ids that end the sequence (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub eos: Vec<i32>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Run the decode steps eagerly instead of from a captured graph.
+    #[arg(long)]
+    pub no_graph: bool,
+}
+
+#[cfg(feature = "tokenizers")]
+fn tokenizer(dir: &std::path::Path) -> AnyResult<Option<cudagraph_nn::io::hf::HfTokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    Ok(Some(cudagraph_nn::io::hf::HfTokenizer::read(&path)?))
+}
+
+fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
+    match &a.prompt {
+        None if a.prompt_ids.is_empty() => Err("give --prompt-ids (or --prompt)".into()),
+        None => Ok(a.prompt_ids.clone()),
+        #[cfg(feature = "tokenizers")]
+        Some(text) => {
+            let tok = tokenizer(&a.model)?.ok_or_else(|| {
+                format!(
+                    "--prompt needs {}; pass --prompt-ids instead",
+                    a.model.join("tokenizer.json").display()
+                )
+            })?;
+            Ok(tok
+                .encode(text, true)?
+                .into_iter()
+                .map(|t| t as i32)
+                .collect())
+        }
+        #[cfg(not(feature = "tokenizers"))]
+        Some(_) => Err(
+            "--prompt needs a build with `--features tokenizers`; pass --prompt-ids instead".into(),
+        ),
+    }
+}
+
+pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
+    let prompt = prompt_ids(a)?;
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+    };
+    let dev = Device::open(device)?;
+    let mut s = dev.new_stream()?;
+    let t = Instant::now();
+    let decoder = Arc::new(Decoder::load(&s, &a.model, a.dtype)?);
+    s.synchronize()?;
+    let load_s = t.elapsed().as_secs_f64();
+    let mut opts = GenerationOptions::new(1, prompt.len() + a.max_new_tokens);
+    opts.graphs = !a.no_graph;
+    opts.eos = a.eos.clone();
+    opts.seed = a.seed;
+    let t = Instant::now();
+    let mut gen = Generation::new(&mut s, decoder, opts)?;
+    let setup_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let tokens = gen
+        .generate(
+            &s,
+            &[Request {
+                prompt: prompt.clone(),
+                max_new: a.max_new_tokens,
+                sampling,
+            }],
+            8,
+        )?
+        .pop()
+        .unwrap_or_default();
+    let gen_s = t.elapsed().as_secs_f64();
+    let ids: Vec<String> = tokens.iter().map(i32::to_string).collect();
+    outln!("{}", ids.join(","));
+    #[cfg(feature = "tokenizers")]
+    if let Some(tok) = tokenizer(&a.model)? {
+        let all: Vec<u32> = prompt.iter().chain(&tokens).map(|&t| t as u32).collect();
+        outln!("{}", tok.decode(&all, true)?);
+    }
+    eprintln!(
+        "{} prompt tokens, {} generated in {:.1} ms ({:.0} tokens/s, prefill included); load {:.1} s, capture {:.1} s",
+        prompt.len(),
+        tokens.len(),
+        gen_s * 1e3,
+        tokens.len() as f64 / gen_s.max(1e-9),
+        load_s,
+        setup_s
+    );
+    Ok(())
+}
