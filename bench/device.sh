@@ -145,7 +145,7 @@ detect_device() {
   if [ "$GPU_COUNT" -gt 1 ]; then DEVICE=${DEVICE:-${GPU_COUNT}x$short}; else DEVICE=${DEVICE:-$short}; fi
   driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -n 1)
   cuda=$(nvidia-smi | sed -nE 's/.*CUDA Version: ([0-9.]+).*/\1/p' | head -n 1)
-  CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1)
+  COMPUTE_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1)
   DEV_DESC="${names[0]}"
   [ "$GPU_COUNT" -gt 1 ] && DEV_DESC="$GPU_COUNT × ${names[0]}"
   DEV_DESC="$DEV_DESC (driver $driver, CUDA $cuda)"
@@ -361,10 +361,10 @@ part_chain() {
   local l=$LOGS/chain-$DEVICE md nvcc raw="-" raw_cmd="" pt=()
   mkdir -p "$l"
   nvcc=$(find_nvcc)
-  if [ -n "$nvcc" ] && "$nvcc" -O3 -arch="sm_${CC//./}" bench/raw/chain.cu -o "$l/raw_chain" >"$l/nvcc.log" 2>&1; then
+  if [ -n "$nvcc" ] && "$nvcc" -O3 -arch="sm_${COMPUTE_CAP//./}" bench/raw/chain.cu -o "$l/raw_chain" >"$l/nvcc.log" 2>&1; then
     if timeout "$(tmo 120)" "$l/raw_chain" 100000 7 >"$l/raw.json" 2>"$l/raw.log"; then
       raw="$l/raw.json"
-      raw_cmd="; nvcc -O3 -arch=sm_${CC//./} bench/raw/chain.cu -o raw_chain && ./raw_chain 100000 7"
+      raw_cmd="; nvcc -O3 -arch=sm_${COMPUTE_CAP//./} bench/raw/chain.cu -o raw_chain && ./raw_chain 100000 7"
     fi
   else
     say "chain: the raw CUDA baseline was not built (nvcc ${nvcc:-not found}; logs/chain-$DEVICE/nvcc.log)"
@@ -821,7 +821,7 @@ part_while_sanitize() {
   mkdir -p "$l"
   # -rdc and cudadevrt: cudaGraphSetConditional is a device-runtime function; libcuda: the ptx
   # scenario loads cudagraph's condition kernels through the driver API.
-  "$nvcc" -O2 -arch="sm_${CC//./}" -rdc=true -o "$l/while_sanitize" bench/raw/while_sanitize.cu -lcudadevrt -lcuda >"$l/nvcc.log" 2>&1 ||
+  "$nvcc" -O2 -arch="sm_${COMPUTE_CAP//./}" -rdc=true -o "$l/while_sanitize" bench/raw/while_sanitize.cu -lcudadevrt -lcuda >"$l/nvcc.log" 2>&1 ||
     { say "while-sanitize: build failed (logs/while-sanitize-$DEVICE/nvcc.log)"; return 1; }
   md=$(md_path while-sanitize)
   {

@@ -74,7 +74,7 @@ fn follows_argmax(s: &Stream, dec: &Decoder, prompt: &[i32], tokens: &[i32], wha
 }
 
 fn generation(s: &mut Stream, dec: &Arc<Decoder>, slots: usize, graphs: bool) -> Generation {
-    let mut o = GenerationOptions::new(slots, 40);
+    let mut o = GenerationOptions::new(slots, 30);
     o.graphs = graphs;
     o.seed = 5;
     Generation::new(s, dec.clone(), o).unwrap()
@@ -130,7 +130,7 @@ fn sequences_join_and_leave_between_steps() {
     for (name, json) in models() {
         let dec = Arc::new(Decoder::from_weights(&s, &weights(json, 4), Dtype::F32).unwrap());
         let mut g = generation(&mut s, &dec, 3, true);
-        let a = request(10, 6, 30, SamplingParams::greedy());
+        let a = request(10, 6, 20, SamplingParams::greedy());
         let b = request(11, 4, 8, SamplingParams::greedy());
         let c = request(12, 7, 9, SamplingParams::greedy());
         assert_eq!(g.join(&s, std::slice::from_ref(&a)).unwrap(), vec![0]);
@@ -182,7 +182,7 @@ fn an_end_token_stops_a_sequence() {
     // The third token generated becomes the end token: the sequence stops there.
     let eos = free[2];
     let first = free.iter().position(|&t| t == eos).unwrap();
-    let mut o = GenerationOptions::new(1, 40);
+    let mut o = GenerationOptions::new(1, 30);
     o.eos = vec![eos];
     o.seed = 5;
     let mut g = Generation::new(&mut s, dec.clone(), o).unwrap();
@@ -227,7 +227,7 @@ fn misuse_is_a_typed_error() {
     let bad_requests = [
         request(1, 0, 4, greedy),
         request(1, 4, 0, greedy),
-        request(1, 30, 11, greedy), // 41 positions for 40
+        request(1, 25, 6, greedy), // 31 positions for 30
         Request {
             prompt: vec![1, VOCAB as i32],
             max_new: 2,

@@ -119,14 +119,15 @@ fn greedy_ties_take_the_lowest_id_and_nan_is_never_chosen() {
     let tokens = s.alloc_zeroed::<i32>(5).unwrap();
     sampler.sample(&s, &logits, 5, &gen, &tokens).unwrap();
     assert_eq!(s.to_vec(&tokens).unwrap(), vec![0, 7, 4098, 1, 1024]);
-    // Temperature with +inf: only the +inf tokens can come out.
+    // Temperature with +inf: only the +inf tokens can come out; NaN never.
     for r in 0..5 {
         sampler.set(&s, r, &params(1.0, 0, 1.0)).unwrap();
     }
     for _ in 0..20 {
         sampler.sample(&s, &logits, 5, &gen, &tokens).unwrap();
         let t = s.to_vec(&tokens).unwrap();
-        assert!(t[1] == 7 || t[1] == 3000, "{t:?}");
+        // Row 1 at temperature 1 is nearly uniform (e² against 4097·e): any token.
+        assert!((0..vocab as i32).contains(&t[1]), "{t:?}");
         assert_eq!(t[2], 4098);
         assert!(t[3] != 0, "{t:?}");
         assert!(t[4] == 1024 || t[4] == 2048, "{t:?}");
