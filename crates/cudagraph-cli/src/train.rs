@@ -461,7 +461,7 @@ fn run_distributed(env: &DistEnv, a: &TrainArgs) -> AnyResult<()> {
 fn checksum(s: &cudagraph::Stream, model: &Sequential) -> AnyResult<i64> {
     let mut h: u64 = 0;
     for p in model.parameters() {
-        for v in s.to_vec(p.data())? {
+        for v in p.to_vec(s)? {
             h = h
                 .wrapping_mul(0x100_0000_01b3)
                 .wrapping_add(v.to_bits() as u64);
