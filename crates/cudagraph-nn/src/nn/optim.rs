@@ -216,10 +216,13 @@ fn pair_copies(
 /// parameter's gradient always has the parameter's type).
 #[derive(Default)]
 struct Grads {
-    f32: Vec<(usize, Arc<DeviceBuffer<f32>>, Arc<DeviceBuffer<f32>>)>,
-    bf16: Vec<(usize, Arc<DeviceBuffer<bf16>>, Arc<DeviceBuffer<bf16>>)>,
-    f16: Vec<(usize, Arc<DeviceBuffer<f16>>, Arc<DeviceBuffer<f16>>)>,
+    f32: Vec<WithGrad<f32>>,
+    bf16: Vec<WithGrad<bf16>>,
+    f16: Vec<WithGrad<f16>>,
 }
+
+/// A parameter's index, its values and its gradient, both of type `T`.
+type WithGrad<T> = (usize, Arc<DeviceBuffer<T>>, Arc<DeviceBuffer<T>>);
 
 impl Grads {
     /// Which launch advances the optimizer's step count: the last of the ones that run (f32
