@@ -1,6 +1,7 @@
 //! GPU tests of pure 16-bit training: parameters stored only in bf16 (PyTorch's
 //! `model.to(torch.bfloat16)` with AdamW on those parameters) through `Parameter`,
-//! `Sequential::to_dtype`, autograd, `Sgd`/`Adam` and checkpoints.
+//! `Sequential::to_dtype`, autograd, `Sgd`/`Adam` and checkpoints (an AdamW step of f16
+//! parameters is checked against its reference too).
 //!
 //! Reference: the optimizer's rule in f64 from the state the device started the step from
 //! (parameters, gradients and moments read back), with the f32 hyperparameters widened. A new
@@ -23,13 +24,18 @@ const OUT: usize = 4;
 
 /// Linear → ReLU → Linear with PyTorch's init from `seed`, stored in bf16.
 fn mlp(s: &Stream, seed: u64) -> Sequential {
+    mlp_as(s, seed, Dtype::Bf16)
+}
+
+/// [`mlp`] stored in `dtype`.
+fn mlp_as(s: &Stream, seed: u64, dtype: Dtype) -> Sequential {
     let mut rng = HostRng::new(seed);
     let mut m = Sequential::new(vec![
         Layer::Linear(Linear::new(s, IN, HIDDEN, &mut rng).unwrap()),
         Layer::ReLU,
         Layer::Linear(Linear::new(s, HIDDEN, OUT, &mut rng).unwrap()),
     ]);
-    m.to_dtype(s, Dtype::Bf16).unwrap();
+    m.to_dtype(s, dtype).unwrap();
     m
 }
 
@@ -37,6 +43,12 @@ fn mlp(s: &Stream, seed: u64) -> Sequential {
 /// test uses its own row count, so the engine registry measures its products once, in that
 /// test, and every later call (eager, captured, resumed) runs the engine chosen then.
 fn batch(s: &Stream, seed: u64, rows: usize) -> (Tensor, Tensor) {
+    batch_as(s, seed, rows, Dtype::Bf16)
+}
+
+/// [`batch`] with `x` in `dtype` (its values are bf16 values, exact in f16 too but for the
+/// rare ones below f16's normal range).
+fn batch_as(s: &Stream, seed: u64, rows: usize, dtype: Dtype) -> (Tensor, Tensor) {
     let mut rng = HostRng::new(seed);
     let a = rng.vec_normal(IN * OUT);
     let x: Vec<f32> = rng
@@ -50,9 +62,11 @@ fn batch(s: &Stream, seed: u64, rows: usize) -> (Tensor, Tensor) {
             y[r * OUT + o] = (0..IN).map(|i| x[r * IN + i] * a[i * OUT + o]).sum();
         }
     }
-    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
     (
-        Tensor::from_host_as(s, &xb, &[rows, IN]).unwrap(),
+        Tensor::from_host(s, &x, &[rows, IN])
+            .unwrap()
+            .to_dtype(s, dtype)
+            .unwrap(),
         Tensor::from_host(s, &y, &[rows, OUT]).unwrap(),
     )
 }
@@ -125,8 +139,13 @@ fn grad_f32(s: &Stream, p: &Parameter) -> Vec<f64> {
             .iter()
             .map(|v| v.to_f32() as f64)
             .collect(),
+        TypedBuffer::F16(g) => s
+            .to_vec(&g)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32() as f64)
+            .collect(),
         TypedBuffer::F32(g) => s.to_vec(&g).unwrap().iter().map(|&v| v as f64).collect(),
-        other => panic!("unexpected gradient type {:?}", other.dtype()),
     }
 }
 
@@ -134,24 +153,44 @@ fn wide(s: &Stream, p: &Parameter) -> Vec<f64> {
     p.to_vec(s).unwrap().iter().map(|&v| v as f64).collect()
 }
 
-/// Half a bf16 unit in the last place at `r` (8 significant bits).
-fn half_ulp_bf16(r: f64) -> f64 {
-    if r == 0.0 {
-        return 2f64.powi(-134);
+/// Half a unit in the last place at `r` of bf16 (8 significant bits, smallest normal
+/// exponent -126) or f16 (11 bits, -14; below that the subnormals' fixed step).
+fn half_ulp(dtype: Dtype, r: f64) -> f64 {
+    let (bits, min_exp) = match dtype {
+        Dtype::F16 => (11, -14),
+        _ => (8, -126),
+    };
+    let e = if r == 0.0 {
+        min_exp
+    } else {
+        (r.abs().log2().floor() as i32).max(min_exp)
+    };
+    2f64.powi(e - bits)
+}
+
+/// `v` rounded to nearest even in `dtype`.
+fn round_to(dtype: Dtype, v: f64) -> f32 {
+    match dtype {
+        Dtype::F16 => half::f16::from_f32(v as f32).to_f32(),
+        _ => bf16::from_f32(v as f32).to_f32(),
     }
-    2f64.powi(r.abs().log2().floor() as i32 - 8)
 }
 
 /// New bf16 values against their f64 reference (see the module documentation).
 fn check_bf16(what: &str, got: &[f64], want: &[f64], scale: &[f64]) {
+    check_16(Dtype::Bf16, what, got, want, scale)
+}
+
+/// New 16-bit values of `dtype` against their f64 reference.
+fn check_16(dtype: Dtype, what: &str, got: &[f64], want: &[f64], scale: &[f64]) {
     let mut exact = 0;
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let bound = half_ulp_bf16(w) + 1e-5 * scale[i];
+        let bound = half_ulp(dtype, w) + 1e-5 * scale[i];
         assert!(
             (g - w).abs() <= bound,
-            "{what} element {i}: {g} vs reference {w} (bound {bound:e})"
+            "{what} {dtype} element {i}: {g} vs reference {w} (bound {bound:e})"
         );
-        if g as f32 == bf16::from_f32(w as f32).to_f32() {
+        if g as f32 == round_to(dtype, w) {
             exact += 1;
         }
     }
@@ -227,12 +266,21 @@ fn gradients_of_a_bf16_parameter_accumulate_in_its_own_type() {
 
 #[test]
 fn one_adamw_step_of_bf16_parameters_matches_the_f64_rule_rounded_once() {
+    adamw_step_matches_the_f64_rule(Dtype::Bf16, 64);
+}
+
+#[test]
+fn one_adamw_step_of_f16_parameters_matches_the_f64_rule_rounded_once() {
+    adamw_step_matches_the_f64_rule(Dtype::F16, 88);
+}
+
+fn adamw_step_matches_the_f64_rule(dtype: Dtype, rows: usize) {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let model = mlp(&s, 11);
+    let model = mlp_as(&s, 11, dtype);
     let params = model.parameters();
     let mut opt = adamw(&s, params.clone());
-    let (x, y) = batch(&s, 12, 64);
+    let (x, y) = batch_as(&s, 12, rows, dtype);
     opt.zero_grad(&s, true).unwrap();
     let out = model.forward(&s, &x).unwrap();
     mse_loss(&s, &out, &y, Reduction::Mean)
@@ -258,8 +306,14 @@ fn one_adamw_step_of_bf16_parameters_matches_the_f64_rule_rounded_once() {
             want.push(w1 - upd);
             scale.push(w.abs() + upd.abs());
         }
-        check_bf16(&format!("adamw {}", p.name()), &wide(&s, p), &want, &scale);
-        assert_eq!(p.dtype(), Dtype::Bf16);
+        check_16(
+            dtype,
+            &format!("adamw {}", p.name()),
+            &wide(&s, p),
+            &want,
+            &scale,
+        );
+        assert_eq!(p.dtype(), dtype);
     }
     assert_eq!(opt.step_counts(&s).unwrap(), vec![1; params.len()]);
     assert_eq!(opt.hyperparameters().unwrap().step_count(&s).unwrap(), 1);
