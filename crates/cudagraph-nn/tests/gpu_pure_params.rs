@@ -592,3 +592,23 @@ fn a_checkpoint_of_a_bf16_model_stores_bf16_and_resumes_bit_for_bit() {
     assert_eq!(bits(&s, &params), want.0, "bf16 parameters");
     assert_eq!(state_bits(&s, &opt), want.1, "moments and step counts");
 }
+
+#[test]
+fn data_parallel_training_refuses_bf16_parameters() {
+    let dev = gpu_test_device!();
+    // Under CUDAGRAPH_REQUIRE_GPU=1 a missing NCCL fails here instead of skipping.
+    if !cudagraph_nn::dist::nccl_or_skip() {
+        return;
+    }
+    let opts = cudagraph_nn::dist::DistOptions {
+        timeout: std::time::Duration::from_secs(120),
+        ..Default::default()
+    };
+    let comm = Communicator::init(&dev, &cudagraph_nn::dist::DistEnv::single(), &opts).unwrap();
+    let s = dev.new_stream().unwrap();
+    let model = mlp(&s, 71);
+    match DistributedDataParallel::new(&s, &comm, model.parameters(), DdpOptions::default()) {
+        Ok(_) => panic!("DDP of bf16 parameters was accepted"),
+        Err(e) => low_precision(e, "DistributedDataParallel"),
+    }
+}
