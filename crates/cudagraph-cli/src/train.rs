@@ -59,6 +59,11 @@ pub struct TrainArgs {
     /// and loss inside `autocast`; parameters and optimizer state stay f32).
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
+    /// Element type the parameters are stored in: `f32` (the default), or `bf16` for pure
+    /// bf16 training (PyTorch's `model.to(torch.bfloat16)`: no f32 masters, Adam's moments
+    /// in f32, each new parameter rounded once). Needs `--dtype bf16`; one GPU.
+    #[arg(long, default_value = "f32")]
+    pub params: Dtype,
     /// Run up to K training steps per graph launch (implies --graph): the epoch's data stays
     /// on the device and a WHILE node loops over the steps, loading each batch with a kernel.
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
@@ -147,6 +152,28 @@ fn accuracy(
     Ok((correct, test.len()))
 }
 
+/// `--params`: f32, or bf16 with `--dtype bf16` on one GPU without `--skip-nonfinite`.
+fn check_params(a: &TrainArgs) -> AnyResult<()> {
+    match a.params {
+        Dtype::F32 => Ok(()),
+        Dtype::F16 => Err(
+            "--params f16 is not offered: pure f16 needs a loss scaler, which \
+                           works on f32 masters; use --dtype f16 (f32 parameters, the scaler)"
+                .into(),
+        ),
+        Dtype::Bf16 if a.dtype != Dtype::Bf16 => Err(
+            "--params bf16 needs --dtype bf16 (the f32 images are cast in the forward pass)".into(),
+        ),
+        Dtype::Bf16 if a.skip_nonfinite => Err("--params bf16 does not take --skip-nonfinite \
+             (its finiteness check reads f32 gradients)"
+            .into()),
+        Dtype::Bf16 if a.nproc > 0 => {
+            Err("--params bf16 trains on one GPU (data-parallel reduction is f32)".into())
+        }
+        Dtype::Bf16 => Ok(()),
+    }
+}
+
 pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     if a.batch_size == 0 || a.log_every == 0 {
         return Err("--batch-size and --log-every must be at least 1".into());
@@ -158,6 +185,7 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
                 .into(),
         );
     }
+    check_params(a)?;
     if a.nproc > 0 {
         return launch_ranks(a);
     }
@@ -173,9 +201,10 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     outln!(
         "#### {mode} ({:?} on UCI digits, {}, batch {}, Adam lr {})",
         a.model,
-        match a.dtype {
-            Dtype::F32 => "f32".to_string(),
-            d => format!("{d} autocast"),
+        match (a.dtype, a.params) {
+            (Dtype::F32, _) => "f32".to_string(),
+            (d, Dtype::F32) => format!("{d} autocast"),
+            (d, p) => format!("{d} autocast, {p} parameters"),
         },
         a.batch_size,
         a.lr
@@ -186,7 +215,9 @@ pub fn run(ordinal: usize, a: &TrainArgs) -> AnyResult<()> {
     let mut s = dev.new_stream()?;
     outln!("- dataloader {}", format_memory_line(&dev.memory_stats()));
     let mut rng = HostRng::new(a.seed + 1);
-    let model = build(&s, a.model, &mut rng)?;
+    let mut model = build(&s, a.model, &mut rng)?;
+    // Pure bf16: the parameters are stored in bf16 before the optimizer takes them.
+    model.to_dtype(&s, a.params)?;
     let mut opt = Adam::new(&s, model.parameters(), a.lr, 0.0, false)?;
     outln!("- model ready {}", format_memory_line(&dev.memory_stats()));
     let b = a.batch_size;
@@ -461,7 +492,7 @@ fn run_distributed(env: &DistEnv, a: &TrainArgs) -> AnyResult<()> {
 fn checksum(s: &cudagraph::Stream, model: &Sequential) -> AnyResult<i64> {
     let mut h: u64 = 0;
     for p in model.parameters() {
-        for v in s.to_vec(p.data())? {
+        for v in p.to_vec(s)? {
             h = h
                 .wrapping_mul(0x100_0000_01b3)
                 .wrapping_add(v.to_bits() as u64);
@@ -636,4 +667,37 @@ fn train_rank(dev: &Device, comm: &Communicator, env: &DistEnv, a: &TrainArgs) -
         return Err("the ranks' parameters differ after training".into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    fn check(args: &[&str]) -> Result<(), String> {
+        let cli = Cli::try_parse_from(std::iter::once("train").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        check_params(&cli.args).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn params_bf16_needs_dtype_bf16_one_gpu_and_no_skip_nonfinite() {
+        check(&[]).unwrap();
+        check(&["--params", "bf16", "--dtype", "bf16", "--graph"]).unwrap();
+        let e = check(&["--params", "bf16"]).unwrap_err();
+        assert!(e.contains("--dtype bf16"), "{e}");
+        let e = check(&["--params", "f16", "--dtype", "f16"]).unwrap_err();
+        assert!(e.contains("loss scaler"), "{e}");
+        let e = check(&["--params", "bf16", "--dtype", "bf16", "--skip-nonfinite"]).unwrap_err();
+        assert!(e.contains("--skip-nonfinite"), "{e}");
+        let e = check(&["--params", "bf16", "--dtype", "bf16", "--nproc", "2"]).unwrap_err();
+        assert!(e.contains("one GPU"), "{e}");
+        assert!(check(&["--params", "f64"]).is_err());
+    }
 }

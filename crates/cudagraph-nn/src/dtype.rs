@@ -171,6 +171,15 @@ impl TypedBuffer {
         }
     }
 
+    /// The device address of the first element.
+    pub fn addr(&self) -> u64 {
+        match self {
+            TypedBuffer::F32(b) => b.addr(),
+            TypedBuffer::Bf16(b) => b.addr(),
+            TypedBuffer::F16(b) => b.addr(),
+        }
+    }
+
     /// Whether the buffer has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0

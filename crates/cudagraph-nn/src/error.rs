@@ -329,6 +329,19 @@ pub enum AmpError {
         "GradScaler: this optimizer cannot step under a device-side scaler (Sgd and Adam can)"
     )]
     NotScalable,
+    /// Something that needs f32 parameters or gradients was given parameters stored in
+    /// 16 bits (pure bf16/f16 training, [`crate::Parameter::to_dtype`]).
+    #[error("{what} does not take 16-bit parameters: `{param}` is {dtype}. To fix: {fix}")]
+    LowPrecisionParams {
+        /// What refused them, e.g. `GradScaler` or `optimizer copies`.
+        what: &'static str,
+        /// The first 16-bit parameter's name.
+        param: String,
+        /// Its element type.
+        dtype: &'static str,
+        /// What to do instead.
+        fix: &'static str,
+    },
     /// `clip_grad_norm`'s bound must be a number ≥ 0 (infinity: no clipping).
     #[error("clip_grad_norm: max_norm = {0} is invalid; it must be ≥ 0 (inf: no clipping)")]
     MaxNorm(f32),

@@ -112,7 +112,7 @@ fn check_linear(s: &Stream, d: Dtype, c: &Case, seed: u64) {
             }
         })
         .collect();
-    let dw = s.to_vec(&w.grad().unwrap()).unwrap();
+    let dw = s.to_vec(&w.grad().unwrap().unwrap()).unwrap();
     for j in 0..n {
         for l in 0..k {
             let (mut acc, mut mag) = (0f64, 0f64);
@@ -127,7 +127,7 @@ fn check_linear(s: &Stream, d: Dtype, c: &Case, seed: u64) {
             );
         }
     }
-    let dx = s.to_vec(&xp.grad().unwrap()).unwrap();
+    let dx = s.to_vec(&xp.grad().unwrap().unwrap()).unwrap();
     for i in 0..m {
         for l in 0..k {
             let (mut acc, mut mag) = (0f64, 0f64);
@@ -143,7 +143,7 @@ fn check_linear(s: &Stream, d: Dtype, c: &Case, seed: u64) {
         }
     }
     if bias {
-        let db = s.to_vec(&b.grad().unwrap()).unwrap();
+        let db = s.to_vec(&b.grad().unwrap().unwrap()).unwrap();
         for j in 0..n {
             let acc: f64 = (0..m).map(|i| g[i * n + j]).sum();
             let mag: f64 = (0..m).map(|i| g[i * n + j].abs()).sum();
@@ -154,7 +154,7 @@ fn check_linear(s: &Stream, d: Dtype, c: &Case, seed: u64) {
             );
         }
     } else {
-        assert!(b.grad().is_none());
+        assert!(b.grad().unwrap().is_none());
     }
 }
 
@@ -216,7 +216,7 @@ fn sixteen_bit_tensors_run_linear_without_autocast_and_accumulate_a_reused_input
         let yg = y.to_vec(&s).unwrap();
         let xr: Vec<f64> = v.iter().map(|&a| round_to(d, a) as f64).collect();
         let g: Vec<f64> = yg.iter().map(|&a| round_to(d, 2.0 * a) as f64).collect();
-        let got = s.to_vec(&p.grad().unwrap()).unwrap();
+        let got = s.to_vec(&p.grad().unwrap().unwrap()).unwrap();
         for i in 0..m {
             for l in 0..k {
                 // d/dx[i,l] of Σ y² with y = x xᵀ: (G + Gᵀ)·x, each product rounded to d, their
@@ -275,7 +275,7 @@ fn a_weight_is_cast_once_per_scope_and_copies_replace_the_cast() {
     assert_eq!(two.node_count(), one.node_count() + 1, "one cast per scope");
     // A copy (here the exact cast, as an optimizer keeps it) replaces the cast.
     let copy = Arc::new(s.alloc_zeroed::<bf16>(n * k).unwrap());
-    cast::to_bf16(&s, w.data(), &copy).unwrap();
+    cast::to_bf16(&s, w.data().unwrap(), &copy).unwrap();
     let opts = AutocastOptions {
         dtype: Dtype::Bf16,
         copies: vec![(w.clone(), TypedBuffer::Bf16(copy.clone()))],
@@ -371,7 +371,7 @@ fn mixed_training(
     let w = model
         .parameters()
         .iter()
-        .flat_map(|p| s.to_vec(p.data()).unwrap())
+        .flat_map(|p| s.to_vec(p.data().unwrap()).unwrap())
         .collect();
     (w, last.to_vec(&s).unwrap()[0])
 }
@@ -493,7 +493,7 @@ fn autocast_conv2d_matches_an_f64_reference_and_its_master_gradients_are_f32() {
                 }
             }
         }
-        let dw = s.to_vec(&w.grad().unwrap()).unwrap();
+        let dw = s.to_vec(&w.grad().unwrap().unwrap()).unwrap();
         for (i, (got, want)) in dw.iter().zip(&dw_ref).enumerate() {
             let tol = 4.0 * unit(d) * dw_mag[i] + 1e-30;
             assert!(
@@ -501,7 +501,7 @@ fn autocast_conv2d_matches_an_f64_reference_and_its_master_gradients_are_f32() {
                 "{d} dw[{i}]: {got} vs {want}"
             );
         }
-        let db = s.to_vec(&b.grad().unwrap()).unwrap();
+        let db = s.to_vec(&b.grad().unwrap().unwrap()).unwrap();
         for o in 0..oc {
             let want: f64 = (0..n)
                 .flat_map(|img| (0..h * h).map(move |p| (img, p)))
@@ -516,7 +516,10 @@ fn autocast_conv2d_matches_an_f64_reference_and_its_master_gradients_are_f32() {
                 "{d} db[{o}]"
             );
         }
-        assert!(xp.grad().is_some(), "{d}: the input's gradient flows too");
+        assert!(
+            xp.grad().unwrap().is_some(),
+            "{d}: the input's gradient flows too"
+        );
     }
 }
 

@@ -76,7 +76,7 @@ fn input(s: &Stream, name: &str, v: &[f32], shape: &[usize], d: Dtype) -> (Param
 }
 
 fn grad(s: &Stream, p: &Parameter) -> Vec<f32> {
-    s.to_vec(&p.grad().expect("a gradient")).unwrap()
+    s.to_vec(&p.grad().unwrap().expect("a gradient")).unwrap()
 }
 
 /// `(out, dqkv)` of causal attention in f64: `qkv: [b·t, 3·h·d]`, `dout: [b·t, h·d]`.

@@ -128,7 +128,11 @@ impl Run {
         }
         let h = self.opt.hyperparameters().unwrap();
         Snapshot {
-            params: self.params().iter().map(|p| f32_bits(p.data())).collect(),
+            params: self
+                .params()
+                .iter()
+                .map(|p| f32_bits(p.data().unwrap()))
+                .collect(),
             state,
             copies: self
                 .opt
@@ -298,7 +302,7 @@ fn sgd_with_momentum_and_no_scaler_resumes_too() {
     let bits = |s: &Stream, l: &Linear| -> Vec<u32> {
         l.parameters()
             .iter()
-            .flat_map(|p| s.to_vec(p.data()).unwrap())
+            .flat_map(|p| s.to_vec(p.data().unwrap()).unwrap())
             .map(f32::to_bits)
             .collect()
     };

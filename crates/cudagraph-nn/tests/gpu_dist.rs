@@ -50,7 +50,7 @@ fn batch() -> (Vec<f32>, Vec<f32>) {
 fn params(s: &Stream, m: &Sequential) -> Vec<Vec<f32>> {
     m.parameters()
         .iter()
-        .map(|p| s.to_vec(p.data()).unwrap())
+        .map(|p| s.to_vec(p.data().unwrap()).unwrap())
         .collect()
 }
 
@@ -356,7 +356,14 @@ fn a_parameter_unused_on_one_rank_is_still_averaged() {
         ddp.synchronize(&s)?;
         Ok(all
             .iter()
-            .map(|p| s.to_vec(p.grad().expect("every parameter has a gradient").as_ref()))
+            .map(|p| {
+                s.to_vec(
+                    p.grad()
+                        .unwrap()
+                        .expect("every parameter has a gradient")
+                        .as_ref(),
+                )
+            })
             .collect::<std::result::Result<Vec<_>, _>>()?)
     })
     .unwrap();
@@ -581,7 +588,7 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     loss.backward(&s).unwrap();
     let want: Vec<Vec<f32>> = ps
         .iter()
-        .map(|p| s.to_vec(p.grad().unwrap().as_ref()).unwrap())
+        .map(|p| s.to_vec(p.grad().unwrap().unwrap().as_ref()).unwrap())
         .collect();
     for p in &ps {
         p.zero_grad(&s, true).unwrap();
@@ -594,7 +601,10 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
             .iter()
             .position(|q| q.same_as(p))
             .expect("one of the model's");
-        assert!(p.grad().is_some(), "reported before its gradient exists");
+        assert!(
+            p.grad().unwrap().is_some(),
+            "reported before its gradient exists"
+        );
         seen.lock().unwrap().push(i);
         Ok(())
     })
@@ -611,7 +621,7 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     let pos = |i: usize| order.iter().position(|&j| j == i).unwrap();
     assert!(pos(2) < pos(0) && pos(3) < pos(1), "{order:?}");
     for (p, w) in ps.iter().zip(&want) {
-        assert_eq!(&s.to_vec(p.grad().unwrap().as_ref()).unwrap(), w);
+        assert_eq!(&s.to_vec(p.grad().unwrap().unwrap().as_ref()).unwrap(), w);
     }
 
     // A weight used twice (two leaves of one parameter): reported once, after both uses.
@@ -630,7 +640,7 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
         .unwrap()
         .backward(&s)
         .unwrap();
-    let want = s.to_vec(w.grad().unwrap().as_ref()).unwrap();
+    let want = s.to_vec(w.grad().unwrap().unwrap().as_ref()).unwrap();
     w.zero_grad(&s, true).unwrap();
     let out = ops::linear(
         &s,
@@ -650,7 +660,7 @@ fn backward_hook_reports_each_parameter_once_as_soon_as_its_gradient_is_complete
     })
     .unwrap();
     assert_eq!(calls, 1);
-    assert_eq!(s.to_vec(w.grad().unwrap().as_ref()).unwrap(), want);
+    assert_eq!(s.to_vec(w.grad().unwrap().unwrap().as_ref()).unwrap(), want);
 }
 
 #[test]
@@ -687,6 +697,6 @@ fn one_rank_communicator_works_eagerly_and_captured() {
     let (x, y) = shard(&s, 0, 1);
     let loss = mse_loss(&s, &m.forward(&s, &x).unwrap(), &y, Reduction::Mean).unwrap();
     ddp.backward(&s, &loss).unwrap();
-    assert!(m.parameters().iter().all(|p| p.grad().is_some()));
+    assert!(m.parameters().iter().all(|p| p.grad().unwrap().is_some()));
     drop(g); // graphs that captured the communicator go before it
 }

@@ -56,7 +56,7 @@ fn set_policy(dev: &Device, f: impl FnOnce(&mut Policy)) {
 }
 
 fn grad(p: &Parameter, s: &Stream) -> Vec<f32> {
-    s.to_vec(p.grad().expect("gradient present").as_ref())
+    s.to_vec(p.grad().unwrap().expect("gradient present").as_ref())
         .unwrap()
 }
 
@@ -987,8 +987,8 @@ fn check_linear(
     let xp = Parameter::from_host(s, "x", &xh, &[m, k]).unwrap();
     let y = l.forward_act(s, &xp.tensor(), relu).unwrap();
     let (wh, bh) = (
-        to_f64(&s.to_vec(l.weight.data()).unwrap()),
-        to_f64(&s.to_vec(l.bias.data()).unwrap()),
+        to_f64(&s.to_vec(l.weight.data().unwrap()).unwrap()),
+        to_f64(&s.to_vec(l.bias.data().unwrap()).unwrap()),
     );
     let mut want = cpu::linear(&to_f64(&xh), &wh, &bh, m, k, n);
     if relu {
@@ -1309,8 +1309,8 @@ fn check_conv_op(s: &Stream, rng: &mut HostRng, g: &ConvGeom, what: &str) {
     let layer = Conv2d::new(s, g.c, g.oc, g.kh, g.stride, g.pad, rng).unwrap();
     let y = layer.forward(s, &xp.tensor()).unwrap();
     let (wh, bh) = (
-        to_f64(&s.to_vec(layer.weight.data()).unwrap()),
-        to_f64(&s.to_vec(layer.bias.data()).unwrap()),
+        to_f64(&s.to_vec(layer.weight.data().unwrap()).unwrap()),
+        to_f64(&s.to_vec(layer.bias.data().unwrap()).unwrap()),
     );
     let want = cv.forward(&to_f64(&xh), &wh, &bh);
     assert!(
@@ -1576,8 +1576,8 @@ fn registry_keeps_capture_choices_unmeasured_and_measures_eagerly() {
         .unwrap();
     assert_eq!(best.engine, e.engine);
     // Both runs agree with the CPU (different engines may have run them).
-    let wh = to_f64(&s.to_vec(l.weight.data()).unwrap());
-    let bh = to_f64(&s.to_vec(l.bias.data()).unwrap());
+    let wh = to_f64(&s.to_vec(l.weight.data().unwrap()).unwrap());
+    let bh = to_f64(&s.to_vec(l.bias.data().unwrap()).unwrap());
     let xh = to_f64(&x.to_vec(&s).unwrap());
     let want = cpu::relu(&cpu::linear(&xh, &wh, &bh, 19, 61, 29));
     assert!(rel_err(&y_graph, &want) < 2e-5);

@@ -80,7 +80,7 @@ fn gradients_flow_back_through_casts_and_16_bit_relu() {
         let loss = mse_loss(&s, &y, &target, Reduction::Sum).unwrap();
         assert_eq!(loss.dtype(), Dtype::F32, "losses run in f32");
         loss.backward(&s).unwrap();
-        let grad = s.to_vec(&p.grad().unwrap()).unwrap();
+        let grad = s.to_vec(&p.grad().unwrap().unwrap()).unwrap();
         let got_y = y.to_vec(&s).unwrap();
         for i in 0..n {
             // relu(round(x)) exactly; the f32 gradient 2(y - t) rounded to d on its way
@@ -138,13 +138,13 @@ fn a_captured_mixed_step_replays_equal_to_eager() {
         Ok(loss)
     };
     let eager_loss = step(&s).unwrap().to_vec(&s).unwrap();
-    let eager_grad = s.to_vec(&p.grad().unwrap()).unwrap();
+    let eager_grad = s.to_vec(&p.grad().unwrap().unwrap()).unwrap();
     let (g, loss) = Graph::capture(&mut s, CaptureOptions::new(), |cs| Ok(step(cs)?)).unwrap();
     for _ in 0..3 {
         g.replay(&s).unwrap();
         assert_bits_eq(&loss.to_vec(&s).unwrap(), &eager_loss, "loss");
         assert_bits_eq(
-            &s.to_vec(&p.grad().unwrap()).unwrap(),
+            &s.to_vec(&p.grad().unwrap().unwrap()).unwrap(),
             &eager_grad,
             "gradient",
         );
@@ -198,7 +198,7 @@ fn sixteen_bit_max_pool_selects_exactly_and_routes_gradients_to_the_argmax() {
         )
         .unwrap();
         loss.backward(&s).unwrap();
-        let grad = s.to_vec(&p.grad().unwrap()).unwrap();
+        let grad = s.to_vec(&p.grad().unwrap().unwrap()).unwrap();
         let mut want_grad = vec![0f64; v.len()];
         for pl in 0..n * c {
             for i in 0..oh {

@@ -22,7 +22,7 @@ fn data(rng: &mut HostRng, n: usize) -> Vec<f32> {
 }
 
 fn grad(p: &Parameter, s: &Stream) -> Vec<f32> {
-    s.to_vec(p.grad().expect("gradient present").as_ref())
+    s.to_vec(p.grad().unwrap().expect("gradient present").as_ref())
         .unwrap()
 }
 
@@ -41,8 +41,8 @@ fn linear_relu_forward_and_backward_match_cpu() {
         let x = Tensor::from_host(&s, &xh, &[m, k]).unwrap();
         let y = l.forward_act(&s, &x, relu).unwrap();
         let (wh, bh) = (
-            s.to_vec(l.weight.data()).unwrap(),
-            s.to_vec(l.bias.data()).unwrap(),
+            s.to_vec(l.weight.data().unwrap()).unwrap(),
+            s.to_vec(l.bias.data().unwrap()).unwrap(),
         );
         let mut want = cpu::linear(&to_f64(&xh), &to_f64(&wh), &to_f64(&bh), m, k, n);
         if relu {
@@ -92,7 +92,7 @@ fn input_gradient_flows_through_two_layers() {
     let loss = mse_loss(&s, &model.forward(&s, &x).unwrap(), &t, Reduction::Mean).unwrap();
     loss.backward(&s).unwrap();
     // CPU: forward, then backward through both layers.
-    let f = |p: &Parameter| to_f64(&s.to_vec(p.data()).unwrap());
+    let f = |p: &Parameter| to_f64(&s.to_vec(p.data().unwrap()).unwrap());
     let (w1, b1, w2, b2) = (f(&l1.weight), f(&l1.bias), f(&l2.weight), f(&l2.bias));
     let h1 = cpu::relu(&cpu::linear(&to_f64(&xh), &w1, &b1, m, k, h));
     let y = cpu::linear(&h1, &w2, &b2, m, h, n);
@@ -140,7 +140,7 @@ fn cross_entropy_matches_cpu() {
     let tu: Vec<usize> = tgt.iter().map(|&t| t as usize).collect();
     let (want, dz) = cpu::cross_entropy(&zh, &tu, m, c);
     assert!(rel_err(&loss.to_vec(&s).unwrap(), &[want]) < 2e-5);
-    let wh = to_f64(&s.to_vec(l.weight.data()).unwrap());
+    let wh = to_f64(&s.to_vec(l.weight.data().unwrap()).unwrap());
     let (_, dw, db) = cpu::linear_backward(&to_f64(&xh), &wh, &dz, m, 4, c);
     assert!(rel_err(&grad(&l.weight, &s), &dw) < 2e-5);
     assert!(rel_err(&grad(&l.bias, &s), &db) < 2e-5);
@@ -173,8 +173,8 @@ fn conv2d_and_maxpool_match_cpu() {
             pad,
         };
         let (wh, bh) = (
-            to_f64(&s.to_vec(conv.weight.data()).unwrap()),
-            to_f64(&s.to_vec(conv.bias.data()).unwrap()),
+            to_f64(&s.to_vec(conv.weight.data().unwrap()).unwrap()),
+            to_f64(&s.to_vec(conv.bias.data().unwrap()).unwrap()),
         );
         let want = g.forward(&to_f64(&xh), &wh, &bh);
         assert!(rel_err(&y.to_vec(&s).unwrap(), &want) < 2e-5);
@@ -208,8 +208,8 @@ fn conv2d_and_maxpool_match_cpu() {
     };
     let want = g.forward(
         &to_f64(&xh),
-        &to_f64(&s.to_vec(conv.weight.data()).unwrap()),
-        &to_f64(&s.to_vec(conv.bias.data()).unwrap()),
+        &to_f64(&s.to_vec(conv.weight.data().unwrap()).unwrap()),
+        &to_f64(&s.to_vec(conv.bias.data().unwrap()).unwrap()),
     );
     assert!(rel_err(&y.to_vec(&s).unwrap(), &want) < 1e-5);
     // Max pooling forward and backward (input gradient through the argmax).
@@ -250,11 +250,11 @@ fn maxpool_backward_routes_gradient_to_the_argmax() {
         stride: 1,
         pad: 1,
     };
-    let wh = to_f64(&s.to_vec(conv.weight.data()).unwrap());
+    let wh = to_f64(&s.to_vec(conv.weight.data().unwrap()).unwrap());
     let yh = g.forward(
         &to_f64(&xh),
         &wh,
-        &to_f64(&s.to_vec(conv.bias.data()).unwrap()),
+        &to_f64(&s.to_vec(conv.bias.data().unwrap()).unwrap()),
     );
     let (ph, idx) = cpu::max_pool(&yh, 4, 8, 8, 2, 2);
     let dp = cpu::mse_grad(&ph, &to_f64(&th), false);
@@ -299,7 +299,7 @@ fn optimizers_match_reference_updates() {
                 _ => cpu::adam_step(&mut w, &g, &mut b0, &mut b1, t, 0.01, 0.1, true),
             }
         }
-        let got = s.to_vec(p.data()).unwrap();
+        let got = s.to_vec(p.data().unwrap()).unwrap();
         assert!(
             rel_err(&got, &w) < 2e-5,
             "optimizer {kind}: {}",
@@ -350,8 +350,8 @@ fn train_linear(
         last.unwrap()
     };
     (
-        s.to_vec(model.weight.data()).unwrap(),
-        s.to_vec(model.bias.data()).unwrap(),
+        s.to_vec(model.weight.data().unwrap()).unwrap(),
+        s.to_vec(model.bias.data().unwrap()).unwrap(),
         loss.to_vec(&s).unwrap()[0],
     )
 }
@@ -403,7 +403,7 @@ fn mlp_static_graph_inference_matches_eager_and_cpu() {
     let params: Vec<Vec<f64>> = model
         .parameters()
         .iter()
-        .map(|p| to_f64(&s.to_vec(p.data()).unwrap()))
+        .map(|p| to_f64(&s.to_vec(p.data().unwrap()).unwrap()))
         .collect();
     // The seed MLP (1024 -> 512 -> 256 -> 10, ReLU between) in f64.
     let mlp_cpu = |xh: &[f32], bs: usize| {
@@ -528,7 +528,7 @@ fn gradients_accumulate_without_set_to_none() {
     p.zero_grad(&s, false).unwrap();
     assert!(grad(&p, &s).iter().all(|&g| g == 0.0));
     p.zero_grad(&s, true).unwrap();
-    assert!(p.grad().is_none());
+    assert!(p.grad().unwrap().is_none());
     let err = mse_loss(&s, &p.tensor(), &t, Reduction::Sum).unwrap();
     assert!(matches!(
         Tensor::from_host(&s, &[1.0, 2.0], &[2])
@@ -848,7 +848,10 @@ fn graphed_module_trains_like_the_eager_module() {
         opt_g.step(&s).unwrap();
     }
     for (pe, pg) in params_e.iter().zip(&params_g) {
-        let (we, wg) = (s.to_vec(pe.data()).unwrap(), s.to_vec(pg.data()).unwrap());
+        let (we, wg) = (
+            s.to_vec(pe.data().unwrap()).unwrap(),
+            s.to_vec(pg.data().unwrap()).unwrap(),
+        );
         assert!(
             rel_err(&wg, &to_f64(&we)) < 1e-5,
             "{}: {}",

@@ -145,7 +145,7 @@ fn check_against_reference(dev: &Device, sizes: &[usize], kind: &Kind, steps: i3
         }
     }
     for (p, want) in params.iter().zip(&host_w) {
-        let got = s.to_vec(p.data()).unwrap();
+        let got = s.to_vec(p.data().unwrap()).unwrap();
         let err = rel_err(&got, want);
         assert!(err < 1e-5, "{} ({} elements): {err}", p.name(), want.len());
     }
@@ -301,7 +301,10 @@ fn train_params(dev: &Device, graphed: bool, steps: usize) -> (Vec<Vec<f32>>, Ve
             losses.push(loss.to_vec(&s).unwrap()[0]);
         }
     }
-    let w = params.iter().map(|p| s.to_vec(p.data()).unwrap()).collect();
+    let w = params
+        .iter()
+        .map(|p| s.to_vec(p.data().unwrap()).unwrap())
+        .collect();
     (w, losses)
 }
 
@@ -346,11 +349,11 @@ fn hyperparameters_change_between_replays_without_recapture() {
         if lr != 0.1 {
             opt.set_lr(&s, lr).unwrap();
         }
-        let before = s.to_vec(p.data()).unwrap();
+        let before = s.to_vec(p.data().unwrap()).unwrap();
         g.replay(&s).unwrap();
         let g_ref: Vec<f64> = w.iter().zip(&th).map(|(a, b)| 2.0 * (a - b)).collect();
         sgd_ref(&mut w, &g_ref, None, lr as f64, 0.0, 0.0);
-        let got = s.to_vec(p.data()).unwrap();
+        let got = s.to_vec(p.data().unwrap()).unwrap();
         assert!(rel_err(&got, &w) < 1e-6, "lr {lr}: {}", rel_err(&got, &w));
         if lr == 0.0 {
             assert_eq!(got, before, "lr 0 leaves the weights unchanged");
@@ -403,7 +406,7 @@ fn adam_hyperparameters_set_from_the_host_reach_a_captured_step() {
         let gr: Vec<f64> = w.iter().zip(&th).map(|(a, b)| 2.0 * (a - b)).collect();
         adam_ref(&mut w, &gr, &mut m, &mut v, step, c);
     }
-    let got = s.to_vec(p.data()).unwrap();
+    let got = s.to_vec(p.data().unwrap()).unwrap();
     assert!(rel_err(&got, &w) < 1e-5, "{}", rel_err(&got, &w));
     assert!(opt.set_betas(&s, 1.0, 0.9).is_err());
 }
@@ -464,7 +467,7 @@ fn train_scheduled(
             }
         }
     }
-    (losses, lrs, s.to_vec(model.weight.data()).unwrap())
+    (losses, lrs, s.to_vec(model.weight.data().unwrap()).unwrap())
 }
 
 #[test]
@@ -580,7 +583,7 @@ fn cross_entropy_matches_f64_from_10_to_50000_classes() {
             ((got as f64 - want) / want.abs().max(1e-12)).abs() < 1e-5,
             "{rows}x{cols}: loss {got} vs {want}"
         );
-        let g = s.to_vec(p.grad().unwrap().as_ref()).unwrap();
+        let g = s.to_vec(p.grad().unwrap().unwrap().as_ref()).unwrap();
         let err = rel_err(&g, &dz);
         assert!(err < 2e-6, "{rows}x{cols}: gradient {err}");
         // Without gradients: the same loss up to rounding (the registry measures the plan of
@@ -708,7 +711,7 @@ fn cross_entropy_replays_equal_eager_bit_for_bit() {
         le.backward(&s).unwrap();
         let (le, ge) = (
             le.to_vec(&s).unwrap(),
-            s.to_vec(p.grad().unwrap().as_ref()).unwrap(),
+            s.to_vec(p.grad().unwrap().unwrap().as_ref()).unwrap(),
         );
         let (g, lg) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
             p.zero_grad(cs, true)?;
@@ -724,7 +727,7 @@ fn cross_entropy_replays_equal_eager_bit_for_bit() {
             format_args!("{rows}x{cols} loss, replay vs eager"),
         );
         assert_bits_eq(
-            &s.to_vec(p.grad().unwrap().as_ref()).unwrap(),
+            &s.to_vec(p.grad().unwrap().unwrap().as_ref()).unwrap(),
             &ge,
             format_args!("{rows}x{cols} gradient, replay vs eager"),
         );
@@ -756,7 +759,7 @@ fn mse_matches_f64_with_any_upstream_gradient() {
                 .iter()
                 .map(|g| 2.5 * g)
                 .collect();
-            let g = s.to_vec(p.grad().unwrap().as_ref()).unwrap();
+            let g = s.to_vec(p.grad().unwrap().unwrap().as_ref()).unwrap();
             assert!(
                 rel_err(&g, &want_g) < 1e-6,
                 "n {n}: {}",
@@ -791,7 +794,7 @@ fn optimizers_reject_bad_configurations() {
     // An optimizer with no gradients at all still steps (and counts the step).
     let mut opt = Sgd::new(&s, vec![p.clone()], 0.1, 0.0, 0.0).unwrap();
     opt.step(&s).unwrap();
-    assert_eq!(s.to_vec(p.data()).unwrap(), vec![1.0, 2.0]);
+    assert_eq!(s.to_vec(p.data().unwrap()).unwrap(), vec![1.0, 2.0]);
     assert_eq!(opt.hyperparameters().unwrap().step_count(&s).unwrap(), 1);
 }
 

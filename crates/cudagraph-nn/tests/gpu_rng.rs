@@ -159,7 +159,7 @@ fn dropout_keeps_one_minus_p_scales_the_rest_and_routes_gradients_through_the_ma
     let dyh = rng.vec_normal(n);
     let dy = Tensor::from_host(&s, &dyh, &[n]).unwrap();
     y.backward_with(&s, dy).unwrap();
-    let dx = s.to_vec(x.grad().unwrap().as_ref()).unwrap();
+    let dx = s.to_vec(x.grad().unwrap().unwrap().as_ref()).unwrap();
     for i in 0..n {
         let want = if keep[i] { dyh[i] * scale } else { 0.0 };
         assert_eq!(dx[i].to_bits(), want.to_bits(), "gradient {i}");
@@ -250,7 +250,10 @@ fn eager_and_graphed_training_with_dropout_match_step_for_step() {
         .iter()
         .zip(graph_model.parameters())
     {
-        assert_eq!(s.to_vec(a.data()).unwrap(), s.to_vec(b.data()).unwrap());
+        assert_eq!(
+            s.to_vec(a.data().unwrap()).unwrap(),
+            s.to_vec(b.data().unwrap()).unwrap()
+        );
     }
     // Eval mode: no dropout, no draws.
     let mut m = dropout_model(&s, 1);

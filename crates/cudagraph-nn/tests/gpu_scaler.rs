@@ -78,7 +78,7 @@ impl Example {
         self.opt.zero_grad(q, true)?;
         let loss = scale_by_device(q, &self.w.tensor(), &self.x)?;
         self.scaler.scale(q, &loss)?.backward(q)?;
-        let g = self.w.grad().expect("w has a gradient");
+        let g = self.w.grad().unwrap().expect("w has a gradient");
         cast::to_f16(q, &g, &self.half)?;
         cast::from_f16(q, &self.half, &g)
     }
@@ -95,8 +95,8 @@ impl Example {
     /// (w, gradient, scale, tracker, found_inf) after an iteration.
     fn record(&self, s: &Stream) -> (f32, f32, f32, u32, bool) {
         (
-            s.to_vec(self.w.data()).unwrap()[0],
-            s.to_vec(&self.w.grad().unwrap()).unwrap()[0],
+            s.to_vec(self.w.data().unwrap()).unwrap()[0],
+            s.to_vec(&self.w.grad().unwrap().unwrap()).unwrap()[0],
             self.scaler.get_scale(s).unwrap(),
             self.scaler.growth_tracker(s).unwrap(),
             self.scaler.found_inf(s).unwrap(),
@@ -119,7 +119,7 @@ fn example_eager(dev: &Device, unscale_first: bool) -> (Vec<f32>, Vec<Record>) {
     for x in XS {
         s.copy_from_host(&[x], &ex.x).unwrap();
         ex.backward(&s).unwrap();
-        scaled.push(s.to_vec(&ex.w.grad().unwrap()).unwrap()[0]);
+        scaled.push(s.to_vec(&ex.w.grad().unwrap().unwrap()).unwrap()[0]);
         ex.finish(&s, unscale_first).unwrap();
         records.push(ex.record(&s));
     }
@@ -296,7 +296,7 @@ fn round_bits(values: &[f32], dtype: Dtype) -> Vec<u16> {
 fn host_copy_bits(s: &Stream, params: &[Parameter], dtype: Dtype) -> Vec<Vec<u16>> {
     params
         .iter()
-        .map(|p| round_bits(&s.to_vec(p.data()).unwrap(), dtype))
+        .map(|p| round_bits(&s.to_vec(p.data().unwrap()).unwrap(), dtype))
         .collect()
 }
 
@@ -349,10 +349,13 @@ fn train(dev: &Device, kind: Kind, scale: Option<f32>, copies: Option<Dtype>, st
         assert_eq!(sc.growth_tracker(&s).unwrap(), steps as u32);
     }
     Run {
-        params: params.iter().map(|p| s.to_vec(p.data()).unwrap()).collect(),
+        params: params
+            .iter()
+            .map(|p| s.to_vec(p.data().unwrap()).unwrap())
+            .collect(),
         grads: params
             .iter()
-            .map(|p| s.to_vec(&p.grad().unwrap()).unwrap())
+            .map(|p| s.to_vec(&p.grad().unwrap().unwrap()).unwrap())
             .collect(),
         state: opt_state(&s, &*opt),
         copies: copy_bits(&s, &*opt),
@@ -440,12 +443,12 @@ fn copies_start_from_the_masters_and_refresh_after_a_direct_write() {
                 let got: Vec<u16> = match c {
                     TypedBuffer::Bf16(_) => {
                         let b = s.alloc::<bf16>(p.numel()).unwrap();
-                        cast::to_bf16(&s, p.data(), &b).unwrap();
+                        cast::to_bf16(&s, p.data().unwrap(), &b).unwrap();
                         s.to_vec(&b).unwrap().iter().map(|v| v.to_bits()).collect()
                     }
                     TypedBuffer::F16(_) => {
                         let b = s.alloc::<f16>(p.numel()).unwrap();
-                        cast::to_f16(&s, p.data(), &b).unwrap();
+                        cast::to_f16(&s, p.data().unwrap(), &b).unwrap();
                         s.to_vec(&b).unwrap().iter().map(|v| v.to_bits()).collect()
                     }
                     TypedBuffer::F32(_) => unreachable!(),
@@ -456,7 +459,7 @@ fn copies_start_from_the_masters_and_refresh_after_a_direct_write() {
             let p = &params[3];
             let before = copy_bits(&s, &*opt)[3].clone();
             let new: Vec<f32> = (0..p.numel()).map(|i| i as f32 * 1.0e-3 + 0.1).collect();
-            s.copy_from_host(&new, p.data()).unwrap();
+            s.copy_from_host(&new, p.data().unwrap()).unwrap();
             assert_eq!(copy_bits(&s, &*opt)[3], before, "stale until refreshed");
             opt.refresh_copies(&s).unwrap();
             assert_eq!(copy_bits(&s, &*opt), host_copy_bits(&s, &params, dtype));
@@ -513,11 +516,13 @@ fn an_overflow_skips_the_whole_step_on_the_device() {
                 scaler.scale(&s, &loss).unwrap().backward(&s).unwrap();
             }
             if let Some(v) = poison {
-                let g = params[5].grad().unwrap();
+                let g = params[5].grad().unwrap().unwrap();
                 s.fill32(&g, 777, 1, v).unwrap();
             }
-            let before_w: Vec<Vec<f32>> =
-                params.iter().map(|p| s.to_vec(p.data()).unwrap()).collect();
+            let before_w: Vec<Vec<f32>> = params
+                .iter()
+                .map(|p| s.to_vec(p.data().unwrap()).unwrap())
+                .collect();
             let before_state = opt_state(&s, &*opt);
             let before_copies = copy_bits(&s, &*opt);
             scaler.step(&s, &mut *opt).unwrap();
@@ -527,8 +532,10 @@ fn an_overflow_skips_the_whole_step_on_the_device() {
             (scale, tracker) = update_ref(scale, tracker, found, &cfg);
             assert_eq!(scaler.get_scale(&s).unwrap(), scale, "iteration {i}");
             assert_eq!(scaler.growth_tracker(&s).unwrap(), tracker, "iteration {i}");
-            let after_w: Vec<Vec<f32>> =
-                params.iter().map(|p| s.to_vec(p.data()).unwrap()).collect();
+            let after_w: Vec<Vec<f32>> = params
+                .iter()
+                .map(|p| s.to_vec(p.data().unwrap()).unwrap())
+                .collect();
             let after_state = opt_state(&s, &*opt);
             if found {
                 for (j, (a, b)) in after_w.iter().zip(&before_w).enumerate() {
@@ -564,7 +571,8 @@ fn the_scale_grows_every_interval_and_never_to_infinity() {
     let s = dev.new_stream().unwrap();
     // The target is the parameter itself: zero gradients, which no scale makes overflow.
     let (params, _) = problem(&s, &[10], 14);
-    let targets = [Tensor::from_host(&s, &s.to_vec(params[0].data()).unwrap(), &[10]).unwrap()];
+    let targets =
+        [Tensor::from_host(&s, &s.to_vec(params[0].data().unwrap()).unwrap(), &[10]).unwrap()];
     for (init_scale, interval, growth) in [
         (8.0f32, 3u32, 2.0f64),
         (2f32.powi(127), 1, 2.0),
@@ -616,13 +624,19 @@ fn each_optimizer_is_skipped_on_its_own_gradients_and_update_backs_off_once() {
         let loss = mse_loss(&s, &p.tensor(), t, Reduction::Sum).unwrap();
         scaler.scale(&s, &loss).unwrap().backward(&s).unwrap();
     }
-    s.fill32(&params[1].grad().unwrap(), 0, 1, f32::INFINITY)
+    s.fill32(&params[1].grad().unwrap().unwrap(), 0, 1, f32::INFINITY)
         .unwrap();
-    let w0: Vec<Vec<f32>> = params.iter().map(|p| s.to_vec(p.data()).unwrap()).collect();
+    let w0: Vec<Vec<f32>> = params
+        .iter()
+        .map(|p| s.to_vec(p.data().unwrap()).unwrap())
+        .collect();
     scaler.step(&s, &mut a).unwrap();
     scaler.step(&s, &mut b).unwrap();
     scaler.update(&s).unwrap();
-    let w1: Vec<Vec<f32>> = params.iter().map(|p| s.to_vec(p.data()).unwrap()).collect();
+    let w1: Vec<Vec<f32>> = params
+        .iter()
+        .map(|p| s.to_vec(p.data().unwrap()).unwrap())
+        .collect();
     assert_ne!(w1[0], w0[0], "a's gradients were finite: it stepped");
     assert_bits_eq(&w1[1], &w0[1], "b found an inf: skipped");
     assert_eq!(a.step_counts(&s).unwrap(), vec![1]);
@@ -655,14 +669,14 @@ fn a_disabled_scaler_passes_everything_through() {
         "the loss itself"
     );
     scaled.backward(&s).unwrap();
-    let g = s.to_vec(&params[0].grad().unwrap()).unwrap();
+    let g = s.to_vec(&params[0].grad().unwrap().unwrap()).unwrap();
     scaler.unscale(&s, &opt).unwrap();
     scaler.unscale(&s, &opt).unwrap(); // no bookkeeping while disabled
-    let w0 = s.to_vec(params[0].data()).unwrap();
+    let w0 = s.to_vec(params[0].data().unwrap()).unwrap();
     scaler.step(&s, &mut opt).unwrap();
     scaler.update(&s).unwrap();
     scaler.update(&s).unwrap();
-    let w1 = s.to_vec(params[0].data()).unwrap();
+    let w1 = s.to_vec(params[0].data().unwrap()).unwrap();
     let want: Vec<f64> = w0
         .iter()
         .zip(&g)
@@ -757,7 +771,7 @@ fn scale_by_device_matches_the_f64_reference_forward_and_backward() {
         .zip(to_f64(&tv))
         .map(|(y, t)| 2.0 * (y - t) * k as f64)
         .collect();
-    let got = s.to_vec(&p.grad().unwrap()).unwrap();
+    let got = s.to_vec(&p.grad().unwrap().unwrap()).unwrap();
     assert!(rel_err(&got, &want_g) < 1e-6, "{}", rel_err(&got, &want_g));
     // From an implicit gradient of one, every element's gradient is the scalar itself.
     p.zero_grad(&s, true).unwrap();
@@ -766,7 +780,7 @@ fn scale_by_device_matches_the_f64_reference_forward_and_backward() {
         .unwrap()
         .backward(&s)
         .unwrap();
-    assert_eq!(s.to_vec(&one.grad().unwrap()).unwrap(), vec![k]);
+    assert_eq!(s.to_vec(&one.grad().unwrap().unwrap()).unwrap(), vec![k]);
 }
 
 /// A whole mixed-precision step — scaled loss, backward, unscale, clipping, the fused Adam
@@ -835,7 +849,7 @@ fn full_steps(dev: &Device, graphed: bool) -> Vec<Snapshot> {
         }
         let w: Vec<u32> = params
             .iter()
-            .flat_map(|p| s.to_vec(p.data()).unwrap())
+            .flat_map(|p| s.to_vec(p.data().unwrap()).unwrap())
             .map(f32::to_bits)
             .collect();
         let c: Vec<u16> = copy_bits(&s, &opt).concat();

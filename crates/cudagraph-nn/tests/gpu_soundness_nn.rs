@@ -429,7 +429,7 @@ fn four_threads_train_their_own_models_graphed_like_one_thread() {
             step.replay(&s).unwrap();
         }
         let mut out = loss.to_vec(&s).unwrap();
-        out.extend(s.to_vec(model.parameters()[0].data()).unwrap());
+        out.extend(s.to_vec(model.parameters()[0].data().unwrap()).unwrap());
         out
     };
     let want = run(&dev);

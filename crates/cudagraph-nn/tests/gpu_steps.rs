@@ -71,7 +71,7 @@ fn step(q: &dyn Queue, r: &mut Run) -> cudagraph_nn::Result<Tensor> {
 fn weights(s: &Stream, m: &Sequential) -> Vec<Vec<f32>> {
     m.parameters()
         .iter()
-        .map(|p| s.to_vec(p.data()).unwrap())
+        .map(|p| s.to_vec(p.data().unwrap()).unwrap())
         .collect()
 }
 
@@ -166,8 +166,8 @@ fn an_if_node_skips_the_optimizer_step_when_anything_is_not_finite() {
     assert_eq!(g.info().conditionals.if_nodes, 1);
     let w = |m: &Linear| {
         (
-            s.to_vec(m.weight.data()).unwrap(),
-            s.to_vec(m.bias.data()).unwrap(),
+            s.to_vec(m.weight.data().unwrap()).unwrap(),
+            s.to_vec(m.bias.data().unwrap()).unwrap(),
         )
     };
     g.replay(&s).unwrap();

@@ -701,7 +701,7 @@ fn gpu_uploads_equal_host_values() {
     for (name, t) in &w.tensors {
         let p = &params[name];
         assert_eq!(p.shape(), t.shape.as_slice(), "{name}");
-        let got = s.to_vec(p.data()).unwrap();
+        let got = s.to_vec(p.data().unwrap()).unwrap();
         let want = t.to_f32();
         assert!(
             got.iter()

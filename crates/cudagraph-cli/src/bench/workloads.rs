@@ -457,15 +457,15 @@ fn train(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar) 
         let (times, g, _loss) = eager_then_graph(dev, &mut s, a, |q| step(q, &mut opt))?;
         // Same code, same data: one more eager step and one replay from equal weights (their
         // 16-bit copies recast, the scaler's state put back) agree.
-        let w0 = s.to_vec(model.weight.data())?;
+        let w0 = s.to_vec(model.weight.data()?)?;
         let scale0 = scaler.borrow().state_dict(&s)?;
         step(&s, &mut opt)?;
-        let w_eager = s.to_vec(model.weight.data())?;
-        s.copy_from_host(&w0, model.weight.data())?;
+        let w_eager = s.to_vec(model.weight.data()?)?;
+        s.copy_from_host(&w0, model.weight.data()?)?;
         opt.refresh_copies(&s)?;
         scaler.borrow_mut().load_state_dict(&s, &scale0)?;
         g.replay(&s)?;
-        let w_graph = s.to_vec(model.weight.data())?;
+        let w_graph = s.to_vec(model.weight.data()?)?;
         let info = *g.info();
         // Adam's moments and step count moved on during the timing, so only SGD (stateless
         // here) can be compared this way.
@@ -529,22 +529,22 @@ fn dropout(dev: &Device, a: &WorkloadArgs, rows: &mut Vec<Row>, pb: &ProgressBar
     // From equal weights and the same (seed, counter), one eager step and one replay draw the
     // same masks and agree; a second replay draws new masks and moves the weights differently.
     let first = match &model.layers[0] {
-        Layer::Linear(l) => l.weight.data(),
+        Layer::Linear(l) => l.weight.data()?,
         _ => unreachable!("the first layer is the Linear built above"),
     };
     // Every parameter goes back to where the eager step started (the first layer's gradient
     // depends on the layers after it).
     let params = model.parameters();
-    let start = params
-        .iter()
-        .map(|p| s.to_vec(p.data()))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut start = Vec::with_capacity(params.len());
+    for p in &params {
+        start.push(s.to_vec(p.data()?)?);
+    }
     let scale0 = scaler.borrow().state_dict(&s)?;
     gen.manual_seed(&s, seed)?;
     step(&s, &mut opt)?;
     let w_eager = s.to_vec(first)?;
     for (p, v) in params.iter().zip(&start) {
-        s.copy_from_host(v, p.data())?;
+        s.copy_from_host(v, p.data()?)?;
     }
     opt.refresh_copies(&s)?;
     scaler.borrow_mut().load_state_dict(&s, &scale0)?;

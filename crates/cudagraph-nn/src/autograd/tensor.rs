@@ -701,36 +701,65 @@ fn add_into(q: &dyn Queue, nn: &Nn, acc: &TypedBuffer, g: &TypedBuffer) -> Resul
 
 struct ParamInner {
     name: String,
-    data: Arc<DeviceBuffer<f32>>,
+    data: TypedBuffer,
     shape: Vec<usize>,
-    grad: Mutex<Option<Arc<DeviceBuffer<f32>>>>,
+    /// The gradient, always of the parameter's own element type.
+    grad: Mutex<Option<TypedBuffer>>,
 }
 
 /// A trainable tensor with a persistent data buffer and a gradient slot.
+///
+/// Its element type ([`Self::dtype`]) is f32 by default — the masters of mixed precision —
+/// or bf16/f16 for pure 16-bit training (PyTorch's `model.to(torch.bfloat16)`): see
+/// [`Self::from_host_as`] and [`Self::to_dtype`]. A parameter's gradient always has the
+/// parameter's own type.
 #[derive(Clone)]
 pub struct Parameter(Arc<ParamInner>);
 
 impl fmt::Debug for Parameter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Parameter({} {:?})", self.0.name, self.0.shape)
+        match self.dtype() {
+            Dtype::F32 => write!(f, "Parameter({} {:?})", self.0.name, self.0.shape),
+            d => write!(f, "Parameter({} {:?} {d})", self.0.name, self.0.shape),
+        }
     }
 }
 
 impl Parameter {
-    /// A parameter initialised from host values.
+    /// An f32 parameter initialised from host values.
     pub fn from_host(s: &Stream, name: &str, data: &[f32], shape: &[usize]) -> Result<Self> {
-        if data.len() != numel(shape) {
+        Self::from_host_as(s, name, data, shape, Dtype::F32)
+    }
+
+    /// A parameter of element type `dtype` initialised from host values, each rounded to the
+    /// nearest value of that type (ties to even; past the largest finite value, ±inf).
+    pub fn from_host_as(
+        s: &Stream,
+        name: &str,
+        data: &[f32],
+        shape: &[usize],
+        dtype: Dtype,
+    ) -> Result<Self> {
+        fn upload<T: Float>(s: &Stream, data: &[f32]) -> Result<TypedBuffer> {
+            let v: Vec<T> = data.iter().map(|&x| T::from_f32(x)).collect();
+            Ok(TypedBuffer::new(Arc::new(s.alloc_from_host(&v)?)))
+        }
+        Self::check_len(name, data.len(), shape)?;
+        let buf = match dtype {
+            Dtype::F32 => TypedBuffer::F32(Arc::new(s.alloc_from_host(data)?)),
+            Dtype::Bf16 => upload::<half::bf16>(s, data)?,
+            Dtype::F16 => upload::<half::f16>(s, data)?,
+        };
+        Self::from_typed(name, buf, shape)
+    }
+
+    fn check_len(name: &str, len: usize, shape: &[usize]) -> Result<()> {
+        if len != numel(shape) {
             return Err(NnError::Shape(format!(
-                "parameter {name}: {} values for shape {shape:?}",
-                data.len()
+                "parameter {name}: {len} values for shape {shape:?}"
             )));
         }
-        Ok(Parameter(Arc::new(ParamInner {
-            name: name.to_string(),
-            data: Arc::new(s.alloc_from_host(data)?),
-            shape: shape.to_vec(),
-            grad: Mutex::new(None),
-        })))
+        Ok(())
     }
 
     /// The parameter's name, e.g. `weight` or `bias`.
@@ -758,29 +787,55 @@ impl Parameter {
         numel(&self.0.shape)
     }
 
-    /// The parameter as a tensor that records gradients.
+    /// The element type of the values (and of the gradient).
+    pub fn dtype(&self) -> Dtype {
+        self.0.data.dtype()
+    }
+
+    /// The parameter as a tensor of its own element type that records gradients.
     pub fn tensor(&self) -> Tensor {
         Tensor::leaf(
-            TypedBuffer::F32(self.0.data.clone()),
+            self.0.data.clone(),
             self.0.shape.clone(),
             true,
             Some(self.clone()),
         )
     }
 
-    /// The values on the device, row-major.
-    pub fn data(&self) -> &DeviceBuffer<f32> {
+    /// The values on the device, row-major, of an f32 parameter (`NnError::Dtype` for a
+    /// 16-bit one: see [`Self::data_as`] and [`Self::buffer`]).
+    pub fn data(&self) -> Result<&DeviceBuffer<f32>> {
+        Ok(self.data_as::<f32>()?)
+    }
+
+    /// The values' buffer as one of `T`; `NnError::Dtype` when the parameter holds another
+    /// type.
+    pub fn data_as<T: Float>(&self) -> Result<&Arc<DeviceBuffer<T>>> {
+        self.0.data.get::<T>().ok_or(NnError::Dtype {
+            what: "parameter",
+            expected: T::DTYPE.name(),
+            found: self.dtype().name(),
+        })
+    }
+
+    /// The values' buffer, whatever its element type.
+    pub fn buffer(&self) -> &TypedBuffer {
         &self.0.data
     }
 
-    /// A parameter whose data is `data` (shared, not copied).
+    /// Waits for the stream and returns the values as f32 (exact for every element type).
+    pub fn to_vec(&self, s: &Stream) -> Result<Vec<f32>> {
+        self.tensor().to_vec(s)
+    }
+
+    /// An f32 parameter whose data is `data` (shared, not copied).
     pub fn from_buffer(name: &str, data: Arc<DeviceBuffer<f32>>, shape: &[usize]) -> Result<Self> {
-        if data.len() != numel(shape) {
-            return Err(NnError::Shape(format!(
-                "parameter {name}: {} values for shape {shape:?}",
-                data.len()
-            )));
-        }
+        Self::from_typed(name, TypedBuffer::F32(data), shape)
+    }
+
+    /// A parameter of any element type whose data is `data` (shared, not copied).
+    pub fn from_typed(name: &str, data: TypedBuffer, shape: &[usize]) -> Result<Self> {
+        Self::check_len(name, data.len(), shape)?;
         Ok(Parameter(Arc::new(ParamInner {
             name: name.to_string(),
             data,
@@ -789,27 +844,75 @@ impl Parameter {
         })))
     }
 
-    /// The current gradient buffer (`None` after `zero_grad(true)` until the next backward).
-    pub fn grad(&self) -> Option<Arc<DeviceBuffer<f32>>> {
+    /// This parameter with its values converted to `dtype` (rounded to nearest, ties to even;
+    /// cast on `q`), as a new parameter of the same name and shape with no gradient —
+    /// PyTorch's `param.to(torch.bfloat16)`. The same dtype gives this parameter back (a
+    /// handle to it, no copy). Modules convert all their parameters with `to_dtype`
+    /// (`Linear`, `Conv2d`, `Sequential`); build the optimizer after converting, since it
+    /// keeps the handles it was given.
+    pub fn to_dtype(&self, q: &dyn Queue, dtype: Dtype) -> Result<Parameter> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let data = crate::kernels::cast::cast_new(q, &self.0.data, dtype)?;
+        Self::from_typed(&self.0.name, data, &self.0.shape)
+    }
+
+    /// The current gradient buffer of an f32 parameter (`None` after `zero_grad(true)` until
+    /// the next backward); `NnError::Dtype` for a 16-bit parameter (see
+    /// [`Self::grad_typed`]).
+    pub fn grad(&self) -> Result<Option<Arc<DeviceBuffer<f32>>>> {
+        match lock(&self.0.grad).as_ref() {
+            None if self.dtype() == Dtype::F32 => Ok(None),
+            None => Err(self.grad_dtype_error()),
+            Some(TypedBuffer::F32(g)) => Ok(Some(g.clone())),
+            Some(_) => Err(self.grad_dtype_error()),
+        }
+    }
+
+    fn grad_dtype_error(&self) -> NnError {
+        NnError::Dtype {
+            what: "parameter gradient",
+            expected: Dtype::F32.name(),
+            found: self.dtype().name(),
+        }
+    }
+
+    /// The current gradient buffer, of the parameter's own element type (`None` after
+    /// `zero_grad(true)` until the next backward).
+    pub fn grad_typed(&self) -> Option<TypedBuffer> {
         lock(&self.0.grad).clone()
     }
 
     /// PyTorch's `zero_grad`: `set_to_none` drops the gradient (the next backward writes it
     /// fresh, with no memset); otherwise it is zeroed in place on `q`.
     pub fn zero_grad(&self, q: &dyn Queue, set_to_none: bool) -> Result<()> {
+        let mut slot = lock(&self.0.grad);
         if set_to_none {
-            *lock(&self.0.grad) = None;
-        } else if let Some(g) = lock(&self.0.grad).as_ref() {
-            q.memset_zero(g)?;
+            *slot = None;
+        } else {
+            match slot.as_ref() {
+                Some(TypedBuffer::F32(g)) => q.memset_zero(g.as_ref())?,
+                Some(TypedBuffer::Bf16(g)) => q.memset_zero(g.as_ref())?,
+                Some(TypedBuffer::F16(g)) => q.memset_zero(g.as_ref())?,
+                None => {}
+            }
         }
         Ok(())
     }
 
+    /// Replaces the gradient buffer of an f32 parameter (`None` clears it, like
+    /// `zero_grad(true)`); see [`Self::set_grad_typed`].
+    pub fn set_grad(&self, grad: Option<Arc<DeviceBuffer<f32>>>) -> Result<()> {
+        self.set_grad_typed(grad.map(TypedBuffer::F32))
+    }
+
     /// Replaces the gradient buffer (`None` clears it, like `zero_grad(true)`). For code that
     /// produces gradients outside autograd (data-parallel reduction of a parameter that got
-    /// no gradient locally); the buffer must hold one value per element. The parameter owns
-    /// it from then on: backward adds into it and `zero_grad(false)` zeroes it, in place.
-    pub fn set_grad(&self, grad: Option<Arc<DeviceBuffer<f32>>>) -> Result<()> {
+    /// no gradient locally); the buffer must hold one value per element, of the parameter's
+    /// own type (else `NnError::Dtype`). The parameter owns it from then on: backward adds
+    /// into it and `zero_grad(false)` zeroes it, in place.
+    pub fn set_grad_typed(&self, grad: Option<TypedBuffer>) -> Result<()> {
         if let Some(g) = &grad {
             if g.len() != self.numel() {
                 return Err(NnError::Shape(format!(
@@ -819,23 +922,56 @@ impl Parameter {
                     self.numel()
                 )));
             }
+            if g.dtype() != self.dtype() {
+                return Err(NnError::Dtype {
+                    what: "parameter gradient",
+                    expected: self.dtype().name(),
+                    found: g.dtype().name(),
+                });
+            }
         }
         *lock(&self.0.grad) = grad;
         Ok(())
     }
 
     fn accumulate(&self, q: &dyn Queue, nn: &Nn, g: Tensor) -> Result<()> {
+        if g.dtype() != self.dtype() {
+            return Err(NnError::Dtype {
+                what: "parameter gradient",
+                expected: self.dtype().name(),
+                found: g.dtype().name(),
+            });
+        }
         let mut slot = lock(&self.0.grad);
         match slot.as_ref() {
-            Some(acc) => nn.k.add_inplace(q, acc, g.data()?),
+            Some(acc) => add_into(q, nn, acc, g.buffer()),
             None => {
                 // Adopt the buffer only if it is autograd's alone; a caller's tensor is copied
                 // (accumulation and `zero_grad` write the gradient in place later).
                 let own = g.into_owned_gradient(q)?;
-                *slot = Some(own.data_arc()?.clone());
+                *slot = Some(own.buffer().clone());
                 Ok(())
             }
         }
+    }
+}
+
+/// [`AmpError::LowPrecisionParams`](crate::error::AmpError::LowPrecisionParams) naming the
+/// first of `params` stored in 16 bits, if any: for what needs f32 parameters and gradients.
+pub(crate) fn require_f32_params(
+    params: &[Parameter],
+    what: &'static str,
+    fix: &'static str,
+) -> Result<()> {
+    match params.iter().find(|p| p.dtype() != Dtype::F32) {
+        None => Ok(()),
+        Some(p) => Err(crate::error::AmpError::LowPrecisionParams {
+            what,
+            param: p.name().to_string(),
+            dtype: p.dtype().name(),
+            fix,
+        }
+        .into()),
     }
 }
 
@@ -885,6 +1021,58 @@ mod tests {
         assert!(!view.adoptable());
         drop(g);
         assert!(view.adoptable());
+    }
+
+    /// A bf16 buffer of `n` elements at a made-up address (see [`fake`]).
+    fn fake_bf16(n: usize) -> DeviceBuffer<half::bf16> {
+        // SAFETY: as in `fake`: nothing is enqueued on the block, nothing reads its address.
+        let block = unsafe { BlockRef::external(0x2000, 2 * n, 0, Box::new(())) };
+        DeviceBuffer::from_block(block, n).unwrap()
+    }
+
+    #[test]
+    fn a_16_bit_parameter_has_its_own_type_and_refuses_f32_views() {
+        let p =
+            Parameter::from_typed("w", TypedBuffer::Bf16(Arc::new(fake_bf16(4))), &[2, 2]).unwrap();
+        assert_eq!(p.dtype(), Dtype::Bf16);
+        assert_eq!(p.tensor().dtype(), Dtype::Bf16);
+        assert!(p.data_as::<half::bf16>().is_ok());
+        assert!(format!("{p:?}").contains("bf16"), "{p:?}");
+        for e in [
+            p.data().map(|_| ()).unwrap_err(),
+            p.grad().map(|_| ()).unwrap_err(),
+            p.set_grad(Some(Arc::new(fake(4)))).unwrap_err(),
+        ] {
+            assert!(
+                matches!(
+                    e,
+                    NnError::Dtype {
+                        expected: "f32",
+                        found: "bf16",
+                        ..
+                    } | NnError::Dtype {
+                        expected: "bf16",
+                        found: "f32",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        assert!(p.grad_typed().is_none());
+        p.set_grad_typed(Some(TypedBuffer::Bf16(Arc::new(fake_bf16(4)))))
+            .unwrap();
+        assert_eq!(p.grad_typed().map(|g| g.dtype()), Some(Dtype::Bf16));
+        let e = p
+            .set_grad_typed(Some(TypedBuffer::Bf16(Arc::new(fake_bf16(3)))))
+            .unwrap_err();
+        assert!(matches!(e, NnError::Shape(_)), "{e}");
+        let f = Parameter::from_buffer("b", Arc::new(fake(2)), &[2]).unwrap();
+        assert_eq!(f.dtype(), Dtype::F32);
+        assert!(f.grad().unwrap().is_none());
+        let e = require_f32_params(&[f.clone(), p.clone()], "test", "fix").unwrap_err();
+        assert!(e.to_string().contains("`w` is bf16"), "{e}");
+        require_f32_params(&[f], "test", "fix").unwrap();
     }
 
     #[test]

@@ -28,7 +28,7 @@ use cudagraph::{DeviceBuffer, Fork, Queue, QueueExt, SideStream, Stream};
 
 use super::communicator::{Communicator, ReduceOp};
 use super::DistError;
-use crate::autograd::tensor::{Parameter, Tensor};
+use crate::autograd::tensor::{require_f32_params, Parameter, Tensor};
 use crate::error::{NnError, Result};
 
 /// Options of [`DistributedDataParallel`].
@@ -219,10 +219,16 @@ impl DistributedDataParallel {
         if opts.bucket_cap_bytes == 0 {
             return Err(DistError::Usage("bucket_cap_bytes must be at least 1".into()).into());
         }
+        require_f32_params(
+            &params,
+            "DistributedDataParallel",
+            "reduce f32 gradients: keep the parameters f32 (with 16-bit optimizer copies for \
+             the forward pass, OptimOptions { copies })",
+        )?;
         let mut index = HashMap::with_capacity(params.len());
         for (i, p) in params.iter().enumerate() {
-            if p.data().block().device_ordinal() != ordinal {
-                return Err(wrong("parameter", p.data().block().device_ordinal()));
+            if p.data()?.block().device_ordinal() != ordinal {
+                return Err(wrong("parameter", p.data()?.block().device_ordinal()));
             }
             if index.insert(p.key(), i).is_some() {
                 return Err(DistError::Usage(format!(
@@ -276,7 +282,7 @@ impl DistributedDataParallel {
                     // issues these broadcasts one parameter at a time with the same count
                     // (`p.numel()`, the data's length), type (f32) and root, and nothing of
                     // DDP's comes between them.
-                    unsafe { comm.broadcast(s, p.data(), 0)? };
+                    unsafe { comm.broadcast(s, p.data()?, 0)? };
                 }
                 comm.synchronize(s)?;
             }
@@ -432,7 +438,7 @@ fn reduce(
     side.wait_main()?;
     let Some(flat) = &b.flat else {
         let p = &params[b.members[0]];
-        let g = match p.grad() {
+        let g = match p.grad()? {
             Some(g) => g,
             None => {
                 let z = Arc::new(side.alloc_zeroed::<f32>(p.numel())?);
@@ -461,7 +467,11 @@ fn reduce(
         flat.len(),
         b.members.iter().map(|&m| params[m].numel()).sum::<usize>()
     );
-    let grads: Vec<_> = b.members.iter().map(|&m| params[m].grad()).collect();
+    let grads = b
+        .members
+        .iter()
+        .map(|&m| params[m].grad())
+        .collect::<Result<Vec<_>>>()?;
     for ((&m, &off), g) in b.members.iter().zip(&b.offsets).zip(&grads) {
         let n = params[m].numel();
         match g {

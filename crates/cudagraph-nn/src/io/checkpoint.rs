@@ -4,11 +4,11 @@
 //!
 //! # The file
 //!
-//! Tensors are F32 or U32, little-endian, each named for what it restores:
+//! Tensors are F32, BF16, F16 or U32, little-endian, each named for what it restores:
 //!
 //! | name | dtype, shape | what |
 //! |---|---|---|
-//! | `model.<i>.<name>` | F32, the parameter's shape | parameter `i` of the model's list (`<name>`: its own, e.g. `weight`) |
+//! | `model.<i>.<name>` | the parameter's dtype (F32, or BF16/F16 for pure 16-bit training), its shape | parameter `i` of the model's list (`<name>`: its own, e.g. `weight`) |
 //! | `optim.hyperparameters` | F32 `[8]` | the device hyperparameters ([`Hyperparameters`] slots: lr, base lr, betas, eps, weight decay, momentum) |
 //! | `optim.step` | U32 `[1]` | optimizer steps taken (what a schedule reads) |
 //! | `optim.exp_avg.<i>`, `optim.exp_avg_sq.<i>` | F32 `[n_i]` | Adam's moments of parameter `i` of the optimizer's list |
@@ -32,11 +32,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Stream};
 use safetensors::tensor::{Dtype as FileDtype, SafeTensors, TensorView};
 
 use super::{read_file, write_file};
 use crate::autograd::tensor::Parameter;
+use crate::dtype::TypedBuffer;
 use crate::error::{CheckpointError, IoError, NnError, Result};
 use crate::nn::optim::{Hyperparameters, Optimizer, StateBuffer};
 use crate::nn::scaler::{GradScaler, GradScalerConfig, ScalerState};
@@ -75,6 +77,10 @@ pub enum Values {
     F32(Vec<f32>),
     /// U32 values.
     U32(Vec<u32>),
+    /// BF16 values (a pure-bf16 parameter).
+    Bf16(Vec<bf16>),
+    /// F16 values (a pure-f16 parameter).
+    F16(Vec<f16>),
 }
 
 impl Values {
@@ -82,6 +88,8 @@ impl Values {
         match self {
             Values::F32(_) => FileDtype::F32,
             Values::U32(_) => FileDtype::U32,
+            Values::Bf16(_) => FileDtype::BF16,
+            Values::F16(_) => FileDtype::F16,
         }
     }
 
@@ -89,6 +97,8 @@ impl Values {
         match self {
             Values::F32(v) => v.len(),
             Values::U32(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+            Values::F16(v) => v.len(),
         }
     }
 
@@ -96,6 +106,8 @@ impl Values {
         match self {
             Values::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Values::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Values::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Values::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
 }
@@ -116,7 +128,7 @@ pub struct Entry {
 pub struct Spec {
     /// The tensor's name.
     pub name: String,
-    /// `F32` or `U32`.
+    /// `F32`, `U32`, or `BF16`/`F16` (16-bit parameters).
     pub dtype: FileDtype,
     /// The shape.
     pub shape: Vec<usize>,
@@ -204,10 +216,20 @@ pub fn decode(
                     .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect(),
             ),
+            FileDtype::BF16 => Values::Bf16(
+                data.chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            FileDtype::F16 => Values::F16(
+                data.chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
             other => {
                 return Err(CheckpointError::Mismatch {
                     name,
-                    expected: "F32 or U32".into(),
+                    expected: "F32, BF16, F16 or U32".into(),
                     found: format!("{other:?}"),
                 }
                 .into())
@@ -291,6 +313,8 @@ fn u32_spec(name: String, len: usize) -> Spec {
 enum Target<'a> {
     F32(&'a DeviceBuffer<f32>),
     U32(&'a DeviceBuffer<u32>),
+    Bf16(&'a DeviceBuffer<bf16>),
+    F16(&'a DeviceBuffer<f16>),
     /// Written by hand after the check (hyperparameters, counters, scaler, schedule).
     Host,
 }
@@ -304,10 +328,14 @@ fn layout<'a>(
 ) -> Result<Vec<(Spec, Target<'a>)>> {
     let mut out = Vec::new();
     for (i, p) in model.iter().enumerate() {
-        out.push((
-            f32_spec(format!("model.{i}.{}", p.name()), p.shape().to_vec()),
-            Target::F32(p.data()),
-        ));
+        let name = format!("model.{i}.{}", p.name());
+        let (dtype, target) = match p.buffer() {
+            TypedBuffer::F32(b) => (FileDtype::F32, Target::F32(b)),
+            TypedBuffer::Bf16(b) => (FileDtype::BF16, Target::Bf16(b)),
+            TypedBuffer::F16(b) => (FileDtype::F16, Target::F16(b)),
+        };
+        let shape = p.shape().to_vec();
+        out.push((Spec { name, dtype, shape }, target));
     }
     let h = opt.hyperparameters().ok_or_else(not_checkpointable)?;
     out.push((
@@ -411,6 +439,8 @@ pub fn serialize_checkpoint(s: &Stream, ck: &Checkpoint<'_>) -> Result<Vec<u8>> 
         let values = match (target, spec.name.as_str()) {
             (Target::F32(b), _) => Values::F32(s.to_vec(b)?),
             (Target::U32(b), _) => Values::U32(s.to_vec(b)?),
+            (Target::Bf16(b), _) => Values::Bf16(s.to_vec(b)?),
+            (Target::F16(b), _) => Values::F16(s.to_vec(b)?),
             (Target::Host, "optim.hyperparameters") => Values::F32(h.read(s)?.to_vec()),
             (Target::Host, "optim.step") => Values::U32(vec![h.step_count(s)?]),
             (Target::Host, "optim.schedule") => Values::U32(words(
@@ -609,6 +639,8 @@ pub fn load_checkpoint_bytes(
         match (target, by_name.get(spec.name.as_str())) {
             (Target::F32(b), Some(Values::F32(v))) => s.copy_from_host(v, b)?,
             (Target::U32(b), Some(Values::U32(v))) => s.copy_from_host(v, b)?,
+            (Target::Bf16(b), Some(Values::Bf16(v))) => s.copy_from_host(v, b)?,
+            (Target::F16(b), Some(Values::F16(v))) => s.copy_from_host(v, b)?,
             _ => {}
         }
     }

@@ -154,7 +154,7 @@ pub fn state_dict(s: &Stream, model: &Sequential) -> Result<Vec<HostTensor>> {
             out.push(HostTensor {
                 name: format!("{i}.{}", p.name()),
                 shape: p.shape().to_vec(),
-                data: s.to_vec(p.data())?,
+                data: p.to_vec(s)?,
             });
         }
     }

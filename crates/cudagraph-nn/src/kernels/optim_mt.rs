@@ -295,11 +295,8 @@ fn check_amp(q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
 pub struct OptimKernels {
     sgd: [[Function; 2]; 3],
     adam: [[Function; 2]; 3],
-    /// Pure 16-bit updates: `[bf16, f16][small, large]`. Until a [`crate::Parameter`] can
-    /// hold 16-bit data, only the GPU tests launch them (with the `internals` feature).
-    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
+    /// Pure 16-bit updates: `[bf16, f16][small, large]`.
     sgd_pure: [[Function; 2]; 2],
-    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     adam_pure: [[Function; 2]; 2],
     schedule: Function,
     /// Multiprocessors (grid sizing).
@@ -330,7 +327,6 @@ pub struct AdamTensor<'a> {
 
 /// One SGD tensor of a pure 16-bit update: parameter and gradient stored in `T` (bf16 or f16;
 /// no f32 master), the f32 momentum buffer when the optimizer keeps them.
-#[cfg_attr(not(feature = "internals"), allow(dead_code))]
 pub struct PureSgdTensor<'a, T: Float> {
     pub w: &'a DeviceBuffer<T>,
     pub g: &'a DeviceBuffer<T>,
@@ -339,7 +335,6 @@ pub struct PureSgdTensor<'a, T: Float> {
 
 /// One Adam tensor of a pure 16-bit update: parameter and gradient stored in `T` (bf16 or
 /// f16; no f32 master), f32 moments, and its slot in the step counters.
-#[cfg_attr(not(feature = "internals"), allow(dead_code))]
 pub struct PureAdamTensor<'a, T: Float> {
     pub w: &'a DeviceBuffer<T>,
     pub g: &'a DeviceBuffer<T>,
@@ -350,7 +345,6 @@ pub struct PureAdamTensor<'a, T: Float> {
 
 /// The index of `T` among the pure 16-bit kernels (`[bf16, f16]`); f32 parameters are the
 /// ordinary updates' ([`OptimKernels::sgd`], [`OptimKernels::adam`]).
-#[cfg_attr(not(feature = "internals"), allow(dead_code))]
 fn pure_index<T: Float>(what: &'static str) -> Result<usize> {
     match T::DTYPE {
         Dtype::Bf16 => Ok(0),
@@ -640,7 +634,6 @@ impl OptimKernels {
     /// f32): each element widened, [`Self::sgd`]'s f32 rule (momentum buffers in f32), the
     /// new value rounded once to nearest even. `amp` as for [`Self::sgd`] (an unscaled
     /// gradient is written back rounded to `T`).
-    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub fn sgd_pure<T: Float>(
         &self,
         q: &dyn Queue,
@@ -715,7 +708,6 @@ impl OptimKernels {
     /// f32 moments, the new value rounded once to nearest even. Step counters and `amp` as
     /// for [`Self::adam`].
     #[allow(clippy::too_many_arguments)]
-    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub fn adam_pure<T: Float>(
         &self,
         q: &dyn Queue,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
-use crate::autograd::tensor::{Parameter, Tensor};
+use crate::autograd::tensor::{require_f32_params, Parameter, Tensor};
 use crate::error::{AmpError, Result};
 use crate::kernels::amp::AmpKernels;
 
@@ -25,7 +25,8 @@ use crate::kernels::amp::AmpKernels;
 /// A gradient with an inf makes the norm inf and the factor 0 (finite elements become 0,
 /// infinite ones NaN); a NaN makes both NaN and every gradient NaN — PyTorch's results. No
 /// gradient at all: the norm is 0 and nothing runs. `max_norm` must be ≥ 0 (`inf`: measure
-/// without clipping); NaN or negative is [`AmpError::MaxNorm`].
+/// without clipping); NaN or negative is [`AmpError::MaxNorm`]. Parameters stored in 16 bits
+/// (pure 16-bit training) are [`AmpError::LowPrecisionParams`].
 ///
 /// Under a [`GradScaler`](crate::nn::scaler::GradScaler), unscale the optimizer first
 /// (`scaler.unscale(q, &opt)`) so the norm is that of the true gradients.
@@ -33,7 +34,16 @@ pub fn clip_grad_norm(q: &dyn Queue, params: &[Parameter], max_norm: f32) -> Res
     if max_norm.is_nan() || max_norm < 0.0 {
         return Err(AmpError::MaxNorm(max_norm).into());
     }
-    let grads: Vec<Arc<DeviceBuffer<f32>>> = params.iter().filter_map(|p| p.grad()).collect();
+    require_f32_params(
+        params,
+        "clip_grad_norm",
+        "clip the gradients of f32 parameters (keep f32 masters and train with 16-bit \
+         optimizer copies, OptimOptions { copies }), or train the 16-bit parameters unclipped",
+    )?;
+    let mut grads: Vec<Arc<DeviceBuffer<f32>>> = Vec::new();
+    for p in params {
+        grads.extend(p.grad()?);
+    }
     if grads.is_empty() {
         return Tensor::zeros(q, &[1]);
     }

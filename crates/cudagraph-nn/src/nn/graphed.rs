@@ -152,7 +152,7 @@ impl<M: NnModule> GraphedModule<M> {
             Ok(output.backward_with(cs, go)?)
         })?;
         let take = |p: &Parameter| -> Result<Arc<cudagraph::DeviceBuffer<f32>>> {
-            let g = p.grad().ok_or_else(|| {
+            let g = p.grad()?.ok_or_else(|| {
                 NnError::Shape(format!(
                     "{} got no gradient in the captured backward pass",
                     p.name()
@@ -202,7 +202,7 @@ impl<M: NnModule> GraphedModule<M> {
             )));
         }
         let turn = self.turns.begin_forward()?;
-        QueueExt::copy(s, x.data()?, self.input.data())?;
+        QueueExt::copy(s, x.data()?, self.input.data()?)?;
         self.fwd.replay(s)?;
         let out = s.alloc::<f32>(self.output.numel())?;
         QueueExt::copy(s, self.output.data()?, &out)?;

@@ -1,10 +1,19 @@
 //! Layers (`Linear`, `Conv2d`, `ReLU`, `MaxPool2d`, `Flatten`) and `Sequential`, with
 //! PyTorch's default initialisation drawn from a seeded [`HostRng`].
+//!
+//! Parameters are f32 by default. `to_dtype` on a layer or a `Sequential` (PyTorch's
+//! `model.to(torch.bfloat16)`) stores them in bf16 or f16 instead, each value rounded to
+//! nearest even, for pure 16-bit training: the forward pass then runs in that type (its
+//! input must be of that type too, e.g. `x.to_dtype(q, Dtype::Bf16)`), gradients come in
+//! that type, and [`Sgd`](crate::nn::optim::Sgd) / [`Adam`](crate::nn::optim::Adam) update
+//! the 16-bit values with f32 moments (see [`crate::nn::optim`]). Convert before building
+//! the optimizer: it keeps the parameter handles it was given.
 
 use cudagraph::Queue;
 
 use crate::autograd::ops;
 use crate::autograd::tensor::{Parameter, Tensor};
+use crate::dtype::Dtype;
 use crate::error::{NnError, Result};
 use crate::random::{Generator, HostRng};
 use cudagraph::Stream;
@@ -61,6 +70,14 @@ impl Linear {
         })
     }
 
+    /// Stores the weight and bias in `dtype` (new parameters, values rounded to nearest even,
+    /// cast on `q`; the same dtype keeps them): see the module documentation.
+    pub fn to_dtype(&mut self, q: &dyn Queue, dtype: Dtype) -> Result<()> {
+        self.weight = self.weight.to_dtype(q, dtype)?;
+        self.bias = self.bias.to_dtype(q, dtype)?;
+        Ok(())
+    }
+
     /// The forward pass, with a fused ReLU when `relu` is true.
     pub fn forward_act(&self, q: &dyn Queue, x: &Tensor, relu: bool) -> Result<Tensor> {
         ops::linear(q, x, &self.weight.tensor(), Some(&self.bias.tensor()), relu)
@@ -115,6 +132,15 @@ impl Conv2d {
             stride,
             padding,
         })
+    }
+}
+
+impl Conv2d {
+    /// Stores the weight and bias in `dtype` (as [`Linear::to_dtype`]).
+    pub fn to_dtype(&mut self, q: &dyn Queue, dtype: Dtype) -> Result<()> {
+        self.weight = self.weight.to_dtype(q, dtype)?;
+        self.bias = self.bias.to_dtype(q, dtype)?;
+        Ok(())
     }
 }
 
@@ -211,6 +237,27 @@ impl Sequential {
     /// True in training mode (dropout active).
     pub fn is_training(&self) -> bool {
         !self.eval
+    }
+
+    /// PyTorch's `model.to(dtype)`: stores every layer's parameters in `dtype` (new
+    /// parameters, values rounded to nearest even, cast on `q`); see the module
+    /// documentation. Build the optimizer afterwards.
+    pub fn to_dtype(&mut self, q: &dyn Queue, dtype: Dtype) -> Result<()> {
+        for l in &mut self.layers {
+            match l {
+                Layer::Linear(l) => l.to_dtype(q, dtype)?,
+                Layer::Conv2d(c) => c.to_dtype(q, dtype)?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The element type of the parameters (f32 for a model without any).
+    pub fn dtype(&self) -> Dtype {
+        self.parameters()
+            .first()
+            .map_or(Dtype::F32, Parameter::dtype)
     }
 }
 

@@ -18,19 +18,29 @@
 //! [`GradScaler`](crate::nn::scaler::GradScaler) the same kernel also unscales the gradients
 //! and skips the whole update on the device when the scaler found an inf or NaN.
 //!
-//! What is not here: dampening, Nesterov momentum, AMSGrad, `maximize`, parameter groups,
-//! parameters stored in 16 bits without f32 masters.
+//! Pure 16-bit training: parameters stored only in bf16 or f16 (PyTorch's
+//! `model.to(torch.bfloat16)` followed by an optimizer on those parameters; see
+//! [`Parameter::to_dtype`]) have gradients of their own type, and the step updates them with
+//! the same rules in f32 arithmetic — moments and momentum buffers in f32, the new value
+//! rounded once to nearest even per step. An optimizer may hold parameters of several types;
+//! each type is one fused launch of the same step (sharing the step counters,
+//! hyperparameters and schedule), still with no host read. 16-bit parameters have no f32
+//! masters, so they take no [`OptimOptions::copies`] ([`AmpError::LowPrecisionParams`]).
+//!
+//! What is not here: dampening, Nesterov momentum, AMSGrad, `maximize`, parameter groups.
 
 use std::sync::Arc;
 
 use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
-use crate::autograd::tensor::Parameter;
+use crate::autograd::tensor::{require_f32_params, Parameter};
 use crate::dtype::{Dtype, TypedBuffer};
 use crate::error::{AmpError, NnError, Result};
 use crate::kernels::cast;
-use crate::kernels::optim_mt::{hp, state, AdamTensor, AmpArgs, CopyRef, OptimKernels, SgdTensor};
+use crate::kernels::optim_mt::{
+    hp, state, AdamTensor, AmpArgs, CopyRef, OptimKernels, PureAdamTensor, PureSgdTensor, SgdTensor,
+};
 /// Tensors per table of the multi-tensor kernels: small (4 KB of kernel parameters) and large.
 pub use crate::kernels::optim_mt::{CAP_L, CAP_S};
 use crate::nn::schedule::Schedule;
@@ -153,16 +163,22 @@ fn make_copies(
     if dtype == Dtype::F32 {
         return Err(AmpError::CopyDtype { dtype: "f32" }.into());
     }
+    require_f32_params(
+        params,
+        "optimizer copies",
+        "16-bit copies are made from f32 masters: keep the parameters f32 and use the \
+         copies, or train the 16-bit parameters without copies (OptimOptions::default())",
+    )?;
     let mut out = Vec::with_capacity(params.len());
     for p in params {
         let n = p.numel();
         out.push(if dtype == Dtype::F16 {
             let b = s.alloc::<f16>(n)?;
-            cast::to_f16(s, p.data(), &b)?;
+            cast::to_f16(s, p.data()?, &b)?;
             TypedBuffer::F16(Arc::new(b))
         } else {
             let b = s.alloc::<bf16>(n)?;
-            cast::to_bf16(s, p.data(), &b)?;
+            cast::to_bf16(s, p.data()?, &b)?;
             TypedBuffer::Bf16(Arc::new(b))
         });
     }
@@ -173,8 +189,8 @@ fn make_copies(
 fn refresh(q: &dyn Queue, params: &[Parameter], copies: Option<&Vec<TypedBuffer>>) -> Result<()> {
     for (p, c) in params.iter().zip(copies.into_iter().flatten()) {
         match c {
-            TypedBuffer::Bf16(b) => cast::to_bf16(q, p.data(), b)?,
-            TypedBuffer::F16(b) => cast::to_f16(q, p.data(), b)?,
+            TypedBuffer::Bf16(b) => cast::to_bf16(q, p.data()?, b)?,
+            TypedBuffer::F16(b) => cast::to_f16(q, p.data()?, b)?,
             TypedBuffer::F32(_) => {}
         }
     }
@@ -196,13 +212,58 @@ fn pair_copies(
     copies.map(|c| params.iter().cloned().zip(c.iter().cloned()).collect())
 }
 
-/// The parameters that have a gradient, with their index.
-fn with_grads(params: &[Parameter]) -> Vec<(usize, Arc<DeviceBuffer<f32>>)> {
-    params
-        .iter()
-        .enumerate()
-        .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
-        .collect()
+/// The parameters that have a gradient, with their index, grouped by element type (a
+/// parameter's gradient always has the parameter's type).
+#[derive(Default)]
+struct Grads {
+    f32: Vec<WithGrad<f32>>,
+    bf16: Vec<WithGrad<bf16>>,
+    f16: Vec<WithGrad<f16>>,
+}
+
+/// A parameter's index, its values and its gradient, both of type `T`.
+type WithGrad<T> = (usize, Arc<DeviceBuffer<T>>, Arc<DeviceBuffer<T>>);
+
+impl Grads {
+    /// Which launch advances the optimizer's step count: the last of the ones that run (f32
+    /// runs also when no parameter has a gradient, so a step always counts).
+    fn last(&self) -> Dtype {
+        if !self.f16.is_empty() {
+            Dtype::F16
+        } else if !self.bf16.is_empty() {
+            Dtype::Bf16
+        } else {
+            Dtype::F32
+        }
+    }
+
+    /// Whether the f32 launch runs.
+    fn run_f32(&self) -> bool {
+        !self.f32.is_empty() || self.last() == Dtype::F32
+    }
+}
+
+fn with_grads(params: &[Parameter]) -> Result<Grads> {
+    let mut out = Grads::default();
+    for (i, p) in params.iter().enumerate() {
+        let mismatch = |g: &TypedBuffer| NnError::Dtype {
+            what: "parameter gradient",
+            expected: p.dtype().name(),
+            found: g.dtype().name(),
+        };
+        match (p.buffer(), p.grad_typed()) {
+            (_, None) => {}
+            (TypedBuffer::F32(w), Some(TypedBuffer::F32(g))) => out.f32.push((i, w.clone(), g)),
+            (TypedBuffer::Bf16(w), Some(TypedBuffer::Bf16(g))) => out.bf16.push((i, w.clone(), g)),
+            (TypedBuffer::F16(w), Some(TypedBuffer::F16(g))) => out.f16.push((i, w.clone(), g)),
+            (_, Some(g)) => return Err(mismatch(&g)),
+        }
+    }
+    Ok(out)
+}
+
+fn slot_of(i: usize) -> Result<u32> {
+    u32::try_from(i).map_err(|_| bad("more than 2^32 parameters"))
 }
 
 fn no_hyper() -> NnError {
@@ -349,7 +410,7 @@ fn check_beta(name: &str, v: f32) -> Result<()> {
 fn check_distinct(params: &[Parameter]) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for p in params {
-        if !p.data().is_empty() && !seen.insert(p.data().addr()) {
+        if !p.buffer().is_empty() && !seen.insert(p.buffer().addr()) {
             return Err(bad(&format!(
                 "parameter {} appears more than once (or shares its data with another)",
                 p.name()
@@ -480,17 +541,46 @@ impl Sgd {
     fn update(&mut self, q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
         let k = OptimKernels::get(q.device())?;
         self.hyper.before_step(q, &k)?;
-        let grads = with_grads(&self.params);
-        let tensors: Vec<SgdTensor<'_>> = grads
-            .iter()
-            .map(|(i, g)| SgdTensor {
-                w: self.params[*i].data(),
-                g,
-                buf: self.bufs[*i].as_ref(),
-                copy: copy_ref(self.copies.as_ref(), *i),
-            })
-            .collect();
-        k.sgd(q, &tensors, &self.hyper.hp, &self.hyper.state, amp, true)
+        let grads = with_grads(&self.params)?;
+        let (hp, st, last) = (&self.hyper.hp, &self.hyper.state, grads.last());
+        if grads.run_f32() {
+            let tensors: Vec<SgdTensor<'_>> = grads
+                .f32
+                .iter()
+                .map(|(i, w, g)| SgdTensor {
+                    w,
+                    g,
+                    buf: self.bufs[*i].as_ref(),
+                    copy: copy_ref(self.copies.as_ref(), *i),
+                })
+                .collect();
+            k.sgd(q, &tensors, hp, st, amp, last == Dtype::F32)?;
+        }
+        if !grads.bf16.is_empty() {
+            let tensors: Vec<PureSgdTensor<'_, bf16>> = grads
+                .bf16
+                .iter()
+                .map(|(i, w, g)| PureSgdTensor {
+                    w,
+                    g,
+                    buf: self.bufs[*i].as_ref(),
+                })
+                .collect();
+            k.sgd_pure(q, &tensors, hp, st, amp, last == Dtype::Bf16)?;
+        }
+        if !grads.f16.is_empty() {
+            let tensors: Vec<PureSgdTensor<'_, f16>> = grads
+                .f16
+                .iter()
+                .map(|(i, w, g)| PureSgdTensor {
+                    w,
+                    g,
+                    buf: self.bufs[*i].as_ref(),
+                })
+                .collect();
+            k.sgd_pure(q, &tensors, hp, st, amp, last == Dtype::F16)?;
+        }
+        Ok(())
     }
 }
 
@@ -711,30 +801,59 @@ impl Adam {
     fn update(&mut self, q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
         let k = OptimKernels::get(q.device())?;
         self.hyper.before_step(q, &k)?;
-        let grads = with_grads(&self.params);
-        let tensors = grads
-            .iter()
-            .map(|(i, g)| {
-                Ok(AdamTensor {
-                    w: self.params[*i].data(),
-                    g,
-                    m: &self.m[*i],
-                    v: &self.v[*i],
-                    slot: u32::try_from(*i).map_err(|_| bad("more than 2^32 parameters"))?,
-                    copy: copy_ref(self.copies.as_ref(), *i),
+        let grads = with_grads(&self.params)?;
+        let (hp, st, last) = (&self.hyper.hp, &self.hyper.state, grads.last());
+        let (steps, dec) = (&self.steps, self.decoupled);
+        if grads.run_f32() {
+            let tensors = grads
+                .f32
+                .iter()
+                .map(|(i, w, g)| {
+                    Ok(AdamTensor {
+                        w,
+                        g,
+                        m: &self.m[*i],
+                        v: &self.v[*i],
+                        slot: slot_of(*i)?,
+                        copy: copy_ref(self.copies.as_ref(), *i),
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        k.adam(
-            q,
-            &tensors,
-            &self.hyper.hp,
-            &self.hyper.state,
-            &self.steps,
-            amp,
-            self.decoupled,
-            true,
-        )
+                .collect::<Result<Vec<_>>>()?;
+            k.adam(q, &tensors, hp, st, steps, amp, dec, last == Dtype::F32)?;
+        }
+        if !grads.bf16.is_empty() {
+            let tensors = grads
+                .bf16
+                .iter()
+                .map(|(i, w, g)| {
+                    Ok(PureAdamTensor::<bf16> {
+                        w,
+                        g,
+                        m: &self.m[*i],
+                        v: &self.v[*i],
+                        slot: slot_of(*i)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            k.adam_pure(q, &tensors, hp, st, steps, amp, dec, last == Dtype::Bf16)?;
+        }
+        if !grads.f16.is_empty() {
+            let tensors = grads
+                .f16
+                .iter()
+                .map(|(i, w, g)| {
+                    Ok(PureAdamTensor::<f16> {
+                        w,
+                        g,
+                        m: &self.m[*i],
+                        v: &self.v[*i],
+                        slot: slot_of(*i)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            k.adam_pure(q, &tensors, hp, st, steps, amp, dec, last == Dtype::F16)?;
+        }
+        Ok(())
     }
 }
 

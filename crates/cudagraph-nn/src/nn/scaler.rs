@@ -66,7 +66,7 @@ use std::sync::Arc;
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
 use crate::autograd::scale::scale_by_device;
-use crate::autograd::tensor::Tensor;
+use crate::autograd::tensor::{require_f32_params, Tensor};
 use crate::error::{AmpError, NnError, Result};
 use crate::kernels::amp::{AmpKernels, UpdateRule};
 use crate::kernels::optim_mt::{amp_slots, AmpArgs};
@@ -279,12 +279,24 @@ impl std::fmt::Debug for GradScaler {
 
 /// The identity of an optimizer within an iteration: its parameters' addresses.
 fn key_of<O: Optimizer + ?Sized>(opt: &O) -> Vec<u64> {
-    opt.params().iter().map(|p| p.data().addr()).collect()
+    opt.params().iter().map(|p| p.buffer().addr()).collect()
 }
 
-/// Every gradient the optimizer's parameters hold now.
-fn grads_of<O: Optimizer + ?Sized>(opt: &O) -> Vec<Arc<DeviceBuffer<f32>>> {
-    opt.params().iter().filter_map(|p| p.grad()).collect()
+/// The scaler checks and unscales f32 gradients only: 16-bit parameters (pure 16-bit
+/// training) are [`AmpError::LowPrecisionParams`].
+fn require_f32<O: Optimizer + ?Sized>(opt: &O) -> Result<()> {
+    require_f32_params(opt.params(), "GradScaler", LOW_PRECISION_FIX)
+}
+
+const LOW_PRECISION_FIX: &str = "bf16 trains without loss scaling: step the optimizer directly; for f16, keep f32 parameters (the masters) and give the optimizer OptimOptions { copies: Some(Dtype::F16) }";
+
+/// Every gradient the optimizer's parameters hold now (all f32: [`require_f32`]).
+fn grads_of<O: Optimizer + ?Sized>(opt: &O) -> Result<Vec<Arc<DeviceBuffer<f32>>>> {
+    let mut out = Vec::new();
+    for p in opt.params() {
+        out.extend(p.grad()?);
+    }
+    Ok(out)
 }
 
 impl GradScaler {
@@ -329,6 +341,7 @@ impl GradScaler {
         if !self.cfg.enabled {
             return Ok(());
         }
+        require_f32(opt)?;
         let mut book = self.book.clone();
         let slot = book.unscale(&key_of(opt))?;
         self.check(q, opt, slot, true)?;
@@ -347,7 +360,7 @@ impl GradScaler {
     ) -> Result<()> {
         let k = AmpKernels::get(q.device())?;
         q.fill32(&self.amp, amp_slots::FOUND + slot, 1, 0.0f32)?;
-        let grads = grads_of(opt);
+        let grads = grads_of(opt)?;
         let refs: Vec<&DeviceBuffer<f32>> = grads.iter().map(|g| &**g).collect();
         k.unscale(q, &refs, &self.amp, slot, unscale)
     }
@@ -355,11 +368,14 @@ impl GradScaler {
     /// PyTorch's `step(optimizer)`: the optimizer's update, unscaling its gradients in the
     /// fused kernel and skipped on the device when any gradient is inf or NaN (see the module
     /// documentation). Disabled: the optimizer's plain [`Optimizer::step`]. Once per
-    /// optimizer between updates ([`NnError::OutOfOrder`] otherwise).
+    /// optimizer between updates ([`NnError::OutOfOrder`] otherwise). An optimizer of 16-bit
+    /// parameters (pure 16-bit training) is [`AmpError::LowPrecisionParams`], here and in
+    /// [`Self::unscale`]: bf16 needs no scaler, f16 wants f32 masters with 16-bit copies.
     pub fn step<O: Optimizer + ?Sized>(&mut self, q: &dyn Queue, opt: &mut O) -> Result<()> {
         if !self.cfg.enabled {
             return opt.step(q);
         }
+        require_f32(opt)?;
         let mut book = self.book.clone();
         let plan = book.step(&key_of(opt))?;
         if plan.check {

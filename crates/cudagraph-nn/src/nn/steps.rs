@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use cudagraph::{CaptureStream, DeviceBuffer, Queue, QueueExt, Stream};
 
-use crate::autograd::tensor::Tensor;
+use crate::autograd::tensor::{require_f32_params, Tensor};
 use crate::error::{NnError, Result};
 use crate::kernels::steps::StepKernels;
 use crate::nn::optim::Optimizer;
@@ -193,8 +193,13 @@ pub fn step_if_finite<O: Optimizer + ?Sized>(
     let flag = Arc::new(cs.alloc::<u32>(1)?);
     cs.fill32(&flag, 0, 1, 1u32)?;
     sk.check_finite(cs, loss.data()?, &flag)?;
+    require_f32_params(
+        opt.params(),
+        "step_if_finite",
+        "check the loss alone, or keep f32 parameters with 16-bit optimizer copies",
+    )?;
     for p in opt.params() {
-        if let Some(g) = p.grad() {
+        if let Some(g) = p.grad()? {
             sk.check_finite(cs, &g, &flag)?;
         }
     }
