@@ -4,7 +4,17 @@
 // and attention over the cache with the keys spread over the threads (decode). One template
 // per operation instantiated for float, bf16_t and f16_t (compiled after the device-check
 // prologue and cast.cu). Values are widened to f32, computed in f32 and rounded to nearest
-// even once on store; reductions run in a fixed order (deterministic).
+// even on store; reductions run in a fixed order (deterministic). Where Hugging Face's Llama
+// code rounds an intermediate to the model's type (RMSNorm's normalised row before the weight,
+// the cos/sin tables and each product of the rotary embedding, SiLU's output before the
+// product), so do these kernels (dec_rnd: the identity for f32), so that 16-bit results
+// follow the reference implementation's.
+
+// x rounded to T and widened back (the identity for float).
+template <typename T>
+__device__ __forceinline__ float dec_rnd(float x) {
+    return to_f32(from_f32<T>(x));
+}
 
 #define DEC_LOOP(i, n)                                                                     \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
@@ -80,7 +90,8 @@ __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float*
     }
     const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
     for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) {
-        float v = (to_f32(xr[c]) - mu) * rs * w[c];
+        // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then the weight.
+        float v = rms ? dec_rnd<T>(to_f32(xr[c]) * rs) * w[c] : (to_f32(xr[c]) - mu) * rs * w[c];
         if (b) v += b[c];
         yr[c] = from_f32<T>(v);
     }
@@ -112,9 +123,14 @@ __device__ __forceinline__ void dec_qkv_n(const T* __restrict__ qkv,
         const T* src = qkv + r * D;
         float a = to_f32(src[j]), c = to_f32(src[j + half]);
         if (inv_freq && hh < H + Hkv) {
+            // As apply_rotary_pos_emb: cos and sin in the model's type, each product rounded,
+            // the sum rounded on store.
             float sn, cs;
             sincosf((float)p * inv_freq[j], &sn, &cs);
-            const float ra = a * cs - c * sn, rc = c * cs + a * sn;
+            cs = dec_rnd<T>(cs);
+            sn = dec_rnd<T>(sn);
+            const float ra = dec_rnd<T>(a * cs) - dec_rnd<T>(c * sn);
+            const float rc = dec_rnd<T>(c * cs) + dec_rnd<T>(a * sn);
             a = ra;
             c = rc;
         }
@@ -150,7 +166,7 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
         const int c = (int)(i % M);
         const float g = to_f32(gu[r * 2 * M + c]);
         const float u = to_f32(gu[r * 2 * M + M + c]);
-        y[i] = from_f32<T>(g / (1.0f + expf(-g)) * u);
+        y[i] = from_f32<T>(dec_rnd<T>(g / (1.0f + expf(-g))) * u);
     }
 }
 
