@@ -67,7 +67,9 @@ def main():
     dt = DTYPES[args.dtype]
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dt, attn_implementation="sdpa")
-    model = model.to(device=dev, dtype=dt).eval()
+    # Only the device: `.to(dtype=...)` would also cast the float32 buffers from_pretrained
+    # keeps (the rotary inverse frequencies), which Hugging Face's own loading does not do.
+    model = model.to(device=dev).eval()
     got = {t.dtype for t in model.parameters()}
     if got != {dt}:
         die(f"model parameters are {got}, wanted {dt}")
