@@ -869,3 +869,38 @@ fn misuse_is_a_typed_error() {
     ));
     drop(p);
 }
+
+/// Many tokens (three tiles of the id chains' kernel), repeated ids far apart and ids out of
+/// range: the weight gradient is the f32 sum of each id's rows in token order, bit for bit.
+#[test]
+fn embedding_gradient_of_many_tokens_sums_each_id_in_token_order() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let (vocab, dim, t) = (13usize, 5usize, 700usize);
+    let mut rng = HostRng::new(5);
+    let ids: Vec<i32> = (0..t)
+        .map(|i| {
+            if i % 97 == 0 {
+                -1
+            } else {
+                (rng.next_u64() % (vocab as u64 + 1)) as i32 // vocab itself is out of range
+            }
+        })
+        .collect();
+    let wv = values(&mut HostRng::new(1), vocab * dim, 1.0, Dtype::F32);
+    let dyv = values(&mut HostRng::new(2), t * dim, 1.0, Dtype::F32);
+    let (pw, w) = input(&s, "embed", &wv, &[vocab, dim], Dtype::F32);
+    let y = embedding(&s, &ids_buffer(&s, &ids), &w).unwrap();
+    y.backward_with(&s, upload(&s, &dyv, &[t, dim], Dtype::F32))
+        .unwrap();
+    let mut want = vec![0.0f32; vocab * dim];
+    for (r, &id) in ids.iter().enumerate() {
+        if (0..vocab as i32).contains(&id) {
+            for c in 0..dim {
+                want[id as usize * dim + c] += dyv[r * dim + c];
+            }
+        }
+    }
+    let got = grad(&s, &pw);
+    assert_bits_eq(&got, &want, "embedding dw over 700 tokens");
+}

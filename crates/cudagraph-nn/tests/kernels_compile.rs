@@ -180,6 +180,7 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "embed_bwd_f32",
             "embed_bwd_bf16",
             "embed_bwd_f16",
+            "embed_links",
         ],
     ),
     (

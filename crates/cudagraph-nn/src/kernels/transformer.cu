@@ -285,24 +285,46 @@ __device__ __forceinline__ void embed_fwd_n(const int* ids, const T* w, T* y, in
 // dw[ids[t], c] = Σ_{t' : ids[t'] = ids[t]} dy[t', c] into an f32 gradient the caller zeroed:
 // one thread per (t, c); only the first token with its id writes, summing every such token in
 // order (no atomics, no sort: deterministic). Ids outside [0, vocab) are skipped.
+// The chain of each token's id through the batch, for the embedding backward: links[2t] =
+// the next token u > t with the same id (-1 at the last), links[2t + 1] = 1 when t is its id's
+// first token. One thread per token, the ids compared in shared-memory tiles: O(tokens²)
+// integer compares, no float work.
+#define EMB_TILE 256
+extern "C" __global__ void embed_links(const int* ids, int* links, int tokens) {
+    __shared__ int tile[EMB_TILE];
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int id = t < tokens ? ids[t] : 0;
+    int next = -1, first = 1;
+    for (int base = 0; base < tokens; base += EMB_TILE) {
+        __syncthreads();
+        if (base + (int)threadIdx.x < tokens) tile[threadIdx.x] = ids[base + threadIdx.x];
+        __syncthreads();
+        const int n = min(EMB_TILE, tokens - base);
+        for (int j = 0; j < n; j++) {
+            const int u = base + j;
+            if (tile[j] != id || u == t) continue;
+            if (u < t) first = 0;
+            else if (next < 0) next = u;
+        }
+    }
+    if (t < tokens) {
+        links[2 * t] = next;
+        links[2 * t + 1] = first;
+    }
+}
+
+// dw[id, c] = sum of dy[u, c] over the tokens u with that id, in token order (the same bits as
+// a sequential sum), one thread per (token, column) of each id's first token, walking the id's
+// chain of tokens; ids outside [0, vocab) give nothing.
 template <typename T>
-__device__ __forceinline__ void embed_bwd_n(const int* ids, const T* dy, float* dw, int tokens,
-                                            int dim, int vocab) {
+__device__ __forceinline__ void embed_bwd_n(const int* ids, const int* links, const T* dy,
+                                            float* dw, int tokens, int dim, int vocab) {
     TF_LOOP(i, (long long)tokens * dim) {
         const int t = (int)(i / dim), c = (int)(i % dim);
         const int id = ids[t];
-        if (id < 0 || id >= vocab) continue;
-        bool first = true;
-        for (int u = 0; u < t; u++) {
-            if (ids[u] == id) {
-                first = false;
-                break;
-            }
-        }
-        if (!first) continue;
+        if (id < 0 || id >= vocab || !links[2 * t + 1]) continue;
         float acc = 0.0f;
-        for (int u = t; u < tokens; u++)
-            if (ids[u] == id) acc += to_f32(dy[(long long)u * dim + c]);
+        for (int u = t; u >= 0; u = links[2 * u]) acc += to_f32(dy[(long long)u * dim + c]);
         dw[(long long)id * dim + c] = acc;
     }
 }
@@ -356,9 +378,9 @@ __device__ __forceinline__ void embed_bwd_n(const int* ids, const T* dy, float* 
                                              int dim, int vocab) {                           \
         embed_fwd_n<T>(ids, w, y, tokens, dim, vocab);                                       \
     }                                                                                        \
-    extern "C" __global__ void embed_bwd_##S(const int* ids, const T* dy, float* dw,         \
-                                             int tokens, int dim, int vocab) {               \
-        embed_bwd_n<T>(ids, dy, dw, tokens, dim, vocab);                                     \
+    extern "C" __global__ void embed_bwd_##S(const int* ids, const int* links, const T* dy,  \
+                                             float* dw, int tokens, int dim, int vocab) {    \
+        embed_bwd_n<T>(ids, links, dy, dw, tokens, dim, vocab);                              \
     }
 
 TF_INSTANCES(float, f32)

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use cudagraph::{Arg, Device, DeviceBuffer, LaunchConfig, Queue};
+use cudagraph::{Arg, Device, DeviceBuffer, LaunchConfig, Queue, QueueExt};
 
 use crate::dtype::Float;
 use crate::error::{NnError, Result};
@@ -42,6 +42,8 @@ pub const KERNELS: [&str; 13] = [
 
 /// Threads of the row kernels (`TF_ROW_THREADS` in the source: one block per row).
 const ROW_THREADS: u32 = 256;
+/// Threads (and ids per shared tile) of `embed_links` (`EMB_TILE` in the source).
+const EMB_TILE: u32 = 256;
 /// Columns one block of the weight-gradient kernel covers.
 const WB_COLS: usize = 32;
 
@@ -110,6 +112,7 @@ pub struct TransformerKernels {
     rope: ByType,
     embed_fwd: ByType,
     embed_bwd: ByType,
+    embed_links: cudagraph::Function,
 }
 
 impl TransformerKernels {
@@ -138,6 +141,7 @@ impl TransformerKernels {
                 rope: t("rope")?,
                 embed_fwd: t("embed_fwd")?,
                 embed_bwd: t("embed_bwd")?,
+                embed_links: m.function("embed_links")?,
             })
         })?)
     }
@@ -555,17 +559,34 @@ impl TransformerKernels {
         if n == 0 {
             return Ok(());
         }
+        let tokens_i = int("embedding tokens", tokens)?;
+        // Each token's next token with the same id, and whether it is its id's first.
+        let links = q.alloc::<i32>(prod("embedding links", &[tokens, 2])?)?;
+        let blocks = grid("embedding links", tokens.div_ceil(EMB_TILE as usize))?;
+        let link_args = [ids.into(), (&links).into(), Arg::I32(tokens_i)];
+        // SAFETY: embed_links(ids, links, tokens) runs one thread per token t < tokens (blocks
+        // of EMB_TILE, the tile size in the source), reads ids[0..tokens) and writes
+        // links[2t], links[2t + 1]; both extents checked (links allocated for 2·tokens).
+        unsafe {
+            q.launch(
+                &self.embed_links,
+                LaunchConfig::linear(blocks, EMB_TILE),
+                &link_args,
+            )?
+        };
         let args = [
             ids.into(),
+            (&links).into(),
             dy.into(),
             dw.into(),
-            Arg::I32(int("embedding tokens", tokens)?),
+            Arg::I32(tokens_i),
             Arg::I32(int("embedding dim", dim)?),
             Arg::I32(int("embedding vocab", vocab)?),
         ];
-        // SAFETY: embed_bwd_*(ids, dy, dw, tokens, dim, vocab) runs i < tokens·dim, reads
-        // ids[u] and dy[u·dim + c] for u < tokens, c < dim, and writes dw[id·dim + c] only for
-        // 0 ≤ id < vocab; extents checked above.
+        // SAFETY: embed_bwd_*(ids, links, dy, dw, tokens, dim, vocab) runs i < tokens·dim,
+        // reads ids[t], links[2t..2t+2] (whose next-token entries are tokens u < tokens or -1,
+        // written just above) and dy[u·dim + c] for u < tokens, c < dim, and writes
+        // dw[id·dim + c] only for 0 ≤ id < vocab; extents checked above.
         unsafe { Ok(q.launch(self.embed_bwd.of::<T>("embed_bwd")?, grid_stride(n), &args)?) }
     }
 }
