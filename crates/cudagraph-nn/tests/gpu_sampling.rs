@@ -518,7 +518,8 @@ fn misuse_is_a_typed_error() {
 #[test]
 fn sampling_cost_per_step_is_printed() {
     // Not a pass/fail check: prints the device time of one sample call (a graph of 20 calls,
-    // replayed 5 times after a warm-up) per vocabulary, batch and setting, for the docs.
+    // replayed 5 times after a warm-up) per vocabulary, batch and setting, and of one decode
+    // advance per batch, for the docs.
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let modes = [
@@ -557,5 +558,33 @@ fn sampling_cost_per_step_is_printed() {
                 eprintln!("sample: vocab {vocab}, {rows} rows, {name}: {us:.1} us per call");
             }
         }
+    }
+    // The decode bookkeeping after each sample call, the same way.
+    for rows in [1usize, 8, 32] {
+        let st = DecodeState::new(&s, rows, 4096, &[50_256]).unwrap();
+        for r in 0..rows {
+            st.start_row(&s, r, 0, 4096).unwrap();
+        }
+        let bufs = Arc::new((
+            s.alloc_zeroed::<i32>(rows).unwrap(),
+            s.alloc_zeroed::<i32>(rows).unwrap(),
+            s.alloc_zeroed::<i32>(rows).unwrap(),
+        ));
+        let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+            for _ in 0..20 {
+                st.advance(cs, &bufs.0, rows, &bufs.1, &bufs.2)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        g.replay(&s).unwrap();
+        s.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..5 {
+            g.replay(&s).unwrap();
+        }
+        s.synchronize().unwrap();
+        let us = t0.elapsed().as_secs_f64() * 1e6 / 100.0;
+        eprintln!("decode advance: {rows} rows: {us:.1} us per call");
     }
 }
