@@ -17,10 +17,11 @@ pub const SOURCE: &str = include_str!("sampling.cu");
 pub const SAMPLE_THREADS: usize = 1024;
 
 /// Most blocks a greedy row is split over.
-pub const GREEDY_MAX_SPLIT: usize = 16;
+pub const GREEDY_MAX_SPLIT: usize = 32;
 
-/// Logits a greedy block reads at least (two float4 per thread), unless the row is shorter.
-const GREEDY_BLOCK_VALUES: usize = 8 * SAMPLE_THREADS;
+/// Logits a greedy block reads (one float4 per thread: every load in flight at once), unless
+/// the row is shorter or the split is capped.
+const GREEDY_BLOCK_VALUES: usize = 4 * SAMPLE_THREADS;
 
 /// Blocks in flight the greedy split aims at (two per multiprocessor of an H100).
 const GREEDY_TARGET_BLOCKS: usize = 264;
