@@ -2,7 +2,8 @@
 //! CPU reference (`nn::sampling::reference`, exact: both compute the same fixed-point weights
 //! with the same correctly rounded f32 operations and the same Philox numbers, so every token
 //! must be equal, not merely close), greedy ties, the temperature distribution against the
-//! f64 softmax (chi-square), top-k's support, `DecodeState`'s stop conditions and history, a
+//! f64 softmax (chi-square), greedy rows split over blocks (alignments, ties at the edges,
+//! replays, a row switching modes), top-k's support, `DecodeState`'s stop conditions and history, a
 //! captured sample + advance step replayed k times against k eager steps, and misuse as typed
 //! errors.
 //!
@@ -132,6 +133,92 @@ fn greedy_ties_take_the_lowest_id_and_nan_is_never_chosen() {
         assert!(t[3] != 0, "{t:?}");
         assert!(t[4] == 1024 || t[4] == 2048, "{t:?}");
     }
+}
+
+#[test]
+fn greedy_rows_split_over_blocks_pick_the_reference_tokens() {
+    // Greedy rows are split over several blocks (float4 reads from each row's first 16-byte
+    // boundary, odd vocabularies put rows at every alignment) and folded with an order-free
+    // maximum; the per-row scratch is cleared by each call, so repeated calls, captured
+    // replays and rows switching between greedy and sampled all give the reference tokens.
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    for (rows, vocab) in [
+        (1usize, 50_257usize),
+        (3, 50_257),
+        (5, 128_259),
+        (40, 8_193),
+        (2, 7),
+    ] {
+        let mut rng = HostRng::new(rows as u64 * 7 + vocab as u64);
+        let mut logits: Vec<Vec<f32>> = (0..rows).map(|r| row_logits(&mut rng, r, vocab)).collect();
+        // Row 0's maximum in its last value (the tail of the last block), row 1's (if any)
+        // a tie between its first value (the head of block 0) and a later one.
+        logits[0][vocab - 1] = 100.0;
+        if rows > 1 {
+            logits[1][0] = 50.0;
+            logits[1][vocab / 2] = 50.0;
+        }
+        let flat: Vec<f32> = logits.iter().flatten().copied().collect();
+        let d_logits = s.alloc_from_host(&flat).unwrap();
+        let sampler = Sampler::new(&s, rows, vocab).unwrap();
+        let gen = Generator::new(&s, SEED).unwrap();
+        let tokens = Arc::new(s.alloc_zeroed::<i32>(rows).unwrap());
+        let want: Vec<i32> = logits
+            .iter()
+            .map(|l| reference::sample_row(l, &SamplingParams::greedy(), 0).unwrap())
+            .collect();
+        for _ in 0..3 {
+            s.fill32(&tokens, 0, rows, -7i32).unwrap();
+            sampler.sample(&s, &d_logits, rows, &gen, &tokens).unwrap();
+            assert_eq!(s.to_vec(&tokens).unwrap(), want, "{rows} rows of {vocab}");
+        }
+        let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+            Ok(sampler.sample(cs, &d_logits, rows, &gen, &tokens)?)
+        })
+        .unwrap();
+        for _ in 0..3 {
+            s.fill32(&tokens, 0, rows, -7i32).unwrap();
+            g.replay(&s).unwrap();
+            assert_eq!(
+                s.to_vec(&tokens).unwrap(),
+                want,
+                "replay, {rows} rows of {vocab}"
+            );
+        }
+        // Row 0 sampled, then greedy again: the replayed graph follows the settings.
+        sampler.set(&s, 0, &params(0.7, 0, 1.0)).unwrap();
+        let (_, base) = gen.seed_and_base(&s).unwrap();
+        g.replay(&s).unwrap();
+        let got = s.to_vec(&tokens).unwrap();
+        let bits = reference::row_bits(SEED, base, 0, 0);
+        let sampled = reference::sample_row(&logits[0], &params(0.7, 0, 1.0), bits).unwrap();
+        assert_eq!(got[0], sampled);
+        assert_eq!(&got[1..], &want[1..]);
+        sampler.set(&s, 0, &SamplingParams::greedy()).unwrap();
+        g.replay(&s).unwrap();
+        assert_eq!(s.to_vec(&tokens).unwrap(), want);
+    }
+    // A split row with nothing to choose reports, and the next call is clean again.
+    let vocab = 100_003;
+    let mut flat = vec![f32::NAN; 2 * vocab];
+    flat[vocab + 77_777] = f32::NEG_INFINITY;
+    let bad = s.alloc_from_host(&flat).unwrap();
+    let sampler = Sampler::new(&s, 2, vocab).unwrap();
+    let gen = Generator::new(&s, SEED).unwrap();
+    let tokens = s.alloc_from_host(&[5i32, 5]).unwrap();
+    sampler.sample(&s, &bad, 2, &gen, &tokens).unwrap();
+    match s.synchronize() {
+        Err(Error::DeviceCheck { check, .. }) => assert_eq!(check, NO_LOGIT_CHECK),
+        other => panic!("expected a device check, got {other:?}"),
+    }
+    assert_eq!(s.to_vec(&tokens).unwrap(), vec![0, 0]);
+    flat[3] = -2.0;
+    flat[vocab + 99_999] = 1.0;
+    let good = s.alloc_from_host(&flat).unwrap();
+    sampler.sample(&s, &good, 2, &gen, &tokens).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(s.to_vec(&tokens).unwrap(), vec![3, 99_999]);
 }
 
 #[test]
@@ -431,7 +518,8 @@ fn misuse_is_a_typed_error() {
 #[test]
 fn sampling_cost_per_step_is_printed() {
     // Not a pass/fail check: prints the device time of one sample call (a graph of 20 calls,
-    // replayed 5 times after a warm-up) per vocabulary, batch and setting, for the docs.
+    // replayed 5 times after a warm-up) per vocabulary, batch and setting, and of one decode
+    // advance per batch, for the docs.
     let dev = gpu_test_device!();
     let mut s = dev.new_stream().unwrap();
     let modes = [
@@ -470,5 +558,33 @@ fn sampling_cost_per_step_is_printed() {
                 eprintln!("sample: vocab {vocab}, {rows} rows, {name}: {us:.1} us per call");
             }
         }
+    }
+    // The decode bookkeeping after each sample call, the same way.
+    for rows in [1usize, 8, 32] {
+        let st = DecodeState::new(&s, rows, 4096, &[50_256]).unwrap();
+        for r in 0..rows {
+            st.start_row(&s, r, 0, 4096).unwrap();
+        }
+        let bufs = Arc::new((
+            s.alloc_zeroed::<i32>(rows).unwrap(),
+            s.alloc_zeroed::<i32>(rows).unwrap(),
+            s.alloc_zeroed::<i32>(rows).unwrap(),
+        ));
+        let (g, ()) = Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+            for _ in 0..20 {
+                st.advance(cs, &bufs.0, rows, &bufs.1, &bufs.2)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        g.replay(&s).unwrap();
+        s.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        for _ in 0..5 {
+            g.replay(&s).unwrap();
+        }
+        s.synchronize().unwrap();
+        let us = t0.elapsed().as_secs_f64() * 1e6 / 100.0;
+        eprintln!("decode advance: {rows} rows: {us:.1} us per call");
     }
 }

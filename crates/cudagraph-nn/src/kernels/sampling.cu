@@ -81,7 +81,7 @@ struct samp_shared {
     unsigned int wkey[SAMP_WARPS];
     int wid[SAMP_WARPS];
     unsigned int prefix;
-    unsigned long long above, eq, total;
+    unsigned long long above, eq, total, target;
     double pmass;
     int found;
 };
@@ -252,23 +252,158 @@ __device__ int samp_tie_cut(samp_shared& s, const float* row, int vocab, float t
     return id;
 }
 
-// tokens[r] for rows r < rows (grid: one block of SAMP_THREADS per row) from logits [rows,
-// vocab]: greedy when temp[r] = 0, else the temperature / top-k / top-p draw described above
-// with the 64-bit number of Philox counter state[1] + offset + r (lanes x: high, y: low word).
-// A row with no value above -inf (all NaN or -inf) gets token 0 and is reported (value 0,
-// bound vocab, position the row).
+// One level of the draw. Strips j of 32 consecutive ids (lane l: id 32 j + l) in [s0, s1) are
+// split over the warps in contiguous runs of ceil((s1 - s0) / 32) strips; each warp sums the
+// kept weights of its run (coalesced reads), warp 0 scans the 32 sums and finds the run that
+// holds the target: s.found its warp, s.above the weight before it. On the first level (the
+// whole row) the target is floor(r64 * total / 2^64), kept in s.target, and the weight before
+// the range is 0; later levels take both from the level before.
+__device__ void samp_runs(samp_shared& s, const float* row, int vocab, float t, float m,
+                          unsigned int kk, int ik, unsigned int kp, int ip, int s0, int s1,
+                          unsigned long long r64, bool first) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int per = (s1 - s0 + SAMP_WARPS - 1) / SAMP_WARPS;
+    const int a = min(s1, s0 + warp * per), e = min(s1, a + per);
+    unsigned long long acc = 0ull;
+    for (int j = a; j < e; j++) {
+        const int i = j * 32 + lane;
+        if (i < vocab) {
+            const float z = samp_z(row, i, t);
+            if (samp_kept(i, z, kk, ik, kp, ip)) acc += samp_weight(z, m);
+        }
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
+    __syncthreads();
+    if (lane == 0) s.warp[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned long long w = s.warp[lane];
+        unsigned long long inc = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned long long o = __shfl_up_sync(0xffffffffu, inc, d);
+            if (lane >= d) inc += o;
+        }
+        const unsigned long long all = __shfl_sync(0xffffffffu, inc, 31);
+        const unsigned long long base = first ? 0ull : s.above;
+        const unsigned long long target = first ? __umul64hi(r64, all) : s.target;
+        const unsigned int hit = __ballot_sync(0xffffffffu, target - base < inc);
+        const int f = hit ? __ffs(hit) - 1 : 31;
+        if (lane == f) {
+            s.found = f;
+            s.above = base + inc - w;
+            s.target = target;
+        }
+    }
+    __syncthreads();
+}
+
+// Greedy rows. A value's packed order is (key << 32) | (0xffffffff - id): the larger packed
+// value is the larger key, the lower id on equal keys; 0 (no value, or NaN) loses to every
+// value, -inf included. The maximum of packed values is the greedy choice whatever the order
+// of the reduction, so splitting a row over blocks changes no result.
+__device__ __forceinline__ unsigned long long samp_pack(float x, int i) {
+    return isnan(x) ? 0ull
+                    : (((unsigned long long)samp_key(x) << 32) |
+                       (unsigned long long)(0xffffffffu - (unsigned int)i));
+}
+
+__device__ __forceinline__ unsigned long long samp_umax(unsigned long long a,
+                                                        unsigned long long b) {
+    return a > b ? a : b;
+}
+
+// The token of a greedy row from its packed maximum: token 0 and the report for a row with no
+// value above -inf, as the general path.
+__device__ __forceinline__ void samp_greedy_done(unsigned long long v, int r, int vocab,
+                                                 int* tokens, cg_check* flag,
+                                                 unsigned int check) {
+    if ((unsigned int)(v >> 32) <= samp_key(__uint_as_float(0xff800000u))) {
+        tokens[r] = 0;
+        cg_report(flag, check, 0, vocab, (unsigned long long)r);
+    } else {
+        tokens[r] = (int)(0xffffffffu - (unsigned int)v);
+    }
+}
+
+// Block b of `split` of greedy row r: the packed maximum of its share of the row. The row is
+// read as float4 from its first 16-byte boundary (the up to 3 values before it by block 0, the
+// up to 3 after the last whole float4 by the last block); each block takes a contiguous
+// range of float4, one per thread per step (coalesced). With split > 1 every block folds its
+// maximum into best[r] (atomicMax: order-free) and the block that finishes last (counted in
+// done[r]) writes the token and clears best[r] and done[r] for the next call.
+__device__ void samp_greedy(const float* row, int vocab, int r, int b, int split,
+                            unsigned long long* best, unsigned int* done, int* tokens,
+                            cg_check* flag, unsigned int check) {
+    __shared__ unsigned long long wbest[SAMP_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int head =
+        min(vocab, (int)(((16u - ((unsigned int)(unsigned long long)row & 15u)) & 15u) >> 2));
+    const int n4 = (vocab - head) >> 2;
+    const int c4 = (n4 + split - 1) / split;
+    const int lo = min(n4, b * c4), hi = min(n4, lo + c4);
+    const float4* body = reinterpret_cast<const float4*>(row + head);
+    unsigned long long m = 0ull;
+    for (int j = lo + (int)threadIdx.x; j < hi; j += SAMP_THREADS) {
+        const float4 v = __ldg(body + j);
+        const int i = head + 4 * j;
+        m = samp_umax(m, samp_pack(v.x, i));
+        m = samp_umax(m, samp_pack(v.y, i + 1));
+        m = samp_umax(m, samp_pack(v.z, i + 2));
+        m = samp_umax(m, samp_pack(v.w, i + 3));
+    }
+    if (b == 0 && (int)threadIdx.x < head)
+        m = samp_umax(m, samp_pack(__ldg(row + threadIdx.x), threadIdx.x));
+    const int tail = head + 4 * n4 + (int)threadIdx.x;
+    if (b == split - 1 && tail < vocab) m = samp_umax(m, samp_pack(__ldg(row + tail), tail));
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) m = samp_umax(m, __shfl_xor_sync(0xffffffffu, m, d));
+    if (lane == 0) wbest[warp] = m;
+    __syncthreads();
+    if (warp != 0) return;
+    m = wbest[lane];
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) m = samp_umax(m, __shfl_xor_sync(0xffffffffu, m, d));
+    if (lane != 0) return;
+    if (split == 1) {
+        samp_greedy_done(m, r, vocab, tokens, flag, check);
+        return;
+    }
+    atomicMax(best + r, m);
+    __threadfence();
+    if (atomicAdd(done + r, 1u) == (unsigned int)(split - 1)) {
+        __threadfence();
+        const unsigned long long all = atomicExch(best + r, 0ull);
+        done[r] = 0u;
+        samp_greedy_done(all, r, vocab, tokens, flag, check);
+    }
+}
+
+// tokens[r] for rows r < rows (grid: `split` blocks of SAMP_THREADS per row, block
+// r * split + b) from logits [rows, vocab]: greedy when temp[r] = 0 (all `split` blocks, see
+// samp_greedy; best[r] and done[r] are 0 between calls), else (block 0 of the row alone) the
+// temperature / top-k / top-p draw described above with the 64-bit number of Philox counter
+// state[1] + offset + r (lanes x: high, y: low word). A row with no value above -inf (all NaN
+// or -inf) gets token 0 and is reported (value 0, bound vocab, position the row).
 extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
         const float* logits, int rows, int vocab, const float* temp, const unsigned int* topk,
         const float* topp, const unsigned long long* state, unsigned long long offset, int* tokens,
-        cg_check* flag, unsigned int check) {
+        cg_check* flag, unsigned int check, unsigned long long* best, unsigned int* done,
+        int split) {
     __shared__ samp_shared s;
-    const int r = blockIdx.x;
+    const int r = blockIdx.x / split, b = blockIdx.x - r * split;
     if (r >= rows) return;
     const float* row = logits + (long long)r * vocab;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // From here on t is 1 / temperature (0: greedy).
     float t = temp[r];
-    t = t > 0.0f ? __fdiv_rn(1.0f, t) : 0.0f;
+    if (!(t > 0.0f)) {
+        samp_greedy(row, vocab, r, b, split, best, done, tokens, flag, check);
+        return;
+    }
+    if (b != 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    t = __fdiv_rn(1.0f, t);
     // Pass 1: the best (key, lowest id) and the number of non-NaN values.
     unsigned int bk = 0u;
     int bi = SAMP_NONE;
@@ -325,10 +460,6 @@ extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
         }
         return;
     }
-    if (t == 0.0f) {
-        if (threadIdx.x == 0) tokens[r] = bi;
-        return;
-    }
     const float m = samp_unkey(bk);
     // Top-k: the k-th key in descending order, ties cut by id.
     unsigned int kk = 0u;
@@ -364,33 +495,38 @@ extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
         }
         if (lo < n_eq) ip = samp_tie_cut(s, row, vocab, t, kp, kk, ik, lo);
     }
-    // The draw: token id order over the kept values.
-    const int chunk = (vocab + SAMP_THREADS - 1) / SAMP_THREADS;
-    const int lo = min(vocab, (int)threadIdx.x * chunk), hi = min(vocab, lo + chunk);
-    unsigned long long mine = 0ull;
-    for (int i = lo; i < hi; i++) {
-        float z = samp_z(row, i, t);
-        if (samp_kept(i, z, kk, ik, kp, ip)) mine += samp_weight(z, m);
-    }
-    unsigned long long total;
-    unsigned long long before = samp_scan(s, mine, &total);
+    // The draw: token id order over the kept values, narrowed run by run (samp_runs) to one
+    // strip of 32 ids, where warp 0's inclusive scan finds the first id whose running weight
+    // exceeds the target.
     unsigned long long idx = state[1] + offset + (unsigned long long)r;
     unsigned long long seed = state[0];
     uint4 g = samp_philox(make_uint4((unsigned int)idx, (unsigned int)(idx >> 32), 0u, 0u),
                           make_uint2((unsigned int)seed, (unsigned int)(seed >> 32)));
     unsigned long long r64 = ((unsigned long long)g.x << 32) | g.y;
-    unsigned long long target = __umul64hi(r64, total);
-    if (before <= target && target < before + mine) {
-        unsigned long long c = before;
-        for (int i = lo; i < hi; i++) {
-            float z = samp_z(row, i, t);
-            if (!samp_kept(i, z, kk, ik, kp, ip)) continue;
-            c += samp_weight(z, m);
-            if (c > target) {
-                tokens[r] = i;
-                break;
-            }
+    int s0 = 0, s1 = (vocab + 31) / 32;
+    for (bool first = true;; first = false) {
+        const int per = (s1 - s0 + SAMP_WARPS - 1) / SAMP_WARPS;
+        samp_runs(s, row, vocab, t, m, kk, ik, kp, ip, s0, s1, r64, first);
+        s0 += s.found * per;
+        s1 = min(s1, s0 + per);
+        if (per <= 1) break;
+    }
+    if (warp == 0) {
+        const int i = s0 * 32 + lane;
+        unsigned long long q = 0ull;
+        if (i < vocab) {
+            const float z = samp_z(row, i, t);
+            if (samp_kept(i, z, kk, ik, kp, ip)) q = samp_weight(z, m);
         }
+        unsigned long long inc = q;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            unsigned long long o = __shfl_up_sync(0xffffffffu, inc, d);
+            if (lane >= d) inc += o;
+        }
+        const unsigned long long rel = s.target - s.above;
+        const unsigned int hit = __ballot_sync(0xffffffffu, rel < inc);
+        if (hit && lane == __ffs(hit) - 1) tokens[r] = i;
     }
 }
 
@@ -424,21 +560,32 @@ extern "C" __global__ void decode_stop(int* finished, int row) {
 
 // After sampling, rows r < rows: an unfinished row records tokens[r] at history[r, generated],
 // passes it on in ids[r] and its position in pos_out[r], advances, and finishes on an eos id or
-// at its limit. A finished row is left as it is.
+// at its limit (n_eos <= DECODE_MAX_EOS). A finished row is left as it is. Every load is
+// issued before the first store (the buffers may alias as far as the compiler knows, so a load
+// after a store would wait for it: a chain of dependent global round trips).
+#define DECODE_MAX_EOS 4
 extern "C" __global__ void decode_advance(const int* tokens, int rows, int* ids, int* pos_out,
                                           int* positions, int* finished, int* generated,
                                           const int* limit, int* history, int max_new,
                                           const int* eos, int n_eos) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows || finished[r]) return;
-    int tok = tokens[r];
-    int g = generated[r];
+    if (r >= rows) return;
+    const int fin = finished[r];
+    const int tok = tokens[r];
+    const int g = generated[r];
+    const int pos = positions[r];
+    const int lim = limit[r];
+    int ev[DECODE_MAX_EOS];
+#pragma unroll
+    for (int e = 0; e < DECODE_MAX_EOS; e++) ev[e] = e < n_eos ? eos[e] : 0;
+    if (fin) return;
+    bool stop = g + 1 >= lim;
+#pragma unroll
+    for (int e = 0; e < DECODE_MAX_EOS; e++) stop = stop || (e < n_eos && tok == ev[e]);
     if (g >= 0 && g < max_new) history[(long long)r * max_new + g] = tok;
     ids[r] = tok;
-    pos_out[r] = positions[r];
-    positions[r] += 1;
+    pos_out[r] = pos;
+    positions[r] = pos + 1;
     generated[r] = g + 1;
-    bool stop = g + 1 >= limit[r];
-    for (int e = 0; e < n_eos; e++) stop = stop || tok == eos[e];
     if (stop) finished[r] = 1;
 }

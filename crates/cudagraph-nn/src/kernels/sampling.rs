@@ -13,8 +13,31 @@ use crate::error::{NnError, Result};
 /// The CUDA source of the module.
 pub const SOURCE: &str = include_str!("sampling.cu");
 
-/// Threads of a sampling block (one block per row; `SAMP_THREADS` in the kernel).
+/// Threads of a sampling block (`SAMP_THREADS` in the kernel).
 pub const SAMPLE_THREADS: usize = 1024;
+
+/// Most blocks a greedy row is split over.
+pub const GREEDY_MAX_SPLIT: usize = 32;
+
+/// Logits a greedy block reads (one float4 per thread: every load in flight at once), unless
+/// the row is shorter or the split is capped.
+const GREEDY_BLOCK_VALUES: usize = 4 * SAMPLE_THREADS;
+
+/// Blocks in flight the greedy split aims at (two per multiprocessor of an H100).
+const GREEDY_TARGET_BLOCKS: usize = 264;
+
+/// Most end-of-sequence ids `decode_advance` compares (`DECODE_MAX_EOS` in the kernel).
+pub const DECODE_MAX_EOS: usize = 4;
+
+/// Blocks per row of a `sample_rows` launch: a greedy row is split over this many blocks (its
+/// argmax is order-free, so the split changes no token), `rows · split` staying near
+/// `GREEDY_TARGET_BLOCKS`; 1 for long batches.
+pub fn greedy_split(rows: usize, vocab: usize) -> usize {
+    vocab
+        .div_ceil(GREEDY_BLOCK_VALUES)
+        .min(GREEDY_TARGET_BLOCKS / rows.max(1))
+        .clamp(1, GREEDY_MAX_SPLIT)
+}
 
 /// Threads per block of the bookkeeping kernels.
 const BLOCK: u32 = 256;
@@ -40,6 +63,10 @@ pub struct SampleArgs<'a> {
     pub top_k: &'a DeviceBuffer<u32>,
     /// Top-p (1: off).
     pub top_p: &'a DeviceBuffer<f32>,
+    /// Per-row scratch of the split greedy argmax (zero between calls; the kernel clears it).
+    pub best: &'a DeviceBuffer<u64>,
+    /// Per-row count of finished greedy blocks (zero between calls; the kernel clears it).
+    pub done: &'a DeviceBuffer<u32>,
 }
 
 /// The device buffers of one [`crate::nn::sampling::DecodeState`].
@@ -75,6 +102,12 @@ impl DecodeArgs<'_> {
                 .ok_or_else(|| NnError::Shape("decode history: too many tokens".into()))?,
         )?;
         need("decode eos ids", self.eos, self.n_eos)?;
+        if self.n_eos > DECODE_MAX_EOS {
+            return Err(NnError::Config(format!(
+                "decode: {} end-of-sequence ids, at most {DECODE_MAX_EOS}",
+                self.n_eos
+            )));
+        }
         int_loop("decode history tokens", self.max_new, BLOCK as usize)?;
         Ok(())
     }
@@ -144,15 +177,25 @@ impl SamplingKernels {
         need("sample top-p", p.top_p, rows)?;
         need("generator state", state, 2)?;
         need("sampled tokens", tokens, rows)?;
+        need("greedy scratch", p.best, rows)?;
+        need("greedy block counts", p.done, rows)?;
+        let split = greedy_split(rows, vocab);
+        let blocks = rows
+            .checked_mul(split)
+            .filter(|&b| b <= i32::MAX as usize)
+            .ok_or_else(|| NnError::Shape("sample: too many rows".into()))?;
         // SAFETY: sample_rows(const float* logits, int rows, int vocab, const float* temp, const
         // unsigned* topk, const float* topp, const u64* state, u64 offset, int* tokens, cg_check*,
-        // unsigned): block r < rows reads logits[r·vocab .. (r+1)·vocab) (rows·vocab checked),
-        // temp/topk/topp[r] and writes tokens[r] (rows checked), reads state[0..2) (checked);
-        // its loop indices step at most 1024 past vocab (< i32::MAX, checked).
+        // unsigned, u64* best, unsigned* done, int split): block r·split + b (r < rows) reads
+        // logits[r·vocab .. (r+1)·vocab) (rows·vocab checked; the float4 reads start at the
+        // row's first 16-byte boundary and end within the row), temp/topk/topp[r], writes
+        // tokens[r] and best/done[r] (rows checked), reads state[0..2) (checked); rows·split
+        // blocks fit an i32 (checked); its loop indices step at most 1024 past vocab (<
+        // i32::MAX, checked).
         unsafe {
             Ok(q.launch(
                 &self.sample_rows,
-                LaunchConfig::linear(ri as u32, SAMPLE_THREADS as u32),
+                LaunchConfig::linear(blocks as u32, SAMPLE_THREADS as u32),
                 &[
                     logits.into(),
                     Arg::I32(ri),
@@ -165,6 +208,9 @@ impl SamplingKernels {
                     tokens.into(),
                     q.check_flag_arg()?,
                     Arg::U32(self.check),
+                    p.best.into(),
+                    p.done.into(),
+                    Arg::I32(split as i32),
                 ],
             )?)
         }
@@ -267,14 +313,20 @@ impl SamplingKernels {
         need("next input ids", ids, rows)?;
         need("next positions", pos_out, rows)?;
         let ri = int_loop("decode rows", rows, BLOCK as usize)?;
+        // Up to a block: one block of `rows` threads (rounded up to a warp).
+        let config = if rows <= BLOCK as usize {
+            LaunchConfig::linear(1, rows.next_multiple_of(32) as u32)
+        } else {
+            LaunchConfig::for_elements(rows, BLOCK)
+        };
         // SAFETY: thread r < rows reads tokens/limit/finished/generated/positions[r], writes
         // ids/pos_out/positions/generated/finished[r] (each holds rows, checked), writes
         // history[r·max_new + g] only for 0 <= g < max_new (rows·max_new checked), reads
-        // eos[0..n_eos) (checked).
+        // eos[e] only for e < n_eos (n_eos <= DECODE_MAX_EOS and eos holds n_eos, checked).
         unsafe {
             Ok(q.launch(
                 &self.advance,
-                LaunchConfig::for_elements(rows, BLOCK),
+                config,
                 &[
                     tokens.into(),
                     Arg::I32(ri),

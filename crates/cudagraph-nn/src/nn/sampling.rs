@@ -27,19 +27,27 @@
 //! [`NO_LOGIT_CHECK`], so the next synchronisation returns `cudagraph::Error::DeviceCheck`
 //! (position: the row).
 //!
-//! **Cost.** One block of 1024 threads per row (the rows of a batch run in parallel, one
-//! multiprocessor each); rows of up to `i32::MAX - 1024` tokens. Each pass reads the row once
-//! (from L2 after the first) and costs some 20 instructions per value (about 50 where it
-//! computes weights), so a block's arithmetic, not memory, bounds it. Passes: greedy 1;
-//! temperature 3 (maximum; kept weights summed over contiguous chunks; the owning thread's
-//! walk over at most `vocab / 1024` values); top-k adds 4 (radix select on the order keys,
-//! 8-bit digits, a shared histogram with warp-aggregated adds); top-p adds 4 (weights are
-//! computed for the top-k candidates only, so after a top-k these cost like count passes);
-//! a threshold inside a run of equal values adds 2 (rare). Expected on an H100 for a
-//! 50 257-token row, before measurement: greedy about 3 µs, temperature about 10 µs, top-k +
-//! top-p about 25 µs, top-p alone about 50 µs; 2.5 times that for 128k tokens, the same for a
-//! batch up to the number of multiprocessors. `sampling_cost_per_step_is_printed` in
-//! `tests/gpu_sampling.rs` prints the measured numbers.
+//! **Cost.** One `sample_rows` launch of 1024-thread blocks. A greedy row (temperature 0) is
+//! split over up to 32 blocks (`kernels::sampling::greedy_split`: about 4 096 logits a block,
+//! rows · split near 264 blocks) that read it once as float4 (coalesced, no arithmetic beyond a
+//! compare per value) and fold a packed (key, id) maximum with `atomicMax` (order-free: the
+//! same token whatever the order); the last block to finish writes the token and clears the
+//! per-row scratch. A sampled row takes one block (the other blocks of its row exit at once);
+//! each pass reads the row once (from L2 after the first) and costs some 20 instructions per
+//! value (about 50 where it computes weights), so a block's arithmetic, not memory, bounds it.
+//! Passes: temperature 2 (maximum; the draw's kept-weight sums over 32 contiguous warp runs
+//! read coalesced, then a few strips to narrow the run down to one id); top-k adds 4 (radix
+//! select on the order keys, 8-bit digits, a shared histogram with warp-aggregated adds);
+//! top-p adds 4 (weights are computed for the top-k candidates only, so after a top-k these
+//! cost like count passes); a threshold inside a run of equal values adds 2 (rare). Rows of
+//! up to `i32::MAX - 1024` tokens. Expected on an H100 for a 50 257-token row, kernel time as
+//! ncu reports it: greedy about 3 µs (13 blocks, one float4 per thread: a launch plus one
+//! L2/DRAM round trip for the row's 200 KB; about the same for a batch of up to 32 rows), temperature about 8 µs, top-k + top-p about
+//! 20 µs, top-p alone about 40 µs; 2.5 times the sampled costs for 128k tokens, the same for
+//! a batch up to the number of multiprocessors. [`DecodeState::advance`] is one block of
+//! `rows` threads (up to 256; then blocks of 256) whose loads are all issued before its
+//! stores: about 2 µs. `sampling_cost_per_step_is_printed` in `tests/gpu_sampling.rs` prints
+//! the measured numbers.
 
 use std::sync::Arc;
 
@@ -51,7 +59,7 @@ use crate::kernels::sampling::{DecodeArgs, SampleArgs, SamplingKernels};
 use crate::random::Generator;
 
 /// Most end-of-sequence ids a [`DecodeState`] checks.
-pub const MAX_EOS: usize = 4;
+pub const MAX_EOS: usize = crate::kernels::sampling::DECODE_MAX_EOS;
 
 /// Per-row sampling settings, kept in device memory so a captured step stays valid when a
 /// row's request changes.
@@ -109,6 +117,8 @@ pub struct Sampler {
     temperature: DeviceBuffer<f32>,
     top_k: DeviceBuffer<u32>,
     top_p: DeviceBuffer<f32>,
+    best: DeviceBuffer<u64>,
+    done: DeviceBuffer<u32>,
     k: Arc<SamplingKernels>,
 }
 
@@ -137,12 +147,16 @@ impl Sampler {
         let top_k = q.alloc_zeroed::<u32>(rows)?;
         let top_p = q.alloc::<f32>(rows)?;
         q.fill32(&top_p, 0, rows, 1.0f32)?;
+        let best = q.alloc_zeroed::<u64>(rows)?;
+        let done = q.alloc_zeroed::<u32>(rows)?;
         Ok(Sampler {
             rows,
             vocab,
             temperature,
             top_k,
             top_p,
+            best,
+            done,
             k,
         })
     }
@@ -162,6 +176,8 @@ impl Sampler {
             temperature: &self.temperature,
             top_k: &self.top_k,
             top_p: &self.top_p,
+            best: &self.best,
+            done: &self.done,
         }
     }
 
@@ -180,7 +196,9 @@ impl Sampler {
 
     /// `logits` `[rows, vocab]` f32 (`rows` at most the sampler's) → `tokens[rows]`. Draws one
     /// Philox counter per row from `gen` and advances its device offset like dropout does, so
-    /// each replay of a captured call draws fresh numbers. Capturable.
+    /// each replay of a captured call draws fresh numbers. Capturable. Calls on one sampler
+    /// must be stream-ordered (not concurrent on two streams): a greedy row's split argmax
+    /// uses per-row scratch of the sampler.
     pub fn sample(
         &self,
         q: &dyn Queue,
@@ -703,7 +721,7 @@ mod tests {
     }
 
     /// The kernel's algorithm step by step on the CPU (radix select over 8-bit digits, tie cuts
-    /// by id, the chunked draw of 1024 "threads"), to check it against the sort-based
+    /// by id, the draw narrowed over runs of 32-id strips), to check it against the sort-based
     /// reference.
     fn kernel_emulation(logits: &[f32], p: &SamplingParams, bits: u64) -> Option<i32> {
         const NONE: usize = usize::MAX;
@@ -814,33 +832,54 @@ mod tests {
             }
         }
         let kept = |i: usize| cand(i, kk, ik) && cand(i, kp, ip);
-        let chunk = v.div_ceil(1024);
-        let sums: Vec<u64> = (0..1024)
-            .map(|th| {
-                let lo = (th * chunk).min(v);
-                (lo..(lo + chunk).min(v))
-                    .filter(|&i| kept(i))
-                    .map(|i| weight(z(i), m))
-                    .sum()
-            })
-            .collect();
-        let total: u64 = sums.iter().sum();
-        let target = ((bits as u128 * total as u128) >> 64) as u64;
-        let mut before = 0;
-        for (th, &mine) in sums.iter().enumerate() {
-            if before <= target && target < before + mine {
-                let lo = (th * chunk).min(v);
-                let mut c = before;
-                for i in lo..(lo + chunk).min(v) {
-                    if kept(i) {
-                        c += weight(z(i), m);
-                        if c > target {
-                            return Some(i as i32);
-                        }
-                    }
-                }
+        // The draw as the kernel narrows it: runs of strips of 32 ids over 32 warps, then one
+        // strip's inclusive scan.
+        let w_of = |i: usize| {
+            if i < v && kept(i) {
+                weight(z(i), m)
+            } else {
+                0
             }
-            before += mine;
+        };
+        let strip_sum = |j: usize| (0..32).map(|l| w_of(j * 32 + l)).sum::<u64>();
+        let (mut s0, mut s1) = (0usize, v.div_ceil(32));
+        let (mut above, mut target) = (0u64, 0u64);
+        let mut first = true;
+        loop {
+            let per = (s1 - s0).div_ceil(32);
+            let sums: Vec<u64> = (0..32)
+                .map(|w| {
+                    let a = (s0 + w * per).min(s1);
+                    (a..(a + per).min(s1)).map(strip_sum).sum()
+                })
+                .collect();
+            let all: u64 = sums.iter().sum();
+            let base = if first { 0 } else { above };
+            if first {
+                target = ((bits as u128 * all as u128) >> 64) as u64;
+            }
+            let mut inc = 0u64;
+            let f = sums
+                .iter()
+                .position(|&w| {
+                    inc += w;
+                    target - base < inc
+                })
+                .expect("the target lies in the range");
+            above = base + inc - sums[f];
+            s0 += f * per;
+            s1 = s1.min(s0 + per);
+            first = false;
+            if per <= 1 {
+                break;
+            }
+        }
+        let mut inc = 0u64;
+        for l in 0..32 {
+            inc += w_of(s0 * 32 + l);
+            if target - above < inc {
+                return Some((s0 * 32 + l) as i32);
+            }
         }
         unreachable!("the draw found no token")
     }
@@ -882,6 +921,48 @@ mod tests {
                     sample_row(&l, &p, bits),
                     "case {case}, vocab {vocab}, {p:?}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn the_draw_over_long_rows_picks_the_reference_tokens() {
+        // Vocabularies of more than 32 · 32 strips: three levels of runs before the last strip.
+        let mut rng = crate::random::HostRng::new(91);
+        for (case, vocab) in [33 * 1024 + 5, 50_257].into_iter().enumerate() {
+            let l: Vec<f32> = (0..vocab)
+                .map(|_| (rng.symmetric(8.0) * 64.0).floor() / 64.0)
+                .collect();
+            for p in [
+                params(1.0, 0, 1.0),
+                params(0.6, 0, 0.9),
+                params(1.1, 40, 1.0),
+            ] {
+                for bits in [0u64, u64::MAX, rng.next_u64(), rng.next_u64()] {
+                    assert_eq!(
+                        kernel_emulation(&l, &p, bits),
+                        sample_row(&l, &p, bits),
+                        "case {case}, vocab {vocab}, {p:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_greedy_split_stays_within_its_bounds() {
+        use crate::kernels::sampling::{greedy_split, GREEDY_MAX_SPLIT};
+        assert_eq!(greedy_split(1, 1), 1);
+        assert_eq!(greedy_split(1, 50_257), 13);
+        assert_eq!(greedy_split(32, 50_257), 8);
+        assert_eq!(greedy_split(64, 50_257), 4);
+        assert_eq!(greedy_split(1, 128_256), GREEDY_MAX_SPLIT);
+        assert_eq!(greedy_split(1000, 128_256), 1);
+        for rows in [1usize, 3, 100, 300, 1 << 20] {
+            for vocab in [1usize, 1000, 8192, 8193, 1 << 20] {
+                let s = greedy_split(rows, vocab);
+                assert!((1..=GREEDY_MAX_SPLIT).contains(&s), "{rows} {vocab}");
+                assert!(s == 1 || rows * s <= 264, "{rows} {vocab}");
             }
         }
     }
