@@ -198,7 +198,12 @@ fn check_adam<T: Float>(s: &Stream, decoupled: bool) {
                 &m_ref,
                 &m_terms,
             );
-            check_f32(&format!("{what} v"), &s.to_vec(&st.v[i]).unwrap(), &v_ref, &v_ref);
+            check_f32(
+                &format!("{what} v"),
+                &s.to_vec(&st.v[i]).unwrap(),
+                &v_ref,
+                &v_ref,
+            );
         }
     }
     assert_eq!(s.to_vec(&st.steps).unwrap(), vec![3u32; SIZES.len()]);
