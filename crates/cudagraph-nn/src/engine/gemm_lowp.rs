@@ -638,6 +638,58 @@ mod tests {
     }
 
     #[test]
+    fn the_few_row_kernel_is_offered_only_for_few_row_forward_products() {
+        let decode = GemmOp {
+            m: 1,
+            n: 2304,
+            k: 768,
+            ..op(Epilogue::BiasGelu)
+        };
+        assert_eq!(gemv_splits(&decode, 256), vec![1, 2]);
+        assert_eq!(gemv_splits(&decode, 16), vec![1, 2]);
+        let deep = GemmOp { k: 3072, ..decode };
+        assert_eq!(gemv_splits(&deep, 256), vec![1, 2, 4, 8]);
+        assert_eq!(gemv_splits(&GemmOp { k: 8, ..decode }, 256), vec![1]);
+        // Any alpha and beta, every epilogue but the bias gradient, up to GEMV_MAX_M rows.
+        for ep in [Epilogue::None, Epilogue::Bias, Epilogue::BiasRelu] {
+            let o = GemmOp {
+                m: GEMV_MAX_M,
+                alpha: 0.5,
+                beta: 1.0,
+                epilogue: ep,
+                ..decode
+            };
+            assert!(!gemv_splits(&o, 256).is_empty(), "{}", o.key());
+        }
+        for o in [
+            GemmOp {
+                m: GEMV_MAX_M + 1,
+                ..decode
+            },
+            GemmOp { m: 0, ..decode },
+            GemmOp { n: 0, ..decode },
+            GemmOp { k: 764, ..decode },
+            GemmOp {
+                tb: Trans::N,
+                ..decode
+            },
+            GemmOp {
+                ta: Trans::T,
+                tb: Trans::N,
+                epilogue: Epilogue::BiasGrad,
+                ..decode
+            },
+            GemmOp {
+                epilogue: Epilogue::BiasGrad,
+                ..decode
+            },
+        ] {
+            assert!(gemv_splits(&o, 256).is_empty(), "{}", o.key());
+        }
+        assert!(gemv_splits(&decode, 8).is_empty());
+    }
+
+    #[test]
     fn vectors_follow_the_epilogue() {
         let o = op(Epilogue::BiasGelu);
         assert_eq!(o.vec_len().unwrap(), Some(512));
