@@ -26,7 +26,8 @@ pub enum GemmFamily {
     WarpK,
     /// Our kernels for few rows, the few-rows and column-warp ones (forward layout, alpha 1,
     /// beta 0, at most [`crate::engine::gemm::ROWS_MAX_M`] rows, k a multiple of 4; other products fall
-    /// back to `Tiled`).
+    /// back to `Tiled`); for half-precision products the few-row kernel `gemv:KS`
+    /// ([`GemmEngine::Gemv`]), which the policy does not force (it only joins the measurement).
     Rows,
     /// Every engine available, measured per shape by the registry; before a measurement (in a
     /// capture) the heuristic default of [`crate::engine::gemm::auto_family`].
