@@ -26,7 +26,8 @@ pub enum GemmFamily {
     WarpK,
     /// Our kernels for few rows, the few-rows and column-warp ones (forward layout, alpha 1,
     /// beta 0, at most [`crate::engine::gemm::ROWS_MAX_M`] rows, k a multiple of 4; other products fall
-    /// back to `Tiled`).
+    /// back to `Tiled`); for half-precision products the few-row kernel `gemv:KS`
+    /// ([`GemmEngine::Gemv`]), which the policy does not force (it only joins the measurement).
     Rows,
     /// Every engine available, measured per shape by the registry; before a measurement (in a
     /// capture) the heuristic default of [`crate::engine::gemm::auto_family`].
@@ -156,6 +157,11 @@ pub enum GemmEngine {
         /// Warps splitting K per column group.
         ks: u8,
     },
+    /// Our few-row matrix–vector kernel for half-precision products (`x·wᵀ`, at most
+    /// [`crate::engine::gemm_lowp::GEMV_MAX_M`] rows, k a multiple of 8; any alpha and beta; the
+    /// epilogues none, bias, bias + ReLU, bias + GELU) with this many warps splitting each
+    /// column's depth (1, 2, 4 or 8); shown as `gemv:KS`. `gemm_lowp` only.
+    Gemv(u8),
 }
 
 impl GemmEngine {
@@ -171,7 +177,9 @@ impl GemmEngine {
             | GemmEngine::Cluster(_)
             | GemmEngine::Chunks(_) => GemmFamily::Tiled,
             GemmEngine::WarpK => GemmFamily::WarpK,
-            GemmEngine::Rows { .. } | GemmEngine::Cols { .. } => GemmFamily::Rows,
+            GemmEngine::Rows { .. } | GemmEngine::Cols { .. } | GemmEngine::Gemv(_) => {
+                GemmFamily::Rows
+            }
         }
     }
 }
@@ -196,6 +204,7 @@ impl fmt::Display for GemmEngine {
                 warps,
                 ks,
             } => write!(f, "cols{rows}x{cols}w{warps}:{ks}"),
+            GemmEngine::Gemv(ks) => write!(f, "gemv:{ks}"),
         }
     }
 }
@@ -231,6 +240,14 @@ impl FromStr for GemmEngine {
             Some(("reg", r)) => r.parse().map(GemmEngine::Reg).map_err(|_| bad()),
             Some(("cluster", r)) => r.parse().map(GemmEngine::Cluster).map_err(|_| bad()),
             Some(("chunks", r)) => r.parse().map(GemmEngine::Chunks).map_err(|_| bad()),
+            Some(("gemv", r)) => {
+                // Only the canonical decimal (so that a name prints back as itself).
+                let ks: u8 = r.parse().map_err(|_| bad())?;
+                match r == ks.to_string() {
+                    true => Ok(GemmEngine::Gemv(ks)),
+                    false => Err(bad()),
+                }
+            }
             Some((p @ ("rows" | "rows8" | "rows4"), r)) => Ok(GemmEngine::Rows {
                 rows: p[4..].parse().unwrap_or(16),
                 ks: r.parse().map_err(|_| bad())?,
@@ -534,6 +551,17 @@ mod tests {
         assert_eq!(GemmEngine::Rows { rows: 16, ks: 2 }.to_string(), "rows:2");
         assert!("rows16:2".parse::<GemmEngine>().is_err());
         assert_eq!(GemmEngine::Reg(3).to_string(), "reg:3");
+        for ks in [1u8, 2, 4, 8] {
+            let g = GemmEngine::Gemv(ks);
+            assert_eq!(g.to_string(), format!("gemv:{ks}"));
+            assert_eq!(g.to_string().parse::<GemmEngine>().unwrap(), g);
+            assert_eq!(g.family(), GemmFamily::Rows);
+        }
+        for bad in [
+            "gemv", "gemv:", "gemv:x", "gemv:01", "gemv:+1", "gemv:256", "gemv1:1",
+        ] {
+            assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
+        }
         for bad in ["reg64:1", "reg:", "reg:x", "reg", "reg:-1"] {
             assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
         }

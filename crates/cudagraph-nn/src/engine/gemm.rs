@@ -632,6 +632,11 @@ fn run_algo(
             };
             nn.k.sgemm_nt_cols(q, (op.m, op.n, op.k), a, b, c, bias, relu, shape)
         }
+        GemmEngine::Gemv(_) => Err(NnError::NotSupported {
+            op: "gemm",
+            what: format!("engine {algo} (half-precision operands only)"),
+            fix: "run f32 products on another engine, or bf16/f16 ones with gemm_lowp",
+        }),
         GemmEngine::WarpK => {
             if !op.warpk_ok() {
                 return Err(NnError::Shape(format!(

@@ -1,19 +1,28 @@
 //! Half-precision matrix products on tensor cores: [`gemm_lowp`] runs a [`GemmOp`] with A and
 //! B in bf16 or f16 and C (and the epilogue's vector) in that type or f32, products
 //! accumulated in f32, by the engine the registry measured for its key. The fp32 products
-//! stay in [`crate::engine::gemm`] (`run_gemm`); no kernel of ours runs here.
+//! stay in [`crate::engine::gemm`] (`run_gemm`); the only kernel of ours here is the few-row
+//! one (`gemv:KS`, below).
 //!
 //! Candidates, measured per key like the fp32 ones (the key adds the element types:
 //! `gemm NT m=4096 n=4096 k=4096 a=1 b=0 ep=bias in=bf16 out=f32`): cuBLASLt's heuristic
 //! algorithms for the shape and types (the first twelve, as for fp32), with
 //! `CUDAGRAPH_LT_SPLITK=1` their split-K variants and with `CUDAGRAPH_LT_SEARCH=1` searched
 //! configurations, and cuBLAS's `cublasGemmEx` for products without a fused bias (what
-//! `torch.matmul` calls on bf16 tensors). Epilogues: none, bias, bias+ReLU, bias+GELU (GELU in
+//! `torch.matmul` calls on bf16 tensors), and, for decode-sized products, our memory-bound
+//! few-row kernel `gemv:KS` ([`gemv_splits`] says when: `x·wᵀ`, at most [`GEMV_MAX_M`] rows,
+//! k a multiple of 8, 16-byte aligned pointers, no bias gradient). Epilogues: none, bias, bias+ReLU, bias+GELU (GELU in
 //! cuBLASLt's tanh approximation, `gelu(approximate="tanh")` in PyTorch) and the bias gradient,
 //! fused by cuBLASLt (`BGRADB`) where it offers that for the types, otherwise a second product
 //! `db = 1ᵀ·A` on the same libraries (f32 accumulation there too). Inside a capture with
 //! nothing measured for the key, cuBLASLt's first heuristic algorithm runs (cuBLAS where
-//! cuBLASLt is unavailable).
+//! cuBLASLt is unavailable, then our few-row kernel where it takes the product).
+//!
+//! The epilogue, as cuBLASLt computes it (`D = act(alpha·op(A)·op(B) + beta·C + bias)`: its
+//! bias epilogues add the bias to the scaled product and the scaled C, then apply the
+//! activation), is what `gemv:KS` does in f32: `alpha·Σ`, plus `beta·C` (C read only when
+//! beta ≠ 0, and in place: the result overwrites C), plus the bias, then ReLU or GELU, then
+//! one rounding to the result type.
 //!
 //! No partial sum is ever added in 16 bits: cuBLASLt keeps only algorithms whose split-K
 //! reductions are in the compute type when D is bf16 or f16, and cuBLAS runs with
@@ -58,6 +67,8 @@ use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
 use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
+pub use crate::kernels::gemv::GEMV_MAX_M;
+use crate::kernels::gemv::{gemv_ok, GemvKernels, GEMV_SPLITS};
 use crate::kernels::Nn;
 
 /// Row-major `C[m×n] = epilogue(alpha·op(A)·op(B) + beta·C)` with A and B of `T` (bf16 or
@@ -306,7 +317,7 @@ fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
 
 /// The engines that can run `op` with these types within `family`, cuBLASLt's heuristic
 /// algorithms first (the first is the default inside a capture), then its opt-in variants,
-/// then cuBLAS. Inside a capture, cuBLASLt is a candidate only if it was opened before.
+/// then cuBLAS, then our few-row kernel's depth splits ([`gemv_splits`]). Inside a capture, cuBLASLt is a candidate only if it was opened before.
 fn candidates_in<T: Float, O: Float>(
     q: &dyn Queue,
     eng: &Engines,
@@ -345,7 +356,27 @@ fn candidates_in<T: Float, O: Float>(
     if allowed(GemmFamily::Cublas) && cublas_runs(op.epilogue) {
         v.push(GemmEngine::Cublas);
     }
+    if allowed(GemmFamily::Rows) {
+        v.extend(gemv_splits(op, align).into_iter().map(GemmEngine::Gemv));
+    }
     Ok(v)
+}
+
+/// The depth splits of our few-row kernel (`gemv:KS`) offered for `op` with pointers aligned
+/// to `align` bytes: none unless `op` is `x·wᵀ` (A not transposed, B transposed: x `[m, k]`,
+/// w `[n, k]`) with 1 ≤ m ≤ [`GEMV_MAX_M`], k a multiple of 8, every pointer 16-byte aligned
+/// and the epilogue none, bias, bias + ReLU or bias + GELU (any alpha and beta); then one
+/// warp per column (1), and 2, 4 or 8 warps splitting each column's depth where every warp
+/// still has at least one 16-byte vector per lane (k ≥ 256·KS).
+pub fn gemv_splits(op: &GemmOp, align: u32) -> Vec<u8> {
+    let layout = op.ta == Trans::N && op.tb == Trans::T;
+    if !layout || align < 16 || op.n == 0 || !gemv_ok(op.m, op.k, op.epilogue) {
+        return Vec::new();
+    }
+    GEMV_SPLITS
+        .into_iter()
+        .filter(|&ks| ks == 1 || op.k >= 256 * ks as usize)
+        .collect()
 }
 
 /// cuBLASLt, or why it is not there.
@@ -390,6 +421,18 @@ fn run_lowp<T: Float, O: Float>(
         GemmEngine::CublasLt(rank) => LtAlgo::Rank(rank as usize),
         GemmEngine::CublasLtSplitK { rank, split } => LtAlgo::SplitK { rank, split },
         GemmEngine::CublasLtConfig(i) => LtAlgo::Config(i),
+        GemmEngine::Gemv(ks) => {
+            if op.ta != Trans::N || op.tb != Trans::T {
+                return Err(NnError::NotSupported {
+                    op: "gemm_lowp",
+                    what: format!("engine {algo} for {} (it runs x·wᵀ only: NT)", op.key()),
+                    fix: "use a cuBLASLt or cuBLAS engine for other layouts",
+                });
+            }
+            let dims = (op.m, op.n, op.k);
+            let gemv = GemvKernels::get(q.device())?;
+            return gemv.run(q, dims, (op.alpha, op.beta), op.epilogue, a, b, c, vec, ks);
+        }
         other => {
             return Err(NnError::NotSupported {
                 op: "gemm_lowp",
@@ -592,6 +635,58 @@ mod tests {
         };
         assert!(matches!(check_op(&g), Err(NnError::Shape(_))));
         check_op(&GemmOp { alpha: 1.0, ..g }).unwrap();
+    }
+
+    #[test]
+    fn the_few_row_kernel_is_offered_only_for_few_row_forward_products() {
+        let decode = GemmOp {
+            m: 1,
+            n: 2304,
+            k: 768,
+            ..op(Epilogue::BiasGelu)
+        };
+        assert_eq!(gemv_splits(&decode, 256), vec![1, 2]);
+        assert_eq!(gemv_splits(&decode, 16), vec![1, 2]);
+        let deep = GemmOp { k: 3072, ..decode };
+        assert_eq!(gemv_splits(&deep, 256), vec![1, 2, 4, 8]);
+        assert_eq!(gemv_splits(&GemmOp { k: 8, ..decode }, 256), vec![1]);
+        // Any alpha and beta, every epilogue but the bias gradient, up to GEMV_MAX_M rows.
+        for ep in [Epilogue::None, Epilogue::Bias, Epilogue::BiasRelu] {
+            let o = GemmOp {
+                m: GEMV_MAX_M,
+                alpha: 0.5,
+                beta: 1.0,
+                epilogue: ep,
+                ..decode
+            };
+            assert!(!gemv_splits(&o, 256).is_empty(), "{}", o.key());
+        }
+        for o in [
+            GemmOp {
+                m: GEMV_MAX_M + 1,
+                ..decode
+            },
+            GemmOp { m: 0, ..decode },
+            GemmOp { n: 0, ..decode },
+            GemmOp { k: 764, ..decode },
+            GemmOp {
+                tb: Trans::N,
+                ..decode
+            },
+            GemmOp {
+                ta: Trans::T,
+                tb: Trans::N,
+                epilogue: Epilogue::BiasGrad,
+                ..decode
+            },
+            GemmOp {
+                epilogue: Epilogue::BiasGrad,
+                ..decode
+            },
+        ] {
+            assert!(gemv_splits(&o, 256).is_empty(), "{}", o.key());
+        }
+        assert!(gemv_splits(&decode, 8).is_empty());
     }
 
     #[test]

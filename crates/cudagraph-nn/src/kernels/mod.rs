@@ -31,6 +31,7 @@ pub mod conv_lowp;
 pub mod decoder;
 pub mod elementwise;
 pub mod gemm;
+pub mod gemv;
 pub mod igemm;
 pub mod losses;
 pub mod lowp;
@@ -101,6 +102,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_transformer", transformer::source()),
         ("cudagraph_nn_causal", causal::source()),
         ("cudagraph_nn_decoder", decoder::source()),
+        ("cudagraph_nn_gemv", gemv::source()),
         (
             "cudagraph_nn_pdl",
             format!("{pdl}{check}{}", pdl::with_pdl_prologue(SOURCE).0),

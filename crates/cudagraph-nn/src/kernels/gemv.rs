@@ -1,0 +1,239 @@
+//! The few-row product kernel of the half-precision products (`gemv.cu`, its own NVRTC module,
+//! compiled after `cast.cu`): `y[r, j] = act(alpha·Σ_p x[r, p]·w[j, p] + beta·y[r, j] + bias[j])`
+//! for `r < m ≤` [`GEMV_MAX_M`], `x: [m, k]` and `w: [n, k]` (PyTorch's Linear layout) of bf16 or
+//! f16, `y` of that type or f32, f32 sums in a fixed order and one rounding on store. A memory-bound
+//! matrix–vector product: each warp streams one weight row with 16-byte loads, `ks` warps of a
+//! block splitting its depth (see `gemv.cu`). Used by [`crate::engine::gemm_lowp()`] as the
+//! engine `gemv:KS`.
+
+use std::sync::Arc;
+
+use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
+
+use crate::dtype::{Dtype, Float};
+use crate::error::{NnError, Result};
+use crate::extent::{need, prod};
+use crate::ffi::blas::Epilogue;
+use crate::kernels::int;
+
+/// The most rows the kernel takes. Every warp reads the m rows of x for each 16-byte vector of
+/// its weight row (from L1: the same positions for every column), so L1 traffic is m times the
+/// weight stream: at 16 rows about 16 × 14 bytes a clock per SM on an H100 streaming HBM at
+/// full rate, near L1's 128, where the tensor-core kernels are as fast; beyond that they win.
+pub const GEMV_MAX_M: usize = 16;
+
+/// The depth splits (warps sharing one column) the kernel takes.
+pub const GEMV_SPLITS: [u8; 4] = [1, 2, 4, 8];
+
+/// Warps per block (`GV_WARPS`).
+const WARPS: usize = 8;
+
+/// Rows per kernel instance (`M` of `gemv_S_mM`).
+const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// The type pairs (operands, result) the kernel is instantiated for, as suffixes.
+#[cfg(any(test, feature = "internals"))]
+pub const PAIRS: [&str; 4] = ["bf16_bf16", "bf16_f32", "f16_f16", "f16_f32"];
+
+/// The name of every kernel of the module.
+#[cfg(any(test, feature = "internals"))]
+pub fn kernel_names() -> Vec<String> {
+    PAIRS
+        .iter()
+        .flat_map(|p| ROWS.iter().map(move |m| format!("gemv_{p}_m{m}")))
+        .collect()
+}
+
+/// The CUDA source of the module.
+pub fn source() -> String {
+    format!("{}{}", super::cast::SOURCE, include_str!("gemv.cu"))
+}
+
+/// Whether the kernel takes a product of `m` rows, depth `k`, with `epilogue` (shape only;
+/// the launcher also checks the pointers' 16-byte alignment and the lengths): 1 ≤ m ≤
+/// [`GEMV_MAX_M`], k a positive multiple of 8, the epilogue none, bias, bias + ReLU or
+/// bias + GELU.
+pub fn gemv_ok(m: usize, k: usize, epilogue: Epilogue) -> bool {
+    (1..=GEMV_MAX_M).contains(&m)
+        && k > 0
+        && k % 8 == 0
+        && matches!(
+            epilogue,
+            Epilogue::None | Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGelu
+        )
+}
+
+/// The kernels of one device (a [`Device::extension`]): `[pair][rows]`, pairs in the order of
+/// `PAIRS`.
+pub struct GemvKernels {
+    f: [[Function; 5]; 4],
+}
+
+impl GemvKernels {
+    /// The kernels of `device`, compiled on first use.
+    pub fn get(device: &Device) -> Result<Arc<Self>> {
+        Ok(device.extension(|d| {
+            let m = cudagraph::runtime::with_relaxed_capture(|| {
+                d.compile(
+                    "cudagraph_nn_gemv",
+                    &super::module_source("cudagraph_nn_gemv"),
+                )
+            })?;
+            let row = |pair: &str| -> cudagraph::Result<[Function; 5]> {
+                Ok([
+                    m.function(&format!("gemv_{pair}_m1"))?,
+                    m.function(&format!("gemv_{pair}_m2"))?,
+                    m.function(&format!("gemv_{pair}_m4"))?,
+                    m.function(&format!("gemv_{pair}_m8"))?,
+                    m.function(&format!("gemv_{pair}_m16"))?,
+                ])
+            };
+            Ok(GemvKernels {
+                f: [
+                    row("bf16_bf16")?,
+                    row("bf16_f32")?,
+                    row("f16_f16")?,
+                    row("f16_f32")?,
+                ],
+            })
+        })?)
+    }
+
+    /// `y = act(alpha·x·wᵀ + beta·y + bias)` (see the module docs): `x: [m, k]`, `w: [n, k]`,
+    /// `y: [m, n]` (read only when `beta ≠ 0`), `bias: [n]` for the bias epilogues (none
+    /// otherwise), `ks` warps splitting each column's depth (one of [`GEMV_SPLITS`]). The
+    /// epilogue adds in this order, in f32: `alpha·Σ`, then `beta·y`, then the bias, then the
+    /// activation, then one rounding to `O`.
+    ///
+    /// Errors, before anything runs: `T` not bf16 or f16, `O` neither `T` nor f32
+    /// ([`NnError::NotSupported`]); a shape [`gemv_ok`] refuses, `ks` not in [`GEMV_SPLITS`],
+    /// `x` or `w` not 16-byte aligned, a bias missing or given against the epilogue
+    /// ([`NnError::Shape`]); a buffer shorter than the product needs (`SizeMismatch`); sizes
+    /// beyond the kernel's ints.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        (m, n, k): (usize, usize, usize),
+        (alpha, beta): (f32, f32),
+        epilogue: Epilogue,
+        x: &DeviceBuffer<T>,
+        w: &DeviceBuffer<T>,
+        y: &DeviceBuffer<O>,
+        bias: Option<&DeviceBuffer<O>>,
+        ks: u8,
+    ) -> Result<()> {
+        let pair = match (T::DTYPE, O::DTYPE) {
+            (Dtype::Bf16, Dtype::Bf16) => 0,
+            (Dtype::Bf16, Dtype::F32) => 1,
+            (Dtype::F16, Dtype::F16) => 2,
+            (Dtype::F16, Dtype::F32) => 3,
+            (t, o) => {
+                return Err(NnError::NotSupported {
+                    op: "gemv",
+                    what: format!("operands of {t} with a result of {o}"),
+                    fix: "bf16 or f16 operands with a result of their type or f32",
+                })
+            }
+        };
+        if !gemv_ok(m, k, epilogue) || n == 0 {
+            return Err(NnError::Shape(format!(
+                "gemv: takes 1 to {GEMV_MAX_M} rows, n ≥ 1, k a positive multiple of 8 and the \
+                 epilogues none, bias, bias_relu, bias_gelu (got m={m} n={n} k={k} ep={epilogue:?})"
+            )));
+        }
+        if !GEMV_SPLITS.contains(&ks) {
+            return Err(NnError::Shape(format!(
+                "gemv: ks = {ks} (takes {GEMV_SPLITS:?})"
+            )));
+        }
+        if x.addr() % 16 != 0 || w.addr() % 16 != 0 {
+            return Err(NnError::Shape(format!(
+                "gemv: x (at {:#x}) and w (at {:#x}) must be 16-byte aligned",
+                x.addr(),
+                w.addr()
+            )));
+        }
+        need("gemv x", x, prod("gemv x", &[m, k])?)?;
+        need("gemv w", w, prod("gemv w", &[n, k])?)?;
+        need("gemv y", y, prod("gemv y", &[m, n])?)?;
+        let ep = match (epilogue, bias) {
+            (Epilogue::None, None) => 0,
+            (Epilogue::Bias, Some(_)) => 1,
+            (Epilogue::BiasRelu, Some(_)) => 2,
+            (Epilogue::BiasGelu, Some(_)) => 3,
+            (e, b) => {
+                return Err(NnError::Shape(format!(
+                    "gemv: epilogue {e:?} with {} bias",
+                    if b.is_some() { "a" } else { "no" }
+                )))
+            }
+        };
+        if let Some(b) = bias {
+            need("gemv bias", b, n)?;
+        }
+        let cols = WARPS / ks as usize;
+        let blocks = u32::try_from(n.div_ceil(cols))
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| NnError::Shape(format!("gemv: n = {n} exceeds the grid")))?;
+        let ri = ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M");
+        let args = [
+            x.into(),
+            w.into(),
+            y.into(),
+            Arg::opt(bias),
+            Arg::I32(int("gemv m", m)?),
+            Arg::I32(int("gemv n", n)?),
+            Arg::I32(int("gemv k", k)?),
+            Arg::I32(ks as i32),
+            Arg::F32(alpha),
+            Arg::F32(beta),
+            Arg::I32((beta != 0.0) as i32),
+            Arg::I32(ep),
+        ];
+        // SAFETY: gemv_S_mM(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep) with
+        // m ≤ M (the instance chosen), GV_WARPS = 8 warps a block and ks dividing it (checked):
+        // block b's warps take columns j = b·(8/ks) + warp/ks and read w[j·k + p] only for
+        // j < n, p < k (n·k checked), x[r·k + p] for r < m, p < k (m·k checked) with 16-byte
+        // loads at multiples of 8 elements (x and w 16-byte aligned, k a multiple of 8:
+        // checked); the finishing threads read and write y[r·n + j] for r < m, j < n (m·n
+        // checked; read only with beta_on) and read bias[j] only for ep ≠ 0 (then bias is
+        // given with n elements, checked); sizes within int (checked), element offsets long
+        // long; the shared array is static.
+        unsafe {
+            Ok(q.launch(
+                &self.f[pair][ri],
+                LaunchConfig::linear(blocks, (WARPS * 32) as u32),
+                &args,
+            )?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_the_kernel_takes() {
+        assert!(gemv_ok(1, 768, Epilogue::BiasGelu));
+        assert!(gemv_ok(16, 8, Epilogue::None));
+        assert!(gemv_ok(3, 3072, Epilogue::BiasRelu));
+        assert!(!gemv_ok(0, 768, Epilogue::Bias));
+        assert!(!gemv_ok(17, 768, Epilogue::Bias));
+        assert!(!gemv_ok(1, 0, Epilogue::Bias));
+        assert!(!gemv_ok(1, 12, Epilogue::Bias));
+        assert!(!gemv_ok(1, 768, Epilogue::BiasGrad));
+        // Every m up to the bound has an instance of at least m rows.
+        for m in 1..=GEMV_MAX_M {
+            assert!(ROWS.iter().any(|&r| r >= m));
+        }
+        assert_eq!(*ROWS.last().unwrap(), GEMV_MAX_M);
+        for ks in GEMV_SPLITS {
+            assert_eq!(WARPS % ks as usize, 0);
+        }
+        assert_eq!(kernel_names().len(), 20);
+        assert!(kernel_names().contains(&"gemv_f16_f32_m16".to_string()));
+    }
+}
