@@ -824,3 +824,113 @@ fn agree<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, tol: f64) {
         assert!(matches!(e, Err(NnError::Shape(_))), "{bad} splits: {e:?}");
     }
 }
+
+/// The fused decode step (`attend_decode`: split of the packed q|k|v product, rotary
+/// embedding, cache write and attention in one launch) equals `qkv` followed by `attend`
+/// bit for bit — the output and both caches — with and without the rotary embedding, in f32
+/// and bf16, head dimensions 64 and 80, rows in slots out of order, for positions at the
+/// cache's end, at the start, and on both sides of a split boundary (600 positions in three
+/// splits of 200 on a GPU of 8 multiprocessors or more).
+#[test]
+fn the_fused_decode_step_equals_split_then_attend() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for d in [64, 80] {
+        for rotary in [false, true] {
+            fused_step::<f32>(&s, d, rotary);
+            fused_step::<bf16>(&s, d, rotary);
+        }
+    }
+}
+
+fn fused_step<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, rotary: bool) {
+    use cudagraph::Queue;
+    use cudagraph_nn::kernels::decoder::{DecoderKernels, QkvDims};
+    let shape = AttentionShape {
+        batch: 2,
+        slots: 3,
+        tokens: 1,
+        heads: 4,
+        kv_heads: 2,
+        max_len: 600,
+        head_dim: d,
+    };
+    let dims = QkvDims {
+        rows: 2,
+        tokens: 1,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: d,
+        slots: 3,
+        max_len: 600,
+    };
+    let what = format!("{} head_dim {d} rotary {rotary}", T::DTYPE);
+    let dk = DecoderKernels::get(s.device()).unwrap();
+    let (pl, ql, cl) = dims.lens().unwrap();
+    let mut rng = Lcg(d as u64 + rotary as u64);
+    let mut random =
+        |n: usize| -> Vec<T> { (0..n).map(|_| T::from_f32(rng.next() as f32)).collect() };
+    let (k0, v0, qkv0) = (random(cl), random(cl), random(pl));
+    let qkv = s.alloc_from_host(&qkv0).unwrap();
+    let freqs: Vec<f32> = (0..d / 2)
+        .map(|j| 10000f32.powf(-2.0 * j as f32 / d as f32))
+        .collect();
+    let inv_freq = s.alloc_from_host(&freqs).unwrap();
+    let freq = rotary.then_some(&inv_freq);
+    let slots = buf(s, &[2, 0]);
+    let scale = 1.0 / (d as f32).sqrt();
+    let bits = |b: &DeviceBuffer<T>| -> Vec<f32> {
+        let v = s.to_vec(b).unwrap();
+        s.synchronize().unwrap();
+        v.iter().map(|x| x.to_f32()).collect()
+    };
+    for pos in [[599, 3], [0, 199], [200, 201]] {
+        let pos_buf = buf(s, &pos);
+        let at = (&pos_buf, &slots);
+        // Two-launch path.
+        let (ka, va) = (
+            s.alloc_from_host(&k0).unwrap(),
+            s.alloc_from_host(&v0).unwrap(),
+        );
+        let (qh, oa) = (s.alloc::<T>(ql).unwrap(), s.alloc::<T>(ql).unwrap());
+        dk.qkv(s, &dims, &qkv, freq, at, &qh, (&ka, &va)).unwrap();
+        dk.attend(s, &shape, &qh, (&ka, &va), at, &oa, scale)
+            .unwrap();
+        // Fused.
+        let (kb, vb) = (
+            s.alloc_from_host(&k0).unwrap(),
+            s.alloc_from_host(&v0).unwrap(),
+        );
+        let ob = s.alloc::<T>(ql).unwrap();
+        dk.attend_decode(s, &shape, (&qkv, freq), (&kb, &vb), at, &ob, scale)
+            .unwrap();
+        let w = format!("{what} positions {pos:?}");
+        assert_bits_eq(&bits(&ob), &bits(&oa), format_args!("{w}: output"));
+        assert_bits_eq(&bits(&kb), &bits(&ka), format_args!("{w}: key cache"));
+        assert_bits_eq(&bits(&vb), &bits(&va), format_args!("{w}: value cache"));
+        // The step's key landed in the cache (not only in the fused kernel's shared memory).
+        assert_ne!(
+            bits(&kb),
+            k0.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+            "{w}"
+        );
+    }
+    // More than one token a row is a typed error.
+    let two = AttentionShape { tokens: 2, ..shape };
+    let pos_buf = buf(s, &[1, 2, 3, 4]);
+    let (kb, vb) = (
+        s.alloc_from_host(&k0).unwrap(),
+        s.alloc_from_host(&v0).unwrap(),
+    );
+    let ob = s.alloc::<T>(2 * ql).unwrap();
+    let e = dk.attend_decode(
+        s,
+        &two,
+        (&qkv, freq),
+        (&kb, &vb),
+        (&pos_buf, &slots),
+        &ob,
+        scale,
+    );
+    assert!(matches!(e, Err(NnError::Shape(_))), "{e:?}");
+}
