@@ -65,11 +65,12 @@ use crate::kernels::decoder::{DecoderKernels, QkvDims};
 use crate::kernels::transformer::TransformerKernels;
 use crate::kernels::Nn;
 
-/// Which attention kernel the decoder runs: the decoder module's (`true`: keys spread over a
-/// block's threads, one reduction per chunk of keys — fast on long caches) or the KV cache's
-/// (`false`: the head dimension over a warp's lanes, one reduction per key). Both give the
-/// same results within f32 rounding.
-const KEYS_OVER_THREADS: bool = true;
+/// Which attention kernel the decoder runs: the decoder module's (`true`: tiles of 32 keys, one
+/// lane a key and one warp reduction a tile, split along the keys when the query rows do not
+/// fill the GPU — fast on decode steps and long caches) or the KV cache's (`false`: the head
+/// dimension over a warp's lanes, one reduction per key). Both give the same results within
+/// f32 rounding.
+const TILED_ATTENTION: bool = true;
 
 /// Which tokens [`Decoder::forward`] computes logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -659,21 +660,18 @@ impl Decoder {
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
             linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false, false)?;
             let freq = self.inv_freq.as_ref();
-            dk.qkv(
-                q,
-                &qkv_dims,
-                &qkv,
-                freq,
-                (io.positions, io.slots),
-                &qh,
-                caches,
-            )?;
-            if KEYS_OVER_THREADS {
-                let at = (io.positions, io.slots);
-                dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
+            let at = (io.positions, io.slots);
+            if TILED_ATTENTION && tokens == 1 {
+                // A decode step: split, rotary, cache write and attention in one launch.
+                dk.attend_decode(q, &att_shape, (&qkv, freq), caches, at, &att, scale)?;
             } else {
-                let s = Some(io.slots);
-                ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
+                dk.qkv(q, &qkv_dims, &qkv, freq, at, &qh, caches)?;
+                if TILED_ATTENTION {
+                    dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
+                } else {
+                    let s = Some(io.slots);
+                    ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
+                }
             }
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &x, (n, d.d, qd), true, false)?;
