@@ -1,8 +1,7 @@
 // The decoder's fused inference kernels (serving::decoder): token (+ position) embedding,
 // LayerNorm or RMSNorm over rows picked with a stride, the split of a packed q|k|v product
 // with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
-// and attention over the cache in tiles of keys split over blocks (flash-decoding; for a decode
-// step it takes the packed q|k|v product itself and writes the cache: one launch). One template
+// and attention over the cache in tiles of keys split over blocks (flash-decoding). One template
 // per operation instantiated for float, bf16_t and f16_t (compiled after the device-check
 // prologue and cast.cu). Values are widened to f32, computed in f32 and rounded to nearest
 // even on store; reductions run in a fixed order (deterministic). Where Hugging Face's Llama
@@ -142,22 +141,6 @@ __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float*
         yr[c] = from_f32<T>(dec_norm_one<T>(to_f32(xr[c]), mu, rs, w, b, c, rms));
 }
 
-// The pair (a, c) = components (j, j + D/2) of a query or key head rotated by the angle p · f
-// as apply_rotary_pos_emb does: cos and sin in the model's type, each product rounded, the sum
-// rounded on store (by the caller).
-template <typename T>
-__device__ __forceinline__ void dec_rotate(float& a, float& c, int p, float f) {
-    float sn, cs;
-    sincosf((float)p * f, &sn, &cs);
-    cs = dec_rnd<T>(cs);
-    sn = dec_rnd<T>(sn);
-    // Products rounded on their own (__fmul_rn: never contracted into the sum), as torch does.
-    const float ra = dec_rnd<T>(__fmul_rn(a, cs)) - dec_rnd<T>(__fmul_rn(c, sn));
-    const float rc = dec_rnd<T>(__fmul_rn(c, cs)) + dec_rnd<T>(__fmul_rn(a, sn));
-    a = ra;
-    c = rc;
-}
-
 // The packed product qkv [N, H + 2·Hkv, D] (N = B·Tq tokens; heads 0..H are queries, then Hkv
 // keys, then Hkv values) split into q_out [N, H, D] and the caches [S, Hkv, Tmax, D] at
 // (slot[b], position pos[n]) for token n of row b = n / Tq. With inv_freq (not null) queries
@@ -183,7 +166,18 @@ __device__ __forceinline__ void dec_qkv_n(const T* __restrict__ qkv,
         const int p = pos[n];
         const T* src = qkv + r * D;
         float a = to_f32(src[j]), c = to_f32(src[j + half]);
-        if (inv_freq && hh < H + Hkv) dec_rotate<T>(a, c, p, inv_freq[j]);
+        if (inv_freq && hh < H + Hkv) {
+            // As apply_rotary_pos_emb: cos and sin in the model's type, each product rounded,
+            // the sum rounded on store.
+            float sn, cs;
+            sincosf((float)p * inv_freq[j], &sn, &cs);
+            cs = dec_rnd<T>(cs);
+            sn = dec_rnd<T>(sn);
+            const float ra = dec_rnd<T>(a * cs) - dec_rnd<T>(c * sn);
+            const float rc = dec_rnd<T>(c * cs) + dec_rnd<T>(a * sn);
+            a = ra;
+            c = rc;
+        }
         if (hh < H) {
             T* dst = q_out + (n * H + hh) * D;
             dst[j] = from_f32<T>(a);
@@ -266,18 +260,11 @@ __device__ __forceinline__ float dec_dot(const float* sq, const T* __restrict__ 
             const uint4 raw = __ldg(kv + c);
 #pragma unroll
             for (int i = 0; i < V; i++)
-                dot = fmaf(sq[c * V + i], dec_part<T>(dec_word(raw, i / (V / 4)), i % (V / 4)), dot);
+                dot += sq[c * V + i] * dec_part<T>(dec_word(raw, i / (V / 4)), i % (V / 4));
         }
     } else {
-        for (int d = 0; d < D; d++) dot = fmaf(sq[d], to_f32(kr[d]), dot);
+        for (int d = 0; d < D; d++) dot += sq[d] * to_f32(kr[d]);
     }
-    return dot;
-}
-
-// The same dot product (same order, same roundings) with a key row held in shared memory.
-__device__ __forceinline__ float dec_dot_shared(const float* sq, const float* sk, int D) {
-    float dot = 0.0f;
-    for (int d = 0; d < D; d++) dot = fmaf(sq[d], sk[d], dot);
     return dot;
 }
 
@@ -294,18 +281,9 @@ __device__ __forceinline__ float dec_dot_shared(const float* sq, const float* sk
 // unnormalised sum of values) to part[((b·Tq + tq)·H + h)·splits + split] (rows of D + 2
 // floats; an empty split writes max = -inf), which dec_attend_combine adds in split order.
 // f32 throughout, rounded once on store; deterministic. D <= DA_MAXD.
-//
-// Fused decode step (qkv not null; Tq = 1): the query, key and value of the step are taken
-// from the packed product qkv [B, H + 2·Hkv, D] as dec_qkv computes them (rotated with
-// inv_freq when not null, rounded to T), the key and value of position p are used from shared
-// memory (this launch never reads the cache at p) and written to the cache at (slot, p) by the
-// block of the group's first query head whose split holds p: the results and the caches equal
-// dec_qkv followed by this kernel bit for bit (rows of one call in distinct slots).
 template <typename T>
-__device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* __restrict__ qkv,
-                                             const float* __restrict__ inv_freq,
-                                             T* __restrict__ kc, T* __restrict__ vc,
-                                             const int* __restrict__ pos,
+__device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* __restrict__ kc,
+                                             const T* __restrict__ vc, const int* __restrict__ pos,
                                              const int* __restrict__ slot, float* __restrict__ part,
                                              T* __restrict__ out, int Tq, int H, int Hkv, int S,
                                              int Tmax, int D, int chunk, int splits, float scale,
@@ -314,7 +292,6 @@ __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* _
     __shared__ __align__(16) float sq[DA_MAXD];
     __shared__ float sm_m[DA_WARPS], sm_l[DA_WARPS];
     __shared__ float sm_acc[DA_WARPS][DA_MAXD];
-    __shared__ float sk[DA_MAXD], sv[DA_MAXD];
     const int h = blockIdx.x % H, split = blockIdx.x / H;
     const int tq = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -343,39 +320,10 @@ __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* _
         }
         return;
     }
-    const int kvh = h / (H / Hkv);
-    const bool fresh = qkv != nullptr;
-    if (fresh) {
-        const int half = D / 2;
-        const T* src = qkv + bt * (H + 2 * Hkv) * D;  // bt = b: Tq = 1
-        const T* qs = src + (long long)h * D;
-        const T* ks = src + (long long)(H + kvh) * D;
-        const T* vs = src + (long long)(H + Hkv + kvh) * D;
-        for (int j = tid; j < half; j += DA_THREADS) {
-            float a = to_f32(qs[j]), c = to_f32(qs[j + half]);
-            float ka = to_f32(ks[j]), kb = to_f32(ks[j + half]);
-            if (inv_freq) {
-                dec_rotate<T>(a, c, p, inv_freq[j]);
-                dec_rotate<T>(ka, kb, p, inv_freq[j]);
-            }
-            sq[j] = dec_rnd<T>(a) * scale;
-            sq[j + half] = dec_rnd<T>(c) * scale;
-            sk[j] = dec_rnd<T>(ka);
-            sk[j + half] = dec_rnd<T>(kb);
-        }
-        for (int d = tid; d < D; d += DA_THREADS) sv[d] = to_f32(vs[d]);
-    } else {
-        for (int d = tid; d < D; d += DA_THREADS) sq[d] = to_f32(q[r * D + d]) * scale;
-    }
+    for (int d = tid; d < D; d += DA_THREADS) sq[d] = to_f32(q[r * D + d]) * scale;
     __syncthreads();
+    const int kvh = h / (H / Hkv);
     const long long base = ((long long)sl * Hkv + kvh) * Tmax * D;
-    // The step's own key and value, into the cache: once per key/value head.
-    if (fresh && k1 == p + 1 && h % (H / Hkv) == 0) {
-        for (int d = tid; d < D; d += DA_THREADS) {
-            kc[base + (long long)p * D + d] = from_f32<T>(sk[d]);
-            vc[base + (long long)p * D + d] = from_f32<T>(sv[d]);
-        }
-    }
     constexpr int V = 16 / sizeof(T);
     // Row starts are multiples of D elements from kc: 16-byte aligned when kc is and V | D.
     const bool vec = D % V == 0 && (reinterpret_cast<unsigned long long>(kc) & 15ull) == 0;
@@ -386,10 +334,7 @@ __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* _
     for (int tile = k0 + warp * 32; tile < k1; tile += DA_WARPS * 32) {
         const int key = tile + lane;
         const bool in = key < k1;
-        float s = DA_NEG_INF;
-        if (in)
-            s = fresh && key == p ? dec_dot_shared(sq, sk, D)
-                                  : dec_dot<T>(sq, kc + base + (long long)key * D, D, vec);
+        const float s = in ? dec_dot<T>(sq, kc + base + (long long)key * D, D, vec) : DA_NEG_INF;
         float tm = s;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
@@ -405,11 +350,9 @@ __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* _
         for (int j = 0; j < nk; j++) {
             const float wj = __shfl_sync(0xffffffffu, pj, j);
             const T* vj = vr + (long long)j * D;
-            const bool own = fresh && tile + j == p;
 #pragma unroll
             for (int i = 0; i < DA_SLOTS; i++)
-                if (lane + 32 * i < D)
-                    acc[i] = fmaf(wj, own ? sv[lane + 32 * i] : to_f32(vj[32 * i]), acc[i]);
+                if (lane + 32 * i < D) acc[i] += wj * to_f32(vj[32 * i]);
         }
         m = mn;
     }
@@ -498,12 +441,11 @@ __device__ __forceinline__ void dec_attend_combine_n(const float* __restrict__ p
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(DA_THREADS) dec_attend_##S(                  \
-        const T* q, const T* qkv, const float* inv_freq, T* kc, T* vc, const int* pos,         \
-        const int* slot, float* part, T* out, int Tq, int H, int Hkv, int NS, int Tmax, int D,  \
-        int chunk, int splits, float scale, cg_check* flag, unsigned int check,                \
-        unsigned int slot_check) {                                                            \
-        dec_attend_n<T>(q, qkv, inv_freq, kc, vc, pos, slot, part, out, Tq, H, Hkv, NS, Tmax, D, \
-                        chunk, splits, scale, flag, check, slot_check);                       \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, float* part,    \
+        T* out, int Tq, int H, int Hkv, int NS, int Tmax, int D, int chunk, int splits,         \
+        float scale, cg_check* flag, unsigned int check, unsigned int slot_check) {            \
+        dec_attend_n<T>(q, kc, vc, pos, slot, part, out, Tq, H, Hkv, NS, Tmax, D, chunk, splits, \
+                        scale, flag, check, slot_check);                                      \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(DA_THREADS)                                  \
         dec_attend_combine_##S(const float* part, T* out, int Tq, int H, int D, int splits) {  \

@@ -2,9 +2,8 @@
 //! device-check prologue and `cast.cu`), used by [`crate::nn::decoder`]: token (+ learned
 //! position) embedding in one kernel, LayerNorm / RMSNorm of rows picked with a stride (the
 //! last token of every row, for the output head), the split of a packed q|k|v product with the
-//! rotary embedding and the key/value cache write in one kernel, SwiGLU over a packed
-//! gate|up product, and attention over the cache in tiles of 32 keys split along the keys
-//! (flash-decoding), for a decode step fused with the q|k|v split and the cache write. One template per kernel, instantiated for f32, bf16 and f16; f32 math,
+//! rotary embedding and the key/value cache write in one kernel, and SwiGLU over a packed
+//! gate|up product. One template per kernel, instantiated for f32, bf16 and f16; f32 math,
 //! one rounding on store.
 //!
 //! Token ids, positions and cache slots are device data (a captured step stays valid when they
@@ -407,56 +406,6 @@ impl DecoderKernels {
             .max(1)
     }
 
-    /// A whole decode step's attention in one launch (`shape.tokens == 1`): the split of the
-    /// packed product `qkv` (`[batch, heads + 2·kv_heads, head_dim]`) with the rotary
-    /// embedding (`inv_freq`: `head_dim / 2` frequencies) and the key/value cache write of
-    /// [`DecoderKernels::qkv`], then [`DecoderKernels::attend`] — the same results and caches
-    /// bit for bit, without the queries' round trip through memory and one launch fewer. The
-    /// rows must be in distinct slots (as for [`DecoderKernels::qkv`] followed by `attend`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attend_decode<T: Float>(
-        &self,
-        q: &dyn Queue,
-        shape: &AttentionShape,
-        (qkv, inv_freq): (&DeviceBuffer<T>, Option<&DeviceBuffer<f32>>),
-        caches: (&DeviceBuffer<T>, &DeviceBuffer<T>),
-        at: (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
-        out: &DeviceBuffer<T>,
-        scale: f32,
-    ) -> Result<()> {
-        let s = shape;
-        if s.tokens != 1 || s.head_dim % 2 != 0 {
-            return Err(NnError::Shape(format!(
-                "decoder attention step: one token a row and an even head_dim, not {s:?}"
-            )));
-        }
-        let heads = s
-            .kv_heads
-            .checked_mul(2)
-            .and_then(|k| k.checked_add(s.heads))
-            .ok_or_else(|| NnError::Shape("decoder attention step: heads overflow".into()))?;
-        need(
-            "decoder qkv",
-            qkv,
-            prod("decoder qkv", &[s.batch, heads, s.head_dim])?,
-        )?;
-        int("decoder qkv heads", heads)?;
-        if let Some(f) = inv_freq {
-            need("decoder rotary frequencies", f, s.head_dim / 2)?;
-        }
-        let splits = Self::attend_splits(shape, self.sms);
-        self.launch_attend(
-            q,
-            shape,
-            Source::Packed(qkv, inv_freq),
-            caches,
-            at,
-            out,
-            scale,
-            splits,
-        )
-    }
-
     /// [`DecoderKernels::attend`] with the cache positions cut into `splits` parts of
     /// `ceil(max_len / splits)` keys (`1 ≤ splits ≤ max_len`); with more than one, the partial
     /// results go through a scratch buffer of `batch · tokens · heads · splits · (head_dim + 2)`
@@ -473,39 +422,13 @@ impl DecoderKernels {
         scale: f32,
         splits: usize,
     ) -> Result<()> {
-        let caches = (k_cache, v_cache);
-        let at = (positions, slots);
-        let src = Source::Queries(query);
-        self.launch_attend(q, shape, src, caches, at, out, scale, splits)
-    }
-
-    /// The launches of [`DecoderKernels::attend_in_splits`] and
-    /// [`DecoderKernels::attend_decode`] (packed sources checked by the caller).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_attend<T: Float>(
-        &self,
-        q: &dyn Queue,
-        shape: &AttentionShape,
-        src: Source<'_, T>,
-        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
-        (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
-        out: &DeviceBuffer<T>,
-        scale: f32,
-        splits: usize,
-    ) -> Result<()> {
         shape.validate()?;
         let (ql, cl, pl) = (
             shape.query_len()?,
             shape.cache_len()?,
             shape.positions_len()?,
         );
-        let (query, packed, inv_freq) = match src {
-            Source::Queries(query) => {
-                need("attention query", query, ql)?;
-                (Some(query), None, None)
-            }
-            Source::Packed(qkv, f) => (None, Some(qkv), f),
-        };
+        need("attention query", query, ql)?;
         need("attention output", out, ql)?;
         need("attention key cache", k_cache, cl)?;
         need("attention value cache", v_cache, cl)?;
@@ -542,13 +465,9 @@ impl DecoderKernels {
         };
         let block = (ATTEND_THREADS, 1, 1);
         let i = |v: usize| Arg::I32(v as i32);
-        // SAFETY: dec_attend_*(q, qkv, inv_freq, kc, vc, pos, slot, part, out, Tq, H, Hkv, S,
-        // Tmax, D, chunk, splits, scale, flag, check, slot_check): block (h + H·split, t, b),
-        // split < splits, reads q (when not null) at row r = (b·Tq + t)·H + h of D elements
-        // (< query_len, checked), or (qkv not null: Tq = 1, D even, checked by attend_decode)
-        // qkv's heads h, H + h/(H/Hkv) and H + Hkv + h/(H/Hkv) of row b (B·(H + 2Hkv)·D
-        // checked) and inv_freq[j], j < D/2 (checked when not null), writing the caches only at
-        // row ((sl·Hkv + kvh)·Tmax + p)·D for a valid slot and position (below), pos[b·Tq +
+        // SAFETY: dec_attend_*(q, kc, vc, pos, slot, part, out, Tq, H, Hkv, S, Tmax, D, chunk,
+        // splits, scale, flag, check, slot_check): block (h + H·split, t, b), split < splits,
+        // reads q at row r = (b·Tq + t)·H + h of D elements (< query_len, checked), pos[b·Tq +
         // t] (< positions_len, checked), slot[b] (batch values, checked), and cache rows
         // ((sl·Hkv + h/(H/Hkv))·Tmax + j)·D, split·chunk ≤ j ≤ p, only for 0 ≤ sl < S,
         // 0 ≤ p < Tmax (cache_len = S·Hkv·Tmax·D checked for both caches; 16-byte loads only
@@ -566,9 +485,7 @@ impl DecoderKernels {
                     shared_mem_bytes: 0,
                 },
                 &[
-                    Arg::opt(query),
-                    Arg::opt(packed),
-                    Arg::opt(inv_freq),
+                    query.into(),
                     k_cache.into(),
                     v_cache.into(),
                     positions.into(),
@@ -617,15 +534,6 @@ impl DecoderKernels {
             )?)
         }
     }
-}
-
-/// Where the attention kernel takes its queries from.
-enum Source<'a, T: Float> {
-    /// Queries `[batch, tokens, heads, head_dim]`, the step's keys and values already cached.
-    Queries(&'a DeviceBuffer<T>),
-    /// A decode step's packed q|k|v product and rotary frequencies (fused split and cache
-    /// write).
-    Packed(&'a DeviceBuffer<T>, Option<&'a DeviceBuffer<f32>>),
 }
 
 #[cfg(test)]

@@ -660,18 +660,21 @@ impl Decoder {
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
             linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false, false)?;
             let freq = self.inv_freq.as_ref();
-            let at = (io.positions, io.slots);
-            if TILED_ATTENTION && tokens == 1 {
-                // A decode step: split, rotary, cache write and attention in one launch.
-                dk.attend_decode(q, &att_shape, (&qkv, freq), caches, at, &att, scale)?;
+            dk.qkv(
+                q,
+                &qkv_dims,
+                &qkv,
+                freq,
+                (io.positions, io.slots),
+                &qh,
+                caches,
+            )?;
+            if TILED_ATTENTION {
+                let at = (io.positions, io.slots);
+                dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
             } else {
-                dk.qkv(q, &qkv_dims, &qkv, freq, at, &qh, caches)?;
-                if TILED_ATTENTION {
-                    dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
-                } else {
-                    let s = Some(io.slots);
-                    ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
-                }
+                let s = Some(io.slots);
+                ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
             }
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &x, (n, d.d, qd), true, false)?;
