@@ -245,9 +245,6 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "dec_attend_f32",
             "dec_attend_bf16",
             "dec_attend_f16",
-            "dec_attend_combine_f32",
-            "dec_attend_combine_bf16",
-            "dec_attend_combine_f16",
         ],
     ),
     (

@@ -1,7 +1,7 @@
 // The decoder's fused inference kernels (serving::decoder): token (+ position) embedding,
 // LayerNorm or RMSNorm over rows picked with a stride, the split of a packed q|k|v product
 // with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
-// and attention over the cache in tiles of keys split over blocks (flash-decoding). One template
+// and attention over the cache with the keys spread over the threads (decode). One template
 // per operation instantiated for float, bf16_t and f16_t (compiled after the device-check
 // prologue and cast.cu). Values are widened to f32, computed in f32 and rounded to nearest
 // even on store; reductions run in a fixed order (deterministic). Where Hugging Face's Llama
@@ -20,29 +20,18 @@ __device__ __forceinline__ float dec_rnd(float x) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (long long)gridDim.x * blockDim.x)
 
-// Threads of the norm kernel (one block per row); the launcher uses exactly this. A row of up to
-// DEC_ROW_PER elements a thread (8192 columns) is held in registers and read once.
+// Threads of the norm kernel (one block per row); the launcher uses exactly this.
 #define DEC_ROW_THREADS 256
-#define DEC_ROW_WARPS (DEC_ROW_THREADS / 32)
-#define DEC_ROW_PER 32
 
-// The sum of v over a warp (xor butterfly: every lane gets the same bits).
-__device__ __forceinline__ float dec_warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// The sum of v over the norm block: one shuffle reduction per warp, the DEC_ROW_WARPS warp sums
-// exchanged through sh and added in warp order by every thread. Each call needs its own sh (no
-// __syncthreads after the reads).
 __device__ __forceinline__ float dec_block_sum(float v, float* sh) {
-    v = dec_warp_sum(v);
-    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
+    sh[threadIdx.x] = v;
     __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < DEC_ROW_WARPS; w++) total += sh[w];
+    for (int s = DEC_ROW_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    float total = sh[0];
+    __syncthreads();
     return total;
 }
 
@@ -79,66 +68,33 @@ __device__ __forceinline__ void dec_embed_n(const int* __restrict__ ids, const T
 
 // Row r = blockIdx.x of y ([rows, cols]) = norm of row r·stride + off of x: LayerNorm
 // ((x - mean) · rstd · w + b, b may be null; biased variance, two passes) or, with rms = 1,
-// RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once. A row of at most
-// DEC_ROW_THREADS · DEC_ROW_PER columns is read once into registers (thread t keeps columns
-// t + DEC_ROW_THREADS·i); a wider one is read once per pass.
-template <typename T>
-__device__ __forceinline__ float dec_norm_one(float x, float mu, float rs, const float* __restrict__ w,
-                                              const float* __restrict__ b, int c, int rms) {
-    // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then the weight.
-    float v = rms ? dec_rnd<T>(x * rs) * w[c] : (x - mu) * rs * w[c];
-    if (b) v += b[c];
-    return v;
-}
-
+// RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once.
 template <typename T>
 __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float* __restrict__ w,
                                            const float* __restrict__ b, T* __restrict__ y,
                                            int cols, float eps, int rms, int stride, int off) {
-    __shared__ float sh_mu[DEC_ROW_WARPS], sh_var[DEC_ROW_WARPS];
+    __shared__ float sh[DEC_ROW_THREADS];
     const long long r = blockIdx.x;
     const T* xr = x + (r * stride + off) * cols;
     T* yr = y + r * cols;
-    const int tid = threadIdx.x;
-    if (cols <= DEC_ROW_THREADS * DEC_ROW_PER) {
-        float v[DEC_ROW_PER];
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DEC_ROW_PER; i++) {
-            const int c = tid + i * DEC_ROW_THREADS;
-            v[i] = c < cols ? to_f32(xr[c]) : 0.0f;
-            acc += v[i];
-        }
-        const float mu = rms ? 0.0f : dec_block_sum(acc, sh_mu) / (float)cols;
-        acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DEC_ROW_PER; i++) {
-            const int c = tid + i * DEC_ROW_THREADS;
-            const float d = v[i] - mu;
-            if (c < cols) acc += d * d;
-        }
-        const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh_var) / (float)cols + eps);
-#pragma unroll
-        for (int i = 0; i < DEC_ROW_PER; i++) {
-            const int c = tid + i * DEC_ROW_THREADS;
-            if (c < cols) yr[c] = from_f32<T>(dec_norm_one<T>(v[i], mu, rs, w, b, c, rms));
-        }
-        return;
-    }
     float mu = 0.0f;
     if (!rms) {
         float acc = 0.0f;
-        for (int c = tid; c < cols; c += DEC_ROW_THREADS) acc += to_f32(xr[c]);
-        mu = dec_block_sum(acc, sh_mu) / (float)cols;
+        for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) acc += to_f32(xr[c]);
+        mu = dec_block_sum(acc, sh) / (float)cols;
     }
     float acc = 0.0f;
-    for (int c = tid; c < cols; c += DEC_ROW_THREADS) {
-        const float d = to_f32(xr[c]) - mu;
+    for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) {
+        float d = to_f32(xr[c]) - mu;
         acc += d * d;
     }
-    const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh_var) / (float)cols + eps);
-    for (int c = tid; c < cols; c += DEC_ROW_THREADS)
-        yr[c] = from_f32<T>(dec_norm_one<T>(to_f32(xr[c]), mu, rs, w, b, c, rms));
+    const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) {
+        // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then the weight.
+        float v = rms ? dec_rnd<T>(to_f32(xr[c]) * rs) * w[c] : (to_f32(xr[c]) - mu) * rs * w[c];
+        if (b) v += b[c];
+        yr[c] = from_f32<T>(v);
+    }
 }
 
 // The packed product qkv [N, H + 2·Hkv, D] (N = B·Tq tokens; heads 0..H are queries, then Hkv
@@ -214,205 +170,101 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
     }
 }
 
-// ---- Attention over the cache: tiles of 32 keys, split along the keys (flash-decoding) -------
+// ---- Attention over the cache, one query token and head per block ----------------------------
 
-// Warps of the attention block (the launcher uses exactly DA_THREADS threads for both kernels)
-// and the head components a lane keeps (head dimension <= DA_MAXD).
-#define DA_WARPS 4
-#define DA_THREADS (32 * DA_WARPS)
-#define DA_SLOTS 8
-#define DA_MAXD (32 * DA_SLOTS)
+// Threads of the attention kernel (the launcher uses exactly this) and keys per chunk.
+#define DA_THREADS 256
+#define DA_CHUNK 1024
 #define DA_NEG_INF __int_as_float(0xff800000)
 
-// Word k of a 16-byte load, and element `hi` of a word holding one float or two 16-bit values.
-__device__ __forceinline__ unsigned int dec_word(const uint4& r, int k) {
-    return k == 0 ? r.x : k == 1 ? r.y : k == 2 ? r.z : r.w;
-}
-template <typename T>
-__device__ __forceinline__ float dec_part(unsigned int w, int hi);
-template <>
-__device__ __forceinline__ float dec_part<float>(unsigned int w, int) {
-    return __uint_as_float(w);
-}
-template <>
-__device__ __forceinline__ float dec_part<bf16_t>(unsigned int w, int hi) {
-    bf16_t e;
-    e.bits = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
-    return to_f32(e);
-}
-template <>
-__device__ __forceinline__ float dec_part<f16_t>(unsigned int w, int hi) {
-    f16_t e;
-    e.bits = (unsigned short)(hi ? w >> 16 : w & 0xffffu);
-    return to_f32(e);
-}
-
-// The dot product of the f32 query sq (shared) with the key row kr of D elements: 16-byte loads
-// when vec (D a multiple of 16 bytes' elements, kr 16-byte aligned), else one element at a time.
-template <typename T>
-__device__ __forceinline__ float dec_dot(const float* sq, const T* __restrict__ kr, int D,
-                                         bool vec) {
-    float dot = 0.0f;
-    constexpr int V = 16 / sizeof(T);
-    if (vec) {
-        const uint4* kv = reinterpret_cast<const uint4*>(kr);
-        for (int c = 0; c < D / V; c++) {
-            const uint4 raw = __ldg(kv + c);
-#pragma unroll
-            for (int i = 0; i < V; i++)
-                dot += sq[c * V + i] * dec_part<T>(dec_word(raw, i / (V / 4)), i % (V / 4));
-        }
-    } else {
-        for (int d = 0; d < D; d++) dot += sq[d] * to_f32(kr[d]);
+__device__ __forceinline__ float dec_block_max(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int s = DA_THREADS / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + s]);
+        __syncthreads();
     }
-    return dot;
+    float m = sh[0];
+    __syncthreads();
+    return m;
 }
 
-// As attend_kv (attention.cu), same layouts and checks: q [B, Tq, H, D], caches
-// [S, Hkv, Tmax, D], pos [B, Tq], slot [B]; the query of head h of token tq of row b attends to
-// positions 0..=p of slot slot[b]. Block (h + H·split, tq, b) takes the keys
-// [split·chunk, min((split + 1)·chunk, p + 1)) (none: the block ends at once). Each of the
-// DA_WARPS warps takes every DA_WARPS-th tile of 32 keys: lane j scores key j of the tile whole
-// (16-byte loads of its key row against the scaled query in shared memory), one shuffle max and
-// one shuffle sum give the tile's softmax statistics (online softmax: a running max rescales the
-// sums), then the lanes add the tile's weighted value rows split over the head dimension
-// (component lane + 32·i, coalesced rows). The warps are combined in warp order. With
-// splits = 1 the block writes the normalised output; else its partial (max, sum of weights,
-// unnormalised sum of values) to part[((b·Tq + tq)·H + h)·splits + split] (rows of D + 2
-// floats; an empty split writes max = -inf), which dec_attend_combine adds in split order.
-// f32 throughout, rounded once on store; deterministic. D <= DA_MAXD.
+// As attend_kv (attention.cu), same layouts and checks, with the keys spread over the threads
+// instead of the head dimension: q [B, Tq, H, D], caches [S, Hkv, Tmax, D], pos [B, Tq], slot
+// [B]; block (h, tq, b) attends to positions 0..=p of slot slot[b]. Keys go in chunks of
+// DA_CHUNK: every thread scores whole keys (q in shared memory), the block takes the chunk's
+// max (a running max over chunks rescales the sums, online softmax), then thread (g, d) with
+// d = tid % D and g = tid / D < G = DA_THREADS / D sums w · v over the chunk's keys g, g + G,
+// ... for component d; the G partial sums are added in a fixed order at the end
+// (deterministic). f32 throughout, rounded once. D <= 256.
 template <typename T>
 __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* __restrict__ kc,
                                              const T* __restrict__ vc, const int* __restrict__ pos,
-                                             const int* __restrict__ slot, float* __restrict__ part,
-                                             T* __restrict__ out, int Tq, int H, int Hkv, int S,
-                                             int Tmax, int D, int chunk, int splits, float scale,
-                                             cg_check* flag, unsigned int check,
+                                             const int* __restrict__ slot, T* __restrict__ out,
+                                             int Tq, int H, int Hkv, int S, int Tmax, int D,
+                                             float scale, cg_check* flag, unsigned int check,
                                              unsigned int slot_check) {
-    __shared__ __align__(16) float sq[DA_MAXD];
-    __shared__ float sm_m[DA_WARPS], sm_l[DA_WARPS];
-    __shared__ float sm_acc[DA_WARPS][DA_MAXD];
-    const int h = blockIdx.x % H, split = blockIdx.x / H;
-    const int tq = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const long long bt = (long long)b * Tq + tq;
-    const long long r = bt * H + h;
-    const int p = pos[bt];
+    __shared__ float sq[256];
+    __shared__ float sw[DA_CHUNK];
+    __shared__ float sred[DA_THREADS];
+    const int h = blockIdx.x, tq = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int kvh = h / (H / Hkv);
+    const long long qrow = (((long long)b * Tq + tq) * H + h) * D;
+    const int p = pos[(long long)b * Tq + tq];
     const int sl = slot[b];
     const bool slot_ok = sl >= 0 && sl < S;
     const bool valid = slot_ok && p >= 0 && p < Tmax;
-    if (tid == 0 && h == 0 && split == 0) {
-        if (!slot_ok && tq == 0) cg_report(flag, slot_check, sl, S, b);
-        if (slot_ok && !valid) cg_report(flag, check, p, Tmax, (unsigned long long)bt);
-    }
-    const int k0 = split * chunk;
-    const int k1 = valid ? min(k0 + chunk, p + 1) : 0;
-    if (k0 >= k1) {
-        // Nothing to attend to (block-uniform): an empty partial, or zeros.
-        if (splits > 1) {
-            if (tid == 0) {
-                float* pr = part + (r * splits + split) * (long long)(D + 2);
-                pr[0] = DA_NEG_INF;
-                pr[1] = 0.0f;
-            }
-        } else {
-            for (int d = tid; d < D; d += DA_THREADS) out[r * D + d] = from_f32<T>(0.0f);
-        }
-        return;
-    }
-    for (int d = tid; d < D; d += DA_THREADS) sq[d] = to_f32(q[r * D + d]) * scale;
+    if (!slot_ok && tid == 0 && tq == 0 && h == 0) cg_report(flag, slot_check, sl, S, b);
+    if (slot_ok && !valid && tid == 0)
+        cg_report(flag, check, p, Tmax, (unsigned long long)b * Tq + tq);
+    for (int d = tid; d < D; d += DA_THREADS) sq[d] = to_f32(q[qrow + d]) * scale;
     __syncthreads();
-    const int kvh = h / (H / Hkv);
-    const long long base = ((long long)sl * Hkv + kvh) * Tmax * D;
-    constexpr int V = 16 / sizeof(T);
-    // Row starts are multiples of D elements from kc: 16-byte aligned when kc is and V | D.
-    const bool vec = D % V == 0 && (reinterpret_cast<unsigned long long>(kc) & 15ull) == 0;
-    float acc[DA_SLOTS];
-#pragma unroll
-    for (int i = 0; i < DA_SLOTS; i++) acc[i] = 0.0f;
-    float m = DA_NEG_INF, l = 0.0f;
-    for (int tile = k0 + warp * 32; tile < k1; tile += DA_WARPS * 32) {
-        const int key = tile + lane;
-        const bool in = key < k1;
-        const float s = in ? dec_dot<T>(sq, kc + base + (long long)key * D, D, vec) : DA_NEG_INF;
-        float tm = s;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
-        const float mn = fmaxf(m, tm);      // finite: key `tile` < k1 is scored
-        const float corr = __expf(m - mn);  // 0 while m is -inf
-        const float pj = in ? __expf(s - mn) : 0.0f;
-        l = l * corr + dec_warp_sum(pj);
-#pragma unroll
-        for (int i = 0; i < DA_SLOTS; i++) acc[i] *= corr;
-        const int nk = min(32, k1 - tile);
-        const T* vr = vc + base + (long long)tile * D + lane;
+    const int G = DA_THREADS / D;
+    const int g = tid / D, dd = tid % D;
+    const bool active = g < G;
+    const long long base = ((long long)(slot_ok ? sl : 0) * Hkv + kvh) * Tmax * D;
+    const int last = valid ? p : -1;
+    float m = DA_NEG_INF, acc = 0.0f, l = 0.0f;
+    for (int c0 = 0; c0 <= last; c0 += DA_CHUNK) {
+        const int n = min(DA_CHUNK, last + 1 - c0);
+        float mx = DA_NEG_INF;
+        for (int j = tid; j < n; j += DA_THREADS) {
+            const T* kr = kc + base + (long long)(c0 + j) * D;
+            float s = 0.0f;
+#pragma unroll 8
+            for (int d = 0; d < D; d++) s += sq[d] * to_f32(kr[d]);
+            sw[j] = s;
+            mx = fmaxf(mx, s);
+        }
+        const float mn = fmaxf(m, dec_block_max(mx, sred));
+        const float corr = __expf(m - mn);  // 0 when m is -inf
+        for (int j = tid; j < n; j += DA_THREADS) sw[j] = __expf(sw[j] - mn);
+        __syncthreads();
+        acc *= corr;
+        l *= corr;
+        if (active) {
+            const T* vr = vc + base + (long long)c0 * D + dd;
 #pragma unroll 4
-        for (int j = 0; j < nk; j++) {
-            const float wj = __shfl_sync(0xffffffffu, pj, j);
-            const T* vj = vr + (long long)j * D;
-#pragma unroll
-            for (int i = 0; i < DA_SLOTS; i++)
-                if (lane + 32 * i < D) acc[i] += wj * to_f32(vj[32 * i]);
+            for (int j = g; j < n; j += G) {
+                const float w = sw[j];
+                acc += w * to_f32(vr[(long long)j * D]);
+                l += w;
+            }
         }
         m = mn;
+        __syncthreads();
     }
-    if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
-    }
-#pragma unroll
-    for (int i = 0; i < DA_SLOTS; i++) sm_acc[warp][lane + 32 * i] = acc[i];
+    sred[tid] = active ? acc : 0.0f;
+    if (active && dd == 0) sw[g] = l;
     __syncthreads();
-    // Warp 0 scored key k0: the block's max is finite and its sum of weights at least 1.
-    float mm = DA_NEG_INF;
-#pragma unroll
-    for (int w = 0; w < DA_WARPS; w++) mm = fmaxf(mm, sm_m[w]);
-    float f[DA_WARPS];
-    float ll = 0.0f;
-#pragma unroll
-    for (int w = 0; w < DA_WARPS; w++) {
-        f[w] = sm_m[w] == DA_NEG_INF ? 0.0f : __expf(sm_m[w] - mm);
-        ll += sm_l[w] * f[w];
-    }
-    float* pr = splits > 1 ? part + (r * splits + split) * (long long)(D + 2) : nullptr;
-    if (pr && tid == 0) {
-        pr[0] = mm;
-        pr[1] = ll;
-    }
-    for (int d = tid; d < D; d += DA_THREADS) {
-        float a = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DA_WARPS; w++) a += sm_acc[w][d] * f[w];
-        if (pr)
-            pr[2 + d] = a;
-        else
-            out[r * D + d] = from_f32<T>(ll > 0.0f ? a / ll : 0.0f);
-    }
-}
-
-// The splits partials of block (h, tq, b)'s query row added in split order (the empty ones,
-// max = -inf, skipped) and normalised: out [B, Tq, H, D], part as dec_attend_n writes it.
-template <typename T>
-__device__ __forceinline__ void dec_attend_combine_n(const float* __restrict__ part,
-                                                     T* __restrict__ out, int Tq, int H, int D,
-                                                     int splits) {
-    const long long r = ((long long)blockIdx.z * Tq + blockIdx.y) * H + blockIdx.x;
-    const long long row = D + 2;
-    const float* pr = part + r * splits * row;
-    float mm = DA_NEG_INF;
-    for (int s = 0; s < splits; s++) mm = fmaxf(mm, pr[s * row]);
-    float ll = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float ms = pr[s * row];
-        if (ms != DA_NEG_INF) ll += pr[s * row + 1] * __expf(ms - mm);
-    }
-    for (int d = threadIdx.x; d < D; d += DA_THREADS) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float ms = pr[s * row];
-            if (ms != DA_NEG_INF) a += pr[s * row + 2 + d] * __expf(ms - mm);
+    if (tid < D) {
+        float a = 0.0f, ll = 0.0f;
+        for (int k = 0; k < G; k++) {
+            a += sred[k * D + tid];
+            ll += sw[k];
         }
-        out[r * D + d] = from_f32<T>(ll > 0.0f ? a / ll : 0.0f);
+        out[qrow + tid] = from_f32<T>(ll > 0.0f ? a / ll : 0.0f);
     }
 }
 
@@ -441,15 +293,11 @@ __device__ __forceinline__ void dec_attend_combine_n(const float* __restrict__ p
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(DA_THREADS) dec_attend_##S(                  \
-        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, float* part,    \
-        T* out, int Tq, int H, int Hkv, int NS, int Tmax, int D, int chunk, int splits,         \
-        float scale, cg_check* flag, unsigned int check, unsigned int slot_check) {            \
-        dec_attend_n<T>(q, kc, vc, pos, slot, part, out, Tq, H, Hkv, NS, Tmax, D, chunk, splits, \
-                        scale, flag, check, slot_check);                                      \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(DA_THREADS)                                  \
-        dec_attend_combine_##S(const float* part, T* out, int Tq, int H, int D, int splits) {  \
-        dec_attend_combine_n<T>(part, out, Tq, H, D, splits);                                 \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out, int Tq, \
+        int H, int Hkv, int NS, int Tmax, int D, float scale, cg_check* flag,                 \
+        unsigned int check, unsigned int slot_check) {                                        \
+        dec_attend_n<T>(q, kc, vc, pos, slot, out, Tq, H, Hkv, NS, Tmax, D, scale, flag, check, \
+                        slot_check);                                                          \
     }
 
 DEC_INSTANCES(float, f32)

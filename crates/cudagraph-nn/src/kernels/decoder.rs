@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue, QueueExt};
+use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue};
 
 use crate::dtype::Float;
 use crate::error::{NnError, Result};
@@ -23,21 +23,18 @@ use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
 #[cfg(any(test, feature = "internals"))]
-pub const KERNELS: [&str; 6] = [
+pub const KERNELS: [&str; 5] = [
     "dec_embed",
     "dec_norm",
     "dec_qkv",
     "dec_swiglu",
     "dec_attend",
-    "dec_attend_combine",
 ];
 
 /// Threads of the norm kernel (`DEC_ROW_THREADS`).
 const ROW_THREADS: u32 = 256;
-/// Threads of the attention kernels (`DA_THREADS`: four warps).
-const ATTEND_THREADS: u32 = 128;
-/// Keys per split the launcher aims at: two passes of the block's four warps over tiles of 32.
-const ATTEND_CHUNK: usize = 256;
+/// Threads of the attention kernel (`DA_THREADS`).
+const ATTEND_THREADS: u32 = 256;
 
 /// The CUDA source of the module.
 pub fn source() -> String {
@@ -114,8 +111,6 @@ pub struct DecoderKernels {
     qkv: ByType,
     swiglu: ByType,
     attend: ByType,
-    attend_combine: ByType,
-    sms: usize,
     id_check: u32,
     pos_check: u32,
     cache_pos_check: u32,
@@ -138,8 +133,6 @@ impl DecoderKernels {
                 qkv: ByType::load(&m, "dec_qkv")?,
                 swiglu: ByType::load(&m, "dec_swiglu")?,
                 attend: ByType::load(&m, "dec_attend")?,
-                attend_combine: ByType::load(&m, "dec_attend_combine")?,
-                sms: d.info().multiprocessors as usize,
                 id_check: register_check("decoder token id"),
                 pos_check: register_check("decoder position embedding"),
                 cache_pos_check: register_check("attention position"),
@@ -366,52 +359,11 @@ impl DecoderKernels {
     /// `out = softmax(q·kᵀ · scale) · v` per query token and head over the positions
     /// `0..=positions[b·tokens + t]` of the slot `slots[b]`: the result of
     /// [`AttentionKernels::attend`](crate::kernels::attention::AttentionKernels::attend) (same
-    /// layouts, checks and reports), computed in tiles of 32 keys (one lane a key, one warp
-    /// reduction a tile) and split along the keys into [`DecoderKernels::attend_splits`] parts
-    /// when the query rows alone do not fill the GPU (decode steps), the parts added up in order
-    /// by a second kernel (deterministic).
+    /// layouts, checks and reports), with the keys spread over the block's threads rather than
+    /// the head dimension — one warp reduction per chunk of keys instead of one per key, for
+    /// decode steps over long caches.
     #[allow(clippy::too_many_arguments)]
     pub fn attend<T: Float>(
-        &self,
-        q: &dyn Queue,
-        shape: &AttentionShape,
-        query: &DeviceBuffer<T>,
-        caches: (&DeviceBuffer<T>, &DeviceBuffer<T>),
-        at: (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
-        out: &DeviceBuffer<T>,
-        scale: f32,
-    ) -> Result<()> {
-        let splits = Self::attend_splits(shape, self.sms);
-        self.attend_in_splits(q, shape, query, caches, at, out, scale, splits)
-    }
-
-    /// The number of key splits [`DecoderKernels::attend`] uses for `shape` on a GPU of `sms`
-    /// multiprocessors, from the shape alone (positions are device data): 1 when the
-    /// `batch · tokens · heads` query rows make at least two blocks a multiprocessor, else one
-    /// split per 256 cache positions, at most about four blocks a multiprocessor in all.
-    pub fn attend_splits(shape: &AttentionShape, sms: usize) -> usize {
-        let sms = sms.max(1);
-        let rows = shape
-            .batch
-            .saturating_mul(shape.tokens)
-            .saturating_mul(shape.heads)
-            .max(1);
-        if rows >= 2 * sms {
-            return 1;
-        }
-        shape
-            .max_len
-            .div_ceil(ATTEND_CHUNK)
-            .min((4 * sms).div_ceil(rows))
-            .max(1)
-    }
-
-    /// [`DecoderKernels::attend`] with the cache positions cut into `splits` parts of
-    /// `ceil(max_len / splits)` keys (`1 ≤ splits ≤ max_len`); with more than one, the partial
-    /// results go through a scratch buffer of `batch · tokens · heads · splits · (head_dim + 2)`
-    /// f32 taken from `q`. Every split count gives the same result within f32 rounding.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attend_in_splits<T: Float>(
         &self,
         q: &dyn Queue,
         shape: &AttentionShape,
@@ -420,7 +372,6 @@ impl DecoderKernels {
         (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
         out: &DeviceBuffer<T>,
         scale: f32,
-        splits: usize,
     ) -> Result<()> {
         shape.validate()?;
         let (ql, cl, pl) = (
@@ -435,62 +386,29 @@ impl DecoderKernels {
         need("attention positions", positions, pl)?;
         need("attention cache slots", slots, shape.batch)?;
         let s = shape;
-        if splits == 0 || splits > s.max_len {
-            return Err(NnError::Shape(format!(
-                "decoder attention: {splits} splits of {} positions",
-                s.max_len
-            )));
-        }
-        let gx = s
-            .heads
-            .checked_mul(splits)
-            .and_then(|g| u32::try_from(g).ok())
-            .filter(|&g| g <= i32::MAX as u32)
-            .ok_or_else(|| {
-                NnError::Shape(format!(
-                    "decoder attention: {} heads × {splits} splits exceed the grid",
-                    s.heads
-                ))
-            })?;
-        let chunk = s.max_len.div_ceil(splits);
-        let rows = prod("decoder attention rows", &[s.batch, s.tokens, s.heads])?;
-        let part = if splits > 1 {
-            let len = prod(
-                "decoder attention partials",
-                &[rows, splits, s.head_dim + 2],
-            )?;
-            Some(q.alloc::<f32>(len)?)
-        } else {
-            None
+        let cfg = LaunchConfig {
+            grid: (s.heads as u32, s.tokens as u32, s.batch as u32),
+            block: (ATTEND_THREADS, 1, 1),
+            shared_mem_bytes: 0,
         };
-        let block = (ATTEND_THREADS, 1, 1);
         let i = |v: usize| Arg::I32(v as i32);
-        // SAFETY: dec_attend_*(q, kc, vc, pos, slot, part, out, Tq, H, Hkv, S, Tmax, D, chunk,
-        // splits, scale, flag, check, slot_check): block (h + H·split, t, b), split < splits,
-        // reads q at row r = (b·Tq + t)·H + h of D elements (< query_len, checked), pos[b·Tq +
-        // t] (< positions_len, checked), slot[b] (batch values, checked), and cache rows
-        // ((sl·Hkv + h/(H/Hkv))·Tmax + j)·D, split·chunk ≤ j ≤ p, only for 0 ≤ sl < S,
-        // 0 ≤ p < Tmax (cache_len = S·Hkv·Tmax·D checked for both caches; 16-byte loads only
-        // from a 16-byte aligned cache with D a multiple of 16 bytes); with splits = 1 it
-        // writes out's row r (checked), else part[(r·splits + split)·(D + 2) + 0..D + 2]
-        // (rows·splits·(D + 2) allocated; part is null only with splits = 1). D ≤ 256 (its
-        // shared arrays), sizes fit i32 and the grid is within limits (validated; H·splits
-        // checked; split·chunk < Tmax + splits ≤ 2·Tmax); 128 threads.
+        // SAFETY: dec_attend_*(q, kc, vc, pos, slot, out, Tq, H, Hkv, S, Tmax, D, scale, flag,
+        // check, slot_check): block (h, t, b) reads q and writes out at row (b·Tq + t)·H + h of
+        // D elements (< query_len, checked for both), reads pos[b·Tq + t] (< positions_len,
+        // checked) and slot[b] (batch values, checked), and reads cache rows
+        // ((sl·Hkv + h/(H/Hkv))·Tmax + j)·D, j ≤ p, for 0 ≤ sl < S, 0 ≤ p < Tmax only
+        // (cache_len = S·Hkv·Tmax·D checked for both caches); D ≤ 256 (its shared q), every
+        // size fits i32 and the grid is within limits (validated); 256 threads.
         unsafe {
-            q.launch(
+            Ok(q.launch(
                 self.attend.of::<T>("decoder attention")?,
-                LaunchConfig {
-                    grid: (gx, s.tokens as u32, s.batch as u32),
-                    block,
-                    shared_mem_bytes: 0,
-                },
+                cfg,
                 &[
                     query.into(),
                     k_cache.into(),
                     v_cache.into(),
                     positions.into(),
                     slots.into(),
-                    Arg::opt(part.as_ref()),
                     out.into(),
                     i(s.tokens),
                     i(s.heads),
@@ -498,38 +416,10 @@ impl DecoderKernels {
                     i(s.slots),
                     i(s.max_len),
                     i(s.head_dim),
-                    i(chunk),
-                    i(splits),
                     Arg::F32(scale),
                     q.check_flag_arg()?,
                     Arg::U32(self.cache_pos_check),
                     Arg::U32(self.slot_check),
-                ],
-            )?;
-        }
-        let Some(part) = part else {
-            return Ok(());
-        };
-        // SAFETY: dec_attend_combine_*(part, out, Tq, H, D, splits): block (h, t, b) reads
-        // part[(r·splits + s)·(D + 2) + k], s < splits, k < D + 2, for r = (b·Tq + t)·H + h <
-        // rows (rows·splits·(D + 2) allocated, every partial written by the launch before on
-        // this queue) and writes out's row r of D elements (< query_len, checked); the grid is
-        // (H, Tq, B) (validated); 128 threads.
-        unsafe {
-            Ok(q.launch(
-                self.attend_combine.of::<T>("decoder attention combine")?,
-                LaunchConfig {
-                    grid: (s.heads as u32, s.tokens as u32, s.batch as u32),
-                    block,
-                    shared_mem_bytes: 0,
-                },
-                &[
-                    (&part).into(),
-                    out.into(),
-                    i(s.tokens),
-                    i(s.heads),
-                    i(s.head_dim),
-                    i(splits),
                 ],
             )?)
         }
@@ -555,31 +445,8 @@ mod tests {
         }
         assert!(!src.contains("#include"));
         assert!(src.contains("#define DEC_ROW_THREADS 256"));
-        assert!(src.contains("#define DA_THREADS (32 * DA_WARPS)"));
-        assert!(src.contains("#define DA_WARPS 4"));
-        assert_eq!((ROW_THREADS, ATTEND_THREADS), (256, 128));
-    }
-
-    #[test]
-    fn attention_splits_follow_the_shape() {
-        let shape = |batch, tokens, max_len| AttentionShape {
-            batch,
-            slots: 4,
-            tokens,
-            heads: 12,
-            kv_heads: 12,
-            max_len,
-            head_dim: 64,
-        };
-        let splits = DecoderKernels::attend_splits;
-        // A decode step of one row: a split per 256 positions, at most ~4 blocks a multiprocessor.
-        assert_eq!(splits(&shape(1, 1, 1024), 132), 4);
-        assert_eq!(splits(&shape(1, 1, 200), 132), 1);
-        assert_eq!(splits(&shape(1, 1, 1 << 15), 132), 44);
-        // Enough query rows (a prefill, a large batch): one split.
-        assert_eq!(splits(&shape(1, 128, 1 << 15), 132), 1);
-        assert_eq!(splits(&shape(22, 1, 1 << 15), 132), 1);
-        assert_eq!(splits(&shape(1, 1, 1024), 0), 1);
+        assert!(src.contains("#define DA_THREADS 256"));
+        assert_eq!((ROW_THREADS, ATTEND_THREADS), (256, 256));
     }
 
     #[test]

@@ -65,12 +65,11 @@ use crate::kernels::decoder::{DecoderKernels, QkvDims};
 use crate::kernels::transformer::TransformerKernels;
 use crate::kernels::Nn;
 
-/// Which attention kernel the decoder runs: the decoder module's (`true`: tiles of 32 keys, one
-/// lane a key and one warp reduction a tile, split along the keys when the query rows do not
-/// fill the GPU — fast on decode steps and long caches) or the KV cache's (`false`: the head
-/// dimension over a warp's lanes, one reduction per key). Both give the same results within
-/// f32 rounding.
-const TILED_ATTENTION: bool = true;
+/// Which attention kernel the decoder runs: the decoder module's (`true`: keys spread over a
+/// block's threads, one reduction per chunk of keys — fast on long caches) or the KV cache's
+/// (`false`: the head dimension over a warp's lanes, one reduction per key). Both give the
+/// same results within f32 rounding.
+const KEYS_OVER_THREADS: bool = true;
 
 /// Which tokens [`Decoder::forward`] computes logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -669,7 +668,7 @@ impl Decoder {
                 &qh,
                 caches,
             )?;
-            if TILED_ATTENTION {
+            if KEYS_OVER_THREADS {
                 let at = (io.positions, io.slots);
                 dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
             } else {
