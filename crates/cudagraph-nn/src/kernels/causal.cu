@@ -31,8 +31,8 @@
 // The padded row of D floats: 4·k with k = ⌈D/4⌉ made odd (132 at D = 128, CA_LD).
 __device__ __forceinline__ int ca_ld(int D) { return 4 * (((D + 3) / 4) | 1); }
 
-// Σ_d q[d]·k[d] over ⌈D/4⌉ float4 groups of two padded shared rows (zero past D): four partial
-// sums (d mod 4), added as (s0 + s1) + (s2 + s3).
+// Σ_d q[d]·k[d] over ⌈D/4⌉ float4 groups of two padded shared rows (zero past D): four
+// partial sums (d mod 4), added as (s0 + s1) + (s2 + s3).
 __device__ __forceinline__ float ca_dot(const float* q, const float* k, int D4) {
     const float4* a = reinterpret_cast<const float4*>(q);
     const float4* b = reinterpret_cast<const float4*>(k);
@@ -64,7 +64,8 @@ __device__ __forceinline__ float ca_sum(float v) {
 // Whether rows of D elements of T at these bases can be read with 16-byte loads.
 template <typename T>
 __device__ __forceinline__ bool ca_vec(int D, const void* a, const void* b) {
-    return D % (16 / (int)sizeof(T)) == 0 && (((unsigned long long)a | (unsigned long long)b) & 15) == 0;
+    const unsigned long long bases = (unsigned long long)a | (unsigned long long)b;
+    return D % (16 / (int)sizeof(T)) == 0 && (bases & 15ull) == 0;
 }
 
 // Columns [D, ld) of n shared rows set to zero (ca_stage writes only [0, D)).

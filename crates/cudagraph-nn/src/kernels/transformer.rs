@@ -331,8 +331,13 @@ impl TransformerKernels {
             count("gelu", n)?,
             Arg::I32(tanh_approx as i32),
         ];
-        // SAFETY: gelu_fwd_*(x, y, n, tanh) touches i < n only; both hold n elements.
-        unsafe { Ok(q.launch(self.gelu_fwd.of::<T>("gelu_fwd")?, grid_stride(n), &args)?) }
+        // One thread per 16 bytes (the kernel moves aligned groups of 16 / size elements; its
+        // loops stride over the grid, so any grid covers every element).
+        let cfg = grid_stride(n.div_ceil(16 / std::mem::size_of::<T>()));
+        // SAFETY: gelu_fwd_*(x, y, n, tanh) touches i < n only (16-byte groups only below
+        // n / group · group, with both bases aligned, checked in the kernel); both hold n
+        // elements.
+        unsafe { Ok(q.launch(self.gelu_fwd.of::<T>("gelu_fwd")?, cfg, &args)?) }
     }
 
     /// `dx = dy · gelu'(x)` over `dy` (`x`, `dx` as long).
