@@ -31,32 +31,45 @@ __device__ __forceinline__ float tf_block_sum(float v, float* sh) {
 
 // ---- LayerNorm ----------------------------------------------------------------------------
 
-// y[r, :] = (x[r, :] - mean) · rstd · w + b for row r = blockIdx.x of x: [rows, cols];
-// mean[r] and rstd[r] = 1 / sqrt(var + eps) are saved (biased variance, two passes). b may be
-// null (no bias).
+// Rows (one warp each) per block of ln_fwd; the launcher uses TF_ROW_THREADS threads.
+#define TF_LN_ROWS (TF_ROW_THREADS / 32)
+
+// A butterfly sum over the warp: every lane gets the same bits.
+__device__ __forceinline__ float tf_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// y[r, :] = (x[r, :] - mean) · rstd · w + b for row r = blockIdx.x · TF_LN_ROWS + warp of
+// x: [rows, cols] (rows past the end do nothing); mean[r] and rstd[r] = 1 / sqrt(var + eps)
+// are saved (biased variance, two passes). Lane l sums columns l, l + 32, … in order, then a
+// butterfly of shuffles: a fixed order. b may be null (no bias).
 template <typename T>
 __device__ __forceinline__ void ln_fwd_n(const T* x, const float* w, const float* b, T* y,
-                                         float* mean, float* rstd, int cols, float eps) {
-    __shared__ float sh[TF_ROW_THREADS];
-    const long long r = blockIdx.x;
+                                         float* mean, float* rstd, int rows, int cols,
+                                         float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TF_LN_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;  // the whole warp
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
     float acc = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += TF_ROW_THREADS) acc += to_f32(xr[c]);
-    const float mu = tf_block_sum(acc, sh) / (float)cols;
+    for (int c = lane; c < cols; c += 32) acc += to_f32(xr[c]);
+    const float mu = tf_warp_sum(acc) / (float)cols;
     acc = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += TF_ROW_THREADS) {
+    for (int c = lane; c < cols; c += 32) {
         float d = to_f32(xr[c]) - mu;
         acc += d * d;
     }
-    const float var = tf_block_sum(acc, sh) / (float)cols;
+    const float var = tf_warp_sum(acc) / (float)cols;
     const float rs = 1.0f / sqrtf(var + eps);
-    for (int c = threadIdx.x; c < cols; c += TF_ROW_THREADS) {
+    for (int c = lane; c < cols; c += 32) {
         float v = (to_f32(xr[c]) - mu) * rs * w[c];
         if (b) v += b[c];
         yr[c] = from_f32<T>(v);
     }
-    if (threadIdx.x == 0) {
+    if (lane == 0) {
         mean[r] = mu;
         rstd[r] = rs;
     }
@@ -373,8 +386,9 @@ __device__ __forceinline__ void embed_bwd_n(const int* ids, const int* links, co
 
 #define TF_INSTANCES(T, S)                                                                   \
     extern "C" __global__ void ln_fwd_##S(const T* x, const float* w, const float* b, T* y,   \
-                                          float* mean, float* rstd, int cols, float eps) {    \
-        ln_fwd_n<T>(x, w, b, y, mean, rstd, cols, eps);                                      \
+                                          float* mean, float* rstd, int rows, int cols,       \
+                                          float eps) {                                        \
+        ln_fwd_n<T>(x, w, b, y, mean, rstd, rows, cols, eps);                                \
     }                                                                                        \
     extern "C" __global__ void norm_bwd_dx_##S(const T* dy, const T* x, const float* w,      \
                                                const float* mean, const float* rstd, T* dx,  \
