@@ -7,18 +7,19 @@
 // the tokens 0..=t of its sequence, scores q·k · scale, softmax in f32.
 //
 // Tiles of CA_TILE = 32 rows: a block of (rows, head, sequence) stages its own rows and then,
-// one tile at a time, the 32 rows of the other side in shared memory as f32 (16-byte loads
-// where D is a multiple of 8 / 4 elements and the buffers are aligned, else one element at a
-// time), each row padded to ld = 4·odd floats so that lane j reading row j with 16-byte loads
-// meets no bank conflict. Warp w takes the block's rows w, w + CA_WARPS, …: lane j scores row
-// j of the tile in full (ca_dot, the same function with the same arguments in every kernel, so
-// the backward's probabilities come from the bits the forward's log-sum-exp saw), one
-// shuffle reduction gives the tile's max and sum, and the lanes then add the tile's rows,
-// split over the head dimension (lane + 32·i), in tile order. The forward keeps an online
-// softmax in f32 and saves lse = m + log(l). The backward runs in two kernels with no
-// atomics: one writes dq per query row over the key tiles (and the row's delta = dout · out),
-// the other dk and dv per key row over the query tiles from its own on, in order. Every sum
-// runs in a fixed order: the same inputs give the same bits, eager or replayed.
+// one tile at a time, the 32 rows of the other side in (dynamic) shared memory as f32
+// (16-byte loads where D is a multiple of 8 / 4 elements and the buffers are aligned, else one
+// element at a time), each row padded to ld = 4·odd floats so that lane j reading row j with
+// 16-byte loads meets no bank conflict. Warp w takes the block's rows w, w + CA_WARPS, …:
+// lane j scores row j of the tile in full (ca_dot, the same function with the same arguments
+// in every kernel, so the backward's probabilities come from the bits the forward's
+// log-sum-exp saw), one shuffle reduction gives the tile's max and sum, and the lanes then add
+// the tile's rows, split over the head dimension (lane + 32·i), in tile order. The forward
+// keeps an online softmax in f32 and saves lse = m + log(l). The backward runs in two kernels
+// with no atomics: one writes dq per query row over the key tiles (and the row's
+// delta = dout · out), the other dk and dv per key row over the query tiles from its own on,
+// in order. Every sum runs in a fixed order: the same inputs give the same bits, eager or
+// replayed.
 
 #define CA_WARPS 4
 #define CA_TILE 32
@@ -30,6 +31,10 @@
 
 // The padded row of D floats: 4·k with k = ⌈D/4⌉ made odd (132 at D = 128, CA_LD).
 __device__ __forceinline__ int ca_ld(int D) { return 4 * (((D + 3) / 4) | 1); }
+
+// Each kernel's shared rows, sized by the launcher for its D (at most 80 rows of CA_LD floats,
+// 42,240 bytes: within the 48 KiB a launch may ask for without opting in).
+extern __shared__ __align__(16) float ca_smem[];
 
 // Σ_d q[d]·k[d] over ⌈D/4⌉ float4 groups of two padded shared rows (zero past D): four
 // partial sums (d mod 4), added as (s0 + s1) + (s2 + s3).
@@ -144,15 +149,16 @@ __device__ __forceinline__ void causal_fwd_n(const T* __restrict__ qkv, T* __res
                                              float* __restrict__ lse, int T_, int H, int D,
                                              float scale) {
     constexpr int RPW = CA_FROWS / CA_WARPS;
-    __shared__ __align__(16) float sq[CA_FROWS * CA_LD];
-    __shared__ __align__(16) float sk[CA_TILE * CA_LD];
-    __shared__ __align__(16) float sv[CA_TILE * CA_LD];
+    const int ld = ca_ld(D);
+    float* sq = ca_smem;  // CA_FROWS rows, then two tiles: (CA_FROWS + 2·CA_TILE)·ld floats
+    float* sk = sq + CA_FROWS * ld;
+    float* sv = sk + CA_TILE * ld;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int h = blockIdx.y, b = blockIdx.z;
     const int t0 = blockIdx.x * CA_FROWS;
     const int nq = min(CA_FROWS, T_ - t0);  // ≥ 1: the grid has ⌈T / CA_FROWS⌉ blocks
     const int kend = t0 + nq;               // keys 0..kend
-    const int ld = ca_ld(D), D4 = (D + 3) / 4;
+    const int D4 = (D + 3) / 4;
     const long long C = (long long)H * D, C3 = 3 * C;
     const long long seq = (long long)b * T_;
     const T* base = qkv + seq * C3 + (long long)h * D;  // q of token 0; + C: k, + 2C: v
@@ -244,16 +250,17 @@ __device__ __forceinline__ void causal_bwd_q_n(const T* __restrict__ qkv,
                                                float* __restrict__ delta, T* __restrict__ dqkv,
                                                int T_, int H, int D, float scale) {
     constexpr int RPW = CA_BROWS / CA_WARPS;
-    __shared__ __align__(16) float sq[CA_BROWS * CA_LD];
-    __shared__ __align__(16) float sdo[CA_BROWS * CA_LD];
-    __shared__ __align__(16) float sk[CA_TILE * CA_LD];
-    __shared__ __align__(16) float sv[CA_TILE * CA_LD];
+    const int ld = ca_ld(D);
+    float* sq = ca_smem;  // 2·CA_BROWS rows, then two tiles: (2·CA_BROWS + 2·CA_TILE)·ld floats
+    float* sdo = sq + CA_BROWS * ld;
+    float* sk = sdo + CA_BROWS * ld;
+    float* sv = sk + CA_TILE * ld;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int h = blockIdx.y, b = blockIdx.z;
     const int t0 = blockIdx.x * CA_BROWS;
     const int nq = min(CA_BROWS, T_ - t0);  // ≥ 1
     const int kend = t0 + nq;
-    const int ld = ca_ld(D), D4 = (D + 3) / 4;
+    const int D4 = (D + 3) / 4;
     const long long C = (long long)H * D, C3 = 3 * C;
     const long long seq = (long long)b * T_;
     const long long stats = ((long long)b * H + h) * T_;
@@ -354,15 +361,16 @@ __device__ __forceinline__ void causal_bwd_kv_n(const T* __restrict__ qkv,
                                                 T* __restrict__ dqkv, int T_, int H, int D,
                                                 float scale) {
     constexpr int RPW = CA_BROWS / CA_WARPS;
-    __shared__ __align__(16) float sk[CA_BROWS * CA_LD];
-    __shared__ __align__(16) float sv[CA_BROWS * CA_LD];
-    __shared__ __align__(16) float sq[CA_TILE * CA_LD];
-    __shared__ __align__(16) float sdo[CA_TILE * CA_LD];
+    const int ld = ca_ld(D);
+    float* sk = ca_smem;  // 2·CA_BROWS rows, then two tiles: (2·CA_BROWS + 2·CA_TILE)·ld floats
+    float* sv = sk + CA_BROWS * ld;
+    float* sq = sv + CA_BROWS * ld;
+    float* sdo = sq + CA_TILE * ld;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int h = blockIdx.y, b = blockIdx.z;
     const int s0 = blockIdx.x * CA_BROWS;
     const int ns = min(CA_BROWS, T_ - s0);  // ≥ 1
-    const int ld = ca_ld(D), D4 = (D + 3) / 4;
+    const int D4 = (D + 3) / 4;
     const long long C = (long long)H * D, C3 = 3 * C;
     const long long seq = (long long)b * T_;
     const long long stats = ((long long)b * H + h) * T_;

@@ -106,15 +106,34 @@ impl CausalShape {
         Ok(())
     }
 
-    /// The grid of a kernel taking `rows` rows per block.
-    fn config(&self, rows: usize) -> Result<LaunchConfig> {
+    /// The padded shared row of the kernels, in floats: `4·k` with `k = ⌈head_dim / 4⌉` made
+    /// odd (`ca_ld`; at most [`CAUSAL_MAX_HEAD_DIM`]` + 4`).
+    fn padded_row(&self) -> usize {
+        4 * (self.head_dim.div_ceil(4) | 1)
+    }
+
+    /// The launch of a kernel taking `rows` rows per block, with `shared_rows` padded rows of
+    /// dynamic shared memory (its own rows and two tiles).
+    fn config(&self, rows: usize, shared_rows: usize) -> Result<LaunchConfig> {
         let x = u32::try_from(self.tokens.div_ceil(rows))
             .map_err(|_| NnError::Shape(format!("causal attention: {self:?} exceeds the grid")))?;
+        // At most 80 · 132 · 4 = 42,240 bytes (validated head_dim ≤ 128): no opt-in needed.
+        let bytes = shared_rows * self.padded_row() * std::mem::size_of::<f32>();
         Ok(LaunchConfig {
             grid: (x, self.heads as u32, self.batch as u32),
             block: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: bytes as u32,
         })
+    }
+
+    /// The forward's launch: `CA_FROWS` query rows and two tiles of shared rows.
+    fn fwd_config(&self) -> Result<LaunchConfig> {
+        self.config(FWD_ROWS, FWD_ROWS + 2 * TILE)
+    }
+
+    /// Both backward kernels' launch: `2·CA_BROWS` rows and two tiles of shared rows.
+    fn bwd_config(&self) -> Result<LaunchConfig> {
+        self.config(BWD_ROWS, 2 * BWD_ROWS + 2 * TILE)
     }
 
     fn ints(&self) -> [Arg<'static>; 3] {
@@ -184,12 +203,13 @@ impl CausalKernels {
         // s < min(16x + 16, T), d < D (C = H·D; within qkv_len, checked; 16-byte loads only
         // where D and the base allow them, checked in the kernel), writes
         // out[(b·T + t)·C + h·D + d] (out_len, checked) and lse[(b·H + h)·T + t] (stats_len,
-        // checked); the grid covers h < H, b < B exactly (validated within the grid), D ≤ 128
-        // (the shared rows' 132 floats), T + 32 within int.
+        // checked); the grid covers h < H, b < B exactly (validated within the grid), D ≤ 128,
+        // T + 32 within int; the dynamic shared memory holds the kernel's 16 + 2·32 rows of
+        // ca_ld(D) floats (fwd_config, the same formula).
         unsafe {
             Ok(q.launch(
                 self.fwd.of::<T>("causal attention")?,
-                shape.config(FWD_ROWS)?,
+                shape.fwd_config()?,
                 &args,
             )?)
         }
@@ -217,7 +237,7 @@ impl CausalKernels {
         need("causal attention output gradient", dout, ol)?;
         need("causal attention lse", lse, sl)?;
         need("causal attention delta", delta, sl)?;
-        let cfg = shape.config(BWD_ROWS)?;
+        let cfg = shape.bwd_config()?;
         let [t, h, d] = shape.ints();
         let args = [
             qkv.into(),
@@ -236,7 +256,8 @@ impl CausalKernels {
         // k, v of rows s < min(8x + 8, T) (within qkv_len), out and dout at
         // (b·T + t)·C + h·D + d (out_len), lse at (b·H + h)·T + t (stats_len), and writes delta
         // there and dqkv's q part of row t (qkv_len); every extent checked above, the grid
-        // covers h < H, b < B exactly, D ≤ 128, T + 32 within int.
+        // covers h < H, b < B exactly, D ≤ 128, T + 32 within int; the dynamic shared memory
+        // holds the kernel's 2·8 + 2·32 rows of ca_ld(D) floats (bwd_config).
         unsafe { q.launch(self.bwd_q.of::<T>("causal attention")?, cfg, &args)? };
         let args = [
             qkv.into(),
@@ -298,11 +319,28 @@ mod tests {
         assert_eq!(s.qkv_len().unwrap(), 2 * 5 * 3 * 24);
         assert_eq!(s.out_len().unwrap(), 2 * 5 * 24);
         assert_eq!(s.stats_len().unwrap(), 30);
-        assert_eq!(s.config(FWD_ROWS).unwrap().grid, (1, 3, 2));
-        assert_eq!(s.config(BWD_ROWS).unwrap().grid, (1, 3, 2));
+        assert_eq!(s.fwd_config().unwrap().grid, (1, 3, 2));
+        assert_eq!(s.bwd_config().unwrap().grid, (1, 3, 2));
         let long = CausalShape { tokens: 17, ..s };
-        assert_eq!(long.config(FWD_ROWS).unwrap().grid, (2, 3, 2));
-        assert_eq!(long.config(BWD_ROWS).unwrap().grid, (3, 3, 2));
+        assert_eq!(long.fwd_config().unwrap().grid, (2, 3, 2));
+        assert_eq!(long.bwd_config().unwrap().grid, (3, 3, 2));
+        // Shared rows of ca_ld(head_dim) floats: 4·odd, at least head_dim.
+        for (d, ld) in [
+            (1, 4),
+            (4, 4),
+            (5, 12),
+            (8, 12),
+            (12, 12),
+            (40, 44),
+            (64, 68),
+            (128, 132),
+        ] {
+            assert_eq!(CausalShape { head_dim: d, ..s }.padded_row(), ld, "{d}");
+        }
+        assert_eq!(s.fwd_config().unwrap().shared_mem_bytes, 80 * 12 * 4);
+        let widest = CausalShape { head_dim: 128, ..s };
+        assert_eq!(widest.fwd_config().unwrap().shared_mem_bytes, 42_240);
+        assert_eq!(widest.bwd_config().unwrap().shared_mem_bytes, 42_240);
         for bad in [
             CausalShape { batch: 0, ..s },
             CausalShape { tokens: 0, ..s },
