@@ -1,8 +1,8 @@
 //! GPU tests of causal self-attention for training (`causal_attention`) and of `add`: the
 //! output and the gradients of the packed query, key and value against an f64 reference
-//! written here, in f32, bf16 and f16, at odd sizes (1, 5, 33 and 257 tokens; head_dim 16, 40,
-//! 64 and 128; one and several sequences and heads); replay of a captured forward and backward
-//! equal to eager bit for bit; misuse as typed errors.
+//! written here, in f32, bf16 and f16, at odd sizes (1, 5, 9, 17, 33, 40, 70 and 257 tokens;
+//! head_dim 5, 8, 12, 16, 40, 64 and 128; one and several sequences and heads); replay of a
+//! captured forward and backward equal to eager bit for bit; misuse as typed errors.
 //!
 //! Tolerances, `|got − want| ≤ atol · max|want| + rtol · |want|` per tensor, against the f64
 //! reference computed from the same (rounded) inputs: f32 rtol 1e-4, atol 1e-4 (f32 dot
@@ -183,6 +183,20 @@ fn causal_attention_forward_and_backward_match_f64_in_three_types() {
     // A longer sequence, f32 and bf16 (the reference is cubic in the tokens).
     case(&s, Dtype::F32, (1, 257, 2, 64));
     case(&s, Dtype::Bf16, (1, 257, 2, 64));
+}
+
+/// Head dimensions that are not a multiple of the 16-byte loads (8 elements in 16 bits, 4 in
+/// f32): the kernels' one-element staging; 70 tokens cross key tiles (32) and blocks (16 and 8
+/// rows) unevenly.
+#[test]
+fn causal_attention_matches_f64_at_head_dims_off_the_vector_width_and_across_tiles() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for d in Dtype::ALL {
+        for shape in [(1, 9, 1, 5), (2, 40, 2, 12), (1, 70, 1, 64)] {
+            case(&s, d, shape);
+        }
+    }
 }
 
 #[test]

@@ -1,9 +1,11 @@
 //! Causal self-attention for training (`causal.cu`, its own NVRTC module, compiled after
 //! `cast.cu`): [`CausalKernels::forward`] over GPT-2's packed `q | k | v` rows, saving each
 //! row's log-sum-exp, and [`CausalKernels::backward`], which recomputes the probabilities from
-//! it and writes the gradient of the packed rows. One warp per (row, head, sequence), softmax
-//! and sums in f32 in a fixed order (no atomics: deterministic). One template per kernel,
-//! instantiated for f32, bf16 and f16.
+//! it and writes the gradient of the packed rows. Tiles of 32 rows staged in shared memory as
+//! f32: lane j of a warp scores row j of a tile in full, one shuffle reduction per tile for the
+//! softmax, then the lanes add the tile's rows split over the head dimension. Softmax and sums
+//! in f32 in a fixed order (no atomics: deterministic). One template per kernel, instantiated
+//! for f32, bf16 and f16.
 
 use std::sync::Arc;
 
@@ -17,8 +19,17 @@ use crate::kernels::{int, ByType};
 /// The largest head dimension the kernels take (32 lanes × 4 values, `CA_SLOTS`).
 pub const CAUSAL_MAX_HEAD_DIM: usize = 128;
 
-/// Rows (warps) per block, as `CA_WARPS` in the kernel.
+/// Warps per block, as `CA_WARPS` in the kernels.
 const WARPS: usize = 4;
+
+/// Query rows per block of the forward, as `CA_FROWS` in the kernel.
+const FWD_ROWS: usize = 16;
+
+/// Query (or key) rows per block of the backward kernels, as `CA_BROWS`.
+const BWD_ROWS: usize = 8;
+
+/// Rows of one tile, as `CA_TILE` (the kernels' tile loops step by it).
+const TILE: usize = 32;
 
 /// The most sequences or heads of one launch (the grid's y and z limits).
 const GRID_YZ: usize = 65_535;
@@ -83,9 +94,9 @@ impl CausalShape {
                 s.batch, s.heads
             )));
         }
-        // Offsets are long long in the kernels; the sizes themselves are int (the token loop
-        // ends at most one past T).
-        int("causal attention tokens", s.tokens.saturating_add(1))?;
+        // Offsets are long long in the kernels; the sizes themselves are int (a tile loop ends
+        // at most one tile past T).
+        int("causal attention tokens", s.tokens.saturating_add(TILE))?;
         int(
             "causal attention hidden",
             prod("causal attention hidden", &[s.heads, s.head_dim])?,
@@ -95,14 +106,34 @@ impl CausalShape {
         Ok(())
     }
 
-    fn config(&self) -> Result<LaunchConfig> {
-        let x = u32::try_from(self.tokens.div_ceil(WARPS))
+    /// The padded shared row of the kernels, in floats: `4·k` with `k = ⌈head_dim / 4⌉` made
+    /// odd (`ca_ld`; at most [`CAUSAL_MAX_HEAD_DIM`]` + 4`).
+    fn padded_row(&self) -> usize {
+        4 * (self.head_dim.div_ceil(4) | 1)
+    }
+
+    /// The launch of a kernel taking `rows` rows per block, with `shared_rows` padded rows of
+    /// dynamic shared memory (its own rows and two tiles).
+    fn config(&self, rows: usize, shared_rows: usize) -> Result<LaunchConfig> {
+        let x = u32::try_from(self.tokens.div_ceil(rows))
             .map_err(|_| NnError::Shape(format!("causal attention: {self:?} exceeds the grid")))?;
+        // At most 80 · 132 · 4 = 42,240 bytes (validated head_dim ≤ 128): no opt-in needed.
+        let bytes = shared_rows * self.padded_row() * std::mem::size_of::<f32>();
         Ok(LaunchConfig {
             grid: (x, self.heads as u32, self.batch as u32),
             block: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: bytes as u32,
         })
+    }
+
+    /// The forward's launch: `CA_FROWS` query rows and two tiles of shared rows.
+    fn fwd_config(&self) -> Result<LaunchConfig> {
+        self.config(FWD_ROWS, FWD_ROWS + 2 * TILE)
+    }
+
+    /// Both backward kernels' launch: `2·CA_BROWS` rows and two tiles of shared rows.
+    fn bwd_config(&self) -> Result<LaunchConfig> {
+        self.config(BWD_ROWS, 2 * BWD_ROWS + 2 * TILE)
     }
 
     fn ints(&self) -> [Arg<'static>; 3] {
@@ -167,15 +198,18 @@ impl CausalKernels {
         need("causal attention lse", lse, shape.stats_len()?)?;
         let [t, h, d] = shape.ints();
         let args = [qkv.into(), out.into(), lse.into(), t, h, d, Arg::F32(scale)];
-        // SAFETY: causal_fwd_*(qkv, out, lse, T, H, D, scale): warp w of block (x, h, b) with
-        // row t = 4x + w < T reads qkv rows (b·T + s)·3C + {0, C, 2C} + h·D + d for s ≤ t,
-        // d < D (C = H·D; within qkv_len, checked), writes out[(b·T + t)·C + h·D + d]
-        // (out_len, checked) and lse[(b·H + h)·T + t] (stats_len, checked); the grid covers
-        // h < H, b < B exactly (validated within the grid), D ≤ 128, sizes within int.
+        // SAFETY: causal_fwd_*(qkv, out, lse, T, H, D, scale): block (x, h, b) takes the rows
+        // t = 16x + r < T (r < 16) and reads qkv rows (b·T + s)·3C + {0, C, 2C} + h·D + d for
+        // s < min(16x + 16, T), d < D (C = H·D; within qkv_len, checked; 16-byte loads only
+        // where D and the base allow them, checked in the kernel), writes
+        // out[(b·T + t)·C + h·D + d] (out_len, checked) and lse[(b·H + h)·T + t] (stats_len,
+        // checked); the grid covers h < H, b < B exactly (validated within the grid), D ≤ 128,
+        // T + 32 within int; the dynamic shared memory holds the kernel's 16 + 2·32 rows of
+        // ca_ld(D) floats (fwd_config, the same formula).
         unsafe {
             Ok(q.launch(
                 self.fwd.of::<T>("causal attention")?,
-                shape.config()?,
+                shape.fwd_config()?,
                 &args,
             )?)
         }
@@ -203,7 +237,7 @@ impl CausalKernels {
         need("causal attention output gradient", dout, ol)?;
         need("causal attention lse", lse, sl)?;
         need("causal attention delta", delta, sl)?;
-        let cfg = shape.config()?;
+        let cfg = shape.bwd_config()?;
         let [t, h, d] = shape.ints();
         let args = [
             qkv.into(),
@@ -217,11 +251,13 @@ impl CausalKernels {
             d,
             Arg::F32(scale),
         ];
-        // SAFETY: causal_bwd_q_*(qkv, out, dout, lse, delta, dqkv, T, H, D, scale): the warp of
-        // row t < T, head h < H, sequence b < B reads qkv's q of row t and k, v of rows s ≤ t
-        // (within qkv_len), out and dout at (b·T + t)·C + h·D + d (out_len), lse at
-        // (b·H + h)·T + t (stats_len), and writes delta there and dqkv's q part of row t
-        // (qkv_len); every extent checked above, the grid as in the forward.
+        // SAFETY: causal_bwd_q_*(qkv, out, dout, lse, delta, dqkv, T, H, D, scale): block
+        // (x, h, b) takes the query rows t = 8x + r < T (r < 8), reads qkv's q of those rows and
+        // k, v of rows s < min(8x + 8, T) (within qkv_len), out and dout at
+        // (b·T + t)·C + h·D + d (out_len), lse at (b·H + h)·T + t (stats_len), and writes delta
+        // there and dqkv's q part of row t (qkv_len); every extent checked above, the grid
+        // covers h < H, b < B exactly, D ≤ 128, T + 32 within int; the dynamic shared memory
+        // holds the kernel's 2·8 + 2·32 rows of ca_ld(D) floats (bwd_config).
         unsafe { q.launch(self.bwd_q.of::<T>("causal attention")?, cfg, &args)? };
         let args = [
             qkv.into(),
@@ -234,10 +270,11 @@ impl CausalKernels {
             d,
             Arg::F32(scale),
         ];
-        // SAFETY: causal_bwd_kv_*(qkv, dout, lse, delta, dqkv, T, H, D, scale): the warp of key
-        // row s < T reads qkv's k, v of row s and q of rows t ≥ s (< T), dout of those rows,
-        // lse and delta at (b·H + h)·T + t, and writes dqkv's k and v parts of row s; every
-        // extent checked above, the grid as in the forward.
+        // SAFETY: causal_bwd_kv_*(qkv, dout, lse, delta, dqkv, T, H, D, scale): block (x, h, b)
+        // takes the key rows s = 8x + r < T (r < 8), reads qkv's k, v of those rows and q of
+        // rows t < T from the tile of 32 holding 8x on, dout of those rows, lse and delta at
+        // (b·H + h)·T + t, and writes dqkv's k and v parts of row s; every extent checked
+        // above, the grid as for causal_bwd_q.
         unsafe { Ok(q.launch(self.bwd_kv.of::<T>("causal attention")?, cfg, &args)?) }
     }
 }
@@ -261,6 +298,12 @@ mod tests {
         }
         assert!(!src.contains("#include"), "NVRTC has no include path here");
         assert!(src.contains(&format!("#define CA_WARPS {WARPS}")));
+        assert!(src.contains(&format!("#define CA_FROWS {FWD_ROWS}")));
+        assert!(src.contains(&format!("#define CA_BROWS {BWD_ROWS}")));
+        assert!(src.contains(&format!("#define CA_TILE {TILE}")));
+        // The shared rows: 4·k floats with k odd, at least the largest head dimension.
+        assert!(src.contains(&format!("#define CA_LD {}", CAUSAL_MAX_HEAD_DIM + 4)));
+        assert_eq!((CAUSAL_MAX_HEAD_DIM / 4 + 1) % 2, 1);
         assert!(src.contains(&format!("#define CA_SLOTS {}", CAUSAL_MAX_HEAD_DIM / 32)));
     }
 
@@ -276,14 +319,35 @@ mod tests {
         assert_eq!(s.qkv_len().unwrap(), 2 * 5 * 3 * 24);
         assert_eq!(s.out_len().unwrap(), 2 * 5 * 24);
         assert_eq!(s.stats_len().unwrap(), 30);
-        assert_eq!(s.config().unwrap().grid, (2, 3, 2));
+        assert_eq!(s.fwd_config().unwrap().grid, (1, 3, 2));
+        assert_eq!(s.bwd_config().unwrap().grid, (1, 3, 2));
+        let long = CausalShape { tokens: 17, ..s };
+        assert_eq!(long.fwd_config().unwrap().grid, (2, 3, 2));
+        assert_eq!(long.bwd_config().unwrap().grid, (3, 3, 2));
+        // Shared rows of ca_ld(head_dim) floats: 4·odd, at least head_dim.
+        for (d, ld) in [
+            (1, 4),
+            (4, 4),
+            (5, 12),
+            (8, 12),
+            (12, 12),
+            (40, 44),
+            (64, 68),
+            (128, 132),
+        ] {
+            assert_eq!(CausalShape { head_dim: d, ..s }.padded_row(), ld, "{d}");
+        }
+        assert_eq!(s.fwd_config().unwrap().shared_mem_bytes, 80 * 12 * 4);
+        let widest = CausalShape { head_dim: 128, ..s };
+        assert_eq!(widest.fwd_config().unwrap().shared_mem_bytes, 42_240);
+        assert_eq!(widest.bwd_config().unwrap().shared_mem_bytes, 42_240);
         for bad in [
             CausalShape { batch: 0, ..s },
             CausalShape { tokens: 0, ..s },
             CausalShape { head_dim: 129, ..s },
             CausalShape { heads: 70_000, ..s },
             CausalShape {
-                tokens: i32::MAX as usize,
+                tokens: i32::MAX as usize - 31,
                 ..s
             },
         ] {

@@ -3,7 +3,7 @@
 // backward. One template per operation instantiated for float, bf16_t and f16_t (compiled
 // after cast.cu: its types and its to_f32 / from_f32 conversions). Values are widened to f32,
 // computed in f32 and rounded to nearest even once on store. Every reduction runs in a fixed
-// order (per-thread strided sums, then a fixed tree in shared memory): the same inputs give
+// order (per-thread strided sums, warp shuffles, then the warps in order): the same inputs give
 // the same bits on every run, eager or replayed.
 
 #define TF_LOOP(i, n)                                                                      \
@@ -13,49 +13,63 @@
 // Threads of the row kernels (one block per row); the launchers use exactly this.
 #define TF_ROW_THREADS 256
 
-// The sum of every thread's v over a block of TF_ROW_THREADS threads, in a fixed tree order;
-// every thread gets the total. sh holds TF_ROW_THREADS floats; the block must not be inside a
-// divergent branch.
+// The sum of every thread's v over a block of TF_ROW_THREADS threads in a fixed order: a
+// butterfly of shuffles within each warp (every lane gets the same bits), then the warps'
+// sums added in warp order by every thread; every thread gets the total. sh holds at least
+// TF_ROW_THREADS / 32 floats; the block must not be inside a divergent branch.
 __device__ __forceinline__ float tf_block_sum(float v, float* sh) {
-    sh[threadIdx.x] = v;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
     __syncthreads();
-    for (int s = TF_ROW_THREADS / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-        __syncthreads();
-    }
     float total = sh[0];
-    __syncthreads();
+#pragma unroll
+    for (int w = 1; w < TF_ROW_THREADS / 32; w++) total += sh[w];
+    __syncthreads();  // sh free for the next sum
     return total;
 }
 
 // ---- LayerNorm ----------------------------------------------------------------------------
 
-// y[r, :] = (x[r, :] - mean) · rstd · w + b for row r = blockIdx.x of x: [rows, cols];
-// mean[r] and rstd[r] = 1 / sqrt(var + eps) are saved (biased variance, two passes). b may be
-// null (no bias).
+// Rows (one warp each) per block of ln_fwd; the launcher uses TF_ROW_THREADS threads.
+#define TF_LN_ROWS (TF_ROW_THREADS / 32)
+
+// A butterfly sum over the warp: every lane gets the same bits.
+__device__ __forceinline__ float tf_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// y[r, :] = (x[r, :] - mean) · rstd · w + b for row r = blockIdx.x · TF_LN_ROWS + warp of
+// x: [rows, cols] (rows past the end do nothing); mean[r] and rstd[r] = 1 / sqrt(var + eps)
+// are saved (biased variance, two passes). Lane l sums columns l, l + 32, … in order, then a
+// butterfly of shuffles: a fixed order. b may be null (no bias).
 template <typename T>
 __device__ __forceinline__ void ln_fwd_n(const T* x, const float* w, const float* b, T* y,
-                                         float* mean, float* rstd, int cols, float eps) {
-    __shared__ float sh[TF_ROW_THREADS];
-    const long long r = blockIdx.x;
+                                         float* mean, float* rstd, int rows, int cols,
+                                         float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * TF_LN_ROWS + (threadIdx.x >> 5);
+    if (r >= rows) return;  // the whole warp
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
     float acc = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += TF_ROW_THREADS) acc += to_f32(xr[c]);
-    const float mu = tf_block_sum(acc, sh) / (float)cols;
+    for (int c = lane; c < cols; c += 32) acc += to_f32(xr[c]);
+    const float mu = tf_warp_sum(acc) / (float)cols;
     acc = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += TF_ROW_THREADS) {
+    for (int c = lane; c < cols; c += 32) {
         float d = to_f32(xr[c]) - mu;
         acc += d * d;
     }
-    const float var = tf_block_sum(acc, sh) / (float)cols;
+    const float var = tf_warp_sum(acc) / (float)cols;
     const float rs = 1.0f / sqrtf(var + eps);
-    for (int c = threadIdx.x; c < cols; c += TF_ROW_THREADS) {
+    for (int c = lane; c < cols; c += 32) {
         float v = (to_f32(xr[c]) - mu) * rs * w[c];
         if (b) v += b[c];
         yr[c] = from_f32<T>(v);
     }
-    if (threadIdx.x == 0) {
+    if (lane == 0) {
         mean[r] = mu;
         rstd[r] = rs;
     }
@@ -181,9 +195,50 @@ __device__ __forceinline__ float tf_gelu_grad(float x, int tanh_approx) {
 
 __device__ __forceinline__ float tf_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// gelu of the elements of one 32-bit word (one f32 or two 16-bit values, the lower address
+// in the low half), each as the scalar path computes it.
+__device__ __forceinline__ unsigned int tf_gelu_word(unsigned int w, const float*, int ta) {
+    return __float_as_uint(tf_gelu(__uint_as_float(w), ta));
+}
+
+template <typename H>
+__device__ __forceinline__ unsigned int tf_gelu_word16(unsigned int w, int ta) {
+    H lo, hi;
+    lo.bits = (unsigned short)(w & 0xffffu);
+    hi.bits = (unsigned short)(w >> 16);
+    const unsigned int a = from_f32<H>(tf_gelu(to_f32(lo), ta)).bits;
+    const unsigned int b = from_f32<H>(tf_gelu(to_f32(hi), ta)).bits;
+    return a | (b << 16);
+}
+
+__device__ __forceinline__ unsigned int tf_gelu_word(unsigned int w, const bf16_t*, int ta) {
+    return tf_gelu_word16<bf16_t>(w, ta);
+}
+
+__device__ __forceinline__ unsigned int tf_gelu_word(unsigned int w, const f16_t*, int ta) {
+    return tf_gelu_word16<f16_t>(w, ta);
+}
+
+// With x and y both 16-byte aligned, groups of 16 bytes (4 f32 or 8 16-bit values) move with
+// one load and one store, the last n mod (16 / sizeof(T)) elements one at a time; each element
+// gets the same bits either way.
 template <typename T>
 __device__ __forceinline__ void gelu_fwd_n(const T* x, T* y, long long n, int tanh_approx) {
-    TF_LOOP(i, n) y[i] = from_f32<T>(tf_gelu(to_f32(x[i]), tanh_approx));
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = (((unsigned long long)x | (unsigned long long)y) & 15ull) == 0;
+    const long long groups = vec ? n / V : 0;
+    TF_LOOP(i, groups) {
+        uint4 r = reinterpret_cast<const uint4*>(x)[i];
+        r.x = tf_gelu_word(r.x, x, tanh_approx);
+        r.y = tf_gelu_word(r.y, x, tanh_approx);
+        r.z = tf_gelu_word(r.z, x, tanh_approx);
+        r.w = tf_gelu_word(r.w, x, tanh_approx);
+        reinterpret_cast<uint4*>(y)[i] = r;
+    }
+    TF_LOOP(i, n - groups * V) {
+        const long long k = groups * V + i;
+        y[k] = from_f32<T>(tf_gelu(to_f32(x[k]), tanh_approx));
+    }
 }
 
 template <typename T>
@@ -331,8 +386,9 @@ __device__ __forceinline__ void embed_bwd_n(const int* ids, const int* links, co
 
 #define TF_INSTANCES(T, S)                                                                   \
     extern "C" __global__ void ln_fwd_##S(const T* x, const float* w, const float* b, T* y,   \
-                                          float* mean, float* rstd, int cols, float eps) {    \
-        ln_fwd_n<T>(x, w, b, y, mean, rstd, cols, eps);                                      \
+                                          float* mean, float* rstd, int rows, int cols,       \
+                                          float eps) {                                        \
+        ln_fwd_n<T>(x, w, b, y, mean, rstd, rows, cols, eps);                                \
     }                                                                                        \
     extern "C" __global__ void norm_bwd_dx_##S(const T* dy, const T* x, const float* w,      \
                                                const float* mean, const float* rstd, T* dx,  \

@@ -40,8 +40,11 @@ pub const KERNELS: [&str; 13] = [
     "embed_bwd",
 ];
 
-/// Threads of the row kernels (`TF_ROW_THREADS` in the source: one block per row).
+/// Threads of the row kernels (`TF_ROW_THREADS` in the source: one block per row, or for
+/// `ln_fwd` one warp per row).
 const ROW_THREADS: u32 = 256;
+/// Rows of `ln_fwd` per block, one warp each (`TF_LN_ROWS`).
+const LN_ROWS: usize = ROW_THREADS as usize / 32;
 /// Threads (and ids per shared tile) of `embed_links` (`EMB_TILE` in the source).
 const EMB_TILE: u32 = 256;
 /// Columns one block of the weight-gradient kernel covers.
@@ -160,7 +163,7 @@ impl TransformerKernels {
         (rows, cols): (usize, usize),
         eps: f32,
     ) -> Result<()> {
-        let (n, _, c) = row_dims("layer_norm", rows, cols)?;
+        let (n, r, c) = row_dims("layer_norm", rows, cols)?;
         need("layer_norm x", x, n)?;
         need("layer_norm y", y, n)?;
         need("layer_norm weight", w, cols)?;
@@ -172,7 +175,8 @@ impl TransformerKernels {
         if rows == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig::linear(grid("layer_norm", rows)?, ROW_THREADS);
+        // One warp per row, LN_ROWS rows a block.
+        let cfg = LaunchConfig::linear(grid("layer_norm", rows.div_ceil(LN_ROWS))?, ROW_THREADS);
         let args = [
             x.into(),
             w.into(),
@@ -180,13 +184,14 @@ impl TransformerKernels {
             y.into(),
             mean.into(),
             rstd.into(),
+            Arg::I32(r),
             Arg::I32(c),
             Arg::F32(eps),
         ];
-        // SAFETY: ln_fwd_*(x, w, b, y, mean, rstd, cols, eps): block r < rows (the grid) reads
-        // x[r·cols + c], w[c], b[c] (b null: not read) and writes y[r·cols + c] for c < cols,
-        // mean[r], rstd[r]; x, y hold rows·cols, w and b cols, mean and rstd rows (checked);
-        // 256 threads, the kernel's shared array.
+        // SAFETY: ln_fwd_*(x, w, b, y, mean, rstd, rows, cols, eps): warp w of block k takes
+        // row r = 8k + w, only when r < rows, reads x[r·cols + c], w[c], b[c] (b null: not
+        // read) and writes y[r·cols + c] for c < cols, mean[r], rstd[r]; x, y hold rows·cols,
+        // w and b cols, mean and rstd rows (checked); 256 threads (8 warps, TF_LN_ROWS).
         unsafe { Ok(q.launch(self.ln_fwd.of::<T>("ln_fwd")?, cfg, &args)?) }
     }
 
@@ -331,8 +336,13 @@ impl TransformerKernels {
             count("gelu", n)?,
             Arg::I32(tanh_approx as i32),
         ];
-        // SAFETY: gelu_fwd_*(x, y, n, tanh) touches i < n only; both hold n elements.
-        unsafe { Ok(q.launch(self.gelu_fwd.of::<T>("gelu_fwd")?, grid_stride(n), &args)?) }
+        // One thread per 16 bytes (the kernel moves aligned groups of 16 / size elements; its
+        // loops stride over the grid, so any grid covers every element).
+        let cfg = grid_stride(n.div_ceil(16 / std::mem::size_of::<T>()));
+        // SAFETY: gelu_fwd_*(x, y, n, tanh) touches i < n only (16-byte groups only below
+        // n / group · group, with both bases aligned, checked in the kernel); both hold n
+        // elements.
+        unsafe { Ok(q.launch(self.gelu_fwd.of::<T>("gelu_fwd")?, cfg, &args)?) }
     }
 
     /// `dx = dy · gelu'(x)` over `dy` (`x`, `dx` as long).
@@ -610,6 +620,8 @@ mod tests {
         }
         assert!(!src.contains("#include"), "NVRTC has no include path here");
         assert!(src.contains("#define TF_ROW_THREADS 256"));
+        assert!(src.contains("#define TF_LN_ROWS (TF_ROW_THREADS / 32)"));
+        assert_eq!(LN_ROWS, 8);
         assert_eq!(ROW_THREADS, 256);
     }
 
