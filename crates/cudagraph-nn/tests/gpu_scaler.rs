@@ -889,3 +889,25 @@ fn a_full_mixed_precision_step_replays_equal_to_eager() {
         vec![65536.0, 131072.0, 65536.0, 65536.0, 131072.0, 131072.0, 65536.0, 65536.0]
     );
 }
+
+/// A scale that backed off to 0 (every step overflowed) is a state like any other: it is saved
+/// and restored as PyTorch's scaler restores it; a NaN or infinite scale is refused.
+#[test]
+fn a_scale_that_backed_off_to_zero_restores_and_a_nan_scale_does_not() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let mut scaler = GradScaler::new(&s, example_config()).unwrap();
+    let mut state = scaler.state_dict(&s).unwrap();
+    state.scale = 0.0;
+    scaler.load_state_dict(&s, &state).unwrap();
+    assert_eq!(scaler.state_dict(&s).unwrap().scale, 0.0);
+    for bad in [f32::NAN, f32::INFINITY, -1.0] {
+        state.scale = bad;
+        assert!(scaler.load_state_dict(&s, &state).is_err(), "scale {bad}");
+    }
+    assert_eq!(
+        scaler.state_dict(&s).unwrap().scale,
+        0.0,
+        "a refused state changes nothing"
+    );
+}

@@ -470,11 +470,16 @@ impl GradScaler {
     /// writes on `s`; an iteration in progress is forgotten.
     pub fn load_state_dict(&mut self, s: &Stream, state: &ScalerState) -> Result<()> {
         state.config.validate()?;
-        GradScalerConfig {
-            init_scale: state.scale,
-            ..state.config
+        // Any scale a scaler can reach: backing off every step of a run whose values overflow
+        // whatever the scale takes it down to 0 (PyTorch restores such a scale as it is).
+        if !(state.scale.is_finite() && state.scale >= 0.0) {
+            return Err(AmpError::ScalerConfig {
+                name: "scale",
+                value: state.scale as f64,
+                rule: "finite and >= 0",
+            }
+            .into());
         }
-        .validate()?;
         if state.config.enabled != self.cfg.enabled {
             return Err(AmpError::ScalerConfig {
                 name: "enabled",
