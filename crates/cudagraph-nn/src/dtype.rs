@@ -51,6 +51,16 @@ impl Dtype {
         }
     }
 
+    /// `v` rounded to the nearest value of this type (ties to even, as the device casts
+    /// round) and widened back to f32: `v` itself for f32.
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            Dtype::F32 => v,
+            Dtype::Bf16 => bf16::from_f32(v).to_f32(),
+            Dtype::F16 => f16::from_f32(v).to_f32(),
+        }
+    }
+
     /// The largest finite value: `f32::MAX`, about 3.39e38 for bf16, 65504 for f16.
     pub fn max_finite(self) -> f32 {
         match self {
@@ -204,6 +214,19 @@ impl TypedBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 1 + 2⁻⁹ lies halfway between two bf16 values (8-bit significand): ties to even gives 1;
+    /// 1 + 3·2⁻⁹ rounds up to 1 + 2⁻⁷. f16 keeps both (11-bit significand); f32 keeps anything.
+    #[test]
+    fn round_rounds_to_nearest_even_in_the_type() {
+        let (tie, up) = (1.0 + 2f32.powi(-9), 1.0 + 3.0 * 2f32.powi(-9));
+        assert_eq!(Dtype::Bf16.round(tie), 1.0);
+        assert_eq!(Dtype::Bf16.round(up), 1.0 + 2f32.powi(-7));
+        assert_eq!((Dtype::F16.round(tie), Dtype::F16.round(up)), (tie, up));
+        let x = 1.0 + f32::EPSILON;
+        assert_eq!(Dtype::F32.round(x), x);
+        assert_eq!(Dtype::F16.round(1e6), f32::INFINITY);
+    }
 
     #[test]
     fn names_parse_back_and_sizes_match_the_host_types() {

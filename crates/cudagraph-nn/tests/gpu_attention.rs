@@ -8,7 +8,7 @@
 //! a few ulp) and rounds the output once: |out − ref| ≤ 2e-5 + 1e-4·|ref| in f32, plus one
 //! unit of the output type (2⁻⁸ bf16, 2⁻¹¹ f16) relative to the largest |v| in 16 bits.
 
-use cudagraph::memory::{bf16, f16};
+use cudagraph::memory::bf16;
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, Stream};
 use cudagraph_nn::*;
@@ -17,14 +17,6 @@ const B: usize = 2;
 const H: usize = 8;
 const HKV: usize = 2;
 const TMAX: usize = 24;
-
-fn round_to(d: Dtype, v: f32) -> f32 {
-    match d {
-        Dtype::F32 => v,
-        Dtype::Bf16 => bf16::from_f32(v).to_f32(),
-        Dtype::F16 => f16::from_f32(v).to_f32(),
-    }
-}
 
 fn tensor(s: &Stream, d: Dtype, v: &[f32], shape: &[usize]) -> Tensor {
     Tensor::from_host(s, v, shape)
@@ -50,8 +42,8 @@ impl HostCache {
                     for e in 0..d {
                         let src = ((b * tokens + t) * HKV + h) * d + e;
                         let dst = ((b * HKV + h) * TMAX + p) * d + e;
-                        self.k[dst] = round_to(dt, k[src]) as f64;
-                        self.v[dst] = round_to(dt, v[src]) as f64;
+                        self.k[dst] = dt.round(k[src]) as f64;
+                        self.v[dst] = dt.round(v[src]) as f64;
                     }
                 }
             }
@@ -71,7 +63,7 @@ impl HostCache {
                         .map(|j| {
                             let kr = ((b * HKV + kh) * TMAX + j) * d;
                             (0..d)
-                                .map(|e| round_to(dt, q[qrow + e]) as f64 * self.k[kr + e])
+                                .map(|e| dt.round(q[qrow + e]) as f64 * self.k[kr + e])
                                 .sum::<f64>()
                                 * scale
                         })

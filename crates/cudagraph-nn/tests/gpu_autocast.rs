@@ -20,14 +20,6 @@ use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Graph, Queue, QueueExt, Stream};
 use cudagraph_nn::*;
 
-fn round_to(d: Dtype, v: f32) -> f32 {
-    match d {
-        Dtype::F32 => v,
-        Dtype::Bf16 => bf16::from_f32(v).to_f32(),
-        Dtype::F16 => f16::from_f32(v).to_f32(),
-    }
-}
-
 fn unit(d: Dtype) -> f64 {
     match d {
         Dtype::Bf16 => 2f64.powi(-8),
@@ -72,11 +64,7 @@ fn check_linear(s: &Stream, d: Dtype, c: &Case, seed: u64) {
     let loss = mse_loss(s, &y, &t, Reduction::Sum).unwrap();
     loss.backward(s).unwrap();
     let yg = y.to_vec(s).unwrap();
-    let r = |v: &[f32]| {
-        v.iter()
-            .map(|&a| round_to(d, a) as f64)
-            .collect::<Vec<f64>>()
-    };
+    let r = |v: &[f32]| v.iter().map(|&a| d.round(a) as f64).collect::<Vec<f64>>();
     let (xr, wr, br) = (r(&xv), r(&wv), r(&bv));
     let what = format!("{d} m={m} k={k} n={n} bias={bias} relu={relu}");
     // Forward.
@@ -108,7 +96,7 @@ fn check_linear(s: &Stream, d: Dtype, c: &Case, seed: u64) {
             if relu && yg[e] <= 0.0 {
                 0.0
             } else {
-                round_to(d, 2.0 * (yg[e] - tv[e])) as f64
+                d.round(2.0 * (yg[e] - tv[e])) as f64
             }
         })
         .collect();
@@ -214,8 +202,8 @@ fn sixteen_bit_tensors_run_linear_without_autocast_and_accumulate_a_reused_input
         let loss = mse_loss(&s, &y, &Tensor::zeros(&s, &[m, m]).unwrap(), Reduction::Sum).unwrap();
         loss.backward(&s).unwrap();
         let yg = y.to_vec(&s).unwrap();
-        let xr: Vec<f64> = v.iter().map(|&a| round_to(d, a) as f64).collect();
-        let g: Vec<f64> = yg.iter().map(|&a| round_to(d, 2.0 * a) as f64).collect();
+        let xr: Vec<f64> = v.iter().map(|&a| d.round(a) as f64).collect();
+        let g: Vec<f64> = yg.iter().map(|&a| d.round(2.0 * a) as f64).collect();
         let got = s.to_vec(&p.grad().unwrap().unwrap()).unwrap();
         for i in 0..m {
             for l in 0..k {
@@ -445,11 +433,7 @@ fn autocast_conv2d_matches_an_f64_reference_and_its_master_gradients_are_f32() {
         .unwrap();
         loss.backward(&s).unwrap();
         let yg = y.to_vec(&s).unwrap();
-        let r = |v: &[f32]| {
-            v.iter()
-                .map(|&a| round_to(d, a) as f64)
-                .collect::<Vec<f64>>()
-        };
+        let r = |v: &[f32]| v.iter().map(|&a| d.round(a) as f64).collect::<Vec<f64>>();
         let (xr, wr, br) = (r(&xv), r(&wv), r(&bv));
         let at = |img: usize, ch: usize, i: isize, j: isize| -> f64 {
             if i < 0 || j < 0 || i >= h as isize || j >= h as isize {
@@ -458,7 +442,7 @@ fn autocast_conv2d_matches_an_f64_reference_and_its_master_gradients_are_f32() {
                 xr[((img * c + ch) * h + i as usize) * h + j as usize]
             }
         };
-        let g: Vec<f64> = yg.iter().map(|&v| round_to(d, 2.0 * v) as f64).collect();
+        let g: Vec<f64> = yg.iter().map(|&v| d.round(2.0 * v) as f64).collect();
         let mut dw_ref = vec![0f64; wv.len()];
         let mut dw_mag = vec![0f64; wv.len()];
         for img in 0..n {

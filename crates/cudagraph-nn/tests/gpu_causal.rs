@@ -18,18 +18,10 @@ use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, Graph, Stream};
 use cudagraph_nn::*;
 
-fn round_to(d: Dtype, v: f32) -> f32 {
-    match d {
-        Dtype::F32 => v,
-        Dtype::Bf16 => bf16::from_f32(v).to_f32(),
-        Dtype::F16 => f16::from_f32(v).to_f32(),
-    }
-}
-
 fn values(rng: &mut HostRng, n: usize, scale: f32, d: Dtype) -> Vec<f32> {
     rng.vec_normal(n)
         .into_iter()
-        .map(|v| round_to(d, v * scale))
+        .map(|v| d.round(v * scale))
         .collect()
 }
 
@@ -250,16 +242,12 @@ fn add_sums_in_the_shared_type_promotes_mixed_types_and_passes_the_gradient_to_b
         let y = add(&s, &a, &b).unwrap();
         assert_eq!(y.dtype(), out, "{da} + {db}");
         // One rounding of the exact f32 sum (the inputs are exact in their types).
-        let want: Vec<f32> = av
-            .iter()
-            .zip(&bv)
-            .map(|(x, z)| round_to(out, x + z))
-            .collect();
+        let want: Vec<f32> = av.iter().zip(&bv).map(|(x, z)| out.round(x + z)).collect();
         assert_bits_eq(&y.to_vec(&s).unwrap(), &want, format!("{da} + {db}"));
         y.backward_with(&s, upload(&s, &dyv, &[n], out)).unwrap();
         // Each input's gradient is dy, in its own type (a narrowing rounds once).
-        let ga: Vec<f32> = dyv.iter().map(|&v| round_to(da, v)).collect();
-        let gb: Vec<f32> = dyv.iter().map(|&v| round_to(db, v)).collect();
+        let ga: Vec<f32> = dyv.iter().map(|&v| da.round(v)).collect();
+        let gb: Vec<f32> = dyv.iter().map(|&v| db.round(v)).collect();
         assert_bits_eq(&grad(&s, &pa), &ga, format!("{da} + {db}: da"));
         assert_bits_eq(&grad(&s, &pb), &gb, format!("{da} + {db}: db"));
     }

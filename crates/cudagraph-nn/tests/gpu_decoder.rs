@@ -30,14 +30,6 @@ use tiny_decoder::{safetensors_bytes, weights, Lcg, GPT2, LLAMA};
 
 const VOCAB: usize = 97;
 
-fn round_to(d: Dtype, v: f32) -> f64 {
-    match d {
-        Dtype::F32 => v as f64,
-        Dtype::Bf16 => bf16::from_f32(v).to_f32() as f64,
-        Dtype::F16 => half::f16::from_f32(v).to_f32() as f64,
-    }
-}
-
 /// The f64 reference model: the weights rounded to the decoder's dtype (as the decoder and
 /// Hugging Face's `model.to(dtype)` hold them), every activation in f64.
 struct Reference {
@@ -52,7 +44,7 @@ impl Reference {
             .unwrap_or_else(|| panic!("no {name}"))
             .to_f32()
             .into_iter()
-            .map(|v| round_to(self.dt, v))
+            .map(|v| self.dt.round(v) as f64)
             .collect()
     }
 

@@ -18,15 +18,6 @@ fn values(rng: &mut HostRng, n: usize) -> Vec<f32> {
     v
 }
 
-/// The host rounding of `v` to `d`, widened back (what the device must give, NaN aside).
-fn round_to(d: Dtype, v: f32) -> f32 {
-    match d {
-        Dtype::F32 => v,
-        Dtype::Bf16 => bf16::from_f32(v).to_f32(),
-        Dtype::F16 => f16::from_f32(v).to_f32(),
-    }
-}
-
 fn same(a: f32, b: f32) -> bool {
     (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits()
 }
@@ -42,7 +33,7 @@ fn to_dtype_rounds_to_nearest_even_and_widens_exactly() {
         assert_eq!((y.dtype(), y.shape()), (d, &[10usize, 100][..]));
         let got = y.to_vec(&s).unwrap();
         for (i, (g, x)) in got.iter().zip(&v).enumerate() {
-            assert!(same(*g, round_to(d, *x)), "{d} [{i}]: {x:e} gave {g:e}");
+            assert!(same(*g, d.round(*x)), "{d} [{i}]: {x:e} gave {g:e}");
         }
         // Widening back is exact; the same type is the tensor itself.
         let back = y.to_dtype(&s, Dtype::F32).unwrap();
@@ -60,7 +51,7 @@ fn to_dtype_rounds_to_nearest_even_and_widens_exactly() {
         };
         let z = y.to_dtype(&s, other).unwrap().to_vec(&s).unwrap();
         for (a, b) in z.iter().zip(&got) {
-            assert!(same(*a, round_to(other, *b)));
+            assert!(same(*a, other.round(*b)));
         }
     }
 }
@@ -85,10 +76,10 @@ fn gradients_flow_back_through_casts_and_16_bit_relu() {
         for i in 0..n {
             // relu(round(x)) exactly; the f32 gradient 2(y - t) rounded to d on its way
             // back through the widening, masked by the ReLU, widened exactly.
-            let ry = round_to(d, v[i]).max(0.0);
+            let ry = d.round(v[i]).max(0.0);
             assert!(same(got_y[i], ry), "{d} y[{i}]");
             let g = if ry > 0.0 {
-                round_to(d, 2.0 * (ry - t[i]))
+                d.round(2.0 * (ry - t[i]))
             } else {
                 0.0
             };
@@ -114,7 +105,7 @@ fn sixteen_bit_relu_keeps_nan_and_signs_exactly() {
             .unwrap();
         let got = relu(&s, &x).unwrap().to_vec(&s).unwrap();
         for (i, g) in got.iter().enumerate() {
-            let r = round_to(d, v[i]);
+            let r = d.round(v[i]);
             let want = if r.is_nan() || r > 0.0 { r } else { 0.0 };
             assert!(same(*g, want), "{d} relu[{i}] of {r:e}: {g:e}");
         }
@@ -207,7 +198,7 @@ fn sixteen_bit_max_pool_selects_exactly_and_routes_gradients_to_the_argmax() {
                     for a in 0..k {
                         for b in 0..k {
                             let idx = (pl * h + i * st + a) * w + j * st + b;
-                            let val = round_to(d, v[idx]);
+                            let val = d.round(v[idx]);
                             if val > best {
                                 best = val;
                                 arg = idx;
@@ -216,12 +207,12 @@ fn sixteen_bit_max_pool_selects_exactly_and_routes_gradients_to_the_argmax() {
                     }
                     let o = (pl * oh + i) * ow + j;
                     assert!(same(got[o], best), "{d} y[{o}]");
-                    want_grad[arg] += round_to(d, 2.0 * best) as f64;
+                    want_grad[arg] += d.round(2.0 * best) as f64;
                 }
             }
         }
         for (i, (g, w)) in grad.iter().zip(&want_grad).enumerate() {
-            let w = round_to(d, *w as f32);
+            let w = d.round(*w as f32);
             assert!(
                 (g - w).abs() <= 1e-6 * w.abs().max(1.0),
                 "{d} dx[{i}]: {g} vs {w}"
@@ -254,7 +245,7 @@ fn sixteen_bit_dropout_is_the_f32_dropout_of_the_widened_values_rounded_once() {
             "{d}: {zeros} of 5000 dropped at p = 0.3"
         );
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.to_bits(), round_to(d, *w).to_bits(), "{d} [{i}]");
+            assert_eq!(g.to_bits(), d.round(*w).to_bits(), "{d} [{i}]");
         }
     }
 }

@@ -22,19 +22,11 @@ use cudagraph_nn::*;
 
 // ---- Helpers -------------------------------------------------------------------------------
 
-fn round_to(d: Dtype, v: f32) -> f32 {
-    match d {
-        Dtype::F32 => v,
-        Dtype::Bf16 => bf16::from_f32(v).to_f32(),
-        Dtype::F16 => f16::from_f32(v).to_f32(),
-    }
-}
-
 /// `n` normal values scaled by `scale`, rounded to `d` (exact in `d`).
 fn values(rng: &mut HostRng, n: usize, scale: f32, d: Dtype) -> Vec<f32> {
     rng.vec_normal(n)
         .into_iter()
-        .map(|v| round_to(d, v * scale))
+        .map(|v| d.round(v * scale))
         .collect()
 }
 
@@ -244,7 +236,7 @@ fn norm_case(s: &Stream, d: Dtype, (rows, cols): (usize, usize), layer: bool, wi
     // Inputs off zero mean and unit scale, so centering and scaling both matter.
     let xv: Vec<f32> = values(&mut rng, rows * cols, 1.5, Dtype::F32)
         .into_iter()
-        .map(|v| round_to(d, v + 0.75))
+        .map(|v| d.round(v + 0.75))
         .collect();
     let wv: Vec<f32> = rng.vec_normal(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
     let bv = rng.vec_normal(cols);
@@ -415,7 +407,7 @@ fn activation_inputs(d: Dtype, n: usize) -> Vec<f32> {
         -1.0e4,
     ];
     for (i, x) in specials.iter().enumerate() {
-        v[i * 7] = round_to(d, *x);
+        v[i * 7] = d.round(*x);
     }
     v
 }
