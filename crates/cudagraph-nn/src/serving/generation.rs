@@ -81,11 +81,6 @@ pub struct Finished {
     pub tokens: Vec<i32>,
 }
 
-/// One bucket's captured step.
-struct Bucket {
-    graph: Graph,
-}
-
 /// Facts about the captured steps.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GenerationStats {
@@ -112,8 +107,8 @@ pub struct Generation {
     slot_of_row: cudagraph::DeviceBuffer<i32>,
     logits: cudagraph::DeviceBuffer<f32>,
     tokens: cudagraph::DeviceBuffer<i32>,
-    pool: Pool,
-    buckets: BTreeMap<usize, Bucket>,
+    /// The captured step of each bucket (none without graphs).
+    graphs: BTreeMap<usize, Graph>,
     sizes: Vec<usize>,
     /// Host view of the slots: occupied by a sequence that has not been polled as finished.
     occupied: Vec<bool>,
@@ -196,8 +191,7 @@ impl Generation {
                 invalid(format!("generation: {n} slots × {vocab} logits overflow"))
             })?)?,
             tokens: q.alloc_zeroed::<i32>(n)?,
-            pool: q.device().graph_pool_handle(),
-            buckets: BTreeMap::new(),
+            graphs: BTreeMap::new(),
             sizes,
             occupied: vec![false; n],
             decoder,
@@ -215,8 +209,9 @@ impl Generation {
                 g.forward_step(q, size)?;
             }
             q.synchronize()?;
+            let pool = q.device().graph_pool_handle();
             for size in g.sizes.clone().into_iter().rev() {
-                g.capture(stream, size)?;
+                g.capture(stream, &pool, size)?;
             }
         }
         Ok(g)
@@ -247,16 +242,15 @@ impl Generation {
             .advance(q, &self.tokens, rows, &self.ids, &self.positions)
     }
 
-    fn capture(&mut self, stream: &mut Stream, size: usize) -> Result<()> {
-        let opts = CaptureOptions::new().pool(&self.pool).upload(true);
+    fn capture(&mut self, stream: &mut Stream, pool: &Pool, size: usize) -> Result<()> {
+        let opts = CaptureOptions::new().pool(pool).upload(true);
         let this = &*self;
         let (graph, ()) = Graph::capture(stream, opts, |cs| Ok(this.step_on(cs, size)?))
             .map_err(NnError::from)?;
         let info = graph.info();
-        self.stats.graphs += 1;
         self.stats.capture_time += info.capture_time + info.instantiate_time;
         self.stats.graph_bytes = self.stats.graph_bytes.max(info.memory.peak_allocated);
-        self.buckets.insert(size, Bucket { graph });
+        self.graphs.insert(size, graph);
         Ok(())
     }
 
@@ -267,7 +261,10 @@ impl Generation {
 
     /// Capture and step counts, capture time and the steps' pool memory.
     pub fn stats(&self) -> GenerationStats {
-        self.stats
+        GenerationStats {
+            graphs: self.graphs.len(),
+            ..self.stats
+        }
     }
 
     /// The batch sizes with a captured step.
@@ -396,8 +393,8 @@ impl Generation {
             .find(|&b| b > highest)
             .expect("slots is the largest bucket");
         self.stats.steps += 1;
-        match self.buckets.get(&rows) {
-            Some(b) => Ok(b.graph.replay(s)?),
+        match self.graphs.get(&rows) {
+            Some(g) => Ok(g.replay(s)?),
             None => self.step_on(s, rows),
         }
     }
