@@ -18,7 +18,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudagraph::memory::bf16;
+use cudagraph::memory::{bf16, f16};
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, QueueExt, Stream};
 use cudagraph_nn::io::hf::{DecoderConfig, DecoderWeights};
@@ -726,35 +726,52 @@ fn misuse_is_a_typed_error() {
     s.synchronize().unwrap();
 }
 
-/// The decoder's attention kernel (keys over threads, chunks of 1024 keys) against the KV
-/// cache's (head dimension over lanes) on caches longer than one chunk, head dimensions that do
-/// and do not divide the block (64, 80, 128, 256), rows mapped to slots out of order: equal
-/// within f32 rounding (1e-5 of the largest |output|; the two sum in different orders), and
-/// within one unit of bf16's last place (at most 2⁻⁷ of the value) in bf16.
+/// The decoder's attention kernel (flash decoding: keys split over blocks, each key row read
+/// once for the query heads sharing it) against the KV cache's (head dimension over lanes, one
+/// block per head) on caches of 2600 positions: head dimensions served by 16-byte loads (64,
+/// 80, 96, 128, 256) and by pair loads (6), one to eight query heads per key/value head (more
+/// than one block's four), a single token (the most splits) and 2×2 tokens, rows mapped to
+/// slots out of order, lengths 1 to 2600. Equal within f32 rounding (1e-5 of the largest
+/// |output|; the two sum in different orders), within one unit of the last place of bf16
+/// (2⁻⁷ of the largest value) and f16 (2⁻¹⁰).
 #[test]
 fn the_two_attention_kernels_agree_on_long_caches() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    for d in [64, 80, 128, 256] {
-        agree::<f32>(&s, d, 1e-5);
+    for d in [64, 80, 128, 256, 6] {
+        agree::<f32>(&s, (4, 2, d), (2, 2), 1e-5);
     }
-    agree::<bf16>(&s, 64, 1.0 / 128.0);
+    agree::<f32>(&s, (8, 1, 64), (1, 1), 1e-5);
+    agree::<f32>(&s, (12, 2, 96), (1, 1), 1e-5);
+    agree::<f32>(&s, (12, 2, 96), (3, 1), 1e-5);
+    for (h, kv, d) in [(4, 2, 64), (12, 2, 96), (8, 1, 128), (4, 4, 6)] {
+        for bt in [(1, 1), (2, 2)] {
+            agree::<bf16>(&s, (h, kv, d), bt, 1.0 / 128.0);
+        }
+    }
+    agree::<f16>(&s, (32, 8, 64), (1, 1), 1.0 / 1024.0);
+    agree::<f16>(&s, (4, 2, 80), (2, 2), 1.0 / 1024.0);
 }
 
-fn agree<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, tol: f64) {
+fn agree<T: cudagraph_nn::dtype::Float>(
+    s: &Stream,
+    (heads, kv_heads, d): (usize, usize, usize),
+    (batch, tokens): (usize, usize),
+    tol: f64,
+) {
     use cudagraph::Queue;
     use cudagraph_nn::kernels::attention::AttentionKernels;
     use cudagraph_nn::kernels::decoder::DecoderKernels;
     let shape = AttentionShape {
-        batch: 2,
+        batch,
         slots: 3,
-        tokens: 2,
-        heads: 4,
-        kv_heads: 2,
+        tokens,
+        heads,
+        kv_heads,
         max_len: 2600,
         head_dim: d,
     };
-    let mut rng = Lcg(d as u64);
+    let mut rng = Lcg((d * 131 + heads) as u64);
     let mut random = |n: usize| -> DeviceBuffer<T> {
         let v: Vec<T> = (0..n).map(|_| T::from_f32(rng.next() as f32)).collect();
         s.alloc_from_host(&v).unwrap()
@@ -762,8 +779,11 @@ fn agree<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, tol: f64) {
     let q = random(shape.query_len().unwrap());
     let k = random(shape.cache_len().unwrap());
     let v = random(shape.cache_len().unwrap());
-    let pos = buf(s, &[0, 1, 1500, 2599]);
-    let slots = buf(s, &[2, 0]);
+    let lengths = [2599, 0, 1, 1500, 37, 700];
+    let pos: Vec<i32> = (0..batch * tokens).map(|i| lengths[i % 6]).collect();
+    let slot_of = [2, 0, 1];
+    let slots: Vec<i32> = (0..batch).map(|b| slot_of[b % 3]).collect();
+    let (pos, slots) = (buf(s, &pos), buf(s, &slots));
     let n = shape.query_len().unwrap();
     let (oa, ob) = (s.alloc::<T>(n).unwrap(), s.alloc::<T>(n).unwrap());
     let scale = 1.0 / (d as f32).sqrt();
@@ -771,20 +791,23 @@ fn agree<T: cudagraph_nn::dtype::Float>(s: &Stream, d: usize, tol: f64) {
         .unwrap()
         .attend(s, &shape, &q, (&k, &v), &pos, Some(&slots), &oa, scale)
         .unwrap();
-    DecoderKernels::get(s.device())
-        .unwrap()
-        .attend(s, &shape, &q, (&k, &v), (&pos, &slots), &ob, scale)
-        .unwrap();
+    let dk = DecoderKernels::get(s.device()).unwrap();
+    let scratch = dk.attend_scratch(s, &shape).unwrap();
+    // Twice through one scratch: the arrival counters are left at zero for the next call.
+    for _ in 0..2 {
+        dk.attend(s, &shape, &q, (&k, &v), (&pos, &slots), &ob, scale, &scratch)
+            .unwrap();
+    }
     let (a, b) = (s.to_vec(&oa).unwrap(), s.to_vec(&ob).unwrap());
     s.synchronize().unwrap();
+    let what = format!("{} heads {heads}/{kv_heads} of {d}, {batch}×{tokens}", T::DTYPE);
     let big = a.iter().fold(0.0f64, |m, x| m.max(x.to_f32().abs() as f64));
-    assert!(big > 0.0, "head_dim {d}: all zero");
+    assert!(big > 0.0, "{what}: all zero");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         let (x, y) = (x.to_f32() as f64, y.to_f32() as f64);
         assert!(
             (x - y).abs() <= tol * big,
-            "head_dim {d} {}: element {i}: {x} (KV cache's) vs {y} (decoder's)",
-            T::DTYPE
+            "{what}: element {i}: {x} (KV cache's) vs {y} (decoder's)"
         );
     }
 }

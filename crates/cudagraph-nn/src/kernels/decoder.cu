@@ -1,7 +1,7 @@
 // The decoder's fused inference kernels (serving::decoder): token (+ position) embedding,
 // LayerNorm or RMSNorm over rows picked with a stride, the split of a packed q|k|v product
 // with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
-// and attention over the cache with the keys spread over the threads (decode). One template
+// and attention over the cache split along the keys (flash decoding). One template
 // per operation instantiated for float, bf16_t and f16_t (compiled after the device-check
 // prologue and cast.cu). Values are widened to f32, computed in f32 and rounded to nearest
 // even on store; reductions run in a fixed order (deterministic). Where Hugging Face's Llama
@@ -170,102 +170,233 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
     }
 }
 
-// ---- Attention over the cache, one query token and head per block ----------------------------
+// ---- Attention over the cache, split along the keys (flash decoding) -------------------------
 
-// Threads of the attention kernel (the launcher uses exactly this) and keys per chunk.
-#define DA_THREADS 256
-#define DA_CHUNK 1024
-#define DA_NEG_INF __int_as_float(0xff800000)
+// Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys per tile, and
+// query heads per block (the query heads of one key/value head, at most DS_GMAX at a time).
+#define DS_THREADS 128
+#define DS_WARPS 4
+#define DS_TILE 64
+#define DS_GMAX 4
+#define DS_NEG_INF __int_as_float(0xff800000)
 
-__device__ __forceinline__ float dec_block_max(float v, float* sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (int s = DA_THREADS / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + s]);
-        __syncthreads();
-    }
-    float m = sh[0];
-    __syncthreads();
-    return m;
+// Raw storage of B bytes, for one vector load.
+template <int B> struct DsRaw;
+template <> struct DsRaw<16> { uint4 v; };
+template <> struct DsRaw<8> { uint2 v; };
+template <> struct DsRaw<4> { unsigned int v; };
+
+// P elements of T at p (P·sizeof(T) bytes, aligned to that) widened to f32.
+template <typename T, int P>
+__device__ __forceinline__ void ds_load(const T* __restrict__ p, float* f) {
+    const DsRaw<P * sizeof(T)> r = *reinterpret_cast<const DsRaw<P * sizeof(T)>*>(p);
+    const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+    for (int i = 0; i < P; i++) f[i] = to_f32(e[i]);
 }
 
-// As attend_kv (attention.cu), same layouts and checks, with the keys spread over the threads
-// instead of the head dimension: q [B, Tq, H, D], caches [S, Hkv, Tmax, D], pos [B, Tq], slot
-// [B]; block (h, tq, b) attends to positions 0..=p of slot slot[b]. Keys go in chunks of
-// DA_CHUNK: every thread scores whole keys (q in shared memory), the block takes the chunk's
-// max (a running max over chunks rescales the sums, online softmax), then thread (g, d) with
-// d = tid % D and g = tid / D < G = DA_THREADS / D sums w · v over the chunk's keys g, g + G,
-// ... for component d; the G partial sums are added in a fixed order at the end
-// (deterministic). f32 throughout, rounded once. D <= 256.
-template <typename T>
-__device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* __restrict__ kc,
-                                             const T* __restrict__ vc, const int* __restrict__ pos,
-                                             const int* __restrict__ slot, T* __restrict__ out,
-                                             int Tq, int H, int Hkv, int S, int Tmax, int D,
-                                             float scale, cg_check* flag, unsigned int check,
-                                             unsigned int slot_check) {
-    __shared__ float sq[256];
-    __shared__ float sw[DA_CHUNK];
-    __shared__ float sred[DA_THREADS];
-    const int h = blockIdx.x, tq = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x;
-    const int kvh = h / (H / Hkv);
-    const long long qrow = (((long long)b * Tq + tq) * H + h) * D;
-    const int p = pos[(long long)b * Tq + tq];
-    const int sl = slot[b];
-    const bool slot_ok = sl >= 0 && sl < S;
+// Attention of query tokens over the cache, split along the keys: q and out [N, H, D] (N =
+// B·Tq tokens), caches [S, Hkv, Tmax, D], pos [N], slot [B]; token n of row b = n / Tq attends
+// to positions 0..=pos[n] of slot slot[b] (nothing, and a report, when the slot or position
+// is outside the cache: its output is zeros).
+//
+// Block (n, y, s): the query heads h0 .. h0 + gc of key/value head y / hg (hg blocks share one
+// key/value head when it serves more than DS_GMAX query heads), over split s of `splits`
+// equal runs of the valid keys (rounded to 32 keys). Each key row is read once for all gc
+// heads: LPK lanes share a key (P elements per lane and load, PPL loads a lane), the partial
+// dot products are summed over those lanes, the scores of a tile of DS_TILE keys go to shared
+// memory, warp g keeps head g's running max and sum (online softmax), and the key groups
+// accumulate p · v in registers, summed in a fixed order at the end. As in flash attention
+// (and so in transformers' 16-bit attention), p is rounded to T for the product with v while
+// the softmax sums stay f32. With one split the block writes out; otherwise it writes its
+// unnormalised sums and (max, sum) to part and stat, and the last block of (n, y) to finish
+// (count, zero on entry and left zero) merges the splits in split order. f32 arithmetic,
+// rounded once on store; the result does not depend on which block ends last
+// (deterministic).
+template <typename T, int P, int PPL>
+__device__ __forceinline__ void dec_attend_n(
+    const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+    const int* __restrict__ pos, const int* __restrict__ slot, T* __restrict__ out,
+    float* __restrict__ part, float* __restrict__ stat, unsigned int* __restrict__ count, int Tq,
+    int H, int Hkv, int S, int Tmax, int D, float scale, int splits, cg_check* flag,
+    unsigned int check, unsigned int slot_check) {
+    __shared__ float sc[DS_GMAX][DS_TILE];
+    __shared__ float red[DS_GMAX * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
+    __shared__ float sm[DS_GMAX], sl[DS_GMAX], scorr[DS_GMAX];
+    __shared__ int last;
+    const long long n = blockIdx.x;
+    const int G = H / Hkv, hg = (G + DS_GMAX - 1) / DS_GMAX;
+    const int kvh = blockIdx.y / hg, sub = blockIdx.y % hg;
+    const int h0 = kvh * G + sub * DS_GMAX, gc = min(DS_GMAX, G - sub * DS_GMAX);
+    const int s = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int b = (int)(n / Tq), p = pos[n], sln = slot[b];
+    const bool slot_ok = sln >= 0 && sln < S;
     const bool valid = slot_ok && p >= 0 && p < Tmax;
-    if (!slot_ok && tid == 0 && tq == 0 && h == 0) cg_report(flag, slot_check, sl, S, b);
-    if (slot_ok && !valid && tid == 0)
-        cg_report(flag, check, p, Tmax, (unsigned long long)b * Tq + tq);
-    for (int d = tid; d < D; d += DA_THREADS) sq[d] = to_f32(q[qrow + d]) * scale;
-    __syncthreads();
-    const int G = DA_THREADS / D;
-    const int g = tid / D, dd = tid % D;
-    const bool active = g < G;
-    const long long base = ((long long)(slot_ok ? sl : 0) * Hkv + kvh) * Tmax * D;
-    const int last = valid ? p : -1;
-    float m = DA_NEG_INF, acc = 0.0f, l = 0.0f;
-    for (int c0 = 0; c0 <= last; c0 += DA_CHUNK) {
-        const int n = min(DA_CHUNK, last + 1 - c0);
-        float mx = DA_NEG_INF;
-        for (int j = tid; j < n; j += DA_THREADS) {
-            const T* kr = kc + base + (long long)(c0 + j) * D;
-            float s = 0.0f;
-#pragma unroll 8
-            for (int d = 0; d < D; d++) s += sq[d] * to_f32(kr[d]);
-            sw[j] = s;
-            mx = fmaxf(mx, s);
-        }
-        const float mn = fmaxf(m, dec_block_max(mx, sred));
-        const float corr = __expf(m - mn);  // 0 when m is -inf
-        for (int j = tid; j < n; j += DA_THREADS) sw[j] = __expf(sw[j] - mn);
-        __syncthreads();
-        acc *= corr;
-        l *= corr;
-        if (active) {
-            const T* vr = vc + base + (long long)c0 * D + dd;
-#pragma unroll 4
-            for (int j = g; j < n; j += G) {
-                const float w = sw[j];
-                acc += w * to_f32(vr[(long long)j * D]);
-                l += w;
+    if (tid == 0 && blockIdx.y == 0 && s == 0) {
+        if (!slot_ok && n % Tq == 0) cg_report(flag, slot_check, sln, S, b);
+        if (slot_ok && !valid) cg_report(flag, check, p, Tmax, (unsigned long long)n);
+    }
+    const int L = valid ? p + 1 : 0;
+    const int chunk = (((L + splits - 1) / splits) + 31) & ~31;
+    const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
+    // Lanes per key: the power of two covering the row's loads, PPL loads a lane.
+    const int LP = D / P, need = (LP + PPL - 1) / PPL;
+    const int LPK = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : need <= 8 ? 8 : need <= 16 ? 16 : 32;
+    const int KPB = DS_WARPS * (32 / LPK);
+    const int u = lane % LPK, kg = warp * (32 / LPK) + lane / LPK;
+    float qr[PPL][DS_GMAX][P], acc[PPL][DS_GMAX][P];
+#pragma unroll
+    for (int c = 0; c < PPL; c++) {
+        const int pk = u + c * LPK;
+#pragma unroll
+        for (int g = 0; g < DS_GMAX; g++) {
+            if (pk < LP && g < gc) {
+                ds_load<T, P>(q + (n * H + h0 + g) * D + pk * P, qr[c][g]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < P; e++) qr[c][g][e] = 0.0f;
+            }
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                qr[c][g][e] *= scale;
+                acc[c][g][e] = 0.0f;
             }
         }
-        m = mn;
+    }
+    const long long base = ((long long)(slot_ok ? sln : 0) * Hkv + kvh) * Tmax * D;
+    float m_run = DS_NEG_INF, l_run = 0.0f;  // warp g < gc: head g's
+    for (int t0 = k0; t0 < k1; t0 += DS_TILE) {
+        const int nt = min(DS_TILE, k1 - t0);
+        for (int j0 = 0; j0 < nt; j0 += KPB) {
+            const int j = j0 + kg;
+            float dot[DS_GMAX];
+#pragma unroll
+            for (int g = 0; g < DS_GMAX; g++) dot[g] = 0.0f;
+            if (j < nt) {
+                const T* kr = kc + base + (long long)(t0 + j) * D;
+#pragma unroll
+                for (int c = 0; c < PPL; c++) {
+                    const int pk = u + c * LPK;
+                    if (pk < LP) {
+                        float kv[P];
+                        ds_load<T, P>(kr + pk * P, kv);
+#pragma unroll
+                        for (int g = 0; g < DS_GMAX; g++)
+#pragma unroll
+                            for (int e = 0; e < P; e++) dot[g] += qr[c][g][e] * kv[e];
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < DS_GMAX; g++)
+                for (int o = LPK / 2; o > 0; o >>= 1)
+                    dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+            if (j < nt && u == 0)
+                for (int g = 0; g < gc; g++) sc[g][j] = dot[g];
+        }
+        __syncthreads();
+        if (warp < gc) {
+            float mx = DS_NEG_INF;
+            for (int j = lane; j < nt; j += 32) mx = fmaxf(mx, sc[warp][j]);
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float mn = fmaxf(m_run, mx);
+            const float corr = __expf(m_run - mn);  // 0 while m_run is -inf
+            float sum = 0.0f;
+            for (int j = lane; j < nt; j += 32) {
+                const float e = __expf(sc[warp][j] - mn);
+                sc[warp][j] = dec_rnd<T>(e);  // p in T for p·v, as flash attention; the sum in f32
+                sum += e;
+            }
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l_run = l_run * corr + sum;
+            m_run = mn;
+            if (lane == 0) scorr[warp] = corr;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < DS_GMAX; g++) {
+            const float cr = g < gc ? scorr[g] : 0.0f;
+#pragma unroll
+            for (int c = 0; c < PPL; c++)
+#pragma unroll
+                for (int e = 0; e < P; e++) acc[c][g][e] *= cr;
+        }
+        for (int j = kg; j < nt; j += KPB) {
+            const T* vr = vc + base + (long long)(t0 + j) * D;
+            float w[DS_GMAX];
+#pragma unroll
+            for (int g = 0; g < DS_GMAX; g++) w[g] = g < gc ? sc[g][j] : 0.0f;
+#pragma unroll
+            for (int c = 0; c < PPL; c++) {
+                const int pk = u + c * LPK;
+                if (pk < LP) {
+                    float vv[P];
+                    ds_load<T, P>(vr + pk * P, vv);
+#pragma unroll
+                    for (int g = 0; g < DS_GMAX; g++)
+#pragma unroll
+                        for (int e = 0; e < P; e++) acc[c][g][e] += w[g] * vv[e];
+                }
+            }
+        }
         __syncthreads();
     }
-    sred[tid] = active ? acc : 0.0f;
-    if (active && dd == 0) sw[g] = l;
-    __syncthreads();
-    if (tid < D) {
-        float a = 0.0f, ll = 0.0f;
-        for (int k = 0; k < G; k++) {
-            a += sred[k * D + tid];
-            ll += sw[k];
-        }
-        out[qrow + tid] = from_f32<T>(ll > 0.0f ? a / ll : 0.0f);
+    // The key groups' sums, added in key-group order.
+#pragma unroll
+    for (int c = 0; c < PPL; c++) {
+        const int pk = u + c * LPK;
+        if (pk < LP)
+            for (int g = 0; g < gc; g++)
+#pragma unroll
+                for (int e = 0; e < P; e++) red[(kg * DS_GMAX + g) * D + pk * P + e] = acc[c][g][e];
     }
+    if (warp < gc && lane == 0) {
+        sm[warp] = m_run;
+        sl[warp] = l_run;
+    }
+    __syncthreads();
+    for (int i = tid; i < gc * D; i += DS_THREADS) {
+        const int g = i / D, d = i % D;
+        float a = 0.0f;
+        for (int k = 0; k < KPB; k++) a += red[(k * DS_GMAX + g) * D + d];
+        const long long row = n * H + h0 + g;
+        if (splits == 1) {
+            out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
+        } else {
+            part[(row * splits + s) * D + d] = a;
+            if (d == 0) {
+                stat[(row * splits + s) * 2] = sm[g];
+                stat[(row * splits + s) * 2 + 1] = sl[g];
+            }
+        }
+    }
+    if (splits == 1) return;
+    __threadfence();
+    __syncthreads();
+    unsigned int* cnt = count + n * gridDim.y + blockIdx.y;
+    if (tid == 0) last = atomicAdd(cnt, 1u) == (unsigned int)(splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = tid; i < gc * D; i += DS_THREADS) {
+        const int g = i / D, d = i % D;
+        const long long row = n * H + h0 + g;
+        const float* st = stat + row * splits * 2;
+        float mx = DS_NEG_INF;
+        for (int k = 0; k < splits; k++)
+            if (__ldcg(st + 2 * k + 1) > 0.0f) mx = fmaxf(mx, __ldcg(st + 2 * k));
+        float a = 0.0f, l = 0.0f;
+        for (int k = 0; k < splits; k++) {
+            const float lk = __ldcg(st + 2 * k + 1);
+            if (lk > 0.0f) {
+                const float w = __expf(__ldcg(st + 2 * k) - mx);
+                a += w * __ldcg(part + (row * splits + k) * D + d);
+                l += w * lk;
+            }
+        }
+        out[row * D + d] = from_f32<T>(l > 0.0f ? a / l : 0.0f);
+    }
+    if (tid == 0) *cnt = 0u;
 }
 
 #define DEC_INSTANCES(T, S)                                                                   \
@@ -292,12 +423,22 @@ __device__ __forceinline__ void dec_attend_n(const T* __restrict__ q, const T* _
     extern "C" __global__ void dec_swiglu_##S(const T* gu, T* y, int N, int M) {              \
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(DA_THREADS) dec_attend_##S(                  \
-        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out, int Tq, \
-        int H, int Hkv, int NS, int Tmax, int D, float scale, cg_check* flag,                 \
-        unsigned int check, unsigned int slot_check) {                                        \
-        dec_attend_n<T>(q, kc, vc, pos, slot, out, Tq, H, Hkv, NS, Tmax, D, scale, flag, check, \
-                        slot_check);                                                          \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_v_##S(               \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
+        float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
+        int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
+        unsigned int slot_check) {                                                             \
+        dec_attend_n<T, 16 / sizeof(T), sizeof(T) == 4 ? 2 : 1>(                               \
+            q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv, NS, Tmax, D, scale,       \
+            splits, flag, check, slot_check);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_p_##S(               \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
+        float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
+        int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
+        unsigned int slot_check) {                                                             \
+        dec_attend_n<T, 2, 4>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv, NS,    \
+                              Tmax, D, scale, splits, flag, check, slot_check);                \
     }
 
 DEC_INSTANCES(float, f32)

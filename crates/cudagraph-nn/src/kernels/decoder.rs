@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue};
+use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue, QueueExt};
 
 use crate::dtype::Float;
 use crate::error::{NnError, Result};
@@ -23,18 +23,19 @@ use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
 #[cfg(any(test, feature = "internals"))]
-pub const KERNELS: [&str; 5] = [
+pub const KERNELS: [&str; 6] = [
     "dec_embed",
     "dec_norm",
     "dec_qkv",
     "dec_swiglu",
-    "dec_attend",
+    "dec_attend_v",
+    "dec_attend_p",
 ];
 
 /// Threads of the norm kernel (`DEC_ROW_THREADS`).
 const ROW_THREADS: u32 = 256;
-/// Threads of the attention kernel (`DA_THREADS`).
-const ATTEND_THREADS: u32 = 256;
+/// Threads of the attention kernel (`DS_THREADS`).
+const ATTEND_THREADS: u32 = 128;
 
 /// The CUDA source of the module.
 pub fn source() -> String {
@@ -110,7 +111,8 @@ pub struct DecoderKernels {
     norm: ByType,
     qkv: ByType,
     swiglu: ByType,
-    attend: ByType,
+    attend_v: ByType,
+    attend_p: ByType,
     id_check: u32,
     pos_check: u32,
     cache_pos_check: u32,
@@ -132,7 +134,8 @@ impl DecoderKernels {
                 norm: ByType::load(&m, "dec_norm")?,
                 qkv: ByType::load(&m, "dec_qkv")?,
                 swiglu: ByType::load(&m, "dec_swiglu")?,
-                attend: ByType::load(&m, "dec_attend")?,
+                attend_v: ByType::load(&m, "dec_attend_v")?,
+                attend_p: ByType::load(&m, "dec_attend_p")?,
                 id_check: register_check("decoder token id"),
                 pos_check: register_check("decoder position embedding"),
                 cache_pos_check: register_check("attention position"),
@@ -355,13 +358,99 @@ impl DecoderKernels {
     }
 }
 
+/// The f32 partial sums, (max, sum) pairs and arrival counters a split attention
+/// ([`DecoderKernels::attend`]) merges through; [`DecoderKernels::attend_scratch`] sizes them
+/// for one shape (reusable by every call of that shape on the stream it was made on, one call
+/// at a time: the counters are zero between calls).
+pub struct AttendScratch {
+    splits: usize,
+    groups: usize,
+    part: DeviceBuffer<f32>,
+    stat: DeviceBuffer<f32>,
+    count: DeviceBuffer<u32>,
+}
+
+/// Query heads one attention block serves (`DS_GMAX`).
+const ATTEND_HEADS: usize = 4;
+/// Keys a split holds at least (the kernel rounds a split's run to this).
+const SPLIT_KEYS: usize = 32;
+/// The most splits along the keys.
+const MAX_SPLITS: usize = 64;
+
+/// Blocks of one key/value head per token: `ceil((heads / kv_heads) / ATTEND_HEADS)`.
+fn head_groups(s: &AttentionShape) -> usize {
+    (s.heads / s.kv_heads).div_ceil(ATTEND_HEADS)
+}
+
+/// Splits along the keys for `s` on a device of `sms` multiprocessors: as many as the tokens'
+/// blocks fit in four blocks a multiprocessor (one when they alone come near), at most one per
+/// `SPLIT_KEYS` keys of the cache and `MAX_SPLITS`. Host data only, so a captured
+/// step keeps its split while the cache grows (the kernel spreads the valid keys over it).
+pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
+    let blocks = s.batch * s.tokens * s.kv_heads * head_groups(s);
+    (4 * sms.max(1) / blocks)
+        .min(s.max_len.div_ceil(SPLIT_KEYS))
+        .clamp(1, MAX_SPLITS)
+}
+
+/// Which instance of the attention kernel serves `head_dim` for `T`: the one with 16-byte loads
+/// (`true`) when rows are a whole number of them (at most 32 lanes of one or two loads), the
+/// one with pair loads otherwise (at most 32 lanes of four pairs); an error for odd or larger
+/// head dimensions.
+fn vector_loads<T: Float>(head_dim: usize) -> Result<bool> {
+    let per_load = 16 / std::mem::size_of::<T>();
+    let loads_per_lane = if per_load == 4 { 2 } else { 1 };
+    if head_dim % per_load == 0 && head_dim / per_load <= 32 * loads_per_lane {
+        return Ok(true);
+    }
+    if head_dim % 2 == 0 && head_dim / 2 <= 32 * 4 {
+        return Ok(false);
+    }
+    Err(NnError::Shape(format!(
+        "decoder attention: head dimension {head_dim} (even, at most 256)"
+    )))
+}
+
 impl DecoderKernels {
+    /// The scratch of a split attention of `shape` on `q` (the splits from
+    /// [`attend_splits`] and the device's multiprocessors), from `q`'s allocator; the counters
+    /// are zeroed on `q`. No memory when the attention does not split.
+    pub fn attend_scratch(&self, q: &dyn Queue, shape: &AttentionShape) -> Result<AttendScratch> {
+        shape.validate()?;
+        let sms = q.device().info().multiprocessors as usize;
+        let splits = attend_splits(sms, shape);
+        let groups = shape.kv_heads * head_groups(shape);
+        let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
+        let (parts, stats, counts) = if splits == 1 {
+            (1, 1, 1)
+        } else {
+            let rows = prod("attention rows", &[tokens, shape.heads, splits])?;
+            (
+                prod("attention partial sums", &[rows, shape.head_dim])?,
+                prod("attention partial maxima", &[rows, 2])?,
+                prod("attention counters", &[tokens, groups])?,
+            )
+        };
+        let count = q.alloc::<u32>(counts)?;
+        if splits > 1 {
+            q.memset_zero(&count)?;
+        }
+        Ok(AttendScratch {
+            splits,
+            groups,
+            part: q.alloc::<f32>(parts)?,
+            stat: q.alloc::<f32>(stats)?,
+            count,
+        })
+    }
+
     /// `out = softmax(q·kᵀ · scale) · v` per query token and head over the positions
     /// `0..=positions[b·tokens + t]` of the slot `slots[b]`: the result of
     /// [`AttentionKernels::attend`](crate::kernels::attention::AttentionKernels::attend) (same
-    /// layouts, checks and reports), with the keys spread over the block's threads rather than
-    /// the head dimension — one warp reduction per chunk of keys instead of one per key, for
-    /// decode steps over long caches.
+    /// layouts, checks and reports), computed by blocks that read each key and value row once
+    /// for the query heads sharing it and split the keys `scratch.splits()` ways, merged by the
+    /// last block of each token to finish (flash decoding). `scratch` comes from
+    /// [`Self::attend_scratch`] for this shape.
     #[allow(clippy::too_many_arguments)]
     pub fn attend<T: Float>(
         &self,
@@ -372,6 +461,7 @@ impl DecoderKernels {
         (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
         out: &DeviceBuffer<T>,
         scale: f32,
+        scratch: &AttendScratch,
     ) -> Result<()> {
         shape.validate()?;
         let (ql, cl, pl) = (
@@ -386,22 +476,59 @@ impl DecoderKernels {
         need("attention positions", positions, pl)?;
         need("attention cache slots", slots, shape.batch)?;
         let s = shape;
+        let (splits, groups) = (scratch.splits, scratch.groups);
+        if groups != s.kv_heads * head_groups(s) || splits == 0 || splits > MAX_SPLITS {
+            return Err(NnError::Shape(format!(
+                "decoder attention: scratch of {splits} splits for {groups} head groups, made \
+                 for another shape than {s:?}"
+            )));
+        }
+        if splits > 1 {
+            let rows = prod("attention rows", &[pl, s.heads, splits])?;
+            need(
+                "attention partial sums",
+                &scratch.part,
+                prod("attention partial sums", &[rows, s.head_dim])?,
+            )?;
+            need("attention partial maxima", &scratch.stat, rows * 2)?;
+            need(
+                "attention counters",
+                &scratch.count,
+                prod("attention counters", &[pl, groups])?,
+            )?;
+        }
+        let grid_x = u32::try_from(pl)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| NnError::Shape(format!("decoder attention: {pl} tokens")))?;
+        let kernel = if vector_loads::<T>(s.head_dim)? {
+            self.attend_v.of::<T>("decoder attention")?
+        } else {
+            self.attend_p.of::<T>("decoder attention")?
+        };
         let cfg = LaunchConfig {
-            grid: (s.heads as u32, s.tokens as u32, s.batch as u32),
+            grid: (grid_x, groups as u32, splits as u32),
             block: (ATTEND_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let i = |v: usize| Arg::I32(v as i32);
-        // SAFETY: dec_attend_*(q, kc, vc, pos, slot, out, Tq, H, Hkv, S, Tmax, D, scale, flag,
-        // check, slot_check): block (h, t, b) reads q and writes out at row (b·Tq + t)·H + h of
-        // D elements (< query_len, checked for both), reads pos[b·Tq + t] (< positions_len,
-        // checked) and slot[b] (batch values, checked), and reads cache rows
-        // ((sl·Hkv + h/(H/Hkv))·Tmax + j)·D, j ≤ p, for 0 ≤ sl < S, 0 ≤ p < Tmax only
-        // (cache_len = S·Hkv·Tmax·D checked for both caches); D ≤ 256 (its shared q), every
-        // size fits i32 and the grid is within limits (validated); 256 threads.
+        // SAFETY: dec_attend_{v,p}_*(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,
+        // S, Tmax, D, scale, splits, flag, check, slot_check): block (n, y, s) with n < B·Tq,
+        // y < Hkv·hg (hg = ceil((H/Hkv)/4): groups, checked against the scratch), s < splits
+        // reads pos[n] (< positions_len, checked), slot[n / Tq] (< batch, checked), q and
+        // writes out at rows n·H + h for h < H of D elements (query_len, checked for both),
+        // reads cache rows ((sl·Hkv + kvh)·Tmax + j)·D, j ≤ p, only for 0 ≤ sl < S and
+        // 0 ≤ p < Tmax (cache_len = S·Hkv·Tmax·D, checked for both caches); with splits > 1
+        // it writes part[(row·splits + s)·D + d] and stat[(row·splits + s)·2 + {0, 1}] for
+        // row < B·Tq·H (sizes checked) and counts in count[n·groups + y] (checked); the loads
+        // are 16-byte (vector instance: D a multiple of 16 bytes of T) or pair loads (D even)
+        // at offsets that are multiples of their size in 256-byte aligned buffers, at most
+        // 32 lanes a row (vector_loads); every size fits i32 and the grid its limits
+        // (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes, splits ≤ 64);
+        // 128 threads, the kernel's static shared memory (≤ 17 KB).
         unsafe {
             Ok(q.launch(
-                self.attend.of::<T>("decoder attention")?,
+                kernel,
                 cfg,
                 &[
                     query.into(),
@@ -410,6 +537,9 @@ impl DecoderKernels {
                     positions.into(),
                     slots.into(),
                     out.into(),
+                    (&scratch.part).into(),
+                    (&scratch.stat).into(),
+                    (&scratch.count).into(),
                     i(s.tokens),
                     i(s.heads),
                     i(s.kv_heads),
@@ -417,6 +547,7 @@ impl DecoderKernels {
                     i(s.max_len),
                     i(s.head_dim),
                     Arg::F32(scale),
+                    i(splits),
                     q.check_flag_arg()?,
                     Arg::U32(self.cache_pos_check),
                     Arg::U32(self.slot_check),
@@ -445,8 +576,9 @@ mod tests {
         }
         assert!(!src.contains("#include"));
         assert!(src.contains("#define DEC_ROW_THREADS 256"));
-        assert!(src.contains("#define DA_THREADS 256"));
-        assert_eq!((ROW_THREADS, ATTEND_THREADS), (256, 256));
+        assert!(src.contains("#define DS_THREADS 128"));
+        assert!(src.contains("#define DS_GMAX 4"));
+        assert_eq!((ROW_THREADS, ATTEND_THREADS, ATTEND_HEADS), (256, 128, 4));
     }
 
     #[test]
@@ -471,5 +603,47 @@ mod tests {
         ] {
             assert!(bad.lens().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn splits_fill_the_device_and_stay_within_the_cache() {
+        let shape = |batch, heads, kv_heads, max_len| AttentionShape {
+            batch,
+            slots: batch,
+            tokens: 1,
+            heads,
+            kv_heads,
+            max_len,
+            head_dim: 64,
+        };
+        // GPT-2 small at batch 1 on 132 multiprocessors: 12 blocks, 44 splits fill 528.
+        assert_eq!(attend_splits(132, &shape(1, 12, 12, 2048)), 44);
+        assert_eq!(attend_splits(132, &shape(8, 32, 8, 2048)), 8);
+        // Capped by the cache (one split per 32 keys) and by MAX_SPLITS.
+        assert_eq!(attend_splits(132, &shape(1, 12, 12, 100)), 4);
+        assert_eq!(attend_splits(1000, &shape(1, 1, 1, 1 << 20)), MAX_SPLITS);
+        // Eight query heads a key/value head: two blocks of four.
+        assert_eq!(head_groups(&shape(1, 8, 1, 64)), 2);
+        assert_eq!(head_groups(&shape(1, 6, 1, 64)), 2);
+        assert_eq!(head_groups(&shape(1, 32, 8, 64)), 1);
+        // Enough blocks already: no split.
+        assert_eq!(attend_splits(132, &shape(64, 32, 8, 4096)), 1);
+        assert_eq!(attend_splits(132, &shape(2, 12, 12, 2048)), 22);
+        assert_eq!(attend_splits(132, &shape(48, 12, 12, 2048)), 1);
+        assert_eq!(attend_splits(0, &shape(1, 1, 1, 64)), 2);
+    }
+
+    #[test]
+    fn head_dimensions_pick_their_loads() {
+        use half::{bf16, f16};
+        assert!(vector_loads::<bf16>(64).unwrap());
+        assert!(vector_loads::<f16>(256).unwrap());
+        assert!(vector_loads::<f32>(256).unwrap());
+        assert!(vector_loads::<f32>(96).unwrap());
+        assert!(!vector_loads::<bf16>(6).unwrap());
+        assert!(!vector_loads::<f32>(250).unwrap());
+        assert!(vector_loads::<bf16>(7).is_err());
+        assert!(vector_loads::<bf16>(264).is_err());
+        assert!(vector_loads::<f32>(258).is_err());
     }
 }

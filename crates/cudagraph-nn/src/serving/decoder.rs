@@ -60,16 +60,10 @@ use crate::engine::gemm_lowp::gemm_lowp;
 use crate::error::{NnError, Result};
 use crate::extent::{need, on_device};
 use crate::io::hf::{DecoderConfig, DecoderWeights};
-use crate::kernels::attention::{AttentionKernels, AttentionShape};
+use crate::kernels::attention::AttentionShape;
 use crate::kernels::decoder::{DecoderKernels, QkvDims};
 use crate::kernels::transformer::TransformerKernels;
 use crate::kernels::Nn;
-
-/// Which attention kernel the decoder runs: the decoder module's (`true`: keys spread over a
-/// block's threads, one reduction per chunk of keys — fast on long caches) or the KV cache's
-/// (`false`: the head dimension over a warp's lanes, one reduction per key). Both give the
-/// same results within f32 rounding.
-const KEYS_OVER_THREADS: bool = true;
 
 /// Which tokens [`Decoder::forward`] computes logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -432,7 +426,6 @@ impl Decoder {
         let dev = s.device();
         let _ = crate::engine::Engines::get(dev)?.cublaslt();
         DecoderKernels::get(dev)?;
-        AttentionKernels::get(dev)?;
         TransformerKernels::get(dev)?;
         Nn::get(dev)?;
         Ok(Decoder {
@@ -595,11 +588,7 @@ impl Decoder {
     fn run<T: Float>(&self, q: &dyn Queue, m: &Model<T>, io: &Io<'_>) -> Result<()> {
         let d = &self.dims;
         let dev = q.device();
-        let (dk, ak, nn) = (
-            DecoderKernels::get(dev)?,
-            AttentionKernels::get(dev)?,
-            Nn::get(dev)?,
-        );
+        let (dk, nn) = (DecoderKernels::get(dev)?, Nn::get(dev)?);
         let (rows, tokens) = (io.rows, io.tokens);
         // Every buffer of the call, the weights and the caches are memory of q's device.
         let mut blocks = vec![
@@ -652,6 +641,7 @@ impl Decoder {
             head_dim: d.head_dim,
         };
         let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let scratch = dk.attend_scratch(q, &att_shape)?;
         for (blk, kv) in m.blocks.iter().zip(&io.cache.layers) {
             let caches = kv.caches::<T>()?;
             let n1 = (&blk.norm1.w, blk.norm1.b.as_ref());
@@ -668,13 +658,8 @@ impl Decoder {
                 &qh,
                 caches,
             )?;
-            if KEYS_OVER_THREADS {
-                let at = (io.positions, io.slots);
-                dk.attend(q, &att_shape, &qh, caches, at, &att, scale)?;
-            } else {
-                let s = Some(io.slots);
-                ak.attend(q, &att_shape, &qh, caches, io.positions, s, &att, scale)?;
-            }
+            let at = (io.positions, io.slots);
+            dk.attend(q, &att_shape, &qh, caches, at, &att, scale, &scratch)?;
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &x, (n, d.d, qd), true, false)?;
             let n2 = (&blk.norm2.w, blk.norm2.b.as_ref());
