@@ -22,17 +22,47 @@ __device__ __forceinline__ float dec_rnd(float x) {
 
 // Threads of the norm kernel (one block per row); the launcher uses exactly this.
 #define DEC_ROW_THREADS 256
+// 16-byte loads a thread of the norm kernel keeps in registers (rows of up to
+// DEC_ROW_THREADS · DEC_NORM_LOADS · 16 bytes are read once).
+#define DEC_NORM_LOADS 4
 
+// The block's sum of v: each warp's by shuffles, then the warps' in warp order (every thread
+// gets the same value; deterministic).
 __device__ __forceinline__ float dec_block_sum(float v, float* sh) {
-    sh[threadIdx.x] = v;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
     __syncthreads();
-    for (int s = DEC_ROW_THREADS / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-        __syncthreads();
-    }
-    float total = sh[0];
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < DEC_ROW_THREADS / 32; k++) total += sh[k];
     __syncthreads();
     return total;
+}
+
+// Raw storage of B bytes, for one vector load.
+template <int B> struct DsRaw;
+template <> struct DsRaw<16> { uint4 v; };
+template <> struct DsRaw<8> { uint2 v; };
+template <> struct DsRaw<4> { unsigned int v; };
+
+// P elements of T at p (P·sizeof(T) bytes, aligned to that) widened to f32.
+template <typename T, int P>
+__device__ __forceinline__ void ds_load(const T* __restrict__ p, float* f) {
+    const DsRaw<P * sizeof(T)> r = *reinterpret_cast<const DsRaw<P * sizeof(T)>*>(p);
+    const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+    for (int i = 0; i < P; i++) f[i] = to_f32(e[i]);
+}
+
+// P floats rounded to T and stored at p (P·sizeof(T) bytes, aligned to that).
+template <typename T, int P>
+__device__ __forceinline__ void ds_store(T* __restrict__ p, const float* f) {
+    DsRaw<P * sizeof(T)> r;
+    T* e = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int i = 0; i < P; i++) e[i] = from_f32<T>(f[i]);
+    *reinterpret_cast<DsRaw<P * sizeof(T)>*>(p) = r;
 }
 
 // y[t, c] = wte[ids[t], c] (+ wpe[pos[t], c] when wpe is not null), summed in f32 and rounded
@@ -68,29 +98,76 @@ __device__ __forceinline__ void dec_embed_n(const int* __restrict__ ids, const T
 
 // Row r = blockIdx.x of y ([rows, cols]) = norm of row r·stride + off of x: LayerNorm
 // ((x - mean) · rstd · w + b, b may be null; biased variance, two passes) or, with rms = 1,
-// RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once.
+// RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once. Rows of whole 16-byte
+// loads that fit the block's registers are read once with those loads; others element by
+// element, once per pass.
 template <typename T>
 __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float* __restrict__ w,
                                            const float* __restrict__ b, T* __restrict__ y,
                                            int cols, float eps, int rms, int stride, int off) {
-    __shared__ float sh[DEC_ROW_THREADS];
+    constexpr int P = 16 / sizeof(T);
+    __shared__ float sh[DEC_ROW_THREADS / 32];
     const long long r = blockIdx.x;
     const T* xr = x + (r * stride + off) * cols;
     T* yr = y + r * cols;
+    const int tid = threadIdx.x;
+    if (cols % P == 0 && cols <= DEC_ROW_THREADS * DEC_NORM_LOADS * P) {
+        const int nv = cols / P;
+        float v[DEC_NORM_LOADS][P];
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DEC_NORM_LOADS; i++) {
+            const int k = tid + i * DEC_ROW_THREADS;
+            if (k < nv) {
+                ds_load<T, P>(xr + k * P, v[i]);
+#pragma unroll
+                for (int e = 0; e < P; e++) acc += v[i][e];
+            }
+        }
+        const float mu = rms ? 0.0f : dec_block_sum(acc, sh) / (float)cols;
+        acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DEC_NORM_LOADS; i++) {
+            if (tid + i * DEC_ROW_THREADS < nv) {
+#pragma unroll
+                for (int e = 0; e < P; e++) {
+                    const float d = v[i][e] - mu;
+                    acc += d * d;
+                }
+            }
+        }
+        const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
+#pragma unroll
+        for (int i = 0; i < DEC_NORM_LOADS; i++) {
+            const int k = tid + i * DEC_ROW_THREADS;
+            if (k < nv) {
+                float o[P];
+#pragma unroll
+                for (int e = 0; e < P; e++) {
+                    const int c = k * P + e;
+                    // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then
+                    // the weight.
+                    o[e] = rms ? dec_rnd<T>(v[i][e] * rs) * w[c] : (v[i][e] - mu) * rs * w[c];
+                    if (b) o[e] += b[c];
+                }
+                ds_store<T, P>(yr + k * P, o);
+            }
+        }
+        return;
+    }
     float mu = 0.0f;
     if (!rms) {
         float acc = 0.0f;
-        for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) acc += to_f32(xr[c]);
+        for (int c = tid; c < cols; c += DEC_ROW_THREADS) acc += to_f32(xr[c]);
         mu = dec_block_sum(acc, sh) / (float)cols;
     }
     float acc = 0.0f;
-    for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) {
+    for (int c = tid; c < cols; c += DEC_ROW_THREADS) {
         float d = to_f32(xr[c]) - mu;
         acc += d * d;
     }
     const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
-    for (int c = threadIdx.x; c < cols; c += DEC_ROW_THREADS) {
-        // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then the weight.
+    for (int c = tid; c < cols; c += DEC_ROW_THREADS) {
         float v = rms ? dec_rnd<T>(to_f32(xr[c]) * rs) * w[c] : (to_f32(xr[c]) - mu) * rs * w[c];
         if (b) v += b[c];
         yr[c] = from_f32<T>(v);
@@ -172,62 +249,50 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 
 // ---- Attention over the cache, split along the keys (flash decoding) -------------------------
 
-// Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys per tile, and
-// query heads per block (the query heads of one key/value head, at most DS_GMAX at a time).
+// Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys per tile,
+// keys a lane group loads before using them, and the most splits (the merge keeps one weight
+// per split and head in shared memory).
 #define DS_THREADS 128
 #define DS_WARPS 4
 #define DS_TILE 64
-#define DS_GMAX 4
+#define DS_INFLIGHT 2
+#define DS_MAX_SPLITS 64
 #define DS_NEG_INF __int_as_float(0xff800000)
-
-// Raw storage of B bytes, for one vector load.
-template <int B> struct DsRaw;
-template <> struct DsRaw<16> { uint4 v; };
-template <> struct DsRaw<8> { uint2 v; };
-template <> struct DsRaw<4> { unsigned int v; };
-
-// P elements of T at p (P·sizeof(T) bytes, aligned to that) widened to f32.
-template <typename T, int P>
-__device__ __forceinline__ void ds_load(const T* __restrict__ p, float* f) {
-    const DsRaw<P * sizeof(T)> r = *reinterpret_cast<const DsRaw<P * sizeof(T)>*>(p);
-    const T* e = reinterpret_cast<const T*>(&r);
-#pragma unroll
-    for (int i = 0; i < P; i++) f[i] = to_f32(e[i]);
-}
 
 // Attention of query tokens over the cache, split along the keys: q and out [N, H, D] (N =
 // B·Tq tokens), caches [S, Hkv, Tmax, D], pos [N], slot [B]; token n of row b = n / Tq attends
 // to positions 0..=pos[n] of slot slot[b] (nothing, and a report, when the slot or position
 // is outside the cache: its output is zeros).
 //
-// Block (n, y, s): the query heads h0 .. h0 + gc of key/value head y / hg (hg blocks share one
-// key/value head when it serves more than DS_GMAX query heads), over split s of `splits`
+// Block (n, y, s): the query heads h0 .. h0 + gc (gc ≤ GM) of key/value head y / hg (hg blocks
+// share one key/value head when it serves more than GM query heads), over split s of `splits`
 // equal runs of the valid keys (rounded to 32 keys). Each key row is read once for all gc
-// heads: LPK lanes share a key (P elements per lane and load, PPL loads a lane), the partial
-// dot products are summed over those lanes, the scores of a tile of DS_TILE keys go to shared
-// memory, warp g keeps head g's running max and sum (online softmax), and the key groups
-// accumulate p · v in registers, summed in a fixed order at the end. As in flash attention
-// (and so in transformers' 16-bit attention), p is rounded to T for the product with v while
-// the softmax sums stay f32. With one split the block writes out; otherwise it writes its
-// unnormalised sums and (max, sum) to part and stat, and the last block of (n, y) to finish
-// (count, zero on entry and left zero) merges the splits in split order. f32 arithmetic,
-// rounded once on store; the result does not depend on which block ends last
-// (deterministic).
-template <typename T, int P, int PPL>
+// heads: LPK lanes share a key (P elements per lane and load, PPL loads a lane, DS_INFLIGHT
+// keys loaded before use), the partial dot products are summed over those lanes, the scores
+// of a tile of DS_TILE keys go to shared memory, warp g keeps head g's running max and sum
+// (online softmax), and the key groups accumulate p · v in registers, summed in a fixed order
+// at the end. As in flash attention (and so in transformers' 16-bit attention), p is rounded
+// to T for the product with v while the softmax sums stay f32. With one split the block
+// writes out; otherwise it writes its unnormalised sums and (max, sum) to part and stat, and
+// the last block of (n, y) to finish (count, zero on entry and left zero) merges the splits in
+// split order. f32 arithmetic, rounded once on store; the result does not depend on which
+// block ends last (deterministic).
+template <typename T, int P, int PPL, int GM>
 __device__ __forceinline__ void dec_attend_n(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const int* __restrict__ pos, const int* __restrict__ slot, T* __restrict__ out,
     float* __restrict__ part, float* __restrict__ stat, unsigned int* __restrict__ count, int Tq,
     int H, int Hkv, int S, int Tmax, int D, float scale, int splits, cg_check* flag,
     unsigned int check, unsigned int slot_check) {
-    __shared__ float sc[DS_GMAX][DS_TILE];
-    __shared__ float red[DS_GMAX * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
-    __shared__ float sm[DS_GMAX], sl[DS_GMAX], scorr[DS_GMAX];
+    __shared__ float sc[GM][DS_TILE];
+    __shared__ float red[GM * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
+    __shared__ float sm[GM], sl[GM], scorr[GM];
+    __shared__ float wsplit[GM][DS_MAX_SPLITS];
     __shared__ int last;
     const long long n = blockIdx.x;
-    const int G = H / Hkv, hg = (G + DS_GMAX - 1) / DS_GMAX;
+    const int G = H / Hkv, hg = (G + GM - 1) / GM;
     const int kvh = blockIdx.y / hg, sub = blockIdx.y % hg;
-    const int h0 = kvh * G + sub * DS_GMAX, gc = min(DS_GMAX, G - sub * DS_GMAX);
+    const int h0 = kvh * G + sub * GM, gc = min(GM, G - sub * GM);
     const int s = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int b = (int)(n / Tq), p = pos[n], sln = slot[b];
     const bool slot_ok = sln >= 0 && sln < S;
@@ -244,12 +309,12 @@ __device__ __forceinline__ void dec_attend_n(
     const int LPK = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : need <= 8 ? 8 : need <= 16 ? 16 : 32;
     const int KPB = DS_WARPS * (32 / LPK);
     const int u = lane % LPK, kg = warp * (32 / LPK) + lane / LPK;
-    float qr[PPL][DS_GMAX][P], acc[PPL][DS_GMAX][P];
+    float qr[PPL][GM][P], acc[PPL][GM][P];
 #pragma unroll
     for (int c = 0; c < PPL; c++) {
         const int pk = u + c * LPK;
 #pragma unroll
-        for (int g = 0; g < DS_GMAX; g++) {
+        for (int g = 0; g < GM; g++) {
             if (pk < LP && g < gc) {
                 ds_load<T, P>(q + (n * H + h0 + g) * D + pk * P, qr[c][g]);
             } else {
@@ -267,32 +332,43 @@ __device__ __forceinline__ void dec_attend_n(
     float m_run = DS_NEG_INF, l_run = 0.0f;  // warp g < gc: head g's
     for (int t0 = k0; t0 < k1; t0 += DS_TILE) {
         const int nt = min(DS_TILE, k1 - t0);
-        for (int j0 = 0; j0 < nt; j0 += KPB) {
-            const int j = j0 + kg;
-            float dot[DS_GMAX];
+        for (int j0 = 0; j0 < nt; j0 += DS_INFLIGHT * KPB) {
+            float kv[DS_INFLIGHT][PPL][P];
 #pragma unroll
-            for (int g = 0; g < DS_GMAX; g++) dot[g] = 0.0f;
-            if (j < nt) {
+            for (int r = 0; r < DS_INFLIGHT; r++) {
+                const int j = j0 + r * KPB + kg;
                 const T* kr = kc + base + (long long)(t0 + j) * D;
 #pragma unroll
                 for (int c = 0; c < PPL; c++) {
                     const int pk = u + c * LPK;
-                    if (pk < LP) {
-                        float kv[P];
-                        ds_load<T, P>(kr + pk * P, kv);
+                    if (j < nt && pk < LP) {
+                        ds_load<T, P>(kr + pk * P, kv[r][c]);
+                    } else {
 #pragma unroll
-                        for (int g = 0; g < DS_GMAX; g++)
-#pragma unroll
-                            for (int e = 0; e < P; e++) dot[g] += qr[c][g][e] * kv[e];
+                        for (int e = 0; e < P; e++) kv[r][c][e] = 0.0f;
                     }
                 }
             }
 #pragma unroll
-            for (int g = 0; g < DS_GMAX; g++)
-                for (int o = LPK / 2; o > 0; o >>= 1)
-                    dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-            if (j < nt && u == 0)
-                for (int g = 0; g < gc; g++) sc[g][j] = dot[g];
+            for (int r = 0; r < DS_INFLIGHT; r++) {
+                const int j = j0 + r * KPB + kg;
+                float dot[GM];
+#pragma unroll
+                for (int g = 0; g < GM; g++) {
+                    dot[g] = 0.0f;
+#pragma unroll
+                    for (int c = 0; c < PPL; c++)
+#pragma unroll
+                        for (int e = 0; e < P; e++) dot[g] += qr[c][g][e] * kv[r][c][e];
+                    for (int o = LPK / 2; o > 0; o >>= 1)
+                        dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+                }
+                if (j < nt && u == 0) {
+#pragma unroll
+                    for (int g = 0; g < GM; g++)
+                        if (g < gc) sc[g][j] = dot[g];
+                }
+            }
         }
         __syncthreads();
         if (warp < gc) {
@@ -304,7 +380,7 @@ __device__ __forceinline__ void dec_attend_n(
             float sum = 0.0f;
             for (int j = lane; j < nt; j += 32) {
                 const float e = __expf(sc[warp][j] - mn);
-                sc[warp][j] = dec_rnd<T>(e);  // p in T for p·v, as flash attention; the sum in f32
+                sc[warp][j] = dec_rnd<T>(e);
                 sum += e;
             }
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -314,28 +390,42 @@ __device__ __forceinline__ void dec_attend_n(
         }
         __syncthreads();
 #pragma unroll
-        for (int g = 0; g < DS_GMAX; g++) {
+        for (int g = 0; g < GM; g++) {
             const float cr = g < gc ? scorr[g] : 0.0f;
 #pragma unroll
             for (int c = 0; c < PPL; c++)
 #pragma unroll
                 for (int e = 0; e < P; e++) acc[c][g][e] *= cr;
         }
-        for (int j = kg; j < nt; j += KPB) {
-            const T* vr = vc + base + (long long)(t0 + j) * D;
-            float w[DS_GMAX];
+        for (int j0 = 0; j0 < nt; j0 += DS_INFLIGHT * KPB) {
+            float vv[DS_INFLIGHT][PPL][P];
 #pragma unroll
-            for (int g = 0; g < DS_GMAX; g++) w[g] = g < gc ? sc[g][j] : 0.0f;
+            for (int r = 0; r < DS_INFLIGHT; r++) {
+                const int j = j0 + r * KPB + kg;
+                const T* vr = vc + base + (long long)(t0 + j) * D;
 #pragma unroll
-            for (int c = 0; c < PPL; c++) {
-                const int pk = u + c * LPK;
-                if (pk < LP) {
-                    float vv[P];
-                    ds_load<T, P>(vr + pk * P, vv);
+                for (int c = 0; c < PPL; c++) {
+                    const int pk = u + c * LPK;
+                    if (j < nt && pk < LP) {
+                        ds_load<T, P>(vr + pk * P, vv[r][c]);
+                    } else {
 #pragma unroll
-                    for (int g = 0; g < DS_GMAX; g++)
+                        for (int e = 0; e < P; e++) vv[r][c][e] = 0.0f;
+                    }
+                }
+            }
 #pragma unroll
-                        for (int e = 0; e < P; e++) acc[c][g][e] += w[g] * vv[e];
+            for (int r = 0; r < DS_INFLIGHT; r++) {
+                const int j = j0 + r * KPB + kg;
+                if (j < nt) {
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        const float wg = g < gc ? sc[g][j] : 0.0f;
+#pragma unroll
+                        for (int c = 0; c < PPL; c++)
+#pragma unroll
+                            for (int e = 0; e < P; e++) acc[c][g][e] += wg * vv[r][c][e];
+                    }
                 }
             }
         }
@@ -345,10 +435,14 @@ __device__ __forceinline__ void dec_attend_n(
 #pragma unroll
     for (int c = 0; c < PPL; c++) {
         const int pk = u + c * LPK;
-        if (pk < LP)
-            for (int g = 0; g < gc; g++)
+        if (pk < LP) {
 #pragma unroll
-                for (int e = 0; e < P; e++) red[(kg * DS_GMAX + g) * D + pk * P + e] = acc[c][g][e];
+            for (int g = 0; g < GM; g++)
+                if (g < gc) {
+#pragma unroll
+                    for (int e = 0; e < P; e++) red[(kg * GM + g) * D + pk * P + e] = acc[c][g][e];
+                }
+        }
     }
     if (warp < gc && lane == 0) {
         sm[warp] = m_run;
@@ -358,7 +452,7 @@ __device__ __forceinline__ void dec_attend_n(
     for (int i = tid; i < gc * D; i += DS_THREADS) {
         const int g = i / D, d = i % D;
         float a = 0.0f;
-        for (int k = 0; k < KPB; k++) a += red[(k * DS_GMAX + g) * D + d];
+        for (int k = 0; k < KPB; k++) a += red[(k * GM + g) * D + d];
         const long long row = n * H + h0 + g;
         if (splits == 1) {
             out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
@@ -378,26 +472,52 @@ __device__ __forceinline__ void dec_attend_n(
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // Warp g: head g's maximum over the splits that saw keys, and each split's weight
+    // exp(m_s - max) (0 for an empty split) into shared memory; the total sum in sl[g].
+    if (warp < gc) {
+        const float* st = stat + (n * H + h0 + warp) * splits * 2;
+        float mx = DS_NEG_INF;
+        for (int k = lane; k < splits; k += 32)
+            if (__ldcg(st + 2 * k + 1) > 0.0f) mx = fmaxf(mx, __ldcg(st + 2 * k));
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float tot = 0.0f;
+        for (int k = lane; k < splits; k += 32) {
+            const float lk = __ldcg(st + 2 * k + 1);
+            const float wk = lk > 0.0f ? __expf(__ldcg(st + 2 * k) - mx) : 0.0f;
+            wsplit[warp][k] = wk;
+            tot += wk * lk;
+        }
+        // Lanes hold splits lane, lane + 32: summed in lane order, the same every time.
+        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        if (lane == 0) sl[warp] = tot;
+    }
+    __syncthreads();
     for (int i = tid; i < gc * D; i += DS_THREADS) {
         const int g = i / D, d = i % D;
         const long long row = n * H + h0 + g;
-        const float* st = stat + row * splits * 2;
-        float mx = DS_NEG_INF;
-        for (int k = 0; k < splits; k++)
-            if (__ldcg(st + 2 * k + 1) > 0.0f) mx = fmaxf(mx, __ldcg(st + 2 * k));
-        float a = 0.0f, l = 0.0f;
+        float a = 0.0f;
         for (int k = 0; k < splits; k++) {
-            const float lk = __ldcg(st + 2 * k + 1);
-            if (lk > 0.0f) {
-                const float w = __expf(__ldcg(st + 2 * k) - mx);
-                a += w * __ldcg(part + (row * splits + k) * D + d);
-                l += w * lk;
-            }
+            const float wk = wsplit[g][k];
+            if (wk > 0.0f) a += wk * __ldcg(part + (row * splits + k) * D + d);
         }
-        out[row * D + d] = from_f32<T>(l > 0.0f ? a / l : 0.0f);
+        out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
     }
     if (tid == 0) *cnt = 0u;
 }
+
+// dec_attend_NAME_S: P elements a load, PPL loads a lane, GM query heads a block. The
+// 16-byte instances ("v") serve 1, 2 and up to 4 query heads per key/value head; the pair
+// instance ("p") head dimensions that are not whole 16-byte loads.
+#define DS_VEC_LOADS(T) (sizeof(T) == 4 ? 2 : 1)
+#define DEC_ATTEND(T, S, NAME, P, PPL, GM)                                                    \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_##NAME##_##S(         \
+        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
+        float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
+        int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
+        unsigned int slot_check) {                                                             \
+        dec_attend_n<T, P, PPL, GM>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,  \
+                                    NS, Tmax, D, scale, splits, flag, check, slot_check);     \
+    }
 
 #define DEC_INSTANCES(T, S)                                                                   \
     extern "C" __global__ void dec_embed_##S(const int* ids, const T* wte, const T* wpe,       \
@@ -423,23 +543,10 @@ __device__ __forceinline__ void dec_attend_n(
     extern "C" __global__ void dec_swiglu_##S(const T* gu, T* y, int N, int M) {              \
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_v_##S(               \
-        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
-        float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
-        int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
-        unsigned int slot_check) {                                                             \
-        dec_attend_n<T, 16 / sizeof(T), sizeof(T) == 4 ? 2 : 1>(                               \
-            q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv, NS, Tmax, D, scale,       \
-            splits, flag, check, slot_check);                                                  \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_p_##S(               \
-        const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
-        float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
-        int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
-        unsigned int slot_check) {                                                             \
-        dec_attend_n<T, 2, 4>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv, NS,    \
-                              Tmax, D, scale, splits, flag, check, slot_check);                \
-    }
+    DEC_ATTEND(T, S, v1, 16 / sizeof(T), DS_VEC_LOADS(T), 1)                                  \
+    DEC_ATTEND(T, S, v2, 16 / sizeof(T), DS_VEC_LOADS(T), 2)                                  \
+    DEC_ATTEND(T, S, v4, 16 / sizeof(T), DS_VEC_LOADS(T), 4)                                  \
+    DEC_ATTEND(T, S, p4, 2, 4, 4)
 
 DEC_INSTANCES(float, f32)
 DEC_INSTANCES(bf16_t, bf16)

@@ -23,13 +23,15 @@ use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
 #[cfg(any(test, feature = "internals"))]
-pub const KERNELS: [&str; 6] = [
+pub const KERNELS: [&str; 8] = [
     "dec_embed",
     "dec_norm",
     "dec_qkv",
     "dec_swiglu",
-    "dec_attend_v",
-    "dec_attend_p",
+    "dec_attend_v1",
+    "dec_attend_v2",
+    "dec_attend_v4",
+    "dec_attend_p4",
 ];
 
 /// Threads of the norm kernel (`DEC_ROW_THREADS`).
@@ -111,7 +113,9 @@ pub struct DecoderKernels {
     norm: ByType,
     qkv: ByType,
     swiglu: ByType,
-    attend_v: ByType,
+    /// 16-byte loads, one, two and up to four query heads a block.
+    attend_v: [ByType; 3],
+    /// Pair loads, up to four query heads a block.
     attend_p: ByType,
     id_check: u32,
     pos_check: u32,
@@ -134,8 +138,12 @@ impl DecoderKernels {
                 norm: ByType::load(&m, "dec_norm")?,
                 qkv: ByType::load(&m, "dec_qkv")?,
                 swiglu: ByType::load(&m, "dec_swiglu")?,
-                attend_v: ByType::load(&m, "dec_attend_v")?,
-                attend_p: ByType::load(&m, "dec_attend_p")?,
+                attend_v: [
+                    ByType::load(&m, "dec_attend_v1")?,
+                    ByType::load(&m, "dec_attend_v2")?,
+                    ByType::load(&m, "dec_attend_v4")?,
+                ],
+                attend_p: ByType::load(&m, "dec_attend_p4")?,
                 id_check: register_check("decoder token id"),
                 pos_check: register_check("decoder position embedding"),
                 cache_pos_check: register_check("attention position"),
@@ -370,11 +378,14 @@ pub struct AttendScratch {
     count: DeviceBuffer<u32>,
 }
 
-/// Query heads one attention block serves (`DS_GMAX`).
+/// Query heads one attention block serves at most (the `GM` of `dec_attend_v4`/`_p4`; the one-
+/// and two-head instances serve key/value heads shared by that many query heads).
 const ATTEND_HEADS: usize = 4;
 /// Keys a split holds at least (the kernel rounds a split's run to this).
 const SPLIT_KEYS: usize = 32;
-/// The most splits along the keys.
+/// Keys a split holds at most when the cache is full, unless `MAX_SPLITS` caps it.
+const LONG_SPLIT_KEYS: usize = 256;
+/// The most splits along the keys (`DS_MAX_SPLITS`).
 const MAX_SPLITS: usize = 64;
 
 /// Blocks of one key/value head per token: `ceil((heads / kv_heads) / ATTEND_HEADS)`.
@@ -382,13 +393,15 @@ fn head_groups(s: &AttentionShape) -> usize {
     (s.heads / s.kv_heads).div_ceil(ATTEND_HEADS)
 }
 
-/// Splits along the keys for `s` on a device of `sms` multiprocessors: as many as the tokens'
-/// blocks fit in four blocks a multiprocessor (one when they alone come near), at most one per
-/// `SPLIT_KEYS` keys of the cache and `MAX_SPLITS`. Host data only, so a captured
-/// step keeps its split while the cache grows (the kernel spreads the valid keys over it).
+/// Splits along the keys for `s` on a device of `sms` multiprocessors: enough for four blocks
+/// a multiprocessor, and enough that a full cache gives no split more than `LONG_SPLIT_KEYS`
+/// keys; at most one per `SPLIT_KEYS` keys of the cache and `MAX_SPLITS`. Host data only, so a
+/// captured step keeps its split while the cache grows (the kernel spreads the valid keys over
+/// it).
 pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
     let blocks = s.batch * s.tokens * s.kv_heads * head_groups(s);
     (4 * sms.max(1) / blocks)
+        .max(s.max_len.div_ceil(LONG_SPLIT_KEYS))
         .min(s.max_len.div_ceil(SPLIT_KEYS))
         .clamp(1, MAX_SPLITS)
 }
@@ -502,7 +515,8 @@ impl DecoderKernels {
             .filter(|&g| g <= i32::MAX as u32)
             .ok_or_else(|| NnError::Shape(format!("decoder attention: {pl} tokens")))?;
         let kernel = if vector_loads::<T>(s.head_dim)? {
-            self.attend_v.of::<T>("decoder attention")?
+            let per_kv = s.heads / s.kv_heads;
+            self.attend_v[per_kv.min(3) - 1].of::<T>("decoder attention")?
         } else {
             self.attend_p.of::<T>("decoder attention")?
         };
@@ -565,8 +579,15 @@ mod tests {
     fn every_kernel_is_instantiated_for_three_types() {
         let src = source();
         for k in KERNELS {
-            assert!(src.contains(&format!("{k}_##S(")), "{k}");
+            let attend = k.strip_prefix("dec_attend_");
+            let found = match attend {
+                Some(name) => src.contains(&format!("DEC_ATTEND(T, S, {name},")),
+                None => src.contains(&format!("{k}_##S(")),
+            };
+            assert!(found, "{k}");
         }
+        assert!(src.contains("dec_attend_##NAME##_##S("));
+        assert!(src.contains("#define DS_MAX_SPLITS 64"));
         for inst in [
             "DEC_INSTANCES(float, f32)",
             "DEC_INSTANCES(bf16_t, bf16)",
@@ -577,7 +598,8 @@ mod tests {
         assert!(!src.contains("#include"));
         assert!(src.contains("#define DEC_ROW_THREADS 256"));
         assert!(src.contains("#define DS_THREADS 128"));
-        assert!(src.contains("#define DS_GMAX 4"));
+        assert!(src.contains("DEC_ATTEND(T, S, v4, 16 / sizeof(T), DS_VEC_LOADS(T), 4)"));
+        assert_eq!(MAX_SPLITS, 64);
         assert_eq!((ROW_THREADS, ATTEND_THREADS, ATTEND_HEADS), (256, 128, 4));
     }
 
@@ -621,15 +643,17 @@ mod tests {
         assert_eq!(attend_splits(132, &shape(8, 32, 8, 2048)), 8);
         // Capped by the cache (one split per 32 keys) and by MAX_SPLITS.
         assert_eq!(attend_splits(132, &shape(1, 12, 12, 100)), 4);
+        // Long caches split even when the batch fills the device: 256 keys a split.
+        assert_eq!(attend_splits(132, &shape(64, 12, 12, 1100)), 5);
         assert_eq!(attend_splits(1000, &shape(1, 1, 1, 1 << 20)), MAX_SPLITS);
         // Eight query heads a key/value head: two blocks of four.
         assert_eq!(head_groups(&shape(1, 8, 1, 64)), 2);
         assert_eq!(head_groups(&shape(1, 6, 1, 64)), 2);
         assert_eq!(head_groups(&shape(1, 32, 8, 64)), 1);
-        // Enough blocks already: no split.
-        assert_eq!(attend_splits(132, &shape(64, 32, 8, 4096)), 1);
+        // Enough blocks already and a short cache: no split.
+        assert_eq!(attend_splits(132, &shape(64, 32, 8, 256)), 1);
         assert_eq!(attend_splits(132, &shape(2, 12, 12, 2048)), 22);
-        assert_eq!(attend_splits(132, &shape(48, 12, 12, 2048)), 1);
+        assert_eq!(attend_splits(132, &shape(48, 12, 12, 200)), 1);
         assert_eq!(attend_splits(0, &shape(1, 1, 1, 64)), 2);
     }
 
