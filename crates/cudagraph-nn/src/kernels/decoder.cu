@@ -249,13 +249,12 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 
 // ---- Attention over the cache, split along the keys (flash decoding) -------------------------
 
-// Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys per tile,
-// keys a lane group loads before using them, and the most splits (the merge keeps one weight
-// per split and head in shared memory).
+// Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys a lane group
+// loads before using them, and the most splits (the merge keeps one weight per split and head
+// in shared memory).
 #define DS_THREADS 128
 #define DS_WARPS 4
-#define DS_TILE 64
-#define DS_INFLIGHT 2
+#define DS_INFLIGHT 4
 #define DS_MAX_SPLITS 64
 #define DS_NEG_INF __int_as_float(0xff800000)
 
@@ -266,17 +265,18 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 //
 // Block (n, y, s): the query heads h0 .. h0 + gc (gc ≤ GM) of key/value head y / hg (hg blocks
 // share one key/value head when it serves more than GM query heads), over split s of `splits`
-// equal runs of the valid keys (rounded to 32 keys). Each key row is read once for all gc
-// heads: LPK lanes share a key (P elements per lane and load, PPL loads a lane, DS_INFLIGHT
-// keys loaded before use), the partial dot products are summed over those lanes, the scores
-// of a tile of DS_TILE keys go to shared memory, warp g keeps head g's running max and sum
-// (online softmax), and the key groups accumulate p · v in registers, summed in a fixed order
-// at the end. As in flash attention (and so in transformers' 16-bit attention), p is rounded
-// to T for the product with v while the softmax sums stay f32. With one split the block
-// writes out; otherwise it writes its unnormalised sums and (max, sum) to part and stat, and
-// the last block of (n, y) to finish (count, zero on entry and left zero) merges the splits in
-// split order. f32 arithmetic, rounded once on store; the result does not depend on which
-// block ends last (deterministic).
+// equal runs of the valid keys (rounded to 32 keys). Each key and value row is read once for
+// all gc heads. The block's threads form KPB lane groups of LPK lanes (P elements a load, PPL
+// loads a lane); group k takes the split's keys k, k + KPB, ... (DS_INFLIGHT of them loaded,
+// keys and values together, before any is used), sums each key's dot products over its lanes
+// and keeps its own running max, sum and p · v per head (online softmax, no synchronisation
+// inside the loop). The groups are merged at the end in group order. As in flash attention
+// (and so in transformers' 16-bit attention), p is rounded to T for the product with v while
+// the softmax sums stay f32. With one split the block writes out; otherwise it writes its
+// unnormalised sums and (max, sum) to part and stat, and the last block of (n, y) to finish
+// (count, zero on entry and left zero) merges the splits in split order. f32 arithmetic,
+// rounded once on store; the result does not depend on which block ends last
+// (deterministic).
 template <typename T, int P, int PPL, int GM>
 __device__ __forceinline__ void dec_attend_n(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -284,9 +284,10 @@ __device__ __forceinline__ void dec_attend_n(
     float* __restrict__ part, float* __restrict__ stat, unsigned int* __restrict__ count, int Tq,
     int H, int Hkv, int S, int Tmax, int D, float scale, int splits, cg_check* flag,
     unsigned int check, unsigned int slot_check) {
-    __shared__ float sc[GM][DS_TILE];
+    typedef DsRaw<P * sizeof(T)> Raw;
     __shared__ float red[GM * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
-    __shared__ float sm[GM], sl[GM], scorr[GM];
+    __shared__ float gm_[DS_THREADS][GM], gl_[DS_THREADS][GM];  // each group's max and sum
+    __shared__ float sm[GM], sl[GM];
     __shared__ float wsplit[GM][DS_MAX_SPLITS];
     __shared__ int last;
     const long long n = blockIdx.x;
@@ -307,14 +308,16 @@ __device__ __forceinline__ void dec_attend_n(
     // Lanes per key: the power of two covering the row's loads, PPL loads a lane.
     const int LP = D / P, need = (LP + PPL - 1) / PPL;
     const int LPK = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : need <= 8 ? 8 : need <= 16 ? 16 : 32;
-    const int KPB = DS_WARPS * (32 / LPK);
-    const int u = lane % LPK, kg = warp * (32 / LPK) + lane / LPK;
-    float qr[PPL][GM][P], acc[PPL][GM][P];
+    const int KPW = 32 / LPK, KPB = DS_WARPS * KPW;
+    const int u = lane % LPK, kg = warp * KPW + lane / LPK;
+    float qr[PPL][GM][P], acc[PPL][GM][P], mr[GM], lr[GM];
 #pragma unroll
-    for (int c = 0; c < PPL; c++) {
-        const int pk = u + c * LPK;
+    for (int g = 0; g < GM; g++) {
+        mr[g] = DS_NEG_INF;
+        lr[g] = 0.0f;
 #pragma unroll
-        for (int g = 0; g < GM; g++) {
+        for (int c = 0; c < PPL; c++) {
+            const int pk = u + c * LPK;
             if (pk < LP && g < gc) {
                 ds_load<T, P>(q + (n * H + h0 + g) * D + pk * P, qr[c][g]);
             } else {
@@ -329,109 +332,79 @@ __device__ __forceinline__ void dec_attend_n(
         }
     }
     const long long base = ((long long)(slot_ok ? sln : 0) * Hkv + kvh) * Tmax * D;
-    float m_run = DS_NEG_INF, l_run = 0.0f;  // warp g < gc: head g's
-    for (int t0 = k0; t0 < k1; t0 += DS_TILE) {
-        const int nt = min(DS_TILE, k1 - t0);
-        for (int j0 = 0; j0 < nt; j0 += DS_INFLIGHT * KPB) {
-            float kv[DS_INFLIGHT][PPL][P];
+    // jb is the same for the whole warp (its lanes shuffle together); a group's key is
+    // jb + r·KPB + lane / LPK.
+    for (int jb = k0 + warp * KPW; jb < k1; jb += DS_INFLIGHT * KPB) {
+        Raw kraw[DS_INFLIGHT][PPL], vraw[DS_INFLIGHT][PPL];
 #pragma unroll
-            for (int r = 0; r < DS_INFLIGHT; r++) {
-                const int j = j0 + r * KPB + kg;
-                const T* kr = kc + base + (long long)(t0 + j) * D;
+        for (int r = 0; r < DS_INFLIGHT; r++) {
+            const int j = jb + r * KPB + lane / LPK;
+            const long long row = base + (long long)j * D;
 #pragma unroll
-                for (int c = 0; c < PPL; c++) {
-                    const int pk = u + c * LPK;
-                    if (j < nt && pk < LP) {
-                        ds_load<T, P>(kr + pk * P, kv[r][c]);
-                    } else {
+            for (int c = 0; c < PPL; c++) {
+                const int pk = u + c * LPK;
+                if (j < k1 && pk < LP) {
+                    kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
+                    vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
+                }
+            }
+        }
 #pragma unroll
-                        for (int e = 0; e < P; e++) kv[r][c][e] = 0.0f;
+        for (int r = 0; r < DS_INFLIGHT; r++) {
+            const int j = jb + r * KPB + lane / LPK;
+            float dot[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) dot[g] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < PPL; c++) {
+                if (j < k1 && u + c * LPK < LP) {
+                    const T* ke = reinterpret_cast<const T*>(&kraw[r][c]);
+#pragma unroll
+                    for (int e = 0; e < P; e++) {
+                        const float kv = to_f32(ke[e]);
+#pragma unroll
+                        for (int g = 0; g < GM; g++) dot[g] += qr[c][g][e] * kv;
                     }
                 }
             }
 #pragma unroll
-            for (int r = 0; r < DS_INFLIGHT; r++) {
-                const int j = j0 + r * KPB + kg;
-                float dot[GM];
+            for (int g = 0; g < GM; g++)
+                for (int o = LPK / 2; o > 0; o >>= 1)
+                    dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+            if (j < k1) {
+                float w[GM];
 #pragma unroll
                 for (int g = 0; g < GM; g++) {
-                    dot[g] = 0.0f;
-#pragma unroll
-                    for (int c = 0; c < PPL; c++)
-#pragma unroll
-                        for (int e = 0; e < P; e++) dot[g] += qr[c][g][e] * kv[r][c][e];
-                    for (int o = LPK / 2; o > 0; o >>= 1)
-                        dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-                }
-                if (j < nt && u == 0) {
-#pragma unroll
-                    for (int g = 0; g < GM; g++)
-                        if (g < gc) sc[g][j] = dot[g];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < gc) {
-            float mx = DS_NEG_INF;
-            for (int j = lane; j < nt; j += 32) mx = fmaxf(mx, sc[warp][j]);
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float mn = fmaxf(m_run, mx);
-            const float corr = __expf(m_run - mn);  // 0 while m_run is -inf
-            float sum = 0.0f;
-            for (int j = lane; j < nt; j += 32) {
-                const float e = __expf(sc[warp][j] - mn);
-                sc[warp][j] = dec_rnd<T>(e);
-                sum += e;
-            }
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            l_run = l_run * corr + sum;
-            m_run = mn;
-            if (lane == 0) scorr[warp] = corr;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            const float cr = g < gc ? scorr[g] : 0.0f;
-#pragma unroll
-            for (int c = 0; c < PPL; c++)
-#pragma unroll
-                for (int e = 0; e < P; e++) acc[c][g][e] *= cr;
-        }
-        for (int j0 = 0; j0 < nt; j0 += DS_INFLIGHT * KPB) {
-            float vv[DS_INFLIGHT][PPL][P];
-#pragma unroll
-            for (int r = 0; r < DS_INFLIGHT; r++) {
-                const int j = j0 + r * KPB + kg;
-                const T* vr = vc + base + (long long)(t0 + j) * D;
-#pragma unroll
-                for (int c = 0; c < PPL; c++) {
-                    const int pk = u + c * LPK;
-                    if (j < nt && pk < LP) {
-                        ds_load<T, P>(vr + pk * P, vv[r][c]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < P; e++) vv[r][c][e] = 0.0f;
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < DS_INFLIGHT; r++) {
-                const int j = j0 + r * KPB + kg;
-                if (j < nt) {
-#pragma unroll
-                    for (int g = 0; g < GM; g++) {
-                        const float wg = g < gc ? sc[g][j] : 0.0f;
+                    if (dot[g] > mr[g]) {  // a new maximum: rescale what came before
+                        const float corr = __expf(mr[g] - dot[g]);
+                        lr[g] *= corr;
 #pragma unroll
                         for (int c = 0; c < PPL; c++)
 #pragma unroll
-                            for (int e = 0; e < P; e++) acc[c][g][e] += wg * vv[r][c][e];
+                            for (int e = 0; e < P; e++) acc[c][g][e] *= corr;
+                        mr[g] = dot[g];
+                    }
+                    const float e = __expf(dot[g] - mr[g]);
+                    lr[g] += e;
+                    w[g] = dec_rnd<T>(e);
+                }
+#pragma unroll
+                for (int c = 0; c < PPL; c++) {
+                    if (u + c * LPK < LP) {
+                        const T* ve = reinterpret_cast<const T*>(&vraw[r][c]);
+#pragma unroll
+                        for (int e = 0; e < P; e++) {
+                            const float vv = to_f32(ve[e]);
+#pragma unroll
+                            for (int g = 0; g < GM; g++) acc[c][g][e] += w[g] * vv;
+                        }
                     }
                 }
             }
         }
-        __syncthreads();
     }
-    // The key groups' sums, added in key-group order.
+    // Merge the groups: the block's max per head, each group's weight exp(m_k - max), the
+    // weighted sums added in group order.
 #pragma unroll
     for (int c = 0; c < PPL; c++) {
         const int pk = u + c * LPK;
@@ -444,15 +417,34 @@ __device__ __forceinline__ void dec_attend_n(
                 }
         }
     }
-    if (warp < gc && lane == 0) {
-        sm[warp] = m_run;
-        sl[warp] = l_run;
+    if (u == 0) {
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            gm_[kg][g] = mr[g];
+            gl_[kg][g] = lr[g];
+        }
+    }
+    __syncthreads();
+    if (tid < gc) {
+        float mx = DS_NEG_INF;
+        for (int k = 0; k < KPB; k++) mx = fmaxf(mx, gm_[k][tid]);
+        float tot = 0.0f;
+        for (int k = 0; k < KPB; k++) {
+            const float wk = gl_[k][tid] > 0.0f ? __expf(gm_[k][tid] - mx) : 0.0f;
+            gm_[k][tid] = wk;  // now the group's weight
+            tot += wk * gl_[k][tid];
+        }
+        sm[tid] = mx;
+        sl[tid] = tot;
     }
     __syncthreads();
     for (int i = tid; i < gc * D; i += DS_THREADS) {
         const int g = i / D, d = i % D;
         float a = 0.0f;
-        for (int k = 0; k < KPB; k++) a += red[(k * GM + g) * D + d];
+        for (int k = 0; k < KPB; k++) {
+            const float wk = gm_[k][g];
+            if (wk > 0.0f) a += wk * red[(k * GM + g) * D + d];
+        }
         const long long row = n * H + h0 + g;
         if (splits == 1) {
             out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
@@ -487,7 +479,7 @@ __device__ __forceinline__ void dec_attend_n(
             wsplit[warp][k] = wk;
             tot += wk * lk;
         }
-        // Lanes hold splits lane, lane + 32: summed in lane order, the same every time.
+        // Lanes hold splits lane, lane + 32: summed by the same butterfly every time.
         for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
         if (lane == 0) sl[warp] = tot;
     }
