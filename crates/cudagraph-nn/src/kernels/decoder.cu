@@ -1,14 +1,16 @@
 // The decoder's fused inference kernels (serving::decoder): token (+ position) embedding,
 // LayerNorm or RMSNorm over rows picked with a stride, the split of a packed q|k|v product
 // with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
-// and attention over the cache split along the keys (flash decoding). One template
-// per operation instantiated for float, bf16_t and f16_t (compiled after the device-check
-// prologue and cast.cu). Values are widened to f32, computed in f32 and rounded to nearest
-// even on store; reductions run in a fixed order (deterministic). Where Hugging Face's Llama
-// code rounds an intermediate to the model's type (RMSNorm's normalised row before the weight,
-// the cos/sin tables and each product of the rotary embedding, SiLU's output before the
-// product), so do these kernels (dec_rnd: the identity for f32), so that 16-bit results
-// follow the reference implementation's.
+// and attention over the cache split along the keys (flash decoding). One template per
+// operation instantiated for float, bf16_t and f16_t (compiled after PDL_CUDA, the
+// device-check prologue and cast.cu); every kernel begins with CG_PDL_ENTER() (programmatic
+// dependent launch: it waits for the previous kernel before touching memory). Values are
+// widened to f32, computed in f32 and rounded to nearest even on store; reductions run in a
+// fixed order (deterministic). Where Hugging Face's Llama code rounds an intermediate to the
+// model's type (RMSNorm's normalised row before the weight, the cos/sin tables and each
+// product of the rotary embedding, SiLU's output before the product), so do these kernels
+// (dec_rnd: the identity for f32), so that 16-bit results follow the reference
+// implementation's.
 
 // x rounded to T and widened back (the identity for float).
 template <typename T>
@@ -250,11 +252,12 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 // ---- Attention over the cache, split along the keys (flash decoding) -------------------------
 
 // Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys a lane group
-// loads before using them, and the most splits (the merge keeps one weight per split and head
-// in shared memory).
+// loads before using them, valid keys per split in use, and the most splits (the merge keeps
+// one weight per split and head in shared memory).
 #define DS_THREADS 128
 #define DS_WARPS 4
 #define DS_INFLIGHT 4
+#define DS_SPLIT_KEYS 128
 #define DS_MAX_SPLITS 64
 #define DS_NEG_INF __int_as_float(0xff800000)
 
@@ -264,15 +267,16 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 // is outside the cache: its output is zeros).
 //
 // Block (n, y, s): the query heads h0 .. h0 + gc (gc ≤ GM) of key/value head y / hg (hg blocks
-// share one key/value head when it serves more than GM query heads), over split s of `splits`
-// equal runs of the valid keys (rounded to 32 keys). Each key and value row is read once for
+// share one key/value head when it serves more than GM query heads), over split s of `used`
+// equal runs of the valid keys (rounded to 32 keys; `used` ≤ `splits` gives no split fewer
+// than DS_SPLIT_KEYS keys, so a short cache is not split at all). Each key and value row is read once for
 // all gc heads. The block's threads form KPB lane groups of LPK lanes (P elements a load, PPL
 // loads a lane); group k takes the split's keys k, k + KPB, ... (DS_INFLIGHT of them loaded,
 // keys and values together, before any is used), sums each key's dot products over its lanes
 // and keeps its own running max, sum and p · v per head (online softmax, no synchronisation
 // inside the loop). The groups are merged at the end in group order. As in flash attention
 // (and so in transformers' 16-bit attention), p is rounded to T for the product with v while
-// the softmax sums stay f32. With one split the block writes out; otherwise it writes its
+// the softmax sums stay f32. With one split in use the block writes out; otherwise it writes its
 // unnormalised sums and (max, sum) to part and stat, and the last block of (n, y) to finish
 // (count, zero on entry and left zero) merges the splits in split order. f32 arithmetic,
 // rounded once on store; the result does not depend on which block ends last
@@ -303,7 +307,10 @@ __device__ __forceinline__ void dec_attend_n(
         if (slot_ok && !valid) cg_report(flag, check, p, Tmax, (unsigned long long)n);
     }
     const int L = valid ? p + 1 : 0;
-    const int chunk = (((L + splits - 1) / splits) + 31) & ~31;
+    // Splits in use: no more than one per DS_SPLIT_KEYS valid keys (the others leave at once).
+    const int used = max(1, min(splits, (L + DS_SPLIT_KEYS - 1) / DS_SPLIT_KEYS));
+    if (s >= used) return;
+    const int chunk = (((L + used - 1) / used) + 31) & ~31;
     const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
     // Lanes per key: the power of two covering the row's loads, PPL loads a lane.
     const int LP = D / P, need = (LP + PPL - 1) / PPL;
@@ -446,7 +453,7 @@ __device__ __forceinline__ void dec_attend_n(
             if (wk > 0.0f) a += wk * red[(k * GM + g) * D + d];
         }
         const long long row = n * H + h0 + g;
-        if (splits == 1) {
+        if (used == 1) {
             out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
         } else {
             part[(row * splits + s) * D + d] = a;
@@ -456,11 +463,11 @@ __device__ __forceinline__ void dec_attend_n(
             }
         }
     }
-    if (splits == 1) return;
+    if (used == 1) return;
     __threadfence();
     __syncthreads();
     unsigned int* cnt = count + n * gridDim.y + blockIdx.y;
-    if (tid == 0) last = atomicAdd(cnt, 1u) == (unsigned int)(splits - 1);
+    if (tid == 0) last = atomicAdd(cnt, 1u) == (unsigned int)(used - 1);
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -469,11 +476,11 @@ __device__ __forceinline__ void dec_attend_n(
     if (warp < gc) {
         const float* st = stat + (n * H + h0 + warp) * splits * 2;
         float mx = DS_NEG_INF;
-        for (int k = lane; k < splits; k += 32)
+        for (int k = lane; k < used; k += 32)
             if (__ldcg(st + 2 * k + 1) > 0.0f) mx = fmaxf(mx, __ldcg(st + 2 * k));
         for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         float tot = 0.0f;
-        for (int k = lane; k < splits; k += 32) {
+        for (int k = lane; k < used; k += 32) {
             const float lk = __ldcg(st + 2 * k + 1);
             const float wk = lk > 0.0f ? __expf(__ldcg(st + 2 * k) - mx) : 0.0f;
             wsplit[warp][k] = wk;
@@ -488,7 +495,7 @@ __device__ __forceinline__ void dec_attend_n(
         const int g = i / D, d = i % D;
         const long long row = n * H + h0 + g;
         float a = 0.0f;
-        for (int k = 0; k < splits; k++) {
+        for (int k = 0; k < used; k++) {
             const float wk = wsplit[g][k];
             if (wk > 0.0f) a += wk * __ldcg(part + (row * splits + k) * D + d);
         }
@@ -507,6 +514,7 @@ __device__ __forceinline__ void dec_attend_n(
         float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
         int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
         unsigned int slot_check) {                                                             \
+        CG_PDL_ENTER();                                                                       \
         dec_attend_n<T, P, PPL, GM>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,  \
                                     NS, Tmax, D, scale, splits, flag, check, slot_check);     \
     }
@@ -516,12 +524,14 @@ __device__ __forceinline__ void dec_attend_n(
                                              const int* pos, T* y, int tokens, int dim,        \
                                              int vocab, int npos, cg_check* flag,              \
                                              unsigned int id_check, unsigned int pos_check) {  \
+        CG_PDL_ENTER();                                                                       \
         dec_embed_n<T>(ids, wte, wpe, pos, y, tokens, dim, vocab, npos, flag, id_check,       \
                        pos_check);                                                            \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(DEC_ROW_THREADS)                             \
         dec_norm_##S(const T* x, const float* w, const float* b, T* y, int cols, float eps,   \
                      int rms, int stride, int off) {                                          \
+        CG_PDL_ENTER();                                                                       \
         dec_norm_n<T>(x, w, b, y, cols, eps, rms, stride, off);                               \
     }                                                                                         \
     extern "C" __global__ void dec_qkv_##S(const T* qkv, const float* inv_freq, const int* pos, \
@@ -529,10 +539,12 @@ __device__ __forceinline__ void dec_attend_n(
                                            int Tq, int H, int Hkv, int D, int NS, int Tmax,    \
                                            cg_check* flag, unsigned int pos_check,             \
                                            unsigned int slot_check) {                          \
+        CG_PDL_ENTER();                                                                       \
         dec_qkv_n<T>(qkv, inv_freq, pos, slot, q_out, kc, vc, N, Tq, H, Hkv, D, NS, Tmax, flag, \
                      pos_check, slot_check);                                                  \
     }                                                                                         \
     extern "C" __global__ void dec_swiglu_##S(const T* gu, T* y, int N, int M) {              \
+        CG_PDL_ENTER();                                                                       \
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
     }                                                                                         \
     DEC_ATTEND(T, S, v1, 16 / sizeof(T), DS_VEC_LOADS(T), 1)                                  \

@@ -6,6 +6,10 @@
 //! gate|up product. One template per kernel, instantiated for f32, bf16 and f16; f32 math,
 //! one rounding on store.
 //!
+//! Every kernel begins with `CG_PDL_ENTER()` and is launched with programmatic dependent launch
+//! when it is on ([`crate::pdl_enabled`]): the next kernel of a decode step is scheduled while
+//! this one drains, and waits for it before touching memory.
+//!
 //! Token ids, positions and cache slots are device data (a captured step stays valid when they
 //! change between replays). An id outside the vocabulary, a position outside the table or the
 //! cache, or a slot outside the cache is reported through the stream's check record (a typed
@@ -19,6 +23,7 @@ use crate::dtype::Float;
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
 use crate::kernels::attention::AttentionShape;
+use crate::kernels::pdl::launch_entered;
 use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
@@ -42,7 +47,8 @@ const ATTEND_THREADS: u32 = 128;
 /// The CUDA source of the module.
 pub fn source() -> String {
     format!(
-        "{}{}{}",
+        "{}{}{}{}",
+        cudagraph::PDL_CUDA,
         cudagraph::DEVICE_CHECK_CUDA,
         super::cast::SOURCE,
         include_str!("decoder.cu")
@@ -199,7 +205,8 @@ impl DecoderKernels {
         // (not null only with pos), pos[t] and wpe[p·dim + c] only for 0 ≤ p < npos (checked);
         // sizes fit int (checked), the element index is long long.
         unsafe {
-            Ok(q.launch(
+            Ok(launch_entered(
+                q,
                 self.embed.of::<T>("decoder embedding")?,
                 grid_stride(n),
                 &args,
@@ -267,7 +274,8 @@ impl DecoderKernels {
         // read) and writes y[r·cols + c] for c < cols (rows·cols checked); 256 threads, the
         // kernel's shared array; cols plus the loop step within int.
         unsafe {
-            Ok(q.launch(
+            Ok(launch_entered(
+                q,
                 self.norm.of::<T>("decoder norm")?,
                 LaunchConfig::linear(grid, ROW_THREADS),
                 &args,
@@ -327,7 +335,14 @@ impl DecoderKernels {
         // (n·H + hh)·D + j (+ D/2) (< ql, checked) or the caches at ((sl·Hkv + kvh)·Tmax + p)·D
         // + j (+ D/2) only for 0 ≤ sl < S, 0 ≤ p < Tmax (< cl, checked); every size fits int
         // (checked), the element index is long long; D even (checked).
-        unsafe { Ok(q.launch(self.qkv.of::<T>("decoder qkv")?, grid_stride(pl / 2), &args)?) }
+        unsafe {
+            Ok(launch_entered(
+                q,
+                self.qkv.of::<T>("decoder qkv")?,
+                grid_stride(pl / 2),
+                &args,
+            )?)
+        }
     }
 
     /// `y[r, c] = silu(gu[r, c]) · gu[r, m + c]` for `gu: [rows, 2m]`, `y: [rows, m]`.
@@ -357,7 +372,8 @@ impl DecoderKernels {
         // SAFETY: dec_swiglu_*(gu, y, N, M) runs i < N·M (y's extent, checked), reads
         // gu[r·2M + c] and gu[r·2M + M + c] for r < N, c < M (2·N·M checked); N and 2M fit int.
         unsafe {
-            Ok(q.launch(
+            Ok(launch_entered(
+                q,
                 self.swiglu.of::<T>("decoder swiglu")?,
                 grid_stride(n),
                 &args,
@@ -541,7 +557,8 @@ impl DecoderKernels {
         // (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes, splits ≤ 64);
         // 128 threads, the kernel's static shared memory (≤ 17 KB).
         unsafe {
-            Ok(q.launch(
+            Ok(launch_entered(
+                q,
                 kernel,
                 cfg,
                 &[

@@ -1,7 +1,8 @@
 // Few-row products in the forward layout, y[r, j] = act(alpha·Σ_p x[r, p]·w[j, p] + beta·c[r, j]
 // + bias[j]) for r < m ≤ M, x: [m, k] and w: [n, k] row-major of T (bf16 or f16), y and c the
-// same buffer of O (T or f32), bias: [n] of O. Compiled after cast.cu (bf16_t, f16_t, to_f32,
-// from_f32).
+// same buffer of O (T or f32), bias: [n] of O. Compiled after PDL_CUDA and cast.cu (bf16_t,
+// f16_t, to_f32, from_f32); every kernel begins with CG_PDL_ENTER() (programmatic dependent
+// launch: it waits for the previous kernel before touching memory).
 //
 // A block is GV_WARPS warps; `ks` of them (1, 2, 4 or 8) share one column j, each summing its
 // own contiguous range of k in 8-element vectors (16 bytes): lane l takes the range's vectors
@@ -141,6 +142,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
         gemv_##S##_m##M(const T* x, const T* w, O* y, const O* bias, int m, int n, int k,      \
                         int ks, float alpha, float beta, int beta_on, int ep) {                \
+        CG_PDL_ENTER();                                                                        \
         gemv_nt<T, O, M>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep);                \
     }
 

@@ -46,7 +46,12 @@ pub fn kernel_names() -> Vec<String> {
 
 /// The CUDA source of the module.
 pub fn source() -> String {
-    format!("{}{}", super::cast::SOURCE, include_str!("gemv.cu"))
+    format!(
+        "{}{}{}",
+        cudagraph::PDL_CUDA,
+        super::cast::SOURCE,
+        include_str!("gemv.cu")
+    )
 }
 
 /// Whether the kernel takes a product of `m` rows, depth `k`, with `epilogue` (shape only;
@@ -202,7 +207,8 @@ impl GemvKernels {
         // given with n elements, checked); sizes within int (checked), element offsets long
         // long; the shared array is static.
         unsafe {
-            Ok(q.launch(
+            Ok(super::pdl::launch_entered(
+                q,
                 &self.f[pair][ri],
                 LaunchConfig::linear(blocks, (WARPS * 32) as u32),
                 &args,
