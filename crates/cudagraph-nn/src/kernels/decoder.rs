@@ -205,12 +205,12 @@ impl DecoderKernels {
         // (not null only with pos), pos[t] and wpe[p·dim + c] only for 0 ≤ p < npos (checked);
         // sizes fit int (checked), the element index is long long.
         unsafe {
-            Ok(launch_entered(
+            launch_entered(
                 q,
                 self.embed.of::<T>("decoder embedding")?,
                 grid_stride(n),
                 &args,
-            )?)
+            )
         }
     }
 
@@ -274,12 +274,12 @@ impl DecoderKernels {
         // read) and writes y[r·cols + c] for c < cols (rows·cols checked); 256 threads, the
         // kernel's shared array; cols plus the loop step within int.
         unsafe {
-            Ok(launch_entered(
+            launch_entered(
                 q,
                 self.norm.of::<T>("decoder norm")?,
                 LaunchConfig::linear(grid, ROW_THREADS),
                 &args,
-            )?)
+            )
         }
     }
 
@@ -336,12 +336,12 @@ impl DecoderKernels {
         // + j (+ D/2) only for 0 ≤ sl < S, 0 ≤ p < Tmax (< cl, checked); every size fits int
         // (checked), the element index is long long; D even (checked).
         unsafe {
-            Ok(launch_entered(
+            launch_entered(
                 q,
                 self.qkv.of::<T>("decoder qkv")?,
                 grid_stride(pl / 2),
                 &args,
-            )?)
+            )
         }
     }
 
@@ -372,12 +372,12 @@ impl DecoderKernels {
         // SAFETY: dec_swiglu_*(gu, y, N, M) runs i < N·M (y's extent, checked), reads
         // gu[r·2M + c] and gu[r·2M + M + c] for r < N, c < M (2·N·M checked); N and 2M fit int.
         unsafe {
-            Ok(launch_entered(
+            launch_entered(
                 q,
                 self.swiglu.of::<T>("decoder swiglu")?,
                 grid_stride(n),
                 &args,
-            )?)
+            )
         }
     }
 }
@@ -557,7 +557,7 @@ impl DecoderKernels {
         // (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes, splits ≤ 64);
         // 128 threads, the kernel's static shared memory (≤ 17 KB).
         unsafe {
-            Ok(launch_entered(
+            launch_entered(
                 q,
                 kernel,
                 cfg,
@@ -583,7 +583,7 @@ impl DecoderKernels {
                     Arg::U32(self.cache_pos_check),
                     Arg::U32(self.slot_check),
                 ],
-            )?)
+            )
         }
     }
 }
