@@ -31,8 +31,8 @@ pub const TF32_CONV_VAR: &str = "CUDAGRAPH_TF32_CONV";
 /// How the registry ranks candidates timed in graphs: `chain`, `single` or `both` (the
 /// default; see `engine::GraphTiming`).
 pub const TIMING_VAR: &str = "CUDAGRAPH_REGISTRY_TIMING";
-/// Launches the NN kernels with programmatic dependent launch (`1`; off by default; see
-/// `kernels::pdl`).
+/// Programmatic dependent launch: `1` for every NN kernel, `0` for none; unset, the decode
+/// kernels inside captures only (see `kernels::pdl`).
 pub const PDL_VAR: &str = "CUDAGRAPH_PDL";
 /// Switch of the cross-entropy's split plan for wide rows (default on; `0` for comparisons).
 pub const CE_SPLIT_VAR: &str = "CUDAGRAPH_CE_SPLIT";

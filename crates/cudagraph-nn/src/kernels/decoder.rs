@@ -7,8 +7,9 @@
 //! one rounding on store.
 //!
 //! Every kernel begins with `CG_PDL_ENTER()` and is launched with programmatic dependent launch
-//! when it is on ([`crate::pdl_enabled`]): the next kernel of a decode step is scheduled while
-//! this one drains, and waits for it before touching memory.
+//! inside captures (unless `CUDAGRAPH_PDL=0`; see `kernels::pdl`): the next kernel of a
+//! captured decode step is scheduled while this one drains, and waits for it before touching
+//! memory.
 //!
 //! Token ids, positions and cache slots are device data (a captured step stays valid when they
 //! change between replays). An id outside the vocabulary, a position outside the table or the
@@ -23,7 +24,7 @@ use crate::dtype::Float;
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::pdl::launch_entered;
+use crate::kernels::pdl::launch_decode;
 use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
@@ -205,7 +206,7 @@ impl DecoderKernels {
         // (not null only with pos), pos[t] and wpe[p·dim + c] only for 0 ≤ p < npos (checked);
         // sizes fit int (checked), the element index is long long.
         unsafe {
-            launch_entered(
+            launch_decode(
                 q,
                 self.embed.of::<T>("decoder embedding")?,
                 grid_stride(n),
@@ -274,7 +275,7 @@ impl DecoderKernels {
         // read) and writes y[r·cols + c] for c < cols (rows·cols checked); 256 threads, the
         // kernel's shared array; cols plus the loop step within int.
         unsafe {
-            launch_entered(
+            launch_decode(
                 q,
                 self.norm.of::<T>("decoder norm")?,
                 LaunchConfig::linear(grid, ROW_THREADS),
@@ -336,7 +337,7 @@ impl DecoderKernels {
         // + j (+ D/2) only for 0 ≤ sl < S, 0 ≤ p < Tmax (< cl, checked); every size fits int
         // (checked), the element index is long long; D even (checked).
         unsafe {
-            launch_entered(
+            launch_decode(
                 q,
                 self.qkv.of::<T>("decoder qkv")?,
                 grid_stride(pl / 2),
@@ -372,7 +373,7 @@ impl DecoderKernels {
         // SAFETY: dec_swiglu_*(gu, y, N, M) runs i < N·M (y's extent, checked), reads
         // gu[r·2M + c] and gu[r·2M + M + c] for r < N, c < M (2·N·M checked); N and 2M fit int.
         unsafe {
-            launch_entered(
+            launch_decode(
                 q,
                 self.swiglu.of::<T>("decoder swiglu")?,
                 grid_stride(n),
@@ -557,7 +558,7 @@ impl DecoderKernels {
         // (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes, splits ≤ 64);
         // 128 threads, the kernel's static shared memory (≤ 17 KB).
         unsafe {
-            launch_entered(
+            launch_decode(
                 q,
                 kernel,
                 cfg,

@@ -207,7 +207,7 @@ impl GemvKernels {
         // given with n elements, checked); sizes within int (checked), element offsets long
         // long; the shared array is static.
         unsafe {
-            super::pdl::launch_entered(
+            super::pdl::launch_decode(
                 q,
                 &self.f[pair][ri],
                 LaunchConfig::linear(blocks, (WARPS * 32) as u32),
