@@ -795,12 +795,24 @@ fn agree<T: cudagraph_nn::dtype::Float>(
     let scratch = dk.attend_scratch(s, &shape).unwrap();
     // Twice through one scratch: the arrival counters are left at zero for the next call.
     for _ in 0..2 {
-        dk.attend(s, &shape, &q, (&k, &v), (&pos, &slots), &ob, scale, &scratch)
-            .unwrap();
+        dk.attend(
+            s,
+            &shape,
+            &q,
+            (&k, &v),
+            (&pos, &slots),
+            &ob,
+            scale,
+            &scratch,
+        )
+        .unwrap();
     }
     let (a, b) = (s.to_vec(&oa).unwrap(), s.to_vec(&ob).unwrap());
     s.synchronize().unwrap();
-    let what = format!("{} heads {heads}/{kv_heads} of {d}, {batch}×{tokens}", T::DTYPE);
+    let what = format!(
+        "{} heads {heads}/{kv_heads} of {d}, {batch}×{tokens}",
+        T::DTYPE
+    );
     let big = a.iter().fold(0.0f64, |m, x| m.max(x.to_f32().abs() as f64));
     assert!(big > 0.0, "{what}: all zero");
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {

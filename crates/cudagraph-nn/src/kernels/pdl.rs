@@ -53,12 +53,10 @@ fn env_pdl() -> Option<bool> {
         }
         let meaning = "1 (every NN kernel with PDL), 0 (none) or unset (decode kernels in graphs)";
         Some(
-            crate::env::parse_switch(crate::env::PDL_VAR, &v, false, meaning).unwrap_or_else(
-                |e| {
-                    eprintln!("cudagraph: {e}; PDL stays off");
-                    false
-                },
-            ),
+            crate::env::parse_switch(crate::env::PDL_VAR, &v, false, meaning).unwrap_or_else(|e| {
+                eprintln!("cudagraph: {e}; PDL stays off");
+                false
+            }),
         )
     })
 }
