@@ -823,3 +823,127 @@ fn agree<T: cudagraph_nn::dtype::Float>(
         );
     }
 }
+
+/// `data` in a buffer starting `offset` bytes into its allocation (an external block over it),
+/// so that it is not 16-byte aligned.
+fn offset_buffer<T: cudagraph_nn::dtype::Float>(
+    s: &Stream,
+    data: &[T],
+    offset: u64,
+) -> DeviceBuffer<T> {
+    use cudagraph::{BlockRef, Queue};
+    let n = data.len();
+    let base = s.alloc::<T>(n + 16).unwrap();
+    let bytes = std::mem::size_of_val(data);
+    // SAFETY: [addr, addr + bytes) lies inside `base` (n + 16 elements, offset < 16 elements'
+    // bytes), which the block keeps alive (the boxed alias) until its last holder is gone;
+    // nothing else uses that memory.
+    let block = unsafe {
+        BlockRef::external(
+            base.addr() + offset,
+            bytes,
+            s.device().ordinal(),
+            Box::new(base.alias()),
+        )
+    };
+    let buf = DeviceBuffer::<T>::from_block(block, n).unwrap();
+    s.copy_from_host(data, &buf).unwrap();
+    buf
+}
+
+/// Buffers that are not 16-byte aligned: the norm reads them element by element and the
+/// attention with pair loads, giving the aligned results within f32 rounding (the sums run in
+/// another order); a query not aligned to two elements is a typed error, not a fault.
+#[test]
+fn buffers_off_sixteen_bytes_take_the_narrow_loads() {
+    use cudagraph_nn::kernels::decoder::DecoderKernels;
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let dk = DecoderKernels::get(&dev).unwrap();
+    let mut rng = Lcg(7);
+    // Norm: 3 rows of 256 bf16, x and y 4 bytes off.
+    let (rows, cols) = (3, 256);
+    let xs: Vec<bf16> = (0..rows * cols)
+        .map(|_| bf16::from_f32(rng.next() as f32))
+        .collect();
+    let w = s.alloc_from_host(&vec![1.5f32; cols]).unwrap();
+    let x = s.alloc_from_host(&xs).unwrap();
+    let y = s.alloc::<bf16>(rows * cols).unwrap();
+    let xo = offset_buffer(&s, &xs, 4);
+    let yo = offset_buffer(&s, &vec![bf16::ZERO; rows * cols], 4);
+    for (xb, yb) in [(&x, &y), (&xo, &yo)] {
+        dk.norm(&s, xb, (&w, None), yb, (rows, cols), (1, 0), (1e-5, true))
+            .unwrap();
+    }
+    let (a, b) = (s.to_vec(&y).unwrap(), s.to_vec(&yo).unwrap());
+    s.synchronize().unwrap();
+    for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+        let (p, q) = (p.to_f32(), q.to_f32());
+        assert!(
+            (p - q).abs() <= 1.0 / 128.0 * p.abs().max(1e-3),
+            "norm {i}: {p} vs {q}"
+        );
+    }
+    // Attention: the query 4 bytes off (pair loads) against the aligned query.
+    let shape = AttentionShape {
+        batch: 1,
+        slots: 1,
+        tokens: 1,
+        heads: 4,
+        kv_heads: 2,
+        max_len: 300,
+        head_dim: 64,
+    };
+    let mut random =
+        |n: usize| -> Vec<bf16> { (0..n).map(|_| bf16::from_f32(rng.next() as f32)).collect() };
+    let qv = random(shape.query_len().unwrap());
+    let (k, v) = (
+        s.alloc_from_host(&random(shape.cache_len().unwrap()))
+            .unwrap(),
+        s.alloc_from_host(&random(shape.cache_len().unwrap()))
+            .unwrap(),
+    );
+    let (pos, slots) = (buf(&s, &[299]), buf(&s, &[0]));
+    let scratch = dk.attend_scratch(&s, &shape).unwrap();
+    let n = shape.query_len().unwrap();
+    let (oa, ob) = (s.alloc::<bf16>(n).unwrap(), s.alloc::<bf16>(n).unwrap());
+    let scale = 0.125;
+    let q_al = s.alloc_from_host(&qv).unwrap();
+    let q_off = offset_buffer(&s, &qv, 4);
+    for (qb, ob) in [(&q_al, &oa), (&q_off, &ob)] {
+        dk.attend(
+            &s,
+            &shape,
+            qb,
+            (&k, &v),
+            (&pos, &slots),
+            ob,
+            scale,
+            &scratch,
+        )
+        .unwrap();
+    }
+    let (a, b) = (s.to_vec(&oa).unwrap(), s.to_vec(&ob).unwrap());
+    s.synchronize().unwrap();
+    let big = a.iter().fold(0.0f32, |m, x| m.max(x.to_f32().abs()));
+    assert!(big > 0.0);
+    for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+        let (p, q) = (p.to_f32(), q.to_f32());
+        assert!((p - q).abs() <= big / 128.0, "attention {i}: {p} vs {q}");
+    }
+    let q_odd = offset_buffer(&s, &qv, 2);
+    let err = dk
+        .attend(
+            &s,
+            &shape,
+            &q_odd,
+            (&k, &v),
+            (&pos, &slots),
+            &ob,
+            scale,
+            &scratch,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("aligned to two elements"), "{err}");
+    s.synchronize().unwrap();
+}

@@ -79,6 +79,25 @@ impl AttentionShape {
         prod("attention positions", &[self.batch, self.tokens])
     }
 
+    /// Checks the buffers of one attention call against the shape (validated before): `query`
+    /// and `out` hold `query_len`, each cache `cache_len`, `positions` `positions_len` elements.
+    /// Returns `positions_len` (the call's query tokens).
+    pub(crate) fn check_buffers<T: Float>(
+        &self,
+        query: &DeviceBuffer<T>,
+        out: &DeviceBuffer<T>,
+        (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        positions: &DeviceBuffer<i32>,
+    ) -> Result<usize> {
+        let (ql, cl, pl) = (self.query_len()?, self.cache_len()?, self.positions_len()?);
+        need("attention query", query, ql)?;
+        need("attention output", out, ql)?;
+        need("attention key cache", k_cache, cl)?;
+        need("attention value cache", v_cache, cl)?;
+        need("attention positions", positions, pl)?;
+        Ok(pl)
+    }
+
     /// Checks the shape: every size positive, `heads` a multiple of `kv_heads`, `head_dim` at
     /// most [`MAX_HEAD_DIM`], every count within the kernels' integers.
     pub fn validate(&self) -> Result<()> {
@@ -178,16 +197,7 @@ impl AttentionKernels {
     ) -> Result<()> {
         shape.validate()?;
         check_slots(shape, slots)?;
-        let (ql, cl, pl) = (
-            shape.query_len()?,
-            shape.cache_len()?,
-            shape.positions_len()?,
-        );
-        need("attention query", query, ql)?;
-        need("attention output", out, ql)?;
-        need("attention key cache", k_cache, cl)?;
-        need("attention value cache", v_cache, cl)?;
-        need("attention positions", positions, pl)?;
+        shape.check_buffers(query, out, (k_cache, v_cache), positions)?;
         let s = shape;
         let cfg = LaunchConfig {
             grid: (s.heads as u32, s.tokens as u32, s.batch as u32),

@@ -101,8 +101,8 @@ __device__ __forceinline__ void dec_embed_n(const int* __restrict__ ids, const T
 // Row r = blockIdx.x of y ([rows, cols]) = norm of row r·stride + off of x: LayerNorm
 // ((x - mean) · rstd · w + b, b may be null; biased variance, two passes) or, with rms = 1,
 // RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once. Rows of whole 16-byte
-// loads that fit the block's registers are read once with those loads; others element by
-// element, once per pass.
+// loads that fit the block's registers, in 16-byte aligned buffers, are read once with those
+// loads; others element by element, once per pass.
 template <typename T>
 __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float* __restrict__ w,
                                            const float* __restrict__ b, T* __restrict__ y,
@@ -113,7 +113,8 @@ __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float*
     const T* xr = x + (r * stride + off) * cols;
     T* yr = y + r * cols;
     const int tid = threadIdx.x;
-    if (cols % P == 0 && cols <= DEC_ROW_THREADS * DEC_NORM_LOADS * P) {
+    const bool aligned = (((unsigned long long)x | (unsigned long long)y) & 15ull) == 0;
+    if (aligned && cols % P == 0 && cols <= DEC_ROW_THREADS * DEC_NORM_LOADS * P) {
         const int nv = cols / P;
         float v[DEC_NORM_LOADS][P];
         float acc = 0.0f;

@@ -423,22 +423,33 @@ pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
         .clamp(1, MAX_SPLITS)
 }
 
-/// Which instance of the attention kernel serves `head_dim` for `T`: the one with 16-byte loads
-/// (`true`) when rows are a whole number of them (at most 32 lanes of one or two loads), the
-/// one with pair loads otherwise (at most 32 lanes of four pairs); an error for odd or larger
-/// head dimensions.
-fn vector_loads<T: Float>(head_dim: usize) -> Result<bool> {
-    let per_load = 16 / std::mem::size_of::<T>();
+/// Which instance of the attention kernel serves `head_dim` for `T` over buffers at `addrs`
+/// (the query and the caches): the one with 16-byte loads (`true`) when rows are a whole
+/// number of them (at most 32 lanes of one or two loads) and every buffer is 16-byte aligned,
+/// the one with pair loads otherwise (at most 32 lanes of four pairs, buffers aligned to two
+/// elements); an error for odd or larger head dimensions and for buffers not aligned to two
+/// elements.
+fn vector_loads<T: Float>(head_dim: usize, addrs: &[u64]) -> Result<bool> {
+    let size = std::mem::size_of::<T>();
+    let per_load = 16 / size;
     let loads_per_lane = if per_load == 4 { 2 } else { 1 };
-    if head_dim % per_load == 0 && head_dim / per_load <= 32 * loads_per_lane {
+    let aligned = |bytes: usize| addrs.iter().all(|a| a % bytes as u64 == 0);
+    if head_dim % per_load == 0 && head_dim / per_load <= 32 * loads_per_lane && aligned(16) {
         return Ok(true);
     }
-    if head_dim % 2 == 0 && head_dim / 2 <= 32 * 4 {
-        return Ok(false);
+    if head_dim % 2 != 0 || head_dim / 2 > 32 * 4 {
+        return Err(NnError::Shape(format!(
+            "decoder attention: head dimension {head_dim} (even, at most 256)"
+        )));
     }
-    Err(NnError::Shape(format!(
-        "decoder attention: head dimension {head_dim} (even, at most 256)"
-    )))
+    if !aligned(2 * size) {
+        return Err(NnError::Shape(format!(
+            "decoder attention: the query and caches (at {addrs:#x?}) must be aligned to two \
+             elements ({} bytes)",
+            2 * size
+        )));
+    }
+    Ok(false)
 }
 
 impl DecoderKernels {
@@ -494,16 +505,7 @@ impl DecoderKernels {
         scratch: &AttendScratch,
     ) -> Result<()> {
         shape.validate()?;
-        let (ql, cl, pl) = (
-            shape.query_len()?,
-            shape.cache_len()?,
-            shape.positions_len()?,
-        );
-        need("attention query", query, ql)?;
-        need("attention output", out, ql)?;
-        need("attention key cache", k_cache, cl)?;
-        need("attention value cache", v_cache, cl)?;
-        need("attention positions", positions, pl)?;
+        let pl = shape.check_buffers(query, out, (k_cache, v_cache), positions)?;
         need("attention cache slots", slots, shape.batch)?;
         let s = shape;
         let (splits, groups) = (scratch.splits, scratch.groups);
@@ -531,7 +533,8 @@ impl DecoderKernels {
             .ok()
             .filter(|&g| g <= i32::MAX as u32)
             .ok_or_else(|| NnError::Shape(format!("decoder attention: {pl} tokens")))?;
-        let kernel = if vector_loads::<T>(s.head_dim)? {
+        let addrs = [query.addr(), k_cache.addr(), v_cache.addr()];
+        let kernel = if vector_loads::<T>(s.head_dim, &addrs)? {
             let per_kv = s.heads / s.kv_heads;
             self.attend_v[per_kv.min(3) - 1].of::<T>("decoder attention")?
         } else {
@@ -553,10 +556,10 @@ impl DecoderKernels {
         // it writes part[(row·splits + s)·D + d] and stat[(row·splits + s)·2 + {0, 1}] for
         // row < B·Tq·H (sizes checked) and counts in count[n·groups + y] (checked); the loads
         // are 16-byte (vector instance: D a multiple of 16 bytes of T) or pair loads (D even)
-        // at offsets that are multiples of their size in 256-byte aligned buffers, at most
-        // 32 lanes a row (vector_loads); every size fits i32 and the grid its limits
-        // (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes, splits ≤ 64);
-        // 128 threads, the kernel's static shared memory (≤ 17 KB).
+        // at offsets that are multiples of their size in buffers aligned to it (addresses
+        // checked by vector_loads), at most 32 lanes a row; every size fits i32 and the grid
+        // its limits (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes,
+        // splits ≤ 64); 128 threads, the kernel's static shared memory (≤ 22 KB).
         unsafe {
             launch_decode(
                 q,
@@ -678,14 +681,20 @@ mod tests {
     #[test]
     fn head_dimensions_pick_their_loads() {
         use half::{bf16, f16};
-        assert!(vector_loads::<bf16>(64).unwrap());
-        assert!(vector_loads::<f16>(256).unwrap());
-        assert!(vector_loads::<f32>(256).unwrap());
-        assert!(vector_loads::<f32>(96).unwrap());
-        assert!(!vector_loads::<bf16>(6).unwrap());
-        assert!(!vector_loads::<f32>(250).unwrap());
-        assert!(vector_loads::<bf16>(7).is_err());
-        assert!(vector_loads::<bf16>(264).is_err());
-        assert!(vector_loads::<f32>(258).is_err());
+        let a = [256, 512, 768];
+        assert!(vector_loads::<bf16>(64, &a).unwrap());
+        assert!(vector_loads::<f16>(256, &a).unwrap());
+        assert!(vector_loads::<f32>(256, &a).unwrap());
+        assert!(vector_loads::<f32>(96, &a).unwrap());
+        assert!(!vector_loads::<bf16>(6, &a).unwrap());
+        assert!(!vector_loads::<f32>(250, &a).unwrap());
+        assert!(vector_loads::<bf16>(7, &a).is_err());
+        assert!(vector_loads::<bf16>(264, &a).is_err());
+        assert!(vector_loads::<f32>(258, &a).is_err());
+        // A buffer off 16 bytes takes pair loads; off two elements, an error.
+        assert!(!vector_loads::<bf16>(64, &[256, 516, 768]).unwrap());
+        assert!(!vector_loads::<f32>(64, &[256, 512, 776]).unwrap());
+        assert!(vector_loads::<bf16>(64, &[258, 512, 768]).is_err());
+        assert!(vector_loads::<f32>(64, &[256, 516, 768]).is_err());
     }
 }
