@@ -91,6 +91,49 @@ __device__ __forceinline__ void bias_act_n(T* __restrict__ y, const T* __restric
     }
 }
 
+// The same over groups of eight elements moved as one 16-byte load and store (y 16-byte
+// aligned, n a multiple of 8, and every group in one channel — NCHW with inner a multiple of
+// 8 — or in eight consecutive channels — NHWC, inner 1, with channels a multiple of 8; the
+// launcher checks all of it). One division per group, the same f32 sums and rounding as
+// bias_act_n, so both give the same bits.
+template <typename T>
+struct alignas(16) Vec8 {
+    T x[8];
+};
+
+template <typename T>
+__device__ __forceinline__ void bias_act_8(T* __restrict__ y, const T* __restrict__ bias,
+                                           long long groups, long long inner, int channels,
+                                           int relu) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    Vec8<T>* y8 = reinterpret_cast<Vec8<T>*>(y);
+    for (long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; g < groups;
+         g += stride) {
+        Vec8<T> v = y8[g];
+        long long i = g * 8;
+        // NHWC: channels c0 .. c0 + 7; NCHW: one channel c0 for all eight.
+        int c0 = (int)((i / inner) % channels);
+        int step = inner == 1 ? 1 : 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float f = to_f32(v.x[k]);
+            if (bias) f += to_f32(bias[c0 + k * step]);
+            if (relu && f < 0.0f) f = 0.0f;
+            v.x[k] = from_f32<T>(f);
+        }
+        y8[g] = v;
+    }
+}
+
+extern "C" __global__ void lowp_bias_act8_bf16(bf16_t* y, const bf16_t* bias, long long groups,
+                                               long long inner, int channels, int relu) {
+    bias_act_8<bf16_t>(y, bias, groups, inner, channels, relu);
+}
+extern "C" __global__ void lowp_bias_act8_f16(f16_t* y, const f16_t* bias, long long groups,
+                                              long long inner, int channels, int relu) {
+    bias_act_8<f16_t>(y, bias, groups, inner, channels, relu);
+}
+
 extern "C" __global__ void lowp_bias_act_bf16(bf16_t* y, const bf16_t* bias, long long n,
                                               long long inner, int channels, int relu) {
     bias_act_n<bf16_t>(y, bias, n, inner, channels, relu);

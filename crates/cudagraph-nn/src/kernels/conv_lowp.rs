@@ -33,6 +33,8 @@ pub struct ConvLowpKernels {
     transpose: [Function; 5],
     /// bf16, f16.
     bias_act: [Function; 2],
+    /// The same eight elements (16 bytes) at a time, where the layout allows.
+    bias_act8: [Function; 2],
     fwd: [Function; 2],
     bwd_data: [Function; 2],
     /// (bf16→bf16, f16→f16, bf16→f32, f16→f32).
@@ -105,6 +107,7 @@ impl ConvLowpKernels {
                         f("lowp_transpose_f32_f32")?,
                     ],
                     bias_act: [f("lowp_bias_act_bf16")?, f("lowp_bias_act_f16")?],
+                    bias_act8: [f("lowp_bias_act8_bf16")?, f("lowp_bias_act8_f16")?],
                     fwd: [f("lowp_conv_fwd_bf16")?, f("lowp_conv_fwd_f16")?],
                     bwd_data: [f("lowp_conv_bwd_data_bf16")?, f("lowp_conv_bwd_data_f16")?],
                     bwd_filter: [
@@ -222,7 +225,7 @@ impl ConvLowpKernels {
         bias: Option<&DeviceBuffer<T>>,
         relu: bool,
     ) -> Result<()> {
-        let f = &self.bias_act[half_index("conv2d bias", T::DTYPE)?];
+        let which = half_index("conv2d bias", T::DTYPE)?;
         let len = prod("conv2d y", &[n, c, hw])?;
         need("conv2d y", y, len)?;
         if let Some(b) = bias {
@@ -238,18 +241,33 @@ impl ConvLowpKernels {
         let as_i64 = |v: usize| {
             i64::try_from(v).map_err(|_| NnError::Shape(format!("{v} elements exceed i64")))
         };
-        // SAFETY: the kernel's parameters are (T* y, const T* bias, long long n, long long
-        // inner, int channels, int relu) with T 2 bytes (bf16_t / f16_t for this dtype); it
-        // reads and writes y[i] for i < len only, and reads bias[(i / inner) % c] < c only
-        // when bias is not null; y holds len and bias c elements (checked above).
+        // Groups of eight in one channel (NCHW) or eight consecutive channels (NHWC).
+        let grouped = match layout {
+            Layout::Nchw => hw % 8 == 0,
+            Layout::Nhwc => c % 8 == 0,
+        };
+        let wide = grouped && len % 8 == 0 && y.addr() % 16 == 0;
+        let (f, items) = if wide {
+            (&self.bias_act8[which], len / 8)
+        } else {
+            (&self.bias_act[which], len)
+        };
+        // SAFETY: the kernels' parameters are (T* y, const T* bias, long long n, long long
+        // inner, int channels, int relu) with T 2 bytes (bf16_t / f16_t for this dtype);
+        // `lowp_bias_act_*` reads and writes y[i] for i < len only, and reads
+        // bias[(i / inner) % c] < c only when bias is not null; `lowp_bias_act8_*` reads and
+        // writes the 16-byte groups y[8g .. 8g + 8] for g < len / 8 (len a multiple of 8, y
+        // 16-byte aligned: checked) and reads bias[c0 + k] (NHWC, inner 1, c0 = 8g % c a
+        // multiple of 8 with c a multiple of 8, so c0 + 7 < c) or bias[c0] (NCHW, c0 < c);
+        // y holds len and bias c elements (checked above).
         unsafe {
             q.launch(
                 f,
-                grid_stride(len),
+                grid_stride(items),
                 &[
                     y.into(),
                     Arg::opt(bias),
-                    Arg::I64(as_i64(len)?),
+                    Arg::I64(as_i64(items)?),
                     Arg::I64(as_i64(inner.max(1))?),
                     Arg::I32(int("channels", c)?),
                     Arg::I32(relu as i32),
@@ -389,7 +407,9 @@ mod tests {
             "lowp_transpose_f16_f32",
             "lowp_transpose_f32_f32",
             "lowp_bias_act_bf16",
+            "lowp_bias_act8_bf16",
             "lowp_bias_act_f16",
+            "lowp_bias_act8_f16",
             "lowp_conv_fwd_bf16",
             "lowp_conv_fwd_f16",
             "lowp_conv_bwd_data_bf16",
