@@ -457,10 +457,7 @@ fn every_f32_dw_candidate<T: Float>(seed: u64) {
             let cands = all_candidates(&s, &eng, &op);
             if sh.dilation == 1 {
                 assert!(
-                    cands.contains(&LowpEngine {
-                        layout: Layout::Nchw,
-                        kind: LowpKind::Widen
-                    }),
+                    cands.contains(&LowpEngine::new(Layout::Nchw, LowpKind::Widen)),
                     "{}: {cands:?}",
                     conv_lowp_key(&op)
                 );
@@ -849,30 +846,53 @@ fn misuse_is_a_typed_error() {
         out: &y,
         bias: None,
     };
+    let padded = |pad, layout| LowpEngine {
+        layout,
+        kind: LowpKind::CudnnGraph(0),
+        pad,
+    };
     for algo in [
-        LowpEngine {
-            layout: l,
-            kind: LowpKind::Widen,
-        },
-        LowpEngine {
-            layout: Layout::Nhwc,
-            kind: LowpKind::Direct,
-        },
-        LowpEngine {
-            layout: l,
-            kind: LowpKind::CudnnGraphFused(0),
-        },
-        LowpEngine {
-            layout: l,
-            kind: LowpKind::CudnnGraph(255),
-        },
+        LowpEngine::new(l, LowpKind::Widen),
+        LowpEngine::new(Layout::Nhwc, LowpKind::Direct),
+        LowpEngine::new(l, LowpKind::CudnnGraphFused(0)),
+        LowpEngine::new(l, LowpKind::CudnnGraph(255)),
+        // Padding to no more channels than the op has, to a count no candidate uses, in NCHW.
+        padded(3, Layout::Nhwc),
+        padded(6, Layout::Nhwc),
+        padded(4, Layout::Nchw),
     ] {
         let e = conv_lowp_with(&s, &nn, algo, &fwd, io).unwrap_err();
         println!("{algo}: {e}");
     }
+    // A padded engine runs forwards only.
+    let back = LowpOp {
+        dir: ConvDir::BackwardData,
+        ..fwd
+    };
+    let io_back = LowpIo {
+        a: &y,
+        b: &w,
+        out: &x,
+        bias: None,
+    };
+    let e = conv_lowp_with(&s, &nn, padded(4, Layout::Nhwc), &back, io_back).unwrap_err();
+    assert!(matches!(e, NnError::Shape(_)), "{e}");
     // The transposes take no f16 → bf16 pair, and refuse short buffers.
     let h = s.alloc_zeroed::<f16>(xl).unwrap();
     let k = cudagraph_nn::kernels::conv_lowp::ConvLowpKernels::get(&dev).unwrap();
+    // Channel padding: only to more channels, at most 8, into a destination that holds them.
+    let pad_to = |c, pad, dst: &cudagraph::DeviceBuffer<bf16>| {
+        k.pad_channels(&s, (2, c, 64), pad, Layout::Nchw, &x, dst)
+    };
+    let wide = s.alloc_zeroed::<bf16>(2 * 64 * 16).unwrap();
+    assert!(matches!(pad_to(3, 2, &wide), Err(NnError::Shape(_))));
+    assert!(matches!(pad_to(3, 16, &wide), Err(NnError::Shape(_))));
+    assert!(matches!(pad_to(0, 4, &wide), Err(NnError::Shape(_))));
+    assert!(matches!(
+        pad_to(3, 8, &short_w),
+        Err(NnError::Core(cudagraph::Error::SizeMismatch { .. }))
+    ));
+    pad_to(3, 8, &wide).unwrap();
     assert!(matches!(
         k.transpose(&s, 2, 3, 64, &h, &x),
         Err(NnError::Dtype { .. })

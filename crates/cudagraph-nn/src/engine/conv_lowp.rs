@@ -12,7 +12,10 @@
 //! (`cudnnv8:R`; a forward with a bias or ReLU also `cudnnv8+fused:R`, the epilogue inside
 //! cuDNN's graph) in the caller's layout, the same in the *other* layout with the transposes
 //! of inputs and output included in the run (so "NHWC with transposes" and "NCHW" are measured
-//! as candidates of one key, and the faster wins), our direct kernels (small shapes, and
+//! as candidates of one key, and the faster wins), for a forward with fewer than 8 input
+//! channels cuDNN's NHWC graph-API configurations on `x` and `w` padded with zero channels to
+//! 4 and to 8 ([`PAD_CHANNELS`]: the channel groups tensor-core engines take, an image's three
+//! channels included), our direct kernels (small shapes, and
 //! whatever no cuDNN engine takes: a channel count no tensor-core engine aligns, cuDNN
 //! missing), and for an f32 weight gradient `nchw:widen` — `x` and `dy` widened to f32
 //! (exactly) and the f32 convolution's engine. An engine is named by the layout it computes in
@@ -74,17 +77,39 @@ pub enum LowpKind {
 }
 
 /// One concrete way to run a half-precision convolution: the layout it computes in (when it
-/// is not the caller's, its run includes the transposes) and the engine there. Shown and
-/// stored as `LAYOUT:KIND`, e.g. `nhwc:cudnnv8:2`, `nchw:cudnn:1`, `nchw:direct`.
+/// is not the caller's, its run includes the transposes), the input channel count it pads to
+/// (few-channel forwards only) and the engine there. Shown and stored as `LAYOUT:KIND`, e.g.
+/// `nhwc:cudnnv8:2`, `nchw:cudnn:1`, `nchw:direct`, or `nhwc+c4:cudnnv8:3` for cuDNN's NHWC
+/// configuration 3 on the input and weights padded with zero channels to 4.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LowpEngine {
     /// The layout the convolution itself runs in.
     pub layout: Layout,
     /// The engine there.
     pub kind: LowpKind,
+    /// The input channels the convolution runs with ([`PAD_CHANNELS`]; 0: the op's own):
+    /// `x` and `w` copied into NHWC scratch with zero channels added, which changes no sum
+    /// (the products of the zeros are exact zeros). Forward only, `layout` NHWC.
+    pub pad: u8,
 }
 
+/// The channel counts a forward with fewer input channels may be padded to: tensor-core
+/// engines want channels in groups of 4 or 8 (cuDNN's first-layer engines for images take
+/// exactly 4). Measured like every candidate; on the H100 the f16 7×7 stride-2 forward of
+/// 3-channel 224² images runs cuDNN's first-layer kernel only with 4 channels (21 µs at batch
+/// 8 against 54 with 3), which PyTorch's cuDNN reaches by padding inside its own transpose.
+pub const PAD_CHANNELS: [usize; 2] = [4, 8];
+
 impl LowpEngine {
+    /// `kind` in `layout`, on the op's own channels.
+    pub fn new(layout: Layout, kind: LowpKind) -> LowpEngine {
+        LowpEngine {
+            layout,
+            kind,
+            pad: 0,
+        }
+    }
+
     /// Whether it runs on cuDNN (either API).
     pub fn is_cudnn(self) -> bool {
         matches!(
@@ -96,7 +121,11 @@ impl LowpEngine {
 
 impl fmt::Display for LowpEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:", self.layout)?;
+        write!(f, "{}", self.layout)?;
+        if self.pad > 0 {
+            write!(f, "+c{}", self.pad)?;
+        }
+        write!(f, ":")?;
         match self.kind {
             LowpKind::Cudnn(a) => write!(f, "cudnn:{a}"),
             LowpKind::CudnnGraph(r) => write!(f, "cudnnv8:{r}"),
@@ -112,16 +141,19 @@ impl FromStr for LowpEngine {
     fn from_str(s: &str) -> Result<Self> {
         let bad = || NnError::Config(format!("{s:?} is not a half-precision convolution engine"));
         let (layout, kind) = s.split_once(':').ok_or_else(bad)?;
-        let layout = match layout {
-            "nchw" => Layout::Nchw,
-            "nhwc" => Layout::Nhwc,
-            _ => return Err(bad()),
-        };
         // Only canonical decimals, so that a name prints back as itself.
         fn num<N: FromStr + ToString>(v: &str) -> Option<N> {
             let n: N = v.parse().ok()?;
             (n.to_string() == v).then_some(n)
         }
+        let (layout, pad) = match layout {
+            "nchw" => (Layout::Nchw, 0),
+            "nhwc" => (Layout::Nhwc, 0),
+            _ => match layout.strip_prefix("nhwc+c").and_then(num::<u8>) {
+                Some(c) if PAD_CHANNELS.contains(&(c as usize)) => (Layout::Nhwc, c),
+                _ => return Err(bad()),
+            },
+        };
         let kind = match kind.split_once(':') {
             None if kind == "direct" => LowpKind::Direct,
             None if kind == "widen" => LowpKind::Widen,
@@ -130,7 +162,10 @@ impl FromStr for LowpEngine {
             Some(("cudnnv8+fused", r)) => LowpKind::CudnnGraphFused(num(r).ok_or_else(bad)?),
             _ => return Err(bad()),
         };
-        Ok(LowpEngine { layout, kind })
+        if pad > 0 && !matches!(kind, LowpKind::CudnnGraph(_) | LowpKind::CudnnGraphFused(_)) {
+            return Err(bad());
+        }
+        Ok(LowpEngine { layout, kind, pad })
     }
 }
 
@@ -379,10 +414,7 @@ pub fn run_conv_lowp<T: Float, O: Float>(
 ) -> Result<LowpEngine> {
     check_io(q, op, &io)?;
     let out_len = out_len(op)?;
-    let direct = LowpEngine {
-        layout: op.layout,
-        kind: LowpKind::Direct,
-    };
+    let direct = LowpEngine::new(op.layout, LowpKind::Direct);
     if out_len == 0 {
         return Ok(direct);
     }
@@ -566,7 +598,7 @@ pub fn conv_lowp_candidates(
             if !cudnn_ok {
                 break;
             }
-            let at = |kind| LowpEngine { layout, kind };
+            let at = |kind| LowpEngine::new(layout, kind);
             let lop = LowpOp { layout, ..*op };
             if !op.out_f32 {
                 if let Some(c) = eng.cudnn_for(q) {
@@ -595,6 +627,37 @@ pub fn conv_lowp_candidates(
                 }
             }
         }
+        if cudnn_ok {
+            for pad in padded_channels(op) {
+                let Some(g) = eng.cudnn_graph_for(q) else {
+                    break;
+                };
+                let Ok(padded) = padded_op(op, pad) else {
+                    continue;
+                };
+                let at = |kind| LowpEngine {
+                    layout: Layout::Nhwc,
+                    kind,
+                    pad: pad as u8,
+                };
+                let plain = LowpOp {
+                    bias: false,
+                    relu: false,
+                    ..padded
+                };
+                for c in g.lowp_candidates(q, &plain, det, limit).unwrap_or_default() {
+                    v.push(at(LowpKind::CudnnGraph(c.rank)));
+                }
+                if op.bias || op.relu {
+                    for c in g
+                        .lowp_candidates(q, &padded, det, limit)
+                        .unwrap_or_default()
+                    {
+                        v.push(at(LowpKind::CudnnGraphFused(c.rank)));
+                    }
+                }
+            }
+        }
         let ours = matches!(
             fam,
             ConvFamily::Auto | ConvFamily::Ours | ConvFamily::Direct
@@ -602,16 +665,10 @@ pub fn conv_lowp_candidates(
         let small =
             fam != ConvFamily::Auto || op.shape.macs().is_some_and(|m| m <= DIRECT_MAX_MACS);
         if ours && small {
-            v.push(LowpEngine {
-                layout: op.layout,
-                kind: LowpKind::Direct,
-            });
+            v.push(LowpEngine::new(op.layout, LowpKind::Direct));
         }
         if op.out_f32 && op.shape.dilation == 1 && fam == ConvFamily::Auto {
-            v.push(LowpEngine {
-                layout: Layout::Nchw,
-                kind: LowpKind::Widen,
-            });
+            v.push(LowpEngine::new(Layout::Nchw, LowpKind::Widen));
         }
         v
     };
@@ -620,12 +677,30 @@ pub fn conv_lowp_candidates(
         v = collect(ConvFamily::Auto);
     }
     if v.is_empty() {
-        v.push(LowpEngine {
-            layout: op.layout,
-            kind: LowpKind::Direct,
-        });
+        v.push(LowpEngine::new(op.layout, LowpKind::Direct));
     }
     Ok(v)
+}
+
+/// The channel counts of [`PAD_CHANNELS`] a forward of `op` may be padded to: those above its
+/// input channels (none for a weight gradient, a data gradient, or 8 channels and more).
+fn padded_channels(op: &LowpOp) -> impl Iterator<Item = usize> {
+    let c = op.shape.geom.c;
+    let forward = op.dir == ConvDir::Forward && !op.out_f32;
+    PAD_CHANNELS.into_iter().filter(move |&p| forward && c < p)
+}
+
+/// `op` on `pad` input channels, in NHWC.
+fn padded_op(op: &LowpOp, pad: usize) -> Result<LowpOp> {
+    let mut shape = op.shape;
+    shape.geom.c = pad;
+    shape.input_len()?;
+    shape.weight_len()?;
+    Ok(LowpOp {
+        shape,
+        layout: Layout::Nhwc,
+        ..*op
+    })
 }
 
 /// The heuristic default among `candidates` (non-empty): cuDNN's first choice in the op's own
@@ -641,10 +716,7 @@ pub fn default_lowp_engine(op: &LowpOp, candidates: &[LowpEngine]) -> LowpEngine
         .or_else(|| own(|k| matches!(k, LowpKind::CudnnGraph(_))))
         .or_else(|| candidates.iter().find(|e| e.is_cudnn()).copied())
         .or_else(|| candidates.first().copied())
-        .unwrap_or(LowpEngine {
-            layout: op.layout,
-            kind: LowpKind::Direct,
-        })
+        .unwrap_or(LowpEngine::new(op.layout, LowpKind::Direct))
 }
 
 /// `b` as a buffer of `B` when `A` is `B`.
@@ -689,6 +761,9 @@ fn lowp_engine<T: Float, O: Float>(
             )))
         }
         _ => {}
+    }
+    if algo.pad > 0 {
+        return padded(q, eng, &k, algo, op, io);
     }
     if algo.layout == op.layout {
         return in_layout(q, eng, &k, algo, op, io);
@@ -737,6 +812,59 @@ fn lowp_engine<T: Float, O: Float>(
         ConvDir::BackwardData => k.relayout(q, x_dims, to, from, &out, io.out),
         ConvDir::BackwardFilter => weights(&k, q, w_dims, to, from, &out, io.out),
     }
+}
+
+/// Runs a forward `op` with a padded-channel engine (`algo.pad > 0`): `x` and `w` copied
+/// into NHWC scratch with zero channels up to `algo.pad`, the convolution there (into the
+/// caller's output when it is NHWC, else into scratch transposed back), its epilogue in NHWC.
+fn padded<T: Float, O: Float>(
+    q: &dyn Queue,
+    eng: &Engines,
+    k: &ConvLowpKernels,
+    algo: LowpEngine,
+    op: &LowpOp,
+    io: LowpIo<'_, T, O>,
+) -> Result<()> {
+    let pad = algo.pad as usize;
+    if !padded_channels(op).any(|p| p == pad) || algo.layout != Layout::Nhwc {
+        return Err(NnError::Shape(format!(
+            "{}: {algo} runs only a forward with fewer than {pad} input channels",
+            conv_lowp_key(op)
+        )));
+    }
+    let there = padded_op(op, pad)?;
+    let g = &op.shape.geom;
+    let (oh, ow) = op.shape.out_hw()?;
+    let a = q.alloc::<T>(there.shape.input_len()?)?;
+    let b = q.alloc::<T>(there.shape.weight_len()?)?;
+    k.pad_channels(q, (g.n, g.c, g.h * g.w), pad, op.layout, io.a, &a)?;
+    k.pad_channels(q, (g.oc, g.c, g.kh * g.kw), pad, op.layout, io.b, &b)?;
+    let inner = LowpEngine::new(Layout::Nhwc, algo.kind);
+    if op.layout == Layout::Nhwc {
+        let io = LowpIo {
+            a: &a,
+            b: &b,
+            out: io.out,
+            bias: io.bias,
+        };
+        return in_layout(q, eng, k, inner, &there, io);
+    }
+    let out = q.alloc::<O>(out_len(op)?)?;
+    let scratch = LowpIo {
+        a: &a,
+        b: &b,
+        out: &out,
+        bias: io.bias,
+    };
+    in_layout(q, eng, k, inner, &there, scratch)?;
+    k.relayout(
+        q,
+        (g.n, g.oc, oh * ow),
+        Layout::Nhwc,
+        op.layout,
+        &out,
+        io.out,
+    )
 }
 
 /// Runs `op` with `algo` in the op's own layout (`algo.layout == op.layout`), then the
@@ -927,17 +1055,31 @@ mod tests {
                 LowpKind::Direct,
                 LowpKind::Widen,
             ] {
-                let e = LowpEngine { layout, kind };
+                let e = LowpEngine::new(layout, kind);
                 assert_eq!(e.to_string().parse::<LowpEngine>().unwrap(), e, "{e}");
             }
         }
         assert_eq!(
+            LowpEngine::new(Layout::Nhwc, LowpKind::CudnnGraphFused(2)).to_string(),
+            "nhwc:cudnnv8+fused:2"
+        );
+        for pad in PAD_CHANNELS {
+            for kind in [LowpKind::CudnnGraph(3), LowpKind::CudnnGraphFused(1)] {
+                let e = LowpEngine {
+                    layout: Layout::Nhwc,
+                    kind,
+                    pad: pad as u8,
+                };
+                assert_eq!(e.to_string().parse::<LowpEngine>().unwrap(), e, "{e}");
+            }
+        }
+        assert_eq!(
+            "nhwc+c4:cudnnv8:3".parse::<LowpEngine>().unwrap(),
             LowpEngine {
                 layout: Layout::Nhwc,
-                kind: LowpKind::CudnnGraphFused(2)
+                kind: LowpKind::CudnnGraph(3),
+                pad: 4
             }
-            .to_string(),
-            "nhwc:cudnnv8+fused:2"
         );
         for bad in [
             "cudnn:1",
@@ -952,6 +1094,12 @@ mod tests {
             "nhwc:direct:1",
             "chwn:direct",
             "nchw:igemm:64x64:1",
+            "nchw+c4:cudnnv8:1",
+            "nhwc+c3:cudnnv8:1",
+            "nhwc+c04:cudnnv8:1",
+            "nhwc+c4:cudnn:1",
+            "nhwc+c8:direct",
+            "nhwc+:cudnnv8:1",
         ] {
             assert!(bad.parse::<LowpEngine>().is_err(), "{bad}");
         }
@@ -997,9 +1145,28 @@ mod tests {
     }
 
     #[test]
+    fn few_channel_forwards_pad_to_four_and_eight() {
+        let with_c = |dir, c| {
+            let mut o = op(dir, Layout::Nchw);
+            o.shape.geom.c = c;
+            o
+        };
+        let pads = |o: &LowpOp| padded_channels(o).collect::<Vec<_>>();
+        assert_eq!(pads(&with_c(ConvDir::Forward, 3)), vec![4, 8]);
+        assert_eq!(pads(&with_c(ConvDir::Forward, 4)), vec![8]);
+        assert_eq!(pads(&with_c(ConvDir::Forward, 5)), vec![8]);
+        assert!(pads(&with_c(ConvDir::Forward, 8)).is_empty());
+        assert!(pads(&with_c(ConvDir::BackwardData, 3)).is_empty());
+        assert!(pads(&with_c(ConvDir::BackwardFilter, 3)).is_empty());
+        let o = padded_op(&with_c(ConvDir::Forward, 3), 4).unwrap();
+        assert_eq!((o.shape.geom.c, o.layout), (4, Layout::Nhwc));
+        assert_eq!(o.shape.geom.oc, 64);
+    }
+
+    #[test]
     fn the_default_is_cudnns_first_choice_in_the_calls_layout() {
         let o = op(ConvDir::Forward, Layout::Nchw);
-        let at = |layout, kind| LowpEngine { layout, kind };
+        let at = LowpEngine::new;
         let cands = vec![
             at(Layout::Nchw, LowpKind::CudnnGraph(0)),
             at(Layout::Nhwc, LowpKind::Cudnn(1)),

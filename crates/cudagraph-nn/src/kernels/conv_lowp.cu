@@ -74,6 +74,41 @@ extern "C" __global__ void lowp_transpose_f32_f32(const float* src, float* dst,
 }
 
 // ---------------------------------------------------------------------------------------------
+// Channel padding for few-channel inputs: dst[b][p][k] (NHWC with `pad` channels) = src's
+// channel k of (b, p) for k < c, 0 for c <= k < pad; src is [b][c][p] (src_nhwc = 0: NCHW
+// activations, OIHW weights) or [b][p][c] (NHWC, OHWI), b < batches, p < inner. One thread per
+// (b, p), items = batches · inner; c <= pad <= 8 (the launcher checks).
+
+template <typename T>
+__device__ __forceinline__ void pad_channels_n(const T* __restrict__ src, T* __restrict__ dst,
+                                               long long items, long long inner, int c,
+                                               int pad, int src_nhwc) {
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < items;
+         i += stride) {
+        long long b = i / inner, p = i - b * inner;
+        T* d = dst + i * pad;
+        for (int k = 0; k < pad; k++) {
+            T v;
+            v.bits = 0;
+            if (k < c) v = src_nhwc ? src[i * c + k] : src[(b * c + k) * inner + p];
+            d[k] = v;
+        }
+    }
+}
+
+extern "C" __global__ void lowp_pad_channels_bf16(const bf16_t* src, bf16_t* dst,
+                                                  long long items, long long inner, int c,
+                                                  int pad, int src_nhwc) {
+    pad_channels_n<bf16_t>(src, dst, items, inner, c, pad, src_nhwc);
+}
+extern "C" __global__ void lowp_pad_channels_f16(const f16_t* src, f16_t* dst, long long items,
+                                                 long long inner, int c, int pad,
+                                                 int src_nhwc) {
+    pad_channels_n<f16_t>(src, dst, items, inner, c, pad, src_nhwc);
+}
+
+// ---------------------------------------------------------------------------------------------
 // y[i] = relu?(y[i] + bias[c]) for i < n, computed in f32 and rounded once; c = (i / inner) %
 // channels (NCHW: inner = H·W; NHWC: inner = 1). `bias` may be null (no addition). A NaN stays
 // NaN through the ReLU.

@@ -35,6 +35,8 @@ pub struct ConvLowpKernels {
     bias_act: [Function; 2],
     /// The same eight elements (16 bytes) at a time, where the layout allows.
     bias_act8: [Function; 2],
+    /// Channel padding into NHWC (bf16, f16).
+    pad_channels: [Function; 2],
     fwd: [Function; 2],
     bwd_data: [Function; 2],
     /// (bf16→bf16, f16→f16, bf16→f32, f16→f32).
@@ -108,6 +110,7 @@ impl ConvLowpKernels {
                     ],
                     bias_act: [f("lowp_bias_act_bf16")?, f("lowp_bias_act_f16")?],
                     bias_act8: [f("lowp_bias_act8_bf16")?, f("lowp_bias_act8_f16")?],
+                    pad_channels: [f("lowp_pad_channels_bf16")?, f("lowp_pad_channels_f16")?],
                     fwd: [f("lowp_conv_fwd_bf16")?, f("lowp_conv_fwd_f16")?],
                     bwd_data: [f("lowp_conv_bwd_data_bf16")?, f("lowp_conv_bwd_data_f16")?],
                     bwd_filter: [
@@ -211,6 +214,66 @@ impl ConvLowpKernels {
             (Layout::Nchw, _) => self.transpose(q, n, c, hw, src, dst),
             (Layout::Nhwc, _) => self.transpose(q, n, hw, c, src, dst),
         }
+    }
+
+    /// `src`, `batches × c × inner` in `layout` (`NCHW`: `[b][c][p]`, also `OIHW` weights;
+    /// `NHWC`: `[b][p][c]`, also `OHWI`), into `dst` as NHWC with `pad` channels: channel
+    /// `k < c` copied, `c ≤ k < pad` zero. `1 ≤ c ≤ pad ≤ 8`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pad_channels<T: Float>(
+        &self,
+        q: &dyn Queue,
+        (batches, c, inner): (usize, usize, usize),
+        pad: usize,
+        layout: Layout,
+        src: &DeviceBuffer<T>,
+        dst: &DeviceBuffer<T>,
+    ) -> Result<()> {
+        let f = &self.pad_channels[half_index("channel padding", T::DTYPE)?];
+        if c == 0 || c > pad || pad > 8 {
+            return Err(NnError::Shape(format!(
+                "channel padding: {c} channels to {pad} (needs 1 ≤ channels ≤ padded ≤ 8)"
+            )));
+        }
+        need(
+            "channel padding source",
+            src,
+            prod("channel padding", &[batches, c, inner])?,
+        )?;
+        let items = prod("channel padding", &[batches, inner])?;
+        need(
+            "channel padding destination",
+            dst,
+            prod("channel padding", &[items, pad])?,
+        )?;
+        if items == 0 {
+            return Ok(());
+        }
+        let as_i64 = |v: usize| {
+            i64::try_from(v).map_err(|_| NnError::Shape(format!("{v} elements exceed i64")))
+        };
+        // SAFETY: the kernel's parameters are (const T* src, T* dst, long long items, long
+        // long inner, int c, int pad, int src_nhwc) with T 2 bytes (bf16_t / f16_t for this
+        // dtype); for i < items = batches·inner it writes dst[i·pad + k], k < pad, below
+        // items·pad, which dst holds, and reads src at i·c + k (NHWC) or (b·c + k)·inner + p
+        // (NCHW, b = i / inner, p = i % inner) for k < c, below batches·c·inner, which src
+        // holds (all checked above).
+        unsafe {
+            q.launch(
+                f,
+                grid_stride(items),
+                &[
+                    src.into(),
+                    dst.into(),
+                    Arg::I64(as_i64(items)?),
+                    Arg::I64(as_i64(inner.max(1))?),
+                    Arg::I32(c as i32),
+                    Arg::I32(pad as i32),
+                    Arg::I32((layout == Layout::Nhwc) as i32),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     /// `y = relu?(y + bias)` over an output of `n × c × hw` in `layout` (`bias`: `c` elements,
@@ -410,6 +473,8 @@ mod tests {
             "lowp_bias_act8_bf16",
             "lowp_bias_act_f16",
             "lowp_bias_act8_f16",
+            "lowp_pad_channels_bf16",
+            "lowp_pad_channels_f16",
             "lowp_conv_fwd_bf16",
             "lowp_conv_fwd_f16",
             "lowp_conv_bwd_data_bf16",
