@@ -95,6 +95,41 @@ pub fn gemm_lowp<T: Float, O: Float>(
     c: &DeviceBuffer<O>,
     vec: Option<&DeviceBuffer<O>>,
 ) -> Result<GemmEngine> {
+    // SAFETY: `frozen` off: nothing is read early.
+    unsafe { product(q, op, a, b, c, vec, false) }
+}
+
+/// [`gemm_lowp`] with a `b` nothing writes any more (a loaded model's weights): where our
+/// few-row kernel runs the product inside a capture, it starts reading `b` before the
+/// previous kernel has finished (see [`GemvKernels::run_early`]). Same engines, same results.
+///
+/// # Safety
+/// The promise of [`GemvKernels::run_early`] for `b`.
+pub(crate) unsafe fn gemm_lowp_frozen<T: Float, O: Float>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+) -> Result<GemmEngine> {
+    // SAFETY: the caller's promise.
+    unsafe { product(q, op, a, b, c, vec, true) }
+}
+
+/// [`gemm_lowp`]; `frozen`: `b` may be read early by the few-row kernel.
+///
+/// # Safety
+/// With `frozen`, the promise of [`gemm_lowp_frozen`].
+unsafe fn product<T: Float, O: Float>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    c: &DeviceBuffer<O>,
+    vec: Option<&DeviceBuffer<O>>,
+    frozen: bool,
+) -> Result<GemmEngine> {
     validate(q, op, a, b, c, vec)?;
     if op.m == 0 || op.n == 0 {
         // Nothing to write (as `run_gemm`).
@@ -108,7 +143,8 @@ pub fn gemm_lowp<T: Float, O: Float>(
     let align = alignment(&addrs);
     let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
     if let Some(algo) = eng.lookup::<GemmEngine>(&key) {
-        run_lowp(q, &eng, algo, op, align, a, b, c, vec)?;
+        // SAFETY: `frozen` only as this function's caller promised.
+        unsafe { run_lowp(q, &eng, algo, op, align, (a, b, c, vec), frozen)? };
         return Ok(algo);
     }
     let candidates = candidates_in::<T, O>(q, &eng, op, family, align)?;
@@ -133,9 +169,11 @@ pub fn gemm_lowp<T: Float, O: Float>(
             Epilogue::BiasGrad => vs.as_ref(),
             _ => vec,
         };
-        run_lowp(q, &eng, algo, op, align, a, b, cs, v)
+        // SAFETY: `frozen` off.
+        unsafe { run_lowp(q, &eng, algo, op, align, (a, b, cs, v), false) }
     })?;
-    run_lowp(q, &eng, algo, op, align, a, b, c, vec)?;
+    // SAFETY: `frozen` only as this function's caller promised.
+    unsafe { run_lowp(q, &eng, algo, op, align, (a, b, c, vec), frozen)? };
     Ok(algo)
 }
 
@@ -161,7 +199,8 @@ pub fn gemm_lowp_with<T: Float, O: Float>(
     let eng = Engines::get(q.device())?;
     let mut addrs = vec![a.addr(), b.addr(), c.addr()];
     addrs.extend(vec.map(|v| v.addr()));
-    run_lowp(q, &eng, algo, op, alignment(&addrs), a, b, c, vec)
+    // SAFETY: `frozen` off.
+    unsafe { run_lowp(q, &eng, algo, op, alignment(&addrs), (a, b, c, vec), false) }
 }
 
 /// The engines the registry measures for `op` with operands of `T` and a result of `O` on
@@ -388,18 +427,24 @@ fn cublaslt(eng: &Engines) -> Result<&BlasLt> {
     })
 }
 
-/// Runs `op` with exactly `algo`.
-#[allow(clippy::too_many_arguments)]
-fn run_lowp<T: Float, O: Float>(
+/// Runs `op` with exactly `algo`; `frozen`: `b` may be read early by the few-row kernel.
+///
+/// # Safety
+/// With `frozen`, the promise of [`gemm_lowp_frozen`].
+#[allow(clippy::type_complexity)]
+unsafe fn run_lowp<T: Float, O: Float>(
     q: &dyn Queue,
     eng: &Engines,
     algo: GemmEngine,
     op: &GemmOp,
     align: u32,
-    a: &DeviceBuffer<T>,
-    b: &DeviceBuffer<T>,
-    c: &DeviceBuffer<O>,
-    vec: Option<&DeviceBuffer<O>>,
+    (a, b, c, vec): (
+        &DeviceBuffer<T>,
+        &DeviceBuffer<T>,
+        &DeviceBuffer<O>,
+        Option<&DeviceBuffer<O>>,
+    ),
+    frozen: bool,
 ) -> Result<()> {
     let which = match algo {
         GemmEngine::Cublas => {
@@ -431,7 +476,12 @@ fn run_lowp<T: Float, O: Float>(
             }
             let dims = (op.m, op.n, op.k);
             let gemv = GemvKernels::get(q.device())?;
-            return gemv.run(q, dims, (op.alpha, op.beta), op.epilogue, a, b, c, vec, ks);
+            let scales = (op.alpha, op.beta);
+            return match frozen {
+                // SAFETY: the promise of this function's caller for `b`.
+                true => unsafe { gemv.run_early(q, dims, scales, op.epilogue, a, b, c, vec, ks) },
+                false => gemv.run(q, dims, scales, op.epilogue, a, b, c, vec, ks),
+            };
         }
         other => {
             return Err(NnError::NotSupported {

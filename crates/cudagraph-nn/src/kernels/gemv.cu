@@ -1,8 +1,12 @@
 // Few-row products in the forward layout, y[r, j] = act(alpha·Σ_p x[r, p]·w[j, p] + beta·c[r, j]
 // + bias[j]) for r < m ≤ M, x: [m, k] and w: [n, k] row-major of T (bf16 or f16), y and c the
 // same buffer of O (T or f32), bias: [n] of O. Compiled after PDL_CUDA and cast.cu (bf16_t,
-// f16_t, to_f32, from_f32); every kernel begins with CG_PDL_ENTER() (programmatic dependent
-// launch: it waits for the previous kernel before touching memory).
+// f16_t, to_f32, from_f32). Programmatic dependent launch: every kernel first lets the next
+// kernel launch (CG_PDL_TRIGGER), then waits for the previous kernel and its memory
+// (CG_PDL_WAIT) before touching memory — except, with `early` set, each lane's first
+// GV_UNROLL vectors of its weight row, loaded before the wait: the launcher sets it only for
+// weights no earlier work writes (a loaded model's), so the weight stream of one product
+// starts while the previous kernel is still finishing. The sums are the same either way.
 //
 // A block is GV_WARPS warps; `ks` of them (1, 2, 4 or 8) share one column j, each summing its
 // own contiguous range of k in 8-element vectors (16 bytes): lane l takes the range's vectors
@@ -63,10 +67,21 @@ __device__ __forceinline__ float gv_gelu(float v) {
     return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
 }
 
+// Lane `v`'s vectors v, v + 32, ..., GV_UNROLL of them below v1, of the weight row wr.
+template <typename T>
+__device__ __forceinline__ void gv_fetch(GvVec* wv, const T* wr, int v, int v1) {
+#pragma unroll
+    for (int u = 0; u < GV_UNROLL; u++) {
+        const int vu = v + 32 * u;
+        if (vu < v1) wv[u] = gv_load(wr + 8 * vu);
+    }
+}
+
 template <typename T, typename O, int M>
 __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __restrict__ w,
                                         O* y, const O* bias, int m, int n, int k,
-                                        int ks, float alpha, float beta, int beta_on, int ep) {
+                                        int ks, float alpha, float beta, int beta_on, int ep,
+                                        int early) {
     __shared__ float red[GV_WARPS * M];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -74,41 +89,38 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     const int j = blockIdx.x * cols + warp / ks;
     const int slice = warp % ks;
     const int nv = k >> 3;  // 8-element vectors per row
-    // This warp's vectors [v0, v1) of the row.
+    // This warp's vectors [v0, v1) of the row; none for a column past n.
     const int v0 = (int)((long long)nv * slice / ks);
-    const int v1 = (int)((long long)nv * (slice + 1) / ks);
+    const int v1 = j < n ? (int)((long long)nv * (slice + 1) / ks) : v0;
+    const T* wr = w + (long long)(j < n ? j : 0) * k;
+    const int step = 32 * GV_UNROLL;
+    GvVec wv[GV_UNROLL];
+    gv_fetch(wv, wr, v0 + lane, v1);
+    if (early) CG_PDL_WAIT();
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; r++) acc[r] = 0.0f;
-    if (j < n) {
-        const T* wr = w + (long long)j * k;
-        for (int v = v0 + lane; v < v1; v += 32 * GV_UNROLL) {
-            GvVec wv[GV_UNROLL];
+    for (int v = v0 + lane; v < v1; v += step) {
 #pragma unroll
-            for (int u = 0; u < GV_UNROLL; u++) {
-                const int vu = v + 32 * u;
-                if (vu < v1) wv[u] = gv_load(wr + 8 * vu);
-            }
+        for (int u = 0; u < GV_UNROLL; u++) {
+            const int vu = v + 32 * u;
+            if (vu < v1) {
+                float wf[8];
+                gv_widen(wv[u], wf, T());
 #pragma unroll
-            for (int u = 0; u < GV_UNROLL; u++) {
-                const int vu = v + 32 * u;
-                if (vu < v1) {
-                    float wf[8];
-                    gv_widen(wv[u], wf, T());
+                for (int r = 0; r < M; r++) {
+                    if (r < m) {
+                        float xf[8];
+                        gv_widen(gv_load(x + (long long)r * k + 8 * vu), xf, T());
+                        float s = acc[r];
 #pragma unroll
-                    for (int r = 0; r < M; r++) {
-                        if (r < m) {
-                            float xf[8];
-                            gv_widen(gv_load(x + (long long)r * k + 8 * vu), xf, T());
-                            float s = acc[r];
-#pragma unroll
-                            for (int e = 0; e < 8; e++) s = fmaf(wf[e], xf[e], s);
-                            acc[r] = s;
-                        }
+                        for (int e = 0; e < 8; e++) s = fmaf(wf[e], xf[e], s);
+                        acc[r] = s;
                     }
                 }
             }
         }
+        if (v + step < v1) gv_fetch(wv, wr, v + step, v1);
     }
 #pragma unroll
     for (int r = 0; r < M; r++) {
@@ -141,9 +153,10 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
 #define GV_KERNEL(T, O, S, M)                                                                  \
     extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
         gemv_##S##_m##M(const T* x, const T* w, O* y, const O* bias, int m, int n, int k,      \
-                        int ks, float alpha, float beta, int beta_on, int ep) {                \
-        CG_PDL_ENTER();                                                                        \
-        gemv_nt<T, O, M>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep);                \
+                        int ks, float alpha, float beta, int beta_on, int ep, int early) {     \
+        CG_PDL_TRIGGER();                                                                      \
+        if (!early) CG_PDL_WAIT();                                                             \
+        gemv_nt<T, O, M>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early);         \
     }
 
 #define GV_ROWS(T, O, S)                                                                       \

@@ -119,14 +119,66 @@ impl GemvKernels {
     pub fn run<T: Float, O: Float>(
         &self,
         q: &dyn Queue,
-        (m, n, k): (usize, usize, usize),
-        (alpha, beta): (f32, f32),
+        dims: (usize, usize, usize),
+        scales: (f32, f32),
         epilogue: Epilogue,
         x: &DeviceBuffer<T>,
         w: &DeviceBuffer<T>,
         y: &DeviceBuffer<O>,
         bias: Option<&DeviceBuffer<O>>,
         ks: u8,
+    ) -> Result<()> {
+        // SAFETY: `early` off: the kernel reads nothing before the previous kernel is done.
+        unsafe { self.launch(q, dims, scales, epilogue, (x, w, y, bias), ks, false) }
+    }
+
+    /// [`GemvKernels::run`] for weights that nothing writes any more: launched with PDL
+    /// (inside captures), the kernel loads the first part of its weight rows before waiting
+    /// for the previous kernel, so the product's weight stream overlaps that kernel's end.
+    /// Same checks, same results.
+    ///
+    /// # Safety
+    /// `w` holds its final values before any work that can run before this product on `q`
+    /// (or in the graph it is captured into) begins, and nothing writes it for as long as the
+    /// product may run: not the previous kernel, not any kernel before it (a loaded model's
+    /// weights, uploaded and synchronised once).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run_early<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        dims: (usize, usize, usize),
+        scales: (f32, f32),
+        epilogue: Epilogue,
+        x: &DeviceBuffer<T>,
+        w: &DeviceBuffer<T>,
+        y: &DeviceBuffer<O>,
+        bias: Option<&DeviceBuffer<O>>,
+        ks: u8,
+    ) -> Result<()> {
+        // SAFETY: the caller's promise about `w`.
+        unsafe { self.launch(q, dims, scales, epilogue, (x, w, y, bias), ks, true) }
+    }
+
+    /// Checks and launches (see [`GemvKernels::run`]); `early`: the weights may be read
+    /// before the PDL wait.
+    ///
+    /// # Safety
+    /// With `early`, the promise of [`GemvKernels::run_early`].
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    unsafe fn launch<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        (m, n, k): (usize, usize, usize),
+        (alpha, beta): (f32, f32),
+        epilogue: Epilogue,
+        (x, w, y, bias): (
+            &DeviceBuffer<T>,
+            &DeviceBuffer<T>,
+            &DeviceBuffer<O>,
+            Option<&DeviceBuffer<O>>,
+        ),
+        ks: u8,
+        early: bool,
     ) -> Result<()> {
         let pair = match (T::DTYPE, O::DTYPE) {
             (Dtype::Bf16, Dtype::Bf16) => 0,
@@ -196,8 +248,9 @@ impl GemvKernels {
             Arg::F32(beta),
             Arg::I32((beta != 0.0) as i32),
             Arg::I32(ep),
+            Arg::I32(early as i32),
         ];
-        // SAFETY: gemv_S_mM(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep) with
+        // SAFETY: gemv_S_mM(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early) with
         // m ≤ M (the instance chosen), GV_WARPS = 8 warps a block and ks dividing it (checked):
         // block b's warps take columns j = b·(8/ks) + warp/ks and read w[j·k + p] only for
         // j < n, p < k (n·k checked), x[r·k + p] for r < m, p < k (m·k checked) with 16-byte
@@ -205,7 +258,8 @@ impl GemvKernels {
         // checked); the finishing threads read and write y[r·n + j] for r < m, j < n (m·n
         // checked; read only with beta_on) and read bias[j] only for ep ≠ 0 (then bias is
         // given with n elements, checked); sizes within int (checked), element offsets long
-        // long; the shared array is static.
+        // long; the shared array is static. With `early`, the weight loads before the PDL
+        // wait read memory no earlier work writes (the promise of this function's caller).
         unsafe {
             super::pdl::launch_decode(
                 q,

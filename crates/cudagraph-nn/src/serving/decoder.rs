@@ -56,7 +56,7 @@ use crate::autograd::attention::KvCache;
 use crate::autograd::transformer::{llama3_frequency_scale, rope_inv_freq};
 use crate::dtype::{Dtype, Float};
 use crate::engine::gemm::{run_gemm, Epilogue, GemmFamily, GemmOp, Trans};
-use crate::engine::gemm_lowp::gemm_lowp;
+use crate::engine::gemm_lowp::gemm_lowp_frozen;
 use crate::error::{NnError, Result};
 use crate::extent::{need, on_device};
 use crate::io::hf::{DecoderConfig, DecoderWeights};
@@ -353,7 +353,10 @@ fn linear<T: Float, O: Float>(
         epilogue,
     };
     if T::DTYPE != Dtype::F32 {
-        gemm_lowp::<T, O>(q, nn, &op, x, w, y, b)?;
+        // SAFETY: `w` is a decoder weight: written once, by `Decoder::from_weights`, which
+        // waits for the upload before returning, and never again (the weights are private
+        // and immutable), so no work before or beside this product writes it.
+        unsafe { gemm_lowp_frozen::<T, O>(q, &op, x, w, y, b)? };
         return Ok(());
     }
     // f32: run_gemm has no fused GELU; the bias is fused, GELU runs after.
@@ -389,7 +392,8 @@ impl Decoder {
 
     /// Puts checked host weights on `s`'s device in `dtype` (weights of another dtype rounded
     /// to nearest even; a finite value `dtype` cannot hold is an error). Llama's q/k/v and
-    /// gate/up weights are concatenated here, once. Eager: copies from the host.
+    /// gate/up weights are concatenated here, once. Eager: copies from the host and waits for
+    /// `s` before returning.
     pub fn from_weights(s: &Stream, weights: &DecoderWeights, dtype: Dtype) -> Result<Decoder> {
         let config = weights.config.clone();
         let dims = Dims::of(&config);
@@ -428,6 +432,9 @@ impl Decoder {
         DecoderKernels::get(dev)?;
         TransformerKernels::get(dev)?;
         Nn::get(dev)?;
+        // The weights are final from here on: the few-row products read them early (before
+        // the previous kernel finishes, see `linear`), so no upload may still be in flight.
+        s.synchronize()?;
         Ok(Decoder {
             config,
             dtype,
