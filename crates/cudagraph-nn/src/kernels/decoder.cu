@@ -258,7 +258,7 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 #define DS_THREADS 128
 #define DS_WARPS 4
 #define DS_INFLIGHT 4
-#define DS_SPLIT_KEYS 128
+#define DS_SPLIT_KEYS 64
 #define DS_MAX_SPLITS 64
 #define DS_NEG_INF __int_as_float(0xff800000)
 
