@@ -50,6 +50,7 @@ use crate::dtype::{Dtype, Float};
 use crate::engine::{ConvFamily, Engines, Policy};
 use crate::error::{NnError, Result};
 pub use crate::extent::{ConvDir, ConvGeom, ConvShape, Layout};
+use crate::ffi::cudnn_graph::CudnnGraph;
 pub use crate::ffi::cudnn_graph::LowpOp;
 use crate::kernels::conv_lowp::ConvLowpKernels;
 use crate::kernels::Nn;
@@ -594,6 +595,26 @@ pub fn conv_lowp_candidates(
             && crate::ffi::cudnn::supports_shape(&op.shape);
         let limit = workspace_limit(eng.device_info().total_memory);
         let det = policy.deterministic;
+        // cuDNN's graph-API configurations for `lop` as engines made by `at`: the plain
+        // convolution's, then, where the op has an epilogue, those with it fused.
+        let graph_configs = |v: &mut Vec<LowpEngine>,
+                             g: &CudnnGraph,
+                             lop: &LowpOp,
+                             at: &dyn Fn(LowpKind) -> LowpEngine| {
+            let plain = LowpOp {
+                bias: false,
+                relu: false,
+                ..*lop
+            };
+            for c in g.lowp_candidates(q, &plain, det, limit).unwrap_or_default() {
+                v.push(at(LowpKind::CudnnGraph(c.rank)));
+            }
+            if op.bias || op.relu {
+                for c in g.lowp_candidates(q, lop, det, limit).unwrap_or_default() {
+                    v.push(at(LowpKind::CudnnGraphFused(c.rank)));
+                }
+            }
+        };
         for layout in [op.layout, op.layout.other()] {
             if !cudnn_ok {
                 break;
@@ -612,19 +633,7 @@ pub fn conv_lowp_candidates(
                 }
             }
             if let Some(g) = eng.cudnn_graph_for(q) {
-                let plain = LowpOp {
-                    bias: false,
-                    relu: false,
-                    ..lop
-                };
-                for c in g.lowp_candidates(q, &plain, det, limit).unwrap_or_default() {
-                    v.push(at(LowpKind::CudnnGraph(c.rank)));
-                }
-                if op.bias || op.relu {
-                    for c in g.lowp_candidates(q, &lop, det, limit).unwrap_or_default() {
-                        v.push(at(LowpKind::CudnnGraphFused(c.rank)));
-                    }
-                }
+                graph_configs(&mut v, g, &lop, &at);
             }
         }
         if cudnn_ok {
@@ -640,22 +649,7 @@ pub fn conv_lowp_candidates(
                     kind,
                     pad: pad as u8,
                 };
-                let plain = LowpOp {
-                    bias: false,
-                    relu: false,
-                    ..padded
-                };
-                for c in g.lowp_candidates(q, &plain, det, limit).unwrap_or_default() {
-                    v.push(at(LowpKind::CudnnGraph(c.rank)));
-                }
-                if op.bias || op.relu {
-                    for c in g
-                        .lowp_candidates(q, &padded, det, limit)
-                        .unwrap_or_default()
-                    {
-                        v.push(at(LowpKind::CudnnGraphFused(c.rank)));
-                    }
-                }
+                graph_configs(&mut v, g, &padded, &at);
             }
         }
         let ours = matches!(

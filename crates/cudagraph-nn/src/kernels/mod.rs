@@ -93,7 +93,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         (
             "cudagraph_nn_sampling",
-            format!("{check}{}", sampling::SOURCE),
+            format!("{check}{}{}", philox::DRAW, sampling::SOURCE),
         ),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         ("cudagraph_nn_lowp", lowp::source()),

@@ -13,8 +13,13 @@ use super::need;
 use super::pdl::launch_entered;
 use crate::error::{NnError, Result};
 
+/// Philox4x32-10 and the draw of a generator's numbers as device functions (`philox_draw.cu`):
+/// the first part of this module's source, and compiled before the sampling kernels, which
+/// draw from the same generator.
+pub const DRAW: &str = include_str!("philox_draw.cu");
+
 /// The CUDA source of the module.
-pub const SOURCE: &str = include_str!("philox.cu");
+pub const SOURCE: &str = concat!(include_str!("philox_draw.cu"), include_str!("philox.cu"));
 
 /// Threads per block (a multiple of 32: `dropout_fwd` assembles mask words within warps).
 const BLOCK: u32 = 256;

@@ -1,8 +1,9 @@
 // Token sampling and decode bookkeeping (sampling.rs). Compiled as its own module after the
-// device-check prologue. Everything here is deterministic: reductions are integer (counts and
-// fixed-point weights) or a fixed-order pairwise choice, and the arithmetic that decides a
-// token uses only correctly rounded f32 operations (__f*_rn, no contraction), so the CPU
-// reference (nn::sampling::reference) reproduces every choice bit for bit.
+// device-check prologue and philox_draw.cu (rng_draw: the generator's numbers). Everything
+// here is deterministic: reductions are integer (counts and fixed-point weights) or a
+// fixed-order pairwise choice, and the arithmetic that decides a token uses only correctly
+// rounded f32 operations (__f*_rn, no contraction), so the CPU reference
+// (nn::sampling::reference) reproduces every choice bit for bit.
 //
 // One block of SAMP_THREADS threads per row. A value's order key is its f32 bits mapped so
 // that unsigned order is float order (-0 counts as +0; NaN is never a candidate). A
@@ -16,20 +17,6 @@
 #define SAMP_WARPS (SAMP_THREADS / 32)
 #define SAMP_BINS 256
 #define SAMP_NONE 0x7fffffff
-
-__device__ __forceinline__ uint4 samp_philox(uint4 c, uint2 k) {
-#pragma unroll
-    for (int r = 0; r < 10; r++) {
-        if (r > 0) {
-            k.x += 0x9E3779B9u;
-            k.y += 0xBB67AE85u;
-        }
-        unsigned int hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
-        unsigned int hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
-        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
-    }
-    return c;
-}
 
 // The order key of a value that is not NaN.
 __device__ __forceinline__ unsigned int samp_key(float z) {
@@ -498,10 +485,7 @@ extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
     // The draw: token id order over the kept values, narrowed run by run (samp_runs) to one
     // strip of 32 ids, where warp 0's inclusive scan finds the first id whose running weight
     // exceeds the target.
-    unsigned long long idx = state[1] + offset + (unsigned long long)r;
-    unsigned long long seed = state[0];
-    uint4 g = samp_philox(make_uint4((unsigned int)idx, (unsigned int)(idx >> 32), 0u, 0u),
-                          make_uint2((unsigned int)seed, (unsigned int)(seed >> 32)));
+    const uint4 g = rng_draw(state, offset, (unsigned long long)r);
     unsigned long long r64 = ((unsigned long long)g.x << 32) | g.y;
     int s0 = 0, s1 = (vocab + 31) / 32;
     for (bool first = true;; first = false) {
