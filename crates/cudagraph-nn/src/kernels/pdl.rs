@@ -83,12 +83,15 @@ fn decode_pdl(q: &dyn Queue) -> bool {
     on && q.device().supports_pdl()
 }
 
-/// Launches a decode-path kernel (`decoder.cu`, `gemv.cu`: every kernel begins with
-/// `CG_PDL_ENTER()`), with PDL where [`decode_pdl`] says.
+/// Launches a decode-path kernel (`decoder.cu`, `gemv.cu`: every kernel lets the next one
+/// launch, then waits for the previous kernel before touching memory — `CG_PDL_ENTER()` —
+/// except `gemv.cu`'s with `early` set, which first loads weights), with PDL where
+/// [`decode_pdl`] says.
 ///
 /// # Safety
 /// The caller checked every buffer against the extent the kernel indexes with the scalars
-/// given (see the kernel's comment in its `.cu` file).
+/// given (see the kernel's comment in its `.cu` file), and where the kernel reads memory
+/// before its wait (`gemv.cu` with `early`), no work that can still run writes that memory.
 pub(crate) unsafe fn launch_decode(
     q: &dyn Queue,
     f: &Function,
@@ -96,8 +99,8 @@ pub(crate) unsafe fn launch_decode(
     args: &[Arg<'_>],
 ) -> Result<()> {
     let opts = LaunchOptions::new().pdl(decode_pdl(q));
-    // SAFETY: the caller's promise; the kernel begins with CG_PDL_ENTER(), which waits for the
-    // previous kernel before any memory access.
+    // SAFETY: the caller's promise; the kernel waits for the previous kernel before any memory
+    // access other than reads of memory nothing still running writes (the caller's promise).
     Ok(q.launch_with(f, cfg, args, opts)?)
 }
 
