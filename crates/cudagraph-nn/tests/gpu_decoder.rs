@@ -872,8 +872,17 @@ fn buffers_off_sixteen_bytes_take_the_narrow_loads() {
     let xo = offset_buffer(&s, &xs, 4);
     let yo = offset_buffer(&s, &vec![bf16::ZERO; rows * cols], 4);
     for (xb, yb) in [(&x, &y), (&xo, &yo)] {
-        dk.norm(&s, xb, (&w, None), yb, (rows, cols), (1, 0), (1e-5, true))
-            .unwrap();
+        dk.norm(
+            &s,
+            xb,
+            None,
+            (&w, None),
+            yb,
+            (rows, cols),
+            (1, 0),
+            (1e-5, true),
+        )
+        .unwrap();
     }
     let (a, b) = (s.to_vec(&y).unwrap(), s.to_vec(&yo).unwrap());
     s.synchronize().unwrap();
@@ -946,4 +955,92 @@ fn buffers_off_sixteen_bytes_take_the_narrow_loads() {
         .unwrap_err();
     assert!(err.to_string().contains("aligned to two elements"), "{err}");
     s.synchronize().unwrap();
+}
+
+/// The norm with a residual: the picked rows of `x` become `x + add` rounded to bf16 (exactly,
+/// written back), the other rows stay, and `y` is the RMSNorm of the sum (within bf16
+/// rounding of an f64 reference); on 16-byte aligned buffers (vector loads) and 4 bytes off
+/// (element loads).
+#[test]
+fn the_norm_adds_the_residual_into_the_rows_it_reads() {
+    use cudagraph_nn::kernels::decoder::DecoderKernels;
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let dk = DecoderKernels::get(&dev).unwrap();
+    let mut rng = Lcg(11);
+    // 6 rows of x; rows 1, 3, 5 picked (stride 2, offset 1).
+    let (all, rows, cols, eps) = (6, 3, 256, 1e-5f32);
+    let mut random = |n: usize| -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(4.0 * rng.next() as f32))
+            .collect()
+    };
+    let (xs, adds) = (random(all * cols), random(all * cols));
+    let wv: Vec<f32> = (0..cols).map(|c| 0.5 + (c % 7) as f32 * 0.25).collect();
+    let w = s.alloc_from_host(&wv).unwrap();
+    for offset in [0u64, 4] {
+        let x = offset_buffer(&s, &xs, offset);
+        let a = offset_buffer(&s, &adds, offset);
+        let y = offset_buffer(&s, &vec![bf16::ZERO; rows * cols], offset);
+        dk.norm(
+            &s,
+            &x,
+            Some(&a),
+            (&w, None),
+            &y,
+            (rows, cols),
+            (2, 1),
+            (eps, true),
+        )
+        .unwrap();
+        let (xg, yg) = (s.to_vec(&x).unwrap(), s.to_vec(&y).unwrap());
+        s.synchronize().unwrap();
+        for r in 0..all {
+            for c in 0..cols {
+                let i = r * cols + c;
+                let want = if r % 2 == 1 {
+                    bf16::from_f32(xs[i].to_f32() + adds[i].to_f32())
+                } else {
+                    xs[i]
+                };
+                assert_eq!(
+                    xg[i].to_bits(),
+                    want.to_bits(),
+                    "offset {offset}: x[{r}, {c}]"
+                );
+            }
+        }
+        for r in 0..rows {
+            let row: Vec<f64> = (0..cols)
+                .map(|c| xg[(2 * r + 1) * cols + c].to_f32() as f64)
+                .collect();
+            let ms = row.iter().map(|v| v * v).sum::<f64>() / cols as f64;
+            let rs = 1.0 / (ms + eps as f64).sqrt();
+            for c in 0..cols {
+                let want = row[c] * rs * wv[c] as f64;
+                let got = yg[r * cols + c].to_f32() as f64;
+                assert!(
+                    (got - want).abs() <= want.abs() / 64.0 + 1e-3,
+                    "offset {offset}: y[{r}, {c}] = {got}, want {want}"
+                );
+            }
+        }
+    }
+    // A residual shorter than the rows the norm reads is refused before anything runs.
+    let x = s.alloc_from_host(&xs).unwrap();
+    let short = s.alloc::<bf16>(all * cols - 1).unwrap();
+    let y = s.alloc::<bf16>(rows * cols).unwrap();
+    let err = dk
+        .norm(
+            &s,
+            &x,
+            Some(&short),
+            (&w, None),
+            &y,
+            (rows, cols),
+            (2, 1),
+            (eps, true),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("decoder norm residual"), "{err}");
 }

@@ -1,5 +1,5 @@
 // The decoder's fused inference kernels (serving::decoder): token (+ position) embedding,
-// LayerNorm or RMSNorm over rows picked with a stride, the split of a packed q|k|v product
+// LayerNorm or RMSNorm over rows picked with a stride (the residual add before it fused), the split of a packed q|k|v product
 // with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
 // and attention over the cache split along the keys (flash decoding). One template per
 // operation instantiated for float, bf16_t and f16_t (compiled after PDL_CUDA, the
@@ -10,7 +10,8 @@
 // model's type (RMSNorm's normalised row before the weight, the cos/sin tables and each
 // product of the rotary embedding, SiLU's output before the product), so do these kernels
 // (dec_rnd: the identity for f32), so that 16-bit results follow the reference
-// implementation's.
+// implementation's; so does the residual add, which rounds the sum of the stream and a
+// product already rounded to T.
 
 // x rounded to T and widened back (the identity for float).
 template <typename T>
@@ -98,22 +99,27 @@ __device__ __forceinline__ void dec_embed_n(const int* __restrict__ ids, const T
     }
 }
 
-// Row r = blockIdx.x of y ([rows, cols]) = norm of row r·stride + off of x: LayerNorm
+// Row r = blockIdx.x of y ([rows, cols]) = norm of row xr = r·stride + off of x: LayerNorm
 // ((x - mean) · rstd · w + b, b may be null; biased variance, two passes) or, with rms = 1,
-// RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once. Rows of whole 16-byte
-// loads that fit the block's registers, in 16-byte aligned buffers, are read once with those
-// loads; others element by element, once per pass.
+// RMSNorm (x · rsqrt(mean(x²) + eps) · w). All in f32, rounded once. With a (not null) the
+// row of a at xr is first added into x's (the residual add: x[xr] = x[xr] + a[xr], rounded to
+// T and written back, as Hugging Face adds a product already rounded to the model's type),
+// and the sum is normalised. Rows of whole 16-byte loads that fit the block's registers, in
+// 16-byte aligned buffers, are read once with those loads; others element by element, once
+// per pass.
 template <typename T>
-__device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float* __restrict__ w,
+__device__ __forceinline__ void dec_norm_n(T* x, const T* a, const float* __restrict__ w,
                                            const float* __restrict__ b, T* __restrict__ y,
                                            int cols, float eps, int rms, int stride, int off) {
     constexpr int P = 16 / sizeof(T);
     __shared__ float sh[DEC_ROW_THREADS / 32];
     const long long r = blockIdx.x;
-    const T* xr = x + (r * stride + off) * cols;
+    T* xr = x + (r * stride + off) * cols;
+    const T* ar = a ? a + (r * stride + off) * cols : nullptr;
     T* yr = y + r * cols;
     const int tid = threadIdx.x;
-    const bool aligned = (((unsigned long long)x | (unsigned long long)y) & 15ull) == 0;
+    const bool aligned =
+        (((unsigned long long)x | (unsigned long long)a | (unsigned long long)y) & 15ull) == 0;
     if (aligned && cols % P == 0 && cols <= DEC_ROW_THREADS * DEC_NORM_LOADS * P) {
         const int nv = cols / P;
         float v[DEC_NORM_LOADS][P];
@@ -123,6 +129,13 @@ __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float*
             const int k = tid + i * DEC_ROW_THREADS;
             if (k < nv) {
                 ds_load<T, P>(xr + k * P, v[i]);
+                if (ar) {
+                    float t[P];
+                    ds_load<T, P>(ar + k * P, t);
+#pragma unroll
+                    for (int e = 0; e < P; e++) v[i][e] = dec_rnd<T>(v[i][e] + t[e]);
+                    ds_store<T, P>(xr + k * P, v[i]);
+                }
 #pragma unroll
                 for (int e = 0; e < P; e++) acc += v[i][e];
             }
@@ -157,6 +170,11 @@ __device__ __forceinline__ void dec_norm_n(const T* __restrict__ x, const float*
             }
         }
         return;
+    }
+    if (ar) {
+        // Each thread adds the elements it reads in the passes below (same thread, in order).
+        for (int c = tid; c < cols; c += DEC_ROW_THREADS)
+            xr[c] = from_f32<T>(to_f32(xr[c]) + to_f32(ar[c]));
     }
     float mu = 0.0f;
     if (!rms) {
@@ -530,10 +548,10 @@ __device__ __forceinline__ void dec_attend_n(
                        pos_check);                                                            \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(DEC_ROW_THREADS)                             \
-        dec_norm_##S(const T* x, const float* w, const float* b, T* y, int cols, float eps,   \
-                     int rms, int stride, int off) {                                          \
+        dec_norm_##S(T* x, const T* a, const float* w, const float* b, T* y, int cols,        \
+                     float eps, int rms, int stride, int off) {                               \
         CG_PDL_ENTER();                                                                       \
-        dec_norm_n<T>(x, w, b, y, cols, eps, rms, stride, off);                               \
+        dec_norm_n<T>(x, a, w, b, y, cols, eps, rms, stride, off);                            \
     }                                                                                         \
     extern "C" __global__ void dec_qkv_##S(const T* qkv, const float* inv_freq, const int* pos, \
                                            const int* slot, T* q_out, T* kc, T* vc, int N,     \

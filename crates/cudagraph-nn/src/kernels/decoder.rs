@@ -217,11 +217,15 @@ impl DecoderKernels {
 
     /// `y[r, :]` = LayerNorm (`b` given or not, `rms` false) or RMSNorm (`rms`, no bias) of
     /// row `r · stride + off` of `x` (`[·, cols]`), for `r < rows`; `w`, `b`: `[cols]` f32.
+    /// With `add` (laid out as `x`), that row of `add` is first added into `x`'s — the sum
+    /// rounded to `T` and written back into `x` (the residual add) — and the sum is
+    /// normalised; rows of `x` that are not picked are left as they are.
     #[allow(clippy::too_many_arguments)]
     pub fn norm<T: Float>(
         &self,
         q: &dyn Queue,
         x: &DeviceBuffer<T>,
+        add: Option<&DeviceBuffer<T>>,
         (w, b): (&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>),
         y: &DeviceBuffer<T>,
         (rows, cols): (usize, usize),
@@ -248,6 +252,13 @@ impl DecoderKernels {
             y,
             prod("decoder norm output", &[rows, cols])?,
         )?;
+        if let Some(a) = add {
+            need(
+                "decoder norm residual",
+                a,
+                prod("decoder norm residual", &[x_rows, cols])?,
+            )?;
+        }
         need("decoder norm weight", w, cols)?;
         if let Some(b) = b {
             if rms {
@@ -261,6 +272,7 @@ impl DecoderKernels {
             .ok_or_else(|| NnError::Shape(format!("decoder norm: {rows} rows exceed the grid")))?;
         let args = [
             x.into(),
+            Arg::opt(add),
             w.into(),
             Arg::opt(b),
             y.into(),
@@ -270,10 +282,12 @@ impl DecoderKernels {
             Arg::I32(int("decoder norm stride", stride)?),
             Arg::I32(int("decoder norm offset", off)?),
         ];
-        // SAFETY: dec_norm_*(x, w, b, y, cols, eps, rms, stride, off): block r < rows reads
-        // x[(r·stride + off)·cols + c] (below x_rows·cols, checked), w[c], b[c] (b null: not
-        // read) and writes y[r·cols + c] for c < cols (rows·cols checked); 256 threads, the
-        // kernel's shared array; cols plus the loop step within int.
+        // SAFETY: dec_norm_*(x, a, w, b, y, cols, eps, rms, stride, off): block r < rows
+        // reads x[(r·stride + off)·cols + c] (below x_rows·cols, checked) and, with a (null:
+        // not read), a at the same index (x_rows·cols checked) and then writes that element of
+        // x (each element by the one thread that reads it), w[c], b[c] (b null: not read) and
+        // writes y[r·cols + c] for c < cols (rows·cols checked); 256 threads, the kernel's
+        // shared array; cols plus the loop step within int.
         unsafe {
             launch_decode(
                 q,

@@ -21,12 +21,15 @@
 //!
 //! norm → one q|k|v product (Llama's three weights concatenated once at load; GPT-2's bias
 //! fused) → one kernel that splits it, rotates q and k, writes k and v into the cache at
-//! (slot, position) and q out → attention over the cache → the output product with the
-//! residual add fused (`beta = 1` into the residual stream, in place; bias fused) → norm → MLP
-//! up (GPT-2: bias and GELU fused; Llama: gate and up concatenated in one product, then one
-//! SwiGLU kernel) → down product with the residual fused. GPT-2: 8 launches a layer, Llama 9;
-//! plus the embedding (one kernel), the final norm and the head product. f32 models run the
-//! products with `run_gemm` (GPT-2's GELU is then one more elementwise kernel).
+//! (slot, position) and q out → attention over the cache → the output product (bias fused)
+//! → norm, which first adds that product into the residual stream (in place) → MLP up (GPT-2:
+//! bias and GELU fused; Llama: gate and up concatenated in one product, then one SwiGLU
+//! kernel) → down product, added into the stream by the next layer's first norm (or the final
+//! norm). GPT-2: 8 launches a layer, Llama 9; plus the embedding (one kernel), the final norm
+//! and the head product. f32 models run the products with `run_gemm` (GPT-2's GELU is then
+//! one more elementwise kernel). The residual adds round as Hugging Face's do: the product is
+//! rounded to the model's type, then the sum (adding in the product's epilogue instead rounds
+//! once, and measurably moves 16-bit logits away from Hugging Face's).
 //!
 //! # Rows of different lengths
 //!
@@ -324,9 +327,8 @@ fn as_f32<T: Float>(buf: &DeviceBuffer<T>) -> Result<&DeviceBuffer<f32>> {
         })
 }
 
-/// One product of the forward layout, `y[m, n] (+)= x[m, k] · w[n, k]ᵀ (+ b)`, GELU fused when
-/// `gelu`, added into `y` when `add` (the residual stream); `O` is `T`, or f32 for the head.
-#[allow(clippy::too_many_arguments)]
+/// One product of the forward layout, `y[m, n] = x[m, k] · w[n, k]ᵀ (+ b)`, GELU fused when
+/// `gelu`; `O` is `T`, or f32 for the head.
 fn linear<T: Float, O: Float>(
     q: &dyn Queue,
     nn: &Nn,
@@ -334,7 +336,6 @@ fn linear<T: Float, O: Float>(
     (w, b): (&DeviceBuffer<T>, Option<&DeviceBuffer<O>>),
     y: &DeviceBuffer<O>,
     (m, n, k): (usize, usize, usize),
-    add: bool,
     gelu: bool,
 ) -> Result<()> {
     let epilogue = match (b.is_some(), gelu) {
@@ -349,7 +350,7 @@ fn linear<T: Float, O: Float>(
         n,
         k,
         alpha: 1.0,
-        beta: if add { 1.0 } else { 0.0 },
+        beta: 0.0,
         epilogue,
     };
     if T::DTYPE != Dtype::F32 {
@@ -499,7 +500,7 @@ impl Decoder {
     /// into `logits`: `[rows · tokens, vocab]` for [`LogitsFor::All`], `[rows, vocab]` for
     /// [`LogitsFor::Last`]. No host synchronisation, no host reads: capturable. Intermediates
     /// (the residual stream and the layer's activations, about
-    /// `rows · tokens · (3·d + (H + 2·Hkv)·D + 2·H·D + 3·m)` elements) are allocated from `q`
+    /// `rows · tokens · (4·d + (H + 2·Hkv)·D + 2·H·D + 3·m)` elements) are allocated from `q`
     /// on each call (from the graph's pool inside a capture).
     ///
     /// Before capturing a step, run one eager call of the same `(rows, tokens)` and
@@ -617,6 +618,8 @@ impl Decoder {
         let qd = d.heads * d.head_dim;
         let x = q.alloc::<T>(n * d.d)?;
         let h = q.alloc::<T>(n * d.d)?;
+        // The output and down products, added into x by the norm after them.
+        let proj = q.alloc::<T>(n * d.d)?;
         let qkv = q.alloc::<T>(n * d.qkv_cols())?;
         let qh = q.alloc::<T>(n * qd)?;
         let att = q.alloc::<T>(n * qd)?;
@@ -649,12 +652,14 @@ impl Decoder {
         };
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         let scratch = dk.attend_scratch(q, &att_shape)?;
+        // The down product of the layer before, still to be added into x.
+        let mut pending = None;
         for (blk, kv) in m.blocks.iter().zip(&io.cache.layers) {
             let caches = kv.caches::<T>()?;
             let n1 = (&blk.norm1.w, blk.norm1.b.as_ref());
-            dk.norm(q, &x, n1, &h, (n, d.d), (1, 0), (d.eps, rms))?;
+            dk.norm(q, &x, pending, n1, &h, (n, d.d), (1, 0), (d.eps, rms))?;
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
-            linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false, false)?;
+            linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false)?;
             let freq = self.inv_freq.as_ref();
             dk.qkv(
                 q,
@@ -668,11 +673,11 @@ impl Decoder {
             let at = (io.positions, io.slots);
             dk.attend(q, &att_shape, &qh, caches, at, &att, scale, &scratch)?;
             let w = (&blk.o_w, blk.o_b.as_ref());
-            linear(q, &nn, &att, w, &x, (n, d.d, qd), true, false)?;
+            linear(q, &nn, &att, w, &proj, (n, d.d, qd), false)?;
             let n2 = (&blk.norm2.w, blk.norm2.b.as_ref());
-            dk.norm(q, &x, n2, &h, (n, d.d), (1, 0), (d.eps, rms))?;
+            dk.norm(q, &x, Some(&proj), n2, &h, (n, d.d), (1, 0), (d.eps, rms))?;
             let w = (&blk.up_w, blk.up_b.as_ref());
-            linear(q, &nn, &h, w, &mid, (n, d.up_cols(), d.d), false, d.gpt2)?;
+            linear(q, &nn, &h, w, &mid, (n, d.up_cols(), d.d), d.gpt2)?;
             let down_in = match &act {
                 Some(a) => {
                     dk.swiglu(q, &mid, a, (n, d.inter))?;
@@ -681,14 +686,24 @@ impl Decoder {
                 None => &mid,
             };
             let w = (&blk.down_w, blk.down_b.as_ref());
-            linear(q, &nn, down_in, w, &x, (n, d.d, d.inter), true, false)?;
+            linear(q, &nn, down_in, w, &proj, (n, d.d, d.inter), false)?;
+            pending = Some(&proj);
         }
         let (out_rows, stride, off) = match io.logits_for {
             LogitsFor::All => (n, 1, 0),
             LogitsFor::Last => (rows, tokens, tokens - 1),
         };
         let nf = (&m.norm_f.w, m.norm_f.b.as_ref());
-        dk.norm(q, &x, nf, &h, (out_rows, d.d), (stride, off), (d.eps, rms))?;
+        dk.norm(
+            q,
+            &x,
+            pending,
+            nf,
+            &h,
+            (out_rows, d.d),
+            (stride, off),
+            (d.eps, rms),
+        )?;
         let head = m.lm_head.as_ref().unwrap_or(&m.wte);
         let none: Option<&DeviceBuffer<f32>> = None;
         linear::<T, f32>(
@@ -698,7 +713,6 @@ impl Decoder {
             (head, none),
             io.logits,
             (out_rows, d.vocab, d.d),
-            false,
             false,
         )
     }
