@@ -1,6 +1,7 @@
-//! GPU tests of our few-row kernel for half-precision products (`gemm_lowp` engine `gemv:KS`):
-//! `y = act(alpha·x·wᵀ + beta·y + bias)` with x `[m, k]` and w `[n, k]` of bf16 or f16 and y of
-//! that type or f32, for m ∈ {1, 3, 8, 16}, decode-sized shapes (768 → 2304, 3072 → 768), a
+//! GPU tests of our few-row kernels for half-precision products (`gemm_lowp` engines `gemv:KS`
+//! and its tensor-core variant `gemv-mma:KS`): `y = act(alpha·x·wᵀ + beta·y + bias)` with x
+//! `[m, k]` and w `[n, k]` of bf16 or f16 and y of that type or f32, for m ∈ {1, 3, 8, 16} (both
+//! kernels) and {25, 32} (tensor cores only), decode-sized shapes (768 → 2304, 3072 → 768), a
 //! depth of 8, a wide one with n not a multiple of 8 (2048 → 32003), every epilogue it takes,
 //! beta 0 (y written only) and beta 1 (in place: y is the residual), every depth split the
 //! registry offers, each against an f64 reference from the exact 16-bit inputs. Then: the
@@ -14,7 +15,9 @@
 //!   exact in f32, so the error before the epilogue is the f32 accumulation: k terms summed by
 //!   a lane in order, a butterfly over 32 lanes and at most 8 warps, each addition rounding to
 //!   nearest, at most (k + 8)·2⁻²⁴·S; alpha, beta·y and the bias add three roundings. We allow
-//!   `(k + 16)·2⁻²³·S`, twice that. A lost or doubled term of average size, S/k, is far above it.
+//!   `(k + 16)·2⁻²³·S`, twice that, which also covers tensor cores' additions (at most one
+//!   ulp each where they truncate instead of rounding). A lost or doubled term of average
+//!   size, S/k, is far above it.
 //! - GELU in f32 (`tanhf`, within 2 ulp, of an argument rounded a few times): its error stays
 //!   below 2⁻²⁰·S (|gelu'| ≤ 1.13, the argument's few ulps, tanh's 2 ulp times |v|/2).
 //! - One rounding to the output type on store: at most half an ulp, `u·|v|` with u = 2⁻⁸ for
@@ -31,7 +34,9 @@ use cudagraph::memory::{bf16, f16};
 use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, QueueExt, Stream};
 use cudagraph_nn::dtype::{Dtype, Float};
 use cudagraph_nn::engine::gemm::{Epilogue, GemmOp, Trans};
-use cudagraph_nn::engine::gemm_lowp::{gemm_lowp_with, gemv_splits, lowp_candidates, GEMV_MAX_M};
+use cudagraph_nn::engine::gemm_lowp::{
+    gemm_lowp_with, gemv_mma_splits, gemv_splits, lowp_candidates, GEMV_MAX_M, GEMV_MMA_MAX_M,
+};
 use cudagraph_nn::engine::GemmEngine;
 use cudagraph_nn::{HostRng, Nn, NnError};
 
@@ -42,7 +47,19 @@ const EPILOGUES: [Epilogue; 4] = [
     Epilogue::BiasGelu,
 ];
 
-const ROWS: [usize; 4] = [1, 3, 8, 16];
+const ROWS: [usize; 6] = [1, 3, 8, 16, 25, 32];
+
+/// Both few-row engines with every split the registry offers for `op`.
+fn engines(op: &GemmOp) -> Vec<GemmEngine> {
+    let lanes = gemv_splits(op, 256).into_iter().map(GemmEngine::Gemv);
+    lanes
+        .chain(
+            gemv_mma_splits(op, 256)
+                .into_iter()
+                .map(GemmEngine::GemvMma),
+        )
+        .collect()
+}
 
 /// (n, k): GPT-2's q|k|v (768 → 2304), its MLP down projection (3072 → 768), a depth of one
 /// vector.
@@ -135,14 +152,14 @@ fn rounding(out: Dtype) -> (f64, f64) {
     }
 }
 
-/// Runs `op` on `gemv:ks` into a fresh y (random with beta ≠ 0, the sentinel otherwise) and
+/// Runs `op` on `algo` into a fresh y (random with beta ≠ 0, the sentinel otherwise) and
 /// checks every element against the reference.
 fn run_and_check<T: Float, O: Float>(
     s: &Stream,
     nn: &Nn,
     c: &Case<T>,
     op: &GemmOp,
-    ks: u8,
+    algo: GemmEngine,
     rng: &mut HostRng,
 ) {
     let (m, n) = (c.m, c.n);
@@ -155,7 +172,6 @@ fn run_and_check<T: Float, O: Float>(
     let y = s.alloc_from_host(&hy0).unwrap();
     let bias = s.alloc_from_host(&hbias).unwrap();
     let vec = (op.epilogue != Epilogue::None).then_some(&bias);
-    let algo = GemmEngine::Gemv(ks);
     gemm_lowp_with(s, nn, algo, op, &c.x, &c.w, &y, vec)
         .unwrap_or_else(|e| panic!("{algo} {}: {e}", op.key()));
     let got = s.to_vec(&y).unwrap();
@@ -210,16 +226,23 @@ fn run_and_check<T: Float, O: Float>(
     );
 }
 
-/// Every epilogue, beta 0 and 1, every offered split, for one case and result type.
+/// Every epilogue, beta 0 and 1, both kernels with every offered split, for one case and
+/// result type.
 fn every_product<T: Float, O: Float>(s: &Stream, nn: &Nn, c: &Case<T>, rng: &mut HostRng) -> usize {
     let mut ran = 0;
     for epilogue in EPILOGUES {
         for scales in [(1.0, 0.0), (0.75, 1.0)] {
             let op = op_of(c, epilogue, scales);
-            let splits = gemv_splits(&op, 256);
-            assert!(splits.contains(&1), "{}: {splits:?}", op.key());
-            for ks in splits {
-                run_and_check::<T, O>(s, nn, c, &op, ks, rng);
+            let all = engines(&op);
+            assert!(
+                all.contains(&GemmEngine::GemvMma(1)),
+                "{}: {all:?}",
+                op.key()
+            );
+            let lanes = all.contains(&GemmEngine::Gemv(1));
+            assert_eq!(lanes, c.m <= GEMV_MAX_M, "{}: {all:?}", op.key());
+            for algo in all {
+                run_and_check::<T, O>(s, nn, c, &op, algo, rng);
                 ran += 1;
             }
         }
@@ -266,15 +289,17 @@ fn a_wide_head_with_n_not_a_multiple_of_8_matches_the_f64_reference() {
         let c = case::<bf16>(&s, (m, WIDE.0, WIDE.1), 50 + m as u64);
         for (epilogue, scales) in [(Epilogue::None, (1.0, 0.0)), (Epilogue::Bias, (1.0, 1.0))] {
             let op = op_of(&c, epilogue, scales);
-            for ks in gemv_splits(&op, 256) {
-                run_and_check::<bf16, bf16>(&s, &nn, &c, &op, ks, &mut rng);
-                run_and_check::<bf16, f32>(&s, &nn, &c, &op, ks, &mut rng);
+            for algo in engines(&op) {
+                run_and_check::<bf16, bf16>(&s, &nn, &c, &op, algo, &mut rng);
+                run_and_check::<bf16, f32>(&s, &nn, &c, &op, algo, &mut rng);
             }
         }
     }
     let c = case::<f16>(&s, (2, WIDE.0, WIDE.1), 60);
     let op = op_of(&c, Epilogue::BiasGelu, (1.0, 0.0));
-    run_and_check::<f16, f16>(&s, &nn, &c, &op, 1, &mut rng);
+    for algo in [GemmEngine::Gemv(1), GemmEngine::GemvMma(1)] {
+        run_and_check::<f16, f16>(&s, &nn, &c, &op, algo, &mut rng);
+    }
 }
 
 #[test]
@@ -292,27 +317,39 @@ fn the_registry_offers_it_exactly_for_few_row_forward_products() {
         beta: 0.0,
         epilogue: Epilogue::BiasGelu,
     };
+    let few_row = |e: &GemmEngine| matches!(e, GemmEngine::Gemv(_) | GemmEngine::GemvMma(_));
     let has_gemv = |op: &GemmOp, align: u32| {
         let c = lowp_candidates::<bf16, bf16>(&s, op, align).unwrap();
-        let g: Vec<_> = c
-            .iter()
-            .filter(|e| matches!(e, GemmEngine::Gemv(_)))
-            .copied()
-            .collect();
+        let g: Vec<_> = c.iter().filter(|e| few_row(e)).copied().collect();
         // Never the default (the first candidate) while cuBLASLt or cuBLAS has one.
         if let Some(first) = c.first() {
             if c.len() > g.len() {
-                assert!(!matches!(first, GemmEngine::Gemv(_)), "{c:?}");
+                assert!(!few_row(first), "{c:?}");
             }
         }
         g
     };
-    assert_eq!(
-        has_gemv(&base, 256),
-        vec![GemmEngine::Gemv(1), GemmEngine::Gemv(2)]
-    );
+    let mma =
+        |ks: &[u8]| -> Vec<GemmEngine> { ks.iter().map(|&k| GemmEngine::GemvMma(k)).collect() };
+    let want: Vec<_> = [GemmEngine::Gemv(1), GemmEngine::Gemv(2)]
+        .into_iter()
+        .chain(mma(&[1, 2, 4, 8]))
+        .collect();
+    assert_eq!(has_gemv(&base, 256), want);
     let deep = GemmOp { k: 3072, ..base };
-    assert_eq!(has_gemv(&deep, 256).len(), 4);
+    assert_eq!(has_gemv(&deep, 256).len(), 8);
+    // Two chunks of 32 a warp at least: k = 128 takes splits 1 and 2 on tensor cores.
+    let shallow = GemmOp { k: 128, ..base };
+    let want: Vec<_> = std::iter::once(GemmEngine::Gemv(1))
+        .chain(mma(&[1, 2]))
+        .collect();
+    assert_eq!(has_gemv(&shallow, 256), want);
+    // Past the lane kernel's rows, the tensor-core kernel alone; past its own, neither.
+    let wide = GemmOp {
+        m: GEMV_MMA_MAX_M,
+        ..base
+    };
+    assert_eq!(has_gemv(&wide, 256), mma(&[1, 2, 4, 8]));
     let top = GemmOp {
         m: GEMV_MAX_M,
         beta: 1.0,
@@ -332,7 +369,7 @@ fn the_registry_offers_it_exactly_for_few_row_forward_products() {
     }
     for op in [
         GemmOp {
-            m: GEMV_MAX_M + 1,
+            m: GEMV_MMA_MAX_M + 1,
             ..base
         },
         GemmOp { k: 12, ..base },
@@ -359,7 +396,7 @@ fn shapes_it_does_not_take_are_typed_errors_and_run_nothing() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     let nn = Nn::get(&dev).unwrap();
-    let (m, n, k) = (GEMV_MAX_M + 1, 64, 24);
+    let (m, n, k) = (GEMV_MMA_MAX_M + 1, 64, 24);
     let mut rng = HostRng::new(2902);
     let x = s
         .alloc_from_host(&values::<bf16>(&mut rng, m * k, 1.0))
@@ -383,7 +420,14 @@ fn shapes_it_does_not_take_are_typed_errors_and_run_nothing() {
         epilogue: Epilogue::Bias,
     };
     let refused = [
-        (GemmOp { m, ..ok }, GemmEngine::Gemv(1), true),
+        (
+            GemmOp {
+                m: GEMV_MAX_M + 1,
+                ..ok
+            },
+            GemmEngine::Gemv(1),
+            true,
+        ),
         (GemmOp { k: 20, ..ok }, GemmEngine::Gemv(1), true),
         (
             GemmOp {
@@ -407,6 +451,10 @@ fn shapes_it_does_not_take_are_typed_errors_and_run_nothing() {
         (ok, GemmEngine::Gemv(3), true),
         (ok, GemmEngine::Gemv(0), true),
         (ok, GemmEngine::Gemv(16), true),
+        (GemmOp { m, ..ok }, GemmEngine::GemvMma(1), true),
+        (GemmOp { k: 20, ..ok }, GemmEngine::GemvMma(1), true),
+        (ok, GemmEngine::GemvMma(3), true),
+        (ok, GemmEngine::GemvMma(0), true),
     ];
     let db = s.alloc::<bf16>(2).unwrap();
     for (op, algo, with_vec) in refused {
@@ -455,7 +503,7 @@ fn bits<O: Float>(s: &Stream, b: &DeviceBuffer<O>) -> Vec<u8> {
 }
 
 /// Eager, then captured and replayed from the same starting y: the same bits.
-fn replay_equals_eager<T: Float, O: Float>(s: &mut Stream, nn: &Nn, op: GemmOp, ks: u8) {
+fn replay_equals_eager<T: Float, O: Float>(s: &mut Stream, nn: &Nn, op: GemmOp, algo: GemmEngine) {
     let mut rng = HostRng::new(2903);
     let x = s
         .alloc_from_host(&values::<T>(&mut rng, op.m * op.k, 1.0))
@@ -470,7 +518,6 @@ fn replay_equals_eager<T: Float, O: Float>(s: &mut Stream, nn: &Nn, op: GemmOp, 
     let ye = s.alloc_from_host(&y0).unwrap();
     let yr = s.alloc_from_host(&y0).unwrap();
     let vec = (op.epilogue != Epilogue::None).then_some(&bias);
-    let algo = GemmEngine::Gemv(ks);
     gemm_lowp_with(s, nn, algo, &op, &x, &w, &ye, vec).unwrap();
     let (g, ()) = Graph::capture(s, CaptureOptions::new(), |cs| {
         gemm_lowp_with(cs, nn, algo, &op, &x, &w, &yr, vec).map_err(Into::into)
@@ -508,8 +555,10 @@ fn replays_equal_eager_products_bit_for_bit() {
         beta: 0.0,
         epilogue: Epilogue::BiasGelu,
     };
-    replay_equals_eager::<bf16, bf16>(&mut s, &nn, base, 1);
-    replay_equals_eager::<bf16, bf16>(&mut s, &nn, base, 2);
+    let (lanes, mma) = (GemmEngine::Gemv, GemmEngine::GemvMma);
+    replay_equals_eager::<bf16, bf16>(&mut s, &nn, base, lanes(1));
+    replay_equals_eager::<bf16, bf16>(&mut s, &nn, base, lanes(2));
+    replay_equals_eager::<bf16, bf16>(&mut s, &nn, base, mma(2));
     let residual = GemmOp {
         n: 768,
         k: 3072,
@@ -517,6 +566,8 @@ fn replays_equal_eager_products_bit_for_bit() {
         epilogue: Epilogue::Bias,
         ..base
     };
-    replay_equals_eager::<bf16, bf16>(&mut s, &nn, residual, 4);
-    replay_equals_eager::<f16, f32>(&mut s, &nn, GemmOp { m: 1, ..residual }, 8);
+    replay_equals_eager::<bf16, bf16>(&mut s, &nn, residual, lanes(4));
+    replay_equals_eager::<f16, f32>(&mut s, &nn, GemmOp { m: 1, ..residual }, lanes(8));
+    replay_equals_eager::<f16, f16>(&mut s, &nn, GemmOp { m: 30, ..residual }, mma(4));
+    replay_equals_eager::<bf16, f32>(&mut s, &nn, GemmOp { m: 1, ..residual }, mma(1));
 }

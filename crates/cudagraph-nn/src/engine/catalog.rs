@@ -162,6 +162,11 @@ pub enum GemmEngine {
     /// epilogues none, bias, bias + ReLU, bias + GELU) with this many warps splitting each
     /// column's depth (1, 2, 4 or 8); shown as `gemv:KS`. `gemm_lowp` only.
     Gemv(u8),
+    /// The tensor-core variant of [`GemmEngine::Gemv`] (`mma.sync`, 16 weight rows a warp, at
+    /// most [`crate::engine::gemm_lowp::GEMV_MMA_MAX_M`] rows; the same products and
+    /// epilogues) with this many warps splitting each 16-column tile's depth (1, 2, 4 or 8);
+    /// shown as `gemv-mma:KS`. `gemm_lowp` only.
+    GemvMma(u8),
 }
 
 impl GemmEngine {
@@ -177,9 +182,10 @@ impl GemmEngine {
             | GemmEngine::Cluster(_)
             | GemmEngine::Chunks(_) => GemmFamily::Tiled,
             GemmEngine::WarpK => GemmFamily::WarpK,
-            GemmEngine::Rows { .. } | GemmEngine::Cols { .. } | GemmEngine::Gemv(_) => {
-                GemmFamily::Rows
-            }
+            GemmEngine::Rows { .. }
+            | GemmEngine::Cols { .. }
+            | GemmEngine::Gemv(_)
+            | GemmEngine::GemvMma(_) => GemmFamily::Rows,
         }
     }
 }
@@ -205,6 +211,7 @@ impl fmt::Display for GemmEngine {
                 ks,
             } => write!(f, "cols{rows}x{cols}w{warps}:{ks}"),
             GemmEngine::Gemv(ks) => write!(f, "gemv:{ks}"),
+            GemmEngine::GemvMma(ks) => write!(f, "gemv-mma:{ks}"),
         }
     }
 }
@@ -240,12 +247,13 @@ impl FromStr for GemmEngine {
             Some(("reg", r)) => r.parse().map(GemmEngine::Reg).map_err(|_| bad()),
             Some(("cluster", r)) => r.parse().map(GemmEngine::Cluster).map_err(|_| bad()),
             Some(("chunks", r)) => r.parse().map(GemmEngine::Chunks).map_err(|_| bad()),
-            Some(("gemv", r)) => {
+            Some((p @ ("gemv" | "gemv-mma"), r)) => {
                 // Only the canonical decimal (so that a name prints back as itself).
                 let ks: u8 = r.parse().map_err(|_| bad())?;
-                match r == ks.to_string() {
-                    true => Ok(GemmEngine::Gemv(ks)),
-                    false => Err(bad()),
+                match (r == ks.to_string(), p == "gemv") {
+                    (true, true) => Ok(GemmEngine::Gemv(ks)),
+                    (true, false) => Ok(GemmEngine::GemvMma(ks)),
+                    (false, _) => Err(bad()),
                 }
             }
             Some((p @ ("rows" | "rows8" | "rows4"), r)) => Ok(GemmEngine::Rows {
@@ -556,9 +564,23 @@ mod tests {
             assert_eq!(g.to_string(), format!("gemv:{ks}"));
             assert_eq!(g.to_string().parse::<GemmEngine>().unwrap(), g);
             assert_eq!(g.family(), GemmFamily::Rows);
+            let t = GemmEngine::GemvMma(ks);
+            assert_eq!(t.to_string(), format!("gemv-mma:{ks}"));
+            assert_eq!(t.to_string().parse::<GemmEngine>().unwrap(), t);
+            assert_eq!(t.family(), GemmFamily::Rows);
         }
         for bad in [
-            "gemv", "gemv:", "gemv:x", "gemv:01", "gemv:+1", "gemv:256", "gemv1:1",
+            "gemv",
+            "gemv:",
+            "gemv:x",
+            "gemv:01",
+            "gemv:+1",
+            "gemv:256",
+            "gemv1:1",
+            "gemv-mma",
+            "gemv-mma:",
+            "gemv-mma:02",
+            "gemv_mma:1",
         ] {
             assert!(bad.parse::<GemmEngine>().is_err(), "{bad}");
         }

@@ -632,7 +632,7 @@ fn run_algo(
             };
             nn.k.sgemm_nt_cols(q, (op.m, op.n, op.k), a, b, c, bias, relu, shape)
         }
-        GemmEngine::Gemv(_) => Err(NnError::NotSupported {
+        GemmEngine::Gemv(_) | GemmEngine::GemvMma(_) => Err(NnError::NotSupported {
             op: "gemm",
             what: format!("engine {algo} (half-precision operands only)"),
             fix: "run f32 products on another engine, or bf16/f16 ones with gemm_lowp",

@@ -10,8 +10,10 @@
 //! `CUDAGRAPH_LT_SPLITK=1` their split-K variants and with `CUDAGRAPH_LT_SEARCH=1` searched
 //! configurations, and cuBLAS's `cublasGemmEx` for products without a fused bias (what
 //! `torch.matmul` calls on bf16 tensors), and, for decode-sized products, our memory-bound
-//! few-row kernel `gemv:KS` ([`gemv_splits`] says when: `x·wᵀ`, at most [`GEMV_MAX_M`] rows,
-//! k a multiple of 8, 16-byte aligned pointers, no bias gradient). Epilogues: none, bias, bias+ReLU, bias+GELU (GELU in
+//! few-row kernels `gemv:KS` ([`gemv_splits`] says when: `x·wᵀ`, at most [`GEMV_MAX_M`] rows,
+//! k a multiple of 8, 16-byte aligned pointers, no bias gradient) and `gemv-mma:KS`, their
+//! tensor-core variant (the same, up to [`GEMV_MMA_MAX_M`] rows: [`gemv_mma_splits`]).
+//! Epilogues: none, bias, bias+ReLU, bias+GELU (GELU in
 //! cuBLASLt's tanh approximation, `gelu(approximate="tanh")` in PyTorch) and the bias gradient,
 //! fused by cuBLASLt (`BGRADB`) where it offers that for the types, otherwise a second product
 //! `db = 1ᵀ·A` on the same libraries (f32 accumulation there too). Inside a capture with
@@ -67,8 +69,8 @@ use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
 use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
-pub use crate::kernels::gemv::GEMV_MAX_M;
-use crate::kernels::gemv::{gemv_ok, GemvKernels, GEMV_SPLITS};
+use crate::kernels::gemv::{few_row_ok, FewRow, GemvKernels, GEMV_SPLITS};
+pub use crate::kernels::gemv::{GEMV_MAX_M, GEMV_MMA_MAX_M};
 use crate::kernels::Nn;
 
 /// Row-major `C[m×n] = epilogue(alpha·op(A)·op(B) + beta·C)` with A and B of `T` (bf16 or
@@ -356,7 +358,8 @@ fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
 
 /// The engines that can run `op` with these types within `family`, cuBLASLt's heuristic
 /// algorithms first (the first is the default inside a capture), then its opt-in variants,
-/// then cuBLAS, then our few-row kernel's depth splits ([`gemv_splits`]). Inside a capture, cuBLASLt is a candidate only if it was opened before.
+/// then cuBLAS, then our few-row kernels' depth splits ([`gemv_splits`], [`gemv_mma_splits`]).
+/// Inside a capture, cuBLASLt is a candidate only if it was opened before.
 fn candidates_in<T: Float, O: Float>(
     q: &dyn Queue,
     eng: &Engines,
@@ -397,6 +400,11 @@ fn candidates_in<T: Float, O: Float>(
     }
     if allowed(GemmFamily::Rows) {
         v.extend(gemv_splits(op, align).into_iter().map(GemmEngine::Gemv));
+        v.extend(
+            gemv_mma_splits(op, align)
+                .into_iter()
+                .map(GemmEngine::GemvMma),
+        );
     }
     Ok(v)
 }
@@ -408,13 +416,26 @@ fn candidates_in<T: Float, O: Float>(
 /// warp per column (1), and 2, 4 or 8 warps splitting each column's depth where every warp
 /// still has at least one 16-byte vector per lane (k ≥ 256·KS).
 pub fn gemv_splits(op: &GemmOp, align: u32) -> Vec<u8> {
+    few_row_splits(FewRow::Lanes(1), op, align, 256)
+}
+
+/// The depth splits of the tensor-core few-row kernel (`gemv-mma:KS`) offered for `op`: as
+/// [`gemv_splits`] with up to [`GEMV_MMA_MAX_M`] rows; one warp per 16-column tile (1), and
+/// 2, 4 or 8 where every warp still has at least two chunks of 32 (k ≥ 64·KS).
+pub fn gemv_mma_splits(op: &GemmOp, align: u32) -> Vec<u8> {
+    few_row_splits(FewRow::Mma(1), op, align, 64)
+}
+
+/// The splits of `kernel` for `op`: none unless the layout, alignment and shape suit it; 1,
+/// and each larger split KS with k ≥ `depth`·KS.
+fn few_row_splits(kernel: FewRow, op: &GemmOp, align: u32, depth: usize) -> Vec<u8> {
     let layout = op.ta == Trans::N && op.tb == Trans::T;
-    if !layout || align < 16 || op.n == 0 || !gemv_ok(op.m, op.k, op.epilogue) {
+    if !layout || align < 16 || op.n == 0 || !few_row_ok(kernel, op.m, op.k, op.epilogue) {
         return Vec::new();
     }
     GEMV_SPLITS
         .into_iter()
-        .filter(|&ks| ks == 1 || op.k >= 256 * ks as usize)
+        .filter(|&ks| ks == 1 || op.k >= depth * ks as usize)
         .collect()
 }
 
@@ -446,6 +467,28 @@ unsafe fn run_lowp<T: Float, O: Float>(
     ),
     frozen: bool,
 ) -> Result<()> {
+    let few_row = match algo {
+        GemmEngine::Gemv(ks) => Some(FewRow::Lanes(ks)),
+        GemmEngine::GemvMma(ks) => Some(FewRow::Mma(ks)),
+        _ => None,
+    };
+    if let Some(kernel) = few_row {
+        if op.ta != Trans::N || op.tb != Trans::T {
+            return Err(NnError::NotSupported {
+                op: "gemm_lowp",
+                what: format!("engine {algo} for {} (it runs x·wᵀ only: NT)", op.key()),
+                fix: "use a cuBLASLt or cuBLAS engine for other layouts",
+            });
+        }
+        let dims = (op.m, op.n, op.k);
+        let gemv = GemvKernels::get(q.device())?;
+        let scales = (op.alpha, op.beta);
+        return match frozen {
+            // SAFETY: the promise of this function's caller for `b`.
+            true => unsafe { gemv.run_early(q, dims, scales, op.epilogue, a, b, c, vec, kernel) },
+            false => gemv.run(q, dims, scales, op.epilogue, a, b, c, vec, kernel),
+        };
+    }
     let which = match algo {
         GemmEngine::Cublas => {
             if !cublas_runs(op.epilogue) {
@@ -466,23 +509,6 @@ unsafe fn run_lowp<T: Float, O: Float>(
         GemmEngine::CublasLt(rank) => LtAlgo::Rank(rank as usize),
         GemmEngine::CublasLtSplitK { rank, split } => LtAlgo::SplitK { rank, split },
         GemmEngine::CublasLtConfig(i) => LtAlgo::Config(i),
-        GemmEngine::Gemv(ks) => {
-            if op.ta != Trans::N || op.tb != Trans::T {
-                return Err(NnError::NotSupported {
-                    op: "gemm_lowp",
-                    what: format!("engine {algo} for {} (it runs x·wᵀ only: NT)", op.key()),
-                    fix: "use a cuBLASLt or cuBLAS engine for other layouts",
-                });
-            }
-            let dims = (op.m, op.n, op.k);
-            let gemv = GemvKernels::get(q.device())?;
-            let scales = (op.alpha, op.beta);
-            return match frozen {
-                // SAFETY: the promise of this function's caller for `b`.
-                true => unsafe { gemv.run_early(q, dims, scales, op.epilogue, a, b, c, vec, ks) },
-                false => gemv.run(q, dims, scales, op.epilogue, a, b, c, vec, ks),
-            };
-        }
         other => {
             return Err(NnError::NotSupported {
                 op: "gemm_lowp",
@@ -737,6 +763,34 @@ mod tests {
             assert!(gemv_splits(&o, 256).is_empty(), "{}", o.key());
         }
         assert!(gemv_splits(&decode, 8).is_empty());
+        // The tensor-core variant: up to GEMV_MMA_MAX_M rows, two chunks of 32 a warp.
+        assert_eq!(gemv_mma_splits(&decode, 256), vec![1, 2, 4, 8]);
+        assert_eq!(
+            gemv_mma_splits(&GemmOp { k: 128, ..decode }, 256),
+            vec![1, 2]
+        );
+        assert_eq!(gemv_mma_splits(&GemmOp { k: 8, ..decode }, 256), vec![1]);
+        let batch = GemmOp {
+            m: GEMV_MMA_MAX_M,
+            beta: 1.0,
+            ..decode
+        };
+        assert_eq!(gemv_mma_splits(&batch, 16), vec![1, 2, 4, 8]);
+        assert!(gemv_splits(&batch, 256).is_empty());
+        for o in [
+            GemmOp {
+                m: GEMV_MMA_MAX_M + 1,
+                ..decode
+            },
+            GemmOp { k: 764, ..decode },
+            GemmOp {
+                epilogue: Epilogue::BiasGrad,
+                ..decode
+            },
+        ] {
+            assert!(gemv_mma_splits(&o, 256).is_empty(), "{}", o.key());
+        }
+        assert!(gemv_mma_splits(&decode, 8).is_empty());
     }
 
     #[test]

@@ -8,7 +8,11 @@
 // weights no earlier work writes (a loaded model's), so the weight stream of one product
 // starts while the previous kernel is still finishing. The sums are the same either way.
 //
-// A block is GV_WARPS warps; `ks` of them (1, 2, 4 or 8) share one column j, each summing its
+// Two kernels: the lane kernel (gemv_S_mM, below: FMAs, M ≤ 16 rows) and its tensor-core
+// variant (gemv_mma_S_tNT, at the end: mma.sync, up to 8·NT rows), with the same arguments,
+// extents and epilogue.
+//
+// A block of the lane kernel is GV_WARPS warps; `ks` of them (1, 2, 4 or 8) share one column j, each summing its
 // own contiguous range of k in 8-element vectors (16 bytes): lane l takes the range's vectors
 // l, l + 32, l + 64, ..., GV_UNROLL of them loaded before any is used, so that several loads of
 // the weight row are in flight per lane. The rows of x are read with the same 16-byte loads (the
@@ -65,6 +69,19 @@ __device__ __forceinline__ GvVec gv_load(const void* p) {
 // cuBLASLt's GELU: 0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³))).
 __device__ __forceinline__ float gv_gelu(float v) {
     return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+}
+
+// The epilogue of y[at] (column jj) from the sum s: alpha·s, + beta·y[at] (read only with
+// beta_on), + bias[jj] (ep ≠ 0), ReLU (ep 2) or GELU (ep 3), one rounding to O.
+template <typename O>
+__device__ __forceinline__ void gv_store(O* y, const O* bias, long long at, int jj, float s,
+                                         float alpha, float beta, int beta_on, int ep) {
+    float v = alpha * s;
+    if (beta_on) v += beta * to_f32(y[at]);
+    if (ep != 0) v += to_f32(bias[jj]);
+    if (ep == 2) v = fmaxf(v, 0.0f);
+    if (ep == 3) v = gv_gelu(v);
+    y[at] = from_f32<O>(v);
 }
 
 // Lane `v`'s vectors v, v + 32, ..., GV_UNROLL of them below v1, of the weight row wr.
@@ -140,12 +157,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
             float s = 0.0f;
             for (int q = 0; q < ks; q++) s += red[(c * ks + q) * M + r];
             const long long at = (long long)r * n + jj;
-            float v = alpha * s;
-            if (beta_on) v += beta * to_f32(y[at]);
-            if (ep != 0) v += to_f32(bias[jj]);
-            if (ep == 2) v = fmaxf(v, 0.0f);
-            if (ep == 3) v = gv_gelu(v);
-            y[at] = from_f32<O>(v);
+            gv_store(y, bias, at, jj, s, alpha, beta, beta_on, ep);
         }
     }
 }
@@ -170,3 +182,149 @@ GV_ROWS(bf16_t, bf16_t, bf16_bf16)
 GV_ROWS(bf16_t, float, bf16_f32)
 GV_ROWS(f16_t, f16_t, f16_f16)
 GV_ROWS(f16_t, float, f16_f32)
+
+// ---- The tensor-core variant (engine gemv-mma:KS) ---------------------------------------------
+//
+// The same product and epilogue on mma.sync m16n8k16 (f32 accumulation): a warp's tile is 16
+// columns j of y (16 weight rows, the A operand) by NT·8 rows of x (the B operand, NT tiles of
+// 8; rows past m are zeros). Its depth runs in chunks of 32: lane l (g = l / 4, q = l % 4) loads
+// the 16 bytes at depth 8q of weight rows g and g + 8 and of x's row g of each tile, and feeds
+// them to two mma steps whose k slots 2q, 2q+1, 2q+8, 2q+9 hold depths 8q + 4s .. 8q + 4s + 3
+// (step s): A and B use the same slots for the same depths, so the dot products are the
+// product's, in another order of the depth. GM_UNROLL chunks of weights are loaded before any
+// is used (with `early`, the first ones before the PDL wait). `ks` warps split a tile's depth
+// into contiguous chunk ranges; their accumulators meet in shared memory and are summed in
+// warp order, then the epilogue as above. Deterministic: the mma and the sums run in a fixed
+// order. x's rows are read by every tile (L1: 16·NT bytes a lane per 32 bytes of weights).
+
+#define GM_UNROLL 4
+
+template <typename T>
+__device__ __forceinline__ void gm_mma(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                       unsigned a3, unsigned b0, unsigned b1);
+
+template <>
+__device__ __forceinline__ void gm_mma<bf16_t>(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                               unsigned a3, unsigned b0, unsigned b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void gm_mma<f16_t>(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                              unsigned a3, unsigned b0, unsigned b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ GvVec gm_zero() {
+    GvVec v;
+    v.u[0] = v.u[1] = v.u[2] = v.u[3] = 0u;
+    return v;
+}
+
+// Chunks c .. c + GM_UNROLL (below c1) of the lane's two weight rows, at depth 32·c + 8q
+// (zeros past k).
+template <typename T>
+__device__ __forceinline__ void gm_fetch(GvVec* wa, GvVec* wb, const T* w0, const T* w1, int c,
+                                         int c1, int k, int q) {
+#pragma unroll
+    for (int u = 0; u < GM_UNROLL; u++) {
+        const int cu = c + u, kk = 32 * cu + 8 * q;
+        const bool in = cu < c1 && kk < k;
+        wa[u] = in ? gv_load(w0 + kk) : gm_zero();
+        wb[u] = in ? gv_load(w1 + kk) : gm_zero();
+    }
+}
+
+template <typename T, typename O, int NT>
+__device__ __forceinline__ void gemv_mma_nt(const T* __restrict__ x, const T* __restrict__ w,
+                                            O* y, const O* bias, int m, int n, int k, int ks,
+                                            float alpha, float beta, int beta_on, int ep,
+                                            int early) {
+    __shared__ float red[GV_WARPS][NT][4][32];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const int tiles = GV_WARPS / ks;  // 16-column tiles per block
+    const int j0 = (blockIdx.x * tiles + warp / ks) * 16;
+    const int slice = warp % ks;
+    const int nc = (k + 31) >> 5;  // chunks of 32
+    const int c0 = (int)((long long)nc * slice / ks);
+    const int c1 = j0 < n ? (int)((long long)nc * (slice + 1) / ks) : c0;
+    // Weight rows past n are read as row n - 1; their results are not stored.
+    const T* w0 = w + (long long)min(j0 + g, n - 1) * k;
+    const T* w1 = w + (long long)min(j0 + g + 8, n - 1) * k;
+    GvVec wa[GM_UNROLL], wb[GM_UNROLL];
+    gm_fetch(wa, wb, w0, w1, c0, c1, k, q);
+    if (early) CG_PDL_WAIT();
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[t][i] = 0.0f;
+    for (int c = c0; c < c1; c += GM_UNROLL) {
+#pragma unroll
+        for (int u = 0; u < GM_UNROLL; u++) {
+            const int kk = 32 * (c + u) + 8 * q;
+            if (c + u < c1) {
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    if (8 * t >= m) break;  // the same for the whole warp
+                    const int r = 8 * t + g;
+                    const GvVec xv = (r < m && kk < k) ? gv_load(x + (long long)r * k + kk)
+                                                       : gm_zero();
+                    gm_mma<T>(acc[t], wa[u].u[0], wb[u].u[0], wa[u].u[1], wb[u].u[1], xv.u[0],
+                              xv.u[1]);
+                    gm_mma<T>(acc[t], wa[u].u[2], wb[u].u[2], wa[u].u[3], wb[u].u[3], xv.u[2],
+                              xv.u[3]);
+                }
+            }
+        }
+        if (c + GM_UNROLL < c1) gm_fetch(wa, wb, w0, w1, c + GM_UNROLL, c1, k, q);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) red[warp][t][i][lane] = acc[t][i];
+    __syncthreads();
+    // Output (row r of x, column jl of the block): tile jl / 16 of the block, its weight row
+    // jr = jl % 16 is accumulator row jr; lane (jr % 8)·4 + (r % 8) / 2 holds it in register
+    // (jr / 8)·2 + r % 2 of x tile r / 8.
+    const int width = tiles * 16;
+    for (int i = threadIdx.x; i < width * m; i += blockDim.x) {
+        const int jl = i % width, r = i / width;
+        const int jj = blockIdx.x * width + jl;
+        if (jj >= n) continue;
+        const int tl = jl >> 4, jr = jl & 15, t = r >> 3, cr = r & 7;
+        const int ln = (jr & 7) * 4 + (cr >> 1), reg = (jr >> 3) * 2 + (cr & 1);
+        float s = 0.0f;
+        for (int p = 0; p < ks; p++) s += red[tl * ks + p][t][reg][ln];
+        gv_store(y, bias, (long long)r * n + jj, jj, s, alpha, beta, beta_on, ep);
+    }
+}
+
+#define GM_KERNEL(T, O, S, NT)                                                                 \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
+        gemv_mma_##S##_t##NT(const T* x, const T* w, O* y, const O* bias, int m, int n, int k, \
+                             int ks, float alpha, float beta, int beta_on, int ep, int early) { \
+        CG_PDL_TRIGGER();                                                                      \
+        if (!early) CG_PDL_WAIT();                                                             \
+        gemv_mma_nt<T, O, NT>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early);    \
+    }
+
+#define GM_TILES(T, O, S)                                                                      \
+    GM_KERNEL(T, O, S, 1)                                                                      \
+    GM_KERNEL(T, O, S, 2)                                                                      \
+    GM_KERNEL(T, O, S, 4)
+
+GM_TILES(bf16_t, bf16_t, bf16_bf16)
+GM_TILES(bf16_t, float, bf16_f32)
+GM_TILES(f16_t, f16_t, f16_f16)
+GM_TILES(f16_t, float, f16_f32)

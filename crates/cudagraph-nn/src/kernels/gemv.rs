@@ -1,10 +1,13 @@
 //! The few-row product kernel of the half-precision products (`gemv.cu`, its own NVRTC module,
 //! compiled after `cast.cu`): `y[r, j] = act(alpha·Σ_p x[r, p]·w[j, p] + beta·y[r, j] + bias[j])`
 //! for `r < m ≤` [`GEMV_MAX_M`], `x: [m, k]` and `w: [n, k]` (PyTorch's Linear layout) of bf16 or
-//! f16, `y` of that type or f32, f32 sums in a fixed order and one rounding on store. A memory-bound
-//! matrix–vector product: each warp streams one weight row with 16-byte loads, `ks` warps of a
-//! block splitting its depth (see `gemv.cu`). Used by [`crate::engine::gemm_lowp()`] as the
-//! engine `gemv:KS`.
+//! f16, `y` of that type or f32, f32 sums in a fixed order and one rounding on store. Two
+//! memory-bound kernels ([`FewRow`]): the lane kernel (each warp streams one weight row with
+//! 16-byte loads and sums with FMAs, for at most [`GEMV_MAX_M`] rows) and the tensor-core one
+//! (each warp streams 16 weight rows into `mma.sync` with x's rows as the other operand, for at
+//! most [`GEMV_MMA_MAX_M`] rows); in both `ks` warps of a block split the depth (see
+//! `gemv.cu`). Used by [`crate::engine::gemm_lowp()`] as the engines `gemv:KS` and
+//! `gemv-mma:KS`.
 
 use std::sync::Arc;
 
@@ -22,14 +25,59 @@ use crate::kernels::int;
 /// full rate, near L1's 128, where the tensor-core kernels are as fast; beyond that they win.
 pub const GEMV_MAX_M: usize = 16;
 
-/// The depth splits (warps sharing one column) the kernel takes.
+/// The most rows the tensor-core kernel takes (four tiles of eight rows). Each warp reads
+/// x's rows again for every chunk of its weight rows (16 bytes a lane a tile for 32 bytes of
+/// weights), so the x traffic grows with the rows: measured on an H100 against cuBLASLt, the
+/// kernel won products of 8 rows with a 768-wide input and the output heads of 8 and 32 rows,
+/// and lost every product of 64 rows (two to six times slower), so it stops at 32.
+pub const GEMV_MMA_MAX_M: usize = 32;
+
+/// The depth splits (warps sharing one column, or one 16-column tile) the kernels take.
 pub const GEMV_SPLITS: [u8; 4] = [1, 2, 4, 8];
+
+/// Which kernel of the module runs a product, with the warps splitting the depth of each
+/// column (lane kernel) or 16-column tile (tensor-core kernel): one of [`GEMV_SPLITS`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FewRow {
+    /// FMAs, one weight row a warp; at most [`GEMV_MAX_M`] rows.
+    Lanes(u8),
+    /// `mma.sync` m16n8k16, 16 weight rows a warp; at most [`GEMV_MMA_MAX_M`] rows.
+    Mma(u8),
+}
+
+impl FewRow {
+    /// The warps splitting the depth.
+    pub fn splits(self) -> u8 {
+        match self {
+            FewRow::Lanes(ks) | FewRow::Mma(ks) => ks,
+        }
+    }
+
+    /// The most rows of x the kernel takes.
+    pub fn max_m(self) -> usize {
+        match self {
+            FewRow::Lanes(_) => GEMV_MAX_M,
+            FewRow::Mma(_) => GEMV_MMA_MAX_M,
+        }
+    }
+
+    /// Output columns one block computes.
+    fn columns_per_block(self) -> usize {
+        match self {
+            FewRow::Lanes(ks) => WARPS / ks as usize,
+            FewRow::Mma(ks) => 16 * (WARPS / ks as usize),
+        }
+    }
+}
 
 /// Warps per block (`GV_WARPS`).
 const WARPS: usize = 8;
 
 /// Rows per kernel instance (`M` of `gemv_S_mM`).
 const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// Tiles of eight rows per tensor-core instance (`NT` of `gemv_mma_S_tNT`).
+const TILES: [usize; 3] = [1, 2, 4];
 
 /// The type pairs (operands, result) the kernel is instantiated for, as suffixes.
 #[cfg(any(test, feature = "internals"))]
@@ -41,6 +89,11 @@ pub fn kernel_names() -> Vec<String> {
     PAIRS
         .iter()
         .flat_map(|p| ROWS.iter().map(move |m| format!("gemv_{p}_m{m}")))
+        .chain(
+            PAIRS
+                .iter()
+                .flat_map(|p| TILES.iter().map(move |t| format!("gemv_mma_{p}_t{t}"))),
+        )
         .collect()
 }
 
@@ -54,12 +107,12 @@ pub fn source() -> String {
     )
 }
 
-/// Whether the kernel takes a product of `m` rows, depth `k`, with `epilogue` (shape only;
-/// the launcher also checks the pointers' 16-byte alignment and the lengths): 1 ≤ m ≤
-/// [`GEMV_MAX_M`], k a positive multiple of 8, the epilogue none, bias, bias + ReLU or
-/// bias + GELU.
-pub fn gemv_ok(m: usize, k: usize, epilogue: Epilogue) -> bool {
-    (1..=GEMV_MAX_M).contains(&m)
+/// Whether `kernel` takes a product of `m` rows, depth `k`, with `epilogue` (shape only, the
+/// split not checked; the launcher also checks the pointers' 16-byte alignment and the
+/// lengths): 1 ≤ m ≤ its [`FewRow::max_m`], k a positive multiple of 8, the epilogue none,
+/// bias, bias + ReLU or bias + GELU.
+pub fn few_row_ok(kernel: FewRow, m: usize, k: usize, epilogue: Epilogue) -> bool {
+    (1..=kernel.max_m()).contains(&m)
         && k > 0
         && k % 8 == 0
         && matches!(
@@ -68,10 +121,11 @@ pub fn gemv_ok(m: usize, k: usize, epilogue: Epilogue) -> bool {
         )
 }
 
-/// The kernels of one device (a [`Device::extension`]): `[pair][rows]`, pairs in the order of
-/// `PAIRS`.
+/// The kernels of one device (a [`Device::extension`]): `[pair][rows]` and `[pair][tiles]`,
+/// pairs in the order of `PAIRS`.
 pub struct GemvKernels {
     f: [[Function; 5]; 4],
+    mma: [[Function; 3]; 4],
 }
 
 impl GemvKernels {
@@ -93,6 +147,13 @@ impl GemvKernels {
                     m.function(&format!("gemv_{pair}_m16"))?,
                 ])
             };
+            let tiles = |pair: &str| -> cudagraph::Result<[Function; 3]> {
+                Ok([
+                    m.function(&format!("gemv_mma_{pair}_t1"))?,
+                    m.function(&format!("gemv_mma_{pair}_t2"))?,
+                    m.function(&format!("gemv_mma_{pair}_t4"))?,
+                ])
+            };
             Ok(GemvKernels {
                 f: [
                     row("bf16_bf16")?,
@@ -100,18 +161,24 @@ impl GemvKernels {
                     row("f16_f16")?,
                     row("f16_f32")?,
                 ],
+                mma: [
+                    tiles("bf16_bf16")?,
+                    tiles("bf16_f32")?,
+                    tiles("f16_f16")?,
+                    tiles("f16_f32")?,
+                ],
             })
         })?)
     }
 
-    /// `y = act(alpha·x·wᵀ + beta·y + bias)` (see the module docs): `x: [m, k]`, `w: [n, k]`,
-    /// `y: [m, n]` (read only when `beta ≠ 0`), `bias: [n]` for the bias epilogues (none
-    /// otherwise), `ks` warps splitting each column's depth (one of [`GEMV_SPLITS`]). The
-    /// epilogue adds in this order, in f32: `alpha·Σ`, then `beta·y`, then the bias, then the
-    /// activation, then one rounding to `O`.
+    /// `y = act(alpha·x·wᵀ + beta·y + bias)` (see the module docs) on `kernel`: `x: [m, k]`,
+    /// `w: [n, k]`, `y: [m, n]` (read only when `beta ≠ 0`), `bias: [n]` for the bias
+    /// epilogues (none otherwise). The epilogue adds in this order, in f32: `alpha·Σ`, then
+    /// `beta·y`, then the bias, then the activation, then one rounding to `O`.
     ///
     /// Errors, before anything runs: `T` not bf16 or f16, `O` neither `T` nor f32
-    /// ([`NnError::NotSupported`]); a shape [`gemv_ok`] refuses, `ks` not in [`GEMV_SPLITS`],
+    /// ([`NnError::NotSupported`]); a shape [`few_row_ok`] refuses, a split not in
+    /// [`GEMV_SPLITS`],
     /// `x` or `w` not 16-byte aligned, a bias missing or given against the epilogue
     /// ([`NnError::Shape`]); a buffer shorter than the product needs (`SizeMismatch`); sizes
     /// beyond the kernel's ints.
@@ -126,10 +193,10 @@ impl GemvKernels {
         w: &DeviceBuffer<T>,
         y: &DeviceBuffer<O>,
         bias: Option<&DeviceBuffer<O>>,
-        ks: u8,
+        kernel: FewRow,
     ) -> Result<()> {
         // SAFETY: `early` off: the kernel reads nothing before the previous kernel is done.
-        unsafe { self.launch(q, dims, scales, epilogue, (x, w, y, bias), ks, false) }
+        unsafe { self.launch(q, dims, scales, epilogue, (x, w, y, bias), kernel, false) }
     }
 
     /// [`GemvKernels::run`] for weights that nothing writes any more: launched with PDL
@@ -153,10 +220,10 @@ impl GemvKernels {
         w: &DeviceBuffer<T>,
         y: &DeviceBuffer<O>,
         bias: Option<&DeviceBuffer<O>>,
-        ks: u8,
+        kernel: FewRow,
     ) -> Result<()> {
         // SAFETY: the caller's promise about `w`.
-        unsafe { self.launch(q, dims, scales, epilogue, (x, w, y, bias), ks, true) }
+        unsafe { self.launch(q, dims, scales, epilogue, (x, w, y, bias), kernel, true) }
     }
 
     /// Checks and launches (see [`GemvKernels::run`]); `early`: the weights may be read
@@ -177,7 +244,7 @@ impl GemvKernels {
             &DeviceBuffer<O>,
             Option<&DeviceBuffer<O>>,
         ),
-        ks: u8,
+        kernel: FewRow,
         early: bool,
     ) -> Result<()> {
         let pair = match (T::DTYPE, O::DTYPE) {
@@ -193,12 +260,14 @@ impl GemvKernels {
                 })
             }
         };
-        if !gemv_ok(m, k, epilogue) || n == 0 {
+        if !few_row_ok(kernel, m, k, epilogue) || n == 0 {
             return Err(NnError::Shape(format!(
-                "gemv: takes 1 to {GEMV_MAX_M} rows, n ≥ 1, k a positive multiple of 8 and the \
-                 epilogues none, bias, bias_relu, bias_gelu (got m={m} n={n} k={k} ep={epilogue:?})"
+                "gemv: {kernel:?} takes 1 to {} rows, n ≥ 1, k a positive multiple of 8 and the \
+                 epilogues none, bias, bias_relu, bias_gelu (got m={m} n={n} k={k} ep={epilogue:?})",
+                kernel.max_m()
             )));
         }
+        let ks = kernel.splits();
         if !GEMV_SPLITS.contains(&ks) {
             return Err(NnError::Shape(format!(
                 "gemv: ks = {ks} (takes {GEMV_SPLITS:?})"
@@ -229,12 +298,22 @@ impl GemvKernels {
         if let Some(b) = bias {
             need("gemv bias", b, n)?;
         }
-        let cols = WARPS / ks as usize;
-        let blocks = u32::try_from(n.div_ceil(cols))
+        let blocks = u32::try_from(n.div_ceil(kernel.columns_per_block()))
             .ok()
             .filter(|&g| g <= i32::MAX as u32)
             .ok_or_else(|| NnError::Shape(format!("gemv: n = {n} exceeds the grid")))?;
-        let ri = ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M");
+        let f = match kernel {
+            FewRow::Lanes(_) => {
+                &self.f[pair][ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M")]
+            }
+            FewRow::Mma(_) => {
+                let t = m.div_ceil(8);
+                &self.mma[pair][TILES
+                    .iter()
+                    .position(|&v| v >= t)
+                    .expect("m ≤ GEMV_MMA_MAX_M")]
+            }
+        };
         let args = [
             x.into(),
             w.into(),
@@ -250,20 +329,21 @@ impl GemvKernels {
             Arg::I32(ep),
             Arg::I32(early as i32),
         ];
-        // SAFETY: gemv_S_mM(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early) with
-        // m ≤ M (the instance chosen), GV_WARPS = 8 warps a block and ks dividing it (checked):
-        // block b's warps take columns j = b·(8/ks) + warp/ks and read w[j·k + p] only for
-        // j < n, p < k (n·k checked), x[r·k + p] for r < m, p < k (m·k checked) with 16-byte
-        // loads at multiples of 8 elements (x and w 16-byte aligned, k a multiple of 8:
-        // checked); the finishing threads read and write y[r·n + j] for r < m, j < n (m·n
-        // checked; read only with beta_on) and read bias[j] only for ep ≠ 0 (then bias is
-        // given with n elements, checked); sizes within int (checked), element offsets long
-        // long; the shared array is static. With `early`, the weight loads before the PDL
-        // wait read memory no earlier work writes (the promise of this function's caller).
+        // SAFETY: gemv_S_mM and gemv_mma_S_tNT(x, w, y, bias, m, n, k, ks, alpha, beta,
+        // beta_on, ep, early) with m ≤ M or m ≤ 8·NT (the instance chosen), GV_WARPS = 8 warps
+        // a block and ks dividing it (checked): block b's warps take columns j = b·(8/ks) +
+        // warp/ks (lanes) or 16-column tiles (mma; weight rows past n clamped to n - 1) and
+        // read w[j·k + p] only for j < n, p < k (n·k checked), x[r·k + p] for r < m, p < k (m·k
+        // checked) with 16-byte loads at multiples of 8 elements (x and w 16-byte aligned, k a
+        // multiple of 8: checked); the finishing threads read and write y[r·n + j] for r < m,
+        // j < n (m·n checked; read only with beta_on) and read bias[j] only for ep ≠ 0 (then
+        // bias is given with n elements, checked); sizes within int (checked), element offsets
+        // long long; the shared arrays are static. With `early`, the weight loads before the
+        // PDL wait read memory no earlier work writes (the promise of this function's caller).
         unsafe {
             super::pdl::launch_decode(
                 q,
-                &self.f[pair][ri],
+                f,
                 LaunchConfig::linear(blocks, (WARPS * 32) as u32),
                 &args,
             )
@@ -277,14 +357,14 @@ mod tests {
 
     #[test]
     fn shapes_the_kernel_takes() {
-        assert!(gemv_ok(1, 768, Epilogue::BiasGelu));
-        assert!(gemv_ok(16, 8, Epilogue::None));
-        assert!(gemv_ok(3, 3072, Epilogue::BiasRelu));
-        assert!(!gemv_ok(0, 768, Epilogue::Bias));
-        assert!(!gemv_ok(17, 768, Epilogue::Bias));
-        assert!(!gemv_ok(1, 0, Epilogue::Bias));
-        assert!(!gemv_ok(1, 12, Epilogue::Bias));
-        assert!(!gemv_ok(1, 768, Epilogue::BiasGrad));
+        assert!(few_row_ok(FewRow::Lanes(1), 1, 768, Epilogue::BiasGelu));
+        assert!(few_row_ok(FewRow::Lanes(1), 16, 8, Epilogue::None));
+        assert!(few_row_ok(FewRow::Lanes(1), 3, 3072, Epilogue::BiasRelu));
+        assert!(!few_row_ok(FewRow::Lanes(1), 0, 768, Epilogue::Bias));
+        assert!(!few_row_ok(FewRow::Lanes(1), 17, 768, Epilogue::Bias));
+        assert!(!few_row_ok(FewRow::Lanes(1), 1, 0, Epilogue::Bias));
+        assert!(!few_row_ok(FewRow::Lanes(1), 1, 12, Epilogue::Bias));
+        assert!(!few_row_ok(FewRow::Lanes(1), 1, 768, Epilogue::BiasGrad));
         // Every m up to the bound has an instance of at least m rows.
         for m in 1..=GEMV_MAX_M {
             assert!(ROWS.iter().any(|&r| r >= m));
@@ -293,7 +373,33 @@ mod tests {
         for ks in GEMV_SPLITS {
             assert_eq!(WARPS % ks as usize, 0);
         }
-        assert_eq!(kernel_names().len(), 20);
+        assert_eq!(kernel_names().len(), 32);
         assert!(kernel_names().contains(&"gemv_f16_f32_m16".to_string()));
+        assert!(kernel_names().contains(&"gemv_mma_bf16_f32_t4".to_string()));
+        // The tensor-core kernel: every m up to its bound has an instance of enough tiles.
+        assert!(few_row_ok(
+            FewRow::Mma(1),
+            GEMV_MMA_MAX_M,
+            8,
+            Epilogue::None
+        ));
+        assert!(!few_row_ok(
+            FewRow::Mma(1),
+            GEMV_MMA_MAX_M + 1,
+            8,
+            Epilogue::None
+        ));
+        assert!(!few_row_ok(
+            FewRow::Lanes(1),
+            GEMV_MAX_M + 1,
+            8,
+            Epilogue::None
+        ));
+        for m in 1..=GEMV_MMA_MAX_M {
+            assert!(TILES.iter().any(|&t| 8 * t >= m));
+        }
+        assert_eq!(8 * *TILES.last().unwrap(), GEMV_MMA_MAX_M);
+        assert_eq!(FewRow::Mma(2).columns_per_block(), 64);
+        assert_eq!(FewRow::Lanes(2).columns_per_block(), 4);
     }
 }
