@@ -12,6 +12,9 @@ The model runs on --device (default cuda) in --dtype (its weights cast to it; f3
 Writes --out, a safetensors file holding for each row b:
   ids.{b}      I32 [len_b]          prompt ids then the generated ids (len_b = prompt + steps)
   logits.{b}   F32 [len_b, vocab]   the teacher-forced logits (row t predicts id t+1)
+  logits_f32.{b}  F32 [len_b, vocab]  (bf16 and f16 only) the same forward in f32 arithmetic
+                                   from the same 16-bit weights, for context: how far the
+                                   16-bit reference itself is from it
 and the metadata (all strings): rows, prompt_lens (comma-separated), decode_steps, dtype.
 The consumer prefills ids[:prompt_len], feeds ids[prompt_len:] one step at a time and compares
 every logit row, alone and with all rows batched.
@@ -73,6 +76,11 @@ def main():
     got = {t.dtype for t in model.parameters()}
     if got != {dt}:
         die(f"model parameters are {got}, wanted {dt}")
+    # The same weights in f32 (exact: every 16-bit value is an f32), for the context logits.
+    exact = None
+    if dt != torch.float32:
+        exact = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+        exact = exact.to(device=dev).eval()
     vocab = model.config.vocab_size
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if limit is not None and max(lens) + args.decode_steps > limit:
@@ -123,6 +131,8 @@ def main():
                   f"|logits| max {logits.abs().max().item():.3g}")
             tensors[f"ids.{b}"] = ids[0].to(torch.int32).cpu().contiguous()
             tensors[f"logits.{b}"] = logits.cpu().contiguous()
+            if exact is not None:
+                tensors[f"logits_f32.{b}"] = exact(input_ids=ids, use_cache=False).logits[0].float().cpu().contiguous()
 
     meta = {
         "rows": str(args.rows),

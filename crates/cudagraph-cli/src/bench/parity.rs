@@ -14,6 +14,11 @@
 //! Error measure, per logit row: `max |ours - ref| / max |ref|`. A row's greedy token is
 //! compared where the reference's top-2 margin exceeds twice the allowed absolute error
 //! (`tol · max |ref|`): then no error within the tolerance can change the argmax.
+//!
+//! A 16-bit reference may also hold Hugging Face's logits of the same ids computed in f32 from
+//! the same (16-bit) weights (`logits_f32.{b}`); then the command also prints, for context
+//! and without failing on them, how far our rows (alone) and the reference's own 16-bit rows
+//! are from those.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -50,6 +55,27 @@ struct RefRow {
     prompt: usize,
     /// `[ids.len(), vocab]`.
     logits: Vec<f32>,
+    /// The same in f32 arithmetic, where the reference has it.
+    exact: Option<Vec<f32>>,
+}
+
+/// `name` of the reference as F32 `[len, ·]` values; the width.
+fn f32_rows(st: &SafeTensors, name: &str, len: usize) -> AnyResult<(Vec<f32>, usize)> {
+    let l = st.tensor(name)?;
+    if l.dtype() != StDtype::F32 || l.shape().len() != 2 || l.shape()[0] != len {
+        return Err(format!(
+            "{name}: {:?} {:?}, expected F32 [{len}, vocab]",
+            l.dtype(),
+            l.shape(),
+        )
+        .into());
+    }
+    let v = l
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Ok((v, l.shape()[1]))
 }
 
 fn read_reference(path: &PathBuf) -> AnyResult<(Vec<RefRow>, usize)> {
@@ -92,29 +118,27 @@ fn read_reference(path: &PathBuf) -> AnyResult<(Vec<RefRow>, usize)> {
                 .collect(),
             d => return Err(format!("ids.{b}: dtype {d:?}, expected I32 or I64").into()),
         };
-        let l = st.tensor(&format!("logits.{b}"))?;
-        if l.dtype() != StDtype::F32 || l.shape().len() != 2 || l.shape()[0] != ids.len() {
-            return Err(format!(
-                "logits.{b}: {:?} {:?}, expected F32 [{}, vocab]",
-                l.dtype(),
-                l.shape(),
-                ids.len()
-            )
-            .into());
-        }
-        vocab = l.shape()[1];
+        let (logits, width) = f32_rows(&st, &format!("logits.{b}"), ids.len())?;
+        vocab = width;
         if prompt == 0 || prompt > ids.len() {
             return Err(format!("row {b}: prompt length {prompt} of {} ids", ids.len()).into());
         }
-        let logits = l
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let exact_name = format!("logits_f32.{b}");
+        let exact = match st.names().iter().any(|n| **n == exact_name) {
+            false => None,
+            true => {
+                let (v, width) = f32_rows(&st, &exact_name, ids.len())?;
+                if width != vocab {
+                    return Err(format!("{exact_name}: {width} columns, logits.{b} {vocab}").into());
+                }
+                Some(v)
+            }
+        };
         out.push(RefRow {
             ids,
             prompt,
             logits,
+            exact,
         });
     }
     Ok((out, vocab))
@@ -174,23 +198,42 @@ impl Tally {
     fn ok(&self) -> bool {
         self.failed_rows == 0 && self.greedy_failed == 0
     }
+
+    /// Adds another tally's rows.
+    fn merge(&mut self, t: &Tally) {
+        self.rows += t.rows;
+        self.worst = self.worst.max(t.worst);
+        self.failed_rows += t.failed_rows;
+        self.greedy_checked += t.greedy_checked;
+        self.greedy_failed += t.greedy_failed;
+    }
+}
+
+/// Our logit row `ours` of reference row `r`'s token `t`, against the reference (into
+/// `tally`) and against its f32 logits where it has them (into `exact`).
+fn compare((tally, exact): (&mut Tally, &mut Tally), ours: &[f32], r: &RefRow, t: usize, tol: f64) {
+    let vocab = ours.len();
+    tally.row(ours, &r.logits[t * vocab..(t + 1) * vocab], tol);
+    if let Some(e) = &r.exact {
+        exact.row(ours, &e[t * vocab..(t + 1) * vocab], tol);
+    }
 }
 
 /// Runs rows `rows` through `decoder` with teacher forcing — prompts prefilled in one call
 /// (padded to the longest), then one call per continuation token — and compares every logit
-/// row with the reference.
+/// row with the reference, and with its f32 logits where it has them (the second tally).
 fn teacher_forced(
     s: &Stream,
     decoder: &Decoder,
     reference: &[&RefRow],
     vocab: usize,
     tol: f64,
-) -> AnyResult<Tally> {
+) -> AnyResult<(Tally, Tally)> {
     let n = reference.len();
     let max_len = reference.iter().map(|r| r.ids.len()).max().unwrap_or(1);
     let cache = decoder.new_cache(s, n, max_len)?;
     let slots = s.alloc_from_host(&(0..n as i32).collect::<Vec<_>>())?;
-    let mut tally = Tally::default();
+    let (mut tally, mut exact) = (Tally::default(), Tally::default());
     let longest = reference.iter().map(|r| r.prompt).max().unwrap_or(1);
     let (mut ids, mut pos) = (Vec::new(), Vec::new());
     for r in reference {
@@ -214,11 +257,7 @@ fn teacher_forced(
     for (b, r) in reference.iter().enumerate() {
         for t in 0..r.prompt {
             let at = (b * longest + t) * vocab;
-            tally.row(
-                &host[at..at + vocab],
-                &r.logits[t * vocab..(t + 1) * vocab],
-                tol,
-            );
+            compare((&mut tally, &mut exact), &host[at..at + vocab], r, t, tol);
         }
     }
     // Continuation tokens, one call per step; a row whose continuation ended repeats its last
@@ -250,15 +289,12 @@ fn teacher_forced(
         for (b, r) in reference.iter().enumerate() {
             let t = r.prompt + j;
             if t < r.ids.len() {
-                tally.row(
-                    &host[b * vocab..(b + 1) * vocab],
-                    &r.logits[t * vocab..(t + 1) * vocab],
-                    tol,
-                );
+                let ours = &host[b * vocab..(b + 1) * vocab];
+                compare((&mut tally, &mut exact), ours, r, t, tol);
             }
         }
     }
-    Ok(tally)
+    Ok((tally, exact))
 }
 
 /// Greedy generation through captured steps, against the reference's continuation up to the
@@ -346,18 +382,37 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
         );
         ok &= t.ok();
     };
-    let mut alone = Tally::default();
+    let (mut alone, mut exact) = (Tally::default(), Tally::default());
     for r in &reference {
-        let t = teacher_forced(&s, &decoder, &[r], vocab, tol)?;
-        alone.rows += t.rows;
-        alone.worst = alone.worst.max(t.worst);
-        alone.failed_rows += t.failed_rows;
-        alone.greedy_checked += t.greedy_checked;
-        alone.greedy_failed += t.greedy_failed;
+        let (t, e) = teacher_forced(&s, &decoder, &[r], vocab, tol)?;
+        alone.merge(&t);
+        exact.merge(&e);
     }
     report("alone", &alone);
     let all: Vec<&RefRow> = reference.iter().collect();
-    report("batched", &teacher_forced(&s, &decoder, &all, vocab, tol)?);
+    report(
+        "batched",
+        &teacher_forced(&s, &decoder, &all, vocab, tol)?.0,
+    );
+    if exact.rows > 0 {
+        // Context, not a check: both 16-bit runs against the f32 run of the same weights.
+        let mut theirs = Tally::default();
+        for r in reference.iter().filter(|r| r.exact.is_some()) {
+            let e = r.exact.as_deref().unwrap_or_default();
+            for (t, row) in r.logits.chunks_exact(vocab).enumerate() {
+                theirs.row(row, &e[t * vocab..(t + 1) * vocab], tol);
+            }
+        }
+        for (what, t) in [("ours", &exact), ("reference", &theirs)] {
+            outln!(
+                "{:<10} against f32: {what:<9} worst error {:.2e}, {} of {} rows over tolerance",
+                "context",
+                t.worst,
+                t.failed_rows,
+                t.rows
+            );
+        }
+    }
     let (compared, differ) = generated(&mut s, &decoder, &reference, vocab, tol)?;
     outln!(
         "{:<10} {compared} greedy tokens compared (up to each row's first low-margin step), {differ} differ",
