@@ -426,3 +426,98 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
         Err("parity: logits or greedy tokens differ from the reference beyond the tolerance".into())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn le<T: Copy>(v: &[T], f: fn(T) -> [u8; 4]) -> Vec<u8> {
+        v.iter().flat_map(|&x| f(x)).collect()
+    }
+
+    /// A reference file of one row (3 ids, prompt 2, vocab 2) at `path`; `exact`: the width of
+    /// its `logits_f32.0` (none when `None`).
+    fn write(path: &std::path::Path, exact: Option<usize>) {
+        let ids = le(&[5i32, 6, 7], i32::to_le_bytes);
+        let logits = le(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], f32::to_le_bytes);
+        let exact_data = exact.map(|w| le(&vec![0.5f32; 3 * w], f32::to_le_bytes));
+        let mut views = vec![
+            (
+                "ids.0".to_string(),
+                TensorView::new(StDtype::I32, vec![3], &ids).unwrap(),
+            ),
+            (
+                "logits.0".to_string(),
+                TensorView::new(StDtype::F32, vec![3, 2], &logits).unwrap(),
+            ),
+        ];
+        if let (Some(w), Some(d)) = (exact, exact_data.as_ref()) {
+            views.push((
+                "logits_f32.0".to_string(),
+                TensorView::new(StDtype::F32, vec![3, w], d).unwrap(),
+            ));
+        }
+        let meta = HashMap::from([
+            ("rows".to_string(), "1".to_string()),
+            ("prompt_lens".to_string(), "2".to_string()),
+        ]);
+        let bytes = safetensors::serialize(views, Some(meta)).unwrap();
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn a_reference_reads_with_and_without_its_f32_logits() {
+        let dir = std::env::temp_dir().join(format!("cg-parity-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ref.safetensors");
+        write(&path, None);
+        let (rows, vocab) = read_reference(&path).unwrap();
+        assert_eq!((rows.len(), vocab), (1, 2));
+        assert_eq!(
+            (rows[0].ids.as_slice(), rows[0].prompt),
+            (&[5, 6, 7][..], 2)
+        );
+        assert_eq!(rows[0].logits[5], 6.0);
+        assert!(rows[0].exact.is_none());
+        write(&path, Some(2));
+        let (rows, _) = read_reference(&path).unwrap();
+        assert_eq!(rows[0].exact.as_deref(), Some(&[0.5f32; 6][..]));
+        // f32 logits of another width than the reference's are refused.
+        write(&path, Some(3));
+        let err = read_reference(&path).err().expect("a width mismatch");
+        assert!(err.to_string().contains("logits_f32.0"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_tally_measures_each_row_against_its_largest_logit() {
+        let mut t = Tally::default();
+        // Error 0.1 against a largest |logit| of 4: 2.5e-2, over a tolerance of 2e-2; the
+        // margin (4 - 1 = 3) is clear, and the argmax agrees.
+        t.row(&[4.1, 1.0], &[4.0, 1.0], 2e-2);
+        assert_eq!((t.rows, t.failed_rows, t.greedy_checked), (1, 1, 1));
+        assert!((t.worst - 0.025).abs() < 1e-6, "{}", t.worst);
+        let mut u = Tally::default();
+        // A non-finite value is an infinite error; a flipped argmax with a clear margin fails.
+        u.row(&[f32::NAN, 0.0], &[1.0, 0.0], 2e-2);
+        u.row(&[0.0, 5.0], &[5.0, 0.0], 2e-2);
+        assert_eq!((u.greedy_checked, u.greedy_failed), (2, 2));
+        t.merge(&u);
+        assert_eq!((t.rows, t.failed_rows, t.greedy_failed), (3, 3, 2));
+        assert!(t.worst.is_infinite() && !t.ok());
+        // compare() feeds the second tally only where the reference has f32 logits.
+        let r = RefRow {
+            ids: vec![1, 2],
+            prompt: 1,
+            logits: vec![1.0, 0.0, 2.0, 0.0],
+            exact: Some(vec![1.0, 0.0, 2.5, 0.0]),
+        };
+        let (mut a, mut e) = (Tally::default(), Tally::default());
+        compare((&mut a, &mut e), &[2.0, 0.0], &r, 1, 2e-2);
+        assert_eq!((a.rows, a.failed_rows, e.rows, e.failed_rows), (1, 0, 1, 1));
+        let plain = RefRow { exact: None, ..r };
+        compare((&mut a, &mut e), &[2.0, 0.0], &plain, 1, 2e-2);
+        assert_eq!((a.rows, e.rows), (2, 1));
+    }
+}
