@@ -109,16 +109,30 @@ pub fn source() -> String {
 
 /// Whether `kernel` takes a product of `m` rows, depth `k`, with `epilogue` (shape only, the
 /// split not checked; the launcher also checks the pointers' 16-byte alignment and the
-/// lengths): 1 ≤ m ≤ its [`FewRow::max_m`], k a positive multiple of 8, the epilogue none,
-/// bias, bias + ReLU or bias + GELU.
+/// lengths): 1 ≤ m ≤ its [`FewRow::max_m`], k a positive multiple of 8 whose rounding up to
+/// whole chunks of 32 fits the kernels' `int` depth arithmetic, the epilogue none, bias,
+/// bias + ReLU or bias + GELU.
 pub fn few_row_ok(kernel: FewRow, m: usize, k: usize, epilogue: Epilogue) -> bool {
     (1..=kernel.max_m()).contains(&m)
         && k > 0
         && k % 8 == 0
+        && k.next_multiple_of(32) <= i32::MAX as usize
         && matches!(
             epilogue,
             Epilogue::None | Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGelu
         )
+}
+
+/// The blocks of `kernel` for `n` output columns: every column index a block computes, past
+/// `n` included (blocks · columns a block), must fit the kernels' `int` column arithmetic.
+fn grid(kernel: FewRow, n: usize) -> Result<u32> {
+    let cols = kernel.columns_per_block();
+    let blocks = n.div_ceil(cols);
+    blocks
+        .checked_mul(cols)
+        .filter(|&c| c <= i32::MAX as usize)
+        .and_then(|_| u32::try_from(blocks).ok())
+        .ok_or_else(|| NnError::Shape(format!("gemv: n = {n} exceeds the grid")))
 }
 
 /// The kernels of one device (a [`Device::extension`]): `[pair][rows]` and `[pair][tiles]`,
@@ -298,10 +312,7 @@ impl GemvKernels {
         if let Some(b) = bias {
             need("gemv bias", b, n)?;
         }
-        let blocks = u32::try_from(n.div_ceil(kernel.columns_per_block()))
-            .ok()
-            .filter(|&g| g <= i32::MAX as u32)
-            .ok_or_else(|| NnError::Shape(format!("gemv: n = {n} exceeds the grid")))?;
+        let blocks = grid(kernel, n)?;
         let f = match kernel {
             FewRow::Lanes(_) => {
                 &self.f[pair][ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M")]
@@ -400,6 +411,27 @@ mod tests {
         }
         assert_eq!(8 * *TILES.last().unwrap(), GEMV_MMA_MAX_M);
         assert_eq!(FewRow::Mma(2).columns_per_block(), 64);
+        // Depths whose chunks of 32 would pass an int are refused by both kernels.
+        let deepest = (i32::MAX as usize) / 32 * 32;
+        for kernel in [FewRow::Lanes(1), FewRow::Mma(1)] {
+            assert!(few_row_ok(kernel, 1, deepest, Epilogue::None));
+            assert!(!few_row_ok(kernel, 1, deepest + 8, Epilogue::None));
+        }
+    }
+
+    #[test]
+    fn the_grid_keeps_every_column_index_within_an_int() {
+        assert_eq!(grid(FewRow::Lanes(1), 768).unwrap(), 96);
+        assert_eq!(grid(FewRow::Lanes(2), 769).unwrap(), 193);
+        assert_eq!(grid(FewRow::Mma(1), 2304).unwrap(), 18);
+        assert_eq!(grid(FewRow::Mma(8), 17).unwrap(), 2);
+        // n itself fits an int, but the last tile's columns would not.
+        let top = i32::MAX as usize;
+        let last = top / 128 * 128;
+        assert_eq!(grid(FewRow::Mma(1), last).unwrap() as usize, last / 128);
+        assert!(grid(FewRow::Mma(1), last + 1).is_err());
+        assert!(grid(FewRow::Lanes(1), top - 6).is_err());
+        assert!(grid(FewRow::Lanes(1), top / 8 * 8).is_ok());
         assert_eq!(FewRow::Lanes(2).columns_per_block(), 4);
     }
 }
