@@ -1044,3 +1044,160 @@ fn the_norm_adds_the_residual_into_the_rows_it_reads() {
         .unwrap_err();
     assert!(err.to_string().contains("decoder norm residual"), "{err}");
 }
+
+/// Steps of one token a row: the attention that splits the packed q|k|v product itself
+/// (rotating queries and keys, writing each row's key and value into the caches) gives the
+/// bits of the split kernel followed by the attention — outputs and both caches — with 16-byte
+/// and pair loads, one to eight query heads a key/value head (two blocks of four), with and
+/// without rotation, in f32, bf16 and f16, twice through one scratch; more than one token a
+/// row and a short product are typed errors.
+#[test]
+fn the_one_token_attention_splits_the_product_itself() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    for rotate in [false, true] {
+        one_token::<f32>(&s, (4, 2, 64), rotate);
+        one_token::<bf16>(&s, (4, 2, 64), rotate);
+        one_token::<bf16>(&s, (8, 1, 128), rotate);
+        one_token::<f16>(&s, (12, 12, 64), rotate);
+        one_token::<bf16>(&s, (4, 4, 6), rotate);
+    }
+}
+
+fn one_token<T: cudagraph_nn::dtype::Float>(
+    s: &Stream,
+    (heads, kv_heads, d): (usize, usize, usize),
+    rotate: bool,
+) {
+    use cudagraph::Queue;
+    use cudagraph_nn::kernels::decoder::{DecoderKernels, QkvDims};
+    let (batch, max_len) = (3, 700);
+    let shape = AttentionShape {
+        batch,
+        slots: 3,
+        tokens: 1,
+        heads,
+        kv_heads,
+        max_len,
+        head_dim: d,
+    };
+    let what = format!(
+        "{} heads {heads}/{kv_heads} of {d}, rotated {rotate}",
+        T::DTYPE
+    );
+    let mut rng = Lcg((d * 71 + heads * 7 + kv_heads) as u64);
+    let mut random =
+        |n: usize| -> Vec<T> { (0..n).map(|_| T::from_f32(rng.next() as f32)).collect() };
+    let packed = batch * (heads + 2 * kv_heads) * d;
+    let qkv = s.alloc_from_host(&random(packed)).unwrap();
+    let cl = shape.cache_len().unwrap();
+    let (k0, v0) = (random(cl), random(cl));
+    let (ka, va) = (
+        s.alloc_from_host(&k0).unwrap(),
+        s.alloc_from_host(&v0).unwrap(),
+    );
+    let (kb, vb) = (
+        s.alloc_from_host(&k0).unwrap(),
+        s.alloc_from_host(&v0).unwrap(),
+    );
+    // Positions at the cache's end, its start and inside; slots out of order.
+    let (pos, slots) = (buf(s, &[699, 0, 200]), buf(s, &[2, 0, 1]));
+    let freq: Vec<f32> = (0..d / 2)
+        .map(|j| 10000f32.powf(-2.0 * j as f32 / d as f32))
+        .collect();
+    let freq = s.alloc_from_host(&freq).unwrap();
+    let freq = rotate.then_some(&freq);
+    let ql = shape.query_len().unwrap();
+    let (qh, oa, ob) = (
+        s.alloc::<T>(ql).unwrap(),
+        s.alloc::<T>(ql).unwrap(),
+        s.alloc::<T>(ql).unwrap(),
+    );
+    let scale = 1.0 / (d as f32).sqrt();
+    let dk = DecoderKernels::get(s.device()).unwrap();
+    let scratch = dk.attend_scratch(s, &shape).unwrap();
+    let dims = QkvDims {
+        rows: batch,
+        tokens: 1,
+        heads,
+        kv_heads,
+        head_dim: d,
+        slots: 3,
+        max_len,
+    };
+    dk.qkv(s, &dims, &qkv, freq, (&pos, &slots), &qh, (&ka, &va))
+        .unwrap();
+    dk.attend(
+        s,
+        &shape,
+        &qh,
+        (&ka, &va),
+        (&pos, &slots),
+        &oa,
+        scale,
+        &scratch,
+    )
+    .unwrap();
+    for _ in 0..2 {
+        dk.attend_qkv(
+            s,
+            &shape,
+            &qkv,
+            freq,
+            (&kb, &vb),
+            (&pos, &slots),
+            &ob,
+            scale,
+            &scratch,
+        )
+        .unwrap();
+    }
+    let f = |b: &DeviceBuffer<T>| -> Vec<f32> {
+        s.to_vec(b).unwrap().iter().map(|x| x.to_f32()).collect()
+    };
+    let (a, b) = (f(&oa), f(&ob));
+    assert!(a.iter().any(|x| *x != 0.0), "{what}: all zero");
+    assert_bits_eq(&b, &a, format_args!("{what}: output"));
+    assert_bits_eq(&f(&kb), &f(&ka), format_args!("{what}: key cache"));
+    assert_bits_eq(&f(&vb), &f(&va), format_args!("{what}: value cache"));
+    assert_ne!(
+        f(&ka),
+        k0.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+        "{what}: no key written"
+    );
+    let two = AttentionShape { tokens: 2, ..shape };
+    let e = dk.attend_qkv(
+        s,
+        &two,
+        &qkv,
+        freq,
+        (&kb, &vb),
+        (&pos, &slots),
+        &ob,
+        scale,
+        &scratch,
+    );
+    let msg = format!("{:?}", e.err());
+    assert!(
+        msg.contains("one token a row"),
+        "{what}: two tokens a row: {msg}"
+    );
+    let short = s.alloc::<T>(packed - 1).unwrap();
+    let e = dk.attend_qkv(
+        s,
+        &shape,
+        &short,
+        freq,
+        (&kb, &vb),
+        (&pos, &slots),
+        &ob,
+        scale,
+        &scratch,
+    );
+    let msg = format!("{:?}", e.err());
+    assert!(
+        msg.contains("decoder qkv"),
+        "{what}: a short product: {msg}"
+    );
+    s.synchronize().unwrap();
+}

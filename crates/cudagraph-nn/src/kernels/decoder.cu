@@ -195,6 +195,21 @@ __device__ __forceinline__ void dec_norm_n(T* x, const T* a, const float* __rest
     }
 }
 
+// Rotates the pair (a, c), components j and j + D/2 of a query or key head, by the angle
+// pos · freq as apply_rotary_pos_emb does: cos and sin in the model's type, each product
+// rounded (the caller rounds the sums on store).
+template <typename T>
+__device__ __forceinline__ void dec_rotate(int pos, float freq, float& a, float& c) {
+    float sn, cs;
+    sincosf((float)pos * freq, &sn, &cs);
+    cs = dec_rnd<T>(cs);
+    sn = dec_rnd<T>(sn);
+    const float ra = dec_rnd<T>(a * cs) - dec_rnd<T>(c * sn);
+    const float rc = dec_rnd<T>(c * cs) + dec_rnd<T>(a * sn);
+    a = ra;
+    c = rc;
+}
+
 // The packed product qkv [N, H + 2·Hkv, D] (N = B·Tq tokens; heads 0..H are queries, then Hkv
 // keys, then Hkv values) split into q_out [N, H, D] and the caches [S, Hkv, Tmax, D] at
 // (slot[b], position pos[n]) for token n of row b = n / Tq. With inv_freq (not null) queries
@@ -220,18 +235,7 @@ __device__ __forceinline__ void dec_qkv_n(const T* __restrict__ qkv,
         const int p = pos[n];
         const T* src = qkv + r * D;
         float a = to_f32(src[j]), c = to_f32(src[j + half]);
-        if (inv_freq && hh < H + Hkv) {
-            // As apply_rotary_pos_emb: cos and sin in the model's type, each product rounded,
-            // the sum rounded on store.
-            float sn, cs;
-            sincosf((float)p * inv_freq[j], &sn, &cs);
-            cs = dec_rnd<T>(cs);
-            sn = dec_rnd<T>(sn);
-            const float ra = dec_rnd<T>(a * cs) - dec_rnd<T>(c * sn);
-            const float rc = dec_rnd<T>(c * cs) + dec_rnd<T>(a * sn);
-            a = ra;
-            c = rc;
-        }
+        if (inv_freq && hh < H + Hkv) dec_rotate<T>(p, inv_freq[j], a, c);
         if (hh < H) {
             T* dst = q_out + (n * H + hh) * D;
             dst[j] = from_f32<T>(a);
@@ -278,6 +282,7 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 #define DS_INFLIGHT 4
 #define DS_SPLIT_KEYS 64
 #define DS_MAX_SPLITS 64
+#define DS_MAX_D 256
 #define DS_NEG_INF __int_as_float(0xff800000)
 
 // Attention of query tokens over the cache, split along the keys: q and out [N, H, D] (N =
@@ -305,8 +310,9 @@ __device__ __forceinline__ void dec_attend_n(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const int* __restrict__ pos, const int* __restrict__ slot, T* __restrict__ out,
     float* __restrict__ part, float* __restrict__ stat, unsigned int* __restrict__ count, int Tq,
-    int H, int Hkv, int S, int Tmax, int D, float scale, int splits, cg_check* flag,
-    unsigned int check, unsigned int slot_check) {
+    int H, int Hkv, int S, int Tmax, int D, float scale, int splits, int fresh,
+    const float* __restrict__ inv_freq, cg_check* flag, unsigned int check,
+    unsigned int slot_check) {
     typedef DsRaw<P * sizeof(T)> Raw;
     __shared__ float red[GM * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
     __shared__ float gm_[DS_THREADS][GM], gl_[DS_THREADS][GM];  // each group's max and sum
@@ -336,6 +342,42 @@ __device__ __forceinline__ void dec_attend_n(
     const int LPK = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : need <= 8 ? 8 : need <= 16 ? 16 : 32;
     const int KPW = 32 / LPK, KPB = DS_WARPS * KPW;
     const int u = lane % LPK, kg = warp * KPW + lane / LPK;
+    // One-token steps (fresh): q is the packed q|k|v product [N, H + 2·Hkv, D]. The block
+    // rotates its query heads itself (with inv_freq, as dec_qkv does, rounded to T as dec_qkv
+    // stores them), and the block whose split holds the token's own position p takes that
+    // key (rotated) and value from the product too, into shared memory; the block of the first
+    // head group also writes them into the caches at (slot, p). No block reads position p
+    // from the caches then, and the bits are those of dec_qkv followed by this kernel.
+    __shared__ float sq[GM][DS_MAX_D];
+    __shared__ __align__(16) T skv[2][DS_MAX_D];
+    const bool own = fresh && valid && p >= k0 && p < k1;
+    if (fresh) {
+        const int half = D / 2, heads = H + 2 * Hkv;
+        const T* src = q + n * heads * D;
+        for (int i = tid; i < (GM + 2) * half; i += DS_THREADS) {
+            const int g = i / half, j = i % half;
+            // g < GM: query head h0 + g; g == GM: key head kvh; g == GM + 1: its value head.
+            if (g < GM ? g >= gc : !own) continue;
+            const int hh = g < GM ? h0 + g : g == GM ? H + kvh : H + Hkv + kvh;
+            float a = to_f32(src[hh * D + j]), c = to_f32(src[hh * D + j + half]);
+            if (inv_freq && g <= GM) dec_rotate<T>(p, inv_freq[j], a, c);
+            if (g < GM) {
+                sq[g][j] = dec_rnd<T>(a);
+                sq[g][j + half] = dec_rnd<T>(c);
+                continue;
+            }
+            const T ta = from_f32<T>(a), tc = from_f32<T>(c);
+            skv[g - GM][j] = ta;
+            skv[g - GM][j + half] = tc;
+            if (sub == 0) {
+                T* dst = const_cast<T*>(g == GM ? kc : vc) +
+                         (((long long)sln * Hkv + kvh) * Tmax + p) * D;
+                dst[j] = ta;
+                dst[j + half] = tc;
+            }
+        }
+        __syncthreads();
+    }
     float qr[PPL][GM][P], acc[PPL][GM][P], mr[GM], lr[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
@@ -344,7 +386,10 @@ __device__ __forceinline__ void dec_attend_n(
 #pragma unroll
         for (int c = 0; c < PPL; c++) {
             const int pk = u + c * LPK;
-            if (pk < LP && g < gc) {
+            if (pk < LP && g < gc && fresh) {
+#pragma unroll
+                for (int e = 0; e < P; e++) qr[c][g][e] = sq[g][pk * P + e];
+            } else if (pk < LP && g < gc) {
                 ds_load<T, P>(q + (n * H + h0 + g) * D + pk * P, qr[c][g]);
             } else {
 #pragma unroll
@@ -370,8 +415,13 @@ __device__ __forceinline__ void dec_attend_n(
             for (int c = 0; c < PPL; c++) {
                 const int pk = u + c * LPK;
                 if (j < k1 && pk < LP) {
-                    kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
-                    vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
+                    if (own && j == p) {
+                        kraw[r][c] = *reinterpret_cast<const Raw*>(&skv[0][pk * P]);
+                        vraw[r][c] = *reinterpret_cast<const Raw*>(&skv[1][pk * P]);
+                    } else {
+                        kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
+                        vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
+                    }
                 }
             }
         }
@@ -531,11 +581,12 @@ __device__ __forceinline__ void dec_attend_n(
     extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_##NAME##_##S(         \
         const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
         float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
-        int Tmax, int D, float scale, int splits, cg_check* flag, unsigned int check,          \
-        unsigned int slot_check) {                                                             \
+        int Tmax, int D, float scale, int splits, int fresh, const float* inv_freq,            \
+        cg_check* flag, unsigned int check, unsigned int slot_check) {                         \
         CG_PDL_ENTER();                                                                       \
         dec_attend_n<T, P, PPL, GM>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,  \
-                                    NS, Tmax, D, scale, splits, flag, check, slot_check);     \
+                                    NS, Tmax, D, scale, splits, fresh, inv_freq, flag, check, \
+                                    slot_check);                                              \
     }
 
 #define DEC_INSTANCES(T, S)                                                                   \

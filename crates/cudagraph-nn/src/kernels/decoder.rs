@@ -512,6 +512,65 @@ impl DecoderKernels {
         q: &dyn Queue,
         shape: &AttentionShape,
         query: &DeviceBuffer<T>,
+        caches: (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        at: (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
+        out: &DeviceBuffer<T>,
+        scale: f32,
+        scratch: &AttendScratch,
+    ) -> Result<()> {
+        shape.check_buffers(query, out, caches, at.0)?;
+        self.launch_attend(q, shape, (query, None), caches, at, out, scale, scratch)
+    }
+
+    /// [`Self::qkv`] followed by [`Self::attend`] in one kernel, for steps of one token a row
+    /// (`shape.tokens == 1`, else a `Shape` error): reads the packed product `qkv`
+    /// (`[rows, heads + 2·kv_heads, head_dim]`), writes each row's key and value (rotated with
+    /// `inv_freq` as [`Self::qkv`] does) into the caches at its slot and position and attends
+    /// over the slot's positions up to it. The same bits as the two calls.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_qkv<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        qkv: &DeviceBuffer<T>,
+        inv_freq: Option<&DeviceBuffer<f32>>,
+        caches: (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        at: (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
+        out: &DeviceBuffer<T>,
+        scale: f32,
+        scratch: &AttendScratch,
+    ) -> Result<()> {
+        if shape.tokens != 1 {
+            return Err(NnError::Shape(format!(
+                "decoder attention over the packed q|k|v product: one token a row, not {} \
+                 (split the product with DecoderKernels::qkv, then attend)",
+                shape.tokens
+            )));
+        }
+        // The output has the queries' length; the packed product is checked below.
+        shape.check_buffers(out, out, caches, at.0)?;
+        let s = shape;
+        let packed = prod(
+            "decoder qkv",
+            &[s.batch, s.heads + 2 * s.kv_heads, s.head_dim],
+        )?;
+        need("decoder qkv", qkv, packed)?;
+        if let Some(f) = inv_freq {
+            need("decoder rotary frequencies", f, s.head_dim / 2)?;
+        }
+        let fresh = (qkv, Some(inv_freq));
+        self.launch_attend(q, shape, fresh, caches, at, out, scale, scratch)
+    }
+
+    /// The attention kernel over `query` (`[tokens, heads, head_dim]`, checked by the caller)
+    /// or, with `Some(inv_freq)`, over the packed one-token q|k|v product (checked by the
+    /// caller): the remaining checks and the launch.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attend<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        (query, fresh): (&DeviceBuffer<T>, Option<Option<&DeviceBuffer<f32>>>),
         (k_cache, v_cache): (&DeviceBuffer<T>, &DeviceBuffer<T>),
         (positions, slots): (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
         out: &DeviceBuffer<T>,
@@ -519,7 +578,7 @@ impl DecoderKernels {
         scratch: &AttendScratch,
     ) -> Result<()> {
         shape.validate()?;
-        let pl = shape.check_buffers(query, out, (k_cache, v_cache), positions)?;
+        let pl = shape.positions_len()?;
         need("attention cache slots", slots, shape.batch)?;
         let s = shape;
         let (splits, groups) = (scratch.splits, scratch.groups);
@@ -547,7 +606,11 @@ impl DecoderKernels {
             .ok()
             .filter(|&g| g <= i32::MAX as u32)
             .ok_or_else(|| NnError::Shape(format!("decoder attention: {pl} tokens")))?;
-        let addrs = [query.addr(), k_cache.addr(), v_cache.addr()];
+        // The packed product is read element by element; a query, 16 bytes a load.
+        let addrs = match fresh {
+            None => vec![query.addr(), k_cache.addr(), v_cache.addr()],
+            Some(_) => vec![k_cache.addr(), v_cache.addr()],
+        };
         let kernel = if vector_loads::<T>(s.head_dim, &addrs)? {
             let per_kv = s.heads / s.kv_heads;
             self.attend_v[per_kv.min(3) - 1].of::<T>("decoder attention")?
@@ -561,19 +624,23 @@ impl DecoderKernels {
         };
         let i = |v: usize| Arg::I32(v as i32);
         // SAFETY: dec_attend_{v,p}_*(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,
-        // S, Tmax, D, scale, splits, flag, check, slot_check): block (n, y, s) with n < B·Tq,
-        // y < Hkv·hg (hg = ceil((H/Hkv)/4): groups, checked against the scratch), s < splits
-        // reads pos[n] (< positions_len, checked), slot[n / Tq] (< batch, checked), q and
-        // writes out at rows n·H + h for h < H of D elements (query_len, checked for both),
-        // reads cache rows ((sl·Hkv + kvh)·Tmax + j)·D, j ≤ p, only for 0 ≤ sl < S and
-        // 0 ≤ p < Tmax (cache_len = S·Hkv·Tmax·D, checked for both caches); with splits > 1
+        // S, Tmax, D, scale, splits, fresh, inv_freq, flag, check, slot_check): block (n, y, s)
+        // with n < B·Tq, y < Hkv·hg (hg = ceil((H/Hkv)/4): groups, checked against the
+        // scratch), s < splits reads pos[n] (< positions_len, checked), slot[n / Tq] (< batch,
+        // checked); without fresh it reads q at rows n·H + h for h < H of D elements
+        // (query_len, checked), with fresh (Tq = 1, checked) the packed rows n·(H + 2Hkv) + hh
+        // of D elements (checked) and inv_freq[j], j < D/2 (checked when not null), and writes
+        // the cache rows ((sl·Hkv + kvh)·Tmax + p)·D only for 0 ≤ sl < S and 0 ≤ p < Tmax; it
+        // writes out at rows n·H + h (query_len, checked), reads cache rows ((sl·Hkv +
+        // kvh)·Tmax + j)·D, j ≤ p, only for 0 ≤ sl < S and 0 ≤ p < Tmax (cache_len =
+        // S·Hkv·Tmax·D, checked for both caches); D ≤ 256 (vector_loads); with splits > 1
         // it writes part[(row·splits + s)·D + d] and stat[(row·splits + s)·2 + {0, 1}] for
         // row < B·Tq·H (sizes checked) and counts in count[n·groups + y] (checked); the loads
         // are 16-byte (vector instance: D a multiple of 16 bytes of T) or pair loads (D even)
         // at offsets that are multiples of their size in buffers aligned to it (addresses
         // checked by vector_loads), at most 32 lanes a row; every size fits i32 and the grid
         // its limits (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes,
-        // splits ≤ 64); 128 threads, the kernel's static shared memory (≤ 22 KB).
+        // splits ≤ 64); 128 threads, the kernel's static shared memory (≤ 28 KB).
         unsafe {
             launch_decode(
                 q,
@@ -597,6 +664,8 @@ impl DecoderKernels {
                     i(s.head_dim),
                     Arg::F32(scale),
                     i(splits),
+                    i(usize::from(fresh.is_some())),
+                    Arg::opt(fresh.flatten()),
                     q.check_flag_arg()?,
                     Arg::U32(self.cache_pos_check),
                     Arg::U32(self.slot_check),

@@ -621,7 +621,14 @@ impl Decoder {
         // The output and down products, added into x by the norm after them.
         let proj = q.alloc::<T>(n * d.d)?;
         let qkv = q.alloc::<T>(n * d.qkv_cols())?;
-        let qh = q.alloc::<T>(n * qd)?;
+        // Steps of one token a row split the q|k|v product inside attention; longer rows split
+        // it into the caches and these queries first (the row's later tokens read its earlier
+        // keys from the caches).
+        let qh = if tokens > 1 {
+            Some(q.alloc::<T>(n * qd)?)
+        } else {
+            None
+        };
         let att = q.alloc::<T>(n * qd)?;
         let mid = q.alloc::<T>(n * d.up_cols())?;
         let act = if d.gpt2 {
@@ -661,17 +668,17 @@ impl Decoder {
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
             linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false)?;
             let freq = self.inv_freq.as_ref();
-            dk.qkv(
-                q,
-                &qkv_dims,
-                &qkv,
-                freq,
-                (io.positions, io.slots),
-                &qh,
-                caches,
-            )?;
             let at = (io.positions, io.slots);
-            dk.attend(q, &att_shape, &qh, caches, at, &att, scale, &scratch)?;
+            match &qh {
+                Some(qh) => {
+                    dk.qkv(q, &qkv_dims, &qkv, freq, at, qh, caches)?;
+                    dk.attend(q, &att_shape, qh, caches, at, &att, scale, &scratch)?;
+                }
+                None => {
+                    let sc = &scratch;
+                    dk.attend_qkv(q, &att_shape, &qkv, freq, caches, at, &att, scale, sc)?;
+                }
+            }
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &proj, (n, d.d, qd), false)?;
             let n2 = (&blk.norm2.w, blk.norm2.b.as_ref());
