@@ -20,12 +20,15 @@
 //! # One layer, launch by launch
 //!
 //! norm → one q|k|v product (Llama's three weights concatenated once at load; GPT-2's bias
-//! fused) → one kernel that splits it, rotates q and k, writes k and v into the cache at
-//! (slot, position) and q out → attention over the cache → the output product (bias fused)
+//! fused) → attention over the cache, which for one token a row splits the product itself
+//! (rotates q and k, writes k and v into the cache at (slot, position)); longer rows (a
+//! prefill) first run one kernel that does that split and writes q out → the output product
+//! (bias fused)
 //! → norm, which first adds that product into the residual stream (in place) → MLP up (GPT-2:
 //! bias and GELU fused; Llama: gate and up concatenated in one product, then one SwiGLU
 //! kernel) → down product, added into the stream by the next layer's first norm (or the final
-//! norm). GPT-2: 8 launches a layer, Llama 9; plus the embedding (one kernel), the final norm
+//! norm). A decode step: GPT-2 7 launches a layer, Llama 8 (a prefill one more); plus the
+//! embedding (one kernel), the final norm
 //! and the head product. f32 models run the products with `run_gemm` (GPT-2's GELU is then
 //! one more elementwise kernel). The residual adds round as Hugging Face's do: the product is
 //! rounded to the model's type, then the sum (adding in the product's epilogue instead rounds
