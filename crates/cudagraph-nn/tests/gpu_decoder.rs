@@ -1138,19 +1138,12 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
         &scratch,
     )
     .unwrap();
+    let fused = |shape: &AttentionShape, qkv: &DeviceBuffer<T>| {
+        let at = (&pos, &slots);
+        dk.attend_qkv(s, shape, qkv, freq, (&kb, &vb), at, &ob, scale, &scratch)
+    };
     for _ in 0..2 {
-        dk.attend_qkv(
-            s,
-            &shape,
-            &qkv,
-            freq,
-            (&kb, &vb),
-            (&pos, &slots),
-            &ob,
-            scale,
-            &scratch,
-        )
-        .unwrap();
+        fused(&shape, &qkv).unwrap();
     }
     let f = |b: &DeviceBuffer<T>| -> Vec<f32> {
         s.to_vec(b).unwrap().iter().map(|x| x.to_f32()).collect()
@@ -1166,35 +1159,13 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
         "{what}: no key written"
     );
     let two = AttentionShape { tokens: 2, ..shape };
-    let e = dk.attend_qkv(
-        s,
-        &two,
-        &qkv,
-        freq,
-        (&kb, &vb),
-        (&pos, &slots),
-        &ob,
-        scale,
-        &scratch,
-    );
-    let msg = format!("{:?}", e.err());
+    let msg = format!("{:?}", fused(&two, &qkv).err());
     assert!(
         msg.contains("one token a row"),
         "{what}: two tokens a row: {msg}"
     );
     let short = s.alloc::<T>(packed - 1).unwrap();
-    let e = dk.attend_qkv(
-        s,
-        &shape,
-        &short,
-        freq,
-        (&kb, &vb),
-        (&pos, &slots),
-        &ob,
-        scale,
-        &scratch,
-    );
-    let msg = format!("{:?}", e.err());
+    let msg = format!("{:?}", fused(&shape, &short).err());
     assert!(
         msg.contains("decoder qkv"),
         "{what}: a short product: {msg}"
