@@ -123,22 +123,12 @@ __device__ __forceinline__ void dec_norm_n(T* x, const T* a, const float* __rest
     if (aligned && cols % P == 0 && cols <= DEC_ROW_THREADS * DEC_NORM_LOADS * P) {
         const int nv = cols / P;
         float v[DEC_NORM_LOADS][P];
-        // The weight and bias of the first load, read with the row so that their latency is
-        // not added after the sums (rows of up to DEC_ROW_THREADS vectors have no other).
-        float w0[P], b0[P];
         float acc = 0.0f;
 #pragma unroll
         for (int i = 0; i < DEC_NORM_LOADS; i++) {
             const int k = tid + i * DEC_ROW_THREADS;
             if (k < nv) {
                 ds_load<T, P>(xr + k * P, v[i]);
-                if (i == 0) {
-#pragma unroll
-                    for (int e = 0; e < P; e++) {
-                        w0[e] = w[k * P + e];
-                        b0[e] = b ? b[k * P + e] : 0.0f;
-                    }
-                }
                 if (ar) {
                     float t[P];
                     ds_load<T, P>(ar + k * P, t);
@@ -171,11 +161,10 @@ __device__ __forceinline__ void dec_norm_n(T* x, const T* a, const float* __rest
 #pragma unroll
                 for (int e = 0; e < P; e++) {
                     const int c = k * P + e;
-                    const float we = i == 0 ? w0[e] : w[c];
                     // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then
                     // the weight.
-                    o[e] = rms ? dec_rnd<T>(v[i][e] * rs) * we : (v[i][e] - mu) * rs * we;
-                    if (b) o[e] += i == 0 ? b0[e] : b[c];
+                    o[e] = rms ? dec_rnd<T>(v[i][e] * rs) * w[c] : (v[i][e] - mu) * rs * w[c];
+                    if (b) o[e] += b[c];
                 }
                 ds_store<T, P>(yr + k * P, o);
             }
