@@ -45,6 +45,8 @@
 //! a short row's logits from a call that ends at its real last token, or use
 //! [`LogitsFor::All`] and read row `b`'s token `len_b - 1`). Padded positions must still be
 //! below the cache's `max_len` (and GPT-2's `n_positions`), or they are reported as errors.
+//! The rows of one call need distinct slots: rows sharing a slot write and read the same cache
+//! positions in one kernel (in bounds, but their results are then unspecified).
 //!
 //! Misuse is reported before anything runs (lengths, shapes, dtypes, rows past the cache's
 //! slots, tokens past its length); ids, positions and slots are device data, so an id outside
@@ -503,8 +505,9 @@ impl Decoder {
     /// into `logits`: `[rows · tokens, vocab]` for [`LogitsFor::All`], `[rows, vocab]` for
     /// [`LogitsFor::Last`]. No host synchronisation, no host reads: capturable. Intermediates
     /// (the residual stream and the layer's activations, about
-    /// `rows · tokens · (4·d + (H + 2·Hkv)·D + 2·H·D + 3·m)` elements) are allocated from `q`
-    /// on each call (from the graph's pool inside a capture).
+    /// `rows · tokens · (4·d + (H + 2·Hkv)·D + 2·H·D + 3·m)` elements, one `H·D` less with one
+    /// token a row) are allocated from `q` on each call (from the graph's pool inside a
+    /// capture).
     ///
     /// Before capturing a step, run one eager call of the same `(rows, tokens)` and
     /// `logits_for`: the matrix-product engines are measured and chosen on the first eager
