@@ -518,6 +518,7 @@ impl DecoderKernels {
         scale: f32,
         scratch: &AttendScratch,
     ) -> Result<()> {
+        shape.validate()?;
         shape.check_buffers(query, out, caches, at.0)?;
         self.launch_attend(q, shape, (query, None), caches, at, out, scale, scratch)
     }
@@ -547,6 +548,7 @@ impl DecoderKernels {
                 shape.tokens
             )));
         }
+        shape.validate()?;
         // The output has the queries' length; the packed product is checked below.
         shape.check_buffers(out, out, caches, at.0)?;
         let s = shape;
@@ -562,9 +564,9 @@ impl DecoderKernels {
         self.launch_attend(q, shape, fresh, caches, at, out, scale, scratch)
     }
 
-    /// The attention kernel over `query` (`[tokens, heads, head_dim]`, checked by the caller)
-    /// or, with `Some(inv_freq)`, over the packed one-token q|k|v product (checked by the
-    /// caller): the remaining checks and the launch.
+    /// The attention kernel over `query` (`[tokens, heads, head_dim]`) or, with
+    /// `Some(inv_freq)`, over the packed one-token q|k|v product, for a shape and buffers the
+    /// caller validated and checked: the remaining checks and the launch.
     #[allow(clippy::too_many_arguments)]
     fn launch_attend<T: Float>(
         &self,
@@ -577,7 +579,6 @@ impl DecoderKernels {
         scale: f32,
         scratch: &AttendScratch,
     ) -> Result<()> {
-        shape.validate()?;
         let pl = shape.positions_len()?;
         need("attention cache slots", slots, shape.batch)?;
         let s = shape;
