@@ -49,6 +49,10 @@ pub struct GenerateArgs {
     /// Run the decode steps eagerly instead of from a captured graph.
     #[arg(long)]
     pub no_graph: bool,
+    /// Decode steps per launch: a WHILE node around the captured step that stops once the
+    /// sequence has ended (at least 1).
+    #[arg(long, default_value_t = 1)]
+    pub steps_per_launch: u32,
 }
 
 #[cfg(feature = "tokenizers")]
@@ -102,6 +106,7 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     opts.graphs = !a.no_graph;
     opts.eos = a.eos.clone();
     opts.seed = a.seed;
+    opts.steps_per_launch = a.steps_per_launch;
     let t = Instant::now();
     let mut gen = Generation::new(&mut s, decoder, opts)?;
     let setup_s = t.elapsed().as_secs_f64();

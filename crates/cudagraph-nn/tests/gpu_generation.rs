@@ -1,6 +1,7 @@
 //! The generation loop on the device: captured decode steps give exactly the tokens of eager
 //! steps (greedy and sampled), greedy tokens follow the decoder's own argmax, sequences join
-//! and leave between steps without disturbing each other, and misuse is a typed error.
+//! and leave between steps without disturbing each other, several steps a launch give the
+//! tokens of single steps and stop when every row has ended, and misuse is a typed error.
 //!
 //! Tiny random GPT-2 and Llama decoders (tests/common/tiny_decoder.rs). "Follows the argmax"
 //! is checked on the decoder's logits of the whole generated sequence (one teacher-forced call)
@@ -169,6 +170,64 @@ fn sequences_join_and_leave_between_steps() {
     }
 }
 
+/// Steps a launch (a WHILE node around the captured step) give the tokens of single steps, and
+/// a launch stops after the step in which its last row ended: the sequence that joins after it
+/// draws the same random numbers as after single steps, which it would not if the launch had
+/// run its remaining steps (each step moves the sampling generator).
+#[test]
+fn several_steps_a_launch_stop_when_every_row_has_ended() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.9,
+    };
+    let first = [request(30, 4, 5, sampled), request(31, 6, 9, sampled)];
+    let later = request(32, 3, 11, sampled);
+    for (name, json) in models() {
+        let dec = Arc::new(Decoder::from_weights(&s, &weights(json, 7), Dtype::F32).unwrap());
+        let mut run = |k: u32, graphs: bool| {
+            let mut o = GenerationOptions::new(2, 30);
+            o.graphs = graphs;
+            o.seed = 5;
+            o.steps_per_launch = k;
+            let mut g = Generation::new(&mut s, dec.clone(), o).unwrap();
+            let mut tokens = Vec::new();
+            for batch in [&first[..], std::slice::from_ref(&later)] {
+                let slots = g.join(&s, batch).unwrap();
+                let mut done = Vec::new();
+                let mut launches = 0;
+                while done.len() < batch.len() {
+                    g.step(&s).unwrap();
+                    launches += 1;
+                    done.extend(g.poll(&s).unwrap());
+                    assert!(launches <= 11, "{name} k {k}: the sequences did not end");
+                }
+                let most = batch.iter().map(|r| r.max_new).max().unwrap();
+                assert_eq!(launches, most.div_ceil(k as usize), "{name} k {k}");
+                for slot in slots {
+                    let f = done.iter().find(|f| f.slot == slot).unwrap();
+                    tokens.push(f.tokens.clone());
+                }
+            }
+            assert_eq!(g.free_slots(), 2);
+            tokens
+        };
+        let single = run(1, true);
+        for (r, t) in first.iter().chain([&later]).zip(&single) {
+            assert_eq!(t.len(), r.max_new, "{name}");
+        }
+        for (k, graphs) in [(16, true), (3, true), (16, false)] {
+            assert_eq!(
+                run(k, graphs),
+                single,
+                "{name}: {k} steps a launch, graphs {graphs}"
+            );
+        }
+    }
+}
+
 #[test]
 fn an_end_token_stops_a_sequence() {
     let dev = gpu_test_device!();
@@ -212,6 +271,10 @@ fn misuse_is_a_typed_error() {
         },
         GenerationOptions {
             eos: vec![1, 2, 3, 4, 5],
+            ..GenerationOptions::new(2, 8)
+        },
+        GenerationOptions {
+            steps_per_launch: 0,
             ..GenerationOptions::new(2, 8)
         },
     ];

@@ -36,6 +36,10 @@ pub struct DecodeArgs {
     /// Untimed decode steps before them.
     #[arg(long, default_value_t = 8)]
     pub warmup: usize,
+    /// Decode steps per launch (a WHILE node around the captured step); --steps must be a
+    /// multiple, the warm-up is rounded up to one.
+    #[arg(long, default_value_t = 1)]
+    pub steps_per_launch: u32,
     /// Run the steps eagerly instead of replaying captured steps.
     #[arg(long)]
     pub no_graph: bool,
@@ -54,6 +58,7 @@ struct Row {
     prompt: usize,
     batch: usize,
     graphs: bool,
+    steps_per_launch: u32,
     ms_per_step: f64,
     tokens_per_s: f64,
     prefill_ms: f64,
@@ -66,6 +71,15 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     if a.steps == 0 || batches.contains(&0) || prompts.contains(&0) {
         return Err("--steps, --batches and --prompts must be at least 1".into());
     }
+    let k = a.steps_per_launch as usize;
+    if k == 0 || a.steps % k != 0 {
+        return Err(format!(
+            "--steps {} is not a multiple of --steps-per-launch {k} (at least 1)",
+            a.steps
+        )
+        .into());
+    }
+    let (warmup_launches, launches) = (a.warmup.div_ceil(k), a.steps / k);
     let dev = Device::open(device)?;
     let mut s = dev.new_stream()?;
     let t = Instant::now();
@@ -76,13 +90,13 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
         |n| n.to_string_lossy().into(),
     );
     outln!(
-        "{name}: {} layers, vocab {}, {} weights, loaded in {:.1} s; {} timed steps after {} warm-up",
+        "{name}: {} layers, vocab {}, {} weights, loaded in {:.1} s; {} timed steps after {} warm-up, {k} a launch",
         decoder.config().layers(),
         decoder.vocab(),
         a.dtype,
         t.elapsed().as_secs_f64(),
         a.steps,
-        a.warmup
+        warmup_launches * k
     );
     outln!(
         "{:>7} {:>6} {:>12} {:>12} {:>11} {:>11} {:>10}",
@@ -102,11 +116,12 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     let mut rows = Vec::new();
     for &prompt in prompts {
         for &batch in batches {
-            let max_new = a.warmup + a.steps;
+            let max_new = (warmup_launches + launches) * k;
             let mut opts = GenerationOptions::new(batch, prompt + max_new);
             opts.buckets = vec![batch];
             opts.graphs = !a.no_graph;
             opts.seed = a.seed;
+            opts.steps_per_launch = a.steps_per_launch;
             let mut gen = Generation::new(&mut s, decoder.clone(), opts)?;
             let vocab = decoder.vocab() as u64;
             let requests: Vec<Request> = (0..batch)
@@ -123,11 +138,11 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
             gen.join(&s, &requests)?;
             s.synchronize()?;
             let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-            for _ in 0..a.warmup {
+            for _ in 0..warmup_launches {
                 gen.step(&s)?;
             }
             s.stream_handle().record(&e0)?;
-            for _ in 0..a.steps {
+            for _ in 0..launches {
                 gen.step(&s)?;
             }
             s.stream_handle().record(&e1)?;
@@ -140,6 +155,7 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
                 prompt,
                 batch,
                 graphs: !a.no_graph,
+                steps_per_launch: a.steps_per_launch,
                 ms_per_step: ms,
                 tokens_per_s: batch as f64 * 1e3 / ms,
                 prefill_ms,

@@ -544,32 +544,39 @@ extern "C" __global__ void decode_stop(int* finished, int row) {
 
 // After sampling, rows r < rows: an unfinished row records tokens[r] at history[r, generated],
 // passes it on in ids[r] and its position in pos_out[r], advances, and finishes on an eos id or
-// at its limit (n_eos <= DECODE_MAX_EOS). A finished row is left as it is. Every load is
-// issued before the first store (the buffers may alias as far as the compiler knows, so a load
-// after a store would wait for it: a chain of dependent global round trips).
+// at its limit (n_eos <= DECODE_MAX_EOS). A finished row is left as it is. One block, each
+// thread its rows r = threadIdx.x, + blockDim.x, ...; then thread 0 writes live[0]: 1 if a row
+// r < rows is unfinished after this step, else 0 (the condition of a WHILE node running
+// several steps per launch). Every load of a row is issued before its first store (the buffers
+// may alias as far as the compiler knows, so a load after a store would wait for it: a chain
+// of dependent global round trips).
 #define DECODE_MAX_EOS 4
 extern "C" __global__ void decode_advance(const int* tokens, int rows, int* ids, int* pos_out,
                                           int* positions, int* finished, int* generated,
                                           const int* limit, int* history, int max_new,
-                                          const int* eos, int n_eos) {
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
-    const int fin = finished[r];
-    const int tok = tokens[r];
-    const int g = generated[r];
-    const int pos = positions[r];
-    const int lim = limit[r];
+                                          const int* eos, int n_eos, unsigned* live) {
     int ev[DECODE_MAX_EOS];
 #pragma unroll
     for (int e = 0; e < DECODE_MAX_EOS; e++) ev[e] = e < n_eos ? eos[e] : 0;
-    if (fin) return;
-    bool stop = g + 1 >= lim;
+    int any = 0;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const int fin = finished[r];
+        const int tok = tokens[r];
+        const int g = generated[r];
+        const int pos = positions[r];
+        const int lim = limit[r];
+        if (fin) continue;
+        bool stop = g + 1 >= lim;
 #pragma unroll
-    for (int e = 0; e < DECODE_MAX_EOS; e++) stop = stop || (e < n_eos && tok == ev[e]);
-    if (g >= 0 && g < max_new) history[(long long)r * max_new + g] = tok;
-    ids[r] = tok;
-    pos_out[r] = pos;
-    positions[r] = pos + 1;
-    generated[r] = g + 1;
-    if (stop) finished[r] = 1;
+        for (int e = 0; e < DECODE_MAX_EOS; e++) stop = stop || (e < n_eos && tok == ev[e]);
+        if (g >= 0 && g < max_new) history[(long long)r * max_new + g] = tok;
+        ids[r] = tok;
+        pos_out[r] = pos;
+        positions[r] = pos + 1;
+        generated[r] = g + 1;
+        if (stop) finished[r] = 1;
+        else any = 1;
+    }
+    any = __syncthreads_or(any);
+    if (threadIdx.x == 0) live[0] = any ? 1u : 0u;
 }

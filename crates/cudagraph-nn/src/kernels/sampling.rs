@@ -87,6 +87,8 @@ pub struct DecodeArgs<'a> {
     pub eos: &'a DeviceBuffer<i32>,
     /// How many of `eos` are used.
     pub n_eos: usize,
+    /// One flag, written by every advance: 1 while a row is unfinished.
+    pub live: &'a DeviceBuffer<u32>,
 }
 
 impl DecodeArgs<'_> {
@@ -102,6 +104,7 @@ impl DecodeArgs<'_> {
                 .ok_or_else(|| NnError::Shape("decode history: too many tokens".into()))?,
         )?;
         need("decode eos ids", self.eos, self.n_eos)?;
+        need("decode live flag", self.live, 1)?;
         if self.n_eos > DECODE_MAX_EOS {
             return Err(NnError::Config(format!(
                 "decode: {} end-of-sequence ids, at most {DECODE_MAX_EOS}",
@@ -313,16 +316,15 @@ impl SamplingKernels {
         need("next input ids", ids, rows)?;
         need("next positions", pos_out, rows)?;
         let ri = int_loop("decode rows", rows, BLOCK as usize)?;
-        // Up to a block: one block of `rows` threads (rounded up to a warp).
-        let config = if rows <= BLOCK as usize {
-            LaunchConfig::linear(1, rows.next_multiple_of(32) as u32)
-        } else {
-            LaunchConfig::for_elements(rows, BLOCK)
-        };
-        // SAFETY: thread r < rows reads tokens/limit/finished/generated/positions[r], writes
-        // ids/pos_out/positions/generated/finished[r] (each holds rows, checked), writes
+        // One block (its threads loop over the rows, so that it can tell whether any is left):
+        // `rows` threads rounded up to a warp, at most BLOCK.
+        let config = LaunchConfig::linear(1, rows.min(BLOCK as usize).next_multiple_of(32) as u32);
+        // SAFETY: the block's threads take rows r < rows (the loop index passes rows by less
+        // than a block, checked): each reads tokens/limit/finished/generated/positions[r],
+        // writes ids/pos_out/positions/generated/finished[r] (each holds rows, checked), writes
         // history[r·max_new + g] only for 0 <= g < max_new (rows·max_new checked), reads
-        // eos[e] only for e < n_eos (n_eos <= DECODE_MAX_EOS and eos holds n_eos, checked).
+        // eos[e] only for e < n_eos (n_eos <= DECODE_MAX_EOS and eos holds n_eos, checked);
+        // thread 0 writes live[0] (it holds one, checked).
         unsafe {
             Ok(q.launch(
                 &self.advance,
@@ -340,6 +342,7 @@ impl SamplingKernels {
                     Arg::I32(d.max_new as i32),
                     d.eos.into(),
                     Arg::I32(d.n_eos as i32),
+                    d.live.into(),
                 ],
             )?)
         }

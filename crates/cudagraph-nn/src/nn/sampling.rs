@@ -248,6 +248,7 @@ pub struct DecodeState {
     history: DeviceBuffer<i32>,
     eos: DeviceBuffer<i32>,
     n_eos: usize,
+    live: DeviceBuffer<u32>,
     k: Arc<SamplingKernels>,
 }
 
@@ -303,6 +304,7 @@ impl DecodeState {
             history,
             eos: eos_buf,
             n_eos: eos.len(),
+            live: q.alloc_zeroed::<u32>(1)?,
             k,
         })
     }
@@ -317,6 +319,7 @@ impl DecodeState {
             max_new: self.max_new,
             eos: &self.eos,
             n_eos: self.n_eos,
+            live: &self.live,
         }
     }
 
@@ -364,7 +367,9 @@ impl DecodeState {
     /// copies it into `ids[r]` (the next step's input), writes `positions[r]` into `pos_out[r]`
     /// (the next step's position) and advances the position and the count; marks the row
     /// finished when the token is an eos id or the count reaches the row's limit. A finished
-    /// row keeps its ids and positions (its step is wasted work) and its history. Capturable.
+    /// row keeps its ids and positions (its step is wasted work) and its history. Then sets
+    /// [`DecodeState::live`] to whether any row `r < rows` is still unfinished (not for
+    /// `rows == 0`, which does nothing). Capturable.
     pub fn advance(
         &self,
         q: &dyn Queue,
@@ -385,6 +390,13 @@ impl DecodeState {
     /// Next position of each row.
     pub fn positions(&self) -> &DeviceBuffer<i32> {
         &self.positions
+    }
+
+    /// One `u32`: 1 if a row of the last [`DecodeState::advance`] was unfinished after it,
+    /// else 0 — the condition of a WHILE node that runs decode steps until every row has ended
+    /// ([`cudagraph::CaptureStream::while_loop_capped`]). 0 before the first advance.
+    pub fn live(&self) -> &DeviceBuffer<u32> {
+        &self.live
     }
 
     /// 1 where the row is finished (or empty), else 0.

@@ -16,6 +16,11 @@
 //! The last prompt token of a sequence is fed by its first decode step (prefill writes the
 //! cache for the tokens before it), so every generated token comes from the same captured
 //! step.
+//!
+//! With [`GenerationOptions::steps_per_launch`] `k > 1`, each bucket's graph is a WHILE node
+//! around the step: one launch runs up to `k` steps and stops early, on the device, after the
+//! step in which the last of its rows ended ([`DecodeState::live`]). Sequences join and leave
+//! between launches; the tokens are those of `k` single steps.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -44,6 +49,10 @@ pub struct GenerationOptions {
     pub eos: Vec<i32>,
     /// Seed of the sampling generator.
     pub seed: u64,
+    /// Decode steps one [`Generation::step`] runs at most (a WHILE node in each captured
+    /// step that ends once every row has ended; eager steps read that flag after each step).
+    /// At least 1; 1 (the default) captures the plain step.
+    pub steps_per_launch: u32,
 }
 
 impl GenerationOptions {
@@ -57,6 +66,7 @@ impl GenerationOptions {
             graphs: true,
             eos: Vec::new(),
             seed: 0,
+            steps_per_launch: 1,
         }
     }
 }
@@ -90,7 +100,9 @@ pub struct GenerationStats {
     pub capture_time: Duration,
     /// Peak bytes the steps allocate in their shared pool (the largest bucket's working set).
     pub graph_bytes: usize,
-    /// Decode steps run (replays and eager steps).
+    /// Decode steps launched: [`GenerationOptions::steps_per_launch`] for each
+    /// [`Generation::step`] that had an occupied slot (those a launch skipped after every row
+    /// ended included).
     pub steps: u64,
 }
 
@@ -120,8 +132,14 @@ fn invalid(msg: String) -> NnError {
     NnError::Shape(msg)
 }
 
-/// The bucket sizes of `opts`: sorted, unique, each in `1..=slots`, `slots` included.
+/// The bucket sizes of `opts`: sorted, unique, each in `1..=slots`, `slots` included; also
+/// refuses `steps_per_launch` 0.
 fn bucket_sizes(opts: &GenerationOptions) -> Result<Vec<usize>> {
+    if opts.steps_per_launch == 0 {
+        return Err(invalid(
+            "generation: steps_per_launch is 0; one launch runs at least one step".into(),
+        ));
+    }
     let mut sizes = if opts.buckets.is_empty() {
         let mut v = Vec::new();
         let mut b = 1;
@@ -149,7 +167,8 @@ impl Generation {
     /// Sets up `opts.slots` slots of `opts.max_len` positions on `stream`'s device and (with
     /// `opts.graphs`) captures one decode step per bucket, largest first, into one pool.
     /// Errors: no slots, `max_len` 0 or above the model's positions, a bucket outside
-    /// `1..=slots`, more than four end tokens, or an end token outside the vocabulary.
+    /// `1..=slots`, `steps_per_launch` 0, more than four end tokens, or an end token outside
+    /// the vocabulary.
     pub fn new(
         stream: &mut Stream,
         decoder: Arc<Decoder>,
@@ -242,11 +261,33 @@ impl Generation {
             .advance(q, &self.tokens, rows, &self.ids, &self.positions)
     }
 
+    /// Up to `steps_per_launch` steps for rows `0..rows`, stopping after the step in which the
+    /// last row ended; eager (reads the flag after each step, a synchronisation).
+    fn steps_eager(&self, s: &Stream, rows: usize) -> Result<()> {
+        for i in 0..self.opts.steps_per_launch {
+            self.step_on(s, rows)?;
+            if i + 1 < self.opts.steps_per_launch && s.to_vec(self.state.live())?[0] == 0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     fn capture(&mut self, stream: &mut Stream, pool: &Pool, size: usize) -> Result<()> {
         let opts = CaptureOptions::new().pool(pool).upload(true);
         let this = &*self;
-        let (graph, ()) = Graph::capture(stream, opts, |cs| Ok(this.step_on(cs, size)?))
-            .map_err(NnError::from)?;
+        let k = this.opts.steps_per_launch;
+        let (graph, ()) = Graph::capture(stream, opts, |cs| {
+            if k == 1 {
+                return Ok(this.step_on(cs, size)?);
+            }
+            // The first step always runs (the flag may hold the last launch's 0); each step's
+            // advance then says whether another is needed.
+            let live = this.state.live();
+            cs.fill32(live, 0, 1, 1u32)?;
+            cs.while_loop_capped(live, k, |body| Ok(this.step_on(body, size)?))
+        })
+        .map_err(NnError::from)?;
         let info = graph.info();
         self.stats.capture_time += info.capture_time + info.instantiate_time;
         self.stats.graph_bytes = self.stats.graph_bytes.max(info.memory.peak_allocated);
@@ -379,9 +420,10 @@ impl Generation {
         Ok(())
     }
 
-    /// One decode step for every occupied slot: the captured step of the smallest bucket that
-    /// covers the highest occupied slot (eager without graphs). Nothing to do when no slot is
-    /// occupied.
+    /// One launch of decode steps for every occupied slot — one step, or up to
+    /// [`GenerationOptions::steps_per_launch`], fewer when every row ends before — through the
+    /// captured step of the smallest bucket that covers the highest occupied slot (eager
+    /// without graphs). Nothing to do when no slot is occupied.
     pub fn step(&mut self, s: &Stream) -> Result<()> {
         let Some(highest) = self.occupied.iter().rposition(|o| *o) else {
             return Ok(());
@@ -392,10 +434,10 @@ impl Generation {
             .copied()
             .find(|&b| b > highest)
             .expect("slots is the largest bucket");
-        self.stats.steps += 1;
+        self.stats.steps += u64::from(self.opts.steps_per_launch);
         match self.graphs.get(&rows) {
             Some(g) => Ok(g.replay(s)?),
-            None => self.step_on(s, rows),
+            None => self.steps_eager(s, rows),
         }
     }
 
@@ -420,7 +462,8 @@ impl Generation {
     }
 
     /// Generates for `requests` (at most the free slots) until every one has ended, polling
-    /// every `poll_every` steps; returns each request's tokens in request order.
+    /// every `poll_every` launches ([`Generation::step`]); returns each request's tokens in
+    /// request order.
     pub fn generate(
         &mut self,
         s: &Stream,
@@ -432,18 +475,19 @@ impl Generation {
         let mut left = requests.len();
         let most = requests.iter().map(|r| r.max_new).max().unwrap_or(0);
         let mut steps = 0usize;
+        let per_poll = poll_every.max(1) * self.opts.steps_per_launch as usize;
         while left > 0 {
             for _ in 0..poll_every.max(1) {
                 self.step(s)?;
             }
-            steps += poll_every.max(1);
+            steps += per_poll;
             for f in self.poll(s)? {
                 if let Some(i) = slots.iter().position(|&x| x == f.slot) {
                     out[i] = Some(f.tokens);
                     left -= 1;
                 }
             }
-            if steps > most + poll_every.max(1) && left > 0 {
+            if steps > most + per_poll && left > 0 {
                 return Err(NnError::Unsupported(format!(
                     "generation: {left} sequences did not end after {steps} steps"
                 )));
@@ -471,5 +515,13 @@ mod tests {
         assert_eq!(sizes(8, vec![3, 3, 1]).unwrap(), vec![1, 3, 8]);
         assert!(sizes(8, vec![0]).is_err());
         assert!(sizes(8, vec![9]).is_err());
+        let no_steps = GenerationOptions {
+            steps_per_launch: 0,
+            ..GenerationOptions::new(8, 8)
+        };
+        assert!(bucket_sizes(&no_steps)
+            .unwrap_err()
+            .to_string()
+            .contains("steps_per_launch"));
     }
 }
