@@ -320,22 +320,7 @@ pub fn conv2d_lowp_backward_data<T: Float>(
     dx: &DeviceBuffer<T>,
 ) -> Result<LowpEngine> {
     half_only::<T>("conv2d_lowp_backward_data (f32: engine::conv::conv2d_backward_data)")?;
-    let op = LowpOp {
-        dir: ConvDir::BackwardData,
-        shape: *shape,
-        dtype: T::DTYPE,
-        layout,
-        out_f32: false,
-        bias: false,
-        relu: false,
-    };
-    let io = LowpIo {
-        a: dy,
-        b: w,
-        out: dx,
-        bias: None,
-    };
-    run_conv_lowp(q, nn, &op, io)
+    run_backward(q, nn, ConvDir::BackwardData, shape, layout, dy, w, dx)
 }
 
 /// `dw` (in `T`) of a bf16/f16 convolution from `dy` and `x` (in `layout`; `dw` `OIHW` or
@@ -351,22 +336,7 @@ pub fn conv2d_lowp_backward_filter<T: Float>(
     dw: &DeviceBuffer<T>,
 ) -> Result<LowpEngine> {
     half_only::<T>("conv2d_lowp_backward_filter (f32: engine::conv::conv2d_backward_filter)")?;
-    let op = LowpOp {
-        dir: ConvDir::BackwardFilter,
-        shape: *shape,
-        dtype: T::DTYPE,
-        layout,
-        out_f32: false,
-        bias: false,
-        relu: false,
-    };
-    let io = LowpIo {
-        a: dy,
-        b: x,
-        out: dw,
-        bias: None,
-    };
-    run_conv_lowp(q, nn, &op, io)
+    run_backward(q, nn, ConvDir::BackwardFilter, shape, layout, dy, x, dw)
 }
 
 /// `dw` in f32 from bf16/f16 `dy` and `x` (in `layout`): the f32 sum written without a
@@ -386,19 +356,36 @@ pub fn conv2d_lowp_backward_filter_f32<T: Float>(
     half_only::<T>(
         "conv2d_lowp_backward_filter_f32 (f32 inputs: engine::conv::conv2d_backward_filter)",
     )?;
+    run_backward(q, nn, ConvDir::BackwardFilter, shape, layout, dy, x, dw)
+}
+
+/// Runs the backward direction `dir` of `shape` (no bias, no ReLU) on the bf16/f16 inputs `a`
+/// and `b` into `out`, with the registry's engine; returns it. An f32 `out` is the weight
+/// gradient written in f32.
+#[allow(clippy::too_many_arguments)]
+fn run_backward<T: Float, O: Float>(
+    q: &dyn Queue,
+    nn: &Nn,
+    dir: ConvDir,
+    shape: &ConvShape,
+    layout: Layout,
+    a: &DeviceBuffer<T>,
+    b: &DeviceBuffer<T>,
+    out: &DeviceBuffer<O>,
+) -> Result<LowpEngine> {
     let op = LowpOp {
-        dir: ConvDir::BackwardFilter,
+        dir,
         shape: *shape,
         dtype: T::DTYPE,
         layout,
-        out_f32: true,
+        out_f32: O::DTYPE == Dtype::F32,
         bias: false,
         relu: false,
     };
     let io = LowpIo {
-        a: dy,
-        b: x,
-        out: dw,
+        a,
+        b,
+        out,
         bias: None,
     };
     run_conv_lowp(q, nn, &op, io)

@@ -197,6 +197,24 @@ impl ColsShape {
     }
 }
 
+/// The forward layout `A·Bᵀ`: A m×k and B n×k, row-major.
+fn nt_dims(m: usize, n: usize, k: usize) -> GemmDims {
+    GemmDims {
+        m,
+        n,
+        k,
+        ta: false,
+        tb: true,
+    }
+}
+
+/// Checks that A, B, C and the bias hold what the product `d` indexes; `Ok(false)` when the
+/// output is empty and nothing is to be launched.
+fn buffers_ready(d: &GemmDims, a: &Buf, b: &Buf, c: &Buf, bias: Option<&Buf>) -> Result<bool> {
+    d.check_buffers(a, b, c, bias)?;
+    Ok(d.m > 0 && d.n > 0)
+}
+
 /// What both few-row launchers (`sgemm_nt_rows*`, `sgemm_nt_cols_*`) check of the forward
 /// product `C = act(A·Bᵀ + bias)`, A m×k, B n×k: every buffer holds what the kernels index, k is
 /// a multiple of 4 and A, B are 16-byte aligned (the kernels read float4s). `Ok(false)` when
@@ -209,20 +227,13 @@ fn few_rows_ready(
     c: &Buf,
     bias: Option<&Buf>,
 ) -> Result<bool> {
-    let d = GemmDims {
-        m,
-        n,
-        k,
-        ta: false,
-        tb: true,
-    };
-    d.check_buffers(a, b, c, bias)?;
+    let nonempty = buffers_ready(&nt_dims(m, n, k), a, b, c, bias)?;
     if !rows_ok(k, &[a.addr(), b.addr()]) {
         return Err(NnError::Shape(format!(
             "{what}: k = {k} must be a multiple of 4 and A, B 16-byte aligned"
         )));
     }
-    Ok(m > 0 && n > 0)
+    Ok(nonempty)
 }
 
 /// The argument list of both few-row kernels: `(m, n, k, A, B, C, bias, relu, ks)`, the sizes
@@ -448,8 +459,7 @@ impl Kernels {
         relu: bool,
         splits: usize,
     ) -> Result<()> {
-        d.check_buffers(a, b, c, bias)?;
-        if d.m == 0 || d.n == 0 {
+        if !buffers_ready(&d, a, b, c, bias)? {
             return Ok(());
         }
         let t = TiledLaunch::with_tile(d, shape, splits)?;
@@ -515,8 +525,7 @@ impl Kernels {
         relu: bool,
         splits: usize,
     ) -> Result<()> {
-        d.check_buffers(a, b, c, bias)?;
-        if d.m == 0 || d.n == 0 {
+        if !buffers_ready(&d, a, b, c, bias)? {
             return Ok(());
         }
         let ck = ClusterKernels::get(q.device())?;
@@ -553,15 +562,8 @@ impl Kernels {
         relu: bool,
         splits: usize,
     ) -> Result<()> {
-        let d = GemmDims {
-            m,
-            n,
-            k,
-            ta: false,
-            tb: true,
-        };
-        d.check_buffers(a, b, c, bias)?;
-        if m == 0 || n == 0 {
+        let d = nt_dims(m, n, k);
+        if !buffers_ready(&d, a, b, c, bias)? {
             return Ok(());
         }
         if !rows_ok(k, &[a.addr(), b.addr()]) {
@@ -620,15 +622,8 @@ impl Kernels {
         bias: Option<&Buf>,
         relu: bool,
     ) -> Result<()> {
-        let d = GemmDims {
-            m,
-            n,
-            k,
-            ta: false,
-            tb: true,
-        };
-        d.check_buffers(a, b, c, bias)?;
-        if m == 0 || n == 0 {
+        let d = nt_dims(m, n, k);
+        if !buffers_ready(&d, a, b, c, bias)? {
             return Ok(());
         }
         let (gx, gy) = d.tiles()?;

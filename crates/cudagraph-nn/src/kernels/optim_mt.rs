@@ -291,6 +291,12 @@ fn check_amp(q: &dyn Queue, amp: Option<&AmpArgs<'_>>) -> Result<()> {
     Ok(())
 }
 
+/// One update's tables and the chunk (in elements) they were laid out with.
+struct Tables {
+    chunk: u32,
+    list: Vec<Table>,
+}
+
 /// The optimizer kernels of one device (a [`Device::extension`]): `[copy kind][small, large]`.
 pub struct OptimKernels {
     sgd: [[Function; 2]; 3],
@@ -389,6 +395,45 @@ fn check_copy(q: &dyn Queue, copy: Option<CopyRef<'_>>, n: usize) -> Result<()> 
     Ok(())
 }
 
+/// An SGD tensor's gradient and momentum buffer hold the parameter's length, returned, and
+/// all three live on `q`'s device.
+fn check_sgd_tensor<T: Float>(
+    q: &dyn Queue,
+    w: &DeviceBuffer<T>,
+    g: &DeviceBuffer<T>,
+    buf: Option<&DeviceBuffer<f32>>,
+) -> Result<usize> {
+    let n = w.len();
+    need("sgd grad", g, n)?;
+    same_device(q, w)?;
+    same_device(q, g)?;
+    if let Some(b) = buf {
+        need("sgd momentum buffer", b, n)?;
+        same_device(q, b)?;
+    }
+    Ok(n)
+}
+
+/// An Adam tensor's step slot is below `steps.len()` and not yet in `seen` (then added).
+fn check_slot(
+    slot: u32,
+    steps: &DeviceBuffer<u32>,
+    seen: &mut std::collections::HashSet<u32>,
+) -> Result<()> {
+    if slot as usize >= steps.len() {
+        return Err(NnError::Shape(format!(
+            "adam: step slot {slot} of {} counters",
+            steps.len()
+        )));
+    }
+    if !seen.insert(slot) {
+        return Err(NnError::Shape(format!(
+            "adam: step slot {slot} used twice in one update"
+        )));
+    }
+    Ok(())
+}
+
 impl OptimKernels {
     /// The kernels of `device`, compiled on first use.
     pub fn get(device: &Device) -> Result<Arc<OptimKernels>> {
@@ -446,6 +491,53 @@ impl OptimKernels {
         need("optimizer state", state, state::LEN)
     }
 
+    /// The tables of one update of `entries`, in chunks sized for their total length.
+    fn tables<const D: usize>(&self, entries: &[TableEntry<D>]) -> Result<Tables> {
+        let total: u64 = entries.iter().map(|e| e.n).sum();
+        let chunk = chunk_elems(total, self.sms);
+        let list = build_tables(entries, chunk, self.cap_large())?;
+        Ok(Tables { chunk, list })
+    }
+
+    /// Launches `fns` (`[small, large]`, by each table's layout) once per table, with the
+    /// arguments the multi-tensor kernels take in this order: the table, `head`, `amp`'s
+    /// three, the chunk, whether this launch advances the step count (the last one, when
+    /// `advance`), then `tail`.
+    ///
+    /// # Safety
+    /// Every tensor of every table must be in bounds of buffers of `fns`' element types, on
+    /// `q`'s device and passed to [`Queue::use_block`]; `head` and `tail` must be the
+    /// arguments `fns` take there, their buffers holding what `fns` index, and `amp` checked
+    /// by `check_amp` (the callers' checks, stated at each call).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_tables(
+        &self,
+        q: &dyn Queue,
+        fns: &[Function; 2],
+        tables: &Tables,
+        head: &[Arg<'_>],
+        amp: Option<&AmpArgs<'_>>,
+        advance: bool,
+        tail: &[Arg<'_>],
+    ) -> Result<()> {
+        let [amp_buf, found, unscale] = amp_args(amp)?;
+        let last = tables.list.len() - 1;
+        for (i, t) in tables.list.iter().enumerate() {
+            let f = &fns[(t.cap != CAP_S) as usize];
+            let mut args = Vec::with_capacity(head.len() + tail.len() + 6);
+            args.push(Arg::Bytes(&t.bytes));
+            args.extend_from_slice(head);
+            args.extend([amp_buf, found, unscale]);
+            args.push(Arg::I32(tables.chunk as i32));
+            args.push(Arg::I32((advance && i == last) as i32));
+            args.extend_from_slice(tail);
+            // SAFETY: the caller's promise (# Safety) covers the tables, `head`, `tail` and
+            // `amp`; the chunk is the one the tables were laid out with.
+            unsafe { super::launch(q, f, self.grid(t), &args)? };
+        }
+        Ok(())
+    }
+
     /// One SGD update of every tensor (PyTorch's rule: `d = g + wd·w`, with momentum
     /// `buf = momentum·buf + d; d = buf`, then `w -= lr·d`), hyperparameters read from `hp`;
     /// advances the step count in `state` when `advance`. With `amp`, the whole update is
@@ -466,14 +558,7 @@ impl OptimKernels {
         let kind = copy_kind(tensors.iter().map(|t| t.copy))?;
         let mut entries = Vec::with_capacity(tensors.len());
         for t in tensors {
-            let n = t.w.len();
-            need("sgd grad", t.g, n)?;
-            same_device(q, t.w)?;
-            same_device(q, t.g)?;
-            if let Some(b) = t.buf {
-                need("sgd momentum buffer", b, n)?;
-                same_device(q, b)?;
-            }
+            let n = check_sgd_tensor(q, t.w, t.g, t.buf)?;
             check_copy(q, t.copy, n)?;
             entries.push(TableEntry::<4> {
                 addrs: [
@@ -486,9 +571,7 @@ impl OptimKernels {
                 slot: 0,
             });
         }
-        let total: u64 = entries.iter().map(|e| e.n).sum();
-        let chunk = chunk_elems(total, self.sms);
-        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        let tables = self.tables(&entries)?;
         for t in tensors {
             q.use_block(t.w.block());
             q.use_block(t.g.block());
@@ -499,35 +582,14 @@ impl OptimKernels {
                 q.use_block(c.block());
             }
         }
-        let [amp_buf, found, unscale] = amp_args(amp)?;
-        let last = tables.len() - 1;
-        for (i, t) in tables.iter().enumerate() {
-            let f = &self.sgd[kind][(t.cap != CAP_S) as usize];
-            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
-            // momentum buffer and copy (checked above; a null momentum or copy pointer is never
-            // touched, and the copy kind matches the kernel), all on this queue's device and
-            // kept alive/ordered by `use_block`; the kernel touches p[d][i][0..n) only,
-            // hp[0..8) and state[0..2) (checked), and reads amp[0] and amp[1 + found] (checked
-            // by check_amp; a null amp is never read).
-            unsafe {
-                super::launch(
-                    q,
-                    f,
-                    self.grid(t),
-                    &[
-                        Arg::Bytes(&t.bytes),
-                        hp.into(),
-                        state.into(),
-                        amp_buf,
-                        found,
-                        unscale,
-                        Arg::I32(chunk as i32),
-                        Arg::I32((advance && i == last) as i32),
-                    ],
-                )?;
-            }
-        }
-        Ok(())
+        let head = [hp.into(), state.into()];
+        // SAFETY: every tensor in each table has n ≤ the length of its parameter, gradient,
+        // momentum buffer and copy (checked above; a null momentum or copy pointer is never
+        // touched, and the copy kind matches the kernel), all on this queue's device and
+        // kept alive/ordered by `use_block`; the kernel touches p[d][i][0..n) only,
+        // hp[0..8) and state[0..2) (checked), and reads amp[0] and amp[1 + found] (checked
+        // by check_amp; a null amp is never read).
+        unsafe { self.launch_tables(q, &self.sgd[kind], &tables, &head, amp, advance, &[]) }
     }
 
     /// One Adam (or, `decoupled`, AdamW) update of every tensor, PyTorch's fused rule; the
@@ -555,19 +617,7 @@ impl OptimKernels {
             need("adam grad", t.g, n)?;
             need("adam m", t.m, n)?;
             need("adam v", t.v, n)?;
-            if t.slot as usize >= steps.len() {
-                return Err(NnError::Shape(format!(
-                    "adam: step slot {} of {} counters",
-                    t.slot,
-                    steps.len()
-                )));
-            }
-            if !seen_slots.insert(t.slot) {
-                return Err(NnError::Shape(format!(
-                    "adam: step slot {} used twice in one update",
-                    t.slot
-                )));
-            }
+            check_slot(t.slot, steps, &mut seen_slots)?;
             for b in [t.w, t.g, t.m, t.v] {
                 same_device(q, b)?;
             }
@@ -585,9 +635,7 @@ impl OptimKernels {
             });
         }
         same_device(q, steps)?;
-        let total: u64 = entries.iter().map(|e| e.n).sum();
-        let chunk = chunk_elems(total, self.sms);
-        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        let tables = self.tables(&entries)?;
         for t in tensors {
             for b in [t.w, t.g, t.m, t.v] {
                 q.use_block(b.block());
@@ -597,37 +645,15 @@ impl OptimKernels {
             }
         }
         q.use_block(steps.block());
-        let [amp_buf, found, unscale] = amp_args(amp)?;
-        let last = tables.len() - 1;
-        for (i, t) in tables.iter().enumerate() {
-            let f = &self.adam[kind][(t.cap != CAP_S) as usize];
-            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
-            // m, v and copy buffers (checked above; the copy kind matches the kernel, a null
-            // copy is never touched), all on this queue's device and kept alive/ordered by
-            // `use_block`; slots are distinct and below steps.len() (checked); the kernel
-            // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
-            // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).
-            unsafe {
-                super::launch(
-                    q,
-                    f,
-                    self.grid(t),
-                    &[
-                        Arg::Bytes(&t.bytes),
-                        hp.into(),
-                        state.into(),
-                        steps.into(),
-                        amp_buf,
-                        found,
-                        unscale,
-                        Arg::I32(chunk as i32),
-                        Arg::I32((advance && i == last) as i32),
-                        Arg::I32(decoupled as i32),
-                    ],
-                )?;
-            }
-        }
-        Ok(())
+        let head = [hp.into(), state.into(), steps.into()];
+        let tail = [Arg::I32(decoupled as i32)];
+        // SAFETY: every tensor in each table has n ≤ the length of its parameter, gradient,
+        // m, v and copy buffers (checked above; the copy kind matches the kernel, a null
+        // copy is never touched), all on this queue's device and kept alive/ordered by
+        // `use_block`; slots are distinct and below steps.len() (checked); the kernel
+        // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
+        // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).
+        unsafe { self.launch_tables(q, &self.adam[kind], &tables, &head, amp, advance, &tail) }
     }
 
     /// One SGD update of parameters stored only in `T` (bf16 or f16; `NnError::Dtype` for
@@ -648,23 +674,14 @@ impl OptimKernels {
         check_amp(q, amp)?;
         let mut entries = Vec::with_capacity(tensors.len());
         for t in tensors {
-            let n = t.w.len();
-            need("sgd grad", t.g, n)?;
-            same_device(q, t.w)?;
-            same_device(q, t.g)?;
-            if let Some(b) = t.buf {
-                need("sgd momentum buffer", b, n)?;
-                same_device(q, b)?;
-            }
+            let n = check_sgd_tensor(q, t.w, t.g, t.buf)?;
             entries.push(TableEntry::<3> {
                 addrs: [t.w.addr(), t.g.addr(), t.buf.map_or(0, |b| b.addr())],
                 n: n as u64,
                 slot: 0,
             });
         }
-        let total: u64 = entries.iter().map(|e| e.n).sum();
-        let chunk = chunk_elems(total, self.sms);
-        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        let tables = self.tables(&entries)?;
         for t in tensors {
             q.use_block(t.w.block());
             q.use_block(t.g.block());
@@ -672,35 +689,14 @@ impl OptimKernels {
                 q.use_block(b.block());
             }
         }
-        let [amp_buf, found, unscale] = amp_args(amp)?;
-        let last = tables.len() - 1;
-        for (i, t) in tables.iter().enumerate() {
-            let f = &self.sgd_pure[ty][(t.cap != CAP_S) as usize];
-            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient
-            // and momentum buffer (checked above; a null momentum pointer is never touched),
-            // the parameter and gradient of the kernel's 16-bit type (`ty` from `T`), all on
-            // this queue's device and kept alive/ordered by `use_block`; the kernel touches
-            // p[d][i][0..n) only, hp[0..8) and state[0..2) (checked), and reads amp[0] and
-            // amp[1 + found] (checked by check_amp; a null amp is never read).
-            unsafe {
-                super::launch(
-                    q,
-                    f,
-                    self.grid(t),
-                    &[
-                        Arg::Bytes(&t.bytes),
-                        hp.into(),
-                        state.into(),
-                        amp_buf,
-                        found,
-                        unscale,
-                        Arg::I32(chunk as i32),
-                        Arg::I32((advance && i == last) as i32),
-                    ],
-                )?;
-            }
-        }
-        Ok(())
+        let head = [hp.into(), state.into()];
+        // SAFETY: every tensor in each table has n ≤ the length of its parameter, gradient
+        // and momentum buffer (checked above; a null momentum pointer is never touched),
+        // the parameter and gradient of the kernel's 16-bit type (`ty` from `T`), all on
+        // this queue's device and kept alive/ordered by `use_block`; the kernel touches
+        // p[d][i][0..n) only, hp[0..8) and state[0..2) (checked), and reads amp[0] and
+        // amp[1 + found] (checked by check_amp; a null amp is never read).
+        unsafe { self.launch_tables(q, &self.sgd_pure[ty], &tables, &head, amp, advance, &[]) }
     }
 
     /// One Adam (or, `decoupled`, AdamW) update of parameters stored only in `T` (bf16 or
@@ -729,19 +725,7 @@ impl OptimKernels {
             need("adam grad", t.g, n)?;
             need("adam m", t.m, n)?;
             need("adam v", t.v, n)?;
-            if t.slot as usize >= steps.len() {
-                return Err(NnError::Shape(format!(
-                    "adam: step slot {} of {} counters",
-                    t.slot,
-                    steps.len()
-                )));
-            }
-            if !seen_slots.insert(t.slot) {
-                return Err(NnError::Shape(format!(
-                    "adam: step slot {} used twice in one update",
-                    t.slot
-                )));
-            }
+            check_slot(t.slot, steps, &mut seen_slots)?;
             same_device(q, t.w)?;
             same_device(q, t.g)?;
             same_device(q, t.m)?;
@@ -753,9 +737,7 @@ impl OptimKernels {
             });
         }
         same_device(q, steps)?;
-        let total: u64 = entries.iter().map(|e| e.n).sum();
-        let chunk = chunk_elems(total, self.sms);
-        let tables = build_tables(&entries, chunk, self.cap_large())?;
+        let tables = self.tables(&entries)?;
         for t in tensors {
             q.use_block(t.w.block());
             q.use_block(t.g.block());
@@ -763,37 +745,15 @@ impl OptimKernels {
             q.use_block(t.v.block());
         }
         q.use_block(steps.block());
-        let [amp_buf, found, unscale] = amp_args(amp)?;
-        let last = tables.len() - 1;
-        for (i, t) in tables.iter().enumerate() {
-            let f = &self.adam_pure[ty][(t.cap != CAP_S) as usize];
-            // SAFETY: every tensor in the table has n ≤ the length of its parameter, gradient,
-            // m and v (checked above), the parameter and gradient of the kernel's 16-bit type
-            // (`ty` from `T`), all on this queue's device and kept alive/ordered by
-            // `use_block`; slots are distinct and below steps.len() (checked); the kernel
-            // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
-            // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).
-            unsafe {
-                super::launch(
-                    q,
-                    f,
-                    self.grid(t),
-                    &[
-                        Arg::Bytes(&t.bytes),
-                        hp.into(),
-                        state.into(),
-                        steps.into(),
-                        amp_buf,
-                        found,
-                        unscale,
-                        Arg::I32(chunk as i32),
-                        Arg::I32((advance && i == last) as i32),
-                        Arg::I32(decoupled as i32),
-                    ],
-                )?;
-            }
-        }
-        Ok(())
+        let head = [hp.into(), state.into(), steps.into()];
+        let tail = [Arg::I32(decoupled as i32)];
+        // SAFETY: every tensor in each table has n ≤ the length of its parameter, gradient,
+        // m and v (checked above), the parameter and gradient of the kernel's 16-bit type
+        // (`ty` from `T`), all on this queue's device and kept alive/ordered by
+        // `use_block`; slots are distinct and below steps.len() (checked); the kernel
+        // touches p[d][i][0..n), steps[slot_i], hp[0..8) and state[0..2) (both checked),
+        // and reads amp[0] and amp[1 + found] (checked; a null amp is never read).
+        unsafe { self.launch_tables(q, &self.adam_pure[ty], &tables, &head, amp, advance, &tail) }
     }
 
     /// The schedule node: `hp[LR] = schedule(hp[BASE_LR], state[STEP])`, `program` being

@@ -35,7 +35,7 @@ use cudagraph::memory::{bf16, f16};
 use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 
 use crate::autograd::tensor::{require_f32_params, Parameter};
-use crate::dtype::{Dtype, TypedBuffer};
+use crate::dtype::{Dtype, Float, TypedBuffer};
 use crate::error::{AmpError, NnError, Result};
 use crate::kernels::cast;
 use crate::kernels::optim_mt::{
@@ -260,6 +260,42 @@ fn with_grads(params: &[Parameter]) -> Result<Grads> {
         }
     }
     Ok(out)
+}
+
+/// The launch tensors of the 16-bit parameters `grads`, with their momentum buffers (when
+/// the optimizer keeps them).
+fn pure_sgd_tensors<'a, T: Float>(
+    grads: &'a [WithGrad<T>],
+    bufs: &'a [Option<DeviceBuffer<f32>>],
+) -> Vec<PureSgdTensor<'a, T>> {
+    grads
+        .iter()
+        .map(|(i, w, g)| PureSgdTensor {
+            w,
+            g,
+            buf: bufs[*i].as_ref(),
+        })
+        .collect()
+}
+
+/// The launch tensors of the 16-bit parameters `grads`, with their moments and step slots.
+fn pure_adam_tensors<'a, T: Float>(
+    grads: &'a [WithGrad<T>],
+    m: &'a [DeviceBuffer<f32>],
+    v: &'a [DeviceBuffer<f32>],
+) -> Result<Vec<PureAdamTensor<'a, T>>> {
+    grads
+        .iter()
+        .map(|(i, w, g)| {
+            Ok(PureAdamTensor {
+                w,
+                g,
+                m: &m[*i],
+                v: &v[*i],
+                slot: slot_of(*i)?,
+            })
+        })
+        .collect()
 }
 
 fn slot_of(i: usize) -> Result<u32> {
@@ -557,27 +593,11 @@ impl Sgd {
             k.sgd(q, &tensors, hp, st, amp, last == Dtype::F32)?;
         }
         if !grads.bf16.is_empty() {
-            let tensors: Vec<PureSgdTensor<'_, bf16>> = grads
-                .bf16
-                .iter()
-                .map(|(i, w, g)| PureSgdTensor {
-                    w,
-                    g,
-                    buf: self.bufs[*i].as_ref(),
-                })
-                .collect();
+            let tensors = pure_sgd_tensors(&grads.bf16, &self.bufs);
             k.sgd_pure(q, &tensors, hp, st, amp, last == Dtype::Bf16)?;
         }
         if !grads.f16.is_empty() {
-            let tensors: Vec<PureSgdTensor<'_, f16>> = grads
-                .f16
-                .iter()
-                .map(|(i, w, g)| PureSgdTensor {
-                    w,
-                    g,
-                    buf: self.bufs[*i].as_ref(),
-                })
-                .collect();
+            let tensors = pure_sgd_tensors(&grads.f16, &self.bufs);
             k.sgd_pure(q, &tensors, hp, st, amp, last == Dtype::F16)?;
         }
         Ok(())
@@ -822,35 +842,11 @@ impl Adam {
             k.adam(q, &tensors, hp, st, steps, amp, dec, last == Dtype::F32)?;
         }
         if !grads.bf16.is_empty() {
-            let tensors = grads
-                .bf16
-                .iter()
-                .map(|(i, w, g)| {
-                    Ok(PureAdamTensor::<bf16> {
-                        w,
-                        g,
-                        m: &self.m[*i],
-                        v: &self.v[*i],
-                        slot: slot_of(*i)?,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let tensors = pure_adam_tensors(&grads.bf16, &self.m, &self.v)?;
             k.adam_pure(q, &tensors, hp, st, steps, amp, dec, last == Dtype::Bf16)?;
         }
         if !grads.f16.is_empty() {
-            let tensors = grads
-                .f16
-                .iter()
-                .map(|(i, w, g)| {
-                    Ok(PureAdamTensor::<f16> {
-                        w,
-                        g,
-                        m: &self.m[*i],
-                        v: &self.v[*i],
-                        slot: slot_of(*i)?,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let tensors = pure_adam_tensors(&grads.f16, &self.m, &self.v)?;
             k.adam_pure(q, &tensors, hp, st, steps, amp, dec, last == Dtype::F16)?;
         }
         Ok(())

@@ -562,14 +562,16 @@ impl BlasLt {
 
     /// As [`BlasLt::algo_count`], for the plan with TF32 allowed when `tf32`.
     pub fn algo_count_math(&self, s: &LtShape, tf32: bool) -> Result<(usize, bool)> {
-        self.with_plan(s, LtTypes::F32, tf32, LtAlgo::Rank(0), |_, p| {
-            Ok((p.algos.len(), p.fused_bgrad))
-        })
+        self.algo_count_of(s, LtTypes::F32, tf32)
     }
 
     /// As [`BlasLt::algo_count`], for the plan of `types` ([`LtTypes::new`]; no TF32).
     pub fn algo_count_typed(&self, s: &LtShape, types: LtTypes) -> Result<(usize, bool)> {
-        self.with_plan(s, types, false, LtAlgo::Rank(0), |_, p| {
+        self.algo_count_of(s, types, false)
+    }
+
+    fn algo_count_of(&self, s: &LtShape, types: LtTypes, tf32: bool) -> Result<(usize, bool)> {
+        self.with_plan(s, types, tf32, LtAlgo::Rank(0), |_, p| {
             Ok((p.algos.len(), p.fused_bgrad))
         })
     }
@@ -616,14 +618,16 @@ impl BlasLt {
 
     /// As [`BlasLt::search_configs`], for the plan with TF32 allowed when `tf32`.
     pub fn search_configs_math(&self, s: &LtShape, tf32: bool) -> Result<Vec<LtConfig>> {
-        self.with_plan(s, LtTypes::F32, tf32, LtAlgo::Config(0), |_, p| {
-            Ok(p.search.iter().flatten().map(|c| c.info).collect())
-        })
+        self.search_configs_of(s, LtTypes::F32, tf32)
     }
 
     /// As [`BlasLt::search_configs`], for the plan of `types` (no TF32).
     pub fn search_configs_typed(&self, s: &LtShape, types: LtTypes) -> Result<Vec<LtConfig>> {
-        self.with_plan(s, types, false, LtAlgo::Config(0), |_, p| {
+        self.search_configs_of(s, types, false)
+    }
+
+    fn search_configs_of(&self, s: &LtShape, types: LtTypes, tf32: bool) -> Result<Vec<LtConfig>> {
+        self.with_plan(s, types, tf32, LtAlgo::Config(0), |_, p| {
             Ok(p.search.iter().flatten().map(|c| c.info).collect())
         })
     }
