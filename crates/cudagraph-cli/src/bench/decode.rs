@@ -66,20 +66,24 @@ struct Row {
     graph_mib: f64,
 }
 
+/// The untimed and timed launches of `k` steps each: the warm-up rounded up to whole launches,
+/// the timed steps a multiple of `k` (at least 1).
+fn launches(warmup: usize, steps: usize, k: usize) -> Result<(usize, usize), String> {
+    if k == 0 || steps % k != 0 {
+        return Err(format!(
+            "--steps {steps} is not a multiple of --steps-per-launch {k} (at least 1)"
+        ));
+    }
+    Ok((warmup.div_ceil(k), steps / k))
+}
+
 pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     let (batches, prompts) = (&a.batches, &a.prompts);
     if a.steps == 0 || batches.contains(&0) || prompts.contains(&0) {
         return Err("--steps, --batches and --prompts must be at least 1".into());
     }
     let k = a.steps_per_launch as usize;
-    if k == 0 || a.steps % k != 0 {
-        return Err(format!(
-            "--steps {} is not a multiple of --steps-per-launch {k} (at least 1)",
-            a.steps
-        )
-        .into());
-    }
-    let (warmup_launches, launches) = (a.warmup.div_ceil(k), a.steps / k);
+    let (warmup_launches, launches) = launches(a.warmup, a.steps, k)?;
     let dev = Device::open(device)?;
     let mut s = dev.new_stream()?;
     let t = Instant::now();
@@ -180,4 +184,21 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::launches;
+
+    #[test]
+    fn launches_cover_the_steps_in_whole_launches() {
+        assert_eq!(launches(8, 64, 1), Ok((8, 64)));
+        assert_eq!(launches(8, 64, 8), Ok((1, 8)));
+        assert_eq!(launches(5, 64, 4), Ok((2, 16)));
+        assert_eq!(launches(0, 6, 3), Ok((0, 2)));
+        for (steps, k) in [(10, 3), (64, 0)] {
+            let e = launches(8, steps, k).unwrap_err();
+            assert!(e.contains("--steps-per-launch"), "{e}");
+        }
+    }
 }
