@@ -132,9 +132,25 @@ fn invalid(msg: String) -> NnError {
     NnError::Shape(msg)
 }
 
-/// The bucket sizes of `opts`: sorted, unique, each in `1..=slots`, `slots` included; also
-/// refuses `steps_per_launch` 0.
-fn bucket_sizes(opts: &GenerationOptions) -> Result<Vec<usize>> {
+/// Checks `opts` for a model of `positions` positions and `vocab` tokens and returns its bucket
+/// sizes: sorted, unique, each in `1..=slots`, `slots` included. Refuses no slots, `max_len` 0
+/// or above the positions, an end token outside the vocabulary, `steps_per_launch` 0 and a
+/// bucket outside `1..=slots`.
+fn checked_buckets(opts: &GenerationOptions, positions: usize, vocab: usize) -> Result<Vec<usize>> {
+    if opts.slots == 0 {
+        return Err(invalid("generation: at least one slot is needed".into()));
+    }
+    if opts.max_len == 0 || opts.max_len > positions {
+        return Err(invalid(format!(
+            "generation: max_len {} is not in 1..={positions} (the model's positions)",
+            opts.max_len
+        )));
+    }
+    if let Some(&bad) = opts.eos.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+        return Err(invalid(format!(
+            "generation: end token {bad} is outside the vocabulary of {vocab}"
+        )));
+    }
     if opts.steps_per_launch == 0 {
         return Err(invalid(
             "generation: steps_per_launch is 0; one launch runs at least one step".into(),
@@ -174,23 +190,8 @@ impl Generation {
         decoder: Arc<Decoder>,
         opts: GenerationOptions,
     ) -> Result<Self> {
-        if opts.slots == 0 {
-            return Err(invalid("generation: at least one slot is needed".into()));
-        }
-        if opts.max_len == 0 || opts.max_len > decoder.max_positions() {
-            return Err(invalid(format!(
-                "generation: max_len {} is not in 1..={} (the model's positions)",
-                opts.max_len,
-                decoder.max_positions()
-            )));
-        }
         let vocab = decoder.vocab();
-        if let Some(&bad) = opts.eos.iter().find(|&&t| t < 0 || t as usize >= vocab) {
-            return Err(invalid(format!(
-                "generation: end token {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
-        let sizes = bucket_sizes(&opts)?;
+        let sizes = checked_buckets(&opts, decoder.max_positions(), vocab)?;
         let n = opts.slots;
         let q: &Stream = stream;
         let cache = decoder.new_cache(q, n, opts.max_len)?;
@@ -504,10 +505,14 @@ mod tests {
     #[test]
     fn buckets_are_powers_of_two_up_to_the_slots_or_the_given_sizes() {
         let sizes = |slots, buckets: Vec<usize>| {
-            bucket_sizes(&GenerationOptions {
-                buckets,
-                ..GenerationOptions::new(slots, 8)
-            })
+            checked_buckets(
+                &GenerationOptions {
+                    buckets,
+                    ..GenerationOptions::new(slots, 8)
+                },
+                64,
+                97,
+            )
         };
         assert_eq!(sizes(1, vec![]).unwrap(), vec![1]);
         assert_eq!(sizes(6, vec![]).unwrap(), vec![1, 2, 4, 6]);
@@ -515,13 +520,41 @@ mod tests {
         assert_eq!(sizes(8, vec![3, 3, 1]).unwrap(), vec![1, 3, 8]);
         assert!(sizes(8, vec![0]).is_err());
         assert!(sizes(8, vec![9]).is_err());
-        let no_steps = GenerationOptions {
-            steps_per_launch: 0,
-            ..GenerationOptions::new(8, 8)
-        };
-        assert!(bucket_sizes(&no_steps)
-            .unwrap_err()
-            .to_string()
-            .contains("steps_per_launch"));
+    }
+
+    #[test]
+    fn bad_options_are_refused_naming_what_is_wrong() {
+        let ok = GenerationOptions::new(2, 8);
+        let bad = [
+            (GenerationOptions::new(0, 8), "slot"),
+            (GenerationOptions::new(2, 0), "max_len"),
+            (GenerationOptions::new(2, 65), "max_len"),
+            (
+                GenerationOptions {
+                    eos: vec![97],
+                    ..ok.clone()
+                },
+                "end token 97",
+            ),
+            (
+                GenerationOptions {
+                    eos: vec![-1],
+                    ..ok.clone()
+                },
+                "end token -1",
+            ),
+            (
+                GenerationOptions {
+                    steps_per_launch: 0,
+                    ..ok.clone()
+                },
+                "steps_per_launch",
+            ),
+        ];
+        for (o, what) in bad {
+            let e = checked_buckets(&o, 64, 97).unwrap_err().to_string();
+            assert!(e.contains(what), "{o:?}: {e}");
+        }
+        assert!(checked_buckets(&ok, 64, 97).is_ok());
     }
 }
