@@ -67,14 +67,19 @@ struct Row {
 }
 
 /// The untimed and timed launches of `k` steps each: the warm-up rounded up to whole launches,
-/// the timed steps a multiple of `k` (at least 1).
+/// the timed steps a multiple of `k` (at least 1), all the steps countable.
 fn launches(warmup: usize, steps: usize, k: usize) -> Result<(usize, usize), String> {
     if k == 0 || steps % k != 0 {
         return Err(format!(
             "--steps {steps} is not a multiple of --steps-per-launch {k} (at least 1)"
         ));
     }
-    Ok((warmup.div_ceil(k), steps / k))
+    let (untimed, timed) = (warmup.div_ceil(k), steps / k);
+    untimed
+        .checked_add(timed)
+        .and_then(|l| l.checked_mul(k))
+        .ok_or_else(|| format!("--warmup {warmup} and --steps {steps}: too many steps"))?;
+    Ok((untimed, timed))
 }
 
 pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
@@ -121,7 +126,10 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     for &prompt in prompts {
         for &batch in batches {
             let max_new = (warmup_launches + launches) * k;
-            let mut opts = GenerationOptions::new(batch, prompt + max_new);
+            let max_len = prompt
+                .checked_add(max_new)
+                .ok_or("--prompts and --steps: too many positions")?;
+            let mut opts = GenerationOptions::new(batch, max_len);
             opts.buckets = vec![batch];
             opts.graphs = !a.no_graph;
             opts.seed = a.seed;
@@ -196,6 +204,7 @@ mod tests {
         assert_eq!(launches(8, 64, 8), Ok((1, 8)));
         assert_eq!(launches(5, 64, 4), Ok((2, 16)));
         assert_eq!(launches(0, 6, 3), Ok((0, 2)));
+        assert!(launches(usize::MAX, 8, 8).is_err());
         for (steps, k) in [(10, 3), (64, 0)] {
             let e = launches(8, steps, k).unwrap_err();
             assert!(e.contains("--steps-per-launch"), "{e}");

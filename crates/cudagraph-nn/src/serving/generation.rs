@@ -476,19 +476,21 @@ impl Generation {
         let mut left = requests.len();
         let most = requests.iter().map(|r| r.max_new).max().unwrap_or(0);
         let mut steps = 0usize;
-        let per_poll = poll_every.max(1) * self.opts.steps_per_launch as usize;
+        let per_poll = poll_every
+            .max(1)
+            .saturating_mul(self.opts.steps_per_launch as usize);
         while left > 0 {
             for _ in 0..poll_every.max(1) {
                 self.step(s)?;
             }
-            steps += per_poll;
+            steps = steps.saturating_add(per_poll);
             for f in self.poll(s)? {
                 if let Some(i) = slots.iter().position(|&x| x == f.slot) {
                     out[i] = Some(f.tokens);
                     left -= 1;
                 }
             }
-            if steps > most + per_poll && left > 0 {
+            if steps > most.saturating_add(per_poll) && left > 0 {
                 return Err(NnError::Unsupported(format!(
                     "generation: {left} sequences did not end after {steps} steps"
                 )));
