@@ -739,18 +739,24 @@ fn the_two_attention_kernels_agree_on_long_caches() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     for d in [64, 80, 128, 256, 6] {
-        agree::<f32>(&s, (4, 2, d), (2, 2), 1e-5);
+        agree::<f32>(&s, (4, 2, d), (2, 2), 1e-5, 2600);
     }
-    agree::<f32>(&s, (8, 1, 64), (1, 1), 1e-5);
-    agree::<f32>(&s, (12, 2, 96), (1, 1), 1e-5);
-    agree::<f32>(&s, (12, 2, 96), (3, 1), 1e-5);
+    agree::<f32>(&s, (8, 1, 64), (1, 1), 1e-5, 2600);
+    agree::<f32>(&s, (12, 2, 96), (1, 1), 1e-5, 2600);
+    agree::<f32>(&s, (12, 2, 96), (3, 1), 1e-5, 2600);
     for (h, kv, d) in [(4, 2, 64), (12, 2, 96), (8, 1, 128), (4, 4, 6)] {
         for bt in [(1, 1), (2, 2)] {
-            agree::<bf16>(&s, (h, kv, d), bt, 1.0 / 128.0);
+            agree::<bf16>(&s, (h, kv, d), bt, 1.0 / 128.0, 2600);
         }
     }
-    agree::<f16>(&s, (32, 8, 64), (1, 1), 1.0 / 1024.0);
-    agree::<f16>(&s, (4, 2, 80), (2, 2), 1.0 / 1024.0);
+    agree::<f16>(&s, (32, 8, 64), (1, 1), 1.0 / 1024.0, 2600);
+    agree::<f16>(&s, (4, 2, 80), (2, 2), 1.0 / 1024.0, 2600);
+    // Short caches and few blocks: the splits merge inside a thread-block cluster (sm_90+).
+    agree::<f32>(&s, (4, 2, 64), (1, 1), 1e-5, 200);
+    agree::<f32>(&s, (4, 2, 64), (2, 2), 1e-5, 200);
+    agree::<bf16>(&s, (32, 8, 64), (1, 1), 1.0 / 128.0, 200);
+    agree::<bf16>(&s, (12, 12, 64), (1, 1), 1.0 / 128.0, 200);
+    agree::<f16>(&s, (4, 4, 6), (2, 1), 1.0 / 1024.0, 200);
 }
 
 fn agree<T: cudagraph_nn::dtype::Float>(
@@ -758,6 +764,7 @@ fn agree<T: cudagraph_nn::dtype::Float>(
     (heads, kv_heads, d): (usize, usize, usize),
     (batch, tokens): (usize, usize),
     tol: f64,
+    max_len: usize,
 ) {
     use cudagraph::Queue;
     use cudagraph_nn::kernels::attention::AttentionKernels;
@@ -768,7 +775,7 @@ fn agree<T: cudagraph_nn::dtype::Float>(
         tokens,
         heads,
         kv_heads,
-        max_len: 2600,
+        max_len,
         head_dim: d,
     };
     let mut rng = Lcg((d * 131 + heads) as u64);
@@ -780,7 +787,9 @@ fn agree<T: cudagraph_nn::dtype::Float>(
     let k = random(shape.cache_len().unwrap());
     let v = random(shape.cache_len().unwrap());
     let lengths = [2599, 0, 1, 1500, 37, 700];
-    let pos: Vec<i32> = (0..batch * tokens).map(|i| lengths[i % 6]).collect();
+    let pos: Vec<i32> = (0..batch * tokens)
+        .map(|i| lengths[i % 6] % max_len as i32)
+        .collect();
     let slot_of = [2, 0, 1];
     let slots: Vec<i32> = (0..batch).map(|b| slot_of[b % 3]).collect();
     let (pos, slots) = (buf(s, &pos), buf(s, &slots));
@@ -810,7 +819,7 @@ fn agree<T: cudagraph_nn::dtype::Float>(
     let (a, b) = (s.to_vec(&oa).unwrap(), s.to_vec(&ob).unwrap());
     s.synchronize().unwrap();
     let what = format!(
-        "{} heads {heads}/{kv_heads} of {d}, {batch}×{tokens}",
+        "{} heads {heads}/{kv_heads} of {d}, {batch}×{tokens}, cache {max_len}",
         T::DTYPE
     );
     let big = a.iter().fold(0.0f64, |m, x| m.max(x.to_f32().abs() as f64));
@@ -1056,11 +1065,15 @@ fn the_one_token_attention_splits_the_product_itself() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     for rotate in [false, true] {
-        one_token::<f32>(&s, (4, 2, 64), rotate);
-        one_token::<bf16>(&s, (4, 2, 64), rotate);
-        one_token::<bf16>(&s, (8, 1, 128), rotate);
-        one_token::<f16>(&s, (12, 12, 64), rotate);
-        one_token::<bf16>(&s, (4, 4, 6), rotate);
+        // A cache of 700: many splits, merged through global memory; of 200: few blocks,
+        // merged inside a cluster (sm_90+), with the early reads.
+        for max_len in [700, 200] {
+            one_token::<f32>(&s, (4, 2, 64), rotate, max_len);
+            one_token::<bf16>(&s, (4, 2, 64), rotate, max_len);
+            one_token::<bf16>(&s, (8, 1, 128), rotate, max_len);
+            one_token::<f16>(&s, (12, 12, 64), rotate, max_len);
+            one_token::<bf16>(&s, (4, 4, 6), rotate, max_len);
+        }
     }
 }
 
@@ -1068,10 +1081,11 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
     s: &Stream,
     (heads, kv_heads, d): (usize, usize, usize),
     rotate: bool,
+    max_len: usize,
 ) {
     use cudagraph::Queue;
     use cudagraph_nn::kernels::decoder::{DecoderKernels, QkvDims};
-    let (batch, max_len) = (3, 700);
+    let batch = 3;
     let shape = AttentionShape {
         batch,
         slots: 3,
@@ -1082,7 +1096,7 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
         head_dim: d,
     };
     let what = format!(
-        "{} heads {heads}/{kv_heads} of {d}, rotated {rotate}",
+        "{} heads {heads}/{kv_heads} of {d}, rotated {rotate}, cache {max_len}",
         T::DTYPE
     );
     let mut rng = Lcg((d * 71 + heads * 7 + kv_heads) as u64);
@@ -1101,7 +1115,8 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
         s.alloc_from_host(&v0).unwrap(),
     );
     // Positions at the cache's end, its start and inside; slots out of order.
-    let (pos, slots) = (buf(s, &[699, 0, 200]), buf(s, &[2, 0, 1]));
+    let last = max_len as i32 - 1;
+    let (pos, slots) = (buf(s, &[last, 0, last * 2 / 7]), buf(s, &[2, 0, 1]));
     let freq: Vec<f32> = (0..d / 2)
         .map(|j| 10000f32.powf(-2.0 * j as f32 / d as f32))
         .collect();
@@ -1145,6 +1160,30 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
     for _ in 0..2 {
         fused(&shape, &qkv).unwrap();
     }
+    // With the early reads: nothing that can still run writes the positions, slots,
+    // frequencies or these caches (copies from the host, done before the launches above).
+    let (kc, vc, oc) = (
+        s.alloc_from_host(&k0).unwrap(),
+        s.alloc_from_host(&v0).unwrap(),
+        s.alloc::<T>(ql).unwrap(),
+    );
+    let at = (&pos, &slots);
+    // SAFETY: the promise above.
+    unsafe {
+        dk.attend_qkv_early(
+            s,
+            &shape,
+            &qkv,
+            freq,
+            (&kc, &vc),
+            at,
+            &oc,
+            scale,
+            &scratch,
+            true,
+        )
+    }
+    .unwrap();
     let f = |b: &DeviceBuffer<T>| -> Vec<f32> {
         s.to_vec(b).unwrap().iter().map(|x| x.to_f32()).collect()
     };
@@ -1153,6 +1192,17 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
     assert_bits_eq(&b, &a, format_args!("{what}: output"));
     assert_bits_eq(&f(&kb), &f(&ka), format_args!("{what}: key cache"));
     assert_bits_eq(&f(&vb), &f(&va), format_args!("{what}: value cache"));
+    assert_bits_eq(&f(&oc), &a, format_args!("{what}: output, early reads"));
+    assert_bits_eq(
+        &f(&kc),
+        &f(&ka),
+        format_args!("{what}: key cache, early reads"),
+    );
+    assert_bits_eq(
+        &f(&vc),
+        &f(&va),
+        format_args!("{what}: value cache, early reads"),
+    );
     assert_ne!(
         f(&ka),
         k0.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),

@@ -195,19 +195,33 @@ __device__ __forceinline__ void dec_norm_n(T* x, const T* a, const float* __rest
     }
 }
 
-// Rotates the pair (a, c), components j and j + D/2 of a query or key head, by the angle
-// pos · freq as apply_rotary_pos_emb does: cos and sin in the model's type, each product
-// rounded (the caller rounds the sums on store).
+// The cosine and sine of the angle pos · freq, in f32 and rounded to T (as Hugging Face's
+// rotary tables are in the model's type). The product is rounded on its own (__fmul_rn: never
+// fused into the argument reduction), so every kernel gets the same bits.
 template <typename T>
-__device__ __forceinline__ void dec_rotate(int pos, float freq, float& a, float& c) {
-    float sn, cs;
-    sincosf((float)pos * freq, &sn, &cs);
+__device__ __forceinline__ void dec_angle(int pos, float freq, float& cs, float& sn) {
+    sincosf(__fmul_rn((float)pos, freq), &sn, &cs);
     cs = dec_rnd<T>(cs);
     sn = dec_rnd<T>(sn);
-    const float ra = dec_rnd<T>(a * cs) - dec_rnd<T>(c * sn);
-    const float rc = dec_rnd<T>(c * cs) + dec_rnd<T>(a * sn);
+}
+
+// Rotates the pair (a, c), components j and j + D/2 of a query or key head, by the angle
+// whose cosine and sine (from dec_angle) are cs and sn, as apply_rotary_pos_emb does: each
+// product rounded on its own (never fused into the sum; the caller rounds the sums on store).
+template <typename T>
+__device__ __forceinline__ void dec_rotate_cs(float cs, float sn, float& a, float& c) {
+    const float ra = dec_rnd<T>(__fmul_rn(a, cs)) - dec_rnd<T>(__fmul_rn(c, sn));
+    const float rc = dec_rnd<T>(__fmul_rn(c, cs)) + dec_rnd<T>(__fmul_rn(a, sn));
     a = ra;
     c = rc;
+}
+
+// dec_rotate_cs by the angle pos · freq.
+template <typename T>
+__device__ __forceinline__ void dec_rotate(int pos, float freq, float& a, float& c) {
+    float cs, sn;
+    dec_angle<T>(pos, freq, cs, sn);
+    dec_rotate_cs<T>(cs, sn, a, c);
 }
 
 // The packed product qkv [N, H + 2·Hkv, D] (N = B·Tq tokens; heads 0..H are queries, then Hkv
@@ -282,6 +296,7 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 #define DS_INFLIGHT 4
 #define DS_SPLIT_KEYS 64
 #define DS_MAX_SPLITS 64
+#define DS_MAX_CLUSTER 8
 #define DS_MAX_D 256
 #define DS_NEG_INF __int_as_float(0xff800000)
 
@@ -293,120 +308,85 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 // Block (n, y, s): the query heads h0 .. h0 + gc (gc ≤ GM) of key/value head y / hg (hg blocks
 // share one key/value head when it serves more than GM query heads), over split s of `used`
 // equal runs of the valid keys (rounded to 32 keys; `used` ≤ `splits` gives no split fewer
-// than DS_SPLIT_KEYS keys, so a short cache is not split at all). Each key and value row is read once for
-// all gc heads. The block's threads form KPB lane groups of LPK lanes (P elements a load, PPL
-// loads a lane); group k takes the split's keys k, k + KPB, ... (DS_INFLIGHT of them loaded,
-// keys and values together, before any is used), sums each key's dot products over its lanes
-// and keeps its own running max, sum and p · v per head (online softmax, no synchronisation
-// inside the loop). The groups are merged at the end in group order. As in flash attention
-// (and so in transformers' 16-bit attention), p is rounded to T for the product with v while
-// the softmax sums stay f32. With one split in use the block writes out; otherwise it writes its
-// unnormalised sums and (max, sum) to part and stat, and the last block of (n, y) to finish
-// (count, zero on entry and left zero) merges the splits in split order. f32 arithmetic,
-// rounded once on store; the result does not depend on which block ends last
-// (deterministic).
+// than DS_SPLIT_KEYS keys, so a short cache is not split at all). Each key and value row is
+// read once for all gc heads. The block's threads form KPB lane groups of LPK lanes (P
+// elements a load, PPL loads a lane); group k takes the split's keys k, k + KPB, ...
+// (DS_INFLIGHT of them loaded, keys and values together, before any is used), sums each key's
+// dot products over its lanes and keeps its own running max, sum and p · v per head (online
+// softmax, no synchronisation inside the loop). The groups are merged at the end in group
+// order. As in flash attention (and so in transformers' 16-bit attention), p is rounded to T
+// for the product with v while the softmax sums stay f32. With one split in use the block
+// writes out. Otherwise the splits are merged in split order, deterministically: with
+// `cluster` (the grid's splits are one thread-block cluster, sm_90+) each block leaves its
+// unnormalised sums and (max, sum) in shared memory and, after a cluster barrier, every block
+// of the cluster merges a slice of the outputs through distributed shared memory; without,
+// each block writes them to part and stat and the last block of (n, y) to finish (count, zero
+// on entry and left zero) merges them. f32 arithmetic, rounded once on store.
+//
+// With `early` (one-token steps only, and only where the launcher's caller promises that no
+// kernel still running writes pos, slot, inv_freq or the cache rows below each token's
+// position), the block reads its token's position and slot, works out the rotation angles and
+// loads its first keys and values before waiting for the previous kernel
+// (griddepcontrol.wait), so those loads overlap that kernel's end. The arithmetic is the
+// same either way (the same bits).
 template <typename T, int P, int PPL, int GM>
 __device__ __forceinline__ void dec_attend_n(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const int* __restrict__ pos, const int* __restrict__ slot, T* __restrict__ out,
     float* __restrict__ part, float* __restrict__ stat, unsigned int* __restrict__ count, int Tq,
-    int H, int Hkv, int S, int Tmax, int D, float scale, int splits, int fresh,
-    const float* __restrict__ inv_freq, cg_check* flag, unsigned int check,
+    int H, int Hkv, int S, int Tmax, int D, float scale, int splits, int fresh, int early,
+    int cluster, const float* __restrict__ inv_freq, cg_check* flag, unsigned int check,
     unsigned int slot_check) {
     typedef DsRaw<P * sizeof(T)> Raw;
     __shared__ float red[GM * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
     __shared__ float gm_[DS_THREADS][GM], gl_[DS_THREADS][GM];  // each group's max and sum
-    __shared__ float sm[GM], sl[GM];
+    __shared__ float sm[GM], sl[GM], stot[GM];
     __shared__ float wsplit[GM][DS_MAX_SPLITS];
+    __shared__ float pc[GM][DS_MAX_D];  // this split's unnormalised sums (cluster merge)
+    __shared__ float sq[GM][DS_MAX_D];
+    __shared__ float scs[2][DS_MAX_D / 2];  // cos and sin of each rotation angle, rounded to T
+    __shared__ __align__(16) T skv[2][DS_MAX_D];
     __shared__ int last;
     const long long n = blockIdx.x;
     const int G = H / Hkv, hg = (G + GM - 1) / GM;
     const int kvh = blockIdx.y / hg, sub = blockIdx.y % hg;
     const int h0 = kvh * G + sub * GM, gc = min(GM, G - sub * GM);
     const int s = blockIdx.z, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int b = (int)(n / Tq), p = pos[n], sln = slot[b];
-    const bool slot_ok = sln >= 0 && sln < S;
-    const bool valid = slot_ok && p >= 0 && p < Tmax;
-    if (tid == 0 && blockIdx.y == 0 && s == 0) {
-        if (!slot_ok && n % Tq == 0) cg_report(flag, slot_check, sln, S, b);
-        if (slot_ok && !valid) cg_report(flag, check, p, Tmax, (unsigned long long)n);
-    }
-    const int L = valid ? p + 1 : 0;
-    // Splits in use: no more than one per DS_SPLIT_KEYS valid keys (the others leave at once).
-    const int used = max(1, min(splits, (L + DS_SPLIT_KEYS - 1) / DS_SPLIT_KEYS));
-    if (s >= used) return;
-    const int chunk = (((L + used - 1) / used) + 31) & ~31;
-    const int k0 = min(L, s * chunk), k1 = min(L, k0 + chunk);
     // Lanes per key: the power of two covering the row's loads, PPL loads a lane.
     const int LP = D / P, need = (LP + PPL - 1) / PPL;
     const int LPK = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : need <= 8 ? 8 : need <= 16 ? 16 : 32;
     const int KPW = 32 / LPK, KPB = DS_WARPS * KPW;
     const int u = lane % LPK, kg = warp * KPW + lane / LPK;
-    // One-token steps (fresh): q is the packed q|k|v product [N, H + 2·Hkv, D]. The block
-    // rotates its query heads itself (with inv_freq, as dec_qkv does, rounded to T as dec_qkv
-    // stores them), and the block whose split holds the token's own position p takes that
-    // key (rotated) and value from the product too, into shared memory; the block of the first
-    // head group also writes them into the caches at (slot, p). No block reads position p
-    // from the caches then, and the bits are those of dec_qkv followed by this kernel.
-    __shared__ float sq[GM][DS_MAX_D];
-    __shared__ __align__(16) T skv[2][DS_MAX_D];
-    const bool own = fresh && valid && p >= k0 && p < k1;
-    if (fresh) {
-        const int half = D / 2, heads = H + 2 * Hkv;
-        const T* src = q + n * heads * D;
-        for (int i = tid; i < (GM + 2) * half; i += DS_THREADS) {
-            const int g = i / half, j = i % half;
-            // g < GM: query head h0 + g; g == GM: key head kvh; g == GM + 1: its value head.
-            if (g < GM ? g >= gc : !own) continue;
-            const int hh = g < GM ? h0 + g : g == GM ? H + kvh : H + Hkv + kvh;
-            float a = to_f32(src[hh * D + j]), c = to_f32(src[hh * D + j + half]);
-            if (inv_freq && g <= GM) dec_rotate<T>(p, inv_freq[j], a, c);
-            if (g < GM) {
-                sq[g][j] = dec_rnd<T>(a);
-                sq[g][j + half] = dec_rnd<T>(c);
-                continue;
-            }
-            const T ta = from_f32<T>(a), tc = from_f32<T>(c);
-            skv[g - GM][j] = ta;
-            skv[g - GM][j + half] = tc;
-            if (sub == 0) {
-                T* dst = const_cast<T*>(g == GM ? kc : vc) +
-                         (((long long)sln * Hkv + kvh) * Tmax + p) * D;
-                dst[j] = ta;
-                dst[j + half] = tc;
-            }
-        }
-        __syncthreads();
-    }
-    float qr[PPL][GM][P], acc[PPL][GM][P], mr[GM], lr[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        mr[g] = DS_NEG_INF;
-        lr[g] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < PPL; c++) {
-            const int pk = u + c * LPK;
-            if (pk < LP && g < gc && fresh) {
-#pragma unroll
-                for (int e = 0; e < P; e++) qr[c][g][e] = sq[g][pk * P + e];
-            } else if (pk < LP && g < gc) {
-                ds_load<T, P>(q + (n * H + h0 + g) * D + pk * P, qr[c][g]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < P; e++) qr[c][g][e] = 0.0f;
-            }
-#pragma unroll
-            for (int e = 0; e < P; e++) {
-                qr[c][g][e] *= scale;
-                acc[c][g][e] = 0.0f;
-            }
-        }
-    }
-    const long long base = ((long long)(slot_ok ? sln : 0) * Hkv + kvh) * Tmax * D;
-    // jb is the same for the whole warp (its lanes shuffle together); a group's key is
-    // jb + r·KPB + lane / LPK.
-    for (int jb = k0 + warp * KPW; jb < k1; jb += DS_INFLIGHT * KPB) {
-        Raw kraw[DS_INFLIGHT][PPL], vraw[DS_INFLIGHT][PPL];
+    const int b = (int)(n / Tq), half = D / 2;
+    int p = 0, sln = 0, used = 1, k0 = 0, k1 = 0, skip = -1;
+    bool slot_ok = false, valid = false;
+    long long base = 0;
+    Raw kraw[DS_INFLIGHT][PPL], vraw[DS_INFLIGHT][PPL];
+    // Where the token's keys are (pos and slot), the split's run [k0, k1) and the key the
+    // block takes from the product instead of the cache (skip: the token's own, in a fresh
+    // step whose run holds it).
+    auto locate = [&]() {
+        p = pos[n];
+        sln = slot[b];
+        slot_ok = sln >= 0 && sln < S;
+        valid = slot_ok && p >= 0 && p < Tmax;
+        const int L = valid ? p + 1 : 0;
+        // Splits in use: no more than one per DS_SPLIT_KEYS valid keys (the others idle).
+        used = max(1, min(splits, (L + DS_SPLIT_KEYS - 1) / DS_SPLIT_KEYS));
+        const int chunk = (((L + used - 1) / used) + 31) & ~31;
+        k0 = min(L, s * chunk);
+        k1 = min(L, k0 + chunk);
+        skip = fresh && valid && p >= k0 && p < k1 ? p : -1;
+        base = ((long long)(slot_ok ? sln : 0) * Hkv + kvh) * Tmax * D;
+    };
+    // The rotation angles of a fresh step into scs (read after a barrier).
+    auto angles = [&]() {
+        if (fresh && inv_freq && s < used)
+            for (int j = tid; j < half; j += DS_THREADS) dec_angle<T>(p, inv_freq[j], scs[0][j], scs[1][j]);
+    };
+    // Keys jb + r·KPB + lane / LPK of the group (jb is the same for the whole warp, whose
+    // lanes shuffle together), keys and values, DS_INFLIGHT of them; not the skipped one.
+    auto load = [&](int jb) {
 #pragma unroll
         for (int r = 0; r < DS_INFLIGHT; r++) {
             const int j = jb + r * KPB + lane / LPK;
@@ -414,125 +394,265 @@ __device__ __forceinline__ void dec_attend_n(
 #pragma unroll
             for (int c = 0; c < PPL; c++) {
                 const int pk = u + c * LPK;
-                if (j < k1 && pk < LP) {
-                    if (own && j == p) {
-                        kraw[r][c] = *reinterpret_cast<const Raw*>(&skv[0][pk * P]);
-                        vraw[r][c] = *reinterpret_cast<const Raw*>(&skv[1][pk * P]);
-                    } else {
-                        kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
-                        vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
-                    }
+                if (j < k1 && pk < LP && j != skip) {
+                    kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
+                    vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
                 }
             }
         }
+    };
+    const int jb0 = warp * KPW;  // relative to k0
+    if (early) {
+        locate();
+        angles();
+        if (s < used) load(k0 + jb0);
+    }
+    CG_PDL_WAIT();
+    if (!early) locate();
+    if (tid == 0 && blockIdx.y == 0 && s == 0) {
+        if (!slot_ok && n % Tq == 0) cg_report(flag, slot_check, sln, S, b);
+        if (slot_ok && !valid) cg_report(flag, check, p, Tmax, (unsigned long long)n);
+    }
+    if (s < used) {
+        // One-token steps (fresh): q is the packed q|k|v product [N, H + 2·Hkv, D]. The block
+        // rotates its query heads itself (with inv_freq, as dec_qkv does, rounded to T as
+        // dec_qkv stores them), and the block whose split holds the token's own position p
+        // takes that key (rotated) and value from the product too, into shared memory; the
+        // block of the first head group also writes them into the caches at (slot, p). No
+        // block reads position p from the caches then, and the bits are those of dec_qkv
+        // followed by this kernel. Every load of the product is issued before any is used.
+        if (fresh) {
+            constexpr int ITEMS = ((GM + 2) * (DS_MAX_D / 2) + DS_THREADS - 1) / DS_THREADS;
+            const int heads = H + 2 * Hkv;
+            const T* src = q + n * heads * D;
+            float a[ITEMS], c[ITEMS];
 #pragma unroll
-        for (int r = 0; r < DS_INFLIGHT; r++) {
-            const int j = jb + r * KPB + lane / LPK;
-            float dot[GM];
-#pragma unroll
-            for (int g = 0; g < GM; g++) dot[g] = 0.0f;
-#pragma unroll
-            for (int c = 0; c < PPL; c++) {
-                if (j < k1 && u + c * LPK < LP) {
-                    const T* ke = reinterpret_cast<const T*>(&kraw[r][c]);
-#pragma unroll
-                    for (int e = 0; e < P; e++) {
-                        const float kv = to_f32(ke[e]);
-#pragma unroll
-                        for (int g = 0; g < GM; g++) dot[g] += qr[c][g][e] * kv;
-                    }
+            for (int k = 0; k < ITEMS; k++) {
+                const int i = tid + k * DS_THREADS, g = i / half, j = i % half;
+                // g < GM: query head h0 + g; g == GM: key head kvh; g == GM + 1: its value head.
+                if (i < (GM + 2) * half && (g < GM ? g < gc : skip >= 0)) {
+                    const int hh = g < GM ? h0 + g : g == GM ? H + kvh : H + Hkv + kvh;
+                    a[k] = to_f32(src[hh * D + j]);
+                    c[k] = to_f32(src[hh * D + j + half]);
                 }
             }
+            if (!early) angles();  // while the product's loads are in flight
+            __syncthreads();       // the angles
 #pragma unroll
-            for (int g = 0; g < GM; g++)
-                for (int o = LPK / 2; o > 0; o >>= 1)
-                    dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-            if (j < k1) {
-                float w[GM];
+            for (int k = 0; k < ITEMS; k++) {
+                const int i = tid + k * DS_THREADS, g = i / half, j = i % half;
+                if (i >= (GM + 2) * half || (g < GM ? g >= gc : skip < 0)) continue;
+                if (inv_freq && g <= GM) dec_rotate_cs<T>(scs[0][j], scs[1][j], a[k], c[k]);
+                if (g < GM) {
+                    sq[g][j] = dec_rnd<T>(a[k]);
+                    sq[g][j + half] = dec_rnd<T>(c[k]);
+                    continue;
+                }
+                const T ta = from_f32<T>(a[k]), tc = from_f32<T>(c[k]);
+                skv[g - GM][j] = ta;
+                skv[g - GM][j + half] = tc;
+                if (sub == 0) {
+                    T* dst = const_cast<T*>(g == GM ? kc : vc) +
+                             (((long long)sln * Hkv + kvh) * Tmax + p) * D;
+                    dst[j] = ta;
+                    dst[j + half] = tc;
+                }
+            }
+            __syncthreads();
+        }
+        float qr[PPL][GM][P], acc[PPL][GM][P], mr[GM], lr[GM];
 #pragma unroll
-                for (int g = 0; g < GM; g++) {
-                    if (dot[g] > mr[g]) {  // a new maximum: rescale what came before
-                        const float corr = __expf(mr[g] - dot[g]);
-                        lr[g] *= corr;
+        for (int g = 0; g < GM; g++) {
+            mr[g] = DS_NEG_INF;
+            lr[g] = 0.0f;
 #pragma unroll
-                        for (int c = 0; c < PPL; c++)
+            for (int c = 0; c < PPL; c++) {
+                const int pk = u + c * LPK;
+                if (pk < LP && g < gc && fresh) {
 #pragma unroll
-                            for (int e = 0; e < P; e++) acc[c][g][e] *= corr;
-                        mr[g] = dot[g];
-                    }
-                    const float e = __expf(dot[g] - mr[g]);
-                    lr[g] += e;
-                    w[g] = dec_rnd<T>(e);
+                    for (int e = 0; e < P; e++) qr[c][g][e] = sq[g][pk * P + e];
+                } else if (pk < LP && g < gc) {
+                    ds_load<T, P>(q + (n * H + h0 + g) * D + pk * P, qr[c][g]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < P; e++) qr[c][g][e] = 0.0f;
                 }
 #pragma unroll
+                for (int e = 0; e < P; e++) {
+                    qr[c][g][e] *= scale;
+                    acc[c][g][e] = 0.0f;
+                }
+            }
+        }
+        for (int jb = k0 + jb0; jb < k1; jb += DS_INFLIGHT * KPB) {
+            if (jb != k0 + jb0 || !early) load(jb);
+#pragma unroll
+            for (int r = 0; r < DS_INFLIGHT; r++) {
+                const int j = jb + r * KPB + lane / LPK;
+                if (j == skip) {
+#pragma unroll
+                    for (int c = 0; c < PPL; c++) {
+                        const int pk = u + c * LPK;
+                        if (pk < LP) {
+                            kraw[r][c] = *reinterpret_cast<const Raw*>(&skv[0][pk * P]);
+                            vraw[r][c] = *reinterpret_cast<const Raw*>(&skv[1][pk * P]);
+                        }
+                    }
+                }
+                float dot[GM];
+#pragma unroll
+                for (int g = 0; g < GM; g++) dot[g] = 0.0f;
+#pragma unroll
                 for (int c = 0; c < PPL; c++) {
-                    if (u + c * LPK < LP) {
-                        const T* ve = reinterpret_cast<const T*>(&vraw[r][c]);
+                    if (j < k1 && u + c * LPK < LP) {
+                        const T* ke = reinterpret_cast<const T*>(&kraw[r][c]);
 #pragma unroll
                         for (int e = 0; e < P; e++) {
-                            const float vv = to_f32(ve[e]);
+                            const float kv = to_f32(ke[e]);
 #pragma unroll
-                            for (int g = 0; g < GM; g++) acc[c][g][e] += w[g] * vv;
+                            for (int g = 0; g < GM; g++) dot[g] += qr[c][g][e] * kv;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < GM; g++)
+                    for (int o = LPK / 2; o > 0; o >>= 1)
+                        dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+                if (j < k1) {
+                    float w[GM];
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (dot[g] > mr[g]) {  // a new maximum: rescale what came before
+                            const float corr = __expf(mr[g] - dot[g]);
+                            lr[g] *= corr;
+#pragma unroll
+                            for (int c = 0; c < PPL; c++)
+#pragma unroll
+                                for (int e = 0; e < P; e++) acc[c][g][e] *= corr;
+                            mr[g] = dot[g];
+                        }
+                        const float e = __expf(dot[g] - mr[g]);
+                        lr[g] += e;
+                        w[g] = dec_rnd<T>(e);
+                    }
+#pragma unroll
+                    for (int c = 0; c < PPL; c++) {
+                        if (u + c * LPK < LP) {
+                            const T* ve = reinterpret_cast<const T*>(&vraw[r][c]);
+#pragma unroll
+                            for (int e = 0; e < P; e++) {
+                                const float vv = to_f32(ve[e]);
+#pragma unroll
+                                for (int g = 0; g < GM; g++) acc[c][g][e] += w[g] * vv;
+                            }
                         }
                     }
                 }
             }
         }
-    }
-    // Merge the groups: the block's max per head, each group's weight exp(m_k - max), the
-    // weighted sums added in group order.
+        // Merge the groups: the block's max per head, each group's weight exp(m_k - max), the
+        // weighted sums added in group order.
 #pragma unroll
-    for (int c = 0; c < PPL; c++) {
-        const int pk = u + c * LPK;
-        if (pk < LP) {
+        for (int c = 0; c < PPL; c++) {
+            const int pk = u + c * LPK;
+            if (pk < LP) {
 #pragma unroll
-            for (int g = 0; g < GM; g++)
-                if (g < gc) {
+                for (int g = 0; g < GM; g++)
+                    if (g < gc) {
 #pragma unroll
-                    for (int e = 0; e < P; e++) red[(kg * GM + g) * D + pk * P + e] = acc[c][g][e];
+                        for (int e = 0; e < P; e++)
+                            red[(kg * GM + g) * D + pk * P + e] = acc[c][g][e];
+                    }
+            }
+        }
+        if (u == 0) {
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                gm_[kg][g] = mr[g];
+                gl_[kg][g] = lr[g];
+            }
+        }
+        __syncthreads();
+        if (tid < gc) {
+            float mx = DS_NEG_INF;
+            for (int k = 0; k < KPB; k++) mx = fmaxf(mx, gm_[k][tid]);
+            float tot = 0.0f;
+            for (int k = 0; k < KPB; k++) {
+                const float wk = gl_[k][tid] > 0.0f ? __expf(gm_[k][tid] - mx) : 0.0f;
+                gm_[k][tid] = wk;  // now the group's weight
+                tot += wk * gl_[k][tid];
+            }
+            sm[tid] = mx;
+            sl[tid] = tot;
+        }
+        __syncthreads();
+        for (int i = tid; i < gc * D; i += DS_THREADS) {
+            const int g = i / D, d = i % D;
+            float a = 0.0f;
+            for (int k = 0; k < KPB; k++) {
+                const float wk = gm_[k][g];
+                if (wk > 0.0f) a += wk * red[(k * GM + g) * D + d];
+            }
+            const long long row = n * H + h0 + g;
+            if (used == 1) {
+                out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
+            } else if (cluster) {
+                pc[g][d] = a;
+            } else {
+                part[(row * splits + s) * D + d] = a;
+                if (d == 0) {
+                    stat[(row * splits + s) * 2] = sm[g];
+                    stat[(row * splits + s) * 2 + 1] = sl[g];
                 }
-        }
-    }
-    if (u == 0) {
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            gm_[kg][g] = mr[g];
-            gl_[kg][g] = lr[g];
-        }
-    }
-    __syncthreads();
-    if (tid < gc) {
-        float mx = DS_NEG_INF;
-        for (int k = 0; k < KPB; k++) mx = fmaxf(mx, gm_[k][tid]);
-        float tot = 0.0f;
-        for (int k = 0; k < KPB; k++) {
-            const float wk = gl_[k][tid] > 0.0f ? __expf(gm_[k][tid] - mx) : 0.0f;
-            gm_[k][tid] = wk;  // now the group's weight
-            tot += wk * gl_[k][tid];
-        }
-        sm[tid] = mx;
-        sl[tid] = tot;
-    }
-    __syncthreads();
-    for (int i = tid; i < gc * D; i += DS_THREADS) {
-        const int g = i / D, d = i % D;
-        float a = 0.0f;
-        for (int k = 0; k < KPB; k++) {
-            const float wk = gm_[k][g];
-            if (wk > 0.0f) a += wk * red[(k * GM + g) * D + d];
-        }
-        const long long row = n * H + h0 + g;
-        if (used == 1) {
-            out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
-        } else {
-            part[(row * splits + s) * D + d] = a;
-            if (d == 0) {
-                stat[(row * splits + s) * 2] = sm[g];
-                stat[(row * splits + s) * 2 + 1] = sl[g];
             }
         }
     }
-    if (used == 1) return;
+    if (used == 1) return;  // the same for every block of (n, y)
+    if (cluster) {
+        // Every split's sums are in its block's shared memory. Thread g < gc: head g's maximum
+        // over the splits that saw keys and each split's weight exp(m_s - max), summed in
+        // split order; then each block writes its slice of the gc·D outputs, the splits added
+        // in split order. The second barrier keeps every block's shared memory alive until
+        // the cluster has read it.
+        cg_cluster_sync();
+        if (tid < gc) {
+            float ms[DS_MAX_CLUSTER], ls[DS_MAX_CLUSTER];
+            float mx = DS_NEG_INF;
+#pragma unroll
+            for (int k = 0; k < DS_MAX_CLUSTER; k++) {
+                if (k < used) {
+                    ms[k] = cg_dsmem_load(&sm[tid], (unsigned)k);
+                    ls[k] = cg_dsmem_load(&sl[tid], (unsigned)k);
+                    if (ls[k] > 0.0f) mx = fmaxf(mx, ms[k]);
+                }
+            }
+            float tot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < DS_MAX_CLUSTER; k++) {
+                if (k < used) {
+                    const float wk = ls[k] > 0.0f ? __expf(ms[k] - mx) : 0.0f;
+                    wsplit[tid][k] = wk;
+                    tot += wk * ls[k];
+                }
+            }
+            stot[tid] = tot;
+        }
+        __syncthreads();
+        const int per = (gc * D + (int)gridDim.z - 1) / (int)gridDim.z;
+        const int i1 = min(gc * D, (s + 1) * per);
+        for (int i = s * per + tid; i < i1; i += DS_THREADS) {
+            const int g = i / D, d = i % D;
+            float a = 0.0f;
+            for (int k = 0; k < used; k++) {
+                const float wk = wsplit[g][k];
+                if (wk > 0.0f) a += wk * cg_dsmem_load(&pc[g][d], (unsigned)k);
+            }
+            out[(n * H + h0 + g) * D + d] = from_f32<T>(stot[g] > 0.0f ? a / stot[g] : 0.0f);
+        }
+        cg_cluster_sync();
+        return;
+    }
+    if (s >= used) return;
     __threadfence();
     __syncthreads();
     unsigned int* cnt = count + n * gridDim.y + blockIdx.y;
@@ -575,18 +695,19 @@ __device__ __forceinline__ void dec_attend_n(
 
 // dec_attend_NAME_S: P elements a load, PPL loads a lane, GM query heads a block. The
 // 16-byte instances ("v") serve 1, 2 and up to 4 query heads per key/value head; the pair
-// instance ("p") head dimensions that are not whole 16-byte loads.
+// instance ("p") head dimensions that are not whole 16-byte loads. They let the next kernel
+// launch at once and wait for the previous one inside (after the early loads).
 #define DS_VEC_LOADS(T) (sizeof(T) == 4 ? 2 : 1)
 #define DEC_ATTEND(T, S, NAME, P, PPL, GM)                                                    \
     extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_##NAME##_##S(         \
         const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
         float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
-        int Tmax, int D, float scale, int splits, int fresh, const float* inv_freq,            \
-        cg_check* flag, unsigned int check, unsigned int slot_check) {                         \
-        CG_PDL_ENTER();                                                                       \
+        int Tmax, int D, float scale, int splits, int fresh, int early, int cluster,           \
+        const float* inv_freq, cg_check* flag, unsigned int check, unsigned int slot_check) {  \
+        CG_PDL_TRIGGER();                                                                     \
         dec_attend_n<T, P, PPL, GM>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,  \
-                                    NS, Tmax, D, scale, splits, fresh, inv_freq, flag, check, \
-                                    slot_check);                                              \
+                                    NS, Tmax, D, scale, splits, fresh, early, cluster,         \
+                                    inv_freq, flag, check, slot_check);                        \
     }
 
 #define DEC_INSTANCES(T, S)                                                                   \

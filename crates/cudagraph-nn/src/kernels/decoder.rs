@@ -24,7 +24,7 @@ use crate::dtype::Float;
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
 use crate::kernels::attention::AttentionShape;
-use crate::kernels::pdl::launch_decode;
+use crate::kernels::pdl::{launch_decode, launch_decode_in};
 use crate::kernels::{grid_stride, int, int_loop, ByType};
 
 /// Every kernel of the module, without its type suffix.
@@ -48,10 +48,11 @@ const ATTEND_THREADS: u32 = 128;
 /// The CUDA source of the module.
 pub fn source() -> String {
     format!(
-        "{}{}{}{}",
+        "{}{}{}{}{}",
         cudagraph::PDL_CUDA,
         cudagraph::DEVICE_CHECK_CUDA,
         super::cast::SOURCE,
+        include_str!("cluster.cu"),
         include_str!("decoder.cu")
     )
 }
@@ -160,7 +161,10 @@ impl DecoderKernels {
     }
 
     /// `y[t, :] = wte[ids[t], :]` (`+ wpe[pos[t], :]` with `wpe`) for `t < tokens`
-    /// (`wte: [vocab, dim]`, `wpe: [npos, dim]`).
+    /// (`wte: [vocab, dim]`, `wpe: [npos, dim]`). Launched without programmatic dependent
+    /// launch: it begins a forward, and starts only when everything before it on `q` is
+    /// done, so the forward's later kernels may read what that work wrote before their wait
+    /// (see [`Self::attend_qkv_early`]).
     #[allow(clippy::too_many_arguments)]
     pub fn embed<T: Float>(
         &self,
@@ -204,15 +208,16 @@ impl DecoderKernels {
         // pos_check) runs i < tokens·dim (y's extent, checked), reads ids[t] (t < tokens,
         // checked), wte[id·dim + c] only for 0 ≤ id < vocab (vocab·dim checked) and, with wpe
         // (not null only with pos), pos[t] and wpe[p·dim + c] only for 0 ≤ p < npos (checked);
-        // sizes fit int (checked), the element index is long long.
+        // sizes fit int (checked), the element index is long long. A plain launch: its
+        // CG_PDL_ENTER() does nothing then.
         unsafe {
-            launch_decode(
-                q,
+            q.launch(
                 self.embed.of::<T>("decoder embedding")?,
                 grid_stride(n),
                 &args,
-            )
+            )?;
         }
+        Ok(())
     }
 
     /// `y[r, :]` = LayerNorm (`b` given or not, `rms` false) or RMSNorm (`rms`, no bias) of
@@ -404,6 +409,11 @@ impl DecoderKernels {
 pub struct AttendScratch {
     splits: usize,
     groups: usize,
+    /// Few blocks (see [`few_blocks`]): the splits of one token and head group form a
+    /// thread-block cluster and merge through distributed shared memory (sm_90+; `part`,
+    /// `stat` and `count` are then unused), and one-token steps read early where the caller
+    /// allows it.
+    few: bool,
     part: DeviceBuffer<f32>,
     stat: DeviceBuffer<f32>,
     count: DeviceBuffer<u32>,
@@ -418,6 +428,11 @@ const SPLIT_KEYS: usize = 32;
 const LONG_SPLIT_KEYS: usize = 256;
 /// The most splits along the keys (`DS_MAX_SPLITS`).
 const MAX_SPLITS: usize = 64;
+/// The most splits along the keys when they merge inside a thread-block cluster
+/// (`DS_MAX_CLUSTER`, the portable cluster size).
+const MAX_CLUSTER_SPLITS: usize = 8;
+/// The most (token, head group) pairs of an attention with few blocks.
+const FEW_PAIRS: usize = 16;
 
 /// Blocks of one key/value head per token: `ceil((heads / kv_heads) / ATTEND_HEADS)`.
 fn head_groups(s: &AttentionShape) -> usize {
@@ -435,6 +450,20 @@ pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
         .max(s.max_len.div_ceil(LONG_SPLIT_KEYS))
         .min(s.max_len.div_ceil(SPLIT_KEYS))
         .clamp(1, MAX_SPLITS)
+}
+
+/// Whether an attention of `s` split `splits` ways has few blocks: at most `FEW_PAIRS` (token,
+/// head group) pairs and at most `MAX_CLUSTER_SPLITS` splits (a short cache). Such a step is
+/// bound by its chain of memory round trips, not by bandwidth, so there the splits merge inside
+/// a thread-block cluster (a barrier instead of a fence, a counter and two reads of global
+/// memory) and one-token steps read early. Both were measured on the H100 (ours, two rounds,
+/// one call, ms per step): faster there (GPT-2 small at batch 1 after 128 tokens 0.367 / 0.375
+/// → 0.341 / 0.340) and slower with more blocks (a Llama-shaped model at batch 8 after 128
+/// tokens 1.54 / 1.46 → 1.74 / 1.65; at batch 64 after 1024 tokens 3.85 → 4.50: a cluster's
+/// blocks hold their multiprocessors until its slowest block has merged) or more splits than
+/// a cluster holds (the Llama-shaped model at batch 1 after 1024 tokens 1.365 → 1.399).
+pub fn few_blocks(s: &AttentionShape, splits: usize) -> bool {
+    s.batch * s.tokens * s.kv_heads * head_groups(s) <= FEW_PAIRS && splits <= MAX_CLUSTER_SPLITS
 }
 
 /// Which instance of the attention kernel serves `head_dim` for `T` over buffers at `addrs`
@@ -468,15 +497,17 @@ fn vector_loads<T: Float>(head_dim: usize, addrs: &[u64]) -> Result<bool> {
 
 impl DecoderKernels {
     /// The scratch of a split attention of `shape` on `q` (the splits from
-    /// [`attend_splits`] and the device's multiprocessors), from `q`'s allocator; the counters
-    /// are zeroed on `q`. No memory when the attention does not split.
+    /// [`attend_splits`] and the device's multiprocessors; on sm_90+ the splits of a token
+    /// merge inside a thread-block cluster), from `q`'s allocator; the counters are zeroed on
+    /// `q`. No memory when the attention does not split or the splits merge in a cluster.
     pub fn attend_scratch(&self, q: &dyn Queue, shape: &AttentionShape) -> Result<AttendScratch> {
         shape.validate()?;
         let sms = q.device().info().multiprocessors as usize;
         let splits = attend_splits(sms, shape);
+        let cluster = q.device().supports_clusters() && few_blocks(shape, splits);
         let groups = shape.kv_heads * head_groups(shape);
         let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
-        let (parts, stats, counts) = if splits == 1 {
+        let (parts, stats, counts) = if splits == 1 || cluster {
             (1, 1, 1)
         } else {
             let rows = prod("attention rows", &[tokens, shape.heads, splits])?;
@@ -487,12 +518,13 @@ impl DecoderKernels {
             )
         };
         let count = q.alloc::<u32>(counts)?;
-        if splits > 1 {
+        if splits > 1 && !cluster {
             q.memset_zero(&count)?;
         }
         Ok(AttendScratch {
             splits,
             groups,
+            few: cluster,
             part: q.alloc::<f32>(parts)?,
             stat: q.alloc::<f32>(stats)?,
             count,
@@ -520,7 +552,9 @@ impl DecoderKernels {
     ) -> Result<()> {
         shape.validate()?;
         shape.check_buffers(query, out, caches, at.0)?;
-        self.launch_attend(q, shape, (query, None), caches, at, out, scale, scratch)
+        let io = (query, None);
+        // SAFETY: not early: the kernel waits for the previous kernel before any memory access.
+        unsafe { self.launch_attend(q, shape, io, caches, at, out, scale, scratch, false) }
     }
 
     /// [`Self::qkv`] followed by [`Self::attend`] in one kernel, for steps of one token a row
@@ -540,6 +574,38 @@ impl DecoderKernels {
         out: &DeviceBuffer<T>,
         scale: f32,
         scratch: &AttendScratch,
+    ) -> Result<()> {
+        let (f, c) = (inv_freq, caches);
+        // SAFETY: not early: the kernel waits for the previous kernel before any memory access.
+        unsafe { self.attend_qkv_early(q, shape, qkv, f, c, at, out, scale, scratch, false) }
+    }
+
+    /// [`Self::attend_qkv`]; with `early`, each block reads its token's position and slot, the
+    /// rotary frequencies and its first cache rows before it waits for the previous kernel
+    /// (programmatic dependent launch), so that those reads overlap that kernel's end. The
+    /// same bits either way.
+    ///
+    /// # Safety
+    /// With `early`: no kernel that can still be running when this one starts writes the
+    /// positions or slots of `at`, `inv_freq`, or the cache rows of a row's slot below the
+    /// row's position. A kernel launched with PDL starts while the kernel before it runs, and
+    /// that one may have started before its own predecessor finished, so the guarantee comes
+    /// from the work since the last kernel launched without PDL on `q`: none of it may write
+    /// those (the decoder's forward launches its embedding that way and writes none of them
+    /// before attention).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_qkv_early<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+        qkv: &DeviceBuffer<T>,
+        inv_freq: Option<&DeviceBuffer<f32>>,
+        caches: (&DeviceBuffer<T>, &DeviceBuffer<T>),
+        at: (&DeviceBuffer<i32>, &DeviceBuffer<i32>),
+        out: &DeviceBuffer<T>,
+        scale: f32,
+        scratch: &AttendScratch,
+        early: bool,
     ) -> Result<()> {
         if shape.tokens != 1 {
             return Err(NnError::Shape(format!(
@@ -561,14 +627,18 @@ impl DecoderKernels {
             need("decoder rotary frequencies", f, s.head_dim / 2)?;
         }
         let fresh = (qkv, Some(inv_freq));
-        self.launch_attend(q, shape, fresh, caches, at, out, scale, scratch)
+        // SAFETY: the caller's promise for `early`.
+        unsafe { self.launch_attend(q, shape, fresh, caches, at, out, scale, scratch, early) }
     }
 
     /// The attention kernel over `query` (`[tokens, heads, head_dim]`) or, with
     /// `Some(inv_freq)`, over the packed one-token q|k|v product, for a shape and buffers the
     /// caller validated and checked: the remaining checks and the launch.
+    ///
+    /// # Safety
+    /// With `early` (only with the packed product), that of [`Self::attend_qkv_early`].
     #[allow(clippy::too_many_arguments)]
-    fn launch_attend<T: Float>(
+    unsafe fn launch_attend<T: Float>(
         &self,
         q: &dyn Queue,
         shape: &AttentionShape,
@@ -578,6 +648,7 @@ impl DecoderKernels {
         out: &DeviceBuffer<T>,
         scale: f32,
         scratch: &AttendScratch,
+        early: bool,
     ) -> Result<()> {
         let pl = shape.positions_len()?;
         need("attention cache slots", slots, shape.batch)?;
@@ -589,7 +660,7 @@ impl DecoderKernels {
                  for another shape than {s:?}"
             )));
         }
-        if splits > 1 {
+        if splits > 1 && !scratch.few {
             let rows = prod("attention rows", &[pl, s.heads, splits])?;
             need(
                 "attention partial sums",
@@ -624,8 +695,11 @@ impl DecoderKernels {
             shared_mem_bytes: 0,
         };
         let i = |v: usize| Arg::I32(v as i32);
+        let cluster = scratch.few && splits > 1;
+        let early = early && scratch.few && fresh.is_some();
         // SAFETY: dec_attend_{v,p}_*(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,
-        // S, Tmax, D, scale, splits, fresh, inv_freq, flag, check, slot_check): block (n, y, s)
+        // S, Tmax, D, scale, splits, fresh, early, cluster, inv_freq, flag, check, slot_check):
+        // block (n, y, s)
         // with n < B·Tq, y < Hkv·hg (hg = ceil((H/Hkv)/4): groups, checked against the
         // scratch), s < splits reads pos[n] (< positions_len, checked), slot[n / Tq] (< batch,
         // checked); without fresh it reads q at rows n·H + h for h < H of D elements
@@ -641,12 +715,16 @@ impl DecoderKernels {
         // at offsets that are multiples of their size in buffers aligned to it (addresses
         // checked by vector_loads), at most 32 lanes a row; every size fits i32 and the grid
         // its limits (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes,
-        // splits ≤ 64); 128 threads, the kernel's static shared memory (≤ 28 KB).
+        // splits ≤ 64); 128 threads, the kernel's static shared memory (≤ 34 KB). With
+        // `cluster` the splits (≤ 8, the scratch's) are one cluster and part, stat and count
+        // are not touched; with `early` (fresh only) it reads pos, slot, inv_freq and cache
+        // rows below a token's position before its wait: the caller's promise.
         unsafe {
-            launch_decode(
+            launch_decode_in(
                 q,
                 kernel,
                 cfg,
+                cluster.then_some((1, 1, splits as u32)),
                 &[
                     query.into(),
                     k_cache.into(),
@@ -666,6 +744,8 @@ impl DecoderKernels {
                     Arg::F32(scale),
                     i(splits),
                     i(usize::from(fresh.is_some())),
+                    i(usize::from(early)),
+                    i(usize::from(cluster)),
                     Arg::opt(fresh.flatten()),
                     q.check_flag_arg()?,
                     Arg::U32(self.cache_pos_check),
@@ -760,6 +840,12 @@ mod tests {
         assert_eq!(attend_splits(132, &shape(2, 12, 12, 2048)), 22);
         assert_eq!(attend_splits(132, &shape(48, 12, 12, 200)), 1);
         assert_eq!(attend_splits(0, &shape(1, 1, 1, 64)), 2);
+        // Few blocks: at most 16 (token, head group) pairs and 8 splits.
+        assert!(few_blocks(&shape(1, 12, 12, 200), 7));
+        assert!(few_blocks(&shape(2, 32, 8, 200), 8));
+        assert!(!few_blocks(&shape(1, 12, 12, 2048), 44));
+        assert!(!few_blocks(&shape(2, 12, 12, 200), 7));
+        assert!(!few_blocks(&shape(8, 32, 8, 200), 7));
     }
 
     #[test]

@@ -7,19 +7,7 @@
 // the epilogue and writes C; a second barrier keeps the other blocks' shared memory alive
 // until it has read it. One kernel, no scratch buffer, deterministic.
 
-__device__ __forceinline__ void cg_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The float at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ float cg_dsmem_load(const float* p, unsigned rank) {
-    unsigned local = (unsigned)__cvta_generic_to_shared(p);
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
+// cg_cluster_sync and cg_dsmem_load come from cluster.cu.
 
 __device__ __forceinline__ void tiled_cluster(int splits, int m, int n, int k, float alpha,
         const float* A, int lda, int ta, const float* B, int ldb, int tb,

@@ -79,9 +79,10 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         (
             "cudagraph_nn_cluster",
             format!(
-                "{pdl}{check}{}{}{}",
+                "{pdl}{check}{}{}{}{}",
                 include_str!("common.cu"),
                 include_str!("gemm_tile.cu"),
+                include_str!("cluster.cu"),
                 include_str!("gemm_cluster.cu")
             ),
         ),

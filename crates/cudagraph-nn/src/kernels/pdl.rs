@@ -98,7 +98,26 @@ pub(crate) unsafe fn launch_decode(
     cfg: LaunchConfig,
     args: &[Arg<'_>],
 ) -> Result<()> {
-    let opts = LaunchOptions::new().pdl(decode_pdl(q));
+    // SAFETY: the caller's promise, passed on unchanged.
+    launch_decode_in(q, f, cfg, None, args)
+}
+
+/// [`launch_decode`], as thread-block clusters of `cluster` blocks when given (the launch
+/// refuses clusters a device cannot run).
+///
+/// # Safety
+/// That of [`launch_decode`].
+pub(crate) unsafe fn launch_decode_in(
+    q: &dyn Queue,
+    f: &Function,
+    cfg: LaunchConfig,
+    cluster: Option<(u32, u32, u32)>,
+    args: &[Arg<'_>],
+) -> Result<()> {
+    let mut opts = LaunchOptions::new().pdl(decode_pdl(q));
+    if let Some(c) = cluster {
+        opts = opts.cluster(c);
+    }
     // SAFETY: the caller's promise; the kernel waits for the previous kernel before any memory
     // access other than reads of memory nothing still running writes (the caller's promise).
     Ok(q.launch_with(f, cfg, args, opts)?)

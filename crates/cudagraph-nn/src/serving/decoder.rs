@@ -682,7 +682,16 @@ impl Decoder {
                 }
                 None => {
                     let sc = &scratch;
-                    dk.attend_qkv(q, &att_shape, &qkv, freq, caches, at, &att, scale, sc)?;
+                    // SAFETY: early reads: the embedding above was launched without PDL, so
+                    // everything before this forward on q is done when the kernels after it
+                    // start, and no kernel of the forward before this one writes the
+                    // positions, slots, rotary frequencies or cache rows below a row's
+                    // position (this attention writes each row's own position only).
+                    unsafe {
+                        dk.attend_qkv_early(
+                            q, &att_shape, &qkv, freq, caches, at, &att, scale, sc, true,
+                        )?;
+                    }
                 }
             }
             let w = (&blk.o_w, blk.o_b.as_ref());

@@ -171,6 +171,13 @@ impl Device {
         self.info().compute_capability.0 >= 9 && crate::runtime::module::launch_ex_available()
     }
 
+    /// Whether kernels on this device can be launched as thread-block clusters
+    /// ([`LaunchOptions::cluster`](crate::LaunchOptions::cluster): compute capability 9.0 or
+    /// later and a driver with `cuLaunchKernelEx`).
+    pub fn supports_clusters(&self) -> bool {
+        self.supports_pdl()
+    }
+
     /// Whether `other` is a handle to this same `Device::open` (same allocator).
     pub fn same_as(&self, other: &Device) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)

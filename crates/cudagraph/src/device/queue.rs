@@ -278,7 +278,7 @@ pub trait Queue: sealed::Sealed {
     #[track_caller]
     unsafe fn launch(&self, f: &Function, cfg: LaunchConfig, args: &[Arg<'_>]) -> Result<()> {
         // SAFETY: the caller's promise (this function's `# Safety`) is passed on unchanged.
-        launch_checked(self, f, cfg, args, false)
+        launch_checked(self, f, cfg, args, false, None)
     }
 
     /// [`Queue::launch`] with launch options, such as programmatic dependent launch
@@ -303,7 +303,7 @@ pub trait Queue: sealed::Sealed {
     ) -> Result<()> {
         let pdl = opts.pdl && self.device().supports_pdl();
         // SAFETY: the caller's promise (this function's `# Safety`) is passed on unchanged.
-        launch_checked(self, f, cfg, args, pdl)
+        launch_checked(self, f, cfg, args, pdl, opts.cluster)
     }
 }
 
@@ -312,6 +312,11 @@ pub trait Queue: sealed::Sealed {
 pub struct LaunchOptions {
     /// Programmatic dependent launch (sm_90+): see [`Queue::launch_with`].
     pub pdl: bool,
+    /// Thread-block clusters of these dimensions (sm_90+, at most
+    /// [`MAX_CLUSTER_BLOCKS`](crate::runtime::MAX_CLUSTER_BLOCKS) blocks, each
+    /// dividing the grid's; a launch that cannot have them is an `InvalidLaunch` error, see
+    /// [`Device::supports_clusters`](crate::Device::supports_clusters)). `None`: no clusters.
+    pub cluster: Option<(u32, u32, u32)>,
 }
 
 impl LaunchOptions {
@@ -323,6 +328,12 @@ impl LaunchOptions {
     /// Programmatic dependent launch on or off.
     pub fn pdl(mut self, on: bool) -> Self {
         self.pdl = on;
+        self
+    }
+
+    /// Thread-block clusters of `dims` blocks (x, y, z).
+    pub fn cluster(mut self, dims: (u32, u32, u32)) -> Self {
+        self.cluster = Some(dims);
         self
     }
 }
@@ -387,7 +398,7 @@ unsafe fn launch_copy<Q: Queue + ?Sized>(
         Arg::U32(c.tail),
     ];
     // SAFETY: passed on from this function's contract.
-    launch_checked(q, &c.f, c.cfg, &args, false)
+    launch_checked(q, &c.f, c.cfg, &args, false, None)
 }
 
 /// The checks of [`Queue::launch`], then the launch (programmatic when `pdl`).
@@ -401,6 +412,7 @@ unsafe fn launch_checked<Q: Queue + ?Sized>(
     cfg: LaunchConfig,
     args: &[Arg<'_>],
     pdl: bool,
+    cluster: Option<(u32, u32, u32)>,
 ) -> Result<()> {
     check_eager(q, "a kernel launch")?;
     let dev = q.device();
@@ -412,6 +424,17 @@ unsafe fn launch_checked<Q: Queue + ?Sized>(
         });
     }
     let dims = f.check(cfg, dev.info().max_grid_x)?;
+    if let Some(c) = cluster {
+        if !dev.supports_clusters() {
+            return Err(Error::InvalidLaunch {
+                kernel: f.name().to_string(),
+                problem: "thread-block clusters need compute capability 9.0 or later and a \
+                          driver with cuLaunchKernelEx"
+                    .to_string(),
+            });
+        }
+        module::check_cluster(f.name(), cfg.grid, c)?;
+    }
     let mut inline = [ParamValue::int(0, 0); INLINE_ARGS];
     let mut heap = Vec::new();
     let params: &mut [ParamValue<'_>] = if args.len() <= INLINE_ARGS {
@@ -433,11 +456,11 @@ unsafe fn launch_checked<Q: Queue + ?Sized>(
     q.hold_function(f);
     dev.context().bind()?;
     let stream = q.stream_handle().raw_handle();
-    if pdl {
-        // SAFETY: arguments and shape were checked against `f` above; the memory and wait
-        // contracts are the caller's, and every passed buffer is kept alive and its reuse
-        // ordered by `use_block`.
-        module::launch_pdl(f, dims, params, stream)
+    if pdl || cluster.is_some() {
+        // SAFETY: arguments, shape and cluster were checked against `f` and the grid above;
+        // the memory and wait contracts are the caller's, and every passed buffer is kept
+        // alive and its reuse ordered by `use_block`.
+        module::launch_ex(f, dims, params, stream, pdl, cluster)
     } else {
         // SAFETY: arguments and shape were checked against `f` above; the memory contract is
         // the caller's (`Queue::launch`'s `# Safety`), and every passed buffer is kept alive

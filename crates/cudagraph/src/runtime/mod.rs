@@ -29,7 +29,8 @@ pub(crate) mod stream;
 
 pub use context::{device_count, Context, DeviceInfo};
 pub use module::{
-    driver_reports_library_params, Function, LaunchConfig, Module, ParamDecl, ParamKind, ParamValue,
+    driver_reports_library_params, Function, LaunchConfig, Module, ParamDecl, ParamKind,
+    ParamValue, MAX_CLUSTER_BLOCKS,
 };
 pub use primary::capturing_on_this_thread;
 pub use result::with_relaxed_capture;

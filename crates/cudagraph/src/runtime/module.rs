@@ -626,31 +626,54 @@ pub(crate) unsafe fn launch(
     )
 }
 
-/// Launches `f` on `s` with programmatic stream serialization (programmatic dependent launch,
-/// sm_90+): the grid may begin while the previous kernel on the stream is still running, and
-/// inside a capture the dependency becomes a programmatic edge.
+/// Launches `f` on `s` through `cuLaunchKernelEx` with launch attributes: with `pdl`,
+/// programmatic stream serialization (programmatic dependent launch, sm_90+: the grid may begin
+/// while the previous kernel on the stream is still running, and inside a capture the
+/// dependency becomes a programmatic edge); with `cluster`, thread-block clusters of those
+/// dimensions (sm_90+).
 ///
 /// # Safety
-/// As for [`launch`]; in addition, `f` must execute `griddepcontrol.wait` before its first
-/// access to global memory (see [`crate::PDL_CUDA`]): until then the previous kernel may still
-/// be running, and memory it uses may not be reused yet.
+/// As for [`launch`]; in addition, with `pdl`, `f` must execute `griddepcontrol.wait` before
+/// its first access to global memory that the previous kernels may still write or may still
+/// use (see [`crate::PDL_CUDA`]); with `cluster`, the dimensions must divide the grid and be
+/// at most 8 blocks (checked by [`check_cluster`]).
 #[track_caller]
-pub(crate) unsafe fn launch_pdl(
+pub(crate) unsafe fn launch_ex(
     f: &Function,
     dims: Dims,
     params: &[ParamValue<'_>],
     s: RawStream,
+    pdl: bool,
+    cluster: Option<(u32, u32, u32)>,
 ) -> Result<()> {
     let mut p = Params::new(params);
-    // SAFETY: the attribute value is a plain C union; all-zero is a valid value, then the one
-    // field this attribute reads is set.
-    let mut value: sys::CUlaunchAttributeValue = std::mem::zeroed();
-    value.programmaticStreamSerializationAllowed = 1;
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value,
-    };
+    let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+    let mut n = 0;
+    if pdl {
+        // SAFETY: the attribute value is a plain C union; all-zero is a valid value, then the
+        // one field this attribute reads is set.
+        let mut value: sys::CUlaunchAttributeValue = std::mem::zeroed();
+        value.programmaticStreamSerializationAllowed = 1;
+        attrs[n] = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        n += 1;
+    }
+    if let Some((x, y, z)) = cluster {
+        // SAFETY: as above; this attribute reads the cluster dimensions.
+        let mut value: sys::CUlaunchAttributeValue = std::mem::zeroed();
+        value.clusterDim.x = x;
+        value.clusterDim.y = y;
+        value.clusterDim.z = z;
+        attrs[n] = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value,
+        };
+        n += 1;
+    }
     let config = sys::CUlaunchConfig {
         gridDimX: dims.grid.0,
         gridDimY: dims.grid.1,
@@ -660,13 +683,38 @@ pub(crate) unsafe fn launch_pdl(
         blockDimZ: dims.block.2,
         sharedMemBytes: dims.shared_mem_bytes,
         hStream: s.0,
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
     };
     check(
         sys::cuLaunchKernelEx(&config, f.raw.0, p.as_ptr(), ptr::null_mut()),
         "cuLaunchKernelEx",
     )
+}
+
+/// Most blocks of one thread-block cluster a launch may ask for (the portable limit).
+pub const MAX_CLUSTER_BLOCKS: u32 = 8;
+
+/// Checks thread-block cluster dimensions against a launch's grid: no zero dimension, at most
+/// [`MAX_CLUSTER_BLOCKS`] blocks, and each dividing the grid's.
+pub(crate) fn check_cluster(kernel: &str, grid: (u32, u32, u32), c: (u32, u32, u32)) -> Result<()> {
+    let blocks = c.0 as u64 * c.1 as u64 * c.2 as u64;
+    let problem = if blocks == 0 || blocks > MAX_CLUSTER_BLOCKS as u64 {
+        Some(format!(
+            "cluster {c:?} has {blocks} blocks; a cluster has 1 to {MAX_CLUSTER_BLOCKS}"
+        ))
+    } else if grid.0 % c.0 != 0 || grid.1 % c.1 != 0 || grid.2 % c.2 != 0 {
+        Some(format!("cluster {c:?} does not divide grid {grid:?}"))
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(Error::InvalidLaunch {
+            kernel: kernel.to_string(),
+            problem,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Whether the driver can launch with attributes (`cuLaunchKernelEx`, CUDA 11.8+).
