@@ -580,8 +580,9 @@ impl DecoderKernels {
         unsafe { self.attend_qkv_early(q, shape, qkv, f, c, at, out, scale, scratch, false) }
     }
 
-    /// [`Self::attend_qkv`]; with `early`, each block reads its token's position and slot, the
-    /// rotary frequencies and its first cache rows before it waits for the previous kernel
+    /// [`Self::attend_qkv`]; with `early`, where the shape has few blocks ([`few_blocks`];
+    /// other shapes ignore it), each block reads its token's position and slot, the rotary
+    /// frequencies and its first cache rows before it waits for the previous kernel
     /// (programmatic dependent launch), so that those reads overlap that kernel's end. The
     /// same bits either way.
     ///

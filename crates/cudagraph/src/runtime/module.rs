@@ -726,6 +726,23 @@ pub(crate) fn launch_ex_available() -> bool {
 mod tests {
     use super::*;
 
+    #[test]
+    fn clusters_divide_the_grid_and_hold_at_most_eight_blocks() {
+        assert!(check_cluster("k", (4, 2, 8), (1, 1, 8)).is_ok());
+        assert!(check_cluster("k", (4, 2, 6), (1, 1, 3)).is_ok());
+        assert!(check_cluster("k", (4, 2, 6), (2, 2, 1)).is_ok());
+        for (grid, c, says) in [
+            ((4, 2, 6), (1, 1, 4), "does not divide"),
+            ((16, 1, 16), (1, 1, 16), "1 to 8"),
+            ((8, 8, 1), (4, 4, 1), "1 to 8"),
+            ((4, 1, 1), (0, 1, 1), "1 to 8"),
+        ] {
+            let e = check_cluster("k", grid, c).unwrap_err();
+            assert!(matches!(e, Error::InvalidLaunch { .. }), "{e:?}");
+            assert!(e.to_string().contains(says), "{grid:?} {c:?}: {e}");
+        }
+    }
+
     const PTX: &str = r#"
 .version 8.5
 .target sm_90
