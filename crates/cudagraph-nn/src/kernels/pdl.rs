@@ -85,13 +85,14 @@ fn decode_pdl(q: &dyn Queue) -> bool {
 
 /// Launches a decode-path kernel (`decoder.cu`, `gemv.cu`: every kernel lets the next one
 /// launch, then waits for the previous kernel before touching memory — `CG_PDL_ENTER()` —
-/// except `gemv.cu`'s with `early` set, which first loads weights), with PDL where
-/// [`decode_pdl`] says.
+/// except `gemv.cu`'s with `early` set, which first loads weights, and the attention of
+/// `decoder.cu` with `early` set, which first reads positions, slots, rotary frequencies and
+/// cache rows), with PDL where [`decode_pdl`] says.
 ///
 /// # Safety
 /// The caller checked every buffer against the extent the kernel indexes with the scalars
 /// given (see the kernel's comment in its `.cu` file), and where the kernel reads memory
-/// before its wait (`gemv.cu` with `early`), no work that can still run writes that memory.
+/// before its wait (`early`), no work that can still run writes that memory.
 pub(crate) unsafe fn launch_decode(
     q: &dyn Queue,
     f: &Function,
