@@ -504,10 +504,10 @@ impl DecoderKernels {
         shape.validate()?;
         let sms = q.device().info().multiprocessors as usize;
         let splits = attend_splits(sms, shape);
-        let cluster = q.device().supports_clusters() && few_blocks(shape, splits);
+        let few = q.device().supports_clusters() && few_blocks(shape, splits);
         let groups = shape.kv_heads * head_groups(shape);
         let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
-        let (parts, stats, counts) = if splits == 1 || cluster {
+        let (parts, stats, counts) = if splits == 1 || few {
             (1, 1, 1)
         } else {
             let rows = prod("attention rows", &[tokens, shape.heads, splits])?;
@@ -518,13 +518,13 @@ impl DecoderKernels {
             )
         };
         let count = q.alloc::<u32>(counts)?;
-        if splits > 1 && !cluster {
+        if splits > 1 && !few {
             q.memset_zero(&count)?;
         }
         Ok(AttendScratch {
             splits,
             groups,
-            few: cluster,
+            few,
             part: q.alloc::<f32>(parts)?,
             stat: q.alloc::<f32>(stats)?,
             count,
