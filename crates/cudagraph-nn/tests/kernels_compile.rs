@@ -279,6 +279,13 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "gemv_f16_f32_m4",
             "gemv_f16_f32_m8",
             "gemv_f16_f32_m16",
+            "gemv_norm_bf16_bf16_m1",
+            "gemv_norm_bf16_f32_m4",
+            "gemv_norm_f16_f16_m2",
+            "gemv_norm_f16_f32_m1",
+            "gemv_swiglu_bf16_bf16_m1",
+            "gemv_swiglu_bf16_bf16_m4",
+            "gemv_swiglu_f16_f16_m2",
         ],
     ),
     (

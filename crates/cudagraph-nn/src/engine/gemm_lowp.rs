@@ -69,7 +69,7 @@ use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
 use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
-use crate::kernels::gemv::{few_row_ok, FewRow, GemvKernels, GEMV_SPLITS};
+use crate::kernels::gemv::{few_row_ok, fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_SPLITS};
 pub use crate::kernels::gemv::{GEMV_MAX_M, GEMV_MMA_MAX_M};
 use crate::kernels::Nn;
 
@@ -117,6 +117,53 @@ pub(crate) unsafe fn gemm_lowp_frozen<T: Float, O: Float>(
 ) -> Result<GemmEngine> {
     // SAFETY: the caller's promise.
     unsafe { product(q, op, a, b, c, vec, true) }
+}
+
+/// [`gemm_lowp_frozen`] of the rows `from` describes, which the caller would otherwise
+/// write into `a` first: where the registry's engine for the product on `a` is our lane
+/// kernel (`gemv:KS`) and its fused form takes the shape ([`GemvKernels::run_from`]), one
+/// launch computes the rows and the product with the bits of the two steps, and this returns
+/// true (`a` is not written); otherwise nothing runs and it returns false — including before
+/// the key is measured, so the first eager call of a shape runs the two steps and measures.
+///
+/// # Safety
+/// The promise of [`gemm_lowp_frozen`] for `b`.
+#[allow(clippy::type_complexity)]
+pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    from: &RowsFrom<'_, T>,
+    (a, b, c, vec): (
+        &DeviceBuffer<T>,
+        &DeviceBuffer<T>,
+        &DeviceBuffer<O>,
+        Option<&DeviceBuffer<O>>,
+    ),
+) -> Result<bool> {
+    validate(q, op, a, b, c, vec)?;
+    if op.m == 0 || op.n == 0 || op.ta != Trans::N || op.tb != Trans::T {
+        return Ok(false);
+    }
+    let eng = Engines::get(q.device())?;
+    let policy = eng.policy();
+    let family = lowp_family(policy.gemm, op.epilogue);
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    let align = alignment(&addrs);
+    let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
+    let Some(GemmEngine::Gemv(ks)) = eng.lookup::<GemmEngine>(&key) else {
+        return Ok(false);
+    };
+    let smem = q.device().info().max_shared_memory_per_block as usize;
+    let norm = matches!(from, RowsFrom::Norm { .. });
+    if !fused_ok::<T>(norm, op.m, op.k, op.epilogue, smem) {
+        return Ok(false);
+    }
+    let gemv = GemvKernels::get(q.device())?;
+    let (dims, scales) = ((op.m, op.n, op.k), (op.alpha, op.beta));
+    // SAFETY: the caller's promise for `b`.
+    unsafe { gemv.run_from_early(q, dims, scales, op.epilogue, from, b, (c, vec), ks)? };
+    Ok(true)
 }
 
 /// [`gemm_lowp`]; `frozen`: `b` may be read early by the few-row kernel.

@@ -3,7 +3,8 @@
 // with rotary embedding and the key/value cache write, SwiGLU over a packed gate|up product,
 // and attention over the cache split along the keys (flash decoding). One template per
 // operation instantiated for float, bf16_t and f16_t (compiled after PDL_CUDA, the
-// device-check prologue and cast.cu); every kernel begins with CG_PDL_ENTER() (programmatic
+// device-check prologue, cast.cu, cluster.cu and rowops.cu, which holds the norm's row and the
+// helpers the few-row products share); every kernel begins with CG_PDL_ENTER() (programmatic
 // dependent launch: it waits for the previous kernel before touching memory). Values are
 // widened to f32, computed in f32 and rounded to nearest even on store; reductions run in a
 // fixed order (deterministic). Where Hugging Face's Llama code rounds an intermediate to the
@@ -12,61 +13,6 @@
 // (dec_rnd: the identity for f32), so that 16-bit results follow the reference
 // implementation's; so does the residual add, which rounds the sum of the stream and a
 // product already rounded to T.
-
-// x rounded to T and widened back (the identity for float).
-template <typename T>
-__device__ __forceinline__ float dec_rnd(float x) {
-    return to_f32(from_f32<T>(x));
-}
-
-#define DEC_LOOP(i, n)                                                                     \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
-         i += (long long)gridDim.x * blockDim.x)
-
-// Threads of the norm kernel (one block per row); the launcher uses exactly this.
-#define DEC_ROW_THREADS 256
-// 16-byte loads a thread of the norm kernel keeps in registers (rows of up to
-// DEC_ROW_THREADS · DEC_NORM_LOADS · 16 bytes are read once).
-#define DEC_NORM_LOADS 4
-
-// The block's sum of v: each warp's by shuffles, then the warps' in warp order (every thread
-// gets the same value; deterministic).
-__device__ __forceinline__ float dec_block_sum(float v, float* sh) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int k = 0; k < DEC_ROW_THREADS / 32; k++) total += sh[k];
-    __syncthreads();
-    return total;
-}
-
-// Raw storage of B bytes, for one vector load.
-template <int B> struct DsRaw;
-template <> struct DsRaw<16> { uint4 v; };
-template <> struct DsRaw<8> { uint2 v; };
-template <> struct DsRaw<4> { unsigned int v; };
-
-// P elements of T at p (P·sizeof(T) bytes, aligned to that) widened to f32.
-template <typename T, int P>
-__device__ __forceinline__ void ds_load(const T* __restrict__ p, float* f) {
-    const DsRaw<P * sizeof(T)> r = *reinterpret_cast<const DsRaw<P * sizeof(T)>*>(p);
-    const T* e = reinterpret_cast<const T*>(&r);
-#pragma unroll
-    for (int i = 0; i < P; i++) f[i] = to_f32(e[i]);
-}
-
-// P floats rounded to T and stored at p (P·sizeof(T) bytes, aligned to that).
-template <typename T, int P>
-__device__ __forceinline__ void ds_store(T* __restrict__ p, const float* f) {
-    DsRaw<P * sizeof(T)> r;
-    T* e = reinterpret_cast<T*>(&r);
-#pragma unroll
-    for (int i = 0; i < P; i++) e[i] = from_f32<T>(f[i]);
-    *reinterpret_cast<DsRaw<P * sizeof(T)>*>(p) = r;
-}
 
 // y[t, c] = wte[ids[t], c] (+ wpe[pos[t], c] when wpe is not null), summed in f32 and rounded
 // once. An id outside [0, vocab) or (with wpe) a position outside [0, npos) is reported
@@ -121,54 +67,7 @@ __device__ __forceinline__ void dec_norm_n(T* x, const T* a, const float* __rest
     const bool aligned =
         (((unsigned long long)x | (unsigned long long)a | (unsigned long long)y) & 15ull) == 0;
     if (aligned && cols % P == 0 && cols <= DEC_ROW_THREADS * DEC_NORM_LOADS * P) {
-        const int nv = cols / P;
-        float v[DEC_NORM_LOADS][P];
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DEC_NORM_LOADS; i++) {
-            const int k = tid + i * DEC_ROW_THREADS;
-            if (k < nv) {
-                ds_load<T, P>(xr + k * P, v[i]);
-                if (ar) {
-                    float t[P];
-                    ds_load<T, P>(ar + k * P, t);
-#pragma unroll
-                    for (int e = 0; e < P; e++) v[i][e] = dec_rnd<T>(v[i][e] + t[e]);
-                    ds_store<T, P>(xr + k * P, v[i]);
-                }
-#pragma unroll
-                for (int e = 0; e < P; e++) acc += v[i][e];
-            }
-        }
-        const float mu = rms ? 0.0f : dec_block_sum(acc, sh) / (float)cols;
-        acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < DEC_NORM_LOADS; i++) {
-            if (tid + i * DEC_ROW_THREADS < nv) {
-#pragma unroll
-                for (int e = 0; e < P; e++) {
-                    const float d = v[i][e] - mu;
-                    acc += d * d;
-                }
-            }
-        }
-        const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
-#pragma unroll
-        for (int i = 0; i < DEC_NORM_LOADS; i++) {
-            const int k = tid + i * DEC_ROW_THREADS;
-            if (k < nv) {
-                float o[P];
-#pragma unroll
-                for (int e = 0; e < P; e++) {
-                    const int c = k * P + e;
-                    // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then
-                    // the weight.
-                    o[e] = rms ? dec_rnd<T>(v[i][e] * rs) * w[c] : (v[i][e] - mu) * rs * w[c];
-                    if (b) o[e] += b[c];
-                }
-                ds_store<T, P>(yr + k * P, o);
-            }
-        }
+        dec_norm_row<T>(xr, ar, ar ? xr : nullptr, w, b, yr, cols, eps, rms, sh);
         return;
     }
     if (ar) {
@@ -282,7 +181,7 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
         const int c = (int)(i % M);
         const float g = to_f32(gu[r * 2 * M + c]);
         const float u = to_f32(gu[r * 2 * M + M + c]);
-        y[i] = from_f32<T>(dec_rnd<T>(g / (1.0f + expf(-g))) * u);
+        y[i] = from_f32<T>(dec_swiglu1<T>(g, u));
     }
 }
 

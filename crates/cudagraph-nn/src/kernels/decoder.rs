@@ -48,11 +48,12 @@ const ATTEND_THREADS: u32 = 128;
 /// The CUDA source of the module.
 pub fn source() -> String {
     format!(
-        "{}{}{}{}{}",
+        "{}{}{}{}{}{}",
         cudagraph::PDL_CUDA,
         cudagraph::DEVICE_CHECK_CUDA,
         super::cast::SOURCE,
         include_str!("cluster.cu"),
+        include_str!("rowops.cu"),
         include_str!("decoder.cu")
     )
 }

@@ -1,7 +1,7 @@
 // Few-row products in the forward layout, y[r, j] = act(alpha·Σ_p x[r, p]·w[j, p] + beta·c[r, j]
 // + bias[j]) for r < m ≤ M, x: [m, k] and w: [n, k] row-major of T (bf16 or f16), y and c the
-// same buffer of O (T or f32), bias: [n] of O. Compiled after PDL_CUDA and cast.cu (bf16_t,
-// f16_t, to_f32, from_f32). Programmatic dependent launch: every kernel first lets the next
+// same buffer of O (T or f32), bias: [n] of O. Compiled after PDL_CUDA, cast.cu (bf16_t,
+// f16_t, to_f32, from_f32) and rowops.cu (the decoder's norm row and SwiGLU). Programmatic dependent launch: every kernel first lets the next
 // kernel launch (CG_PDL_TRIGGER), then waits for the previous kernel and its memory
 // (CG_PDL_WAIT) before touching memory — except, with `early` set, each lane's first
 // GV_UNROLL vectors of its weight row, loaded before the wait: the launcher sets it only for
@@ -10,7 +10,8 @@
 //
 // Two kernels: the lane kernel (gemv_S_mM, below: FMAs, M ≤ 16 rows) and its tensor-core
 // variant (gemv_mma_S_tNT, at the end: mma.sync, up to 8·NT rows), with the same arguments,
-// extents and epilogue.
+// extents and epilogue; and the lane kernel on rows it normalises or gates itself
+// (gemv_norm_S_mM, gemv_swiglu_S_mM, M ≤ 4), in between.
 //
 // A block of the lane kernel is GV_WARPS warps; `ks` of them (1, 2, 4 or 8) share one column j, each summing its
 // own contiguous range of k in 8-element vectors (16 bytes): lane l takes the range's vectors
@@ -94,16 +95,37 @@ __device__ __forceinline__ void gv_fetch(GvVec* wv, const T* wr, int v, int v1) 
     }
 }
 
-template <typename T, typename O, int M>
+// x's 16 bytes at p: from global memory through the read-only path, or (XS) from anywhere
+// (the rows a fused kernel keeps in shared memory).
+template <bool XS>
+__device__ __forceinline__ GvVec gv_load_x(const void* p) {
+    if (!XS) return gv_load(p);
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    GvVec v;
+    v.u[0] = q.x;
+    v.u[1] = q.y;
+    v.u[2] = q.z;
+    v.u[3] = q.w;
+    return v;
+}
+
+// Nothing to do once the previous kernel is done (the plain products).
+struct GvNoPrologue {
+    __device__ __forceinline__ void operator()() const {}
+};
+
+// The columns of group jb (the block's columns when every group has its block); pro() runs
+// once the previous kernel is done, after the first weight loads, before x is read.
+template <typename T, typename O, int M, bool XS, typename Pro>
 __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __restrict__ w,
                                         O* y, const O* bias, int m, int n, int k,
                                         int ks, float alpha, float beta, int beta_on, int ep,
-                                        int early) {
+                                        int early, int jb, Pro pro) {
     __shared__ float red[GV_WARPS * M];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int cols = GV_WARPS / ks;  // columns per block
-    const int j = blockIdx.x * cols + warp / ks;
+    const int j = jb * cols + warp / ks;
     const int slice = warp % ks;
     const int nv = k >> 3;  // 8-element vectors per row
     // This warp's vectors [v0, v1) of the row; none for a column past n.
@@ -114,6 +136,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     GvVec wv[GV_UNROLL];
     gv_fetch(wv, wr, v0 + lane, v1);
     if (early) CG_PDL_WAIT();
+    pro();
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; r++) acc[r] = 0.0f;
@@ -128,7 +151,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
                 for (int r = 0; r < M; r++) {
                     if (r < m) {
                         float xf[8];
-                        gv_widen(gv_load(x + (long long)r * k + 8 * vu), xf, T());
+                        gv_widen(gv_load_x<XS>(x + (long long)r * k + 8 * vu), xf, T());
                         float s = acc[r];
 #pragma unroll
                         for (int e = 0; e < 8; e++) s = fmaf(wf[e], xf[e], s);
@@ -152,7 +175,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     if (t < cols * M) {
         const int c = t / M;
         const int r = t % M;
-        const int jj = blockIdx.x * cols + c;
+        const int jj = jb * cols + c;
         if (jj < n && r < m) {
             float s = 0.0f;
             for (int q = 0; q < ks; q++) s += red[(c * ks + q) * M + r];
@@ -168,7 +191,8 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
                         int ks, float alpha, float beta, int beta_on, int ep, int early) {     \
         CG_PDL_TRIGGER();                                                                      \
         if (!early) CG_PDL_WAIT();                                                             \
-        gemv_nt<T, O, M>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early);         \
+        gemv_nt<T, O, M, false>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
+                                blockIdx.x, GvNoPrologue());                                   \
     }
 
 #define GV_ROWS(T, O, S)                                                                       \
@@ -182,6 +206,105 @@ GV_ROWS(bf16_t, bf16_t, bf16_bf16)
 GV_ROWS(bf16_t, float, bf16_f32)
 GV_ROWS(f16_t, f16_t, f16_f16)
 GV_ROWS(f16_t, float, f16_f32)
+
+// ---- The lane kernel on rows it computes itself ---------------------------------------------
+//
+// gemv_norm_S_mM and gemv_swiglu_S_mM: the lane kernel's product (same split ks, same sums,
+// same epilogue) of m ≤ M rows that each block first computes into shared memory (m·k of T,
+// the launch's dynamic shared memory) instead of reading x: the decoder's norm of rows
+// r·stride + off of x, with the residual add of a (rowops.cu dec_norm_row: the bits of
+// decoder.cu's norm kernel; block 0 alone writes the sums to xw when it is not null), or
+// SwiGLU of a packed gate|up row gu [m, 2k] (the bits of decoder.cu's SwiGLU kernel). So one
+// launch does the work of two with the same results. The grid may have fewer blocks than
+// column groups (every block computes the rows once, then takes groups blockIdx.x,
+// blockIdx.x + gridDim.x, ...); the first group's weight loads are issued before the PDL wait
+// with `early`, as in the plain kernel.
+//
+// Extents (checked by the launcher): as the lane kernel's, with x, a and xw ≥ ((m - 1)·stride
+// + off + 1)·k, nw and nb ≥ k, gu ≥ 2·m·k; k ≤ DEC_ROW_THREADS · DEC_NORM_LOADS · 8 for the
+// norm; every pointer 16-byte aligned; xw and y overlap no buffer the kernel reads.
+
+template <typename T, typename O, int M, typename Pro>
+__device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict__ w, O* y,
+                                               const O* bias, int m, int n, int k, int ks,
+                                               float alpha, float beta, int beta_on, int ep,
+                                               int early, Pro pro) {
+    const int cols = GV_WARPS / ks;
+    const int groups = (n + cols - 1) / cols;
+    bool first = true;
+    auto once = [&]() {
+        if (first) pro();
+    };
+    for (int jb = blockIdx.x; jb < groups; jb += gridDim.x) {
+        gemv_nt<T, O, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep,
+                               early && first, jb, once);
+        first = false;
+        __syncthreads();  // the next group reuses the block's shared sums
+    }
+}
+
+#define GV_NORM_KERNEL(T, O, S, M)                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv_norm_##S##_m##M(          \
+        const T* x, const T* a, T* xw, const float* nw, const float* nb, int stride, int off,  \
+        float eps, int rms, const T* w, O* y, const O* bias, int m, int n, int k, int ks,      \
+        float alpha, float beta, int beta_on, int ep, int early) {                             \
+        extern __shared__ __align__(16) unsigned char gv_rows[];                               \
+        __shared__ float sh[DEC_ROW_THREADS / 32];                                             \
+        T* xs = reinterpret_cast<T*>(gv_rows);                                                 \
+        CG_PDL_TRIGGER();                                                                      \
+        if (!early) CG_PDL_WAIT();                                                             \
+        T* sum = blockIdx.x == 0 ? xw : nullptr;                                               \
+        auto pro = [&]() {                                                                     \
+            for (int r = 0; r < m; r++) {                                                      \
+                const long long at = ((long long)r * stride + off) * k;                        \
+                dec_norm_row<T>(x + at, a ? a + at : nullptr, sum ? sum + at : nullptr, nw,    \
+                                nb, xs + (long long)r * k, k, eps, rms, sh);                   \
+            }                                                                                  \
+            __syncthreads();                                                                   \
+        };                                                                                     \
+        gemv_rows_from<T, O, M>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
+                                pro);                                                          \
+    }
+
+#define GV_SWIGLU_KERNEL(T, S, M)                                                              \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv_swiglu_##S##_m##M(        \
+        const T* gu, const T* w, T* y, const T* bias, int m, int n, int k, int ks,             \
+        float alpha, float beta, int beta_on, int ep, int early) {                             \
+        extern __shared__ __align__(16) unsigned char gv_rows[];                               \
+        T* xs = reinterpret_cast<T*>(gv_rows);                                                 \
+        CG_PDL_TRIGGER();                                                                      \
+        if (!early) CG_PDL_WAIT();                                                             \
+        auto pro = [&]() {                                                                     \
+            const int nv = k / 8;                                                              \
+            for (int i = threadIdx.x; i < m * nv; i += blockDim.x) {                           \
+                const int r = i / nv, c = (i % nv) * 8;                                        \
+                float g[8], u[8], o[8];                                                        \
+                ds_load<T, 8>(gu + (long long)r * 2 * k + c, g);                               \
+                ds_load<T, 8>(gu + (long long)r * 2 * k + k + c, u);                           \
+                for (int e = 0; e < 8; e++) o[e] = dec_swiglu1<T>(g[e], u[e]);                 \
+                ds_store<T, 8>(xs + (long long)r * k + c, o);                                  \
+            }                                                                                  \
+            __syncthreads();                                                                   \
+        };                                                                                     \
+        gemv_rows_from<T, T, M>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
+                                pro);                                                          \
+    }
+
+#define GV_FUSED_ROWS(T, O, S)                                                                 \
+    GV_NORM_KERNEL(T, O, S, 1)                                                                 \
+    GV_NORM_KERNEL(T, O, S, 2)                                                                 \
+    GV_NORM_KERNEL(T, O, S, 4)
+
+GV_FUSED_ROWS(bf16_t, bf16_t, bf16_bf16)
+GV_FUSED_ROWS(bf16_t, float, bf16_f32)
+GV_FUSED_ROWS(f16_t, f16_t, f16_f16)
+GV_FUSED_ROWS(f16_t, float, f16_f32)
+GV_SWIGLU_KERNEL(bf16_t, bf16_bf16, 1)
+GV_SWIGLU_KERNEL(bf16_t, bf16_bf16, 2)
+GV_SWIGLU_KERNEL(bf16_t, bf16_bf16, 4)
+GV_SWIGLU_KERNEL(f16_t, f16_f16, 1)
+GV_SWIGLU_KERNEL(f16_t, f16_f16, 2)
+GV_SWIGLU_KERNEL(f16_t, f16_f16, 4)
 
 // ---- The tensor-core variant (engine gemv-mma:KS) ---------------------------------------------
 //

@@ -32,6 +32,21 @@ pub const GEMV_MAX_M: usize = 16;
 /// and lost every product of 64 rows (two to six times slower), so it stops at 32.
 pub const GEMV_MMA_MAX_M: usize = 32;
 
+/// The most rows the lane kernel takes on rows it computes itself ([`RowsFrom`]; `M` of
+/// `gemv_norm_S_mM` and `gemv_swiglu_S_mM`).
+pub const GEMV_FUSED_MAX_M: usize = 4;
+
+/// Rows per fused instance.
+const FUSED_ROWS: [usize; 3] = [1, 2, 4];
+
+/// Blocks a multiprocessor gets at most in a fused launch: every block computes the rows
+/// once, then takes column groups in turn, so fewer blocks read the rows' inputs fewer times.
+const FUSED_BLOCKS_PER_SM: usize = 4;
+
+/// The widest row the norm of a fused launch takes (`DEC_ROW_THREADS · DEC_NORM_LOADS · 8`:
+/// each thread keeps its part of the row in registers).
+const FUSED_NORM_MAX_K: usize = 256 * 4 * 8;
+
 /// The depth splits (warps sharing one column, or one 16-column tile) the kernels take.
 pub const GEMV_SPLITS: [u8; 4] = [1, 2, 4, 8];
 
@@ -94,15 +109,26 @@ pub fn kernel_names() -> Vec<String> {
                 .iter()
                 .flat_map(|p| TILES.iter().map(move |t| format!("gemv_mma_{p}_t{t}"))),
         )
+        .chain(PAIRS.iter().flat_map(|p| {
+            FUSED_ROWS
+                .iter()
+                .map(move |m| format!("gemv_norm_{p}_m{m}"))
+        }))
+        .chain(["bf16_bf16", "f16_f16"].iter().flat_map(|p| {
+            FUSED_ROWS
+                .iter()
+                .map(move |m| format!("gemv_swiglu_{p}_m{m}"))
+        }))
         .collect()
 }
 
 /// The CUDA source of the module.
 pub fn source() -> String {
     format!(
-        "{}{}{}",
+        "{}{}{}{}",
         cudagraph::PDL_CUDA,
         super::cast::SOURCE,
+        include_str!("rowops.cu"),
         include_str!("gemv.cu")
     )
 }
@@ -135,11 +161,61 @@ fn grid(kernel: FewRow, n: usize) -> Result<u32> {
         .ok_or_else(|| NnError::Shape(format!("gemv: n = {n} exceeds the grid")))
 }
 
+/// Where the lane kernel's input rows come from when it computes them itself, one launch
+/// doing the work of the kernel that would write them and of the product. The bits are those
+/// of that kernel followed by [`GemvKernels::run`] with the same split.
+pub enum RowsFrom<'a, T: Float> {
+    /// Row r is the decoder's norm ([`crate::kernels::decoder::DecoderKernels::norm`]) of
+    /// row `r·stride + off` of `x` (`[_, k]`): LayerNorm with `bias` (which may be absent) or,
+    /// with `rms`, RMSNorm, with `weight`; with `add`, its row is first added into x's (the
+    /// residual add, rounded to the model's type), and the sums are written to the same rows
+    /// of `sum` when given — not into `x`, which other blocks are still reading.
+    Norm {
+        x: &'a DeviceBuffer<T>,
+        add: Option<&'a DeviceBuffer<T>>,
+        sum: Option<&'a DeviceBuffer<T>>,
+        weight: &'a DeviceBuffer<f32>,
+        bias: Option<&'a DeviceBuffer<f32>>,
+        stride: usize,
+        off: usize,
+        eps: f32,
+        rms: bool,
+    },
+    /// Row r is SwiGLU of the packed row r of `gu` (`[m, 2k]`: gate | up), as
+    /// [`crate::kernels::decoder::DecoderKernels::swiglu`].
+    SwiGlu { gu: &'a DeviceBuffer<T> },
+}
+
+/// Whether the fused lane kernels take `m` rows of depth `k` of `T` with `epilogue`, on a
+/// device whose blocks get `smem` bytes of shared memory without opting in: the lane
+/// kernel's shapes ([`few_row_ok`]) with at most [`GEMV_FUSED_MAX_M`] rows that fit the
+/// shared memory, and for a norm at most `FUSED_NORM_MAX_K` wide.
+pub fn fused_ok<T: Float>(norm: bool, m: usize, k: usize, epilogue: Epilogue, smem: usize) -> bool {
+    m <= GEMV_FUSED_MAX_M
+        && few_row_ok(FewRow::Lanes(1), m, k, epilogue)
+        && m * k * std::mem::size_of::<T>() <= smem
+        && (!norm || k <= FUSED_NORM_MAX_K)
+}
+
+/// Whether the byte ranges of two buffers meet.
+fn overlap<A: cudagraph::Elem, B: cudagraph::Elem>(
+    a: &DeviceBuffer<A>,
+    b: &DeviceBuffer<B>,
+) -> bool {
+    let (a0, b0) = (a.addr(), b.addr());
+    let a1 = a0 + (a.len() * std::mem::size_of::<A>()) as u64;
+    let b1 = b0 + (b.len() * std::mem::size_of::<B>()) as u64;
+    a0 < b1 && b0 < a1
+}
+
 /// The kernels of one device (a [`Device::extension`]): `[pair][rows]` and `[pair][tiles]`,
-/// pairs in the order of `PAIRS`.
+/// pairs in the order of `PAIRS`; the fused ones `[pair][rows]` (norm) and `[type][rows]`
+/// (SwiGLU: bf16, f16).
 pub struct GemvKernels {
     f: [[Function; 5]; 4],
     mma: [[Function; 3]; 4],
+    norm: [[Function; 3]; 4],
+    swiglu: [[Function; 3]; 2],
 }
 
 impl GemvKernels {
@@ -168,7 +244,21 @@ impl GemvKernels {
                     m.function(&format!("gemv_mma_{pair}_t4"))?,
                 ])
             };
+            let fused = |kind: &str, pair: &str| -> cudagraph::Result<[Function; 3]> {
+                Ok([
+                    m.function(&format!("gemv_{kind}_{pair}_m1"))?,
+                    m.function(&format!("gemv_{kind}_{pair}_m2"))?,
+                    m.function(&format!("gemv_{kind}_{pair}_m4"))?,
+                ])
+            };
             Ok(GemvKernels {
+                norm: [
+                    fused("norm", "bf16_bf16")?,
+                    fused("norm", "bf16_f32")?,
+                    fused("norm", "f16_f16")?,
+                    fused("norm", "f16_f32")?,
+                ],
+                swiglu: [fused("swiglu", "bf16_bf16")?, fused("swiglu", "f16_f16")?],
                 f: [
                     row("bf16_bf16")?,
                     row("bf16_f32")?,
@@ -261,19 +351,7 @@ impl GemvKernels {
         kernel: FewRow,
         early: bool,
     ) -> Result<()> {
-        let pair = match (T::DTYPE, O::DTYPE) {
-            (Dtype::Bf16, Dtype::Bf16) => 0,
-            (Dtype::Bf16, Dtype::F32) => 1,
-            (Dtype::F16, Dtype::F16) => 2,
-            (Dtype::F16, Dtype::F32) => 3,
-            (t, o) => {
-                return Err(NnError::NotSupported {
-                    op: "gemv",
-                    what: format!("operands of {t} with a result of {o}"),
-                    fix: "bf16 or f16 operands with a result of their type or f32",
-                })
-            }
-        };
+        let pair = pair::<T, O>()?;
         if !few_row_ok(kernel, m, k, epilogue) || n == 0 {
             return Err(NnError::Shape(format!(
                 "gemv: {kernel:?} takes 1 to {} rows, n ≥ 1, k a positive multiple of 8 and the \
@@ -281,12 +359,7 @@ impl GemvKernels {
                 kernel.max_m()
             )));
         }
-        let ks = kernel.splits();
-        if !GEMV_SPLITS.contains(&ks) {
-            return Err(NnError::Shape(format!(
-                "gemv: ks = {ks} (takes {GEMV_SPLITS:?})"
-            )));
-        }
+        let ks = split(kernel)?;
         if x.addr() % 16 != 0 || w.addr() % 16 != 0 {
             return Err(NnError::Shape(format!(
                 "gemv: x (at {:#x}) and w (at {:#x}) must be 16-byte aligned",
@@ -297,21 +370,7 @@ impl GemvKernels {
         need("gemv x", x, prod("gemv x", &[m, k])?)?;
         need("gemv w", w, prod("gemv w", &[n, k])?)?;
         need("gemv y", y, prod("gemv y", &[m, n])?)?;
-        let ep = match (epilogue, bias) {
-            (Epilogue::None, None) => 0,
-            (Epilogue::Bias, Some(_)) => 1,
-            (Epilogue::BiasRelu, Some(_)) => 2,
-            (Epilogue::BiasGelu, Some(_)) => 3,
-            (e, b) => {
-                return Err(NnError::Shape(format!(
-                    "gemv: epilogue {e:?} with {} bias",
-                    if b.is_some() { "a" } else { "no" }
-                )))
-            }
-        };
-        if let Some(b) = bias {
-            need("gemv bias", b, n)?;
-        }
+        let ep = epilogue_code(epilogue, bias, n)?;
         let blocks = grid(kernel, n)?;
         let f = match kernel {
             FewRow::Lanes(_) => {
@@ -325,21 +384,16 @@ impl GemvKernels {
                     .expect("m ≤ GEMV_MMA_MAX_M")]
             }
         };
-        let args = [
-            x.into(),
-            w.into(),
-            y.into(),
-            Arg::opt(bias),
-            Arg::I32(int("gemv m", m)?),
-            Arg::I32(int("gemv n", n)?),
-            Arg::I32(int("gemv k", k)?),
-            Arg::I32(ks as i32),
-            Arg::F32(alpha),
-            Arg::F32(beta),
-            Arg::I32((beta != 0.0) as i32),
-            Arg::I32(ep),
-            Arg::I32(early as i32),
-        ];
+        let mut args = vec![x.into(), w.into()];
+        args.extend(product_args(
+            y,
+            bias,
+            (m, n, k),
+            ks,
+            (alpha, beta),
+            ep,
+            early,
+        )?);
         // SAFETY: gemv_S_mM and gemv_mma_S_tNT(x, w, y, bias, m, n, k, ks, alpha, beta,
         // beta_on, ep, early) with m ≤ M or m ≤ 8·NT (the instance chosen), GV_WARPS = 8 warps
         // a block and ks dividing it (checked): block b's warps take columns j = b·(8/ks) +
@@ -360,6 +414,304 @@ impl GemvKernels {
             )
         }
     }
+
+    /// The lane kernel ([`FewRow::Lanes`] with split `ks`) on rows it computes itself:
+    /// `y = act(alpha·rows·wᵀ + beta·y + bias)` with `rows: [m, k]` from `from` (see
+    /// [`RowsFrom`]), in one launch; the bits of the kernel that writes the rows followed by
+    /// [`GemvKernels::run`] with `FewRow::Lanes(ks)`.
+    ///
+    /// Errors, before anything runs: those of [`GemvKernels::run`]; a shape [`fused_ok`]
+    /// refuses on this device; SwiGLU rows with a result other than `T`
+    /// ([`NnError::NotSupported`]); a norm row picked past `x` (`stride` 0 or `off ≥
+    /// stride` is a [`NnError::Shape`]), a norm weight or bias shorter than `k`, RMSNorm with a
+    /// bias; a row buffer not 16-byte aligned; `sum` meeting `x` or `add`, or `y` meeting a
+    /// buffer the launch reads or `sum` ([`NnError::Shape`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_from<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        dims: (usize, usize, usize),
+        scales: (f32, f32),
+        epilogue: Epilogue,
+        from: &RowsFrom<'_, T>,
+        w: &DeviceBuffer<T>,
+        (y, bias): (&DeviceBuffer<O>, Option<&DeviceBuffer<O>>),
+        ks: u8,
+    ) -> Result<()> {
+        // SAFETY: `early` off: the kernel reads nothing before the previous kernel is done.
+        unsafe { self.launch_from(q, dims, scales, epilogue, from, w, (y, bias), ks, false) }
+    }
+
+    /// [`GemvKernels::run_from`] reading the first part of the weight rows before waiting
+    /// for the previous kernel, as [`GemvKernels::run_early`]. Same checks, same results.
+    ///
+    /// # Safety
+    /// The promise of [`GemvKernels::run_early`] for `w`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run_from_early<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        dims: (usize, usize, usize),
+        scales: (f32, f32),
+        epilogue: Epilogue,
+        from: &RowsFrom<'_, T>,
+        w: &DeviceBuffer<T>,
+        (y, bias): (&DeviceBuffer<O>, Option<&DeviceBuffer<O>>),
+        ks: u8,
+    ) -> Result<()> {
+        // SAFETY: the caller's promise about `w`.
+        unsafe { self.launch_from(q, dims, scales, epilogue, from, w, (y, bias), ks, true) }
+    }
+
+    /// Checks and launches [`GemvKernels::run_from`]; `early`: the weights may be read before
+    /// the PDL wait.
+    ///
+    /// # Safety
+    /// With `early`, the promise of [`GemvKernels::run_early`] for `w`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_from<T: Float, O: Float>(
+        &self,
+        q: &dyn Queue,
+        (m, n, k): (usize, usize, usize),
+        scales: (f32, f32),
+        epilogue: Epilogue,
+        from: &RowsFrom<'_, T>,
+        w: &DeviceBuffer<T>,
+        (y, bias): (&DeviceBuffer<O>, Option<&DeviceBuffer<O>>),
+        ks: u8,
+        early: bool,
+    ) -> Result<()> {
+        let pair = pair::<T, O>()?;
+        let info = q.device().info();
+        let smem = info.max_shared_memory_per_block as usize;
+        let norm = matches!(from, RowsFrom::Norm { .. });
+        if !fused_ok::<T>(norm, m, k, epilogue, smem) || n == 0 {
+            return Err(NnError::Shape(format!(
+                "gemv on computed rows: takes 1 to {GEMV_FUSED_MAX_M} rows whose {} fit {smem} \
+                 bytes of shared memory, n ≥ 1, k a positive multiple of 8 (at most \
+                 {FUSED_NORM_MAX_K} for a norm) and the epilogues none, bias, bias_relu, \
+                 bias_gelu (got m={m} n={n} k={k} ep={epilogue:?})",
+                T::DTYPE
+            )));
+        }
+        let ks = split(FewRow::Lanes(ks))?;
+        let ep = epilogue_code(epilogue, bias, n)?;
+        need("gemv w", w, prod("gemv w", &[n, k])?)?;
+        need("gemv y", y, prod("gemv y", &[m, n])?)?;
+        let aligned = |name: &str, addr: u64| -> Result<()> {
+            if addr % 16 != 0 {
+                return Err(NnError::Shape(format!(
+                    "gemv on computed rows: {name} (at {addr:#x}) must be 16-byte aligned"
+                )));
+            }
+            Ok(())
+        };
+        aligned("w", w.addr())?;
+        let reads_y = |name: &str, meets: bool| -> Result<()> {
+            if meets {
+                return Err(NnError::Shape(format!(
+                    "gemv on computed rows: the output y meets {name}, which the launch reads \
+                     or writes; give it its own buffer"
+                )));
+            }
+            Ok(())
+        };
+        reads_y("w", overlap(y, w))?;
+        if let Some(b) = bias {
+            reads_y("the bias", overlap(y, b))?;
+        }
+        let at = if norm { 0 } else { 1 };
+        let mut args: Vec<Arg<'_>> = match *from {
+            RowsFrom::Norm {
+                x,
+                add,
+                sum,
+                weight,
+                bias: nb,
+                stride,
+                off,
+                eps,
+                rms,
+            } => {
+                if stride == 0 || off >= stride {
+                    return Err(NnError::Shape(format!(
+                        "gemv on computed rows: row stride {stride} with offset {off} (takes \
+                         offset < stride)"
+                    )));
+                }
+                // The last row read is (m - 1)·stride + off.
+                let rows = (m - 1)
+                    .checked_mul(stride)
+                    .and_then(|v| v.checked_add(off + 1))
+                    .ok_or_else(|| NnError::Shape("gemv on computed rows: rows overflow".into()))?;
+                let extent = prod("gemv norm rows", &[rows, k])?;
+                need("gemv norm input", x, extent)?;
+                aligned("the norm input", x.addr())?;
+                reads_y("the norm input", overlap(y, x))?;
+                if let Some(a) = add {
+                    need("gemv norm residual", a, extent)?;
+                    aligned("the norm residual", a.addr())?;
+                    reads_y("the norm residual", overlap(y, a))?;
+                }
+                if let Some(sm) = sum {
+                    need("gemv norm sum", sm, extent)?;
+                    aligned("the norm sum", sm.addr())?;
+                    reads_y("the norm sum", overlap(y, sm))?;
+                    if overlap(sm, x) || add.is_some_and(|a| overlap(sm, a)) {
+                        return Err(NnError::Shape(
+                            "gemv on computed rows: the norm's sum meets its input or residual, \
+                             which other blocks are still reading; give it its own buffer"
+                                .into(),
+                        ));
+                    }
+                }
+                need("gemv norm weight", weight, k)?;
+                if let Some(b) = nb {
+                    if rms {
+                        return Err(NnError::Shape(
+                            "gemv on computed rows: RMSNorm has no bias".into(),
+                        ));
+                    }
+                    need("gemv norm bias", b, k)?;
+                }
+                vec![
+                    x.into(),
+                    Arg::opt(add),
+                    Arg::opt(sum),
+                    weight.into(),
+                    Arg::opt(nb),
+                    Arg::I32(int("gemv norm stride", stride)?),
+                    Arg::I32(int("gemv norm offset", off)?),
+                    Arg::F32(eps),
+                    Arg::I32(rms as i32),
+                    w.into(),
+                ]
+            }
+            RowsFrom::SwiGlu { gu } => {
+                if O::DTYPE != T::DTYPE {
+                    return Err(NnError::NotSupported {
+                        op: "gemv on SwiGLU rows",
+                        what: format!("a result of {} from {} rows", O::DTYPE, T::DTYPE),
+                        fix: "a result of the rows' type",
+                    });
+                }
+                need(
+                    "gemv SwiGLU input",
+                    gu,
+                    prod("gemv SwiGLU input", &[m, 2, k])?,
+                )?;
+                aligned("the SwiGLU input", gu.addr())?;
+                reads_y("the SwiGLU input", overlap(y, gu))?;
+                vec![gu.into(), w.into()]
+            }
+        };
+        args.extend(product_args(y, bias, (m, n, k), ks, scales, ep, early)?);
+        let rows = FUSED_ROWS
+            .iter()
+            .position(|&r| r >= m)
+            .expect("m ≤ GEMV_FUSED_MAX_M");
+        let f = match at {
+            0 => &self.norm[pair][rows],
+            // SwiGLU: O = T, so pair 0 (bf16) or 2 (f16).
+            _ => &self.swiglu[pair / 2][rows],
+        };
+        let groups = grid(FewRow::Lanes(ks), n)?;
+        let cap = (info.multiprocessors as usize * FUSED_BLOCKS_PER_SM).max(1);
+        let blocks = (groups as usize).min(cap) as u32;
+        let mut cfg = LaunchConfig::linear(blocks, (WARPS * 32) as u32);
+        cfg.shared_mem_bytes = (m * k * std::mem::size_of::<T>()) as u32;
+        // SAFETY: gemv_norm_S_mM(x, a, xw, nw, nb, stride, off, eps, rms, w, <product>) and
+        // gemv_swiglu_S_mM(gu, w, <product>) with m ≤ M (the instance chosen), 8 warps a
+        // block, ks dividing them (checked) and m·k elements of T of dynamic shared memory
+        // (within the device's limit: checked): every block computes rows r < m, k wide, into
+        // shared memory, reading x, a (and writing xw, block 0) at ((r·stride + off)·k + c)
+        // for c < k (extent checked), nw and nb at c < k (checked), or gu[r·2k + c] and
+        // gu[r·2k + k + c] (2·m·k checked), with 16-byte accesses at multiples of 8 elements
+        // (buffers aligned, k a multiple of 8: checked); then the lane kernel's product over
+        // column groups jb < ⌈n / (8/ks)⌉ (the grid checked as the plain kernel's), reading
+        // w[j·k + p] for j < n, p < k and writing y[r·n + j] (extents checked), bias[j] for ep
+        // ≠ 0 (checked). No buffer the launch writes meets one it reads (checked), except x
+        // with itself, which it only reads. With `early`, the weight loads before the PDL
+        // wait read memory no earlier work writes (the caller's promise).
+        unsafe { super::pdl::launch_decode(q, f, cfg, &args) }
+    }
+}
+
+/// The index of the (operand, result) pair in `PAIRS`.
+fn pair<T: Float, O: Float>() -> Result<usize> {
+    match (T::DTYPE, O::DTYPE) {
+        (Dtype::Bf16, Dtype::Bf16) => Ok(0),
+        (Dtype::Bf16, Dtype::F32) => Ok(1),
+        (Dtype::F16, Dtype::F16) => Ok(2),
+        (Dtype::F16, Dtype::F32) => Ok(3),
+        (t, o) => Err(NnError::NotSupported {
+            op: "gemv",
+            what: format!("operands of {t} with a result of {o}"),
+            fix: "bf16 or f16 operands with a result of their type or f32",
+        }),
+    }
+}
+
+/// The split of `kernel`, one of [`GEMV_SPLITS`].
+fn split(kernel: FewRow) -> Result<u8> {
+    let ks = kernel.splits();
+    if !GEMV_SPLITS.contains(&ks) {
+        return Err(NnError::Shape(format!(
+            "gemv: ks = {ks} (takes {GEMV_SPLITS:?})"
+        )));
+    }
+    Ok(ks)
+}
+
+/// The kernels' `ep` for `epilogue` with `bias` (of at least `n` elements when given).
+fn epilogue_code<O: Float>(
+    epilogue: Epilogue,
+    bias: Option<&DeviceBuffer<O>>,
+    n: usize,
+) -> Result<i32> {
+    let ep = match (epilogue, bias) {
+        (Epilogue::None, None) => 0,
+        (Epilogue::Bias, Some(_)) => 1,
+        (Epilogue::BiasRelu, Some(_)) => 2,
+        (Epilogue::BiasGelu, Some(_)) => 3,
+        (e, b) => {
+            return Err(NnError::Shape(format!(
+                "gemv: epilogue {e:?} with {} bias",
+                if b.is_some() { "a" } else { "no" }
+            )))
+        }
+    };
+    if let Some(b) = bias {
+        need("gemv bias", b, n)?;
+    }
+    Ok(ep)
+}
+
+/// The product's arguments after the kernel-specific ones: `y, bias, m, n, k, ks, alpha,
+/// beta, beta_on, ep, early`.
+#[allow(clippy::too_many_arguments)]
+fn product_args<'a, O: Float>(
+    y: &'a DeviceBuffer<O>,
+    bias: Option<&'a DeviceBuffer<O>>,
+    (m, n, k): (usize, usize, usize),
+    ks: u8,
+    (alpha, beta): (f32, f32),
+    ep: i32,
+    early: bool,
+) -> Result<Vec<Arg<'a>>> {
+    Ok(vec![
+        y.into(),
+        Arg::opt(bias),
+        Arg::I32(int("gemv m", m)?),
+        Arg::I32(int("gemv n", n)?),
+        Arg::I32(int("gemv k", k)?),
+        Arg::I32(ks as i32),
+        Arg::F32(alpha),
+        Arg::F32(beta),
+        Arg::I32((beta != 0.0) as i32),
+        Arg::I32(ep),
+        Arg::I32(early as i32),
+    ])
 }
 
 #[cfg(test)]
@@ -384,7 +736,9 @@ mod tests {
         for ks in GEMV_SPLITS {
             assert_eq!(WARPS % ks as usize, 0);
         }
-        assert_eq!(kernel_names().len(), 32);
+        assert_eq!(kernel_names().len(), 50);
+        assert!(kernel_names().contains(&"gemv_norm_f16_f32_m4".to_string()));
+        assert!(kernel_names().contains(&"gemv_swiglu_bf16_bf16_m1".to_string()));
         assert!(kernel_names().contains(&"gemv_f16_f32_m16".to_string()));
         assert!(kernel_names().contains(&"gemv_mma_bf16_f32_t4".to_string()));
         // The tensor-core kernel: every m up to its bound has an instance of enough tiles.
@@ -417,6 +771,80 @@ mod tests {
             assert!(few_row_ok(kernel, 1, deepest, Epilogue::None));
             assert!(!few_row_ok(kernel, 1, deepest + 8, Epilogue::None));
         }
+    }
+
+    #[test]
+    fn fused_shapes_fit_the_rows_shared_memory_and_the_norms_registers() {
+        let smem = 48 * 1024;
+        assert!(fused_ok::<cudagraph::memory::bf16>(
+            true,
+            1,
+            768,
+            Epilogue::Bias,
+            smem
+        ));
+        assert!(fused_ok::<cudagraph::memory::bf16>(
+            true,
+            4,
+            2048,
+            Epilogue::None,
+            smem
+        ));
+        assert!(fused_ok::<cudagraph::memory::bf16>(
+            false,
+            1,
+            14336,
+            Epilogue::None,
+            smem
+        ));
+        // Five rows, a ragged depth, rows past the shared memory, a norm past the registers.
+        assert!(!fused_ok::<cudagraph::memory::bf16>(
+            true,
+            5,
+            768,
+            Epilogue::None,
+            smem
+        ));
+        assert!(!fused_ok::<cudagraph::memory::bf16>(
+            true,
+            1,
+            100,
+            Epilogue::None,
+            smem
+        ));
+        assert!(!fused_ok::<cudagraph::memory::bf16>(
+            false,
+            2,
+            14336,
+            Epilogue::None,
+            smem
+        ));
+        assert!(!fused_ok::<cudagraph::memory::bf16>(
+            true,
+            1,
+            8200,
+            Epilogue::None,
+            smem
+        ));
+        assert!(fused_ok::<cudagraph::memory::bf16>(
+            true,
+            1,
+            FUSED_NORM_MAX_K,
+            Epilogue::None,
+            smem
+        ));
+        assert!(!fused_ok::<cudagraph::memory::bf16>(
+            true,
+            1,
+            768,
+            Epilogue::BiasGrad,
+            smem
+        ));
+        // Every m up to the bound has an instance.
+        for m in 1..=GEMV_FUSED_MAX_M {
+            assert!(FUSED_ROWS.iter().any(|&r| r >= m));
+        }
+        assert_eq!(*FUSED_ROWS.last().unwrap(), GEMV_FUSED_MAX_M);
     }
 
     #[test]

@@ -64,12 +64,13 @@ use crate::autograd::attention::KvCache;
 use crate::autograd::transformer::{llama3_frequency_scale, rope_inv_freq};
 use crate::dtype::{Dtype, Float};
 use crate::engine::gemm::{run_gemm, Epilogue, GemmFamily, GemmOp, Trans};
-use crate::engine::gemm_lowp::gemm_lowp_frozen;
+use crate::engine::gemm_lowp::{gemm_lowp_frozen, gemm_lowp_frozen_from};
 use crate::error::{NnError, Result};
 use crate::extent::{need, on_device};
 use crate::io::hf::{DecoderConfig, DecoderWeights};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::decoder::{DecoderKernels, QkvDims};
+use crate::kernels::gemv::RowsFrom;
 use crate::kernels::transformer::TransformerKernels;
 use crate::kernels::Nn;
 
@@ -332,6 +333,98 @@ fn as_f32<T: Float>(buf: &DeviceBuffer<T>) -> Result<&DeviceBuffer<f32>> {
         })
 }
 
+/// The product `y[m, n] = x[m, k] · w[n, k]ᵀ (+ b)`, GELU fused when `gelu`.
+fn linear_op((m, n, k): (usize, usize, usize), bias: bool, gelu: bool) -> GemmOp {
+    let epilogue = match (bias, gelu) {
+        (false, _) => Epilogue::None,
+        (true, false) => Epilogue::Bias,
+        (true, true) => Epilogue::BiasGelu,
+    };
+    GemmOp {
+        ta: Trans::N,
+        tb: Trans::T,
+        m,
+        n,
+        k,
+        alpha: 1.0,
+        beta: 0.0,
+        epilogue,
+    }
+}
+
+/// [`linear`] of the rows `from` describes, written into `x` first — or, for 16-bit models,
+/// in one launch where the few-row kernel runs the product and computes the rows itself
+/// ([`gemm_lowp_frozen_from`]; the same bits). Returns whether it took that launch (`x` is
+/// then not written).
+#[allow(clippy::too_many_arguments)]
+fn linear_from<T: Float, O: Float>(
+    q: &dyn Queue,
+    nn: &Nn,
+    from: &RowsFrom<'_, T>,
+    x: &DeviceBuffer<T>,
+    (w, b): (&DeviceBuffer<T>, Option<&DeviceBuffer<O>>),
+    y: &DeviceBuffer<O>,
+    (m, n, k): (usize, usize, usize),
+    gelu: bool,
+) -> Result<bool> {
+    if T::DTYPE != Dtype::F32 {
+        let op = linear_op((m, n, k), b.is_some(), gelu);
+        // SAFETY: `w` is a decoder weight (see `linear`).
+        if unsafe { gemm_lowp_frozen_from::<T, O>(q, &op, from, (x, w, y, b))? } {
+            return Ok(true);
+        }
+    }
+    let dk = DecoderKernels::get(q.device())?;
+    match *from {
+        RowsFrom::Norm {
+            x: src,
+            add,
+            weight,
+            bias,
+            stride,
+            off,
+            eps,
+            rms,
+            ..
+        } => dk.norm(
+            q,
+            src,
+            add,
+            (weight, bias),
+            x,
+            (m, k),
+            (stride, off),
+            (eps, rms),
+        )?,
+        RowsFrom::SwiGlu { gu } => dk.swiglu(q, gu, x, (m, k))?,
+    }
+    linear(q, nn, x, (w, b), y, (m, n, k), gelu)?;
+    Ok(false)
+}
+
+/// The norm of rows `r·stride + off` of the residual stream `xs[cur]`, with `add` added
+/// first (the sums go to the spare, `xs[1 - cur]`, where the product computes the rows).
+fn normed<'a, T: Float>(
+    xs: &'a [DeviceBuffer<T>; 2],
+    cur: usize,
+    add: Option<&'a DeviceBuffer<T>>,
+    norm: &'a Norm,
+    (stride, off): (usize, usize),
+    (eps, rms): (f32, bool),
+) -> RowsFrom<'a, T> {
+    RowsFrom::Norm {
+        x: &xs[cur],
+        add,
+        sum: Some(&xs[1 - cur]),
+        weight: &norm.w,
+        bias: norm.b.as_ref(),
+        stride,
+        off,
+        eps,
+        rms,
+    }
+}
+
 /// One product of the forward layout, `y[m, n] = x[m, k] · w[n, k]ᵀ (+ b)`, GELU fused when
 /// `gelu`; `O` is `T`, or f32 for the head.
 fn linear<T: Float, O: Float>(
@@ -343,21 +436,7 @@ fn linear<T: Float, O: Float>(
     (m, n, k): (usize, usize, usize),
     gelu: bool,
 ) -> Result<()> {
-    let epilogue = match (b.is_some(), gelu) {
-        (false, _) => Epilogue::None,
-        (true, false) => Epilogue::Bias,
-        (true, true) => Epilogue::BiasGelu,
-    };
-    let mut op = GemmOp {
-        ta: Trans::N,
-        tb: Trans::T,
-        m,
-        n,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        epilogue,
-    };
+    let mut op = linear_op((m, n, k), b.is_some(), gelu);
     if T::DTYPE != Dtype::F32 {
         // SAFETY: `w` is a decoder weight: written once, by `Decoder::from_weights`, which
         // waits for the upload before returning, and never again (the weights are private
@@ -622,7 +701,11 @@ impl Decoder {
         on_device(q, blocks)?;
         let n = rows * tokens;
         let qd = d.heads * d.head_dim;
-        let x = q.alloc::<T>(n * d.d)?;
+        // The residual stream and its spare: a norm that runs inside the product after it
+        // writes the stream plus the product before into the spare (other blocks are still
+        // reading the stream), which becomes the stream; the norm kernel adds in place.
+        let xs = [q.alloc::<T>(n * d.d)?, q.alloc::<T>(n * d.d)?];
+        let mut cur = 0;
         let h = q.alloc::<T>(n * d.d)?;
         // The output and down products, added into x by the norm after them.
         let proj = q.alloc::<T>(n * d.d)?;
@@ -643,8 +726,9 @@ impl Decoder {
             Some(q.alloc::<T>(n * d.inter)?)
         };
         let wpe = m.wpe.as_ref().map(|w| (w, io.positions, d.max_pos));
-        dk.embed(q, io.ids, &m.wte, wpe, &x, (n, d.d, d.vocab))?;
+        dk.embed(q, io.ids, &m.wte, wpe, &xs[0], (n, d.d, d.vocab))?;
         let rms = !d.gpt2;
+        let normed = |cur, add, norm, at| normed(&xs, cur, add, norm, at, (d.eps, rms));
         let qkv_dims = QkvDims {
             rows,
             tokens,
@@ -669,10 +753,13 @@ impl Decoder {
         let mut pending = None;
         for (blk, kv) in m.blocks.iter().zip(&io.cache.layers) {
             let caches = kv.caches::<T>()?;
-            let n1 = (&blk.norm1.w, blk.norm1.b.as_ref());
-            dk.norm(q, &x, pending, n1, &h, (n, d.d), (1, 0), (d.eps, rms))?;
+            let rows1 = normed(cur, pending, &blk.norm1, (1, 0));
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
-            linear(q, &nn, &h, w, &qkv, (n, d.qkv_cols(), d.d), false)?;
+            if linear_from(q, &nn, &rows1, &h, w, &qkv, (n, d.qkv_cols(), d.d), false)?
+                && pending.is_some()
+            {
+                cur = 1 - cur;
+            }
             let freq = self.inv_freq.as_ref();
             let at = (io.positions, io.slots);
             match &qh {
@@ -696,47 +783,39 @@ impl Decoder {
             }
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &proj, (n, d.d, qd), false)?;
-            let n2 = (&blk.norm2.w, blk.norm2.b.as_ref());
-            dk.norm(q, &x, Some(&proj), n2, &h, (n, d.d), (1, 0), (d.eps, rms))?;
+            let rows2 = normed(cur, Some(&proj), &blk.norm2, (1, 0));
             let w = (&blk.up_w, blk.up_b.as_ref());
-            linear(q, &nn, &h, w, &mid, (n, d.up_cols(), d.d), d.gpt2)?;
-            let down_in = match &act {
-                Some(a) => {
-                    dk.swiglu(q, &mid, a, (n, d.inter))?;
-                    a
-                }
-                None => &mid,
-            };
+            if linear_from(q, &nn, &rows2, &h, w, &mid, (n, d.up_cols(), d.d), d.gpt2)? {
+                cur = 1 - cur;
+            }
             let w = (&blk.down_w, blk.down_b.as_ref());
-            linear(q, &nn, down_in, w, &proj, (n, d.d, d.inter), false)?;
+            match &act {
+                Some(a) => {
+                    let gated = RowsFrom::SwiGlu { gu: &mid };
+                    linear_from(q, &nn, &gated, a, w, &proj, (n, d.d, d.inter), false)?;
+                }
+                None => linear(q, &nn, &mid, w, &proj, (n, d.d, d.inter), false)?,
+            }
             pending = Some(&proj);
         }
         let (out_rows, stride, off) = match io.logits_for {
             LogitsFor::All => (n, 1, 0),
             LogitsFor::Last => (rows, tokens, tokens - 1),
         };
-        let nf = (&m.norm_f.w, m.norm_f.b.as_ref());
-        dk.norm(
-            q,
-            &x,
-            pending,
-            nf,
-            &h,
-            (out_rows, d.d),
-            (stride, off),
-            (d.eps, rms),
-        )?;
+        let rows_f = normed(cur, pending, &m.norm_f, (stride, off));
         let head = m.lm_head.as_ref().unwrap_or(&m.wte);
         let none: Option<&DeviceBuffer<f32>> = None;
-        linear::<T, f32>(
+        linear_from::<T, f32>(
             q,
             &nn,
+            &rows_f,
             &h,
             (head, none),
             io.logits,
             (out_rows, d.vocab, d.d),
             false,
-        )
+        )?;
+        Ok(())
     }
 }
 
