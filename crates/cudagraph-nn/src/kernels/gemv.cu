@@ -212,9 +212,11 @@ GV_ROWS(f16_t, float, f16_f32)
 // gemv_norm_S_mM and gemv_swiglu_S_mM: the lane kernel's product (same split ks, same sums,
 // same epilogue) of m ≤ M rows that each block first computes into shared memory (m·k of T,
 // the launch's dynamic shared memory) instead of reading x: the decoder's norm of rows
-// r·stride + off of x, with the residual add of a (rowops.cu dec_norm_row: the bits of
+// r·stride + off of x, with the residual add of a (rowops.cu dec_norm_row_staged: the bits of
 // decoder.cu's norm kernel; block 0 alone writes the sums to xw when it is not null), or
-// SwiGLU of a packed gate|up row gu [m, 2k] (the bits of decoder.cu's SwiGLU kernel). So one
+// SwiGLU of a packed gate|up row gu [m, 2k] (the bits of decoder.cu's SwiGLU kernel). The
+// rows are computed with one vector live a thread (dec_norm_row_staged), so the kernel keeps
+// the plain kernel's registers and occupancy while its first weight loads are in flight. So one
 // launch does the work of two with the same results. The grid may have fewer blocks than
 // column groups (every block computes the rows once, then takes groups blockIdx.x,
 // blockIdx.x + gridDim.x, ...); the first group's weight loads are issued before the PDL wait
@@ -257,8 +259,8 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
         auto pro = [&]() {                                                                     \
             for (int r = 0; r < m; r++) {                                                      \
                 const long long at = ((long long)r * stride + off) * k;                        \
-                dec_norm_row<T>(x + at, a ? a + at : nullptr, sum ? sum + at : nullptr, nw,    \
-                                nb, xs + (long long)r * k, k, eps, rms, sh);                   \
+                dec_norm_row_staged<T>(x + at, a ? a + at : nullptr, sum ? sum + at : nullptr, \
+                                       nw, nb, xs + (long long)r * k, k, eps, rms, sh);        \
             }                                                                                  \
             __syncthreads();                                                                   \
         };                                                                                     \
@@ -278,11 +280,11 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
             const int nv = k / 8;                                                              \
             for (int i = threadIdx.x; i < m * nv; i += blockDim.x) {                           \
                 const int r = i / nv, c = (i % nv) * 8;                                        \
-                float g[8], u[8], o[8];                                                        \
+                float g[8], u[8];                                                              \
                 ds_load<T, 8>(gu + (long long)r * 2 * k + c, g);                               \
                 ds_load<T, 8>(gu + (long long)r * 2 * k + k + c, u);                           \
-                for (int e = 0; e < 8; e++) o[e] = dec_swiglu1<T>(g[e], u[e]);                 \
-                ds_store<T, 8>(xs + (long long)r * k + c, o);                                  \
+                for (int e = 0; e < 8; e++) g[e] = dec_swiglu1<T>(g[e], u[e]);                 \
+                ds_store<T, 8>(xs + (long long)r * k + c, g);                                  \
             }                                                                                  \
             __syncthreads();                                                                   \
         };                                                                                     \

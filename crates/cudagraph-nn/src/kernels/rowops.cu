@@ -129,6 +129,76 @@ __device__ __forceinline__ void dec_norm_row(const T* xr, const T* ar, T* xw,
     }
 }
 
+// dec_norm_row's arithmetic with the row staged in yr instead of registers: each thread the
+// same elements (k = tid + i·DEC_ROW_THREADS, i < DEC_NORM_LOADS), the same sums in the same
+// order and the same block sums, so the same bits (the staged values are values of T, stored
+// and read back exactly). One vector of the row live at a time: for kernels that keep other
+// loads in flight meanwhile (few registers, full occupancy). yr is the block's own (shared
+// memory); each thread reads back only what it wrote.
+template <typename T>
+__device__ __forceinline__ void dec_norm_row_staged(const T* xr, const T* ar, T* xw,
+                                                    const float* __restrict__ w,
+                                                    const float* __restrict__ b, T* yr,
+                                                    int cols, float eps, int rms, float* sh) {
+    constexpr int P = 16 / sizeof(T);
+    const int tid = threadIdx.x;
+    const int nv = cols / P;
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int i = 0; i < DEC_NORM_LOADS; i++) {
+        const int k = tid + i * DEC_ROW_THREADS;
+        if (k < nv) {
+            float v[P];
+            ds_load<T, P>(xr + k * P, v);
+            if (ar) {
+                float t[P];
+                ds_load<T, P>(ar + k * P, t);
+#pragma unroll
+                for (int e = 0; e < P; e++) v[e] = dec_rnd<T>(v[e] + t[e]);
+                if (xw) ds_store<T, P>(xw + k * P, v);
+            }
+            ds_store<T, P>(yr + k * P, v);
+#pragma unroll
+            for (int e = 0; e < P; e++) acc += v[e];
+        }
+    }
+    const float mu = rms ? 0.0f : dec_block_sum(acc, sh) / (float)cols;
+    acc = 0.0f;
+#pragma unroll 1
+    for (int i = 0; i < DEC_NORM_LOADS; i++) {
+        const int k = tid + i * DEC_ROW_THREADS;
+        if (k < nv) {
+            float v[P];
+            ds_load<T, P>(yr + k * P, v);
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                const float d = v[e] - mu;
+                acc = fmaf(d, d, acc);
+            }
+        }
+    }
+    const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
+#pragma unroll 1
+    for (int i = 0; i < DEC_NORM_LOADS; i++) {
+        const int k = tid + i * DEC_ROW_THREADS;
+        if (k < nv) {
+            float v[P];
+            ds_load<T, P>(yr + k * P, v);
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                const int c = k * P + e;
+                if (rms) {
+                    v[e] = dec_rnd<T>(v[e] * rs) * w[c];
+                } else {
+                    const float s = (v[e] - mu) * rs;
+                    v[e] = b ? fmaf(s, w[c], b[c]) : s * w[c];
+                }
+            }
+            ds_store<T, P>(yr + k * P, v);
+        }
+    }
+}
+
 // SwiGLU of one element as Hugging Face's Llama MLP: silu(g), rounded to T, times u (the
 // caller rounds the result on store).
 template <typename T>
