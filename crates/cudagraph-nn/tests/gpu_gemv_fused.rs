@@ -20,7 +20,9 @@ use cudagraph_nn::dtype::Float;
 use cudagraph_nn::engine::gemm::Epilogue;
 use cudagraph_nn::engine::Engines;
 use cudagraph_nn::kernels::decoder::DecoderKernels;
-use cudagraph_nn::kernels::gemv::{FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS};
+use cudagraph_nn::kernels::gemv::{
+    fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS,
+};
 use cudagraph_nn::{Decoder, DecoderCache, Dtype, HostRng, LogitsFor, NnError};
 #[path = "common/tiny_decoder.rs"]
 mod tiny_decoder;
@@ -164,6 +166,26 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
     let w = s
         .alloc_from_host(&values::<T>(&mut rng, n * k, 1.0 / (k as f32).sqrt()))
         .unwrap();
+    let smem = dev.info().max_shared_memory_per_block as usize;
+    if !fused_ok::<T>(false, m, k, Epilogue::None, smem) {
+        // Rows past the shared memory: refused, nothing runs.
+        let y = s.alloc::<T>(m * n).unwrap();
+        let none: Option<&DeviceBuffer<T>> = None;
+        let from = RowsFrom::SwiGlu { gu: &gu };
+        match gemv.run_from(
+            s,
+            (m, n, k),
+            (1.0, 0.0),
+            Epilogue::None,
+            &from,
+            &w,
+            (&y, none),
+            1,
+        ) {
+            Err(NnError::Shape(_)) => return,
+            other => panic!("SwiGLU rows m={m} k={k}: expected a shape error, got {other:?}"),
+        }
+    }
     for ks in splits(k) {
         let act = s.alloc::<T>(m * k).unwrap();
         let y2 = s.alloc::<T>(m * n).unwrap();
@@ -268,7 +290,8 @@ fn fused_swiglu_products_give_the_bits_of_the_two_launches() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     for m in 1..=GEMV_FUSED_MAX_M {
-        // A Llama-shaped down product (8192 → 2048) and a small one.
+        // A Llama-shaped down product (8192 → 2048; three and four such rows are more than
+        // 48 KiB of shared memory, refused) and a small one.
         swiglu_case::<bf16>(&s, (m, 2048, 8192), 300 + m as u64);
         swiglu_case::<f16>(&s, (m, 2048, 8192), 310 + m as u64);
         swiglu_case::<bf16>(&s, (m, 24, 256), 320 + m as u64);
