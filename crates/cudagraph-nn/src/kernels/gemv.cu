@@ -1,12 +1,13 @@
 // Few-row products in the forward layout, y[r, j] = act(alpha·Σ_p x[r, p]·w[j, p] + beta·c[r, j]
 // + bias[j]) for r < m ≤ M, x: [m, k] and w: [n, k] row-major of T (bf16 or f16), y and c the
 // same buffer of O (T or f32), bias: [n] of O. Compiled after PDL_CUDA, cast.cu (bf16_t,
-// f16_t, to_f32, from_f32) and rowops.cu (the decoder's norm row and SwiGLU). Programmatic dependent launch: every kernel first lets the next
-// kernel launch (CG_PDL_TRIGGER), then waits for the previous kernel and its memory
-// (CG_PDL_WAIT) before touching memory — except, with `early` set, each lane's first
-// GV_UNROLL vectors of its weight row, loaded before the wait: the launcher sets it only for
-// weights no earlier work writes (a loaded model's), so the weight stream of one product
-// starts while the previous kernel is still finishing. The sums are the same either way.
+// f16_t, to_f32, from_f32) and rowops.cu (the decoder's norm row and SwiGLU). Programmatic
+// dependent launch: every kernel first lets the next kernel launch (CG_PDL_TRIGGER), then
+// waits for the previous kernel and its memory (CG_PDL_WAIT) before touching memory — except,
+// with `early` set, each lane's first GV_UNROLL vectors of its weight row, loaded (or asked
+// into L2) before the wait: the launcher sets it only for weights no earlier work writes (a
+// loaded model's), so the weight stream of one product starts while the previous kernel is
+// still finishing. The sums are the same either way.
 //
 // Two kernels: the lane kernel (gemv_S_mM, below: FMAs, M ≤ 16 rows) and its tensor-core
 // variant (gemv_mma_S_tNT, at the end: mma.sync, up to 8·NT rows), with the same arguments,
@@ -109,18 +110,12 @@ __device__ __forceinline__ GvVec gv_load_x(const void* p) {
     return v;
 }
 
-// Nothing to do once the previous kernel is done (the plain products).
-struct GvNoPrologue {
-    __device__ __forceinline__ void operator()() const {}
-};
-
-// The columns of group jb (the block's columns when every group has its block); pro() runs
-// once the previous kernel is done, after the first weight loads, before x is read.
-template <typename T, typename O, int M, bool XS, typename Pro>
+// The columns of group jb (the block's columns when every group has its block).
+template <typename T, typename O, int M, bool XS>
 __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __restrict__ w,
                                         O* y, const O* bias, int m, int n, int k,
                                         int ks, float alpha, float beta, int beta_on, int ep,
-                                        int early, int jb, Pro pro) {
+                                        int early, int jb) {
     __shared__ float red[GV_WARPS * M];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -136,7 +131,6 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     GvVec wv[GV_UNROLL];
     gv_fetch(wv, wr, v0 + lane, v1);
     if (early) CG_PDL_WAIT();
-    pro();
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; r++) acc[r] = 0.0f;
@@ -192,7 +186,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
         CG_PDL_TRIGGER();                                                                      \
         if (!early) CG_PDL_WAIT();                                                             \
         gemv_nt<T, O, M, false>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
-                                blockIdx.x, GvNoPrologue());                                   \
+                                blockIdx.x);                                                   \
     }
 
 #define GV_ROWS(T, O, S)                                                                       \
@@ -216,52 +210,68 @@ GV_ROWS(f16_t, float, f16_f32)
 // decoder.cu's norm kernel; block 0 alone writes the sums to xw when it is not null), or
 // SwiGLU of a packed gate|up row gu [m, 2k] (the bits of decoder.cu's SwiGLU kernel). The
 // rows are computed with one vector live a thread (dec_norm_row_staged), so the kernel keeps
-// the plain kernel's registers and occupancy while its first weight loads are in flight. So one
-// launch does the work of two with the same results. The grid may have fewer blocks than
-// column groups (every block computes the rows once, then takes groups blockIdx.x,
-// blockIdx.x + gridDim.x, ...); the first group's weight loads are issued before the PDL wait
-// with `early`, as in the plain kernel.
+// the plain kernel's registers. So one launch does the work of two with the same results. The
+// grid may have fewer blocks than column groups (every block computes the rows once, then
+// takes groups blockIdx.x, blockIdx.x + gridDim.x, ...); with `early`, the first group's first
+// weight vectors are asked into L2 before the PDL wait (gv_prefetch), where the plain kernel
+// loads them into registers.
 //
 // Extents (checked by the launcher): as the lane kernel's, with x, a and xw ≥ ((m - 1)·stride
 // + off + 1)·k, nw and nb ≥ k, gu ≥ 2·m·k; k ≤ DEC_ROW_THREADS · DEC_NORM_LOADS · 8 for the
 // norm; every pointer 16-byte aligned; xw and y overlap no buffer the kernel reads.
 
-// Blocks a multiprocessor holds (the launch bounds): the plain kernel's 32 registers a thread
-// give it eight blocks of 256 threads; left to itself the compiler gives the fused kernels 48
-// to 53 (the row's computation beside the weight loads in flight), five or four blocks, and
-// measured on the H100 that cost a third of the weight stream's rate.
-#define GV_FUSED_BLOCKS 8
+// The first GV_UNROLL vectors a lane of group jb loads (gv_fetch's), asked into L2: with
+// `early`, before the PDL wait, in place of the plain kernel's register loads, so that the
+// registers are free for the rows' computation (holding the loads in registers beside it took
+// the fused kernels from the plain kernel's 32 registers a thread to 48–53, five or four
+// blocks a multiprocessor instead of eight, a third of the weight stream's rate on the H100;
+// capping them at 32 spilled).
+template <typename T>
+__device__ __forceinline__ void gv_prefetch(const T* w, int n, int k, int ks, int jb) {
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int j = jb * (GV_WARPS / ks) + warp / ks;
+    if (j >= n) return;
+    const int nv = k >> 3;
+    const int slice = warp % ks;
+    const int v0 = (int)((long long)nv * slice / ks);
+    const int v1 = (int)((long long)nv * (slice + 1) / ks);
+    const T* wr = w + (long long)j * k;
+#pragma unroll
+    for (int u = 0; u < GV_UNROLL; u++) {
+        const int vu = v0 + lane + 32 * u;
+        if (vu < v1) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + 8 * vu));
+    }
+}
 
+// The fused kernels' body: the first group's weights asked into L2 (with `early`), the PDL
+// wait, the rows computed into xs by pro(), then the lane kernel on groups blockIdx.x,
+// blockIdx.x + gridDim.x, ...
 template <typename T, typename O, int M, typename Pro>
 __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict__ w, O* y,
                                                const O* bias, int m, int n, int k, int ks,
                                                float alpha, float beta, int beta_on, int ep,
                                                int early, Pro pro) {
+    CG_PDL_TRIGGER();
+    if (early) gv_prefetch(w, n, k, ks, blockIdx.x);
+    CG_PDL_WAIT();
+    pro();
     const int cols = GV_WARPS / ks;
     const int groups = (n + cols - 1) / cols;
-    bool first = true;
-    auto once = [&]() {
-        if (first) pro();
-    };
     for (int jb = blockIdx.x; jb < groups; jb += gridDim.x) {
-        gemv_nt<T, O, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep,
-                               early && first, jb, once);
-        first = false;
+        gemv_nt<T, O, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, 0, jb);
         __syncthreads();  // the next group reuses the block's shared sums
     }
 }
 
 #define GV_NORM_KERNEL(T, O, S, M)                                                             \
-    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32, GV_FUSED_BLOCKS)               \
-        gemv_norm_##S##_m##M(                                                                  \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv_norm_##S##_m##M(          \
         const T* x, const T* a, T* xw, const float* nw, const float* nb, int stride, int off,  \
         float eps, int rms, const T* w, O* y, const O* bias, int m, int n, int k, int ks,      \
         float alpha, float beta, int beta_on, int ep, int early) {                             \
         extern __shared__ __align__(16) unsigned char gv_rows[];                               \
         __shared__ float sh[DEC_ROW_THREADS / 32];                                             \
         T* xs = reinterpret_cast<T*>(gv_rows);                                                 \
-        CG_PDL_TRIGGER();                                                                      \
-        if (!early) CG_PDL_WAIT();                                                             \
         T* sum = blockIdx.x == 0 ? xw : nullptr;                                               \
         auto pro = [&]() {                                                                     \
             for (int r = 0; r < m; r++) {                                                      \
@@ -276,14 +286,11 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
     }
 
 #define GV_SWIGLU_KERNEL(T, S, M)                                                              \
-    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32, GV_FUSED_BLOCKS)               \
-        gemv_swiglu_##S##_m##M(                                                                \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv_swiglu_##S##_m##M(        \
         const T* gu, const T* w, T* y, const T* bias, int m, int n, int k, int ks,             \
         float alpha, float beta, int beta_on, int ep, int early) {                             \
         extern __shared__ __align__(16) unsigned char gv_rows[];                               \
         T* xs = reinterpret_cast<T*>(gv_rows);                                                 \
-        CG_PDL_TRIGGER();                                                                      \
-        if (!early) CG_PDL_WAIT();                                                             \
         auto pro = [&]() {                                                                     \
             const int nv = k / 8;                                                              \
             for (int i = threadIdx.x; i < m * nv; i += blockDim.x) {                           \
