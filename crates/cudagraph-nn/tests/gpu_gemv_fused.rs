@@ -40,6 +40,24 @@ fn bits<O: Float>(s: &Stream, b: &DeviceBuffer<O>) -> Vec<u8> {
     O::as_bytes(&s.to_vec(b).unwrap()).to_vec()
 }
 
+/// The device's (shared memory a block, multiprocessors), as `fused_ok` takes them.
+fn limits(s: &Stream) -> (usize, usize) {
+    let info = s.device().info();
+    (
+        info.max_shared_memory_per_block as usize,
+        info.multiprocessors as usize,
+    )
+}
+
+/// Whether a launch the fused kernels refuse was refused with a shape error (and so ran
+/// nothing: the checks come before the launch).
+fn refused(r: Result<(), NnError>, what: &str) {
+    match r {
+        Err(NnError::Shape(_)) => {}
+        other => panic!("{what}: expected a shape error, got {other:?}"),
+    }
+}
+
 /// The splits the lane kernel takes for depth k (as the registry offers them).
 fn splits(k: usize) -> Vec<u8> {
     GEMV_SPLITS
@@ -84,7 +102,9 @@ fn norm_case<T: Float, O: Float>(s: &Stream, c: &NormCase, seed: u64) {
     let vec = (c.epilogue != Epilogue::None).then_some(&bias);
     let norm_bias = (!c.rms).then_some(&nb);
     let add = c.add.then_some(&a);
+    let mut fused = 0;
     for ks in splits(c.k) {
+        let takes = fused_ok::<T>(true, (c.m, c.n, c.k), ks, c.epilogue, limits(s));
         // Two launches: the norm kernel (in place on a copy of x), then the product.
         let x2 = s.alloc_from_host(&hx).unwrap();
         let h = s.alloc::<T>(c.m * c.k).unwrap();
@@ -127,8 +147,7 @@ fn norm_case<T: Float, O: Float>(s: &Stream, c: &NormCase, seed: u64) {
             eps: 1e-5,
             rms: c.rms,
         };
-        gemv.run_from(s, dims, (1.0, 0.0), c.epilogue, &from, &w, (&y1, vec), ks)
-            .unwrap();
+        let ran = gemv.run_from(s, dims, (1.0, 0.0), c.epilogue, &from, &w, (&y1, vec), ks);
         let what = format!(
             "norm m={} n={} k={} stride={} off={} add={} rms={} ks={ks} {}→{}",
             c.m,
@@ -141,6 +160,14 @@ fn norm_case<T: Float, O: Float>(s: &Stream, c: &NormCase, seed: u64) {
             T::DTYPE,
             O::DTYPE
         );
+        if !takes {
+            // More blocks than the fused kernels take: refused, nothing written.
+            refused(ran, &what);
+            assert_eq!(bits(s, &sum), T::as_bytes(&hx).to_vec(), "refused {what}");
+            continue;
+        }
+        ran.unwrap();
+        fused += 1;
         assert_eq!(bits(s, &y1), bits(s, &y2), "product of {what}");
         // The sums: where the norm kernel wrote x in place (the picked rows, with the add),
         // and x's own rows elsewhere.
@@ -151,6 +178,13 @@ fn norm_case<T: Float, O: Float>(s: &Stream, c: &NormCase, seed: u64) {
             "the input of {what} was written"
         );
     }
+    assert!(
+        fused > 0,
+        "no split of m={} n={} k={} ran fused",
+        c.m,
+        c.n,
+        c.k
+    );
 }
 
 fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64) {
@@ -166,27 +200,9 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
     let w = s
         .alloc_from_host(&values::<T>(&mut rng, n * k, 1.0 / (k as f32).sqrt()))
         .unwrap();
-    let smem = dev.info().max_shared_memory_per_block as usize;
-    if !fused_ok::<T>(false, m, k, Epilogue::None, smem) {
-        // Rows past the shared memory: refused, nothing runs.
-        let y = s.alloc::<T>(m * n).unwrap();
-        let none: Option<&DeviceBuffer<T>> = None;
-        let from = RowsFrom::SwiGlu { gu: &gu };
-        match gemv.run_from(
-            s,
-            (m, n, k),
-            (1.0, 0.0),
-            Epilogue::None,
-            &from,
-            &w,
-            (&y, none),
-            1,
-        ) {
-            Err(NnError::Shape(_)) => return,
-            other => panic!("SwiGLU rows m={m} k={k}: expected a shape error, got {other:?}"),
-        }
-    }
+    let mut fused = 0;
     for ks in splits(k) {
+        let takes = fused_ok::<T>(false, (m, n, k), ks, Epilogue::None, limits(s));
         let act = s.alloc::<T>(m * k).unwrap();
         let y2 = s.alloc::<T>(m * n).unwrap();
         dk.swiglu(s, &gu, &act, (m, k)).unwrap();
@@ -205,7 +221,7 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
         .unwrap();
         let y1 = s.alloc::<T>(m * n).unwrap();
         let from = RowsFrom::SwiGlu { gu: &gu };
-        gemv.run_from(
+        let ran = gemv.run_from(
             s,
             (m, n, k),
             (1.0, 0.0),
@@ -214,8 +230,13 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
             &w,
             (&y1, none),
             ks,
-        )
-        .unwrap();
+        );
+        if !takes {
+            refused(ran, &format!("SwiGLU rows m={m} n={n} k={k} ks={ks}"));
+            continue;
+        }
+        ran.unwrap();
+        fused += 1;
         assert_eq!(
             bits(s, &y1),
             bits(s, &y2),
@@ -223,6 +244,11 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
             T::DTYPE
         );
     }
+    let fits = fused_ok::<T>(false, (m, n, k), 1, Epilogue::None, limits(s));
+    assert!(
+        fused > 0 || !fits,
+        "no split of SwiGLU m={m} n={n} k={k} ran fused"
+    );
 }
 
 fn all_norms<T: Float, O: Float>(s: &Stream) {
@@ -265,10 +291,10 @@ fn fused_norm_products_give_the_bits_of_the_two_launches() {
 fn fused_heads_with_strided_rows_give_the_bits_of_the_two_launches() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    // The last token of each of m rows of 3 tokens, into a head wider than the grid (f32
-    // logits; n not a multiple of 8), and into a narrow one.
+    // The last token of each of m rows of 3 tokens, into heads of f32 logits (n not a
+    // multiple of 8 in the first).
     for m in [1, 2, 4] {
-        for (n, k) in [(32003, 2048), (520, 768)] {
+        for (n, k) in [(4003, 2048), (520, 768)] {
             let c = NormCase {
                 m,
                 n,
@@ -291,7 +317,8 @@ fn fused_swiglu_products_give_the_bits_of_the_two_launches() {
     let s = dev.new_stream().unwrap();
     for m in 1..=GEMV_FUSED_MAX_M {
         // A Llama-shaped down product (8192 → 2048; three and four such rows are more than
-        // 48 KiB of shared memory, refused) and a small one.
+        // 48 KiB of shared memory, and its splits past 2 more blocks than one wave: refused)
+        // and a small one.
         swiglu_case::<bf16>(&s, (m, 2048, 8192), 300 + m as u64);
         swiglu_case::<f16>(&s, (m, 2048, 8192), 310 + m as u64);
         swiglu_case::<bf16>(&s, (m, 24, 256), 320 + m as u64);
@@ -433,7 +460,8 @@ fn forward_last(
 /// decode step of a shape runs them as kernels of their own (its products are being
 /// measured), the next one fused: both steps, from equal caches, give the same logits, bit for
 /// bit, three steps in a row (each reads the keys and values the step before wrote). Shapes of GPT-2 small's and a Llama-shaped model's layers (where the lane kernel
-/// wins at one row on the H100); the test fails if no product of one row chose it.
+/// wins at one row on the H100); the test fails if no product of one row chose it with a grid
+/// the fused kernels take.
 /// Tolerance: 0 (bits compared).
 #[test]
 fn fused_norms_and_swiglu_give_the_bits_of_their_own_kernels() {
@@ -471,19 +499,31 @@ fn fused_norms_and_swiglu_give_the_bits_of_their_own_kernels() {
             let b = forward_last(&s, &dec, &after, (&id, &p), 1);
             assert_bits_eq(&a, &b, format_args!("{name} step {step}: logits"));
         }
-        let lanes = eng
+        // A product of one row that chose the lane kernel with a grid the fused kernels take
+        // (its norm or SwiGLU then ran inside it).
+        let field = |key: &str, name: &str| -> usize {
+            let at = key.find(&format!(" {name}=")).unwrap() + name.len() + 2;
+            key[at..].split(' ').next().unwrap().parse().unwrap()
+        };
+        let rows: Vec<_> = eng
             .table()
             .into_iter()
-            .filter(|r| r.key.starts_with("gemm NT m=1 ") && r.entry.engine.starts_with("gemv:"))
+            .filter(|r| r.key.starts_with("gemm NT m=1 ") && r.key.contains("in=bf16"))
+            .map(|r| (r.key, r.entry.engine))
+            .collect();
+        let fused = rows
+            .iter()
+            .filter(|(key, engine)| {
+                let ks = engine
+                    .strip_prefix("gemv:")
+                    .and_then(|v| v.parse::<u8>().ok());
+                let nk = (1, field(key, "n"), field(key, "k"));
+                ks.is_some_and(|ks| fused_ok::<bf16>(true, nk, ks, Epilogue::None, limits(&s)))
+            })
             .count();
         assert!(
-            lanes > 0,
-            "{name}: no product of one row chose the lane kernel, so nothing ran fused: {:?}",
-            eng.table()
-                .into_iter()
-                .filter(|r| r.key.starts_with("gemm NT m=1 "))
-                .map(|r| (r.key, r.entry.engine))
-                .collect::<Vec<_>>()
+            fused > 0,
+            "{name}: no product of one row runs fused (lane kernel, one wave): {rows:?}"
         );
     }
 }

@@ -121,7 +121,9 @@ pub(crate) unsafe fn gemm_lowp_frozen<T: Float, O: Float>(
 
 /// [`gemm_lowp_frozen`] of the rows `from` describes, which the caller would otherwise
 /// write into `a` first: where the registry's engine for the product on `a` is our lane
-/// kernel (`gemv:KS`) and its fused form takes the shape ([`GemvKernels::run_from`]), one
+/// kernel (`gemv:KS`) and its fused form takes the shape ([`fused_ok`]: few rows, and a grid
+/// that fits the device at once, where the launch saved is worth more than every block
+/// computing the rows again; [`GemvKernels::run_from`]), one
 /// launch computes the rows and the product with the bits of the two steps, and this returns
 /// true (`a` is not written); otherwise nothing runs and it returns false — including before
 /// the key is measured, so the first eager call of a shape runs the two steps and measures.
@@ -154,9 +156,13 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
     let Some(GemmEngine::Gemv(ks)) = eng.lookup::<GemmEngine>(&key) else {
         return Ok(false);
     };
-    let smem = q.device().info().max_shared_memory_per_block as usize;
+    let info = q.device().info();
+    let dev = (
+        info.max_shared_memory_per_block as usize,
+        info.multiprocessors as usize,
+    );
     let norm = matches!(from, RowsFrom::Norm { .. });
-    if !fused_ok::<T>(norm, op.m, op.k, op.epilogue, smem) {
+    if !fused_ok::<T>(norm, (op.m, op.n, op.k), ks, op.epilogue, dev) {
         return Ok(false);
     }
     let gemv = GemvKernels::get(q.device())?;

@@ -4,8 +4,8 @@
 // f16_t, to_f32, from_f32) and rowops.cu (the decoder's norm row and SwiGLU). Programmatic
 // dependent launch: every kernel first lets the next kernel launch (CG_PDL_TRIGGER), then
 // waits for the previous kernel and its memory (CG_PDL_WAIT) before touching memory — except,
-// with `early` set, each lane's first GV_UNROLL vectors of its weight row, loaded (or asked
-// into L2) before the wait: the launcher sets it only for weights no earlier work writes (a
+// with `early` set, each lane's first GV_UNROLL vectors of its weight row, loaded before the
+// wait: the launcher sets it only for weights no earlier work writes (a
 // loaded model's), so the weight stream of one product starts while the previous kernel is
 // still finishing. The sums are the same either way.
 //
@@ -110,17 +110,23 @@ __device__ __forceinline__ GvVec gv_load_x(const void* p) {
     return v;
 }
 
-// The columns of group jb (the block's columns when every group has its block).
-template <typename T, typename O, int M, bool XS>
+// Nothing to do once the previous kernel is done (the plain products).
+struct GvNoPrologue {
+    __device__ __forceinline__ void operator()() const {}
+};
+
+// pro() runs once the previous kernel is done (after the first weight loads with `early`),
+// before x is read.
+template <typename T, typename O, int M, bool XS, typename Pro>
 __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __restrict__ w,
                                         O* y, const O* bias, int m, int n, int k,
                                         int ks, float alpha, float beta, int beta_on, int ep,
-                                        int early, int jb) {
+                                        int early, Pro pro) {
     __shared__ float red[GV_WARPS * M];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int cols = GV_WARPS / ks;  // columns per block
-    const int j = jb * cols + warp / ks;
+    const int j = blockIdx.x * cols + warp / ks;
     const int slice = warp % ks;
     const int nv = k >> 3;  // 8-element vectors per row
     // This warp's vectors [v0, v1) of the row; none for a column past n.
@@ -131,6 +137,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     GvVec wv[GV_UNROLL];
     gv_fetch(wv, wr, v0 + lane, v1);
     if (early) CG_PDL_WAIT();
+    pro();
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; r++) acc[r] = 0.0f;
@@ -169,7 +176,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     if (t < cols * M) {
         const int c = t / M;
         const int r = t % M;
-        const int jj = jb * cols + c;
+        const int jj = blockIdx.x * cols + c;
         if (jj < n && r < m) {
             float s = 0.0f;
             for (int q = 0; q < ks; q++) s += red[(c * ks + q) * M + r];
@@ -186,7 +193,7 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
         CG_PDL_TRIGGER();                                                                      \
         if (!early) CG_PDL_WAIT();                                                             \
         gemv_nt<T, O, M, false>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
-                                blockIdx.x);                                                   \
+                                GvNoPrologue());                                               \
     }
 
 #define GV_ROWS(T, O, S)                                                                       \
@@ -208,61 +215,18 @@ GV_ROWS(f16_t, float, f16_f32)
 // the launch's dynamic shared memory) instead of reading x: the decoder's norm of rows
 // r·stride + off of x, with the residual add of a (rowops.cu dec_norm_row_staged: the bits of
 // decoder.cu's norm kernel; block 0 alone writes the sums to xw when it is not null), or
-// SwiGLU of a packed gate|up row gu [m, 2k] (the bits of decoder.cu's SwiGLU kernel). The
-// rows are computed with one vector live a thread (dec_norm_row_staged), so the kernel keeps
-// the plain kernel's registers. So one launch does the work of two with the same results. The
-// grid may have fewer blocks than column groups (every block computes the rows once, then
-// takes groups blockIdx.x, blockIdx.x + gridDim.x, ...); with `early`, the first group's first
-// weight vectors are asked into L2 before the PDL wait (gv_prefetch), where the plain kernel
-// loads them into registers.
+// SwiGLU of a packed gate|up row gu [m, 2k] (the bits of decoder.cu's SwiGLU kernel). So one
+// launch does the work of two with the same results. The rows are computed after the PDL
+// wait, while the lane's first weight loads (with `early`) are in flight, with one vector of
+// the row live a thread. Every block computes the rows again, so the launcher takes products
+// whose blocks all fit the device at once (one wave), where the launch saved is worth more
+// than the rows' recomputation: the kernels hold 40–53 registers a thread (the plain kernel
+// 32), fewer blocks a multiprocessor, which measured on the H100 costs a third of a long
+// weight stream's rate.
 //
 // Extents (checked by the launcher): as the lane kernel's, with x, a and xw ≥ ((m - 1)·stride
 // + off + 1)·k, nw and nb ≥ k, gu ≥ 2·m·k; k ≤ DEC_ROW_THREADS · DEC_NORM_LOADS · 8 for the
 // norm; every pointer 16-byte aligned; xw and y overlap no buffer the kernel reads.
-
-// The first GV_UNROLL vectors a lane of group jb loads (gv_fetch's), asked into L2: with
-// `early`, before the PDL wait, in place of the plain kernel's register loads, so that the
-// registers are free for the rows' computation (holding the loads in registers beside it took
-// the fused kernels from the plain kernel's 32 registers a thread to 48–53, five or four
-// blocks a multiprocessor instead of eight, a third of the weight stream's rate on the H100;
-// capping them at 32 spilled).
-template <typename T>
-__device__ __forceinline__ void gv_prefetch(const T* w, int n, int k, int ks, int jb) {
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    const int j = jb * (GV_WARPS / ks) + warp / ks;
-    if (j >= n) return;
-    const int nv = k >> 3;
-    const int slice = warp % ks;
-    const int v0 = (int)((long long)nv * slice / ks);
-    const int v1 = (int)((long long)nv * (slice + 1) / ks);
-    const T* wr = w + (long long)j * k;
-#pragma unroll
-    for (int u = 0; u < GV_UNROLL; u++) {
-        const int vu = v0 + lane + 32 * u;
-        if (vu < v1) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + 8 * vu));
-    }
-}
-
-// The fused kernels' body: the first group's weights asked into L2 (with `early`), the PDL
-// wait, the rows computed into xs by pro(), then the lane kernel on groups blockIdx.x,
-// blockIdx.x + gridDim.x, ...
-template <typename T, typename O, int M, typename Pro>
-__device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict__ w, O* y,
-                                               const O* bias, int m, int n, int k, int ks,
-                                               float alpha, float beta, int beta_on, int ep,
-                                               int early, Pro pro) {
-    CG_PDL_TRIGGER();
-    if (early) gv_prefetch(w, n, k, ks, blockIdx.x);
-    CG_PDL_WAIT();
-    pro();
-    const int cols = GV_WARPS / ks;
-    const int groups = (n + cols - 1) / cols;
-    for (int jb = blockIdx.x; jb < groups; jb += gridDim.x) {
-        gemv_nt<T, O, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, 0, jb);
-        __syncthreads();  // the next group reuses the block's shared sums
-    }
-}
 
 #define GV_NORM_KERNEL(T, O, S, M)                                                             \
     extern "C" __global__ void __launch_bounds__(GV_WARPS * 32) gemv_norm_##S##_m##M(          \
@@ -272,6 +236,8 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
         extern __shared__ __align__(16) unsigned char gv_rows[];                               \
         __shared__ float sh[DEC_ROW_THREADS / 32];                                             \
         T* xs = reinterpret_cast<T*>(gv_rows);                                                 \
+        CG_PDL_TRIGGER();                                                                      \
+        if (!early) CG_PDL_WAIT();                                                             \
         T* sum = blockIdx.x == 0 ? xw : nullptr;                                               \
         auto pro = [&]() {                                                                     \
             for (int r = 0; r < m; r++) {                                                      \
@@ -281,8 +247,8 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
             }                                                                                  \
             __syncthreads();                                                                   \
         };                                                                                     \
-        gemv_rows_from<T, O, M>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
-                                pro);                                                          \
+        gemv_nt<T, O, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,   \
+                               pro);                                                           \
     }
 
 #define GV_SWIGLU_KERNEL(T, S, M)                                                              \
@@ -291,6 +257,8 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
         float alpha, float beta, int beta_on, int ep, int early) {                             \
         extern __shared__ __align__(16) unsigned char gv_rows[];                               \
         T* xs = reinterpret_cast<T*>(gv_rows);                                                 \
+        CG_PDL_TRIGGER();                                                                      \
+        if (!early) CG_PDL_WAIT();                                                             \
         auto pro = [&]() {                                                                     \
             const int nv = k / 8;                                                              \
             for (int i = threadIdx.x; i < m * nv; i += blockDim.x) {                           \
@@ -303,8 +271,8 @@ __device__ __forceinline__ void gemv_rows_from(const T* xs, const T* __restrict_
             }                                                                                  \
             __syncthreads();                                                                   \
         };                                                                                     \
-        gemv_rows_from<T, T, M>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
-                                pro);                                                          \
+        gemv_nt<T, T, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,   \
+                               pro);                                                           \
     }
 
 #define GV_FUSED_ROWS(T, O, S)                                                                 \
