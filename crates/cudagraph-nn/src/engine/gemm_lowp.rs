@@ -126,7 +126,8 @@ pub(crate) unsafe fn gemm_lowp_frozen<T: Float, O: Float>(
 /// computing the rows again; [`GemvKernels::run_from`]), one
 /// launch computes the rows and the product with the bits of the two steps, and this returns
 /// true (`a` is not written); otherwise nothing runs and it returns false — including before
-/// the key is measured, so the first eager call of a shape runs the two steps and measures.
+/// the key is measured, so the first eager call of a shape runs the two steps and measures,
+/// and for a norm with a residual add but no buffer for its sums.
 ///
 /// # Safety
 /// The promise of [`gemm_lowp_frozen`] for `b`.
@@ -144,6 +145,15 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
 ) -> Result<bool> {
     validate(q, op, a, b, c, vec)?;
     if op.m == 0 || op.n == 0 || op.ta != Trans::N || op.tb != Trans::T {
+        return Ok(false);
+    }
+    if let RowsFrom::Norm {
+        add: Some(_),
+        sum: None,
+        ..
+    } = from
+    {
+        // Nowhere for the residual sums (the norm kernel writes them into its input).
         return Ok(false);
     }
     let eng = Engines::get(q.device())?;

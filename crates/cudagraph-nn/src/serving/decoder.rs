@@ -70,7 +70,7 @@ use crate::extent::{need, on_device};
 use crate::io::hf::{DecoderConfig, DecoderWeights};
 use crate::kernels::attention::AttentionShape;
 use crate::kernels::decoder::{DecoderKernels, QkvDims};
-use crate::kernels::gemv::RowsFrom;
+use crate::kernels::gemv::{RowsFrom, GEMV_FUSED_MAX_M};
 use crate::kernels::transformer::TransformerKernels;
 use crate::kernels::Nn;
 
@@ -402,26 +402,33 @@ fn linear_from<T: Float, O: Float>(
     Ok(false)
 }
 
-/// The norm of rows `r·stride + off` of the residual stream `xs[cur]`, with `add` added
-/// first (the sums go to the spare, `xs[1 - cur]`, where the product computes the rows).
+/// The norm of rows `r·stride + off` of the residual stream `x`, with `add` added first (the
+/// sums go to `spare` where the product computes the rows; without a spare the product does
+/// not).
 fn normed<'a, T: Float>(
-    xs: &'a [DeviceBuffer<T>; 2],
-    cur: usize,
+    (x, spare): (&'a DeviceBuffer<T>, Option<&'a DeviceBuffer<T>>),
     add: Option<&'a DeviceBuffer<T>>,
     norm: &'a Norm,
     (stride, off): (usize, usize),
     (eps, rms): (f32, bool),
 ) -> RowsFrom<'a, T> {
     RowsFrom::Norm {
-        x: &xs[cur],
+        x,
         add,
-        sum: Some(&xs[1 - cur]),
+        sum: spare,
         weight: &norm.w,
         bias: norm.b.as_ref(),
         stride,
         off,
         eps,
         rms,
+    }
+}
+
+/// After a product ran its norm with the residual add inside: the spare holds the stream.
+fn swap<'a, T: Float>(x: &mut &'a DeviceBuffer<T>, spare: &mut Option<&'a DeviceBuffer<T>>) {
+    if let Some(s) = spare.replace(*x) {
+        *x = s;
     }
 }
 
@@ -701,11 +708,17 @@ impl Decoder {
         on_device(q, blocks)?;
         let n = rows * tokens;
         let qd = d.heads * d.head_dim;
-        // The residual stream and its spare: a norm that runs inside the product after it
-        // writes the stream plus the product before into the spare (other blocks are still
-        // reading the stream), which becomes the stream; the norm kernel adds in place.
-        let xs = [q.alloc::<T>(n * d.d)?, q.alloc::<T>(n * d.d)?];
-        let mut cur = 0;
+        // The residual stream and, where a norm may run inside the product after it (16-bit
+        // models, few rows), its spare: such a norm writes the stream plus the product before
+        // into the spare (other blocks are still reading the stream), which becomes the
+        // stream; the norm kernel adds in place.
+        let x0 = q.alloc::<T>(n * d.d)?;
+        let x1 = if T::DTYPE != Dtype::F32 && n <= GEMV_FUSED_MAX_M {
+            Some(q.alloc::<T>(n * d.d)?)
+        } else {
+            None
+        };
+        let (mut x, mut spare) = (&x0, x1.as_ref());
         let h = q.alloc::<T>(n * d.d)?;
         // The output and down products, added into x by the norm after them.
         let proj = q.alloc::<T>(n * d.d)?;
@@ -726,9 +739,9 @@ impl Decoder {
             Some(q.alloc::<T>(n * d.inter)?)
         };
         let wpe = m.wpe.as_ref().map(|w| (w, io.positions, d.max_pos));
-        dk.embed(q, io.ids, &m.wte, wpe, &xs[0], (n, d.d, d.vocab))?;
+        dk.embed(q, io.ids, &m.wte, wpe, x, (n, d.d, d.vocab))?;
         let rms = !d.gpt2;
-        let normed = |cur, add, norm, at| normed(&xs, cur, add, norm, at, (d.eps, rms));
+        let ln = (d.eps, rms);
         let qkv_dims = QkvDims {
             rows,
             tokens,
@@ -753,12 +766,12 @@ impl Decoder {
         let mut pending = None;
         for (blk, kv) in m.blocks.iter().zip(&io.cache.layers) {
             let caches = kv.caches::<T>()?;
-            let rows1 = normed(cur, pending, &blk.norm1, (1, 0));
+            let rows1 = normed((x, spare), pending, &blk.norm1, (1, 0), ln);
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
             if linear_from(q, &nn, &rows1, &h, w, &qkv, (n, d.qkv_cols(), d.d), false)?
                 && pending.is_some()
             {
-                cur = 1 - cur;
+                swap(&mut x, &mut spare);
             }
             let freq = self.inv_freq.as_ref();
             let at = (io.positions, io.slots);
@@ -783,10 +796,10 @@ impl Decoder {
             }
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &proj, (n, d.d, qd), false)?;
-            let rows2 = normed(cur, Some(&proj), &blk.norm2, (1, 0));
+            let rows2 = normed((x, spare), Some(&proj), &blk.norm2, (1, 0), ln);
             let w = (&blk.up_w, blk.up_b.as_ref());
             if linear_from(q, &nn, &rows2, &h, w, &mid, (n, d.up_cols(), d.d), d.gpt2)? {
-                cur = 1 - cur;
+                swap(&mut x, &mut spare);
             }
             let w = (&blk.down_w, blk.down_b.as_ref());
             match &act {
@@ -802,7 +815,7 @@ impl Decoder {
             LogitsFor::All => (n, 1, 0),
             LogitsFor::Last => (rows, tokens, tokens - 1),
         };
-        let rows_f = normed(cur, pending, &m.norm_f, (stride, off));
+        let rows_f = normed((x, spare), pending, &m.norm_f, (stride, off), ln);
         let head = m.lm_head.as_ref().unwrap_or(&m.wte);
         let none: Option<&DeviceBuffer<f32>> = None;
         linear_from::<T, f32>(
