@@ -1,5 +1,5 @@
 //! The decoder's fused inference kernels (`decoder.cu`, its own NVRTC module, compiled after the
-//! device-check prologue and `cast.cu`), used by [`crate::nn::decoder`]: token (+ learned
+//! device-check prologue and `cast.cu`), used by [`crate::serving::decoder`]: token (+ learned
 //! position) embedding in one kernel, LayerNorm / RMSNorm of rows picked with a stride (the
 //! last token of every row, for the output head), the split of a packed q|k|v product with the
 //! rotary embedding and the key/value cache write in one kernel, and SwiGLU over a packed

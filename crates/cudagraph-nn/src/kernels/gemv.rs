@@ -7,7 +7,10 @@
 //! (each warp streams 16 weight rows into `mma.sync` with x's rows as the other operand, for at
 //! most [`GEMV_MMA_MAX_M`] rows); in both `ks` warps of a block split the depth (see
 //! `gemv.cu`). Used by [`crate::engine::gemm_lowp()`] as the engines `gemv:KS` and
-//! `gemv-mma:KS`.
+//! `gemv-mma:KS`. The lane kernel also runs on rows it computes itself ([`RowsFrom`]: the
+//! decoder's norm with its residual add, or SwiGLU), one launch with the bits of two, for
+//! products of at most [`GEMV_FUSED_MAX_M`] rows whose grid fits the device at once
+//! ([`fused_ok`]; [`GemvKernels::run_from`]).
 
 use std::sync::Arc;
 

@@ -28,8 +28,11 @@
 //! bias and GELU fused; Llama: gate and up concatenated in one product, then one SwiGLU
 //! kernel) → down product, added into the stream by the next layer's first norm (or the final
 //! norm). A decode step: GPT-2 7 launches a layer, Llama 8 (a prefill one more); plus the
-//! embedding (one kernel), the final norm
-//! and the head product. f32 models run the products with `run_gemm` (GPT-2's GELU is then
+//! embedding (one kernel), the final norm and the head product. In 16-bit models at one to
+//! four rows, a norm (with its residual add) or SwiGLU runs inside the product after it where
+//! the registry chose the few-row lane kernel for that product and its grid fits the device
+//! at once (`gemm_lowp_frozen_from`): one launch instead of two, the same bits; such a norm
+//! writes the residual sums into a spare buffer, which becomes the stream. f32 models run the products with `run_gemm` (GPT-2's GELU is then
 //! one more elementwise kernel). The residual adds round as Hugging Face's do: the product is
 //! rounded to the model's type, then the sum (adding in the product's epilogue instead rounds
 //! once, and measurably moves 16-bit logits away from Hugging Face's).
