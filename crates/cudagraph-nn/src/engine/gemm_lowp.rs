@@ -157,12 +157,7 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
         return Ok(false);
     }
     let eng = Engines::get(q.device())?;
-    let policy = eng.policy();
-    let family = lowp_family(policy.gemm, op.epilogue);
-    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
-    addrs.extend(vec.map(|v| v.addr()));
-    let align = alignment(&addrs);
-    let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
+    let (key, _, _) = product_key(&eng, op, (a, b, c, vec));
     let Some(GemmEngine::Gemv(ks)) = eng.lookup::<GemmEngine>(&key) else {
         return Ok(false);
     };
@@ -180,6 +175,28 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
     // SAFETY: the caller's promise for `b`.
     unsafe { gemv.run_from_early(q, dims, scales, op.epilogue, from, b, (c, vec), ks)? };
     Ok(true)
+}
+
+/// The registry key of `op` on these buffers under the current policy, with the family of
+/// engines it allows and the buffers' common alignment.
+#[allow(clippy::type_complexity)]
+fn product_key<T: Float, O: Float>(
+    eng: &Engines,
+    op: &GemmOp,
+    (a, b, c, vec): (
+        &DeviceBuffer<T>,
+        &DeviceBuffer<T>,
+        &DeviceBuffer<O>,
+        Option<&DeviceBuffer<O>>,
+    ),
+) -> (String, GemmFamily, u32) {
+    let policy = eng.policy();
+    let family = lowp_family(policy.gemm, op.epilogue);
+    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
+    addrs.extend(vec.map(|v| v.addr()));
+    let align = alignment(&addrs);
+    let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
+    (key, family, align)
 }
 
 /// [`gemm_lowp`]; `frozen`: `b` may be read early by the few-row kernel.
@@ -201,12 +218,7 @@ unsafe fn product<T: Float, O: Float>(
         return Ok(GemmEngine::Cublas);
     }
     let eng = Engines::get(q.device())?;
-    let policy = eng.policy();
-    let family = lowp_family(policy.gemm, op.epilogue);
-    let mut addrs = vec![a.addr(), b.addr(), c.addr()];
-    addrs.extend(vec.map(|v| v.addr()));
-    let align = alignment(&addrs);
-    let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
+    let (key, family, align) = product_key(&eng, op, (a, b, c, vec));
     if let Some(algo) = eng.lookup::<GemmEngine>(&key) {
         // SAFETY: `frozen` only as this function's caller promised.
         unsafe { run_lowp(q, &eng, algo, op, align, (a, b, c, vec), frozen)? };
