@@ -284,10 +284,8 @@ __device__ __forceinline__ void dec_attend_n(
             for (int j = tid; j < half; j += DS_THREADS) dec_angle<T>(p, inv_freq[j], scs[0][j], scs[1][j]);
     };
     // Keys jb + r·KPB + lane / LPK of the group (jb is the same for the whole warp, whose
-    // lanes shuffle together), keys and values, DS_INFLIGHT of them. The skipped key (the
-    // token's own) comes from shared memory where `own` (skv is filled), and is left for
-    // own_key otherwise; taking it here keeps the key loop free of the test.
-    auto load = [&](int jb, bool own) {
+    // lanes shuffle together), keys and values, DS_INFLIGHT of them; not the skipped one.
+    auto load = [&](int jb) {
 #pragma unroll
         for (int r = 0; r < DS_INFLIGHT; r++) {
             const int j = jb + r * KPB + lane / LPK;
@@ -295,29 +293,9 @@ __device__ __forceinline__ void dec_attend_n(
 #pragma unroll
             for (int c = 0; c < PPL; c++) {
                 const int pk = u + c * LPK;
-                if (j < k1 && pk < LP) {
-                    if (j != skip) {
-                        kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
-                        vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
-                    } else if (own) {
-                        kraw[r][c] = *reinterpret_cast<const Raw*>(&skv[0][pk * P]);
-                        vraw[r][c] = *reinterpret_cast<const Raw*>(&skv[1][pk * P]);
-                    }
-                }
-            }
-        }
-    };
-    // The token's own key and value into the batch at jb, loaded before skv was filled.
-    auto own_key = [&](int jb) {
-#pragma unroll
-        for (int r = 0; r < DS_INFLIGHT; r++) {
-            const int j = jb + r * KPB + lane / LPK;
-#pragma unroll
-            for (int c = 0; c < PPL; c++) {
-                const int pk = u + c * LPK;
-                if (j == skip && pk < LP) {
-                    kraw[r][c] = *reinterpret_cast<const Raw*>(&skv[0][pk * P]);
-                    vraw[r][c] = *reinterpret_cast<const Raw*>(&skv[1][pk * P]);
+                if (j < k1 && pk < LP && j != skip) {
+                    kraw[r][c] = *reinterpret_cast<const Raw*>(kc + row + pk * P);
+                    vraw[r][c] = *reinterpret_cast<const Raw*>(vc + row + pk * P);
                 }
             }
         }
@@ -326,7 +304,7 @@ __device__ __forceinline__ void dec_attend_n(
     if (early) {
         locate();
         angles();
-        if (s < used) load(k0 + jb0, false);
+        if (s < used) load(k0 + jb0);
     }
     CG_PDL_WAIT();
     if (!early) locate();
@@ -380,7 +358,6 @@ __device__ __forceinline__ void dec_attend_n(
                 }
             }
             __syncthreads();
-            if (early && skip >= 0) own_key(k0 + jb0);  // the batch loaded before the wait
         }
         float qr[PPL][GM][P], acc[PPL][GM][P], mr[GM], lr[GM];
 #pragma unroll
@@ -407,10 +384,20 @@ __device__ __forceinline__ void dec_attend_n(
             }
         }
         for (int jb = k0 + jb0; jb < k1; jb += DS_INFLIGHT * KPB) {
-            if (jb != k0 + jb0 || !early) load(jb, true);
+            if (jb != k0 + jb0 || !early) load(jb);
 #pragma unroll
             for (int r = 0; r < DS_INFLIGHT; r++) {
                 const int j = jb + r * KPB + lane / LPK;
+                if (j == skip) {
+#pragma unroll
+                    for (int c = 0; c < PPL; c++) {
+                        const int pk = u + c * LPK;
+                        if (pk < LP) {
+                            kraw[r][c] = *reinterpret_cast<const Raw*>(&skv[0][pk * P]);
+                            vraw[r][c] = *reinterpret_cast<const Raw*>(&skv[1][pk * P]);
+                        }
+                    }
+                }
                 float dot[GM];
 #pragma unroll
                 for (int g = 0; g < GM; g++) dot[g] = 0.0f;
