@@ -69,7 +69,9 @@ use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
 use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
-use crate::kernels::gemv::{few_row_ok, fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_SPLITS};
+use crate::kernels::gemv::{
+    few_row_ok, fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS,
+};
 pub use crate::kernels::gemv::{GEMV_MAX_M, GEMV_MMA_MAX_M};
 use crate::kernels::Nn;
 
@@ -143,6 +145,10 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
         Option<&DeviceBuffer<O>>,
     ),
 ) -> Result<bool> {
+    if op.m > GEMV_FUSED_MAX_M {
+        // Never fused: the caller's two launches check the product (no lookups twice).
+        return Ok(false);
+    }
     validate(q, op, a, b, c, vec)?;
     if op.m == 0 || op.n == 0 || op.ta != Trans::N || op.tb != Trans::T {
         return Ok(false);

@@ -210,10 +210,10 @@ pub fn fused_ok<T: Float>(
     epilogue: Epilogue,
     (smem, sms): (usize, usize),
 ) -> bool {
-    let blocks = match ks {
-        1 | 2 | 4 | 8 => n.div_ceil(WARPS / ks as usize),
-        _ => return false,
-    };
+    if !GEMV_SPLITS.contains(&ks) {
+        return false;
+    }
+    let blocks = n.div_ceil(FewRow::Lanes(ks).columns_per_block());
     m <= GEMV_FUSED_MAX_M
         && few_row_ok(FewRow::Lanes(1), m, k, epilogue)
         && m * k * std::mem::size_of::<T>() + FUSED_STATIC_SMEM <= smem

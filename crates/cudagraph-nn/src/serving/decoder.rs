@@ -362,7 +362,7 @@ fn linear_op((m, n, k): (usize, usize, usize), bias: bool, gelu: bool) -> GemmOp
 #[allow(clippy::too_many_arguments)]
 fn linear_from<T: Float, O: Float>(
     q: &dyn Queue,
-    nn: &Nn,
+    (dk, nn): (&DecoderKernels, &Nn),
     from: &RowsFrom<'_, T>,
     x: &DeviceBuffer<T>,
     (w, b): (&DeviceBuffer<T>, Option<&DeviceBuffer<O>>),
@@ -377,7 +377,6 @@ fn linear_from<T: Float, O: Float>(
             return Ok(true);
         }
     }
-    let dk = DecoderKernels::get(q.device())?;
     match *from {
         RowsFrom::Norm {
             x: src,
@@ -771,8 +770,16 @@ impl Decoder {
             let caches = kv.caches::<T>()?;
             let rows1 = normed((x, spare), pending, &blk.norm1, (1, 0), ln);
             let w = (&blk.qkv_w, blk.qkv_b.as_ref());
-            if linear_from(q, &nn, &rows1, &h, w, &qkv, (n, d.qkv_cols(), d.d), false)?
-                && pending.is_some()
+            if linear_from(
+                q,
+                (&dk, &nn),
+                &rows1,
+                &h,
+                w,
+                &qkv,
+                (n, d.qkv_cols(), d.d),
+                false,
+            )? && pending.is_some()
             {
                 swap(&mut x, &mut spare);
             }
@@ -801,14 +808,23 @@ impl Decoder {
             linear(q, &nn, &att, w, &proj, (n, d.d, qd), false)?;
             let rows2 = normed((x, spare), Some(&proj), &blk.norm2, (1, 0), ln);
             let w = (&blk.up_w, blk.up_b.as_ref());
-            if linear_from(q, &nn, &rows2, &h, w, &mid, (n, d.up_cols(), d.d), d.gpt2)? {
+            if linear_from(
+                q,
+                (&dk, &nn),
+                &rows2,
+                &h,
+                w,
+                &mid,
+                (n, d.up_cols(), d.d),
+                d.gpt2,
+            )? {
                 swap(&mut x, &mut spare);
             }
             let w = (&blk.down_w, blk.down_b.as_ref());
             match &act {
                 Some(a) => {
                     let gated = RowsFrom::SwiGlu { gu: &mid };
-                    linear_from(q, &nn, &gated, a, w, &proj, (n, d.d, d.inter), false)?;
+                    linear_from(q, (&dk, &nn), &gated, a, w, &proj, (n, d.d, d.inter), false)?;
                 }
                 None => linear(q, &nn, &mid, w, &proj, (n, d.d, d.inter), false)?,
             }
@@ -823,7 +839,7 @@ impl Decoder {
         let none: Option<&DeviceBuffer<f32>> = None;
         linear_from::<T, f32>(
             q,
-            &nn,
+            (&dk, &nn),
             &rows_f,
             &h,
             (head, none),
