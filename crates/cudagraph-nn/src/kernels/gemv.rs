@@ -18,7 +18,7 @@ use cudagraph::{Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue};
 
 use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
-use crate::extent::{need, prod};
+use crate::extent::{gemm_on_device, need, on_device, prod};
 use crate::ffi::blas::Epilogue;
 use crate::kernels::int;
 
@@ -309,7 +309,7 @@ impl GemvKernels {
     /// [`GEMV_SPLITS`],
     /// `x` or `w` not 16-byte aligned, a bias missing or given against the epilogue
     /// ([`NnError::Shape`]); a buffer shorter than the product needs (`SizeMismatch`); sizes
-    /// beyond the kernel's ints.
+    /// beyond the kernel's ints; a buffer of another device.
     #[allow(clippy::too_many_arguments)]
     pub fn run<T: Float, O: Float>(
         &self,
@@ -391,6 +391,7 @@ impl GemvKernels {
                 w.addr()
             )));
         }
+        gemm_on_device(q, x, w, y, bias)?;
         need("gemv x", x, prod("gemv x", &[m, k])?)?;
         need("gemv w", w, prod("gemv w", &[n, k])?)?;
         need("gemv y", y, prod("gemv y", &[m, n])?)?;
@@ -449,7 +450,7 @@ impl GemvKernels {
     /// ([`NnError::NotSupported`]); a norm row picked past `x` (`stride` 0 or `off ≥
     /// stride` is a [`NnError::Shape`]), a norm weight or bias shorter than `k`, RMSNorm with a
     /// bias; a row buffer not 16-byte aligned; `sum` meeting `x` or `add`, or `y` meeting a
-    /// buffer the launch reads or `sum` ([`NnError::Shape`]).
+    /// buffer the launch reads or `sum` ([`NnError::Shape`]); a buffer of another device.
     #[allow(clippy::too_many_arguments)]
     pub fn run_from<T: Float, O: Float>(
         &self,
@@ -524,6 +525,26 @@ impl GemvKernels {
             )));
         }
         let ep = epilogue_code(epilogue, bias, n)?;
+        let mut blocks = vec![("gemv w", w.block()), ("gemv y", y.block())];
+        blocks.extend(bias.map(|b| ("gemv bias", b.block())));
+        match *from {
+            RowsFrom::Norm {
+                x,
+                add,
+                sum,
+                weight,
+                bias: nb,
+                ..
+            } => {
+                blocks.push(("gemv norm input", x.block()));
+                blocks.push(("gemv norm weight", weight.block()));
+                blocks.extend(add.map(|a| ("gemv norm residual", a.block())));
+                blocks.extend(sum.map(|a| ("gemv norm sum", a.block())));
+                blocks.extend(nb.map(|b| ("gemv norm bias", b.block())));
+            }
+            RowsFrom::SwiGlu { gu } => blocks.push(("gemv SwiGLU input", gu.block())),
+        }
+        on_device(q, blocks)?;
         need("gemv w", w, prod("gemv w", &[n, k])?)?;
         need("gemv y", y, prod("gemv y", &[m, n])?)?;
         let aligned = |name: &str, addr: u64| -> Result<()> {
