@@ -12,6 +12,17 @@ __device__ __forceinline__ void cg_cluster_sync() {
 #endif
 }
 
+// A cluster barrier that orders nothing in memory: every block of the cluster waits until all
+// have arrived (the last one keeps a block's shared memory alive until the cluster has read it;
+// the reads are done, their values used, before a block arrives).
+__device__ __forceinline__ void cg_cluster_sync_relaxed() {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
 // The float at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
 __device__ __forceinline__ float cg_dsmem_load(const float* p, unsigned rank) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)

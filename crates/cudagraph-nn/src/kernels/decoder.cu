@@ -300,6 +300,18 @@ __device__ __forceinline__ void dec_attend_n(
             }
         }
     };
+    // The token's own key and value (in skv) into the caches at (slot, p), by the first head
+    // group's block whose split holds p: once the block is done with everything else, so
+    // that no barrier waits for these stores (nothing in this kernel reads them back).
+    auto put_own = [&]() {
+        if (fresh && skip >= 0 && sub == 0) {
+            const long long at = (((long long)sln * Hkv + kvh) * Tmax + p) * D;
+            for (int i = tid; i < 2 * D; i += DS_THREADS) {
+                T* dst = const_cast<T*>(i < D ? kc : vc);
+                dst[at + i % D] = skv[i / D][i % D];
+            }
+        }
+    };
     const int jb0 = warp * KPW;  // relative to k0
     if (early) {
         locate();
@@ -317,9 +329,10 @@ __device__ __forceinline__ void dec_attend_n(
         // rotates its query heads itself (with inv_freq, as dec_qkv does, rounded to T as
         // dec_qkv stores them), and the block whose split holds the token's own position p
         // takes that key (rotated) and value from the product too, into shared memory; the
-        // block of the first head group also writes them into the caches at (slot, p). No
-        // block reads position p from the caches then, and the bits are those of dec_qkv
-        // followed by this kernel. Every load of the product is issued before any is used.
+        // block of the first head group also writes them into the caches at (slot, p), last
+        // (put_own). No block reads position p from the caches then, and the bits are those
+        // of dec_qkv followed by this kernel. Every load of the product is issued before any
+        // is used.
         if (fresh) {
             constexpr int ITEMS = ((GM + 2) * (DS_MAX_D / 2) + DS_THREADS - 1) / DS_THREADS;
             const int heads = H + 2 * Hkv;
@@ -347,15 +360,8 @@ __device__ __forceinline__ void dec_attend_n(
                     sq[g][j + half] = dec_rnd<T>(c[k]);
                     continue;
                 }
-                const T ta = from_f32<T>(a[k]), tc = from_f32<T>(c[k]);
-                skv[g - GM][j] = ta;
-                skv[g - GM][j + half] = tc;
-                if (sub == 0) {
-                    T* dst = const_cast<T*>(g == GM ? kc : vc) +
-                             (((long long)sln * Hkv + kvh) * Tmax + p) * D;
-                    dst[j] = ta;
-                    dst[j + half] = tc;
-                }
+                skv[g - GM][j] = from_f32<T>(a[k]);
+                skv[g - GM][j + half] = from_f32<T>(c[k]);
             }
             __syncthreads();
         }
@@ -506,7 +512,10 @@ __device__ __forceinline__ void dec_attend_n(
             }
         }
     }
-    if (used == 1) return;  // the same for every block of (n, y)
+    if (used == 1) {  // the same for every block of (n, y)
+        put_own();
+        return;
+    }
     if (cluster) {
         // Every split's sums are in its block's shared memory. Thread g < gc: head g's maximum
         // over the splits that saw keys and each split's weight exp(m_s - max), summed in
@@ -548,7 +557,8 @@ __device__ __forceinline__ void dec_attend_n(
             }
             out[(n * H + h0 + g) * D + d] = from_f32<T>(stot[g] > 0.0f ? a / stot[g] : 0.0f);
         }
-        cg_cluster_sync();
+        put_own();
+        cg_cluster_sync_relaxed();
         return;
     }
     if (s >= used) return;
@@ -557,7 +567,10 @@ __device__ __forceinline__ void dec_attend_n(
     unsigned int* cnt = count + n * gridDim.y + blockIdx.y;
     if (tid == 0) last = atomicAdd(cnt, 1u) == (unsigned int)(used - 1);
     __syncthreads();
-    if (!last) return;
+    if (!last) {
+        put_own();
+        return;
+    }
     __threadfence();
     // Warp g: head g's maximum over the splits that saw keys, and each split's weight
     // exp(m_s - max) (0 for an empty split) into shared memory; the total sum in sl[g].
@@ -590,6 +603,7 @@ __device__ __forceinline__ void dec_attend_n(
         out[row * D + d] = from_f32<T>(sl[g] > 0.0f ? a / sl[g] : 0.0f);
     }
     if (tid == 0) *cnt = 0u;
+    put_own();
 }
 
 // dec_attend_NAME_S: P elements a load, PPL loads a lane, GM query heads a block. The
