@@ -70,7 +70,7 @@ use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
 use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
 use crate::kernels::gemv::{
-    few_row_ok, fused_ok, glu_ok, FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS,
+    few_row_ok, fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS,
 };
 pub use crate::kernels::gemv::{GEMV_MAX_M, GEMV_MMA_MAX_M};
 use crate::kernels::Nn;
@@ -180,57 +180,6 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
     let (dims, scales) = ((op.m, op.n, op.k), (op.alpha, op.beta));
     // SAFETY: the caller's promise for `b`.
     unsafe { gemv.run_from_early(q, dims, scales, op.epilogue, from, b, (c, vec), ks)? };
-    Ok(true)
-}
-
-/// SwiGLU of the packed gate|up product `op` (`x[m, k] · w[2n, k]ᵀ`, alpha, no beta, no
-/// epilogue or a bias of `2n`), written into `y: [m, n]` without the product itself: where the
-/// registry's engine for the product (as it would run into a `[m, 2n]` buffer) is our lane
-/// kernel with a split its gated form takes ([`glu_ok`]), one launch of that form
-/// ([`GemvKernels::run_glu`]) gives the bits of the product followed by the SwiGLU kernel and
-/// this returns true; otherwise nothing runs and it returns false (so the first eager call of
-/// a shape runs the product and measures it).
-///
-/// # Safety
-/// The promise of [`gemm_lowp_frozen`] for `w`.
-pub(crate) unsafe fn gemm_lowp_frozen_glu<T: Float>(
-    q: &dyn Queue,
-    op: &GemmOp,
-    (x, w): (&DeviceBuffer<T>, &DeviceBuffer<T>),
-    (y, bias): (&DeviceBuffer<T>, Option<&DeviceBuffer<T>>),
-) -> Result<bool> {
-    let n = op.n / 2;
-    if T::DTYPE == Dtype::F32
-        || op.m > GEMV_MAX_M
-        || op.ta != Trans::N
-        || op.tb != Trans::T
-        || op.beta != 0.0
-        || op.n % 2 != 0
-        || !glu_ok(op.m, n, op.k, 1, op.epilogue)
-    {
-        return Ok(false);
-    }
-    let eng = Engines::get(q.device())?;
-    let (key, _, _) = product_key(&eng, op, (x, w, y, bias));
-    let Some(GemmEngine::Gemv(ks)) = eng.lookup::<GemmEngine>(&key) else {
-        return Ok(false);
-    };
-    if !glu_ok(op.m, n, op.k, ks, op.epilogue) {
-        return Ok(false);
-    }
-    let gemv = GemvKernels::get(q.device())?;
-    // SAFETY: the caller's promise for `w`.
-    unsafe {
-        gemv.run_glu_early(
-            q,
-            (op.m, n, op.k),
-            op.alpha,
-            op.epilogue,
-            (x, w),
-            (y, bias),
-            ks,
-        )?
-    };
     Ok(true)
 }
 

@@ -11,9 +11,8 @@
 //
 // Two kernels: the lane kernel (gemv_S_mM, below: FMAs, M ≤ 16 rows) and its tensor-core
 // variant (gemv_mma_S_tNT, at the end: mma.sync, up to 8·NT rows), with the same arguments,
-// extents and epilogue; in between, the lane kernel's gated form (gemv_glu_S_mM: SwiGLU of a
-// packed gate|up product, M ≤ 16) and the lane kernel on rows it normalises or gates itself
-// (gemv_norm_S_mM, gemv_swiglu_S_mM, M ≤ 4).
+// extents and epilogue; and the lane kernel on rows it normalises or gates itself
+// (gemv_norm_S_mM, gemv_swiglu_S_mM, M ≤ 4), in between.
 //
 // A block of the lane kernel is GV_WARPS warps; `ks` of them (1, 2, 4 or 8) share one column j, each summing its
 // own contiguous range of k in 8-element vectors (16 bytes): lane l takes the range's vectors
@@ -87,15 +86,6 @@ __device__ __forceinline__ void gv_store(O* y, const O* bias, long long at, int 
     y[at] = from_f32<O>(v);
 }
 
-// The gated form's value of column jj (gate) or n + jj (up) from the sum s, as gv_store would
-// have stored it into the packed gate|up product (beta off): alpha·s + bias, rounded to T.
-template <typename T>
-__device__ __forceinline__ float gv_half(const T* bias, int jj, float s, float alpha, int ep) {
-    float v = alpha * s;
-    if (ep != 0) v += to_f32(bias[jj]);
-    return to_f32(from_f32<T>(v));
-}
-
 // Lane `v`'s vectors v, v + 32, ..., GV_UNROLL of them below v1, of the weight row wr.
 template <typename T>
 __device__ __forceinline__ void gv_fetch(GvVec* wv, const T* wr, int v, int v1) {
@@ -126,10 +116,8 @@ struct GvNoPrologue {
 };
 
 // pro() runs once the previous kernel is done (after the first weight loads with `early`),
-// before x is read. GLU (the gated form, O = T): w is a packed gate|up weight [2n, k] and y
-// [m, n] receives SwiGLU of the two products (see gemv_glu_S_mM below); the block's first
-// cols/2 columns are gate rows, the others the up rows of the same outputs.
-template <typename T, typename O, int M, bool XS, bool GLU, typename Pro>
+// before x is read.
+template <typename T, typename O, int M, bool XS, typename Pro>
 __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __restrict__ w,
                                         O* y, const O* bias, int m, int n, int k,
                                         int ks, float alpha, float beta, int beta_on, int ep,
@@ -138,17 +126,13 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int cols = GV_WARPS / ks;  // columns per block
-    const int half = cols >> 1;      // GLU: outputs per block
-    const int c = warp / ks;
-    // The output column j of this warp, and its weight row.
-    const int j = GLU ? blockIdx.x * half + (c < half ? c : c - half) : blockIdx.x * cols + c;
-    const int row = GLU && c >= half ? n + j : j;
+    const int j = blockIdx.x * cols + warp / ks;
     const int slice = warp % ks;
     const int nv = k >> 3;  // 8-element vectors per row
     // This warp's vectors [v0, v1) of the row; none for a column past n.
     const int v0 = (int)((long long)nv * slice / ks);
     const int v1 = j < n ? (int)((long long)nv * (slice + 1) / ks) : v0;
-    const T* wr = w + (long long)(j < n ? row : 0) * k;
+    const T* wr = w + (long long)(j < n ? j : 0) * k;
     const int step = 32 * GV_UNROLL;
     GvVec wv[GV_UNROLL];
     gv_fetch(wv, wr, v0 + lane, v1);
@@ -187,33 +171,15 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
         if (lane == 0) red[warp * M + r] = s;
     }
     __syncthreads();
-    const int t = threadIdx.x;
-    if (GLU) {
-        // Thread t finishes row t % M of the block's output t / M: its gate and up values
-        // rounded as the packed product stores them, then SwiGLU as decoder.cu's kernel.
-        if (t < half * M) {
-            const int cg = t / M;
-            const int r = t % M;
-            const int jj = blockIdx.x * half + cg;
-            if (jj < n && r < m) {
-                float sg = 0.0f, su = 0.0f;
-                for (int q = 0; q < ks; q++) sg += red[(cg * ks + q) * M + r];
-                for (int q = 0; q < ks; q++) su += red[((cg + half) * ks + q) * M + r];
-                const float g = gv_half<T>((const T*)bias, jj, sg, alpha, ep);
-                const float u = gv_half<T>((const T*)bias, n + jj, su, alpha, ep);
-                y[(long long)r * n + jj] = from_f32<O>(dec_swiglu1<T>(g, u));
-            }
-        }
-        return;
-    }
     // Thread t finishes row t % M of the block's column t / M.
+    const int t = threadIdx.x;
     if (t < cols * M) {
-        const int cc = t / M;
+        const int c = t / M;
         const int r = t % M;
-        const int jj = blockIdx.x * cols + cc;
+        const int jj = blockIdx.x * cols + c;
         if (jj < n && r < m) {
             float s = 0.0f;
-            for (int q = 0; q < ks; q++) s += red[(cc * ks + q) * M + r];
+            for (int q = 0; q < ks; q++) s += red[(c * ks + q) * M + r];
             const long long at = (long long)r * n + jj;
             gv_store(y, bias, at, jj, s, alpha, beta, beta_on, ep);
         }
@@ -226,8 +192,8 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
                         int ks, float alpha, float beta, int beta_on, int ep, int early) {     \
         CG_PDL_TRIGGER();                                                                      \
         if (!early) CG_PDL_WAIT();                                                             \
-        gemv_nt<T, O, M, false, false>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep,  \
-                                       early, GvNoPrologue());                                 \
+        gemv_nt<T, O, M, false>(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,  \
+                                GvNoPrologue());                                               \
     }
 
 #define GV_ROWS(T, O, S)                                                                       \
@@ -241,43 +207,6 @@ GV_ROWS(bf16_t, bf16_t, bf16_bf16)
 GV_ROWS(bf16_t, float, bf16_f32)
 GV_ROWS(f16_t, f16_t, f16_f16)
 GV_ROWS(f16_t, float, f16_f32)
-
-// ---- The gated form: SwiGLU of a packed gate|up product -------------------------------------
-//
-// gemv_glu_S_mM: y[r, j] = SwiGLU(g, u) for j < n, where g and u are the lane kernel's columns
-// j and n + j of x·wᵀ (w: the packed gate|up weight [2n, k]; alpha, then bias[j] and bias[n + j]
-// with ep = 1), each rounded to T as that product would store them, and SwiGLU as decoder.cu's
-// kernel (rowops.cu dec_swiglu1): the bits of the product into a [m, 2n] buffer followed by the
-// SwiGLU kernel, in one launch and without the intermediate. A block's first 4/ks warps' columns
-// are gate rows and the rest the matching up rows, so ks is 1, 2 or 4 (at least two columns a
-// block); beta is off (nothing is read from y). Extents as the lane kernel's, with w ≥ 2n·k and
-// bias ≥ 2n.
-//
-// At one row the plain kernel holds 32 registers a thread, eight blocks a multiprocessor (the
-// most), and a one-row product is a long weight stream; the gated form's epilogue took it to
-// 36 (seven blocks: measured on the H100, Llama's gate|up 29.8 µs against the plain 25.9), so
-// its one-row instance asks for eight blocks too.
-#define GV_GLU_BLOCKS(M) ((M) == 1 ? 8 : 1)
-
-#define GV_GLU_KERNEL(T, S, M)                                                                 \
-    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32, GV_GLU_BLOCKS(M))              \
-        gemv_glu_##S##_m##M(const T* x, const T* w, T* y, const T* bias, int m, int n, int k,  \
-                            int ks, float alpha, float beta, int beta_on, int ep, int early) { \
-        CG_PDL_TRIGGER();                                                                      \
-        if (!early) CG_PDL_WAIT();                                                             \
-        gemv_nt<T, T, M, false, true>(x, w, y, bias, m, n, k, ks, alpha, 0.0f, 0, ep, early,   \
-                                      GvNoPrologue());                                         \
-    }
-
-#define GV_GLU_ROWS(T, S)                                                                      \
-    GV_GLU_KERNEL(T, S, 1)                                                                     \
-    GV_GLU_KERNEL(T, S, 2)                                                                     \
-    GV_GLU_KERNEL(T, S, 4)                                                                     \
-    GV_GLU_KERNEL(T, S, 8)                                                                     \
-    GV_GLU_KERNEL(T, S, 16)
-
-GV_GLU_ROWS(bf16_t, bf16_bf16)
-GV_GLU_ROWS(f16_t, f16_f16)
 
 // ---- The lane kernel on rows it computes itself ---------------------------------------------
 //
@@ -318,8 +247,8 @@ GV_GLU_ROWS(f16_t, f16_f16)
             }                                                                                  \
             __syncthreads();                                                                   \
         };                                                                                     \
-        gemv_nt<T, O, M, true, false>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep,   \
-                                      early, pro);                                             \
+        gemv_nt<T, O, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,   \
+                               pro);                                                           \
     }
 
 #define GV_SWIGLU_KERNEL(T, S, M)                                                              \
@@ -342,8 +271,8 @@ GV_GLU_ROWS(f16_t, f16_f16)
             }                                                                                  \
             __syncthreads();                                                                   \
         };                                                                                     \
-        gemv_nt<T, T, M, true, false>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep,   \
-                                      early, pro);                                             \
+        gemv_nt<T, T, M, true>(xs, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early,   \
+                               pro);                                                           \
     }
 
 #define GV_FUSED_ROWS(T, O, S)                                                                 \

@@ -10,9 +10,7 @@
 //! `gemv-mma:KS`. The lane kernel also runs on rows it computes itself ([`RowsFrom`]: the
 //! decoder's norm with its residual add, or SwiGLU), one launch with the bits of two, for
 //! products of at most [`GEMV_FUSED_MAX_M`] rows whose grid fits the device at once
-//! ([`fused_ok`]; [`GemvKernels::run_from`]); and in a gated form ([`GemvKernels::run_glu`]),
-//! which writes SwiGLU of a packed gate|up product instead of the product, the bits of the
-//! product followed by the SwiGLU kernel.
+//! ([`fused_ok`]; [`GemvKernels::run_from`]).
 
 use std::sync::Arc;
 
@@ -62,10 +60,6 @@ const FUSED_NORM_MAX_K: usize = 256 * 4 * 8;
 
 /// The depth splits (warps sharing one column, or one 16-column tile) the kernels take.
 pub const GEMV_SPLITS: [u8; 4] = [1, 2, 4, 8];
-
-/// The depth splits the gated form takes: a block holds a gate column and its up column at
-/// least, so at most four warps share one.
-pub const GEMV_GLU_SPLITS: [u8; 3] = [1, 2, 4];
 
 /// Which kernel of the module runs a product, with the warps splitting the depth of each
 /// column (lane kernel) or 16-column tile (tensor-core kernel): one of [`GEMV_SPLITS`].
@@ -136,11 +130,6 @@ pub fn kernel_names() -> Vec<String> {
                 .iter()
                 .map(move |m| format!("gemv_swiglu_{p}_m{m}"))
         }))
-        .chain(
-            ["bf16_bf16", "f16_f16"]
-                .iter()
-                .flat_map(|p| ROWS.iter().map(move |m| format!("gemv_glu_{p}_m{m}"))),
-        )
         .collect()
 }
 
@@ -232,31 +221,6 @@ pub fn fused_ok<T: Float>(
         && blocks <= FUSED_BLOCKS_PER_SM * sms
 }
 
-/// Whether the gated form ([`GemvKernels::run_glu`]) takes `m` rows of depth `k` into `n`
-/// outputs (a packed gate|up weight of `2n` rows) with split `ks` and `epilogue`: the lane
-/// kernel's shapes ([`few_row_ok`]), `ks` one of [`GEMV_GLU_SPLITS`], no epilogue or a bias,
-/// and every weight row index and output column of the grid within the kernels' `int`.
-pub fn glu_ok(m: usize, n: usize, k: usize, ks: u8, epilogue: Epilogue) -> bool {
-    GEMV_GLU_SPLITS.contains(&ks)
-        && few_row_ok(FewRow::Lanes(ks), m, k, epilogue)
-        && matches!(epilogue, Epilogue::None | Epilogue::Bias)
-        && n >= 1
-        && n.checked_mul(2)
-            .is_some_and(|rows| rows <= i32::MAX as usize)
-        && glu_grid(n, ks).is_some()
-}
-
-/// The blocks of the gated form for `n` outputs with split `ks` (`4 / ks` outputs a block),
-/// when every output index a block computes fits an `int`.
-fn glu_grid(n: usize, ks: u8) -> Option<u32> {
-    let per = FewRow::Lanes(ks).columns_per_block() / 2;
-    let blocks = n.div_ceil(per);
-    blocks
-        .checked_mul(per)
-        .filter(|&c| c <= i32::MAX as usize)
-        .and_then(|_| u32::try_from(blocks).ok())
-}
-
 /// Whether the byte ranges of two buffers meet.
 fn overlap<A: cudagraph::Elem, B: cudagraph::Elem>(
     a: &DeviceBuffer<A>,
@@ -270,13 +234,12 @@ fn overlap<A: cudagraph::Elem, B: cudagraph::Elem>(
 
 /// The kernels of one device (a [`Device::extension`]): `[pair][rows]` and `[pair][tiles]`,
 /// pairs in the order of `PAIRS`; the fused ones `[pair][rows]` (norm) and `[type][rows]`
-/// (SwiGLU: bf16, f16); the gated form `[type][rows]`.
+/// (SwiGLU: bf16, f16).
 pub struct GemvKernels {
     f: [[Function; 5]; 4],
     mma: [[Function; 3]; 4],
     norm: [[Function; 3]; 4],
     swiglu: [[Function; 3]; 2],
-    glu: [[Function; 5]; 2],
 }
 
 impl GemvKernels {
@@ -298,7 +261,6 @@ impl GemvKernels {
                     m.function(&format!("gemv_{pair}_m16"))?,
                 ])
             };
-            let glu = |pair: &str| row(&format!("glu_{pair}"));
             let tiles = |pair: &str| -> cudagraph::Result<[Function; 3]> {
                 Ok([
                     m.function(&format!("gemv_mma_{pair}_t1"))?,
@@ -321,7 +283,6 @@ impl GemvKernels {
                     fused("norm", "f16_f32")?,
                 ],
                 swiglu: [fused("swiglu", "bf16_bf16")?, fused("swiglu", "f16_f16")?],
-                glu: [glu("bf16_bf16")?, glu("f16_f16")?],
                 f: [
                     row("bf16_bf16")?,
                     row("bf16_f32")?,
@@ -469,132 +430,6 @@ impl GemvKernels {
         // bias is given with n elements, checked); sizes within int (checked), element offsets
         // long long; the shared arrays are static. With `early`, the weight loads before the
         // PDL wait read memory no earlier work writes (the promise of this function's caller).
-        unsafe {
-            super::pdl::launch_decode(
-                q,
-                f,
-                LaunchConfig::linear(blocks, (WARPS * 32) as u32),
-                &args,
-            )
-        }
-    }
-
-    /// The gated form of the lane kernel with split `ks`: `y[r, j] = SwiGLU(g, u)` for
-    /// `j < n`, where `g` and `u` are columns `j` and `n + j` of `alpha·x·wᵀ + bias` (`x:
-    /// [m, k]`, `w: [2n, k]` the packed gate|up weight, `bias: [2n]` for
-    /// [`Epilogue::Bias`]), each rounded to `T`, and SwiGLU as
-    /// [`crate::kernels::decoder::DecoderKernels::swiglu`] computes it: the bits of
-    /// [`GemvKernels::run`] into a `[m, 2n]` buffer followed by that kernel, in one launch and
-    /// without the intermediate buffer.
-    ///
-    /// Errors, before anything runs: `T` not bf16 or f16 ([`NnError::NotSupported`]); a
-    /// shape [`glu_ok`] refuses, `x` or `w` not 16-byte aligned, a bias missing or given
-    /// against the epilogue, `y` meeting `x`, `w` or the bias ([`NnError::Shape`]); a buffer
-    /// shorter than the product needs (`SizeMismatch`); a buffer of another device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn run_glu<T: Float>(
-        &self,
-        q: &dyn Queue,
-        dims: (usize, usize, usize),
-        alpha: f32,
-        epilogue: Epilogue,
-        (x, w): (&DeviceBuffer<T>, &DeviceBuffer<T>),
-        (y, bias): (&DeviceBuffer<T>, Option<&DeviceBuffer<T>>),
-        ks: u8,
-    ) -> Result<()> {
-        // SAFETY: `early` off: the kernel reads nothing before the previous kernel is done.
-        unsafe { self.launch_glu(q, dims, alpha, epilogue, (x, w), (y, bias), ks, false) }
-    }
-
-    /// [`GemvKernels::run_glu`] reading the first part of the weight rows before waiting for
-    /// the previous kernel, as [`GemvKernels::run_early`]. Same checks, same results.
-    ///
-    /// # Safety
-    /// The promise of [`GemvKernels::run_early`] for `w`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn run_glu_early<T: Float>(
-        &self,
-        q: &dyn Queue,
-        dims: (usize, usize, usize),
-        alpha: f32,
-        epilogue: Epilogue,
-        (x, w): (&DeviceBuffer<T>, &DeviceBuffer<T>),
-        (y, bias): (&DeviceBuffer<T>, Option<&DeviceBuffer<T>>),
-        ks: u8,
-    ) -> Result<()> {
-        // SAFETY: the caller's promise about `w`.
-        unsafe { self.launch_glu(q, dims, alpha, epilogue, (x, w), (y, bias), ks, true) }
-    }
-
-    /// Checks and launches [`GemvKernels::run_glu`]; `early`: the weights may be read before
-    /// the PDL wait.
-    ///
-    /// # Safety
-    /// With `early`, the promise of [`GemvKernels::run_early`] for `w`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_glu<T: Float>(
-        &self,
-        q: &dyn Queue,
-        (m, n, k): (usize, usize, usize),
-        alpha: f32,
-        epilogue: Epilogue,
-        (x, w): (&DeviceBuffer<T>, &DeviceBuffer<T>),
-        (y, bias): (&DeviceBuffer<T>, Option<&DeviceBuffer<T>>),
-        ks: u8,
-        early: bool,
-    ) -> Result<()> {
-        let pair = pair::<T, T>()?;
-        if !glu_ok(m, n, k, ks, epilogue) {
-            return Err(NnError::Shape(format!(
-                "gemv gated form: takes 1 to {GEMV_MAX_M} rows, n ≥ 1 outputs (2n weight rows                  within an int), k a positive multiple of 8, a split in {GEMV_GLU_SPLITS:?} and                  the epilogues none or bias (got m={m} n={n} k={k} ks={ks} ep={epilogue:?})"
-            )));
-        }
-        if x.addr() % 16 != 0 || w.addr() % 16 != 0 {
-            return Err(NnError::Shape(format!(
-                "gemv gated form: x (at {:#x}) and w (at {:#x}) must be 16-byte aligned",
-                x.addr(),
-                w.addr()
-            )));
-        }
-        gemm_on_device(q, x, w, y, bias)?;
-        need("gemv x", x, prod("gemv x", &[m, k])?)?;
-        need("gemv w", w, prod("gemv w", &[2, n, k])?)?;
-        need("gemv y", y, prod("gemv y", &[m, n])?)?;
-        let ep = epilogue_code(epilogue, bias, 2 * n)?;
-        for (name, meets) in [
-            ("x", overlap(y, x)),
-            ("w", overlap(y, w)),
-            ("the bias", bias.is_some_and(|b| overlap(y, b))),
-        ] {
-            if meets {
-                return Err(NnError::Shape(format!(
-                    "gemv gated form: the output y meets {name}, which other blocks are still                      reading; give it its own buffer"
-                )));
-            }
-        }
-        let blocks = glu_grid(n, ks).expect("checked by glu_ok");
-        let f = &self.glu[pair / 2][ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M")];
-        let mut args = vec![x.into(), w.into()];
-        args.extend(product_args(
-            y,
-            bias,
-            (m, n, k),
-            ks,
-            (alpha, 0.0),
-            ep,
-            early,
-        )?);
-        // SAFETY: gemv_glu_S_mM(x, w, y, bias, m, n, k, ks, alpha, beta, beta_on, ep, early)
-        // with m ≤ M (the instance chosen), 8 warps a block and ks in 1, 2, 4 (checked): block
-        // b's warps take outputs j = b·(4/ks) + c for c < 4/ks and read weight rows j (gate)
-        // and n + j (up) only for j < n, w[row·k + p] for p < k (2n·k checked, 2n within an
-        // int), x[r·k + p] for r < m (m·k checked) with 16-byte loads at multiples of 8
-        // elements (x and w 16-byte aligned, k a multiple of 8: checked); the finishing
-        // threads write y[r·n + j] for r < m, j < n (m·n checked) and read bias[j] and
-        // bias[n + j] only for ep = 1 (then bias holds 2n elements, checked); beta is off (y
-        // is not read); y meets no buffer the launch reads (checked); sizes within int
-        // (checked). With `early`, the weight loads before the PDL wait read memory no
-        // earlier work writes (the caller's promise).
         unsafe {
             super::pdl::launch_decode(
                 q,
@@ -947,8 +782,7 @@ mod tests {
         for ks in GEMV_SPLITS {
             assert_eq!(WARPS % ks as usize, 0);
         }
-        assert_eq!(kernel_names().len(), 60);
-        assert!(kernel_names().contains(&"gemv_glu_f16_f16_m16".to_string()));
+        assert_eq!(kernel_names().len(), 50);
         assert!(kernel_names().contains(&"gemv_norm_f16_f32_m4".to_string()));
         assert!(kernel_names().contains(&"gemv_swiglu_bf16_bf16_m1".to_string()));
         assert!(kernel_names().contains(&"gemv_f16_f32_m16".to_string()));
@@ -1016,26 +850,6 @@ mod tests {
             assert!(FUSED_ROWS.iter().any(|&r| r >= m));
         }
         assert_eq!(*FUSED_ROWS.last().unwrap(), GEMV_FUSED_MAX_M);
-    }
-
-    #[test]
-    fn gated_shapes_hold_a_gate_and_its_up_column_a_block() {
-        assert!(glu_ok(1, 8192, 2048, 4, Epilogue::None));
-        assert!(glu_ok(16, 5, 8, 1, Epilogue::Bias));
-        assert!(!glu_ok(1, 8192, 2048, 8, Epilogue::None));
-        assert!(!glu_ok(17, 8192, 2048, 1, Epilogue::None));
-        assert!(!glu_ok(1, 8192, 2047, 1, Epilogue::None));
-        assert!(!glu_ok(1, 8192, 2048, 1, Epilogue::BiasGelu));
-        assert!(!glu_ok(1, 0, 2048, 1, Epilogue::None));
-        assert!(!glu_ok(1, 8192, 2048, 3, Epilogue::None));
-        // 2n weight rows must fit an int.
-        let top = i32::MAX as usize;
-        assert!(glu_ok(1, top / 2, 8, 4, Epilogue::None));
-        assert!(!glu_ok(1, top / 2 + 1, 8, 4, Epilogue::None));
-        // Outputs per block: 4 / ks.
-        assert_eq!(glu_grid(8192, 4), Some(8192));
-        assert_eq!(glu_grid(8192, 1), Some(2048));
-        assert_eq!(glu_grid(9, 2), Some(5));
     }
 
     #[test]

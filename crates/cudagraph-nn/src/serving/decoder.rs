@@ -32,11 +32,8 @@
 //! four rows, a norm (with its residual add) or SwiGLU runs inside the product after it where
 //! the registry chose the few-row lane kernel for that product and its grid fits the device
 //! at once (`gemm_lowp_frozen_from`): one launch instead of two, the same bits; such a norm
-//! writes the residual sums into a spare buffer, which becomes the stream. Where Llama's
-//! gate|up product (up to 16 rows) runs on that kernel but not with its norm inside, its
-//! gated form writes SwiGLU of the product straight away (`gemm_lowp_frozen_glu`: the SwiGLU
-//! launch and the product's buffer saved, the same bits). f32 models run the products with
-//! `run_gemm` (GPT-2's GELU is then one more elementwise kernel). The residual adds round as Hugging Face's do: the product is
+//! writes the residual sums into a spare buffer, which becomes the stream. f32 models run the products with `run_gemm` (GPT-2's GELU is then
+//! one more elementwise kernel). The residual adds round as Hugging Face's do: the product is
 //! rounded to the model's type, then the sum (adding in the product's epilogue instead rounds
 //! once, and measurably moves 16-bit logits away from Hugging Face's).
 //!
@@ -70,7 +67,7 @@ use crate::autograd::attention::KvCache;
 use crate::autograd::transformer::{llama3_frequency_scale, rope_inv_freq};
 use crate::dtype::{Dtype, Float};
 use crate::engine::gemm::{run_gemm, Epilogue, GemmFamily, GemmOp, Trans};
-use crate::engine::gemm_lowp::{gemm_lowp_frozen, gemm_lowp_frozen_from, gemm_lowp_frozen_glu};
+use crate::engine::gemm_lowp::{gemm_lowp_frozen, gemm_lowp_frozen_from};
 use crate::error::{NnError, Result};
 use crate::extent::{need, on_device};
 use crate::io::hf::{DecoderConfig, DecoderWeights};
@@ -360,8 +357,8 @@ fn linear_op((m, n, k): (usize, usize, usize), bias: bool, gelu: bool) -> GemmOp
 
 /// [`linear`] of the rows `from` describes, written into `x` first — or, for 16-bit models,
 /// in one launch where the few-row kernel runs the product and computes the rows itself
-/// ([`fused_from`]; the same bits). Returns whether it took that launch (`x` is then not
-/// written).
+/// ([`gemm_lowp_frozen_from`]; the same bits). Returns whether it took that launch (`x` is
+/// then not written).
 #[allow(clippy::too_many_arguments)]
 fn linear_from<T: Float, O: Float>(
     q: &dyn Queue,
@@ -373,62 +370,13 @@ fn linear_from<T: Float, O: Float>(
     (m, n, k): (usize, usize, usize),
     gelu: bool,
 ) -> Result<bool> {
-    if fused_from(q, from, x, (w, b), y, (m, n, k), gelu)? {
-        return Ok(true);
+    if T::DTYPE != Dtype::F32 {
+        let op = linear_op((m, n, k), b.is_some(), gelu);
+        // SAFETY: `w` is a decoder weight (see `linear`).
+        if unsafe { gemm_lowp_frozen_from::<T, O>(q, &op, from, (x, w, y, b))? } {
+            return Ok(true);
+        }
     }
-    rows_from(q, dk, from, x, (m, k))?;
-    linear(q, nn, x, (w, b), y, (m, n, k), gelu)?;
-    Ok(false)
-}
-
-/// [`linear`] of the rows `from` describes in one launch that computes them too (instead of
-/// writing them into `x` first), where the product of a 16-bit model can
-/// ([`gemm_lowp_frozen_from`]); returns whether it ran (nothing runs otherwise).
-#[allow(clippy::too_many_arguments)]
-fn fused_from<T: Float, O: Float>(
-    q: &dyn Queue,
-    from: &RowsFrom<'_, T>,
-    x: &DeviceBuffer<T>,
-    (w, b): (&DeviceBuffer<T>, Option<&DeviceBuffer<O>>),
-    y: &DeviceBuffer<O>,
-    (m, n, k): (usize, usize, usize),
-    gelu: bool,
-) -> Result<bool> {
-    if T::DTYPE == Dtype::F32 {
-        return Ok(false);
-    }
-    let op = linear_op((m, n, k), b.is_some(), gelu);
-    // SAFETY: `w` is a decoder weight (see `linear`).
-    unsafe { gemm_lowp_frozen_from::<T, O>(q, &op, from, (x, w, y, b)) }
-}
-
-/// SwiGLU of the packed gate|up product `x · w[2n, k]ᵀ (+ b)` into `y: [m, n]` in one launch,
-/// without the product's own buffer, where the product of a 16-bit model has that form
-/// ([`gemm_lowp_frozen_glu`]; the bits of the product followed by the SwiGLU kernel); returns
-/// whether it ran (nothing runs otherwise).
-fn gated<T: Float>(
-    q: &dyn Queue,
-    x: &DeviceBuffer<T>,
-    (w, b): (&DeviceBuffer<T>, Option<&DeviceBuffer<T>>),
-    y: &DeviceBuffer<T>,
-    (m, n, k): (usize, usize, usize),
-) -> Result<bool> {
-    if T::DTYPE == Dtype::F32 {
-        return Ok(false);
-    }
-    let op = linear_op((m, 2 * n, k), b.is_some(), false);
-    // SAFETY: `w` is a decoder weight (see `linear`).
-    unsafe { gemm_lowp_frozen_glu::<T>(q, &op, (x, w), (y, b)) }
-}
-
-/// The rows `from` describes, written into `x` (`[m, k]`) by their own kernel.
-fn rows_from<T: Float>(
-    q: &dyn Queue,
-    dk: &DecoderKernels,
-    from: &RowsFrom<'_, T>,
-    x: &DeviceBuffer<T>,
-    (m, k): (usize, usize),
-) -> Result<()> {
     match *from {
         RowsFrom::Norm {
             x: src,
@@ -452,7 +400,8 @@ fn rows_from<T: Float>(
         )?,
         RowsFrom::SwiGlu { gu } => dk.swiglu(q, gu, x, (m, k))?,
     }
-    Ok(())
+    linear(q, nn, x, (w, b), y, (m, n, k), gelu)?;
+    Ok(false)
 }
 
 /// The norm of rows `r·stride + off` of the residual stream `x`, with `add` added first (the
@@ -858,24 +807,21 @@ impl Decoder {
             let w = (&blk.o_w, blk.o_b.as_ref());
             linear(q, &nn, &att, w, &proj, (n, d.d, qd), false)?;
             let rows2 = normed((x, spare), Some(&proj), &blk.norm2, (1, 0), ln);
-            let (up, up_dims) = ((&blk.up_w, blk.up_b.as_ref()), (n, d.up_cols(), d.d));
-            let up_fused = fused_from(q, &rows2, &h, up, &mid, up_dims, d.gpt2)?;
-            if up_fused {
+            let w = (&blk.up_w, blk.up_b.as_ref());
+            if linear_from(
+                q,
+                (&dk, &nn),
+                &rows2,
+                &h,
+                w,
+                &mid,
+                (n, d.up_cols(), d.d),
+                d.gpt2,
+            )? {
                 swap(&mut x, &mut spare);
-            } else {
-                rows_from(q, &dk, &rows2, &h, (n, d.d))?;
-            }
-            // Llama's SwiGLU straight out of the gate|up product where it has that form.
-            let glu = match &act {
-                Some(a) if !up_fused => gated(q, &h, up, a, (n, d.inter, d.d))?,
-                _ => false,
-            };
-            if !up_fused && !glu {
-                linear(q, &nn, &h, up, &mid, up_dims, d.gpt2)?;
             }
             let w = (&blk.down_w, blk.down_b.as_ref());
             match &act {
-                Some(a) if glu => linear(q, &nn, a, w, &proj, (n, d.d, d.inter), false)?,
                 Some(a) => {
                     let gated = RowsFrom::SwiGlu { gu: &mid };
                     linear_from(q, (&dk, &nn), &gated, a, w, &proj, (n, d.d, d.inter), false)?;
