@@ -188,14 +188,12 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 // ---- Attention over the cache, split along the keys (flash decoding) -------------------------
 
 // Threads (4 warps) of the attention kernel (the launcher uses exactly this), keys a lane group
-// loads before using them, valid keys per split in use (fewer where the splits merge inside a
-// cluster: few blocks, each a chain of latencies, so more of the cluster's blocks share the
-// keys), and the most splits (the merge keeps one weight per split and head in shared memory).
+// loads before using them, valid keys per split in use, and the most splits (the merge keeps
+// one weight per split and head in shared memory).
 #define DS_THREADS 128
 #define DS_WARPS 4
 #define DS_INFLIGHT 4
 #define DS_SPLIT_KEYS 64
-#define DS_CLUSTER_SPLIT_KEYS 32
 #define DS_MAX_SPLITS 64
 #define DS_MAX_CLUSTER 8
 #define DS_MAX_D 256
@@ -209,8 +207,7 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 // Block (n, y, s): the query heads h0 .. h0 + gc (gc ≤ GM) of key/value head y / hg (hg blocks
 // share one key/value head when it serves more than GM query heads), over split s of `used`
 // equal runs of the valid keys (rounded to 32 keys; `used` ≤ `splits` gives no split fewer
-// than DS_SPLIT_KEYS keys — DS_CLUSTER_SPLIT_KEYS with `cluster` — so a short cache is not
-// split at all). Each key and value row is
+// than DS_SPLIT_KEYS keys, so a short cache is not split at all). Each key and value row is
 // read once for all gc heads. The block's threads form KPB lane groups of LPK lanes (P
 // elements a load, PPL loads a lane); group k takes the split's keys k, k + KPB, ...
 // (DS_INFLIGHT of them loaded, keys and values together, before any is used), sums each key's
@@ -273,10 +270,8 @@ __device__ __forceinline__ void dec_attend_n(
         slot_ok = sln >= 0 && sln < S;
         valid = slot_ok && p >= 0 && p < Tmax;
         const int L = valid ? p + 1 : 0;
-        // Splits in use: no more than one per DS_SPLIT_KEYS (DS_CLUSTER_SPLIT_KEYS) valid
-        // keys (the others idle).
-        const int per = cluster ? DS_CLUSTER_SPLIT_KEYS : DS_SPLIT_KEYS;
-        used = max(1, min(splits, (L + per - 1) / per));
+        // Splits in use: no more than one per DS_SPLIT_KEYS valid keys (the others idle).
+        used = max(1, min(splits, (L + DS_SPLIT_KEYS - 1) / DS_SPLIT_KEYS));
         const int chunk = (((L + used - 1) / used) + 31) & ~31;
         k0 = min(L, s * chunk);
         k1 = min(L, k0 + chunk);
