@@ -94,7 +94,7 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_steps", format!("{pdl}{}", steps::SOURCE)),
         (
             "cudagraph_nn_sampling",
-            format!("{check}{}{}", philox::DRAW, sampling::SOURCE),
+            format!("{pdl}{check}{}{}", philox::DRAW, sampling::SOURCE),
         ),
         ("cudagraph_nn_cast", cast::SOURCE.to_string()),
         ("cudagraph_nn_lowp", lowp::source()),

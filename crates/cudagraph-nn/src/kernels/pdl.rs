@@ -12,8 +12,8 @@
 //! products) carry the prologue in their source.
 //!
 //! Switch: `CUDAGRAPH_PDL=1` launches every NN kernel with PDL, `CUDAGRAPH_PDL=0` none; unset,
-//! only the decoder's kernels and the few-row products launch with PDL, and only inside a
-//! capture (where a decode step measured 3–10 % faster with it; eager launches are slower with
+//! only the decoder's kernels, the few-row products and a generation step's sampling and
+//! bookkeeping launch with PDL, and only inside a capture (where a decode step measured 3–10 % faster with it; eager launches are slower with
 //! PDL, and some NN models measured slower in graphs). [`set_pdl`] overrides the variable
 //! in-process; devices before sm_90 always launch plainly.
 
@@ -83,8 +83,9 @@ fn decode_pdl(q: &dyn Queue) -> bool {
     on && q.device().supports_pdl()
 }
 
-/// Launches a decode-path kernel (`decoder.cu`, `gemv.cu`: every kernel lets the next one
-/// launch, then waits for the previous kernel before touching memory — `CG_PDL_ENTER()` —
+/// Launches a decode-path kernel (`decoder.cu`, `gemv.cu`, and a generation step's sampling and
+/// bookkeeping in `sampling.cu`: every kernel lets the next one launch, then waits for the
+/// previous kernel before touching memory — `CG_PDL_ENTER()` —
 /// except `gemv.cu`'s with `early` set, which first loads weights, and the attention of
 /// `decoder.cu` with `early` set, which first reads positions, slots, rotary frequencies and
 /// cache rows), with PDL where [`decode_pdl`] says.

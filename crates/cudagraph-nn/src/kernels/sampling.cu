@@ -378,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(SAMP_THREADS) sample_rows(
         const float* topp, const unsigned long long* state, unsigned long long offset, int* tokens,
         cg_check* flag, unsigned int check, unsigned long long* best, unsigned int* done,
         int split) {
+    CG_PDL_ENTER();
     __shared__ samp_shared s;
     const int r = blockIdx.x / split, b = blockIdx.x - r * split;
     if (r >= rows) return;
@@ -555,6 +556,7 @@ extern "C" __global__ void decode_advance(const int* tokens, int rows, int* ids,
                                           int* positions, int* finished, int* generated,
                                           const int* limit, int* history, int max_new,
                                           const int* eos, int n_eos, unsigned* live) {
+    CG_PDL_ENTER();
     int ev[DECODE_MAX_EOS];
 #pragma unroll
     for (int e = 0; e < DECODE_MAX_EOS; e++) ev[e] = e < n_eos ? eos[e] : 0;

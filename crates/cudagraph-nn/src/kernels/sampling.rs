@@ -195,8 +195,11 @@ impl SamplingKernels {
         // tokens[r] and best/done[r] (rows checked), reads state[0..2) (checked); rows·split
         // blocks fit an i32 (checked); its loop indices step at most 1024 past vocab (<
         // i32::MAX, checked).
+        // Launched as a decode-path kernel: it waits for the previous kernel before touching
+        // memory (CG_PDL_ENTER), so inside a capture it may launch while that kernel drains.
         unsafe {
-            Ok(q.launch(
+            super::pdl::launch_decode(
+                q,
                 &self.sample_rows,
                 LaunchConfig::linear(blocks as u32, SAMPLE_THREADS as u32),
                 &[
@@ -215,7 +218,7 @@ impl SamplingKernels {
                     p.done.into(),
                     Arg::I32(split as i32),
                 ],
-            )?)
+            )
         }
     }
 
@@ -325,8 +328,10 @@ impl SamplingKernels {
         // history[r·max_new + g] only for 0 <= g < max_new (rows·max_new checked), reads
         // eos[e] only for e < n_eos (n_eos <= DECODE_MAX_EOS and eos holds n_eos, checked);
         // thread 0 writes live[0] (it holds one, checked).
+        // A decode-path kernel too (CG_PDL_ENTER), after the sampling.
         unsafe {
-            Ok(q.launch(
+            super::pdl::launch_decode(
+                q,
                 &self.advance,
                 config,
                 &[
@@ -344,7 +349,7 @@ impl SamplingKernels {
                     Arg::I32(d.n_eos as i32),
                     d.live.into(),
                 ],
-            )?)
+            )
         }
     }
 }
