@@ -65,9 +65,7 @@ fn engines(op: &GemmOp) -> Vec<GemmEngine> {
 /// vector.
 const SHAPES: [(usize, usize); 3] = [(2304, 768), (768, 3072), (40, 8)];
 
-/// A wide output head, n not a multiple of 8 (rows 1 and 3 only: the reference is long); more
-/// column groups than the device holds blocks at once, so the lane kernel's blocks each take
-/// several.
+/// A wide output head, n not a multiple of 8 (rows 1 and 3 only: the reference is long).
 const WIDE: (usize, usize) = (32003, 2048);
 
 /// Written into outputs before a product that must not read them.

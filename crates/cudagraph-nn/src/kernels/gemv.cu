@@ -21,10 +21,7 @@
 // same k positions for every column: they stay in L1). Sums in f32 in a fixed order: each lane
 // its vectors in order, then a butterfly over the warp's lanes, then the ks warps of the column
 // in warp order through shared memory; the epilogue in f32 and one rounding to O on store. The
-// results do not depend on timing (replays equal eager runs bit for bit). The launcher gives the
-// lane kernel no more blocks than the device holds at once: block b takes the column groups b,
-// b + grid, ..., and loads its next group's first vectors before finishing the sums of the one
-// before (the same sums; the weight stream has no gap between a block's groups).
+// results do not depend on timing (replays equal eager runs bit for bit).
 //
 // Extents (checked by the launcher): x ≥ m·k, w ≥ n·k, y ≥ m·n, bias ≥ n when not null;
 // k a multiple of 8, x and w 16-byte aligned; 1 ≤ m ≤ M; ks divides GV_WARPS; n·k and m·n are
@@ -128,27 +125,19 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
     __shared__ float red[GV_WARPS * M];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int cols = GV_WARPS / ks;                // columns per block
-    const int groups = (n + cols - 1) / cols;      // column groups: g, g + gridDim.x, ...
+    const int cols = GV_WARPS / ks;  // columns per block
+    const int j = blockIdx.x * cols + warp / ks;
     const int slice = warp % ks;
     const int nv = k >> 3;  // 8-element vectors per row
+    // This warp's vectors [v0, v1) of the row; none for a column past n.
     const int v0 = (int)((long long)nv * slice / ks);
+    const int v1 = j < n ? (int)((long long)nv * (slice + 1) / ks) : v0;
+    const T* wr = w + (long long)(j < n ? j : 0) * k;
     const int step = 32 * GV_UNROLL;
-    // This warp's vectors [v0, v1) of its column in group g, and the weight row; none for a
-    // column past n.
-    int g = blockIdx.x, v1;
-    const T* wr;
-    auto column = [&](int gg) {
-        const int j = gg * cols + warp / ks;
-        v1 = j < n ? (int)((long long)nv * (slice + 1) / ks) : v0;
-        wr = w + (long long)(j < n ? j : 0) * k;
-    };
-    column(g);
     GvVec wv[GV_UNROLL];
     gv_fetch(wv, wr, v0 + lane, v1);
     if (early) CG_PDL_WAIT();
     pro();
-    for (;;) {
     float acc[M];
 #pragma unroll
     for (int r = 0; r < M; r++) acc[r] = 0.0f;
@@ -174,13 +163,6 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
         }
         if (v + step < v1) gv_fetch(wv, wr, v + step, v1);
     }
-    // The block's next group: its first vectors are in flight while this group's sums are
-    // finished (a grid of fewer blocks than groups streams the weights without a gap).
-    const int gn = g + (int)gridDim.x;
-    if (gn < groups) {
-        column(gn);
-        gv_fetch(wv, wr, v0 + lane, v1);
-    }
 #pragma unroll
     for (int r = 0; r < M; r++) {
         float s = acc[r];
@@ -189,12 +171,12 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
         if (lane == 0) red[warp * M + r] = s;
     }
     __syncthreads();
-    // Thread t finishes row t % M of the group's column t / M.
+    // Thread t finishes row t % M of the block's column t / M.
     const int t = threadIdx.x;
     if (t < cols * M) {
         const int c = t / M;
         const int r = t % M;
-        const int jj = g * cols + c;
+        const int jj = blockIdx.x * cols + c;
         if (jj < n && r < m) {
             float s = 0.0f;
             for (int q = 0; q < ks; q++) s += red[(c * ks + q) * M + r];
@@ -202,18 +184,10 @@ __device__ __forceinline__ void gemv_nt(const T* __restrict__ x, const T* __rest
             gv_store(y, bias, at, jj, s, alpha, beta, beta_on, ep);
         }
     }
-    if (gn >= groups) break;
-    __syncthreads();  // red is written again
-    g = gn;
-    }
 }
 
-// One row: eight blocks a multiprocessor (32 registers a thread), as the kernel holds
-// without the bound; the bound keeps it there.
-#define GV_BLOCKS(M) ((M) == 1 ? 8 : 1)
-
 #define GV_KERNEL(T, O, S, M)                                                                  \
-    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32, GV_BLOCKS(M))                  \
+    extern "C" __global__ void __launch_bounds__(GV_WARPS * 32)                                \
         gemv_##S##_m##M(const T* x, const T* w, O* y, const O* bias, int m, int n, int k,      \
                         int ks, float alpha, float beta, int beta_on, int ep, int early) {     \
         CG_PDL_TRIGGER();                                                                      \

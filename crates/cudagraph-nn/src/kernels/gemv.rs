@@ -237,8 +237,6 @@ fn overlap<A: cudagraph::Elem, B: cudagraph::Elem>(
 /// (SwiGLU: bf16, f16).
 pub struct GemvKernels {
     f: [[Function; 5]; 4],
-    /// Blocks of each lane kernel a multiprocessor holds at once.
-    resident: [[u32; 5]; 4],
     mma: [[Function; 3]; 4],
     norm: [[Function; 3]; 4],
     swiglu: [[Function; 3]; 2],
@@ -277,20 +275,7 @@ impl GemvKernels {
                     m.function(&format!("gemv_{kind}_{pair}_m4"))?,
                 ])
             };
-            let f = [
-                row("bf16_bf16")?,
-                row("bf16_f32")?,
-                row("f16_f16")?,
-                row("f16_f32")?,
-            ];
-            let mut resident = [[1u32; 5]; 4];
-            for (fp, rp) in f.iter().zip(resident.iter_mut()) {
-                for (k, r) in fp.iter().zip(rp.iter_mut()) {
-                    *r = k.blocks_per_multiprocessor((WARPS * 32) as u32, 0)?.max(1);
-                }
-            }
             Ok(GemvKernels {
-                resident,
                 norm: [
                     fused("norm", "bf16_bf16")?,
                     fused("norm", "bf16_f32")?,
@@ -298,7 +283,12 @@ impl GemvKernels {
                     fused("norm", "f16_f32")?,
                 ],
                 swiglu: [fused("swiglu", "bf16_bf16")?, fused("swiglu", "f16_f16")?],
-                f,
+                f: [
+                    row("bf16_bf16")?,
+                    row("bf16_f32")?,
+                    row("f16_f16")?,
+                    row("f16_f32")?,
+                ],
                 mma: [
                     tiles("bf16_bf16")?,
                     tiles("bf16_f32")?,
@@ -406,15 +396,10 @@ impl GemvKernels {
         need("gemv w", w, prod("gemv w", &[n, k])?)?;
         need("gemv y", y, prod("gemv y", &[m, n])?)?;
         let ep = epilogue_code(epilogue, bias, n)?;
-        let mut blocks = grid(kernel, n)?;
+        let blocks = grid(kernel, n)?;
         let f = match kernel {
             FewRow::Lanes(_) => {
-                let rows = ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M");
-                // No more blocks than the device holds at once: each takes every grid-th
-                // column group, the next group's first weights loaded while it finishes one.
-                let sms = q.device().info().multiprocessors.max(1);
-                blocks = blocks.min(sms.saturating_mul(self.resident[pair][rows]));
-                &self.f[pair][rows]
+                &self.f[pair][ROWS.iter().position(|&r| r >= m).expect("m ≤ GEMV_MAX_M")]
             }
             FewRow::Mma(_) => {
                 let t = m.div_ceil(8);
@@ -436,10 +421,8 @@ impl GemvKernels {
         )?);
         // SAFETY: gemv_S_mM and gemv_mma_S_tNT(x, w, y, bias, m, n, k, ks, alpha, beta,
         // beta_on, ep, early) with m ≤ M or m ≤ 8·NT (the instance chosen), GV_WARPS = 8 warps
-        // a block and ks dividing it (checked): block b's warps take columns j = g·(8/ks) +
-        // warp/ks for the groups g = b, b + grid, ... below ceil(n / (8/ks)) (lanes; a grid
-        // of at most that many blocks) or 16-column tiles (mma; weight rows past n clamped to
-        // n - 1) and
+        // a block and ks dividing it (checked): block b's warps take columns j = b·(8/ks) +
+        // warp/ks (lanes) or 16-column tiles (mma; weight rows past n clamped to n - 1) and
         // read w[j·k + p] only for j < n, p < k (n·k checked), x[r·k + p] for r < m, p < k (m·k
         // checked) with 16-byte loads at multiples of 8 elements (x and w 16-byte aligned, k a
         // multiple of 8: checked); the finishing threads read and write y[r·n + j] for r < m,

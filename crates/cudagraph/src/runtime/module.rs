@@ -416,27 +416,6 @@ impl Function {
         &self.name
     }
 
-    /// How many blocks of `threads` threads with `dynamic_smem` bytes of dynamic shared memory
-    /// one multiprocessor holds at once (the driver's occupancy calculator: registers, shared
-    /// memory and the thread and block limits).
-    pub fn blocks_per_multiprocessor(&self, threads: u32, dynamic_smem: usize) -> Result<u32> {
-        self._module.ctx.bind()?;
-        let mut blocks = 0;
-        // SAFETY: writes one int for a live function.
-        check(
-            unsafe {
-                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    &mut blocks,
-                    self.raw.0,
-                    threads as i32,
-                    dynamic_smem,
-                )
-            },
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        )?;
-        Ok(blocks.max(0) as u32)
-    }
-
     /// Ordinal of the device whose context the kernel was loaded into.
     pub fn ordinal(&self) -> usize {
         self._module.ordinal
