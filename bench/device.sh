@@ -50,7 +50,7 @@ PARTS=(
   "train|60|digits training: eager, graphed, and k steps per graph launch (WHILE node), MLP and CNN|TRAIN_MODELS"
   "precision|90|digits training graphed in f32, bf16 autocast and f16 autocast with the loss scaler, PRECISION_SEEDS seeds each: mean test accuracy and µs per step|PRECISION_SEEDS TRAIN_MODELS"
   "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED AB_SEED_RUNS"
-  "decode|300|cudagraph bench decode beside bench/decode_torch.py (transformers, StaticCache, torch.compile reduce-overhead), random-init gpt2-small and llama-1b from bench/hf_models.py; PyTorch compiles per shape, so one model per call (DECODE_MODELS=llama-1b); + .json|DECODE_MODELS DECODE_BATCHES DECODE_PROMPTS DECODE_STEPS DECODE_DTYPE"
+  "decode|300|cudagraph bench decode beside bench/decode_torch.py (transformers, StaticCache, torch.compile reduce-overhead), random-init gpt2-small and llama-1b from bench/hf_models.py; both models take about 350 s on an H100 (PyTorch compiles per shape; DECODE_MODELS=llama-1b for one); + .json|DECODE_MODELS DECODE_BATCHES DECODE_PROMPTS DECODE_STEPS DECODE_DTYPE"
   "parity|90|tiny GPT-2 and Llama folders in f32 and bf16, Hugging Face logits (bench/hf_reference.py) then cudagraph bench parity; fails on any mismatch|PARITY_MODELS PARITY_DTYPES PARITY_ROWS PARITY_STEPS"
 )
 
