@@ -423,8 +423,10 @@ pub struct AttendScratch {
 /// Query heads one attention block serves at most (the `GM` of `dec_attend_v4`/`_p4`; the one-
 /// and two-head instances serve key/value heads shared by that many query heads).
 const ATTEND_HEADS: usize = 4;
-/// Keys a split holds at least (the kernel rounds a split's run to this).
-const SPLIT_KEYS: usize = 32;
+/// Valid keys per split in use (`DS_SPLIT_KEYS`: the kernel uses at most one split per this
+/// many valid keys, so a cache of `max_len` positions never uses more than
+/// `ceil(max_len / SPLIT_KEYS)`).
+const SPLIT_KEYS: usize = 64;
 /// Keys a split holds at most when the cache is full, unless `MAX_SPLITS` caps it.
 const LONG_SPLIT_KEYS: usize = 256;
 /// The most splits along the keys (`DS_MAX_SPLITS`).
@@ -442,7 +444,8 @@ fn head_groups(s: &AttentionShape) -> usize {
 
 /// Splits along the keys for `s` on a device of `sms` multiprocessors: enough for four blocks
 /// a multiprocessor, and enough that a full cache gives no split more than `LONG_SPLIT_KEYS`
-/// keys; at most one per `SPLIT_KEYS` keys of the cache and `MAX_SPLITS`. Host data only, so a
+/// keys; at most one per `SPLIT_KEYS` keys of the cache (more would never be used: blocks that
+/// only idle, and in a cluster wait at its barriers) and `MAX_SPLITS`. Host data only, so a
 /// captured step keeps its split while the cache grows (the kernel spreads the valid keys over
 /// it).
 pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
@@ -825,11 +828,14 @@ mod tests {
             max_len,
             head_dim: 64,
         };
-        // GPT-2 small at batch 1 on 132 multiprocessors: 12 blocks, 44 splits fill 528.
-        assert_eq!(attend_splits(132, &shape(1, 12, 12, 2048)), 44);
+        // GPT-2 small at batch 1 on 132 multiprocessors: 12 blocks, 44 splits would fill 528,
+        // but a cache of 2048 uses at most 32.
+        assert_eq!(attend_splits(132, &shape(1, 12, 12, 2048)), 32);
+        assert_eq!(attend_splits(132, &shape(1, 12, 12, 4096)), 44);
         assert_eq!(attend_splits(132, &shape(8, 32, 8, 2048)), 8);
-        // Capped by the cache (one split per 32 keys) and by MAX_SPLITS.
-        assert_eq!(attend_splits(132, &shape(1, 12, 12, 100)), 4);
+        // Capped by the cache (one split per 64 keys) and by MAX_SPLITS.
+        assert_eq!(attend_splits(132, &shape(1, 12, 12, 100)), 2);
+        assert_eq!(attend_splits(132, &shape(1, 12, 12, 200)), 4);
         // Long caches split even when the batch fills the device: 256 keys a split.
         assert_eq!(attend_splits(132, &shape(64, 12, 12, 1100)), 5);
         assert_eq!(attend_splits(1000, &shape(1, 1, 1, 1 << 20)), MAX_SPLITS);
@@ -841,7 +847,7 @@ mod tests {
         assert_eq!(attend_splits(132, &shape(64, 32, 8, 256)), 1);
         assert_eq!(attend_splits(132, &shape(2, 12, 12, 2048)), 22);
         assert_eq!(attend_splits(132, &shape(48, 12, 12, 200)), 1);
-        assert_eq!(attend_splits(0, &shape(1, 1, 1, 64)), 2);
+        assert_eq!(attend_splits(0, &shape(1, 1, 1, 64)), 1);
         // Few blocks: at most 16 (token, head group) pairs and 8 splits.
         assert!(few_blocks(&shape(1, 12, 12, 200), 7));
         assert!(few_blocks(&shape(2, 32, 8, 200), 8));
