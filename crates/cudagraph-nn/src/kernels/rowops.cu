@@ -60,6 +60,56 @@ __device__ __forceinline__ void ds_store(T* __restrict__ p, const float* f) {
     *reinterpret_cast<DsRaw<P * sizeof(T)>*>(p) = r;
 }
 
+// The norm's steps for one vector of P elements of a row, shared by dec_norm_row and
+// dec_norm_row_staged so that both compute the same bits. dec_norm_load: vector k of xr into
+// v, with ar (not null) its vector of ar added and rounded to T, the sum written to xw when
+// that is not null; returns acc plus the P values, added in order. dec_norm_dev: acc plus the squared
+// deviations from mu. dec_norm_out: the normalised values with the weight w (and the bias b,
+// which may be null; LayerNorm) or, with rms, as LlamaRMSNorm: the normalised value in the
+// model's type, then the weight; the bias is added in one fused multiply-add wherever this
+// runs.
+template <typename T, int P>
+__device__ __forceinline__ float dec_norm_load(const T* xr, const T* ar, T* xw, int k, float* v,
+                                              float acc) {
+    ds_load<T, P>(xr + k * P, v);
+    if (ar) {
+        float t[P];
+        ds_load<T, P>(ar + k * P, t);
+#pragma unroll
+        for (int e = 0; e < P; e++) v[e] = dec_rnd<T>(v[e] + t[e]);
+        if (xw) ds_store<T, P>(xw + k * P, v);
+    }
+#pragma unroll
+    for (int e = 0; e < P; e++) acc += v[e];
+    return acc;
+}
+
+template <int P>
+__device__ __forceinline__ float dec_norm_dev(const float* v, float mu, float acc) {
+#pragma unroll
+    for (int e = 0; e < P; e++) {
+        const float d = v[e] - mu;
+        acc = fmaf(d, d, acc);
+    }
+    return acc;
+}
+
+template <typename T, int P>
+__device__ __forceinline__ void dec_norm_out(const float* v, int k, float mu, float rs,
+                                             const float* __restrict__ w,
+                                             const float* __restrict__ b, int rms, float* o) {
+#pragma unroll
+    for (int e = 0; e < P; e++) {
+        const int c = k * P + e;
+        if (rms) {
+            o[e] = dec_rnd<T>(v[e] * rs) * w[c];
+        } else {
+            const float s = (v[e] - mu) * rs;
+            o[e] = b ? fmaf(s, w[c], b[c]) : s * w[c];
+        }
+    }
+}
+
 // One row of the decoder's norm (dec_norm_n in decoder.cu), by a block of exactly
 // DEC_ROW_THREADS threads: yr = norm of xr (LayerNorm with the bias b, which may be null, or
 // RMSNorm with rms = 1) with the weight w. With ar (not null) the row of ar is first added into
@@ -81,56 +131,27 @@ __device__ __forceinline__ void dec_norm_row(const T* xr, const T* ar, T* xw,
 #pragma unroll
     for (int i = 0; i < DEC_NORM_LOADS; i++) {
         const int k = tid + i * DEC_ROW_THREADS;
-        if (k < nv) {
-            ds_load<T, P>(xr + k * P, v[i]);
-            if (ar) {
-                float t[P];
-                ds_load<T, P>(ar + k * P, t);
-#pragma unroll
-                for (int e = 0; e < P; e++) v[i][e] = dec_rnd<T>(v[i][e] + t[e]);
-                if (xw) ds_store<T, P>(xw + k * P, v[i]);
-            }
-#pragma unroll
-            for (int e = 0; e < P; e++) acc += v[i][e];
-        }
+        if (k < nv) acc = dec_norm_load<T, P>(xr, ar, xw, k, v[i], acc);
     }
     const float mu = rms ? 0.0f : dec_block_sum(acc, sh) / (float)cols;
     acc = 0.0f;
 #pragma unroll
-    for (int i = 0; i < DEC_NORM_LOADS; i++) {
-        if (tid + i * DEC_ROW_THREADS < nv) {
-#pragma unroll
-            for (int e = 0; e < P; e++) {
-                const float d = v[i][e] - mu;
-                acc = fmaf(d, d, acc);
-            }
-        }
-    }
+    for (int i = 0; i < DEC_NORM_LOADS; i++)
+        if (tid + i * DEC_ROW_THREADS < nv) acc = dec_norm_dev<P>(v[i], mu, acc);
     const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
 #pragma unroll
     for (int i = 0; i < DEC_NORM_LOADS; i++) {
         const int k = tid + i * DEC_ROW_THREADS;
         if (k < nv) {
             float o[P];
-#pragma unroll
-            for (int e = 0; e < P; e++) {
-                const int c = k * P + e;
-                // RMSNorm as LlamaRMSNorm: the normalised value in the model's type, then
-                // the weight. The bias is added in one fused multiply-add wherever this runs.
-                if (rms) {
-                    o[e] = dec_rnd<T>(v[i][e] * rs) * w[c];
-                } else {
-                    const float s = (v[i][e] - mu) * rs;
-                    o[e] = b ? fmaf(s, w[c], b[c]) : s * w[c];
-                }
-            }
+            dec_norm_out<T, P>(v[i], k, mu, rs, w, b, rms, o);
             ds_store<T, P>(yr + k * P, o);
         }
     }
 }
 
 // dec_norm_row's arithmetic with the row staged in yr instead of registers: each thread the
-// same elements (k = tid + i·DEC_ROW_THREADS, i < DEC_NORM_LOADS), the same sums in the same
+// same elements (k = tid + i·DEC_ROW_THREADS, i < DEC_NORM_LOADS), the same steps in the same
 // order and the same block sums, so the same bits (the staged values are values of T, stored
 // and read back exactly). One vector of the row live at a time: for kernels that keep other
 // loads in flight meanwhile (few registers, full occupancy). yr is the block's own (shared
@@ -149,17 +170,8 @@ __device__ __forceinline__ void dec_norm_row_staged(const T* xr, const T* ar, T*
         const int k = tid + i * DEC_ROW_THREADS;
         if (k < nv) {
             float v[P];
-            ds_load<T, P>(xr + k * P, v);
-            if (ar) {
-                float t[P];
-                ds_load<T, P>(ar + k * P, t);
-#pragma unroll
-                for (int e = 0; e < P; e++) v[e] = dec_rnd<T>(v[e] + t[e]);
-                if (xw) ds_store<T, P>(xw + k * P, v);
-            }
+            acc = dec_norm_load<T, P>(xr, ar, xw, k, v, acc);
             ds_store<T, P>(yr + k * P, v);
-#pragma unroll
-            for (int e = 0; e < P; e++) acc += v[e];
         }
     }
     const float mu = rms ? 0.0f : dec_block_sum(acc, sh) / (float)cols;
@@ -170,11 +182,7 @@ __device__ __forceinline__ void dec_norm_row_staged(const T* xr, const T* ar, T*
         if (k < nv) {
             float v[P];
             ds_load<T, P>(yr + k * P, v);
-#pragma unroll
-            for (int e = 0; e < P; e++) {
-                const float d = v[e] - mu;
-                acc = fmaf(d, d, acc);
-            }
+            acc = dec_norm_dev<P>(v, mu, acc);
         }
     }
     const float rs = 1.0f / sqrtf(dec_block_sum(acc, sh) / (float)cols + eps);
@@ -184,16 +192,7 @@ __device__ __forceinline__ void dec_norm_row_staged(const T* xr, const T* ar, T*
         if (k < nv) {
             float v[P];
             ds_load<T, P>(yr + k * P, v);
-#pragma unroll
-            for (int e = 0; e < P; e++) {
-                const int c = k * P + e;
-                if (rms) {
-                    v[e] = dec_rnd<T>(v[e] * rs) * w[c];
-                } else {
-                    const float s = (v[e] - mu) * rs;
-                    v[e] = b ? fmaf(s, w[c], b[c]) : s * w[c];
-                }
-            }
+            dec_norm_out<T, P>(v, k, mu, rs, w, b, rms, v);
             ds_store<T, P>(yr + k * P, v);
         }
     }
