@@ -228,15 +228,19 @@ __device__ __forceinline__ void dec_swiglu_n(const T* __restrict__ gu, T* __rest
 // loads its first keys and values before waiting for the previous kernel
 // (griddepcontrol.wait), so those loads overlap that kernel's end. The arithmetic is the
 // same either way (the same bits).
-template <typename T, int P, int PPL, int GM>
+//
+// DC, when not 0, is the head dimension the instance was compiled for (its module's
+// DS_HEAD_DIM, which the launcher matches to the shape's); the D argument is then not read.
+template <typename T, int P, int PPL, int GM, int DC>
 __device__ __forceinline__ void dec_attend_n(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const int* __restrict__ pos, const int* __restrict__ slot, T* __restrict__ out,
     float* __restrict__ part, float* __restrict__ stat, unsigned int* __restrict__ count, int Tq,
-    int H, int Hkv, int S, int Tmax, int D, float scale, int splits, int fresh, int early,
+    int H, int Hkv, int S, int Tmax, int Darg, float scale, int splits, int fresh, int early,
     int cluster, const float* __restrict__ inv_freq, cg_check* flag, unsigned int check,
     unsigned int slot_check) {
     typedef DsRaw<P * sizeof(T)> Raw;
+    const int D = DC > 0 ? DC : Darg;
     __shared__ float red[GM * DS_THREADS * P * PPL];  // KPB·D ≤ DS_THREADS·P·PPL
     __shared__ float gm_[DS_THREADS][GM], gl_[DS_THREADS][GM];  // each group's max and sum
     __shared__ float sm[GM], sl[GM], stot[GM];
@@ -421,6 +425,7 @@ __device__ __forceinline__ void dec_attend_n(
                 }
 #pragma unroll
                 for (int g = 0; g < GM; g++)
+#pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1)
                         dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
                 if (j < k1) {
@@ -606,23 +611,40 @@ __device__ __forceinline__ void dec_attend_n(
     put_own();
 }
 
-// dec_attend_NAME_S: P elements a load, PPL loads a lane, GM query heads a block. The
-// 16-byte instances ("v") serve 1, 2 and up to 4 query heads per key/value head; the pair
-// instance ("p") head dimensions that are not whole 16-byte loads. They let the next kernel
+// dec_attend_NAME_S: P elements a load, PPL loads a lane, GM query heads a block, DC the head
+// dimension fixed at compile time (0: the D argument), MINB blocks a multiprocessor the
+// compiler must fit (registers). The 16-byte instances ("v") serve 1, 2 and up to 4 query
+// heads per key/value head, compiled per head dimension (DS_HEAD_DIM, a module of their own:
+// the lane layout, the loops over a row and the shuffles of each dot product are then
+// constants); "v4o" is "v4" held to 128 registers a thread, four blocks a multiprocessor
+// instead of three, for grids of many blocks; the pair instance ("p") serves head dimensions
+// that are not whole 16-byte loads, or rows not aligned to them. They let the next kernel
 // launch at once and wait for the previous one inside (after the early loads).
 #define DS_VEC_LOADS(T) (sizeof(T) == 4 ? 2 : 1)
-#define DEC_ATTEND(T, S, NAME, P, PPL, GM)                                                    \
-    extern "C" __global__ void __launch_bounds__(DS_THREADS) dec_attend_##NAME##_##S(         \
+#define DEC_ATTEND(T, S, NAME, P, PPL, GM, DC, MINB)                                          \
+    extern "C" __global__ void __launch_bounds__(DS_THREADS, MINB) dec_attend_##NAME##_##S(   \
         const T* q, const T* kc, const T* vc, const int* pos, const int* slot, T* out,         \
         float* part, float* stat, unsigned int* count, int Tq, int H, int Hkv, int NS,         \
         int Tmax, int D, float scale, int splits, int fresh, int early, int cluster,           \
         const float* inv_freq, cg_check* flag, unsigned int check, unsigned int slot_check) {  \
         CG_PDL_TRIGGER();                                                                     \
-        dec_attend_n<T, P, PPL, GM>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,  \
-                                    NS, Tmax, D, scale, splits, fresh, early, cluster,         \
-                                    inv_freq, flag, check, slot_check);                        \
+        dec_attend_n<T, P, PPL, GM, DC>(q, kc, vc, pos, slot, out, part, stat, count, Tq, H,   \
+                                        Hkv, NS, Tmax, D, scale, splits, fresh, early,         \
+                                        cluster, inv_freq, flag, check, slot_check);           \
     }
 
+#ifdef DS_HEAD_DIM
+// The attention module of one head dimension: the 16-byte instances only.
+#define DEC_ATTEND_FIXED(T, S)                                                                \
+    DEC_ATTEND(T, S, v1, 16 / sizeof(T), DS_VEC_LOADS(T), 1, DS_HEAD_DIM, 1)                  \
+    DEC_ATTEND(T, S, v2, 16 / sizeof(T), DS_VEC_LOADS(T), 2, DS_HEAD_DIM, 1)                  \
+    DEC_ATTEND(T, S, v4, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 1)                  \
+    DEC_ATTEND(T, S, v4o, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 4)
+
+DEC_ATTEND_FIXED(float, f32)
+DEC_ATTEND_FIXED(bf16_t, bf16)
+DEC_ATTEND_FIXED(f16_t, f16)
+#else
 #define DEC_INSTANCES(T, S)                                                                   \
     extern "C" __global__ void dec_embed_##S(const int* ids, const T* wte, const T* wpe,       \
                                              const int* pos, T* y, int tokens, int dim,        \
@@ -651,11 +673,9 @@ __device__ __forceinline__ void dec_attend_n(
         CG_PDL_ENTER();                                                                       \
         dec_swiglu_n<T>(gu, y, N, M);                                                         \
     }                                                                                         \
-    DEC_ATTEND(T, S, v1, 16 / sizeof(T), DS_VEC_LOADS(T), 1)                                  \
-    DEC_ATTEND(T, S, v2, 16 / sizeof(T), DS_VEC_LOADS(T), 2)                                  \
-    DEC_ATTEND(T, S, v4, 16 / sizeof(T), DS_VEC_LOADS(T), 4)                                  \
-    DEC_ATTEND(T, S, p4, 2, 4, 4)
+    DEC_ATTEND(T, S, p4, 2, 4, 4, 0, 1)
 
 DEC_INSTANCES(float, f32)
 DEC_INSTANCES(bf16_t, bf16)
 DEC_INSTANCES(f16_t, f16)
+#endif
