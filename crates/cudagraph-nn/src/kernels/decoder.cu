@@ -634,16 +634,15 @@ __device__ __forceinline__ void dec_attend_n(
     }
 
 #ifdef DS_HEAD_DIM
-// The attention module of one head dimension: the 16-byte instances only.
+// The attention module of one head dimension and element type (DS_ATTEND_T, suffix
+// DS_ATTEND_S): the 16-byte instances only.
 #define DEC_ATTEND_FIXED(T, S)                                                                \
     DEC_ATTEND(T, S, v1, 16 / sizeof(T), DS_VEC_LOADS(T), 1, DS_HEAD_DIM, 1)                  \
     DEC_ATTEND(T, S, v2, 16 / sizeof(T), DS_VEC_LOADS(T), 2, DS_HEAD_DIM, 1)                  \
     DEC_ATTEND(T, S, v4, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 1)                  \
     DEC_ATTEND(T, S, v4o, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 4)
 
-DEC_ATTEND_FIXED(float, f32)
-DEC_ATTEND_FIXED(bf16_t, bf16)
-DEC_ATTEND_FIXED(f16_t, f16)
+DEC_ATTEND_FIXED(DS_ATTEND_T, DS_ATTEND_S)
 #else
 #define DEC_INSTANCES(T, S)                                                                   \
     extern "C" __global__ void dec_embed_##S(const int* ids, const T* wte, const T* wpe,       \

@@ -18,9 +18,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudagraph::{register_check, Arg, Device, DeviceBuffer, LaunchConfig, Queue, QueueExt};
+use cudagraph::{
+    register_check, Arg, Device, DeviceBuffer, Function, LaunchConfig, Queue, QueueExt,
+};
 
-use crate::dtype::Float;
+use crate::dtype::{Dtype, Float};
 use crate::error::{NnError, Result};
 use crate::extent::{need, prod};
 use crate::kernels::attention::AttentionShape;
@@ -65,16 +67,26 @@ pub fn source() -> String {
     )
 }
 
-/// The name and CUDA source of the attention module of head dimension `head_dim`: the module's
-/// source with `DS_HEAD_DIM` defined, which compiles the 16-byte attention instances alone, for
-/// rows of exactly that many elements. With the head dimension a constant the lane layout, the
-/// loops over a row and each dot product's shuffles are resolved at compile time (on the H100,
-/// ncu: GPT-2 small's attention at batch 1 after 128 tokens 10.8 → 8.6 µs, a Llama-shaped
-/// model's at batch 64 after 1024 tokens 162 → 109 µs).
-pub fn attend_source(head_dim: usize) -> (String, String) {
+/// The name and CUDA source of the attention module of head dimension `head_dim` and element
+/// type `dtype`: the module's source with `DS_HEAD_DIM` and the type defined, which compiles
+/// the 16-byte attention instances of that type alone, for rows of exactly that many elements.
+/// With the head dimension a constant the lane layout, the loops over a row and each dot
+/// product's shuffles are resolved at compile time (on the H100, ncu: GPT-2 small's attention
+/// at batch 1 after 128 tokens 10.8 → 8.6 µs, a Llama-shaped model's at batch 64 after 1024
+/// tokens 162 → 109 µs).
+pub fn attend_source(head_dim: usize, dtype: Dtype) -> (String, String) {
+    let (t, suffix) = match dtype {
+        Dtype::F32 => ("float", "f32"),
+        Dtype::Bf16 => ("bf16_t", "bf16"),
+        Dtype::F16 => ("f16_t", "f16"),
+    };
     (
-        format!("cudagraph_nn_decoder_attend_d{head_dim}"),
-        format!("#define DS_HEAD_DIM {head_dim}\n{}", source()),
+        format!("cudagraph_nn_decoder_attend_d{head_dim}_{suffix}"),
+        format!(
+            "#define DS_HEAD_DIM {head_dim}\n#define DS_ATTEND_T {t}\n#define DS_ATTEND_S \
+             {suffix}\n{}",
+            source()
+        ),
     )
 }
 
@@ -136,6 +148,10 @@ impl QkvDims {
     }
 }
 
+/// The 16-byte attention kernels of one head dimension and type: one, two and up to four query
+/// heads a block, and up to four at four blocks a multiprocessor.
+type AttendVector = Arc<[Function; 4]>;
+
 /// The decoder kernels of one device (a [`Device::extension`]).
 pub struct DecoderKernels {
     embed: ByType,
@@ -143,8 +159,9 @@ pub struct DecoderKernels {
     qkv: ByType,
     swiglu: ByType,
     /// 16-byte loads, one, two and up to four query heads a block, and up to four held to four
-    /// blocks a multiprocessor, by head dimension (compiled on first use, [`attend_source`]).
-    attend_v: Mutex<Vec<(usize, Arc<[ByType; 4]>)>>,
+    /// blocks a multiprocessor, by head dimension and type (compiled on first use,
+    /// [`attend_source`]).
+    attend_v: Mutex<Vec<((usize, Dtype), AttendVector)>>,
     /// Pair loads, up to four query heads a block.
     attend_p: ByType,
     id_check: u32,
@@ -178,23 +195,25 @@ impl DecoderKernels {
         })?)
     }
 
-    /// The 16-byte attention kernels for rows of `head_dim` elements (one, two and up to four
-    /// query heads a block; up to four at four blocks a multiprocessor), compiling their
-    /// module on the first call for that head dimension.
-    fn attend_vector(&self, device: &Device, head_dim: usize) -> Result<Arc<[ByType; 4]>> {
+    /// The 16-byte attention kernels for rows of `head_dim` elements of `T` (one, two and up to
+    /// four query heads a block; up to four at four blocks a multiprocessor), compiling their
+    /// module on the first call for that head dimension and type.
+    fn attend_vector<T: Float>(&self, device: &Device, head_dim: usize) -> Result<AttendVector> {
+        let key = (head_dim, T::DTYPE);
         let mut all = self.attend_v.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, k)) = all.iter().find(|(d, _)| *d == head_dim) {
+        if let Some((_, k)) = all.iter().find(|(d, _)| *d == key) {
             return Ok(k.clone());
         }
-        let (name, src) = attend_source(head_dim);
+        let (name, src) = attend_source(head_dim, T::DTYPE);
         let m = cudagraph::runtime::with_relaxed_capture(|| device.compile(&name, &src))?;
+        let f = |k: &str| m.function(&format!("{k}_{}", T::DTYPE.name()));
         let k = Arc::new([
-            ByType::load(&m, "dec_attend_v1")?,
-            ByType::load(&m, "dec_attend_v2")?,
-            ByType::load(&m, "dec_attend_v4")?,
-            ByType::load(&m, "dec_attend_v4o")?,
+            f("dec_attend_v1")?,
+            f("dec_attend_v2")?,
+            f("dec_attend_v4")?,
+            f("dec_attend_v4o")?,
         ]);
-        all.push((head_dim, k.clone()));
+        all.push((key, k.clone()));
         Ok(k)
     }
 
@@ -733,12 +752,12 @@ impl DecoderKernels {
             // the registers (H100, Llama-shaped model, ours: batch 64 after 1024 tokens 3.14 →
             // 3.01 ms a step, batch 1 after 128 tokens 1.153 → 1.170).
             let per_kv = s.heads / s.kv_heads;
-            v = self.attend_vector(q.device(), s.head_dim)?;
+            v = self.attend_vector::<T>(q.device(), s.head_dim)?;
             let k = match per_kv.min(3) {
                 3 if !scratch.few => 3,
                 n => n - 1,
             };
-            v[k].of::<T>("decoder attention")?
+            &v[k]
         } else {
             self.attend_p.of::<T>("decoder attention")?
         };
@@ -828,21 +847,17 @@ mod tests {
         }
         assert!(src.contains("dec_attend_##NAME##_##S("));
         // The vector instances: in the module of one head dimension, fixed to it.
-        let (name, fixed) = attend_source(80);
-        assert_eq!(name, "cudagraph_nn_decoder_attend_d80");
-        assert!(fixed.starts_with("#define DS_HEAD_DIM 80\n"));
+        let (name, fixed) = attend_source(80, Dtype::Bf16);
+        assert_eq!(name, "cudagraph_nn_decoder_attend_d80_bf16");
+        assert!(fixed.starts_with(
+            "#define DS_HEAD_DIM 80\n#define DS_ATTEND_T bf16_t\n#define DS_ATTEND_S bf16\n"
+        ));
         for k in ATTEND_KERNELS {
             let v = k.strip_prefix("dec_attend_").unwrap();
             let inst = format!("DEC_ATTEND(T, S, {v}, 16 / sizeof(T), DS_VEC_LOADS(T),");
             assert!(fixed.contains(&inst), "{k}");
         }
-        for inst in [
-            "DEC_ATTEND_FIXED(float, f32)",
-            "DEC_ATTEND_FIXED(bf16_t, bf16)",
-            "DEC_ATTEND_FIXED(f16_t, f16)",
-        ] {
-            assert!(fixed.contains(inst), "{inst}");
-        }
+        assert!(fixed.contains("DEC_ATTEND_FIXED(DS_ATTEND_T, DS_ATTEND_S)"));
         assert!(src.contains("#define DS_MAX_SPLITS 64"));
         for inst in [
             "DEC_INSTANCES(float, f32)",

@@ -63,8 +63,9 @@ pub const SOURCE: &str = concat!(
 /// Every NVRTC module this crate compiles: its name and its CUDA source exactly as compiled.
 /// The loaders take their source from here, and `tests/kernels_compile.rs` compiles them all
 /// (where NVRTC is installed) so a kernel that does not compile fails a test, not a user. The
-/// decoder's attention is compiled per head dimension ([`decoder::attend_source`]); the
-/// modules of 64 and 128, the common ones, stand for the others here.
+/// decoder's attention is compiled per head dimension and element type
+/// ([`decoder::attend_source`]); the modules of 64 and 128, the common head dimensions, in bf16
+/// and f32 stand for the others here.
 pub fn module_sources() -> Vec<(&'static str, String)> {
     let check = cudagraph::DEVICE_CHECK_CUDA;
     let pdl = cudagraph::PDL_CUDA;
@@ -106,12 +107,16 @@ pub fn module_sources() -> Vec<(&'static str, String)> {
         ("cudagraph_nn_causal", causal::source()),
         ("cudagraph_nn_decoder", decoder::source()),
         (
-            "cudagraph_nn_decoder_attend_d64",
-            decoder::attend_source(64).1,
+            "cudagraph_nn_decoder_attend_d64_bf16",
+            decoder::attend_source(64, crate::dtype::Dtype::Bf16).1,
         ),
         (
-            "cudagraph_nn_decoder_attend_d128",
-            decoder::attend_source(128).1,
+            "cudagraph_nn_decoder_attend_d128_bf16",
+            decoder::attend_source(128, crate::dtype::Dtype::Bf16).1,
+        ),
+        (
+            "cudagraph_nn_decoder_attend_d64_f32",
+            decoder::attend_source(64, crate::dtype::Dtype::F32).1,
         ),
         ("cudagraph_nn_gemv", gemv::source()),
         (
