@@ -63,11 +63,11 @@ __device__ __forceinline__ void ds_store(T* __restrict__ p, const float* f) {
 // The norm's steps for one vector of P elements of a row, shared by dec_norm_row and
 // dec_norm_row_staged so that both compute the same bits. dec_norm_load: vector k of xr into
 // v, with ar (not null) its vector of ar added and rounded to T, the sum written to xw when
-// that is not null; returns acc plus the P values, added in order. dec_norm_dev: acc plus the squared
-// deviations from mu. dec_norm_out: the normalised values with the weight w (and the bias b,
-// which may be null; LayerNorm) or, with rms, as LlamaRMSNorm: the normalised value in the
-// model's type, then the weight; the bias is added in one fused multiply-add wherever this
-// runs.
+// that is not null; returns acc plus the P values, added in order. dec_norm_dev: acc plus the
+// squared deviations from mu. dec_norm_out: the normalised values with the weight w (and the
+// bias b, which may be null; LayerNorm) or, with rms, as LlamaRMSNorm: the normalised value in
+// the model's type, then the weight; the bias is added in one fused multiply-add wherever
+// this runs. o may be v.
 template <typename T, int P>
 __device__ __forceinline__ float dec_norm_load(const T* xr, const T* ar, T* xw, int k, float* v,
                                               float acc) {
