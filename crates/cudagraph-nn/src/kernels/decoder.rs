@@ -789,10 +789,10 @@ impl DecoderKernels {
         // its limits (validated: H, Hkv, Tmax, S, Tq ≤ 65535 where they are grid sizes,
         // splits ≤ 64); a vector instance comes from the module of D (`attend_vector`), whose
         // compile-time head dimension is this D; 128 threads, the kernel's static shared
-        // memory (≤ 34 KB). With
-        // `cluster` the splits (≤ 8, the scratch's) are one cluster and part, stat and count
-        // are not touched; with `early` (fresh only) it reads pos, slot, inv_freq and cache
-        // rows below a token's position before its wait: the caller's promise.
+        // memory (≤ 34 KB). With `cluster` the splits (≤ 8, the scratch's) are one cluster and
+        // part, stat and count are not touched; with `early` (fresh only) it reads pos, slot,
+        // inv_freq and cache rows below a token's position before its wait: the caller's
+        // promise.
         unsafe {
             launch_decode_in(
                 q,

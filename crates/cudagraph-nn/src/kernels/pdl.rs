@@ -13,9 +13,10 @@
 //!
 //! Switch: `CUDAGRAPH_PDL=1` launches every NN kernel with PDL, `CUDAGRAPH_PDL=0` none; unset,
 //! only the decoder's kernels, the few-row products and a generation step's sampling and
-//! bookkeeping launch with PDL, and only inside a capture (where a decode step measured 3–10 % faster with it; eager launches are slower with
-//! PDL, and some NN models measured slower in graphs). [`set_pdl`] overrides the variable
-//! in-process; devices before sm_90 always launch plainly.
+//! bookkeeping launch with PDL, and only inside a capture (where a decode step measured 3–10 %
+//! faster with it; eager launches are slower with PDL, and some NN models measured slower in
+//! graphs). [`set_pdl`] overrides the variable in-process; devices before sm_90 always launch
+//! plainly.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};

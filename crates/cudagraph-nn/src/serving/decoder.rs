@@ -32,10 +32,11 @@
 //! four rows, a norm (with its residual add) or SwiGLU runs inside the product after it where
 //! the registry chose the few-row lane kernel for that product and its grid fits the device
 //! at once (`gemm_lowp_frozen_from`): one launch instead of two, the same bits; such a norm
-//! writes the residual sums into a spare buffer, which becomes the stream. f32 models run the products with `run_gemm` (GPT-2's GELU is then
-//! one more elementwise kernel). The residual adds round as Hugging Face's do: the product is
-//! rounded to the model's type, then the sum (adding in the product's epilogue instead rounds
-//! once, and measurably moves 16-bit logits away from Hugging Face's).
+//! writes the residual sums into a spare buffer, which becomes the stream. f32 models run the
+//! products with `run_gemm` (GPT-2's GELU is then one more elementwise kernel). The residual
+//! adds round as Hugging Face's do: the product is rounded to the model's type, then the sum
+//! (adding in the product's epilogue instead rounds once, and measurably moves 16-bit logits
+//! away from Hugging Face's).
 //!
 //! # Rows of different lengths
 //!
