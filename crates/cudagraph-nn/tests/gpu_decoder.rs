@@ -730,8 +730,9 @@ fn misuse_is_a_typed_error() {
 /// once for the query heads sharing it) against the KV cache's (head dimension over lanes, one
 /// block per head) on caches of 2600 positions: head dimensions served by 16-byte loads (64,
 /// 80, 96, 128, 256) and by pair loads (6), one to eight query heads per key/value head (more
-/// than one block's four), a single token (the most splits) and 2×2 tokens, rows mapped to
-/// slots out of order, lengths 1 to 2600. Equal within f32 rounding (1e-5 of the largest
+/// than one block's four), a single token (the most splits), 2×2 tokens and 64 tokens (more
+/// blocks than the device holds at once: the instances held to fewer registers), rows mapped
+/// to slots out of order, lengths 1 to 2600. Equal within f32 rounding (1e-5 of the largest
 /// |output|; the two sum in different orders), within one unit of the last place of bf16
 /// (2⁻⁷ of the largest value) and f16 (2⁻¹⁰).
 #[test]
@@ -757,6 +758,12 @@ fn the_two_attention_kernels_agree_on_long_caches() {
     agree::<bf16>(&s, (32, 8, 64), (1, 1), 1.0 / 128.0, 200);
     agree::<bf16>(&s, (12, 12, 64), (1, 1), 1.0 / 128.0, 200);
     agree::<f16>(&s, (4, 4, 6), (2, 1), 1.0 / 1024.0, 200);
+    // More blocks than the device holds at once: the instances held to fewer registers (one
+    // query head a block, and up to four).
+    agree::<bf16>(&s, (12, 12, 64), (64, 1), 1.0 / 128.0, 2600);
+    agree::<f32>(&s, (12, 12, 64), (64, 1), 1e-5, 2600);
+    agree::<bf16>(&s, (32, 8, 64), (64, 1), 1.0 / 128.0, 2600);
+    agree::<f16>(&s, (8, 1, 128), (16, 4), 1.0 / 1024.0, 2600);
 }
 
 fn agree<T: cudagraph_nn::dtype::Float>(
@@ -801,7 +808,15 @@ fn agree<T: cudagraph_nn::dtype::Float>(
         .attend(s, &shape, &q, (&k, &v), &pos, Some(&slots), &oa, scale)
         .unwrap();
     let dk = DecoderKernels::get(s.device()).unwrap();
-    let scratch = dk.attend_scratch(s, &shape).unwrap();
+    let scratch = dk.attend_scratch::<T>(s, &shape).unwrap();
+    // 64 query tokens over a cache of 2600 positions: thousands of blocks, more than a device
+    // holds at once, so the instances held to fewer registers are the ones checked.
+    if batch * tokens >= 64 {
+        assert!(
+            scratch.waves(),
+            "{heads}/{kv_heads} heads of {d}, {batch}×{tokens}"
+        );
+    }
     // Twice through one scratch: the arrival counters are left at zero for the next call.
     for _ in 0..2 {
         dk.attend(
@@ -922,7 +937,7 @@ fn buffers_off_sixteen_bytes_take_the_narrow_loads() {
             .unwrap(),
     );
     let (pos, slots) = (buf(&s, &[299]), buf(&s, &[0]));
-    let scratch = dk.attend_scratch(&s, &shape).unwrap();
+    let scratch = dk.attend_scratch::<bf16>(&s, &shape).unwrap();
     let n = shape.query_len().unwrap();
     let (oa, ob) = (s.alloc::<bf16>(n).unwrap(), s.alloc::<bf16>(n).unwrap());
     let scale = 0.125;
@@ -1130,7 +1145,7 @@ fn one_token<T: cudagraph_nn::dtype::Float>(
     );
     let scale = 1.0 / (d as f32).sqrt();
     let dk = DecoderKernels::get(s.device()).unwrap();
-    let scratch = dk.attend_scratch(s, &shape).unwrap();
+    let scratch = dk.attend_scratch::<T>(s, &shape).unwrap();
     let dims = QkvDims {
         rows: batch,
         tokens: 1,

@@ -254,6 +254,7 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "dec_attend_v2_bf16",
             "dec_attend_v4_bf16",
             "dec_attend_v4o_bf16",
+            "dec_attend_v1o_bf16",
         ],
     ),
     (
@@ -263,6 +264,7 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "dec_attend_v2_bf16",
             "dec_attend_v4_bf16",
             "dec_attend_v4o_bf16",
+            "dec_attend_v1o_bf16",
         ],
     ),
     (
@@ -272,6 +274,7 @@ const EXPECTED: &[(&str, &[&str])] = &[
             "dec_attend_v2_f32",
             "dec_attend_v4_f32",
             "dec_attend_v4o_f32",
+            "dec_attend_v1o_f32",
         ],
     ),
     (

@@ -617,7 +617,8 @@ __device__ __forceinline__ void dec_attend_n(
 // heads per key/value head, compiled per head dimension (DS_HEAD_DIM, a module of their own:
 // the lane layout, the loops over a row and the shuffles of each dot product are then
 // constants); "v4o" is "v4" held to 128 registers a thread, four blocks a multiprocessor
-// instead of three, for grids of many blocks; the pair instance ("p") serves head dimensions
+// instead of three, and "v1o" "v1" held to 64, eight blocks, for grids of more blocks than
+// the device holds at once; the pair instance ("p") serves head dimensions
 // that are not whole 16-byte loads, or rows not aligned to them. They let the next kernel
 // launch at once and wait for the previous one inside (after the early loads).
 #define DS_VEC_LOADS(T) (sizeof(T) == 4 ? 2 : 1)
@@ -640,7 +641,8 @@ __device__ __forceinline__ void dec_attend_n(
     DEC_ATTEND(T, S, v1, 16 / sizeof(T), DS_VEC_LOADS(T), 1, DS_HEAD_DIM, 1)                  \
     DEC_ATTEND(T, S, v2, 16 / sizeof(T), DS_VEC_LOADS(T), 2, DS_HEAD_DIM, 1)                  \
     DEC_ATTEND(T, S, v4, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 1)                  \
-    DEC_ATTEND(T, S, v4o, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 4)
+    DEC_ATTEND(T, S, v4o, 16 / sizeof(T), DS_VEC_LOADS(T), 4, DS_HEAD_DIM, 4)                 \
+    DEC_ATTEND(T, S, v1o, 16 / sizeof(T), DS_VEC_LOADS(T), 1, DS_HEAD_DIM, 8)
 
 DEC_ATTEND_FIXED(DS_ATTEND_T, DS_ATTEND_S)
 #else

@@ -42,11 +42,12 @@ pub const KERNELS: [&str; 5] = [
 /// Every kernel of an attention module of one head dimension ([`attend_source`]), without its
 /// type suffix.
 #[cfg(any(test, feature = "internals"))]
-pub const ATTEND_KERNELS: [&str; 4] = [
+pub const ATTEND_KERNELS: [&str; 5] = [
     "dec_attend_v1",
     "dec_attend_v2",
     "dec_attend_v4",
     "dec_attend_v4o",
+    "dec_attend_v1o",
 ];
 
 /// Threads of the norm kernel (`DEC_ROW_THREADS`).
@@ -149,8 +150,8 @@ impl QkvDims {
 }
 
 /// The 16-byte attention kernels of one head dimension and type: one, two and up to four query
-/// heads a block, and up to four at four blocks a multiprocessor.
-type AttendVector = Arc<[Function; 4]>;
+/// heads a block, then up to four held to four blocks a multiprocessor and one held to eight.
+type AttendVector = Arc<[Function; 5]>;
 
 /// The decoder kernels of one device (a [`Device::extension`]).
 pub struct DecoderKernels {
@@ -158,8 +159,7 @@ pub struct DecoderKernels {
     norm: ByType,
     qkv: ByType,
     swiglu: ByType,
-    /// 16-byte loads, one, two and up to four query heads a block, and up to four held to four
-    /// blocks a multiprocessor, by head dimension and type (compiled on first use,
+    /// 16-byte loads ([`AttendVector`]) by head dimension and type (compiled on first use,
     /// [`attend_source`]).
     attend_v: Mutex<Vec<((usize, Dtype), AttendVector)>>,
     /// Pair loads, up to four query heads a block.
@@ -195,9 +195,8 @@ impl DecoderKernels {
         })?)
     }
 
-    /// The 16-byte attention kernels for rows of `head_dim` elements of `T` (one, two and up to
-    /// four query heads a block; up to four at four blocks a multiprocessor), compiling their
-    /// module on the first call for that head dimension and type.
+    /// The 16-byte attention kernels for rows of `head_dim` elements of `T` ([`AttendVector`]),
+    /// compiling their module on the first call for that head dimension and type.
     fn attend_vector<T: Float>(&self, device: &Device, head_dim: usize) -> Result<AttendVector> {
         let key = (head_dim, T::DTYPE);
         let mut all = self.attend_v.lock().unwrap_or_else(|p| p.into_inner());
@@ -212,6 +211,7 @@ impl DecoderKernels {
             f("dec_attend_v2")?,
             f("dec_attend_v4")?,
             f("dec_attend_v4o")?,
+            f("dec_attend_v1o")?,
         ]);
         all.push((key, k.clone()));
         Ok(k)
@@ -471,9 +471,20 @@ pub struct AttendScratch {
     /// `stat` and `count` are then unused), and one-token steps read early where the caller
     /// allows it.
     few: bool,
+    /// More blocks than the device holds at once of the kernel with its full registers: the
+    /// instances held to fewer registers (`v4o`, `v1o`) run them.
+    waves: bool,
     part: DeviceBuffer<f32>,
     stat: DeviceBuffer<f32>,
     count: DeviceBuffer<u32>,
+}
+
+impl AttendScratch {
+    /// Whether its shape's attention has more blocks than the device holds at once of the
+    /// kernel with its full registers, so that the instances held to fewer registers run it.
+    pub fn waves(&self) -> bool {
+        self.waves
+    }
 }
 
 /// Query heads one attention block serves at most (the `GM` of `dec_attend_v4`/`_p4`; the one-
@@ -490,7 +501,7 @@ const MAX_SPLITS: usize = 64;
 /// The most splits along the keys when they merge inside a thread-block cluster
 /// (`DS_MAX_CLUSTER`, the portable cluster size).
 const MAX_CLUSTER_SPLITS: usize = 8;
-/// The most (token, head group) pairs of an attention with few blocks.
+/// The most (token, head group) pairs of an attention with few blocks that does not split.
 const FEW_PAIRS: usize = 16;
 
 /// Blocks of one key/value head per token: `ceil((heads / kv_heads) / ATTEND_HEADS)`.
@@ -512,18 +523,27 @@ pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
         .clamp(1, MAX_SPLITS)
 }
 
-/// Whether an attention of `s` split `splits` ways has few blocks: at most `FEW_PAIRS` (token,
-/// head group) pairs and at most `MAX_CLUSTER_SPLITS` splits (a short cache). Such a step is
-/// bound by its chain of memory round trips, not by bandwidth, so there the splits merge inside
-/// a thread-block cluster (a barrier instead of a fence, a counter and two reads of global
-/// memory) and one-token steps read early. Both were measured on the H100 (ours, two rounds,
-/// one call, ms per step): faster there (GPT-2 small at batch 1 after 128 tokens 0.367 / 0.375
-/// → 0.341 / 0.340) and slower with more blocks (a Llama-shaped model at batch 8 after 128
-/// tokens 1.54 / 1.46 → 1.74 / 1.65; at batch 64 after 1024 tokens 3.85 → 4.50: a cluster's
-/// blocks hold their multiprocessors until its slowest block has merged) or more splits than
-/// a cluster holds (the Llama-shaped model at batch 1 after 1024 tokens 1.365 → 1.399).
-pub fn few_blocks(s: &AttentionShape, splits: usize) -> bool {
-    s.batch * s.tokens * s.kv_heads * head_groups(s) <= FEW_PAIRS && splits <= MAX_CLUSTER_SPLITS
+/// Whether an attention of `s` split `splits` ways has few blocks, on a device that holds
+/// `resident` blocks of its kernel at once: every block resident at once (one wave), at most
+/// `MAX_CLUSTER_SPLITS` splits (a short cache), and a split — or, unsplit, at most `FEW_PAIRS`
+/// (token, head group) pairs. Such a step is bound by its chain of memory round trips, not by
+/// bandwidth, so there the splits merge inside a thread-block cluster (a barrier instead of a
+/// fence, a counter and two reads of global memory) and one-token steps read early. Measured
+/// on the H100 (ours, ms per step, two rounds in one call): faster in one wave (GPT-2 small
+/// after 128 tokens at batch 1 0.367 / 0.375 → 0.341 / 0.340, at batch 8 0.470 / 0.469 → 0.443
+/// / 0.443, after 1024 tokens at batch 8 0.573 / 0.574 → 0.545 / 0.545; the Llama-shaped
+/// model after 128 tokens at batch 8 1.427 / 1.422 → 1.343 / 1.341), slower beyond it (the
+/// Llama-shaped model after 1024 tokens at batch 8, 512 blocks where 396 fit, 1.567 / 1.572 →
+/// 1.670 / 1.677; after 128 tokens at batch 32 1.553 → 1.617; GPT-2 small after 1024 tokens at
+/// batch 32 1.021 → 1.086: a cluster's blocks hold their multiprocessors until its slowest
+/// block has merged) or with more splits than a cluster holds (the Llama-shaped model at batch
+/// 1 after 1024 tokens 1.365 → 1.399). Unsplit, only the early reads remain, and with many
+/// blocks they measured no faster (GPT-2 small at batch 32 after 128 tokens 0.537 → 0.540).
+pub fn few_blocks(s: &AttentionShape, splits: usize, resident: usize) -> bool {
+    let pairs = s.batch * s.tokens * s.kv_heads * head_groups(s);
+    splits <= MAX_CLUSTER_SPLITS
+        && pairs.saturating_mul(splits) <= resident
+        && (splits > 1 || pairs <= FEW_PAIRS)
 }
 
 /// Which instance of the attention kernel serves `head_dim` for `T` over buffers at `addrs`
@@ -560,12 +580,26 @@ impl DecoderKernels {
     /// [`attend_splits`] and the device's multiprocessors; on sm_90+ the splits of a token
     /// merge inside a thread-block cluster), from `q`'s allocator; the counters are zeroed on
     /// `q`. No memory when the attention does not split or the splits merge in a cluster.
-    pub fn attend_scratch(&self, q: &dyn Queue, shape: &AttentionShape) -> Result<AttendScratch> {
+    pub fn attend_scratch<T: Float>(
+        &self,
+        q: &dyn Queue,
+        shape: &AttentionShape,
+    ) -> Result<AttendScratch> {
         shape.validate()?;
         let sms = q.device().info().multiprocessors as usize;
         let splits = attend_splits(sms, shape);
-        let few = q.device().supports_clusters() && few_blocks(shape, splits);
+        // The blocks the device holds at once of the instance with its full registers (the
+        // one-, two- or four-head one of 16-byte loads where the head dimension allows them).
+        let kernel = if vector_loads::<T>(shape.head_dim, &[])? {
+            let v = self.attend_vector::<T>(q.device(), shape.head_dim)?;
+            v[(shape.heads / shape.kv_heads).min(3) - 1].clone()
+        } else {
+            self.attend_p.of::<T>("decoder attention")?.clone()
+        };
+        let resident = sms * kernel.max_active_blocks(ATTEND_THREADS, 0)? as usize;
+        let few = q.device().supports_clusters() && few_blocks(shape, splits, resident);
         let groups = shape.kv_heads * head_groups(shape);
+        let blocks = shape.batch * shape.tokens * groups * splits;
         let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
         let (parts, stats, counts) = if splits == 1 || few {
             (1, 1, 1)
@@ -585,6 +619,7 @@ impl DecoderKernels {
             splits,
             groups,
             few,
+            waves: blocks > resident,
             part: q.alloc::<f32>(parts)?,
             stat: q.alloc::<f32>(stats)?,
             count,
@@ -747,14 +782,20 @@ impl DecoderKernels {
         let v;
         let kernel = if vector_loads::<T>(s.head_dim, &addrs)? {
             // Up to four query heads a block at 145 registers a thread leave room for three
-            // blocks a multiprocessor; held to 128 registers, four. A grid of many blocks
-            // streams the cache faster with four, a few blocks' latency chain is shorter with
-            // the registers (H100, Llama-shaped model, ours: batch 64 after 1024 tokens 3.14 →
-            // 3.01 ms a step, batch 1 after 128 tokens 1.153 → 1.170).
+            // blocks a multiprocessor; held to 128 registers, four (`v4o`); one head a block,
+            // 80 registers, held to 64, eight (`v1o`). A grid of more blocks than the device
+            // holds at once streams the cache faster held, one wave's latency chain is shorter
+            // with the registers (H100, ours, ms a step; the Llama-shaped model: batch 64 after
+            // 1024 tokens 3.14 → 3.01 held, batch 1 after 128 tokens 1.153 → 1.170 held, batch
+            // 1 after 1024 tokens, 272 blocks where 396 fit, 1.291 / 1.297 held → 1.264 not,
+            // batch 8 after 1024 tokens, 512 blocks, 1.567 / 1.572 held → 1.618 not; GPT-2
+            // small at batch 64: 0.714 / 0.715 → 0.688 / 0.687 held after 128 tokens, 1.595 /
+            // 1.593 → 1.536 / 1.541 after 1024).
             let per_kv = s.heads / s.kv_heads;
             v = self.attend_vector::<T>(q.device(), s.head_dim)?;
             let k = match per_kv.min(3) {
-                3 if !scratch.few => 3,
+                3 if scratch.waves => 3,
+                1 if scratch.waves => 4,
                 n => n - 1,
             };
             &v[k]
@@ -929,12 +970,19 @@ mod tests {
         assert_eq!(attend_splits(132, &shape(2, 12, 12, 2048)), 22);
         assert_eq!(attend_splits(132, &shape(48, 12, 12, 200)), 1);
         assert_eq!(attend_splits(0, &shape(1, 1, 1, 64)), 1);
-        // Few blocks: at most 16 (token, head group) pairs and 8 splits.
-        assert!(few_blocks(&shape(1, 12, 12, 200), 7));
-        assert!(few_blocks(&shape(2, 32, 8, 200), 8));
-        assert!(!few_blocks(&shape(1, 12, 12, 2048), 44));
-        assert!(!few_blocks(&shape(2, 12, 12, 200), 7));
-        assert!(!few_blocks(&shape(8, 32, 8, 200), 7));
+        // Few blocks: one wave, at most 8 splits, and split or at most 16 (token, head group)
+        // pairs.
+        assert!(few_blocks(&shape(1, 12, 12, 200), 7, 396));
+        assert!(few_blocks(&shape(2, 32, 8, 200), 8, 396));
+        assert!(few_blocks(&shape(8, 32, 8, 200), 3, 396));
+        assert!(few_blocks(&shape(16, 32, 8, 200), 3, 396));
+        assert!(!few_blocks(&shape(17, 32, 8, 200), 3, 396));
+        assert!(!few_blocks(&shape(1, 12, 12, 2048), 44, 396));
+        assert!(!few_blocks(&shape(8, 32, 8, 1100), 9, 1000));
+        assert!(few_blocks(&shape(1, 32, 8, 60), 1, 396));
+        assert!(few_blocks(&shape(2, 32, 8, 60), 1, 396));
+        assert!(!few_blocks(&shape(3, 32, 8, 60), 1, 396));
+        assert!(!few_blocks(&shape(usize::MAX / 8, 1, 1, 60), 2, 396));
     }
 
     #[test]

@@ -764,7 +764,7 @@ impl Decoder {
             head_dim: d.head_dim,
         };
         let scale = 1.0 / (d.head_dim as f32).sqrt();
-        let scratch = dk.attend_scratch(q, &att_shape)?;
+        let scratch = dk.attend_scratch::<T>(q, &att_shape)?;
         // The down product of the layer before, still to be added into x.
         let mut pending = None;
         for (blk, kv) in m.blocks.iter().zip(&io.cache.layers) {

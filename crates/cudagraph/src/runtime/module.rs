@@ -426,6 +426,31 @@ impl Function {
         &self.params
     }
 
+    /// How many blocks of `block_threads` threads and `dynamic_smem` bytes of dynamic shared
+    /// memory one multiprocessor holds at once (the driver's occupancy calculator: registers,
+    /// shared memory and the block limit of this kernel on its device).
+    pub fn max_active_blocks(&self, block_threads: u32, dynamic_smem: usize) -> Result<u32> {
+        self._module.ctx.bind()?;
+        let threads = i32::try_from(block_threads).map_err(|_| Error::InvalidLaunch {
+            kernel: self.name.to_string(),
+            problem: format!("{block_threads} threads a block"),
+        })?;
+        let mut n = 0;
+        // SAFETY: writes one int for a live function of the bound context.
+        check(
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut n,
+                    self.raw.0,
+                    threads,
+                    dynamic_smem,
+                )
+            },
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )?;
+        Ok(n.max(0) as u32)
+    }
+
     /// Checks argument count, sizes and kinds against the declaration.
     pub(crate) fn check_args(&self, args: &[ParamValue<'_>]) -> Result<()> {
         check_args(&self.name, &self.params, args)
