@@ -576,10 +576,13 @@ fn vector_loads<T: Float>(head_dim: usize, addrs: &[u64]) -> Result<bool> {
 }
 
 impl DecoderKernels {
-    /// The scratch of a split attention of `shape` on `q` (the splits from
-    /// [`attend_splits`] and the device's multiprocessors; on sm_90+ the splits of a token
-    /// merge inside a thread-block cluster), from `q`'s allocator; the counters are zeroed on
-    /// `q`. No memory when the attention does not split or the splits merge in a cluster.
+    /// The scratch of a split attention of `shape` over elements of `T` on `q` (the splits
+    /// from [`attend_splits`] and the device's multiprocessors; on sm_90+ the splits of a
+    /// token merge inside a thread-block cluster where [`few_blocks`]; the instance that runs
+    /// it from whether its grid fits the device at once, [`AttendScratch::waves`] — so this
+    /// compiles the attention module of the head dimension on its first call), from `q`'s
+    /// allocator; the counters are zeroed on `q`. No memory when the attention does not split
+    /// or the splits merge in a cluster.
     pub fn attend_scratch<T: Float>(
         &self,
         q: &dyn Queue,
@@ -599,7 +602,8 @@ impl DecoderKernels {
         let resident = sms * kernel.max_active_blocks(ATTEND_THREADS, 0)? as usize;
         let few = q.device().supports_clusters() && few_blocks(shape, splits, resident);
         let groups = shape.kv_heads * head_groups(shape);
-        let blocks = shape.batch * shape.tokens * groups * splits;
+        // Below 2⁶³ (the query's length, checked by `validate`, bounds the first product).
+        let blocks = (shape.batch * shape.tokens * groups).saturating_mul(splits);
         let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
         let (parts, stats, counts) = if splits == 1 || few {
             (1, 1, 1)
