@@ -504,6 +504,23 @@ const MAX_CLUSTER_SPLITS: usize = 8;
 /// The most (token, head group) pairs of an attention with few blocks that does not split.
 const FEW_PAIRS: usize = 16;
 
+/// (token, head group) pairs of `s`: the attention's blocks per split. Below 2⁶³ for a shape
+/// `AttentionShape::validate` accepts (at most the query's length).
+fn pairs(s: &AttentionShape) -> usize {
+    s.batch * s.tokens * s.kv_heads * head_groups(s)
+}
+
+/// Which of an [`AttendVector`]'s instances serves `per_kv` query heads per key/value head:
+/// one, two or up to four heads a block, held to fewer registers (`v1o`, `v4o`) where the grid
+/// is more than the device holds at once (`waves`).
+fn vector_instance(per_kv: usize, waves: bool) -> usize {
+    match per_kv.min(3) {
+        3 if waves => 3,
+        1 if waves => 4,
+        n => n - 1,
+    }
+}
+
 /// Blocks of one key/value head per token: `ceil((heads / kv_heads) / ATTEND_HEADS)`.
 fn head_groups(s: &AttentionShape) -> usize {
     (s.heads / s.kv_heads).div_ceil(ATTEND_HEADS)
@@ -516,8 +533,7 @@ fn head_groups(s: &AttentionShape) -> usize {
 /// captured step keeps its split while the cache grows (the kernel spreads the valid keys over
 /// it).
 pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
-    let blocks = s.batch * s.tokens * s.kv_heads * head_groups(s);
-    (4 * sms.max(1) / blocks)
+    (4 * sms.max(1) / pairs(s))
         .max(s.max_len.div_ceil(LONG_SPLIT_KEYS))
         .min(s.max_len.div_ceil(SPLIT_KEYS))
         .clamp(1, MAX_SPLITS)
@@ -540,10 +556,9 @@ pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
 /// 1 after 1024 tokens 1.365 → 1.399). Unsplit, only the early reads remain, and with many
 /// blocks they measured no faster (GPT-2 small at batch 32 after 128 tokens 0.537 → 0.540).
 pub fn few_blocks(s: &AttentionShape, splits: usize, resident: usize) -> bool {
-    let pairs = s.batch * s.tokens * s.kv_heads * head_groups(s);
     splits <= MAX_CLUSTER_SPLITS
-        && pairs.saturating_mul(splits) <= resident
-        && (splits > 1 || pairs <= FEW_PAIRS)
+        && pairs(s).saturating_mul(splits) <= resident
+        && (splits > 1 || pairs(s) <= FEW_PAIRS)
 }
 
 /// Which instance of the attention kernel serves `head_dim` for `T` over buffers at `addrs`
@@ -595,15 +610,14 @@ impl DecoderKernels {
         // one-, two- or four-head one of 16-byte loads where the head dimension allows them).
         let kernel = if vector_loads::<T>(shape.head_dim, &[])? {
             let v = self.attend_vector::<T>(q.device(), shape.head_dim)?;
-            v[(shape.heads / shape.kv_heads).min(3) - 1].clone()
+            v[vector_instance(shape.heads / shape.kv_heads, false)].clone()
         } else {
             self.attend_p.of::<T>("decoder attention")?.clone()
         };
         let resident = sms * kernel.max_active_blocks(ATTEND_THREADS, 0)? as usize;
         let few = q.device().supports_clusters() && few_blocks(shape, splits, resident);
         let groups = shape.kv_heads * head_groups(shape);
-        // Below 2⁶³ (the query's length, checked by `validate`, bounds the first product).
-        let blocks = (shape.batch * shape.tokens * groups).saturating_mul(splits);
+        let blocks = pairs(shape).saturating_mul(splits);
         let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
         let (parts, stats, counts) = if splits == 1 || few {
             (1, 1, 1)
@@ -795,14 +809,8 @@ impl DecoderKernels {
             // batch 8 after 1024 tokens, 512 blocks, 1.567 / 1.572 held → 1.618 not; GPT-2
             // small at batch 64: 0.714 / 0.715 → 0.688 / 0.687 held after 128 tokens, 1.595 /
             // 1.593 → 1.536 / 1.541 after 1024).
-            let per_kv = s.heads / s.kv_heads;
             v = self.attend_vector::<T>(q.device(), s.head_dim)?;
-            let k = match per_kv.min(3) {
-                3 if scratch.waves => 3,
-                1 if scratch.waves => 4,
-                n => n - 1,
-            };
-            &v[k]
+            &v[vector_instance(s.heads / s.kv_heads, scratch.waves)]
         } else {
             self.attend_p.of::<T>("decoder attention")?
         };
@@ -987,6 +995,13 @@ mod tests {
         assert!(few_blocks(&shape(2, 32, 8, 60), 1, 396));
         assert!(!few_blocks(&shape(3, 32, 8, 60), 1, 396));
         assert!(!few_blocks(&shape(usize::MAX / 8, 1, 1, 60), 2, 396));
+        // Instances: v1, v2, v4 in one wave; v1o and v4o beyond it (two heads keep v2).
+        let one_wave: Vec<usize> = [1, 2, 3, 4, 8].map(|h| vector_instance(h, false)).to_vec();
+        let waves: Vec<usize> = [1, 2, 3, 4, 8].map(|h| vector_instance(h, true)).to_vec();
+        assert_eq!(one_wave, [0, 1, 2, 2, 2]);
+        assert_eq!(waves, [4, 1, 3, 3, 3]);
+        assert_eq!(ATTEND_KERNELS[4], "dec_attend_v1o");
+        assert_eq!(ATTEND_KERNELS[3], "dec_attend_v4o");
     }
 
     #[test]
