@@ -36,6 +36,11 @@ pub struct DecodeArgs {
     /// Untimed decode steps before them.
     #[arg(long, default_value_t = 8)]
     pub warmup: usize,
+    /// Timed runs per (prompt, batch), each from the same prompts (prefilled again, then the
+    /// warm-up and the timed steps); the row reports their median, as
+    /// `bench/decode_torch.py --repeats` does.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
     /// Decode steps per launch (a WHILE node around the captured step); --steps must be a
     /// multiple, the warm-up is rounded up to one.
     #[arg(long, default_value_t = 1)]
@@ -43,6 +48,10 @@ pub struct DecodeArgs {
     /// Run the steps eagerly instead of replaying captured steps.
     #[arg(long)]
     pub no_graph: bool,
+    /// Capture the steps with the engines the registry measured per product, without timing
+    /// alternatives in the captured forward (`GenerationOptions::tune` off).
+    #[arg(long)]
+    pub no_tune: bool,
     /// Seed of the random prompts (and the sampler; decoding is greedy).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -63,7 +72,24 @@ struct Row {
     tokens_per_s: f64,
     prefill_ms: f64,
     capture_ms: f64,
+    /// Tuning the captured forward's engines (0 where the registry had tuned them before).
+    tune_ms: f64,
     graph_mib: f64,
+    repeats: usize,
+    /// Every repeat's ms per step, in order.
+    samples_ms: Vec<f64>,
+}
+
+/// The median of `v` (non-empty): the middle value, or the mean of the two middle ones.
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let h = s.len() / 2;
+    if s.len() % 2 == 1 {
+        s[h]
+    } else {
+        (s[h - 1] + s[h]) / 2.0
+    }
 }
 
 /// The untimed and timed launches of `k` steps each: the warm-up rounded up to whole launches,
@@ -84,8 +110,8 @@ fn launches(warmup: usize, steps: usize, k: usize) -> Result<(usize, usize), Str
 
 pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     let (batches, prompts) = (&a.batches, &a.prompts);
-    if a.steps == 0 || batches.contains(&0) || prompts.contains(&0) {
-        return Err("--steps, --batches and --prompts must be at least 1".into());
+    if a.steps == 0 || a.repeats == 0 || batches.contains(&0) || prompts.contains(&0) {
+        return Err("--steps, --repeats, --batches and --prompts must be at least 1".into());
     }
     let k = a.steps_per_launch as usize;
     let (warmup_launches, launches) = launches(a.warmup, a.steps, k)?;
@@ -99,22 +125,24 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
         |n| n.to_string_lossy().into(),
     );
     outln!(
-        "{name}: {} layers, vocab {}, {} weights, loaded in {:.1} s; {} timed steps after {} warm-up, {k} a launch",
+        "{name}: {} layers, vocab {}, {} weights, loaded in {:.1} s; {} timed steps after {} warm-up, {k} a launch; median of {} runs",
         decoder.config().layers(),
         decoder.vocab(),
         a.dtype,
         t.elapsed().as_secs_f64(),
         a.steps,
-        warmup_launches * k
+        warmup_launches * k,
+        a.repeats
     );
     outln!(
-        "{:>7} {:>6} {:>12} {:>12} {:>11} {:>11} {:>10}",
+        "{:>7} {:>6} {:>12} {:>12} {:>11} {:>11} {:>9} {:>10}",
         "prompt",
         "batch",
         "ms/step",
         "tokens/s",
         "prefill ms",
         "capture ms",
+        "tune ms",
         "graph MiB"
     );
     let (e0, e1) = (
@@ -132,6 +160,7 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
             let mut opts = GenerationOptions::new(batch, max_len);
             opts.buckets = vec![batch];
             opts.graphs = !a.no_graph;
+            opts.tune = !a.no_tune;
             opts.seed = a.seed;
             opts.steps_per_launch = a.steps_per_launch;
             let mut gen = Generation::new(&mut s, decoder.clone(), opts)?;
@@ -145,21 +174,28 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
                     sampling: SamplingParams::greedy(),
                 })
                 .collect();
-            s.synchronize()?;
-            let t = Instant::now();
-            gen.join(&s, &requests)?;
-            s.synchronize()?;
-            let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-            for _ in 0..warmup_launches {
-                gen.step(&s)?;
+            let (mut samples, mut prefills) = (Vec::new(), Vec::new());
+            for _ in 0..a.repeats {
+                s.synchronize()?;
+                let t = Instant::now();
+                let slots = gen.join(&s, &requests)?;
+                s.synchronize()?;
+                prefills.push(t.elapsed().as_secs_f64() * 1e3);
+                for _ in 0..warmup_launches {
+                    gen.step(&s)?;
+                }
+                s.stream_handle().record(&e0)?;
+                for _ in 0..launches {
+                    gen.step(&s)?;
+                }
+                s.stream_handle().record(&e1)?;
+                e1.synchronize()?;
+                samples.push(e0.elapsed_ms(&e1)? as f64 / a.steps as f64);
+                for slot in slots {
+                    gen.leave(&s, slot)?;
+                }
             }
-            s.stream_handle().record(&e0)?;
-            for _ in 0..launches {
-                gen.step(&s)?;
-            }
-            s.stream_handle().record(&e1)?;
-            e1.synchronize()?;
-            let ms = e0.elapsed_ms(&e1)? as f64 / a.steps as f64;
+            let (ms, prefill_ms) = (median(&samples), median(&prefills));
             let stats = gen.stats();
             let row = Row {
                 model: name.clone(),
@@ -172,16 +208,20 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
                 tokens_per_s: batch as f64 * 1e3 / ms,
                 prefill_ms,
                 capture_ms: stats.capture_time.as_secs_f64() * 1e3,
+                tune_ms: stats.tune_time.as_secs_f64() * 1e3,
                 graph_mib: stats.graph_bytes as f64 / (1 << 20) as f64,
+                repeats: a.repeats,
+                samples_ms: samples,
             };
             outln!(
-                "{:>7} {:>6} {:>12.4} {:>12.0} {:>11.1} {:>11.1} {:>10.1}",
+                "{:>7} {:>6} {:>12.4} {:>12.0} {:>11.1} {:>11.1} {:>9.1} {:>10.1}",
                 row.prompt,
                 row.batch,
                 row.ms_per_step,
                 row.tokens_per_s,
                 row.prefill_ms,
                 row.capture_ms,
+                row.tune_ms,
                 row.graph_mib
             );
             rows.push(row);
@@ -196,7 +236,14 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::launches;
+    use super::{launches, median};
+
+    #[test]
+    fn the_median_is_the_middle_run() {
+        assert_eq!(median(&[3.0]), 3.0);
+        assert_eq!(median(&[0.9, 0.5, 0.7]), 0.7);
+        assert_eq!(median(&[0.5, 0.9, 0.6, 0.7]), 0.65);
+    }
 
     #[test]
     fn launches_cover_the_steps_in_whole_launches() {

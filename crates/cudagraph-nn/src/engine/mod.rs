@@ -82,6 +82,7 @@ mod measure;
 mod policy;
 mod registry;
 mod table;
+mod tune;
 
 pub use catalog::{BiasEngine, CeEngine, ConvEngine, ConvFamily, Engine, GemmEngine, GemmFamily};
 pub use gemm_lowp::gemm_lowp;
@@ -89,3 +90,4 @@ pub use measure::GraphTiming;
 pub use policy::Policy;
 pub use registry::Engines;
 pub use table::{format_table, EngineRow, Entry, Timing};
+pub use tune::{Retuned, TuneReport, TUNE_WITHIN};

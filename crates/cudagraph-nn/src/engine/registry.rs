@@ -32,7 +32,7 @@ pub struct Engines {
     info: DeviceInfo,
     libs: Arc<Libraries>,
     policy: Mutex<Policy>,
-    table: Mutex<BTreeMap<String, Entry>>,
+    pub(super) table: Mutex<BTreeMap<String, Entry>>,
     file: Option<PathBuf>,
     libraries: String,
     /// The graph pool of the registry's timing graphs, made on first use and kept with the
@@ -69,6 +69,20 @@ fn library_versions() -> String {
         v(crate::ffi::cudnn::version()),
         v(crate::ffi::blaslt::version())
     )
+}
+
+thread_local! {
+    /// The keys served on this thread while [`record_keys`] runs, first use first.
+    static KEYS: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` and returns, with its result, the registry keys it used on this thread (every
+/// device's), each once, in the order of first use.
+pub(super) fn record_keys<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
+    let outer = KEYS.with(|k| k.borrow_mut().replace(Vec::new()));
+    let r = f();
+    let keys = KEYS.with(|k| std::mem::replace(&mut *k.borrow_mut(), outer));
+    (r, keys.unwrap_or_default())
 }
 
 /// Runs at least this long (µs) are "long" for [`Engines::choose`]'s preference of the default.
@@ -253,6 +267,13 @@ impl Engines {
     }
 
     fn log_use(&self, key: &str, engine: &str) {
+        KEYS.with(|k| {
+            if let Some(v) = k.borrow_mut().as_mut() {
+                if !v.iter().any(|x| x == key) {
+                    v.push(key.to_string());
+                }
+            }
+        });
         if self.usage_on.load(std::sync::atomic::Ordering::Acquire) {
             if let Some(v) = lock(&self.usage).as_mut() {
                 v.push((key.to_string(), engine.to_string()));
@@ -294,6 +315,7 @@ impl Engines {
                 engine: default.to_string(),
                 measured: candidates.len() == 1,
                 timings: Vec::new(),
+                tuned: false,
                 checked: true,
             };
             lock(&self.table).insert(key.to_string(), entry);
@@ -342,17 +364,22 @@ impl Engines {
                     error: t.as_ref().err().cloned(),
                 })
                 .collect(),
+            tuned: false,
             checked: true,
         };
         self.log_use(key, &best.to_string());
-        let measured: Vec<(String, Entry)> = {
-            let mut t = lock(&self.table);
-            t.insert(key.to_string(), entry);
-            t.iter()
-                .filter(|(_, e)| e.measured && !e.timings.is_empty())
-                .map(|(k, e)| (k.clone(), e.clone()))
-                .collect()
-        };
+        lock(&self.table).insert(key.to_string(), entry);
+        self.save();
+        Ok(best)
+    }
+
+    /// Merges the measured choices into the disk table (when there is one).
+    pub(super) fn save(&self) {
+        let measured: Vec<(String, Entry)> = lock(&self.table)
+            .iter()
+            .filter(|(_, e)| e.measured && !e.timings.is_empty())
+            .map(|(k, e)| (k.clone(), e.clone()))
+            .collect();
         if let Some(path) = &self.file {
             // Merge into what is on disk (another process, or choices forgotten by `clear`).
             let mut table = DiskTable::load(path)
@@ -368,6 +395,5 @@ impl Engines {
             // A table that cannot be written only costs a measurement next time.
             let _ = table.save(path);
         }
-        Ok(best)
     }
 }

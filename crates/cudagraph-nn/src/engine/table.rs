@@ -50,6 +50,11 @@ pub struct Entry {
     pub measured: bool,
     /// Every candidate's measurement (empty when unmeasured or there was one candidate).
     pub timings: Vec<Timing>,
+    /// Whether the engine was chosen by timing the graphs that run the key
+    /// ([`Engines::tune_graph`](super::Engines::tune_graph)) rather than by the candidates'
+    /// own times alone; such keys are not tuned again. Absent from tables written before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tuned: bool,
     /// Whether this process checked the engine against the key's candidates (entries read from
     /// disk are checked on first use); checked entries are returned without listing candidates.
     #[serde(skip)]
@@ -121,10 +126,10 @@ pub(super) fn identity(t: &DiskTable, info: &DeviceInfo, libraries: &str) -> boo
 pub fn format_table(rows: &[EngineRow]) -> String {
     let mut s = String::new();
     for r in rows {
-        let mark = if r.entry.measured {
-            ""
-        } else {
-            " (unmeasured)"
+        let mark = match (r.entry.measured, r.entry.tuned) {
+            (false, _) => " (unmeasured)",
+            (true, true) => " (tuned in a graph)",
+            (true, false) => "",
         };
         s.push_str(&format!("{}\n    -> {}{mark}", r.key, r.entry.engine));
         let mut t: Vec<&Timing> = r.entry.timings.iter().collect();
@@ -185,6 +190,7 @@ mod tests {
                         error: Some("not supported".into()),
                     },
                 ],
+                tuned: true,
                 checked: false,
             },
         );
@@ -230,16 +236,25 @@ mod tests {
                         error: None,
                     },
                 ],
+                tuned: false,
                 checked: true,
             },
         }];
         let s = format_table(&rows);
-        assert!(s.contains("-> cudnn:1"), "{s}");
+        assert!(
+            s.contains("-> cudnn:1\n") || s.contains("-> cudnn:1 "),
+            "{s}"
+        );
+        assert!(!s.contains("tuned"), "{s}");
         let (a, b) = (
             s.find("cudnn:1 3.2").unwrap(),
             s.find("direct 9.0").unwrap(),
         );
         assert!(a < b, "{s}");
         assert!(s.contains("cudnn:1 3.2 (chain 3.0, alone 3.5)"), "{s}");
+        let mut tuned = rows;
+        tuned[0].entry.tuned = true;
+        let s = format_table(&tuned);
+        assert!(s.contains("-> cudnn:1 (tuned in a graph)"), "{s}");
     }
 }

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use cudagraph::{CaptureOptions, Graph, Pool, Queue, QueueExt, Stream};
 
+use crate::engine::Engines;
 use crate::error::{NnError, Result};
 use crate::nn::sampling::{DecodeState, Sampler, SamplingParams};
 use crate::random::Generator;
@@ -53,11 +54,16 @@ pub struct GenerationOptions {
     /// step that ends once every row has ended; eager steps read that flag after each step).
     /// At least 1; 1 (the default) captures the plain step.
     pub steps_per_launch: u32,
+    /// Before capturing, time each bucket's forward in a graph with the close alternatives of
+    /// its products' engines and keep those that make it faster
+    /// ([`Engines::tune_graph`](crate::engine::Engines::tune_graph); recorded in the engine
+    /// registry, so later processes skip it). Default on; only with `graphs`.
+    pub tune: bool,
 }
 
 impl GenerationOptions {
-    /// `slots` sequences of up to `max_len` positions, power-of-two buckets, graphs on, no end
-    /// token, seed 0.
+    /// `slots` sequences of up to `max_len` positions, power-of-two buckets, graphs on and
+    /// tuned, no end token, seed 0.
     pub fn new(slots: usize, max_len: usize) -> Self {
         Self {
             slots,
@@ -67,6 +73,7 @@ impl GenerationOptions {
             eos: Vec::new(),
             seed: 0,
             steps_per_launch: 1,
+            tune: true,
         }
     }
 }
@@ -98,6 +105,10 @@ pub struct GenerationStats {
     pub graphs: usize,
     /// Time capturing (and instantiating) them.
     pub capture_time: Duration,
+    /// Time tuning their engines ([`GenerationOptions::tune`]).
+    pub tune_time: Duration,
+    /// Products whose engine the tuning changed.
+    pub retuned: usize,
     /// Peak bytes the steps allocate in their shared pool (the largest bucket's working set).
     pub graph_bytes: usize,
     /// Decode steps launched: [`GenerationOptions::steps_per_launch`] for each
@@ -230,6 +241,17 @@ impl Generation {
             }
             q.synchronize()?;
             let pool = q.device().graph_pool_handle();
+            if g.opts.tune {
+                // The forward only, as above; its replays write the free slots' cache rows
+                // and the logits, which nothing reads before a join or step rewrites them.
+                let eng = Engines::get(q.device())?;
+                for size in g.sizes.clone().into_iter().rev() {
+                    let this = &g;
+                    let r = eng.tune_graph(stream, &pool, &mut |cs| this.forward_step(cs, size))?;
+                    g.stats.tune_time += r.time;
+                    g.stats.retuned += r.changed.len();
+                }
+            }
             for size in g.sizes.clone().into_iter().rev() {
                 g.capture(stream, &pool, size)?;
             }
