@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Joins `cudagraph bench decode --json` and bench/decode_torch.py --json into one Markdown table
 (bench/device.sh decode). Each JSON file is a list of objects with prompt, batch, ms_per_step,
-tokens_per_s, capture_ms and graph_mib. A side that did not run is given as "-".
+tokens_per_s, capture_ms and graph_mib (ours also tune_ms). A side that did not run is given as "-".
 
 usage: python3 bench/decode_compare.py MODEL OURS.json PYTORCH.json [MODEL OURS.json PYTORCH.json ...]
 
@@ -39,8 +39,8 @@ def main():
     if not args or len(args) % 3:
         sys.exit(__doc__)
     print("| model | prompt | batch | ours ms/step | PyTorch ms/step | speed-up | ours tok/s | PyTorch tok/s "
-          "| ours capture ms | PyTorch capture ms | ours graph MiB | PyTorch graph MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| ours capture ms | ours tune ms | PyTorch capture ms | ours graph MiB | PyTorch graph MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     targets = []
     for i in range(0, len(args), 3):
         model, ours, theirs = args[i], load(args[i + 1]), load(args[i + 2])
@@ -51,7 +51,7 @@ def main():
             print(f"| {model} | {key[0]} | {key[1]} | {fmt(om, '.3f')} | {fmt(tm, '.3f')} | "
                   f"{fmt(ratio, '.2f')}{'×' if ratio else ''} | {fmt(o.get('tokens_per_s'), '.0f')} | "
                   f"{fmt(t.get('tokens_per_s'), '.0f')} | {fmt(o.get('capture_ms'), '.0f')} | "
-                  f"{fmt(t.get('capture_ms'), '.0f')} | {fmt(o.get('graph_mib'), '.1f')} | "
+                  f"{fmt(o.get('tune_ms'), '.0f')} | {fmt(t.get('capture_ms'), '.0f')} | {fmt(o.get('graph_mib'), '.1f')} | "
                   f"{fmt(t.get('graph_mib'), '.1f')} |")
             prompt, batch = key
             if batch == 1 and model in TARGET_B1_MS and om is not None:
@@ -62,7 +62,9 @@ def main():
                 targets.append(f"{model}, prompt {prompt}, batch {batch}: {ratio:.2f}× PyTorch's tokens/s "
                                f"(target ≥ {TARGET_SPEEDUP}×): {'met' if ratio >= TARGET_SPEEDUP else 'NOT met'}")
     print()
-    print("Speed-up: PyTorch's ms per step over ours. Capture: ours, the graph's capture per bucket; "
+    print("Speed-up: PyTorch's ms per step over ours. Capture: ours, the graph's capture per bucket "
+          "(tune: timing the bucket's forward with alternative engines before, `Engines::tune_graph`; "
+          "about 0 where the registry had tuned it); "
           "PyTorch, the warm-up steps (torch.compile's compilation for that shape and the CUDA graph's "
           "recording). Graph memory: ours as `cudagraph bench decode` reports it; PyTorch, the growth of "
           "`torch.cuda.memory_reserved()` over the warm-up (cudagraph trees share one pool across shapes).")

@@ -1071,7 +1071,8 @@ part_decode() {
   {
     header decode "Graphed decode, ours and Hugging Face transformers with torch.compile ($DEVICE)"
     echo "Random-init weights (bench/hf_models.py, seed 0) in $dtype, the same folder for both sides;"
-    echo "random prompt ids; prompts $prompts, batches $batches, $steps timed decode steps each."
+    echo "random prompt ids; prompts $prompts, batches $batches, $steps timed decode steps each;"
+    echo "both sides report the median of 3 runs of them (ours: \`--repeats\`, the prompts prefilled again each run)."
     echo "PyTorch: \`AutoModelForCausalLM\`, a \`StaticCache\` of prompt + steps positions, eager"
     echo "prefill, the one-token step (with the greedy argmax) under"
     echo "\`torch.compile(mode=\"reduce-overhead\", dynamic=False)\`, median of 3 runs of the timed steps"
