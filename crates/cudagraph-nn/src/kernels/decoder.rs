@@ -482,6 +482,7 @@ pub struct AttendScratch {
 impl AttendScratch {
     /// Whether its shape's attention has more blocks than the device holds at once of the
     /// kernel with its full registers, so that the instances held to fewer registers run it.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub fn waves(&self) -> bool {
         self.waves
     }
@@ -676,6 +677,7 @@ impl DecoderKernels {
     /// `inv_freq` as [`Self::qkv`] does) into the caches at its slot and position and attends
     /// over the slot's positions up to it. The same bits as the two calls.
     #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub fn attend_qkv<T: Float>(
         &self,
         q: &dyn Queue,

@@ -452,6 +452,7 @@ impl GemvKernels {
     /// bias; a row buffer not 16-byte aligned; `sum` meeting `x` or `add`, or `y` meeting a
     /// buffer the launch reads or `sum` ([`NnError::Shape`]); a buffer of another device.
     #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub fn run_from<T: Float, O: Float>(
         &self,
         q: &dyn Queue,
