@@ -77,12 +77,34 @@ thread_local! {
 }
 
 /// Runs `f` and returns, with its result, the registry keys it used on this thread (every
-/// device's), each once, in the order of first use.
+/// device's), each once, in the order of first use. A recording around it (a caller's) goes on
+/// afterwards, also when `f` panics.
 pub(super) fn record_keys<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
-    let outer = KEYS.with(|k| k.borrow_mut().replace(Vec::new()));
+    /// Puts the recording around back when dropped.
+    struct Restore(Option<Option<Vec<String>>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(outer) = self.0.take() {
+                KEYS.with(|k| *k.borrow_mut() = outer);
+            }
+        }
+    }
+    let mut restore = Restore(Some(KEYS.with(|k| k.borrow_mut().replace(Vec::new()))));
     let r = f();
+    let outer = restore.0.take().expect("taken once");
     let keys = KEYS.with(|k| std::mem::replace(&mut *k.borrow_mut(), outer));
     (r, keys.unwrap_or_default())
+}
+
+/// Adds `key` to this thread's recording, if one runs ([`record_keys`]).
+fn note_key(key: &str) {
+    KEYS.with(|k| {
+        if let Some(v) = k.borrow_mut().as_mut() {
+            if !v.iter().any(|x| x == key) {
+                v.push(key.to_string());
+            }
+        }
+    });
 }
 
 /// Runs at least this long (µs) are "long" for [`Engines::choose`]'s preference of the default.
@@ -267,13 +289,7 @@ impl Engines {
     }
 
     fn log_use(&self, key: &str, engine: &str) {
-        KEYS.with(|k| {
-            if let Some(v) = k.borrow_mut().as_mut() {
-                if !v.iter().any(|x| x == key) {
-                    v.push(key.to_string());
-                }
-            }
-        });
+        note_key(key);
         if self.usage_on.load(std::sync::atomic::Ordering::Acquire) {
             if let Some(v) = lock(&self.usage).as_mut() {
                 v.push((key.to_string(), engine.to_string()));
@@ -395,5 +411,49 @@ impl Engines {
             // A table that cannot be written only costs a measurement next time.
             let _ = table.save(path);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{note_key, record_keys, KEYS};
+
+    #[test]
+    fn recorded_keys_are_each_once_in_order_and_nest() {
+        let (r, outer) = record_keys(|| {
+            note_key("a");
+            let ((), inner) = record_keys(|| {
+                note_key("b");
+                note_key("b");
+                note_key("c");
+            });
+            assert_eq!(inner, ["b", "c"]);
+            note_key("d");
+            note_key("a");
+            7
+        });
+        assert_eq!(r, 7);
+        assert_eq!(outer, ["a", "d"]);
+        // Nothing records outside.
+        note_key("e");
+        assert!(KEYS.with(|k| k.borrow().is_none()));
+    }
+
+    #[test]
+    fn a_panic_inside_puts_the_outer_recording_back() {
+        let ((), outer) = record_keys(|| {
+            note_key("a");
+            let caught = std::panic::catch_unwind(|| {
+                record_keys(|| {
+                    note_key("b");
+                    panic!("inside");
+                })
+            });
+            assert!(caught.is_err());
+            note_key("c");
+        });
+        assert_eq!(outer, ["a", "c"]);
+        let _ = std::panic::catch_unwind(|| record_keys(|| panic!("alone")));
+        assert!(KEYS.with(|k| k.borrow().is_none()));
     }
 }
