@@ -116,6 +116,41 @@ impl Engines {
     ///
     /// Errors: those of capturing and replaying `work` with the choices in place (a trial
     /// whose capture fails is skipped, its choice restored).
+    ///
+    /// ```no_run
+    /// use cudagraph::memory::bf16;
+    /// use cudagraph::{Device, Queue, QueueExt};
+    /// use cudagraph_nn::engine::gemm::{Epilogue, GemmOp, Trans};
+    /// use cudagraph_nn::engine::{gemm_lowp, Engines};
+    /// use cudagraph_nn::Nn;
+    /// # fn main() -> cudagraph_nn::Result<()> {
+    /// let dev = Device::open(0)?;
+    /// let mut s = dev.new_stream()?;
+    /// let nn = Nn::get(&dev)?;
+    /// // One decode-sized product: y[8, 2304] = x[8, 768] · w[2304, 768]ᵀ.
+    /// let op = GemmOp {
+    ///     ta: Trans::N,
+    ///     tb: Trans::T,
+    ///     m: 8,
+    ///     n: 2304,
+    ///     k: 768,
+    ///     alpha: 1.0,
+    ///     beta: 0.0,
+    ///     epilogue: Epilogue::None,
+    /// };
+    /// let x = s.alloc_zeroed::<bf16>(8 * 768)?;
+    /// let w = s.alloc_zeroed::<bf16>(2304 * 768)?;
+    /// let y = s.alloc::<bf16>(8 * 2304)?;
+    /// let mut forward = |q: &dyn Queue| -> cudagraph_nn::Result<()> {
+    ///     gemm_lowp(q, &nn, &op, &x, &w, &y, None)?;
+    ///     Ok(())
+    /// };
+    /// forward(&s)?; // eagerly first: the registry measures the product's candidates
+    /// let report = Engines::get(&dev)?.tune_graph(&mut s, &dev.graph_pool_handle(), &mut forward)?;
+    /// println!("{:?}: {:.1} -> {:.1} µs a replay", report.changed, report.before_us, report.after_us);
+    /// // Capture `forward` now: the graph runs the kept engines.
+    /// # Ok(()) }
+    /// ```
     pub fn tune_graph(
         &self,
         stream: &mut Stream,
