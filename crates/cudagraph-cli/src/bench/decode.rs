@@ -14,6 +14,8 @@ use cudagraph_nn::{Decoder, Generation, GenerationOptions, Request};
 use cudagraph_nn::{Dtype, HostRng};
 use serde::Serialize;
 
+use crate::report::median;
+
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[derive(Args, Debug)]
@@ -81,18 +83,6 @@ struct Row {
     /// Host µs to launch a step (the timed launches' enqueue time over the steps; median of
     /// the repeats): below `ms_per_step`, the GPU, not the host, sets the pace.
     launch_us: f64,
-}
-
-/// The median of `v` (non-empty): the middle value, or the mean of the two middle ones.
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let h = s.len() / 2;
-    if s.len() % 2 == 1 {
-        s[h]
-    } else {
-        (s[h - 1] + s[h]) / 2.0
-    }
 }
 
 /// The untimed and timed launches of `k` steps each: the warm-up rounded up to whole launches,
@@ -200,7 +190,7 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
                     gen.leave(&s, slot)?;
                 }
             }
-            let (ms, prefill_ms) = (median(&samples), median(&prefills));
+            let (ms, prefill_ms) = (median(samples.clone()), median(prefills));
             let stats = gen.stats();
             let row = Row {
                 model: name.clone(),
@@ -217,7 +207,7 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
                 graph_mib: stats.graph_bytes as f64 / (1 << 20) as f64,
                 repeats: a.repeats,
                 samples_ms: samples,
-                launch_us: median(&enqueues),
+                launch_us: median(enqueues),
             };
             outln!(
                 "{:>7} {:>6} {:>12.4} {:>12.0} {:>11.1} {:>11.1} {:>9.1} {:>10.1}",
@@ -242,14 +232,7 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{launches, median};
-
-    #[test]
-    fn the_median_is_the_middle_run() {
-        assert_eq!(median(&[3.0]), 3.0);
-        assert_eq!(median(&[0.9, 0.5, 0.7]), 0.7);
-        assert_eq!(median(&[0.5, 0.9, 0.25, 0.75]), 0.625);
-    }
+    use super::launches;
 
     #[test]
     fn launches_cover_the_steps_in_whole_launches() {
