@@ -709,16 +709,7 @@ const LIB_MNK: (usize, usize, usize) = (64, 32, 256);
 
 fn lib_op() -> GemmOp {
     let (m, n, k) = LIB_MNK;
-    GemmOp {
-        ta: Trans::N,
-        tb: Trans::T,
-        m,
-        n,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        epilogue: Epilogue::None,
-    }
+    GemmOp::linear(m, n, k)
 }
 
 /// cuBLAS and cuBLASLt (each forced with `gemm_with`), reading the block as the product's A

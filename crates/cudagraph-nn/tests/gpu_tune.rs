@@ -10,23 +10,10 @@
 use cudagraph::memory::bf16;
 use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, Queue, QueueExt, Stream};
 use cudagraph_nn::dtype::Dtype;
-use cudagraph_nn::engine::gemm::{Epilogue, GemmOp, Trans};
+use cudagraph_nn::engine::gemm::GemmOp;
 use cudagraph_nn::engine::gemm_lowp::key;
 use cudagraph_nn::engine::{gemm_lowp, Engines, Entry, TUNE_WITHIN};
 use cudagraph_nn::{HostRng, Nn, NnError};
-
-fn op(m: usize, n: usize, k: usize) -> GemmOp {
-    GemmOp {
-        ta: Trans::N,
-        tb: Trans::T,
-        m,
-        n,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
-        epilogue: Epilogue::None,
-    }
-}
 
 fn values(rng: &mut HostRng, n: usize) -> Vec<bf16> {
     rng.vec_normal(n)
@@ -79,7 +66,7 @@ fn tuning_keeps_measured_engines_and_the_graph_equals_the_eager_products() {
     // Choices from an earlier run on disk may be tuned already: measure again.
     eng.clear();
     let (m, k, n1, n2) = (8, 768, 2304, 768);
-    let (op1, op2) = (op(m, n1, k), op(m, n2, n1));
+    let (op1, op2) = (GemmOp::linear(m, n1, k), GemmOp::linear(m, n2, n1));
     let mut rng = HostRng::new(5);
     let x = s.alloc_from_host(&values(&mut rng, m * k)).unwrap();
     let w1 = s.alloc_from_host(&values(&mut rng, n1 * k)).unwrap();

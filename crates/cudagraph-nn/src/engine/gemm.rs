@@ -94,6 +94,21 @@ pub struct GemmOp {
 }
 
 impl GemmOp {
+    /// `y[m×n] = x[m×k] · w[n×k]ᵀ`, PyTorch's Linear layout (B stored transposed), alpha 1,
+    /// beta 0, no epilogue; set `epilogue` for a fused bias or activation.
+    pub fn linear(m: usize, n: usize, k: usize) -> GemmOp {
+        GemmOp {
+            ta: Trans::N,
+            tb: Trans::T,
+            m,
+            n,
+            k,
+            alpha: 1.0,
+            beta: 0.0,
+            epilogue: Epilogue::None,
+        }
+    }
+
     /// The registry key (without the policy's scope), e.g.
     /// `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu`.
     pub fn key(&self) -> String {
@@ -772,6 +787,16 @@ pub fn split_k(m: usize, n: usize, k: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_linear_op_is_x_times_w_transposed() {
+        let op = GemmOp::linear(8, 2304, 768);
+        assert_eq!(op.key(), "gemm NT m=8 n=2304 k=768 a=1 b=0 ep=none");
+        assert_eq!(
+            (op.ta, op.tb, op.alpha, op.beta),
+            (Trans::N, Trans::T, 1.0, 0.0)
+        );
+    }
 
     #[test]
     fn cols_shapes_follow_the_rows_and_the_chunks() {

@@ -120,7 +120,7 @@ impl Engines {
     /// ```no_run
     /// use cudagraph::memory::bf16;
     /// use cudagraph::{Device, Queue, QueueExt};
-    /// use cudagraph_nn::engine::gemm::{Epilogue, GemmOp, Trans};
+    /// use cudagraph_nn::engine::gemm::GemmOp;
     /// use cudagraph_nn::engine::{gemm_lowp, Engines};
     /// use cudagraph_nn::Nn;
     /// # fn main() -> cudagraph_nn::Result<()> {
@@ -128,16 +128,7 @@ impl Engines {
     /// let mut s = dev.new_stream()?;
     /// let nn = Nn::get(&dev)?;
     /// // One decode-sized product: y[8, 2304] = x[8, 768] · w[2304, 768]ᵀ.
-    /// let op = GemmOp {
-    ///     ta: Trans::N,
-    ///     tb: Trans::T,
-    ///     m: 8,
-    ///     n: 2304,
-    ///     k: 768,
-    ///     alpha: 1.0,
-    ///     beta: 0.0,
-    ///     epilogue: Epilogue::None,
-    /// };
+    /// let op = GemmOp::linear(8, 2304, 768);
     /// let x = s.alloc_zeroed::<bf16>(8 * 768)?;
     /// let w = s.alloc_zeroed::<bf16>(2304 * 768)?;
     /// let y = s.alloc::<bf16>(8 * 2304)?;

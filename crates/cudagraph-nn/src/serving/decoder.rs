@@ -67,7 +67,7 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt, Stream};
 use crate::autograd::attention::KvCache;
 use crate::autograd::transformer::{llama3_frequency_scale, rope_inv_freq};
 use crate::dtype::{Dtype, Float};
-use crate::engine::gemm::{run_gemm, Epilogue, GemmFamily, GemmOp, Trans};
+use crate::engine::gemm::{run_gemm, Epilogue, GemmFamily, GemmOp};
 use crate::engine::gemm_lowp::{gemm_lowp_frozen, gemm_lowp_frozen_from};
 use crate::error::{NnError, Result};
 use crate::extent::{need, on_device};
@@ -345,14 +345,8 @@ fn linear_op((m, n, k): (usize, usize, usize), bias: bool, gelu: bool) -> GemmOp
         (true, true) => Epilogue::BiasGelu,
     };
     GemmOp {
-        ta: Trans::N,
-        tb: Trans::T,
-        m,
-        n,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
         epilogue,
+        ..GemmOp::linear(m, n, k)
     }
 }
 
