@@ -190,12 +190,23 @@ impl Engines {
                     continue;
                 }
             };
-            let mut t = timer.time(stream, &trial)?;
-            if t < best * (1.0 - TUNE_MIN_GAIN) {
-                // Close calls twice: the choice's graph again, then the trial's.
-                best = best.min(timer.time(stream, &graph)?);
-                t = t.min(timer.time(stream, &trial)?);
-            }
+            // A replay that fails leaves the measured choice recorded, not the trial.
+            let timed = (|| {
+                let mut t = timer.time(stream, &trial)?;
+                if t < best * (1.0 - TUNE_MIN_GAIN) {
+                    // Close calls twice: the choice's graph again, then the trial's.
+                    best = best.min(timer.time(stream, &graph)?);
+                    t = t.min(timer.time(stream, &trial)?);
+                }
+                Ok::<f64, NnError>(t)
+            })();
+            let t = match timed {
+                Ok(t) => t,
+                Err(e) => {
+                    self.set_engine(&key, &from);
+                    return Err(e);
+                }
+            };
             if t < best * (1.0 - TUNE_MIN_GAIN) {
                 // Another trial of this key may still beat this one: `from` stays the
                 // measured choice in the report.
