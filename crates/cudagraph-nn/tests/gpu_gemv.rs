@@ -47,7 +47,7 @@ const EPILOGUES: [Epilogue; 4] = [
     Epilogue::BiasGelu,
 ];
 
-const ROWS: [usize; 6] = [1, 3, 8, 16, 25, 32];
+const ROWS: [usize; 8] = [1, 3, 8, 16, 25, 32, 41, 64];
 
 /// Both few-row engines with every split the registry offers for `op`.
 fn engines(op: &GemmOp) -> Vec<GemmEngine> {
@@ -455,6 +455,7 @@ fn shapes_it_does_not_take_are_typed_errors_and_run_nothing() {
         (GemmOp { k: 20, ..ok }, GemmEngine::GemvMma(1), true),
         (ok, GemmEngine::GemvMma(3), true),
         (ok, GemmEngine::GemvMma(0), true),
+        (ok, GemmEngine::GemvMma(16), true),
     ];
     let db = s.alloc::<bf16>(2).unwrap();
     for (op, algo, with_vec) in refused {
@@ -570,4 +571,5 @@ fn replays_equal_eager_products_bit_for_bit() {
     replay_equals_eager::<f16, f32>(&mut s, &nn, GemmOp { m: 1, ..residual }, lanes(8));
     replay_equals_eager::<f16, f16>(&mut s, &nn, GemmOp { m: 30, ..residual }, mma(4));
     replay_equals_eager::<bf16, f32>(&mut s, &nn, GemmOp { m: 1, ..residual }, mma(1));
+    replay_equals_eager::<bf16, bf16>(&mut s, &nn, GemmOp { m: 64, ..residual }, mma(8));
 }

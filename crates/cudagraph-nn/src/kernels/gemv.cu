@@ -303,7 +303,8 @@ GV_SWIGLU_KERNEL(f16_t, f16_f16, 4)
 // is used (with `early`, the first ones before the PDL wait). `ks` warps split a tile's depth
 // into contiguous chunk ranges; their accumulators meet in shared memory and are summed in
 // warp order, then the epilogue as above. Deterministic: the mma and the sums run in a fixed
-// order. x's rows are read by every tile (L1: 16·NT bytes a lane per 32 bytes of weights).
+// order. x's rows are read by every tile (L1: 16·NT bytes a lane per 32 bytes of weights),
+// several chunks' worth at once; NT is 1, 2, 4 or 8 (up to 64 rows).
 
 #define GM_UNROLL 4
 
@@ -377,21 +378,39 @@ __device__ __forceinline__ void gemv_mma_nt(const T* __restrict__ x, const T* __
     for (int t = 0; t < NT; t++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[t][i] = 0.0f;
+    // x's vectors of XU chunks (NT·XU 16-byte vectors a lane) are loaded before their mma
+    // steps, branch-free — rows past m and depths past k clamped to real ones (in bounds) and
+    // their vectors zeroed — so that the loads of every tile of those chunks are in flight
+    // together instead of one after another (a chain of L2 round trips at 32 and 64 rows).
+    constexpr int XU = NT > 4 ? GM_UNROLL / 2 : GM_UNROLL;
     for (int c = c0; c < c1; c += GM_UNROLL) {
 #pragma unroll
-        for (int u = 0; u < GM_UNROLL; u++) {
-            const int kk = 32 * (c + u) + 8 * q;
-            if (c + u < c1) {
+        for (int h = 0; h < GM_UNROLL; h += XU) {
+            GvVec xv[XU][NT];
+#pragma unroll
+            for (int u = 0; u < XU; u++) {
+                const int kk = 32 * (c + h + u) + 8 * q;
+                const bool kin = c + h + u < c1 && kk < k;
+                const long long kc = min(kk, k - 8);
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
-                    if (8 * t >= m) break;  // the same for the whole warp
                     const int r = 8 * t + g;
-                    const GvVec xv = (r < m && kk < k) ? gv_load(x + (long long)r * k + kk)
-                                                       : gm_zero();
-                    gm_mma<T>(acc[t], wa[u].u[0], wb[u].u[0], wa[u].u[1], wb[u].u[1], xv.u[0],
-                              xv.u[1]);
-                    gm_mma<T>(acc[t], wa[u].u[2], wb[u].u[2], wa[u].u[3], wb[u].u[3], xv.u[2],
-                              xv.u[3]);
+                    const GvVec v = gv_load(x + (long long)min(r, m - 1) * k + kc);
+                    xv[u][t] = kin && r < m ? v : gm_zero();
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < XU; u++) {
+                if (c + h + u < c1) {
+#pragma unroll
+                    for (int t = 0; t < NT; t++) {
+                        if (8 * t < m) {  // the same for the whole warp
+                            gm_mma<T>(acc[t], wa[h + u].u[0], wb[h + u].u[0], wa[h + u].u[1],
+                                      wb[h + u].u[1], xv[u][t].u[0], xv[u][t].u[1]);
+                            gm_mma<T>(acc[t], wa[h + u].u[2], wb[h + u].u[2], wa[h + u].u[3],
+                                      wb[h + u].u[3], xv[u][t].u[2], xv[u][t].u[3]);
+                        }
+                    }
                 }
             }
         }
@@ -430,7 +449,8 @@ __device__ __forceinline__ void gemv_mma_nt(const T* __restrict__ x, const T* __
 #define GM_TILES(T, O, S)                                                                      \
     GM_KERNEL(T, O, S, 1)                                                                      \
     GM_KERNEL(T, O, S, 2)                                                                      \
-    GM_KERNEL(T, O, S, 4)
+    GM_KERNEL(T, O, S, 4)                                                                      \
+    GM_KERNEL(T, O, S, 8)
 
 GM_TILES(bf16_t, bf16_t, bf16_bf16)
 GM_TILES(bf16_t, float, bf16_f32)

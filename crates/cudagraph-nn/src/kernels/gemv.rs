@@ -28,12 +28,14 @@ use crate::kernels::int;
 /// full rate, near L1's 128, where the tensor-core kernels are as fast; beyond that they win.
 pub const GEMV_MAX_M: usize = 16;
 
-/// The most rows the tensor-core kernel takes (four tiles of eight rows). Each warp reads
+/// The most rows the tensor-core kernel takes (eight tiles of eight rows). Each warp reads
 /// x's rows again for every chunk of its weight rows (16 bytes a lane a tile for 32 bytes of
-/// weights), so the x traffic grows with the rows: measured on an H100 against cuBLASLt, the
-/// kernel won products of 8 rows with a 768-wide input and the output heads of 8 and 32 rows,
-/// and lost every product of 64 rows (two to six times slower), so it stops at 32.
-pub const GEMV_MMA_MAX_M: usize = 32;
+/// weights), so the x traffic grows with the rows; loading a few chunks' x vectors together,
+/// every tile at once, keeps that from being a chain of L2 round trips. Measured on an H100
+/// against cuBLASLt, it wins products of 8 rows, output heads of 8 to 64 rows and some
+/// products of 32 rows inside a captured step (the registry's choice, tuned in the graph), and
+/// is 1.5 to 2.5 times slower on products of 64 rows, where the registry keeps cuBLASLt.
+pub const GEMV_MMA_MAX_M: usize = 64;
 
 /// The most rows the lane kernel takes on rows it computes itself ([`RowsFrom`]; `M` of
 /// `gemv_norm_S_mM` and `gemv_swiglu_S_mM`).
@@ -103,7 +105,7 @@ const WARPS: usize = 8;
 const ROWS: [usize; 5] = [1, 2, 4, 8, 16];
 
 /// Tiles of eight rows per tensor-core instance (`NT` of `gemv_mma_S_tNT`).
-const TILES: [usize; 3] = [1, 2, 4];
+const TILES: [usize; 4] = [1, 2, 4, 8];
 
 /// The type pairs (operands, result) the kernel is instantiated for, as suffixes.
 #[cfg(any(test, feature = "internals"))]
@@ -237,7 +239,7 @@ fn overlap<A: cudagraph::Elem, B: cudagraph::Elem>(
 /// (SwiGLU: bf16, f16).
 pub struct GemvKernels {
     f: [[Function; 5]; 4],
-    mma: [[Function; 3]; 4],
+    mma: [[Function; 4]; 4],
     norm: [[Function; 3]; 4],
     swiglu: [[Function; 3]; 2],
 }
@@ -261,11 +263,12 @@ impl GemvKernels {
                     m.function(&format!("gemv_{pair}_m16"))?,
                 ])
             };
-            let tiles = |pair: &str| -> cudagraph::Result<[Function; 3]> {
+            let tiles = |pair: &str| -> cudagraph::Result<[Function; 4]> {
                 Ok([
                     m.function(&format!("gemv_mma_{pair}_t1"))?,
                     m.function(&format!("gemv_mma_{pair}_t2"))?,
                     m.function(&format!("gemv_mma_{pair}_t4"))?,
+                    m.function(&format!("gemv_mma_{pair}_t8"))?,
                 ])
             };
             let fused = |kind: &str, pair: &str| -> cudagraph::Result<[Function; 3]> {
@@ -783,7 +786,8 @@ mod tests {
         for ks in GEMV_SPLITS {
             assert_eq!(WARPS % ks as usize, 0);
         }
-        assert_eq!(kernel_names().len(), 50);
+        assert_eq!(kernel_names().len(), 54);
+        assert!(kernel_names().contains(&"gemv_mma_f16_f16_t8".to_string()));
         assert!(kernel_names().contains(&"gemv_norm_f16_f32_m4".to_string()));
         assert!(kernel_names().contains(&"gemv_swiglu_bf16_bf16_m1".to_string()));
         assert!(kernel_names().contains(&"gemv_f16_f32_m16".to_string()));
@@ -812,6 +816,7 @@ mod tests {
         }
         assert_eq!(8 * *TILES.last().unwrap(), GEMV_MMA_MAX_M);
         assert_eq!(FewRow::Mma(2).columns_per_block(), 64);
+        assert!(split(FewRow::Mma(16)).is_err());
         // Depths whose chunks of 32 would pass an int are refused by both kernels.
         let deepest = (i32::MAX as usize) / 32 * 32;
         for kernel in [FewRow::Lanes(1), FewRow::Mma(1)] {
