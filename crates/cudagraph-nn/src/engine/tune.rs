@@ -115,7 +115,9 @@ impl Engines {
     /// can differ in the last bits from the final choice's.
     ///
     /// Errors: those of capturing and replaying `work` with the choices in place (a trial
-    /// whose capture fails is skipped, its choice restored).
+    /// whose capture fails is skipped, its choice restored; one whose replay fails returns
+    /// that error with the key's measured choice restored, and the keys tried are not marked
+    /// tuned).
     ///
     /// ```no_run
     /// use cudagraph::memory::bf16;
