@@ -1096,6 +1096,14 @@ part_decode() {
   [ "$bad" = 0 ]
 }
 
+# exit_words RC: what a command run under `timeout` ended with, in words.
+exit_words() {
+  case $1 in
+    124 | 137) echo "ran out of time (the part's budget: TIME_BUDGET_S)" ;;
+    *) echo "failed (exit status $1)" ;;
+  esac
+}
+
 part_parity() {
   need_bin parity || return 1
   local l=$LOGS/parity-$DEVICE md m dt dir ref rc bad=0 n=0 ok=0 rows=() cmds=()
@@ -1113,16 +1121,18 @@ part_parity() {
       fi
       ref=$base.reference.safetensors
       cmds+=("python3 bench/hf_models.py --shape $m --dtype $dt --out $dir; python3 bench/hf_reference.py --model $dir --out REF --dtype $dt --rows $nrows --decode-steps $steps; $BIN bench parity --model $dir --reference REF --dtype $dt")
-      if ! timeout "$(tmo 150)" python3 bench/hf_reference.py --model "$dir" --out "$ref" --dtype "$dt" \
-        --rows "$nrows" --decode-steps "$steps" >"$base.reference.log" 2>&1; then
-        rows+=("| $m | $dt | bench/hf_reference.py failed | $(tail -n 1 "$base.reference.log" | tr '|' '/') |")
+      timeout "$(tmo 150)" python3 bench/hf_reference.py --model "$dir" --out "$ref" --dtype "$dt" \
+        --rows "$nrows" --decode-steps "$steps" >"$base.reference.log" 2>&1
+      rc=$?
+      if [ "$rc" -ne 0 ]; then
+        rows+=("| $m | $dt | bench/hf_reference.py $(exit_words "$rc") | $(tail -n 1 "$base.reference.log" | tr '|' '/') |")
         bad=1
         continue
       fi
       timeout "$(tmo 150)" "$BIN" bench parity --model "$dir" --reference "$ref" --dtype "$dt" >"$base.parity.log" 2>&1
       rc=$?
       if [ "$rc" -eq 0 ]; then ok=$((ok + 1)); else bad=1; fi
-      rows+=("| $m | $dt | $rc | $(grep -v '^[[:space:]]*$' "$base.parity.log" | tail -n 1 | tr '|' '/') |")
+      rows+=("| $m | $dt | $rc$([ "$rc" -ne 0 ] && echo " ($(exit_words "$rc"))") | $(grep -v '^[[:space:]]*$' "$base.parity.log" | tail -n 1 | tr '|' '/') |")
     done
   done
   md=$(md_path parity)
