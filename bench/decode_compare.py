@@ -66,8 +66,9 @@ def main():
           "(tune: timing the bucket's forward with alternative engines before, `Engines::tune_graph`; "
           "about 0 where the registry had tuned it); "
           "PyTorch, the warm-up steps (torch.compile's compilation for that shape and the CUDA graph's "
-          "recording). Graph memory: ours as `cudagraph bench decode` reports it; PyTorch, the growth of "
-          "`torch.cuda.memory_reserved()` over the warm-up (cudagraph trees share one pool across shapes).")
+          "recording). Graph memory: ours, the peak a captured step allocates from its pool (`cudagraph bench decode`); "
+          "PyTorch, the growth of the caching allocator's private (CUDA graph) pools over "
+          "the warm-up (cudagraph trees share one pool across shapes, so later shapes may add little).")
     if targets:
         print()
         for line in targets:

@@ -22,9 +22,10 @@ the fields `cudagraph bench decode --json` writes:
   tokens_per_s         batch * 1000 / ms_per_step
   capture_ms           wall time of the --warmup steps: compilation (a recompilation for each
                        new shape) and the CUDA graph's recording
-  graph_mib            growth of torch.cuda.memory_reserved() over those warm-up steps, MiB
-                       (the graph pool and compiled buffers; cudagraph trees share one pool
-                       across shapes, so later buckets may show little growth)
+  graph_mib            growth over those warm-up steps of the memory reserved in the caching
+                       allocator's private pools (the CUDA graphs' pools), MiB; cudagraph
+                       trees share one pool across shapes, so later buckets may show little
+                       growth (memory the previous shape freed is not subtracted)
 and, PyTorch's only: allocated_mib (memory_allocated growth over the warm-up), samples_ms
 (every repeat's ms per step), warmup, repeats.
 
@@ -157,6 +158,14 @@ def main():
         from torch._dynamo.utils import counters
         return int(counters["inductor"].get("cudagraph_skips", 0))
 
+    def graph_pool_bytes():
+        # Segments of private pools (CUDA graph pools) in the allocator's snapshot; the default
+        # pool is (0, 0).
+        if not cuda:
+            return 0
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
     def graphs():
         from torch._dynamo.utils import counters
         return int(counters["stats"].get("unique_graphs", 0))
@@ -187,7 +196,7 @@ def main():
 
             sync()
             skips0 = skips()
-            reserved0 = torch.cuda.memory_reserved() if cuda else 0
+            pool0 = graph_pool_bytes()
             allocated0 = torch.cuda.memory_allocated() if cuda else 0
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -195,7 +204,7 @@ def main():
                     run_step()
             sync()
             capture_ms = (time.perf_counter() - t0) * 1e3
-            graph_mib = ((torch.cuda.memory_reserved() if cuda else 0) - reserved0) / 2**20
+            graph_mib = (graph_pool_bytes() - pool0) / 2**20
             allocated_mib = ((torch.cuda.memory_allocated() if cuda else 0) - allocated0) / 2**20
             if skips() != skips0:
                 die(f"inductor skipped CUDA graphs for prompt {prompt}, batch {batch} "

@@ -18,6 +18,8 @@
 # Every part and every step has a time limit, and all parts of one call share a budget of
 # TIME_BUDGET_S seconds (default 570, under the device call limit of 600): a part that cannot
 # get the time it needs is skipped and reported, so run long parts in calls of their own.
+# Each part starts from an empty engine registry (a first process's measurement), unless
+# CUDAGRAPH_CACHE_DIR names a directory of the caller's, which is used as it is.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 
@@ -26,6 +28,10 @@ LOGS=$RES/logs
 BIN=.gpu-bin/bin/cudagraph
 BUDGET=${TIME_BUDGET_S:-570}
 START=$SECONDS
+# The kernel cache and engine registry: this script's own directory unless the caller names
+# one (OWN_CACHE=0: the caller's, left as it is).
+OWN_CACHE=1
+[ -n "${CUDAGRAPH_CACHE_DIR:-}" ] && OWN_CACHE=0
 export CUDAGRAPH_CACHE_DIR=${CUDAGRAPH_CACHE_DIR:-/tmp/cudagraph-cache}
 export PYTHONUNBUFFERED=1 RUST_BACKTRACE=1
 
@@ -1215,6 +1221,9 @@ for part in "$@"; do
     continue
   fi
   echo "== $part ($((SECONDS - START)) s)"
+  # Every part starts from an empty engine registry, as a first process does, so that no
+  # part's results depend on the parts before it in the call; compiled kernels stay cached.
+  [ "$OWN_CACHE" = 1 ] && rm -f "$CUDAGRAPH_CACHE_DIR"/engines-*.json
   t0=$SECONDS
   if "part_${part//-/_}"; then
     say "$part: ok in $((SECONDS - t0)) s -> $(md_path "$part")"

@@ -278,14 +278,7 @@ fn graph_times(
     let chain = e0.elapsed_ms(e1)? as f64 * 1e3 / (REPLAYS * reps) as f64;
     let singles = reps.max(10);
     one_g.replay(side)?;
-    spin.spin(&*side, 20_000 + 10_000 * singles as u64)?;
-    side.record(e0)?;
-    for _ in 0..singles {
-        one_g.replay(side)?;
-    }
-    side.record(e1)?;
-    e1.synchronize()?;
-    let single = e0.elapsed_ms(e1)? as f64 * 1e3 / singles as f64;
+    let single = replays_behind_spin(side, spin, (e0, e1), &one_g, singles, 10_000)?;
     let us = match timing {
         GraphTiming::Chain => chain,
         GraphTiming::Single => single,
@@ -296,6 +289,27 @@ fn graph_times(
         chain: Some(chain),
         single: Some(single),
     })
+}
+
+/// µs per replay of `g` replayed `n` times back to back on `s`, queued behind a spin kernel
+/// of 20 µs plus `spin_ns` a replay that keeps the GPU busy while the host queues them, so
+/// that the host's launch rate is not what is timed.
+pub(super) fn replays_behind_spin(
+    s: &cudagraph::Stream,
+    spin: &Spin,
+    (e0, e1): (&Event, &Event),
+    g: &Graph,
+    n: usize,
+    spin_ns: u64,
+) -> Result<f64> {
+    spin.spin(s, 20_000 + spin_ns * n as u64)?;
+    s.record(e0)?;
+    for _ in 0..n {
+        g.replay(s)?;
+    }
+    s.record(e1)?;
+    e1.synchronize()?;
+    Ok(e0.elapsed_ms(e1)? as f64 * 1e3 / n as f64)
 }
 
 /// Errors after which nothing else can run on the device.

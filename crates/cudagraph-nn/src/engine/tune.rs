@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use cudagraph::{CaptureOptions, Event, Graph, Pool, Queue, Stream};
 
-use super::measure::is_fatal;
+use super::measure::{is_fatal, replays_behind_spin};
 use super::registry::{lock, record_keys, Engines};
 use super::table::Entry;
 use crate::error::{NnError, Result};
@@ -270,15 +270,8 @@ impl Timer {
         self.e1.synchronize()?;
         let once = self.e0.elapsed_ms(&self.e1)? as f64 * 1e3;
         let reps = ((TIMED_US / once.max(1.0)) as usize).clamp(3, 500);
-        // Keep the GPU busy while the host queues the replays.
-        self.spin.spin(stream, 20_000 + 5_000 * reps as u64)?;
-        stream.record(&self.e0)?;
-        for _ in 0..reps {
-            g.replay(stream)?;
-        }
-        stream.record(&self.e1)?;
-        self.e1.synchronize()?;
-        Ok(self.e0.elapsed_ms(&self.e1)? as f64 * 1e3 / reps as f64)
+        let events = (&self.e0, &self.e1);
+        replays_behind_spin(stream, &self.spin, events, g, reps, 5_000)
     }
 }
 
