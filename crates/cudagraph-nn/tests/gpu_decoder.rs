@@ -1080,8 +1080,9 @@ fn the_one_token_attention_splits_the_product_itself() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
     for rotate in [false, true] {
-        // A cache of 700: many splits, merged through global memory; of 200: few blocks,
-        // merged inside a cluster (sm_90+), with the early reads.
+        // A cache of 700: more splits than a cluster holds, merged through global memory, in
+        // one wave (with the early reads); of 200: few blocks, merged inside a cluster
+        // (sm_90+), with the early reads.
         for max_len in [700, 200] {
             one_token::<f32>(&s, (4, 2, 64), rotate, max_len);
             one_token::<bf16>(&s, (4, 2, 64), rotate, max_len);

@@ -469,7 +469,7 @@ pub struct AttendScratch {
     /// Few blocks (see [`few_blocks`]): the splits of one token and head group form a
     /// thread-block cluster and merge through distributed shared memory (sm_90+; `part`,
     /// `stat` and `count` are then unused), and one-token steps read early where the caller
-    /// allows it.
+    /// allows it (see [`AttendScratch::reads_early`]).
     few: bool,
     /// More blocks than the device holds at once of the kernel with its full registers: the
     /// instances held to fewer registers (`v4o`, `v1o`) run them.
@@ -480,6 +480,14 @@ pub struct AttendScratch {
 }
 
 impl AttendScratch {
+    /// Whether a one-token step of its shape reads early where the caller allows it: with few
+    /// blocks, and with the keys split and every block resident at once (one wave) — where
+    /// more splits than a cluster holds merge through global memory. Unsplit shapes of many
+    /// blocks read after their wait (early reads measured no faster there).
+    fn reads_early(&self) -> bool {
+        self.few || (self.splits > 1 && !self.waves)
+    }
+
     /// Whether its shape's attention has more blocks than the device holds at once of the
     /// kernel with its full registers, so that the instances held to fewer registers run it.
     #[cfg_attr(not(feature = "internals"), allow(dead_code))]
@@ -695,8 +703,9 @@ impl DecoderKernels {
         unsafe { self.attend_qkv_early(q, shape, qkv, f, c, at, out, scale, scratch, false) }
     }
 
-    /// [`Self::attend_qkv`]; with `early`, where the shape has few blocks ([`few_blocks`];
-    /// other shapes ignore it), each block reads its token's position and slot, the rotary
+    /// [`Self::attend_qkv`]; with `early`, where the shape has few blocks ([`few_blocks`]) or
+    /// splits the keys in one wave (other shapes ignore it), each block reads its token's
+    /// position and slot, the rotary
     /// frequencies and its first cache rows before it waits for the previous kernel
     /// (programmatic dependent launch), so that those reads overlap that kernel's end. The
     /// same bits either way.
@@ -823,7 +832,7 @@ impl DecoderKernels {
         };
         let i = |v: usize| Arg::I32(v as i32);
         let cluster = scratch.few && splits > 1;
-        let early = early && scratch.few && fresh.is_some();
+        let early = early && scratch.reads_early() && fresh.is_some();
         // SAFETY: dec_attend_{v,p}_*(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,
         // S, Tmax, D, scale, splits, fresh, early, cluster, inv_freq, flag, check, slot_check):
         // block (n, y, s)
