@@ -705,10 +705,9 @@ impl DecoderKernels {
 
     /// [`Self::attend_qkv`]; with `early`, where the shape has few blocks ([`few_blocks`]) or
     /// splits the keys in one wave (other shapes ignore it), each block reads its token's
-    /// position and slot, the rotary
-    /// frequencies and its first cache rows before it waits for the previous kernel
-    /// (programmatic dependent launch), so that those reads overlap that kernel's end. The
-    /// same bits either way.
+    /// position and slot, the rotary frequencies and its first cache rows before it waits for
+    /// the previous kernel (programmatic dependent launch), so that those reads overlap that
+    /// kernel's end. The same bits either way.
     ///
     /// # Safety
     /// With `early`: no kernel that can still be running when this one starts writes the
