@@ -116,7 +116,8 @@ impl Engines {
     ///
     /// Errors: those of capturing and replaying `work` with the choices in place (a trial
     /// whose capture fails is skipped, its choice restored; one whose replay fails returns
-    /// that error with the key's measured choice restored, and the keys tried are not marked
+    /// that error with the key's choice from before that trial restored — the measured one,
+    /// or an earlier trial of the key that was kept — and the keys tried are not marked
     /// tuned).
     ///
     /// ```no_run
@@ -192,7 +193,7 @@ impl Engines {
                     continue;
                 }
             };
-            // A replay that fails leaves the measured choice recorded, not the trial.
+            // A replay that fails leaves the choice before the trial recorded, not the trial.
             let timed = (|| {
                 let mut t = timer.time(stream, &trial)?;
                 if t < best * (1.0 - TUNE_MIN_GAIN) {

@@ -471,8 +471,6 @@ pub struct AttendScratch {
     /// `stat` and `count` are then unused), and one-token steps read early where the caller
     /// allows it.
     few: bool,
-    /// One-token steps read early where the caller allows it ([`early_reads`]).
-    early: bool,
     /// More blocks than the device holds at once of the kernel with its full registers: the
     /// instances held to fewer registers (`v4o`, `v1o`) run them.
     waves: bool,
@@ -564,15 +562,14 @@ pub fn few_blocks(s: &AttentionShape, splits: usize, resident: usize) -> bool {
         && (splits > 1 || pairs(s) <= FEW_PAIRS)
 }
 
-/// Whether a one-token step of `s` split `splits` ways, on a device that holds `resident`
-/// blocks of its kernel at once, reads its first keys before its wait (where the caller
-/// allows it): with few blocks (`few`, [`few_blocks`] on a device with clusters), and with the
-/// keys split and every block resident at once — one wave of more splits than a cluster
-/// holds, merged through global memory (H100, batch 1 after 1024 tokens: GPT-2 small 0.346 →
-/// 0.330 ms, the Llama-shaped model 1.273 → 1.242). Unsplit shapes of many blocks read after
-/// their wait: early reads measured no faster there.
-fn early_reads(few: bool, s: &AttentionShape, splits: usize, resident: usize) -> bool {
-    few || (splits > 1 && pairs(s).saturating_mul(splits) <= resident)
+/// Whether a one-token step split `splits` ways reads its first keys before its wait (where
+/// the caller allows it): with few blocks (`few`, [`few_blocks`] on a device with clusters),
+/// and with the keys split and every block resident at once (not `waves`) — one wave of more
+/// splits than a cluster holds, merged through global memory (H100, batch 1 after 1024
+/// tokens: GPT-2 small 0.346 → 0.330 ms, the Llama-shaped model 1.273 → 1.242). Unsplit
+/// shapes of many blocks read after their wait: early reads measured no faster there.
+fn early_reads(few: bool, splits: usize, waves: bool) -> bool {
+    few || (splits > 1 && !waves)
 }
 
 /// Which instance of the attention kernel serves `head_dim` for `T` over buffers at `addrs`
@@ -651,7 +648,6 @@ impl DecoderKernels {
             splits,
             groups,
             few,
-            early: early_reads(few, shape, splits, resident),
             waves: blocks > resident,
             part: q.alloc::<f32>(parts)?,
             stat: q.alloc::<f32>(stats)?,
@@ -837,7 +833,7 @@ impl DecoderKernels {
         };
         let i = |v: usize| Arg::I32(v as i32);
         let cluster = scratch.few && splits > 1;
-        let early = early && scratch.early && fresh.is_some();
+        let early = early && early_reads(scratch.few, splits, scratch.waves) && fresh.is_some();
         // SAFETY: dec_attend_{v,p}_*(q, kc, vc, pos, slot, out, part, stat, count, Tq, H, Hkv,
         // S, Tmax, D, scale, splits, fresh, early, cluster, inv_freq, flag, check, slot_check):
         // block (n, y, s)
@@ -1014,24 +1010,24 @@ mod tests {
         // Early reads: few blocks, or split in one wave (GPT-2 small at batch 1 after 1024
         // tokens: 18 splits of 12 blocks, more than a cluster holds); not unsplit with many
         // blocks, nor beyond one wave (batch 8 of four heads a block, 512 blocks where 396 fit).
+        let beyond = |s: &AttentionShape, splits: usize, resident: usize| {
+            pairs(s).saturating_mul(splits) > resident
+        };
         let long = shape(1, 12, 12, 1096);
         let splits = attend_splits(132, &long);
         assert_eq!(splits, 18);
         assert!(!few_blocks(&long, splits, 792));
-        assert!(early_reads(false, &long, splits, 792));
-        assert!(early_reads(true, &shape(1, 12, 12, 200), 4, 792));
+        assert!(!beyond(&long, splits, 792));
+        assert!(early_reads(false, splits, false));
+        assert!(early_reads(true, 4, false));
         let wide = shape(32, 12, 12, 200);
         assert_eq!(attend_splits(132, &wide), 1);
-        assert!(!early_reads(false, &wide, 1, 792));
-        let waves = shape(8, 32, 8, 1100);
-        assert_eq!(attend_splits(132, &waves), 8);
-        assert!(!early_reads(false, &waves, 8, 396));
-        assert!(!early_reads(
-            false,
-            &shape(usize::MAX / 8, 1, 1, 60),
-            2,
-            396
-        ));
+        assert!(!early_reads(false, 1, beyond(&wide, 1, 792)));
+        let many = shape(8, 32, 8, 1100);
+        assert_eq!(attend_splits(132, &many), 8);
+        assert!(beyond(&many, 8, 396));
+        assert!(!early_reads(false, 8, true));
+        assert!(beyond(&shape(usize::MAX / 8, 1, 1, 60), 2, 396));
         // Instances: v1, v2, v4 in one wave; v1o and v4o beyond it (two heads keep v2).
         let one_wave: Vec<usize> = [1, 2, 3, 4, 8].map(|h| vector_instance(h, false)).to_vec();
         let waves: Vec<usize> = [1, 2, 3, 4, 8].map(|h| vector_instance(h, true)).to_vec();
