@@ -73,18 +73,12 @@ fn linear_as<T: Float>(
     let mn = crate::autograd::tensor::numel_checked(&[m, n])?;
     let y = Arc::new(q.alloc::<T>(mn)?);
     let op = GemmOp {
-        ta: Trans::N,
-        tb: Trans::T,
-        m,
-        n,
-        k,
-        alpha: 1.0,
-        beta: 0.0,
         epilogue: match (bl.is_some(), relu) {
             (false, _) => Epilogue::None,
             (true, false) => Epilogue::Bias,
             (true, true) => Epilogue::BiasRelu,
         },
+        ..GemmOp::linear(m, n, k)
     };
     gemm_lowp::<T, T>(q, &nn, &op, &xl, &wl, &y, bl.as_deref())?;
     let mut inputs = vec![x.clone(), w.clone()];

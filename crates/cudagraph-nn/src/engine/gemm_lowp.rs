@@ -662,14 +662,8 @@ mod tests {
 
     fn op(ep: Epilogue) -> GemmOp {
         GemmOp {
-            ta: Trans::N,
-            tb: Trans::T,
-            m: 32,
-            n: 512,
-            k: 1024,
-            alpha: 1.0,
-            beta: 0.0,
             epilogue: ep,
+            ..GemmOp::linear(32, 512, 1024)
         }
     }
 
