@@ -15,6 +15,10 @@ Writes --out, a safetensors file holding for each row b:
   logits_f32.{b}  F32 [len_b, vocab]  (bf16 and f16 only) the same forward in f32 arithmetic
                                    from the same 16-bit weights, for context: how far the
                                    16-bit reference itself is from it
+  logits_math.{b} F32 [len_b, vocab] (bf16 and f16 only, on CUDA) the teacher-forced forward
+                                   with PyTorch's math backend of scaled_dot_product_attention
+                                   instead of the one it picks (flash attention): how far two
+                                   of transformers' own 16-bit paths are apart, for context
 and the metadata (all strings): rows, prompt_lens (comma-separated), decode_steps, dtype.
 The consumer prefills ids[:prompt_len], feeds ids[prompt_len:] one step at a time and compares
 every logit row, alone and with all rows batched.
@@ -133,6 +137,11 @@ def main():
             tensors[f"logits.{b}"] = logits.cpu().contiguous()
             if exact is not None:
                 tensors[f"logits_f32.{b}"] = exact(input_ids=ids, use_cache=False).logits[0].float().cpu().contiguous()
+            if exact is not None and dev.type == "cuda":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel([SDPBackend.MATH]):
+                    alt = model(input_ids=ids, use_cache=False).logits[0].float()
+                tensors[f"logits_math.{b}"] = alt.cpu().contiguous()
 
     meta = {
         "rows": str(args.rows),

@@ -18,7 +18,12 @@
 //! A 16-bit reference may also hold Hugging Face's logits of the same ids computed in f32 from
 //! the same (16-bit) weights (`logits_f32.{b}`); then the command also prints, for context
 //! and without failing on them, how far our rows (alone) and the reference's own 16-bit rows
-//! are from those.
+//! are from those. It may also hold the logits of the same ids through PyTorch's math backend
+//! of `scaled_dot_product_attention` instead of the default one (`logits_math.{b}`); then the
+//! command prints how far those are from the reference: the spread between the reference's
+//! own implementations, to read our error against.
+//!
+//! `--save FILE` writes our teacher-forced logits (each row alone) in the reference's layout.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -47,6 +52,11 @@ pub struct ParityArgs {
     /// Relative tolerance on the logits (default: 1e-4 for f32, 2e-2 for bf16/f16).
     #[arg(long)]
     pub tolerance: Option<f64>,
+    /// Also write our teacher-forced logits (each row alone) to this file, in the reference's
+    /// layout (safetensors: `ids.{b}`, `logits.{b}` in f32, the same metadata), to compare
+    /// them with other implementations or runs; it is itself a valid `--reference`.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
 }
 
 /// One row of the reference.
@@ -57,6 +67,10 @@ struct RefRow {
     logits: Vec<f32>,
     /// The same in f32 arithmetic, where the reference has it.
     exact: Option<Vec<f32>>,
+    /// The same through another attention implementation of the reference (PyTorch's math
+    /// backend of `scaled_dot_product_attention`), where it has them: how far the reference's
+    /// own implementations are apart.
+    math: Option<Vec<f32>>,
 }
 
 /// `name` of the reference as F32 `[len, ·]` values; the width.
@@ -123,22 +137,25 @@ fn read_reference(path: &PathBuf) -> AnyResult<(Vec<RefRow>, usize)> {
         if prompt == 0 || prompt > ids.len() {
             return Err(format!("row {b}: prompt length {prompt} of {} ids", ids.len()).into());
         }
-        let exact_name = format!("logits_f32.{b}");
-        let exact = match st.names().iter().any(|n| **n == exact_name) {
-            false => None,
-            true => {
-                let (v, width) = f32_rows(&st, &exact_name, ids.len())?;
-                if width != vocab {
-                    return Err(format!("{exact_name}: {width} columns, logits.{b} {vocab}").into());
-                }
-                Some(v)
+        // Optional rows of the same shape as `logits.{b}`.
+        let optional = |name: String| -> AnyResult<Option<Vec<f32>>> {
+            if !st.names().iter().any(|n| **n == name) {
+                return Ok(None);
             }
+            let (v, width) = f32_rows(&st, &name, ids.len())?;
+            if width != vocab {
+                return Err(format!("{name}: {width} columns, logits.{b} {vocab}").into());
+            }
+            Ok(Some(v))
         };
+        let exact = optional(format!("logits_f32.{b}"))?;
+        let math = optional(format!("logits_math.{b}"))?;
         out.push(RefRow {
             ids,
             prompt,
             logits,
             exact,
+            math,
         });
     }
     Ok((out, vocab))
@@ -219,21 +236,45 @@ fn compare((tally, exact): (&mut Tally, &mut Tally), ours: &[f32], r: &RefRow, t
     }
 }
 
+/// For every reference row where `pair` gives two blocks of logit rows `(measured,
+/// against)`, each row of `measured` against the same row of `against`.
+fn spread<'r>(
+    reference: &'r [RefRow],
+    pair: impl Fn(&'r RefRow) -> Option<(&'r [f32], &'r [f32])>,
+    vocab: usize,
+    tol: f64,
+) -> Tally {
+    let mut t = Tally::default();
+    for (measured, against) in reference.iter().filter_map(pair) {
+        for (a, b) in measured
+            .chunks_exact(vocab)
+            .zip(against.chunks_exact(vocab))
+        {
+            t.row(a, b, tol);
+        }
+    }
+    t
+}
+
 /// Runs rows `rows` through `decoder` with teacher forcing — prompts prefilled in one call
 /// (padded to the longest), then one call per continuation token — and compares every logit
 /// row with the reference, and with its f32 logits where it has them (the second tally).
+/// With `keep`, also returns our logits of each row (`[len, vocab]`, in the reference's
+/// order); otherwise no rows.
 fn teacher_forced(
     s: &Stream,
     decoder: &Decoder,
     reference: &[&RefRow],
     vocab: usize,
     tol: f64,
-) -> AnyResult<(Tally, Tally)> {
+    keep: bool,
+) -> AnyResult<(Tally, Tally, Vec<Vec<f32>>)> {
     let n = reference.len();
     let max_len = reference.iter().map(|r| r.ids.len()).max().unwrap_or(1);
     let cache = decoder.new_cache(s, n, max_len)?;
     let slots = s.alloc_from_host(&(0..n as i32).collect::<Vec<_>>())?;
     let (mut tally, mut exact) = (Tally::default(), Tally::default());
+    let mut kept: Vec<Vec<f32>> = vec![Vec::new(); if keep { n } else { 0 }];
     let longest = reference.iter().map(|r| r.prompt).max().unwrap_or(1);
     let (mut ids, mut pos) = (Vec::new(), Vec::new());
     for r in reference {
@@ -258,6 +299,9 @@ fn teacher_forced(
         for t in 0..r.prompt {
             let at = (b * longest + t) * vocab;
             compare((&mut tally, &mut exact), &host[at..at + vocab], r, t, tol);
+            if keep {
+                kept[b].extend_from_slice(&host[at..at + vocab]);
+            }
         }
     }
     // Continuation tokens, one call per step; a row whose continuation ended repeats its last
@@ -291,10 +335,54 @@ fn teacher_forced(
             if t < r.ids.len() {
                 let ours = &host[b * vocab..(b + 1) * vocab];
                 compare((&mut tally, &mut exact), ours, r, t, tol);
+                if keep {
+                    kept[b].extend_from_slice(ours);
+                }
             }
         }
     }
-    Ok((tally, exact))
+    Ok((tally, exact, kept))
+}
+
+/// Writes `logits` (one `[len, vocab]` block per row of `reference`) to `path` in the
+/// reference's layout, with the reference's ids and metadata (`dtype`: ours).
+fn save_logits(
+    path: &PathBuf,
+    reference: &[RefRow],
+    logits: &[Vec<f32>],
+    (vocab, dtype): (usize, Dtype),
+) -> AnyResult<()> {
+    use safetensors::tensor::TensorView;
+    let bytes: Vec<(Vec<u8>, Vec<u8>)> = reference
+        .iter()
+        .zip(logits)
+        .map(|(r, l)| {
+            (
+                r.ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                l.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let mut views = Vec::new();
+    for (b, (r, (ids, l))) in reference.iter().zip(&bytes).enumerate() {
+        views.push((
+            format!("ids.{b}"),
+            TensorView::new(StDtype::I32, vec![r.ids.len()], ids)?,
+        ));
+        views.push((
+            format!("logits.{b}"),
+            TensorView::new(StDtype::F32, vec![r.ids.len(), vocab], l)?,
+        ));
+    }
+    let prompts: Vec<String> = reference.iter().map(|r| r.prompt.to_string()).collect();
+    let meta = HashMap::from([
+        ("rows".to_string(), reference.len().to_string()),
+        ("prompt_lens".to_string(), prompts.join(",")),
+        ("dtype".to_string(), dtype.to_string()),
+    ]);
+    let out = safetensors::serialize(views, Some(meta))?;
+    std::fs::write(path, out).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
 }
 
 /// Greedy generation through captured steps, against the reference's continuation up to the
@@ -383,26 +471,35 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
         ok &= t.ok();
     };
     let (mut alone, mut exact) = (Tally::default(), Tally::default());
+    let mut ours = Vec::new();
     for r in &reference {
-        let (t, e) = teacher_forced(&s, &decoder, &[r], vocab, tol)?;
+        let (t, e, kept) = teacher_forced(&s, &decoder, &[r], vocab, tol, a.save.is_some())?;
         alone.merge(&t);
         exact.merge(&e);
+        ours.extend(kept);
     }
     report("alone", &alone);
+    if let Some(path) = &a.save {
+        save_logits(path, &reference, &ours, (vocab, a.dtype))?;
+        outln!(
+            "{:<10} our logits (alone) written to {}",
+            "saved",
+            path.display()
+        );
+    }
     let all: Vec<&RefRow> = reference.iter().collect();
     report(
         "batched",
-        &teacher_forced(&s, &decoder, &all, vocab, tol)?.0,
+        &teacher_forced(&s, &decoder, &all, vocab, tol, false)?.0,
     );
     if exact.rows > 0 {
         // Context, not a check: both 16-bit runs against the f32 run of the same weights.
-        let mut theirs = Tally::default();
-        for r in reference.iter().filter(|r| r.exact.is_some()) {
-            let e = r.exact.as_deref().unwrap_or_default();
-            for (t, row) in r.logits.chunks_exact(vocab).enumerate() {
-                theirs.row(row, &e[t * vocab..(t + 1) * vocab], tol);
-            }
-        }
+        let theirs = spread(
+            &reference,
+            |r| Some((&r.logits, r.exact.as_deref()?)),
+            vocab,
+            tol,
+        );
         for (what, t) in [("ours", &exact), ("reference", &theirs)] {
             outln!(
                 "{:<10} against f32: {what:<9} worst error {:.2e}, {} of {} rows over tolerance",
@@ -412,6 +509,22 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
                 t.rows
             );
         }
+    }
+    let math = spread(
+        &reference,
+        |r| Some((r.math.as_deref()?, &r.logits)),
+        vocab,
+        tol,
+    );
+    if math.rows > 0 {
+        // Context, not a check: the reference's own other attention implementation against it.
+        outln!(
+            "{:<10} the reference's math attention against it: worst error {:.2e}, {} of {} rows over tolerance",
+            "context",
+            math.worst,
+            math.failed_rows,
+            math.rows
+        );
     }
     let (compared, differ) = generated(&mut s, &decoder, &reference, vocab, tol)?;
     outln!(
@@ -491,6 +604,28 @@ mod tests {
     }
 
     #[test]
+    fn saved_logits_read_back_as_a_reference() {
+        let dir = std::env::temp_dir().join(format!("cg-parity-save-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (path, saved) = (dir.join("ref.safetensors"), dir.join("ours.safetensors"));
+        write(&path, None);
+        let (rows, vocab) = read_reference(&path).unwrap();
+        let ours = vec![vec![-1.5f32, 0.25, 3.0, 4.5, 5.0, -6.0]];
+        save_logits(&saved, &rows, &ours, (vocab, Dtype::Bf16)).unwrap();
+        let (back, width) = read_reference(&saved).unwrap();
+        assert_eq!((back.len(), width), (1, 2));
+        assert_eq!(
+            (back[0].ids.as_slice(), back[0].prompt),
+            (&[5, 6, 7][..], 2)
+        );
+        assert_eq!(back[0].logits, ours[0]);
+        // Logits of another length than the row's ids are refused, not written short.
+        let short = vec![vec![0.0f32; 4]];
+        assert!(save_logits(&saved, &rows, &short, (vocab, Dtype::Bf16)).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn the_tally_measures_each_row_against_its_largest_logit() {
         let mut t = Tally::default();
         // Error 0.1 against a largest |logit| of 4: 2.5e-2, over a tolerance of 2e-2; the
@@ -512,12 +647,33 @@ mod tests {
             prompt: 1,
             logits: vec![1.0, 0.0, 2.0, 0.0],
             exact: Some(vec![1.0, 0.0, 2.5, 0.0]),
+            math: Some(vec![1.0, 0.1, 2.0, 0.0]),
         };
         let (mut a, mut e) = (Tally::default(), Tally::default());
         compare((&mut a, &mut e), &[2.0, 0.0], &r, 1, 2e-2);
         assert_eq!((a.rows, a.failed_rows, e.rows, e.failed_rows), (1, 0, 1, 1));
-        let plain = RefRow { exact: None, ..r };
+        // spread() measures the first block against the second, row by row: the math rows
+        // against the reference (0.1 off a largest |logit| of 1 in the first row), the
+        // reference against its f32 rows (0.5 off 2.5 in the second).
+        let rows = std::slice::from_ref(&r);
+        let m = spread(rows, |r| Some((r.math.as_deref()?, &r.logits)), 2, 2e-2);
+        assert_eq!((m.rows, m.failed_rows), (2, 1));
+        assert!((m.worst - 0.1).abs() < 1e-6, "{}", m.worst);
+        let x = spread(rows, |r| Some((&r.logits, r.exact.as_deref()?)), 2, 2e-2);
+        assert!((x.worst - 0.2).abs() < 1e-6, "{}", x.worst);
+        let plain = RefRow {
+            exact: None,
+            math: None,
+            ..r
+        };
         compare((&mut a, &mut e), &[2.0, 0.0], &plain, 1, 2e-2);
         assert_eq!((a.rows, e.rows), (2, 1));
+        let none = spread(
+            std::slice::from_ref(&plain),
+            |r| Some((r.math.as_deref()?, &r.logits)),
+            2,
+            2e-2,
+        );
+        assert_eq!(none.rows, 0);
     }
 }
