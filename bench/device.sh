@@ -123,6 +123,12 @@ tmo() {
 }
 written() { local f; for f in "$@"; do [ -e "$f" ] && WRITTEN+=("$f"); done; return 0; }
 md_path() { echo "$RES/$1-$DEVICE.md"; }
+# The reports (.md) written since WRITTEN held $1 entries; part $2's default name if none.
+reports_since() {
+  local f out=()
+  for f in "${WRITTEN[@]:$1}"; do [[ $f == *.md ]] && out+=("$f"); done
+  if [ ${#out[@]} -gt 0 ]; then echo "${out[*]}"; else md_path "$2"; fi
+}
 
 # The short tag of a GPU name: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA GeForce RTX 4090" -> rtx4090.
 short_name() {
@@ -1227,10 +1233,11 @@ for part in "$@"; do
   # part's results depend on the parts before it in the call; compiled kernels stay cached.
   [ "$OWN_CACHE" = 1 ] && rm -f "$CUDAGRAPH_CACHE_DIR"/engines-*.json
   t0=$SECONDS
+  n0=${#WRITTEN[@]}
   if "part_${part//-/_}"; then
-    say "$part: ok in $((SECONDS - t0)) s -> $(md_path "$part")"
+    say "$part: ok in $((SECONDS - t0)) s -> $(reports_since "$n0" "$part")"
   else
-    say "$part: FAILED after $((SECONDS - t0)) s -> $(md_path "$part") and $LOGS/"
+    say "$part: FAILED after $((SECONDS - t0)) s -> $(reports_since "$n0" "$part") and $LOGS/"
     failed=$((failed + 1))
   fi
 done
