@@ -40,9 +40,13 @@ pub struct GenerateArgs {
     /// Keep the smallest set of tokens whose probability reaches p (1: all).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
-    /// Token ids that end the sequence (comma-separated).
+    /// Token ids that end the sequence (comma-separated). Default: the folder's
+    /// `eos_token_id`, from generation_config.json where it sets one, else from config.json.
     #[arg(long, value_delimiter = ',')]
     pub eos: Vec<i32>,
+    /// Stop at no token: generate --max-new-tokens tokens.
+    #[arg(long, conflicts_with = "eos")]
+    pub ignore_eos: bool,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -89,8 +93,28 @@ fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     }
 }
 
+/// The ids that end the sequence: `--eos`, none with `--ignore-eos`, else the folder's.
+fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
+    if a.ignore_eos {
+        return Ok(Vec::new());
+    }
+    if !a.eos.is_empty() {
+        return Ok(a.eos.clone());
+    }
+    let ids = cudagraph_nn::io::hf::eos_token_ids(&a.model)?;
+    if !ids.is_empty() {
+        let list: Vec<String> = ids.iter().map(i32::to_string).collect();
+        eprintln!(
+            "stopping at the model's eos token ids {} (--eos to change, --ignore-eos for none)",
+            list.join(",")
+        );
+    }
+    Ok(ids)
+}
+
 pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let prompt = prompt_ids(a)?;
+    let eos = stop_ids(a)?;
     let sampling = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -104,7 +128,7 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let load_s = t.elapsed().as_secs_f64();
     let mut opts = GenerationOptions::new(1, prompt.len() + a.max_new_tokens);
     opts.graphs = !a.no_graph;
-    opts.eos = a.eos.clone();
+    opts.eos = eos;
     opts.seed = a.seed;
     opts.steps_per_launch = a.steps_per_launch;
     let t = Instant::now();
@@ -141,4 +165,58 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
         setup_s
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: GenerateArgs,
+    }
+
+    fn stops(dir: &std::path::Path, args: &[&str]) -> Result<Vec<i32>, String> {
+        let model = dir.to_str().expect("a UTF-8 temporary path");
+        let all = ["generate", "--model", model, "--prompt-ids", "1,2"];
+        let cli =
+            Cli::try_parse_from(all.iter().chain(args).copied()).map_err(|e| e.to_string())?;
+        stop_ids(&cli.args).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn eos_ids_default_to_the_folders_and_flags_override_them() {
+        let dir = std::env::temp_dir().join(format!("cg-generate-eos-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            r#"{"model_type": "gpt2", "eos_token_id": 7}"#,
+        )
+        .unwrap();
+        assert_eq!(stops(&dir, &[]).unwrap(), vec![7]);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": [4, 5]}"#,
+        )
+        .unwrap();
+        assert_eq!(stops(&dir, &[]).unwrap(), vec![4, 5]);
+        assert_eq!(stops(&dir, &["--eos", "3,9"]).unwrap(), vec![3, 9]);
+        assert_eq!(stops(&dir, &["--ignore-eos"]).unwrap(), Vec::<i32>::new());
+        let e = stops(&dir, &["--ignore-eos", "--eos", "3"]).unwrap_err();
+        assert!(e.contains("--ignore-eos") && e.contains("--eos"), "{e}");
+        // A malformed id is an error naming the file, before any device work.
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": "x"}"#,
+        )
+        .unwrap();
+        let e = stops(&dir, &[]).unwrap_err();
+        assert!(
+            e.contains("generation_config.json") && e.contains("eos_token_id"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

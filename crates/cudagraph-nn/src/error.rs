@@ -271,6 +271,17 @@ pub enum HfError {
         /// Its dtype as the safetensors header spells it.
         found: String,
     },
+    /// A generation setting of `generation_config.json` or `config.json` (`eos_token_id`) is
+    /// malformed.
+    #[error("{file}: `{field}` {problem}")]
+    Generation {
+        /// The file's name.
+        file: String,
+        /// The field.
+        field: String,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// A `tokenizer.json` could not be read, or text could not be encoded or ids decoded.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

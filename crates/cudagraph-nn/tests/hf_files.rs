@@ -816,3 +816,71 @@ fn rope_parameters_read_like_rope_theta_and_rope_scaling() {
         .to_string();
     assert!(e.contains("rope_parameters.high_freq_factor"), "{e}");
 }
+
+#[test]
+fn eos_ids_come_from_generation_config_then_config() {
+    use cudagraph_nn::io::hf::eos_token_ids;
+    let dir = temp_dir("eos");
+    let write = |name: &str, v: &Value| {
+        std::fs::write(dir.join(name), serde_json::to_vec(v).unwrap()).unwrap()
+    };
+    // No config.json: the file error, naming the path.
+    match eos_token_ids(&dir) {
+        Err(IoError::File { path, .. }) => assert!(path.ends_with("config.json"), "{path:?}"),
+        other => panic!("expected a file error, got {other:?}"),
+    }
+    // config.json alone: its id, one or a list (repeats dropped, order kept); none or null: empty.
+    let mut cfg = llama_config(true);
+    cfg["eos_token_id"] = json!(7);
+    write("config.json", &cfg);
+    assert_eq!(eos_token_ids(&dir).unwrap(), vec![7]);
+    cfg["eos_token_id"] = json!([9, 3, 9, 0]);
+    write("config.json", &cfg);
+    assert_eq!(eos_token_ids(&dir).unwrap(), vec![9, 3, 0]);
+    cfg["eos_token_id"] = Value::Null;
+    write("config.json", &cfg);
+    assert_eq!(eos_token_ids(&dir).unwrap(), Vec::<i32>::new());
+    cfg.as_object_mut().unwrap().remove("eos_token_id");
+    write("config.json", &cfg);
+    assert_eq!(eos_token_ids(&dir).unwrap(), Vec::<i32>::new());
+    // generation_config.json wins where it sets one; where it does not, config.json counts.
+    cfg["eos_token_id"] = json!(7);
+    write("config.json", &cfg);
+    write(
+        "generation_config.json",
+        &json!({"eos_token_id": [5, 6], "do_sample": true}),
+    );
+    assert_eq!(eos_token_ids(&dir).unwrap(), vec![5, 6]);
+    write("generation_config.json", &json!({"eos_token_id": null}));
+    assert_eq!(eos_token_ids(&dir).unwrap(), vec![7]);
+    write("generation_config.json", &json!({"temperature": 0.6}));
+    assert_eq!(eos_token_ids(&dir).unwrap(), vec![7]);
+    // Malformed values are typed errors naming the file and the field.
+    for (bad, says) in [
+        (json!("2"), "\"2\""),
+        (json!(-1), "-1"),
+        (json!(1.5), "1.5"),
+        (json!([1, 4294967296u64]), "4294967296"),
+        (json!({"id": 1}), "{\"id\":1}"),
+    ] {
+        write("generation_config.json", &json!({ "eos_token_id": bad }));
+        match hf_err(eos_token_ids(&dir)) {
+            HfError::Generation {
+                file,
+                field,
+                problem,
+            } => {
+                assert_eq!(
+                    (file.as_str(), field.as_str()),
+                    ("generation_config.json", "eos_token_id")
+                );
+                assert!(problem.contains(says), "{problem}");
+            }
+            e => panic!("expected a generation error, got {e:?}"),
+        }
+    }
+    std::fs::write(dir.join("generation_config.json"), b"{not json").unwrap();
+    let e = hf_err(eos_token_ids(&dir));
+    assert!(e.to_string().starts_with("generation_config.json: "), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -3,7 +3,8 @@
 //! safetensors weights (`model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`) checked tensor by tensor against the config into a host-side
 //! [`DecoderWeights`], which [`DecoderWeights::upload_parameters`] and
-//! [`DecoderWeights::upload_as`] put on a device.
+//! [`DecoderWeights::upload_as`] put on a device. [`eos_token_ids`] reads the ids that end a
+//! sequence by default (`generation_config.json`, else `config.json`).
 //!
 //! Everything but the uploads works and is tested without a GPU. With the `tokenizers` feature,
 //! `HfTokenizer` turns text into token ids and back through the folder's `tokenizer.json`;
@@ -854,6 +855,59 @@ fn check_index(map: &BTreeMap<String, String>, files: &[(String, Vec<u8>)]) -> I
         .into());
     }
     Ok(())
+}
+
+/// The token ids that end a sequence by default, as Hugging Face's `generate` takes them: the
+/// `eos_token_id` of the folder's `generation_config.json` where that file sets it, else that
+/// of its `config.json`; one id or a list of ids (repeats dropped, order kept). Empty where
+/// neither sets one (absent or `null`). A value other than a token id (an integer in
+/// `0..=i32::MAX`) or a list of them is an [`HfError::Generation`] naming the file; a folder
+/// without `config.json` is an [`IoError::File`].
+pub fn eos_token_ids(dir: &Path) -> IoResult<Vec<i32>> {
+    let generation = dir.join("generation_config.json");
+    if generation.exists() {
+        if let Some(ids) = eos_from_json("generation_config.json", &read_file(&generation)?)? {
+            return Ok(ids);
+        }
+    }
+    Ok(eos_from_json("config.json", &read_file(&dir.join("config.json"))?)?.unwrap_or_default())
+}
+
+/// `eos_token_id` of the JSON object in `bytes` (the file `file`): `None` where it is absent or
+/// `null`.
+fn eos_from_json(file: &str, bytes: &[u8]) -> IoResult<Option<Vec<i32>>> {
+    let err = |field: &str, problem: String| -> IoError {
+        HfError::Generation {
+            file: file.to_string(),
+            field: field.to_string(),
+            problem,
+        }
+        .into()
+    };
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| err("", e.to_string()))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| err("", "is not a JSON object".into()))?;
+    let id = |x: &Value| -> IoResult<i32> {
+        x.as_u64()
+            .and_then(|n| i32::try_from(n).ok())
+            .ok_or_else(|| {
+                err(
+                    "eos_token_id",
+                    format!(
+                        "holds {x}, not a token id (an integer from 0 to {})",
+                        i32::MAX
+                    ),
+                )
+            })
+    };
+    let ids = match obj.get("eos_token_id") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(list)) => list.iter().map(id).collect::<IoResult<Vec<_>>>()?,
+        Some(x) => vec![id(x)?],
+    };
+    let mut seen = BTreeSet::new();
+    Ok(Some(ids.into_iter().filter(|i| seen.insert(*i)).collect()))
 }
 
 /// A Hugging Face tokenizer (`tokenizer.json`): text to token ids and back. Needs the
