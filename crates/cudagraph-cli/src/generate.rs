@@ -3,13 +3,14 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use cudagraph::Device;
 use cudagraph_nn::Dtype;
 use cudagraph_nn::SamplingParams;
 use cudagraph_nn::{Decoder, Generation, GenerationOptions, Request};
+use indicatif::{ProgressBar, ProgressStyle};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -93,6 +94,18 @@ fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     }
 }
 
+/// A spinner on stderr naming what runs and for how long (drawn only where stderr is a
+/// terminal); cleared by the caller when the phase ends.
+fn phase(what: &str) -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("valid template"),
+    );
+    pb.set_message(what.to_string());
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb
+}
+
 /// The ids that end the sequence: `--eos`, none with `--ignore-eos`, else the folder's.
 fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     if a.ignore_eos {
@@ -123,8 +136,10 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let dev = Device::open(device)?;
     let mut s = dev.new_stream()?;
     let t = Instant::now();
+    let pb = phase(&format!("loading {}", a.model.display()));
     let decoder = Arc::new(Decoder::load(&s, &a.model, a.dtype)?);
     s.synchronize()?;
+    pb.finish_and_clear();
     let load_s = t.elapsed().as_secs_f64();
     let mut opts = GenerationOptions::new(1, prompt.len() + a.max_new_tokens);
     opts.graphs = !a.no_graph;
@@ -132,8 +147,15 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     opts.seed = a.seed;
     opts.steps_per_launch = a.steps_per_launch;
     let t = Instant::now();
+    let pb = phase(if opts.graphs {
+        "compiling kernels (cached after the first run), choosing engines, capturing the decode step"
+    } else {
+        "compiling kernels (cached after the first run)"
+    });
     let mut gen = Generation::new(&mut s, decoder, opts)?;
+    pb.finish_and_clear();
     let setup_s = t.elapsed().as_secs_f64();
+    let pb = phase(&format!("generating up to {} tokens", a.max_new_tokens));
     let t = Instant::now();
     let tokens = gen
         .generate(
@@ -148,6 +170,7 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
         .pop()
         .unwrap_or_default();
     let gen_s = t.elapsed().as_secs_f64();
+    pb.finish_and_clear();
     let ids: Vec<String> = tokens.iter().map(i32::to_string).collect();
     outln!("{}", ids.join(","));
     #[cfg(feature = "tokenizers")]
