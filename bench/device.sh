@@ -1155,7 +1155,7 @@ part_parity() {
     echo "transformers, then one teacher-forced forward over prompt + generated ids (TF32 off). \`cudagraph"
     echo "bench parity\` prefills each prompt, feeds the rest one step at a time, alone and batched, and"
     echo "compares every logit row (f32 1e-4 relative, bf16 2e-2) and the greedy tokens where the"
-    echo "top-2 margin exceeds the tolerance. Exit status 0: all agree. For bf16 the reference also"
+    echo "top-2 margin exceeds the tolerance, and each batched row with the same row alone. Exit status 0: all agree. For bf16 the reference also"
     echo "holds Hugging Face's f32 forward of the same ids and weights; the \`context\` lines give how far"
     echo "our rows (alone) and Hugging Face's own bf16 rows are from it, and how far Hugging Face's"
     echo "bf16 rows through PyTorch's math attention backend are from its default (flash) rows: the"

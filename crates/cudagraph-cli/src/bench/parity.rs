@@ -6,7 +6,8 @@
 //! 1. **alone**: each row by itself — its prompt prefilled in one call, then one call per
 //!    continuation token (teacher forcing) — every logit row within the tolerance;
 //! 2. **batched**: all rows in one batch of mixed lengths (prompts padded to the longest), the
-//!    same comparison;
+//!    same comparison, and each row of the batch against the same row run alone (`vs alone`,
+//!    the same tolerance: batching mixes nothing);
 //! 3. **generated**: greedy generation through [`Generation`] (captured decode steps) from the
 //!    prompts equals Hugging Face's greedy tokens up to the first step whose top-2 margin is
 //!    within twice the tolerance (after it the two may diverge legitimately).
@@ -212,6 +213,16 @@ impl Tally {
         }
     }
 
+    /// Every row of `measured` (`[rows, vocab]`) against the same row of `against`.
+    fn rows_of(&mut self, measured: &[f32], against: &[f32], vocab: usize, tol: f64) {
+        for (a, b) in measured
+            .chunks_exact(vocab)
+            .zip(against.chunks_exact(vocab))
+        {
+            self.row(a, b, tol);
+        }
+    }
+
     fn ok(&self) -> bool {
         self.failed_rows == 0 && self.greedy_failed == 0
     }
@@ -246,12 +257,7 @@ fn spread<'r>(
 ) -> Tally {
     let mut t = Tally::default();
     for (measured, against) in reference.iter().filter_map(pair) {
-        for (a, b) in measured
-            .chunks_exact(vocab)
-            .zip(against.chunks_exact(vocab))
-        {
-            t.row(a, b, tol);
-        }
+        t.rows_of(measured, against, vocab, tol);
     }
     t
 }
@@ -259,22 +265,20 @@ fn spread<'r>(
 /// Runs rows `rows` through `decoder` with teacher forcing — prompts prefilled in one call
 /// (padded to the longest), then one call per continuation token — and compares every logit
 /// row with the reference, and with its f32 logits where it has them (the second tally).
-/// With `keep`, also returns our logits of each row (`[len, vocab]`, in the reference's
-/// order); otherwise no rows.
+/// Also returns our logits of each row (`[len, vocab]`, in the reference's order).
 fn teacher_forced(
     s: &Stream,
     decoder: &Decoder,
     reference: &[&RefRow],
     vocab: usize,
     tol: f64,
-    keep: bool,
 ) -> AnyResult<(Tally, Tally, Vec<Vec<f32>>)> {
     let n = reference.len();
     let max_len = reference.iter().map(|r| r.ids.len()).max().unwrap_or(1);
     let cache = decoder.new_cache(s, n, max_len)?;
     let slots = s.alloc_from_host(&(0..n as i32).collect::<Vec<_>>())?;
     let (mut tally, mut exact) = (Tally::default(), Tally::default());
-    let mut kept: Vec<Vec<f32>> = vec![Vec::new(); if keep { n } else { 0 }];
+    let mut kept: Vec<Vec<f32>> = vec![Vec::new(); n];
     let longest = reference.iter().map(|r| r.prompt).max().unwrap_or(1);
     let (mut ids, mut pos) = (Vec::new(), Vec::new());
     for r in reference {
@@ -299,9 +303,7 @@ fn teacher_forced(
         for t in 0..r.prompt {
             let at = (b * longest + t) * vocab;
             compare((&mut tally, &mut exact), &host[at..at + vocab], r, t, tol);
-            if keep {
-                kept[b].extend_from_slice(&host[at..at + vocab]);
-            }
+            kept[b].extend_from_slice(&host[at..at + vocab]);
         }
     }
     // Continuation tokens, one call per step; a row whose continuation ended repeats its last
@@ -335,9 +337,7 @@ fn teacher_forced(
             if t < r.ids.len() {
                 let ours = &host[b * vocab..(b + 1) * vocab];
                 compare((&mut tally, &mut exact), ours, r, t, tol);
-                if keep {
-                    kept[b].extend_from_slice(ours);
-                }
+                kept[b].extend_from_slice(ours);
             }
         }
     }
@@ -473,7 +473,7 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
     let (mut alone, mut exact) = (Tally::default(), Tally::default());
     let mut ours = Vec::new();
     for r in &reference {
-        let (t, e, kept) = teacher_forced(&s, &decoder, &[r], vocab, tol, a.save.is_some())?;
+        let (t, e, kept) = teacher_forced(&s, &decoder, &[r], vocab, tol)?;
         alone.merge(&t);
         exact.merge(&e);
         ours.extend(kept);
@@ -488,10 +488,14 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
         );
     }
     let all: Vec<&RefRow> = reference.iter().collect();
-    report(
-        "batched",
-        &teacher_forced(&s, &decoder, &all, vocab, tol, false)?.0,
-    );
+    let (batched, _, together) = teacher_forced(&s, &decoder, &all, vocab, tol)?;
+    report("batched", &batched);
+    // Batching mixes nothing: each row of the batch against the same row run alone.
+    let mut mixed = Tally::default();
+    for (b, a) in together.iter().zip(&ours) {
+        mixed.rows_of(b, a, vocab, tol);
+    }
+    report("vs alone", &mixed);
     if exact.rows > 0 {
         // Context, not a check: both 16-bit runs against the f32 run of the same weights.
         let theirs = spread(
