@@ -26,6 +26,14 @@ pub struct GenerateArgs {
     /// The prompt as text (needs tokenizer.json and a build with `--features tokenizers`).
     #[arg(long)]
     pub prompt: Option<String>,
+    /// A user message, put into the model's chat template (chat_template.jinja or
+    /// tokenizer_config.json's `chat_template`) with the assistant's turn opened; prints the
+    /// reply. Needs tokenizer.json and a build with `--features tokenizers`.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids"])]
+    pub chat: Option<String>,
+    /// A system message before the --chat message.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
@@ -69,9 +77,62 @@ fn tokenizer(dir: &std::path::Path) -> AnyResult<Option<cudagraph_nn::io::hf::Hf
     Ok(Some(cudagraph_nn::io::hf::HfTokenizer::read(&path)?))
 }
 
+/// The prompt text of a --chat conversation: the template's rendering of the optional
+/// --system message and the --chat message, with the assistant's turn opened.
+fn chat_text(a: &GenerateArgs, message: &str) -> AnyResult<String> {
+    use cudagraph_nn::io::chat::{ChatMessage, ChatTemplate};
+    let template = ChatTemplate::read(&a.model)?.ok_or_else(|| {
+        format!(
+            "{} has no chat template (no chat_template.jinja, no `chat_template` in \
+             tokenizer_config.json): a base model; pass --prompt instead",
+            a.model.display()
+        )
+    })?;
+    let mut conversation = Vec::new();
+    if let Some(system) = &a.system {
+        conversation.push(ChatMessage::new("system", system.as_str()));
+    }
+    conversation.push(ChatMessage::new("user", message));
+    Ok(template.render(&conversation, true)?)
+}
+
+#[cfg(feature = "tokenizers")]
+fn chat_ids(a: &GenerateArgs, message: &str) -> AnyResult<Vec<i32>> {
+    let text = chat_text(a, message)?;
+    let tok = tokenizer(&a.model)?.ok_or_else(|| {
+        format!(
+            "--chat needs {}; render the conversation yourself and pass --prompt-ids",
+            a.model.join("tokenizer.json").display()
+        )
+    })?;
+    // The template writes the special tokens itself, so none are added (as
+    // transformers' apply_chat_template tokenizes).
+    Ok(tok
+        .encode(&text, false)?
+        .into_iter()
+        .map(|t| t as i32)
+        .collect())
+}
+
+#[cfg(not(feature = "tokenizers"))]
+fn chat_ids(a: &GenerateArgs, message: &str) -> AnyResult<Vec<i32>> {
+    // The template is still checked, so a malformed one is reported first.
+    chat_text(a, message)?;
+    Err("--chat needs a build with `--features tokenizers`; render the conversation yourself and pass --prompt-ids".into())
+}
+
 fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
+    if let Some(message) = &a.chat {
+        return chat_ids(a, message);
+    }
+    // clap's `requires` is not checked where --chat would conflict with the prompt given.
+    if a.system.is_some() {
+        return Err(
+            "--system is the system message of a --chat conversation: give --chat too".into(),
+        );
+    }
     match &a.prompt {
-        None if a.prompt_ids.is_empty() => Err("give --prompt-ids (or --prompt)".into()),
+        None if a.prompt_ids.is_empty() => Err("give --prompt-ids, --prompt or --chat".into()),
         None => Ok(a.prompt_ids.clone()),
         #[cfg(feature = "tokenizers")]
         Some(text) => {
@@ -175,7 +236,13 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     outln!("{}", ids.join(","));
     #[cfg(feature = "tokenizers")]
     if let Some(tok) = tokenizer(&a.model)? {
-        let all: Vec<u32> = prompt.iter().chain(&tokens).map(|&t| t as u32).collect();
+        // A chat prints the reply; a prompt, the prompt and its continuation.
+        let shown = if a.chat.is_some() {
+            &[][..]
+        } else {
+            &prompt[..]
+        };
+        let all: Vec<u32> = shown.iter().chain(&tokens).map(|&t| t as u32).collect();
         outln!("{}", tok.decode(&all, true)?);
     }
     eprintln!(
@@ -201,12 +268,102 @@ mod tests {
         args: GenerateArgs,
     }
 
-    fn stops(dir: &std::path::Path, args: &[&str]) -> Result<Vec<i32>, String> {
+    fn parse(dir: &std::path::Path, args: &[&str]) -> Result<GenerateArgs, String> {
         let model = dir.to_str().expect("a UTF-8 temporary path");
-        let all = ["generate", "--model", model, "--prompt-ids", "1,2"];
+        let all = ["generate", "--model", model];
         let cli =
             Cli::try_parse_from(all.iter().chain(args).copied()).map_err(|e| e.to_string())?;
-        stop_ids(&cli.args).map_err(|e| e.to_string())
+        Ok(cli.args)
+    }
+
+    fn stops(dir: &std::path::Path, args: &[&str]) -> Result<Vec<i32>, String> {
+        let args: Vec<&str> = ["--prompt-ids", "1,2"]
+            .iter()
+            .chain(args)
+            .copied()
+            .collect();
+        stop_ids(&parse(dir, &args)?).map_err(|e| e.to_string())
+    }
+
+    fn ids(dir: &std::path::Path, args: &[&str]) -> Result<Vec<i32>, String> {
+        prompt_ids(&parse(dir, args)?).map_err(|e| e.to_string())
+    }
+
+    /// A folder with a chat template whose turns are `<u>text</t>`, after `<b>`.
+    fn chat_folder(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("cg-generate-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let template = "{{ bos_token }}{% for m in messages %}<{{ m.role[0] }}>{{ m.content }}</t>{% endfor %}\
+                        {% if add_generation_prompt %}<a>{% endif %}";
+        let config = serde_json::json!({ "chat_template": template, "bos_token": "<b>" });
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn chat_arguments_are_checked_before_any_device_work() {
+        let dir = chat_folder("args");
+        let e = ids(&dir, &["--system", "s", "--prompt-ids", "1"]).unwrap_err();
+        assert!(e.contains("--chat"), "{e}");
+        let e = ids(&dir, &["--chat", "hi", "--prompt-ids", "1"]).unwrap_err();
+        assert!(e.contains("--prompt-ids"), "{e}");
+        let e = ids(&dir, &[]).unwrap_err();
+        assert!(e.contains("--chat"), "{e}");
+        // The conversation the template makes: the system turn first, the assistant's opened.
+        let args = parse(&dir, &["--chat", "hi", "--system", "be kind"]).unwrap();
+        assert_eq!(
+            chat_text(&args, "hi").unwrap(),
+            "<b><s>be kind</t><u>hi</t><a>"
+        );
+        // A base model (no template) is named as such.
+        std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
+        let e = ids(&dir, &["--chat", "hi"]).unwrap_err();
+        assert!(
+            e.contains("no chat template") && e.contains("--prompt"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[cfg(not(feature = "tokenizers"))]
+    #[test]
+    fn chat_without_the_tokenizers_feature_says_what_to_build() {
+        let dir = chat_folder("nofeature");
+        let e = ids(&dir, &["--chat", "hi"]).unwrap_err();
+        assert!(e.contains("--features tokenizers"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The rendered conversation is tokenized with the template's special tokens recognised
+    /// and none added.
+    #[cfg(feature = "tokenizers")]
+    #[test]
+    fn chat_ids_are_the_rendered_conversation_tokenized() {
+        let dir = chat_folder("tok");
+        let special = |id: u32, text: &str| {
+            serde_json::json!({"id": id, "content": text, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": true})
+        };
+        let tokenizer = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [special(0, "<b>"), special(1, "<u>"), special(2, "<s>"),
+                             special(3, "</t>"), special(4, "<a>")],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null,
+            "model": {"type": "WordLevel",
+                      "vocab": {"<b>": 0, "<u>": 1, "<s>": 2, "</t>": 3, "<a>": 4, "hi": 5,
+                                "be": 6, "kind": 7, "[UNK]": 8},
+                      "unk_token": "[UNK]"},
+        });
+        let e = ids(&dir, &["--chat", "hi"]).unwrap_err();
+        assert!(e.contains("tokenizer.json"), "{e}");
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        assert_eq!(ids(&dir, &["--chat", "hi"]).unwrap(), vec![0, 1, 5, 3, 4]);
+        assert_eq!(
+            ids(&dir, &["--chat", "hi", "--system", "be kind"]).unwrap(),
+            vec![0, 2, 6, 7, 3, 1, 5, 3, 4]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

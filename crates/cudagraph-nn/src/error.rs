@@ -282,6 +282,11 @@ pub enum HfError {
         /// What is wrong with it.
         problem: String,
     },
+    /// A chat template (`chat_template.jinja` or `tokenizer_config.json`'s `chat_template`)
+    /// is malformed, or rendering it failed (a syntax error, the template's own
+    /// `raise_exception`, too much work).
+    #[error("chat template: {0}")]
+    Chat(String),
     /// A `tokenizer.json` could not be read, or text could not be encoded or ids decoded.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

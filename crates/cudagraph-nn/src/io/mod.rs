@@ -46,6 +46,7 @@
 //! rounding to nearest even as PyTorch does, and refuse a finite value the target cannot hold
 //! ([`IoError::Overflow`]). Any other dtype (`F64`, `I64`, `U8`, …) is an
 //! [`IoError::DtypeMismatch`] naming the tensor.
+pub mod chat;
 pub mod checkpoint;
 pub mod datasets;
 mod description;
