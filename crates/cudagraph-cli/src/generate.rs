@@ -96,34 +96,39 @@ fn chat_text(a: &GenerateArgs, message: &str) -> AnyResult<String> {
     Ok(template.render(&conversation, true)?)
 }
 
+/// `text` as token ids through the folder's tokenizer.json (`special`: with the special tokens
+/// the tokenizer adds); `flag` names the option that needs it.
 #[cfg(feature = "tokenizers")]
-fn chat_ids(a: &GenerateArgs, message: &str) -> AnyResult<Vec<i32>> {
-    let text = chat_text(a, message)?;
+fn encode(a: &GenerateArgs, flag: &str, text: &str, special: bool) -> AnyResult<Vec<i32>> {
     let tok = tokenizer(&a.model)?.ok_or_else(|| {
         format!(
-            "--chat needs {}; render the conversation yourself and pass --prompt-ids",
+            "{flag} needs {}; pass --prompt-ids instead",
             a.model.join("tokenizer.json").display()
         )
     })?;
-    // The template writes the special tokens itself, so none are added (as
-    // transformers' apply_chat_template tokenizes).
     Ok(tok
-        .encode(&text, false)?
+        .encode(text, special)?
         .into_iter()
         .map(|t| t as i32)
         .collect())
 }
 
+/// Without the `tokenizers` feature: what to build, or to pass instead.
 #[cfg(not(feature = "tokenizers"))]
-fn chat_ids(a: &GenerateArgs, message: &str) -> AnyResult<Vec<i32>> {
-    // The template is still checked, so a malformed one is reported first.
-    chat_text(a, message)?;
-    Err("--chat needs a build with `--features tokenizers`; render the conversation yourself and pass --prompt-ids".into())
+fn encode(_: &GenerateArgs, flag: &str, _: &str, _: bool) -> AnyResult<Vec<i32>> {
+    Err(
+        format!("{flag} needs a build with `--features tokenizers`; pass --prompt-ids instead")
+            .into(),
+    )
 }
 
 fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     if let Some(message) = &a.chat {
-        return chat_ids(a, message);
+        // The template first (a base model or a malformed template is reported before a
+        // missing tokenizer); it writes the special tokens itself, so none are added, as
+        // transformers' apply_chat_template tokenizes.
+        let text = chat_text(a, message)?;
+        return encode(a, "--chat", &text, false);
     }
     // clap's `requires` is not checked where --chat would conflict with the prompt given.
     if a.system.is_some() {
@@ -134,24 +139,7 @@ fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     match &a.prompt {
         None if a.prompt_ids.is_empty() => Err("give --prompt-ids, --prompt or --chat".into()),
         None => Ok(a.prompt_ids.clone()),
-        #[cfg(feature = "tokenizers")]
-        Some(text) => {
-            let tok = tokenizer(&a.model)?.ok_or_else(|| {
-                format!(
-                    "--prompt needs {}; pass --prompt-ids instead",
-                    a.model.join("tokenizer.json").display()
-                )
-            })?;
-            Ok(tok
-                .encode(text, true)?
-                .into_iter()
-                .map(|t| t as i32)
-                .collect())
-        }
-        #[cfg(not(feature = "tokenizers"))]
-        Some(_) => Err(
-            "--prompt needs a build with `--features tokenizers`; pass --prompt-ids instead".into(),
-        ),
+        Some(text) => encode(a, "--prompt", text, true),
     }
 }
 

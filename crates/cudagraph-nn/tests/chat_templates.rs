@@ -5,24 +5,14 @@
 //! template; every failure a typed error, and runaway templates stopped by the fuel limit.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudagraph_nn::io::chat::{ChatMessage, ChatTemplate};
 use cudagraph_nn::io::{HfError, IoError};
 use serde_json::json;
 
-/// A fresh empty folder under the system's temporary directory.
-fn temp_dir(tag: &str) -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "cudagraph-chat-{tag}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+#[path = "common/temp.rs"]
+mod temp;
+use temp::temp_dir;
 
 /// Turn markers in the style of Llama 3's template: the special token first, each message's
 /// role in a header, its text stripped, then an end-of-turn marker (`-}}` removes the line
@@ -147,7 +137,7 @@ fn folders_give_their_template_from_either_file_or_none() {
     let write =
         |dir: &PathBuf, name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
     // No template (a base model): None, with or without a tokenizer_config.json.
-    let dir = temp_dir("none");
+    let dir = temp_dir("chat-none");
     assert!(ChatTemplate::read(&dir).unwrap().is_none());
     write(
         &dir,

@@ -16,15 +16,17 @@
 //!   product of the final hidden state with the head, averages them further. The reference uses
 //!   the same bf16-rounded weights, so only activation rounding differs.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use cudagraph::memory::{bf16, f16};
 use cudagraph::testing::assert_bits_eq;
 use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, QueueExt, Stream};
 use cudagraph_nn::io::hf::{DecoderConfig, DecoderWeights};
 use cudagraph_nn::*;
+#[path = "common/temp.rs"]
+mod temp;
 #[path = "common/tiny_decoder.rs"]
 mod tiny_decoder;
+
+use temp::temp_dir;
 
 use tiny_decoder::{safetensors_bytes, weights, Lcg, GPT2, LLAMA};
 
@@ -564,25 +566,13 @@ fn a_captured_decode_step_replays_like_eager() {
     }
 }
 
-fn temp_dir() -> std::path::PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "cudagraph-decoder-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// `Decoder::load` reads a folder and gives the same logits as `from_weights`; a folder
 /// without weights is an `Io` error naming it.
 #[test]
 fn a_folder_loads_like_the_weights_it_holds() {
     let dev = gpu_test_device!();
     let s = dev.new_stream().unwrap();
-    let dir = temp_dir();
+    let dir = temp_dir("decoder");
     std::fs::write(dir.join("config.json"), LLAMA).unwrap();
     let config = DecoderConfig::from_json(LLAMA).unwrap();
     std::fs::write(
@@ -617,7 +607,7 @@ fn a_folder_loads_like_the_weights_it_holds() {
         LogitsFor::All,
     );
     assert_bits_eq(&a, &b, "loaded vs built");
-    let empty = temp_dir();
+    let empty = temp_dir("decoder");
     assert!(matches!(
         Decoder::load(&s, &empty, Dtype::F32),
         Err(NnError::Io(_))

@@ -5,8 +5,7 @@
 //! device copies equal the host values bit for bit.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 
 use cudagraph::gpu_test_device;
 use cudagraph_nn::io::hf::{DecoderConfig, DecoderWeights, TensorSpec};
@@ -15,18 +14,9 @@ use half::{bf16, f16};
 use safetensors::tensor::{Dtype as FileDtype, TensorView};
 use serde_json::{json, Value};
 
-/// A fresh empty folder under the system's temporary directory.
-fn temp_dir(tag: &str) -> PathBuf {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "cudagraph-hf-{tag}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+#[path = "common/temp.rs"]
+mod temp;
+use temp::temp_dir;
 
 fn gpt2_config(tied: bool) -> Value {
     json!({
