@@ -4,6 +4,7 @@
 //! read with `chat_template.jinja`, a string or a named list in `tokenizer_config.json`, or no
 //! template; every failure a typed error, and runaway templates stopped by the fuel limit.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use cudagraph_nn::io::chat::{ChatMessage, ChatTemplate};
@@ -37,6 +38,14 @@ const ALTERNATING: &str = "{% for message in messages %}
 {% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}
 {% endfor %}";
 
+/// Special tokens by name.
+fn tokens(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 fn chat(role: &str, content: &str) -> ChatMessage {
     ChatMessage::new(role, content)
 }
@@ -50,8 +59,10 @@ fn chat_err(r: Result<impl std::fmt::Debug, IoError>) -> String {
 
 #[test]
 fn templates_render_turns_special_tokens_and_the_generation_prompt() {
-    let t = ChatTemplate::new(TURNS.into(), Some("<s>".into()), Some("</s>".into())).unwrap();
-    assert_eq!((t.bos_token(), t.eos_token()), (Some("<s>"), Some("</s>")));
+    let special = tokens(&[("bos_token", "<s>"), ("eos_token", "</s>")]);
+    let t = ChatTemplate::new(TURNS.into(), special).unwrap();
+    let pair = (t.special_token("bos_token"), t.special_token("eos_token"));
+    assert_eq!(pair, (Some("<s>"), Some("</s>")));
     let conversation = [
         chat("system", "  Be brief.\n"),
         chat("user", "Hi there "),
@@ -69,8 +80,8 @@ fn templates_render_turns_special_tokens_and_the_generation_prompt() {
         t.render(&conversation[1..2], false).unwrap(),
         "<s><|user|>Hi there<|end|>\n"
     );
-    // No bos token: the variable is empty, not "None".
-    let plain = ChatTemplate::new(TURNS.into(), None, None).unwrap();
+    // No bos token: the variable is undefined, which prints as nothing (not "None").
+    let plain = ChatTemplate::new(TURNS.into(), tokens(&[])).unwrap();
     assert_eq!(
         plain.render(&[chat("user", "x")], false).unwrap(),
         "<|user|>x<|end|>\n"
@@ -79,7 +90,7 @@ fn templates_render_turns_special_tokens_and_the_generation_prompt() {
 
 #[test]
 fn raise_exception_tools_and_strftime_now_behave_as_in_transformers() {
-    let t = ChatTemplate::new(ALTERNATING.into(), None, Some("</s>".into())).unwrap();
+    let t = ChatTemplate::new(ALTERNATING.into(), tokens(&[("eos_token", "</s>")])).unwrap();
     let ok = [chat("user", "a"), chat("assistant", "b"), chat("user", "c")];
     assert_eq!(
         t.render(&ok, true).unwrap(),
@@ -92,16 +103,15 @@ fn raise_exception_tools_and_strftime_now_behave_as_in_transformers() {
     let t = ChatTemplate::new(
         "{% if tools is not none %}tools{% endif %}{% if custom is defined %}custom{% endif %}|"
             .into(),
-        None,
-        None,
+        tokens(&[]),
     )
     .unwrap();
     assert_eq!(t.render(&[], false).unwrap(), "|");
     // strftime_now: the local date in a strftime format; a bad format is a typed error.
-    let t = ChatTemplate::new("{{ strftime_now('%Y') }}".into(), None, None).unwrap();
+    let t = ChatTemplate::new("{{ strftime_now('%Y') }}".into(), tokens(&[])).unwrap();
     let year: i32 = t.render(&[], false).unwrap().parse().unwrap();
     assert!((2024..3000).contains(&year), "{year}");
-    let t = ChatTemplate::new("{{ strftime_now('%Q') }}".into(), None, None).unwrap();
+    let t = ChatTemplate::new("{{ strftime_now('%Q') }}".into(), tokens(&[])).unwrap();
     let e = chat_err(t.render(&[], false));
     assert!(e.contains("strftime"), "{e}");
 }
@@ -110,20 +120,18 @@ fn raise_exception_tools_and_strftime_now_behave_as_in_transformers() {
 fn bad_templates_are_typed_errors_and_runaway_ones_run_out_of_fuel() {
     let e = chat_err(ChatTemplate::new(
         "{% for m in messages %}{{ m }}".into(),
-        None,
-        None,
+        tokens(&[]),
     ));
     assert!(
         e.contains("syntax error") && e.contains("chat_template:1"),
         "{e}"
     );
-    let t = ChatTemplate::new("{{ messages[0].missing_method() }}".into(), None, None).unwrap();
+    let t = ChatTemplate::new("{{ messages[0].missing_method() }}".into(), tokens(&[])).unwrap();
     chat_err(t.render(&[chat("user", "x")], false));
     // About 10^10 loop iterations: stopped by the fuel limit, not left to run.
     let t = ChatTemplate::new(
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}".into(),
-        None,
-        None,
+        tokens(&[]),
     )
     .unwrap();
     let started = std::time::Instant::now();
@@ -154,13 +162,26 @@ fn folders_give_their_template_from_either_file_or_none() {
     write(&dir, "tokenizer_config.json", &config.to_string());
     let t = ChatTemplate::read(&dir).unwrap().expect("a template");
     assert_eq!(
-        (t.bos_token(), t.eos_token()),
+        (t.special_token("bos_token"), t.special_token("eos_token")),
         (Some("<|begin|>"), Some("<|eot|>"))
     );
     assert_eq!(
         t.render(&[chat("user", "q")], true).unwrap(),
         "<|begin|><|user|>q<|end|>\n<|assistant|>\n"
     );
+    // Every special token transformers passes, and only those set; other `*_token` fields
+    // (`add_bos_token`) are not tokens.
+    let every = json!({
+        "chat_template": "{{ pad_token }}|{{ additional_special_tokens | join(',') }}|\
+                          {{ cls_token is defined }}|{{ add_bos_token is defined }}",
+        "pad_token": {"content": "<pad>"}, "cls_token": null, "add_bos_token": true,
+        "additional_special_tokens": ["<x>", {"content": "<y>", "special": true}],
+    });
+    write(&dir, "tokenizer_config.json", &every.to_string());
+    let t = ChatTemplate::read(&dir).unwrap().expect("a template");
+    assert_eq!(t.special_token("pad_token"), Some("<pad>"));
+    assert_eq!(t.render(&[], false).unwrap(), "<pad>|<x>,<y>|False|False");
+    write(&dir, "tokenizer_config.json", &config.to_string());
     // chat_template.jinja takes precedence over the config's template.
     write(
         &dir,
@@ -200,6 +221,10 @@ fn folders_give_their_template_from_either_file_or_none() {
         (
             json!({"chat_template": "x", "eos_token": {"lstrip": true}}).to_string(),
             "`eos_token`",
+        ),
+        (
+            json!({"chat_template": "x", "additional_special_tokens": "<x>"}).to_string(),
+            "not a list of tokens",
         ),
     ] {
         write(&dir, "tokenizer_config.json", &config);
@@ -256,7 +281,7 @@ fn namespaces_loop_state_and_python_string_methods_render_as_jinja2_does() {
         chat("assistant", " Hello. "),
         chat("user", "Why is the sky blue?"),
     ];
-    let t = ChatTemplate::new(CHATML.into(), None, None).unwrap();
+    let t = ChatTemplate::new(CHATML.into(), tokens(&[])).unwrap();
     assert_eq!(
         t.render(&conversation, true).unwrap(),
         "<|im_start|>system\n  Be brief. <|im_end|>\n<|im_start|>user\nHi there\n<|im_end|>\n\
@@ -270,7 +295,7 @@ fn namespaces_loop_state_and_python_string_methods_render_as_jinja2_does() {
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nq<|im_end|>\n\
          <|im_start|>assistant\npartial answer."
     );
-    let t = ChatTemplate::new(METHODS.into(), None, None).unwrap();
+    let t = ChatTemplate::new(METHODS.into(), tokens(&[])).unwrap();
     assert_eq!(
         t.render(&conversation, true).unwrap(),
         "System:   BE BRIEF.  (2 words, True)\nUser: Hi there\nAssistant:  Hello! \n\

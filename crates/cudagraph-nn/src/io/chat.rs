@@ -2,13 +2,14 @@
 //! text the model was tuned on, rendered as Hugging Face's `apply_chat_template` renders it —
 //! Jinja with trimmed blocks and stripped block indentation, Python's string methods
 //! (`.strip()`, `.startswith()`, ...), `raise_exception(message)` and `strftime_now(format)`,
-//! with `messages`, `bos_token`, `eos_token`, `add_generation_prompt` and `tools` (none) in
-//! scope.
+//! with `messages`, `add_generation_prompt`, `tools` (none) and the folder's special tokens
+//! (`bos_token`, `eos_token`, `unk_token`, `sep_token`, `pad_token`, `cls_token`,
+//! `mask_token`, `additional_special_tokens`, those it sets) in scope.
 //!
 //! The template comes from `chat_template.jinja` where the folder has it, else from the
 //! `chat_template` field of `tokenizer_config.json` (a string, or a list of named templates of
-//! which `default` is used); the special tokens from `tokenizer_config.json` (a string or an
-//! object with `content`). Rendering works without a GPU and without the `tokenizers`
+//! which `default` is used); the special tokens from `tokenizer_config.json` (each a string or
+//! an object with `content`). Rendering works without a GPU and without the `tokenizers`
 //! feature; the text is then tokenized without adding special tokens (the template writes
 //! them), as `apply_chat_template` does.
 //!
@@ -16,6 +17,7 @@
 //! access) and bounded (a fuel limit on the work one rendering may do), and every failure —
 //! a syntax error, `raise_exception`, running out of fuel — is an [`HfError::Chat`].
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -53,18 +55,30 @@ impl ChatMessage {
     }
 }
 
+/// The special tokens transformers puts in a chat template's scope (its
+/// `SPECIAL_TOKENS_ATTRIBUTES` but the list `additional_special_tokens`).
+pub const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
 /// A compiled chat template with the folder's special tokens.
 pub struct ChatTemplate {
     env: Environment<'static>,
-    bos: Option<String>,
-    eos: Option<String>,
+    special: BTreeMap<String, String>,
+    additional: Vec<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate")
-            .field("bos", &self.bos)
-            .field("eos", &self.eos)
+            .field("special", &self.special)
+            .field("additional", &self.additional)
             .finish_non_exhaustive()
     }
 }
@@ -84,19 +98,18 @@ fn jinja_err(e: JinjaError) -> IoError {
     chat_err(text)
 }
 
-/// `tokenizer_config.json`'s special token `name`: a string, an object with a string
-/// `content` (an added token), or absent / `null`.
-fn special_token(config: &Json, name: &str) -> IoResult<Option<String>> {
-    match config.get(name) {
-        None | Some(Json::Null) => Ok(None),
-        Some(Json::String(s)) => Ok(Some(s.clone())),
-        Some(Json::Object(o)) => match o.get("content") {
-            Some(Json::String(s)) => Ok(Some(s.clone())),
+/// A special token of `tokenizer_config.json` (`name`, for errors): a string, or an object
+/// with a string `content` (an added token).
+fn token_text(name: &str, v: &Json) -> IoResult<String> {
+    match v {
+        Json::String(s) => Ok(s.clone()),
+        Json::Object(o) => match o.get("content") {
+            Some(Json::String(s)) => Ok(s.clone()),
             _ => Err(chat_err(format!(
                 "tokenizer_config.json: `{name}` is an object without a string `content`"
             ))),
         },
-        Some(v) => Err(chat_err(format!(
+        v => Err(chat_err(format!(
             "tokenizer_config.json: `{name}` is {v}, not a token's text"
         ))),
     }
@@ -166,14 +179,35 @@ impl ChatTemplate {
         let Some(source) = source else {
             return Ok(None);
         };
-        let bos = special_token(&config, "bos_token")?;
-        let eos = special_token(&config, "eos_token")?;
-        Self::new(source, bos, eos).map(Some)
+        let mut special = BTreeMap::new();
+        for name in SPECIAL_TOKENS {
+            if let Some(v) = config.get(name).filter(|v| !v.is_null()) {
+                special.insert(name.to_string(), token_text(name, v)?);
+            }
+        }
+        let name = "additional_special_tokens";
+        let additional = match config.get(name) {
+            None | Some(Json::Null) => Vec::new(),
+            Some(Json::Array(list)) => list
+                .iter()
+                .map(|v| token_text(name, v))
+                .collect::<IoResult<_>>()?,
+            Some(v) => {
+                return Err(chat_err(format!(
+                    "tokenizer_config.json: `{name}` is {}, not a list of tokens",
+                    json_kind(v)
+                )))
+            }
+        };
+        let mut t = Self::new(source, special)?;
+        t.additional = additional;
+        Ok(Some(t))
     }
 
-    /// Compiles `source` with the special tokens `bos` and `eos` (an empty string in the
-    /// template where `None`). A syntax error is an [`HfError::Chat`] naming the line.
-    pub fn new(source: String, bos: Option<String>, eos: Option<String>) -> IoResult<Self> {
+    /// Compiles `source` with the special tokens `special` (by name: `bos_token`, ...; those
+    /// absent are undefined in the template, which prints them as nothing). A syntax error
+    /// is an [`HfError::Chat`] naming the line.
+    pub fn new(source: String, special: BTreeMap<String, String>) -> IoResult<Self> {
         let mut env = Environment::new();
         let syntax = SyntaxConfig::builder()
             .trim_blocks(true)
@@ -206,17 +240,16 @@ impl ChatTemplate {
             },
         );
         env.add_template_owned(NAME, source).map_err(jinja_err)?;
-        Ok(ChatTemplate { env, bos, eos })
+        Ok(ChatTemplate {
+            env,
+            special,
+            additional: Vec::new(),
+        })
     }
 
-    /// The beginning-of-sequence token's text, where the folder names one.
-    pub fn bos_token(&self) -> Option<&str> {
-        self.bos.as_deref()
-    }
-
-    /// The end-of-sequence token's text, where the folder names one.
-    pub fn eos_token(&self) -> Option<&str> {
-        self.eos.as_deref()
+    /// The text of special token `name` (`bos_token`, `eos_token`, ...), where it is set.
+    pub fn special_token(&self, name: &str) -> Option<&str> {
+        self.special.get(name).map(String::as_str)
     }
 
     /// The prompt text of `messages`; with `add_generation_prompt`, followed by the opening of
@@ -235,15 +268,27 @@ impl ChatTemplate {
                 ])
             })
             .collect();
+        let mut special: Vec<(&str, Value)> = self
+            .special
+            .iter()
+            .map(|(k, v)| (k.as_str(), Value::from(v.as_str())))
+            .collect();
+        if !self.additional.is_empty() {
+            let list: Vec<Value> = self
+                .additional
+                .iter()
+                .map(|t| Value::from(t.as_str()))
+                .collect();
+            special.push(("additional_special_tokens", Value::from(list)));
+        }
         let template = self.env.get_template(NAME).map_err(jinja_err)?;
         template
             .render(context! {
                 messages => turns,
                 add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos.as_deref().unwrap_or(""),
-                eos_token => self.eos.as_deref().unwrap_or(""),
                 tools => (),
                 documents => (),
+                ..Value::from_pairs(special)
             })
             .map_err(jinja_err)
     }
