@@ -558,8 +558,14 @@ pub fn attend_splits(sms: usize, s: &AttentionShape) -> usize {
 /// blocks they measured no faster (GPT-2 small at batch 32 after 128 tokens 0.537 → 0.540).
 pub fn few_blocks(s: &AttentionShape, splits: usize, resident: usize) -> bool {
     splits <= MAX_CLUSTER_SPLITS
-        && pairs(s).saturating_mul(splits) <= resident
+        && !beyond_one_wave(s, splits, resident)
         && (splits > 1 || pairs(s) <= FEW_PAIRS)
+}
+
+/// Whether the grid of `shape` split `splits` ways is more blocks than the device holds at once
+/// (`resident`): more than one wave ([`AttendScratch::waves`]).
+fn beyond_one_wave(s: &AttentionShape, splits: usize, resident: usize) -> bool {
+    pairs(s).saturating_mul(splits) > resident
 }
 
 /// Whether a one-token step split `splits` ways reads its first keys before its wait (where
@@ -628,7 +634,6 @@ impl DecoderKernels {
         let resident = sms * kernel.max_active_blocks(ATTEND_THREADS, 0)? as usize;
         let few = q.device().supports_clusters() && few_blocks(shape, splits, resident);
         let groups = shape.kv_heads * head_groups(shape);
-        let blocks = pairs(shape).saturating_mul(splits);
         let tokens = prod("attention tokens", &[shape.batch, shape.tokens])?;
         let (parts, stats, counts) = if splits == 1 || few {
             (1, 1, 1)
@@ -648,7 +653,7 @@ impl DecoderKernels {
             splits,
             groups,
             few,
-            waves: blocks > resident,
+            waves: beyond_one_wave(shape, splits, resident),
             part: q.alloc::<f32>(parts)?,
             stat: q.alloc::<f32>(stats)?,
             count,
@@ -1010,24 +1015,21 @@ mod tests {
         // Early reads: few blocks, or split in one wave (GPT-2 small at batch 1 after 1024
         // tokens: 18 splits of 12 blocks, more than a cluster holds); not unsplit with many
         // blocks, nor beyond one wave (batch 8 of four heads a block, 512 blocks where 396 fit).
-        let beyond = |s: &AttentionShape, splits: usize, resident: usize| {
-            pairs(s).saturating_mul(splits) > resident
-        };
         let long = shape(1, 12, 12, 1096);
         let splits = attend_splits(132, &long);
         assert_eq!(splits, 18);
         assert!(!few_blocks(&long, splits, 792));
-        assert!(!beyond(&long, splits, 792));
+        assert!(!beyond_one_wave(&long, splits, 792));
         assert!(early_reads(false, splits, false));
         assert!(early_reads(true, 4, false));
         let wide = shape(32, 12, 12, 200);
         assert_eq!(attend_splits(132, &wide), 1);
-        assert!(!early_reads(false, 1, beyond(&wide, 1, 792)));
+        assert!(!early_reads(false, 1, beyond_one_wave(&wide, 1, 792)));
         let many = shape(8, 32, 8, 1100);
         assert_eq!(attend_splits(132, &many), 8);
-        assert!(beyond(&many, 8, 396));
+        assert!(beyond_one_wave(&many, 8, 396));
         assert!(!early_reads(false, 8, true));
-        assert!(beyond(&shape(usize::MAX / 8, 1, 1, 60), 2, 396));
+        assert!(beyond_one_wave(&shape(usize::MAX / 8, 1, 1, 60), 2, 396));
         // Instances: v1, v2, v4 in one wave; v1o and v4o beyond it (two heads keep v2).
         let one_wave: Vec<usize> = [1, 2, 3, 4, 8].map(|h| vector_instance(h, false)).to_vec();
         let waves: Vec<usize> = [1, 2, 3, 4, 8].map(|h| vector_instance(h, true)).to_vec();
