@@ -226,15 +226,6 @@ impl Tally {
     fn ok(&self) -> bool {
         self.failed_rows == 0 && self.greedy_failed == 0
     }
-
-    /// Adds another tally's rows.
-    fn merge(&mut self, t: &Tally) {
-        self.rows += t.rows;
-        self.worst = self.worst.max(t.worst);
-        self.failed_rows += t.failed_rows;
-        self.greedy_checked += t.greedy_checked;
-        self.greedy_failed += t.greedy_failed;
-    }
 }
 
 /// Our logit row `ours` of reference row `r`'s token `t`, against the reference (into
@@ -262,22 +253,19 @@ fn spread<'r>(
     t
 }
 
-/// Runs rows `rows` through `decoder` with teacher forcing — prompts prefilled in one call
-/// (padded to the longest), then one call per continuation token — and compares every logit
-/// row with the reference, and with its f32 logits where it has them (the second tally).
-/// Also returns our logits of each row (`[len, vocab]`, in the reference's order).
+/// Our logits of every reference row in `rows` (`[len, vocab]` each, in the reference's order)
+/// with teacher forcing through `decoder`: prompts prefilled in one call (padded to the
+/// longest), then one call per continuation token.
 fn teacher_forced(
     s: &Stream,
     decoder: &Decoder,
     reference: &[&RefRow],
     vocab: usize,
-    tol: f64,
-) -> AnyResult<(Tally, Tally, Vec<Vec<f32>>)> {
+) -> AnyResult<Vec<Vec<f32>>> {
     let n = reference.len();
     let max_len = reference.iter().map(|r| r.ids.len()).max().unwrap_or(1);
     let cache = decoder.new_cache(s, n, max_len)?;
     let slots = s.alloc_from_host(&(0..n as i32).collect::<Vec<_>>())?;
-    let (mut tally, mut exact) = (Tally::default(), Tally::default());
     let mut kept: Vec<Vec<f32>> = vec![Vec::new(); n];
     let longest = reference.iter().map(|r| r.prompt).max().unwrap_or(1);
     let (mut ids, mut pos) = (Vec::new(), Vec::new());
@@ -302,7 +290,6 @@ fn teacher_forced(
     for (b, r) in reference.iter().enumerate() {
         for t in 0..r.prompt {
             let at = (b * longest + t) * vocab;
-            compare((&mut tally, &mut exact), &host[at..at + vocab], r, t, tol);
             kept[b].extend_from_slice(&host[at..at + vocab]);
         }
     }
@@ -335,13 +322,23 @@ fn teacher_forced(
         for (b, r) in reference.iter().enumerate() {
             let t = r.prompt + j;
             if t < r.ids.len() {
-                let ours = &host[b * vocab..(b + 1) * vocab];
-                compare((&mut tally, &mut exact), ours, r, t, tol);
-                kept[b].extend_from_slice(ours);
+                kept[b].extend_from_slice(&host[b * vocab..(b + 1) * vocab]);
             }
         }
     }
-    Ok((tally, exact, kept))
+    Ok(kept)
+}
+
+/// Our rows `ours` (from [`teacher_forced`]) of the reference rows `reference`, each logit row
+/// against the reference and against its f32 logits where it has them (the second tally).
+fn tally(ours: &[Vec<f32>], reference: &[&RefRow], vocab: usize, tol: f64) -> (Tally, Tally) {
+    let (mut tally, mut exact) = (Tally::default(), Tally::default());
+    for (rows, r) in ours.iter().zip(reference) {
+        for (t, row) in rows.chunks_exact(vocab).enumerate() {
+            compare((&mut tally, &mut exact), row, r, t, tol);
+        }
+    }
+    (tally, exact)
 }
 
 /// Writes `logits` (one `[len, vocab]` block per row of `reference`) to `path` in the
@@ -470,14 +467,12 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
         );
         ok &= t.ok();
     };
-    let (mut alone, mut exact) = (Tally::default(), Tally::default());
+    let all: Vec<&RefRow> = reference.iter().collect();
     let mut ours = Vec::new();
-    for r in &reference {
-        let (t, e, kept) = teacher_forced(&s, &decoder, &[r], vocab, tol)?;
-        alone.merge(&t);
-        exact.merge(&e);
-        ours.extend(kept);
+    for r in &all {
+        ours.extend(teacher_forced(&s, &decoder, &[r], vocab)?);
     }
+    let (alone, exact) = tally(&ours, &all, vocab, tol);
     report("alone", &alone);
     if let Some(path) = &a.save {
         save_logits(path, &reference, &ours, (vocab, a.dtype))?;
@@ -487,13 +482,12 @@ pub fn run(device: usize, a: &ParityArgs) -> AnyResult<()> {
             path.display()
         );
     }
-    let all: Vec<&RefRow> = reference.iter().collect();
-    let (batched, _, together) = teacher_forced(&s, &decoder, &all, vocab, tol)?;
-    report("batched", &batched);
+    let together = teacher_forced(&s, &decoder, &all, vocab)?;
+    report("batched", &tally(&together, &all, vocab, tol).0);
     // Batching mixes nothing: each row of the batch against the same row run alone.
     let mut mixed = Tally::default();
-    for (b, a) in together.iter().zip(&ours) {
-        mixed.rows_of(b, a, vocab, tol);
+    for (batched, alone) in together.iter().zip(&ours) {
+        mixed.rows_of(batched, alone, vocab, tol);
     }
     report("vs alone", &mixed);
     if exact.rows > 0 {
@@ -642,7 +636,8 @@ mod tests {
         u.row(&[f32::NAN, 0.0], &[1.0, 0.0], 2e-2);
         u.row(&[0.0, 5.0], &[5.0, 0.0], 2e-2);
         assert_eq!((u.greedy_checked, u.greedy_failed), (2, 2));
-        t.merge(&u);
+        // The same two rows into the first tally, row by row.
+        t.rows_of(&[f32::NAN, 0.0, 0.0, 5.0], &[1.0, 0.0, 5.0, 0.0], 2, 2e-2);
         assert_eq!((t.rows, t.failed_rows, t.greedy_failed), (3, 3, 2));
         assert!(t.worst.is_infinite() && !t.ok());
         // compare() feeds the second tally only where the reference has f32 logits.
