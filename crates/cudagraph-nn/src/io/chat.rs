@@ -122,16 +122,16 @@ fn config_template(config: &Json) -> IoResult<Option<String>> {
         None | Some(Json::Null) => Ok(None),
         Some(Json::String(s)) => Ok(Some(s.clone())),
         Some(Json::Array(list)) => {
-            let named = |want: &str| {
-                list.iter().find_map(|t| {
-                    (t.get("name")?.as_str()? == want)
-                        .then(|| t.get("template")?.as_str().map(str::to_string))
-                        .flatten()
-                })
-            };
-            named("default").map(Some).ok_or_else(|| {
-                chat_err("tokenizer_config.json: `chat_template` lists no template named `default`")
-            })
+            let default = list
+                .iter()
+                .filter(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .find_map(|t| t.get("template")?.as_str());
+            match default {
+                Some(t) => Ok(Some(t.to_string())),
+                None => Err(chat_err(
+                    "tokenizer_config.json: `chat_template` lists no template named `default`",
+                )),
+            }
         }
         Some(v) => Err(chat_err(format!(
             "tokenizer_config.json: `chat_template` is {}, not a template or a list of them",
