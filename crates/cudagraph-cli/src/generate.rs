@@ -68,13 +68,27 @@ pub struct GenerateArgs {
     pub steps_per_launch: u32,
 }
 
+/// The folder's tokenizer: it encodes a text prompt and decodes the output.
 #[cfg(feature = "tokenizers")]
-fn tokenizer(dir: &std::path::Path) -> AnyResult<Option<cudagraph_nn::io::hf::HfTokenizer>> {
+type Tokenizer = cudagraph_nn::io::hf::HfTokenizer;
+
+/// Without the `tokenizers` feature there is no tokenizer (no value of this type exists).
+#[cfg(not(feature = "tokenizers"))]
+enum Tokenizer {}
+
+/// The folder's tokenizer.json, read once; `None` where the folder has none.
+#[cfg(feature = "tokenizers")]
+fn tokenizer(dir: &std::path::Path) -> AnyResult<Option<Tokenizer>> {
     let path = dir.join("tokenizer.json");
     if !path.exists() {
         return Ok(None);
     }
-    Ok(Some(cudagraph_nn::io::hf::HfTokenizer::read(&path)?))
+    Ok(Some(Tokenizer::read(&path)?))
+}
+
+#[cfg(not(feature = "tokenizers"))]
+fn tokenizer(_: &std::path::Path) -> AnyResult<Option<Tokenizer>> {
+    Ok(None)
 }
 
 /// The prompt text of a --chat conversation: the template's rendering of the optional
@@ -96,11 +110,16 @@ fn chat_text(a: &GenerateArgs, message: &str) -> AnyResult<String> {
     Ok(template.render(&conversation, true)?)
 }
 
-/// `text` as token ids through the folder's tokenizer.json (`special`: with the special tokens
-/// the tokenizer adds); `flag` names the option that needs it.
+/// `text` as token ids through the folder's tokenizer `tok` (`special`: with the special
+/// tokens the tokenizer adds); `flag` names the option that needs it.
 #[cfg(feature = "tokenizers")]
-fn encode(a: &GenerateArgs, flag: &str, text: &str, special: bool) -> AnyResult<Vec<i32>> {
-    let tok = tokenizer(&a.model)?.ok_or_else(|| {
+fn encode(
+    a: &GenerateArgs,
+    tok: Option<&Tokenizer>,
+    (flag, text): (&str, &str),
+    special: bool,
+) -> AnyResult<Vec<i32>> {
+    let tok = tok.ok_or_else(|| {
         format!(
             "{flag} needs {}; pass --prompt-ids instead",
             a.model.join("tokenizer.json").display()
@@ -115,20 +134,26 @@ fn encode(a: &GenerateArgs, flag: &str, text: &str, special: bool) -> AnyResult<
 
 /// Without the `tokenizers` feature: what to build, or to pass instead.
 #[cfg(not(feature = "tokenizers"))]
-fn encode(_: &GenerateArgs, flag: &str, _: &str, _: bool) -> AnyResult<Vec<i32>> {
+fn encode(
+    _: &GenerateArgs,
+    _: Option<&Tokenizer>,
+    (flag, _): (&str, &str),
+    _: bool,
+) -> AnyResult<Vec<i32>> {
     Err(
         format!("{flag} needs a build with `--features tokenizers`; pass --prompt-ids instead")
             .into(),
     )
 }
 
-fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
+/// The prompt's token ids: --prompt-ids, or --prompt or --chat through `tok`.
+fn prompt_ids(a: &GenerateArgs, tok: Option<&Tokenizer>) -> AnyResult<Vec<i32>> {
     if let Some(message) = &a.chat {
         // The template first (a base model or a malformed template is reported before a
         // missing tokenizer); it writes the special tokens itself, so none are added, as
         // transformers' apply_chat_template tokenizes.
         let text = chat_text(a, message)?;
-        return encode(a, "--chat", &text, false);
+        return encode(a, tok, ("--chat", &text), false);
     }
     // clap's `requires` is not checked where --chat would conflict with the prompt given.
     if a.system.is_some() {
@@ -139,7 +164,7 @@ fn prompt_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     match &a.prompt {
         None if a.prompt_ids.is_empty() => Err("give --prompt-ids, --prompt or --chat".into()),
         None => Ok(a.prompt_ids.clone()),
-        Some(text) => encode(a, "--prompt", text, true),
+        Some(text) => encode(a, tok, ("--prompt", text), true),
     }
 }
 
@@ -175,7 +200,8 @@ fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
 }
 
 pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
-    let prompt = prompt_ids(a)?;
+    let tok = tokenizer(&a.model)?;
+    let prompt = prompt_ids(a, tok.as_ref())?;
     let eos = stop_ids(a)?;
     let sampling = SamplingParams {
         temperature: a.temperature,
@@ -223,7 +249,7 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let ids: Vec<String> = tokens.iter().map(i32::to_string).collect();
     outln!("{}", ids.join(","));
     #[cfg(feature = "tokenizers")]
-    if let Some(tok) = tokenizer(&a.model)? {
+    if let Some(tok) = &tok {
         // A chat prints the reply; a prompt, the prompt and its continuation.
         let shown = if a.chat.is_some() {
             &[][..]
@@ -274,7 +300,8 @@ mod tests {
     }
 
     fn ids(dir: &std::path::Path, args: &[&str]) -> Result<Vec<i32>, String> {
-        prompt_ids(&parse(dir, args)?).map_err(|e| e.to_string())
+        let tok = tokenizer(dir).map_err(|e| e.to_string())?;
+        prompt_ids(&parse(dir, args)?, tok.as_ref()).map_err(|e| e.to_string())
     }
 
     /// A folder with a chat template whose turns are `<u>text</t>`, after `<b>`.
