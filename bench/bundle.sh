@@ -3,7 +3,7 @@
 # into .gpu-bin/ at the repository root (ignored by git):
 #
 #   .gpu-bin/tests/         every test binary of the workspace (release profile, stripped)
-#   .gpu-bin/bin/           the release binaries (the `cudagraph` CLI)
+#   .gpu-bin/bin/           the release binaries (the `cudagraph` CLI, with the `tokenizers` feature)
 #   .gpu-bin/run-tests.sh   the GPU suite runner: every test binary with the GPU required
 #   .gpu-bin/BUILD          the commit the binaries were built from, and when
 #
@@ -61,8 +61,9 @@ trap cleanup EXIT
 echo "== building the test binaries (cargo test --workspace --release --no-run $*)"
 cargo test --workspace --release --no-run --message-format=json "$@" >"$msgs"
 mapfile -t tests < <(executables test <"$msgs")
-echo "== building the release binaries (cargo build --workspace --release --bins $*)"
-cargo build --workspace --release --bins --message-format=json "$@" >"$msgs"
+# The CLI with Hugging Face tokenizers (`generate --prompt TEXT`, `--chat`; device.sh's chat part).
+echo "== building the release binaries (cargo build --workspace --release --bins --features cudagraph-cli/tokenizers $*)"
+cargo build --workspace --release --bins --features cudagraph-cli/tokenizers --message-format=json "$@" >"$msgs"
 mapfile -t bins < <(executables bin <"$msgs")
 [ "${#tests[@]}" -gt 0 ] || { echo "bundle: cargo built no test binaries" >&2; exit 1; }
 cp "${tests[@]}" "$out/tests/"

@@ -57,6 +57,7 @@ PARTS=(
   "precision|90|digits training graphed in f32, bf16 autocast and f16 autocast with the loss scaler, PRECISION_SEEDS seeds each: mean test accuracy and µs per step|PRECISION_SEEDS TRAIN_MODELS"
   "ab|150|one build against another (BASE= in bench/bundle.sh) or one setting against another: sweep kinds and seed rows|AB_BASE AB_ENV_A AB_ENV_B AB_KINDS AB_ROUNDS AB_SEED AB_SEED_RUNS"
   "decode|300|cudagraph bench decode beside bench/decode_torch.py (transformers, StaticCache, torch.compile reduce-overhead), random-init gpt2-small and llama-1b from bench/hf_models.py; both models take about 350 s on an H100 (PyTorch compiles per shape; DECODE_MODELS=llama-1b for one); + .json|DECODE_MODELS DECODE_BATCHES DECODE_PROMPTS DECODE_STEPS DECODE_DTYPE"
+  "chat|40|a chat turn through cudagraph generate --chat --show-prompt beside transformers' apply_chat_template and greedy generation (bench/hf_chat.py): a tiny Llama folder in f32 given a byte-level BPE tokenizer and a chat template in Llama 3's form; fails on a difference in the rendered text, the prompt ids, the greedy tokens or the reply|"
   "parity|90|tiny GPT-2 and Llama folders in f32 and bf16, Hugging Face logits (bench/hf_reference.py) then cudagraph bench parity; fails on any mismatch|PARITY_MODELS PARITY_DTYPES PARITY_ROWS PARITY_STEPS"
 )
 
@@ -1114,6 +1115,71 @@ exit_words() {
     124 | 137) echo "ran out of time (the part's budget: TIME_BUDGET_S)" ;;
     *) echo "failed (exit status $1)" ;;
   esac
+}
+
+part_chat() {
+  need_bin chat || return 1
+  local l=$LOGS/chat-$DEVICE md dir rc steps=16 sys user ours
+  rm -rf "$l"
+  mkdir -p "$l"
+  if ! dir=$(hf_folder llama-tiny f32 "$l/folder.log"); then
+    say "chat: bench/hf_models.py failed: $(tail -n 1 "$l/folder.log")"
+    return 1
+  fi
+  timeout "$(tmo 150)" python3 bench/hf_chat.py --model "$dir" --out "$l/expected.json" --steps "$steps" \
+    >"$l/transformers.log" 2>&1
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
+    say "chat: bench/hf_chat.py $(exit_words "$rc"): $(tail -n 1 "$l/transformers.log")"
+    return 1
+  fi
+  field() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]], end="")' "$l/expected.json" "$1"; }
+  sys=$(field system)
+  user=$(field user)
+  ours=("$BIN" generate --model "$dir" --dtype f32 --chat "$user" --system "$sys" --show-prompt --ignore-eos
+    --max-new-tokens "$steps")
+  timeout "$(tmo 150)" "${ours[@]}" >"$l/ours.out" 2>"$l/ours.err"
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
+    python3 bench/hf_chat.py --check "$l/expected.json" --stdout "$l/ours.out" --stderr "$l/ours.err" >"$l/check.log" 2>&1
+    rc=$?
+  else
+    echo "cudagraph generate $(exit_words "$rc"): $(tail -n 2 "$l/ours.err" | tr '\n' ' ')" >"$l/check.log"
+  fi
+  md=$(md_path chat)
+  {
+    header chat "A chat turn: cudagraph generate --chat against transformers ($DEVICE)"
+    echo "bench/hf_models.py's tiny Llama folder in f32; bench/hf_chat.py gives it a byte-level BPE"
+    echo "tokenizer (Llama 3's special tokens) and a chat template in Llama 3's form, saved with"
+    echo "transformers' save_pretrained, then renders a system and a user message with"
+    echo "\`apply_chat_template(add_generation_prompt=True)\` and greedy-generates $steps tokens in f32. Ours:"
+    echo "\`cudagraph generate --chat\` on the same folder (built with \`--features tokenizers\`). Compared:"
+    echo "the rendered conversation, the prompt ids, the greedy tokens up to the first step whose top-2"
+    echo "margin is within 1e-4 of the largest logit, and the decoded reply. Exit status 0: all equal."
+    echo
+    echo "Commands:"
+    echo
+    echo "- \`python3 bench/hf_models.py --shape llama-tiny --dtype f32 --out $dir; python3 bench/hf_chat.py --model $dir --out EXPECTED --steps $steps\`"
+    echo "- \`$BIN generate --model $dir --dtype f32 --chat USER --system SYSTEM --show-prompt --ignore-eos --max-new-tokens $steps\` (USER, SYSTEM: EXPECTED's \`user\` and \`system\`)"
+    echo "- \`python3 bench/hf_chat.py --check EXPECTED --stdout OURS_STDOUT --stderr OURS_STDERR\`"
+    echo
+    echo "Transformers' side:"
+    echo
+    code_block "$l/transformers.log"
+    echo
+    echo "The comparison (exit status $rc):"
+    echo
+    code_block "$l/check.log"
+    echo
+    echo "Ours (stderr, then stdout):"
+    echo
+    code_block "$l/ours.err"
+    echo
+    code_block "$l/ours.out"
+  } >"$md"
+  written "$md" "$l"
+  say "chat: $(tail -n 1 "$l/check.log")"
+  [ "$rc" -eq 0 ]
 }
 
 part_parity() {

@@ -66,6 +66,10 @@ pub struct GenerateArgs {
     /// sequence has ended (at least 1).
     #[arg(long, default_value_t = 1)]
     pub steps_per_launch: u32,
+    /// Print the prompt on stderr before generating: with --chat the conversation as the
+    /// template renders it, then the prompt's token ids (to check a template or tokenizer).
+    #[arg(long)]
+    pub show_prompt: bool,
 }
 
 /// The folder's tokenizer: it encodes a text prompt and decodes the output.
@@ -180,6 +184,20 @@ fn phase(what: &str) -> ProgressBar {
     pb
 }
 
+/// What `--show-prompt` prints: the rendered conversation (with --chat), then the prompt's ids.
+fn shown_prompt(a: &GenerateArgs, prompt: &[i32]) -> AnyResult<String> {
+    let mut text = String::new();
+    if let Some(message) = &a.chat {
+        text += &format!(
+            "conversation as the chat template renders it:\n{}\n",
+            chat_text(a, message)?
+        );
+    }
+    let ids: Vec<String> = prompt.iter().map(i32::to_string).collect();
+    text += &format!("prompt ids ({}): {}", prompt.len(), ids.join(","));
+    Ok(text)
+}
+
 /// The ids that end the sequence: `--eos`, none with `--ignore-eos`, else the folder's.
 fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     if a.ignore_eos {
@@ -202,6 +220,9 @@ fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
 pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let tok = tokenizer(&a.model)?;
     let prompt = prompt_ids(a, tok.as_ref())?;
+    if a.show_prompt {
+        eprintln!("{}", shown_prompt(a, &prompt)?);
+    }
     let eos = stop_ids(a)?;
     let sampling = SamplingParams {
         temperature: a.temperature,
@@ -329,6 +350,18 @@ mod tests {
         assert_eq!(
             chat_text(&args, "hi").unwrap(),
             "<b><s>be kind</t><u>hi</t><a>"
+        );
+        // --show-prompt: the rendering, then the ids.
+        assert_eq!(
+            shown_prompt(&args, &[0, 2, 6]).unwrap(),
+            "conversation as the chat template renders it:\n<b><s>be kind</t><u>hi</t><a>\n\
+             prompt ids (3): 0,2,6"
+        );
+        let plain = parse(&dir, &["--prompt-ids", "4,5", "--show-prompt"]).unwrap();
+        assert!(plain.show_prompt);
+        assert_eq!(
+            shown_prompt(&plain, &[4, 5]).unwrap(),
+            "prompt ids (2): 4,5"
         );
         // A base model (no template) is named as such.
         std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
