@@ -150,14 +150,24 @@ fn encode(
     )
 }
 
-/// The prompt's token ids: --prompt-ids, or --prompt or --chat through `tok`.
-fn prompt_ids(a: &GenerateArgs, tok: Option<&Tokenizer>) -> AnyResult<Vec<i32>> {
+/// The prompt: its token ids and, with --chat, the conversation as the template rendered it.
+struct Prompt {
+    ids: Vec<i32>,
+    rendered: Option<String>,
+}
+
+/// The prompt: --prompt-ids, or --prompt or --chat through `tok`.
+fn prompt_of(a: &GenerateArgs, tok: Option<&Tokenizer>) -> AnyResult<Prompt> {
     if let Some(message) = &a.chat {
         // The template first (a base model or a malformed template is reported before a
         // missing tokenizer); it writes the special tokens itself, so none are added, as
         // transformers' apply_chat_template tokenizes.
         let text = chat_text(a, message)?;
-        return encode(a, tok, ("--chat", &text), false);
+        let ids = encode(a, tok, ("--chat", &text), false)?;
+        return Ok(Prompt {
+            ids,
+            rendered: Some(text),
+        });
     }
     // clap's `requires` is not checked where --chat would conflict with the prompt given.
     if a.system.is_some() {
@@ -165,11 +175,23 @@ fn prompt_ids(a: &GenerateArgs, tok: Option<&Tokenizer>) -> AnyResult<Vec<i32>> 
             "--system is the system message of a --chat conversation: give --chat too".into(),
         );
     }
-    match &a.prompt {
-        None if a.prompt_ids.is_empty() => Err("give --prompt-ids, --prompt or --chat".into()),
-        None => Ok(a.prompt_ids.clone()),
-        Some(text) => encode(a, tok, ("--prompt", text), true),
-    }
+    let ids = match &a.prompt {
+        None if a.prompt_ids.is_empty() => {
+            return Err("give --prompt-ids, --prompt or --chat".into())
+        }
+        None => a.prompt_ids.clone(),
+        Some(text) => encode(a, tok, ("--prompt", text), true)?,
+    };
+    Ok(Prompt {
+        ids,
+        rendered: None,
+    })
+}
+
+/// Token ids as the command prints them: comma-separated.
+fn id_list(ids: &[i32]) -> String {
+    let ids: Vec<String> = ids.iter().map(i32::to_string).collect();
+    ids.join(",")
 }
 
 /// A spinner on stderr naming what runs and for how long (drawn only where stderr is a
@@ -185,17 +207,13 @@ fn phase(what: &str) -> ProgressBar {
 }
 
 /// What `--show-prompt` prints: the rendered conversation (with --chat), then the prompt's ids.
-fn shown_prompt(a: &GenerateArgs, prompt: &[i32]) -> AnyResult<String> {
+fn shown_prompt(p: &Prompt) -> String {
     let mut text = String::new();
-    if let Some(message) = &a.chat {
-        text += &format!(
-            "conversation as the chat template renders it:\n{}\n",
-            chat_text(a, message)?
-        );
+    if let Some(rendered) = &p.rendered {
+        text += &format!("conversation as the chat template renders it:\n{rendered}\n");
     }
-    let ids: Vec<String> = prompt.iter().map(i32::to_string).collect();
-    text += &format!("prompt ids ({}): {}", prompt.len(), ids.join(","));
-    Ok(text)
+    text += &format!("prompt ids ({}): {}", p.ids.len(), id_list(&p.ids));
+    text
 }
 
 /// The ids that end the sequence: `--eos`, none with `--ignore-eos`, else the folder's.
@@ -208,10 +226,9 @@ fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     }
     let ids = cudagraph_nn::io::hf::eos_token_ids(&a.model)?;
     if !ids.is_empty() {
-        let list: Vec<String> = ids.iter().map(i32::to_string).collect();
         eprintln!(
             "stopping at the model's eos token ids {} (--eos to change, --ignore-eos for none)",
-            list.join(",")
+            id_list(&ids)
         );
     }
     Ok(ids)
@@ -219,10 +236,11 @@ fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
 
 pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let tok = tokenizer(&a.model)?;
-    let prompt = prompt_ids(a, tok.as_ref())?;
+    let p = prompt_of(a, tok.as_ref())?;
     if a.show_prompt {
-        eprintln!("{}", shown_prompt(a, &prompt)?);
+        eprintln!("{}", shown_prompt(&p));
     }
+    let prompt = p.ids;
     let eos = stop_ids(a)?;
     let sampling = SamplingParams {
         temperature: a.temperature,
@@ -267,8 +285,7 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
         .unwrap_or_default();
     let gen_s = t.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    let ids: Vec<String> = tokens.iter().map(i32::to_string).collect();
-    outln!("{}", ids.join(","));
+    outln!("{}", id_list(&tokens));
     #[cfg(feature = "tokenizers")]
     if let Some(tok) = &tok {
         // A chat prints the reply; a prompt, the prompt and its continuation.
@@ -322,7 +339,9 @@ mod tests {
 
     fn ids(dir: &std::path::Path, args: &[&str]) -> Result<Vec<i32>, String> {
         let tok = tokenizer(dir).map_err(|e| e.to_string())?;
-        prompt_ids(&parse(dir, args)?, tok.as_ref()).map_err(|e| e.to_string())
+        prompt_of(&parse(dir, args)?, tok.as_ref())
+            .map(|p| p.ids)
+            .map_err(|e| e.to_string())
     }
 
     /// A folder with a chat template whose turns are `<u>text</t>`, after `<b>`.
@@ -352,15 +371,19 @@ mod tests {
             "<b><s>be kind</t><u>hi</t><a>"
         );
         // --show-prompt: the rendering, then the ids.
+        let chat = Prompt {
+            ids: vec![0, 2, 6],
+            rendered: Some(chat_text(&args, "hi").unwrap()),
+        };
         assert_eq!(
-            shown_prompt(&args, &[0, 2, 6]).unwrap(),
+            shown_prompt(&chat),
             "conversation as the chat template renders it:\n<b><s>be kind</t><u>hi</t><a>\n\
              prompt ids (3): 0,2,6"
         );
         let plain = parse(&dir, &["--prompt-ids", "4,5", "--show-prompt"]).unwrap();
         assert!(plain.show_prompt);
         assert_eq!(
-            shown_prompt(&plain, &[4, 5]).unwrap(),
+            shown_prompt(&prompt_of(&plain, None).unwrap()),
             "prompt ids (2): 4,5"
         );
         // A base model (no template) is named as such.
