@@ -63,8 +63,9 @@ def main():
                                f"(target ≥ {TARGET_SPEEDUP}×): {'met' if ratio >= TARGET_SPEEDUP else 'NOT met'}")
     print()
     print("Speed-up: PyTorch's ms per step over ours. Capture: ours, the graph's capture per bucket "
-          "(tune: timing the bucket's forward with alternative engines before, `Engines::tune_graph`; "
-          "about 0 where the registry had tuned it); "
+          "(tune: timing the bucket's forward with alternative engines before, `Engines::tune_graph`, "
+          "in the process that measured the engines — a child process of `cudagraph bench decode` unless "
+          "`--measure-in-process`; about 0 where the registry had tuned it); "
           "PyTorch, the warm-up steps (torch.compile's compilation for that shape and the CUDA graph's "
           "recording). Graph memory: ours, the peak a captured step allocates from its pool (`cudagraph bench decode`); "
           "PyTorch, the growth of the caching allocator's private (CUDA graph) pools over "
