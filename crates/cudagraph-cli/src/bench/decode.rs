@@ -307,9 +307,10 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     }
     let k = a.steps_per_launch as usize;
     let (warmup_launches, launches) = launches(a.warmup, a.steps, k)?;
-    let measured = match a.measure_only.is_none() && !a.measure_in_process {
-        true => measure_in_child(device, a)?,
-        false => None,
+    let measured = if a.measure_only.is_none() && !a.measure_in_process {
+        measure_in_child(device, a)?
+    } else {
+        None
     };
     let dev = Device::open(device)?;
     let mut s = dev.new_stream()?;
