@@ -72,7 +72,7 @@ pub struct DecodeArgs {
     /// Measure and tune every row's shapes (prefill and captured step; the choices go to the
     /// engine registry), time no step, and write what each row's measuring took to FILE as
     /// JSON. Warms a registry for later processes.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "json")]
     pub measure_only: Option<PathBuf>,
 }
 
