@@ -66,7 +66,8 @@ pub struct DecodeArgs {
     /// command with `--measure-only`) measures every row's products and tunes its captured
     /// step first, saving the choices to the engine registry, and this process times the steps
     /// on them: engine measurement slows the captured steps that follow it in the same process
-    /// (docs/transformers.md, "Decode benchmark").
+    /// (docs/transformers.md, "Decode benchmark"). With --no-graph the engines are always
+    /// measured here, by the first eager steps.
     #[arg(long, conflicts_with = "measure_only")]
     pub measure_in_process: bool,
     /// Measure and tune every row's shapes (prefill and captured step; the choices go to the
@@ -307,7 +308,8 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     }
     let k = a.steps_per_launch as usize;
     let (warmup_launches, launches) = launches(a.warmup, a.steps, k)?;
-    let measured = if a.measure_only.is_none() && !a.measure_in_process {
+    // Eager steps (--no-graph) measure their products at their first run, in this process.
+    let measured = if a.measure_only.is_none() && !a.measure_in_process && !a.no_graph {
         measure_in_child(device, a)?
     } else {
         None
