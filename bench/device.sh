@@ -1139,7 +1139,7 @@ part_chat() {
   field() { python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]], end="")' "$l/expected.json" "$1"; }
   sys=$(field system)
   user=$(field user)
-  ours=("$BIN" generate --model "$dir" --dtype f32 --chat "$user" --system "$sys" --show-prompt --ignore-eos
+  ours=("$BIN" generate --model "$dir" --dtype f32 --chat "$user" --system "$sys" --show-prompt --ignore-eos --greedy
     --max-new-tokens "$steps")
   timeout "$(tmo 150)" "${ours[@]}" >"$l/ours.out" 2>"$l/ours.err"
   rc=$?
@@ -1163,7 +1163,7 @@ part_chat() {
     echo "Commands:"
     echo
     echo "- \`python3 bench/hf_models.py --shape llama-tiny --dtype f32 --out $dir; python3 bench/hf_chat.py --model $dir --out EXPECTED --steps $steps\`"
-    echo "- \`$BIN generate --model $dir --dtype f32 --chat USER --system SYSTEM --show-prompt --ignore-eos --max-new-tokens $steps\` (USER, SYSTEM: EXPECTED's \`user\` and \`system\`)"
+    echo "- \`$BIN generate --model $dir --dtype f32 --chat USER --system SYSTEM --show-prompt --ignore-eos --greedy --max-new-tokens $steps\` (USER, SYSTEM: EXPECTED's \`user\` and \`system\`)"
     echo "- \`python3 bench/hf_chat.py --check EXPECTED --stdout OURS_STDOUT --stderr OURS_STDERR\`"
     echo
     echo "Transformers' side:"

@@ -20,7 +20,7 @@ Writes EXPECTED.json: text, prompt_ids, tokens, margins, reply.
 
 --check EXPECTED.json --stdout OURS.out --stderr OURS.err: reads what
 `cudagraph generate --model DIR --dtype f32 --chat USER --system SYSTEM --show-prompt
---ignore-eos --max-new-tokens STEPS` printed (USER and SYSTEM: the `user` and `system` fields
+--ignore-eos --greedy --max-new-tokens STEPS` printed (USER and SYSTEM: the `user` and `system` fields
 of EXPECTED.json) and compares: the rendered conversation, the prompt
 ids, the generated ids up to the first step whose margin is within --tol (1e-4, the f32
 tolerance), and the decoded reply where every token was compared. Prints one line per check

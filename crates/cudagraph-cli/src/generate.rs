@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use cudagraph::Device;
+use cudagraph_nn::io::hf::GenerationDefaults;
 use cudagraph_nn::Dtype;
 use cudagraph_nn::SamplingParams;
 use cudagraph_nn::{Decoder, Generation, GenerationOptions, Request};
@@ -40,15 +41,20 @@ pub struct GenerateArgs {
     /// Element type of the weights and activations.
     #[arg(long, default_value = "bf16")]
     pub dtype: Dtype,
-    /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Keep only the k most likely tokens (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: u32,
-    /// Keep the smallest set of tokens whose probability reaches p (1: all).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
+    /// Sampling temperature (0: greedy). Default: the folder's generation_config.json where it
+    /// sets `do_sample` (as transformers' `generate` does), else greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Keep only the k most likely tokens (0: all). Default: as --temperature says.
+    #[arg(long)]
+    pub top_k: Option<u32>,
+    /// Keep the smallest set of tokens whose probability reaches p (1: all). Default: as
+    /// --temperature says.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Greedy decoding whatever the folder's generation_config.json says.
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
+    pub greedy: bool,
     /// Token ids that end the sequence (comma-separated). Default: the folder's
     /// `eos_token_id`, from generation_config.json where it sets one, else from config.json.
     #[arg(long, value_delimiter = ',')]
@@ -234,6 +240,44 @@ fn stop_ids(a: &GenerateArgs) -> AnyResult<Vec<i32>> {
     Ok(ids)
 }
 
+/// The sampling of the run: greedy with `--greedy`; else the folder's sampling defaults
+/// (greedy where it has none) with `--temperature`, `--top-k` and `--top-p` replacing theirs.
+/// Says on stderr where the folder's settings are used, and which of them `generate` does not
+/// apply.
+fn sampling_of(a: &GenerateArgs, d: &GenerationDefaults) -> SamplingParams {
+    if a.greedy {
+        return SamplingParams::greedy();
+    }
+    for (field, value) in &d.unsupported {
+        eprintln!(
+            "note: generation_config.json sets {field} {value}, which transformers' generate \
+             applies and this one does not"
+        );
+    }
+    let base = d
+        .sampling
+        .map_or(SamplingParams::greedy(), |f| SamplingParams {
+            temperature: f.temperature,
+            top_k: f.top_k,
+            top_p: f.top_p,
+        });
+    let p = SamplingParams {
+        temperature: a.temperature.unwrap_or(base.temperature),
+        top_k: a.top_k.unwrap_or(base.top_k),
+        top_p: a.top_p.unwrap_or(base.top_p),
+    };
+    let from_file =
+        d.sampling.is_some() && (a.temperature.is_none() || a.top_k.is_none() || a.top_p.is_none());
+    if from_file {
+        eprintln!(
+            "sampling with temperature {}, top-k {}, top-p {} (the model's generation_config.json \
+             samples; --greedy for greedy decoding, --temperature, --top-k, --top-p to change)",
+            p.temperature, p.top_k, p.top_p
+        );
+    }
+    p
+}
+
 pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     let tok = tokenizer(&a.model)?;
     let p = prompt_of(a, tok.as_ref())?;
@@ -242,11 +286,7 @@ pub fn run(device: usize, a: &GenerateArgs) -> AnyResult<()> {
     }
     let prompt = p.ids;
     let eos = stop_ids(a)?;
-    let sampling = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-    };
+    let sampling = sampling_of(a, &cudagraph_nn::io::hf::generation_defaults(&a.model)?);
     let dev = Device::open(device)?;
     let mut s = dev.new_stream()?;
     let t = Instant::now();
@@ -469,5 +509,45 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sampling_follows_the_folders_generation_config_unless_told_otherwise() {
+        use cudagraph_nn::io::hf::SamplingDefaults;
+        let dir = std::env::temp_dir();
+        let run = |args: &[&str], d: &GenerationDefaults| {
+            let mut all = vec!["--prompt-ids", "1"];
+            all.extend_from_slice(args);
+            sampling_of(&parse(&dir, &all).unwrap(), d)
+        };
+        let greedy = SamplingParams::greedy();
+        let file = GenerationDefaults {
+            sampling: Some(SamplingDefaults {
+                temperature: 0.6,
+                top_k: 50,
+                top_p: 0.9,
+            }),
+            unsupported: vec![("repetition_penalty".into(), "1.1".into())],
+        };
+        let none = GenerationDefaults::default();
+        // No sampling in the folder: greedy, as before; the flags alone set it.
+        assert_eq!(run(&[], &none), greedy);
+        let t = run(&["--temperature", "0.8", "--top-k", "40"], &none);
+        assert_eq!((t.temperature, t.top_k, t.top_p), (0.8, 40, 1.0));
+        // A top-k alone without sampling stays greedy (temperature 0), as before.
+        assert_eq!(run(&["--top-k", "40"], &none).temperature, 0.0);
+        // The folder samples: its values, each flag replacing its own.
+        let f = run(&[], &file);
+        assert_eq!((f.temperature, f.top_k, f.top_p), (0.6, 50, 0.9));
+        let f = run(&["--top-p", "0.5"], &file);
+        assert_eq!((f.temperature, f.top_k, f.top_p), (0.6, 50, 0.5));
+        let f = run(&["--temperature", "0"], &file);
+        assert_eq!(f.temperature, 0.0);
+        // --greedy wins over the folder, and excludes the sampling flags.
+        assert_eq!(run(&["--greedy"], &file), greedy);
+        for flag in ["--temperature", "--top-k", "--top-p"] {
+            let e = parse(&dir, &["--prompt-ids", "1", "--greedy", flag, "1"]);
+            assert!(e.is_err(), "{flag}");
+        }
     }
 }

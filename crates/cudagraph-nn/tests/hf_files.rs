@@ -874,3 +874,97 @@ fn eos_ids_come_from_generation_config_then_config() {
     assert!(e.to_string().starts_with("generation_config.json: "), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn sampling_comes_from_generation_config_as_transformers_applies_it() {
+    use cudagraph_nn::io::hf::{generation_defaults, GenerationDefaults, SamplingDefaults};
+    let dir = temp_dir("sampling");
+    let write = |v: &Value| {
+        std::fs::write(
+            dir.join("generation_config.json"),
+            serde_json::to_vec(v).unwrap(),
+        )
+        .unwrap()
+    };
+    let read = || generation_defaults(&dir).unwrap();
+    // No file, no do_sample, do_sample false or null: greedy; sampling fields are then unused.
+    assert_eq!(read(), GenerationDefaults::default());
+    for v in [
+        json!({"eos_token_id": 2}),
+        json!({"do_sample": false, "temperature": 0.6, "top_p": 0.9}),
+        json!({"do_sample": null, "top_k": 20}),
+    ] {
+        write(&v);
+        assert_eq!(read(), GenerationDefaults::default(), "{v}");
+    }
+    // do_sample true: the file's values, transformers' defaults (1.0, 50, 1.0) for the rest.
+    write(&json!({"do_sample": true, "temperature": 0.6, "top_p": 0.9}));
+    let want = SamplingDefaults {
+        temperature: 0.6,
+        top_k: 50,
+        top_p: 0.9,
+    };
+    assert_eq!(read().sampling, Some(want));
+    write(&json!({"do_sample": true, "temperature": null, "top_k": 0}));
+    let want = SamplingDefaults {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
+    assert_eq!(read().sampling, Some(want));
+    // What transformers would apply and generate does not is listed; neutral values are not.
+    write(&json!({
+        "do_sample": false, "repetition_penalty": 1.1, "num_beams": 1, "typical_p": 0.9,
+        "suppress_tokens": [], "forced_eos_token_id": 2, "no_repeat_ngram_size": 0
+    }));
+    let u = read().unsupported;
+    assert_eq!(
+        u,
+        vec![
+            ("repetition_penalty".to_string(), "1.1".to_string()),
+            ("forced_eos_token_id".to_string(), "2".to_string()),
+        ]
+    );
+    // typical_p (and min_p, ...) only count when sampling.
+    write(&json!({"do_sample": true, "typical_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.0}));
+    let u = read().unsupported;
+    assert_eq!(
+        u,
+        vec![
+            ("typical_p".to_string(), "0.9".to_string()),
+            ("min_p".to_string(), "0.05".to_string()),
+        ]
+    );
+    // Fields of the wrong type are typed errors naming the file and the field.
+    for (v, field, says) in [
+        (json!({"do_sample": "yes"}), "do_sample", "\"yes\""),
+        (
+            json!({"do_sample": true, "temperature": "hot"}),
+            "temperature",
+            "\"hot\"",
+        ),
+        (json!({"do_sample": true, "top_p": [0.9]}), "top_p", "[0.9]"),
+        (json!({"do_sample": true, "top_k": -1}), "top_k", "-1"),
+        (json!({"do_sample": true, "top_k": 2.5}), "top_k", "2.5"),
+    ] {
+        write(&v);
+        match hf_err(generation_defaults(&dir)) {
+            HfError::Generation {
+                file,
+                field: f,
+                problem,
+            } => {
+                assert_eq!(
+                    (file.as_str(), f.as_str()),
+                    ("generation_config.json", field)
+                );
+                assert!(problem.contains(says), "{problem}");
+            }
+            e => panic!("expected a generation error, got {e:?}"),
+        }
+    }
+    std::fs::write(dir.join("generation_config.json"), b"[1]").unwrap();
+    let e = hf_err(generation_defaults(&dir));
+    assert!(e.to_string().contains("not a JSON object"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

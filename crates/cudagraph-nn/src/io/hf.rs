@@ -4,7 +4,8 @@
 //! `model.safetensors.index.json`) checked tensor by tensor against the config into a host-side
 //! [`DecoderWeights`], which [`DecoderWeights::upload_parameters`] and
 //! [`DecoderWeights::upload_as`] put on a device. [`eos_token_ids`] reads the ids that end a
-//! sequence by default (`generation_config.json`, else `config.json`).
+//! sequence by default (`generation_config.json`, else `config.json`), and
+//! [`generation_defaults`] the sampling `generation_config.json` asks for.
 //!
 //! Everything but the uploads works and is tested without a GPU. With the `tokenizers` feature,
 //! `HfTokenizer` turns text into token ids and back through the folder's `tokenizer.json`;
@@ -908,6 +909,133 @@ fn eos_from_json(file: &str, bytes: &[u8]) -> IoResult<Option<Vec<i32>>> {
     };
     let mut seen = BTreeSet::new();
     Ok(Some(ids.into_iter().filter(|i| seen.insert(*i)).collect()))
+}
+
+/// The sampling a folder's `generation_config.json` asks for, as transformers' `generate`
+/// applies it: with `do_sample` true, `temperature`, `top_k` and `top_p` (transformers'
+/// defaults 1.0, 50 and 1.0 where the file leaves one out or sets it to `null`); top-k 0 and
+/// top-p 1 keep every token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingDefaults {
+    /// Softmax temperature.
+    pub temperature: f32,
+    /// Tokens kept by top-k (0: all).
+    pub top_k: u32,
+    /// Probability mass kept by top-p (1: all).
+    pub top_p: f32,
+}
+
+/// What a folder's `generation_config.json` says about choosing tokens.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationDefaults {
+    /// `Some` where the file sets `do_sample` true; `None` (greedy) where there is no such file
+    /// or it leaves `do_sample` out, `null` or false.
+    pub sampling: Option<SamplingDefaults>,
+    /// Settings of the file that transformers' `generate` would apply and ours does not
+    /// (`repetition_penalty`, `no_repeat_ngram_size`, beams, ...; with sampling also
+    /// `typical_p`, `min_p`, ...), as (field, value) in the file's order of this list.
+    pub unsupported: Vec<(String, String)>,
+}
+
+/// Fields transformers' `generate` applies in any mode, with the value that does nothing.
+const GENERATION_ALWAYS: &[(&str, Option<f64>)] = &[
+    ("repetition_penalty", Some(1.0)),
+    ("no_repeat_ngram_size", Some(0.0)),
+    ("num_beams", Some(1.0)),
+    ("min_length", Some(0.0)),
+    ("min_new_tokens", Some(0.0)),
+    ("bad_words_ids", None),
+    ("suppress_tokens", None),
+    ("begin_suppress_tokens", None),
+    ("sequence_bias", None),
+    ("forced_bos_token_id", None),
+    ("forced_eos_token_id", None),
+    ("exponential_decay_length_penalty", None),
+];
+
+/// Fields transformers applies only when sampling, with the value that does nothing.
+const GENERATION_SAMPLING: &[(&str, Option<f64>)] = &[
+    ("typical_p", Some(1.0)),
+    ("min_p", None),
+    ("top_h", None),
+    ("epsilon_cutoff", Some(0.0)),
+    ("eta_cutoff", Some(0.0)),
+];
+
+/// Reads the folder's `generation_config.json` (a folder without one: greedy, nothing
+/// unsupported). A field of the wrong type (`do_sample` not a boolean, `temperature` or
+/// `top_p` not a number, `top_k` not a non-negative integer) is an [`HfError::Generation`]
+/// naming the file and the field; the values themselves are checked where they are used
+/// (`SamplingParams`).
+pub fn generation_defaults(dir: &Path) -> IoResult<GenerationDefaults> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(GenerationDefaults::default());
+    }
+    generation_from_json("generation_config.json", &read_file(&path)?)
+}
+
+fn generation_from_json(file: &str, bytes: &[u8]) -> IoResult<GenerationDefaults> {
+    let err = |field: &str, problem: String| -> IoError {
+        HfError::Generation {
+            file: file.to_string(),
+            field: field.to_string(),
+            problem,
+        }
+        .into()
+    };
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| err("", e.to_string()))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| err("", "is not a JSON object".into()))?;
+    // A field left out or `null` is unset.
+    let get = |k: &str| obj.get(k).filter(|x| !x.is_null());
+    let number = |k: &str, default: f64| -> IoResult<f64> {
+        get(k).map_or(Ok(default), |x| {
+            x.as_f64()
+                .ok_or_else(|| err(k, format!("holds {x}, not a number")))
+        })
+    };
+    let do_sample = match get("do_sample") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(x) => return Err(err("do_sample", format!("holds {x}, not true or false"))),
+    };
+    let sampling = if do_sample {
+        let top_k = match get("top_k") {
+            None => 50,
+            Some(x) => x
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| err("top_k", format!("holds {x}, not a count of tokens")))?,
+        };
+        Some(SamplingDefaults {
+            temperature: number("temperature", 1.0)? as f32,
+            top_k,
+            top_p: number("top_p", 1.0)? as f32,
+        })
+    } else {
+        None
+    };
+    let in_effect = |(k, neutral): &(&str, Option<f64>)| {
+        let x = get(k)?;
+        let idle = match (x, neutral) {
+            (Value::Array(a), _) => a.is_empty(),
+            (Value::Object(o), _) => o.is_empty(),
+            (x, Some(n)) => x.as_f64() == Some(*n),
+            (_, None) => false,
+        };
+        (!idle).then(|| (k.to_string(), x.to_string()))
+    };
+    let mut unsupported: Vec<(String, String)> =
+        GENERATION_ALWAYS.iter().filter_map(in_effect).collect();
+    if do_sample {
+        unsupported.extend(GENERATION_SAMPLING.iter().filter_map(in_effect));
+    }
+    Ok(GenerationDefaults {
+        sampling,
+        unsupported,
+    })
 }
 
 /// A Hugging Face tokenizer (`tokenizer.json`): text to token ids and back. Needs the
