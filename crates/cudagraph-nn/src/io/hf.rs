@@ -874,21 +874,30 @@ pub fn eos_token_ids(dir: &Path) -> IoResult<Vec<i32>> {
     Ok(eos_from_json("config.json", &read_file(&dir.join("config.json"))?)?.unwrap_or_default())
 }
 
+/// An [`HfError::Generation`] about `field` of the file `file`.
+fn generation_error(file: &str, field: &str, problem: String) -> IoError {
+    HfError::Generation {
+        file: file.to_string(),
+        field: field.to_string(),
+        problem,
+    }
+    .into()
+}
+
+/// The JSON object in `bytes` (the file `file`); anything else is an [`HfError::Generation`].
+fn generation_object(file: &str, bytes: &[u8]) -> IoResult<Map<String, Value>> {
+    match serde_json::from_slice(bytes) {
+        Ok(Value::Object(obj)) => Ok(obj),
+        Ok(_) => Err(generation_error(file, "", "is not a JSON object".into())),
+        Err(e) => Err(generation_error(file, "", e.to_string())),
+    }
+}
+
 /// `eos_token_id` of the JSON object in `bytes` (the file `file`): `None` where it is absent or
 /// `null`.
 fn eos_from_json(file: &str, bytes: &[u8]) -> IoResult<Option<Vec<i32>>> {
-    let err = |field: &str, problem: String| -> IoError {
-        HfError::Generation {
-            file: file.to_string(),
-            field: field.to_string(),
-            problem,
-        }
-        .into()
-    };
-    let v: Value = serde_json::from_slice(bytes).map_err(|e| err("", e.to_string()))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| err("", "is not a JSON object".into()))?;
+    let err = |field: &str, problem: String| generation_error(file, field, problem);
+    let obj = generation_object(file, bytes)?;
     let id = |x: &Value| -> IoResult<i32> {
         x.as_u64()
             .and_then(|n| i32::try_from(n).ok())
@@ -976,18 +985,8 @@ pub fn generation_defaults(dir: &Path) -> IoResult<GenerationDefaults> {
 }
 
 fn generation_from_json(file: &str, bytes: &[u8]) -> IoResult<GenerationDefaults> {
-    let err = |field: &str, problem: String| -> IoError {
-        HfError::Generation {
-            file: file.to_string(),
-            field: field.to_string(),
-            problem,
-        }
-        .into()
-    };
-    let v: Value = serde_json::from_slice(bytes).map_err(|e| err("", e.to_string()))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| err("", "is not a JSON object".into()))?;
+    let err = |field: &str, problem: String| generation_error(file, field, problem);
+    let obj = generation_object(file, bytes)?;
     // A field left out or `null` is unset.
     let get = |k: &str| obj.get(k).filter(|x| !x.is_null());
     let number = |k: &str, default: f64| -> IoResult<f64> {
