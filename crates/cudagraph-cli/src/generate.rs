@@ -254,13 +254,7 @@ fn sampling_of(a: &GenerateArgs, d: &GenerationDefaults) -> SamplingParams {
              applies and this one does not"
         );
     }
-    let base = d
-        .sampling
-        .map_or(SamplingParams::greedy(), |f| SamplingParams {
-            temperature: f.temperature,
-            top_k: f.top_k,
-            top_p: f.top_p,
-        });
+    let base = d.sampling.unwrap_or_else(SamplingParams::greedy);
     let p = SamplingParams {
         temperature: a.temperature.unwrap_or(base.temperature),
         top_k: a.top_k.unwrap_or(base.top_k),
@@ -513,7 +507,6 @@ mod tests {
 
     #[test]
     fn sampling_follows_the_folders_generation_config_unless_told_otherwise() {
-        use cudagraph_nn::io::hf::SamplingDefaults;
         let dir = std::env::temp_dir();
         let run = |args: &[&str], d: &GenerationDefaults| {
             let mut all = vec!["--prompt-ids", "1"];
@@ -522,7 +515,7 @@ mod tests {
         };
         let greedy = SamplingParams::greedy();
         let file = GenerationDefaults {
-            sampling: Some(SamplingDefaults {
+            sampling: Some(SamplingParams {
                 temperature: 0.6,
                 top_k: 50,
                 top_p: 0.9,

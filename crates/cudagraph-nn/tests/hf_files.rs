@@ -877,7 +877,8 @@ fn eos_ids_come_from_generation_config_then_config() {
 
 #[test]
 fn sampling_comes_from_generation_config_as_transformers_applies_it() {
-    use cudagraph_nn::io::hf::{generation_defaults, GenerationDefaults, SamplingDefaults};
+    use cudagraph_nn::io::hf::{generation_defaults, GenerationDefaults};
+    use cudagraph_nn::SamplingParams;
     let dir = temp_dir("sampling");
     let write = |v: &Value| {
         std::fs::write(
@@ -899,14 +900,14 @@ fn sampling_comes_from_generation_config_as_transformers_applies_it() {
     }
     // do_sample true: the file's values, transformers' defaults (1.0, 50, 1.0) for the rest.
     write(&json!({"do_sample": true, "temperature": 0.6, "top_p": 0.9}));
-    let want = SamplingDefaults {
+    let want = SamplingParams {
         temperature: 0.6,
         top_k: 50,
         top_p: 0.9,
     };
     assert_eq!(read().sampling, Some(want));
     write(&json!({"do_sample": true, "temperature": null, "top_k": 0}));
-    let want = SamplingDefaults {
+    let want = SamplingParams {
         temperature: 1.0,
         top_k: 0,
         top_p: 1.0,

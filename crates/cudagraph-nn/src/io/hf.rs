@@ -45,6 +45,7 @@ use crate::autograd::tensor::Parameter;
 pub use crate::autograd::transformer::Llama3RopeScaling;
 use crate::dtype::{Float, TypedBuffer};
 use crate::error::{HfError, Result};
+use crate::nn::sampling::SamplingParams;
 
 type IoResult<T> = std::result::Result<T, IoError>;
 
@@ -920,26 +921,14 @@ fn eos_from_json(file: &str, bytes: &[u8]) -> IoResult<Option<Vec<i32>>> {
     Ok(Some(ids.into_iter().filter(|i| seen.insert(*i)).collect()))
 }
 
-/// The sampling a folder's `generation_config.json` asks for, as transformers' `generate`
-/// applies it: with `do_sample` true, `temperature`, `top_k` and `top_p` (transformers'
-/// defaults 1.0, 50 and 1.0 where the file leaves one out or sets it to `null`); top-k 0 and
-/// top-p 1 keep every token.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SamplingDefaults {
-    /// Softmax temperature.
-    pub temperature: f32,
-    /// Tokens kept by top-k (0: all).
-    pub top_k: u32,
-    /// Probability mass kept by top-p (1: all).
-    pub top_p: f32,
-}
-
 /// What a folder's `generation_config.json` says about choosing tokens.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GenerationDefaults {
-    /// `Some` where the file sets `do_sample` true; `None` (greedy) where there is no such file
-    /// or it leaves `do_sample` out, `null` or false.
-    pub sampling: Option<SamplingDefaults>,
+    /// `Some` where the file sets `do_sample` true: its `temperature`, `top_k` and `top_p`, as
+    /// transformers' `generate` applies them (its defaults 1.0, 50 and 1.0 where the file leaves
+    /// one out or sets it to `null`); `None` (greedy) where there is no such file or it leaves
+    /// `do_sample` out, `null` or false.
+    pub sampling: Option<SamplingParams>,
     /// Settings of the file that transformers' `generate` would apply and ours does not
     /// (`repetition_penalty`, `no_repeat_ngram_size`, beams, ...; with sampling also
     /// `typical_p`, `min_p`, ...), as (field, value) in the file's order of this list.
@@ -1008,7 +997,7 @@ fn generation_from_json(file: &str, bytes: &[u8]) -> IoResult<GenerationDefaults
                 .and_then(|n| u32::try_from(n).ok())
                 .ok_or_else(|| err("top_k", format!("holds {x}, not a count of tokens")))?,
         };
-        Some(SamplingDefaults {
+        Some(SamplingParams {
             temperature: number("temperature", 1.0)? as f32,
             top_k,
             top_p: number("top_p", 1.0)? as f32,
