@@ -171,18 +171,16 @@ fn random_requests(
         .collect()
 }
 
-/// `--measure-only`: builds every row's `Generation` (measuring and tuning its step) and
-/// prefills its prompts once (measuring the prefill's products), then writes the times to
-/// `file`.
+/// `--measure-only`: builds every row's `Generation` of `max_new` new positions (measuring
+/// and tuning its step) and prefills its prompts once (measuring the prefill's products),
+/// then writes the times to `file`.
 fn measure_rows(
     s: &mut cudagraph::Stream,
     decoder: &Arc<Decoder>,
     a: &DecodeArgs,
+    max_new: usize,
     file: &Path,
 ) -> AnyResult<()> {
-    let k = a.steps_per_launch as usize;
-    let (warmup_launches, launches) = launches(a.warmup, a.steps, k)?;
-    let max_new = (warmup_launches + launches) * k;
     let mut rng = HostRng::new(a.seed);
     let mut rows = Vec::new();
     for &prompt in &a.prompts {
@@ -333,8 +331,9 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
         warmup_launches * k,
         a.repeats
     );
+    let max_new = (warmup_launches + launches) * k;
     if let Some(file) = &a.measure_only {
-        return measure_rows(&mut s, &decoder, a, file);
+        return measure_rows(&mut s, &decoder, a, max_new, file);
     }
     if let Some((_, secs)) = &measured {
         outln!("engines measured and tuned in a child process ({secs:.1} s); tune ms: its tuning");
@@ -356,7 +355,6 @@ pub fn run(device: usize, a: &DecodeArgs) -> AnyResult<()> {
     );
     let mut rng = HostRng::new(a.seed);
     let mut rows = Vec::new();
-    let max_new = (warmup_launches + launches) * k;
     for &prompt in prompts {
         for &batch in batches {
             let mut gen =
