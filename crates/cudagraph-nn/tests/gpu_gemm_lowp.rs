@@ -4,7 +4,8 @@
 //! one (512 × 1024 × 768), every candidate the registry measures run one at a time and then
 //! the registry's own choice, each against an f64 reference computed from the exact 16-bit
 //! inputs. Then: a captured product replays equal to the eager one bit for bit (measured
-//! first, and captured first with the unmeasured default); the f32 bias with a 16-bit result
+//! first, and captured first with the unmeasured default); row counts of one range (above the
+//! few-row shapes) share one measured choice; the f32 bias with a 16-bit result
 //! where cuBLASLt offers it; misuse (f32 operands, a result of a third type, short buffers,
 //! vectors that do not match the epilogue) is a typed error and runs nothing.
 //!
@@ -37,7 +38,7 @@ use cudagraph::memory::{bf16, f16};
 use cudagraph::{gpu_test_device, CaptureOptions, DeviceBuffer, Graph, QueueExt, Stream};
 use cudagraph_nn::dtype::{Dtype, Float};
 use cudagraph_nn::engine::gemm::{alignment, run_gemm, Epilogue, GemmFamily, GemmOp, Trans};
-use cudagraph_nn::engine::gemm_lowp::{gemm_lowp_with, key, lowp_candidates};
+use cudagraph_nn::engine::gemm_lowp::{gemm_lowp_with, key, lowp_candidates, rows_range};
 use cudagraph_nn::engine::{gemm_lowp, Engines, GemmEngine};
 use cudagraph_nn::ffi::blaslt::{LtAlgo, LtShape, LtTypes};
 use cudagraph_nn::{HostRng, Nn, NnError};
@@ -613,6 +614,109 @@ fn a_product_captured_before_any_measurement_runs_cublaslt_first_choice_eagerly_
         .unwrap_or_else(|| panic!("no registry row for {k}"));
     assert!(!row.entry.measured, "{}: {:?}", row.key, row.entry);
     assert_eq!(row.entry.engine, "cublaslt:0");
+}
+
+/// Products of more rows than the few-row shapes (a prefill's) share the registry's choice
+/// within their rows' range: the first row count of a range is measured under the range's
+/// key; another count of the range runs that choice without measuring (no row of its own, the
+/// range's key served) and is right against the f64 reference; a third replays equal to its
+/// eager run bit for bit; 64 rows keep a key of their own.
+#[test]
+fn row_counts_of_one_range_share_one_measured_choice() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let eng = Engines::get(&dev).unwrap();
+    // Choices from an earlier run on disk: measure again.
+    eng.clear();
+    let (n, k) = (200, 136);
+    let first = gemm_op(Trans::N, Trans::T, (100, n, k), Epilogue::Bias);
+    let second = GemmOp { m: 110, ..first };
+    assert_eq!(rows_range(100), Some((97, 112)));
+    let shared = key(&first, Dtype::Bf16, Dtype::Bf16);
+    assert_eq!(shared, key(&second, Dtype::Bf16, Dtype::Bf16));
+    assert!(shared.contains(" m=97..112 "), "{shared}");
+    let mut rng = HostRng::new(31);
+
+    let inp = inputs::<bf16>(&s, &first, 41);
+    let mut chosen = None;
+    run_and_check::<bf16, bf16>(
+        &s,
+        "first count of a range",
+        &first,
+        &inp,
+        &mut rng,
+        &mut |c, v| {
+            chosen = Some(gemm_lowp(&s, &nn, &first, &inp.a, &inp.b, c, v)?);
+            Ok(())
+        },
+    );
+    let chosen = chosen.unwrap();
+    let row = eng
+        .table()
+        .into_iter()
+        .find(|r| r.key.starts_with(&shared))
+        .unwrap_or_else(|| panic!("no registry row for {shared}"));
+    assert!(
+        row.entry.measured && !row.entry.timings.is_empty(),
+        "{row:?}"
+    );
+    assert_eq!(row.entry.engine.parse::<GemmEngine>().unwrap(), chosen);
+
+    let inp = inputs::<bf16>(&s, &second, 43);
+    eng.start_usage_log();
+    let mut ran = None;
+    run_and_check::<bf16, bf16>(
+        &s,
+        "second count of a range",
+        &second,
+        &inp,
+        &mut rng,
+        &mut |c, v| {
+            ran = Some(gemm_lowp(&s, &nn, &second, &inp.a, &inp.b, c, v)?);
+            Ok(())
+        },
+    );
+    assert_eq!(
+        ran,
+        Some(chosen),
+        "the range's choice runs the second count"
+    );
+    assert_eq!(
+        eng.take_usage_log(),
+        [(row.key.clone(), row.entry.engine.clone())],
+        "served from the range's key"
+    );
+    let rows = |prefix: &str| {
+        eng.table()
+            .into_iter()
+            .filter(|r| r.key.starts_with(prefix))
+            .count()
+    };
+    assert_eq!(
+        rows(&format!("gemm NT m=110 n={n} ")),
+        0,
+        "a row of its own"
+    );
+    assert_eq!(rows(&shared), 1);
+
+    replay_equals_eager::<bf16, bf16>(&mut s, &nn, GemmOp { m: 105, ..first }, true);
+    assert_eq!(
+        rows(&format!("gemm NT m=105 n={n} ")),
+        0,
+        "a row of its own"
+    );
+
+    let few = GemmOp { m: 64, ..first };
+    let inp = inputs::<bf16>(&s, &few, 47);
+    run_and_check::<bf16, bf16>(&s, "64 rows", &few, &inp, &mut rng, &mut |c, v| {
+        gemm_lowp(&s, &nn, &few, &inp.a, &inp.b, c, v).map(|_| ())
+    });
+    assert_eq!(
+        rows(&format!("gemm NT m=64 n={n} ")),
+        1,
+        "64 rows: a key of its own"
+    );
 }
 
 #[test]

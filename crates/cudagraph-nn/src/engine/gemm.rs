@@ -112,12 +112,17 @@ impl GemmOp {
     /// The registry key (without the policy's scope), e.g.
     /// `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias_relu`.
     pub fn key(&self) -> String {
+        self.key_with_rows(&self.m.to_string())
+    }
+
+    /// [`Self::key`] with `rows` in place of the row count (a range of them, for keys that
+    /// products of several row counts share).
+    pub(crate) fn key_with_rows(&self, rows: &str) -> String {
         let t = |x: Trans| if x == Trans::N { 'N' } else { 'T' };
         format!(
-            "gemm {}{} m={} n={} k={} a={} b={} ep={}",
+            "gemm {}{} m={rows} n={} k={} a={} b={} ep={}",
             t(self.ta),
             t(self.tb),
-            self.m,
             self.n,
             self.k,
             if self.alpha == 1.0 { "1" } else { "*" },

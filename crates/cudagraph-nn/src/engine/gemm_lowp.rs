@@ -4,8 +4,9 @@
 //! stay in [`crate::engine::gemm`] (`run_gemm`); the only kernel of ours here is the few-row
 //! one (`gemv:KS`, below).
 //!
-//! Candidates, measured per key like the fp32 ones (the key adds the element types:
-//! `gemm NT m=4096 n=4096 k=4096 a=1 b=0 ep=bias in=bf16 out=f32`): cuBLASLt's heuristic
+//! Candidates, measured per key like the fp32 ones (the key adds the element types, and above
+//! [`SHARED_ROWS_ABOVE`] rows names the range of row counts that share the choice,
+//! [`rows_range`]: `gemm NT m=3585..4096 n=4096 k=4096 a=1 b=0 ep=bias in=bf16 out=f32`): cuBLASLt's heuristic
 //! algorithms for the shape and types (the first twelve, as for fp32), with
 //! `CUDAGRAPH_LT_SPLITK=1` their split-K variants and with `CUDAGRAPH_LT_SEARCH=1` searched
 //! configurations, and cuBLAS's `cublasGemmEx` for products without a fused bias (what
@@ -163,7 +164,8 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
         return Ok(false);
     }
     let eng = Engines::get(q.device())?;
-    let (key, _, _) = product_key(&eng, op, (a, b, c, vec));
+    // Few rows (at most `GEMV_FUSED_MAX_M`): the key is the row count's own.
+    let (key, _, _, _) = product_key(&eng, op, (a, b, c, vec));
     let Some(GemmEngine::Gemv(ks)) = eng.lookup::<GemmEngine>(&key) else {
         return Ok(false);
     };
@@ -183,8 +185,9 @@ pub(crate) unsafe fn gemm_lowp_frozen_from<T: Float, O: Float>(
     Ok(true)
 }
 
-/// The registry key of `op` on these buffers under the current policy, with the family of
-/// engines it allows and the buffers' common alignment.
+/// The registry keys of `op` on these buffers under the current policy — the key of its
+/// rows' range ([`rows_range`]) and, where that is not the product's own row count, the key
+/// of its own — with the family of engines it allows and the buffers' common alignment.
 #[allow(clippy::type_complexity)]
 fn product_key<T: Float, O: Float>(
     eng: &Engines,
@@ -195,14 +198,16 @@ fn product_key<T: Float, O: Float>(
         &DeviceBuffer<O>,
         Option<&DeviceBuffer<O>>,
     ),
-) -> (String, GemmFamily, u32) {
+) -> (String, Option<String>, GemmFamily, u32) {
     let policy = eng.policy();
     let family = lowp_family(policy.gemm, op.epilogue);
     let mut addrs = vec![a.addr(), b.addr(), c.addr()];
     addrs.extend(vec.map(|v| v.addr()));
     let align = alignment(&addrs);
-    let key = registry_key(op, T::DTYPE, O::DTYPE, align, &policy, family);
-    (key, family, align)
+    let scoped = |base: String| registry_key(base, align, &policy, family);
+    let key = scoped(key(op, T::DTYPE, O::DTYPE));
+    let exact = rows_range(op.m).map(|_| scoped(typed(op.key(), T::DTYPE, O::DTYPE)));
+    (key, exact, family, align)
 }
 
 /// [`gemm_lowp`]; `frozen`: `b` may be read early by the few-row kernel.
@@ -224,13 +229,28 @@ unsafe fn product<T: Float, O: Float>(
         return Ok(GemmEngine::Cublas);
     }
     let eng = Engines::get(q.device())?;
-    let (key, family, align) = product_key(&eng, op, (a, b, c, vec));
+    let (shared, exact, family, align) = product_key(&eng, op, (a, b, c, vec));
+    // A key of a range of row counts needs the candidates of this one: its choice, made by
+    // another row count, serves this one only if it can run it.
+    let mut candidates = None;
+    let key = match exact {
+        None => shared,
+        Some(exact) => {
+            let c = candidates_in::<T, O>(q, &eng, op, family, align)?;
+            let key = eng.shared_or_exact(shared, exact, &c);
+            candidates = Some(c);
+            key
+        }
+    };
     if let Some(algo) = eng.lookup::<GemmEngine>(&key) {
         // SAFETY: `frozen` only as this function's caller promised.
         unsafe { run_lowp(q, &eng, algo, op, align, (a, b, c, vec), frozen)? };
         return Ok(algo);
     }
-    let candidates = candidates_in::<T, O>(q, &eng, op, family, align)?;
+    let candidates = match candidates {
+        Some(c) => c,
+        None => candidates_in::<T, O>(q, &eng, op, family, align)?,
+    };
     let Some(&default) = candidates.first() else {
         return Err(no_engine(op, &key, eng.cublaslt_for(q).is_some()));
     };
@@ -302,32 +322,60 @@ pub fn lowp_candidates<T: Float, O: Float>(
     candidates_in::<T, O>(q, &eng, op, family, align)
 }
 
-/// The registry key of a half-precision product without the alignment and policy parts:
-/// [`GemmOp::key`] and the element types, e.g.
-/// `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias in=bf16 out=f32`.
-pub fn key(op: &GemmOp, input: Dtype, output: Dtype) -> String {
-    format!("{} in={input} out={output}", op.key())
+/// Products of more rows than this share their registry choice with the other row counts of
+/// their range ([`rows_range`]); up to it — decode steps, where our few-row kernels compete —
+/// every row count has a choice of its own.
+pub const SHARED_ROWS_ABOVE: usize = GEMV_MMA_MAX_M;
+
+/// The range of row counts, `(first, last)`, whose products share one registry choice with a
+/// product of `m` rows; `None` up to [`SHARED_ROWS_ABOVE`] rows, where each row count has its
+/// own. Above it the ranges are quarter octaves: `last` is the first multiple of `p / 4` at or
+/// above `m`, where `p` is the largest power of two below `m` (65–80, 81–96, 97–112,
+/// 113–128, 129–160, …, 897–1024, …), so a choice measured for one row count serves counts
+/// within 25 % of it. A prefill's row count (its prompts' tokens) differs from one request to
+/// the next; without ranges each new count measured every candidate of every product, a
+/// stall of hundreds of milliseconds for a server.
+pub fn rows_range(m: usize) -> Option<(usize, usize)> {
+    if m <= SHARED_ROWS_ABOVE {
+        return None;
+    }
+    let p = 1usize << (usize::BITS - 1 - (m - 1).leading_zeros());
+    let step = p / 4;
+    let last = m.div_ceil(step).saturating_mul(step);
+    Some((last - step + 1, last))
 }
 
-/// The whole key: [`key`], the pointers' alignment where it is not the allocator's 256
-/// bytes, and the policy's restrictions that apply to half-precision products (the family
-/// `family`, cuBLASLt off, split-K, search; not TF32, which changes nothing here).
-fn registry_key(
-    op: &GemmOp,
-    input: Dtype,
-    output: Dtype,
-    align: u32,
-    policy: &Policy,
-    family: GemmFamily,
-) -> String {
+/// The registry key of a half-precision product without the alignment and policy parts:
+/// [`GemmOp::key`] with the row count's range where products of several row counts share
+/// the choice ([`rows_range`]), and the element types, e.g.
+/// `gemm NT m=32 n=512 k=1024 a=1 b=0 ep=bias in=bf16 out=f32` or
+/// `gemm NT m=897..1024 n=2304 k=768 a=1 b=0 ep=bias in=bf16 out=bf16`.
+pub fn key(op: &GemmOp, input: Dtype, output: Dtype) -> String {
+    let base = match rows_range(op.m) {
+        Some((first, last)) => op.key_with_rows(&format!("{first}..{last}")),
+        None => op.key(),
+    };
+    typed(base, input, output)
+}
+
+/// `base` with the element types.
+fn typed(base: String, input: Dtype, output: Dtype) -> String {
+    format!("{base} in={input} out={output}")
+}
+
+/// The whole key: `base` (a [`key`]), the pointers' alignment where it is not the
+/// allocator's 256 bytes, and the policy's restrictions that apply to half-precision
+/// products (the family `family`, cuBLASLt off, split-K, search; not TF32, which changes
+/// nothing here).
+fn registry_key(base: String, align: u32, policy: &Policy, family: GemmFamily) -> String {
     let scope = Policy {
         tf32_matmul: false,
         ..*policy
     }
     .gemm_scope(family);
     match align {
-        256 => format!("{}{scope}", key(op, input, output)),
-        a => format!("{} align={a}{scope}", key(op, input, output)),
+        256 => format!("{base}{scope}"),
+        a => format!("{base} align={a}{scope}"),
     }
 }
 
@@ -680,8 +728,9 @@ mod tests {
         // Alignment and policy parts follow, as for f32; TF32 is not one of them.
         let p = Policy::default();
         let o = op(Epilogue::None);
+        let bf = || key(&o, Dtype::Bf16, Dtype::Bf16);
         assert_eq!(
-            registry_key(&o, Dtype::Bf16, Dtype::Bf16, 256, &p, GemmFamily::Auto),
+            registry_key(bf(), 256, &p, GemmFamily::Auto),
             "gemm NT m=32 n=512 k=1024 a=1 b=0 ep=none in=bf16 out=bf16"
         );
         let tf32 = Policy {
@@ -689,10 +738,15 @@ mod tests {
             ..p
         };
         assert_eq!(
-            registry_key(&o, Dtype::Bf16, Dtype::Bf16, 256, &tf32, GemmFamily::Auto),
-            registry_key(&o, Dtype::Bf16, Dtype::Bf16, 256, &p, GemmFamily::Auto)
+            registry_key(bf(), 256, &tf32, GemmFamily::Auto),
+            registry_key(bf(), 256, &p, GemmFamily::Auto)
         );
-        let k = registry_key(&o, Dtype::F16, Dtype::F32, 16, &p, GemmFamily::CublasLt);
+        let k = registry_key(
+            key(&o, Dtype::F16, Dtype::F32),
+            16,
+            &p,
+            GemmFamily::CublasLt,
+        );
         assert!(k.starts_with("gemm NT m=32 n=512 k=1024 a=1 b=0 ep=none in=f16 out=f32 align=16"));
         assert!(k.contains("cublaslt"), "{k}");
         // Different types never share a key.
@@ -703,6 +757,51 @@ mod tests {
         assert_ne!(
             key(&o, Dtype::Bf16, Dtype::F32),
             key(&o, Dtype::F16, Dtype::F32)
+        );
+    }
+
+    #[test]
+    fn row_counts_above_the_few_row_shapes_share_quarter_octaves() {
+        for m in 0..=SHARED_ROWS_ABOVE {
+            assert_eq!(rows_range(m), None, "{m}");
+        }
+        assert_eq!(rows_range(65), Some((65, 80)));
+        assert_eq!(rows_range(80), Some((65, 80)));
+        assert_eq!(rows_range(81), Some((81, 96)));
+        assert_eq!(rows_range(128), Some((113, 128)));
+        assert_eq!(rows_range(129), Some((129, 160)));
+        assert_eq!(rows_range(1000), Some((897, 1024)));
+        assert_eq!(rows_range(1025), Some((1025, 1280)));
+        // Every count above the limit is in its range; consecutive ranges meet, each
+        // spanning at most 25 % of its first count.
+        let mut next = SHARED_ROWS_ABOVE + 1;
+        for m in SHARED_ROWS_ABOVE + 1..20_000 {
+            let (first, last) = rows_range(m).unwrap();
+            assert!(first <= m && m <= last, "{m}: {first}..{last}");
+            if m == first {
+                assert_eq!(first, next, "{m}");
+                next = last + 1;
+            }
+            assert!(4 * (last - first + 1) < first, "{m}: {first}..{last}");
+        }
+        assert!(rows_range(usize::MAX).is_some());
+        // Keys: the range in place of the count, the same for every count of a range.
+        let o = |m| GemmOp::linear(m, 2304, 768);
+        assert_eq!(
+            key(&o(1000), Dtype::Bf16, Dtype::Bf16),
+            "gemm NT m=897..1024 n=2304 k=768 a=1 b=0 ep=none in=bf16 out=bf16"
+        );
+        assert_eq!(
+            key(&o(897), Dtype::Bf16, Dtype::Bf16),
+            key(&o(1024), Dtype::Bf16, Dtype::Bf16)
+        );
+        assert_ne!(
+            key(&o(896), Dtype::Bf16, Dtype::Bf16),
+            key(&o(897), Dtype::Bf16, Dtype::Bf16)
+        );
+        assert_eq!(
+            key(&o(64), Dtype::F16, Dtype::F32),
+            "gemm NT m=64 n=2304 k=768 a=1 b=0 ep=none in=f16 out=f32"
         );
     }
 

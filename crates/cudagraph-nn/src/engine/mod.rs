@@ -64,7 +64,9 @@
 //! **Half precision.** [`gemm_lowp()`] runs products with bf16 or f16 operands and a result of
 //! their type or f32 on tensor cores (f32 accumulation): the same registry, with keys that
 //! name the element types (`… ep=bias in=bf16 out=f32`), measuring cuBLASLt's heuristic
-//! algorithms for those types and cuBLAS's `cublasGemmEx` (see [`gemm_lowp`](mod@gemm_lowp)).
+//! algorithms for those types and cuBLAS's `cublasGemmEx` (see [`gemm_lowp`](mod@gemm_lowp));
+//! above 64 rows one choice serves a range of row counts (a prefill's tokens change with every
+//! request: [`gemm_lowp::rows_range`]).
 //! [`conv_lowp`] runs bf16/f16 convolutions (fp32 accumulation) the same way, with keys that
 //! name dtype and layout and engines named `LAYOUT:KIND` ([`conv_lowp::LowpEngine`]): cuDNN in
 //! the caller's layout and in the other one with the transposes timed in, so the faster layout

@@ -107,6 +107,22 @@ fn note_key(key: &str) {
     });
 }
 
+/// [`Engines::shared_or_exact`] on `table`.
+fn shared_or_exact<A: Engine>(
+    table: &BTreeMap<String, Entry>,
+    shared: String,
+    exact: String,
+    candidates: &[A],
+) -> String {
+    if table.contains_key(&exact) {
+        return exact;
+    }
+    match table.get(&shared) {
+        Some(e) if !e.engine.parse::<A>().is_ok_and(|a| candidates.contains(&a)) => exact,
+        _ => shared,
+    }
+}
+
 /// Runs at least this long (µs) are "long" for [`Engines::choose`]'s preference of the default.
 const LONG_RUN_US: f64 = 1000.0;
 /// How much faster than the default another candidate of a long run must measure to replace it
@@ -271,6 +287,21 @@ impl Engines {
         }
     }
 
+    /// The key a product is chosen under when `shared` is the key of a range of shapes it
+    /// belongs to (the same product of other row counts) and `exact` the key of its own
+    /// shape, `candidates` the engines that can run it: `exact` once that has an entry;
+    /// otherwise `shared`, unless its recorded engine is not among `candidates` — then
+    /// `exact`, so that a choice another shape of the range made (and whose graphs and eager
+    /// calls run it) is never measured over.
+    pub(crate) fn shared_or_exact<A: Engine>(
+        &self,
+        shared: String,
+        exact: String,
+        candidates: &[A],
+    ) -> String {
+        shared_or_exact(&lock(&self.table), shared, exact, candidates)
+    }
+
     /// Starts recording which engine every product and convolution uses (for benchmarks that
     /// report it per workload); [`Self::take_usage_log`] returns and clears the record.
     pub fn start_usage_log(&self) {
@@ -416,7 +447,10 @@ impl Engines {
 
 #[cfg(test)]
 mod tests {
-    use super::{note_key, record_keys, KEYS};
+    use std::collections::BTreeMap;
+
+    use super::{note_key, record_keys, shared_or_exact, Entry, KEYS};
+    use crate::engine::GemmEngine;
 
     #[test]
     fn recorded_keys_are_each_once_in_order_and_nest() {
@@ -455,5 +489,35 @@ mod tests {
         assert_eq!(outer, ["a", "c"]);
         let _ = std::panic::catch_unwind(|| record_keys(|| panic!("alone")));
         assert!(KEYS.with(|k| k.borrow().is_none()));
+    }
+
+    #[test]
+    fn a_shared_choice_serves_the_shapes_that_can_run_it_and_is_never_measured_over() {
+        let entry = |engine: &str| Entry {
+            engine: engine.into(),
+            measured: true,
+            timings: Vec::new(),
+            tuned: false,
+            checked: true,
+        };
+        let pick = |t: &BTreeMap<String, Entry>, c: &[GemmEngine]| {
+            shared_or_exact(t, "m=65..80".into(), "m=70".into(), c)
+        };
+        let lt = |r| GemmEngine::CublasLt(r);
+        let mut t = BTreeMap::new();
+        // Nothing recorded: the range's key, measured for it.
+        assert_eq!(pick(&t, &[lt(0), lt(1)]), "m=65..80");
+        // A choice this shape can run serves it.
+        t.insert("m=65..80".to_string(), entry("cublaslt:1"));
+        assert_eq!(pick(&t, &[lt(0), lt(1), GemmEngine::Cublas]), "m=65..80");
+        // One it cannot run (a rank its plan lacks), or a text that names no engine: its
+        // own key, so the range's choice stays.
+        assert_eq!(pick(&t, &[lt(0), GemmEngine::Cublas]), "m=70");
+        t.insert("m=65..80".to_string(), entry("no such engine"));
+        assert_eq!(pick(&t, &[lt(0)]), "m=70");
+        // Once its own key has an entry, that stays its key whatever the range records.
+        t.insert("m=65..80".to_string(), entry("cublaslt:0"));
+        t.insert("m=70".to_string(), entry("cublas"));
+        assert_eq!(pick(&t, &[lt(0), GemmEngine::Cublas]), "m=70");
     }
 }

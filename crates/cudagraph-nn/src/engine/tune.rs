@@ -10,7 +10,7 @@
 //! its q|k|v and MLP-up products on the tensor-core few-row kernel (`gemv-mma:8`), which their
 //! own times ranked 2 % behind cuBLASLt.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use cudagraph::{CaptureOptions, Event, Graph, Pool, Queue, Stream};
@@ -178,6 +178,14 @@ impl Engines {
         report.before_us = best;
         let mut tried: Vec<String> = Vec::new();
         for (key, alt) in trials {
+            // The keys before the trial: a product of a range's key that cannot run the
+            // trial's engine takes a key of its own (`Engines::shared_or_exact`), which a
+            // trial not kept must not leave behind.
+            let before: BTreeSet<String> = lock(&self.table).keys().cloned().collect();
+            let undo = |from: &str| {
+                self.set_engine(&key, from);
+                lock(&self.table).retain(|k, _| before.contains(k));
+            };
             let Some(from) = self.set_engine(&key, &alt) else {
                 continue;
             };
@@ -189,7 +197,7 @@ impl Engines {
                 Ok(g) => g,
                 Err(e) if is_fatal(&e) => return Err(e),
                 Err(_) => {
-                    self.set_engine(&key, &from);
+                    undo(&from);
                     continue;
                 }
             };
@@ -206,7 +214,7 @@ impl Engines {
             let t = match timed {
                 Ok(t) => t,
                 Err(e) => {
-                    self.set_engine(&key, &from);
+                    undo(&from);
                     return Err(e);
                 }
             };
@@ -220,7 +228,7 @@ impl Engines {
                 graph = trial;
                 best = t;
             } else {
-                self.set_engine(&key, &from);
+                undo(&from);
             }
         }
         report.keys = tried.len();
