@@ -58,9 +58,7 @@ impl Engines {
                 }
                 .map_err(NnError::from)
                 .and_then(|side| {
-                    graph_times(side, pool, &spin, &e0, &e1, reps, timing, &mut |cs| {
-                        run(cs, a)
-                    })
+                    graph_times(side, pool, &e0, &e1, reps, timing, &mut |cs| run(cs, a))
                 });
                 match timed {
                     Ok(t) => return Ok(t),
@@ -242,8 +240,8 @@ impl Measured {
 /// made once per measurement (the queue's work is complete: the caller synchronised on an
 /// event after it, so the graphs read finished inputs). `chain`: `reps` runs captured into one
 /// graph, replayed three times after an untimed replay, µs per run. `single`: one run captured
-/// alone, its graph replayed max(`reps`, 10) times back to back behind a spin kernel (so the
-/// host's launch rate is not what is timed), µs per replay. The two rank short kernels differently (H100: the 8 × 256 → 256
+/// alone, its graph replayed max(`reps`, 10) times back to back ([`replays_back_to_back`]),
+/// µs per replay. The two rank short kernels differently (H100: the 8 × 256 → 256
 /// product's `rows8:1` took 3.7 µs per run in a chain and 4.5 as a graph of its own, where
 /// cuBLASLt's first algorithm was slower in a chain and took 3.7–3.9 alone); `timing` says
 /// which ranks.
@@ -251,7 +249,6 @@ impl Measured {
 fn graph_times(
     side: &mut cudagraph::Stream,
     pool: &cudagraph::memory::Pool,
-    spin: &Spin,
     e0: &Event,
     e1: &Event,
     reps: usize,
@@ -278,7 +275,7 @@ fn graph_times(
     let chain = e0.elapsed_ms(e1)? as f64 * 1e3 / (REPLAYS * reps) as f64;
     let singles = reps.max(10);
     one_g.replay(side)?;
-    let single = replays_behind_spin(side, spin, (e0, e1), &one_g, singles, 10_000)?;
+    let single = replays_back_to_back(side, (e0, e1), &one_g, singles)?;
     let us = match timing {
         GraphTiming::Chain => chain,
         GraphTiming::Single => single,
@@ -291,18 +288,24 @@ fn graph_times(
     })
 }
 
-/// µs per replay of `g` replayed `n` times back to back on `s`, queued behind a spin kernel
-/// of 20 µs plus `spin_ns` a replay that keeps the GPU busy while the host queues them, so
-/// that the host's launch rate is not what is timed.
-pub(super) fn replays_behind_spin(
+/// µs per replay of `g` replayed `n` times back to back on `s`, between two events: a graph
+/// shorter than the host takes to launch it is timed at the host's launch rate, as it runs
+/// when replayed on its own.
+///
+/// Not queued behind a spin kernel (which kept the launch rate out of the time): replays of a
+/// product's graph queued behind a wait left the whole process's captured cuBLASLt kernels
+/// slower afterwards (H100, GPT-2 small's decode step after 128 tokens measured and tuned in
+/// the timing process, ms at batch 32 / 64: 0.551 / 0.706 with the spin, 0.533–0.540 / 0.668
+/// without, 0.528–0.537 / 0.659–0.661 measured in another process either way), with no other
+/// change to the choices (fp32 sweep and seed workloads measured both ways in one call: 0.996
+/// and 0.997 the time, none of 18 seed rows moved by more than 3 %). The trigger was narrowed
+/// to this pattern by probes (docs/transformers.md); its mechanism is not known.
+pub(super) fn replays_back_to_back(
     s: &cudagraph::Stream,
-    spin: &Spin,
     (e0, e1): (&Event, &Event),
     g: &Graph,
     n: usize,
-    spin_ns: u64,
 ) -> Result<f64> {
-    spin.spin(s, 20_000 + spin_ns * n as u64)?;
     s.record(e0)?;
     for _ in 0..n {
         g.replay(s)?;

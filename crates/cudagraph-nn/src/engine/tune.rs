@@ -15,11 +15,10 @@ use std::time::{Duration, Instant};
 
 use cudagraph::{CaptureOptions, Event, Graph, Pool, Queue, Stream};
 
-use super::measure::{is_fatal, replays_behind_spin};
+use super::measure::{is_fatal, replays_back_to_back};
 use super::registry::{lock, record_keys, Engines};
 use super::table::Entry;
 use crate::error::{NnError, Result};
-use crate::kernels::igemm::Spin;
 
 /// An alternative engine is tried where its own time is within this fraction of the chosen
 /// engine's.
@@ -173,7 +172,7 @@ impl Engines {
             report.time = t0.elapsed();
             return Ok(report);
         }
-        let timer = Timer::new(self, stream)?;
+        let timer = Timer::new(self)?;
         let mut best = timer.time(stream, &graph)?;
         report.before_us = best;
         let mut tried: Vec<String> = Vec::new();
@@ -255,17 +254,15 @@ impl Engines {
     }
 }
 
-/// Times graph replays on a stream: µs per replay of a run queued behind a spin kernel.
+/// Times graph replays on a stream: µs per replay, replayed back to back.
 struct Timer {
-    spin: std::sync::Arc<Spin>,
     e0: Event,
     e1: Event,
 }
 
 impl Timer {
-    fn new(eng: &Engines, stream: &Stream) -> Result<Timer> {
+    fn new(eng: &Engines) -> Result<Timer> {
         Ok(Timer {
-            spin: Spin::get(stream.device())?,
             e0: Event::new(&eng.ctx, true)?,
             e1: Event::new(&eng.ctx, true)?,
         })
@@ -279,8 +276,7 @@ impl Timer {
         self.e1.synchronize()?;
         let once = self.e0.elapsed_ms(&self.e1)? as f64 * 1e3;
         let reps = ((TIMED_US / once.max(1.0)) as usize).clamp(3, 500);
-        let events = (&self.e0, &self.e1);
-        replays_behind_spin(stream, &self.spin, events, g, reps, 5_000)
+        replays_back_to_back(stream, (&self.e0, &self.e1), g, reps)
     }
 }
 
