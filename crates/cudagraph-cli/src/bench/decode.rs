@@ -65,8 +65,8 @@ pub struct DecodeArgs {
     /// Measure and tune the engines in this process. By default a child process (this
     /// command with `--measure-only`) measures every row's products and tunes its captured
     /// step first, saving the choices to the engine registry, and this process times the steps
-    /// on them: engine measurement slows the captured steps that follow it in the same process
-    /// (docs/transformers.md, "Decode benchmark"). With --no-graph the engines are always
+    /// on them, as a server started on a warmed registry runs (docs/transformers.md, "Decode
+    /// benchmark": both ways give the same steps). With --no-graph the engines are always
     /// measured here, by the first eager steps.
     #[arg(long, conflicts_with = "measure_only")]
     pub measure_in_process: bool,

@@ -177,13 +177,17 @@ impl Engines {
         report.before_us = best;
         let mut tried: Vec<String> = Vec::new();
         for (key, alt) in trials {
-            // The keys before the trial: a product of a range's key that cannot run the
-            // trial's engine takes a key of its own (`Engines::shared_or_exact`), which a
-            // trial not kept must not leave behind.
+            // A product of a range's key that cannot run the trial's engine takes a key of its
+            // own (`Engines::shared_or_exact`); a trial not kept removes the keys its capture
+            // added (those this thread used that were not there before: never another
+            // thread's).
             let before: BTreeSet<String> = lock(&self.table).keys().cloned().collect();
-            let undo = |from: &str| {
+            let undo = |from: &str, used: &[String]| {
                 self.set_engine(&key, from);
-                lock(&self.table).retain(|k, _| before.contains(k));
+                let mut t = lock(&self.table);
+                for k in used.iter().filter(|k| !before.contains(*k)) {
+                    t.remove(k);
+                }
             };
             let Some(from) = self.set_engine(&key, &alt) else {
                 continue;
@@ -192,11 +196,12 @@ impl Engines {
                 tried.push(key.clone());
             }
             report.trials += 1;
-            let trial = match capture(stream, work) {
+            let (trial, used) = record_keys(|| capture(stream, work));
+            let trial = match trial {
                 Ok(g) => g,
                 Err(e) if is_fatal(&e) => return Err(e),
                 Err(_) => {
-                    undo(&from);
+                    undo(&from, &used);
                     continue;
                 }
             };
@@ -213,7 +218,7 @@ impl Engines {
             let t = match timed {
                 Ok(t) => t,
                 Err(e) => {
-                    undo(&from);
+                    undo(&from, &used);
                     return Err(e);
                 }
             };
@@ -227,7 +232,7 @@ impl Engines {
                 graph = trial;
                 best = t;
             } else {
-                undo(&from);
+                undo(&from, &used);
             }
         }
         report.keys = tried.len();
