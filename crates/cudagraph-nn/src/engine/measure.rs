@@ -294,12 +294,13 @@ fn graph_times(
 ///
 /// Not queued behind a spin kernel (which kept the launch rate out of the time): replays of a
 /// product's graph queued behind a wait left the whole process's captured cuBLASLt kernels
-/// slower afterwards (H100, GPT-2 small's decode step after 128 tokens measured and tuned in
-/// the timing process, ms at batch 32 / 64: 0.551 / 0.706 with the spin, 0.533–0.540 / 0.668
-/// without, 0.528–0.537 / 0.659–0.661 measured in another process either way), with no other
-/// change to the choices (fp32 sweep and seed workloads measured both ways in one call: 0.996
-/// and 0.997 the time, none of 18 seed rows moved by more than 3 %). The trigger was narrowed
-/// to this pattern by probes (docs/transformers.md); its mechanism is not known.
+/// slower afterwards (H100, GPT-2 small's decode step after 128 tokens, ms at batch 32 / 64,
+/// measured and tuned in the timing process: 0.551 / 0.706 with the spin, 0.532–0.540 /
+/// 0.668–0.675 without; in another process 0.528–0.530 / 0.659–0.661 with, 0.535–0.537 /
+/// 0.659–0.664 without). The fp32 sweep's Linear and MLP points and the seed workloads, each
+/// side measuring its own engines, took 0.996 and 0.997 the time without the spin (none of 18
+/// seed rows moved by more than 3 %). The trigger was narrowed to this pattern by probes
+/// (docs/transformers.md); its mechanism is not known.
 pub(super) fn replays_back_to_back(
     s: &cudagraph::Stream,
     (e0, e1): (&Event, &Event),
