@@ -5,7 +5,8 @@
 //! the registry's own choice, each against an f64 reference computed from the exact 16-bit
 //! inputs. Then: a captured product replays equal to the eager one bit for bit (measured
 //! first, and captured first with the unmeasured default); row counts of one range (above the
-//! few-row shapes) share one measured choice; the f32 bias with a 16-bit result
+//! few-row shapes) share one measured choice; threads meeting a new key at once (one of them
+//! capturing) all run the one engine the registry keeps; the f32 bias with a 16-bit result
 //! where cuBLASLt offers it; misuse (f32 operands, a result of a third type, short buffers,
 //! vectors that do not match the epilogue) is a typed error and runs nothing.
 //!
@@ -717,6 +718,87 @@ fn row_counts_of_one_range_share_one_measured_choice() {
         1,
         "64 rows: a key of its own"
     );
+}
+
+/// Threads that meet a key nobody has chosen yet at the same moment, one of them capturing
+/// the product and the others running it eagerly (so measuring it), end with one engine:
+/// each eager thread's later call runs the engine its first one ran, and the capture's graph
+/// replays equal to that thread's eager product bit for bit. Fresh shapes each round: 8 rows
+/// (our few-row kernels and cuBLASLt measure close there), then four row counts of one range.
+#[test]
+fn threads_choosing_one_key_at_once_all_run_the_engine_the_registry_keeps() {
+    const THREADS: usize = 4;
+    let dev = gpu_test_device!();
+    let eng = Engines::get(&dev).unwrap();
+    let k = 256;
+    let rows_of = |round: usize, t: usize| if round < 3 { 8 } else { 97 + 4 * t };
+    let mut n = 136;
+    for round in 0..6 {
+        // Columns whose keys no choice (from disk either) holds yet.
+        let fresh = |n: usize| {
+            (0..THREADS).all(|t| {
+                let op = gemm_op(
+                    Trans::N,
+                    Trans::T,
+                    (rows_of(round, t), n, k),
+                    Epilogue::None,
+                );
+                let base = key(&op, Dtype::Bf16, Dtype::Bf16);
+                !eng.table().iter().any(|r| r.key.starts_with(&base))
+            })
+        };
+        n += 8;
+        while !fresh(n) {
+            n += 8;
+        }
+        let start = std::sync::Barrier::new(THREADS);
+        std::thread::scope(|sc| {
+            let threads: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let (dev, start) = (dev.clone(), &start);
+                    let op = gemm_op(
+                        Trans::N,
+                        Trans::T,
+                        (rows_of(round, t), n, k),
+                        Epilogue::None,
+                    );
+                    sc.spawn(move || {
+                        let mut s = dev.new_stream().unwrap();
+                        let nn = Nn::get(&dev).unwrap();
+                        let inp = inputs::<bf16>(&s, &op, 50 + t as u64);
+                        let c = || s.alloc_from_host(&vec![bf16::from_f32(SENTINEL); op.m * op.n]);
+                        let (ce, cr) = (c().unwrap(), c().unwrap());
+                        let what = format!("round {round}, thread {t}, {}", op.key());
+                        start.wait();
+                        if t == 0 {
+                            let (g, captured) =
+                                Graph::capture(&mut s, CaptureOptions::new(), |cs| {
+                                    gemm_lowp(cs, &nn, &op, &inp.a, &inp.b, &cr, None)
+                                        .map_err(Into::into)
+                                })
+                                .unwrap_or_else(|e| panic!("capturing {what}: {e:?}"));
+                            let eager = gemm_lowp(&s, &nn, &op, &inp.a, &inp.b, &ce, None).unwrap();
+                            assert_eq!(eager, captured, "{what}: eager after the capture");
+                            g.replay(&s).unwrap();
+                            s.synchronize().unwrap();
+                            assert_same_bits(
+                                &bits(&s, &cr),
+                                &bits(&s, &ce),
+                                &format!("{what}: replay vs eager"),
+                            );
+                        } else {
+                            let first = gemm_lowp(&s, &nn, &op, &inp.a, &inp.b, &ce, None).unwrap();
+                            let again = gemm_lowp(&s, &nn, &op, &inp.a, &inp.b, &cr, None).unwrap();
+                            assert_eq!(again, first, "{what}: the second call's engine");
+                        }
+                    })
+                })
+                .collect();
+            for t in threads {
+                t.join().unwrap();
+            }
+        });
+    }
 }
 
 #[test]

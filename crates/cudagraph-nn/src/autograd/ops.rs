@@ -347,7 +347,7 @@ fn ce_run(
         if grad.is_some() { " grad" } else { "" }
     );
     let mut scratch: Option<(DeviceBuffer<f32>, Option<DeviceBuffer<f32>>)> = None;
-    let algo = eng.choose(q, &key, &candidates, CeEngine::Rows, &mut |q, a| {
+    let algo = eng.choose(q, &key, None, &candidates, CeEngine::Rows, &mut |q, a| {
         if scratch.is_none() {
             let g = match grad {
                 Some(g) => Some(q.alloc::<f32>(g.len())?),

@@ -255,7 +255,7 @@ pub fn run_conv(
     let sms = eng.device_info().multiprocessors;
     let default = default_conv_engine(dir, g, &candidates, sms);
     let mut scratch: Option<Buf> = None;
-    let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
+    let algo = eng.choose(q, &key, None, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {
             scratch = Some(q.alloc::<f32>(out_len)?);
         }
@@ -398,14 +398,21 @@ fn conv_bias(q: &dyn Queue, nn: &Nn, eng: &Engines, g: &ConvGeom, io: ConvIo<'_>
         candidates.push(BiasEngine::CudnnAdd);
     }
     let mut scratch: Option<Buf> = None;
-    let algo = eng.choose(q, &key, &candidates, BiasEngine::Planes, &mut |q, algo| {
-        if scratch.is_none() {
-            let s = q.alloc::<f32>(g.output_len()?)?;
-            q.memset_zero(&s)?;
-            scratch = Some(s);
-        }
-        run(q, algo, scratch.as_ref().expect("allocated above"))
-    })?;
+    let algo = eng.choose(
+        q,
+        &key,
+        None,
+        &candidates,
+        BiasEngine::Planes,
+        &mut |q, algo| {
+            if scratch.is_none() {
+                let s = q.alloc::<f32>(g.output_len()?)?;
+                q.memset_zero(&s)?;
+                scratch = Some(s);
+            }
+            run(q, algo, scratch.as_ref().expect("allocated above"))
+        },
+    )?;
     run(q, algo, io.out)
 }
 

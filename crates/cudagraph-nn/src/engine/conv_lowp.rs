@@ -416,7 +416,7 @@ pub fn run_conv_lowp<T: Float, O: Float>(
     let candidates = conv_lowp_candidates(q, &eng, op, &policy)?;
     let default = default_lowp_engine(op, &candidates);
     let mut scratch: Option<DeviceBuffer<O>> = None;
-    let chosen = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
+    let chosen = eng.choose(q, &key, None, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {
             scratch = Some(q.alloc::<O>(out_len)?);
         }

@@ -336,7 +336,7 @@ pub fn run_gemm(
     let candidates = gemm_candidates(q, &eng, op, family, align)?;
     let default = default_engine(op, &candidates);
     let mut scratch: Option<(Buf, Option<Buf>)> = None;
-    let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
+    let algo = eng.choose(q, &key, None, &candidates, default, &mut |q, algo| {
         if scratch.is_none() {
             let cs = q.alloc::<f32>(op.m * op.n)?;
             if op.beta != 0.0 {

@@ -233,11 +233,11 @@ unsafe fn product<T: Float, O: Float>(
     // A key of a range of row counts needs the candidates of this one: its choice, made by
     // another row count, serves this one only if it can run it.
     let mut candidates = None;
-    let key = match exact {
+    let key = match &exact {
         None => shared,
         Some(exact) => {
             let c = candidates_in::<T, O>(q, &eng, op, family, align)?;
-            let key = eng.shared_or_exact(shared, exact, &c);
+            let key = eng.shared_or_exact(shared, exact.clone(), &c);
             candidates = Some(c);
             key
         }
@@ -255,26 +255,33 @@ unsafe fn product<T: Float, O: Float>(
         return Err(no_engine(op, &key, eng.cublaslt_for(q).is_some()));
     };
     let mut scratch: Option<(DeviceBuffer<O>, Option<DeviceBuffer<O>>)> = None;
-    let algo = eng.choose(q, &key, &candidates, default, &mut |q, algo| {
-        if scratch.is_none() {
-            let cs = q.alloc::<O>(op.m * op.n)?;
-            if op.beta != 0.0 {
-                q.memset_zero(&cs)?;
+    let algo = eng.choose(
+        q,
+        &key,
+        exact.as_deref(),
+        &candidates,
+        default,
+        &mut |q, algo| {
+            if scratch.is_none() {
+                let cs = q.alloc::<O>(op.m * op.n)?;
+                if op.beta != 0.0 {
+                    q.memset_zero(&cs)?;
+                }
+                let vs = match op.epilogue {
+                    Epilogue::BiasGrad => Some(q.alloc::<O>(op.m)?),
+                    _ => None,
+                };
+                scratch = Some((cs, vs));
             }
-            let vs = match op.epilogue {
-                Epilogue::BiasGrad => Some(q.alloc::<O>(op.m)?),
-                _ => None,
+            let (cs, vs) = scratch.as_ref().expect("allocated above");
+            let v = match op.epilogue {
+                Epilogue::BiasGrad => vs.as_ref(),
+                _ => vec,
             };
-            scratch = Some((cs, vs));
-        }
-        let (cs, vs) = scratch.as_ref().expect("allocated above");
-        let v = match op.epilogue {
-            Epilogue::BiasGrad => vs.as_ref(),
-            _ => vec,
-        };
-        // SAFETY: `frozen` off.
-        unsafe { run_lowp(q, &eng, algo, op, align, (a, b, cs, v), false) }
-    })?;
+            // SAFETY: `frozen` off.
+            unsafe { run_lowp(q, &eng, algo, op, align, (a, b, cs, v), false) }
+        },
+    )?;
     // SAFETY: `frozen` only as this function's caller promised.
     unsafe { run_lowp(q, &eng, algo, op, align, (a, b, c, vec), frozen)? };
     Ok(algo)

@@ -123,6 +123,38 @@ fn shared_or_exact<A: Engine>(
     }
 }
 
+/// Records `entry` (the choice `chosen`, one of `candidates`) under `key` unless a choice
+/// among `candidates` is already there — another thread's, recorded while this one measured
+/// or captured: the first recorded choice wins, so that every graph and eager call of a key
+/// runs one engine. A choice there that this process already uses and `candidates` cannot
+/// run (a range's, made by another row count) is not replaced either: `entry` then goes
+/// under `exact`, the product's own key, on the same terms. Returns the key and engine in
+/// force.
+fn settle<A: Engine>(
+    table: &mut BTreeMap<String, Entry>,
+    key: &str,
+    exact: Option<&str>,
+    (chosen, entry): (A, Entry),
+    candidates: &[A],
+) -> (String, A) {
+    if let Some(e) = table.get_mut(key) {
+        if let Some(a) = e
+            .engine
+            .parse::<A>()
+            .ok()
+            .filter(|a| candidates.contains(a))
+        {
+            e.checked = true;
+            return (key.to_string(), a);
+        }
+        if let Some(exact) = exact.filter(|x| *x != key && e.checked) {
+            return settle(table, exact, None, (chosen, entry), candidates);
+        }
+    }
+    table.insert(key.to_string(), entry);
+    (key.to_string(), chosen)
+}
+
 /// Runs at least this long (µs) are "long" for [`Engines::choose`]'s preference of the default.
 const LONG_RUN_US: f64 = 1000.0;
 /// How much faster than the default another candidate of a long run must measure to replace it
@@ -332,10 +364,14 @@ impl Engines {
     /// choice when there is a valid one (measured, or the unmeasured default a capture chose);
     /// otherwise, on an eager queue, the fastest candidate measured with `run` (which must run
     /// the candidate on scratch outputs); inside a capture `default`, recorded as unmeasured.
+    /// A choice another thread records for `key` meanwhile wins over this one's; `exact`
+    /// (where `key` is a range's, [`Engines::shared_or_exact`]) is where this one's goes when
+    /// that choice cannot run the product.
     pub(crate) fn choose<A: Engine>(
         &self,
         q: &dyn Queue,
         key: &str,
+        exact: Option<&str>,
         candidates: &[A],
         default: A,
         run: &mut dyn FnMut(&dyn Queue, A) -> Result<()>,
@@ -365,9 +401,15 @@ impl Engines {
                 tuned: false,
                 checked: true,
             };
-            lock(&self.table).insert(key.to_string(), entry);
-            self.log_use(key, &default.to_string());
-            return Ok(default);
+            let settled = settle(
+                &mut lock(&self.table),
+                key,
+                exact,
+                (default, entry),
+                candidates,
+            );
+            self.log_use(&settled.0, &settled.1.to_string());
+            return Ok(settled.1);
         }
         let timings = self.measure(q, candidates, run)?;
         let time_of = |e: A| {
@@ -414,10 +456,16 @@ impl Engines {
             tuned: false,
             checked: true,
         };
-        self.log_use(key, &best.to_string());
-        lock(&self.table).insert(key.to_string(), entry);
+        let (key, chosen) = settle(
+            &mut lock(&self.table),
+            key,
+            exact,
+            (best, entry),
+            candidates,
+        );
+        self.log_use(&key, &chosen.to_string());
         self.save();
-        Ok(best)
+        Ok(chosen)
     }
 
     /// Merges the measured choices into the disk table (when there is one).
@@ -449,7 +497,7 @@ impl Engines {
 mod tests {
     use std::collections::BTreeMap;
 
-    use super::{note_key, record_keys, shared_or_exact, Entry, KEYS};
+    use super::{note_key, record_keys, settle, shared_or_exact, Entry, KEYS};
     use crate::engine::GemmEngine;
 
     #[test]
@@ -519,5 +567,55 @@ mod tests {
         t.insert("m=65..80".to_string(), entry("cublaslt:0"));
         t.insert("m=70".to_string(), entry("cublas"));
         assert_eq!(pick(&t, &[lt(0), GemmEngine::Cublas]), "m=70");
+    }
+    #[test]
+    fn the_first_choice_recorded_for_a_key_wins() {
+        let entry = |engine: &str, checked| Entry {
+            engine: engine.into(),
+            measured: true,
+            timings: Vec::new(),
+            tuned: false,
+            checked,
+        };
+        let lt = |r| GemmEngine::CublasLt(r);
+        let all = [lt(0), lt(1), GemmEngine::Cublas];
+        let mine = |e: GemmEngine| (e, entry(&e.to_string(), true));
+        let mut t = BTreeMap::new();
+        // Nothing there: this thread's choice is recorded.
+        assert_eq!(
+            settle(&mut t, "k", None, mine(lt(1)), &all),
+            ("k".into(), lt(1))
+        );
+        assert_eq!(t["k"].engine, "cublaslt:1");
+        // Another thread's choice arrived first: it stays, and is the one returned.
+        assert_eq!(
+            settle(&mut t, "k", None, mine(lt(0)), &all),
+            ("k".into(), lt(1))
+        );
+        assert_eq!(t["k"].engine, "cublaslt:1");
+        // A disk entry that names no candidate of this product is replaced.
+        t.insert("d".into(), entry("cublaslt:7", false));
+        assert_eq!(
+            settle(&mut t, "d", None, mine(lt(0)), &all),
+            ("d".into(), lt(0))
+        );
+        // A range's choice in use that this row count cannot run stays; this count's
+        // choice goes under its own key, where the first one wins too.
+        t.insert("m=65..80".into(), entry("cublaslt:1", true));
+        let few = [lt(0), GemmEngine::Cublas];
+        let got = settle(
+            &mut t,
+            "m=65..80",
+            Some("m=70"),
+            mine(GemmEngine::Cublas),
+            &few,
+        );
+        assert_eq!(got, ("m=70".into(), GemmEngine::Cublas));
+        assert_eq!(t["m=65..80"].engine, "cublaslt:1");
+        let again = settle(&mut t, "m=65..80", Some("m=70"), mine(lt(0)), &few);
+        assert_eq!(again, ("m=70".into(), GemmEngine::Cublas));
+        // Without an own key the range's entry is replaced, as for any key.
+        let plain = settle(&mut t, "m=65..80", None, mine(lt(0)), &few);
+        assert_eq!(plain, ("m=65..80".into(), lt(0)));
     }
 }
