@@ -107,6 +107,15 @@ fn note_key(key: &str) {
     });
 }
 
+/// The engine `e` records, where it is one of `candidates` (the engines that can run the
+/// product at hand).
+fn among<A: Engine>(e: &Entry, candidates: &[A]) -> Option<A> {
+    e.engine
+        .parse::<A>()
+        .ok()
+        .filter(|a| candidates.contains(a))
+}
+
 /// [`Engines::shared_or_exact`] on `table`.
 fn shared_or_exact<A: Engine>(
     table: &BTreeMap<String, Entry>,
@@ -118,7 +127,7 @@ fn shared_or_exact<A: Engine>(
         return exact;
     }
     match table.get(&shared) {
-        Some(e) if !e.engine.parse::<A>().is_ok_and(|a| candidates.contains(&a)) => exact,
+        Some(e) if among(e, candidates).is_none() => exact,
         _ => shared,
     }
 }
@@ -138,12 +147,7 @@ fn settle<A: Engine>(
     candidates: &[A],
 ) -> (String, A) {
     if let Some(e) = table.get_mut(key) {
-        if let Some(a) = e
-            .engine
-            .parse::<A>()
-            .ok()
-            .filter(|a| candidates.contains(a))
-        {
+        if let Some(a) = among(e, candidates) {
             e.checked = true;
             return (key.to_string(), a);
         }
@@ -385,12 +389,10 @@ impl Engines {
             first
         };
         if let Some(e) = lock(&self.table).get_mut(key) {
-            if let Ok(a) = e.engine.parse::<A>() {
-                if candidates.contains(&a) {
-                    e.checked = true;
-                    self.log_use(key, &e.engine);
-                    return Ok(a);
-                }
+            if let Some(a) = among(e, candidates) {
+                e.checked = true;
+                self.log_use(key, &e.engine);
+                return Ok(a);
             }
         }
         if q.is_capturing() || candidates.len() == 1 {
