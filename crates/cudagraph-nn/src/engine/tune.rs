@@ -31,6 +31,11 @@ const TUNE_MIN_GAIN: f64 = 0.005;
 /// Replays per timing: about this many µs of them.
 const TIMED_US: f64 = 10_000.0;
 
+/// Replays before the first timing: about this many µs of them. A GPU that was idle (as after
+/// compiling a model's kernels) runs slower for a while; the graph timed first must not pay
+/// for that.
+const WARM_US: f64 = 50_000.0;
+
 /// One choice [`Engines::tune_graph`] changed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Retuned {
@@ -173,6 +178,7 @@ impl Engines {
             return Ok(report);
         }
         let timer = Timer::new(self)?;
+        timer.warm(stream, &graph)?;
         let mut best = timer.time(stream, &graph)?;
         report.before_us = best;
         let mut tried: Vec<String> = Vec::new();
@@ -209,9 +215,11 @@ impl Engines {
             let timed = (|| {
                 let mut t = timer.time(stream, &trial)?;
                 if t < best * (1.0 - TUNE_MIN_GAIN) {
-                    // Close calls twice: the choice's graph again, then the trial's.
-                    best = best.min(timer.time(stream, &graph)?);
+                    // Close calls twice, the second time in reverse order (choice, trial,
+                    // trial, choice): a GPU whose speed drifts over the four timings favours
+                    // neither graph.
                     t = t.min(timer.time(stream, &trial)?);
+                    best = best.min(timer.time(stream, &graph)?);
                 }
                 Ok::<f64, NnError>(t)
             })();
@@ -273,14 +281,25 @@ impl Timer {
         })
     }
 
-    fn time(&self, stream: &Stream, g: &Graph) -> Result<f64> {
+    /// µs of one replay of `g`, after one replay before it.
+    fn once(&self, stream: &Stream, g: &Graph) -> Result<f64> {
         g.replay(stream)?;
         stream.record(&self.e0)?;
         g.replay(stream)?;
         stream.record(&self.e1)?;
         self.e1.synchronize()?;
-        let once = self.e0.elapsed_ms(&self.e1)? as f64 * 1e3;
-        let reps = ((TIMED_US / once.max(1.0)) as usize).clamp(3, 500);
+        Ok(self.e0.elapsed_ms(&self.e1)? as f64 * 1e3)
+    }
+
+    /// Replays `g` for about [`WARM_US`], untimed.
+    fn warm(&self, stream: &Stream, g: &Graph) -> Result<()> {
+        let reps = ((WARM_US / self.once(stream, g)?.max(1.0)) as usize).clamp(3, 5000);
+        replays_back_to_back(stream, (&self.e0, &self.e1), g, reps)?;
+        Ok(())
+    }
+
+    fn time(&self, stream: &Stream, g: &Graph) -> Result<f64> {
+        let reps = ((TIMED_US / self.once(stream, g)?.max(1.0)) as usize).clamp(3, 500);
         replays_back_to_back(stream, (&self.e0, &self.e1), g, reps)
     }
 }
