@@ -335,28 +335,42 @@ pub fn run_gemm(
     }
     let candidates = gemm_candidates(q, &eng, op, family, align)?;
     let default = default_engine(op, &candidates);
-    let mut scratch: Option<(Buf, Option<Buf>)> = None;
+    let mut scratch = None;
     let algo = eng.choose(q, &key, None, &candidates, default, &mut |q, algo| {
-        if scratch.is_none() {
-            let cs = q.alloc::<f32>(op.m * op.n)?;
-            if op.beta != 0.0 {
-                q.memset_zero(&cs)?;
-            }
-            let vs = match op.epilogue {
-                Epilogue::BiasGrad => Some(q.alloc::<f32>(op.m)?),
-                _ => None,
-            };
-            scratch = Some((cs, vs));
-        }
-        let (cs, vs) = scratch.as_ref().expect("allocated above");
-        let v = match op.epilogue {
-            Epilogue::BiasGrad => vs.as_ref(),
-            _ => vec,
-        };
+        let (cs, v) = scratch_output(q, op, &mut scratch, vec)?;
         run_algo(q, nn, &eng, algo, op, align, a, b, cs, v)
     })?;
     run_algo(q, nn, &eng, algo, op, align, a, b, c, vec)?;
     Ok(algo)
+}
+
+/// The output and vector a measured run of `op` writes in place of the caller's (so that
+/// measuring leaves the caller's output alone): an output of `m·n` elements, allocated on the
+/// first run into `scratch` and zeroed where `beta` reads it, and for the bias gradient a
+/// vector of `m` beside it; otherwise the caller's `vec`, which the run reads.
+pub(crate) fn scratch_output<'a, O: cudagraph::Elem>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    scratch: &'a mut Option<(DeviceBuffer<O>, Option<DeviceBuffer<O>>)>,
+    vec: Option<&'a DeviceBuffer<O>>,
+) -> Result<(&'a DeviceBuffer<O>, Option<&'a DeviceBuffer<O>>)> {
+    if scratch.is_none() {
+        let cs = q.alloc::<O>(op.m * op.n)?;
+        if op.beta != 0.0 {
+            q.memset_zero(&cs)?;
+        }
+        let vs = match op.epilogue {
+            Epilogue::BiasGrad => Some(q.alloc::<O>(op.m)?),
+            _ => None,
+        };
+        *scratch = Some((cs, vs));
+    }
+    let (cs, vs) = scratch.as_ref().expect("allocated above");
+    let v = match op.epilogue {
+        Epilogue::BiasGrad => vs.as_ref(),
+        _ => vec,
+    };
+    Ok((cs, v))
 }
 
 /// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on

@@ -65,7 +65,7 @@
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::dtype::{Dtype, Float};
-use crate::engine::gemm::{Epilogue, GemmOp, Trans};
+use crate::engine::gemm::{scratch_output, Epilogue, GemmOp, Trans};
 use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
@@ -254,7 +254,7 @@ unsafe fn product<T: Float, O: Float>(
     let Some(&default) = candidates.first() else {
         return Err(no_engine(op, &key, eng.cublaslt_for(q).is_some()));
     };
-    let mut scratch: Option<(DeviceBuffer<O>, Option<DeviceBuffer<O>>)> = None;
+    let mut scratch = None;
     let algo = eng.choose(
         q,
         &key,
@@ -262,22 +262,7 @@ unsafe fn product<T: Float, O: Float>(
         &candidates,
         default,
         &mut |q, algo| {
-            if scratch.is_none() {
-                let cs = q.alloc::<O>(op.m * op.n)?;
-                if op.beta != 0.0 {
-                    q.memset_zero(&cs)?;
-                }
-                let vs = match op.epilogue {
-                    Epilogue::BiasGrad => Some(q.alloc::<O>(op.m)?),
-                    _ => None,
-                };
-                scratch = Some((cs, vs));
-            }
-            let (cs, vs) = scratch.as_ref().expect("allocated above");
-            let v = match op.epilogue {
-                Epilogue::BiasGrad => vs.as_ref(),
-                _ => vec,
-            };
+            let (cs, v) = scratch_output(q, op, &mut scratch, vec)?;
             // SAFETY: `frozen` off.
             unsafe { run_lowp(q, &eng, algo, op, align, (a, b, cs, v), false) }
         },
