@@ -570,6 +570,7 @@ mod tests {
         t.insert("m=70".to_string(), entry("cublas"));
         assert_eq!(pick(&t, &[lt(0), GemmEngine::Cublas]), "m=70");
     }
+
     #[test]
     fn the_first_choice_recorded_for_a_key_wins() {
         let entry = |engine: &str, checked| Entry {
