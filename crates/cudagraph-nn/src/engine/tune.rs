@@ -64,15 +64,19 @@ pub struct TuneReport {
     pub time: Duration,
 }
 
-/// The engines worth timing in place of `e`'s choice: of each kind of engine other than the
-/// choice's (the engine's name up to its `:`, e.g. `gemv-mma` or `cublaslt`), the fastest
-/// measured candidate, where its own time is within `within` of the choice's; fastest first.
-/// None for an entry that was not measured, or was tuned before.
-pub(super) fn alternatives(e: &Entry, within: f64) -> Vec<String> {
+/// The kind of an engine: its name up to its `:` (`gemv`, `gemv-mma`, `cublaslt`, …).
+fn kind(engine: &str) -> &str {
+    engine.split(':').next().unwrap_or(engine)
+}
+
+/// The engines a tuning may give `e`'s key, one of each kind, fastest first as (kind, engine):
+/// the choice for its own kind, and of each other kind the fastest measured candidate whose
+/// own time is within `within` of the choice's. Empty for an entry that was not measured, or
+/// was tuned before, or whose choice has no time.
+pub(super) fn options(e: &Entry, within: f64) -> Vec<(String, String)> {
     if !e.measured || e.tuned {
         return Vec::new();
     }
-    let kind = |s: &str| s.split(':').next().unwrap_or(s).to_string();
     let Some(own) = e
         .timings
         .iter()
@@ -82,7 +86,8 @@ pub(super) fn alternatives(e: &Entry, within: f64) -> Vec<String> {
         return Vec::new();
     };
     let mine = kind(&e.engine);
-    let mut best: BTreeMap<String, (f64, &str)> = BTreeMap::new();
+    let mut best: BTreeMap<&str, (f64, &str)> = BTreeMap::new();
+    best.insert(mine, (own, &e.engine));
     for t in &e.timings {
         let (Some(us), k) = (t.us, kind(&t.engine)) else {
             continue;
@@ -95,9 +100,32 @@ pub(super) fn alternatives(e: &Entry, within: f64) -> Vec<String> {
             *slot = (us, &t.engine);
         }
     }
-    let mut v: Vec<(f64, &str)> = best.into_values().collect();
-    v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    v.into_iter().map(|(_, e)| e.to_string()).collect()
+    let mut v: Vec<(&str, (f64, &str))> = best.into_iter().collect();
+    v.sort_by(|a, b| a.1 .0.total_cmp(&b.1 .0));
+    v.into_iter()
+        .map(|(k, (_, e))| (k.to_string(), e.to_string()))
+        .collect()
+}
+
+/// The moves that put every key of `options` that has an engine of kind `to` on it, where
+/// that is not its engine now (`now`); none where that moves fewer than two keys (a key on
+/// its own is a trial of its own).
+pub(super) fn moves_to_kind(
+    options: &[(String, Vec<(String, String)>)],
+    to: &str,
+    now: impl Fn(&str) -> Option<String>,
+) -> Vec<(String, String)> {
+    let moves: Vec<(String, String)> = options
+        .iter()
+        .filter_map(|(key, opts)| {
+            let (_, engine) = opts.iter().find(|(k, _)| k == to)?;
+            (now(key).as_deref() != Some(engine.as_str())).then(|| (key.clone(), engine.clone()))
+        })
+        .collect();
+    if moves.len() < 2 {
+        return Vec::new();
+    }
+    moves
 }
 
 impl Engines {
@@ -106,7 +134,9 @@ impl Engines {
     /// and not tuned before, captures and times it again with each alternative engine in
     /// place (the fastest of each other kind of engine whose own time was within
     /// [`TUNE_WITHIN`] of the choice's), one at a time, and keeps an alternative where the
-    /// graph replays at least 0.5 % faster (both graphs timed twice). Every key tried is then
+    /// graph replays at least 0.5 % faster (both graphs timed twice); then, for each kind of
+    /// engine, with every key that has one of that kind within the window on it at once, where
+    /// that moves two keys or more, kept on the same terms. Every key tried is then
     /// recorded as tuned (on disk too), so later captures, eager calls and processes run the
     /// kept engine and do not tune the key again. Returns what changed.
     ///
@@ -156,93 +186,68 @@ impl Engines {
         work: &mut dyn FnMut(&dyn Queue) -> Result<()>,
     ) -> Result<TuneReport> {
         let t0 = Instant::now();
-        let capture = |stream: &mut Stream, work: &mut dyn FnMut(&dyn Queue) -> Result<()>| {
-            Graph::capture(stream, CaptureOptions::new().pool(pool), |cs| {
-                work(cs).map_err(cudagraph::Error::from)
-            })
-            .map(|(g, ())| g)
-            .map_err(NnError::from)
-        };
-        let (graph, keys) = record_keys(|| capture(stream, work));
-        let mut graph = graph?;
-        let trials: Vec<(String, String)> = {
+        let (graph, keys) = record_keys(|| capture(stream, pool, work));
+        let graph = graph?;
+        // Each key's engines to try, by kind, from its own times (before any trial moves it).
+        let options: Vec<(String, Vec<(String, String)>)> = {
             let t = lock(&self.table);
-            keys.iter()
-                .filter_map(|k| t.get(k).map(|e| (k, alternatives(e, TUNE_WITHIN))))
-                .flat_map(|(k, alts)| alts.into_iter().map(move |a| (k.clone(), a)))
+            keys.into_iter()
+                .filter_map(|k| {
+                    let o = options(t.get(&k)?, TUNE_WITHIN);
+                    (o.len() > 1).then_some((k, o))
+                })
                 .collect()
         };
-        let mut report = TuneReport::default();
-        if trials.is_empty() {
-            report.time = t0.elapsed();
-            return Ok(report);
+        if options.is_empty() {
+            return Ok(TuneReport {
+                time: t0.elapsed(),
+                ..TuneReport::default()
+            });
         }
         let timer = Timer::new(self)?;
         timer.warm(stream, &graph)?;
-        let mut best = timer.time(stream, &graph)?;
-        report.before_us = best;
-        let mut tried: Vec<String> = Vec::new();
-        for (key, alt) in trials {
-            // A product of a range's key that cannot run the trial's engine takes a key of its
-            // own (`Engines::shared_or_exact`); a trial not kept removes the keys its capture
-            // added (those this thread used that were not there before: never another
-            // thread's).
-            let before: BTreeSet<String> = lock(&self.table).keys().cloned().collect();
-            let undo = |from: &str, used: &[String]| {
-                self.set_engine(&key, from);
-                let mut t = lock(&self.table);
-                for k in used.iter().filter(|k| !before.contains(*k)) {
-                    t.remove(k);
-                }
-            };
-            let Some(from) = self.set_engine(&key, &alt) else {
+        let best = timer.time(stream, &graph)?;
+        let mut run = Tuning {
+            eng: self,
+            pool,
+            timer,
+            graph,
+            best,
+            tried: Vec::new(),
+            report: TuneReport {
+                before_us: best,
+                ..TuneReport::default()
+            },
+        };
+        // One key at a time: the fastest engine of each other kind, fastest first.
+        for (key, opts) in &options {
+            let Some(engine) = self.engine_of(key) else {
                 continue;
             };
-            if !tried.contains(&key) {
-                tried.push(key.clone());
-            }
-            report.trials += 1;
-            let (trial, used) = record_keys(|| capture(stream, work));
-            let trial = match trial {
-                Ok(g) => g,
-                Err(e) if is_fatal(&e) => return Err(e),
-                Err(_) => {
-                    undo(&from, &used);
-                    continue;
-                }
-            };
-            // A replay that fails leaves the choice before the trial recorded, not the trial.
-            let timed = (|| {
-                let mut t = timer.time(stream, &trial)?;
-                if t < best * (1.0 - TUNE_MIN_GAIN) {
-                    // Close calls twice, the second time in reverse order (choice, trial,
-                    // trial, choice): a GPU whose speed drifts over the four timings favours
-                    // neither graph.
-                    t = t.min(timer.time(stream, &trial)?);
-                    best = best.min(timer.time(stream, &graph)?);
-                }
-                Ok::<f64, NnError>(t)
-            })();
-            let t = match timed {
-                Ok(t) => t,
-                Err(e) => {
-                    undo(&from, &used);
-                    return Err(e);
-                }
-            };
-            if t < best * (1.0 - TUNE_MIN_GAIN) {
-                // Another trial of this key may still beat this one: `from` stays the
-                // measured choice in the report.
-                match report.changed.iter_mut().find(|r| r.key == key) {
-                    Some(r) => r.to = alt,
-                    None => report.changed.push(Retuned { key, from, to: alt }),
-                }
-                graph = trial;
-                best = t;
-            } else {
-                undo(&from, &used);
+            for (_, alt) in opts.iter().filter(|(k, _)| k != kind(&engine)) {
+                run.trial(stream, work, &[(key.clone(), alt.clone())])?;
             }
         }
+        // Then every key on one kind at once: keys can act together, so that the step is
+        // fastest with all of them on one kind and slower with any one moved alone (GPT-2
+        // small at batch 1 on an H200: q|k|v and MLP up both on the lane kernel 0.271 ms a
+        // step, either one on the tensor-core kernel 0.296–0.297, both 0.294).
+        let kinds: BTreeSet<&str> = options
+            .iter()
+            .flat_map(|(_, o)| o.iter().map(|(k, _)| k.as_str()))
+            .collect();
+        for to in kinds {
+            let moves = moves_to_kind(&options, to, |k| self.engine_of(k));
+            if !moves.is_empty() {
+                run.trial(stream, work, &moves)?;
+            }
+        }
+        let Tuning {
+            tried,
+            mut report,
+            best,
+            ..
+        } = run;
         report.keys = tried.len();
         report.after_us = best;
         {
@@ -258,12 +263,132 @@ impl Engines {
         Ok(report)
     }
 
+    /// The engine `key` records now, if it has an entry.
+    fn engine_of(&self, key: &str) -> Option<String> {
+        lock(&self.table).get(key).map(|e| e.engine.clone())
+    }
+
     /// Records `engine` as `key`'s choice; returns the engine it replaces, or `None` where
     /// the key has no entry.
     fn set_engine(&self, key: &str, engine: &str) -> Option<String> {
         lock(&self.table)
             .get_mut(key)
             .map(|e| std::mem::replace(&mut e.engine, engine.to_string()))
+    }
+}
+
+/// Captures `work` on `stream` into a graph, its allocations from `pool`.
+fn capture(
+    stream: &mut Stream,
+    pool: &Pool,
+    work: &mut dyn FnMut(&dyn Queue) -> Result<()>,
+) -> Result<Graph> {
+    Graph::capture(stream, CaptureOptions::new().pool(pool), |cs| {
+        work(cs).map_err(cudagraph::Error::from)
+    })
+    .map(|(g, ())| g)
+    .map_err(NnError::from)
+}
+
+/// A tuning under way: the graph with the choices kept so far, and its time.
+struct Tuning<'a> {
+    eng: &'a Engines,
+    pool: &'a Pool,
+    timer: Timer,
+    graph: Graph,
+    best: f64,
+    /// Keys a trial moved.
+    tried: Vec<String>,
+    report: TuneReport,
+}
+
+impl Tuning<'_> {
+    /// Captures `work` with each (key, engine) of `moves` recorded and times its replays;
+    /// keeps the moves where the graph replays at least [`TUNE_MIN_GAIN`] faster than the
+    /// graph kept so far (a close call timed again in reverse order), restores the keys'
+    /// choices otherwise. A capture that fails (not fatally) is no trial; a replay that fails
+    /// restores the choices and is the error.
+    fn trial(
+        &mut self,
+        stream: &mut Stream,
+        work: &mut dyn FnMut(&dyn Queue) -> Result<()>,
+        moves: &[(String, String)],
+    ) -> Result<()> {
+        let eng = self.eng;
+        // A product of a range's key that cannot run the trial's engine takes a key of its own
+        // (`Engines::shared_or_exact`); a trial not kept removes the keys its capture added
+        // (those this thread used that were not there before: never another thread's).
+        let before: BTreeSet<String> = lock(&eng.table).keys().cloned().collect();
+        let from: Vec<(&str, &str, String)> = moves
+            .iter()
+            .filter_map(|(key, to)| Some((key.as_str(), to.as_str(), eng.set_engine(key, to)?)))
+            .collect();
+        if from.is_empty() {
+            return Ok(());
+        }
+        let undo = |used: &[String]| {
+            for (key, _, was) in &from {
+                eng.set_engine(key, was);
+            }
+            let mut t = lock(&eng.table);
+            for k in used.iter().filter(|k| !before.contains(*k)) {
+                t.remove(k);
+            }
+        };
+        for (key, _, _) in &from {
+            if !self.tried.iter().any(|k| k == key) {
+                self.tried.push(key.to_string());
+            }
+        }
+        self.report.trials += 1;
+        let (trial, used) = record_keys(|| capture(stream, self.pool, work));
+        let trial = match trial {
+            Ok(g) => g,
+            Err(e) if is_fatal(&e) => return Err(e),
+            Err(_) => {
+                undo(&used);
+                return Ok(());
+            }
+        };
+        let t = match self.rematch(stream, &trial) {
+            Ok(t) => t,
+            Err(e) => {
+                undo(&used);
+                return Err(e);
+            }
+        };
+        if t >= self.best * (1.0 - TUNE_MIN_GAIN) {
+            undo(&used);
+            return Ok(());
+        }
+        // `from` of a key's report stays the measured choice; a key moved back to it leaves
+        // the report.
+        for (key, to, was) in &from {
+            match self.report.changed.iter_mut().find(|r| r.key == *key) {
+                Some(r) => r.to = to.to_string(),
+                None => self.report.changed.push(Retuned {
+                    key: key.to_string(),
+                    from: was.clone(),
+                    to: to.to_string(),
+                }),
+            }
+        }
+        self.report.changed.retain(|r| r.from != r.to);
+        self.graph = trial;
+        self.best = t;
+        Ok(())
+    }
+
+    /// µs per replay of `trial`; where it beats the kept graph by [`TUNE_MIN_GAIN`], both are
+    /// timed again in reverse order (kept, trial, trial, kept: a GPU whose speed drifts over
+    /// the four timings favours neither) and each keeps its better time.
+    fn rematch(&mut self, stream: &Stream, trial: &Graph) -> Result<f64> {
+        let mut t = self.timer.time(stream, trial)?;
+        if t < self.best * (1.0 - TUNE_MIN_GAIN) {
+            t = t.min(self.timer.time(stream, trial)?);
+            self.best = self.best.min(self.timer.time(stream, &self.graph)?);
+        }
+        Ok(t)
     }
 }
 
@@ -328,8 +453,18 @@ mod tests {
         }
     }
 
+    /// The engines of `options` other than the choice's kind (its first entry of that kind).
+    fn others(e: &Entry, within: f64) -> Vec<String> {
+        let mine = kind(&e.engine);
+        options(e, within)
+            .into_iter()
+            .filter(|(k, _)| k != mine)
+            .map(|(_, e)| e)
+            .collect()
+    }
+
     #[test]
-    fn alternatives_are_the_fastest_close_engine_of_each_other_kind() {
+    fn options_are_the_choice_and_the_fastest_close_engine_of_each_other_kind() {
         let e = entry(
             "cublaslt:0",
             &[
@@ -345,31 +480,84 @@ mod tests {
         );
         // Same kind (cublaslt:1), beyond 25 % (cublas 5.2, tiled 9.0) and failed ones are left
         // out; gemv-mma's fastest only.
-        assert_eq!(alternatives(&e, 0.25), vec!["gemv-mma:8", "gemv:2"]);
-        assert_eq!(alternatives(&e, 0.05), vec!["gemv-mma:8"]);
-        assert!(alternatives(&e, 0.0).is_empty());
+        let pair = |k: &str, e: &str| (k.to_string(), e.to_string());
+        assert_eq!(
+            options(&e, 0.25),
+            vec![
+                pair("cublaslt", "cublaslt:0"),
+                pair("gemv-mma", "gemv-mma:8"),
+                pair("gemv", "gemv:2")
+            ]
+        );
+        assert_eq!(others(&e, 0.05), vec!["gemv-mma:8"]);
+        assert_eq!(options(&e, 0.0), vec![pair("cublaslt", "cublaslt:0")]);
     }
 
     #[test]
-    fn unmeasured_tuned_and_untimed_choices_have_no_alternatives() {
+    fn unmeasured_tuned_and_untimed_choices_have_no_options() {
         let times = [("gemv:1", Some(3.0)), ("cublaslt:0", Some(3.1))];
         let mut e = entry("gemv:1", &times);
-        assert_eq!(alternatives(&e, 0.25), vec!["cublaslt:0"]);
+        assert_eq!(others(&e, 0.25), vec!["cublaslt:0"]);
         e.tuned = true;
-        assert!(alternatives(&e, 0.25).is_empty());
+        assert!(options(&e, 0.25).is_empty());
         let mut e = entry("gemv:1", &times);
         e.measured = false;
-        assert!(alternatives(&e, 0.25).is_empty());
+        assert!(options(&e, 0.25).is_empty());
         // The choice itself without a time (a default kept for a long run that failed to
         // time, or an entry edited by hand): nothing to compare with.
         let e = entry("cublas", &times);
-        assert!(alternatives(&e, 0.25).is_empty());
+        assert!(options(&e, 0.25).is_empty());
         // A choice slower than another kind's candidate (a long run's default kept): the faster
-        // one is an alternative.
+        // one comes first.
         let e = entry(
             "cublaslt:0",
             &[("cublaslt:0", Some(10.0)), ("gemv:4", Some(9.0))],
         );
-        assert_eq!(alternatives(&e, 0.25), vec!["gemv:4"]);
+        assert_eq!(others(&e, 0.25), vec!["gemv:4"]);
+        assert_eq!(options(&e, 0.25)[0].1, "gemv:4");
+    }
+
+    #[test]
+    fn a_kind_move_takes_every_key_with_that_kind_off_another_engine_or_none() {
+        let o = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|&(k, e)| (k.to_string(), e.to_string()))
+                .collect()
+        };
+        let options = vec![
+            (
+                "qkv".to_string(),
+                o(&[("gemv", "gemv:1"), ("gemv-mma", "gemv-mma:8")]),
+            ),
+            (
+                "up".to_string(),
+                o(&[("gemv-mma", "gemv-mma:8"), ("gemv", "gemv:1")]),
+            ),
+            (
+                "down".to_string(),
+                o(&[("gemv", "gemv:4"), ("cublaslt", "cublaslt:0")]),
+            ),
+        ];
+        // After one-key trials: q|k|v moved to the tensor-core kernel, the others measured.
+        let now = |k: &str| {
+            Some(
+                match k {
+                    "qkv" | "up" => "gemv-mma:8",
+                    _ => "gemv:4",
+                }
+                .to_string(),
+            )
+        };
+        let pair = |k: &str, e: &str| (k.to_string(), e.to_string());
+        assert_eq!(
+            moves_to_kind(&options, "gemv", now),
+            vec![pair("qkv", "gemv:1"), pair("up", "gemv:1")]
+        );
+        // Every key with that kind is on it already, or only one would move: no trial.
+        assert!(moves_to_kind(&options, "gemv-mma", now).is_empty());
+        assert!(moves_to_kind(&options, "cublaslt", now).is_empty());
+        // A key without an entry any more counts as not on the engine.
+        let gone = |k: &str| (k != "down").then(|| "gemv-mma:8".to_string());
+        assert_eq!(moves_to_kind(&options, "gemv", gone).len(), 3);
     }
 }
