@@ -1074,3 +1074,109 @@ fn wrong_types_lengths_and_vectors_are_typed_errors_that_run_nothing() {
     }
     untouched(&s, &cf, "f32 GELU");
 }
+
+/// One product of `T` into `O` on `cublaslt-t:0`: offered, right against f64, and replayed
+/// from a graph with the eager run's bits.
+fn transposed_case<T: Float, O: Float>(s: &mut Stream, nn: &Nn, op: &GemmOp, rng: &mut HostRng) {
+    let engine = GemmEngine::CublasLtTransposed(0);
+    let inp = inputs::<T>(s, op, op.m as u64 + op.n as u64);
+    let align = alignment(&[inp.a.addr(), inp.b.addr()]);
+    let cands = lowp_candidates::<T, O>(s, op, align).unwrap();
+    assert!(
+        cands.contains(&engine),
+        "{} {}→{}: {cands:?}",
+        op.key(),
+        T::DTYPE,
+        O::DTYPE
+    );
+    let what = format!("{engine} {}→{}", T::DTYPE, O::DTYPE);
+    run_and_check::<T, O>(s, &what, op, &inp, rng, &mut |c, v| {
+        gemm_lowp_with(s, nn, engine, op, &inp.a, &inp.b, c, v)
+    });
+    let fresh = vec![O::from_f32(SENTINEL); op.m * op.n];
+    let (ce, cr) = (
+        s.alloc_from_host(&fresh).unwrap(),
+        s.alloc_from_host(&fresh).unwrap(),
+    );
+    gemm_lowp_with(s, nn, engine, op, &inp.a, &inp.b, &ce, None).unwrap();
+    let (g, ()) = Graph::capture(s, CaptureOptions::new(), |cs| {
+        gemm_lowp_with(cs, nn, engine, op, &inp.a, &inp.b, &cr, None).map_err(Into::into)
+    })
+    .unwrap_or_else(|e| panic!("capturing {what} {}: {e:?}", op.key()));
+    for _ in 0..2 {
+        g.replay(s).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert_same_bits(
+        &bits(s, &cr),
+        &bits(s, &ce),
+        &format!("replay vs eager {what} {}", op.key()),
+    );
+}
+
+/// Where C's rows are no multiple of 16 bytes apart (a head of 50 257 logits), cuBLASLt also
+/// runs the transposed product into a scratch matrix and a transposing copy writes C
+/// (`cublaslt-t`): offered exactly there (not for aligned rows, beta ≠ 0 or an epilogue),
+/// right against f64 in every layout, for one row, a few, and more than the copy's grid
+/// covers at once (2 097 121 rows: 65 535 tiles of 32 and one more), replayed bit for bit, and
+/// refused with a typed error where it is not offered, writing nothing.
+#[test]
+fn unaligned_rows_run_as_the_transposed_product() {
+    let dev = gpu_test_device!();
+    let mut s = dev.new_stream().unwrap();
+    let nn = Nn::get(&dev).unwrap();
+    let mut rng = HostRng::new(4242);
+    let (n, t) = (Trans::N, Trans::T);
+    let cases = [
+        (n, t, 1, 1001, 64),
+        (n, t, 8, 1001, 64),
+        (n, t, 64, 1001, 128),
+        (n, n, 5, 13, 32),
+        (t, n, 33, 7, 24),
+        (t, t, 3, 1001, 16),
+        (n, t, 70_000, 7, 16),
+    ];
+    for (ta, tb, m, n, k) in cases {
+        let op = gemm_op(ta, tb, (m, n, k), Epilogue::None);
+        transposed_case::<bf16, f32>(&mut s, &nn, &op, &mut rng);
+        transposed_case::<bf16, bf16>(&mut s, &nn, &op, &mut rng);
+        transposed_case::<f16, f16>(&mut s, &nn, &op, &mut rng);
+    }
+    let tall = gemm_op(n, t, (65_535 * 32 + 1, 7, 16), Epilogue::None);
+    transposed_case::<bf16, bf16>(&mut s, &nn, &tall, &mut rng);
+    // Not offered, and refused: rows aligned already, beta reading C, an epilogue.
+    let engine = GemmEngine::CublasLtTransposed(0);
+    let aligned = gemm_op(n, t, (8, 1008, 64), Epilogue::None);
+    let scaled = GemmOp {
+        beta: 0.5,
+        ..gemm_op(n, t, (8, 1001, 64), Epilogue::None)
+    };
+    let bias = gemm_op(n, t, (8, 1001, 64), Epilogue::Bias);
+    let grad = gemm_op(t, n, (8, 1001, 64), Epilogue::BiasGrad);
+    for op in [aligned, scaled, bias, grad] {
+        let inp = inputs::<bf16>(&s, &op, 7);
+        let align = alignment(&[inp.a.addr(), inp.b.addr()]);
+        let cands = lowp_candidates::<bf16, bf16>(&s, &op, align).unwrap();
+        assert!(
+            !cands
+                .iter()
+                .any(|e| matches!(e, GemmEngine::CublasLtTransposed(_))),
+            "{}: {cands:?}",
+            op.key()
+        );
+        let c = s
+            .alloc_from_host(&vec![bf16::from_f32(SENTINEL); op.m * op.n])
+            .unwrap();
+        let v = s
+            .alloc_from_host(&vec![bf16::from_f32(SENTINEL); op.m.max(op.n)])
+            .unwrap();
+        let vec = (op.epilogue != Epilogue::None).then_some(&v);
+        let r = gemm_lowp_with(&s, &nn, engine, &op, &inp.a, &inp.b, &c, vec);
+        assert!(
+            matches!(r, Err(NnError::NotSupported { .. })),
+            "{}: {r:?}",
+            op.key()
+        );
+        untouched(&s, &c, &format!("{engine} refused for {}", op.key()));
+    }
+}

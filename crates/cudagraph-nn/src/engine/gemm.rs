@@ -373,6 +373,48 @@ pub(crate) fn scratch_output<'a, O: cudagraph::Elem>(
     Ok((cs, v))
 }
 
+/// The product [`GemmEngine::CublasLtTransposed`] runs for `op` with a result of `O`: `Cᵀ =
+/// op(B)ᵀ·op(A)ᵀ`, the row-major n × m product of B and A (in that order). `None` where the
+/// engine is not offered: C's rows are a multiple of 16 bytes apart already, beta is not 0 (the
+/// scratch holds no C to scale) or there is an epilogue.
+pub(crate) fn transposed_op<O: cudagraph::Elem>(op: &GemmOp) -> Option<GemmOp> {
+    let per_16_bytes = 16 / std::mem::size_of::<O>().clamp(1, 16);
+    let flip = |t: Trans| match t {
+        Trans::N => Trans::T,
+        Trans::T => Trans::N,
+    };
+    let offered = op.n % per_16_bytes != 0 && op.beta == 0.0 && op.epilogue == Epilogue::None;
+    offered.then_some(GemmOp {
+        ta: flip(op.tb),
+        tb: flip(op.ta),
+        m: op.n,
+        n: op.m,
+        ..*op
+    })
+}
+
+/// Runs `op` as [`GemmEngine::CublasLtTransposed`]: `product` writes [`transposed_op`] (on B and
+/// A) into a scratch matrix of the queue's (the graph's pool inside a capture), then its
+/// transpose is written into `c`. An error where the engine is not offered for `op`.
+pub(crate) fn run_transposed<O: cudagraph::Elem>(
+    q: &dyn Queue,
+    op: &GemmOp,
+    c: &DeviceBuffer<O>,
+    product: impl FnOnce(&GemmOp, &DeviceBuffer<O>) -> Result<bool>,
+) -> Result<()> {
+    let t = transposed_op::<O>(op).ok_or_else(|| NnError::NotSupported {
+        op: "gemm",
+        what: format!(
+            "engine cublaslt-t for {} (C's rows aligned already, beta not 0, or an epilogue)",
+            op.key()
+        ),
+        fix: "use another cuBLASLt engine for this product",
+    })?;
+    let scratch = q.alloc::<O>(crate::extent::prod("transposed product", &[op.m, op.n])?)?;
+    product(&t, &scratch)?;
+    crate::kernels::cast::transpose(q, &scratch, c, (op.n, op.m))
+}
+
 /// Runs `op` with exactly `algo` (no registry). Errors when `algo` cannot run it (warp-K on
 /// another layout, cuBLASLt missing or without an algorithm of that rank, or without that
 /// split-K variant or searched configuration for this shape: see
@@ -421,6 +463,14 @@ pub fn gemm_candidates(
             let tf32 = eng.policy().tf32_matmul;
             let count = lt.algo_count_math(&shape, tf32).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
+            // The transposed product, where C's rows are not 16-byte aligned.
+            if let Some(t) = transposed_op::<f32>(op) {
+                let t_shape = lt_shape(&t, align);
+                let count = lt.algo_count_math(&t_shape, tf32).map_or(0, |(n, _)| n);
+                v.extend(
+                    (0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLtTransposed(r as u8)),
+                );
+            }
             // Split-K variants of the first few, where the product leaves the device idle,
             // when the policy asks for them (off by default: see `Policy::lt_split_k`).
             let variants = match eng.policy().lt_split_k {
@@ -522,7 +572,8 @@ pub fn default_engine(op: &GemmOp, candidates: &[GemmEngine]) -> GemmEngine {
     }
 }
 
-fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
+/// The shape cuBLASLt plans for `op` on pointers aligned to `align` bytes, C dense.
+pub(crate) fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
     LtShape {
         ta: op.ta,
         tb: op.tb,
@@ -603,6 +654,18 @@ fn run_algo(
         GemmEngine::CublasLt(rank) => cublaslt(LtAlgo::Rank(rank as usize)),
         GemmEngine::CublasLtSplitK { rank, split } => cublaslt(LtAlgo::SplitK { rank, split }),
         GemmEngine::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
+        GemmEngine::CublasLtTransposed(rank) => {
+            let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
+                library: "cuBLASLt",
+                call: "dlopen",
+                status: "unavailable (missing, or disabled by the engine policy)".into(),
+            })?;
+            let (which, tf32) = (LtAlgo::Rank(rank as usize), eng.policy().tf32_matmul);
+            run_transposed(q, op, c, |t, scratch| {
+                let shape = lt_shape(t, align);
+                lt.matmul_math(q, &shape, tf32, which, t.alpha, b, a, 0.0, scratch, None)
+            })
+        }
         GemmEngine::Tiled(splits) => tiled(Kernels::sgemm_tiled, splits as usize),
         GemmEngine::Cluster(splits) => tiled(Kernels::sgemm_cluster, splits as usize),
         GemmEngine::Reg(splits) => tiled(Kernels::sgemm_reg, splits as usize),
@@ -806,6 +869,48 @@ pub fn split_k(m: usize, n: usize, k: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The transposed cuBLASLt engine is offered exactly where C's rows are no multiple of 16
+    /// bytes apart, beta is 0 and there is no epilogue; it runs Cᵀ = op(B)ᵀ·op(A)ᵀ.
+    #[test]
+    fn unaligned_rows_are_offered_the_transposed_product() {
+        use cudagraph::memory::bf16;
+        let head = GemmOp::linear(64, 50257, 768);
+        let t = transposed_op::<f32>(&head).unwrap();
+        assert_eq!(
+            (t.ta, t.tb, t.m, t.n, t.k),
+            (Trans::N, Trans::T, 50257, 64, 768)
+        );
+        assert_eq!(transposed_op::<bf16>(&head), Some(t));
+        // Each layout: op(B)ᵀ is B stored as it is when B was stored transposed, and so on.
+        for (ta, tb) in [
+            (Trans::N, Trans::N),
+            (Trans::T, Trans::N),
+            (Trans::T, Trans::T),
+        ] {
+            let op = GemmOp { ta, tb, ..head };
+            let t = transposed_op::<f32>(&op).unwrap();
+            assert_eq!((t.ta == tb, t.tb == ta), (false, false), "{ta:?} {tb:?}");
+        }
+        for n in [1, 3, 7, 13] {
+            let op = GemmOp::linear(8, n, 64);
+            assert!(transposed_op::<f32>(&op).is_some(), "{n}");
+            assert!(transposed_op::<bf16>(&op).is_some(), "{n}");
+        }
+        // Aligned rows: nothing to gain.
+        for n in [8, 768, 50264, 128256] {
+            let op = GemmOp::linear(8, n, 64);
+            assert_eq!(transposed_op::<bf16>(&op), None, "{n}");
+            assert_eq!(transposed_op::<f32>(&op), None, "{n}");
+        }
+        assert_eq!(transposed_op::<f32>(&GemmOp::linear(8, 12, 64)), None);
+        assert!(transposed_op::<bf16>(&GemmOp::linear(8, 12, 64)).is_some());
+        // beta reads C, which the scratch does not hold; epilogues are along C's columns.
+        assert_eq!(transposed_op::<f32>(&GemmOp { beta: 0.5, ..head }), None);
+        for epilogue in [Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasGrad] {
+            assert_eq!(transposed_op::<bf16>(&GemmOp { epilogue, ..head }), None);
+        }
+    }
 
     #[test]
     fn a_linear_op_is_x_times_w_transposed() {

@@ -65,11 +65,13 @@
 use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::dtype::{Dtype, Float};
-use crate::engine::gemm::{scratch_output, Epilogue, GemmOp, Trans};
+use crate::engine::gemm::{
+    lt_shape, run_transposed, scratch_output, transposed_op, Epilogue, GemmOp, Trans,
+};
 use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
-use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, LtTypes, MEASURED_ALGOS};
+use crate::ffi::blaslt::{BlasLt, LtAlgo, LtTypes, MEASURED_ALGOS};
 use crate::kernels::gemv::{
     few_row_ok, fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS,
 };
@@ -464,19 +466,6 @@ fn no_engine(op: &GemmOp, key: &str, have_lt: bool) -> NnError {
     }
 }
 
-/// The shape cuBLASLt plans.
-fn lt_shape(op: &GemmOp, align: u32) -> LtShape {
-    LtShape {
-        ta: op.ta,
-        tb: op.tb,
-        m: op.m,
-        n: op.n,
-        k: op.k,
-        epilogue: op.epilogue,
-        align,
-    }
-}
-
 /// The engines that can run `op` with these types within `family`, cuBLASLt's heuristic
 /// algorithms first (the first is the default inside a capture), then its opt-in variants,
 /// then cuBLAS, then our few-row kernels' depth splits ([`gemv_splits`], [`gemv_mma_splits`]).
@@ -497,6 +486,14 @@ fn candidates_in<T: Float, O: Float>(
             // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
             let count = lt.algo_count_typed(&shape, types).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
+            // The transposed product, where C's rows are not 16-byte aligned.
+            if let Some(t) = transposed_op::<O>(op) {
+                let t_shape = lt_shape(&t, align);
+                let count = lt.algo_count_typed(&t_shape, types).map_or(0, |(n, _)| n);
+                v.extend(
+                    (0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLtTransposed(r as u8)),
+                );
+            }
             if count > 0 && eng.policy().lt_split_k {
                 let variants = lt.split_k_variants_typed(&shape, types).unwrap_or_default();
                 v.extend(
@@ -630,6 +627,16 @@ unsafe fn run_lowp<T: Float, O: Float>(
         GemmEngine::CublasLt(rank) => LtAlgo::Rank(rank as usize),
         GemmEngine::CublasLtSplitK { rank, split } => LtAlgo::SplitK { rank, split },
         GemmEngine::CublasLtConfig(i) => LtAlgo::Config(i),
+        GemmEngine::CublasLtTransposed(rank) => {
+            let lt = cublaslt(eng)?;
+            let which = LtAlgo::Rank(rank as usize);
+            // `t` has no epilogue: no vector.
+            let none: Option<&DeviceBuffer<O>> = None;
+            return run_transposed(q, op, c, |t, scratch| {
+                let shape = lt_shape(t, align);
+                lt.matmul_typed(q, &shape, which, t.alpha, b, a, 0.0, scratch, none)
+            });
+        }
         other => {
             return Err(NnError::NotSupported {
                 op: "gemm_lowp",

@@ -136,3 +136,40 @@ extern "C" __global__ void cast_bf16_f32(const bf16_t* src, float* dst, long lon
 extern "C" __global__ void cast_f16_f32(const f16_t* src, float* dst, long long n, int vec) {
     cast_n<f16_t, float>(src, dst, n, vec);
 }
+
+// The transpose of a row-major matrix, elements of E moved as they are:
+// dst[c * rows + r] = src[r * cols + c] for r < rows, c < cols. A block of 32 × 8 threads moves
+// 32 × 32 tiles through shared memory, so that both the reads and the writes are runs of 32
+// consecutive elements: grid column x takes the tile rows 32x.., grid rows stride over the tile
+// columns.
+template <typename E>
+__device__ __forceinline__ void transpose_n(const E* __restrict__ src, E* __restrict__ dst,
+                                            long long rows, int cols) {
+    __shared__ E tile[32][33];
+    long long r0 = (long long)blockIdx.x * 32;
+    int tx = threadIdx.x, ty = threadIdx.y;
+    for (int c0 = blockIdx.y * 32; c0 < cols; c0 += gridDim.y * 32) {
+        for (int j = ty; j < 32; j += 8) {
+            long long r = r0 + j;
+            int c = c0 + tx;
+            if (r < rows && c < cols) tile[j][tx] = src[r * cols + c];
+        }
+        __syncthreads();
+        for (int j = ty; j < 32; j += 8) {
+            int c = c0 + j;
+            long long r = r0 + tx;
+            if (c < cols && r < rows) dst[(long long)c * rows + r] = tile[tx][j];
+        }
+        __syncthreads();
+    }
+}
+
+// Each reads src[r * cols + c] and writes dst[c * rows + r] for r < rows, c < cols only.
+extern "C" __global__ void transpose_b2(const unsigned short* src, unsigned short* dst,
+                                        long long rows, int cols) {
+    transpose_n<unsigned short>(src, dst, rows, cols);
+}
+extern "C" __global__ void transpose_b4(const unsigned int* src, unsigned int* dst,
+                                        long long rows, int cols) {
+    transpose_n<unsigned int>(src, dst, rows, cols);
+}

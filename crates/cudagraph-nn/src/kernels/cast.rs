@@ -1,6 +1,7 @@
 //! Casts between f32 and the 16-bit floats bf16 and f16 on raw device buffers: [`to_bf16`],
 //! [`to_f16`], [`from_bf16`], [`from_f16`]. The kernels (`cast.cu`, its own NVRTC module) are
-//! one template instantiated per pair of types.
+//! one template instantiated per pair of types. The same module transposes matrices
+//! (`transpose`, the bits as they are).
 //!
 //! Narrowing rounds to nearest, ties to even, as `__float2bfloat16_rn` / `__float2half_rn`
 //! (and PyTorch's `.to(torch.bfloat16)` / `.to(torch.float16)` on the device): values past the
@@ -30,6 +31,8 @@ pub struct CastKernels {
     f32_f16: Function,
     bf16_f32: Function,
     f16_f32: Function,
+    transpose_b2: Function,
+    transpose_b4: Function,
 }
 
 impl CastKernels {
@@ -48,6 +51,8 @@ impl CastKernels {
                 f32_f16: m.function("cast_f32_f16")?,
                 bf16_f32: m.function("cast_bf16_f32")?,
                 f16_f32: m.function("cast_f16_f32")?,
+                transpose_b2: m.function("transpose_b2")?,
+                transpose_b4: m.function("transpose_b4")?,
             })
         })?)
     }
@@ -130,6 +135,68 @@ pub fn from_f16(q: &dyn Queue, src: &DeviceBuffer<f16>, dst: &DeviceBuffer<f32>)
     cast(q, &k.f16_f32, "cast f16 → f32", src, dst)
 }
 
+/// Rows and columns of the tiles [`transpose`] moves; its blocks are 32 × 8 threads.
+const TILE: usize = 32;
+/// Most grid rows of [`transpose`] (its loop strides over the tile columns beyond).
+const TRANSPOSE_MAX_GRID_ROWS: usize = 65_535;
+
+/// The launch of [`transpose`] of a `rows` × `cols` matrix: one block per 32 × 32 tile, grid
+/// columns over the tile rows, grid rows over the tile columns up to
+/// [`TRANSPOSE_MAX_GRID_ROWS`]. `None` where the tile rows exceed a grid's columns.
+pub(crate) fn transpose_config(rows: usize, cols: usize) -> Option<LaunchConfig> {
+    let across = u32::try_from(rows.div_ceil(TILE).max(1)).ok()?;
+    let down = cols.div_ceil(TILE).clamp(1, TRANSPOSE_MAX_GRID_ROWS) as u32;
+    Some(LaunchConfig {
+        grid: (across, down, 1),
+        block: (TILE as u32, 8, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Writes the transpose of `src`, a row-major `rows` × `cols` matrix, into `dst`
+/// (`dst[c·rows + r] = src[r·cols + c]`): the bits as they are, for elements of 2 or 4 bytes.
+/// A typed error where a buffer is too short or a count exceeds the kernel's integers;
+/// nothing runs then.
+pub(crate) fn transpose<T: Elem>(
+    q: &dyn Queue,
+    src: &DeviceBuffer<T>,
+    dst: &DeviceBuffer<T>,
+    (rows, cols): (usize, usize),
+) -> Result<()> {
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let len = crate::extent::prod("transpose", &[rows, cols])?;
+    crate::extent::need("transpose source", src, len)?;
+    crate::extent::need("transpose destination", dst, len)?;
+    let k = CastKernels::get(q.device())?;
+    let f = match std::mem::size_of::<T>() {
+        2 => &k.transpose_b2,
+        4 => &k.transpose_b4,
+        n => {
+            return Err(NnError::NotSupported {
+                op: "transpose",
+                what: format!("elements of {n} bytes"),
+                fix: "transpose elements of 2 or 4 bytes",
+            })
+        }
+    };
+    let too_many = || {
+        NnError::Shape(format!(
+            "transpose: {rows} × {cols} exceeds the kernel's grid"
+        ))
+    };
+    let cfg = transpose_config(rows, cols).ok_or_else(too_many)?;
+    // The column loop's index stays below cols + the grid's height ≤ i32::MAX.
+    let c = crate::kernels::int_loop("transpose columns", cols, TILE * TRANSPOSE_MAX_GRID_ROWS)?;
+    let r = i64::try_from(rows).map_err(|_| too_many())?;
+    // SAFETY: `f` is transpose_b2 or transpose_b4 of `cast.cu`, (const E* src, E* dst, long
+    // long rows, int cols) with E of T's size (checked above); it reads src[r·cols + c] and
+    // writes dst[c·rows + r] for r < rows, c < cols only, both below rows·cols, the length
+    // checked above; its tile rows start below rows (the grid's columns cover them once).
+    unsafe { Ok(q.launch(f, cfg, &[src.into(), dst.into(), Arg::I64(r), Arg::I32(c)])?) }
+}
+
 /// A new buffer holding `src` converted to `to` (allocated on `q`): narrowing rounds to
 /// nearest even, widening is exact, bf16 ↔ f16 goes through f32 (exact, then one rounding).
 /// The same type gives `src` itself (no copy).
@@ -166,6 +233,27 @@ pub(crate) fn cast_new(q: &dyn Queue, src: &TypedBuffer, to: Dtype) -> Result<Ty
 mod tests {
     use super::*;
     use crate::kernels::{STRIDE_BLOCK, STRIDE_MAX_BLOCKS};
+
+    /// One 32 × 8 block per 32 × 32 tile: grid columns over the tile rows, grid rows over the
+    /// tile columns up to 65 535 (the kernel's loop strides over the rest).
+    #[test]
+    fn a_transpose_covers_every_tile_with_a_bounded_grid() {
+        let c = transpose_config(50257, 64).unwrap();
+        assert_eq!((c.grid, c.block), ((1571, 2, 1), (32, 8, 1)));
+        assert_eq!(transpose_config(1, 1).unwrap().grid, (1, 1, 1));
+        assert_eq!(
+            transpose_config(3, 70_000_000).unwrap().grid,
+            (1, 65_535, 1)
+        );
+        assert_eq!(
+            transpose_config(32 * (u32::MAX as usize), 1)
+                .unwrap()
+                .grid
+                .0,
+            u32::MAX
+        );
+        assert!(transpose_config(32 * (u32::MAX as usize) + 1, 1).is_none());
+    }
 
     #[test]
     fn a_cast_needs_equal_lengths() {
