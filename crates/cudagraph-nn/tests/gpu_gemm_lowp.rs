@@ -8,7 +8,9 @@
 //! few-row shapes) share one measured choice; threads meeting a new key at once (one of them
 //! capturing) all run the one engine the registry keeps; the f32 bias with a 16-bit result
 //! where cuBLASLt offers it; misuse (f32 operands, a result of a third type, short buffers,
-//! vectors that do not match the epilogue) is a typed error and runs nothing.
+//! vectors that do not match the epilogue) is a typed error and runs nothing; products whose
+//! rows of C are not 16-byte aligned also run as the transposed cuBLASLt product
+//! (`cublaslt-t`), in every layout and past the transpose's grid, and it is refused elsewhere.
 //!
 //! Tolerances, per element, relative to the scale `S = |alpha|·Σ_p |op(A)[i,p]·op(B)[p,j]| +
 //! |beta·C0[i,j]| + |bias[j]|` (an upper bound of every partial sum and of the result):
