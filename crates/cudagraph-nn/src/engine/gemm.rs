@@ -26,7 +26,7 @@ use crate::error::{NnError, Result};
 pub use crate::extent::alignment;
 use crate::extent::gemm_on_device;
 pub use crate::ffi::blas::Trans;
-use crate::ffi::blaslt::{LtAlgo, LtShape, MEASURED_ALGOS};
+use crate::ffi::blaslt::{BlasLt, LtAlgo, LtShape, MEASURED_ALGOS};
 use crate::kernels::{
     rows_groups, rows_most_splits, ClusterKernels, ColsShape, GemmDims, Kernels, Nn, ROWS_PER_BLOCK,
 };
@@ -373,6 +373,15 @@ pub(crate) fn scratch_output<'a, O: cudagraph::Elem>(
     Ok((cs, v))
 }
 
+/// cuBLASLt, or why it is not there.
+pub(crate) fn lt_required(eng: &Engines) -> Result<&BlasLt> {
+    eng.cublaslt().ok_or_else(|| NnError::Library {
+        library: "cuBLASLt",
+        call: "dlopen",
+        status: "unavailable (missing, or disabled by the engine policy)".into(),
+    })
+}
+
 /// The product [`GemmEngine::CublasLtTransposed`] runs for `op` with a result of `O`: `Cᵀ =
 /// op(B)ᵀ·op(A)ᵀ`, the row-major n × m product of B and A (in that order). `None` where the
 /// engine is not offered: C's rows are a multiple of 16 bytes apart already, beta is not 0 (the
@@ -626,11 +635,7 @@ fn run_algo(
     };
     // cuBLASLt's algorithm of a rank, a split-K variant or a searched configuration.
     let cublaslt = |which: LtAlgo| -> Result<()> {
-        let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
-            library: "cuBLASLt",
-            call: "dlopen",
-            status: "unavailable (missing, or disabled by the engine policy)".into(),
-        })?;
+        let lt = lt_required(eng)?;
         let shape = lt_shape(op, align);
         let (alpha, beta) = (op.alpha, op.beta);
         let tf32 = eng.policy().tf32_matmul;
@@ -655,11 +660,7 @@ fn run_algo(
         GemmEngine::CublasLtSplitK { rank, split } => cublaslt(LtAlgo::SplitK { rank, split }),
         GemmEngine::CublasLtConfig(i) => cublaslt(LtAlgo::Config(i)),
         GemmEngine::CublasLtTransposed(rank) => {
-            let lt = eng.cublaslt().ok_or_else(|| NnError::Library {
-                library: "cuBLASLt",
-                call: "dlopen",
-                status: "unavailable (missing, or disabled by the engine policy)".into(),
-            })?;
+            let lt = lt_required(eng)?;
             let (which, tf32) = (LtAlgo::Rank(rank as usize), eng.policy().tf32_matmul);
             run_transposed(q, op, c, |t, scratch| {
                 let shape = lt_shape(t, align);

@@ -66,12 +66,12 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::dtype::{Dtype, Float};
 use crate::engine::gemm::{
-    lt_shape, run_transposed, scratch_output, transposed_op, Epilogue, GemmOp, Trans,
+    lt_required, lt_shape, run_transposed, scratch_output, transposed_op, Epilogue, GemmOp, Trans,
 };
 use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
 use crate::extent::{alignment, gemm_on_device, need, prod};
-use crate::ffi::blaslt::{BlasLt, LtAlgo, LtTypes, MEASURED_ALGOS};
+use crate::ffi::blaslt::{LtAlgo, LtTypes, MEASURED_ALGOS};
 use crate::kernels::gemv::{
     few_row_ok, fused_ok, FewRow, GemvKernels, RowsFrom, GEMV_FUSED_MAX_M, GEMV_SPLITS,
 };
@@ -557,15 +557,6 @@ fn few_row_splits(kernel: FewRow, op: &GemmOp, align: u32, depth: usize) -> Vec<
         .collect()
 }
 
-/// cuBLASLt, or why it is not there.
-fn cublaslt(eng: &Engines) -> Result<&BlasLt> {
-    eng.cublaslt().ok_or_else(|| NnError::Library {
-        library: "cuBLASLt",
-        call: "dlopen",
-        status: "unavailable (missing, or disabled by the engine policy)".into(),
-    })
-}
-
 /// Runs `op` with exactly `algo`; `frozen`: `b` may be read early by the few-row kernel.
 ///
 /// # Safety
@@ -628,7 +619,7 @@ unsafe fn run_lowp<T: Float, O: Float>(
         GemmEngine::CublasLtSplitK { rank, split } => LtAlgo::SplitK { rank, split },
         GemmEngine::CublasLtConfig(i) => LtAlgo::Config(i),
         GemmEngine::CublasLtTransposed(rank) => {
-            let lt = cublaslt(eng)?;
+            let lt = lt_required(eng)?;
             let which = LtAlgo::Rank(rank as usize);
             // `t` has no epilogue: no vector.
             let none: Option<&DeviceBuffer<O>> = None;
@@ -645,7 +636,7 @@ unsafe fn run_lowp<T: Float, O: Float>(
             })
         }
     };
-    let lt = cublaslt(eng)?;
+    let lt = lt_required(eng)?;
     let shape = lt_shape(op, align);
     let fused = lt.matmul_typed(q, &shape, which, op.alpha, a, b, op.beta, c, vec)?;
     match (op.epilogue, vec) {
