@@ -2,9 +2,13 @@
 //! `ffi::nccl`). Collectives take any [`Queue`]: eagerly they run on its stream, inside a
 //! capture they become graph nodes (and the graph keeps the communicator alive: NCCL refuses
 //! to destroy a communicator while a graph that captured it exists).
-//! [`Communicator::synchronize`] is the watchdog: it waits for a stream while polling NCCL's
-//! asynchronous error, the peers' liveness and a timeout, and on any of them aborts the
-//! communicator (NCCL's device code then stops waiting for peers) and returns the error.
+//! Two watchdogs abort the communicator (NCCL's device code then stops waiting for peers)
+//! when a peer fails or stalls. [`Communicator::synchronize`] waits for a stream while polling
+//! NCCL's asynchronous error, the peers' liveness and a timeout, and returns the error. A
+//! thread of the communicator's own watches every eager collective from its enqueue, so that
+//! a rank whose host is blocked elsewhere is freed too: while a collective waits for a peer on
+//! the device, CUDA calls that wait for the device (loading a kernel's module on first use,
+//! freeing memory, a plain stream synchronisation) block, and only an abort ends that wait.
 //!
 //! The raw collectives ([`Communicator::all_reduce`], [`Communicator::broadcast`]) are
 //! `unsafe`: NCCL trusts every rank to pass the same element count, and a rank whose count
@@ -13,10 +17,11 @@
 //! [`Communicator::all_agree`] and [`Communicator::barrier`] (fixed-size headers, then an
 //! agreed length) and [`super::DistributedDataParallel`] (the verified parameter layout).
 
+use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use cudagraph::runtime::Context;
@@ -188,6 +193,11 @@ struct CommInner {
     monitor: Mutex<Option<PeerMonitor>>,
     aborted: AtomicBool,
     abort_reason: Mutex<Option<String>>,
+    /// Eager collectives not yet seen to finish, watched by the communicator's thread.
+    inflight: Mutex<Inflight>,
+    /// Why the watching thread aborted: handed to the first call that finds the abort (that
+    /// rank's own root cause, e.g. its timeout), later calls get [`DistError::Aborted`].
+    watch_error: Mutex<Option<DistError>>,
     /// Every NCCL call on the communicator holds this (NCCL calls on one communicator must
     /// not overlap, and the abort frees it: no call may be running then).
     calls: Mutex<()>,
@@ -377,6 +387,8 @@ impl Communicator {
                 monitor: Mutex::new(monitor),
                 aborted: AtomicBool::new(false),
                 abort_reason: Mutex::new(None),
+                inflight: Mutex::default(),
+                watch_error: Mutex::new(None),
                 calls: Mutex::new(()),
                 sequence: Mutex::new(()),
             }),
@@ -392,6 +404,17 @@ impl Communicator {
                 "NCCL put rank {rank} on CUDA device {cu_dev}, expected device {}",
                 dev.ordinal()
             ))));
+        }
+        if world > 1 {
+            let weak = Arc::downgrade(&c.inner);
+            std::thread::Builder::new()
+                .name(format!("cudagraph-nccl-watch-{rank}"))
+                .spawn(move || watch(weak))
+                .map_err(|e| {
+                    c.fail_with(DistError::Usage(format!(
+                        "cannot start the NCCL watchdog thread: {e}"
+                    )))
+                })?;
         }
         Ok(c)
     }
@@ -422,6 +445,9 @@ impl Communicator {
     }
 
     fn aborted_error(&self) -> DistError {
+        if let Some(e) = lock(&self.inner.watch_error).take() {
+            return e;
+        }
         DistError::Aborted {
             reason: lock(&self.inner.abort_reason)
                 .clone()
@@ -480,6 +506,25 @@ impl Communicator {
         Err(self.fail_with(e))
     }
 
+    /// Hands the collective just enqueued on `q` to the watching thread, when `q` is eager
+    /// (a captured collective runs at its graph's replays: [`Self::synchronize`] watches
+    /// those). An event recorded after it tells when it has finished.
+    fn watch_enqueued(&self, q: &dyn Queue) -> Result<()> {
+        if self.inner.world == 1 || q.is_capturing() {
+            return Ok(());
+        }
+        let spare = lock(&self.inner.inflight).spare.pop();
+        let ev = match spare {
+            Some(ev) => ev,
+            None => q.device().new_event(false)?,
+        };
+        q.stream_handle().record(&ev)?;
+        lock(&self.inner.inflight)
+            .queue
+            .push_back((ev, Instant::now()));
+        Ok(())
+    }
+
     /// Sums (or reduces with `op`) `buf` over all ranks, in place, on `q`'s stream.
     ///
     /// Checked here (typed errors, nothing enqueued): the queue and the buffer are on this
@@ -516,7 +561,8 @@ impl Communicator {
             // and operation (this function's contract).
             unsafe { (api.all_reduce)(addr, addr, buf.len(), T::DTYPE, op.raw(), raw, stream) }
         })?;
-        self.finish(st, "ncclAllReduce")
+        self.finish(st, "ncclAllReduce")?;
+        self.watch_enqueued(q)
     }
 
     /// Copies `buf` from rank `root` to every rank, in place, on `q`'s stream.
@@ -552,7 +598,8 @@ impl Communicator {
             // SAFETY: as in `all_reduce`; root < world.
             unsafe { (api.broadcast)(addr, addr, buf.len(), T::DTYPE, root as c_int, raw, stream) }
         })?;
-        self.finish(st, "ncclBroadcast")
+        self.finish(st, "ncclBroadcast")?;
+        self.watch_enqueued(q)
     }
 
     /// Whether every rank passed the same `values` (the same length and the same numbers),
@@ -649,14 +696,7 @@ impl Communicator {
             }
             self.check()?;
             if start.elapsed() >= self.inner.timeout {
-                return Err(self.fail_with(DistError::Timeout {
-                    what: format!(
-                        "waiting for collectives on rank {} (device {})",
-                        self.inner.rank, self.inner.ordinal
-                    ),
-                    secs: self.inner.timeout.as_secs_f64(),
-                    hint: "a peer is stalled or did not issue the same collectives; the communicator was aborted (CUDAGRAPH_DIST_TIMEOUT sets the limit)".into(),
-                }));
+                return Err(self.fail_with(self.timeout_error("waiting for collectives")));
             }
             if spins < 1000 {
                 spins += 1;
@@ -710,6 +750,100 @@ impl Communicator {
     fn fail_with(&self, e: DistError) -> NnError {
         self.abort(&e.to_string());
         e.into()
+    }
+}
+
+/// Eager collectives in flight, oldest first, each with the event recorded after it and the
+/// time it was enqueued; events seen complete are kept for reuse.
+#[derive(Default)]
+struct Inflight {
+    queue: VecDeque<(Event, Instant)>,
+    spare: Vec<Event>,
+}
+
+/// How often the watching thread looks, with collectives in flight and without.
+const WATCH_BUSY: Duration = Duration::from_millis(10);
+const WATCH_IDLE: Duration = Duration::from_millis(100);
+
+/// The communicator's watching thread: until the communicator is dropped or aborted, it
+/// aborts it when a peer has failed, NCCL reports an asynchronous error, or an eager
+/// collective has not finished [`Communicator::timeout`] after it was enqueued. The error
+/// is kept for the rank's next call ([`CommInner::watch_error`]).
+fn watch(inner: Weak<CommInner>) {
+    loop {
+        let Some(inner) = inner.upgrade() else { return };
+        let c = Communicator { inner };
+        if c.is_aborted() {
+            return;
+        }
+        let (cause, busy) = c.watch_once();
+        if let Some(e) = cause {
+            let reason = e.to_string();
+            *lock(&c.inner.watch_error) = Some(e);
+            c.abort(&reason);
+            return;
+        }
+        drop(c);
+        std::thread::sleep(if busy { WATCH_BUSY } else { WATCH_IDLE });
+    }
+}
+
+impl Communicator {
+    /// One look of the watching thread: the failure to abort with, if any, and whether
+    /// collectives are still in flight.
+    fn watch_once(&self) -> (Option<DistError>, bool) {
+        if let Some(f) = self.inner.health.as_ref().and_then(|h| h.failure()) {
+            return (Some(DistError::PeerFailed(f)), false);
+        }
+        let mut async_err: Status = SUCCESS;
+        let st = self.with_comm(|api, raw| {
+            // SAFETY: the communicator is live (not aborted, and no abort runs while we hold
+            // the call lock); writes one status.
+            unsafe { (api.comm_get_async_error)(raw, &mut async_err) }
+        });
+        match st {
+            Err(_) => return (None, false), // aborted meanwhile
+            Ok(st) if st != SUCCESS => {
+                return (
+                    Some(nccl_error(self.inner.api, st, "ncclCommGetAsyncError")),
+                    false,
+                )
+            }
+            Ok(_) if async_err != SUCCESS && async_err != IN_PROGRESS => {
+                let e = nccl_error(
+                    self.inner.api,
+                    async_err,
+                    "an NCCL operation (asynchronous error)",
+                );
+                return (Some(e), false);
+            }
+            Ok(_) => {}
+        }
+        let mut g = lock(&self.inner.inflight);
+        while let Some((ev, since)) = g.queue.pop_front() {
+            // An event recorded into another library's capture never completes here.
+            if ev.is_captured() || ev.query().unwrap_or(true) {
+                g.spare.push(ev);
+                continue;
+            }
+            let late = since.elapsed() >= self.inner.timeout;
+            g.queue.push_front((ev, since));
+            let cause = late.then(|| self.timeout_error("an NCCL collective enqueued"));
+            return (cause, true);
+        }
+        (None, false)
+    }
+
+    /// This rank's timeout, waiting for `what`.
+    fn timeout_error(&self, what: &str) -> DistError {
+        DistError::Timeout {
+            what: format!(
+                "{what} on rank {} (device {})",
+                self.inner.rank, self.inner.ordinal
+            ),
+            secs: self.inner.timeout.as_secs_f64(),
+            hint: "a peer is stalled or did not issue the same collectives; the communicator was aborted (CUDAGRAPH_DIST_TIMEOUT sets the limit)".into(),
+        }
     }
 }
 
