@@ -18,6 +18,9 @@ Shapes:
   llama-tiny  Llama, 3 layers, hidden 128, 4 query heads and 2 key/value heads (head_dim 32),
               intermediate 256, vocab 1000, llama3 rope_scaling with original_max_position 64
               (so positions of the parity rows, up to 160, are in the scaled range), tied.
+  qwen2-tiny  Qwen2, 3 layers, hidden 128, 4 query heads and 2 key/value heads (head_dim 32),
+              intermediate 256, vocab 1000, rope_theta 1e6, q/k/v biases, sliding window
+              off (use_sliding_window false, as Qwen2.5's checkpoints have it), tied.
   The tiny shapes' weights are drawn with initializer_range 0.1 (not 0.02: logits spread wider,
   so greedy tokens are decided by clear margins), and their biases and norm weights are random
   too (transformers starts them at 0 and 1): 0 or 1 plus 0.1 times a normal draw, so a parity
@@ -139,6 +142,29 @@ SHAPES = {
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
+    },
+    "qwen2-tiny": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 1000,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": 512,
+        "max_window_layers": 3,
         "initializer_range": 0.1,
         "tie_word_embeddings": True,
         "bos_token_id": 0,

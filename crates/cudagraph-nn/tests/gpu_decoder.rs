@@ -1,6 +1,7 @@
-//! GPU tests of the decoder language model (`Decoder`, `DecoderCache`): tiny random GPT-2 and
-//! Llama models (two layers, width 64, four heads; Llama with two key/value heads, Llama 3
-//! rotary scaling and an untied head; vocabulary 97) written as safetensors bytes in memory and
+//! GPU tests of the decoder language model (`Decoder`, `DecoderCache`): tiny random GPT-2,
+//! Llama and Qwen2 models (two layers, width 64, four heads; Llama with two key/value heads,
+//! Llama 3 rotary scaling and an untied head; Qwen2 with q, k and v biases and a tied head;
+//! Llama with one key/value head and every bias; vocabulary 97) written as safetensors bytes in memory and
 //! read through `DecoderWeights::from_files`, checked against an f64 CPU forward of the whole
 //! model written here from the Hugging Face definitions: a prefill with every token's logits,
 //! decode steps one token at a time, rows of different lengths padded as the contract says
@@ -28,7 +29,7 @@ mod tiny_decoder;
 
 use temp::temp_dir;
 
-use tiny_decoder::{safetensors_bytes, weights, Lcg, GPT2, LLAMA};
+use tiny_decoder::{safetensors_bytes, weights, Lcg, GPT2, LLAMA, LLAMA_BIASED, QWEN2};
 
 const VOCAB: usize = 97;
 
@@ -48,6 +49,11 @@ impl Reference {
             .into_iter()
             .map(|v| self.dt.round(v) as f64)
             .collect()
+    }
+
+    /// `name` when the weights hold it (the biases a config asks for).
+    fn opt(&self, name: String) -> Option<String> {
+        self.w.get(&name).is_some().then_some(name)
     }
 
     /// `x · Wᵀ (+ b)` for `W: [out, in]`.
@@ -161,9 +167,13 @@ impl Reference {
                     v[t].copy_from_slice(&qkv[2 * d..]);
                 } else {
                     let h = self.norm(&x[t], &p("input_layernorm.weight"), None, eps, true);
-                    q[t] = self.linear(&h, &p("self_attn.q_proj.weight"), None);
-                    k[t] = self.linear(&h, &p("self_attn.k_proj.weight"), None);
-                    v[t] = self.linear(&h, &p("self_attn.v_proj.weight"), None);
+                    let proj = |n: &str| {
+                        let b = self.opt(p(&format!("self_attn.{n}.bias")));
+                        self.linear(&h, &p(&format!("self_attn.{n}.weight")), b.as_deref())
+                    };
+                    q[t] = proj("q_proj");
+                    k[t] = proj("k_proj");
+                    v[t] = proj("v_proj");
                     for hh in 0..heads {
                         rope(&mut q[t][hh * hd..(hh + 1) * hd], t);
                     }
@@ -196,7 +206,10 @@ impl Reference {
                 let (o, b) = if gpt2 {
                     (p("attn.c_proj.weight"), Some(p("attn.c_proj.bias")))
                 } else {
-                    (p("self_attn.o_proj.weight"), None)
+                    (
+                        p("self_attn.o_proj.weight"),
+                        self.opt(p("self_attn.o_proj.bias")),
+                    )
                 };
                 let o = self.linear(&att, &o, b.as_deref());
                 for c in 0..d {
@@ -221,14 +234,18 @@ impl Reference {
                         eps,
                         true,
                     );
-                    let g = self.linear(&h, &p("mlp.gate_proj.weight"), None);
-                    let u = self.linear(&h, &p("mlp.up_proj.weight"), None);
+                    let mlp = |x: &[f64], n: &str| {
+                        let b = self.opt(p(&format!("mlp.{n}.bias")));
+                        self.linear(x, &p(&format!("mlp.{n}.weight")), b.as_deref())
+                    };
+                    let g = mlp(&h, "gate_proj");
+                    let u = mlp(&h, "up_proj");
                     let a: Vec<f64> = g
                         .iter()
                         .zip(&u)
                         .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
                         .collect();
-                    self.linear(&a, &p("mlp.down_proj.weight"), None)
+                    mlp(&a, "down_proj")
                 };
                 for c in 0..d {
                     x[t][c] += y[c];
@@ -317,8 +334,13 @@ fn run(
     v
 }
 
-fn models() -> [(&'static str, &'static str); 2] {
-    [("gpt2", GPT2), ("llama", LLAMA)]
+fn models() -> [(&'static str, &'static str); 4] {
+    [
+        ("gpt2", GPT2),
+        ("llama", LLAMA),
+        ("qwen2", QWEN2),
+        ("llama with biases", LLAMA_BIASED),
+    ]
 }
 
 /// (1) a prefill with every token's logits, then (2) decode steps one token at a time, each

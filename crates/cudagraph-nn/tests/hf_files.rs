@@ -38,6 +38,28 @@ fn llama_config(tied: bool) -> Value {
     })
 }
 
+/// Qwen2 as the Hub's checkpoints write it: a `sliding_window` size that
+/// `use_sliding_window: false` leaves off.
+fn qwen2_config() -> Value {
+    json!({
+        "model_type": "qwen2", "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 64,
+        "vocab_size": 13, "tie_word_embeddings": true, "hidden_act": "silu",
+        "use_sliding_window": false, "sliding_window": 64, "max_window_layers": 2,
+        "torch_dtype": "bfloat16",
+    })
+}
+
+/// The bias tensors `cfg` lists for layer 0, by projection name.
+fn layer0_biases(cfg: &DecoderConfig) -> Vec<(String, Vec<usize>)> {
+    cfg.tensors()
+        .into_iter()
+        .filter(|s| s.name.starts_with("model.layers.0.") && s.name.ends_with(".bias"))
+        .map(|s| (s.name["model.layers.0.".len()..].to_string(), s.shape))
+        .collect()
+}
+
 fn parse(v: &Value) -> DecoderConfig {
     DecoderConfig::from_json(&v.to_string()).unwrap()
 }
@@ -200,16 +222,65 @@ fn configs_parse_with_defaults() {
     v["model_type"] = json!("mistral");
     v["sliding_window"] = Value::Null;
     assert_eq!(parse(&v).model_type(), "mistral");
+    assert!(layer0_biases(&parse(&v)).is_empty());
+}
+
+#[test]
+fn biases_follow_the_config() {
+    // Qwen2: q, k and v have biases, o and the MLP none; its sliding window is off.
+    let c = parse(&qwen2_config());
+    assert_eq!((c.model_type(), c.tied()), ("qwen2", true));
+    let DecoderConfig::Llama(l) = &c else {
+        panic!()
+    };
+    assert_eq!((l.qkv_bias, l.o_bias, l.mlp_bias), (true, false, false));
+    assert_eq!((l.head_dim, l.rope_theta), (4, 1e6));
+    let want = |v: &[(&str, usize)]| -> Vec<(String, Vec<usize>)> {
+        v.iter().map(|(n, d)| (n.to_string(), vec![*d])).collect()
+    };
+    assert_eq!(
+        layer0_biases(&c),
+        want(&[
+            ("self_attn.q_proj.bias", 16),
+            ("self_attn.k_proj.bias", 8),
+            ("self_attn.v_proj.bias", 8),
+        ])
+    );
+    // transformers' own files list every layer's kind.
+    let mut v = qwen2_config();
+    v["layer_types"] = json!(["full_attention", "full_attention"]);
+    assert_eq!(parse(&v), c);
+
+    // Llama's `attention_bias` is q, k, v and o; `mlp_bias` gate, up and down.
+    let mut v = llama_config(false);
+    v["attention_bias"] = json!(true);
+    v["mlp_bias"] = json!(true);
+    let c = parse(&v);
+    assert_eq!(
+        layer0_biases(&c),
+        want(&[
+            ("self_attn.q_proj.bias", 16),
+            ("self_attn.k_proj.bias", 8),
+            ("self_attn.v_proj.bias", 8),
+            ("self_attn.o_proj.bias", 16),
+            ("mlp.gate_proj.bias", 24),
+            ("mlp.up_proj.bias", 24),
+            ("mlp.down_proj.bias", 16),
+        ])
+    );
+    let mut v = llama_config(false);
+    v["mlp_bias"] = json!(true);
+    assert_eq!(layer0_biases(&parse(&v)).len(), 3);
 }
 
 #[test]
 fn unsupported_configs_name_field_value_and_alternatives() {
     let cases: Vec<(Value, &str, &str, &str)> = vec![
         (
-            json!({"model_type": "qwen2"}),
+            json!({"model_type": "falcon"}),
             "model_type",
-            "\"qwen2\"",
-            "llama",
+            "\"falcon\"",
+            "qwen2",
         ),
         (
             {
@@ -223,23 +294,23 @@ fn unsupported_configs_name_field_value_and_alternatives() {
         ),
         (
             {
-                let mut v = llama_config(false);
-                v["attention_bias"] = json!(true);
+                let mut v = qwen2_config();
+                v["use_sliding_window"] = json!(true);
                 v
             },
-            "attention_bias",
+            "use_sliding_window",
             "true",
             "false",
         ),
         (
             {
-                let mut v = llama_config(false);
-                v["mlp_bias"] = json!(true);
+                let mut v = qwen2_config();
+                v["layer_types"] = json!(["full_attention", "sliding_attention"]);
                 v
             },
-            "mlp_bias",
-            "true",
-            "false",
+            "layer_types",
+            "[\"full_attention\",\"sliding_attention\"]",
+            "full_attention",
         ),
         (
             {
@@ -326,6 +397,15 @@ fn unsupported_configs_name_field_value_and_alternatives() {
             },
             "vocab_size",
             "positive integer",
+        ),
+        (
+            {
+                let mut v = llama_config(false);
+                v["attention_bias"] = json!("yes");
+                v
+            },
+            "attention_bias",
+            "true or false",
         ),
         (
             {
@@ -485,6 +565,39 @@ fn llama_sharded_and_single_bf16_and_f32() {
             assert_eq!(a.to_f32(), *c);
             assert_eq!(b.to_f32(), *c);
         }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+/// A Qwen2 folder and a Llama folder with every bias: the biases load like the weights.
+#[test]
+fn biased_folders_load_every_bias() {
+    let mut llama = llama_config(true);
+    llama["attention_bias"] = json!(true);
+    llama["mlp_bias"] = json!(true);
+    for (cfg_json, biases) in [(qwen2_config(), 3), (llama, 7)] {
+        let cfg = parse(&cfg_json);
+        let dir = temp_dir("biased");
+        let e = entries(&cfg, FileDtype::BF16, "");
+        assert_eq!(
+            e.iter().filter(|x| x.0.ends_with(".bias")).count(),
+            2 * biases
+        );
+        write_folder(&dir, &cfg_json, std::slice::from_ref(&e));
+        let w = DecoderWeights::read(&dir).unwrap();
+        check_values(&w, &e, "");
+        // A file without one of them names it.
+        let missing: Entries = e
+            .iter()
+            .filter(|x| x.0 != "model.layers.1.self_attn.k_proj.bias")
+            .cloned()
+            .collect();
+        write_folder(&dir, &cfg_json, &[missing]);
+        let msg = hf_err(DecoderWeights::read(&dir)).to_string();
+        assert!(
+            msg.contains("model.layers.1.self_attn.k_proj.bias"),
+            "{msg}"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -1,5 +1,6 @@
 //! Decoder-only language models from Hugging Face files: a model folder's `config.json` read
-//! into a typed [`DecoderConfig`] (GPT-2, and Llama with its close relative Mistral), and its
+//! into a typed [`DecoderConfig`] (GPT-2, and Llama with its close relatives Mistral and
+//! Qwen2), and its
 //! safetensors weights (`model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`) checked tensor by tensor against the config into a host-side
 //! [`DecoderWeights`], which [`DecoderWeights::upload_parameters`] and
@@ -15,7 +16,9 @@
 //!
 //! Tensors keep their Hugging Face names, less GPT-2's optional `transformer.` prefix:
 //! `wte.weight`, `h.0.attn.c_attn.weight`, ..., `model.layers.0.self_attn.q_proj.weight`, ...
-//! ([`DecoderConfig::tensors`] lists them with their shapes). `lm_head.weight` is present only
+//! ([`DecoderConfig::tensors`] lists them with their shapes, biases included where the config
+//! has them: Qwen2's `q_proj`, `k_proj` and `v_proj`, or Llama's with `attention_bias` and
+//! `mlp_bias`). `lm_head.weight` is present only
 //! when the config does not tie it to the token embedding; a tied file that still stores it has
 //! it dropped, as Hugging Face does.
 //!
@@ -54,7 +57,7 @@ type IoResult<T> = std::result::Result<T, IoError>;
 pub enum DecoderConfig {
     /// `model_type: "gpt2"`.
     Gpt2(Gpt2Config),
-    /// `model_type: "llama"` or `"mistral"` (without a sliding window).
+    /// `model_type: "llama"`, `"mistral"` or `"qwen2"` (without a sliding window).
     Llama(LlamaConfig),
 }
 
@@ -82,10 +85,10 @@ pub struct Gpt2Config {
 }
 
 /// A Llama-family model: rotary positions, RMSNorm, grouped-query attention, SiLU-gated MLP,
-/// no biases.
+/// biases where the config asks for them (Qwen2 on q, k and v).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
-    /// `model_type`: `"llama"` or `"mistral"`.
+    /// `model_type`: `"llama"`, `"mistral"` or `"qwen2"`.
     pub model_type: String,
     /// `hidden_size`.
     pub hidden_size: usize,
@@ -112,6 +115,14 @@ pub struct LlamaConfig {
     pub vocab_size: usize,
     /// `tie_word_embeddings` (default false).
     pub tie_word_embeddings: bool,
+    /// Whether `q_proj`, `k_proj` and `v_proj` have biases: always for Qwen2, Llama's
+    /// `attention_bias` (default false) otherwise.
+    pub qkv_bias: bool,
+    /// Whether `o_proj` has a bias: Llama's `attention_bias`; never for Qwen2.
+    pub o_bias: bool,
+    /// Whether `gate_proj`, `up_proj` and `down_proj` have biases: Llama's `mlp_bias`
+    /// (default false); never for Qwen2.
+    pub mlp_bias: bool,
     /// `torch_dtype` / `dtype`, when given.
     pub dtype: Option<Dtype>,
 }
@@ -245,7 +256,7 @@ impl DecoderConfig {
     }
 
     /// Parses the text of a `config.json`. Anything this build cannot run (another
-    /// `model_type`, activation, rotary scaling, biases, a sliding window) is an
+    /// `model_type`, activation, rotary scaling, a sliding window) is an
     /// [`HfError::Unsupported`] naming the field, its value and what is supported.
     pub fn from_json(text: &str) -> IoResult<Self> {
         let v: Value = serde_json::from_str(text).map_err(|e| config_err("", e.to_string()))?;
@@ -258,11 +269,13 @@ impl DecoderConfig {
             .ok_or_else(|| config_err("model_type", "is missing"))?;
         match model_type.as_str() {
             Some("gpt2") => Self::gpt2(&f).map(DecoderConfig::Gpt2),
-            Some(t @ ("llama" | "mistral")) => Self::llama(&f, t).map(DecoderConfig::Llama),
+            Some(t @ ("llama" | "mistral" | "qwen2")) => {
+                Self::llama(&f, t).map(DecoderConfig::Llama)
+            }
             _ => Err(unsupported(
                 "model_type",
                 model_type,
-                "\"gpt2\", \"llama\", \"mistral\"",
+                "\"gpt2\", \"llama\", \"mistral\", \"qwen2\"",
             )),
         }
     }
@@ -315,10 +328,31 @@ impl DecoderConfig {
         if act != "silu" {
             return Err(unsupported("hidden_act", &Value::from(act), "\"silu\""));
         }
-        f.require("attention_bias", &Value::Bool(false), "false")?;
-        f.require("mlp_bias", &Value::Bool(false), "false")?;
-        if let Some(w) = f.get("sliding_window") {
+        let qwen2 = model_type == "qwen2";
+        let (qkv_bias, o_bias, mlp_bias) = if qwen2 {
+            (true, false, false)
+        } else {
+            let attention = f.bool_or("attention_bias", false)?;
+            (attention, attention, f.bool_or("mlp_bias", false)?)
+        };
+        // Qwen2 keeps a `sliding_window` size that only `use_sliding_window` switches on
+        // (and per layer, `layer_types`); Mistral's applies whenever it is set.
+        if qwen2 {
+            f.require("use_sliding_window", &Value::Bool(false), "false")?;
+        } else if let Some(w) = f.get("sliding_window") {
             return Err(unsupported("sliding_window", w, "null (full attention)"));
+        }
+        if let Some(types) = f.get("layer_types") {
+            let full = types
+                .as_array()
+                .is_some_and(|a| a.iter().all(|t| t == "full_attention"));
+            if !full {
+                return Err(unsupported(
+                    "layer_types",
+                    types,
+                    "\"full_attention\" for every layer",
+                ));
+            }
         }
         let hidden_size = f.usize("hidden_size")?;
         let heads = f.usize("num_attention_heads")?;
@@ -385,6 +419,9 @@ impl DecoderConfig {
             max_position_embeddings: f.usize("max_position_embeddings")?,
             vocab_size: f.usize("vocab_size")?,
             tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+            qkv_bias,
+            o_bias,
+            mlp_bias,
             dtype: f.dtype()?,
         })
     }
@@ -463,13 +500,16 @@ impl DecoderConfig {
                 for i in 0..c.num_hidden_layers {
                     let p = format!("model.layers.{i}.");
                     add(format!("{p}input_layernorm.weight"), &[d], false);
-                    for (name, shape) in [
-                        ("self_attn.q_proj", [q, d]),
-                        ("self_attn.k_proj", [kv, d]),
-                        ("self_attn.v_proj", [kv, d]),
-                        ("self_attn.o_proj", [d, q]),
+                    for (name, shape, bias) in [
+                        ("self_attn.q_proj", [q, d], c.qkv_bias),
+                        ("self_attn.k_proj", [kv, d], c.qkv_bias),
+                        ("self_attn.v_proj", [kv, d], c.qkv_bias),
+                        ("self_attn.o_proj", [d, q], c.o_bias),
                     ] {
                         add(format!("{p}{name}.weight"), &shape, false);
+                        if bias {
+                            add(format!("{p}{name}.bias"), &shape[..1], false);
+                        }
                     }
                     add(format!("{p}post_attention_layernorm.weight"), &[d], false);
                     for (name, shape) in [
@@ -478,6 +518,9 @@ impl DecoderConfig {
                         ("mlp.down_proj", [d, m]),
                     ] {
                         add(format!("{p}{name}.weight"), &shape, false);
+                        if c.mlp_bias {
+                            add(format!("{p}{name}.bias"), &shape[..1], false);
+                        }
                     }
                 }
                 add("model.norm.weight".into(), &[d], false);

@@ -12,10 +12,11 @@
 //! SwiGLU, products with f32 accumulation), so 16-bit results differ from Hugging Face's by a
 //! few units of the last place, not more. GPT-2: token + learned position embedding,
 //! pre-LayerNorm blocks (`layer_norm_epsilon`), fused `c_attn` with bias, `gelu_new` (tanh)
-//! MLP, tied head. Llama / Mistral: RMSNorm (`rms_norm_eps`), q/k/v/o without bias
-//! (`attention_bias` / `mlp_bias` true are refused when the config is read), rotary
-//! embedding "rotate half" with `rope_theta` and Llama 3's `rope_scaling`, grouped-query
-//! attention, SwiGLU MLP, tied or untied head. Logits are f32.
+//! MLP, tied head. Llama / Mistral / Qwen2: RMSNorm (`rms_norm_eps`), biases where the
+//! config has them (Qwen2's on q, k and v; Llama's `attention_bias` on q, k, v and o, its
+//! `mlp_bias` on gate, up and down; each added inside its product, stacked like the weights),
+//! rotary embedding "rotate half" with `rope_theta` and Llama 3's `rope_scaling`,
+//! grouped-query attention, SwiGLU MLP, tied or untied head. Logits are f32.
 //!
 //! # One layer, launch by launch
 //!
@@ -293,24 +294,41 @@ fn model<T: Float>(s: &Stream, w: &DecoderWeights, dims: &Dims) -> Result<Model<
             },
         })
     } else {
+        let (qkv_bias, o_bias, mlp_bias) = match &w.config {
+            DecoderConfig::Llama(c) => (c.qkv_bias, c.o_bias, c.mlp_bias),
+            DecoderConfig::Gpt2(_) => (false, false, false),
+        };
+        // The tensors `names` stacked (q|k|v, gate|up) with `suffix` (`weight` or `bias`).
+        let stacked = |names: &[&str], suffix: &str| {
+            cat(&names
+                .iter()
+                .map(|x| format!("{x}.{suffix}"))
+                .collect::<Vec<_>>())
+        };
         for i in 0..dims.layers {
             let p = format!("model.layers.{i}.");
             let n = |x: &str| format!("{p}{x}");
+            let qkv = [
+                n("self_attn.q_proj"),
+                n("self_attn.k_proj"),
+                n("self_attn.v_proj"),
+            ];
+            let qkv: Vec<&str> = qkv.iter().map(String::as_str).collect();
+            let gate_up = [n("mlp.gate_proj"), n("mlp.up_proj")];
+            let gate_up: Vec<&str> = gate_up.iter().map(String::as_str).collect();
             blocks.push(Block {
                 norm1: norm::<T>(s, w, &n("input_layernorm.weight"), None)?,
-                qkv_w: cat(&[
-                    n("self_attn.q_proj.weight"),
-                    n("self_attn.k_proj.weight"),
-                    n("self_attn.v_proj.weight"),
-                ])?,
-                qkv_b: None,
+                qkv_w: stacked(&qkv, "weight")?,
+                qkv_b: qkv_bias.then(|| stacked(&qkv, "bias")).transpose()?,
                 o_w: up(&n("self_attn.o_proj.weight"))?,
-                o_b: None,
+                o_b: o_bias
+                    .then(|| up(&n("self_attn.o_proj.bias")))
+                    .transpose()?,
                 norm2: norm::<T>(s, w, &n("post_attention_layernorm.weight"), None)?,
-                up_w: cat(&[n("mlp.gate_proj.weight"), n("mlp.up_proj.weight")])?,
-                up_b: None,
+                up_w: stacked(&gate_up, "weight")?,
+                up_b: mlp_bias.then(|| stacked(&gate_up, "bias")).transpose()?,
                 down_w: up(&n("mlp.down_proj.weight"))?,
-                down_b: None,
+                down_b: mlp_bias.then(|| up(&n("mlp.down_proj.bias"))).transpose()?,
             });
         }
         Ok(Model {
@@ -900,6 +918,9 @@ mod tests {
             max_position_embeddings: 64,
             vocab_size: 97,
             tie_word_embeddings: false,
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
             dtype: None,
         });
         let d = Dims::of(&l);

@@ -1,4 +1,4 @@
-//! Tiny random GPT-2 and Llama decoders built in memory (config JSON and safetensors bytes),
+//! Tiny random GPT-2, Llama and Qwen2 decoders built in memory (config JSON and safetensors bytes),
 //! shared by the decoder and generation tests.
 
 #![allow(dead_code)]
@@ -15,6 +15,20 @@ pub const LLAMA: &str = r#"{"model_type": "llama", "hidden_size": 64, "intermedi
     "vocab_size": 97, "tie_word_embeddings": false,
     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#;
+
+/// Qwen2: q, k and v with biases, a sliding window left off, tied head.
+pub const QWEN2: &str = r#"{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 64,
+    "vocab_size": 97, "tie_word_embeddings": true, "use_sliding_window": false,
+    "sliding_window": 64}"#;
+
+/// Llama with every bias: `attention_bias` (q, k, v, o) and `mlp_bias` (gate, up, down).
+pub const LLAMA_BIASED: &str = r#"{"model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "max_position_embeddings": 64, "vocab_size": 97, "tie_word_embeddings": false,
+    "attention_bias": true, "mlp_bias": true}"#;
 
 /// A deterministic uniform generator in [-1, 1).
 pub struct Lcg(pub u64);
