@@ -8,14 +8,19 @@
 //! (equal to each row run alone), a decode step captured once and replayed with advancing
 //! positions (equal to eager bit for bit), loading from a folder, and misuse as typed errors.
 //!
-//! Tolerances, relative to the largest |logit| of the reference:
+//! Tolerances against the reference, relative to its largest |logit|:
 //! - f32: 1e-4. The products accumulate in f32 over at most 256 terms, softmax and norms are f32
-//!   (`__expf`, a few ulp), the rotary angle is an f32 product: errors of order 1e-6 relative.
-//! - bf16 (and f16, three more mantissa bits): 2e-2. Activations are rounded to bf16 (8-bit mantissa, relative 2⁻⁹ ≈ 2e-3) after
-//!   every operation, about a dozen roundings a layer over two layers; as random errors they
-//!   add to about 1e-2 of an activation in the worst component, and a logit, a 64-term dot
-//!   product of the final hidden state with the head, averages them further. The reference uses
-//!   the same bf16-rounded weights, so only activation rounding differs.
+//!   (`__expf`, a few ulp), the rotary angle is an f32 product: errors of order 1e-6 relative
+//!   (measured on an H200: at most 7e-7 over the four models).
+//! - f16: 5e-3; bf16: 4e-2, eight times as much, as bf16's unit roundoff (2⁻⁸) is eight times
+//!   f16's (2⁻¹¹). Activations are rounded to the model's type after every operation, as
+//!   Hugging Face rounds them, about a dozen roundings a layer over two layers, and the
+//!   reference does not round at all (it uses the same rounded weights). Measured on an H200,
+//!   the worst over the four models and every check: f16 1.7e-3, bf16 2.2e-2 — in the ratio
+//!   of the unit roundoffs, so rounding, not a wrong term (a wrong term shows in f32 first).
+//!
+//! A row batched with others against the same row alone (same kernels) is held to the
+//! project's tolerance between two runs of ours, [`consistency`]: f32 1e-4, 16-bit 2e-2.
 
 use cudagraph::memory::{bf16, f16};
 use cudagraph::testing::assert_bits_eq;
@@ -270,7 +275,17 @@ impl Reference {
     }
 }
 
+/// Against the f64 reference (see the module docs).
 fn tolerance(dt: Dtype) -> f64 {
+    match dt {
+        Dtype::F32 => 1e-4,
+        Dtype::F16 => 5e-3,
+        _ => 4e-2,
+    }
+}
+
+/// Between two runs of ours on the same rows (batched and alone).
+fn consistency(dt: Dtype) -> f64 {
     match dt {
         Dtype::F32 => 1e-4,
         _ => 2e-2,
@@ -287,6 +302,7 @@ fn check(dt: Dtype, got: &[f32], want: &[Vec<f64>], what: &str) {
         .fold(0.0f64, |m, v| m.max(v.abs()))
         .max(1e-3);
     let tol = tolerance(dt) * scale;
+    let mut worst = 0.0f64;
     for (r, row) in want.iter().enumerate() {
         for (c, w) in row.iter().enumerate() {
             let g = got[r * VOCAB + c] as f64;
@@ -294,8 +310,13 @@ fn check(dt: Dtype, got: &[f32], want: &[Vec<f64>], what: &str) {
                 (g - w).abs() <= tol && g.is_finite(),
                 "{what}: row {r} logit {c}: {g} vs {w} (tolerance {tol})"
             );
+            worst = worst.max((g - w).abs());
         }
     }
+    println!(
+        "{what}: worst error {:.2e} of the largest logit",
+        worst / scale
+    );
 }
 
 fn ids_of(seed: u64, n: usize) -> Vec<i32> {
@@ -471,7 +492,7 @@ fn rows_of_different_lengths_equal_each_row_alone() {
                 let scale = want.iter().flatten().fold(0.0f64, |m, v| m.max(v.abs()));
                 for (i, (a, c)) in mine.iter().zip(&alone).enumerate() {
                     assert!(
-                        ((a - c).abs() as f64) <= tolerance(dt) * scale,
+                        ((a - c).abs() as f64) <= consistency(dt) * scale,
                         "{what} row {b}: element {i}: {a} batched, {c} alone"
                     );
                 }

@@ -188,6 +188,19 @@ fn norm_case<T: Float, O: Float>(s: &Stream, c: &NormCase, seed: u64) {
 }
 
 fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64) {
+    for epilogue in [Epilogue::None, Epilogue::Bias] {
+        swiglu_epilogue_case::<T>(s, (m, n, k), epilogue, seed);
+    }
+}
+
+/// SwiGLU rows into the product with `epilogue` (a bias: Llama's `mlp_bias`), fused and as
+/// two launches, bit for bit.
+fn swiglu_epilogue_case<T: Float>(
+    s: &Stream,
+    (m, n, k): (usize, usize, usize),
+    epilogue: Epilogue,
+    seed: u64,
+) {
     let dev = s.device();
     let (dk, gemv) = (
         DecoderKernels::get(dev).unwrap(),
@@ -200,22 +213,23 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
     let w = s
         .alloc_from_host(&values::<T>(&mut rng, n * k, 1.0 / (k as f32).sqrt()))
         .unwrap();
+    let bias = s.alloc_from_host(&values::<T>(&mut rng, n, 0.5)).unwrap();
+    let bias = (epilogue != Epilogue::None).then_some(&bias);
     let mut fused = 0;
     for ks in splits(k) {
-        let takes = fused_ok::<T>(false, (m, n, k), ks, Epilogue::None, limits(s));
+        let takes = fused_ok::<T>(false, (m, n, k), ks, epilogue, limits(s));
         let act = s.alloc::<T>(m * k).unwrap();
         let y2 = s.alloc::<T>(m * n).unwrap();
         dk.swiglu(s, &gu, &act, (m, k)).unwrap();
-        let none: Option<&DeviceBuffer<T>> = None;
         gemv.run(
             s,
             (m, n, k),
             (1.0, 0.0),
-            Epilogue::None,
+            epilogue,
             &act,
             &w,
             &y2,
-            none,
+            bias,
             FewRow::Lanes(ks),
         )
         .unwrap();
@@ -225,14 +239,17 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
             s,
             (m, n, k),
             (1.0, 0.0),
-            Epilogue::None,
+            epilogue,
             &from,
             &w,
-            (&y1, none),
+            (&y1, bias),
             ks,
         );
         if !takes {
-            refused(ran, &format!("SwiGLU rows m={m} n={n} k={k} ks={ks}"));
+            refused(
+                ran,
+                &format!("SwiGLU rows m={m} n={n} k={k} ks={ks} {epilogue:?}"),
+            );
             continue;
         }
         ran.unwrap();
@@ -240,14 +257,14 @@ fn swiglu_case<T: Float>(s: &Stream, (m, n, k): (usize, usize, usize), seed: u64
         assert_eq!(
             bits(s, &y1),
             bits(s, &y2),
-            "SwiGLU m={m} n={n} k={k} ks={ks} {}",
+            "SwiGLU m={m} n={n} k={k} ks={ks} {epilogue:?} {}",
             T::DTYPE
         );
     }
-    let fits = fused_ok::<T>(false, (m, n, k), 1, Epilogue::None, limits(s));
+    let fits = fused_ok::<T>(false, (m, n, k), 1, epilogue, limits(s));
     assert!(
         fused > 0 || !fits,
-        "no split of SwiGLU m={m} n={n} k={k} ran fused"
+        "no split of SwiGLU m={m} n={n} k={k} {epilogue:?} ran fused"
     );
 }
 
