@@ -235,17 +235,28 @@ fn biases_follow_the_config() {
     };
     assert_eq!((l.qkv_bias, l.o_bias, l.mlp_bias), (true, false, false));
     assert_eq!((l.head_dim, l.rope_theta), (4, 1e6));
-    let want = |v: &[(&str, usize)]| -> Vec<(String, Vec<usize>)> {
-        v.iter().map(|(n, d)| (n.to_string(), vec![*d])).collect()
-    };
-    assert_eq!(
-        layer0_biases(&c),
-        want(&[
+    // Layer 0's biases in the file's order, with their lengths.
+    let (qkv, o, mlp): (&[_], &[_], &[_]) = (
+        &[
             ("self_attn.q_proj.bias", 16),
             ("self_attn.k_proj.bias", 8),
             ("self_attn.v_proj.bias", 8),
-        ])
+        ],
+        &[("self_attn.o_proj.bias", 16)],
+        &[
+            ("mlp.gate_proj.bias", 24),
+            ("mlp.up_proj.bias", 24),
+            ("mlp.down_proj.bias", 16),
+        ],
     );
+    let want = |parts: &[&[(&str, usize)]]| -> Vec<(String, Vec<usize>)> {
+        parts
+            .iter()
+            .flat_map(|p| p.iter())
+            .map(|(n, d)| (n.to_string(), vec![*d]))
+            .collect()
+    };
+    assert_eq!(layer0_biases(&c), want(&[qkv]));
     // transformers' own files list every layer's kind.
     let mut v = qwen2_config();
     v["layer_types"] = json!(["full_attention", "full_attention"]);
@@ -255,22 +266,10 @@ fn biases_follow_the_config() {
     let mut v = llama_config(false);
     v["attention_bias"] = json!(true);
     v["mlp_bias"] = json!(true);
-    let c = parse(&v);
-    assert_eq!(
-        layer0_biases(&c),
-        want(&[
-            ("self_attn.q_proj.bias", 16),
-            ("self_attn.k_proj.bias", 8),
-            ("self_attn.v_proj.bias", 8),
-            ("self_attn.o_proj.bias", 16),
-            ("mlp.gate_proj.bias", 24),
-            ("mlp.up_proj.bias", 24),
-            ("mlp.down_proj.bias", 16),
-        ])
-    );
+    assert_eq!(layer0_biases(&parse(&v)), want(&[qkv, o, mlp]));
     let mut v = llama_config(false);
     v["mlp_bias"] = json!(true);
-    assert_eq!(layer0_biases(&parse(&v)).len(), 3);
+    assert_eq!(layer0_biases(&parse(&v)), want(&[mlp]));
 }
 
 #[test]
