@@ -1049,9 +1049,9 @@ part_decode() {
   }
   for m in ${DECODE_MODELS:-gpt2-small llama-1b}; do
     case $m in
-      gpt2-small | llama-1b | gpt2-tiny | llama-tiny | qwen2-tiny) ;;
+      gpt2-small | llama-1b | qwen2-0.5b | gpt2-tiny | llama-tiny | qwen2-tiny) ;;
       *)
-        say "decode: unknown model '$m' in DECODE_MODELS (gpt2-small llama-1b gpt2-tiny llama-tiny qwen2-tiny)"
+        say "decode: unknown model '$m' in DECODE_MODELS (gpt2-small llama-1b qwen2-0.5b gpt2-tiny llama-tiny qwen2-tiny)"
         bad=1
         continue
         ;;

@@ -14,6 +14,9 @@ Shapes:
   llama-1b    Llama 3.2 1B's shape: 16 layers, hidden 2048, 32 query heads, 8 key/value heads
               (head_dim 64), intermediate 8192, vocab 128256, rope_theta 500000, llama3
               rope_scaling (factor 32, low 1, high 4, original 8192), tied embeddings.
+  qwen2-0.5b  Qwen2.5 0.5B's shape: 24 layers, hidden 896, 14 query heads, 2 key/value heads
+              (head_dim 64), intermediate 4864, vocab 151936, rope_theta 1e6, q/k/v biases,
+              sliding window off, tied embeddings.
   gpt2-tiny   GPT-2, 3 layers, width 128, 4 heads, vocab 1000, n_positions 256, tied head.
   llama-tiny  Llama, 3 layers, hidden 128, 4 query heads and 2 key/value heads (head_dim 32),
               intermediate 256, vocab 1000, llama3 rope_scaling with original_max_position 64
@@ -94,6 +97,29 @@ SHAPES = {
         "tie_word_embeddings": True,
         "bos_token_id": 128000,
         "eos_token_id": 128001,
+        "use_cache": True,
+    },
+    "qwen2-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": 24,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
         "use_cache": True,
     },
     "gpt2-tiny": {

@@ -154,9 +154,10 @@ pub struct DistOptions {
     /// How long the rendezvous may take: rank 0 waits this long for every rank to connect,
     /// the others keep retrying to reach rank 0 this long (default 120 s).
     pub rendezvous_timeout: Duration,
-    /// How long NCCL initialisation, and any one wait for queued collectives, may take before
-    /// the communicator is aborted (default 300 s, like a patient `torchrun` job; lower it to
-    /// notice a hung peer sooner).
+    /// How long NCCL initialisation, any one wait for queued collectives, and any eager
+    /// collective from its enqueue to its end may take before the communicator is aborted
+    /// (default 300 s, like a patient `torchrun` job; lower it to notice a hung peer sooner,
+    /// raise it when ranks may reach a collective that far apart).
     pub timeout: Duration,
     /// A peer whose connection has been silent this long (no heartbeat: its host or network
     /// is down) counts as failed (default 30 s; heartbeats go out every second).
