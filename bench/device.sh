@@ -1108,7 +1108,7 @@ part_decode() {
   } >"$md"
   written "$md" "$l"
   [ ${#merged[@]} -gt 0 ] && merge_json "$RES/decode-$DEVICE.json" decode "${merged[@]}"
-  say "decode: $(grep -cE '^\| (gpt2|llama)' "$md") rows; $(grep -c 'NOT met' "$md") targets not met$([ "$bad" = 1 ] && echo " (some steps failed)")"
+  say "decode: $(grep -cE '^\| (gpt2|llama|qwen2)' "$md") rows; $(grep -c 'NOT met' "$md") targets not met$([ "$bad" = 1 ] && echo " (some steps failed)")"
   [ "$bad" = 0 ]
 }
 
