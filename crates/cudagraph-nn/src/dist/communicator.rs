@@ -7,8 +7,8 @@
 //! NCCL's asynchronous error, the peers' liveness and a timeout, and returns the error. A
 //! thread of the communicator's own watches every eager collective from its enqueue, so that
 //! a rank whose host is blocked elsewhere is freed too: while a collective waits for a peer on
-//! the device, CUDA calls that wait for the device (loading a kernel's module on first use,
-//! freeing memory, a plain stream synchronisation) block, and only an abort ends that wait.
+//! the device, CUDA calls that wait for the device (loading a kernel's module on first use, a
+//! plain synchronisation of that stream) block, and only an abort ends that wait.
 //!
 //! The raw collectives ([`Communicator::all_reduce`], [`Communicator::broadcast`]) are
 //! `unsafe`: NCCL trusts every rank to pass the same element count, and a rank whose count
