@@ -432,6 +432,34 @@ fn prefill_then_decode_matches_the_reference() {
     }
 }
 
+/// A model with a sliding window (Mistral's) runs sequences up to the window, where it is full
+/// attention: a longer cache is refused with the reason, and within it the logits match the
+/// reference (which attends to every position).
+#[test]
+fn a_sliding_window_bounds_the_sequence() {
+    let dev = gpu_test_device!();
+    let s = dev.new_stream().unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(LLAMA).unwrap();
+    cfg["model_type"] = "mistral".into();
+    cfg["sliding_window"] = 16.into();
+    let w = weights(&cfg.to_string(), 91);
+    let dec = Decoder::from_weights(&s, &w, Dtype::F32).unwrap();
+    assert_eq!(dec.max_positions(), 16);
+    let msg = dec.new_cache(&s, 1, 17).err().unwrap().to_string();
+    assert!(msg.contains("sliding window of 16"), "{msg}");
+    let cache = dec.new_cache(&s, 1, 16).unwrap();
+    let seq = ids_of(92, 16);
+    let pos: Vec<i32> = (0..16).collect();
+    let got = run(&s, &dec, &cache, &seq, &pos, &[0], (1, 16), LogitsFor::All);
+    let reference = Reference { w, dt: Dtype::F32 };
+    check(
+        Dtype::F32,
+        &got,
+        &reference.forward(&seq),
+        "mistral, window 16",
+    );
+}
+
 /// (3) Rows of different lengths in one call, padded at their end with positions continuing
 /// past the real length, in slots out of order, equal each row run alone; then one batched
 /// decode step (each row's next token at its real length, overwriting the padded keys) equals

@@ -273,6 +273,29 @@ fn biases_follow_the_config() {
 }
 
 #[test]
+fn sliding_windows_are_read_where_they_apply() {
+    let window = |v: &Value| match parse(v) {
+        DecoderConfig::Llama(l) => l.sliding_window,
+        DecoderConfig::Gpt2(_) => panic!(),
+    };
+    // Qwen2: off unless `use_sliding_window`, or a layer of `layer_types` slides.
+    assert_eq!(window(&qwen2_config()), None);
+    let mut v = qwen2_config();
+    v["use_sliding_window"] = json!(true);
+    assert_eq!(window(&v), Some(64));
+    let mut v = qwen2_config();
+    v["layer_types"] = json!(["full_attention", "sliding_attention"]);
+    assert_eq!(window(&v), Some(64));
+    // Mistral: whenever its size is given (Mistral 7B v0.1's 4096), not when null.
+    let mut v = llama_config(false);
+    v["model_type"] = json!("mistral");
+    v["sliding_window"] = json!(4096);
+    assert_eq!(window(&v), Some(4096));
+    v["sliding_window"] = Value::Null;
+    assert_eq!(window(&v), None);
+}
+
+#[test]
 fn unsupported_configs_name_field_value_and_alternatives() {
     let cases: Vec<(Value, &str, &str, &str)> = vec![
         (
@@ -294,33 +317,12 @@ fn unsupported_configs_name_field_value_and_alternatives() {
         (
             {
                 let mut v = qwen2_config();
-                v["use_sliding_window"] = json!(true);
-                v
-            },
-            "use_sliding_window",
-            "true",
-            "false",
-        ),
-        (
-            {
-                let mut v = qwen2_config();
-                v["layer_types"] = json!(["full_attention", "sliding_attention"]);
+                v["layer_types"] = json!(["full_attention", "chunked_attention"]);
                 v
             },
             "layer_types",
-            "[\"full_attention\",\"sliding_attention\"]",
-            "full_attention",
-        ),
-        (
-            {
-                let mut v = llama_config(false);
-                v["model_type"] = json!("mistral");
-                v["sliding_window"] = json!(4096);
-                v
-            },
-            "sliding_window",
-            "4096",
-            "null",
+            "[\"full_attention\",\"chunked_attention\"]",
+            "sliding_attention",
         ),
         (
             {
@@ -396,6 +398,16 @@ fn unsupported_configs_name_field_value_and_alternatives() {
             },
             "vocab_size",
             "positive integer",
+        ),
+        (
+            {
+                let mut v = qwen2_config();
+                v["use_sliding_window"] = json!(true);
+                v["sliding_window"] = Value::Null;
+                v
+            },
+            "sliding_window",
+            "is missing",
         ),
         (
             {

@@ -57,7 +57,7 @@ type IoResult<T> = std::result::Result<T, IoError>;
 pub enum DecoderConfig {
     /// `model_type: "gpt2"`.
     Gpt2(Gpt2Config),
-    /// `model_type: "llama"`, `"mistral"` or `"qwen2"` (without a sliding window).
+    /// `model_type: "llama"`, `"mistral"` or `"qwen2"`.
     Llama(LlamaConfig),
 }
 
@@ -123,6 +123,12 @@ pub struct LlamaConfig {
     /// Whether `gate_proj`, `up_proj` and `down_proj` have biases: Llama's `mlp_bias`
     /// (default false); never for Qwen2.
     pub mlp_bias: bool,
+    /// The attention window where one applies (Mistral's `sliding_window`; Qwen2's when
+    /// `use_sliding_window` is true or `layer_types` has a `"sliding_attention"` layer): a
+    /// position attends to the `sliding_window` positions up to its own. Sequences of at most
+    /// that many positions attend to all of them, as full attention does, and that is as far
+    /// as this build runs such a model ([`crate::Decoder::max_positions`]).
+    pub sliding_window: Option<usize>,
     /// `torch_dtype` / `dtype`, when given.
     pub dtype: Option<Dtype>,
 }
@@ -256,7 +262,7 @@ impl DecoderConfig {
     }
 
     /// Parses the text of a `config.json`. Anything this build cannot run (another
-    /// `model_type`, activation, rotary scaling, a sliding window) is an
+    /// `model_type`, activation, rotary scaling, a sliding window without its size) is an
     /// [`HfError::Unsupported`] naming the field, its value and what is supported.
     pub fn from_json(text: &str) -> IoResult<Self> {
         let v: Value = serde_json::from_str(text).map_err(|e| config_err("", e.to_string()))?;
@@ -335,25 +341,37 @@ impl DecoderConfig {
             let attention = f.bool_or("attention_bias", false)?;
             (attention, attention, f.bool_or("mlp_bias", false)?)
         };
-        // Qwen2 keeps a `sliding_window` size that only `use_sliding_window` switches on
-        // (and per layer, `layer_types`); Mistral's applies whenever it is set.
-        if qwen2 {
-            f.require("use_sliding_window", &Value::Bool(false), "false")?;
-        } else if let Some(w) = f.get("sliding_window") {
-            return Err(unsupported("sliding_window", w, "null (full attention)"));
-        }
+        // Qwen2 keeps a `sliding_window` size that only `use_sliding_window` switches on;
+        // Mistral's applies whenever it is set; `layer_types` (transformers 5) names each
+        // layer's kind. Any sliding layer makes the window a bound on the sequence.
+        let mut sliding = if qwen2 {
+            f.bool_or("use_sliding_window", false)?
+        } else {
+            f.get("sliding_window").is_some()
+        };
         if let Some(types) = f.get("layer_types") {
-            let full = types
-                .as_array()
-                .is_some_and(|a| a.iter().all(|t| t == "full_attention"));
-            if !full {
+            let kinds = types.as_array().filter(|a| {
+                a.iter()
+                    .all(|t| t == "full_attention" || t == "sliding_attention")
+            });
+            let Some(kinds) = kinds else {
                 return Err(unsupported(
                     "layer_types",
                     types,
-                    "\"full_attention\" for every layer",
+                    "\"full_attention\" or \"sliding_attention\" for each layer",
                 ));
-            }
+            };
+            sliding |= kinds.iter().any(|t| t == "sliding_attention");
         }
+        let sliding_window = match sliding {
+            false => None,
+            true => Some(f.usize_opt("sliding_window")?.ok_or_else(|| {
+                config_err(
+                    "sliding_window",
+                    "is missing, but the config asks for sliding-window attention",
+                )
+            })?),
+        };
         let hidden_size = f.usize("hidden_size")?;
         let heads = f.usize("num_attention_heads")?;
         let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
@@ -422,6 +440,7 @@ impl DecoderConfig {
             qkv_bias,
             o_bias,
             mlp_bias,
+            sliding_window,
             dtype: f.dtype()?,
         })
     }

@@ -135,7 +135,10 @@ struct Dims {
     inter: usize,
     vocab: usize,
     eps: f32,
+    /// The longest sequence: the model's positions, or its attention window when shorter.
     max_pos: usize,
+    /// The attention window of a model with one (a bound on the sequence, see `max_pos`).
+    window: Option<usize>,
     layers: usize,
 }
 
@@ -152,6 +155,7 @@ impl Dims {
                 vocab: g.vocab_size,
                 eps: g.layer_norm_epsilon as f32,
                 max_pos: g.n_positions,
+                window: None,
                 layers: g.n_layer,
             },
             DecoderConfig::Llama(l) => Dims {
@@ -163,7 +167,10 @@ impl Dims {
                 inter: l.intermediate_size,
                 vocab: l.vocab_size,
                 eps: l.rms_norm_eps as f32,
-                max_pos: l.max_position_embeddings,
+                max_pos: l.sliding_window.map_or(l.max_position_embeddings, |w| {
+                    w.min(l.max_position_embeddings)
+                }),
+                window: l.sliding_window,
                 layers: l.num_hidden_layers,
             },
         }
@@ -566,7 +573,9 @@ impl Decoder {
         self.dims.vocab
     }
 
-    /// The longest sequence the model takes (`n_positions` / `max_position_embeddings`).
+    /// The longest sequence the model takes (`n_positions` / `max_position_embeddings`, or a
+    /// sliding window when shorter: up to the window, attention over it is full attention,
+    /// and longer sequences would need the window, which this build does not run).
     pub fn max_positions(&self) -> usize {
         self.dims.max_pos
     }
@@ -575,9 +584,15 @@ impl Decoder {
     /// the decoder's dtype. `max_len` past [`Decoder::max_positions`] is refused.
     pub fn new_cache(&self, q: &dyn Queue, slots: usize, max_len: usize) -> Result<DecoderCache> {
         if max_len > self.dims.max_pos {
+            let why = match self.dims.window {
+                Some(w) if w == self.dims.max_pos => format!(
+                    "sliding window of {w} positions (a longer sequence needs sliding-window \
+                     attention, which this build does not run)"
+                ),
+                _ => format!("{} positions", self.dims.max_pos),
+            };
             return Err(NnError::Shape(format!(
-                "decoder cache: max_len {max_len} is past the model's {} positions",
-                self.dims.max_pos
+                "decoder cache: max_len {max_len} is past the model's {why}"
             )));
         }
         let layers = (0..self.dims.layers)
@@ -921,10 +936,21 @@ mod tests {
             qkv_bias: false,
             o_bias: false,
             mlp_bias: false,
+            sliding_window: None,
             dtype: None,
         });
         let d = Dims::of(&l);
         assert!(!d.gpt2);
         assert_eq!((d.qkv_cols(), d.up_cols(), d.max_pos), (128, 192, 64));
+        assert_eq!(d.window, None);
+        // A window bounds the sequence where it is the shorter.
+        let DecoderConfig::Llama(mut c) = l else {
+            unreachable!()
+        };
+        for (window, max_pos) in [(32, 32), (64, 64), (4096, 64)] {
+            c.sliding_window = Some(window);
+            let d = Dims::of(&DecoderConfig::Llama(c.clone()));
+            assert_eq!((d.max_pos, d.window), (max_pos, Some(window)));
+        }
     }
 }
