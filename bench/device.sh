@@ -101,7 +101,7 @@ Knobs:
                       AB_SEED_RUNS seed runs per side (3)
   DECODE_MODELS       "gpt2-small llama-1b"; DECODE_BATCHES (1,8,32,64); DECODE_PROMPTS (128,1024);
   DECODE_STEPS        timed decode steps (64); DECODE_DTYPE (bf16); the folders live in /tmp/cg-hf/
-  PARITY_MODELS       "gpt2-tiny llama-tiny qwen2-tiny"; PARITY_DTYPES ("f32 bf16"); PARITY_ROWS (3);
+  PARITY_MODELS       "gpt2-tiny llama-tiny qwen2-tiny mistral-tiny"; PARITY_DTYPES ("f32 bf16"); PARITY_ROWS (3);
   PARITY_STEPS        decode steps per row (32)
   TIME_BUDGET_S       seconds for all parts of this call (570); DEVICE overrides the device tag
   CUDAGRAPH_*         passed through to the library and recorded in each result's command
@@ -1049,9 +1049,9 @@ part_decode() {
   }
   for m in ${DECODE_MODELS:-gpt2-small llama-1b}; do
     case $m in
-      gpt2-small | llama-1b | qwen2-0.5b | gpt2-tiny | llama-tiny | qwen2-tiny) ;;
+      gpt2-small | llama-1b | qwen2-0.5b | gpt2-tiny | llama-tiny | qwen2-tiny | mistral-tiny) ;;
       *)
-        say "decode: unknown model '$m' in DECODE_MODELS (gpt2-small llama-1b qwen2-0.5b gpt2-tiny llama-tiny qwen2-tiny)"
+        say "decode: unknown model '$m' in DECODE_MODELS (gpt2-small llama-1b qwen2-0.5b gpt2-tiny llama-tiny qwen2-tiny mistral-tiny)"
         bad=1
         continue
         ;;
@@ -1191,7 +1191,7 @@ part_parity() {
   local nrows=${PARITY_ROWS:-3} steps=${PARITY_STEPS:-32} base
   rm -rf "$l"
   mkdir -p "$l"
-  for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny qwen2-tiny}; do
+  for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny qwen2-tiny mistral-tiny}; do
     for dt in ${PARITY_DTYPES:-f32 bf16}; do
       n=$((n + 1))
       base=$l/$m-$dt
@@ -1238,7 +1238,7 @@ part_parity() {
     echo
     # shellcheck disable=SC2016 # the backquotes are Markdown
     [ ${#cmds[@]} -gt 0 ] && printf -- '- `%s`\n' "${cmds[@]}"
-    for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny qwen2-tiny}; do
+    for m in ${PARITY_MODELS:-gpt2-tiny llama-tiny qwen2-tiny mistral-tiny}; do
       for dt in ${PARITY_DTYPES:-f32 bf16}; do
         [ -s "$l/$m-$dt.parity.log" ] || continue
         echo

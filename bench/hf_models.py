@@ -24,6 +24,9 @@ Shapes:
   qwen2-tiny  Qwen2, 3 layers, hidden 128, 4 query heads and 2 key/value heads (head_dim 32),
               intermediate 256, vocab 1000, rope_theta 1e6, q/k/v biases, sliding window
               off (use_sliding_window false, as Qwen2.5's checkpoints have it), tied.
+  mistral-tiny  Mistral, the llama-tiny sizes with Mistral's rotary settings (rope_theta 1e6, no
+              scaling), 2 key/value heads, a sliding window of 256 (longer than the parity
+              rows, so its attention is full attention there), untied head.
   The tiny shapes' weights are drawn with initializer_range 0.1 (not 0.02: logits spread wider,
   so greedy tokens are decided by clear margins), and their biases and norm weights are random
   too (transformers starts them at 0 and 1): 0 or 1 plus 0.1 times a normal draw, so a parity
@@ -193,6 +196,28 @@ SHAPES = {
         "max_window_layers": 3,
         "initializer_range": 0.1,
         "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
+    },
+    "mistral-tiny": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 1000,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "sliding_window": 256,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 0,
         "use_cache": True,
