@@ -580,19 +580,24 @@ impl Decoder {
         self.dims.max_pos
     }
 
+    /// What bounds [`Self::max_positions`], in words for an error message.
+    pub(crate) fn positions_limit(&self) -> String {
+        match self.dims.window {
+            Some(w) if w == self.dims.max_pos => format!(
+                "the model's sliding window of {w} positions (a longer sequence needs \
+                 sliding-window attention, which this build does not run)"
+            ),
+            _ => format!("the model's {} positions", self.dims.max_pos),
+        }
+    }
+
     /// Zeroed caches for `slots` sequences of up to `max_len` positions, on `q`'s device, in
     /// the decoder's dtype. `max_len` past [`Decoder::max_positions`] is refused.
     pub fn new_cache(&self, q: &dyn Queue, slots: usize, max_len: usize) -> Result<DecoderCache> {
         if max_len > self.dims.max_pos {
-            let why = match self.dims.window {
-                Some(w) if w == self.dims.max_pos => format!(
-                    "sliding window of {w} positions (a longer sequence needs sliding-window \
-                     attention, which this build does not run)"
-                ),
-                _ => format!("{} positions", self.dims.max_pos),
-            };
             return Err(NnError::Shape(format!(
-                "decoder cache: max_len {max_len} is past the model's {why}"
+                "decoder cache: max_len {max_len} is past {}",
+                self.positions_limit()
             )));
         }
         let layers = (0..self.dims.layers)

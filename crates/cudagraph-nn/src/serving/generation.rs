@@ -143,17 +143,21 @@ fn invalid(msg: String) -> NnError {
     NnError::Shape(msg)
 }
 
-/// Checks `opts` for a model of `positions` positions and `vocab` tokens and returns its bucket
-/// sizes: sorted, unique, each in `1..=slots`, `slots` included. Refuses no slots, `max_len` 0
-/// or above the positions, an end token outside the vocabulary, `steps_per_launch` 0 and a
-/// bucket outside `1..=slots`.
-fn checked_buckets(opts: &GenerationOptions, positions: usize, vocab: usize) -> Result<Vec<usize>> {
+/// Checks `opts` for a model of `positions` positions (`limit` says what bounds them) and
+/// `vocab` tokens and returns its bucket sizes: sorted, unique, each in `1..=slots`, `slots`
+/// included. Refuses no slots, `max_len` 0 or above the positions, an end token outside the
+/// vocabulary, `steps_per_launch` 0 and a bucket outside `1..=slots`.
+fn checked_buckets(
+    opts: &GenerationOptions,
+    (positions, limit): (usize, &str),
+    vocab: usize,
+) -> Result<Vec<usize>> {
     if opts.slots == 0 {
         return Err(invalid("generation: at least one slot is needed".into()));
     }
     if opts.max_len == 0 || opts.max_len > positions {
         return Err(invalid(format!(
-            "generation: max_len {} is not in 1..={positions} (the model's positions)",
+            "generation: max_len {} is not in 1..={positions} ({limit})",
             opts.max_len
         )));
     }
@@ -202,7 +206,8 @@ impl Generation {
         opts: GenerationOptions,
     ) -> Result<Self> {
         let vocab = decoder.vocab();
-        let sizes = checked_buckets(&opts, decoder.max_positions(), vocab)?;
+        let limit = decoder.positions_limit();
+        let sizes = checked_buckets(&opts, (decoder.max_positions(), &limit), vocab)?;
         let n = opts.slots;
         let q: &Stream = stream;
         let cache = decoder.new_cache(q, n, opts.max_len)?;
@@ -534,7 +539,7 @@ mod tests {
                     buckets,
                     ..GenerationOptions::new(slots, 8)
                 },
-                64,
+                (64, "the model's 64 positions"),
                 97,
             )
         };
@@ -576,9 +581,16 @@ mod tests {
             ),
         ];
         for (o, what) in bad {
-            let e = checked_buckets(&o, 64, 97).unwrap_err().to_string();
+            let e = checked_buckets(&o, (64, "limit"), 97)
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(what), "{o:?}: {e}");
         }
-        assert!(checked_buckets(&ok, 64, 97).is_ok());
+        assert!(checked_buckets(&ok, (64, "limit"), 97).is_ok());
+        let o = GenerationOptions::new(1, 65);
+        let e = checked_buckets(&o, (64, "the model's sliding window of 64 positions"), 97)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1..=64 (the model's sliding window"), "{e}");
     }
 }
