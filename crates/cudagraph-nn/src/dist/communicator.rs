@@ -667,8 +667,17 @@ impl Communicator {
         if self.is_aborted() {
             return Err(self.aborted_error().into());
         }
+        match self.fault()? {
+            Some(e) => Err(self.fail_with(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// A failed peer or NCCL's asynchronous error, if there is one (nothing is aborted here);
+    /// the abort's error where the communicator was aborted meanwhile.
+    fn fault(&self) -> std::result::Result<Option<DistError>, DistError> {
         if let Some(f) = self.inner.health.as_ref().and_then(|h| h.failure()) {
-            return Err(self.fail_with(DistError::PeerFailed(f)));
+            return Ok(Some(DistError::PeerFailed(f)));
         }
         let mut async_err: Status = SUCCESS;
         let st = self.with_comm(|api, raw| {
@@ -676,13 +685,18 @@ impl Communicator {
             // the call lock); writes one status.
             unsafe { (api.comm_get_async_error)(raw, &mut async_err) }
         })?;
-        if st != SUCCESS {
-            return self.finish(st, "ncclCommGetAsyncError");
-        }
-        if async_err != SUCCESS && async_err != IN_PROGRESS {
-            return self.finish(async_err, "an NCCL operation (asynchronous error)");
-        }
-        Ok(())
+        let api = self.inner.api;
+        Ok(if st != SUCCESS {
+            Some(nccl_error(api, st, "ncclCommGetAsyncError"))
+        } else if async_err != SUCCESS && async_err != IN_PROGRESS {
+            Some(nccl_error(
+                api,
+                async_err,
+                "an NCCL operation (asynchronous error)",
+            ))
+        } else {
+            None
+        })
     }
 
     /// Waits until `event` has completed, polling for failures (see [`Self::check`]); gives
@@ -792,32 +806,10 @@ impl Communicator {
     /// One look of the watching thread: the failure to abort with, if any, and whether
     /// collectives are still in flight.
     fn watch_once(&self) -> (Option<DistError>, bool) {
-        if let Some(f) = self.inner.health.as_ref().and_then(|h| h.failure()) {
-            return (Some(DistError::PeerFailed(f)), false);
-        }
-        let mut async_err: Status = SUCCESS;
-        let st = self.with_comm(|api, raw| {
-            // SAFETY: the communicator is live (not aborted, and no abort runs while we hold
-            // the call lock); writes one status.
-            unsafe { (api.comm_get_async_error)(raw, &mut async_err) }
-        });
-        match st {
+        match self.fault() {
             Err(_) => return (None, false), // aborted meanwhile
-            Ok(st) if st != SUCCESS => {
-                return (
-                    Some(nccl_error(self.inner.api, st, "ncclCommGetAsyncError")),
-                    false,
-                )
-            }
-            Ok(_) if async_err != SUCCESS && async_err != IN_PROGRESS => {
-                let e = nccl_error(
-                    self.inner.api,
-                    async_err,
-                    "an NCCL operation (asynchronous error)",
-                );
-                return (Some(e), false);
-            }
-            Ok(_) => {}
+            Ok(Some(e)) => return (Some(e), false),
+            Ok(None) => {}
         }
         let mut g = lock(&self.inner.inflight);
         while let Some((ev, since)) = g.queue.pop_front() {
