@@ -306,7 +306,7 @@ fn model<T: Float>(s: &Stream, w: &DecoderWeights, dims: &Dims) -> Result<Model<
             DecoderConfig::Gpt2(_) => (false, false, false),
         };
         // The tensors `names` stacked (q|k|v, gate|up) with `suffix` (`weight` or `bias`).
-        let stacked = |names: &[&str], suffix: &str| {
+        let stacked = |names: &[String], suffix: &str| {
             cat(&names
                 .iter()
                 .map(|x| format!("{x}.{suffix}"))
@@ -320,9 +320,7 @@ fn model<T: Float>(s: &Stream, w: &DecoderWeights, dims: &Dims) -> Result<Model<
                 n("self_attn.k_proj"),
                 n("self_attn.v_proj"),
             ];
-            let qkv: Vec<&str> = qkv.iter().map(String::as_str).collect();
             let gate_up = [n("mlp.gate_proj"), n("mlp.up_proj")];
-            let gate_up: Vec<&str> = gate_up.iter().map(String::as_str).collect();
             blocks.push(Block {
                 norm1: norm::<T>(s, w, &n("input_layernorm.weight"), None)?,
                 qkv_w: stacked(&qkv, "weight")?,
