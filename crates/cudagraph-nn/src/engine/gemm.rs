@@ -402,6 +402,23 @@ pub(crate) fn transposed_op<O: cudagraph::Elem>(op: &GemmOp) -> Option<GemmOp> {
     })
 }
 
+/// [`GemmEngine::CublasLtTransposed`] of each rank cuBLASLt has for the transposed product of
+/// `op` with a result of `O` (`count`: its number of algorithms for a shape), at most
+/// [`MEASURED_ALGOS`]; none where the engine is not offered ([`transposed_op`]).
+pub(crate) fn transposed_candidates<O: cudagraph::Elem>(
+    op: &GemmOp,
+    align: u32,
+    count: impl FnOnce(&LtShape) -> usize,
+) -> Vec<GemmEngine> {
+    let Some(t) = transposed_op::<O>(op) else {
+        return Vec::new();
+    };
+    let n = count(&lt_shape(&t, align)).min(MEASURED_ALGOS);
+    (0..n)
+        .map(|r| GemmEngine::CublasLtTransposed(r as u8))
+        .collect()
+}
+
 /// Runs `op` as [`GemmEngine::CublasLtTransposed`]: `product` writes [`transposed_op`] (on B and
 /// A) into a scratch matrix of the queue's (the graph's pool inside a capture), then its
 /// transpose is written into `c`. An error where the engine is not offered for `op`.
@@ -472,14 +489,9 @@ pub fn gemm_candidates(
             let tf32 = eng.policy().tf32_matmul;
             let count = lt.algo_count_math(&shape, tf32).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
-            // The transposed product, where C's rows are not 16-byte aligned.
-            if let Some(t) = transposed_op::<f32>(op) {
-                let t_shape = lt_shape(&t, align);
-                let count = lt.algo_count_math(&t_shape, tf32).map_or(0, |(n, _)| n);
-                v.extend(
-                    (0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLtTransposed(r as u8)),
-                );
-            }
+            v.extend(transposed_candidates::<f32>(op, align, |s| {
+                lt.algo_count_math(s, tf32).map_or(0, |(n, _)| n)
+            }));
             // Split-K variants of the first few, where the product leaves the device idle,
             // when the policy asks for them (off by default: see `Policy::lt_split_k`).
             let variants = match eng.policy().lt_split_k {
@@ -906,6 +918,18 @@ mod tests {
         }
         assert_eq!(transposed_op::<f32>(&GemmOp::linear(8, 12, 64)), None);
         assert!(transposed_op::<bf16>(&GemmOp::linear(8, 12, 64)).is_some());
+        // One candidate per algorithm of the transposed shape, at most MEASURED_ALGOS; none
+        // where not offered (the count is then not asked for).
+        let ranks = |n| {
+            transposed_candidates::<f32>(&head, 16, |s| {
+                assert_eq!((s.m, s.n), (50257, 64));
+                n
+            })
+        };
+        assert_eq!(ranks(2), [0, 1].map(GemmEngine::CublasLtTransposed));
+        assert_eq!(ranks(usize::MAX).len(), MEASURED_ALGOS);
+        let aligned = GemmOp::linear(8, 768, 64);
+        assert!(transposed_candidates::<f32>(&aligned, 16, |_| unreachable!()).is_empty());
         // beta reads C, which the scratch does not hold; epilogues are along C's columns.
         assert_eq!(transposed_op::<f32>(&GemmOp { beta: 0.5, ..head }), None);
         for epilogue in [Epilogue::Bias, Epilogue::BiasGelu, Epilogue::BiasGrad] {

@@ -66,7 +66,8 @@ use cudagraph::{DeviceBuffer, Queue, QueueExt};
 
 use crate::dtype::{Dtype, Float};
 use crate::engine::gemm::{
-    lt_required, lt_shape, run_transposed, scratch_output, transposed_op, Epilogue, GemmOp, Trans,
+    lt_required, lt_shape, run_transposed, scratch_output, transposed_candidates, Epilogue, GemmOp,
+    Trans,
 };
 use crate::engine::{Engines, GemmEngine, GemmFamily, Policy};
 use crate::error::{NnError, Result};
@@ -486,14 +487,9 @@ fn candidates_in<T: Float, O: Float>(
             // A shape cuBLASLt cannot plan simply has no cuBLASLt candidate.
             let count = lt.algo_count_typed(&shape, types).map_or(0, |(n, _)| n);
             v.extend((0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLt(r as u8)));
-            // The transposed product, where C's rows are not 16-byte aligned.
-            if let Some(t) = transposed_op::<O>(op) {
-                let t_shape = lt_shape(&t, align);
-                let count = lt.algo_count_typed(&t_shape, types).map_or(0, |(n, _)| n);
-                v.extend(
-                    (0..count.min(MEASURED_ALGOS)).map(|r| GemmEngine::CublasLtTransposed(r as u8)),
-                );
-            }
+            v.extend(transposed_candidates::<O>(op, align, |s| {
+                lt.algo_count_typed(s, types).map_or(0, |(n, _)| n)
+            }));
             if count > 0 && eng.policy().lt_split_k {
                 let variants = lt.split_k_variants_typed(&shape, types).unwrap_or_default();
                 v.extend(
